@@ -1,0 +1,295 @@
+"""Strict TOML configuration: one pydantic model per section, unknown keys are errors.
+
+Every error names the file, the section and the key, and suggests the closest valid key for a
+misspelling (`learning_rat` -> `learning_rate`). `--set section.key=value` overrides are applied
+to the raw TOML data before validation, so they are checked exactly like the file. The validated
+config is never mutated; derived values (the memory plan) live elsewhere.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the file and key it concerns in the message."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    family: Literal["flux"] = "flux"
+    # A diffusers folder (FLUX.1-dev layout) or a BFL / ComfyUI single transformer file (.safetensors).
+    path: str
+    variant: Literal["auto", "dev", "schnell"] = "auto"
+    # Per-component overrides: a diffusers sub-folder or a single .safetensors file each.
+    transformer: str | None = None
+    text_encoder: str | None = None      # CLIP-L
+    text_encoder_2: str | None = None    # T5-XXL
+    tokenizer: str | None = None
+    tokenizer_2: str | None = None
+    vae: str | None = None
+    dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
+
+
+class DatasetConfig(Section):
+    path: str
+    repeats: int = Field(1, ge=1)
+    caption_extension: str = ".txt"
+    trigger_word: str = ""
+    caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
+    recursive: bool = True
+    default_caption: str = ""
+
+
+class DataConfig(Section):
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    resolutions: list[int] = [512]
+    batch_size: int = Field(1, ge=1)
+    cache_dir: str = "cache"
+    max_text_length: int = Field(512, ge=1, le=512)
+    shuffle: bool = True
+
+    @field_validator("resolutions")
+    @classmethod
+    def _resolutions(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("needs at least one resolution")
+        for r in v:
+            if r < 64 or r % 16:
+                raise ValueError(f"{r} is not a multiple of 16 of at least 64")
+        return v
+
+
+class LoraConfig(Section):
+    rank: int = Field(16, ge=1)
+    alpha: float | None = None           # default: equal to rank
+    targets: Literal["attention", "attention_mlp", "all"] = "attention_mlp"
+    # Optional block selection per block list, e.g. {double = [0, 1, 2], single = []}; absent = all.
+    blocks: dict[Literal["double", "single"], list[int]] | None = None
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    init_from: str | None = None         # continue from an existing LoRA file
+
+    @property
+    def effective_alpha(self) -> float:
+        return float(self.rank if self.alpha is None else self.alpha)
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    gradient_accumulation: int = Field(1, ge=1)
+    max_grad_norm: float = Field(1.0, ge=0)   # 0 disables clipping
+    seed: int = 42
+    mixed_precision: Literal["bf16", "no"] = "bf16"
+    timestep_sampling: Literal["sigmoid", "shift", "flux_shift", "uniform"] = "sigmoid"
+    sigmoid_scale: float = Field(1.0, gt=0)
+    shift: float = Field(3.0, gt=0)
+    guidance: float = Field(1.0, ge=0)         # distilled guidance input for dev; unused for schnell
+    save_every: int = Field(250, ge=0)         # 0: only at the end
+    keep_last: int = Field(3, ge=1)
+    log_every: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class MemoryConfig(Section):
+    """[memory]: explicit engine choices, or a budget for the planner to decide from."""
+
+    streamed_blocks: Union[int, list[str], Literal["all"]] = 0
+    stream_non_blocks: bool = False
+    fp8: bool = False
+    checkpointing: Literal["none", "blocks", "offload"] = "none"
+    ring_slots: int = Field(2, ge=2)
+    pin_memory: bool = True
+    debug_poison: bool = False
+    # "auto" (free VRAM), a size ("8GiB", "6 GB"), or None: use the explicit choices above.
+    vram_budget: str | None = None
+    ram_budget: str | None = None        # default: available host RAM minus a margin
+
+    @field_validator("streamed_blocks")
+    @classmethod
+    def _non_negative(cls, v):
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be >= 0, a list of block names, or \"all\"")
+        return v
+
+
+class SampleConfig(Section):
+    every: int = Field(0, ge=0)          # 0: never during training
+    prompts: list[str] = []
+    seed: int = 0
+    steps: int = Field(20, ge=1)
+    guidance: float = Field(3.5, ge=0)
+    width: int = Field(512, ge=16)
+    height: int = Field(512, ge=16)
+
+    @model_validator(mode="after")
+    def _multiple_of_16(self):
+        for key in ("width", "height"):
+            if getattr(self, key) % 16:
+                raise ValueError(f"{key} = {getattr(self, key)} must be a multiple of 16")
+        return self
+
+
+class OutputConfig(Section):
+    dir: str = "output"
+    name: str = "lora"
+    formats: list[Literal["comfyui", "diffusers"]] = ["comfyui", "diffusers"]
+
+
+class RunConfig(Section):
+    model: ModelConfig
+    data: DataConfig
+    lora: LoraConfig = LoraConfig()
+    train: TrainConfig = TrainConfig()
+    memory: MemoryConfig = MemoryConfig()
+    sample: SampleConfig = SampleConfig()
+    output: OutputConfig = OutputConfig()
+
+    # Where relative paths in the file are resolved from (the TOML file's folder).
+    base_dir: str = Field(".", exclude=True)
+
+    def resolve(self, path: str | None) -> Path | None:
+        """A path from the config, relative to the TOML file's folder."""
+        if path is None:
+            return None
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def _section_model(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the key at `loc` (to suggest valid keys)."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        candidates = [ann, *(inner or ())]
+        nxt = None
+        for c in candidates:
+            if isinstance(c, type) and issubclass(c, BaseModel):
+                nxt = c
+        if nxt is None:
+            return None
+        model = nxt
+    return model
+
+
+def _format_loc(loc: tuple) -> tuple[str, str]:
+    """('data', 'datasets', 0, 'path') -> section '[[data.datasets]] #1', key 'path'."""
+    parts = [p for p in loc]
+    key = str(parts[-1]) if parts else ""
+    sect_parts = parts[:-1]
+    if len(sect_parts) >= 2 and isinstance(sect_parts[-1], int):
+        name = ".".join(str(p) for p in sect_parts[:-1])
+        return f"[[{name}]] #{sect_parts[-1] + 1}", key
+    if not sect_parts:
+        return "top level", key
+    return "[" + ".".join(str(p) for p in sect_parts if not isinstance(p, int)) + "]", key
+
+
+def _messages(err: ValidationError, source: str) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        # Drop pydantic's union branch tags ("int", "list[str]", "literal[...]") from locations.
+        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))))
+        section, key = _format_loc(loc)
+        if e["type"] == "extra_forbidden":
+            owner = _section_model(loc)
+            hint = ""
+            if owner is not None:
+                close = difflib.get_close_matches(key, list(owner.model_fields), n=1, cutoff=0.6)
+                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(owner.model_fields)}"
+            out.append(f"{source}: {section}: unknown key '{key}'{hint}")
+        elif e["type"] == "missing":
+            out.append(f"{source}: {section}: missing required key '{key}'")
+        else:
+            where = f"{section}: key '{key}'" if key else section
+            out.append(f"{source}: {where}: {e['msg']} (got {e.get('input')!r})")
+    return sorted(set(out), key=out.index)
+
+
+def _parse_value(text: str) -> Any:
+    """A `--set` value as TOML would read it; bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> dict:
+    """Apply `section.key=value` overrides to raw TOML data (a new dict is returned)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{source} {item!r}: expected section.key=value")
+        dotted, value = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            if isinstance(node, list):
+                node = node[int(p)]
+            else:
+                node = node.setdefault(p, {})
+        if isinstance(node, list):
+            node[int(parts[-1])] = _parse_value(value.strip())
+        else:
+            node[parts[-1]] = _parse_value(value.strip())
+    return data
+
+
+def validate(data: dict, source: str = "<config>", base_dir: str | Path = ".") -> RunConfig:
+    try:
+        return RunConfig.model_validate({**data, "base_dir": str(base_dir)})
+    except ValidationError as err:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(_messages(err, source))) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read and validate a run's TOML file; errors name the file, the section and the key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    if "base_dir" in data:
+        raise ConfigError(f"{path}: top level: unknown key 'base_dir'")
+    data = apply_overrides(data, overrides or [])
+    return validate(data, source=str(path), base_dir=path.parent.resolve())
+
+
+def parse_size(text: str) -> int:
+    """'8GiB' / '6 GB' / '512MiB' / '1.5g' -> bytes. GB and GiB both mean 2**30: cards are sold so."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size like '8GiB' or '512MiB'")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)

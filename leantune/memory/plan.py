@@ -1,0 +1,37 @@
+"""The resolved memory plan: what the engine applies, what the planner chooses.
+
+Kept apart from the [memory] config section on purpose: the config says what the user asked for
+("auto", a budget, or explicit choices); a Plan is the concrete decision, never written back into
+the validated config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Checkpointing = Literal["none", "blocks", "offload"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    # Qualified names of the blocks to stream, e.g. ("transformer_blocks.3", "single_transformer_blocks.10").
+    streamed_blocks: tuple[str, ...] = ()
+    stream_non_blocks: bool = False     # stream embedders + final layer as one group
+    fp8: bool = False                   # block-scaled e4m3 storage of block Linear weights
+    checkpointing: Checkpointing = "none"
+    ring_slots: int = 2
+    pin_memory: bool = True
+    debug_poison: bool = False
+    # Free-form notes from the planner (predicted peak, why this plan); not used by the engine.
+    notes: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["streamed_blocks"] = list(self.streamed_blocks)
+        return d
+
+    def describe(self) -> str:
+        return (f"stream {len(self.streamed_blocks)} blocks{' + non-blocks' if self.stream_non_blocks else ''}, "
+                f"fp8={'on' if self.fp8 else 'off'}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
+                f"{'pinned' if self.pin_memory else 'pageable'}")

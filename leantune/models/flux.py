@@ -1,0 +1,135 @@
+"""Flux.1 family: spec, latent packing, text encoding and the transformer call.
+
+We use diffusers' `FluxTransformer2DModel`, `AutoencoderKL`, transformers' CLIP-L and T5-XXL as
+they are; this module only knows how Flux wires them together (loading lives in flux_loading.py).
+Shapes: latents (B, 16, h, w) with h = H/8; packed latents (B, h/2 * w/2, 64); T5 sequence
+(B, L, 4096); CLIP pooled (B, 768); img_ids (h/2 * w/2, 3); txt_ids (L, 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .spec import BlockList, ModelSpec
+
+_DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
+                r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out")
+_SINGLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"proj_out")
+_MLP = (r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2", r"proj_mlp")
+_MODULATION = (r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear")
+
+
+def _unique(*groups: tuple[str, ...]) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for g in groups:
+        for item in g:
+            seen[item] = None
+    return tuple(seen)
+
+
+FLUX_SPEC = ModelSpec(
+    family="flux",
+    block_lists=(
+        BlockList(attr="transformer_blocks", kind="double", kohya_prefix="double_blocks"),
+        BlockList(attr="single_transformer_blocks", kind="single", kohya_prefix="single_blocks"),
+    ),
+    fp8_skip=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$", r"(^|\.)norm\.linear$", r"(^|\.)norm"),
+    non_block_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder", "norm_out", "proj_out"),
+    lora_presets={
+        "attention": _unique(_DOUBLE_ATTN, _SINGLE_ATTN),
+        "attention_mlp": _unique(_DOUBLE_ATTN, _SINGLE_ATTN, _MLP),
+        "all": _unique(_DOUBLE_ATTN, _SINGLE_ATTN, _MLP, _MODULATION),
+    },
+    default_lora_preset="attention_mlp",
+)
+
+VAE_SCALE_FACTOR = 8      # pixels per latent
+LATENT_CHANNELS = 16
+CLIP_MAX_LENGTH = 77
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for a batch: T5 sequence (B, L, D_t5) and CLIP pooled (B, D_clip)."""
+
+    t5: torch.Tensor
+    pooled: torch.Tensor
+
+    def to(self, device=None, dtype=None) -> "PromptEmbeds":
+        return PromptEmbeds(self.t5.to(device=device, dtype=dtype), self.pooled.to(device=device, dtype=dtype))
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, C*4): 2x2 patches as tokens, as FluxPipeline._pack_latents."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h/2 * w/2, C*4) -> (B, C, h, w) for latent height h and width w."""
+    b, _, d = packed.shape
+    x = packed.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, h, w)
+
+
+def image_ids(h: int, w: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Positional ids (h/2 * w/2, 3) of the packed latent tokens: (0, row, col)."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+def text_ids(length: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(length, 3, device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def encode_prompts(prompts: list[str], tokenizer, text_encoder, tokenizer_2, text_encoder_2,
+                   max_length: int = 512, device=None) -> tuple[PromptEmbeds, torch.Tensor]:
+    """Encode prompts as FluxPipeline does: CLIP pooled output + T5 last hidden state.
+
+    Returns the embeddings and the T5 token counts (B,) including the end token, so callers can
+    trim padding: Flux attends to padded T5 positions too, so trimming changes outputs slightly;
+    the cache stores the length and pads back with the encoder's own padding output on load.
+    """
+    device = device or text_encoder.device
+    clip_in = tokenizer(prompts, padding="max_length", max_length=min(CLIP_MAX_LENGTH, tokenizer.model_max_length),
+                        truncation=True, return_tensors="pt")
+    pooled = text_encoder(clip_in.input_ids.to(device), output_hidden_states=False).pooler_output
+    t5_in = tokenizer_2(prompts, padding="max_length", max_length=max_length, truncation=True,
+                        return_tensors="pt")
+    t5 = text_encoder_2(t5_in.input_ids.to(device), output_hidden_states=False)[0]
+    lengths = t5_in.attention_mask.sum(dim=1)
+    return PromptEmbeds(t5=t5, pooled=pooled), lengths
+
+
+def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
+            latent_hw: tuple[int, int], guidance: float | torch.Tensor | None) -> torch.Tensor:
+    """One transformer call: packed noisy latents (B, N, 64) at sigma (B,) -> packed prediction.
+
+    `guidance` is the distilled guidance scale for dev checkpoints; ignored (must be None) when the
+    transformer has no guidance embedder (schnell).
+    """
+    h, w = latent_hw
+    b = noisy_packed.shape[0]
+    dtype = noisy_packed.dtype
+    device = noisy_packed.device
+    g = None
+    if getattr(transformer.config, "guidance_embeds", False):
+        scale = 1.0 if guidance is None else guidance
+        g = torch.as_tensor(scale, device=device, dtype=torch.float32).expand(b).clone()
+    out = transformer(
+        hidden_states=noisy_packed,
+        timestep=sigma.to(device=device, dtype=dtype),
+        guidance=g,
+        pooled_projections=embeds.pooled.to(device=device, dtype=dtype),
+        encoder_hidden_states=embeds.t5.to(device=device, dtype=dtype),
+        txt_ids=text_ids(embeds.t5.shape[1], device=device, dtype=dtype),
+        img_ids=image_ids(h, w, device=device, dtype=dtype),
+        return_dict=False,
+    )[0]
+    return out

@@ -1,0 +1,79 @@
+"""ModelSpec: what the generic techniques need to know about a model family, as data.
+
+Memory techniques (streaming, fp8, checkpointing), LoRA targeting and the planner read a spec
+instead of naming Flux modules themselves, so adding a family (SD3.5 next) means adding a spec,
+not editing techniques.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """One list of repeated transformer blocks, e.g. Flux's 19 double blocks."""
+
+    attr: str             # attribute on the model holding an nn.ModuleList: "transformer_blocks"
+    kind: str             # short name used in configs, logs and plan reports: "double"
+    kohya_prefix: str     # prefix of this list's keys in BFL / kohya files: "double_blocks"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    block_lists: tuple[BlockList, ...]
+    # Regexes on a module's name *relative to its block* (e.g. "norm1.linear") whose weights keep
+    # the compute dtype under fp8 storage: modulation/adaLN linears and norms.
+    fp8_skip: tuple[str, ...]
+    # Top-level children that are not blocks (embedders, final norm/projection): they never go fp8
+    # and may stream as one group.
+    non_block_modules: tuple[str, ...]
+    # LoRA target presets: name -> regexes on module names relative to a block.
+    lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    default_lora_preset: str = "attention_mlp"
+
+    # -- helpers -------------------------------------------------------------------------------
+    def block_list(self, kind: str) -> BlockList:
+        for bl in self.block_lists:
+            if bl.kind == kind:
+                return bl
+        raise KeyError(f"{self.family} has no block list {kind!r}; it has {[b.kind for b in self.block_lists]}")
+
+    def blocks(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """Every block in execution order as (qualified name, module): 'transformer_blocks.3'."""
+        out = []
+        for bl in self.block_lists:
+            for i, block in enumerate(getattr(model, bl.attr)):
+                out.append((f"{bl.attr}.{i}", block))
+        return out
+
+    def keeps_compute_dtype(self, relative_name: str) -> bool:
+        """True if a Linear inside a block (named relative to the block) must not be stored in fp8."""
+        return any(re.search(p, relative_name) for p in self.fp8_skip)
+
+    def lora_target_regex(self, preset: str, blocks: dict[str, list[int]] | None = None) -> str:
+        """A peft `target_modules` regex (full-match on qualified names) for a preset.
+
+        `blocks` optionally restricts targets to some block indices per block-list kind, e.g.
+        {"double": [0, 1], "single": []}; kinds absent from it are not restricted.
+        """
+        if preset not in self.lora_presets:
+            raise KeyError(f"unknown LoRA target preset {preset!r}; choose one of {sorted(self.lora_presets)}")
+        modules = "|".join(self.lora_presets[preset])
+        alternatives = []
+        for bl in self.block_lists:
+            if blocks is not None and bl.kind in blocks:
+                idx = blocks[bl.kind]
+                if not idx:
+                    continue
+                index_re = "(" + "|".join(str(i) for i in sorted(set(idx))) + ")"
+            else:
+                index_re = r"\d+"
+            alternatives.append(rf"{re.escape(bl.attr)}\.{index_re}\.({modules})")
+        if not alternatives:
+            raise ValueError("the LoRA block selection leaves no block to train")
+        return "^(" + "|".join(alternatives) + ")$"

@@ -1,0 +1,153 @@
+"""Tiny presets of the real classes, for the demo and the tests.
+
+Every component is the real diffusers / transformers class with a tiny config, so code paths are
+exactly those a full-size checkpoint takes. Tokenizers are trained offline on a small corpus
+(nothing is fetched from a hub). Weights are deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# A Flux with 2 double and 2 single blocks, 2 heads of 16: inner width 32. sum(axes_dims_rope) == head dim.
+FLUX_TINY = dict(
+    patch_size=1, in_channels=64, out_channels=None, num_layers=2, num_single_layers=2,
+    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+    pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+)
+# 8x spatial compression and 16 latent channels, like Flux's VAE.
+VAE_TINY = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+    latent_channels=16, norm_num_groups=4, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
+    use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True,
+)
+CLIP_TINY = dict(
+    hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=77, projection_dim=32, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+)
+T5_TINY = dict(
+    d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+    relative_attention_max_distance=16, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+    use_cache=False, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+)
+T5_TINY_MAX_LENGTH = 32
+
+CORPUS = [
+    "a photo of a cat", "a red circle on a white background", "a blue square on a black background",
+    "a green triangle", "a yellow star", "sks person riding a horse", "a painting of a dog in the style of sks",
+    "a small orange ellipse next to a large purple square", "two shapes, a circle and a square",
+    "an empty canvas", "a cyan cross", "a magenta diamond on grey", "lnt style shapes",
+]
+
+
+def _corpus() -> list[str]:
+    return CORPUS * 20
+
+
+def clip_tokenizer(max_length: int = 77):
+    """A CLIP-style BPE tokenizer (end-of-word suffix, lowercase) trained offline."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    tok = Tokenizer(models.BPE(unk_token="<|endoftext|>", end_of_word_suffix="</w>"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"],
+                                  end_of_word_suffix="</w>", show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    state = json.loads(tok.to_str())["model"]
+    return CLIPTokenizer(vocab=state["vocab"], merges=[tuple(m) for m in state["merges"]],
+                         model_max_length=max_length)
+
+
+def t5_tokenizer(max_length: int = T5_TINY_MAX_LENGTH):
+    """A T5-style Unigram tokenizer (pad=0, eos=1, unk=2 as real T5) trained offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import T5Tokenizer
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"],
+                                      unk_token="<unk>", show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    vocab = [tuple(x) for x in json.loads(tok.to_str())["model"]["vocab"]]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+
+
+def flux_transformer(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(**{**FLUX_TINY, **overrides})
+    _randomize_zero_inits(model, seed)
+    return model.to(dtype)
+
+
+def _randomize_zero_inits(model: torch.nn.Module, seed: int) -> None:
+    """diffusers zero-initialises some output layers; a random tiny model should not be degenerate."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() and torch.count_nonzero(p) == 0 and p.dim() >= 1 and p.numel() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def vae(seed: int = 0, dtype: torch.dtype = torch.float32):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(**VAE_TINY).to(dtype)
+
+
+def clip_text_encoder(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    cfg = CLIPTextConfig(**CLIP_TINY, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return CLIPTextModel(cfg).to(dtype)
+
+
+def t5_text_encoder(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    cfg = T5Config(**T5_TINY, vocab_size=len(tokenizer))
+    return T5EncoderModel(cfg).to(dtype)
+
+
+def flux_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+
+
+def flux_components(seed: int = 0, dtype: torch.dtype = torch.float32, guidance_embeds: bool = True) -> dict:
+    """All components of a tiny FluxPipeline, keyed as FluxPipeline's constructor expects."""
+    tok, tok2 = clip_tokenizer(), t5_tokenizer()
+    return dict(
+        transformer=flux_transformer(seed, dtype, guidance_embeds=guidance_embeds),
+        vae=vae(seed, dtype),
+        text_encoder=clip_text_encoder(tok, seed, dtype),
+        text_encoder_2=t5_text_encoder(tok2, seed, dtype),
+        tokenizer=tok,
+        tokenizer_2=tok2,
+        scheduler=flux_scheduler(),
+    )
+
+
+def save_flux_folder(path: str | Path, seed: int = 0, guidance_embeds: bool = True) -> Path:
+    """Write a complete tiny Flux model in the diffusers (FLUX.1-dev repository) layout, as safetensors."""
+    from diffusers import FluxPipeline
+
+    path = Path(path)
+    pipe = FluxPipeline(**flux_components(seed, guidance_embeds=guidance_embeds))
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path
