@@ -1,0 +1,92 @@
+"""File I/O shared by every saver and loader: atomic writes, safetensors only, pickle refused.
+
+A save writes to a temporary file in the destination folder, fsyncs it, renames it over the
+target and fsyncs the folder, so a crash or a full disk never leaves a half-written file under
+the real name: the previous version stays intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
+
+
+class UnsafeFileError(ValueError):
+    """A file format that can run code when loaded (pickle) was given."""
+
+
+def refuse_pickle(path: str | Path, what: str = "file") -> Path:
+    """Raise a clear error for pickle-based checkpoint formats; return the path otherwise."""
+    path = Path(path)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise UnsafeFileError(
+            f"{path}: {what} is a pickle-based {path.suffix} file, which can run arbitrary code when loaded; "
+            f"leantune reads only .safetensors. Convert it to safetensors with a tool you trust first."
+        )
+    return path
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp_path)`, then fsync and rename tmp over `path`. On any error the tmp is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        try:
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def atomic_write_json(path: str | Path, obj) -> Path:
+    return atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """Atomic safetensors save. Tensors are made contiguous and moved to CPU first."""
+    from safetensors.torch import save_file
+
+    clean = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    return atomic_write(path, lambda tmp: save_file(clean, str(tmp), metadata=meta))
+
+
+def load_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load tensors and the header metadata. Refuses pickle files; names the file on a corrupt header."""
+    from safetensors import safe_open
+
+    path = refuse_pickle(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt", device=device) as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated/garbled files
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    return tensors, meta
