@@ -1,0 +1,33 @@
+"""`leantune demo [--out DIR] [--steps N]`: train a LoRA on a tiny Flux built offline, on CPU."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="demo-output", help="folder for the model, images and run (default: demo-output)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the quickstart config's)")
+    p.add_argument("--keep", action="store_true", help="keep an existing demo folder instead of starting fresh")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..demo import run_demo
+
+    config, result = run_demo(Path(args.out), steps=args.steps, fresh=not args.keep)
+    p = result.paths
+    n = max(1, len(result.losses) // 10)
+    first, last = sum(result.losses[:n]) / n, sum(result.losses[-n:]) / n
+    print()
+    print(f"demo finished: {result.final_step} steps, loss {first:.4f} (first {n} steps) -> {last:.4f} (last {n})")
+    print(f"  config       {config}")
+    for f in result.lora_files:
+        print(f"  LoRA         {f}")
+    for f in result.sample_files:
+        print(f"  samples      {f}")
+    print(f"  loss plot    {p.loss_plot}")
+    print(f"  memory plot  {p.memory_plot}")
+    print(f"  TensorBoard  tensorboard --logdir {p.tensorboard}")
+    print(f"  log          {p.log_file}")
+    return 0

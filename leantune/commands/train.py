@@ -1,0 +1,28 @@
+"""`leantune train my.toml [--resume] [--set section.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The config file and `--set` overrides, shared by every verb that reads a run config."""
+    p.add_argument("config", help="the run's TOML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=10 (repeatable)")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--resume", action="store_true", help="continue from the latest saved state of this run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..train.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
+    return 0

@@ -1,0 +1,126 @@
+"""Flow-matching Euler sampling schedule, as Flux checkpoints expect it.
+
+Flux is a rectified-flow model: x_sigma = (1 - sigma) * x0 + sigma * noise, and the transformer
+predicts the velocity (noise - x0). Sampling walks sigma from 1 down to 0 with Euler steps
+x <- x + (sigma_next - sigma) * v.
+
+Which sigmas are visited is what makes dev and schnell differ:
+- dev (`use_dynamic_shifting`): sigmas = linspace(1, 1/steps, steps), then the resolution-dependent
+  time shift exp(mu) / (exp(mu) + (1/sigma - 1)) with mu linear in the packed image sequence length
+  (0.5 at 256 tokens, 1.15 at 4096 tokens = 1024x1024). Larger images spend more steps at high noise.
+- schnell: the same linspace with a fixed shift of 1.0 (no shift), 4 steps.
+
+The numbers are computed exactly as diffusers' FlowMatchEulerDiscreteScheduler does (float32 numpy,
+timesteps = sigma * 1000, the transformer fed timestep / 1000 in the model dtype), so an image made
+here equals FluxPipeline's for the same weights and seed, not merely looks like it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+@dataclass(frozen=True)
+class FlowSchedule:
+    """The scheduler settings that decide the sigma sequence (a subset of diffusers' scheduler config)."""
+
+    use_dynamic_shifting: bool = True
+    shift: float = 3.0                 # fixed shift, used only without dynamic shifting
+    base_shift: float = 0.5            # mu at base_image_seq_len tokens
+    max_shift: float = 1.15            # mu at max_image_seq_len tokens
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    default_steps: int = 28
+    default_guidance: float = 3.5
+
+    @classmethod
+    def for_variant(cls, variant: str) -> "FlowSchedule":
+        """The published scheduler settings of FLUX.1-dev / FLUX.1-schnell."""
+        if variant == "schnell":
+            return cls(use_dynamic_shifting=False, shift=1.0, default_steps=4, default_guidance=0.0)
+        if variant == "dev":
+            return cls()
+        raise ValueError(f"unknown Flux variant {variant!r}; expected 'dev' or 'schnell'")
+
+    @classmethod
+    def from_scheduler_config(cls, config: dict, variant: str) -> "FlowSchedule":
+        """Read a diffusers scheduler_config.json dict; values it lacks come from the variant's defaults."""
+        base = cls.for_variant(variant)
+        unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                                   "invert_sigmas", "stochastic_sampling") if config.get(k)]
+        if config.get("shift_terminal"):
+            unsupported.append("shift_terminal")
+        if config.get("time_shift_type", "exponential") != "exponential":
+            unsupported.append("time_shift_type")
+        if unsupported:
+            raise ValueError(f"scheduler settings {unsupported} are not supported by the Flux Euler sampler")
+        return cls(
+            use_dynamic_shifting=bool(config.get("use_dynamic_shifting", base.use_dynamic_shifting)),
+            shift=float(config.get("shift", base.shift)),
+            base_shift=float(config.get("base_shift", base.base_shift)),
+            max_shift=float(config.get("max_shift", base.max_shift)),
+            base_image_seq_len=int(config.get("base_image_seq_len", base.base_image_seq_len)),
+            max_image_seq_len=int(config.get("max_image_seq_len", base.max_image_seq_len)),
+            default_steps=base.default_steps,
+            default_guidance=base.default_guidance,
+        )
+
+    @classmethod
+    def from_model_folder(cls, folder: str | Path | None, variant: str) -> "FlowSchedule":
+        """The schedule of a diffusers model folder (scheduler/scheduler_config.json), else the variant's."""
+        if folder is not None:
+            path = Path(folder) / "scheduler" / "scheduler_config.json"
+            if path.is_file():
+                try:
+                    config = json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError) as e:
+                    raise ValueError(f"{path}: not a readable scheduler config ({e})") from None
+                try:
+                    return cls.from_scheduler_config(config, variant)
+                except ValueError as e:
+                    raise ValueError(f"{path}: {e}") from None
+        return cls.for_variant(variant)
+
+    def mu(self, image_seq_len: int) -> float:
+        """Resolution-dependent shift: linear in the packed token count (h/2 * w/2)."""
+        m = (self.max_shift - self.base_shift) / (self.max_image_seq_len - self.base_image_seq_len)
+        b = self.base_shift - m * self.base_image_seq_len
+        return image_seq_len * m + b
+
+    def sigmas(self, steps: int, image_seq_len: int) -> torch.Tensor:
+        """The sigmas visited, float32 (steps + 1,), from 1 down to a final 0."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        s = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
+        if self.use_dynamic_shifting:
+            e = math.exp(self.mu(image_seq_len))
+            s = e / (e + (1.0 / s - 1.0))
+        else:
+            s = self.shift * s / (1 + (self.shift - 1) * s)
+        out = torch.from_numpy(np.asarray(s)).to(torch.float32)
+        return torch.cat([out, torch.zeros(1)])
+
+
+def model_timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The transformer's timestep input (B,) for a float32 sigma, rounded as diffusers rounds it.
+
+    FluxPipeline keeps timesteps in [0, 1000] (sigma * 1000), casts to the latent dtype and divides by
+    1000; in bf16 that is not the same number as sigma cast to bf16, so it is reproduced here.
+    """
+    t = (sigma * NUM_TRAIN_TIMESTEPS).to(device)
+    return t.expand(batch).to(dtype) / NUM_TRAIN_TIMESTEPS
+
+
+def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor,
+               sigma_next: torch.Tensor) -> torch.Tensor:
+    """x <- x + (sigma_next - sigma) * v, accumulated in float32 and returned in the velocity's dtype."""
+    dt = (sigma_next - sigma).to(velocity.device)
+    return (latents.to(torch.float32) + dt * velocity).to(velocity.dtype)

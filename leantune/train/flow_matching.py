@@ -1,0 +1,67 @@
+"""Rectified-flow training objective as Flux is trained.
+
+noisy = (1 - sigma) * x0 + sigma * eps, target = eps - x0 (the velocity from data to noise),
+prediction taken raw from the transformer, plain MSE. sigma in [0, 1] is also the transformer's
+timestep input (diffusers' Flux scales it by 1000 inside).
+
+Timestep (sigma) sampling decides which noise levels the LoRA sees most:
+- `uniform`: sigma ~ U(0, 1).
+- `sigmoid`: sigma = sigmoid(scale * n), n ~ N(0, 1) — the logit-normal of SD3/Flux training,
+  concentrating on mid noise levels.
+- `shift`: logit-normal, then the time shift sigma' = s*sigma / (1 + (s-1)*sigma) with a fixed s,
+  pushing toward high noise (s > 1), which matters more at high resolution.
+- `flux_shift`: as `shift`, with the resolution-dependent shift BFL's schedule uses:
+  mu linear in the image token count (256 -> 0.5, 4096 -> 1.15), sigma' = e^mu / (e^mu + 1/sigma - 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BASE_SEQ_LEN, MAX_SEQ_LEN = 256, 4096
+BASE_SHIFT, MAX_SHIFT = 0.5, 1.15
+
+
+def flux_mu(image_seq_len: int) -> float:
+    """BFL's resolution-dependent shift exponent (same line as diffusers' calculate_shift)."""
+    m = (MAX_SHIFT - BASE_SHIFT) / (MAX_SEQ_LEN - BASE_SEQ_LEN)
+    return image_seq_len * m + (BASE_SHIFT - m * BASE_SEQ_LEN)
+
+
+def time_shift(mu: float, sigma: torch.Tensor) -> torch.Tensor:
+    """sigma' = e^mu / (e^mu + (1/sigma - 1)); equals shift(s=e^mu) applied to sigma."""
+    return math.exp(mu) / (math.exp(mu) + (1.0 / sigma - 1.0))
+
+
+def sample_sigmas(batch: int, method: str, generator: torch.Generator, *, sigmoid_scale: float = 1.0,
+                  shift: float = 3.0, image_seq_len: int = 4096) -> torch.Tensor:
+    """Noise levels (batch,) in (0, 1) drawn with `generator` (CPU) so runs and resumes are exact."""
+    if method == "uniform":
+        sigma = torch.rand(batch, generator=generator)
+    else:
+        sigma = torch.sigmoid(sigmoid_scale * torch.randn(batch, generator=generator))
+        if method == "shift":
+            sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
+        elif method == "flux_shift":
+            sigma = time_shift(flux_mu(image_seq_len), sigma)
+        elif method != "sigmoid":
+            raise ValueError(f"unknown timestep sampling {method!r}")
+    # Keep away from the exact ends, where the target is pure data or pure noise.
+    return sigma.clamp(1e-4, 1.0 - 1e-4)
+
+
+def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """(1 - sigma) * x0 + sigma * noise, sigma (B,) broadcast over the other dims."""
+    s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+    return (1.0 - s) * x0 + s * noise
+
+
+def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    return noise - x0
+
+
+def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error in fp32 whatever the compute dtype."""
+    return torch.mean((pred.float() - target.float()) ** 2)

@@ -1,0 +1,153 @@
+"""Training checkpoints and exact resume.
+
+A checkpoint is a folder `step-000120/` holding `tensors.safetensors` (every tensor of the state:
+trainable weights, optimizer moments, RNG states) and `state.json` (everything else, with
+references to those tensors). The nested state (optimizer.state_dict() with its integer keys,
+data position, RNG states) is flattened generically, so no pickle is ever written or read.
+
+Saves are atomic at the folder level: written into a hidden temporary folder, every file fsynced,
+then renamed into place; `state.json` is written last and a folder without it is ignored, so an
+interrupted save never shadows the previous good checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..io import load_safetensors
+
+PREFIX = "step-"
+
+
+def _flatten(obj, tensors: dict[str, torch.Tensor], path: str):
+    """Replace tensors by {"__tensor__": key} and remember dicts with non-string keys."""
+    if isinstance(obj, torch.Tensor):
+        key = path or "root"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _flatten(v, tensors, f"{path}.{k}" if path else k) for k, v in obj.items()}
+        items = [[_flatten(k, tensors, f"{path}.k{i}"), _flatten(v, tensors, f"{path}.{i}")]
+                 for i, (k, v) in enumerate(obj.items())]
+        return {"__items__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store a {type(obj).__name__} at {path!r} in a checkpoint")
+
+
+def _unflatten(obj, tensors: dict[str, torch.Tensor]):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj and len(obj) == 1:
+            return tensors[obj["__tensor__"]]
+        if "__items__" in obj and len(obj) == 1:
+            return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__items__"]}
+        if "__tuple__" in obj and len(obj) == 1:
+            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    return obj
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, step: int, state: dict, keep_last: int | None = None) -> Path:
+    """Write `state` as root/step-XXXXXX atomically; prune to the newest `keep_last` checkpoints."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        tree = _flatten(state, tensors, "")
+        save_file(tensors, str(tmp / "tensors.safetensors"))
+        _fsync_path(tmp / "tensors.safetensors")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "state": tree}))
+        _fsync_path(tmp / "state.json")
+        if final.exists():
+            old = root / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last:
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints (with state.json), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path) -> tuple[int, dict]:
+    path = Path(path)
+    try:
+        meta = json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path / 'state.json'}: unreadable checkpoint state ({e})") from None
+    tensors, _ = load_safetensors(path / "tensors.safetensors")
+    return int(meta["step"]), _unflatten(meta["state"], tensors)
+
+
+# -- RNG -------------------------------------------------------------------------------------------
+
+def rng_state(generator: torch.Generator) -> dict:
+    import random
+
+    st = {"torch": torch.get_rng_state(), "generator": generator.get_state(),
+          "python": _py_random_state(random.getstate())}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(state: dict, generator: torch.Generator) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["generator"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def _py_random_state(st):
+    version, internal, gauss = st
+    return [version, list(internal), gauss]

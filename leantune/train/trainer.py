@@ -1,0 +1,407 @@
+"""The training loop: train() -> train_step() -> forward_backward().
+
+`train()` reads top to bottom: set up (caches, model, adapters, memory plan, optimizer), resume,
+loop, save, sample, log. Everything a resume needs (adapter weights, optimizer, scheduler, RNG,
+data position) goes through `_training_state()` so an interrupted run continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..models.flux import FLUX_SPEC, pack_latents, predict
+from . import flow_matching as fm
+from .optim import build_optimizer, build_scheduler
+from .state import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+log = logging.getLogger("leantune")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class RunPaths:
+    """Where a run writes: everything under [output] dir."""
+
+    root: Path
+    name: str
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def log_file(self) -> Path:
+        return self.root / "train.log"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.root / "loss.png"
+
+    @property
+    def memory_plot(self) -> Path:
+        return self.root / "memory.png"
+
+    @property
+    def loss_history(self) -> Path:
+        return self.root / "loss.json"
+
+    def lora_file(self, fmt: str, step: int | None = None) -> Path:
+        suffix = "" if step is None else f"-step{step:06d}"
+        return self.root / f"{self.name}{suffix}_{fmt}.safetensors"
+
+
+@dataclass
+class TrainResult:
+    paths: RunPaths
+    losses: list[float]
+    lora_files: list[Path]
+    sample_files: list[Path] = field(default_factory=list)
+    final_step: int = 0
+    interrupted: bool = False
+
+
+@dataclass
+class Trainee:
+    """The pieces a step needs, built once by `_build`."""
+
+    transformer: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data: object                   # leantune.data.cache.CachedData
+    batches: object                # its resumable batch iterator
+    generator: torch.Generator     # noise and timestep draws: CPU, saved with the state
+    device: torch.device
+    dtype: torch.dtype
+    memory: object | None = None   # leantune.memory.engine.MemoryHandle
+    plan: object | None = None
+
+
+def pick_device(cfg: RunConfig) -> torch.device:
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def setup_logging(paths: RunPaths) -> None:
+    paths.root.mkdir(parents=True, exist_ok=True)
+    log.setLevel(logging.INFO)
+    for h in list(log.handlers):
+        if getattr(h, "_leantune_run", False):
+            log.removeHandler(h)
+    fh = logging.FileHandler(paths.log_file)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    fh._leantune_run = True
+    log.addHandler(fh)
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in log.handlers):
+        sh = logging.StreamHandler()
+        sh.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(sh)
+
+
+# -- the loop ----------------------------------------------------------------------------------------
+
+def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainResult:
+    """Train a LoRA as `cfg` says. `stop_after` ends early after that many optimizer steps (tests)."""
+    paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
+    setup_logging(paths)
+    torch.manual_seed(cfg.train.seed)
+    t = _build(cfg)
+    start, losses = 0, []
+    if resume:
+        start, losses = _resume(t, paths)
+    writer = _tensorboard(paths)
+    monitor = _monitor(paths, t)
+    result = TrainResult(paths, losses, [])
+    step = start
+    bar = _progress(cfg, start, progress)
+    try:
+        while step < cfg.train.steps and (stop_after is None or step - start < stop_after):
+            t0 = time.perf_counter()
+            loss = train_step(t, cfg)
+            step += 1
+            losses.append(loss)
+            _log_step(cfg, step, loss, t, writer, monitor, bar, time.perf_counter() - t0)
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
+                _save(t, cfg, paths, step, losses, intermediate=True)
+            if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0:
+                result.sample_files.append(_sample(t, cfg, paths, step))
+    except KeyboardInterrupt:
+        log.info("interrupted at step %d: saving a resumable state", step)
+        _save(t, cfg, paths, step, losses, intermediate=True)
+        result.interrupted = True
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.flush()
+    result.final_step = step
+    result.losses = losses
+    result.lora_files = _save(t, cfg, paths, step, losses, intermediate=step < cfg.train.steps)
+    _finish(paths, losses, monitor, writer)
+    return result
+
+
+def train_step(t: Trainee, cfg: RunConfig) -> float:
+    """One optimizer step over `gradient_accumulation` micro-batches; returns the mean loss."""
+    t.transformer.train()
+    t.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    accum = cfg.train.gradient_accumulation
+    for _ in range(accum):
+        batch = next(t.batches)
+        loss = forward_backward(t, cfg, batch, scale=1.0 / accum)
+        total += loss
+    if cfg.train.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(t.params, cfg.train.max_grad_norm)
+    t.optimizer.step()
+    t.scheduler.step()
+    return total / accum
+
+
+def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> float:
+    """Noise the cached latents, predict the velocity, backpropagate the scaled MSE."""
+    x0 = batch.latents.to(t.device, torch.float32)                 # (B, 16, h, w)
+    b, _, h, w = x0.shape
+    noise = torch.randn(x0.shape, generator=t.generator).to(t.device)
+    sigma = fm.sample_sigmas(b, cfg.train.timestep_sampling, t.generator, sigmoid_scale=cfg.train.sigmoid_scale,
+                             shift=cfg.train.shift, image_seq_len=(h // 2) * (w // 2))
+    noisy = fm.add_noise(x0, noise, sigma)
+    target = pack_latents(fm.velocity_target(x0, noise))            # (B, h/2*w/2, 64)
+    with _autocast(cfg, t.device):
+        pred = predict(t.transformer, pack_latents(noisy).to(t.dtype), sigma.to(t.device), batch.embeds,
+                       (h, w), cfg.train.guidance)
+    loss = fm.flow_matching_loss(pred, target)
+    (loss * scale).backward()
+    return float(loss.detach())
+
+
+def _autocast(cfg: RunConfig, device: torch.device):
+    if cfg.train.mixed_precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+# -- set-up ----------------------------------------------------------------------------------------
+
+def _build(cfg: RunConfig) -> Trainee:
+    from ..data.cache import prepare_caches
+    from ..models.flux_loading import detect_variant, load_transformer, resolve_sources
+    from .lora import add_lora, load_lora_into_model, read_lora
+
+    device = pick_device(cfg)
+    dtype = DTYPES[cfg.model.dtype]
+    data = prepare_caches(cfg, device, dtype)
+    sources = resolve_sources(cfg.model, Path(cfg.base_dir))
+    transformer = load_transformer(sources, dtype=dtype, device="cpu")
+    variant = detect_variant(transformer)
+    log.info("model: Flux.1-%s from %s (%s)", variant, sources.transformer, cfg.model.dtype)
+    transformer.requires_grad_(False)
+    params = add_lora(transformer, FLUX_SPEC, cfg.lora)
+    if cfg.lora.init_from:
+        load_lora_into_model(transformer, read_lora(cfg.resolve(cfg.lora.init_from)), "default")
+    plan, memory = _apply_memory(cfg, transformer, device)
+    optimizer = build_optimizer(params, cfg.train)
+    scheduler = build_scheduler(optimizer, cfg.train)
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    batches = data.batches(seed=cfg.train.seed)
+    n_params = sum(p.numel() for p in params)
+    log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", cfg.lora.rank,
+             cfg.lora.effective_alpha, cfg.lora.targets, len(params), n_params / 1e6)
+    return Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan)
+
+
+def _apply_memory(cfg: RunConfig, transformer, device):
+    """The memory plan: the planner's when a budget is given, else the explicit [memory] choices."""
+    from ..memory.engine import apply_memory, resolve_plan
+
+    if cfg.memory.vram_budget is not None:
+        from ..memory.planner import plan_for_config
+
+        plan = plan_for_config(cfg, FLUX_SPEC, transformer)
+    else:
+        plan = resolve_plan(cfg.memory, FLUX_SPEC, transformer)
+    log.info("memory plan: %s", plan.describe())
+    return plan, apply_memory(transformer, FLUX_SPEC, plan, device)
+
+
+def _training_state(t: Trainee, losses: list[float]) -> dict:
+    trainable = {n: p.detach() for n, p in t.transformer.named_parameters() if p.requires_grad}
+    return {
+        "trainable": trainable,
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": {k: v for k, v in t.scheduler.state_dict().items() if k != "lr_lambdas"},
+        "rng": rng_state(t.generator),
+        "data": t.batches.state_dict(),
+        "losses": list(losses),
+    }
+
+
+def _resume(t: Trainee, paths: RunPaths) -> tuple[int, list[float]]:
+    ckpt = latest_checkpoint(paths.checkpoints)
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {paths.checkpoints}")
+    step, state = load_checkpoint(ckpt)
+    named = dict(t.transformer.named_parameters())
+    missing = [n for n in state["trainable"] if n not in named]
+    if missing:
+        raise ValueError(f"{ckpt}: checkpoint has weights this model lacks (different [lora] settings?): {missing[:3]}")
+    with torch.no_grad():
+        for n, v in state["trainable"].items():
+            named[n].copy_(v.to(named[n].device, named[n].dtype))
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"], t.generator)
+    t.batches.load_state_dict(state["data"])
+    log.info("resumed from %s at step %d", ckpt, step)
+    return step, list(state["losses"])
+
+
+def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[float], intermediate: bool) -> list[Path]:
+    """Resumable state (always) and the LoRA files (per-step names while training, final at the end)."""
+    from ..io import atomic_write_json
+    from .lora import lora_weights_from_model, save_lora
+
+    save_checkpoint(paths.checkpoints, step, _training_state(t, losses), keep_last=cfg.train.keep_last)
+    atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
+    weights = lora_weights_from_model(t.transformer)
+    files = []
+    for fmt in cfg.output.formats:
+        path = paths.lora_file(fmt, step if intermediate else None)
+        save_lora(weights, path, fmt, metadata=_lora_metadata(cfg, step))
+        files.append(path)
+    if intermediate:
+        _prune_lora_files(paths, cfg)
+    log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
+    return files
+
+
+def _prune_lora_files(paths: RunPaths, cfg: RunConfig) -> None:
+    for fmt in cfg.output.formats:
+        found = sorted(paths.root.glob(f"{paths.name}-step*_{fmt}.safetensors"))
+        for old in found[:-cfg.train.keep_last]:
+            old.unlink(missing_ok=True)
+
+
+def _lora_metadata(cfg: RunConfig, step: int) -> dict:
+    return {
+        "ss_network_module": "leantune.lora", "ss_network_dim": cfg.lora.rank,
+        "ss_network_alpha": cfg.lora.effective_alpha, "ss_base_model_version": "flux1",
+        "ss_output_name": cfg.output.name, "ss_steps": step, "ss_learning_rate": cfg.train.learning_rate,
+        "ss_optimizer": cfg.train.optimizer, "ss_lr_scheduler": cfg.train.lr_scheduler,
+        "ss_resolution": ",".join(str(r) for r in cfg.data.resolutions), "ss_seed": cfg.train.seed,
+        "ss_timestep_sampling": cfg.train.timestep_sampling, "ss_guidance_scale": cfg.train.guidance,
+        "leantune_targets": cfg.lora.targets,
+    }
+
+
+# -- logging, samples, plots ---------------------------------------------------------------------------
+
+def _tensorboard(paths: RunPaths):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(paths.tensorboard))
+
+
+def _monitor(paths: RunPaths, t: Trainee):
+    from ..memory.monitor import MemoryMonitor
+
+    predicted = (t.plan.notes or {}).get("predicted_peak_vram") if t.plan is not None else None
+    return MemoryMonitor(paths.root, predicted_peak_bytes=predicted)
+
+
+def _progress(cfg: RunConfig, start: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start, desc="train", dynamic_ncols=True)
+
+
+def _log_step(cfg, step, loss, t: Trainee, writer, monitor, bar, seconds) -> None:
+    lr = t.scheduler.get_last_lr()[0]
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"step {step}: loss is {loss}; stopping (the last saved state is intact)")
+    mem = monitor.record(step, writer)
+    if writer is not None:
+        writer.add_scalar("loss", loss, step)
+        writer.add_scalar("lr", lr, step)
+        writer.add_scalar("seconds_per_step", seconds, step)
+    if t.memory is not None and hasattr(t.memory, "step_report"):
+        report = t.memory.step_report()
+        if writer is not None:
+            for k, v in report.items():
+                if isinstance(v, (int, float)):
+                    writer.add_scalar(f"streaming/{k}", v, step)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", s_it=f"{seconds:.2f}", mem=mem)
+    if step % cfg.train.log_every == 0:
+        log.info("step %d loss %.5f lr %.3g %.2fs/it %s", step, loss, lr, seconds, mem)
+
+
+def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
+    from ..infer.sampler import sample_during_training
+
+    embeds = t.data.prompt_embeds(cfg.sample.prompts)
+    grid = sample_during_training(t.transformer, t.data.vae_for_sampling, embeds, cfg.sample,
+                                  memory_handle=t.memory, device=t.device, dtype=t.dtype)
+    paths.samples.mkdir(parents=True, exist_ok=True)
+    out = paths.samples / f"step-{step:06d}.png"
+    from ..io import atomic_write
+
+    atomic_write(out, lambda tmp: grid.save(tmp, format="PNG"))
+    log.info("samples: %s", out)
+    return out
+
+
+def plot_losses(losses: list[float], path: Path) -> Path:
+    """Raw per-step loss and its moving average, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..io import atomic_write
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    steps = list(range(1, len(losses) + 1))
+    ax.plot(steps, losses, alpha=0.35, label="loss")
+    window = max(1, len(losses) // 20)
+    if window > 1:
+        avg = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+               for i in range(len(losses))]
+        ax.plot(steps, avg, label=f"moving average ({window})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("flow-matching loss")
+    ax.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
+    return path
+
+
+def _finish(paths: RunPaths, losses, monitor, writer) -> None:
+    if losses:
+        plot_losses(losses, paths.loss_plot)
+    monitor.plot(paths.memory_plot)
+    log.info(monitor.summary())
+    if writer is not None:
+        writer.close()
