@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -136,12 +136,12 @@ class SampleConfig(Section):
     width: int = Field(512, ge=16)
     height: int = Field(512, ge=16)
 
-    @model_validator(mode="after")
-    def _multiple_of_16(self):
-        for key in ("width", "height"):
-            if getattr(self, key) % 16:
-                raise ValueError(f"{key} = {getattr(self, key)} must be a multiple of 16")
-        return self
+    @field_validator("width", "height")
+    @classmethod
+    def _multiple_of_16(cls, v: int) -> int:
+        if v % 16:
+            raise ValueError(f"{v} must be a multiple of 16")
+        return v
 
 
 class OutputConfig(Section):

@@ -1,0 +1,194 @@
+"""Aspect-ratio buckets and the resumable batch order.
+
+Buckets. Training every image at a square crop throws away the edges of portraits and
+landscapes and teaches the model square framing. Instead each training resolution `r` gets a
+small set of (width, height) buckets of about `r * r` pixels, with aspect ratios from 1:4 to 4:1,
+and every image is resized and center-cropped to the bucket nearest its own aspect ratio. Sides
+are multiples of 16: the VAE divides by 8 and Flux packs 2x2 latent patches, so latent sides
+must be even. The widths of one orientation step by about r/8 (r/8 rounded to 16), which gives
+nine buckets per resolution: fine enough that a crop loses little, coarse enough that a small
+dataset's batches are not all singletons.
+
+Batch order. A batch never mixes buckets (tensors of one batch share a shape). For each epoch the
+samples of each bucket are shuffled with a generator seeded by (seed, epoch), cut into batches,
+and the batches of all buckets are shuffled together. Caption dropout is decided per sample when
+its batch is produced, from a generator whose state is part of the position, so
+`state_dict()` / `load_state_dict()` resume an interrupted run with exactly the batches (and
+dropped captions) it would have seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from PIL import Image
+
+SIDE_MULTIPLE = 16
+MAX_ASPECT = 4.0
+
+Bucket = tuple[int, int]   # (width, height) in pixels
+
+
+def _round_to(x: float, m: int) -> int:
+    return max(m, int(round(x / m)) * m)
+
+
+def bucket_sizes(resolution: int, max_aspect: float = MAX_ASPECT) -> list[Bucket]:
+    """The buckets of one training resolution, sorted from tallest to widest.
+
+    Portrait widths step down from `resolution` to `resolution / sqrt(max_aspect)`; each height is
+    the multiple of 16 nearest `resolution**2 / width`, then the set is mirrored for landscapes, so
+    the square bucket is always present and the set is symmetric.
+    """
+    if resolution < 4 * SIDE_MULTIPLE or resolution % SIDE_MULTIPLE:
+        raise ValueError(f"resolution {resolution} must be a multiple of {SIDE_MULTIPLE} of at least {4 * SIDE_MULTIPLE}")
+    area = resolution * resolution
+    step = _round_to(resolution / 8, SIDE_MULTIPLE)
+    min_width = resolution / math.sqrt(max_aspect)
+    portrait: list[Bucket] = []
+    w = resolution
+    while w >= min_width - 1e-9:
+        h = _round_to(area / w, SIDE_MULTIPLE)
+        if h / w <= max_aspect + 1e-9:
+            portrait.append((w, h))
+        w -= step
+    sizes = set(portrait) | {(h, w) for w, h in portrait}
+    return sorted(sizes, key=lambda b: b[0] / b[1])
+
+
+def nearest_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket:
+    """The bucket whose aspect ratio is nearest the image's, compared on a log scale.
+
+    Log scale makes 1:2 and 2:1 equally far from 1:1; ties go to the first bucket in the list,
+    so the choice is deterministic.
+    """
+    target = math.log(width / height)
+    return min(buckets, key=lambda b: abs(math.log(b[0] / b[1]) - target))
+
+
+def fit_to_bucket(img: Image.Image, bucket: Bucket) -> Image.Image:
+    """Center-crop `img` to the bucket's aspect ratio and resize it to the bucket, in one resample.
+
+    PIL's `resize(box=...)` crops and scales together, so the image is filtered once (Lanczos)
+    rather than cropped, then resized with a second rounding of the crop edges.
+    """
+    bw, bh = bucket
+    w, h = img.size
+    scale = max(bw / w, bh / h)               # cover the bucket, then crop the overflow
+    crop_w, crop_h = bw / scale, bh / scale   # source pixels that map onto the bucket
+    left, top = (w - crop_w) / 2, (h - crop_h) / 2
+    return img.resize((bw, bh), Image.Resampling.LANCZOS, box=(left, top, left + crop_w, top + crop_h))
+
+
+# -- batch order ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchSlot:
+    """One batch of an epoch: which samples, and whether each one trains with the empty caption."""
+
+    epoch: int
+    index: int                  # position within the epoch
+    bucket: Bucket
+    samples: tuple[int, ...]    # indices into the sample list the order was built from
+    dropped: tuple[bool, ...]   # caption dropout decision per sample
+
+
+class BatchOrder:
+    """An endless, deterministic, resumable sequence of single-bucket batches.
+
+    `buckets[i]` is sample i's bucket and `dropout[i]` its caption dropout probability. The order
+    of an epoch depends only on (seed, epoch); the caption dropout draws come from one generator
+    that advances by one draw per sample produced, and its state is saved with the position.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket], batch_size: int, seed: int, shuffle: bool = True,
+                 dropout: Sequence[float] | None = None):
+        if not buckets:
+            raise ValueError("cannot batch an empty sample list")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.buckets = list(buckets)
+        self.dropout = list(dropout) if dropout is not None else [0.0] * len(self.buckets)
+        if len(self.dropout) != len(self.buckets):
+            raise ValueError("dropout needs one probability per sample")
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        # Identity of the sample list, so a position saved for another dataset is noticed on resume.
+        digest = hashlib.sha256(repr((self.buckets, self.dropout, batch_size, shuffle)).encode()).hexdigest()
+        self.layout = digest[:16]
+        self.epoch = 0
+        self.index = 0
+        self._rng = random.Random(f"caption-dropout:{seed}")
+        self._epoch_cache: tuple[int, list[tuple[Bucket, tuple[int, ...]]]] | None = None
+        self.batches_per_epoch = len(self._epoch_batches(0))
+
+    def _epoch_batches(self, epoch: int) -> list[tuple[Bucket, tuple[int, ...]]]:
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        by_bucket: dict[Bucket, list[int]] = {}
+        for i, b in enumerate(self.buckets):
+            by_bucket.setdefault(b, []).append(i)
+        # A string seed is hashed with SHA-512 by `random`, so the order is the same in every process.
+        rng = random.Random(f"order:{self.seed}:{epoch}")
+        batches: list[tuple[Bucket, tuple[int, ...]]] = []
+        for bucket in sorted(by_bucket):
+            members = by_bucket[bucket]
+            if self.shuffle:
+                rng.shuffle(members)
+            # A bucket's last batch may be short: dropping it would starve rare aspect ratios.
+            for start in range(0, len(members), self.batch_size):
+                batches.append((bucket, tuple(members[start:start + self.batch_size])))
+        if self.shuffle:
+            rng.shuffle(batches)
+        self._epoch_cache = (epoch, batches)
+        return batches
+
+    def __iter__(self) -> Iterator[BatchSlot]:
+        return self
+
+    def __next__(self) -> BatchSlot:
+        if self.index >= self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        bucket, samples = self._epoch_batches(self.epoch)[self.index]
+        dropped = tuple(self._rng.random() < self.dropout[i] for i in samples)
+        slot = BatchSlot(self.epoch, self.index, bucket, samples, dropped)
+        self.index += 1
+        return slot
+
+    def state_dict(self) -> dict:
+        """The position after the last batch produced; JSON-serialisable."""
+        version, internal, gauss = self._rng.getstate()
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "layout": self.layout,
+                "dropout_rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Continue from a saved position.
+
+        A position saved for another seed or sample list (images added, repeats or batch size
+        changed) cannot be resumed exactly: `strict` refuses it; otherwise a `UserWarning` is
+        issued and the run continues at the start of the next epoch with the saved dropout state.
+        """
+        missing = {"epoch", "index", "seed", "layout", "dropout_rng"} - set(state)
+        if missing:
+            raise ValueError(f"batch position is missing {sorted(missing)}")
+        problem = None
+        if state["seed"] != self.seed:
+            problem = f"batch position was saved with seed {state['seed']}, this run uses {self.seed}"
+        elif state["layout"] != self.layout:
+            problem = ("batch position was saved for a different sample list (images, buckets, repeats, "
+                       "caption dropout or batch size changed)")
+        version, internal, gauss = state["dropout_rng"]
+        if problem and strict:
+            raise ValueError(f"{problem}; it cannot be resumed exactly")
+        self._rng.setstate((version, tuple(internal), gauss))
+        if problem:
+            warnings.warn(f"{problem}; continuing at the start of epoch {int(state['epoch']) + 1}", stacklevel=2)
+            self.epoch, self.index = int(state["epoch"]) + 1, 0
+        else:
+            self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -1,0 +1,102 @@
+from pathlib import Path
+
+import pytest
+
+from leantune.config import ConfigError, load_config, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MINIMAL = """
+[model]
+path = "model"
+[[data.datasets]]
+path = "images"
+"""
+
+
+def write(tmp_path, text, name="run.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_minimal_config_gets_defaults_and_resolves_paths_from_its_folder(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert cfg.train.learning_rate == 1e-4 and cfg.lora.rank == 16 and cfg.memory.checkpointing == "none"
+    assert cfg.resolve(cfg.model.path) == tmp_path.resolve() / "model"
+    assert cfg.lora.effective_alpha == 16.0
+
+
+def test_misspelled_key_names_file_section_key_and_suggestion(tmp_path):
+    p = write(tmp_path, MINIMAL + "[train]\nlearning_rat = 1e-4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert str(p) in msg and "[train]" in msg and "'learning_rat'" in msg and "did you mean 'learning_rate'" in msg
+
+
+def test_unknown_key_in_dataset_table_names_the_table(tmp_path):
+    p = write(tmp_path, MINIMAL + "reapeats = 3\n")
+    with pytest.raises(ConfigError, match=r"\[\[data\.datasets\]\] #1: unknown key 'reapeats'; did you mean 'repeats'"):
+        load_config(p)
+
+
+def test_unknown_section_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"top level: unknown key 'trian'"):
+        load_config(write(tmp_path, MINIMAL + "[trian]\nsteps = 3\n"))
+
+
+def test_bad_values_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[train\]: key 'steps'"):
+        load_config(write(tmp_path, MINIMAL + "[train]\nsteps = 0\n"))
+    with pytest.raises(ConfigError, match=r"\[data\]: key 'resolutions'.*multiple of 16"):
+        load_config(write(tmp_path, MINIMAL.replace("[[data", "[data]\nresolutions = [500]\n[[data")))
+    with pytest.raises(ConfigError, match=r"\[sample\].*width"):
+        load_config(write(tmp_path, MINIMAL + "[sample]\nwidth = 100\n"))
+
+
+def test_missing_required_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[model\]: missing required key 'path'"):
+        load_config(write(tmp_path, "[model]\n[[data.datasets]]\npath = 'x'\n"))
+
+
+def test_set_overrides_are_validated_like_the_file(tmp_path):
+    p = write(tmp_path, MINIMAL)
+    cfg = load_config(p, ["train.steps=10", "lora.targets=attention", "memory.streamed_blocks=all",
+                          "data.datasets.0.repeats=4", "sample.prompts=['a', 'b']"])
+    assert cfg.train.steps == 10 and cfg.lora.targets == "attention" and cfg.memory.streamed_blocks == "all"
+    assert cfg.data.datasets[0].repeats == 4 and cfg.sample.prompts == ["a", "b"]
+    with pytest.raises(ConfigError, match="did you mean 'steps'"):
+        load_config(p, ["train.stesp=10"])
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[model\npath="))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_validated_config_is_frozen(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    with pytest.raises(Exception):
+        cfg.train.steps = 5
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_validates(path):
+    cfg = load_config(path)
+    assert cfg.model.family == "flux"
+
+
+def test_quickstart_example_is_the_demo_config():
+    from leantune.demo import quickstart_text
+
+    assert (ROOT / "examples" / "quickstart.toml").read_text() == quickstart_text()
+
+
+def test_parse_size():
+    assert parse_size("8GiB") == 8 * 2**30 == parse_size("8 GB") == parse_size("8g")
+    assert parse_size("512MiB") == 512 * 2**20
+    with pytest.raises(ValueError):
+        parse_size("lots")
