@@ -46,7 +46,8 @@ def bucket_sizes(resolution: int, max_aspect: float = MAX_ASPECT) -> list[Bucket
     the square bucket is always present and the set is symmetric.
     """
     if resolution < 4 * SIDE_MULTIPLE or resolution % SIDE_MULTIPLE:
-        raise ValueError(f"resolution {resolution} must be a multiple of {SIDE_MULTIPLE} of at least {4 * SIDE_MULTIPLE}")
+        raise ValueError(f"resolution {resolution} must be a multiple of {SIDE_MULTIPLE} "
+                         f"of at least {4 * SIDE_MULTIPLE}")
     area = resolution * resolution
     step = _round_to(resolution / 8, SIDE_MULTIPLE)
     min_width = resolution / math.sqrt(max_aspect)
@@ -137,8 +138,7 @@ class BatchOrder:
         # A string seed is hashed with SHA-512 by `random`, so the order is the same in every process.
         rng = random.Random(f"order:{self.seed}:{epoch}")
         batches: list[tuple[Bucket, tuple[int, ...]]] = []
-        for bucket in sorted(by_bucket):
-            members = by_bucket[bucket]
+        for bucket, members in by_bucket.items():      # buckets in order of first appearance
             if self.shuffle:
                 rng.shuffle(members)
             # A bucket's last batch may be short: dropping it would starve rare aspect ratios.

@@ -1,0 +1,80 @@
+"""`leantune sample`: generate images on a VRAM budget, optionally with LoRAs.
+
+    leantune sample --model /models/FLUX.1-dev --prompt "a photo of sks dog" \\
+        --lora output/dog.safetensors:0.8 --vram 6GiB --out samples
+    leantune sample request.toml [--seed 7] [--set steps=20]
+
+Flags override the request file's values; both go through one strict schema (infer/request.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("request", nargs="?", help="a sample request TOML (see infer/request.py)")
+    parser.add_argument("--model", help="a diffusers Flux folder or a single .safetensors transformer file")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    parser.add_argument("--lora", action="append", metavar="FILE[:STRENGTH]",
+                        help="a LoRA file and its strength, default 1.0 (repeat for several)")
+    parser.add_argument("--vram", metavar="SIZE", help="VRAM budget such as 6GiB, or 'auto' for the free memory")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--guidance", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--images-per-prompt", type=int)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--out", help="output folder (default: samples)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any request key, e.g. --set vae_tiling=on")
+
+
+def request_data(args: argparse.Namespace) -> tuple[dict, str]:
+    """The raw request data (file, then flags) and a name for it in error messages."""
+    from leantune.config import apply_overrides
+    from leantune.infer.request import parse_lora_arg, read_request_file
+
+    data: dict = read_request_file(args.request) if args.request else {}
+    source = args.request or "command line"
+    if args.model is not None:
+        data.setdefault("model", {})["path"] = args.model
+    if args.prompt:
+        data["prompts"] = list(args.prompt)
+    if args.lora:
+        data["lora"] = [parse_lora_arg(x) for x in args.lora]
+    if args.vram is not None:
+        data.setdefault("memory", {})["vram_budget"] = args.vram
+    for flag, key in (("steps", "steps"), ("guidance", "guidance"), ("seed", "seed"), ("width", "width"),
+                      ("height", "height"), ("images_per_prompt", "images_per_prompt"), ("device", "device"),
+                      ("out", "out")):
+        value = getattr(args, flag)
+        if value is not None:
+            data[key] = value
+    return apply_overrides(data, args.set), source
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from leantune.infer.request import validate_request
+    from leantune.infer.run import run_sampling
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    data, source = request_data(args)
+    base = Path(args.request).parent.resolve() if args.request else Path.cwd()
+    request = validate_request(data, source, base)
+    try:
+        result = run_sampling(request)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"leantune sample: {e}", file=sys.stderr)
+        return 2
+    for f in result.files:
+        print(f)
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
+    peaks = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in result.stage_peaks.items())
+    print(f"{len(result.files)} images; {times}" + (f"; peak VRAM {peaks}" if peaks else ""), file=sys.stderr)
+    return 0

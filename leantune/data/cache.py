@@ -1,0 +1,450 @@
+"""Latent and text-embedding caches on disk, and the batches the trainer reads from them.
+
+Why cache. A LoRA step needs only the VAE latents of its images and the text encoders' outputs
+for its captions; the VAE (~170 MB) and T5-XXL (~9.5 GB in bf16) would otherwise sit in VRAM for
+the whole run. `prepare_caches` computes each missing entry once, writes it, and frees the
+encoders before training starts; a run whose entries are all present never loads them at all.
+
+Keys. An entry's file name is a hash of everything that determines its content, so stale
+entries cannot be served:
+  latent: image bytes (sha256) + bucket + VAE identity + compute dtype + cache format version
+  text:   caption + identities of both encoders and tokenizers + max T5 length + dtype + version
+Identities come from `leantune.models.flux_loading.fingerprint` (a content-derived hash of the
+component's files), so a replaced VAE or encoder invalidates its entries without comparing
+weights. An edited caption or image simply hashes to a new key and is encoded on the next run.
+Old entries are left in place (another config may share the folder).
+
+Layout. One safetensors file per entry, `<cache_dir>/latents/<key>.safetensors` and
+`<cache_dir>/text/<key>.safetensors`, written atomically: a crash mid-pass loses at most the
+entry being written, and entries are read lazily per batch, so host RAM does not grow with the
+dataset. Tensors are stored in bf16 (half of fp32; the encoders' outputs carry no more precision
+than that anyway). T5 outputs are stored trimmed to the prompt's token count (end token
+included); a batch pads them with zeros to its longest prompt. Each entry's header repeats its
+key (and the caption, for text), so a renamed or mixed-up file is detected.
+
+Every present entry is read and checked before training (readable, expected keys, shapes,
+dtype, finite values, matching header); a bad one is reported in one warning naming its file and
+recomputed.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
+from leantune.data.dataset import ImageItem, load_rgb, scan_datasets, to_tensor
+from leantune.io import load_safetensors, save_safetensors
+from leantune.models import flux_loading
+from leantune.models.flux import LATENT_CHANNELS, VAE_SCALE_FACTOR, PromptEmbeds, encode_prompts
+from leantune.models.flux_loading import fingerprint, resolve_sources
+
+log = logging.getLogger(__name__)
+
+# Bump when what an entry holds for a given key changes (resize filter, scaling, trimming rule).
+FORMAT_VERSION = "1"
+STORE_DTYPE = torch.bfloat16
+TEXT_BATCH = 8   # captions per text-encoder call: enough to amortise launches, small for 8 GB cards
+
+
+class CacheError(ValueError):
+    """A cache entry could not be read while training, naming the file."""
+
+
+class CacheWarning(UserWarning):
+    """Corrupt cache entries were found and recomputed."""
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0          # present and valid: reused
+    misses: int = 0        # absent: computed
+    recomputed: int = 0    # present but corrupt: computed again
+
+    def __str__(self) -> str:
+        return f"{self.hits} hits, {self.misses} misses, {self.recomputed} recomputed"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One unit of an epoch: an image at one training resolution (repeats appear as copies)."""
+
+    item: ImageItem
+    resolution: int
+    bucket: Bucket
+    latent_key: str
+
+
+@dataclass
+class Batch:
+    """What one training step consumes. All tensors on CPU; the trainer moves them."""
+
+    latents: torch.Tensor       # (B, 16, h, w), h = bucket height / 8
+    embeds: PromptEmbeds        # t5 (B, L, D_t5) zero-padded to the batch's longest prompt; pooled (B, D_clip)
+    bucket: Bucket              # (width, height) in pixels
+    captions: list[str]         # as trained: "" where caption dropout fired
+    t5_lengths: torch.Tensor | None = None   # (B,) real T5 tokens per sample, end token included
+
+
+# -- identities and keys -------------------------------------------------------------------------
+
+def component_identity(path: str | Path | None) -> str:
+    """The identity of one model component for cache keys ("none" when it has no source)."""
+    return "none" if path is None else fingerprint(path)
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(json.dumps([FORMAT_VERSION, *parts], ensure_ascii=False).encode()).hexdigest()[:40]
+
+
+def latent_key(image_sha256: str, bucket: Bucket, vae_id: str, dtype: torch.dtype) -> str:
+    return _digest("latent", image_sha256, list(bucket), vae_id, str(dtype))
+
+
+def text_key(caption: str, encoders_id: str, max_length: int, dtype: torch.dtype) -> str:
+    return _digest("text", caption, encoders_id, max_length, str(dtype))
+
+
+# -- model sources and loaders -------------------------------------------------------------------
+
+def model_dtype(cfg) -> torch.dtype:
+    """The compute dtype [model] dtype names; part of every cache key, so `train` and `cache` must agree."""
+    return flux_loading.dtype_from_name(cfg.model.dtype)
+
+
+def _release(device) -> None:
+    """Return freed encoder memory now, before the transformer is loaded."""
+    gc.collect()
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- encoding ------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def encode_latent(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """(3, H, W) in [-1, 1] -> Flux latents (16, H/8, W/8): the posterior mean, shifted and scaled.
+
+    The mean rather than a sample: caching a sample would freeze one draw of noise for the whole
+    run, and the VAE's posterior variance is tiny next to the flow-matching noise anyway.
+    """
+    x = pixels[None].to(device=vae.device, dtype=vae.dtype)          # (1, 3, H, W)
+    mean = vae.encode(x).latent_dist.mean                             # (1, 16, H/8, W/8)
+    shift = vae.config.shift_factor or 0.0
+    return ((mean - shift) * vae.config.scaling_factor)[0]
+
+
+def image_pixels(item: ImageItem, bucket: Bucket) -> torch.Tensor:
+    """The image as trained in `bucket`: (3, bucket height, bucket width) in [-1, 1]."""
+    return to_tensor(fit_to_bucket(load_rgb(item.path), bucket))
+
+
+def _trim(t5: torch.Tensor, length: int, padding_side: str) -> torch.Tensor:
+    """(L_max, D) -> (length, D): keep the real tokens (end token included), drop padding."""
+    return t5[-length:] if padding_side == "left" else t5[:length]
+
+
+# -- entry checks --------------------------------------------------------------------------------
+
+def _read(path: Path) -> tuple[dict, dict]:
+    try:
+        return load_safetensors(path)
+    except ValueError as e:
+        raise CacheError(str(e)) from None
+
+
+def _check_tensor(name: str, t: torch.Tensor | None, ndim: int) -> str | None:
+    if t is None:
+        return f"missing tensor '{name}'"
+    if t.dtype != STORE_DTYPE:
+        return f"tensor '{name}' is {t.dtype}, expected {STORE_DTYPE}"
+    if t.dim() != ndim:
+        return f"tensor '{name}' has shape {tuple(t.shape)}, expected {ndim} dimensions"
+    if not torch.isfinite(t).all():
+        return f"tensor '{name}' holds NaN or infinite values"
+    return None
+
+
+def check_latent_entry(path: Path, key: str, bucket: Bucket) -> str | None:
+    """None if the latent entry at `path` is sound for `key` and `bucket`, else what is wrong."""
+    try:
+        tensors, meta = _read(path)
+    except CacheError as e:
+        return str(e)
+    if meta.get("key") != key:
+        return f"header key {meta.get('key')!r} does not match the file name"
+    lat = tensors.get("latent")
+    problem = _check_tensor("latent", lat, 3)
+    if problem:
+        return problem
+    expected = (LATENT_CHANNELS, bucket[1] // VAE_SCALE_FACTOR, bucket[0] // VAE_SCALE_FACTOR)
+    if tuple(lat.shape) != expected:
+        return f"tensor 'latent' has shape {tuple(lat.shape)}, expected {expected} for bucket {bucket[0]}x{bucket[1]}"
+    return None
+
+
+def check_text_entry(path: Path, key: str, caption: str, max_length: int) -> tuple[str | None, tuple[int, int] | None]:
+    """(problem or None, (D_t5, D_clip)) for the text entry at `path`."""
+    try:
+        tensors, meta = _read(path)
+    except CacheError as e:
+        return str(e), None
+    if meta.get("key") != key:
+        return f"header key {meta.get('key')!r} does not match the file name", None
+    if meta.get("caption") != caption:
+        return "header caption does not match the caption it is keyed by", None
+    t5, pooled = tensors.get("t5"), tensors.get("pooled")
+    problem = _check_tensor("t5", t5, 2) or _check_tensor("pooled", pooled, 1)
+    if problem:
+        return problem, None
+    try:
+        length = int(meta.get("length", "-1"))
+    except ValueError:
+        length = -1
+    if not 1 <= length <= max_length or t5.shape[0] != length:
+        return (f"tensor 't5' has {t5.shape[0]} tokens but the header says {meta.get('length')!r} "
+                f"(at most {max_length})"), None
+    return None, (t5.shape[1], pooled.shape[0])
+
+
+def _warn_corrupt(kind: str, bad: list[tuple[Path, str]]) -> None:
+    if bad:
+        lines = "\n  ".join(f"{p}: {why}" for p, why in bad)
+        warnings.warn(f"recomputing {len(bad)} corrupt {kind} cache entr{'y' if len(bad) == 1 else 'ies'}:\n  {lines}",
+                      CacheWarning, stacklevel=3)
+
+
+# -- the cache pass ------------------------------------------------------------------------------
+
+def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sources, dtype, device,
+                  load_vae: Callable) -> CacheStats:
+    stats, todo, bad = CacheStats(), [], []
+    for key, (item, bucket) in jobs.items():
+        path = folder / f"{key}.safetensors"
+        if not path.exists():
+            stats.misses += 1
+            todo.append(key)
+            continue
+        problem = check_latent_entry(path, key, bucket)
+        if problem:
+            bad.append((path, problem))
+            stats.recomputed += 1
+            todo.append(key)
+        else:
+            stats.hits += 1
+    _warn_corrupt("latent", bad)
+    if not todo:
+        return stats
+    log.info("cache: encoding %d image(s) with the VAE", len(todo))
+    vae = load_vae(sources, dtype, device)
+    try:
+        for key in todo:
+            item, bucket = jobs[key]
+            latent = encode_latent(vae, image_pixels(item, bucket))     # (16, h, w)
+            save_safetensors({"latent": latent.to(STORE_DTYPE)}, folder / f"{key}.safetensors",
+                             {"format": FORMAT_VERSION, "kind": "latent", "key": key,
+                              "bucket": f"{bucket[0]}x{bucket[1]}", "source": str(item.path)})
+    finally:
+        del vae
+        _release(device)
+    return stats
+
+
+def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_length: int,
+               load_text_encoders: Callable) -> CacheStats:
+    stats, todo, bad = CacheStats(), [], []
+    dims: dict[str, tuple[int, int]] = {}
+    for key, caption in jobs.items():
+        path = folder / f"{key}.safetensors"
+        if not path.exists():
+            stats.misses += 1
+            todo.append(key)
+            continue
+        problem, d = check_text_entry(path, key, caption, max_length)
+        if problem:
+            bad.append((path, problem))
+            stats.recomputed += 1
+            todo.append(key)
+        else:
+            dims[key] = d
+    # Entries under one encoder identity share their widths: a minority width means a damaged file.
+    if dims:
+        common, _ = Counter(dims.values()).most_common(1)[0]
+        for key, d in dims.items():
+            if d != common:
+                bad.append((folder / f"{key}.safetensors",
+                            f"widths (t5, pooled) {d} differ from the other entries' {common}"))
+                stats.recomputed += 1
+                todo.append(key)
+        stats.hits = sum(1 for d in dims.values() if d == common)
+    _warn_corrupt("text", bad)
+    if not todo:
+        return stats
+    log.info("cache: encoding %d caption(s) with the text encoders", len(todo))
+    enc = load_text_encoders(sources, dtype, device)
+    try:
+        side = getattr(enc.tokenizer_2, "padding_side", "right")
+        for start in range(0, len(todo), TEXT_BATCH):
+            keys = todo[start:start + TEXT_BATCH]
+            embeds, lengths = encode_prompts([jobs[k] for k in keys], enc.tokenizer, enc.text_encoder,
+                                             enc.tokenizer_2, enc.text_encoder_2, max_length=max_length,
+                                             device=device)
+            for i, key in enumerate(keys):
+                n = int(lengths[i])
+                save_safetensors({"t5": _trim(embeds.t5[i], n, side).to(STORE_DTYPE),        # (n, D_t5)
+                                  "pooled": embeds.pooled[i].to(STORE_DTYPE)},                # (D_clip,)
+                                 folder / f"{key}.safetensors",
+                                 {"format": FORMAT_VERSION, "kind": "text", "key": key, "caption": jobs[key],
+                                  "length": str(n)})
+    finally:
+        del enc
+        _release(device)
+    return stats
+
+
+def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = None,
+                   load_text_encoders: Callable | None = None,
+                   extra_prompts: Sequence[str] | None = None) -> "CachedData":
+    """Scan the datasets, fill the caches, free the encoders; return what the trainer reads.
+
+    `cfg` is a `RunConfig`. The loaders are called as `load_vae(sources, dtype, device)` and
+    `load_text_encoders(sources, dtype, device)` (flux_loading's by default) and only when an
+    entry of their kind is missing or corrupt. Besides the captions, the empty caption (caption
+    dropout, unconditional use), `cfg.sample.prompts` and `extra_prompts` are encoded in the same
+    pass, so sampling during training never reloads the text encoders.
+    """
+    items = scan_datasets(cfg.data, cfg.base_dir)
+    sources = resolve_sources(cfg.model, Path(cfg.base_dir))
+    vae_id = component_identity(sources.vae)
+    encoders_id = "+".join(component_identity(getattr(sources, n))
+                           for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"))
+    max_length = cfg.data.max_text_length
+    cache_dir = cfg.resolve(cfg.data.cache_dir)
+
+    bucket_sets = {r: bucket_sizes(r) for r in cfg.data.resolutions}
+    samples: list[Sample] = []
+    latent_jobs: dict[str, tuple[ImageItem, Bucket]] = {}
+    for item in items:
+        for res in cfg.data.resolutions:
+            bucket = nearest_bucket(item.width, item.height, bucket_sets[res])
+            key = latent_key(item.sha256, bucket, vae_id, dtype)
+            latent_jobs[key] = (item, bucket)
+            samples.extend([Sample(item, res, bucket, key)] * item.repeats)
+
+    prompts = [it.caption for it in items] + [""] + list(cfg.sample.prompts) + list(extra_prompts or ())
+    text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
+    text_jobs = {k: p for p, k in text_keys.items()}
+
+    stats = {
+        "latents": _fill_latents(latent_jobs, cache_dir / "latents", sources, dtype, device,
+                                 load_vae or flux_loading.load_vae),
+        "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
+                           load_text_encoders or flux_loading.load_text_encoders),
+    }
+    data = CachedData(cache_dir, samples, text_keys, cfg.data.batch_size, cfg.data.shuffle, stats)
+    log.info("cache: %s", data.summary())
+    return data
+
+
+# -- reading batches -----------------------------------------------------------------------------
+
+def _pad_t5(rows: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(L_i, D)] -> (B, max L_i, D) zero-padded after each sequence, and lengths (B,)."""
+    longest = max(r.shape[0] for r in rows)
+    out = torch.zeros(len(rows), longest, rows[0].shape[1], dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r.to(dtype)
+    return out, torch.tensor([r.shape[0] for r in rows])
+
+
+class CachedData:
+    """The cached dataset: sample list, entry locations, batch iterators and prompt embeddings."""
+
+    def __init__(self, cache_dir: Path, samples: list[Sample], text_keys: dict[str, str], batch_size: int,
+                 shuffle: bool, stats: dict[str, CacheStats]):
+        self.cache_dir = Path(cache_dir)
+        self.samples = samples
+        self.text_keys = text_keys            # prompt -> entry key
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.stats = stats
+        self.num_items = len(samples)         # per epoch: images x resolutions x repeats
+        self.batches_per_epoch = BatchOrder([s.bucket for s in samples], batch_size, 0, shuffle).batches_per_epoch
+
+    @property
+    def buckets(self) -> dict[Bucket, int]:
+        """Samples per bucket in one epoch."""
+        return dict(Counter(s.bucket for s in self.samples))
+
+    def summary(self) -> str:
+        return (f"{self.num_items} samples in {len(self.buckets)} bucket(s), {self.batches_per_epoch} batches per "
+                f"epoch; latents: {self.stats['latents']}; text: {self.stats['text']}")
+
+    def batches(self, seed: int, state: dict | None = None, dtype: torch.dtype = torch.float32) -> "BatchIterator":
+        """An endless iterator of batches in the seeded order; `state` resumes a saved position."""
+        order = BatchOrder([s.bucket for s in self.samples], self.batch_size, seed, self.shuffle,
+                           dropout=[s.item.caption_dropout for s in self.samples])
+        it = BatchIterator(self, order, dtype)
+        if state is not None:
+            it.load_state_dict(state)
+        return it
+
+    def latent(self, sample: Sample) -> torch.Tensor:
+        """(16, h, w) bf16 latents of one sample."""
+        path = self.cache_dir / "latents" / f"{sample.latent_key}.safetensors"
+        return _read(path)[0]["latent"]
+
+    def text_entry(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t5 (L, D_t5), pooled (D_clip,)) of a prompt encoded by `prepare_caches`."""
+        key = self.text_keys.get(prompt)
+        if key is None:
+            raise KeyError(f"prompt {prompt!r} was not encoded by prepare_caches; pass it in [sample] prompts "
+                           f"or extra_prompts")
+        tensors, _ = _read(self.cache_dir / "text" / f"{key}.safetensors")
+        return tensors["t5"], tensors["pooled"]
+
+    def prompt_embeds(self, prompts: Sequence[str], dtype: torch.dtype = torch.float32) -> PromptEmbeds:
+        """Embeddings of cached prompts (e.g. the sample prompts): t5 (B, L, D) zero-padded, pooled (B, D)."""
+        rows = [self.text_entry(p) for p in prompts]
+        t5, _ = _pad_t5([r[0] for r in rows], dtype)
+        return PromptEmbeds(t5=t5, pooled=torch.stack([r[1] for r in rows]).to(dtype))
+
+
+class BatchIterator:
+    """Assembles `Batch`es from the cache in `BatchOrder`'s sequence; its position is resumable."""
+
+    def __init__(self, data: CachedData, order: BatchOrder, dtype: torch.dtype):
+        self.data, self.order, self.dtype = data, order, dtype
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        slot = next(self.order)
+        samples = [self.data.samples[i] for i in slot.samples]
+        captions = ["" if drop else s.item.caption for s, drop in zip(samples, slot.dropped)]
+        latents = torch.stack([self.data.latent(s) for s in samples]).to(self.dtype)   # (B, 16, h, w)
+        rows = [self.data.text_entry(c) for c in captions]
+        t5, lengths = _pad_t5([r[0] for r in rows], self.dtype)                        # (B, L, D_t5)
+        pooled = torch.stack([r[1] for r in rows]).to(self.dtype)                       # (B, D_clip)
+        return Batch(latents=latents, embeds=PromptEmbeds(t5=t5, pooled=pooled), bucket=slot.bucket,
+                     captions=captions, t5_lengths=lengths)
+
+    def state_dict(self) -> dict:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.order.load_state_dict(state, strict=strict)

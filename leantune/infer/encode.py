@@ -1,0 +1,144 @@
+"""Stage 1 of sampling: every prompt of a request is encoded, then the text encoders leave the GPU.
+
+T5-XXL is 4.7 B parameters (9.5 GB in bf16): on its own more than a 6 GB budget. It runs once per
+request, so it does not need the training engine's ring of prefetched slots: `blockwise_offload`
+keeps the embedding and final norm on the GPU and brings one T5 block at a time (about 400 MB in
+bf16), dropping it right after its forward. That costs one pass over the weights per request
+(≈0.4 s at 25 GB/s) and bounds the stage's peak at one block plus activations. CLIP-L (123 M
+parameters) simply moves to the GPU and back.
+
+While a block is not in use its parameters hold empty placeholders, not host copies, so any use of
+an offloaded weight fails loudly instead of silently computing on the host; the same code path runs
+on CPU, which is how the tests check the schedule.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..models.flux import PromptEmbeds, encode_prompts
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def t5_blocks(text_encoder_2: nn.Module) -> nn.ModuleList:
+    """The repeated blocks of a transformers T5EncoderModel (`encoder.block`)."""
+    try:
+        return text_encoder_2.encoder.block
+    except AttributeError:
+        raise TypeError(f"{type(text_encoder_2).__name__} has no encoder.block list; expected a T5EncoderModel") from None
+
+
+@contextmanager
+def blockwise_offload(model: nn.Module, blocks: nn.ModuleList, device) -> Iterator[None]:
+    """Run `model` on `device` with its `blocks` resident only during their own forward.
+
+    Everything outside `blocks` moves to `device` for the duration. Each block's host tensors are
+    kept aside; a forward pre-hook copies them to `device`, a forward hook swaps in empty
+    placeholders again. On exit every tensor is back on the host, as it was.
+    """
+    device = torch.device(device)
+    in_blocks = {id(t) for b in blocks for t in list(b.parameters()) + list(b.buffers())}
+    # Host copies of every tensor we touch, restored on exit: (owner module, attribute, host tensor,
+    # is-parameter, identity). Tied weights (T5's shared embedding) appear twice with one identity.
+    saved: list[tuple[nn.Module, str, torch.Tensor, bool, int]] = []
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                saved.append((mod, name, p.data, True, id(p)))
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                saved.append((mod, name, b, False, id(b)))
+
+    def _set(mod: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
+        if is_param:
+            mod._parameters[name].data = value
+        else:
+            mod._buffers[name] = value
+
+    block_slots: dict[int, list[tuple[nn.Module, str, torch.Tensor, bool, int]]] = {}
+    for block in blocks:
+        mods = {id(m) for m in block.modules()}
+        block_slots[id(block)] = [s for s in saved if id(s[0]) in mods]
+
+    def _empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=t.dtype, device=device)
+
+    def onload(block, *_):
+        for mod, name, host, is_param, _ in block_slots[id(block)]:
+            _set(mod, name, host.to(device), is_param)
+
+    def offload(block, *_):
+        for mod, name, host, is_param, _ in block_slots[id(block)]:
+            _set(mod, name, _empty(host), is_param)
+
+    handles = []
+    try:
+        # Outside the blocks: resident on the device (tied weights are moved once: same tensor id).
+        moved: dict[int, torch.Tensor] = {}
+        for mod, name, host, is_param, ident in saved:
+            if ident in in_blocks:
+                continue
+            if ident not in moved:
+                moved[ident] = host.to(device)
+            _set(mod, name, moved[ident], is_param)
+        for block in blocks:
+            offload(block)
+            handles.append(block.register_forward_pre_hook(onload))
+            handles.append(block.register_forward_hook(offload))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, name, host, is_param, _ in saved:
+            _set(mod, name, host, is_param)
+
+
+def _free_device_cache(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int = 512, device="cpu",
+                         stream_t5: bool = False, batch_size: int = 8) -> list[PromptEmbeds]:
+    """Encode `prompts` with CLIP-L + T5 on `device`; return one (1, L, D) PromptEmbeds per prompt on the host.
+
+    `text_encoders` has tokenizer, text_encoder (CLIP), tokenizer_2, text_encoder_2 (T5), each on the
+    host; they are back on the host when this returns, so the next stage has the device to itself.
+    `stream_t5` runs T5 block by block (see module docstring) for budgets it does not fit in.
+    Prompts are encoded `batch_size` at a time, exactly as FluxPipeline tokenizes and encodes them.
+    """
+    te = text_encoders
+    clip, t5 = te.text_encoder, te.text_encoder_2
+    t5_ctx = blockwise_offload(t5, t5_blocks(t5), device) if stream_t5 else _moved(t5, device)
+    pooled, seqs = [], []
+    with _moved(clip, device), t5_ctx:
+        for i in range(0, len(prompts), batch_size):
+            emb, _ = encode_prompts(prompts[i:i + batch_size], te.tokenizer, clip, te.tokenizer_2, t5,
+                                    max_length=max_length, device=torch.device(device))
+            pooled.append(emb.pooled.to("cpu"))   # (b, D_clip)
+            seqs.append(emb.t5.to("cpu"))         # (b, L, D_t5)
+    _free_device_cache(device)
+    pooled_all, seq_all = torch.cat(pooled), torch.cat(seqs)
+    return [PromptEmbeds(t5=seq_all[i:i + 1], pooled=pooled_all[i:i + 1]) for i in range(len(prompts))]
+
+
+@contextmanager
+def _moved(module: nn.Module, device) -> Iterator[None]:
+    """Move a whole module to `device` for the duration, then back where it was."""
+    home = next(module.parameters()).device
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to(home)
+

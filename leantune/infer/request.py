@@ -1,0 +1,173 @@
+"""What `leantune sample` is asked to do: a strict schema shared by the TOML form and the flags.
+
+`leantune sample request.toml` and `leantune sample --model PATH --prompt ...` build the same
+`SampleRequest`: flags are applied to the raw TOML data before validation, so both are checked by
+one schema. Unknown keys are errors that name the file and the key.
+
+    prompts = ["a photo of sks dog on a beach"]
+    seed = 42
+    steps = 28                 # default: 28 for dev, 4 for schnell
+    guidance = 3.5             # distilled guidance (dev); schnell ignores it
+    width = 1024
+    height = 1024
+    out = "samples"
+
+    [model]
+    path = "/models/FLUX.1-dev"
+
+    [[lora]]
+    path = "output/my-lora.safetensors"
+    strength = 0.8
+
+    [memory]
+    vram_budget = "6GiB"       # the planner streams / stores fp8 to fit; omit for fully resident
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..config import ConfigError, MemoryConfig, ModelConfig, apply_overrides
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraRef(_Strict):
+    path: str
+    strength: float = 1.0
+
+
+class SampleRequest(_Strict):
+    model: ModelConfig
+    prompts: list[str] = Field(min_length=1)
+    seed: int = 0                              # image i of the request uses seed + i
+    images_per_prompt: int = Field(1, ge=1)
+    steps: int | None = Field(None, ge=1)      # None: the variant's default
+    guidance: float | None = Field(None, ge=0)
+    width: int = 1024
+    height: int = 1024
+    lora: list[LoraRef] = []
+    memory: MemoryConfig = MemoryConfig()
+    max_text_length: int = Field(512, ge=1, le=512)
+    batch_size: int | None = Field(None, ge=1)  # images per transformer forward; None: all at once
+    vae_tiling: Literal["auto", "on", "off"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    out: str = "samples"
+
+    # Where relative paths are resolved from (the TOML file's folder, or the working directory).
+    base_dir: str = Field(".", exclude=True)
+
+    @field_validator("prompts")
+    @classmethod
+    def _non_empty(cls, v: list[str]) -> list[str]:
+        for i, p in enumerate(v):
+            if not p.strip():
+                raise ValueError(f"prompt #{i + 1} is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _size(self):
+        for key in ("width", "height"):
+            v = getattr(self, key)
+            if v < 16 or v % 16:
+                raise ValueError(f"{key} = {v} must be a positive multiple of 16")
+        return self
+
+    def resolve(self, path: str) -> Path:
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def expanded_prompts(self) -> list[str]:
+        """Every image's prompt, in output order: each prompt `images_per_prompt` times."""
+        return [p for p in self.prompts for _ in range(self.images_per_prompt)]
+
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(len(self.prompts) * self.images_per_prompt)]
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Valid keys of the model owning the key at `loc`, for spelling hints."""
+    model: Any = SampleRequest
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return []
+        ann = field.annotation
+        nxt = None
+        for c in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(c, type) and issubclass(c, BaseModel):
+                nxt = c
+        if nxt is None:
+            return []
+        model = nxt
+    return [k for k in model.model_fields if k != "base_dir"]
+
+
+def _messages(err: ValidationError, source: str) -> list[str]:
+    out = []
+    for e in err.errors():
+        # Drop pydantic's union-branch tags ("int", "list[str]") from locations.
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float"))))
+        key = ".".join(f"{p}" if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[") or "top level"
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(loc)
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else (f"; valid keys: {', '.join(valid)}" if valid else "")
+            out.append(f"{source}: unknown key '{key}'{hint}")
+        elif e["type"] == "missing":
+            out.append(f"{source}: missing required key '{key}'")
+        else:
+            out.append(f"{source}: key '{key}': {e['msg']} (got {e.get('input')!r})")
+    return list(dict.fromkeys(out))
+
+
+def validate_request(data: dict, source: str = "<request>", base_dir: str | Path = ".") -> SampleRequest:
+    if "base_dir" in data:
+        raise ConfigError(f"{source}: unknown key 'base_dir'")
+    try:
+        return SampleRequest.model_validate({**data, "base_dir": str(base_dir)})
+    except ValidationError as err:
+        raise ConfigError("invalid sample request:\n  " + "\n  ".join(_messages(err, source))) from None
+
+
+def read_request_file(path: str | Path) -> dict:
+    """Raw TOML data of a request file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read sample request: {e.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def load_request(path: str | Path, overrides: list[str] | None = None) -> SampleRequest:
+    """Read and validate a request TOML; `overrides` are `key=value` strings applied first."""
+    path = Path(path)
+    data = apply_overrides(read_request_file(path), overrides or [])
+    return validate_request(data, str(path), path.parent.resolve())
+
+
+def parse_lora_arg(text: str) -> dict:
+    """'file.safetensors:0.8' -> {'path': 'file.safetensors', 'strength': 0.8}; no suffix means 1.0.
+
+    Only a trailing number counts as a strength, so 'C:\\loras\\a.safetensors' stays a path.
+    """
+    path, sep, tail = text.rpartition(":")
+    if sep:
+        try:
+            return {"path": path, "strength": float(tail)}
+        except ValueError:
+            pass
+    return {"path": text, "strength": 1.0}

@@ -1,0 +1,188 @@
+"""`leantune sample`: one request -> PNG files, through the three stages with one model loaded at a time.
+
+The order is what keeps both VRAM and host RAM low: the text encoders are loaded, used and dropped
+before the transformer is read from disk; the transformer is dropped before the VAE decodes. The
+transformer's placement comes from the same memory engine and planner as training: with a VRAM
+budget the planner chooses streamed blocks / fp8 for an inference workload, without one the
+explicit [memory] choices apply (default: fully resident). On CUDA each stage's peak reserved
+memory is measured and reported, so "the peak is the largest stage" is checked on every run.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import ConfigError, parse_size
+from ..models.flux import FLUX_SPEC, VAE_SCALE_FACTOR
+from .decode import plan_decode, to_pil, decode_latents, vae_weight_bytes
+from .encode import encode_prompts_stage, module_bytes
+from .images import format_loras, save_png
+from .request import SampleRequest
+from .sampler import denoise, free_device_bytes
+from .schedule import FlowSchedule
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Kept free under a budget for the CUDA context's allocator slack, cuBLAS/cuDNN workspaces.
+_MARGIN = 512 * 2**20
+
+
+@dataclass
+class SamplingResult:
+    files: list[Path]
+    stage_peaks: dict[str, int] = field(default_factory=dict)   # stage -> peak reserved bytes (CUDA only)
+    timings: dict[str, float] = field(default_factory=dict)     # stage -> seconds
+    plan: object = None                                          # the transformer's memory Plan
+    stream_t5: bool = False
+    decode_tile: int | None = None                               # latent tile size, None when untiled
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device = \"cuda\" but no CUDA device is available")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def vram_budget(request: SampleRequest, device: torch.device) -> int | None:
+    """The request's VRAM budget in bytes; None when unlimited (no budget, or sampling on the CPU)."""
+    text = request.memory.vram_budget
+    if text is None or device.type != "cuda":
+        return None
+    if text == "auto":
+        return free_device_bytes(device)
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"memory.vram_budget: {e}") from None
+
+
+class _Stage:
+    """Times a stage and measures its peak reserved device memory."""
+
+    def __init__(self, name: str, device: torch.device, result: SamplingResult):
+        self.name, self.device, self.result = name, device, result
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.result.stage_peaks[self.name] = torch.cuda.max_memory_reserved(self.device)
+        self.result.timings[self.name] = time.perf_counter() - self.t0
+        return False
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
+                     text_len: int):
+    """The memory Plan for the denoising stage: the planner's under a budget, else the explicit [memory]."""
+    if budget is not None:
+        from ..memory.planner import Budget, Workload, plan_memory
+
+        workload = Workload(mode="inference", batch_size=request.batch_size or n_images,
+                            resolutions=[(request.height, request.width)], text_length=text_len, lora_rank=0)
+        return plan_memory(FLUX_SPEC, transformer, workload, Budget(vram_bytes=budget))
+    from ..memory.engine import resolve_plan
+
+    return resolve_plan(request.memory, FLUX_SPEC, transformer)
+
+
+def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | None = None) -> SamplingResult:
+    """Generate every image of `request` and write them as PNGs with their parameters; returns the files."""
+    from ..memory.engine import apply_memory
+    from ..models import flux_loading as fl
+    from .loras import apply_loras
+
+    device = pick_device(request.device)
+    dtype = _DTYPES[request.model.dtype]
+    budget = vram_budget(request, device)
+    sources = fl.resolve_sources(request.model, Path(request.base_dir))
+    prompts, seeds = request.expanded_prompts(), request.seeds()
+    loras = [(request.resolve(ref.path), ref.strength) for ref in request.lora]
+    for path, _ in loras:
+        if not path.is_file():
+            raise ConfigError(f"lora: {path}: no such LoRA file")
+    result = SamplingResult(files=[])
+
+    # Stage 1: encode every prompt; T5 runs block by block when CLIP + T5 exceed the budget.
+    with _Stage("encode", device, result):
+        encoders = fl.load_text_encoders(sources, dtype, "cpu")
+        needed = module_bytes(encoders.text_encoder) + module_bytes(encoders.text_encoder_2) + _MARGIN
+        result.stream_t5 = budget is not None and needed > budget
+        embeds = encode_prompts_stage(encoders, prompts, max_length=request.max_text_length, device=device,
+                                      stream_t5=result.stream_t5)
+        del encoders
+        _release(device)
+
+    # Stage 2: denoise; LoRAs first, then the engine places the model (adapters must exist before it).
+    with _Stage("denoise", device, result):
+        transformer = fl.load_transformer(sources, dtype, "cpu")
+        variant = request.model.variant if request.model.variant != "auto" else fl.detect_variant(transformer)
+        model_dir = request.resolve(request.model.path)
+        schedule = FlowSchedule.from_model_folder(model_dir if model_dir.is_dir() else None, variant)
+        steps = request.steps or schedule.default_steps
+        guidance = schedule.default_guidance if request.guidance is None else request.guidance
+        if loras:
+            apply_loras(transformer, loras)
+        result.plan = transformer_plan(request, transformer, device, budget, len(prompts), embeds[0].t5.shape[1])
+        log.info("sample: %s", result.plan.describe())
+        handle = apply_memory(transformer, FLUX_SPEC, result.plan, device)
+        handle.forward_only(True)
+        try:
+            latents = denoise(transformer, embeds, seeds, width=request.width, height=request.height, steps=steps,
+                              guidance=guidance, schedule=schedule, device=device, dtype=dtype,
+                              batch_size=request.batch_size, progress=progress)
+        finally:
+            handle.remove()
+        del transformer, handle
+        _release(device)
+
+    # Stage 3: decode, tiled when the budget left after the VAE's weights is too small.
+    with _Stage("decode", device, result):
+        vae = fl.load_vae(sources, dtype, device)
+        available = None if budget is None else max(0, budget - vae_weight_bytes(vae) - _MARGIN)
+        plan = plan_decode(vae, request.height, request.width, request.vae_tiling, available)
+        result.decode_tile = plan.tile_latent
+        images = to_pil(decode_latents(vae, latents, device, plan))
+        del vae
+        _release(device)
+
+    out_dir = request.resolve(request.out)
+    base = _next_index(out_dir)
+    lora_text = format_loras([(str(p), s) for p, s in loras])
+    for i, (img, prompt, seed) in enumerate(zip(images, prompts, seeds)):
+        meta = {"prompt": prompt, "seed": str(seed), "steps": str(steps), "guidance": f"{guidance:g}",
+                "width": str(request.width), "height": str(request.height), "loras": lora_text,
+                "model": request.model.path, "variant": variant}
+        result.files.append(save_png(img, out_dir / f"{base + i:05d}-{seed}.png", meta))
+    return result
+
+
+def _next_index(out_dir: Path) -> int:
+    """The first file number not used by an earlier run in `out_dir` (files are never overwritten)."""
+    used = [int(p.name.split("-", 1)[0]) for p in out_dir.glob("*.png") if p.name.split("-", 1)[0].isdigit()]
+    return max(used) + 1 if used else 0
+
+
+__all__ = ["SamplingResult", "run_sampling", "pick_device", "vram_budget", "transformer_plan",
+           "VAE_SCALE_FACTOR"]

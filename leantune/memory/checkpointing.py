@@ -1,0 +1,239 @@
+"""Activation checkpointing per block, applied from outside, optionally with offloaded block inputs.
+
+What it trades: compute for memory. A checkpointed block keeps only its inputs through the forward
+and recomputes its internals in backward (about one extra forward of the blocks per step).
+
+How it works:
+- Each block's forward is replaced, on the instance, by a wrapper that calls torch's
+  non-reentrant `checkpoint`. The diffusers model is untouched and must not have its own
+  `gradient_checkpointing` switched on. Blocks are called with keyword arguments, and checkpoint
+  would keep keyword tensors alive by closure; the wrapper therefore passes every tensor
+  positionally, so checkpoint *saves* them as autograd saved tensors, and the offload hooks below
+  can see them.
+- Wrapping outside the streaming wrapper (engine.py fixes that order) makes the recompute re-enter
+  streaming, which fetches the block's weights back before they are used.
+- `offload=True`: the block inputs that checkpoint saves go to host memory (pinned on CUDA) through
+  saved-tensor hooks around the checkpoint call. The device->host copy runs on a side stream after
+  that stream waits for the compute stream; the device tensor is kept from being reused until then
+  with `record_stream`. In backward, an identity autograd Function on the block's outputs starts the
+  host->device copy of this block's inputs and of the previous block's (the next to be recomputed),
+  so they arrive before the recompute asks for them. Only inputs that require a gradient (the
+  residual stream) are offloaded; shared, gradient-free inputs such as rotary embeddings and the
+  time embedding stay on the device, so they are not copied once per block.
+
+kohya's `cpu_offload_checkpointing` copies synchronously from pageable memory and refuses to run
+with block swap; here both compose.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from ..models.spec import ModelSpec
+
+MIN_OFFLOAD_BYTES = 64 * 1024     # smaller saved inputs stay on the device: not worth a copy
+
+
+class _HostTensor:
+    """One offloaded block input: a host copy, and the device copy while it is being restored."""
+
+    def __init__(self, offloader: "ActivationOffloader", t: torch.Tensor):
+        self.off = offloader
+        self.device = t.device
+        be_cuda = t.device.type == "cuda"
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=be_cuda)
+        if be_cuda:
+            side = offloader.side_stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))   # t is produced on the compute stream
+            with torch.cuda.stream(side):
+                self.host.copy_(t, non_blocking=True)
+            t.record_stream(side)                                  # keep t's memory until the copy is done
+        else:
+            self.host.copy_(t)
+        self.dev: torch.Tensor | None = None
+        self.ready = None
+        offloader.stats["bytes_d2h"] += self.host.numel() * self.host.element_size()
+        offloader.stats["tensors"] += 1
+
+    def prefetch(self) -> None:
+        if self.dev is not None:
+            return
+        self.off.stats["bytes_h2d"] += self.host.numel() * self.host.element_size()
+        if self.device.type != "cuda":
+            self.dev = self.host
+            return
+        compute = torch.cuda.current_stream(self.device)
+        side = self.off.side_stream(self.device)
+        dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)  # on the compute stream
+        side.wait_stream(compute)       # dev's memory may have been in use by earlier compute kernels
+        with torch.cuda.stream(side):   # same side stream as the D2H copy: ordered after it
+            dev.copy_(self.host, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(side)
+        self.dev = dev
+
+    def get(self) -> torch.Tensor:
+        self.prefetch()
+        t, self.dev = self.dev, None
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            self.ready = None
+        return t
+
+
+@dataclass(eq=False)
+class _Group:
+    """The offloaded inputs of one checkpointed block call; linked to the previous call's group."""
+
+    handles: list[_HostTensor] = field(default_factory=list)
+    prev: object = None          # weakref to the previous group in forward order
+
+    def prefetch(self) -> None:
+        for h in self.handles:
+            h.prefetch()
+
+
+class ActivationOffloader:
+    def __init__(self) -> None:
+        self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "tensors": 0}
+        self._streams: dict = {}
+        self._last: weakref.ref | None = None
+
+    def side_stream(self, device: torch.device):
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device)
+        return s
+
+    def new_group(self) -> _Group:
+        g = _Group(prev=self._last)
+        self._last = weakref.ref(g)
+        return g
+
+    def hooks(self, group: _Group):
+        def pack(t: torch.Tensor):
+            if (not t.requires_grad or not t.is_floating_point()
+                    or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES):
+                return t
+            h = _HostTensor(self, t)
+            group.handles.append(h)
+            return h
+
+        def unpack(h):
+            return h.get() if isinstance(h, _HostTensor) else h
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def report(self) -> dict:
+        out = {f"offload_{k}": v for k, v in self.stats.items()}
+        self.stats = {k: 0 for k in self.stats}
+        return out
+
+
+class _PrefetchInputs(torch.autograd.Function):
+    """Identity on a checkpointed block's outputs; in backward it starts restoring the inputs of
+    this block and of the one before it, ahead of their recomputes."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.group.prefetch()
+        prev = ctx.group.prev() if ctx.group.prev is not None else None
+        if prev is not None:
+            prev.prefetch()
+        return (None, *grads)
+
+
+class _CheckpointedForward:
+    def __init__(self, module: nn.Module, offloader: ActivationOffloader | None, mode):
+        self.prev = module.__dict__.get("forward")
+        self.orig = module.forward
+        self.offloader = offloader
+        self.mode = mode
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled() or (self.mode is not None and self.mode.forward_only):
+            return self.orig(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        template = [None if isinstance(x, torch.Tensor) else x for x in flat]   # no tensor refs kept
+        tensors = [flat[i] for i in idx]
+        del flat, args, kwargs
+        orig = self.orig
+
+        def run(*ts):
+            f = list(template)
+            for i, t in zip(idx, ts):
+                f[i] = t
+            a, k = tree_unflatten(f, spec)
+            return orig(*a, **k)
+
+        if self.offloader is None:
+            return checkpoint(run, *tensors, use_reentrant=False)
+        group = self.offloader.new_group()
+        with self.offloader.hooks(group):
+            out = checkpoint(run, *tensors, use_reentrant=False)
+        del tensors
+        oflat, ospec = tree_flatten(out)
+        grad_out = [i for i, x in enumerate(oflat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if grad_out and group.handles:
+            routed = _PrefetchInputs.apply(group, *[oflat[i] for i in grad_out])
+            for i, x in zip(grad_out, routed):
+                oflat[i] = x
+            out = tree_unflatten(oflat, ospec)
+        return out
+
+
+@dataclass
+class CheckpointHandle:
+    wrapped: list[tuple[nn.Module, _CheckpointedForward]]
+    offloader: ActivationOffloader | None
+    total_blocks: int
+
+    def describe(self) -> str:
+        how = "inputs offloaded to pinned host memory" if self.offloader else "inputs kept on device"
+        return f"checkpointing: {len(self.wrapped)}/{self.total_blocks} blocks, non-reentrant, {how}"
+
+    def report(self) -> dict:
+        return self.offloader.report() if self.offloader else {}
+
+
+def apply_checkpointing(model: nn.Module, spec: ModelSpec, *, offload: bool = False, mode=None,
+                        blocks: list[str] | None = None) -> CheckpointHandle:
+    """Checkpoint every block of the spec (or the named ones). Apply after streaming."""
+    if getattr(model, "gradient_checkpointing", False):
+        raise ValueError(
+            "memory.checkpointing: the model has diffusers' own gradient checkpointing switched on; "
+            "leantune checkpoints blocks itself, so do not call enable_gradient_checkpointing()")
+    all_blocks = spec.blocks(model)
+    chosen = all_blocks if blocks is None else [(n, b) for n, b in all_blocks if n in set(blocks)]
+    offloader = ActivationOffloader() if offload else None
+    wrapped = []
+    for _, block in chosen:
+        w = _CheckpointedForward(block, offloader, mode)
+        block.forward = w
+        wrapped.append((block, w))
+    return CheckpointHandle(wrapped, offloader, len(all_blocks))
+
+
+def remove_checkpointing(handle: CheckpointHandle) -> None:
+    for m, w in handle.wrapped:
+        if m.__dict__.get("forward") is not w:
+            raise RuntimeError(f"checkpointing: {type(m).__name__}.forward was replaced after checkpointing was "
+                               f"applied; remove techniques in reverse order")
+        if w.prev is None:
+            del m.forward
+        else:
+            m.forward = w.prev
+    handle.wrapped.clear()

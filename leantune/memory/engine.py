@@ -1,0 +1,211 @@
+"""The memory engine: turn the [memory] section into a Plan and apply it to a model in one order.
+
+Order, and why (each step is one module with its own docstring):
+
+1. adapters       added by the caller (train/lora.py) *before* apply_memory: peft then wraps Linears
+                  whose weights are still bf16/fp32, so it never creates fp8 LoRA weights, and every
+                  later step can tell adapter weights (resident, trainable) from base weights.
+2. fp8 storage    quantizes the base Linear weights inside the blocks while they are still in host
+                  RAM, so streaming packs (and later moves) fp8 bytes.
+3. streaming      packs each streamed unit's frozen tensors into one host buffer and re-points them
+                  at device ring slots; wraps the unit's forward (inner wrapper).
+4. checkpointing  wraps the block forward *outside* streaming, so that checkpoint's recompute in
+                  backward re-enters the streaming wrapper and the block's weights come back before
+                  they are used. (Hooks outside `forward` would be skipped by the recompute.)
+5. placement      everything that does not stream moves to the device; streamed tensors already
+                  live in the slots.
+
+`torch.compile` is not part of the order: the streaming and checkpointing wrappers are Python-level
+and would break compiled graphs at every block anyway.
+
+`MemoryHandle.remove()` undoes the steps in reverse and leaves a plain model (fp8 weights come back
+dequantized, since the original values were not kept).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from ..config import MemoryConfig
+from ..models.spec import ModelSpec
+from .checkpointing import CheckpointHandle, apply_checkpointing, remove_checkpointing
+from .fp8 import Fp8Handle, apply_fp8_storage, remove_fp8_storage
+from .plan import Plan
+from .streaming import RunMode, StreamingHandle, apply_streaming, remove_streaming
+
+log = logging.getLogger("leantune.memory")
+
+_APPLIED_ATTR = "_leantune_memory"
+
+
+def even_spread(names: list[str], count: int) -> list[str]:
+    """`count` of `names`, evenly spaced through the list (the middle of each of `count` equal
+    stretches), so resident blocks sit between streamed ones and hide their copies."""
+    n = len(names)
+    if count <= 0:
+        return []
+    if count >= n:
+        return list(names)
+    return [names[(2 * i + 1) * n // (2 * count)] for i in range(count)]
+
+
+def resolve_plan(memory_cfg: MemoryConfig, spec: ModelSpec, model: nn.Module) -> Plan:
+    """The explicit [memory] choices as a Plan (vram_budget / ram_budget are the planner's)."""
+    names = [n for n, _ in spec.blocks(model)]
+    sb = memory_cfg.streamed_blocks
+    if sb == "all":
+        streamed = list(names)
+    elif isinstance(sb, int):
+        if sb > len(names):
+            raise ValueError(f"memory.streamed_blocks = {sb}, but this model has only {len(names)} blocks "
+                             f"(use \"all\" to stream every block)")
+        streamed = even_spread(names, sb)
+    else:
+        known = set(names)
+        unknown = [n for n in sb if n not in known]
+        if unknown:
+            raise ValueError(f"memory.streamed_blocks: unknown block names {unknown}; names look like "
+                             f"{names[0]!r} ... {names[-1]!r}")
+        dupes = sorted({n for n in sb if sb.count(n) > 1})
+        if dupes:
+            raise ValueError(f"memory.streamed_blocks: blocks listed twice: {dupes}")
+        order = {n: i for i, n in enumerate(names)}
+        streamed = sorted(sb, key=order.__getitem__)
+    return Plan(streamed_blocks=tuple(streamed), stream_non_blocks=memory_cfg.stream_non_blocks,
+                fp8=memory_cfg.fp8, checkpointing=memory_cfg.checkpointing, ring_slots=memory_cfg.ring_slots,
+                pin_memory=memory_cfg.pin_memory, debug_poison=memory_cfg.debug_poison)
+
+
+@dataclass
+class MemoryHandle:
+    """The techniques applied to one model; undo them with remove()."""
+
+    model: nn.Module
+    device: torch.device
+    plan: Plan
+    mode: RunMode
+    fp8: Fp8Handle | None = None
+    streaming: StreamingHandle | None = None
+    checkpointing: CheckpointHandle | None = None
+
+    def forward_only(self, enabled: bool) -> None:
+        """Sampling mode: blocks run without autograd and the streaming ring keeps cycling across
+        calls (the next denoising step's first blocks are fetched at the end of the current one)."""
+        self.mode.forward_only = bool(enabled)
+
+    def step_report(self, wait: bool = False) -> dict:
+        """Counters since the previous report: bytes moved host->device, copies, copy time, time
+        compute waited on copies (stall), ring slots; and activation offload bytes. On CUDA, copies
+        still in flight are counted in a later report unless `wait`."""
+        rep: dict = {"streamed_units": 0, "bytes_h2d": 0, "copies": 0, "demand_fetches": 0, "copy_s": 0.0,
+                     "stall_s": 0.0, "h2d_GBps": None, "slots": 0, "slot_bytes": 0, "slots_held_max": 0,
+                     "slots_valid": 0}
+        if self.streaming is not None:
+            rep.update(self.streaming.engine.report(wait))
+        if self.checkpointing is not None:
+            rep.update(self.checkpointing.report())
+        return rep
+
+    def describe(self) -> list[str]:
+        lines = []
+        if self.fp8 is not None:
+            lines.append(self.fp8.describe())
+        if self.checkpointing is not None:
+            lines.append(self.checkpointing.describe())
+        if self.streaming is not None:
+            lines.append(self.streaming.describe())
+        return lines or ["memory: nothing applied (all weights resident, no checkpointing)"]
+
+    def remove(self, device: torch.device | str | None = None) -> None:
+        """Restore the plain model: weights back as ordinary parameters on `device` (default: the
+        engine's device)."""
+        if self.checkpointing is not None:
+            remove_checkpointing(self.checkpointing)
+            self.checkpointing = None
+        if self.streaming is not None:
+            remove_streaming(self.streaming, device or self.device)
+            self.streaming = None
+        if self.fp8 is not None:
+            remove_fp8_storage(self.fp8)
+            self.fp8 = None
+        if device is not None:
+            _place(self.model, torch.device(device))
+        self.model.__dict__.pop(_APPLIED_ATTR, None)
+
+
+def _place(model: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer that is not on `device` there, keeping Parameter identity
+    (optimizers and peft keep their references)."""
+    with torch.no_grad():
+        for m in model.modules():
+            for p in m._parameters.values():
+                if p is not None and p.device != device:
+                    p.data = p.data.to(device)
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[name] = b.to(device)
+
+
+def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device) -> None:
+    """Reject impossible combinations before touching the model; messages name the [memory] key."""
+    if plan.checkpointing not in ("none", "blocks", "offload"):
+        raise ValueError(f"memory.checkpointing must be \"none\", \"blocks\" or \"offload\", got {plan.checkpointing!r}")
+    if plan.ring_slots < 2:
+        raise ValueError(f"memory.ring_slots must be >= 2 (one slot computes while the next fills), "
+                         f"got {plan.ring_slots}")
+    names = [n for n, _ in spec.blocks(model)]
+    known = set(names)
+    unknown = [n for n in plan.streamed_blocks if n not in known]
+    if unknown:
+        raise ValueError(f"memory.streamed_blocks: unknown block names {unknown}; names look like "
+                         f"{names[0]!r} ... {names[-1]!r}")
+    if len(set(plan.streamed_blocks)) != len(plan.streamed_blocks):
+        raise ValueError("memory.streamed_blocks: a block is listed twice")
+    if getattr(model, "gradient_checkpointing", False):
+        raise ValueError("memory.checkpointing: the model has diffusers' own gradient checkpointing switched on; "
+                         "set [memory] checkpointing = \"blocks\" instead of calling enable_gradient_checkpointing()")
+    if _APPLIED_ATTR in model.__dict__:
+        raise ValueError("apply_memory: this model already has the memory engine applied; call remove() first")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"apply_memory: device {device} requested but CUDA is not available")
+    if plan.debug_poison and not (plan.streamed_blocks or plan.stream_non_blocks):
+        log.warning("memory.debug_poison has no effect without streaming (memory.streamed_blocks = 0)")
+
+
+def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str = "cpu", *,
+                 fp8_scales: Mapping[str, torch.Tensor] | None = None) -> MemoryHandle:
+    """Apply the plan to `model` (adapters already added) and move it to `device`, except the
+    streamed weights, which stay in host memory and visit the device in ring slots.
+
+    `fp8_scales`: scales of block Linear weights the loader kept in e4m3 (see fp8.apply_fp8_storage).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    validate(model, spec, plan, device)
+    mode = RunMode()
+    handle = MemoryHandle(model=model, device=device, plan=plan, mode=mode)
+    try:
+        if plan.fp8:                                                     # 2. fp8 storage
+            handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales,
+                                           work_device=device if device.type == "cuda" else None)
+        streaming = bool(plan.streamed_blocks) or plan.stream_non_blocks
+        if streaming:                                                    # 3. streaming (inner wrapper)
+            handle.streaming = apply_streaming(model, spec, plan, device,
+                                               checkpointed=plan.checkpointing != "none", mode=mode)
+        if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
+            handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",
+                                                       mode=mode)
+        _place(model, device)                                            # 5. the resident set
+    except BaseException:
+        handle.remove()
+        raise
+    model.__dict__[_APPLIED_ATTR] = True
+    for line in handle.describe():
+        log.info(line)
+    return handle

@@ -1,0 +1,277 @@
+"""Scaled fp8 storage for the Linear weights inside transformer blocks.
+
+What it trades: each frozen block Linear weight is stored as float8 e4m3 (1 byte per value instead
+of 2 for bf16) plus a small fp32 scale tensor, and is dequantized to the input's dtype inside the
+forward. That halves the resident (or streamed) bytes of those weights for one elementwise
+dequantization per call; the matmul itself still runs in the compute dtype.
+
+How it works:
+- Scales are per output row and per block of 64 input features (`scale` shape (out, in/64));
+  a Linear whose input width is not a multiple of 64 falls back to one scale per row ((out, 1)).
+  Block scales keep one outlier from flattening the resolution of a whole row.
+- The Linear module stays the same `nn.Linear` instance (peft and diffusers still recognise it):
+  its `weight` Parameter now holds e4m3 data, a `weight_scale` buffer is registered beside it, and
+  an instance-level `forward` calls `_Fp8Linear`, an autograd Function that saves the fp8 weight
+  and scale (not the dequantized copy) and dequantizes again in backward. Saved activations thus
+  stay small, and when the block streams, the saved weight is a view of a streaming slot that the
+  streaming engine can replace with a handle.
+- Skipped, kept in the compute dtype: modulation/adaLN linears and norms (the spec's `fp8_skip`),
+  biases, everything outside the blocks (embedders, final layer), and adapter weights: peft's
+  `lora_A`/`lora_B` are never touched (only the wrapped `base_layer` of a peft layer is stored in
+  fp8), so LoRA trains in its own dtype.
+- An fp8 checkpoint (ComfyUI e4m3 files) is kept as it is: a block Linear whose weight already has
+  dtype float8_e4m3fn is not requantized; its scale comes from a `weight_scale` buffer the loader
+  attached, or from `scales[name]`, or is 1. Nothing round-trips through bf16 in host RAM.
+
+Differs from kohya's `--fp8_base` (which casts every parameter, norms and modulation included, to
+unscaled fp8) and from diffusers' layerwise casting (unscaled, and it needs a bf16 model first).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.spec import ModelSpec
+
+log = logging.getLogger("leantune.memory")
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0              # largest finite e4m3fn value
+SCALE_BLOCK = 64             # input features per scale
+SCALE_ATTR = "weight_scale"  # buffer name of the scale beside the fp8 weight
+
+
+# -- quantization math -----------------------------------------------------------------------------
+
+def quantize(weight: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (q (out, in) e4m3, scale fp32 (out, in/block) or (out, 1)).
+
+    Each scale maps the block's largest magnitude onto FP8_MAX; an all-zero block gets scale 1.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"fp8 quantize expects a 2-D Linear weight, got shape {tuple(weight.shape)}")
+    out_f, in_f = weight.shape
+    nb = in_f // block if (block and in_f % block == 0) else 1
+    w = weight.detach().float().reshape(out_f, nb, in_f // nb)            # (out, nb, in/nb)
+    amax = w.abs().amax(dim=-1)                                            # (out, nb)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))   # (out, nb)
+    q = (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(out_f, in_f), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(out, in) e4m3 and (out, nb) scale -> (out, in) weight in `dtype` (one temporary)."""
+    out_f, in_f = q.shape
+    nb = scale.shape[-1]
+    w = q.to(dtype)                                                        # exact: e4m3 fits bf16/fp16/fp32
+    w.view(out_f, nb, in_f // nb).mul_(scale.to(dtype)[..., None])
+    return w
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x @ dequant(q, scale)^T + b, saving the fp8 weight rather than its dequantized copy."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias):
+        w = dequantize(q, scale, x.dtype)                                  # (out, in)
+        b = None if bias is None else bias.to(x.dtype)
+        ctx.save_for_backward(q, scale)
+        ctx.bias_needs_grad = bias is not None and bias.requires_grad
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x, w, b)                                           # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, scale = ctx.saved_tensors
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w = dequantize(q, scale, grad_out.dtype)
+            grad_x = grad_out @ w                                          # (..., in)
+        if ctx.bias_needs_grad:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, None, None, grad_b
+
+
+class _Fp8Forward:
+    """Instance-level forward of an fp8-stored nn.Linear; reads the weight at call time so a
+    streamed weight (re-pointed at a slot) is always the current one."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.linear
+        return _Fp8Linear.apply(x, lin.weight, getattr(lin, SCALE_ATTR), lin.bias)
+
+
+# -- applying to a model ---------------------------------------------------------------------------
+
+def adapter_module_ids(module: nn.Module) -> set[int]:
+    """ids of every module that belongs to a peft adapter (lora_A/lora_B/... containers) under
+    `module`; their weights are never quantized or streamed."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # peft is a dependency, but a model without adapters needs nothing from it
+        return set()
+    ids: set[int] = set()
+    for m in module.modules():
+        if isinstance(m, BaseTunerLayer):
+            for name in tuple(m.adapter_layer_names) + tuple(getattr(m, "other_param_names", ())):
+                container = getattr(m, name, None)
+                if isinstance(container, nn.Module):
+                    ids.update(id(x) for x in container.modules())
+    return ids
+
+
+def adapter_param_ids(module: nn.Module) -> set[int]:
+    """ids of adapter parameters under `module` (including ParameterDict-held ones)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return set()
+    ids: set[int] = set()
+    for m in module.modules():
+        if isinstance(m, BaseTunerLayer):
+            for name in tuple(m.adapter_layer_names):
+                container = getattr(m, name, None)
+                if isinstance(container, (nn.Module,)):
+                    ids.update(id(p) for p in container.parameters())
+    return ids
+
+
+def block_linears(spec: ModelSpec, model: nn.Module) -> list[tuple[str, str, nn.Linear]]:
+    """Every base nn.Linear inside the spec's blocks as (qualified name, name relative to the block,
+    module). peft's wrapper names are folded: 'attn.to_q.base_layer' is reported as 'attn.to_q'."""
+    out = []
+    for block_name, block in spec.blocks(model):
+        skip = adapter_module_ids(block)
+        for rel, m in block.named_modules():
+            if id(m) in skip or type(m) is not nn.Linear:
+                continue
+            rel = rel[: -len(".base_layer")] if rel.endswith(".base_layer") else rel
+            out.append((f"{block_name}.{rel}", rel, m))
+    return out
+
+
+@dataclass
+class Fp8Handle:
+    """What apply_fp8_storage changed, so remove_fp8_storage can undo it."""
+
+    linears: dict[str, nn.Linear] = field(default_factory=dict)   # qualified name -> fp8 Linear
+    compute_dtype: torch.dtype = torch.bfloat16
+    bytes_before: int = 0
+    bytes_after: int = 0
+    kept: list[str] = field(default_factory=list)                 # block Linears left in compute dtype
+
+    def describe(self) -> str:
+        blocks = {n.rsplit(".", 1)[0] for n in self.linears}
+        nblocks = len({".".join(n.split(".")[:2]) for n in self.linears}) if self.linears else 0
+        del blocks
+        return (f"fp8: {len(self.linears)} Linear weights in {nblocks} blocks stored as e4m3 "
+                f"(scales per row x {SCALE_BLOCK} inputs), {_gb(self.bytes_before)} -> {_gb(self.bytes_after)}; "
+                f"{len(self.kept)} modulation/norm Linears kept in {str(self.compute_dtype).replace('torch.', '')}")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GB" if n >= 2**28 else f"{n / 2**20:.1f} MB"
+
+
+def _default_compute_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return p.dtype
+    return torch.bfloat16
+
+
+def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str, torch.Tensor] | None = None,
+                      compute_dtype: torch.dtype | None = None, work_device: str | torch.device | None = None
+                      ) -> Fp8Handle:
+    """Store the block Linear weights of `model` as block-scaled e4m3, in place.
+
+    `scales`: per-Linear scales of weights that are already e4m3 (qualified name -> tensor of shape
+    (), (out,), (out, 1) or (out, nb)). `compute_dtype`: dtype of skipped Linears that arrive as fp8
+    (default: the model's first non-fp8 floating dtype). `work_device`: where to run the
+    quantization arithmetic (a GPU makes a 12B model quick); results return to each weight's device.
+    """
+    scales = dict(scales or {})
+    compute_dtype = compute_dtype or _default_compute_dtype(model)
+    handle = Fp8Handle(compute_dtype=compute_dtype)
+    for block_name, block in spec.blocks(model):
+        for name, p in block.named_parameters():
+            if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and ".lora_" in f".{name}":
+                raise ValueError(
+                    f"memory.fp8: adapter weight {block_name}.{name} has dtype {p.dtype}; adapters must stay in "
+                    f"their own dtype (cast LoRA parameters to float32 after adding them)")
+    for qname, rel, lin in block_linears(spec, model):
+        w = lin.weight
+        if w.requires_grad:
+            raise ValueError(
+                f"memory.fp8: {qname}.weight is trainable; fp8 storage is for frozen base weights "
+                f"(LoRA bases, sampling). Freeze the base model or set [memory] fp8 = false")
+        if w.dtype == torch.float8_e5m2:
+            raise ValueError(f"memory.fp8: {qname}.weight is float8_e5m2; only e4m3fn checkpoints are supported")
+        prequantized = w.dtype == FP8_DTYPE
+        given = scales.pop(qname, None)
+        if given is None and hasattr(lin, SCALE_ATTR):
+            given = getattr(lin, SCALE_ATTR)
+        if spec.keeps_compute_dtype(rel):
+            if prequantized:      # a modulation/norm Linear that arrived in fp8: back to compute dtype
+                s = _scale_for(given, w.shape, qname)
+                with torch.no_grad():
+                    w.data = dequantize(w.data, s.to(w.device), compute_dtype)
+                if hasattr(lin, SCALE_ATTR):
+                    delattr(lin, SCALE_ATTR)
+            handle.kept.append(qname)
+            continue
+        handle.bytes_before += w.numel() * (2 if prequantized else w.element_size())
+        with torch.no_grad():
+            if prequantized:
+                q, s = w.data, _scale_for(given, w.shape, qname).to(w.device)
+            else:
+                src = w.data.to(work_device) if work_device is not None else w.data
+                q, s = quantize(src)
+                q, s = q.to(w.device), s.to(w.device)
+            w.data = q
+        if hasattr(lin, SCALE_ATTR):
+            delattr(lin, SCALE_ATTR)
+        lin.register_buffer(SCALE_ATTR, s)
+        lin.forward = _Fp8Forward(lin)
+        handle.bytes_after += q.numel() + s.numel() * s.element_size()
+        handle.linears[qname] = lin
+    if scales:
+        raise ValueError(f"memory.fp8: scales given for modules that are not fp8 block Linears: {sorted(scales)[:5]}")
+    return handle
+
+
+def _scale_for(given: torch.Tensor | None, shape: torch.Size, qname: str) -> torch.Tensor:
+    """A checkpoint's scale (scalar, per row or per block) as an fp32 (out, nb) tensor."""
+    out_f, in_f = shape
+    if given is None:
+        return torch.ones(out_f, 1)
+    s = given.detach().float()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(out_f, 1).clone()
+    if s.dim() == 1 and s.shape[0] == out_f:
+        return s.reshape(out_f, 1).clone()
+    if s.dim() == 2 and s.shape[0] == out_f and in_f % s.shape[1] == 0:
+        return s.clone()
+    raise ValueError(f"memory.fp8: scale of {qname} has shape {tuple(s.shape)}, which does not fit weight {tuple(shape)}")
+
+
+def remove_fp8_storage(handle: Fp8Handle, dtype: torch.dtype | None = None) -> None:
+    """Dequantize every fp8 weight back to `dtype` (default: the compute dtype) and drop the forward
+    override. Lossy by nature: the original weights were not kept."""
+    dtype = dtype or handle.compute_dtype
+    for lin in handle.linears.values():
+        with torch.no_grad():
+            lin.weight.data = dequantize(lin.weight.data, getattr(lin, SCALE_ATTR), dtype)
+        delattr(lin, SCALE_ATTR)
+        if isinstance(lin.__dict__.get("forward"), _Fp8Forward):
+            del lin.forward
+    handle.linears.clear()

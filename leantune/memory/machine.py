@@ -1,0 +1,147 @@
+"""What the machine can do: free VRAM, host-to-device bandwidth, compute speed, host RAM.
+
+The planner predicts a step time from compute versus exposed transfer, so it needs three rates:
+how fast weights cross PCIe (pinned and pageable), how fast the GPU computes a transformer block,
+and how fast device memory is (fp8 dequantisation and copy/compute contention cost HBM traffic).
+With a GPU they are measured by a short probe (about a second: a few 256 MiB copies and a few bf16
+matmuls); without one the planner uses assumed values for a typical consumer card on PCIe Gen4
+(RTX 4090 class, about 25 GB/s pinned) and says so in its report, so `leantune plan` works on a
+laptop with no GPU. Host RAM is read from /proc/meminfo (no psutil dependency).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+GiB = 2**30
+
+# Assumed rates without a GPU to measure. PCIe Gen4 x16 measures 24-27 GB/s pinned; pageable copies
+# are 1.2-1.5x slower for large buffers. 70 TFLOP/s is the sustained bf16 rate a 4090 reaches in a
+# Flux training step (about 42% of its 165 TFLOP/s dense peak); HBM ~1 TB/s.
+ASSUMED = dict(
+    h2d_pinned=25e9,
+    h2d_pageable=18e9,
+    d2h=25e9,
+    flops=70e12,
+    hbm=1.0e12,
+)
+# A measured 8192^3 bf16 GEMM is the best case; a transformer step (attention, norms, small
+# LoRA matmuls, launch gaps) sustains a fraction of it. Calibration corrects the rest.
+STEP_EFFICIENCY = 0.6
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rates in bytes/s and FLOP/s; sizes in bytes. `measured` is False for assumed values."""
+
+    name: str
+    vram_total: int | None          # None: no GPU here (plan for a budget given by the user)
+    vram_free: int | None
+    h2d_pinned: float
+    h2d_pageable: float
+    d2h: float
+    flops: float                    # sustained bf16 FLOP/s of a transformer training step
+    hbm: float                      # device memory bandwidth
+    host_ram_total: int
+    host_ram_available: int
+    measured: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        src = "measured" if self.measured else "assumed (no GPU to measure)"
+        vram = (f"{self.vram_free / GiB:.1f}/{self.vram_total / GiB:.1f} GiB free"
+                if self.vram_total else "VRAM unknown")
+        return (f"{self.name}: {vram}, H2D {self.h2d_pinned / 1e9:.1f} GB/s pinned / "
+                f"{self.h2d_pageable / 1e9:.1f} GB/s pageable, {self.flops / 1e12:.0f} TFLOP/s sustained, "
+                f"HBM {self.hbm / 1e12:.2f} TB/s, host RAM {self.host_ram_available / GiB:.1f}/"
+                f"{self.host_ram_total / GiB:.1f} GiB available [{src}]")
+
+
+def host_ram() -> tuple[int, int]:
+    """(total, available) host RAM in bytes from /proc/meminfo; MemAvailable counts reclaimable cache."""
+    total = avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key == "MemTotal":
+                    total = int(rest.split()[0]) * 1024
+                elif key == "MemAvailable":
+                    avail = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    if total is None:  # not Linux: fall back to POSIX sysconf
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, avail if avail is not None else total
+
+
+def assumed_machine(vram_total: int | None = None) -> Machine:
+    """A machine with the assumed rates; VRAM as given (the user's budget) or unknown."""
+    total, avail = host_ram()
+    return Machine(name="assumed GPU (PCIe Gen4 x16)", vram_total=vram_total, vram_free=vram_total,
+                   host_ram_total=total, host_ram_available=avail, measured=False, **ASSUMED)
+
+
+def probe_machine(device: str | torch.device | None = None, quick: bool = True) -> Machine:
+    """Measure the machine when a CUDA device is present, else return assumed rates.
+
+    `quick` keeps the probe near one second; the long form averages more repetitions.
+    """
+    if not torch.cuda.is_available():
+        return assumed_machine()
+    dev = torch.device(device or "cuda")
+    if dev.type != "cuda":
+        return assumed_machine()
+    reps = 3 if quick else 10
+    free, total = torch.cuda.mem_get_info(dev)
+    ram_total, ram_avail = host_ram()
+    size = 256 * 2**20
+    with torch.cuda.device(dev):
+        dst = torch.empty(size, dtype=torch.uint8, device=dev)
+        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        pageable = torch.empty(size, dtype=torch.uint8)
+        h2d_pinned = size / _time_cuda(lambda: dst.copy_(pinned, non_blocking=True), reps)
+        h2d_pageable = size / _time_cuda(lambda: dst.copy_(pageable), reps)
+        d2h = size / _time_cuda(lambda: pinned.copy_(dst, non_blocking=True), reps)
+        other = torch.empty_like(dst)
+        hbm = 2 * size / _time_cuda(lambda: other.copy_(dst), reps)   # read + write
+        del dst, pinned, pageable, other
+        n = 4096
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        gemm = 2 * n**3 / _time_cuda(lambda: a @ b, reps * 3)
+        del a, b
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(dev)
+    return Machine(name=name, vram_total=total, vram_free=free, h2d_pinned=h2d_pinned, h2d_pageable=h2d_pageable,
+                   d2h=d2h, flops=gemm * STEP_EFFICIENCY, hbm=hbm, host_ram_total=ram_total,
+                   host_ram_available=ram_avail, measured=True)
+
+
+def _time_cuda(fn, reps: int) -> float:
+    """Median seconds of `fn` on the current stream, timed with CUDA events after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    times.sort()
+    return max(times[len(times) // 2], 1e-9)
+
+
+def with_vram(machine: Machine, vram_total: int) -> Machine:
+    """The same machine with a given VRAM size (planning for a budget on another card)."""
+    return replace(machine, vram_total=vram_total, vram_free=vram_total)
+
+

@@ -1,0 +1,485 @@
+"""LoRA files: read every common Flux LoRA layout, write ComfyUI/kohya and diffusers files.
+
+In memory a LoRA is a `LoraWeights`: one `LoraModule(down (r, in), up (out, r), alpha)` per
+diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in three ways:
+
+* names: kohya / ComfyUI use BFL module paths (`lora_unet_double_blocks_0_img_attn_qkv`),
+  diffusers / ai-toolkit use diffusers paths with a `transformer.` prefix, some tools use BFL
+  paths with a `diffusion_model.` prefix;
+* fusing: BFL's q, k, v (and, in single blocks, the MLP input) are one Linear, so a kohya file
+  holds one LoRA for what diffusers trains as three or four. We fuse exactly: down = cat(A_q, A_k,
+  A_v) (3r, in), up = block_diag(B_q, B_k, B_v) (3d, 3r), alpha = 3 * alpha, so that the fused
+  scale alpha / 3r equals each part's alpha / r and the delta of every row block is unchanged.
+  Missing parts are zero blocks. On import a block-diagonal fused LoRA is split back the same
+  way diffusers' `_convert_kohya_flux_lora_to_diffusers` does (equal rank chunks), and a dense one
+  is split by rows with the down matrix shared, which is exact too;
+* alpha: kohya stores `<module>.alpha`; diffusers stores the LoraConfig (r, lora_alpha,
+  rank_pattern, alpha_pattern) as JSON in the `lora_adapter_metadata` header; ai-toolkit stores
+  none, meaning alpha = rank.
+
+Only safetensors are read or written (io.py refuses pickle); saves are atomic. Any key we do not
+understand is an error naming the file and the key, except text-encoder LoRA keys, which Flux
+LoRA training here does not use: those are reported in a warning and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from leantune.io import load_safetensors, save_safetensors
+
+from .lora_keys import (
+    FusedTarget,
+    target_for_bfl,
+    target_for_diffusers,
+    target_for_kohya,
+)
+
+LoraFileFormat = Literal["comfyui", "diffusers"]
+FORMATS = ("comfyui", "diffusers")
+ADAPTER_METADATA_KEY = "lora_adapter_metadata"     # diffusers' header key for the LoraConfig JSON
+DIFFUSERS_PREFIX = "transformer."
+# Header keys that describe one file layout; they are rewritten, never passed through a conversion.
+_LAYOUT_KEYS = {ADAPTER_METADATA_KEY, "format", "leantune_format"}
+
+
+class LoraFormatError(ValueError):
+    """A LoRA file (or LoraWeights) that cannot be read, written or applied; names file and key."""
+
+
+class IgnoredKeysWarning(UserWarning):
+    """Keys of a LoRA file that were skipped on purpose (text-encoder LoRA)."""
+
+
+@dataclass
+class LoraModule:
+    """One Linear's LoRA: delta W (out, in) = alpha / rank * up @ down."""
+
+    down: torch.Tensor        # (r, in)  lora_down / lora_A
+    up: torch.Tensor          # (out, r) lora_up / lora_B
+    alpha: float
+    key: str = ""             # the file key it came from, for error messages
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self) -> torch.Tensor:
+        """The weight delta (out, in) in fp32."""
+        return self.scale * (self.up.float() @ self.down.float())
+
+
+@dataclass
+class LoraWeights:
+    """A LoRA for a Flux transformer, keyed by diffusers module names relative to the transformer."""
+
+    modules: dict[str, LoraModule]
+    metadata: dict[str, str] = field(default_factory=dict)   # file header (ss_* training notes ...)
+    source: str = "<memory>"                                   # file it was read from
+    format: str = ""                                           # layout it was read from
+    ignored: list[str] = field(default_factory=list)           # keys skipped (text-encoder LoRA)
+
+
+# -- fusing and splitting --------------------------------------------------------------------------
+
+def _swap_halves(up: torch.Tensor, where: str) -> torch.Tensor:
+    if up.shape[0] % 2:
+        raise LoraFormatError(f"{where}: the final-layer modulation LoRA needs an even number of output rows, "
+                              f"got {tuple(up.shape)}")
+    half = up.shape[0] // 2
+    return torch.cat([up[half:], up[:half]], dim=0)
+
+
+def _part_rows(target: FusedTarget, rows: int, where: str) -> list[int]:
+    total = sum(target.widths)
+    if rows % total:
+        raise LoraFormatError(f"{where}: {rows} output rows cannot be split into {target.parts} "
+                              f"in proportions {target.widths}")
+    unit = rows // total
+    return [w * unit for w in target.widths]
+
+
+def split_fused(target: FusedTarget, fused: LoraModule, where: str) -> dict[str, LoraModule]:
+    """Split a LoRA on a BFL Linear into LoRAs on its diffusers parts, exactly.
+
+    A block-diagonal fused LoRA (equal rank chunks, as kohya split-qkv and our exports write) gives
+    each part its own chunk at the same scale; all-zero parts (absent when fused) are dropped. A
+    dense one gives every part the whole down matrix and its rows of the up matrix.
+    """
+    up = _swap_halves(fused.up, where) if target.swap_halves else fused.up
+    n = len(target.parts)
+    if n == 1:
+        return {target.parts[0]: LoraModule(fused.down, up, fused.alpha, fused.key)}
+    dims = _part_rows(target, up.shape[0], where)
+    rank = fused.rank
+    starts = [sum(dims[:j]) for j in range(n)]
+    if rank % n == 0:
+        r = rank // n
+        block_diagonal = all(
+            not torch.any(up[starts[j]:starts[j] + dims[j], k * r:(k + 1) * r])
+            for j in range(n) for k in range(n) if j != k
+        )
+        if block_diagonal:
+            out = {}
+            for j, name in enumerate(target.parts):
+                down_j = fused.down[j * r:(j + 1) * r]
+                up_j = up[starts[j]:starts[j] + dims[j], j * r:(j + 1) * r]
+                if torch.any(down_j) or torch.any(up_j):
+                    # Same scale as the fused LoRA: alpha_j / r = alpha / (n r). Clones: each part
+                    # owns its storage, as safetensors refuses tensors that share memory.
+                    out[name] = LoraModule(down_j.clone(), up_j.clone(), fused.alpha / n, fused.key)
+            return out
+    return {
+        name: LoraModule(fused.down.clone(), up[starts[j]:starts[j] + dims[j]].clone(), fused.alpha, fused.key)
+        for j, name in enumerate(target.parts)
+    }
+
+
+def fuse_parts(target: FusedTarget, parts: dict[int, LoraModule]) -> LoraModule:
+    """The LoRA on a BFL Linear equivalent to LoRAs on some of its diffusers parts (others zero).
+
+    With equal ranks and scales (what training produces) the weights are copied untouched and
+    alpha becomes n * alpha; otherwise each part's scale is folded into its up matrix relative to
+    the first part's scale, so the delta stays exact either way.
+    """
+    where = target.bfl
+    present = sorted(parts)
+    first = parts[present[0]]
+    if len(target.parts) == 1:
+        up = _swap_halves(first.up, where) if target.swap_halves else first.up
+        return LoraModule(first.down, up, first.alpha, target.kohya)
+    in_features = first.down.shape[1]
+    units = set()
+    for j in present:
+        m = parts[j]
+        if m.down.shape[1] != in_features:
+            raise LoraFormatError(f"{target.parts[j]}: LoRA input width {m.down.shape[1]} differs from "
+                                  f"{target.parts[present[0]]}'s {in_features}; they share one input in {where}")
+        if m.up.shape[0] % target.widths[j]:
+            raise LoraFormatError(f"{target.parts[j]}: {m.up.shape[0]} output rows do not fit {where}")
+        units.add(m.up.shape[0] // target.widths[j])
+    if len(units) != 1:
+        raise LoraFormatError(f"{where}: the parts' output widths {[tuple(parts[j].up.shape) for j in present]} "
+                              f"are not in the proportions {target.widths}")
+    unit = units.pop()
+    dtype = torch.promote_types(first.down.dtype, first.up.dtype)
+    for j in present:
+        dtype = torch.promote_types(dtype, torch.promote_types(parts[j].down.dtype, parts[j].up.dtype))
+    uniform = all(parts[j].rank == first.rank and parts[j].scale == first.scale for j in present)
+    downs, ups = [], []
+    for j in range(len(target.parts)):
+        m = parts.get(j)
+        if m is None:
+            downs.append(torch.zeros(first.rank, in_features, dtype=dtype))
+            ups.append(torch.zeros(target.widths[j] * unit, first.rank, dtype=dtype))
+            continue
+        downs.append(m.down.to(dtype))
+        # Fold a differing scale into up, relative to the fused scale (the first part's).
+        ups.append(m.up.to(dtype) if m.scale == first.scale else (m.up.float() * (m.scale / first.scale)).to(dtype))
+    down = torch.cat(downs, dim=0)                  # (sum r_j, in)
+    up = torch.block_diag(*ups)                     # (sum out_j, sum r_j)
+    if target.swap_halves:
+        up = _swap_halves(up, where)
+    n_rank = down.shape[0]
+    alpha = first.alpha * len(target.parts) if uniform else first.scale * n_rank
+    return LoraModule(down, up, float(alpha), target.kohya)
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+def _most_common(values) -> float | int:
+    return Counter(values).most_common(1)[0][0]
+
+
+def _pattern(name: str) -> str:
+    # peft matches rank/alpha patterns as r"(.*\.)?(pattern)$"; the anchor keeps "proj_out" from
+    # also matching "single_transformer_blocks.0.proj_out".
+    return "^" + re.escape(name)
+
+
+def peft_config_kwargs(weights: LoraWeights) -> dict:
+    """LoraConfig keyword arguments reproducing every module's rank and alpha (peft >= 0.14)."""
+    if not weights.modules:
+        raise LoraFormatError(f"{weights.source}: the LoRA has no modules")
+    names = sorted(weights.modules)
+    ranks = {n: weights.modules[n].rank for n in names}
+    alphas = {n: float(weights.modules[n].alpha) for n in names}
+    r = int(_most_common(ranks.values()))
+    alpha = float(_most_common(alphas.values()))
+    return {
+        "r": r,
+        "lora_alpha": alpha,
+        "rank_pattern": {_pattern(n): v for n, v in ranks.items() if v != r},
+        "alpha_pattern": {_pattern(n): v for n, v in alphas.items() if v != alpha},
+        # A full-match regex: a list would match by suffix and wrap the top-level proj_out too.
+        "target_modules": "^(" + "|".join(re.escape(n) for n in names) + ")$",
+    }
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of tensors whose storage an earlier one uses: safetensors refuses shared memory."""
+    seen, out = set(), {}
+    for k, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+def comfyui_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """kohya / ComfyUI keys: fused BFL modules with lora_down, lora_up and a scalar alpha each."""
+    groups: dict[str, tuple[FusedTarget, dict[int, LoraModule]]] = {}
+    for name, module in weights.modules.items():
+        found = target_for_diffusers(name)
+        if found is None:
+            raise LoraFormatError(f"{weights.source}: module {name!r} is not a Flux transformer Linear with a "
+                                  f"kohya/ComfyUI name")
+        target, part = found
+        groups.setdefault(target.bfl, (target, {}))[1][part] = module
+    out = {}
+    for bfl in sorted(groups):
+        target, parts = groups[bfl]
+        fused = fuse_parts(target, parts)
+        out[f"{target.kohya}.lora_down.weight"] = _cast(fused.down, dtype)
+        out[f"{target.kohya}.lora_up.weight"] = _cast(fused.up, dtype)
+        out[f"{target.kohya}.alpha"] = torch.tensor(fused.alpha, dtype=torch.float32)
+    return _unshared(out)
+
+
+def diffusers_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """diffusers / peft keys: transformer.<module>.lora_A.weight and .lora_B.weight."""
+    out = {}
+    for name in sorted(weights.modules):
+        m = weights.modules[name]
+        out[f"{DIFFUSERS_PREFIX}{name}.lora_A.weight"] = _cast(m.down, dtype)
+        out[f"{DIFFUSERS_PREFIX}{name}.lora_B.weight"] = _cast(m.up, dtype)
+    return _unshared(out)
+
+
+def _header_value(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def file_metadata(weights: LoraWeights, fmt: LoraFileFormat, path: Path, extra: dict | None) -> dict[str, str]:
+    """The header of a saved LoRA: kohya-style ss_* notes (defaults, then the source file's, then
+    the caller's) plus the layout keys of `fmt`."""
+    ranks = [m.rank for m in weights.modules.values()]
+    alphas = [float(m.alpha) for m in weights.modules.values()]
+    meta = {
+        "ss_network_module": "networks.lora_flux",
+        "ss_network_dim": str(_most_common(ranks)),
+        "ss_network_alpha": _header_value(_most_common(alphas)),
+        "ss_base_model_version": "flux1",
+        "ss_output_name": path.stem,
+    }
+    meta.update({k: v for k, v in weights.metadata.items() if k not in _LAYOUT_KEYS})
+    meta.update({k: _header_value(v) for k, v in (extra or {}).items()})
+    meta["leantune_format"] = fmt
+    if fmt == "diffusers":
+        meta["format"] = "pt"
+        config = peft_config_kwargs(weights)
+        # FluxPipeline.save_lora_weights prefixes the config keys with the component name.
+        meta[ADAPTER_METADATA_KEY] = json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
+    return meta
+
+
+def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
+              metadata: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write `weights` as a ComfyUI/kohya or diffusers LoRA file (atomic); `dtype` None keeps theirs."""
+    if fmt not in FORMATS:
+        raise LoraFormatError(f"{path}: unknown LoRA file format {fmt!r}; choose one of {FORMATS}")
+    if not weights.modules:
+        raise LoraFormatError(f"{path}: refusing to write a LoRA with no modules")
+    path = Path(path)
+    tensors = comfyui_state_dict(weights, dtype) if fmt == "comfyui" else diffusers_state_dict(weights, dtype)
+    return save_safetensors(tensors, path, file_metadata(weights, fmt, path, metadata))
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+_ROLE_SUFFIXES = (
+    (".lora_down.weight", "down"), (".lora_up.weight", "up"),
+    (".lora_A.weight", "down"), (".lora_B.weight", "up"),
+    (".alpha", "alpha"),
+)
+_TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.")
+_BFL_PREFIXES = ("diffusion_model.", "model.diffusion_model.")
+_DIFFUSERS_PREFIXES = (DIFFUSERS_PREFIX, "base_model.model.", "")
+_UNSUPPORTED_HINTS = (   # (regex searched in the key, what it is) for a helpful error
+    (r"\.dora_scale$|lora_magnitude_vector", "DoRA"), (r"\.hada_", "LoHa"), (r"\.lokr_", "LoKr"),
+    (r"\.diff(_b)?$", "a full weight difference"), (r"\.lora_(B|up)\.bias$", "a LoRA bias"),
+    (r"\.lora_mid\.", "LoCon"),
+)
+
+
+@dataclass
+class _Entry:
+    """down / up / alpha tensors of one module as found in the file, and their keys."""
+
+    kind: str                               # "kohya" | "bfl" | "diffusers"
+    target: FusedTarget | None = None       # for kohya / bfl: the fused BFL Linear
+    name: str = ""                          # for diffusers: the module name
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+def _classify(stem: str) -> tuple[str, str, FusedTarget | None]:
+    """(kind, unit id, target) of a key without its role suffix; kind 'unknown' if not Flux."""
+    if stem.startswith(_TEXT_ENCODER_PREFIXES):
+        return "text_encoder", stem, None
+    if stem.startswith("lora_unet_"):
+        t = target_for_kohya(stem)
+        return ("kohya", t.bfl, t) if t else ("unknown", stem, None)
+    for prefix in _BFL_PREFIXES:
+        if stem.startswith(prefix):
+            t = target_for_bfl(stem[len(prefix):])
+            return ("bfl", t.bfl, t) if t else ("unknown", stem, None)
+    for prefix in _DIFFUSERS_PREFIXES:
+        if stem.startswith(prefix) and target_for_diffusers(stem[len(prefix):]) is not None:
+            return "diffusers", stem[len(prefix):], None
+    t = target_for_bfl(stem)   # BFL names without a prefix
+    return ("bfl", t.bfl, t) if t else ("unknown", stem, None)
+
+
+def _unknown(source: str, key: str, why: str = "") -> LoraFormatError:
+    hint = next((f" ({what} is not supported)" for pat, what in _UNSUPPORTED_HINTS if re.search(pat, key)), "")
+    return LoraFormatError(f"{source}: key {key!r} is not a Flux transformer LoRA key leantune understands"
+                           f"{hint}{why}")
+
+
+def _adapter_config(source: str, metadata: dict[str, str]) -> dict | None:
+    """The LoraConfig dict of a diffusers file, unprefixed; None when the header has none."""
+    raw = metadata.get(ADAPTER_METADATA_KEY)
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise LoraFormatError(f"{source}: header key {ADAPTER_METADATA_KEY!r} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise LoraFormatError(f"{source}: header key {ADAPTER_METADATA_KEY!r} is not a JSON object")
+    if any(k.startswith("transformer.") for k in config):
+        config = {k[len("transformer."):]: v for k, v in config.items() if k.startswith("transformer.")}
+    if config.get("use_dora"):
+        raise LoraFormatError(f"{source}: header key {ADAPTER_METADATA_KEY!r} says use_dora; DoRA is not supported")
+    return config
+
+
+def _config_alpha(config: dict, name: str) -> tuple[float | None, bool]:
+    """(alpha, rslora) for a module under a peft LoraConfig dict (peft's pattern rules)."""
+    alpha = config.get("lora_alpha")
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            alpha = value
+            break
+    return (None if alpha is None else float(alpha)), bool(config.get("use_rslora"))
+
+
+def _checked_module(source: str, entry: _Entry, unit: str) -> LoraModule:
+    for role in ("down", "up"):
+        if role not in entry.tensors:
+            have = ", ".join(sorted(entry.keys.values()))
+            peft_name = "lora_A" if role == "down" else "lora_B"
+            raise LoraFormatError(f"{source}: module {unit!r} has no lora_{role} / {peft_name} weight "
+                                  f"(found only {have})")
+    down, up = entry.tensors["down"], entry.tensors["up"]
+    kd, ku = entry.keys["down"], entry.keys["up"]
+    for key, t in ((kd, down), (ku, up)):
+        if t.dim() != 2 or not t.is_floating_point():
+            raise LoraFormatError(f"{source}: key {key!r} should be a 2-D float matrix, got {t.dtype} {tuple(t.shape)}")
+        if not torch.isfinite(t).all():
+            raise LoraFormatError(f"{source}: key {key!r} contains NaN or infinite values")
+    if up.shape[1] != down.shape[0]:
+        raise LoraFormatError(f"{source}: ranks disagree: {kd!r} is {tuple(down.shape)} (rank, in) but {ku!r} is "
+                              f"{tuple(up.shape)} (out, rank)")
+    alpha = float(down.shape[0])
+    if "alpha" in entry.tensors:
+        a = entry.tensors["alpha"]
+        if a.numel() != 1 or not torch.isfinite(a.float()).all():
+            raise LoraFormatError(f"{source}: key {entry.keys['alpha']!r} should be one finite number, "
+                                  f"got {tuple(a.shape)}")
+        alpha = float(a.float().item())
+    return LoraModule(down, up, alpha, kd.rsplit(".", 2)[0])
+
+
+def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                         source: str = "<state dict>") -> LoraWeights:
+    """Parse a LoRA state dict in any supported layout (see the module docstring)."""
+    metadata = dict(metadata or {})
+    config = _adapter_config(source, metadata)
+    entries: dict[str, _Entry] = {}
+    ignored: list[str] = []
+    for key in sorted(tensors):
+        role = stem = None
+        for suffix, r in _ROLE_SUFFIXES:
+            if key.endswith(suffix):
+                role, stem = r, key[: -len(suffix)]
+                break
+        if role is None:
+            if key.startswith(_TEXT_ENCODER_PREFIXES):
+                ignored.append(key)
+                continue
+            raise _unknown(source, key)
+        kind, unit, target = _classify(stem)
+        if kind == "text_encoder":
+            ignored.append(key)
+            continue
+        if kind == "unknown":
+            raise _unknown(source, key)
+        entry = entries.setdefault(f"{kind}:{unit}", _Entry(kind, target, unit if kind == "diffusers" else ""))
+        if role in entry.tensors:
+            raise LoraFormatError(f"{source}: keys {entry.keys[role]!r} and {key!r} give the same tensor twice")
+        entry.tensors[role] = tensors[key]
+        entry.keys[role] = key
+
+    modules: dict[str, LoraModule] = {}
+    origin: dict[str, str] = {}
+    kinds = set()
+    for unit_id, entry in entries.items():
+        unit = unit_id.split(":", 1)[1]
+        module = _checked_module(source, entry, unit)
+        kinds.add(entry.kind)
+        if entry.kind == "diffusers":
+            if "alpha" not in entry.tensors and config is not None:
+                alpha, rslora = _config_alpha(config, unit)
+                if alpha is not None:
+                    # rsLoRA scales by alpha / sqrt(r); express it as our alpha / r.
+                    module.alpha = alpha * math.sqrt(module.rank) if rslora else alpha
+            split = {unit: module}
+        else:
+            split = split_fused(entry.target, module, f"{source}: {entry.keys['down']!r}")
+        for name, m in split.items():
+            if name in modules:
+                raise LoraFormatError(f"{source}: module {name!r} is given twice, by {origin[name]!r} and {m.key!r}")
+            modules[name] = m
+            origin[name] = m.key
+    if ignored:
+        warnings.warn(f"{source}: ignored {len(ignored)} text-encoder LoRA keys (only the Flux transformer is "
+                      f"supported), e.g. {ignored[0]!r}", IgnoredKeysWarning, stacklevel=3)
+    if not modules:
+        raise LoraFormatError(f"{source}: no Flux transformer LoRA keys found")
+    fmt = "mixed" if len(kinds) > 1 else {"kohya": "comfyui", "bfl": "bfl", "diffusers": "diffusers"}[kinds.pop()]
+    return LoraWeights(modules=modules, metadata=metadata, source=source, format=fmt, ignored=ignored)
+
+
+def read_lora(path: str | Path) -> LoraWeights:
+    """Read a LoRA file written by leantune, kohya sd-scripts, ai-toolkit, diffusers or ComfyUI tools."""
+    tensors, metadata = load_safetensors(path)
+    return lora_from_state_dict(tensors, metadata, source=str(path))
