@@ -24,6 +24,17 @@ W, H = 96, 64          # latent 12 x 8: a non-square size catches packing / id m
 MAX_LEN = tiny.T5_TINY_MAX_LENGTH
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models are a few microseconds per op: a second intra-op thread only adds synchronisation,
+    and on a shared 2-core machine it turns every op into a wait (measured 5 ms vs 180 ms per tiny
+    transformer forward under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _eval(components: dict) -> dict:
     # Freshly built transformers models are in train mode (T5 dropout 0.1); pipelines loaded from
     # disk are in eval mode. Compare like with like.
@@ -452,3 +463,208 @@ def test_sample_during_training_matches_sampler_and_restores_state(comps32):
 
     expected = make_grid([Image.fromarray(a) for a in _ours(comps32, seeds=[3, 4])], cols=2)
     assert np.array_equal(np.asarray(grid), np.asarray(expected))
+
+
+# -- the memory engine under sampling -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def comps16():
+    return _eval(tiny.flux_components(seed=4, dtype=torch.bfloat16))
+
+
+def _engine_sample(c, plan, steps=3):
+    from leantune.memory.engine import apply_memory
+    from leantune.models.flux import FLUX_SPEC
+
+    t = copy.deepcopy(c["transformer"]).requires_grad_(False)
+    handle = apply_memory(t, FLUX_SPEC, plan, "cpu")
+    handle.forward_only(True)
+    try:
+        images = _ours(c, transformer=t, steps=steps)
+        units = handle.streaming.unit_bytes() if handle.streaming is not None else {}
+        return images, {**handle.step_report(), "unit_bytes": units}
+    finally:
+        handle.remove()
+
+
+def test_streaming_is_exact_and_fp8_is_near(comps16):
+    """Streamed weights are the same bytes: identical images. fp8 storage rounds the block Linear
+    weights (block-scaled e4m3): at most 8/255 per pixel and 1/255 on average on the tiny model."""
+    from leantune.memory.plan import Plan
+    from leantune.models.flux import FLUX_SPEC
+
+    names = [n for n, _ in FLUX_SPEC.blocks(comps16["transformer"])]
+    resident = _ours(comps16, steps=3)
+    # Every other block streamed, with poison: a released slot is NaN, so a stale weight would show.
+    half, rep = _engine_sample(comps16, Plan(streamed_blocks=tuple(names[1::2]), debug_poison=True))
+    assert np.array_equal(half, resident)
+    # Forward-only keeps the resident blocks in place: only the 2 streamed blocks travel, once per
+    # denoising step (3), plus the ring's prefetch of the next step's first blocks.
+    per_step = sum(rep["unit_bytes"].values())
+    assert len(rep["unit_bytes"]) == 2
+    assert 3 * per_step <= rep["bytes_h2d"] <= 3 * per_step + rep["slots"] * rep["slot_bytes"]
+    everything, _ = _engine_sample(comps16, Plan(streamed_blocks=tuple(names), stream_non_blocks=True,
+                                                 debug_poison=True))
+    assert np.array_equal(everything, resident)
+
+    fp8, _ = _engine_sample(comps16, Plan(fp8=True))
+    diff = np.abs(fp8.astype(int) - resident.astype(int))
+    assert 0 < diff.max() <= 8 and diff.mean() <= 1.0
+    fp8_streamed, _ = _engine_sample(comps16, Plan(fp8=True, streamed_blocks=tuple(names), debug_poison=True))
+    assert np.array_equal(fp8_streamed, fp8)
+
+
+def test_sample_during_training_with_streaming_engine(comps16):
+    """The trainer's model as it trains: a LoRA adapter, streamed blocks, checkpointing, train mode.
+    Sampling reuses it as is and training continues afterwards."""
+    from leantune.config import LoraConfig, SampleConfig
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.infer.sampler import sample_during_training
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.models.flux import FLUX_SPEC, predict
+    from leantune.train.lora import add_lora, apply_lora, lora_weights_from_model
+
+    embeds = encode_prompts_stage(_encoders(comps16), PROMPTS, max_length=MAX_LEN)
+    cfg = SampleConfig(prompts=PROMPTS, seed=5, steps=2, guidance=3.5, width=W, height=H)
+
+    def model_with_adapter():
+        t = copy.deepcopy(comps16["transformer"])
+        params = add_lora(t, FLUX_SPEC, LoraConfig(rank=2, dropout=0.5))   # dropout must be off in samples
+        with torch.no_grad():
+            for p in params:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+        return t, params
+
+    plain, _ = model_with_adapter()
+    expected = sample_during_training(plain.eval(), comps16["vae"], embeds, cfg)
+
+    t, params = model_with_adapter()
+    names = [n for n, _ in FLUX_SPEC.blocks(t)]
+    handle = apply_memory(t, FLUX_SPEC, Plan(streamed_blocks=tuple(names[::2]), checkpointing="blocks",
+                                             debug_poison=True), "cpu")
+    t.train()
+    handle.step_report()
+    grid = sample_during_training(t, comps16["vae"], embeds, cfg, memory_handle=handle)
+    assert np.array_equal(np.asarray(grid), np.asarray(expected))
+    assert grid.size == (2 * W, H)
+    assert t.training and not handle.mode.forward_only
+    # A training step still runs after sampling: gradients reach the adapter through streamed blocks.
+    x = torch.randn(1, (H // 16) * (W // 16), 64, dtype=torch.bfloat16)
+    out = predict(t, x, torch.tensor([0.5]), embeds[0], (H // 8, W // 8), 3.5)
+    out.float().pow(2).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+    assert any(p.grad.abs().sum() > 0 for p in params)
+    handle.remove()
+
+
+# -- `leantune sample`: request -> PNG files ------------------------------------------------------------
+
+def _request(folder, out, **kw):
+    from leantune.infer.request import validate_request
+
+    data = {"model": {"path": str(folder), "dtype": "fp32"}, "prompts": PROMPTS, "seed": 3, "steps": 3,
+            "width": W, "height": H, "max_text_length": MAX_LEN, "out": str(out), **kw}
+    return validate_request(data, "test request")
+
+
+def test_run_sampling_equals_pipeline_from_folder(tiny_flux_dir, tmp_path):
+    """Loading, a LoRA at 0.7, three stages, PNGs with metadata; equal to FluxPipeline.from_pretrained."""
+    from diffusers import FluxPipeline
+
+    from leantune.infer.images import read_png_metadata
+    from leantune.infer.run import run_sampling
+    from leantune.train.lora import save_lora
+
+    lora = save_lora(_random_lora(tiny.flux_transformer(), _DOUBLE_ATTN + _SINGLE, 2, 4.0, 9),
+                     tmp_path / "style.safetensors", "diffusers")
+    result = run_sampling(_request(tiny_flux_dir, tmp_path / "out", lora=[{"path": str(lora), "strength": 0.7}]))
+    assert [f.name for f in result.files] == ["00000-3.png", "00001-4.png"]
+    assert not result.stream_t5 and result.decode_tile is None and result.plan.streamed_blocks == ()
+    meta = read_png_metadata(result.files[1])
+    assert meta["prompt"] == PROMPTS[1] and meta["seed"] == "4" and meta["steps"] == "3"
+    assert meta["guidance"] == "3.5" and meta["width"] == str(W) and meta["height"] == str(H)
+    assert meta["loras"] == f"{lora}:0.7" and meta["model"] == str(tiny_flux_dir) and meta["variant"] == "dev"
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.use_slicing = True
+    pipe.load_lora_weights(str(lora), adapter_name="style")
+    pipe.set_adapters(["style"], [0.7])
+    ref = _u8(_reference(pipe, seeds=[3, 4], steps=3))
+    from PIL import Image
+
+    ours = np.stack([np.asarray(Image.open(f)) for f in result.files])
+    assert np.array_equal(ours, ref)
+
+    # Under a budget smaller than CLIP + T5 + margin, T5 runs block by block: same images, and the
+    # next run's files are numbered after the first run's (nothing is overwritten).
+    tight = run_sampling(_request(tiny_flux_dir, tmp_path / "out", lora=[{"path": str(lora), "strength": 0.7}],
+                                  memory={"vram_budget": "400MiB"}))
+    assert tight.stream_t5
+    assert [f.name for f in tight.files] == ["00002-3.png", "00003-4.png"]
+    assert np.array_equal(np.stack([np.asarray(Image.open(f)) for f in tight.files]), ours)
+
+
+def _sample_cli(argv):
+    import argparse
+
+    from leantune.commands import sample
+
+    parser = argparse.ArgumentParser()
+    sample.configure(parser)
+    return sample.run(parser.parse_args(argv))
+
+
+def test_sample_command_flags_and_toml(tiny_flux_dir, tmp_path, monkeypatch, capsys):
+    from leantune.config import ConfigError
+    from leantune.infer.images import read_png_metadata
+
+    monkeypatch.chdir(tmp_path)
+    rc = _sample_cli(["--model", str(tiny_flux_dir), "--prompt", "a yellow star", "--steps", "2", "--width", "64",
+                      "--height", "64", "--seed", "11", "--out", "flags", "--set", "max_text_length=32"])
+    assert rc == 0
+    files = sorted((tmp_path / "flags").glob("*.png"))
+    assert [f.name for f in files] == ["00000-11.png"]
+    meta = read_png_metadata(files[0])
+    assert meta["prompt"] == "a yellow star" and meta["steps"] == "2" and meta["loras"] == ""
+
+    # The TOML form; flags override its values.
+    (tmp_path / "req").mkdir()
+    toml = tmp_path / "req" / "request.toml"
+    toml.write_text(f'prompts = ["a cyan cross", "a magenta diamond on grey"]\nseed = 1\nsteps = 2\nwidth = 64\n'
+                    f'height = 48\nmax_text_length = 32\nout = "imgs"\n[model]\npath = "{tiny_flux_dir}"\n')
+    assert _sample_cli([str(toml), "--seed", "20"]) == 0
+    files = sorted((tmp_path / "req" / "imgs").glob("*.png"))          # `out` is relative to the TOML file
+    assert [f.name for f in files] == ["00000-20.png", "00001-21.png"]
+    assert read_png_metadata(files[1])["prompt"] == "a magenta diamond on grey"
+    from PIL import Image
+
+    assert Image.open(files[0]).size == (64, 48)
+
+    # Unknown keys and bad values are errors naming the file and the key.
+    toml.write_text(toml.read_text().replace("seed = 1", "sed = 1"))
+    with pytest.raises(ConfigError, match=re.escape(str(toml)) + r": unknown key 'sed'; did you mean 'seed'\?"):
+        _sample_cli([str(toml)])
+    with pytest.raises(ConfigError, match=r"command line: key 'width': .*width = 50 must be a positive multiple"):
+        _sample_cli(["--model", str(tiny_flux_dir), "--prompt", "x", "--width", "50"])
+    with pytest.raises(ConfigError, match=r"unknown key 'lora\[0\]\.strenght'"):
+        _sample_cli(["--model", str(tiny_flux_dir), "--prompt", "x", "--set", "lora=[{path='a', strenght=1}]"])
+    # A corrupt LoRA file: exit status 2 and a message naming the file.
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    capsys.readouterr()
+    rc = _sample_cli(["--model", str(tiny_flux_dir), "--prompt", "x", "--steps", "1", "--width", "64", "--height",
+                      "64", "--lora", f"{bad}:0.5", "--set", "max_text_length=32", "--out", "never"])
+    assert rc == 2
+    assert str(bad) in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def test_lora_argument_parsing():
+    from leantune.infer.request import parse_lora_arg
+
+    assert parse_lora_arg("a.safetensors:0.8") == {"path": "a.safetensors", "strength": 0.8}
+    assert parse_lora_arg("a.safetensors") == {"path": "a.safetensors", "strength": 1.0}
+    assert parse_lora_arg(r"C:\loras\a.safetensors") == {"path": r"C:\loras\a.safetensors", "strength": 1.0}
+    assert parse_lora_arg(r"C:\loras\a.safetensors:-0.5") == {"path": r"C:\loras\a.safetensors", "strength": -0.5}

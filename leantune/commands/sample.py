@@ -35,17 +35,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def request_data(args: argparse.Namespace) -> tuple[dict, str]:
     """The raw request data (file, then flags) and a name for it in error messages."""
+    from pathlib import Path
+
     from leantune.config import apply_overrides
     from leantune.infer.request import parse_lora_arg, read_request_file
 
     data: dict = read_request_file(args.request) if args.request else {}
     source = args.request or "command line"
+    # Paths typed on the command line are relative to the working directory, not the request file.
+    here = lambda p: str(Path(p).expanduser().absolute())  # noqa: E731
     if args.model is not None:
-        data.setdefault("model", {})["path"] = args.model
+        data.setdefault("model", {})["path"] = here(args.model)
     if args.prompt:
         data["prompts"] = list(args.prompt)
     if args.lora:
-        data["lora"] = [parse_lora_arg(x) for x in args.lora]
+        data["lora"] = [{**d, "path": here(d["path"])} for d in map(parse_lora_arg, args.lora)]
+    if args.out is not None:
+        args.out = here(args.out)
     if args.vram is not None:
         data.setdefault("memory", {})["vram_budget"] = args.vram
     for flag, key in (("steps", "steps"), ("guidance", "guidance"), ("seed", "seed"), ("width", "width"),

@@ -103,6 +103,8 @@ def plan_decode(vae, height: int, width: int, tiling: Tiling = "auto", available
     while tile > MIN_TILE_LATENT and available_bytes is not None and \
             estimate_decode_bytes(vae, height, width, dtype, tile) > available_bytes:
         tile -= 8
+    if tile >= longest:         # an image no larger than the smallest tile: tiling would change nothing
+        return DecodePlan(None, whole)
     return DecodePlan(tile, estimate_decode_bytes(vae, height, width, dtype, tile))
 
 

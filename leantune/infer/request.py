@@ -30,7 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import ConfigError, MemoryConfig, ModelConfig, apply_overrides
 
@@ -72,13 +72,12 @@ class SampleRequest(_Strict):
                 raise ValueError(f"prompt #{i + 1} is empty")
         return v
 
-    @model_validator(mode="after")
-    def _size(self):
-        for key in ("width", "height"):
-            v = getattr(self, key)
-            if v < 16 or v % 16:
-                raise ValueError(f"{key} = {v} must be a positive multiple of 16")
-        return self
+    @field_validator("width", "height")
+    @classmethod
+    def _size(cls, v: int, info) -> int:
+        if v < 16 or v % 16:
+            raise ValueError(f"{info.field_name} = {v} must be a positive multiple of 16")
+        return v
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()

@@ -20,12 +20,12 @@ from typing import Callable
 import torch
 
 from ..config import ConfigError, parse_size
-from ..models.flux import FLUX_SPEC, VAE_SCALE_FACTOR
+from ..models.flux import FLUX_SPEC
 from .decode import plan_decode, to_pil, decode_latents, vae_weight_bytes
 from .encode import encode_prompts_stage, module_bytes
 from .images import format_loras, save_png
 from .request import SampleRequest
-from .sampler import denoise, free_device_bytes
+from .sampler import denoise, free_device_bytes, variant_of
 from .schedule import FlowSchedule
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class SamplingResult:
     plan: object = None                                          # the transformer's memory Plan
     stream_t5: bool = False
     decode_tile: int | None = None                               # latent tile size, None when untiled
+    stream_report: dict = field(default_factory=dict)            # the engine's counters for stage 2
 
 
 def pick_device(choice: str) -> torch.device:
@@ -54,9 +55,13 @@ def pick_device(choice: str) -> torch.device:
 
 
 def vram_budget(request: SampleRequest, device: torch.device) -> int | None:
-    """The request's VRAM budget in bytes; None when unlimited (no budget, or sampling on the CPU)."""
+    """The request's VRAM budget in bytes; None when unlimited.
+
+    An explicit size applies on any device: on the CPU the same plan runs with host "slots", which
+    is how the budgeted path is tested without a GPU. "auto" means the free VRAM, so none on a CPU.
+    """
     text = request.memory.vram_budget
-    if text is None or device.type != "cuda":
+    if text is None:
         return None
     if text == "auto":
         return free_device_bytes(device)
@@ -97,36 +102,68 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
                      text_len: int):
     """The memory Plan for the denoising stage: the planner's under a budget, else the explicit [memory]."""
     if budget is not None:
-        from ..memory.planner import Budget, Workload, plan_memory
+        from ..memory.planner import Budget, InfeasibleBudget, Workload, plan_memory
 
+        # Sampling runs in the weights' dtype without autocast; fp8 storage is the planner's call.
         workload = Workload(mode="inference", batch_size=request.batch_size or n_images,
-                            resolutions=[(request.height, request.width)], text_length=text_len, lora_rank=0)
-        return plan_memory(FLUX_SPEC, transformer, workload, Budget(vram_bytes=budget))
+                            buckets=((request.height, request.width),), text_length=text_len, autocast=False,
+                            dtype=_DTYPES[request.model.dtype])
+        try:
+            ram = parse_size(request.memory.ram_budget) if request.memory.ram_budget else None
+            return plan_memory(FLUX_SPEC, transformer, workload, Budget(vram=budget, ram=ram))
+        except (InfeasibleBudget, ValueError) as e:
+            raise ConfigError(f"memory.vram_budget = {request.memory.vram_budget!r}: {e}") from None
     from ..memory.engine import resolve_plan
 
     return resolve_plan(request.memory, FLUX_SPEC, transformer)
 
 
-def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | None = None) -> SamplingResult:
-    """Generate every image of `request` and write them as PNGs with their parameters; returns the files."""
+class FolderComponents:
+    """The models of a request's [model] section, loaded from disk one at a time (flux_loading.py)."""
+
+    def __init__(self, request: SampleRequest):
+        from ..models import flux_loading as fl
+
+        self._fl = fl
+        self.sources = fl.resolve_sources(request.model, Path(request.base_dir))
+        folder = request.resolve(request.model.path)
+        self.schedule_folder = folder if folder.is_dir() else None   # scheduler/scheduler_config.json
+
+    def text_encoders(self, dtype: torch.dtype):
+        return self._fl.load_text_encoders(self.sources, dtype, "cpu")
+
+    def transformer(self, dtype: torch.dtype):
+        return self._fl.load_transformer(self.sources, dtype, "cpu")
+
+    def vae(self, dtype: torch.dtype, device):
+        return self._fl.load_vae(self.sources, dtype, device)
+
+
+def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | None = None,
+                 components=None) -> SamplingResult:
+    """Generate every image of `request` and write them as PNGs with their parameters.
+
+    `components` supplies the models (default: `FolderComponents(request)`, from disk); anything with
+    the same four members works, e.g. the benchmark's random full-size weights. Each model is asked
+    for only when its stage starts, and dropped when it ends.
+    """
     from ..memory.engine import apply_memory
-    from ..models import flux_loading as fl
     from .loras import apply_loras
 
     device = pick_device(request.device)
     dtype = _DTYPES[request.model.dtype]
     budget = vram_budget(request, device)
-    sources = fl.resolve_sources(request.model, Path(request.base_dir))
     prompts, seeds = request.expanded_prompts(), request.seeds()
     loras = [(request.resolve(ref.path), ref.strength) for ref in request.lora]
     for path, _ in loras:
         if not path.is_file():
             raise ConfigError(f"lora: {path}: no such LoRA file")
+    components = components or FolderComponents(request)
     result = SamplingResult(files=[])
 
     # Stage 1: encode every prompt; T5 runs block by block when CLIP + T5 exceed the budget.
     with _Stage("encode", device, result):
-        encoders = fl.load_text_encoders(sources, dtype, "cpu")
+        encoders = components.text_encoders(dtype)
         needed = module_bytes(encoders.text_encoder) + module_bytes(encoders.text_encoder_2) + _MARGIN
         result.stream_t5 = budget is not None and needed > budget
         embeds = encode_prompts_stage(encoders, prompts, max_length=request.max_text_length, device=device,
@@ -136,30 +173,35 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
 
     # Stage 2: denoise; LoRAs first, then the engine places the model (adapters must exist before it).
     with _Stage("denoise", device, result):
-        transformer = fl.load_transformer(sources, dtype, "cpu")
-        variant = request.model.variant if request.model.variant != "auto" else fl.detect_variant(transformer)
-        model_dir = request.resolve(request.model.path)
-        schedule = FlowSchedule.from_model_folder(model_dir if model_dir.is_dir() else None, variant)
+        t0 = time.perf_counter()
+        transformer = components.transformer(dtype).eval().requires_grad_(False)
+        variant = request.model.variant if request.model.variant != "auto" else variant_of(transformer)
+        schedule = FlowSchedule.from_model_folder(components.schedule_folder, variant)
         steps = request.steps or schedule.default_steps
         guidance = schedule.default_guidance if request.guidance is None else request.guidance
         if loras:
             apply_loras(transformer, loras)
         result.plan = transformer_plan(request, transformer, device, budget, len(prompts), embeds[0].t5.shape[1])
         log.info("sample: %s", result.plan.describe())
+        t1 = time.perf_counter()
         handle = apply_memory(transformer, FLUX_SPEC, result.plan, device)
         handle.forward_only(True)
+        t2 = time.perf_counter()
         try:
             latents = denoise(transformer, embeds, seeds, width=request.width, height=request.height, steps=steps,
                               guidance=guidance, schedule=schedule, device=device, dtype=dtype,
                               batch_size=request.batch_size, progress=progress)
+            result.stream_report = handle.step_report(wait=True)
         finally:
             handle.remove()
+        result.timings.update({"denoise.load": t1 - t0, "denoise.place": t2 - t1,
+                               "denoise.steps": time.perf_counter() - t2})
         del transformer, handle
         _release(device)
 
     # Stage 3: decode, tiled when the budget left after the VAE's weights is too small.
     with _Stage("decode", device, result):
-        vae = fl.load_vae(sources, dtype, device)
+        vae = components.vae(dtype, device)
         available = None if budget is None else max(0, budget - vae_weight_bytes(vae) - _MARGIN)
         plan = plan_decode(vae, request.height, request.width, request.vae_tiling, available)
         result.decode_tile = plan.tile_latent
@@ -184,5 +226,4 @@ def _next_index(out_dir: Path) -> int:
     return max(used) + 1 if used else 0
 
 
-__all__ = ["SamplingResult", "run_sampling", "pick_device", "vram_budget", "transformer_plan",
-           "VAE_SCALE_FACTOR"]
+__all__ = ["FolderComponents", "SamplingResult", "run_sampling", "pick_device", "vram_budget", "transformer_plan"]

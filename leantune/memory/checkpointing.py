@@ -100,7 +100,8 @@ class _Group:
 
 
 class ActivationOffloader:
-    def __init__(self) -> None:
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
+        self.min_bytes = min_bytes
         self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "tensors": 0}
         self._streams: dict = {}
         self._last: weakref.ref | None = None
@@ -119,7 +120,7 @@ class ActivationOffloader:
     def hooks(self, group: _Group):
         def pack(t: torch.Tensor):
             if (not t.requires_grad or not t.is_floating_point()
-                    or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES):
+                    or t.numel() * t.element_size() < self.min_bytes):
                 return t
             h = _HostTensor(self, t)
             group.handles.append(h)
@@ -156,14 +157,13 @@ class _PrefetchInputs(torch.autograd.Function):
 
 
 class _CheckpointedForward:
-    def __init__(self, module: nn.Module, offloader: ActivationOffloader | None, mode):
+    def __init__(self, module: nn.Module, offloader: ActivationOffloader | None):
         self.prev = module.__dict__.get("forward")
         self.orig = module.forward
         self.offloader = offloader
-        self.mode = mode
 
     def __call__(self, *args, **kwargs):
-        if not torch.is_grad_enabled() or (self.mode is not None and self.mode.forward_only):
+        if not torch.is_grad_enabled():                # sampling: nothing to save, nothing to recompute
             return self.orig(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -202,26 +202,30 @@ class CheckpointHandle:
     total_blocks: int
 
     def describe(self) -> str:
-        how = "inputs offloaded to pinned host memory" if self.offloader else "inputs kept on device"
+        how = "inputs offloaded to host memory (pinned on CUDA)" if self.offloader else "inputs kept on device"
         return f"checkpointing: {len(self.wrapped)}/{self.total_blocks} blocks, non-reentrant, {how}"
 
     def report(self) -> dict:
         return self.offloader.report() if self.offloader else {}
 
 
-def apply_checkpointing(model: nn.Module, spec: ModelSpec, *, offload: bool = False, mode=None,
-                        blocks: list[str] | None = None) -> CheckpointHandle:
-    """Checkpoint every block of the spec (or the named ones). Apply after streaming."""
+def apply_checkpointing(model: nn.Module, spec: ModelSpec, *, offload: bool = False,
+                        blocks: list[str] | None = None, offload_min_bytes: int = MIN_OFFLOAD_BYTES
+                        ) -> CheckpointHandle:
+    """Checkpoint every block of the spec (or the named ones). Apply after streaming.
+
+    `offload_min_bytes`: saved inputs smaller than this stay on the device.
+    """
     if getattr(model, "gradient_checkpointing", False):
         raise ValueError(
             "memory.checkpointing: the model has diffusers' own gradient checkpointing switched on; "
             "leantune checkpoints blocks itself, so do not call enable_gradient_checkpointing()")
     all_blocks = spec.blocks(model)
     chosen = all_blocks if blocks is None else [(n, b) for n, b in all_blocks if n in set(blocks)]
-    offloader = ActivationOffloader() if offload else None
+    offloader = ActivationOffloader(offload_min_bytes) if offload else None
     wrapped = []
     for _, block in chosen:
-        w = _CheckpointedForward(block, offloader, mode)
+        w = _CheckpointedForward(block, offloader)
         block.forward = w
         wrapped.append((block, w))
     return CheckpointHandle(wrapped, offloader, len(all_blocks))

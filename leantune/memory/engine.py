@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import MemoryConfig
 from ..models.spec import ModelSpec
-from .checkpointing import CheckpointHandle, apply_checkpointing, remove_checkpointing
+from .checkpointing import MIN_OFFLOAD_BYTES, CheckpointHandle, apply_checkpointing, remove_checkpointing
 from .fp8 import Fp8Handle, apply_fp8_storage, remove_fp8_storage
 from .plan import Plan
 from .streaming import RunMode, StreamingHandle, apply_streaming, remove_streaming
@@ -94,8 +94,9 @@ class MemoryHandle:
     checkpointing: CheckpointHandle | None = None
 
     def forward_only(self, enabled: bool) -> None:
-        """Sampling mode: blocks run without autograd and the streaming ring keeps cycling across
-        calls (the next denoising step's first blocks are fetched at the end of the current one)."""
+        """Sampling mode (call the model under torch.no_grad()): the streaming ring keeps cycling
+        across calls, the next denoising step's first blocks being fetched at the end of the current
+        one; resident blocks never move. Grad-enabled calls are refused while it is on."""
         self.mode.forward_only = bool(enabled)
 
     def step_report(self, wait: bool = False) -> dict:
@@ -178,11 +179,13 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
 
 
 def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str = "cpu", *,
-                 fp8_scales: Mapping[str, torch.Tensor] | None = None) -> MemoryHandle:
+                 fp8_scales: Mapping[str, torch.Tensor] | None = None,
+                 offload_min_bytes: int = MIN_OFFLOAD_BYTES) -> MemoryHandle:
     """Apply the plan to `model` (adapters already added) and move it to `device`, except the
     streamed weights, which stay in host memory and visit the device in ring slots.
 
     `fp8_scales`: scales of block Linear weights the loader kept in e4m3 (see fp8.apply_fp8_storage).
+    `offload_min_bytes`: with checkpointing = "offload", smaller saved block inputs stay on the device.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -200,7 +203,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
                                                checkpointed=plan.checkpointing != "none", mode=mode)
         if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",
-                                                       mode=mode)
+                                                       offload_min_bytes=offload_min_bytes)
         _place(model, device)                                            # 5. the resident set
     except BaseException:
         handle.remove()

@@ -170,9 +170,7 @@ class Fp8Handle:
     kept: list[str] = field(default_factory=list)                 # block Linears left in compute dtype
 
     def describe(self) -> str:
-        blocks = {n.rsplit(".", 1)[0] for n in self.linears}
-        nblocks = len({".".join(n.split(".")[:2]) for n in self.linears}) if self.linears else 0
-        del blocks
+        nblocks = len({".".join(n.split(".")[:2]) for n in self.linears})   # "transformer_blocks.3"
         return (f"fp8: {len(self.linears)} Linear weights in {nblocks} blocks stored as e4m3 "
                 f"(scales per row x {SCALE_BLOCK} inputs), {_gb(self.bytes_before)} -> {_gb(self.bytes_after)}; "
                 f"{len(self.kept)} modulation/norm Linears kept in {str(self.compute_dtype).replace('torch.', '')}")
@@ -210,10 +208,6 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
                     f"their own dtype (cast LoRA parameters to float32 after adding them)")
     for qname, rel, lin in block_linears(spec, model):
         w = lin.weight
-        if w.requires_grad:
-            raise ValueError(
-                f"memory.fp8: {qname}.weight is trainable; fp8 storage is for frozen base weights "
-                f"(LoRA bases, sampling). Freeze the base model or set [memory] fp8 = false")
         if w.dtype == torch.float8_e5m2:
             raise ValueError(f"memory.fp8: {qname}.weight is float8_e5m2; only e4m3fn checkpoints are supported")
         prequantized = w.dtype == FP8_DTYPE
@@ -229,6 +223,10 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
                     delattr(lin, SCALE_ATTR)
             handle.kept.append(qname)
             continue
+        if w.requires_grad:
+            raise ValueError(
+                f"memory.fp8: {qname}.weight is trainable; fp8 storage is for frozen base weights "
+                f"(LoRA bases, sampling). Freeze the base model or set [memory] fp8 = false")
         handle.bytes_before += w.numel() * (2 if prequantized else w.element_size())
         with torch.no_grad():
             if prequantized:

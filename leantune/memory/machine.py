@@ -101,27 +101,32 @@ def probe_machine(device: str | torch.device | None = None, quick: bool = True) 
     reps = 3 if quick else 10
     free, total = torch.cuda.mem_get_info(dev)
     ram_total, ram_avail = host_ram()
-    size = 256 * 2**20
     with torch.cuda.device(dev):
-        dst = torch.empty(size, dtype=torch.uint8, device=dev)
-        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        pageable = torch.empty(size, dtype=torch.uint8)
-        h2d_pinned = size / _time_cuda(lambda: dst.copy_(pinned, non_blocking=True), reps)
-        h2d_pageable = size / _time_cuda(lambda: dst.copy_(pageable), reps)
-        d2h = size / _time_cuda(lambda: pinned.copy_(dst, non_blocking=True), reps)
-        other = torch.empty_like(dst)
-        hbm = 2 * size / _time_cuda(lambda: other.copy_(dst), reps)   # read + write
-        del dst, pinned, pageable, other
-        n = 4096
-        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-        gemm = 2 * n**3 / _time_cuda(lambda: a @ b, reps * 3)
-        del a, b
+        h2d_pinned, h2d_pageable, d2h, hbm = _copy_rates(dev, reps)
+        gemm = _gemm_rate(dev, reps * 3)
         torch.cuda.empty_cache()
-    name = torch.cuda.get_device_name(dev)
-    return Machine(name=name, vram_total=total, vram_free=free, h2d_pinned=h2d_pinned, h2d_pageable=h2d_pageable,
-                   d2h=d2h, flops=gemm * STEP_EFFICIENCY, hbm=hbm, host_ram_total=ram_total,
-                   host_ram_available=ram_avail, measured=True)
+    return Machine(name=torch.cuda.get_device_name(dev), vram_total=total, vram_free=free, h2d_pinned=h2d_pinned,
+                   h2d_pageable=h2d_pageable, d2h=d2h, flops=gemm * STEP_EFFICIENCY, hbm=hbm,
+                   host_ram_total=ram_total, host_ram_available=ram_avail, measured=True)
+
+
+def _copy_rates(dev: torch.device, reps: int, size: int = 256 * 2**20) -> tuple[float, float, float, float]:
+    """Bytes/s of pinned H2D, pageable H2D, pinned D2H and device-to-device (read + write) copies."""
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    other = torch.empty_like(dst)
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(size, dtype=torch.uint8)
+    return (size / _time_cuda(lambda: dst.copy_(pinned, non_blocking=True), reps),
+            size / _time_cuda(lambda: dst.copy_(pageable), reps),
+            size / _time_cuda(lambda: pinned.copy_(dst, non_blocking=True), reps),
+            2 * size / _time_cuda(lambda: other.copy_(dst), reps))
+
+
+def _gemm_rate(dev: torch.device, reps: int, n: int = 4096) -> float:
+    """FLOP/s of an n^3 bf16 matmul."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    return 2 * n**3 / _time_cuda(lambda: a @ b, reps)
 
 
 def _time_cuda(fn, reps: int) -> float:

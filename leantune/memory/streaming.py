@@ -28,9 +28,10 @@ How it works:
 - Prefetch follows the expected order: the forward order learned from the previous step, its
   reverse for backward, and at the end of backward (or of a no-grad forward) the start of the next
   forward. A fetch that was not prefetched still happens on demand; order affects speed only.
-- Forward-only mode (sampling) runs units without autograd and keeps the ring cycling across
-  calls: the first units of the next denoising step are fetched at the end of the current one, and
-  a model whose streamed units fit the ring moves nothing after the first step.
+- Forward-only mode (sampling, under no_grad) keeps the ring cycling across calls: the first units
+  of the next denoising step are fetched at the end of the current one, resident blocks never move,
+  and a model whose streamed units fit the ring moves nothing after the first step. A grad-enabled
+  call in that mode is refused rather than silently losing the streamed blocks' gradients.
 - `poison` (debug): a released slot is filled with 0xFF bytes, which is NaN in every float dtype,
   so any use of a weight outside its hold window turns the loss NaN. The same schedule runs on CPU
   (slots are separate host buffers, streams and events are absent), which lets CI test it.
@@ -286,7 +287,6 @@ class StreamingEngine:
         self.poison = plan.debug_poison
         self.stats = _Stats()
         self.stager = _Stager(backend, self.stats) if any(not u.pinned for u in units) else None
-        self.use_direct_on_cpu = plan.pin_memory
         self.fwd_order: list[_Unit] = list(units)     # learned from each forward
         self.order: list[_Unit] = list(units)
         self.cursor = -1
@@ -298,7 +298,6 @@ class StreamingEngine:
         self.callback_queued = False
         self.held = 0
         self.by_storage = {s.buf.untyped_storage().data_ptr(): s for s in slots}
-        self.check_saved = True                       # tests turn this off to show poison catches it
 
     # -- phases (model-level hooks and autograd boundaries) -------------------------------------
     def begin_forward(self) -> None:
@@ -409,7 +408,7 @@ class StreamingEngine:
     def _fetch(self, unit: _Unit, demand: bool) -> None:
         slot = self.slots[unit.slot]
         n = unit.nbytes
-        if unit.pinned or (not self.backend.cuda and self.use_direct_on_cpu):
+        if unit.pinned:
             slot.ready = self._copy_direct(unit.host, slot.buf[:n], slot.free_event)
         else:
             slot.ready = self.stager.submit(unit.host, slot.buf[:n], slot.free_event)
@@ -455,7 +454,8 @@ class StreamingEngine:
     def _prefetch(self) -> None:
         """Fetch the next units of the expected order into free slots, at most one ring ahead."""
         order, k = self.order, len(self.slots)
-        window: list[_Unit] = []
+        # The unit under the cursor may be called again (a group's consecutive modules): keep it.
+        window: list[_Unit] = [order[self.cursor]] if 0 <= self.cursor < len(order) else []
         i = self.cursor + 1
         while i < len(order) and len(window) < k:
             unit = order[i]
@@ -469,14 +469,12 @@ class StreamingEngine:
             owner = slot.owner
             if owner is not None and owner is not unit and (owner.refs > 0 or any(owner is w for w in window)):
                 break                                 # the slot's owner is in use or needed sooner
-            if owner is unit and unit.refs > 0:
-                break
             self._fetch(unit, demand=False)
 
     # -- saved tensors (no checkpointing) --------------------------------------------------------
     def pack(self, t: torch.Tensor):
         slot = self.by_storage.get(t.untyped_storage().data_ptr())
-        if slot is None or not self.check_saved:
+        if slot is None:
             return t
         return _SavedHandle(slot.owner, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
@@ -525,11 +523,11 @@ class _StreamedForward:
 
     def __call__(self, *args, **kwargs):
         eng, unit = self.engine, self.unit
-        if eng.mode.forward_only:
-            with torch.no_grad():
-                return self._held(self.orig, args, kwargs)
         if not torch.is_grad_enabled():
             return self._held(self.orig, args, kwargs)
+        if eng.mode.forward_only:
+            raise RuntimeError("memory engine is in forward-only (sampling) mode but autograd is on: sample "
+                               "under torch.no_grad(), or call forward_only(False) before training")
         eng.acquire(unit)
         try:
             flat, spec = tree_flatten((args, kwargs))
@@ -592,12 +590,19 @@ class StreamingHandle:
         nblocks = sum(1 for u in self.units if u.name != "non_blocks")
         extra = " + non-block modules" if any(u.name == "non_blocks" for u in self.units) else ""
         pinned = self.pinned_bytes
-        where = "pinned" if pinned == self.host_bytes else ("pageable" if not pinned else "partly pinned")
+        if not self.engine.backend.cuda:
+            where = ""                                # CPU compute: host and "device" are the same RAM
+        else:
+            where = " pinned" if pinned == self.host_bytes else (" pageable" if not pinned else " partly pinned")
         ring = len(self.engine.slots)
         return (f"streaming: {nblocks}/{self.total_blocks} blocks{extra} ({'fp8' if self.fp8 else 'no fp8'}, "
-                f"{self.host_bytes / 2**30:.1f} GB host {where}), ring {ring}"
-                + (f" x {self.engine.slots[0].buf.numel() / 2**20:.0f} MB" if ring else "")
+                f"{self.host_bytes / 2**30:.1f} GB host{where}), ring {ring}"
+                + (f" x {_size(self.engine.slots[0].buf.numel())}" if ring else "")
                 + (", poison" if self.engine.poison else ""))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else (f"{n / 2**20:.0f} MB" if n >= 2**20 else f"{n / 2**10:.0f} KB")
 
 
 def _collect(modules: list[nn.Module], unit_name: str) -> tuple[list[_Entry], list[nn.Parameter], int]:

@@ -79,8 +79,7 @@ def _table(kind: str):
 def is_bfl(keys) -> bool:
     """True if a key set (prefix removed) is a BFL-layout Flux transformer."""
     keys = set(keys)
-    return "img_in.weight" in keys and any(k.startswith("double_blocks.") or k.startswith("single_blocks.")
-                                           for k in keys)
+    return "img_in.weight" in keys and any(k.startswith(("double_blocks.", "single_blocks.")) for k in keys)
 
 
 def is_diffusers_flux(keys) -> bool:
@@ -128,10 +127,11 @@ def _op_for(kind: str, rest: str, block: str, shape, inner: int) -> KeyOp | None
             continue
         targets = tuple(f"{block}{d}.{param}" for d in diffs)
         split = None
-        if len(diffs) == 3:          # fused q, k, v of equal size
-            split = (shape[0] // 3,) * 3 if shape and shape[0] % 3 == 0 else (-1,)
+        rows = shape[0] if shape else 1
+        if len(diffs) == 3:          # fused q, k, v of equal size (an odd remainder fails the shape check)
+            split = (rows // 3, rows // 3, rows - 2 * (rows // 3))
         elif len(diffs) == 4:        # q, k, v (inner each) + MLP input
-            split = (inner, inner, inner, shape[0] - 3 * inner) if shape else (-1,)
+            split = (inner, inner, inner, rows - 3 * inner)
         return KeyOp(rest, targets, split, swap_halves=bfl in _SWAPPED)
     return None
 

@@ -62,6 +62,8 @@ def describe(keys) -> str:
     def has(fragment: str) -> bool:
         return any(fragment in k for k in keys)
 
+    if has(".lora_down.") or has(".lora_A.") or has(".lora_B."):
+        return "it looks like a LoRA file, not a model"
     if has("joint_blocks."):
         return "it looks like an SD3/SD3.5 transformer (original layout)"
     if has("pos_embed.proj.weight") and has("transformer_blocks.0.attn.to_q"):
@@ -136,7 +138,7 @@ def clip_rename(model_keys) -> callable:
     wants_prefix = any(k.startswith("text_model.") for k in model_keys)
 
     def rename(key: str) -> str:
-        bare = key[len("text_model."):] if key.startswith("text_model.") else key
+        bare = key.removeprefix("text_model.")
         return ("text_model." + bare) if wants_prefix and not bare.startswith("text_projection") else bare
     return rename
 
@@ -220,7 +222,8 @@ def vae_config(shapes: dict, meta: dict, where: str) -> dict:
     groups = cfg["norm_num_groups"]
     if any(c % groups for c in cfg["block_out_channels"]):
         raise LoadError(f"{where}: VAE channels {cfg['block_out_channels']} are not divisible by "
-                        f"norm_num_groups={groups}; state norm_num_groups in the file's {METADATA_CONFIG_KEY!r} metadata")
+                        f"norm_num_groups={groups}; state norm_num_groups in the file's "
+                        f"{METADATA_CONFIG_KEY!r} metadata")
     return cfg
 
 

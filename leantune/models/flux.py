@@ -93,8 +93,9 @@ def encode_prompts(prompts: list[str], tokenizer, text_encoder, tokenizer_2, tex
     """Encode prompts as FluxPipeline does: CLIP pooled output + T5 last hidden state.
 
     Returns the embeddings and the T5 token counts (B,) including the end token, so callers can
-    trim padding: Flux attends to padded T5 positions too, so trimming changes outputs slightly;
-    the cache stores the length and pads back with the encoder's own padding output on load.
+    trim padding: the cache stores the length, and batches pad with zeros to the longest prompt of
+    the batch. (Flux attends to padded T5 positions too, so this differs slightly from the full
+    512-token conditioning FluxPipeline uses at inference.)
     """
     device = device or text_encoder.device
     clip_in = tokenizer(prompts, padding="max_length", max_length=min(CLIP_MAX_LENGTH, tokenizer.model_max_length),

@@ -93,7 +93,10 @@ def _override(name: str, value: str, base_dir: Path) -> Path:
             raise LoadError(f"[model] {name}: {p}: a tokenizer must be a folder (e.g. a diffusers {name}/ folder)")
         _check_file(p, name)
         return p
-    own = any((p / f).exists() for f in _TOKENIZER_FILES) if name.startswith("tokenizer") else (p / "config.json").exists()
+    if name.startswith("tokenizer"):
+        own = any((p / f).exists() for f in _TOKENIZER_FILES)
+    else:
+        own = (p / "config.json").exists()
     if not own and (p / name).is_dir():
         return p / name          # a whole diffusers folder given for one component
     return p
@@ -207,7 +210,11 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
     from diffusers import FluxTransformer2DModel
 
     src = _require(sources.transformer, "transformer")
-    source_name = lambda target: target  # noqa: E731
+    bfl_prefix = None      # set for BFL files: missing keys are then reported by their BFL names
+
+    def source_name(target: str) -> str:
+        return target if bfl_prefix is None else bfl_prefix + bfl_keys.bfl_name(target)
+
     if src.is_dir():
         config = _read_json(src / "config.json")
         _check_class(config, src / "config.json", ("FluxTransformer2DModel",), "Flux transformer")
@@ -219,7 +226,7 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
             ops, unknown = bfl_keys.bfl_to_diffusers_ops(shapes, prefix)
             if unknown:
                 raise LoadError(f"{src}: unexpected key(s) {unknown[:5]}: not part of a BFL Flux transformer")
-            source_name = lambda target: prefix + bfl_keys.bfl_name(target)  # noqa: E731
+            bfl_prefix = prefix
         elif bfl_keys.is_diffusers_flux(shapes):
             ops = copy_ops([prefix + k for k in shapes], strip=prefix)
         else:
@@ -236,10 +243,9 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
         model = build_empty(lambda: FluxTransformer2DModel.from_config(config))
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{src}: cannot build a Flux transformer from its config ({e})") from None
-    load_into_empty(model, files, ops, what="a Flux transformer of this architecture", dtype=dtype, device=device,
-                    source_name=source_name)
-    detect_variant(model, sources.variant, source=src)
-    return model
+    detect_variant(model, sources.variant, source=src)      # from the structure, before reading weights
+    return load_into_empty(model, files, ops, what="a Flux transformer of this architecture", dtype=dtype,
+                           device=device, source_name=source_name)
 
 
 def detect_variant(transformer, expected: str = "auto", source=None) -> str:
@@ -321,7 +327,7 @@ def _load_clip(src: Path, dtype, device):
         keys = files.keys()
     else:
         files, prefix, shapes, meta = _single_file(src, "clip", "CLIP text encoder")
-        bare = {(k[len("text_model."):] if k.startswith("text_model.") else k): s for k, s in shapes.items()}
+        bare = {k.removeprefix("text_model."): s for k, s in shapes.items()}
         config = cf.clip_config(bare, meta, str(src))
         keys = _component_keys(files, "clip", prefix)
     try:

@@ -7,7 +7,9 @@ exactly those a full-size checkpoint takes. Tokenizers are trained offline on a 
 
 from __future__ import annotations
 
-import json
+import math
+import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -48,34 +50,66 @@ def _corpus() -> list[str]:
     return CORPUS * 20
 
 
+def _corpus_words() -> Counter:
+    """Lower-cased words and punctuation runs of the corpus with their counts."""
+    words: Counter = Counter()
+    for line in _corpus():
+        words.update(re.findall(r"\w+|[^\w\s]+", line.lower()))
+    return words
+
+
+def _bpe_merges(words: Counter, n_merges: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """Byte-pair merges learned deterministically (ties broken by the pair itself), CLIP style
+    with a `</w>` end-of-word marker. The library trainers break ties by hash order, which makes
+    token ids differ between processes; tests and caches need them stable."""
+    split = {w: tuple(w[:-1]) + (w[-1] + "</w>",) for w in words}
+    symbols = sorted({sym for parts in split.values() for sym in parts} | set("abcdefghijklmnopqrstuvwxyz0123456789"))
+    symbols += [c + "</w>" for c in "abcdefghijklmnopqrstuvwxyz0123456789,.;:!?" if c + "</w>" not in symbols]
+    vocab, merges = list(symbols), []
+    for _ in range(n_merges):
+        pairs: Counter = Counter()
+        for w, parts in split.items():
+            for a, b in zip(parts, parts[1:]):
+                pairs[(a, b)] += words[w]
+        if not pairs:
+            break
+        (a, b), _count = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        merges.append((a, b))
+        vocab.append(a + b)
+        for w, parts in split.items():
+            out, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and parts[i] == a and parts[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            split[w] = tuple(out)
+    return vocab, merges
+
+
 def clip_tokenizer(max_length: int = 77):
-    """A CLIP-style BPE tokenizer (end-of-word suffix, lowercase) trained offline."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    """A CLIP-style BPE tokenizer (end-of-word suffix, lowercase) built offline, identical every time."""
     from transformers import CLIPTokenizer
 
-    tok = Tokenizer(models.BPE(unk_token="<|endoftext|>", end_of_word_suffix="</w>"))
-    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|startoftext|>", "<|endoftext|>"],
-                                  end_of_word_suffix="</w>", show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
-    state = json.loads(tok.to_str())["model"]
-    return CLIPTokenizer(vocab=state["vocab"], merges=[tuple(m) for m in state["merges"]],
-                         model_max_length=max_length)
+    symbols, merges = _bpe_merges(_corpus_words(), n_merges=120)
+    tokens = ["<|startoftext|>", "<|endoftext|>"] + symbols
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
 def t5_tokenizer(max_length: int = T5_TINY_MAX_LENGTH):
-    """A T5-style Unigram tokenizer (pad=0, eos=1, unk=2 as real T5) trained offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    """A T5-style Unigram tokenizer (pad=0, eos=1, unk=2 as real T5) built offline, identical every time."""
     from transformers import T5Tokenizer
 
-    tok = Tokenizer(models.Unigram())
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    trainer = trainers.UnigramTrainer(vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"],
-                                      unk_token="<unk>", show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
-    vocab = [tuple(x) for x in json.loads(tok.to_str())["model"]["vocab"]]
-    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+    words = _corpus_words()
+    total = sum(words.values())
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + w, math.log(c / total)) for w, c in sorted(words.items())]
+    chars = sorted({ch for w in words for ch in w} | set("abcdefghijklmnopqrstuvwxyz0123456789"))
+    pieces += [(ch, -12.0) for ch in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
 def flux_transformer(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
@@ -84,7 +118,7 @@ def flux_transformer(seed: int = 0, dtype: torch.dtype = torch.float32, **overri
     torch.manual_seed(seed)
     model = FluxTransformer2DModel(**{**FLUX_TINY, **overrides})
     _randomize_zero_inits(model, seed)
-    return model.to(dtype)
+    return model.to(dtype).eval()
 
 
 def _randomize_zero_inits(model: torch.nn.Module, seed: int) -> None:
@@ -100,7 +134,7 @@ def vae(seed: int = 0, dtype: torch.dtype = torch.float32):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    return AutoencoderKL(**VAE_TINY).to(dtype)
+    return AutoencoderKL(**VAE_TINY).to(dtype).eval()
 
 
 def clip_text_encoder(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -109,7 +143,7 @@ def clip_text_encoder(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float
     torch.manual_seed(seed)
     cfg = CLIPTextConfig(**CLIP_TINY, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return CLIPTextModel(cfg).to(dtype)
+    return CLIPTextModel(cfg).to(dtype).eval()
 
 
 def t5_text_encoder(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -117,7 +151,7 @@ def t5_text_encoder(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32
 
     torch.manual_seed(seed)
     cfg = T5Config(**T5_TINY, vocab_size=len(tokenizer))
-    return T5EncoderModel(cfg).to(dtype)
+    return T5EncoderModel(cfg).to(dtype).eval()
 
 
 def flux_scheduler():

@@ -3,11 +3,16 @@
 Why not `from_pretrained` / `from_single_file`: those load whole state dicts (or whole shards) and
 know only their own key layouts; Flux checkpoints in the wild come as diffusers folders, BFL files,
 ComfyUI fp8 and "scaled fp8" files and all-in-one files. Here every layout is reduced to a list of
-`KeyOp`s (file key -> model key(s), with an optional split / half swap / reshape), checked against
-the meta model's names and shapes from the file headers alone, and only then read tensor by tensor:
-each tensor is read, dequantised if it is scaled fp8, cast to the target dtype, moved to the target
-device and assigned. Host RAM therefore holds the finished model plus one tensor in flight, never a
-second copy of the model, and a wrong file fails before a single weight is read.
+`KeyOp`s (file key -> model key(s)), checked against the meta model's names and shapes from the
+file headers alone, and only then read.
+
+Every model tensor is a run of rows of one file tensor (a fused qkv splits into row ranges, BFL's
+final adaLN swaps two halves, a conv-shaped linear weight is the same bytes), so the loader
+allocates each parameter once, in its target dtype, and fills it from the file through one small
+reusable staging buffer, casting and dequantising (ComfyUI scaled fp8) chunk by chunk. Host RAM
+therefore holds the finished model plus a few MiB, never a second copy of the model nor a
+full-precision copy of a tensor, and a wrong file fails before a single weight is read. Files are
+read with plain reads, not mmap: mapped pages would count as resident memory while a file is open.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import struct
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -28,12 +33,13 @@ class LoadError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the component/key."""
 
 
-# safetensors header dtype names -> torch dtypes (the ones torch can hold).
+# safetensors header dtype names -> torch dtypes (the ones torch can hold) and their sizes.
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+_FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 # Keys ComfyUI fp8 files carry next to the weights: scales (used to dequantise) and markers/input
 # scales (only meaningful to fp8 matmul kernels). None of them is a model parameter.
@@ -41,16 +47,17 @@ _WEIGHT_SCALE_SUFFIXES = ("scale_weight", "weight_scale")
 _AUX_SUFFIXES = (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", ".comfy_quant")
 _AUX_KEYS = ("scaled_fp8",)
 
-_MAX_HEADER = 100 * 2**20   # a safetensors header larger than this is certainly not one
+_MAX_HEADER = 100 * 2**20      # a safetensors header larger than this is certainly not one
+STAGING_BYTES = 8 * 2**20      # file bytes read per chunk while filling a parameter
 
 
 def is_auxiliary_key(key: str) -> bool:
     """True for fp8 scale/marker keys that accompany weights but are not parameters themselves."""
-    return key in _AUX_KEYS or key.endswith(_AUX_SUFFIXES) or key.rsplit(".", 1)[-1] in _AUX_KEYS
+    return key.rsplit(".", 1)[-1] in _AUX_KEYS or key.endswith(_AUX_SUFFIXES)
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """The parsed JSON header of a safetensors file and its size in bytes (8-byte length prefix excluded)."""
+    """The parsed JSON header of a safetensors file and its length in bytes (the 8-byte prefix excluded)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -70,8 +77,11 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, n
 
 
-_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 @dataclass(frozen=True)
@@ -82,12 +92,24 @@ class TensorInfo:
     start: int                 # absolute byte offsets of the data in the file
     end: int
 
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return _numel(self.shape[1:]) if self.shape else 1
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype in _FLOATING
+
 
 class CheckpointFiles:
     """One key space over one or more safetensors files (the shards of a checkpoint), from headers only.
 
-    `read(key, dtype, device)` returns one tensor, dequantised when the file stores it as scaled
-    fp8 (ComfyUI `*.scale_weight` / `*.weight_scale`), in `dtype`, on `device`.
+    Use as a context manager around reads to keep the files open; `read_rows_into` fills part of
+    a tensor, `read` returns a whole one.
     """
 
     def __init__(self, paths: Iterable[str | Path]):
@@ -108,18 +130,22 @@ class CheckpointFiles:
                     entry = TensorInfo(path, info["dtype"], tuple(int(s) for s in info["shape"]), begin, stop)
                 except (KeyError, TypeError, ValueError):
                     raise LoadError(f"{path}: corrupt safetensors header entry for key {key!r}") from None
-                item = _ITEM_BYTES.get(entry.dtype)
-                if stop > size or (item is not None and stop - begin != item * _numel(entry.shape)):
+                if entry.dtype not in _DTYPES:
+                    raise LoadError(f"{path}: key {key!r} has dtype {entry.dtype}, which leantune cannot load "
+                                    f"(packed quantisation formats such as nf4/fp4 are not supported)")
+                if stop > size or stop - begin != _DTYPES[entry.dtype].itemsize * _numel(entry.shape):
                     raise LoadError(f"{path}: key {key!r}: data does not fit its header (truncated or corrupt file)")
                 if key in self.tensors:
                     raise LoadError(f"{path}: key {key!r} is also in {self.tensors[key].file}")
                 self.tensors[key] = entry
         self._handles: dict[Path, object] = {}
         self._stack: ExitStack | None = None
+        self._staging: torch.Tensor | None = None
+        self._scales: dict[str, torch.Tensor] = {}
 
     @property
     def name(self) -> str:
-        """The file (or first shard and count) for error messages."""
+        """The file (or folder and shard count) for error messages."""
         return str(self.paths[0]) if len(self.paths) == 1 else f"{self.paths[0].parent} ({len(self.paths)} shards)"
 
     def keys(self) -> list[str]:
@@ -133,9 +159,6 @@ class CheckpointFiles:
         """Shapes of the parameter keys under `prefix`, with the prefix removed."""
         return {k[len(prefix):]: self.tensors[k].shape for k in self.keys() if k.startswith(prefix)}
 
-    def has(self, key: str) -> bool:
-        return key in self.tensors
-
     # -- reading --------------------------------------------------------------------------------
     def __enter__(self) -> "CheckpointFiles":
         self._stack = ExitStack()
@@ -143,16 +166,17 @@ class CheckpointFiles:
 
     def __exit__(self, *exc) -> None:
         self._handles.clear()
+        self._staging = None
+        self._scales.clear()
         if self._stack is not None:
             self._stack.close()
             self._stack = None
 
     def _handle(self, path: Path):
+        if self._stack is None:
+            raise RuntimeError("CheckpointFiles reads need `with files:`")
         if path not in self._handles:
-            f = open(path, "rb")
-            if self._stack is not None:
-                self._stack.enter_context(f)
-            self._handles[path] = f
+            self._handles[path] = self._stack.enter_context(open(path, "rb"))
         return self._handles[path]
 
     def scale_key(self, key: str) -> str | None:
@@ -165,62 +189,75 @@ class CheckpointFiles:
                 return stem + suffix
         return None
 
-    def read_raw(self, key: str) -> torch.Tensor:
-        """The tensor as stored, read with plain file reads into fresh memory.
+    def _scale(self, key: str) -> torch.Tensor | None:
+        """The fp32 dequantisation scale of `key`, as (1, 1) for a per-tensor scale or (rows, 1) per row."""
+        skey = self.scale_key(key)
+        if skey is None:
+            return None
+        if skey not in self._scales:
+            info, sinfo = self.tensors[key], self.tensors[skey]
+            s = self._read_bytes(sinfo, 0, sinfo.end - sinfo.start).view(_DTYPES[sinfo.dtype]).to(torch.float32)
+            if s.numel() == 1:
+                s = s.reshape(1, 1)
+            elif s.numel() == info.rows:
+                s = s.reshape(-1, 1)
+            else:
+                raise LoadError(f"{info.file}: key {skey!r} has shape {sinfo.shape}, which does not scale "
+                                f"{key!r} of shape {info.shape} (per tensor or per row)")
+            self._scales[skey] = s
+        return self._scales[skey]
 
-        Not mmap: mapped file pages count as resident memory while a file is open, which would
-        make a load look like it holds the model twice; read() keeps one tensor in flight.
-        """
+    def _read_bytes(self, info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        buf = out if out is not None else torch.empty(nbytes, dtype=torch.uint8)
+        f = self._handle(info.file)
+        f.seek(info.start + offset)
+        got = f.readinto(memoryview(buf.numpy())) if nbytes else 0
+        if got != nbytes:
+            raise LoadError(f"{info.file}: file ends early (truncated)")
+        return buf
+
+    def read_rows_into(self, key: str, row_start: int, row_end: int, out: torch.Tensor) -> None:
+        """Fill the flat tensor `out` with rows [row_start, row_end) of `key`, cast to out's dtype and
+        dequantised, reading at most STAGING_BYTES at a time."""
         info = self.tensors[key]
-        if info.dtype not in _DTYPES:
-            raise LoadError(f"{info.file}: key {key!r} has dtype {info.dtype}, which leantune cannot load "
-                            f"(packed quantisation formats such as nf4/fp4/gguf are not supported)")
-        buf = torch.empty(info.end - info.start, dtype=torch.uint8)
-        if self._stack is None:          # a one-off read outside `with files:`
-            with open(info.file, "rb") as f:
-                got = _read_into(f, info.start, buf)
-        else:
-            got = _read_into(self._handle(info.file), info.start, buf)
-        if got != buf.numel():
-            raise LoadError(f"{info.file}: key {key!r}: file ends early (truncated)")
-        return buf.view(_DTYPES[info.dtype]).reshape(info.shape)
+        src_dtype = _DTYPES[info.dtype]
+        row_bytes = info.row_numel * src_dtype.itemsize
+        scale = self._scale(key)
+        rows_per_chunk = max(1, STAGING_BYTES // max(row_bytes, 1))
+        need = min(rows_per_chunk, row_end - row_start) * row_bytes
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = torch.empty(max(need, STAGING_BYTES), dtype=torch.uint8)
+        for r0 in range(row_start, row_end, rows_per_chunk):
+            r1 = min(row_end, r0 + rows_per_chunk)
+            nbytes = (r1 - r0) * row_bytes
+            raw = self._read_bytes(info, r0 * row_bytes, nbytes, self._staging[:nbytes]).view(src_dtype)
+            dst = out[(r0 - row_start) * info.row_numel:(r1 - row_start) * info.row_numel]
+            if scale is None:
+                dst.copy_(raw)                       # casts, e.g. fp32 / fp8 -> bf16
+            else:
+                rows = scale if scale.shape[0] == 1 else scale[r0:r1]
+                dst.copy_((raw.view(r1 - r0, info.row_numel).to(torch.float32) * rows).view(-1))
 
-    def read(self, key: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-        """One tensor in `dtype` on `device`; floating tensors only are cast, scaled fp8 is dequantised."""
-        t = self.read_raw(key)
-        scale_key = self.scale_key(key)
-        if scale_key is not None:
-            t = dequantize(t, self.read_raw(scale_key), f"{self.tensors[key].file}: key {key!r}")
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        return t.to(device)
-
-
-def _read_into(f, offset: int, buf: torch.Tensor) -> int:
-    f.seek(offset)
-    return f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
-
-
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, where: str) -> torch.Tensor:
-    """fp8 weight * scale in fp32: a per-tensor scalar, or one scale per output row."""
-    w = weight.to(torch.float32)
-    s = scale.to(torch.float32)
-    if s.numel() == 1:
-        return w * s.reshape(())
-    if w.dim() >= 1 and s.numel() == w.shape[0]:
-        return w * s.reshape(-1, *([1] * (w.dim() - 1)))
-    if s.shape == w.shape:
-        return w * s
-    raise LoadError(f"{where}: scale of shape {tuple(s.shape)} does not fit a weight of shape {tuple(w.shape)}")
+    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A whole tensor: in `dtype` if floating (default: as stored; fp32 when it is scaled fp8)."""
+        if self._stack is None:
+            with self:
+                return self.read(key, dtype)
+        info = self.tensors[key]
+        if not info.floating or dtype is None:
+            dtype = torch.float32 if self.scale_key(key) else _DTYPES[info.dtype]
+        out = torch.empty(info.shape, dtype=dtype)
+        self.read_rows_into(key, 0, info.rows, out.view(-1))
+        return out
 
 
 @dataclass(frozen=True)
 class KeyOp:
-    """How one file tensor becomes one or more model tensors.
+    """How one file tensor becomes one or more model tensors, each a run of the file tensor's rows.
 
-    split: sizes along dim 0 (a fused qkv or BFL `linear1`), one per target; swap_halves: the two
-    halves along dim 0 are exchanged (BFL's final adaLN stores shift before scale; diffusers scale
-    before shift); reshape: the target shape when the file stores a conv-shaped weight of a linear.
+    split: sizes along dim 0 (a fused qkv, BFL's `linear1`), one per target; swap_halves: the two
+    halves along dim 0 are exchanged (BFL's final adaLN stores shift before scale, diffusers scale
+    before shift); reshape: the target shape when the file stores a linear weight conv-shaped.
     """
 
     source: str
@@ -236,6 +273,19 @@ class KeyOp:
             return [tuple(self.reshape)]
         return [tuple(shape)]
 
+    def segments(self, shape: tuple[int, ...]) -> list[list[tuple[int, int]]]:
+        """Per target, the row ranges of the file tensor it consists of, in order."""
+        rows = shape[0] if shape else 1
+        if self.split is not None:
+            out, start = [], 0
+            for n in self.split:
+                out.append([(start, start + n)])
+                start += n
+            return out
+        if self.swap_halves:
+            return [[(rows // 2, rows), (0, rows // 2)]]
+        return [[(0, rows)]]
+
     def check(self, shape: tuple[int, ...]) -> str | None:
         """Why this op cannot apply to a tensor of `shape`, or None."""
         if self.split is not None and (not shape or sum(self.split) != shape[0] or min(self.split) <= 0):
@@ -247,22 +297,10 @@ class KeyOp:
         return None
 
     def apply(self, t: torch.Tensor) -> list[torch.Tensor]:
-        if self.swap_halves:
-            a, b = t.chunk(2, dim=0)
-            t = torch.cat([b, a], dim=0)
-        if self.split is not None:
-            # Views of `t`: the loader copies each into its own storage (see load_into_empty).
-            return list(torch.split(t, list(self.split), dim=0))
-        if self.reshape is not None:
-            return [t.reshape(self.reshape)]
-        return [t]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        """The op on an in-memory tensor (same row semantics the loader streams from files)."""
+        rows = t.reshape(t.shape[0] if t.dim() else 1, -1)
+        return [torch.cat([rows[a:b] for a, b in segs]).reshape(shape)
+                for segs, shape in zip(self.segments(tuple(t.shape)), self.target_shapes(tuple(t.shape)))]
 
 
 def copy_ops(keys: Iterable[str], strip: str = "", rename: Callable[[str], str] | None = None) -> list[KeyOp]:
@@ -326,6 +364,11 @@ def _assign_group(model: torch.nn.Module, names: list[str], tensor: torch.Tensor
             module._buffers[leaf] = tensor
 
 
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in items[:5])
+    return shown + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+
 def load_into_empty(
     model: torch.nn.Module,
     files: CheckpointFiles,
@@ -337,24 +380,24 @@ def load_into_empty(
     unexpected_ok: Callable[[str], bool] = lambda key: False,
     source_name: Callable[[str], str] = lambda target: target,
 ) -> torch.nn.Module:
-    """Validate `ops` against the meta-built `model` from headers only, then load tensor by tensor.
+    """Validate `ops` against the meta-built `model` from headers only, then fill it tensor by tensor.
 
-    `what` names the component in messages ("the Flux transformer"); `unexpected_ok(file_key)`
-    lets a family ignore known extra keys (a T5 decoder in a full T5 file); `source_name(model_key)`
+    `what` names the component in messages ("a Flux transformer"); `unexpected_ok(file_key)` lets
+    a family ignore known extra keys (a T5 decoder in a full T5 file); `source_name(model_key)`
     gives the file key a missing model key would have had, for the message.
     """
     expected = model.state_dict(keep_vars=True)
     groups = _tie_groups(model)
 
     # -- validate names and shapes before reading anything --------------------------------------
-    provided: dict[str, tuple[KeyOp, tuple[int, ...]]] = {}
+    provided: dict[str, tuple[KeyOp, tuple[int, ...], list[tuple[int, int]]]] = {}
     unexpected = []
     for op in ops:
         shape = files.shape(op.source)
         problem = op.check(shape)
         if problem:
             raise LoadError(f"{files.tensors[op.source].file}: key {op.source!r}: {problem}; it is not {what}")
-        for target, tshape in zip(op.targets, op.target_shapes(shape)):
+        for target, tshape, segs in zip(op.targets, op.target_shapes(shape), op.segments(shape)):
             if target not in expected:
                 if not unexpected_ok(op.source):
                     unexpected.append(op.source if len(op.targets) == 1 else f"{op.source} -> {target}")
@@ -362,43 +405,36 @@ def load_into_empty(
             if target in provided:
                 raise LoadError(f"{files.name}: {target!r} is given twice (by {provided[target][0].source!r} "
                                 f"and {op.source!r}) for {what}")
-            provided[target] = (op, tshape)
+            provided[target] = (op, tshape, segs)
     if unexpected:
-        shown = ", ".join(repr(k) for k in unexpected[:5])
-        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
-        raise LoadError(f"{files.name}: unexpected key(s) {shown}{more}: not part of {what}")
+        raise LoadError(f"{files.name}: unexpected key(s) {_listing(unexpected)}: not part of {what}")
     missing = [n for n in expected if not any(m in provided for m in groups.get(n, [n]))]
     if missing:
-        shown = ", ".join(repr(source_name(n)) for n in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise LoadError(f"{files.name}: missing key(s) {shown}{more} of {what}")
-    for target, (op, tshape) in provided.items():
+        raise LoadError(f"{files.name}: missing key(s) {_listing([source_name(n) for n in missing])} of {what}")
+    for target, (op, tshape, _) in provided.items():
         want = tuple(expected[target].shape)
         if tshape != want:
             src = op.source if len(op.targets) == 1 else f"{op.source} (as {target})"
             raise LoadError(f"{files.tensors[op.source].file}: key {src!r} has shape {tshape}, but {what} "
                             f"expects {want} for {target!r}: the file does not match this architecture")
 
-    # -- load, one file tensor at a time --------------------------------------------------------
+    # -- fill: each parameter allocated once in its final dtype, streamed from the file ----------
     done: set[str] = set()
     with files:
-        for op in ops:
-            wanted = [t for t in op.targets if t in provided and t not in done]
-            if not wanted:
-                continue
-            t = files.read(op.source)                         # file dtype (fp32 if dequantised)
-            for target, piece in zip(op.targets, op.apply(t)):
-                if target not in provided or target in done:
-                    continue
-                to_dtype = _target_dtype(model, target, dtype) if piece.is_floating_point() else piece.dtype
-                # A split piece is copied (cast and move in one step) so that each parameter owns
-                # its storage: streaming and fp8 re-point parameters one by one, and a view would
-                # keep the whole fused tensor alive.
-                piece = piece.to(device=device, dtype=to_dtype, copy=op.split is not None)
-                names = groups.get(target, [target])
-                _assign_group(model, names, piece)
-                done.update(names)
-            del t
+        for target, (op, tshape, segs) in provided.items():
+            if target in done:
+                continue                              # tied to a tensor already loaded
+            info = files.tensors[op.source]
+            to_dtype = _target_dtype(model, target, dtype) if info.floating else _DTYPES[info.dtype]
+            out = torch.empty(tshape, dtype=to_dtype)
+            flat, pos = out.view(-1), 0
+            for a, b in segs:
+                n = (b - a) * info.row_numel
+                files.read_rows_into(op.source, a, b, flat[pos:pos + n])
+                pos += n
+            names = groups.get(target, [target])
+            _assign_group(model, names, out.to(device))
+            done.update(names)
 
     leftovers = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftovers:  # only reachable if a model has tensors outside its state dict

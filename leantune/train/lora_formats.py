@@ -183,8 +183,8 @@ def fuse_parts(target: FusedTarget, parts: dict[int, LoraModule]) -> LoraModule:
     for j in range(len(target.parts)):
         m = parts.get(j)
         if m is None:
-            downs.append(torch.zeros(first.rank, in_features, dtype=dtype))
-            ups.append(torch.zeros(target.widths[j] * unit, first.rank, dtype=dtype))
+            downs.append(torch.zeros(first.rank, in_features, dtype=dtype, device=first.down.device))
+            ups.append(torch.zeros(target.widths[j] * unit, first.rank, dtype=dtype, device=first.up.device))
             continue
         downs.append(m.down.to(dtype))
         # Fold a differing scale into up, relative to the fused scale (the first part's).
@@ -302,7 +302,13 @@ def file_metadata(weights: LoraWeights, fmt: LoraFileFormat, path: Path, extra: 
 
 def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
               metadata: dict | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write `weights` as a ComfyUI/kohya or diffusers LoRA file (atomic); `dtype` None keeps theirs."""
+    """Write `weights` as a ComfyUI/kohya or diffusers LoRA file (atomic); `dtype` None keeps theirs.
+
+    Both load in ComfyUI and in diffusers' FluxPipeline.load_lora_weights (from the path, so the
+    header's alpha is read). One limit lies in diffusers, not in the file: its kohya converter drops
+    top-level layers (embedders, final layer) and splits single-block linear1 only at width 3072;
+    use the diffusers format for such LoRAs there. Our presets train block Linears only.
+    """
     if fmt not in FORMATS:
         raise LoraFormatError(f"{path}: unknown LoRA file format {fmt!r}; choose one of {FORMATS}")
     if not weights.modules:

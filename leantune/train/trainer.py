@@ -302,7 +302,7 @@ def _prune_lora_files(paths: RunPaths, cfg: RunConfig) -> None:
 
 def _lora_metadata(cfg: RunConfig, step: int) -> dict:
     return {
-        "ss_network_module": "leantune.lora", "ss_network_dim": cfg.lora.rank,
+        "ss_network_module": "networks.lora_flux", "ss_network_dim": cfg.lora.rank,
         "ss_network_alpha": cfg.lora.effective_alpha, "ss_base_model_version": "flux1",
         "ss_output_name": cfg.output.name, "ss_steps": step, "ss_learning_rate": cfg.train.learning_rate,
         "ss_optimizer": cfg.train.optimizer, "ss_lr_scheduler": cfg.train.lr_scheduler,

@@ -1,0 +1,227 @@
+"""`leantune plan`: print the memory plan and its predicted breakdown, without weights or a GPU.
+
+Two forms:
+  leantune plan my.toml [--set section.key=value] [--vram 8GiB]
+  leantune plan --model flux-dev --mode lora --rank 16 --resolution 1024 --vram 8GiB [--vram 12GiB ...]
+
+The config form reads the architecture from the config's model files (a diffusers config.json or
+the header of a single safetensors file; no tensor is read) and the workload from its sections.
+Both forms build the transformer on the meta device, so planning Flux-dev takes a few seconds on
+any machine. With a GPU present its rates are measured; otherwise assumed rates are used and the
+report says so. `--json` prints the plans with every predicted number for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+MODELS = {"flux-dev": "dev", "flux-schnell": "schnell"}
+UNLIMITED_RAM = 2**62   # host RAM not checked (reported, not limited)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="a run's TOML file (optional with --model)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable)")
+    p.add_argument("--model", choices=sorted(MODELS), help="plan for a full-size architecture instead of a config")
+    p.add_argument("--mode", choices=["lora", "full", "inference"], default=None, help="what runs (default: lora)")
+    p.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
+    p.add_argument("--targets", choices=["attention", "attention_mlp", "all"], default=None,
+                   help="LoRA target preset (default attention_mlp)")
+    p.add_argument("--optimizer", choices=["adamw", "adafactor"], default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--accumulation", type=int, default=None, help="gradient accumulation steps")
+    p.add_argument("--resolution", type=int, action="append", default=None, metavar="PX",
+                   help="square training resolution (repeatable for several buckets; default 1024)")
+    p.add_argument("--text-length", type=int, default=None, help="T5 tokens (default 512 dev / 256 schnell)")
+    p.add_argument("--vram", action="append", default=None, metavar="SIZE",
+                   help='VRAM budget, e.g. 8GiB, or "auto" (repeatable: one plan per budget)')
+    p.add_argument("--ram", default=None, metavar="SIZE",
+                   help="host RAM budget (default: available here minus a margin; unchecked when no GPU is here)")
+    p.add_argument("--no-fp8", action="store_true", help="never store weights in fp8")
+    p.add_argument("--no-autocast", action="store_true", help="plan for mixed_precision = \"no\"")
+    p.add_argument("--json", action="store_true", help="print the plans as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import ConfigError, parse_size
+    from ..memory.machine import probe_machine
+    from ..memory.planner import Budget, InfeasibleBudget, Planner, format_plan
+    from ..models.flux import FLUX_SPEC
+
+    if bool(args.config) == bool(args.model):
+        raise ConfigError("give either a config file or --model flux-dev|flux-schnell")
+    machine = probe_machine()
+    if args.config:
+        model, workload, vram_values, ram_value = _from_config(args)
+    else:
+        model, workload = _from_flags(args)
+        vram_values, ram_value = args.vram, args.ram
+    if not vram_values:
+        raise ConfigError("no VRAM budget: give --vram SIZE (or set [memory] vram_budget in the config)")
+    ram = None
+    if ram_value is not None:
+        try:
+            ram = parse_size(ram_value)
+        except ValueError as e:
+            raise ConfigError(f"--ram / [memory] ram_budget: {e}") from None
+    elif not machine.measured:
+        # No GPU here, so the run will happen on another machine: this one's RAM says nothing about it.
+        ram = UNLIMITED_RAM
+    budgets = [Budget(vram=_vram_bytes(v, machine), ram=ram) for v in vram_values]
+    planner = Planner(FLUX_SPEC, model, workload, machine)
+    results, failed = [], 0
+    for value, budget in zip(vram_values, budgets):
+        try:
+            results.append((value, budget, planner.plan(budget), None))
+        except InfeasibleBudget as e:
+            failed += 1
+            results.append((value, budget, None, e))
+    if args.json:
+        print(json.dumps(_as_json(workload, machine, results), indent=2, default=str))
+    else:
+        _print_text(results, format_plan)
+    return 1 if failed else 0
+
+
+def _vram_bytes(value: str, machine) -> int:
+    from ..config import ConfigError, parse_size
+
+    if str(value).strip().lower() == "auto":
+        if machine.vram_free is None:
+            raise ConfigError('--vram auto needs a GPU to measure free VRAM; none is visible here, so give a size')
+        return machine.vram_free
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"--vram: {e}") from None
+
+
+def _from_flags(args):
+    from ..memory.planner import TEXT_LENGTH, Workload, build_meta_flux
+
+    variant = MODELS[args.model]
+    model = build_meta_flux(variant)
+    workload = Workload(
+        mode=args.mode or "lora", rank=args.rank or 16, targets=args.targets or "attention_mlp",
+        optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
+        gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
+        text_length=args.text_length or TEXT_LENGTH[variant], autocast=not args.no_autocast,
+        allow_fp8=not args.no_fp8)
+    _check_workload(workload)
+    return model, workload
+
+
+def _from_config(args):
+    from dataclasses import replace
+
+    from ..config import load_config
+    from ..memory.planner import Workload, workload_from_config
+
+    cfg = load_config(args.config, args.overrides)
+    model = meta_model_for_config(cfg)
+    workload = workload_from_config(cfg, model)
+    asked = {"mode": args.mode, "rank": args.rank, "targets": args.targets, "optimizer": args.optimizer,
+             "batch_size": args.batch_size, "gradient_accumulation": args.accumulation,
+             "text_length": args.text_length, "buckets": Workload.square(args.resolution) if args.resolution else None}
+    changes = {k: v for k, v in asked.items() if v is not None}
+    if args.no_fp8:
+        changes["allow_fp8"] = False
+    if args.no_autocast:
+        changes["autocast"] = False
+    workload = replace(workload, **changes)
+    _check_workload(workload)
+    vram = args.vram or ([cfg.memory.vram_budget] if cfg.memory.vram_budget else None)
+    return model, workload, vram, args.ram if args.ram is not None else cfg.memory.ram_budget
+
+
+def _check_workload(w) -> None:
+    from ..config import ConfigError
+
+    for h, wd in w.buckets:
+        if h < 64 or h % 16 or wd < 64 or wd % 16:
+            raise ConfigError(f"--resolution {h}: must be a multiple of 16 of at least 64")
+    for name, value in (("rank", w.rank), ("batch size", w.batch_size), ("accumulation", w.gradient_accumulation),
+                        ("text length", w.text_length)):
+        if value < 1:
+            raise ConfigError(f"--{name.replace(' ', '-')} must be >= 1, got {value}")
+
+
+def meta_model_for_config(cfg):
+    """The config's transformer architecture on the meta device, read from config.json or a single
+    file's header (shapes only), never from its tensors."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from ..config import ConfigError
+    from ..models.flux_loading import resolve_sources
+
+    try:
+        sources = resolve_sources(cfg.model, Path(cfg.base_dir))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"[model]: {e}") from None
+    src = sources.transformer
+    if src is None:
+        raise ConfigError(f"[model] path = {cfg.model.path!r}: no transformer found to read the architecture from")
+    try:
+        config = _transformer_config(Path(src))
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{src}: cannot read the transformer architecture ({e}); plan with --model flux-dev "
+                          f"instead") from None
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+    model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+    return model
+
+
+def _transformer_config(src: Path) -> dict:
+    """A FluxTransformer2DModel config from a diffusers folder or a single file's keys and shapes."""
+    from ..models import bfl_keys
+    from ..models import component_files as cf
+    from ..models.weights import CheckpointFiles
+
+    if src.is_dir():
+        config = json.loads((src / "config.json").read_text())
+        return {k: v for k, v in config.items() if not k.startswith("_")}
+    files = CheckpointFiles([src])
+    prefix = cf.find_prefix(files.keys(), "transformer")
+    if prefix is None:
+        raise ValueError(f"not a Flux transformer: {cf.describe(files.keys())}")
+    shapes = {k[len(prefix):]: files.shape(k) for k in files.keys() if k.startswith(prefix)}  # noqa: SIM118
+    meta = cf.metadata_config(files.metadata, str(src), "transformer")
+    if bfl_keys.is_bfl(shapes):
+        ops, _unknown = bfl_keys.bfl_to_diffusers_ops(shapes, prefix)
+        shapes = {t: s for op in ops for t, s in zip(op.targets, op.target_shapes(files.shape(op.source)))}
+    config = bfl_keys.flux_config_from_shapes(shapes, meta.get("axes_dims_rope"))
+    config.update({k: v for k, v in meta.items() if k in config})
+    return config
+
+
+def _as_json(workload, machine, results) -> dict:
+    out = []
+    for value, budget, plan, error in results:
+        entry = {"vram": value, "budget_bytes": budget.vram}
+        if plan is not None:
+            entry["plan"] = plan.to_dict()
+        else:
+            entry["error"] = str(error)
+            entry["needed_vram"] = error.needed_vram
+            entry["needed_ram"] = error.needed_ram
+        out.append(entry)
+    return {"workload": workload.describe(), "machine": machine.to_dict(), "plans": out}
+
+
+def _print_text(results, format_plan) -> None:
+    for i, (value, budget, plan, error) in enumerate(results):
+        if i:
+            print()
+        print(f"== VRAM budget {value} ({budget.vram / 2**30:.2f} GiB) ==")
+        if plan is not None:
+            print(format_plan(plan))
+        else:
+            print(f"infeasible: {error}", file=sys.stderr)
+            print(f"infeasible: smallest working budget {error.needed_vram / 2**30:.2f} GiB"
+                  if error.needed_vram else "infeasible: host RAM")

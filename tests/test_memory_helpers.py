@@ -1,0 +1,104 @@
+"""Builders shared by the memory engine tests (this module holds no tests itself).
+
+A tiny real-class Flux with a peft LoRA (fp32, nonzero lora_B so gradients are meaningful), batches
+of two bucket shapes at batch size 2, and a short training run that records the loss, the LoRA
+gradients and the LoRA values after each SGD step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from leantune.memory.engine import apply_memory
+from leantune.memory.plan import Plan
+from leantune.models import tiny
+from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
+
+SHAPES = ((8, 8), (8, 12))      # latent h, w: two buckets (16 and 24 image tokens)
+BATCH = 2
+TEXT_LEN = 8
+
+
+def lora_flux(seed: int = 0, dtype: torch.dtype = torch.float32, preset: str = "attention_mlp", **overrides):
+    """Tiny Flux, frozen, with a rank-4 LoRA in fp32 whose lora_B is random (not zero)."""
+    from peft import LoraConfig
+
+    model = tiny.flux_transformer(seed=seed, dtype=dtype, **overrides)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                 target_modules=FLUX_SPEC.lora_target_regex(preset)))
+    g = torch.Generator().manual_seed(seed + 100)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            if "lora_B" in name:
+                p.data = torch.randn(p.shape, generator=g) * 0.1
+    return model
+
+
+def make_batch(h: int, w: int, seed: int, device="cpu", dtype=torch.float32, text_dim: int = 32,
+               pooled_dim: int = 32, batch: int = BATCH, text_len: int = TEXT_LEN):
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(batch, 16, h, w, generator=g)
+    embeds = PromptEmbeds(torch.randn(batch, text_len, text_dim, generator=g), torch.randn(batch, pooled_dim, generator=g))
+    sigma = torch.rand(batch, generator=g)
+    target = torch.randn(batch, (h // 2) * (w // 2), 64, generator=g)
+    return (pack_latents(latents).to(device, dtype), sigma.to(device), embeds.to(device, dtype),
+            (h, w), target.to(device))
+
+
+def lora_params(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def base_state(model) -> dict[str, torch.Tensor]:
+    """Every non-adapter parameter and buffer, detached copies on CPU."""
+    out = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
+    out.update({n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()})
+    return out
+
+
+def train(model, shapes=SHAPES, lr: float = 0.1, device="cpu") -> list[dict]:
+    """One SGD step per bucket shape; per step: loss, LoRA grads, LoRA values after the step."""
+    params = lora_params(model)
+    opt = torch.optim.SGD(list(params.values()), lr=lr)
+    records = []
+    for step, (h, w) in enumerate(shapes):
+        x, sigma, embeds, hw, target = make_batch(h, w, seed=step, device=device)
+        opt.zero_grad(set_to_none=True)
+        pred = predict(model, x, sigma, embeds, hw, guidance=1.0)
+        loss = torch.nn.functional.mse_loss(pred.float(), target)
+        loss.backward()
+        grads = {n: (p.grad.detach().cpu().clone() if p.grad is not None else None) for n, p in params.items()}
+        opt.step()
+        records.append({"loss": loss.detach().cpu(), "grads": grads,
+                        "values": {n: p.detach().cpu().clone() for n, p in params.items()}})
+    return records
+
+
+def run_plan(base, plan: Plan, device="cpu", **kw):
+    """Apply `plan` to a copy of `base`, train two steps; returns (records, handle, model)."""
+    model = copy.deepcopy(base)
+    handle = apply_memory(model, FLUX_SPEC, plan, device, **kw)
+    return train(model, device=device), handle, model
+
+
+def assert_records_equal(got: list[dict], want: list[dict]) -> None:
+    """Bitwise equality of losses, LoRA gradients and LoRA values, step by step."""
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g["loss"], w["loss"]), f"step {step}: loss {g['loss'].item()} != {w['loss'].item()}"
+        assert g["grads"].keys() == w["grads"].keys()
+        for name in w["grads"]:
+            assert w["grads"][name] is not None, f"reference has no gradient for {name}"
+            assert g["grads"][name] is not None, f"step {step}: no gradient for {name}"
+            assert torch.equal(g["grads"][name], w["grads"][name]), (
+                f"step {step}: gradient of {name} differs by "
+                f"{(g['grads'][name] - w['grads'][name]).abs().max().item():.3e}")
+            assert torch.equal(g["values"][name], w["values"][name]), f"step {step}: {name} after the step differs"
+
+
+def block_names(model) -> list[str]:
+    return [n for n, _ in FLUX_SPEC.blocks(model)]
