@@ -47,6 +47,7 @@ class Machine:
     host_ram_total: int
     host_ram_available: int
     measured: bool
+    workspace: int = 64 * 2**20     # cuBLAS(Lt)/cuDNN workspaces the first kernels allocate on the device
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -85,7 +85,6 @@ MiB = 2**20
 Mode = Literal["lora", "full", "inference"]
 CHECKPOINTING = ("none", "blocks", "offload")
 RING_CHOICES = (2, 3, 4)
-CUDA_WORKSPACE = 64 * MiB      # cuBLAS(Lt) + cuDNN workspaces, allocated by the first matmuls
 HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, before any weight
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -825,7 +824,7 @@ class Planner:
         opt_tmp = {"lora": 2 * params, "full": 2 * grads, "inference": 0}[w.mode]
         keep_grads = w.gradient_accumulation > 1 or w.mode == "full"
         static = {"weights resident": resident, "stream slots": slots, "adapters": params,
-                  "optimizer states": states, "workspace": CUDA_WORKSPACE}
+                  "optimizer states": states, "workspace": self.machine.workspace}
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:
@@ -1367,7 +1366,11 @@ class PlanCalibrator:
             return None
         self.replanned = True
         self.planner._peaks.clear()
-        new = self.planner.plan(self.budget)
+        try:
+            new = self.planner.plan(self.budget)
+        except InfeasibleBudget as e:
+            raise NoPlanFits(f"measured peak {_gib(peak_allocated)} at {bucket[1]}x{bucket[0]} is above the "
+                             f"prediction, and with that correction {e}") from None
         self.changes.append(f"measured peak {_gib(peak_allocated)} vs predicted {_gib(predicted)} at "
                             f"{bucket[1]}x{bucket[0]}: re-planned from [{self.plan.describe()}] to [{new.describe()}]")
         log.info("planner: %s", self.changes[-1])
@@ -1424,7 +1427,11 @@ class OomGuard:
                                  f"{_gib(self.budget.vram)}. Lower the resolution, batch size or LoRA rank, or raise "
                                  f"[memory] vram_budget; the last saved state is resumable.")
             self.replans += 1
-            self.budget = replace(self.budget, vram=int(self.budget.vram * self.shrink))
+            # The failed plan's predicted peak did not really fit: ask for a plan predicted to need
+            # `shrink` times less, whatever the nominal budget was.
+            failed = (previous.notes or {}).get("predicted_peak_vram") or self.planner.estimate(previous).peak_vram
+            vram = min(self.budget.vram, self.budget.needed_for(failed))
+            self.budget = replace(self.budget, vram=int(vram * self.shrink))
             try:
                 plan = self.planner.plan(self.budget)
             except InfeasibleBudget as e:

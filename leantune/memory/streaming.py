@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -101,6 +102,12 @@ class _Stats:
     pending_stall: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def add(self, attr: str, start, end) -> None:
+        with self.lock:
+            getattr(self, attr).append((start, end))
+        if len(getattr(self, attr)) > 4096:           # nobody reads reports: fold finished pairs in
+            self.settle(wait=False)
+
     def settle(self, wait: bool) -> None:
         """Add up the CUDA event pairs that have completed (all of them if `wait`)."""
         for attr, key in (("pending_copy", "copy_s"), ("pending_stall", "stall_s")):
@@ -140,6 +147,7 @@ class _Unit:
     slot: int
     checkpointed: bool
     adapter_params: list[nn.Parameter]
+    unpin: object = None               # undoes the host buffer's pinning
     refs: int = 0
 
     def trainable(self) -> bool:
@@ -181,7 +189,7 @@ class _Stager:
 
     def __init__(self, backend: _Backend, stats: _Stats, chunk: int = STAGING_CHUNK):
         self.backend, self.stats, self.chunk = backend, stats, chunk
-        self.bufs = [_alloc_host(chunk, pin=backend.cuda)[0] for _ in range(2)]
+        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=backend.cuda) for _ in range(2)]
         self.events: list = [None, None]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="leantune-stage")
 
@@ -217,23 +225,34 @@ class _Stager:
                 self.events[i] = ev
             end = be.event(timing=True)
             end.record(cs)
-        with self.stats.lock:
-            self.stats.pending_copy.append((start, end))
+        self.stats.add("pending_copy", start, end)
         return end
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
 
-def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A (nbytes,) uint8 host buffer, pinned if asked and the driver agrees."""
+def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, object]:
+    """A (nbytes,) uint8 host buffer, pinned if asked and the driver agrees.
+
+    Pinned by registering an exact-size allocation (cudaHostRegister): torch's pinned caching
+    allocator rounds every request up to a power of two, which would cost up to half again the
+    host RAM for block-sized buffers. Returns the buffer and, when pinned, a callable that undoes
+    the registration (also called automatically if the buffer is garbage-collected first).
+    """
+    t = torch.empty(nbytes, dtype=torch.uint8)
     if pin:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
-        except RuntimeError as e:  # out of pinnable memory: fall back to the staged pageable path
-            log.warning("streaming: could not pin %.1f MB of host memory (%s); using a pageable buffer",
-                        nbytes / 2**20, e)
-    return torch.empty(nbytes, dtype=torch.uint8), False
+        ptr = t.data_ptr()
+        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if rc == 0:
+            return t, weakref.finalize(t, _unregister, ptr)
+        log.warning("streaming: could not pin %.1f MB of host memory (cudaError %d); using a pageable buffer "
+                    "copied through the staging pool", nbytes / 2**20, rc)
+    return t, None
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 # -- autograd boundaries -----------------------------------------------------------------------------
@@ -401,8 +420,7 @@ class StreamingEngine:
             before.record(stream)
             stream.wait_event(ready)
             after.record(stream)
-            with self.stats.lock:
-                self.stats.pending_stall.append((before, after))
+            self.stats.add("pending_stall", before, after)
         slot.ready = None
 
     def _fetch(self, unit: _Unit, demand: bool) -> None:
@@ -435,8 +453,7 @@ class StreamingEngine:
             start.record(cs)
             dst.copy_(src, non_blocking=True)
             end.record(cs)
-        with self.stats.lock:
-            self.stats.pending_copy.append((start, end))
+        self.stats.add("pending_copy", start, end)
         return end
 
     # -- prefetch --------------------------------------------------------------------------------
@@ -685,12 +702,14 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     units: list[_Unit] = []
     for index, (name, mods, ckpt) in enumerate(groups):
         entries, adapters, nbytes = _collect(mods, name)
-        host, pinned = _alloc_host(max(nbytes, ALIGN), pin)
+        host, unpin = _alloc_host(max(nbytes, ALIGN), pin)
         with torch.no_grad():
             for e in entries:
                 _view(host, e).copy_(_tensor_of(e).detach())
-        units.append(_Unit(name, mods, entries, nbytes, host, pinned or (not backend.cuda and plan.pin_memory),
-                           index % plan.ring_slots, ckpt, adapters))
+        # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
+        direct = unpin is not None or (not backend.cuda and plan.pin_memory)
+        units.append(_Unit(name, mods, entries, nbytes, host, direct, index % plan.ring_slots, ckpt, adapters,
+                           unpin=unpin))
 
     k = min(plan.ring_slots, len(units))
     slot_bytes = max((u.nbytes for u in units), default=0)
@@ -727,8 +746,12 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
         if m.__dict__.get("forward") is not w:
             raise RuntimeError(f"streaming: {type(m).__name__}.forward was wrapped again after streaming; "
                                f"remove checkpointing before streaming")
-    if handle.engine.backend.cuda:
-        torch.cuda.current_stream(handle.engine.backend.device).synchronize()   # teardown, not the hot path
+    if handle.engine.stager is not None:
+        handle.engine.stager.close()                  # no staged copy still being issued
+    be = handle.engine.backend
+    if be.cuda:                                       # teardown, not the hot path: let copies and uses finish
+        be.copy_stream.synchronize()
+        torch.cuda.current_stream(be.device).synchronize()
     with torch.no_grad():
         for u in handle.units:
             for e in u.entries:
@@ -742,11 +765,11 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
             m.forward = w.prev
     for h in handle.hooks:
         h.remove()
-    if handle.engine.stager is not None:
-        handle.engine.stager.close()
     handle.engine.slots.clear()
     handle.engine.by_storage.clear()
     for u in handle.units:
+        if u.unpin is not None:
+            u.unpin()
         u.host = torch.empty(0, dtype=torch.uint8)
     handle.units.clear()
     handle.wrapped.clear()

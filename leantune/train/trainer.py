@@ -23,9 +23,6 @@ from .state import latest_checkpoint, load_checkpoint, rng_state, save_checkpoin
 
 log = logging.getLogger("leantune")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 @dataclass
 class RunPaths:
     """Where a run writes: everything under [output] dir."""
@@ -202,12 +199,12 @@ def _autocast(cfg: RunConfig, device: torch.device):
 # -- set-up ----------------------------------------------------------------------------------------
 
 def _build(cfg: RunConfig) -> Trainee:
-    from ..data.cache import prepare_caches
+    from ..data.cache import model_dtype, prepare_caches
     from ..models.flux_loading import detect_variant, load_transformer, resolve_sources
     from .lora import add_lora, load_lora_into_model, read_lora
 
     device = pick_device(cfg)
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = model_dtype(cfg)
     data = prepare_caches(cfg, device, dtype)
     sources = resolve_sources(cfg.model, Path(cfg.base_dir))
     transformer = load_transformer(sources, dtype=dtype, device="cpu")
@@ -247,7 +244,7 @@ def _training_state(t: Trainee, losses: list[float]) -> dict:
     return {
         "trainable": trainable,
         "optimizer": t.optimizer.state_dict(),
-        "scheduler": {k: v for k, v in t.scheduler.state_dict().items() if k != "lr_lambdas"},
+        "scheduler": t.scheduler.state_dict(),     # lr_lambdas are plain functions: stored as None
         "rng": rng_state(t.generator),
         "data": t.batches.state_dict(),
         "losses": list(losses),

@@ -1,0 +1,435 @@
+"""The planner: byte counts against real models, activation predictions against a real CPU step,
+the search's guarantees, infeasible budgets, host RAM, OOM handling, calibration and `leantune plan`."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from leantune.config import ConfigError, LoraConfig
+from leantune.memory import planner as P
+from leantune.memory.machine import assumed_machine, probe_machine
+from leantune.memory.plan import Plan
+from leantune.models import tiny
+from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
+from leantune.train.lora import add_lora
+
+GiB = 2**30
+UNLIMITED = 2**62
+
+
+def tiny_lora_model(dtype=torch.float32, rank=4, double=2, single=2, **lora):
+    model = tiny.flux_transformer(dtype=dtype, num_layers=double, num_single_layers=single)
+    model.requires_grad_(False)
+    add_lora(model, FLUX_SPEC, LoraConfig(rank=rank, **lora))
+    return model
+
+
+@pytest.fixture(scope="module")
+def flux_dev_planner():
+    """The full-size Flux-dev architecture on meta, LoRA r16, 1024 px: what `leantune plan` plans."""
+    model = P.build_meta_flux("dev")
+    return P.Planner(FLUX_SPEC, model, P.Workload(rank=16, buckets=((1024, 1024),)))
+
+
+# -- weights -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_bytes_equal_the_real_parameter_bytes(dtype):
+    model = tiny_lora_model(dtype=dtype)
+    weights = P.measure_weights(FLUX_SPEC, model)
+    real = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+    real += sum(b.numel() * b.element_size() for b in model.buffers())
+    assert weights.native_bytes == real
+    assert weights.total(torch.finfo(dtype).bits // 8) == real
+    for (name, block), w in zip(FLUX_SPEC.blocks(model), weights.blocks):
+        assert w.name == name
+        assert w.bytes(torch.finfo(dtype).bits // 8) == sum(
+            p.numel() * p.element_size() for n, p in block.named_parameters() if "lora_" not in n)
+
+
+def test_flux_dev_meta_build_has_the_published_parameter_count():
+    dev, schnell = P.build_meta_flux("dev"), P.build_meta_flux("schnell")
+    assert all(p.device.type == "meta" for p in dev.parameters())
+    w = P.measure_weights(FLUX_SPEC, dev)
+    assert w.numel == 11_901_408_320          # BFL's Flux.1-dev transformer
+    assert w.total(2) == 2 * w.numel
+    assert [b.kind for b in w.blocks].count("double") == 19 and len(w.blocks) == 57
+    assert P.measure_weights(FLUX_SPEC, schnell).numel < w.numel    # no guidance embedder
+    with pytest.raises(ValueError, match="unknown Flux variant"):
+        P.build_meta_flux("pro")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8):
+    """What the planner prices is exactly what fp8 storage and the streaming engine allocate."""
+    from leantune.memory.fp8 import apply_fp8_storage
+    from leantune.memory.streaming import apply_streaming, remove_streaming
+
+    model = tiny_lora_model(dtype=torch.bfloat16)
+    weights = P.measure_weights(FLUX_SPEC, model)
+    if fp8:
+        handle = apply_fp8_storage(model, FLUX_SPEC)
+        assert handle.bytes_after == sum(b.bytes(2, fp8=True) - (b.numel - b.fp8_numel) * 2 for b in weights.blocks)
+    names = tuple(n for n, _ in FLUX_SPEC.blocks(model))
+    plan = Plan(streamed_blocks=names, stream_non_blocks=True, fp8=fp8, ring_slots=3, pin_memory=False)
+    stream = apply_streaming(model, FLUX_SPEC, plan, "cpu")
+    try:
+        real = stream.unit_bytes()
+        assert real["non_blocks"] == weights.non_blocks.unit_bytes(2)
+        for b in weights.blocks:
+            assert real[b.name] == b.unit_bytes(2, fp8), b.name
+        planner = P.Planner(FLUX_SPEC, tiny_lora_model(dtype=torch.bfloat16),
+                            P.Workload(rank=4, buckets=((128, 128),), text_length=8, allow_fp8=True))
+        vram, host, _ = planner.memory(plan)
+        slots = stream.engine.slots
+        assert vram["stream slots"] == len(slots) * slots[0].buf.numel()
+        assert host["streamed blocks (pageable)"] == stream.host_bytes
+    finally:
+        remove_streaming(stream, "cpu")
+
+
+@pytest.mark.parametrize("targets,blocks", [("attention", None), ("attention_mlp", None), ("all", None),
+                                            ("attention_mlp", {"double": [1], "single": []})])
+def test_adapter_parameters_equal_peft(targets, blocks):
+    model = tiny_lora_model(rank=3, targets=targets, blocks=blocks)
+    real = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    w = P.measure_weights(FLUX_SPEC, model, P.Workload(rank=3, targets=targets, lora_blocks=blocks))
+    assert w.adapter_params(3) == real > 0
+
+
+# -- activations: predicted on meta, measured on a real CPU step -----------------------------------------------
+
+class _Mallinfo(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_in_use() -> int:
+    """Bytes the C heap has handed out (small chunks + mmapped ones): the CPU allocator's truth."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _Mallinfo
+    m = libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+class _HeapPeak(TorchDispatchMode):
+    """Samples the heap after every op of a real run; the peak is relative to the start."""
+
+    def __enter__(self):
+        self.base, self.peak = _heap_in_use(), 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _heap_in_use() - self.base)
+        return out
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing):
+    """The meta probe (2+2 blocks) extrapolated to a 3+5-block model predicts the heap peak of a real
+    forward+backward on CPU (the engine's own checkpointing for "blocks") within 10%."""
+    pytest.importorskip("ctypes").CDLL("libc.so.6").mallinfo2    # glibc >= 2.33
+    from leantune.memory.checkpointing import apply_checkpointing
+
+    res, text = 768, 32
+    model = tiny_lora_model(double=3, single=5)
+    workload = P.Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False,
+                          allow_fp8=False)
+    predicted = P.Planner(FLUX_SPEC, model, workload).activation_peak((res, res), False, checkpointing)
+    if checkpointing == "blocks":
+        apply_checkpointing(model, FLUX_SPEC)
+    g = torch.Generator().manual_seed(0)
+    h = res // 8
+    packed = pack_latents(torch.randn(1, 16, h, h, generator=g))          # (1, h/2*w/2, 64)
+    embeds = PromptEmbeds(torch.randn(1, text, 32, generator=g), torch.randn(1, 32, generator=g))
+    target = torch.randn(packed.shape, generator=g)
+    sigma = torch.rand(1, generator=g)
+    peaks = []
+    for _ in range(2):                     # the first step also allocates thread pools and caches
+        for p in model.parameters():
+            p.grad = None
+        gc.collect()
+        with _HeapPeak() as heap:
+            loss = ((predict(model, packed, sigma, embeds, (h, h), 1.0).float() - target) ** 2).mean()
+            loss.backward()
+            del loss
+        peaks.append(heap.peak)
+    assert abs(peaks[-1] - predicted) <= 0.10 * predicted, (peaks, predicted)
+
+
+def test_checkpointing_trades_activations_and_fp8_halves_block_bytes(flux_dev_planner):
+    pl = flux_dev_planner
+    bucket = (1024, 1024)
+    none, blocks, offload = (pl.activation_peak(bucket, False, c) for c in ("none", "blocks", "offload"))
+    assert none > 5 * blocks > 5 * offload > 0
+    w = pl.weights
+    double = w.blocks[0]
+    assert double.bytes(2) == 2 * double.numel
+    assert 0.6 < double.bytes(2, fp8=True) / double.bytes(2) < 0.75   # modulation and norms stay bf16
+    # A double block moves ~2.4x more bytes per FLOP than a single one: singles stream first.
+    assert all(pl.kinds[i] == "single" for i in pl.order[:38])
+
+
+# -- the search ------------------------------------------------------------------------------------------
+
+def test_more_budget_never_gives_a_slower_plan_and_every_plan_fits(flux_dev_planner):
+    previous = None
+    for gib in (4, 6, 8, 12, 16, 24, 32, 48, 80):
+        budget = P.Budget(vram=gib * GiB, ram=UNLIMITED)
+        plan = flux_dev_planner.plan(budget)
+        n = plan.notes
+        assert n["predicted_peak_vram"] <= budget.usable_vram
+        assert sum(n["vram_breakdown"].values()) == n["predicted_peak_vram"]
+        if previous is not None:
+            assert round(n["predicted_step_s"], 6) <= round(previous.notes["predicted_step_s"], 6), gib
+        previous = plan
+    assert previous.streamed_blocks == () and previous.checkpointing == "none"   # 80 GiB: everything resident
+
+
+def test_infeasible_budget_names_the_smallest_budget_that_works(flux_dev_planner):
+    with pytest.raises(P.InfeasibleBudget) as info:
+        flux_dev_planner.plan(P.Budget(vram=2 * GiB, ram=UNLIMITED))
+    err = info.value
+    needed = err.needed_vram
+    assert needed > 2 * GiB
+    assert f"smallest budget that works is {needed / GiB:.2f} GiB" in str(err)
+    assert "[data] resolutions" in str(err) and "[lora] rank" in str(err)
+    plan = flux_dev_planner.plan(P.Budget(vram=needed, ram=UNLIMITED))      # the stated minimum works ...
+    assert plan.notes["predicted_peak_vram"] <= P.Budget(vram=needed).usable_vram
+    with pytest.raises(P.InfeasibleBudget):                                  # ... and is the minimum
+        flux_dev_planner.plan(P.Budget(vram=needed - 32 * 2**20, ram=UNLIMITED))
+
+
+def test_host_ram_budget_chooses_pageable_copies_then_refuses_early(flux_dev_planner):
+    vram = 8 * GiB
+    pinned = flux_dev_planner.plan(P.Budget(vram=vram, ram=UNLIMITED))
+    assert pinned.pin_memory and pinned.streamed_blocks
+    pageable_host = flux_dev_planner.memory(replace(pinned, pin_memory=False))[1]["peak"]
+    assert pageable_host < pinned.notes["predicted_peak_host"]      # pinned buffers round up to 2^k
+    ram = (pageable_host + pinned.notes["predicted_peak_host"]) // 2
+    plan = flux_dev_planner.plan(P.Budget(vram=vram, ram=ram))
+    assert not plan.pin_memory and plan.notes["predicted_peak_host"] <= ram
+    with pytest.raises(P.InfeasibleBudget, match=r"ram_budget is 16\.00 GiB") as info:
+        flux_dev_planner.plan(P.Budget(vram=vram, ram=16 * GiB))
+    assert info.value.needed_ram > 16 * GiB
+    assert "loading the transformer alone takes" in str(info.value)
+
+
+# -- OOM -------------------------------------------------------------------------------------------------------
+
+def test_oom_guard_replans_tighter_and_redoes_the_same_step():
+    """A simulated allocator that fails whenever a plan's real peak (20% above the prediction) exceeds
+    the device; the guard must re-plan until it fits and redo the step with the same batch, leaving the
+    same gradients as an uninterrupted step."""
+    res, text = 256, 8
+    workload = P.Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False)
+    model = tiny_lora_model()
+    reference = tiny_lora_model()
+    reference.load_state_dict(model.state_dict())
+    # No fixed workspace or margin, so that a tiny model's plans differ by their activations.
+    planner = P.Planner(FLUX_SPEC, model, workload, replace(assumed_machine(), workspace=0))
+    budget = P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
+    first = planner.plan(budget)
+    capacity = int(first.notes["predicted_peak_vram"] * 1.2 * 0.97)       # the first plan will not fit
+    current = {"plan": first}
+
+    def real_peak(plan):
+        return int(planner.estimate(plan).peak_vram * 1.2)
+
+    g = torch.Generator().manual_seed(1)
+    h = res // 8
+    batch = (pack_latents(torch.randn(1, 16, h, h, generator=g)),
+             PromptEmbeds(torch.randn(1, text, 32, generator=g), torch.randn(1, 32, generator=g)))
+    sigma = torch.tensor([0.4])
+
+    def step(m, packed, embeds):
+        loss = predict(m, packed, sigma, embeds, (h, h), 1.0).pow(2).mean()
+        loss.backward()
+        if m is model and real_peak(current["plan"]) > capacity:        # the allocator fails late in the step
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (simulated)")
+        return float(loss)
+
+    def apply_plan(plan):
+        current["plan"] = plan
+        for p in model.parameters():
+            p.grad = None                  # the failed step's partial gradients must not count twice
+
+    guard = P.OomGuard(planner, budget, first, apply_plan)
+    loss = guard.run(step, model, *batch, step=7)
+    expected = step(reference, *batch)
+    assert loss == pytest.approx(expected, rel=0, abs=0)
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), n
+    assert current["plan"] != first and real_peak(current["plan"]) <= capacity
+    assert len(guard.events) >= 1 and "out of memory at step 7: re-planned" in guard.events[0]
+
+    def always_fails(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    stuck = P.OomGuard(planner, budget, first, lambda plan: None, shrink=0.5)
+    with pytest.raises(P.NoPlanFits, match="resumable"):
+        stuck.run(always_fails, step=3)
+
+    def broken(*_):
+        raise ValueError("not a memory problem")
+
+    with pytest.raises(ValueError, match="not a memory problem"):
+        P.OomGuard(planner, budget, first, apply_plan).run(broken)
+
+
+def test_out_of_memory_errors_are_recognised():
+    assert P.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert P.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not P.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not P.is_out_of_memory(ValueError("out of memory"))
+
+
+# -- calibration ---------------------------------------------------------------------------------------------
+
+def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
+    res = 256
+    workload = P.Workload(rank=4, buckets=((res, res),), text_length=8, dtype=torch.float32, autocast=False)
+    model = tiny_lora_model()
+    store = P.CalibrationStore(tmp_path / "calibration.json")
+    planner = P.Planner(FLUX_SPEC, model, workload)
+    budget = P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
+    plan = planner.plan(budget)
+    bucket_peak = plan.notes["per_bucket"][f"{res}x{res}"]["peak_vram"]
+    calibrator = P.PlanCalibrator(planner, budget, plan, store)
+    assert calibrator.observe((res, res), bucket_peak + budget.margin_bytes // 2) is None   # within the margin
+    measured = bucket_peak + 3 * budget.margin_bytes
+    new = calibrator.observe((res, res), measured)
+    assert new is not None and "re-planned" in calibrator.changes[0]
+    assert calibrator.observe((res, res), measured * 2) is None                                  # only once
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    key = P.architecture_key(model, workload)
+    assert saved[key]["activation_scale"][f"{res}x{res}:{plan.checkpointing}"] > 1.0
+    again = P.Planner(FLUX_SPEC, model, workload, calibration=store.get(key))                # the next run
+    predicted = again.memory(plan)[2][f"{res}x{res}"]["peak_vram"]
+    assert predicted == pytest.approx(measured, rel=0.01)
+
+    (tmp_path / "calibration.json").write_text("{not json")
+    assert store.get(key) is None                  # unreadable: ignored, the plan starts uncalibrated
+
+
+# -- configuration and the command ------------------------------------------------------------------------------
+
+def test_budget_from_config_sizes_auto_and_errors():
+    from leantune.config import MemoryConfig
+
+    machine = assumed_machine()
+    b = P.budget_from_config(MemoryConfig(vram_budget="8GiB", ram_budget="32 GB"), machine)
+    assert (b.vram, b.ram) == (8 * GiB, 32 * GiB)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        P.budget_from_config(MemoryConfig(vram_budget="auto"), machine)
+    with pytest.raises(ConfigError, match=r"\[memory\] vram_budget: 'lots'"):
+        P.budget_from_config(MemoryConfig(vram_budget="lots"), machine)
+    gpu = replace(machine, vram_total=24 * GiB, vram_free=22 * GiB, measured=True)
+    assert P.budget_from_config(MemoryConfig(vram_budget="auto"), gpu).vram == 22 * GiB
+
+
+def _run_plan(capsys, *argv):
+    from leantune.cli import main
+
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_command_for_flux_dev_at_several_budgets_is_consistent(capsys):
+    budgets = ["6GiB", "8GiB", "12GiB", "24GiB", "80GiB"]
+    args = ["--model", "flux-dev", "--mode", "lora", "--rank", "16", "--resolution", "1024"]
+    for b in budgets:
+        args += ["--vram", b]
+    rc, out, _ = _run_plan(capsys, *args, "--json")
+    assert rc == 0
+    data = json.loads(out)
+    names = {f"transformer_blocks.{i}" for i in range(19)} | {f"single_transformer_blocks.{i}" for i in range(38)}
+    times = []
+    for entry, b in zip(data["plans"], budgets):
+        plan, n = entry["plan"], entry["plan"]["notes"]
+        assert entry["budget_bytes"] == int(b[:-3]) * GiB
+        assert sum(n["vram_breakdown"].values()) == n["predicted_peak_vram"] <= entry["budget_bytes"] - n["margin_vram"]
+        assert set(plan["streamed_blocks"]) <= names and len(set(plan["streamed_blocks"])) == len(plan["streamed_blocks"])
+        kinds = {"double": sum(x.startswith("transformer_blocks.") for x in plan["streamed_blocks"]),
+                 "single": sum(x.startswith("single_") for x in plan["streamed_blocks"])}
+        assert {k: v for k, v in kinds.items() if v} == n["streamed_by_kind"]
+        assert (n["vram_breakdown"]["stream slots"] > 0) == bool(plan["streamed_blocks"])
+        assert n["predicted_step_s"] == pytest.approx(n["compute_s"] + n["exposed_transfer_s"] + n["overhead_s"])
+        assert (n["h2d_bytes_per_step"] == 0) == (not plan["streamed_blocks"] and plan["checkpointing"] != "offload")
+        assert plan["ring_slots"] >= 2 and plan["checkpointing"] in ("none", "blocks", "offload")
+        times.append(n["predicted_step_s"])
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
+
+    rc, text, _ = _run_plan(capsys, "--model", "flux-dev", "--resolution", "1024", "--vram", "8GiB")
+    assert rc == 0
+    eight = data["plans"][1]["plan"]["notes"]
+    assert "VRAM at peak" in text and "rates assumed, not measured" in text
+    total = re.search(r"total \(predicted peak\)\s+([\d.]+)", text).group(1)
+    assert float(total) == pytest.approx(eight["predicted_peak_vram"] / GiB, abs=0.006)
+
+
+def test_plan_command_reports_an_infeasible_budget(capsys):
+    rc, out, err = _run_plan(capsys, "--model", "flux-schnell", "--resolution", "1024", "--vram", "1GiB")
+    assert rc == 1
+    assert "smallest budget that works is" in err and "infeasible: smallest working budget" in out
+
+
+def test_plan_command_reads_the_architecture_from_a_config(capsys, tmp_path, tiny_flux_dir):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f"""
+[model]
+path = "{tiny_flux_dir}"
+[data]
+datasets = [{{ path = "images" }}]
+resolutions = [256]
+max_text_length = 16
+[lora]
+rank = 4
+[memory]
+vram_budget = "1GiB"
+""")
+    rc, out, _ = _run_plan(capsys, str(cfg), "--json")
+    assert rc == 0
+    data = json.loads(out)
+    notes = data["plans"][0]["plan"]["notes"]
+    assert notes["total_blocks"] == 4 and data["plans"][0]["budget_bytes"] == GiB
+    assert "LoRA r4" in data["workload"] and "256x256" in data["workload"] and "text 16 tokens" in data["workload"]
+    rc, _, err = _run_plan(capsys, str(cfg), "--model", "flux-dev")
+    assert rc == 2 and "either a config file or --model" in err
+    cfg.write_text(cfg.read_text().replace('vram_budget = "1GiB"', ""))
+    rc, _, err = _run_plan(capsys, str(cfg))
+    assert rc == 2 and "no VRAM budget" in err
+
+
+def test_plan_for_config_is_what_the_trainer_gets(tmp_path, tiny_flux_dir):
+    from leantune.config import validate
+
+    cfg = validate({"model": {"path": str(tiny_flux_dir), "dtype": "fp32"}, "data": {
+        "datasets": [{"path": "x"}], "resolutions": [128], "max_text_length": 8},
+        "lora": {"rank": 4}, "train": {"mixed_precision": "no"}, "memory": {"vram_budget": "2GiB"}})
+    model = tiny_lora_model()
+    store = P.CalibrationStore(tmp_path / "cal.json")
+    plan = P.plan_for_config(cfg, FLUX_SPEC, model, store=store)
+    assert plan.notes["budget_vram"] == 2 * GiB and plan.notes["predicted_peak_vram"] > 0
+    assert plan.streamed_blocks == () and plan.checkpointing == "none"   # a tiny model fits resident
+    cfg_small = validate({**cfg.model_dump(exclude={"base_dir"}), "memory": {"vram_budget": "1MiB"}})
+    with pytest.raises(ConfigError, match=r"\[memory\] vram_budget = '1MiB': no memory plan fits"):
+        P.plan_for_config(cfg_small, FLUX_SPEC, model, store=store)
+
+
+@pytest.mark.gpu
+def test_machine_probe_measures_a_gpu():
+    m = probe_machine()
+    assert m.measured and m.vram_total >= m.vram_free > 0
+    assert 1e9 < m.h2d_pinned < 1e12 and m.flops > 1e12 and m.hbm > m.h2d_pinned
