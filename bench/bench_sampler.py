@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from leantune.models.flux import FLUX_SPEC  # noqa: E402
+from leantune.models.flux import FLUX_SPEC
 
 GiB = 2**30
 PROMPT = "a photo of a cat"
@@ -211,10 +211,10 @@ def run_row(name: str, components, base: dict, memory: dict, out: Path, cuda: bo
     n_images = len(res.files)
     per_step = statistics.median(steps) if steps else float("nan")
     n_steps = len(steps) + 1
-    return dict(name=name, plan=res.plan.describe(), fp8=res.plan.fp8, pinned=res.plan.pin_memory,
-                per_step=per_step, s_per_image=(res.timings["denoise.steps"] + res.timings["decode"]) / n_images,
-                wall=wall, peaks=res.stage_peaks, bytes_per_step=res.stream_report.get("bytes_h2d", 0) / n_steps,
-                stream_t5=res.stream_t5, tile=res.decode_tile, timings=res.timings)
+    return {"name": name, "plan": res.plan.describe(), "fp8": res.plan.fp8, "pinned": res.plan.pin_memory,
+            "per_step": per_step, "s_per_image": (res.timings["denoise.steps"] + res.timings["decode"]) / n_images,
+            "wall": wall, "peaks": res.stage_peaks, "bytes_per_step": res.stream_report.get("bytes_h2d", 0) / n_steps,
+            "stream_t5": res.stream_t5, "tile": res.decode_tile, "timings": res.timings}
 
 
 def sampling_rows(args, components, out: Path, cuda: bool) -> list[dict]:
@@ -268,7 +268,7 @@ def training_rows(args, components, cuda: bool) -> list[dict]:
             plan = plan_memory(FLUX_SPEC, t, wl, Budget(vram=12 * GiB))
         handle = apply_memory(t, FLUX_SPEC, plan, device)
         t.train()
-        vae = lambda: components.vae(torch.bfloat16, "cpu")  # noqa: E731  (loaded per grid, as the trainer does)
+        vae = lambda: components.vae(torch.bfloat16, "cpu")
         sample_during_training(t, vae, embeds[:1], SampleConfig(prompts=[PROMPT], steps=1, width=size,
                                                                 height=size), memory_handle=handle, device=device)
         if cuda:
@@ -278,8 +278,8 @@ def training_rows(args, components, cuda: bool) -> list[dict]:
         sample_during_training(t, vae, embeds, cfg, memory_handle=handle, device=device)
         if cuda:
             torch.cuda.synchronize()
-        rows.append(dict(name=name, plan=plan.describe(), seconds=time.perf_counter() - start,
-                         peak=torch.cuda.max_memory_reserved() if cuda else 0))
+        rows.append({"name": name, "plan": plan.describe(), "seconds": time.perf_counter() - start,
+                     "peak": torch.cuda.max_memory_reserved() if cuda else 0})
         handle.remove()
         del t, handle
         if cuda:
@@ -290,11 +290,12 @@ def training_rows(args, components, cuda: bool) -> list[dict]:
 # -- report -----------------------------------------------------------------------------------------------
 
 def markdown(args, sampling: list[dict], training: list[dict], device_name: str) -> str:
-    lines = [f"### Sampler: Flux-{args.variant} random weights, {args.size}x{args.size}, {args.steps} steps, "
-             f"LoRA rank {args.lora_rank} ({device_name}, {time.strftime('%Y-%m-%d')})", ""]
+    title = (f"### Sampler: Flux-{args.variant} random weights, {args.size}x{args.size}, {args.steps} steps, "
+             f"LoRA rank {args.lora_rank} ({device_name}, {time.strftime('%Y-%m-%d')})")
+    lines = [title, ""]
     if sampling:
-        lines += ["| run | plan | s/image | step s | bound s | step / bound | peak GiB (enc / denoise / dec) | "
-                  "GB streamed / step | T5 streamed | VAE tile |",
+        lines += [("| run | plan | s/image | step s | bound s | step / bound | peak GiB (enc / denoise / dec) | "
+                   "GB streamed / step | T5 streamed | VAE tile |"),
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sampling:
             p = r["peaks"]
@@ -302,8 +303,8 @@ def markdown(args, sampling: list[dict], training: list[dict], device_name: str)
             lines.append(f"| {r['name']} | {r['plan']} | {r['s_per_image']:.2f} | {r['per_step']:.3f} | "
                          f"{r['bound']:.3f} | {r['ratio']:.2f} | {peaks} | {r['bytes_per_step'] / 1e9:.2f} | "
                          f"{'yes' if r['stream_t5'] else 'no'} | {r['tile'] or '-'} |")
-        lines += ["", f"H2D bandwidth measured: {sampling[0]['h2d_GBps']:.1f} GB/s "
-                  f"({'pinned' if sampling[0]['pinned'] else 'pageable'} for the first row's plan)", ""]
+        bw = sampling[0]["h2d_GBps"]
+        lines += ["", f"H2D bandwidth measured: {bw:.1f} GB/s ({'pinned' if sampling[0]['pinned'] else 'pageable'})", ""]
     if training:
         lines += ["| samples during training | plan | s per grid | peak reserved GiB |", "|---|---|---|---|"]
         for r in training:

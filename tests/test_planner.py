@@ -32,6 +32,16 @@ def tiny_lora_model(dtype=torch.float32, rank=4, double=2, single=2, **lora):
     return model
 
 
+@pytest.fixture
+def one_thread():
+    """Real CPU steps run single-threaded: tiny ops gain nothing from threads, and on a busy shared
+    machine OpenMP barriers make two threads orders of magnitude slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def flux_dev_planner():
     """The full-size Flux-dev architecture on meta, LoRA r16, 1024 px: what `leantune plan` plans."""
@@ -134,10 +144,10 @@ class _HeapPeak(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "blocks"])
-def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing):
+def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing, one_thread):
     """The meta probe (2+2 blocks) extrapolated to a 3+5-block model predicts the heap peak of a real
-    forward+backward on CPU (the engine's own checkpointing for "blocks") within 10%."""
-    pytest.importorskip("ctypes").CDLL("libc.so.6").mallinfo2    # glibc >= 2.33
+    forward+backward on CPU (with the engine's own checkpointing for "blocks") within 5%, plus
+    1.5 MiB for the per-thread scratch buffers of CPU attention kernels, which GPU kernels lack."""
     from leantune.memory.checkpointing import apply_checkpointing
 
     res, text = 768, 32
@@ -153,17 +163,18 @@ def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing):
     embeds = PromptEmbeds(torch.randn(1, text, 32, generator=g), torch.randn(1, 32, generator=g))
     target = torch.randn(packed.shape, generator=g)
     sigma = torch.rand(1, generator=g)
-    peaks = []
-    for _ in range(2):                     # the first step also allocates thread pools and caches
-        for p in model.parameters():
-            p.grad = None
-        gc.collect()
-        with _HeapPeak() as heap:
-            loss = ((predict(model, packed, sigma, embeds, (h, h), 1.0).float() - target) ** 2).mean()
-            loss.backward()
-            del loss
-        peaks.append(heap.peak)
-    assert abs(peaks[-1] - predicted) <= 0.10 * predicted, (peaks, predicted)
+
+    def step():
+        loss = ((predict(model, packed, sigma, embeds, (h, h), 1.0).float() - target) ** 2).mean()
+        loss.backward()
+
+    step()                                 # warm-up: thread pools and allocator caches
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    with _HeapPeak() as heap:
+        step()
+    assert abs(heap.peak - predicted) <= 0.05 * predicted + 1.5 * 2**20, (heap.peak, predicted)
 
 
 def test_checkpointing_trades_activations_and_fp8_halves_block_bytes(flux_dev_planner):
@@ -175,15 +186,20 @@ def test_checkpointing_trades_activations_and_fp8_halves_block_bytes(flux_dev_pl
     double = w.blocks[0]
     assert double.bytes(2) == 2 * double.numel
     assert 0.6 < double.bytes(2, fp8=True) / double.bytes(2) < 0.75   # modulation and norms stay bf16
-    # A double block moves ~2.4x more bytes per FLOP than a single one: singles stream first.
-    assert all(pl.kinds[i] == "single" for i in pl.order[:38])
+    # A double block moves ~2.4x more bytes per FLOP than a single one: singles stream first, spread out.
+    assert pl.order == ["single", "double"]
+    assert [pl.kinds[i] for i in pl.streamed_set(38)] == ["single"] * 38
+    two = pl.streamed_set(40)
+    assert [w.blocks[i].name for i in two if pl.kinds[i] == "double"] == ["transformer_blocks.4", "transformer_blocks.14"]
+    assert [w.blocks[i].name for i in pl.streamed_set(2)] == ["single_transformer_blocks.9",
+                                                              "single_transformer_blocks.28"]
 
 
 # -- the search ------------------------------------------------------------------------------------------
 
 def test_more_budget_never_gives_a_slower_plan_and_every_plan_fits(flux_dev_planner):
     previous = None
-    for gib in (4, 6, 8, 12, 16, 24, 32, 48, 80):
+    for gib in (4, 6, 8, 12, 24, 48, 80):
         budget = P.Budget(vram=gib * GiB, ram=UNLIMITED)
         plan = flux_dev_planner.plan(budget)
         n = plan.notes
@@ -210,27 +226,29 @@ def test_infeasible_budget_names_the_smallest_budget_that_works(flux_dev_planner
 
 
 def test_host_ram_budget_chooses_pageable_copies_then_refuses_early(flux_dev_planner):
-    vram = 8 * GiB
-    pinned = flux_dev_planner.plan(P.Budget(vram=vram, ram=UNLIMITED))
-    assert pinned.pin_memory and pinned.streamed_blocks
-    pageable_host = flux_dev_planner.memory(replace(pinned, pin_memory=False))[1]["peak"]
-    assert pageable_host < pinned.notes["predicted_peak_host"]      # pinned buffers round up to 2^k
-    ram = (pageable_host + pinned.notes["predicted_peak_host"]) // 2
-    plan = flux_dev_planner.plan(P.Budget(vram=vram, ram=ram))
+    pl = flux_dev_planner
+    budget = P.Budget(vram=8 * GiB, ram=UNLIMITED)
+    fits = [p for p in pl.candidates() if sum(pl.memory(p)[0].values()) <= budget.usable_vram]
+    host = {True: min(pl.memory(p)[1]["peak"] for p in fits if p.pin_memory),
+            False: min(pl.memory(p)[1]["peak"] for p in fits if not p.pin_memory)}
+    assert host[False] < host[True]              # pinned buffers round up to a power of two
+    assert pl.plan(budget).pin_memory            # with RAM to spare, pinned (faster, no staging) wins
+    ram = (host[False] + host[True]) // 2        # no pinned plan fits this, some pageable one does
+    plan = pl.plan(replace(budget, ram=ram))
     assert not plan.pin_memory and plan.notes["predicted_peak_host"] <= ram
     with pytest.raises(P.InfeasibleBudget, match=r"ram_budget is 16\.00 GiB") as info:
-        flux_dev_planner.plan(P.Budget(vram=vram, ram=16 * GiB))
+        pl.plan(replace(budget, ram=16 * GiB))
     assert info.value.needed_ram > 16 * GiB
     assert "loading the transformer alone takes" in str(info.value)
 
 
 # -- OOM -------------------------------------------------------------------------------------------------------
 
-def test_oom_guard_replans_tighter_and_redoes_the_same_step():
+def test_oom_guard_replans_tighter_and_redoes_the_same_step(one_thread):
     """A simulated allocator that fails whenever a plan's real peak (20% above the prediction) exceeds
     the device; the guard must re-plan until it fits and redo the step with the same batch, leaving the
     same gradients as an uninterrupted step."""
-    res, text = 256, 8
+    res, text = 128, 8
     workload = P.Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False)
     model = tiny_lora_model()
     reference = tiny_lora_model()
@@ -256,7 +274,7 @@ def test_oom_guard_replans_tighter_and_redoes_the_same_step():
         loss.backward()
         if m is model and real_peak(current["plan"]) > capacity:        # the allocator fails late in the step
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (simulated)")
-        return float(loss)
+        return float(loss.detach())
 
     def apply_plan(plan):
         current["plan"] = plan
@@ -297,7 +315,7 @@ def test_out_of_memory_errors_are_recognised():
 # -- calibration ---------------------------------------------------------------------------------------------
 
 def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
-    res = 256
+    res = 128
     workload = P.Workload(rank=4, buckets=((res, res),), text_length=8, dtype=torch.float32, autocast=False)
     model = tiny_lora_model()
     store = P.CalibrationStore(tmp_path / "calibration.json")

@@ -258,7 +258,7 @@ def test_bad_lora_files_give_clear_errors(comps32, tmp_path):
 
     # A LoRA for more blocks than the model has.
     deep = tiny.flux_transformer(num_layers=4)
-    names = [f"transformer_blocks.3.attn.to_q"]
+    names = ["transformer_blocks.3.attn.to_q"]
     too_deep = save_lora(_random_lora(deep, names, 2, 2.0, 0), tmp_path / "deep.safetensors", "diffusers")
     with pytest.raises(ValueError, match=re.escape(str(too_deep)) + r".*transformer_blocks\.3\.attn\.to_q"):
         apply_loras(t, [(too_deep, 1.0)])
@@ -398,7 +398,12 @@ def test_decode_estimate_for_flux_vae_at_1024():
 def test_png_metadata_round_trip_and_grid(tmp_path):
     from PIL import Image
 
-    from leantune.infer.images import format_loras, make_grid, read_png_metadata, save_png
+    from leantune.infer.images import (
+        format_loras,
+        make_grid,
+        read_png_metadata,
+        save_png,
+    )
 
     img = Image.new("RGB", (32, 16), (10, 20, 30))
     meta = {"prompt": "a cat, \"quoted\" — ünïcode", "seed": "42", "steps": "28", "guidance": "3.5",
@@ -523,7 +528,7 @@ def test_sample_during_training_with_streaming_engine(comps16):
     from leantune.memory.engine import apply_memory
     from leantune.memory.plan import Plan
     from leantune.models.flux import FLUX_SPEC, predict
-    from leantune.train.lora import add_lora, apply_lora, lora_weights_from_model
+    from leantune.train.lora import add_lora
 
     embeds = encode_prompts_stage(_encoders(comps16), PROMPTS, max_length=MAX_LEN)
     cfg = SampleConfig(prompts=PROMPTS, seed=5, steps=2, guidance=3.5, width=W, height=H)
@@ -604,6 +609,36 @@ def test_run_sampling_equals_pipeline_from_folder(tiny_flux_dir, tmp_path):
     assert tight.stream_t5
     assert [f.name for f in tight.files] == ["00002-3.png", "00003-4.png"]
     assert np.array_equal(np.stack([np.asarray(Image.open(f)) for f in tight.files]), ours)
+
+    # Every block and the non-block group streamed, in fp8: one model alive at a time (each stage's
+    # model is gone when the next one is asked for), and images near the unquantized ones.
+    from leantune.infer.run import FolderComponents
+
+    class Watched(FolderComponents):
+        def text_encoders(self, dtype):
+            enc = super().text_encoders(dtype)
+            self.t5 = weakref.ref(enc.text_encoder_2)
+            return enc
+
+        def transformer(self, dtype):
+            self.t5_alive_at_denoise = self.t5() is not None
+            t = super().transformer(dtype)
+            self.tr = weakref.ref(t)
+            return t
+
+        def vae(self, dtype, device):
+            self.transformer_alive_at_decode = self.tr() is not None
+            return super().vae(dtype, device)
+
+    request = _request(tiny_flux_dir, tmp_path / "fp8", lora=[{"path": str(lora), "strength": 0.7}],
+                       memory={"streamed_blocks": "all", "stream_non_blocks": True, "fp8": True})
+    watched = Watched(request)
+    streamed = run_sampling(request, components=watched)
+    assert not watched.t5_alive_at_denoise and not watched.transformer_alive_at_decode
+    assert streamed.plan.fp8 and len(streamed.plan.streamed_blocks) == 4
+    assert streamed.stream_report["bytes_h2d"] > 0
+    diff = np.abs(np.stack([np.asarray(Image.open(f)) for f in streamed.files]).astype(int) - ours.astype(int))
+    assert 0 < diff.max() <= 8 and diff.mean() <= 1.0
 
 
 def _sample_cli(argv):

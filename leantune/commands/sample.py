@@ -43,7 +43,9 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
     data: dict = read_request_file(args.request) if args.request else {}
     source = args.request or "command line"
     # Paths typed on the command line are relative to the working directory, not the request file.
-    here = lambda p: str(Path(p).expanduser().absolute())  # noqa: E731
+    def here(p: str) -> str:
+        return str(Path(p).expanduser().absolute())
+
     if args.model is not None:
         data.setdefault("model", {})["path"] = here(args.model)
     if args.prompt:
@@ -51,16 +53,33 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
     if args.lora:
         data["lora"] = [{**d, "path": here(d["path"])} for d in map(parse_lora_arg, args.lora)]
     if args.out is not None:
-        args.out = here(args.out)
+        data["out"] = here(args.out)
     if args.vram is not None:
         data.setdefault("memory", {})["vram_budget"] = args.vram
     for flag, key in (("steps", "steps"), ("guidance", "guidance"), ("seed", "seed"), ("width", "width"),
-                      ("height", "height"), ("images_per_prompt", "images_per_prompt"), ("device", "device"),
-                      ("out", "out")):
+                      ("height", "height"), ("images_per_prompt", "images_per_prompt"), ("device", "device")):
         value = getattr(args, flag)
         if value is not None:
             data[key] = value
     return apply_overrides(data, args.set), source
+
+
+class _ProgressBar:
+    """Denoising progress on stderr (tqdm), created at the first step so loading logs stay readable."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,11 +92,14 @@ def run(args: argparse.Namespace) -> int:
     data, source = request_data(args)
     base = Path(args.request).parent.resolve() if args.request else Path.cwd()
     request = validate_request(data, source, base)
+    bar = _ProgressBar()
     try:
-        result = run_sampling(request)
-    except (ValueError, FileNotFoundError) as e:
+        result = run_sampling(request, progress=bar)
+    except (ValueError, FileNotFoundError) as e:   # bad model / LoRA files: the message names the file
         print(f"leantune sample: {e}", file=sys.stderr)
         return 2
+    finally:
+        bar.close()
     for f in result.files:
         print(f)
     times = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())

@@ -14,8 +14,8 @@ on CPU, which is how the tests check the schedule.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -120,7 +120,7 @@ def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int =
     clip, t5 = te.text_encoder, te.text_encoder_2
     t5_ctx = blockwise_offload(t5, t5_blocks(t5), device) if stream_t5 else _moved(t5, device)
     pooled, seqs = [], []
-    with _moved(clip, device), t5_ctx:
+    with _eval_mode(clip, t5), _moved(clip, device), t5_ctx:
         for i in range(0, len(prompts), batch_size):
             emb, _ = encode_prompts(prompts[i:i + batch_size], te.tokenizer, clip, te.tokenizer_2, t5,
                                     max_length=max_length, device=torch.device(device))
@@ -140,4 +140,17 @@ def _moved(module: nn.Module, device) -> Iterator[None]:
         yield
     finally:
         module.to(home)
+
+
+@contextmanager
+def _eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """Dropout off while encoding (T5 has 0.1): the same prompt must always give the same embedding."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, was in zip(modules, modes):
+            m.train(was)
 

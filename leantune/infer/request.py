@@ -26,10 +26,10 @@ one schema. Unknown keys are errors that name the file and the key.
 from __future__ import annotations
 
 import difflib
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import ConfigError, MemoryConfig, ModelConfig, apply_overrides

@@ -13,15 +13,15 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from ..config import ConfigError, parse_size
 from ..models.flux import FLUX_SPEC
-from .decode import plan_decode, to_pil, decode_latents, vae_weight_bytes
+from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
 from .encode import encode_prompts_stage, module_bytes
 from .images import format_loras, save_png
 from .request import SampleRequest
@@ -193,7 +193,12 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
                               batch_size=request.batch_size, progress=progress)
             result.stream_report = handle.step_report(wait=True)
         finally:
-            handle.remove()
+            # No handle.remove(): restoring would copy every streamed weight onto the device (out of
+            # memory under a budget) and dequantize fp8 weights, all for a model dropped right here.
+            # Copies still in flight (the ring prefetches the next step) must land before their
+            # buffers are freed.
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         result.timings.update({"denoise.load": t1 - t0, "denoise.place": t2 - t1,
                                "denoise.steps": time.perf_counter() - t2})
         del transformer, handle
@@ -226,4 +231,4 @@ def _next_index(out_dir: Path) -> int:
     return max(used) + 1 if used else 0
 
 
-__all__ = ["FolderComponents", "SamplingResult", "run_sampling", "pick_device", "vram_budget", "transformer_plan"]
+__all__ = ["FolderComponents", "SamplingResult", "pick_device", "run_sampling", "transformer_plan", "vram_budget"]

@@ -13,9 +13,10 @@ the largest stage, never the sum:
 3. decode (infer/decode.py): the VAE turns latents into pixels, one image at a time, tiled when the
    budget left does not hold a whole image's activations.
 
-The sampler reproduces diffusers' FluxPipeline exactly for the same weights, seeds and settings:
-the noise of image i is `torch.randn` of (1, 16, h, w) from a CPU generator seeded with seeds[i]
-(FluxPipeline with one generator per image), so a seed means the same image on any device and
+The sampler reproduces diffusers' FluxPipeline bit for bit for the same weights, seeds and settings
+(fp32 and bf16, with FluxPipeline's VAE decoding image by image as stage 3 does). The noise of
+image i is `torch.randn` of (1, 16, h, w) from a CPU generator seeded with seeds[i] (FluxPipeline
+with one generator per image), so a seed means the same starting noise on any device, and
 sampling never touches the global RNG (sampling during training leaves the training run's random
 stream unchanged). The trainer's samples use `sample_during_training` with the model it already has
 in memory and prompts pre-encoded by its cache, so nothing is reloaded.
@@ -25,14 +26,27 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..models.flux import LATENT_CHANNELS, VAE_SCALE_FACTOR, PromptEmbeds, pack_latents, predict, unpack_latents
-from .decode import DecodePlan, Tiling, decode_latents, plan_decode, to_pil, vae_weight_bytes
+from ..models.flux import (
+    LATENT_CHANNELS,
+    VAE_SCALE_FACTOR,
+    PromptEmbeds,
+    pack_latents,
+    predict,
+    unpack_latents,
+)
+from .decode import (
+    DecodePlan,
+    Tiling,
+    decode_latents,
+    plan_decode,
+    to_pil,
+    vae_weight_bytes,
+)
 from .images import make_grid
 from .schedule import FlowSchedule, euler_step, model_timestep
 
@@ -214,5 +228,15 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
     return make_grid(images, cols)
 
 
-__all__ = ["DecodePlan", "FlowSchedule", "check_size", "compute_dtype", "denoise", "initial_noise",
-           "sample_during_training", "sample_images", "variant_of", "make_grid"]
+__all__ = [
+    "DecodePlan",
+    "FlowSchedule",
+    "check_size",
+    "compute_dtype",
+    "denoise",
+    "initial_noise",
+    "make_grid",
+    "sample_during_training",
+    "sample_images",
+    "variant_of",
+]

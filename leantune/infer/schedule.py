@@ -42,7 +42,7 @@ class FlowSchedule:
     default_guidance: float = 3.5
 
     @classmethod
-    def for_variant(cls, variant: str) -> "FlowSchedule":
+    def for_variant(cls, variant: str) -> FlowSchedule:
         """The published scheduler settings of FLUX.1-dev / FLUX.1-schnell."""
         if variant == "schnell":
             return cls(use_dynamic_shifting=False, shift=1.0, default_steps=4, default_guidance=0.0)
@@ -51,7 +51,7 @@ class FlowSchedule:
         raise ValueError(f"unknown Flux variant {variant!r}; expected 'dev' or 'schnell'")
 
     @classmethod
-    def from_scheduler_config(cls, config: dict, variant: str) -> "FlowSchedule":
+    def from_scheduler_config(cls, config: dict, variant: str) -> FlowSchedule:
         """Read a diffusers scheduler_config.json dict; values it lacks come from the variant's defaults."""
         base = cls.for_variant(variant)
         unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
@@ -74,7 +74,7 @@ class FlowSchedule:
         )
 
     @classmethod
-    def from_model_folder(cls, folder: str | Path | None, variant: str) -> "FlowSchedule":
+    def from_model_folder(cls, folder: str | Path | None, variant: str) -> FlowSchedule:
         """The schedule of a diffusers model folder (scheduler/scheduler_config.json), else the variant's."""
         if folder is not None:
             path = Path(folder) / "scheduler" / "scheduler_config.json"

@@ -25,18 +25,23 @@ Memory model (all bytes, per component; `Estimate.vram` / `Estimate.host`):
     none:    peak = N_pre + sum_{j<=i} S_j + O_i + Tb_i                 (max over i; i = last usually)
     blocks:  peak = N_pre + sum_{j<=i} O_j + O_i + S_i + max(Tf_i, Tb_i) (only block inputs are kept)
     offload: as blocks, with sum_{j<=i} O_j replaced by 2 * O_i (inputs wait in pinned host memory)
-  For Flux at 3072 wide, bf16 autocast, LoRA r16: S_double ~ 29 and S_single ~ 31 times L*H*2 bytes,
-  O ~ L*H*2, with L = (H/16)*(W/16) + text tokens per sample; the probe is the source of truth.
-- workspace: cuBLAS/cuDNN workspaces and the fp8 dequantisation buffer of the largest Linear.
+  For Flux (width D = 3072, bf16 autocast, LoRA r16) the probe finds S_double ~ 25 and
+  S_single ~ 23 times B*L*D*2 bytes (~31 without autocast) and O = B*L*D*2, where L is the image
+  tokens (height/16 * width/16) plus the text tokens; the probe, not this summary, is the source.
+  fp8 plans are probed with the engine's own fp8 storage applied, so its dequantised temporaries
+  are in the transients.
+- workspace: cuBLAS/cuDNN workspaces (`Machine.workspace`).
 - host RAM: a process baseline, the transformer while it loads, the streamed blocks' host copies
   (pinned buffers are rounded up to a power of two by PyTorch's caching host allocator, which is why
   pageable copies can fit where pinned ones do not), offloaded activations and caches.
 
 Timing model: compute time = FLOPs (counted in the same meta run) / sustained FLOP/s; transfers
-run on a copy stream at the measured or assumed H2D bandwidth and are simulated through the ring
-(a copy waits for its slot to be released by the block that used it K streamed uses earlier; the
-compute of a block waits for its copy). Pageable copies cannot overlap compute. Step time =
-compute + exposed transfer + fp8 dequantisation + optimizer.
+run on a copy stream at the measured or assumed H2D bandwidth (pageable units at the pageable rate:
+the engine stages them through pinned buffers on a worker thread) and are simulated through the
+engine's ring over two steps (unit i uses slot i mod K; a copy waits for its slot's last use to end;
+a block's compute waits for its copy; units still in their slot are not copied again). Step time =
+compute + exposed transfer + overhead, the overhead being fp8 dequantisation (the extra bytes the
+probe saw memory-bound ops move, at HBM bandwidth), the copies' own HBM traffic and the optimizer.
 
 Search: every combination of fp8 (where accuracy allows), checkpointing none/blocks/offload, the
 number of streamed blocks (blocks with the most FLOPs per byte first: for Flux the single blocks,
@@ -745,34 +750,29 @@ class Planner:
             _PROBE_CACHE[key] = probe_activations(self.spec, model, self.workload, bucket, fp8=fp8)
         return _PROBE_CACHE[key]
 
-    def _streaming_order(self) -> list[int]:
-        """Block indices in the order they start streaming: the kind with the most forward FLOPs per
-        byte first (its copies hide best behind compute), each kind spread evenly through its list."""
+    def _streaming_order(self) -> list[str]:
+        """Block kinds in the order they start streaming: most forward FLOPs per byte first (their
+        copies hide best behind their own compute; for Flux, single blocks move ~2.4x fewer bytes
+        per FLOP than double blocks)."""
         prof = self.profiles[False][self.workload.buckets[0]]
-        by_kind: dict[str, list[int]] = {}
-        for i, b in enumerate(self.weights.blocks):
-            by_kind.setdefault(b.kind, []).append(i)
+        by_kind: dict[str, list[ModuleWeights]] = {}
+        for b in self.weights.blocks:
+            by_kind.setdefault(b.kind, []).append(b)
 
         def intensity(kind: str) -> float:
-            idx = by_kind[kind]
-            nbytes = sum(self.weights.blocks[i].bytes(self.dtype_bytes) for i in idx) / len(idx)
+            nbytes = sum(b.bytes(self.dtype_bytes) for b in by_kind[kind]) / len(by_kind[kind])
             return prof.kinds[kind].fwd_flops / max(nbytes, 1)
 
-        order: list[int] = []
-        for kind in sorted(by_kind, key=intensity, reverse=True):
-            idx = by_kind[kind]
-            order.extend(idx[j] for j in _spread_order(len(idx)))
-        return order
+        return sorted(by_kind, key=intensity, reverse=True)
 
     def streamed_set(self, n: int) -> list[int]:
-        """The first n blocks of the streaming order, as block indices in execution order."""
-        chosen = []
-        by_kind: dict[str, int] = {}
-        for i in self.order[:n]:
-            by_kind[self.kinds[i]] = by_kind.get(self.kinds[i], 0) + 1
-        for kind, count in by_kind.items():   # re-spread each kind evenly for its count
+        """Block indices (execution order) of the n blocks to stream: kinds in streaming order, each
+        kind's share spread evenly through its list so resident blocks sit between streamed ones."""
+        chosen: list[int] = []
+        for kind in self.order:
             idx = [i for i, k in enumerate(self.kinds) if k == kind]
-            chosen.extend(idx[j] for j in _spread(count, len(idx)))
+            take = min(n - len(chosen), len(idx))
+            chosen.extend(idx[j] for j in _spread(take, len(idx)))
         return sorted(chosen)
 
     # -- the memory model ------------------------------------------------------------------------
@@ -976,31 +976,46 @@ class Planner:
                                            checkpointing=ckpt, ring_slots=k, pin_memory=pin)
 
     def plan(self, budget: Budget) -> Plan:
-        """The fastest plan whose predicted peak plus the margin fits `budget` (VRAM and host RAM)."""
+        """The fastest plan whose predicted peak plus the margin fits `budget` (VRAM and host RAM).
+
+        Exhaustive over the candidates that fit, so a larger budget (a superset of fitting plans)
+        never gives a slower plan. To keep it fast, candidates are grouped by (fp8, checkpointing):
+        the group's plan with nothing streamed is a lower bound on every plan of the group (streaming
+        only adds copies), and groups whose bound is already slower than the best plan are skipped.
+        """
         ram_limit = budget.ram_limit(self.machine)
-        best = best_key = None
+        groups: dict[tuple[bool, str], list[Plan]] = {}
         smallest_vram = smallest_host = None       # over plans that fit the other resource
         for plan in self.candidates():
-            est = self._cheap_estimate(plan)
-            vram_ok = est[0] <= budget.usable_vram
-            host_ok = est[1] <= ram_limit
-            if host_ok and (smallest_vram is None or est[0] < smallest_vram[0]):
-                smallest_vram = (est[0], plan)
-            if vram_ok and (smallest_host is None or est[1] < smallest_host[0]):
-                smallest_host = (est[1], plan)
-            if not (vram_ok and host_ok):
-                continue
-            full = self.estimate(plan)
-            # Step times are compared to the microsecond: equal-time plans (copies fully hidden) tie,
-            # and the tie goes to no fp8, less checkpointing, fewer streamed blocks, smaller ring, pinned.
-            key = (round(full.step_s, 6), plan.fp8, CHECKPOINTING.index(plan.checkpointing), len(plan.streamed_blocks),
-                   plan.stream_non_blocks, plan.ring_slots, not plan.pin_memory)
-            if best_key is None or key < best_key:
-                best, best_key = (plan, full), key
-        if best is None:
+            vram, host = self._cheap_estimate(plan)
+            vram_ok, host_ok = vram <= budget.usable_vram, host <= ram_limit
+            if host_ok and (smallest_vram is None or vram < smallest_vram[0]):
+                smallest_vram = (vram, plan)
+            if vram_ok and (smallest_host is None or host < smallest_host[0]):
+                smallest_host = (host, plan)
+            if vram_ok and host_ok:
+                groups.setdefault((plan.fp8, plan.checkpointing), []).append(plan)
+        if not groups:
             raise self._infeasible(budget, ram_limit, smallest_vram, smallest_host)
-        plan, est = best
-        return self._annotate(plan, est, budget, ram_limit)
+        bound = {g: round(self.step_time(Plan(fp8=g[0], checkpointing=g[1])), 6) for g in groups}
+        best = best_key = None
+        for g in sorted(groups, key=bound.__getitem__):
+            if best_key is not None and bound[g] > best_key[0]:
+                break
+            for plan in groups[g]:
+                # Step times are compared to the microsecond: equal-time plans (copies fully hidden)
+                # tie, and the tie goes to no fp8, less checkpointing, fewer streamed blocks, the
+                # smaller ring, pinned memory.
+                key = (round(self.step_time(plan), 6), plan.fp8, CHECKPOINTING.index(plan.checkpointing),
+                       len(plan.streamed_blocks), plan.stream_non_blocks, plan.ring_slots, not plan.pin_memory)
+                if best_key is None or key < best_key:
+                    best, best_key = plan, key
+        return self._annotate(best, self.estimate(best), budget, ram_limit)
+
+    def step_time(self, plan: Plan) -> float:
+        """Predicted seconds per step (mean over the buckets), without the memory breakdown."""
+        units = self._units(plan)
+        return sum(self._time(plan, b, units)[0] for b in self.workload.buckets) / len(self.workload.buckets)
 
     def _cheap_estimate(self, plan: Plan) -> tuple[int, int]:
         """(peak VRAM, peak host) without the timing simulation: the search prunes with it."""
@@ -1075,19 +1090,6 @@ class Planner:
 def _spread(count: int, total: int) -> list[int]:
     """`count` of `total` positions, evenly spread: 1 of 38 is the middle one, 38 of 38 all."""
     return sorted({min(total - 1, int((j + 0.5) * total / count)) for j in range(count)}) if count else []
-
-
-def _spread_order(total: int) -> list[int]:
-    """An order of 0..total-1 in which every prefix is roughly evenly spread."""
-    order: list[int] = []
-    for count in range(1, total + 1):
-        for i in _spread(count, total):
-            if i not in order:
-                order.append(i)
-                break
-        else:
-            order.extend(i for i in range(total) if i not in order)
-    return order[:total]
 
 
 def _compose(prof: ActivationProfile, seq: list[KindProfile], checkpointing: str, mode: str) -> int:

@@ -88,6 +88,7 @@ class Trainee:
     dtype: torch.dtype
     memory: object | None = None   # leantune.memory.engine.MemoryHandle
     plan: object | None = None
+    sources: object | None = None  # leantune.models.flux_loading.FluxSources: the VAE for samples
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -222,7 +223,8 @@ def _build(cfg: RunConfig) -> Trainee:
     n_params = sum(p.numel() for p in params)
     log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", cfg.lora.rank,
              cfg.lora.effective_alpha, cfg.lora.targets, len(params), n_params / 1e6)
-    return Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan)
+    return Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
+                   sources)
 
 
 def _apply_memory(cfg: RunConfig, transformer, device):
@@ -356,9 +358,12 @@ def _log_step(cfg, step, loss, t: Trainee, writer, monitor, bar, seconds) -> Non
 
 def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
     from ..infer.sampler import sample_during_training
+    from ..models.flux_loading import load_vae
 
+    # Prompts were encoded with the captions (no text encoder reload); the VAE is loaded only
+    # for the decode and dropped again, so training keeps its memory.
     embeds = t.data.prompt_embeds(cfg.sample.prompts)
-    grid = sample_during_training(t.transformer, t.data.vae_for_sampling, embeds, cfg.sample,
+    grid = sample_during_training(t.transformer, lambda: load_vae(t.sources, t.dtype, "cpu"), embeds, cfg.sample,
                                   memory_handle=t.memory, device=t.device, dtype=t.dtype)
     paths.samples.mkdir(parents=True, exist_ok=True)
     out = paths.samples / f"step-{step:06d}.png"
