@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
+from test_memory_helpers import lora_flux, make_batch
 
 from leantune.memory.checkpointing import apply_checkpointing, remove_checkpointing
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, predict
-from test_memory_helpers import lora_flux, make_batch
 
 BIG = dict(num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=4,
            joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(8, 12, 12))   # width 128

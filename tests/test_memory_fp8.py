@@ -7,14 +7,22 @@ import copy
 
 import pytest
 import torch
+from test_memory_helpers import block_names, lora_flux, make_batch, train
 from torch import nn
 
 from leantune.memory.engine import apply_memory
-from leantune.memory.fp8 import (FP8_DTYPE, FP8_MAX, SCALE_ATTR, _Fp8Linear, apply_fp8_storage, dequantize,
-                                 quantize, remove_fp8_storage)
+from leantune.memory.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_ATTR,
+    _Fp8Linear,
+    apply_fp8_storage,
+    dequantize,
+    quantize,
+    remove_fp8_storage,
+)
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, predict
-from test_memory_helpers import block_names, lora_flux, make_batch, train
 
 MODULATION = ("norm1.linear", "norm1_context.linear", "norm.linear")
 
@@ -45,7 +53,7 @@ def test_quantize_block_scales_and_row_fallback():
     assert rel[normal[nz]].max() <= 2 ** -4 + 1e-6
     assert _rel(back, w) < 0.03
     # widths that are not multiples of 64 fall back to one scale per row
-    q2, s2 = quantize(torch.randn(10, 100, generator=g))
+    _, s2 = quantize(torch.randn(10, 100, generator=g))
     assert s2.shape == (10, 1)
     with pytest.raises(ValueError, match="2-D Linear weight"):
         quantize(torch.randn(3, 4, 5))
@@ -186,7 +194,10 @@ def test_output_error_per_technique_tiny_bf16(capsys):
 def test_fp8_error_on_a_real_width_block(capsys):
     """One Flux single block at its real width (3072 hidden, 24 heads of 128), 64 image + 16 text
     tokens: fp8 storage against bf16, with bf16 against fp32 for scale."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed, FluxSingleTransformerBlock
+    from diffusers.models.transformers.transformer_flux import (
+        FluxPosEmbed,
+        FluxSingleTransformerBlock,
+    )
 
     torch.manual_seed(0)
     block = FluxSingleTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128)
@@ -206,7 +217,7 @@ def test_fp8_error_on_a_real_width_block(capsys):
             out = block(**{k: (v.to(dtype) if torch.is_tensor(v) else v) for k, v in inputs.items()})
         return out[1].float(), out[1].float() - inputs["hidden_states"].to(dtype).float()   # output, update
 
-    fp32_out, fp32_upd = run(torch.float32)
+    _, fp32_upd = run(torch.float32)
     block.to(torch.bfloat16)
     bf16_out, bf16_upd = run(torch.bfloat16)
     holder = nn.Module()

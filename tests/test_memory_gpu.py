@@ -7,14 +7,21 @@ memory growth over 50 steps, and no device- or stream-wide synchronize during a 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
+from test_memory_helpers import (
+    block_names,
+    lora_flux,
+    lora_params,
+    make_batch,
+    run_plan,
+)
 
 from leantune.memory.engine import apply_memory, even_spread
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, predict
-from test_memory_helpers import block_names, lora_flux, lora_params, make_batch, run_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +113,7 @@ def test_peak_memory_falls_as_techniques_are_added():
         handle.remove(device="cpu")
         del model, handle, params, opt, batch
     print("\npeak allocated per step:", ", ".join(f"{l} {p / 2**20:.0f} MiB" for l, p in peaks))
-    for (l0, p0), (l1, p1) in zip(peaks, peaks[1:]):
+    for (l0, p0), (l1, p1) in itertools.pairwise(peaks):
         assert p1 < p0, f"{l1} ({p1} B) does not lower the peak of {l0} ({p0} B)"
 
 

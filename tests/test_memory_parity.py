@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_memory_helpers import (
+    assert_records_equal,
+    base_state,
+    block_names,
+    lora_flux,
+    run_plan,
+    train,
+)
 
 from leantune.memory.engine import even_spread
 from leantune.memory.plan import Plan
-from test_memory_helpers import assert_records_equal, base_state, block_names, lora_flux, run_plan, train
 
 _CACHE: dict = {}
 

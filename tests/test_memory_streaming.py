@@ -4,10 +4,12 @@ bytes moved, validation errors, plan resolution and clean removal."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import pytest
 import torch
+from test_memory_helpers import block_names, lora_flux, make_batch, train
 
 from leantune.config import MemoryConfig
 from leantune.memory.checkpointing import remove_checkpointing
@@ -15,7 +17,6 @@ from leantune.memory.engine import apply_memory, even_spread, resolve_plan
 from leantune.memory.plan import Plan
 from leantune.memory.streaming import ALIGN, remove_streaming
 from leantune.models.flux import FLUX_SPEC, predict
-from test_memory_helpers import block_names, lora_flux, make_batch, train
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +266,7 @@ def test_even_spread():
         idx = [names.index(g) for g in got]
         assert idx == sorted(idx)
         if n > 1:                                              # gaps differ by at most one block
-            gaps = [b - a for a, b in zip(idx, idx[1:])]
+            gaps = [b - a for a, b in itertools.pairwise(idx)]
             assert max(gaps) - min(gaps) <= 1
     assert even_spread(names[:4], 2) == ["b1", "b3"]
 

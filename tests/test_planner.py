@@ -147,7 +147,7 @@ class _HeapPeak(TorchDispatchMode):
 def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing, one_thread):
     """The meta probe (2+2 blocks) extrapolated to a 3+5-block model predicts the heap peak of a real
     forward+backward on CPU (with the engine's own checkpointing for "blocks") within 5%, plus
-    1.5 MiB for the per-thread scratch buffers of CPU attention kernels, which GPU kernels lack."""
+    1 MiB for the scratch buffers of CPU attention kernels, which the flash kernels modelled lack."""
     from leantune.memory.checkpointing import apply_checkpointing
 
     res, text = 768, 32
@@ -174,7 +174,7 @@ def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing, one_th
     gc.collect()
     with _HeapPeak() as heap:
         step()
-    assert abs(heap.peak - predicted) <= 0.05 * predicted + 1.5 * 2**20, (heap.peak, predicted)
+    assert abs(heap.peak - predicted) <= 0.05 * predicted + 2**20, (heap.peak, predicted)
 
 
 def test_checkpointing_trades_activations_and_fp8_halves_block_bytes(flux_dev_planner):
@@ -316,25 +316,33 @@ def test_out_of_memory_errors_are_recognised():
 
 def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
     res = 128
+    key_bucket = f"{res}x{res}"
     workload = P.Workload(rank=4, buckets=((res, res),), text_length=8, dtype=torch.float32, autocast=False)
     model = tiny_lora_model()
     store = P.CalibrationStore(tmp_path / "calibration.json")
     planner = P.Planner(FLUX_SPEC, model, workload)
-    budget = P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
+    roomy = planner.plan(P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0))
+    budget = P.Budget(vram=int(1.6 * roomy.notes["predicted_peak_vram"]), ram=UNLIMITED, min_margin=0)
     plan = planner.plan(budget)
-    bucket_peak = plan.notes["per_bucket"][f"{res}x{res}"]["peak_vram"]
+    predicted = plan.notes["per_bucket"][key_bucket]["peak_vram"]
     calibrator = P.PlanCalibrator(planner, budget, plan, store)
-    assert calibrator.observe((res, res), bucket_peak + budget.margin_bytes // 2) is None   # within the margin
-    measured = bucket_peak + 3 * budget.margin_bytes
-    new = calibrator.observe((res, res), measured)
-    assert new is not None and "re-planned" in calibrator.changes[0]
-    assert calibrator.observe((res, res), measured * 2) is None                                  # only once
+    assert calibrator.observe((res, res), predicted + budget.margin_bytes // 2) is None     # within the margin
+    assert calibrator.changes == []
+    measured = budget.usable_vram + budget.margin_bytes          # the plan really does not fit
+    new = calibrator.observe((res, 2 * res), measured)          # an aspect bucket maps to its nearest
+    assert new is not None and new != plan and "re-planned" in calibrator.changes[0]
+    assert calibrator.observe((res, res), measured * 2) is None                                 # only once
     saved = json.loads((tmp_path / "calibration.json").read_text())
     key = P.architecture_key(model, workload)
-    assert saved[key]["activation_scale"][f"{res}x{res}:{plan.checkpointing}"] > 1.0
+    assert saved[key]["activation_scale"][f"{key_bucket}:{plan.checkpointing}"] > 1.0
     again = P.Planner(FLUX_SPEC, model, workload, calibration=store.get(key))                # the next run
-    predicted = again.memory(plan)[2][f"{res}x{res}"]["peak_vram"]
-    assert predicted == pytest.approx(measured, rel=0.01)
+    assert again.memory(plan)[2][key_bucket]["peak_vram"] == pytest.approx(measured, rel=0.01)
+    assert sum(again.plan(budget).notes["vram_breakdown"].values()) <= budget.usable_vram   # starts right
+
+    roomy_budget = P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
+    fits = P.PlanCalibrator(P.Planner(FLUX_SPEC, model, workload), roomy_budget, roomy, None)
+    off = roomy.notes["predicted_peak_vram"] + 2 * roomy_budget.margin_bytes
+    assert fits.observe((res, res), off) is None and "still fits" in fits.changes[0]
 
     (tmp_path / "calibration.json").write_text("{not json")
     assert store.get(key) is None                  # unreadable: ignored, the plan starts uncalibrated
@@ -425,6 +433,18 @@ vram_budget = "1GiB"
     assert "LoRA r4" in data["workload"] and "256x256" in data["workload"] and "text 16 tokens" in data["workload"]
     rc, _, err = _run_plan(capsys, str(cfg), "--model", "flux-dev")
     assert rc == 2 and "either a config file or --model" in err
+
+    # A BFL single file: the architecture comes from the header's shapes, no tensor is read.
+    from leantune.models.flux_loading import save_bfl_transformer
+
+    save_bfl_transformer(tiny.flux_transformer(num_layers=3, num_single_layers=1), tmp_path / "flux.safetensors",
+                         dtype=torch.bfloat16)
+    single = tmp_path / "single.toml"
+    single.write_text(cfg.read_text().replace(f'path = "{tiny_flux_dir}"', 'path = "flux.safetensors"'))
+    rc, out, _ = _run_plan(capsys, str(single), "--json")
+    assert rc == 0 and json.loads(out)["plans"][0]["plan"]["notes"]["total_blocks"] == 4
+    assert json.loads(out)["plans"][0]["plan"]["notes"]["vram_breakdown"]["weights resident"] == 2 * sum(
+        p.numel() for p in tiny.flux_transformer(num_layers=3, num_single_layers=1).parameters())
     cfg.write_text(cfg.read_text().replace('vram_budget = "1GiB"', ""))
     rc, _, err = _run_plan(capsys, str(cfg))
     assert rc == 2 and "no VRAM budget" in err

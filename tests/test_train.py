@@ -136,3 +136,82 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path, tiny_flux_dir, ima
     cfg = make_config(tmp_path, tiny_flux_dir, images, out="empty")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(cfg, resume=True, progress=False)
+
+
+def _oom_on_call(monkeypatch, n):
+    """Make the n-th forward_backward call fail as the CUDA allocator does."""
+    real_forward = trainer_mod.forward_backward
+    calls = {"n": 0}
+
+    def failing_once(t, c, batch, scale=1.0):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real_forward(t, c, batch, scale)
+
+    monkeypatch.setattr(trainer_mod, "forward_backward", failing_once)
+
+
+def test_simulated_oom_replans_and_redoes_the_step_without_losing_a_sample(tmp_path, tiny_flux_dir, images,
+                                                                            reference_run, monkeypatch):
+    """An allocator failure mid-run is caught: a new plan is applied and the same batch redone.
+
+    On the tiny model every plan's predicted peak is within the planner's safety margin, so the
+    planner is made to answer the re-plan with a streaming + checkpointing plan (exact math on
+    CPU): the whole run must then reproduce the uninterrupted loss curve and data position.
+    """
+    from dataclasses import replace
+
+    from leantune.memory import planner as planner_mod
+    from leantune.train.state import latest_checkpoint, load_checkpoint
+
+    _, full = reference_run
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "calibration"))
+    real_plan = planner_mod.Planner.plan
+    calls = {"n": 0}
+
+    def plan(self, budget):
+        calls["n"] += 1
+        first = real_plan(self, replace(budget, vram=8 * 2**30))
+        if calls["n"] == 1:
+            return first
+        return replace(first, checkpointing="blocks", debug_poison=True,
+                       streamed_blocks=("transformer_blocks.1", "single_transformer_blocks.0"))
+
+    monkeypatch.setattr(planner_mod.Planner, "plan", plan)
+    _oom_on_call(monkeypatch, 9)                 # inside optimizer step 5 (2 micro-batches per step)
+    cfg = make_config(tmp_path, tiny_flux_dir, images, extra=["memory.vram_budget=8GiB"])
+    result = train(cfg, progress=False)
+    assert result.final_step == 20
+    log_text = result.paths.log_file.read_text()
+    assert "out of memory at step 5" in log_text and "re-planned" in log_text
+    assert "memory plan now: stream 2 blocks" in log_text
+    assert result.losses == pytest.approx(full.losses, rel=1e-5, abs=1e-7)
+    _, state = load_checkpoint(latest_checkpoint(result.paths.checkpoints))
+    _, ref_state = load_checkpoint(latest_checkpoint(full.paths.checkpoints))
+    assert state["data"] == ref_state["data"]
+
+
+def test_oom_with_no_plan_left_stops_with_a_resumable_state(tmp_path, tiny_flux_dir, images, reference_run,
+                                                             monkeypatch):
+    from leantune.memory.planner import NoPlanFits
+
+    _, full = reference_run
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "calibration"))
+    _oom_on_call(monkeypatch, 9)
+    cfg = make_config(tmp_path, tiny_flux_dir, images, extra=["memory.vram_budget=1GiB"])
+    with pytest.raises(NoPlanFits, match="out of memory at step 5.*resumable"):
+        train(cfg, progress=False)
+    assert latest_checkpoint_name(cfg) == "step-000004"
+    monkeypatch.setattr(trainer_mod, "forward_backward", _REAL_FORWARD)
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed.losses == pytest.approx(full.losses, rel=1e-6, abs=1e-8)
+
+
+_REAL_FORWARD = trainer_mod.forward_backward
+
+
+def latest_checkpoint_name(cfg):
+    from leantune.train.state import latest_checkpoint
+
+    return latest_checkpoint(cfg.resolve("out") / "checkpoints").name

@@ -43,7 +43,7 @@ MIN_OFFLOAD_BYTES = 64 * 1024     # smaller saved inputs stay on the device: not
 class _HostTensor:
     """One offloaded block input: a host copy, and the device copy while it is being restored."""
 
-    def __init__(self, offloader: "ActivationOffloader", t: torch.Tensor):
+    def __init__(self, offloader: ActivationOffloader, t: torch.Tensor):
         self.off = offloader
         self.device = t.device
         be_cuda = t.device.type == "cuda"
@@ -174,7 +174,7 @@ class _CheckpointedForward:
 
         def run(*ts):
             f = list(template)
-            for i, t in zip(idx, ts):
+            for i, t in zip(idx, ts, strict=True):
                 f[i] = t
             a, k = tree_unflatten(f, spec)
             return orig(*a, **k)
@@ -189,7 +189,7 @@ class _CheckpointedForward:
         grad_out = [i for i, x in enumerate(oflat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if grad_out and group.handles:
             routed = _PrefetchInputs.apply(group, *[oflat[i] for i in grad_out])
-            for i, x in zip(grad_out, routed):
+            for i, x in zip(grad_out, routed, strict=True):
                 oflat[i] = x
             out = tree_unflatten(oflat, ospec)
         return out

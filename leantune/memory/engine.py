@@ -25,15 +25,20 @@ dequantized, since the original values were not kept).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 from torch import nn
 
 from ..config import MemoryConfig
 from ..models.spec import ModelSpec
-from .checkpointing import MIN_OFFLOAD_BYTES, CheckpointHandle, apply_checkpointing, remove_checkpointing
+from .checkpointing import (
+    MIN_OFFLOAD_BYTES,
+    CheckpointHandle,
+    apply_checkpointing,
+    remove_checkpointing,
+)
 from .fp8 import Fp8Handle, apply_fp8_storage, remove_fp8_storage
 from .plan import Plan
 from .streaming import RunMode, StreamingHandle, apply_streaming, remove_streaming

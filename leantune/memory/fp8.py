@@ -30,8 +30,8 @@ unscaled fp8) and from diffusers' layerwise casting (unscaled, and it needs a bf
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -129,22 +129,6 @@ def adapter_module_ids(module: nn.Module) -> set[int]:
     return ids
 
 
-def adapter_param_ids(module: nn.Module) -> set[int]:
-    """ids of adapter parameters under `module` (including ParameterDict-held ones)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return set()
-    ids: set[int] = set()
-    for m in module.modules():
-        if isinstance(m, BaseTunerLayer):
-            for name in tuple(m.adapter_layer_names):
-                container = getattr(m, name, None)
-                if isinstance(container, (nn.Module,)):
-                    ids.update(id(p) for p in container.parameters())
-    return ids
-
-
 def block_linears(spec: ModelSpec, model: nn.Module) -> list[tuple[str, str, nn.Linear]]:
     """Every base nn.Linear inside the spec's blocks as (qualified name, name relative to the block,
     module). peft's wrapper names are folded: 'attn.to_q.base_layer' is reported as 'attn.to_q'."""
@@ -154,7 +138,7 @@ def block_linears(spec: ModelSpec, model: nn.Module) -> list[tuple[str, str, nn.
         for rel, m in block.named_modules():
             if id(m) in skip or type(m) is not nn.Linear:
                 continue
-            rel = rel[: -len(".base_layer")] if rel.endswith(".base_layer") else rel
+            rel = rel.removesuffix(".base_layer")
             out.append((f"{block_name}.{rel}", rel, m))
     return out
 

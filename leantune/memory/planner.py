@@ -779,7 +779,8 @@ class Planner:
     def activation_peak(self, bucket, fp8: bool, checkpointing: str) -> int:
         prof = self.profiles[fp8][bucket]
         seq = [prof.kinds[k] for k in self.kinds]
-        scale = self.calibration.activation_scale.get(f"{bucket_key(bucket)}:{checkpointing}", 1.0)
+        scales = self.calibration.activation_scale   # measured for this mode, else for another mode
+        scale = scales.get(f"{bucket_key(bucket)}:{checkpointing}", scales.get(f"{bucket_key(bucket)}:*", 1.0))
         return int(_compose(prof, seq, checkpointing, self.workload.mode) * scale)
 
     def _trainable(self) -> tuple[int, int, int]:
@@ -1198,19 +1199,25 @@ def budget_from_config(memory_cfg, machine: Machine) -> Budget:
     return Budget(vram=vram, ram=ram)
 
 
-def plan_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | None = None,
-                    store: CalibrationStore | None = None) -> Plan:
-    """The trainer's entry point when [memory] vram_budget is set: plan for this config's workload.
-
-    Uses (and the trainer later updates) the calibration stored for this architecture and workload,
-    so a second run with the same model and resolutions starts from measured activations.
-    """
+def planner_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | None = None,
+                       store: CalibrationStore | None = None) -> tuple[Planner, Budget]:
+    """The Planner and Budget of a run, with the stored calibration of its architecture and
+    workload; the trainer keeps them for OomGuard and PlanCalibrator."""
     machine = machine or probe_machine()
     workload = workload_from_config(cfg, model)
     budget = budget_from_config(cfg.memory, machine)
     store = store if store is not None else CalibrationStore()
-    key = architecture_key(model, workload)
-    planner = Planner(spec, model, workload, machine, store.get(key))
+    return Planner(spec, model, workload, machine, store.get(architecture_key(model, workload))), budget
+
+
+def plan_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | None = None,
+                    store: CalibrationStore | None = None) -> Plan:
+    """The trainer's entry point when [memory] vram_budget is set: plan for this config's workload.
+
+    Uses the calibration stored for this architecture and workload, so a second run with the same
+    model and resolutions starts from measured activations.
+    """
+    planner, budget = planner_for_config(cfg, spec, model, machine, store)
     try:
         plan = planner.plan(budget)
     except InfeasibleBudget as e:
@@ -1328,9 +1335,10 @@ class PlanCalibrator:
 
     The trainer calls `observe` after each early step with the bucket it trained, the step's peak
     allocated VRAM (torch.cuda.max_memory_allocated after a reset) and its seconds, plus the
-    streaming engine's step_report. When the measured peak differs from the prediction by more
-    than the budget's margin, the activation term is rescaled to match, the calibration is stored
-    and a new plan is returned (once); otherwise None.
+    streaming engine's step_report (measured H2D rate and stall). When the measured peak differs
+    from the prediction by more than the budget's margin, the activation term is rescaled to match,
+    the calibration is stored and, once, the plan is searched again: a different plan is returned
+    for the trainer to apply (and log), otherwise None.
     """
 
     def __init__(self, planner: Planner, budget: Budget, plan: Plan, store: CalibrationStore | None = None,
@@ -1347,12 +1355,13 @@ class PlanCalibrator:
         if self.replanned or self.seen > self.steps:
             return None
         cal = self.planner.calibration
+        bucket = self._nearest(bucket)
         predicted_bucket = self.planner.memory(self.plan)[2][bucket_key(bucket)]
         predicted, act = predicted_bucket["peak_vram"], predicted_bucket["activations"]
         error = peak_allocated - predicted
         if report and report.get("h2d_GBps"):
             cal.h2d_pinned = float(report["h2d_GBps"]) * 1e9
-        if step_s and self.plan.notes.get("per_bucket"):
+        if step_s and self.seen > 1:            # the first step also pays for warm-up
             est = self.planner.estimate(self.plan)
             stall = float((report or {}).get("stall_s") or 0.0)
             busy = max(step_s - stall - est.overhead_s, 1e-9)
@@ -1362,6 +1371,7 @@ class PlanCalibrator:
             key = f"{bucket_key(bucket)}:{self.plan.checkpointing}"
             old = cal.activation_scale.get(key, 1.0)
             cal.activation_scale[key] = max(0.25, old * (act + error) / act)
+            cal.activation_scale[f"{bucket_key(bucket)}:*"] = cal.activation_scale[key]
         if self.store is not None:
             self.store.put(self.planner.key, cal)
         if not off:
@@ -1373,11 +1383,23 @@ class PlanCalibrator:
         except InfeasibleBudget as e:
             raise NoPlanFits(f"measured peak {_gib(peak_allocated)} at {bucket[1]}x{bucket[0]} is above the "
                              f"prediction, and with that correction {e}") from None
+        what = (f"re-planned from [{self.plan.describe()}] to [{new.describe()}]" if new != self.plan
+                else f"recalibrated; the plan [{new.describe()}] still fits")
         self.changes.append(f"measured peak {_gib(peak_allocated)} vs predicted {_gib(predicted)} at "
-                            f"{bucket[1]}x{bucket[0]}: re-planned from [{self.plan.describe()}] to [{new.describe()}]")
+                            f"{bucket[1]}x{bucket[0]}: {what}")
         log.info("planner: %s", self.changes[-1])
+        if new == self.plan:
+            return None
         self.plan = new
         return new
+
+    def _nearest(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """The planned bucket with the closest pixel count (aspect buckets of one resolution share
+        their square's token count, and activation memory follows the token count)."""
+        buckets = self.planner.workload.buckets
+        if bucket in buckets:
+            return bucket
+        return min(buckets, key=lambda b: abs(b[0] * b[1] - bucket[0] * bucket[1]))
 
 
 # -- out of memory -----------------------------------------------------------------------------------------

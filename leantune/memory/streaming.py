@@ -11,14 +11,16 @@ How it works:
   pinned staging pool by a worker thread, so the main thread still never waits on a copy.
 - The GPU holds K slots (a ring, K >= 2), each as large as the largest unit. Unit i always uses slot
   i mod K, so its module parameters are re-pointed once, at apply time, at views of that slot: a
-  fetch is then a single copy, with no per-step Python re-pointing.
+  fetch is then a single copy, with no per-step Python re-pointing. A unit with a slot to itself
+  stays resident; outside its hold window a streamed module sees whatever its slot holds.
 - Copies run on a dedicated copy stream. Compute waits on the copy's event before using a unit; a
   slot is refilled only after the event recorded on the compute stream at its last use. No device-
   or stream-wide synchronize anywhere in the per-block path.
 - A unit is *held* while its weights are in use: during its forward; in backward from the moment
   its output gradients arrive (an identity autograd Function on its outputs) until its input
-  gradients are computed (an identity Function on its inputs, which autograd runs last among the
-  block's nodes). A unit none of whose inputs needs a gradient (the first trainable block) is held
+  gradients are computed (an identity Function on its grad-requiring inputs; created first in the
+  block, it has the lowest sequence number, so autograd's ready queue runs it after every other
+  node of the block). A unit none of whose inputs needs a gradient (the first trainable block) is held
   until the end of backward (an engine callback), as FSDP2 does for the same reason.
 - Without checkpointing, the tensors autograd saves inside a streamed unit are packed by
   saved-tensor hooks: a view of a slot becomes a handle (unit, offset, shape, strides) and is
@@ -553,7 +555,7 @@ class _StreamedForward:
                 return self.orig(*args, **kwargs)     # nothing here needs these weights in backward
             if grad_in:
                 routed = _Enter.apply(eng, unit, *[flat[i] for i in grad_in])
-                for i, x in zip(grad_in, routed):
+                for i, x in zip(grad_in, routed, strict=True):
                     flat[i] = x
                 args, kwargs = tree_unflatten(flat, spec)
             if unit.checkpointed:
@@ -565,7 +567,7 @@ class _StreamedForward:
             grad_out = [i for i, x in enumerate(oflat) if isinstance(x, torch.Tensor) and x.requires_grad]
             if grad_out:
                 routed = _Leave.apply(eng, unit, not grad_in, *[oflat[i] for i in grad_out])
-                for i, x in zip(grad_out, routed):
+                for i, x in zip(grad_out, routed, strict=True):
                     oflat[i] = x
                 out = tree_unflatten(oflat, ospec)
                 eng.note_tracked(unit)

@@ -19,6 +19,7 @@ from ..config import RunConfig
 from ..models.flux import FLUX_SPEC, pack_latents, predict
 from . import flow_matching as fm
 from .optim import build_optimizer, build_scheduler
+from ..memory.planner import NoPlanFits
 from .state import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 log = logging.getLogger("leantune")
@@ -89,6 +90,9 @@ class Trainee:
     memory: object | None = None   # leantune.memory.engine.MemoryHandle
     plan: object | None = None
     sources: object | None = None  # leantune.models.flux_loading.FluxSources: the VAE for samples
+    guard: object | None = None    # leantune.memory.planner.OomGuard when planning from a budget
+    calibrator: object | None = None
+    last_bucket: tuple[int, int] | None = None
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -132,8 +136,9 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     try:
         while step < cfg.train.steps and (stop_after is None or step - start < stop_after):
             t0 = time.perf_counter()
-            loss = train_step(t, cfg)
+            loss = _guarded_step(t, cfg, step + 1)
             step += 1
+            _calibrate(t, time.perf_counter() - t0)
             losses.append(loss)
             _log_step(cfg, step, loss, t, writer, monitor, bar, time.perf_counter() - t0)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
@@ -144,6 +149,11 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
         log.info("interrupted at step %d: saving a resumable state", step)
         _save(t, cfg, paths, step, losses, intermediate=True)
         result.interrupted = True
+        raise
+    except NoPlanFits:
+        log.error("no memory plan fits: saving a resumable state at step %d", step)
+        t.optimizer.zero_grad(set_to_none=True)
+        _save(t, cfg, paths, step, losses, intermediate=True)
         raise
     finally:
         if bar is not None:
@@ -178,6 +188,7 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
     """Noise the cached latents, predict the velocity, backpropagate the scaled MSE."""
     x0 = batch.latents.to(t.device, torch.float32)                 # (B, 16, h, w)
     b, _, h, w = x0.shape
+    t.last_bucket = tuple(batch.bucket)
     noise = torch.randn(x0.shape, generator=t.generator).to(t.device)
     sigma = fm.sample_sigmas(b, cfg.train.timestep_sampling, t.generator, sigmoid_scale=cfg.train.sigmoid_scale,
                              shift=cfg.train.shift, image_seq_len=(h // 2) * (w // 2))
@@ -215,7 +226,7 @@ def _build(cfg: RunConfig) -> Trainee:
     params = add_lora(transformer, FLUX_SPEC, cfg.lora)
     if cfg.lora.init_from:
         load_lora_into_model(transformer, read_lora(cfg.resolve(cfg.lora.init_from)), "default")
-    plan, memory = _apply_memory(cfg, transformer, device)
+    plan, memory, planner, budget = _apply_memory(cfg, transformer, device)
     optimizer = build_optimizer(params, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -223,22 +234,89 @@ def _build(cfg: RunConfig) -> Trainee:
     n_params = sum(p.numel() for p in params)
     log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", cfg.lora.rank,
              cfg.lora.effective_alpha, cfg.lora.targets, len(params), n_params / 1e6)
-    return Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
-                   sources)
+    t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
+                sources)
+    if planner is not None:
+        from ..memory.planner import CalibrationStore, OomGuard, PlanCalibrator
+
+        t.guard = OomGuard(planner, budget, plan, lambda new: _replan(t, new))
+        t.calibrator = PlanCalibrator(planner, budget, plan, CalibrationStore())
+    return t
 
 
-def _apply_memory(cfg: RunConfig, transformer, device):
-    """The memory plan: the planner's when a budget is given, else the explicit [memory] choices."""
+def _apply_memory(cfg: RunConfig, transformer, device) -> tuple:
+    """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
+
+    Returns (plan, handle, planner, budget); planner and budget are None without a budget.
+    """
     from ..memory.engine import apply_memory, resolve_plan
 
+    planner = budget = None
     if cfg.memory.vram_budget is not None:
-        from ..memory.planner import plan_for_config
+        from ..config import ConfigError
+        from ..memory.planner import InfeasibleBudget, format_plan, planner_for_config
 
-        plan = plan_for_config(cfg, FLUX_SPEC, transformer)
+        planner, budget = planner_for_config(cfg, FLUX_SPEC, transformer)
+        try:
+            plan = planner.plan(budget)
+        except InfeasibleBudget as e:
+            raise ConfigError(f"[memory] vram_budget = {cfg.memory.vram_budget!r}: {e}") from None
+        for line in format_plan(plan).splitlines():
+            log.info("%s", line)
     else:
         plan = resolve_plan(cfg.memory, FLUX_SPEC, transformer)
     log.info("memory plan: %s", plan.describe())
-    return plan, apply_memory(transformer, FLUX_SPEC, plan, device)
+    return plan, apply_memory(transformer, FLUX_SPEC, plan, device), planner, budget
+
+
+def _replan(t: Trainee, plan) -> None:
+    """Swap the memory setup for `plan` (after an OOM or a calibration): weights go home to the
+    host first so nothing is ever duplicated on the GPU, partial gradients are dropped."""
+    from ..memory.engine import apply_memory
+
+    t.optimizer.zero_grad(set_to_none=True)
+    if t.memory is not None:
+        t.memory.remove(device="cpu")
+    t.plan = plan
+    t.memory = apply_memory(t.transformer, FLUX_SPEC, plan, t.device)
+    log.info("memory plan now: %s", plan.describe())
+
+
+def _guarded_step(t: Trainee, cfg: RunConfig, step: int) -> float:
+    """train_step under the OOM guard: a step that ran out of memory is redone on the same batch,
+    noise and timesteps (data position and generator are rewound), so no sample is lost."""
+    if t.guard is None:
+        return train_step(t, cfg)
+    position, noise_state = t.batches.state_dict(), t.generator.get_state()
+    attempts = {"n": 0}
+
+    def attempt() -> float:
+        if attempts["n"]:
+            t.batches.load_state_dict(position)
+            t.generator.set_state(noise_state)
+        attempts["n"] += 1
+        return train_step(t, cfg)
+
+    try:
+        return t.guard.run(attempt, step=step)
+    except NoPlanFits:
+        # The state saved next must be the one before this step, so a resume redoes it.
+        t.batches.load_state_dict(position)
+        t.generator.set_state(noise_state)
+        raise
+
+
+def _calibrate(t: Trainee, seconds: float) -> None:
+    """First CUDA steps: compare measured peak with the prediction; re-plan once if it was off."""
+    if t.calibrator is None or t.device.type != "cuda" or t.last_bucket is None:
+        return
+    report = t.memory.step_report() if t.memory is not None else None
+    new = t.calibrator.observe(t.last_bucket, torch.cuda.max_memory_allocated(), seconds, report)
+    torch.cuda.reset_peak_memory_stats()
+    if new is not None:
+        _replan(t, new)
+        if t.guard is not None:
+            t.guard.plan = new
 
 
 def _training_state(t: Trainee, losses: list[float]) -> dict:
