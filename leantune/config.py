@@ -9,10 +9,10 @@ config is never mutated; derived values (the memory plan) live elsewhere.
 from __future__ import annotations
 
 import difflib
-import tomllib
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
@@ -108,7 +108,7 @@ class TrainConfig(Section):
 class MemoryConfig(Section):
     """[memory]: explicit engine choices, or a budget for the planner to decide from."""
 
-    streamed_blocks: Union[int, list[str], Literal["all"]] = 0
+    streamed_blocks: int | list[str] | Literal["all"] = 0
     stream_non_blocks: bool = False
     fp8: bool = False
     checkpointing: Literal["none", "blocks", "offload"] = "none"
@@ -172,9 +172,9 @@ class RunConfig(Section):
 
 # -- loading ---------------------------------------------------------------------------------------
 
-def _section_model(loc: tuple) -> type[BaseModel] | None:
+def _section_model(loc: tuple, root: type[BaseModel] | None = None) -> type[BaseModel] | None:
     """The pydantic model that owns the key at `loc` (to suggest valid keys)."""
-    model: Any = RunConfig
+    model: Any = root or RunConfig
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
@@ -207,7 +207,8 @@ def _format_loc(loc: tuple) -> tuple[str, str]:
     return "[" + ".".join(str(p) for p in sect_parts if not isinstance(p, int)) + "]", key
 
 
-def _messages(err: ValidationError, source: str) -> list[str]:
+def error_messages(err: ValidationError, source: str, root: type[BaseModel] | None = None) -> list[str]:
+    """One line per problem: file, section, key, what is wrong, and a spelling hint for unknown keys."""
     out = []
     for e in err.errors():
         loc = tuple(e["loc"])
@@ -215,11 +216,12 @@ def _messages(err: ValidationError, source: str) -> list[str]:
         loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))))
         section, key = _format_loc(loc)
         if e["type"] == "extra_forbidden":
-            owner = _section_model(loc)
+            owner = _section_model(loc, root)
             hint = ""
             if owner is not None:
-                close = difflib.get_close_matches(key, list(owner.model_fields), n=1, cutoff=0.6)
-                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(owner.model_fields)}"
+                valid = [k for k in owner.model_fields if k != "base_dir"]
+                close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
             out.append(f"{source}: {section}: unknown key '{key}'{hint}")
         elif e["type"] == "missing":
             out.append(f"{source}: {section}: missing required key '{key}'")
@@ -260,27 +262,37 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> 
     return data
 
 
-def validate(data: dict, source: str = "<config>", base_dir: str | Path = ".") -> RunConfig:
+def validate_model(model: type[BaseModel], data: dict, source: str, base_dir: str | Path, title: str):
+    """Validate raw TOML data against a strict model whose `base_dir` field is set from the file."""
+    if "base_dir" in data:
+        raise ConfigError(f"{source}: top level: unknown key 'base_dir'")
     try:
-        return RunConfig.model_validate({**data, "base_dir": str(base_dir)})
+        return model.model_validate({**data, "base_dir": str(base_dir)})
     except ValidationError as err:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(_messages(err, source))) from None
+        raise ConfigError(f"invalid {title}:\n  " + "\n  ".join(error_messages(err, source, model))) from None
+
+
+def validate(data: dict, source: str = "<config>", base_dir: str | Path = ".") -> RunConfig:
+    return validate_model(RunConfig, data, source, base_dir, "configuration")
+
+
+def read_toml(path: str | Path, what: str = "config file") -> dict:
+    """Raw TOML data of a file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read {what}: {e.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read and validate a run's TOML file; errors name the file, the section and the key."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    if "base_dir" in data:
-        raise ConfigError(f"{path}: top level: unknown key 'base_dir'")
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(read_toml(path), overrides or [])
     return validate(data, source=str(path), base_dir=path.parent.resolve())
 
 

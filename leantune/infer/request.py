@@ -25,14 +25,18 @@ one schema. Unknown keys are errors that name the file and the key.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..config import ConfigError, MemoryConfig, ModelConfig, apply_overrides
+from ..config import (
+    MemoryConfig,
+    ModelConfig,
+    apply_overrides,
+    read_toml,
+    validate_model,
+)
 
 
 class _Strict(BaseModel):
@@ -91,64 +95,13 @@ class SampleRequest(_Strict):
         return [self.seed + i for i in range(len(self.prompts) * self.images_per_prompt)]
 
 
-def _fields_at(loc: tuple) -> list[str]:
-    """Valid keys of the model owning the key at `loc`, for spelling hints."""
-    model: Any = SampleRequest
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
-        if field is None:
-            return []
-        ann = field.annotation
-        nxt = None
-        for c in (ann, *getattr(ann, "__args__", ())):
-            if isinstance(c, type) and issubclass(c, BaseModel):
-                nxt = c
-        if nxt is None:
-            return []
-        model = nxt
-    return [k for k in model.model_fields if k != "base_dir"]
-
-
-def _messages(err: ValidationError, source: str) -> list[str]:
-    out = []
-    for e in err.errors():
-        # Drop pydantic's union-branch tags ("int", "list[str]") from locations.
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float"))))
-        key = ".".join(f"{p}" if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[") or "top level"
-        if e["type"] == "extra_forbidden":
-            valid = _fields_at(loc)
-            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else (f"; valid keys: {', '.join(valid)}" if valid else "")
-            out.append(f"{source}: unknown key '{key}'{hint}")
-        elif e["type"] == "missing":
-            out.append(f"{source}: missing required key '{key}'")
-        else:
-            out.append(f"{source}: key '{key}': {e['msg']} (got {e.get('input')!r})")
-    return list(dict.fromkeys(out))
-
-
 def validate_request(data: dict, source: str = "<request>", base_dir: str | Path = ".") -> SampleRequest:
-    if "base_dir" in data:
-        raise ConfigError(f"{source}: unknown key 'base_dir'")
-    try:
-        return SampleRequest.model_validate({**data, "base_dir": str(base_dir)})
-    except ValidationError as err:
-        raise ConfigError("invalid sample request:\n  " + "\n  ".join(_messages(err, source))) from None
+    return validate_model(SampleRequest, data, source, base_dir, "sample request")
 
 
 def read_request_file(path: str | Path) -> dict:
     """Raw TOML data of a request file; errors name the file."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read sample request: {e.strerror}") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return read_toml(path, "sample request")
 
 
 def load_request(path: str | Path, overrides: list[str] | None = None) -> SampleRequest:

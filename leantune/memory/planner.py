@@ -1210,14 +1210,9 @@ def planner_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | Non
     return Planner(spec, model, workload, machine, store.get(architecture_key(model, workload))), budget
 
 
-def plan_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | None = None,
-                    store: CalibrationStore | None = None) -> Plan:
-    """The trainer's entry point when [memory] vram_budget is set: plan for this config's workload.
-
-    Uses the calibration stored for this architecture and workload, so a second run with the same
-    model and resolutions starts from measured activations.
-    """
-    planner, budget = planner_for_config(cfg, spec, model, machine, store)
+def choose_plan(planner: "Planner", budget: Budget, cfg) -> Plan:
+    """The fastest plan under the run's budget, logged as a table; an impossible budget is a
+    config error naming [memory] vram_budget and what would fit."""
     try:
         plan = planner.plan(budget)
     except InfeasibleBudget as e:
@@ -1227,6 +1222,17 @@ def plan_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | None =
     for line in format_plan(plan).splitlines():
         log.info("%s", line)
     return plan
+
+
+def plan_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | None = None,
+                    store: CalibrationStore | None = None) -> Plan:
+    """The plan for this config's workload when [memory] vram_budget is set.
+
+    Uses the calibration stored for this architecture and workload, so a second run with the same
+    model and resolutions starts from measured activations.
+    """
+    planner, budget = planner_for_config(cfg, spec, model, machine, store)
+    return choose_plan(planner, budget, cfg)
 
 
 def format_plan(plan: Plan) -> str:

@@ -253,16 +253,10 @@ def _apply_memory(cfg: RunConfig, transformer, device) -> tuple:
 
     planner = budget = None
     if cfg.memory.vram_budget is not None:
-        from ..config import ConfigError
-        from ..memory.planner import InfeasibleBudget, format_plan, planner_for_config
+        from ..memory.planner import choose_plan, planner_for_config
 
         planner, budget = planner_for_config(cfg, FLUX_SPEC, transformer)
-        try:
-            plan = planner.plan(budget)
-        except InfeasibleBudget as e:
-            raise ConfigError(f"[memory] vram_budget = {cfg.memory.vram_budget!r}: {e}") from None
-        for line in format_plan(plan).splitlines():
-            log.info("%s", line)
+        plan = choose_plan(planner, budget, cfg)
     else:
         plan = resolve_plan(cfg.memory, FLUX_SPEC, transformer)
     log.info("memory plan: %s", plan.describe())
