@@ -100,3 +100,12 @@ def test_parse_size():
     assert parse_size("512MiB") == 512 * 2**20
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_cli_reports_config_errors_with_exit_status_2(tmp_path, capsys):
+    from leantune.cli import main
+
+    p = write(tmp_path, MINIMAL + "[lora]\nrnak = 4\n")
+    assert main(["train", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "leantune train:" in err and "unknown key 'rnak'; did you mean 'rank'" in err
