@@ -109,3 +109,19 @@ def test_cli_reports_config_errors_with_exit_status_2(tmp_path, capsys):
     assert main(["train", str(p)]) == 2
     err = capsys.readouterr().err
     assert "leantune train:" in err and "unknown key 'rnak'; did you mean 'rank'" in err
+
+
+def test_every_config_key_is_documented():
+    """docs/config.md has a row for every key of every section, so the reference stays true."""
+    from leantune import config as c
+
+    doc = (ROOT / "docs" / "config.md").read_text()
+    sections = {"model": c.ModelConfig, "data": c.DataConfig, "data.datasets": c.DatasetConfig,
+                "lora": c.LoraConfig, "train": c.TrainConfig, "memory": c.MemoryConfig,
+                "sample": c.SampleConfig, "output": c.OutputConfig}
+    for name, model in sections.items():
+        heading = f"## [[{name}]]" if name == "data.datasets" else f"## [{name}]"
+        assert heading in doc, heading
+        body = doc.split(heading, 1)[1].split("\n## ", 1)[0]
+        for key in model.model_fields:
+            assert f"| `{key}` |" in body, f"{heading}: {key} is not documented"
