@@ -155,3 +155,30 @@ def test_no_synchronize_in_the_block_loop(checkpointing):
     rep = handle.step_report(wait=True)
     assert rep["demand_fetches"] == 0 and rep["copies"] > 0
     handle.remove()
+
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_release_frees_slots_and_pins_without_copies(pin_memory):
+    """release() right after sampling (copies of the next step still in flight): device memory
+    drops by the slots, nothing is allocated on the device, pinned host buffers are unregistered."""
+    model = _mid_model()
+    handle = apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(model)), pin_memory=pin_memory),
+                          "cuda")
+    assert all(u.pinned for u in handle.streaming.units) == pin_memory
+    handle.forward_only(True)
+    x, sigma, embeds, hw, _ = make_batch(16, 16, seed=0, device="cuda", dtype=torch.bfloat16, text_dim=256,
+                                         pooled_dim=64, batch=1, text_len=MID_TEXT)
+    with torch.no_grad():
+        predict(model, x, sigma, embeds, hw, guidance=3.5)          # the ring prefetches the next step
+    slot_bytes = sum(s.buf.numel() for s in handle.streaming.engine.slots)
+    hosts = [u.host for u in handle.streaming.units]                 # kept alive to probe their pinning
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    handle.release()
+    assert torch.cuda.max_memory_allocated() == before              # nothing copied onto the device
+    assert torch.cuda.memory_allocated() <= before - slot_bytes
+    for h in hosts:                                                  # 0 would mean it was still registered
+        assert int(torch.cuda.cudart().cudaHostUnregister(h.data_ptr())) != 0
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not any("forward" in m.__dict__ for m in model.modules())

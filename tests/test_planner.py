@@ -8,6 +8,7 @@ import gc
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from leantune.config import ConfigError, LoraConfig
 from leantune.memory import planner as P
 from leantune.memory.machine import assumed_machine, probe_machine
+from leantune.memory.host_model import HOST_BASELINE
 from leantune.memory.plan import Plan
+from leantune.memory.streaming import STAGING_CHUNK
 from leantune.models import tiny
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
 from leantune.train.lora import add_lora
@@ -49,6 +52,20 @@ def flux_dev_planner():
     return P.Planner(FLUX_SPEC, model, P.Workload(rank=16, buckets=((1024, 1024),)))
 
 
+def test_public_names_stay_importable_from_the_planner():
+    """Callers (trainer, sampler, `leantune plan`) import from leantune.memory.planner; the names
+    there are the objects of the modules that define them."""
+    from leantune.memory import calibration, meta, oom, report, search, workload
+
+    assert P.Planner is search.Planner and P.Workload is workload.Workload and P.Budget is workload.Budget
+    assert P.InfeasibleBudget is workload.InfeasibleBudget and P.NoPlanFits is oom.NoPlanFits
+    assert P.OomGuard is oom.OomGuard and P.is_out_of_memory is oom.is_out_of_memory
+    assert P.PlanCalibrator is calibration.PlanCalibrator and P.CalibrationStore is calibration.CalibrationStore
+    assert P.format_plan is report.format_plan and P.build_meta_flux is meta.build_meta_flux
+    for name in ("plan_memory", "plan_for_config", "planner_for_config", "choose_plan"):
+        assert callable(getattr(P, name)), name
+
+
 # -- weights -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,9 +94,10 @@ def test_flux_dev_meta_build_has_the_published_parameter_count():
         P.build_meta_flux("pro")
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8):
-    """What the planner prices is exactly what fp8 storage and the streaming engine allocate."""
+@pytest.mark.parametrize("fp8,pin", [(False, False), (True, False), (False, True)])
+def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8, pin):
+    """What the planner prices is exactly what fp8 storage and the streaming engine allocate
+    (pinned or not: the engine pins a unit's exact size)."""
     from leantune.memory.fp8 import apply_fp8_storage
     from leantune.memory.streaming import apply_streaming, remove_streaming
 
@@ -89,7 +107,7 @@ def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8):
         handle = apply_fp8_storage(model, FLUX_SPEC)
         assert handle.bytes_after == sum(b.bytes(2, fp8=True) - (b.numel - b.fp8_numel) * 2 for b in weights.blocks)
     names = tuple(n for n, _ in FLUX_SPEC.blocks(model))
-    plan = Plan(streamed_blocks=names, stream_non_blocks=True, fp8=fp8, ring_slots=3, pin_memory=False)
+    plan = Plan(streamed_blocks=names, stream_non_blocks=True, fp8=fp8, ring_slots=3, pin_memory=pin)
     stream = apply_streaming(model, FLUX_SPEC, plan, "cpu")
     try:
         real = stream.unit_bytes()
@@ -101,9 +119,107 @@ def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8):
         vram, host, _ = planner.memory(plan)
         slots = stream.engine.slots
         assert vram["stream slots"] == len(slots) * slots[0].buf.numel()
-        assert host["streamed blocks (pageable)"] == stream.host_bytes
+        assert host[f"streamed blocks ({'pinned' if pin else 'pageable'})"] == stream.host_bytes
+        assert host["staging buffers"] == (0 if pin else 2 * STAGING_CHUNK)
     finally:
         remove_streaming(stream, "cpu")
+
+
+def _rss() -> dict[str, int]:
+    text = Path("/proc/self/status").read_text()
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
+
+
+def _can_reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")      # VmHWM := current VmRSS
+        return "VmHWM" in _rss()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _can_reset_rss_peak(), reason="needs Linux /proc/self/status and a writable clear_refs")
+def test_planned_host_ram_matches_the_engine_while_packing():
+    """The host RAM the planner predicts for applying a plan is what the engine's resident set
+    really grows by: the largest unit beside the model (units are packed one by one, each
+    original freed before the next), then the streamed units once, in buffers of their exact size.
+
+    A real-class Flux at width 1024 (one double, eight single blocks, 324 MiB in bf16) so that one
+    block (30 MiB) stands far above allocator noise and far below the eight streamed (240 MiB).
+    """
+    from diffusers import FluxTransformer2DModel
+
+    from leantune.memory.engine import apply_memory
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=8,
+                                       attention_head_dim=128, num_attention_heads=8, joint_attention_dim=64,
+                                       pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    model.to_empty(device="cpu")
+    with torch.no_grad():                          # every page written, so it counts as resident
+        for p in model.parameters():
+            p.data = torch.empty(p.shape, dtype=torch.bfloat16).fill_(0.01)
+    model.requires_grad_(False).eval()
+    workload = P.Workload(mode="inference", buckets=((64, 64),), text_length=4, autocast=False, allow_fp8=False)
+    planner = P.Planner(FLUX_SPEC, model, workload)
+    singles = tuple(n for n, _ in FLUX_SPEC.blocks(model) if n.startswith("single"))
+    plan = Plan(streamed_blocks=singles, ring_slots=2)
+    host = planner.memory(plan)[1]
+    predicted_extra = host["stored transformer + one unit while packing"] - host["transformer while loading"]
+    gc.collect()
+    start = _rss()["VmRSS"]
+    Path("/proc/self/clear_refs").write_text("5")
+    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
+    measured = _rss()["VmHWM"] - start
+    try:
+        units = handle.streaming.unit_bytes()
+        assert host["streamed blocks (pinned)"] == handle.streaming.host_bytes == sum(units.values())
+        assert sum(units.values()) > 7 * max(units.values())        # packing all first would be far off
+        assert abs(measured - predicted_extra) <= 6 * 2**20, (measured / 2**20, predicted_extra / 2**20)
+    finally:
+        handle.remove()
+
+
+def test_an_fp8_checkpoint_is_priced_in_fp8_in_every_plan():
+    """Block Linears that arrive in e4m3 (an fp8 checkpoint, with the loader's per-row scales) stay
+    e4m3 whatever plan.fp8 says: the planner prices them at 1 byte plus their own scales, exactly
+    as the model holds them and as the engine packs them."""
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.fp8 import FP8_MAX, block_linears, use_fp8_weight
+
+    def checkpoint_like():
+        model = tiny_lora_model(dtype=torch.bfloat16)
+        with torch.no_grad():
+            for _, rel, lin in block_linears(FLUX_SPEC, model):
+                if FLUX_SPEC.keeps_compute_dtype(rel):
+                    continue
+                w = lin.weight.float()
+                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX      # (out, 1)
+                lin.weight.data = (w / scale).to(torch.float8_e4m3fn)
+                use_fp8_weight(lin, scale)
+        return model
+
+    model = checkpoint_like()
+    weights = P.measure_weights(FLUX_SPEC, model)
+    assert weights.prequantized
+    for (name, block), w in zip(FLUX_SPEC.blocks(model), weights.blocks):
+        real = sum(t.numel() * t.element_size() for n, t in list(block.named_parameters()) + list(block.named_buffers())
+                   if "lora_" not in n)
+        assert w.bytes(2) == w.bytes(2, fp8=True) == real < w.numel * 2, name
+    workload = P.Workload(rank=4, buckets=((128, 128),), text_length=8)
+    planner = P.Planner(FLUX_SPEC, model, workload)
+    plain = P.Planner(FLUX_SPEC, tiny_lora_model(dtype=torch.bfloat16), workload)
+    resident = Plan()
+    assert planner.memory(resident)[0]["weights resident"] < plain.memory(resident)[0]["weights resident"]
+    names = tuple(n for n, _ in FLUX_SPEC.blocks(model))
+    plan = Plan(streamed_blocks=names, fp8=False, ring_slots=2)
+    handle = apply_memory(checkpoint_like(), FLUX_SPEC, plan, "cpu")
+    try:
+        real = handle.streaming.unit_bytes()
+        assert [real[n] for n in names] == planner.units(plan)
+        assert planner.memory(plan)[1]["streamed blocks (pinned)"] == handle.streaming.host_bytes
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("targets,blocks", [("attention", None), ("attention_mlp", None), ("all", None),
@@ -225,20 +341,44 @@ def test_infeasible_budget_names_the_smallest_budget_that_works(flux_dev_planner
         flux_dev_planner.plan(P.Budget(vram=needed - 32 * 2**20, ram=UNLIMITED))
 
 
-def test_host_ram_budget_chooses_pageable_copies_then_refuses_early(flux_dev_planner):
+def test_inference_budget_hint_names_the_sample_request_keys():
+    """A sampling workload that does not fit is told in the sample request's terms (its keys and
+    `leantune sample` flags), not the training config's."""
+    model = tiny.flux_transformer(dtype=torch.bfloat16)
+    workload = P.Workload(mode="inference", batch_size=2, buckets=((256, 512),), text_length=16, autocast=False)
+    planner = P.Planner(FLUX_SPEC, model, workload, replace(assumed_machine(), workspace=0))
+    with pytest.raises(P.InfeasibleBudget) as info:
+        planner.plan(P.Budget(vram=2**16, ram=UNLIMITED, min_margin=0))
+    message = str(info.value)
+    assert "512x256, 2 image(s) per forward" in message
+    for key in ("width/height (--width/--height)", "images_per_prompt (--images-per-prompt)", "batch_size",
+                "max_text_length", "--vram, or [memory] vram_budget in the request"):
+        assert key in message, key
+    assert "[data]" not in message and "[lora]" not in message and "[train]" not in message
+    needed = info.value.needed_vram
+    plan = planner.plan(P.Budget(vram=needed, ram=UNLIMITED, min_margin=0))     # the stated minimum works
+    assert plan.notes["predicted_peak_vram"] <= P.Budget(vram=needed, min_margin=0).usable_vram
+
+
+def test_host_ram_budget_picks_fp8_then_refuses_early(flux_dev_planner):
+    """Host RAM peaks while the bf16 transformer loads and, for plans without fp8, while the engine
+    packs a unit beside the stored model; a budget between the two must choose fp8, and one below
+    loading must be refused with the smallest host need, before anything is loaded."""
     pl = flux_dev_planner
     budget = P.Budget(vram=8 * GiB, ram=UNLIMITED)
     fits = [p for p in pl.candidates() if sum(pl.memory(p)[0].values()) <= budget.usable_vram]
-    host = {True: min(pl.memory(p)[1]["peak"] for p in fits if p.pin_memory),
-            False: min(pl.memory(p)[1]["peak"] for p in fits if not p.pin_memory)}
-    assert host[False] < host[True]              # pinned buffers round up to a power of two
-    assert pl.plan(budget).pin_memory            # with RAM to spare, pinned (faster, no staging) wins
-    ram = (host[False] + host[True]) // 2        # no pinned plan fits this, some pageable one does
+    assert fits and all(p.pin_memory for p in pl.candidates())   # exact-size pinning: pageable saves nothing
+    loaded = pl.weights.total(2)
+    host = {fp8: min(pl.memory(p)[1]["peak"] for p in fits if p.fp8 == fp8) for fp8 in (False, True)}
+    largest_unit = max(b.unit_bytes(2) for b in pl.weights.blocks)
+    assert HOST_BASELINE + loaded < host[False] <= HOST_BASELINE + loaded + largest_unit + 2**20
+    assert host[True] < host[False]
+    ram = (host[False] + host[True]) // 2
     plan = pl.plan(replace(budget, ram=ram))
-    assert not plan.pin_memory and plan.notes["predicted_peak_host"] <= ram
+    assert plan.fp8 and plan.notes["predicted_peak_host"] <= ram
     with pytest.raises(P.InfeasibleBudget, match=r"ram_budget is 16\.00 GiB") as info:
         pl.plan(replace(budget, ram=16 * GiB))
-    assert info.value.needed_ram > 16 * GiB
+    assert info.value.needed_ram == HOST_BASELINE + loaded     # nothing after loading adds to that
     assert "loading the transformer alone takes" in str(info.value)
 
 

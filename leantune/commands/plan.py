@@ -88,16 +88,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _vram_bytes(value: str, machine) -> int:
-    from ..config import ConfigError, parse_size
+    from ..memory.planner import parse_vram
 
-    if str(value).strip().lower() == "auto":
-        if machine.vram_free is None:
-            raise ConfigError('--vram auto needs a GPU to measure free VRAM; none is visible here, so give a size')
-        return machine.vram_free
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise ConfigError(f"--vram: {e}") from None
+    return parse_vram(value, machine, "--vram")
 
 
 def _from_flags(args):
@@ -153,10 +146,10 @@ def _check_workload(w) -> None:
 def meta_model_for_config(cfg):
     """The config's transformer architecture on the meta device, read from config.json or a single
     file's header (shapes only), never from its tensors."""
-    import torch
     from diffusers import FluxTransformer2DModel
 
     from ..config import ConfigError
+    from ..memory.meta import meta_from_config
     from ..models.flux_loading import resolve_sources
 
     try:
@@ -171,10 +164,7 @@ def meta_model_for_config(cfg):
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"{src}: cannot read the transformer architecture ({e}); plan with --model flux-dev "
                           f"instead") from None
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(config)
-    model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
-    return model
+    return meta_from_config(FluxTransformer2DModel, config)
 
 
 def _transformer_config(src: Path) -> dict:

@@ -193,12 +193,11 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
                               batch_size=request.batch_size, progress=progress)
             result.stream_report = handle.step_report(wait=True)
         finally:
-            # No handle.remove(): restoring would copy every streamed weight onto the device (out of
-            # memory under a budget) and dequantize fp8 weights, all for a model dropped right here.
-            # Copies still in flight (the ring prefetches the next step) must land before their
-            # buffers are freed.
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            # release(), not remove(): restoring would copy every streamed weight onto the device
+            # (out of memory under a budget) and dequantize fp8 weights, all for a model dropped
+            # right here. release() waits for the copies still in flight (the ring prefetches the
+            # next step), then frees host buffers, pins and slots.
+            handle.release()
         result.timings.update({"denoise.load": t1 - t0, "denoise.place": t2 - t1,
                                "denoise.steps": time.perf_counter() - t2})
         del transformer, handle

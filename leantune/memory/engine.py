@@ -6,9 +6,13 @@ Order, and why (each step is one module with its own docstring):
                   whose weights are still bf16/fp32, so it never creates fp8 LoRA weights, and every
                   later step can tell adapter weights (resident, trainable) from base weights.
 2. fp8 storage    quantizes the base Linear weights inside the blocks while they are still in host
-                  RAM, so streaming packs (and later moves) fp8 bytes.
-3. streaming      packs each streamed unit's frozen tensors into one host buffer and re-points them
-                  at device ring slots; wraps the unit's forward (inner wrapper).
+                  RAM, so streaming packs (and later moves) fp8 bytes. Block Linears that arrived in
+                  e4m3 from an fp8 checkpoint always take this step, whatever plan.fp8 says: a plain
+                  Linear cannot compute with an e4m3 weight. plan.fp8 decides only whether the
+                  other block Linears are quantized too.
+3. streaming      packs each streamed unit's frozen tensors into one host buffer, block by block,
+                  freeing the originals as it goes, and re-points them at device ring slots; wraps
+                  the unit's forward (inner wrapper).
 4. checkpointing  wraps the block forward *outside* streaming, so that checkpoint's recompute in
                   backward re-enters the streaming wrapper and the block's weights come back before
                   they are used. (Hooks outside `forward` would be skipped by the recompute.)
@@ -18,8 +22,10 @@ Order, and why (each step is one module with its own docstring):
 `torch.compile` is not part of the order: the streaming and checkpointing wrappers are Python-level
 and would break compiled graphs at every block anyway.
 
-`MemoryHandle.remove()` undoes the steps in reverse and leaves a plain model (fp8 weights come back
-dequantized, since the original values were not kept).
+`MemoryHandle.remove()` undoes the steps in reverse and leaves a plain model (weights the engine
+quantized come back dequantized, since the original values were not kept; weights that arrived in
+e4m3 stay e4m3, as they were). `MemoryHandle.release()` drops the engine's state without restoring
+anything, for a model about to be discarded.
 """
 
 from __future__ import annotations
@@ -41,11 +47,20 @@ from .checkpointing import (
 )
 from .fp8 import Fp8Handle, apply_fp8_storage, remove_fp8_storage
 from .plan import Plan
-from .streaming import RunMode, StreamingHandle, apply_streaming, remove_streaming
+from .fp8 import has_prequantized
+from .streaming import (
+    RunMode,
+    StreamingHandle,
+    apply_streaming,
+    release_streaming,
+    remove_streaming,
+    return_freed_host_memory,
+)
 
 log = logging.getLogger("leantune.memory")
 
 _APPLIED_ATTR = "_leantune_memory"
+_RELEASED = "released"          # value of _APPLIED_ATTR after MemoryHandle.release()
 
 
 def even_spread(names: list[str], count: int) -> list[str]:
@@ -141,7 +156,28 @@ class MemoryHandle:
             self.fp8 = None
         if device is not None:
             _place(self.model, torch.device(device))
+            return_freed_host_memory()
         self.model.__dict__.pop(_APPLIED_ATTR, None)
+
+    def release(self) -> None:
+        """Drop the engine's state and return its memory, without copying any weight back.
+
+        Waits for in-flight copies (on an event recorded on the copy stream), closes the staging
+        thread, unpins and frees the streamed units' host buffers, frees the device slots and
+        removes every wrapper and hook. Unlike remove(), nothing is restored: the streamed modules
+        are left with empty weights, so **the model cannot compute any more** (and apply_memory
+        refuses it); resident weights stay where they are until the model itself is dropped. For
+        a model that is discarded right after use (sampling), where remove() would copy every
+        streamed weight onto the device, which does not fit under a budget.
+        """
+        if self.checkpointing is not None:
+            remove_checkpointing(self.checkpointing)
+            self.checkpointing = None
+        if self.streaming is not None:
+            release_streaming(self.streaming)
+            self.streaming = None
+        self.fp8 = None                       # fp8 weights stay as they are: no dequantized copies
+        self.model.__dict__[_APPLIED_ATTR] = _RELEASED
 
 
 def _place(model: nn.Module, device: torch.device) -> None:
@@ -175,6 +211,9 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
     if getattr(model, "gradient_checkpointing", False):
         raise ValueError("memory.checkpointing: the model has diffusers' own gradient checkpointing switched on; "
                          "set [memory] checkpointing = \"blocks\" instead of calling enable_gradient_checkpointing()")
+    if model.__dict__.get(_APPLIED_ATTR) == _RELEASED:
+        raise ValueError("apply_memory: this model's memory engine was released (MemoryHandle.release()); its "
+                         "streamed weights are gone, so load the model again")
     if _APPLIED_ATTR in model.__dict__:
         raise ValueError("apply_memory: this model already has the memory engine applied; call remove() first")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -189,7 +228,10 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     """Apply the plan to `model` (adapters already added) and move it to `device`, except the
     streamed weights, which stay in host memory and visit the device in ring slots.
 
-    `fp8_scales`: scales of block Linear weights the loader kept in e4m3 (see fp8.apply_fp8_storage).
+    Block Linear weights that are already e4m3 (an fp8 checkpoint loaded with keep_fp8, see
+    models/flux_loading.py) go through fp8 storage whatever plan.fp8 says, with their
+    `weight_scale` buffer as the scale. `fp8_scales`: scales for e4m3 weights that carry no such
+    buffer, by qualified Linear name (see fp8.apply_fp8_storage).
     `offload_min_bytes`: with checkpointing = "offload", smaller saved block inputs stay on the device.
     """
     device = torch.device(device)
@@ -199,8 +241,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     mode = RunMode()
     handle = MemoryHandle(model=model, device=device, plan=plan, mode=mode)
     try:
-        if plan.fp8:                                                     # 2. fp8 storage
-            handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales,
+        if plan.fp8 or fp8_scales or has_prequantized(model, spec):     # 2. fp8 storage
+            handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales, quantize_rest=plan.fp8,
                                            work_device=device if device.type == "cuda" else None)
         streaming = bool(plan.streamed_blocks) or plan.stream_non_blocks
         if streaming:                                                    # 3. streaming (inner wrapper)
@@ -210,6 +252,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",
                                                        offload_min_bytes=offload_min_bytes)
         _place(model, device)                                            # 5. the resident set
+        return_freed_host_memory()                                       # their host copies
     except BaseException:
         handle.remove()
         raise

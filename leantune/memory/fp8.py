@@ -19,9 +19,13 @@ How it works:
   biases, everything outside the blocks (embedders, final layer), and adapter weights: peft's
   `lora_A`/`lora_B` are never touched (only the wrapped `base_layer` of a peft layer is stored in
   fp8), so LoRA trains in its own dtype.
-- An fp8 checkpoint (ComfyUI e4m3 files) is kept as it is: a block Linear whose weight already has
-  dtype float8_e4m3fn is not requantized; its scale comes from a `weight_scale` buffer the loader
-  attached, or from `scales[name]`, or is 1. Nothing round-trips through bf16 in host RAM.
+- An fp8 checkpoint (ComfyUI e4m3 files, plain or "scaled") is kept as it is. The contract with the
+  loader: a block Linear whose weight has dtype float8_e4m3fn carries its dequantization scale as
+  an fp32 `weight_scale` buffer of shape (out, 1) (per tensor or per row) or (out, nb), and the
+  fp8 forward (`use_fp8_weight`), so the loaded model computes as it is. apply_fp8_storage never
+  requantizes such a weight (scale: that buffer, else `scales[name]`, else 1), and takes it
+  whatever the plan says (`quantize_rest=False` leaves the other Linears alone); remove_fp8_storage
+  leaves it in e4m3 with its scale and forward. Nothing round-trips through bf16 in host RAM.
 
 Differs from kohya's `--fp8_base` (which casts every parameter, norms and modulation included, to
 unscaled fp8) and from diffusers' layerwise casting (unscaled, and it needs a bf16 model first).
@@ -103,11 +107,28 @@ class _Fp8Forward:
     streamed weight (re-pointed at a slot) is always the current one."""
 
     def __init__(self, linear: nn.Linear):
-        self.linear = linear
+        self.linear = linear      # a strong reference, so copy.deepcopy maps it to the copied module
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.linear
         return _Fp8Linear.apply(x, lin.weight, getattr(lin, SCALE_ATTR), lin.bias)
+
+
+def use_fp8_weight(linear: nn.Linear, scale: torch.Tensor) -> None:
+    """Make an nn.Linear whose weight is e4m3 computable: register `scale` (fp32, (out, 1) or
+    (out, nb)) as its `weight_scale` buffer and dequantize in its forward. This is the form in
+    which the loader hands fp8 checkpoint weights to the engine. The weight is frozen: the fp8
+    forward gives it no gradient, and no optimizer could step an e4m3 tensor."""
+    if linear.weight.dtype != FP8_DTYPE:
+        raise ValueError(f"use_fp8_weight: the weight has dtype {linear.weight.dtype}, not {FP8_DTYPE}")
+    out_f, in_f = linear.weight.shape
+    if scale.dim() != 2 or scale.shape[0] != out_f or in_f % scale.shape[1]:
+        raise ValueError(f"use_fp8_weight: scale of shape {tuple(scale.shape)} does not fit weight {(out_f, in_f)}")
+    if hasattr(linear, SCALE_ATTR):
+        delattr(linear, SCALE_ATTR)
+    linear.register_buffer(SCALE_ATTR, scale.to(device=linear.weight.device, dtype=torch.float32))
+    linear.weight.requires_grad_(False)
+    linear.forward = _Fp8Forward(linear)
 
 
 # -- applying to a model ---------------------------------------------------------------------------
@@ -152,12 +173,20 @@ class Fp8Handle:
     bytes_before: int = 0
     bytes_after: int = 0
     kept: list[str] = field(default_factory=list)                 # block Linears left in compute dtype
+    prequantized: set[str] = field(default_factory=set)           # of `linears`: e4m3 before apply
+    quantized: bool = True                                         # the other block Linears were quantized
 
     def describe(self) -> str:
         nblocks = len({".".join(n.split(".")[:2]) for n in self.linears})   # "transformer_blocks.3"
+        dtype = str(self.compute_dtype).replace("torch.", "")
+        if not self.quantized:
+            return (f"fp8: {len(self.linears)} Linear weights in {nblocks} blocks kept in e4m3 as the checkpoint "
+                    f"stores them ({_gb(self.bytes_after)} with scales); memory.fp8 = false leaves the other block "
+                    f"Linears in their dtype")
+        own = f", {len(self.prequantized)} of them e4m3 in the checkpoint" if self.prequantized else ""
         return (f"fp8: {len(self.linears)} Linear weights in {nblocks} blocks stored as e4m3 "
-                f"(scales per row x {SCALE_BLOCK} inputs), {_gb(self.bytes_before)} -> {_gb(self.bytes_after)}; "
-                f"{len(self.kept)} modulation/norm Linears kept in {str(self.compute_dtype).replace('torch.', '')}")
+                f"(scales per row x {SCALE_BLOCK} inputs{own}), {_gb(self.bytes_before)} -> {_gb(self.bytes_after)}; "
+                f"{len(self.kept)} modulation/norm Linears kept in {dtype}")
 
 
 def _gb(n: int) -> str:
@@ -171,19 +200,29 @@ def _default_compute_dtype(model: nn.Module) -> torch.dtype:
     return torch.bfloat16
 
 
+def has_prequantized(model: nn.Module, spec: ModelSpec) -> bool:
+    """True if some block Linear weight of `model` is already stored in a float8 dtype (an fp8
+    checkpoint): the engine must then apply fp8 storage whatever the plan says."""
+    return any(lin.weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for _, _, lin in block_linears(spec, model))
+
+
 def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str, torch.Tensor] | None = None,
-                      compute_dtype: torch.dtype | None = None, work_device: str | torch.device | None = None
-                      ) -> Fp8Handle:
+                      quantize_rest: bool = True, compute_dtype: torch.dtype | None = None,
+                      work_device: str | torch.device | None = None) -> Fp8Handle:
     """Store the block Linear weights of `model` as block-scaled e4m3, in place.
 
-    `scales`: per-Linear scales of weights that are already e4m3 (qualified name -> tensor of shape
-    (), (out,), (out, 1) or (out, nb)). `compute_dtype`: dtype of skipped Linears that arrive as fp8
-    (default: the model's first non-fp8 floating dtype). `work_device`: where to run the
-    quantization arithmetic (a GPU makes a 12B model quick); results return to each weight's device.
+    Weights that are already e4m3 are kept as they are, with their scales. `quantize_rest=False` does
+    only that (and upcasts modulation/norm Linears that arrived in fp8), leaving every other block
+    Linear in its dtype: the engine's path for an fp8 checkpoint under memory.fp8 = false.
+    `scales`: per-Linear scales of weights that are already e4m3 and carry no `weight_scale`
+    buffer (qualified name -> tensor of shape (), (out,), (out, 1) or (out, nb)). `compute_dtype`:
+    dtype of skipped Linears that arrive as fp8 (default: the model's first non-fp8 floating dtype).
+    `work_device`: where to run the quantization arithmetic (a GPU makes a 12B model quick); results
+    return to each weight's device.
     """
     scales = dict(scales or {})
     compute_dtype = compute_dtype or _default_compute_dtype(model)
-    handle = Fp8Handle(compute_dtype=compute_dtype)
+    handle = Fp8Handle(compute_dtype=compute_dtype, quantized=quantize_rest)
     for block_name, block in spec.blocks(model):
         for name, p in block.named_parameters():
             if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and ".lora_" in f".{name}":
@@ -207,6 +246,12 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
                     delattr(lin, SCALE_ATTR)
             handle.kept.append(qname)
             continue
+        if not (prequantized or quantize_rest):
+            continue                      # memory.fp8 = false: only checkpoint e4m3 weights are handled
+        if w.requires_grad and prequantized:
+            raise ValueError(
+                f"memory.fp8: {qname}.weight is trainable, but it is e4m3 as the checkpoint stores it; an fp8 "
+                f"checkpoint can only be a frozen base (LoRA, sampling): use a bf16 checkpoint to train it")
         if w.requires_grad:
             raise ValueError(
                 f"memory.fp8: {qname}.weight is trainable; fp8 storage is for frozen base weights "
@@ -226,6 +271,8 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
         lin.forward = _Fp8Forward(lin)
         handle.bytes_after += q.numel() + s.numel() * s.element_size()
         handle.linears[qname] = lin
+        if prequantized:
+            handle.prequantized.add(qname)
     if scales:
         raise ValueError(f"memory.fp8: scales given for modules that are not fp8 block Linears: {sorted(scales)[:5]}")
     return handle
@@ -247,10 +294,16 @@ def _scale_for(given: torch.Tensor | None, shape: torch.Size, qname: str) -> tor
 
 
 def remove_fp8_storage(handle: Fp8Handle, dtype: torch.dtype | None = None) -> None:
-    """Dequantize every fp8 weight back to `dtype` (default: the compute dtype) and drop the forward
-    override. Lossy by nature: the original weights were not kept."""
+    """Dequantize every weight this handle quantized back to `dtype` (default: the compute dtype)
+    and drop the forward override. Lossy by nature: the original weights were not kept. Weights
+    that were e4m3 before apply stay e4m3 with their `weight_scale` and fp8 forward: that is how
+    they were (and a bf16 copy of a whole fp8 checkpoint is what fp8 loading avoids)."""
     dtype = dtype or handle.compute_dtype
-    for lin in handle.linears.values():
+    for name, lin in handle.linears.items():
+        if name in handle.prequantized:
+            if not isinstance(lin.__dict__.get("forward"), _Fp8Forward):
+                lin.forward = _Fp8Forward(lin)
+            continue
         with torch.no_grad():
             lin.weight.data = dequantize(lin.weight.data, getattr(lin, SCALE_ATTR), dtype)
         delattr(lin, SCALE_ATTR)

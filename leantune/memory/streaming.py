@@ -6,9 +6,14 @@ streamed blocks are spread through the stack, the resident blocks' compute hides
 
 How it works:
 - A *unit* is one streamed block, or (optionally) all non-block modules as one group. All its frozen
-  tensors (parameters and buffers, not adapter weights) are packed into one contiguous host buffer,
-  pinned where possible. A pageable buffer (pinning off or refused) is copied through a small
-  pinned staging pool by a worker thread, so the main thread still never waits on a copy.
+  tensors (parameters and buffers, not adapter weights) are packed into one contiguous host buffer
+  of exactly the unit's size, pinned where possible. A pageable buffer (pinning off or refused) is
+  copied through a small pinned staging pool by a worker thread, so the main thread still never
+  waits on a copy.
+- Host RAM while applying: units are packed one at a time, and each unit's tensors are re-pointed at
+  their place in its buffer right after the copy, so the original storage is freed (and its pages
+  handed back to the OS) before the next unit is packed. The peak is the model plus one unit, not
+  the model plus every buffer; afterwards the host holds the streamed units once, as their buffers.
 - The GPU holds K slots (a ring, K >= 2), each as large as the largest unit. Unit i always uses slot
   i mod K, so its module parameters are re-pointed once, at apply time, at views of that slot: a
   fetch is then a single copy, with no per-step Python re-pointing. A unit with a slot to itself
@@ -38,6 +43,11 @@ How it works:
   so any use of a weight outside its hold window turns the loss NaN. The same schedule runs on CPU
   (slots are separate host buffers, streams and events are absent), which lets CI test it.
 
+Teardown: `remove_streaming` copies every streamed tensor back to ordinary tensors (unit by unit,
+freeing each host buffer as it goes); `release_streaming` only drops the engine's state (buffers,
+pins, slots, wrappers, hooks) and leaves the streamed modules without weights, for a model that is
+about to be discarded (after sampling) where a copy back could not even fit on the device.
+
 How it differs from kohya's block swap: no cap on the number of blocks (kohya asserts <= 35 for
 Flux), no per-swap `synchronize()` of the current stream, H2D only for frozen weights, sampling does
 not re-place every block per step, and streaming composes with activation checkpointing.
@@ -45,6 +55,7 @@ not re-place every block per step, and streaming composes with activation checkp
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -255,6 +266,29 @@ def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, object]:
 
 def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):          # not glibc: nothing to call
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def return_freed_host_memory() -> None:
+    """Hand the pages of freed host tensors back to the OS.
+
+    Why: glibc serves allocations below its mmap threshold (which rises to 32 MiB once a large block
+    has been freed, so most block weights qualify) from its heap, and free() keeps those pages
+    mapped. Without this, the original weights of a packed unit would stay resident and host RAM
+    would still hold the streamed blocks twice. `malloc_trim(0)` releases every whole free page of
+    the heap; a no-op where glibc is absent.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 # -- autograd boundaries -----------------------------------------------------------------------------
@@ -673,12 +707,24 @@ def _view(buf: torch.Tensor, e: _Entry) -> torch.Tensor:
     return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
+def _pack(host: torch.Tensor, entries: list[_Entry]) -> None:
+    """Copy a unit's tensors into its host buffer and re-point their owners there at once, so each
+    original storage is freed now, unit by unit, rather than after the whole model was packed."""
+    with torch.no_grad():
+        for e in entries:
+            place = _view(host, e)
+            place.copy_(_tensor_of(e).detach())
+            _point(e, place)
+    return_freed_host_memory()
+
+
 def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str, *,
                     checkpointed: bool = False, mode: RunMode | None = None) -> StreamingHandle:
     """Stream the plan's blocks (and optionally the non-block group) of `model` onto `device`.
 
     Call after fp8 storage and adapters, before checkpointing wraps the blocks. Streamed tensors end
-    up as views of the device slots; the caller moves everything else to `device`.
+    up as views of the device slots; the caller moves everything else to `device`. Host RAM peaks
+    at the model plus one unit (see the module docstring).
     """
     mode = mode or RunMode()
     backend = _Backend(device)
@@ -700,14 +746,14 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
         if name in wanted:
             groups.append((name, [block], checkpointed))
 
+    # Every unit is checked (trainable weights) before the first one is packed: a refused plan
+    # leaves the model untouched.
+    layouts = [(name, mods, ckpt, *_collect(mods, name)) for name, mods, ckpt in groups]
     pin = backend.cuda and plan.pin_memory
     units: list[_Unit] = []
-    for index, (name, mods, ckpt) in enumerate(groups):
-        entries, adapters, nbytes = _collect(mods, name)
+    for index, (name, mods, ckpt, entries, adapters, nbytes) in enumerate(layouts):
         host, unpin = _alloc_host(max(nbytes, ALIGN), pin)
-        with torch.no_grad():
-            for e in entries:
-                _view(host, e).copy_(_tensor_of(e).detach())
+        _pack(host, entries)
         # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
         direct = unpin is not None or (not backend.cuda and plan.pin_memory)
         units.append(_Unit(name, mods, entries, nbytes, host, direct, index % plan.ring_slots, ckpt, adapters,
@@ -740,26 +786,21 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     return handle
 
 
-def remove_streaming(handle: StreamingHandle, device: torch.device | str | None = None) -> None:
-    """Put every streamed tensor back as an ordinary tensor on `device` (default: the compute
-    device) and restore the modules' forwards. Checkpointing must be removed first."""
-    device = torch.device(device) if device is not None else handle.engine.backend.device
-    for m, w in handle.wrapped:
-        if m.__dict__.get("forward") is not w:
-            raise RuntimeError(f"streaming: {type(m).__name__}.forward was wrapped again after streaming; "
-                               f"remove checkpointing before streaming")
-    if handle.engine.stager is not None:
-        handle.engine.stager.close()                  # no staged copy still being issued
-    be = handle.engine.backend
-    if be.cuda:                                       # teardown, not the hot path: let copies and uses finish
-        be.copy_stream.synchronize()
-        torch.cuda.current_stream(be.device).synchronize()
-    with torch.no_grad():
-        for u in handle.units:
-            for e in u.entries:
-                t = torch.empty(e.shape, dtype=e.dtype, device=device)
-                t.copy_(_view(u.host, e))
-                _point(e, t)
+def _quiesce(engine: StreamingEngine) -> None:
+    """Wait until no copy reads a host buffer or writes a slot: the stager has issued everything it
+    was given, and an event recorded after the last copy on the copy stream has completed."""
+    if engine.stager is not None:
+        engine.stager.close()
+        engine.stager = None
+    be = engine.backend
+    if be.cuda:
+        done = be.event()
+        done.record(be.copy_stream)
+        done.synchronize()
+
+
+def _unwrap(handle: StreamingHandle) -> None:
+    """Restore the streamed modules' forwards and drop the model-level hooks."""
     for m, w in handle.wrapped:
         if w.prev is None:
             del m.forward
@@ -767,11 +808,74 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
             m.forward = w.prev
     for h in handle.hooks:
         h.remove()
-    handle.engine.slots.clear()
-    handle.engine.by_storage.clear()
-    for u in handle.units:
-        if u.unpin is not None:
-            u.unpin()
-        u.host = torch.empty(0, dtype=torch.uint8)
-    handle.units.clear()
     handle.wrapped.clear()
+    handle.hooks.clear()
+
+
+def _check_unwrappable(handle: StreamingHandle) -> None:
+    for m, w in handle.wrapped:
+        if m.__dict__.get("forward") is not w:
+            raise RuntimeError(f"streaming: {type(m).__name__}.forward was wrapped again after streaming; "
+                               f"remove checkpointing before streaming")
+
+
+def _drop_host(unit: _Unit) -> None:
+    """Unpin (cudaHostUnregister) and free a unit's host buffer; nothing may view it any more."""
+    if unit.unpin is not None:
+        unit.unpin()
+        unit.unpin = None
+    unit.host = torch.empty(0, dtype=torch.uint8)
+
+
+def remove_streaming(handle: StreamingHandle, device: torch.device | str | None = None) -> None:
+    """Put every streamed tensor back as an ordinary tensor on `device` (default: the compute
+    device) and restore the modules' forwards. Checkpointing must be removed first.
+
+    Unit by unit: a unit's tensors are copied out, then its host buffer is freed, so restoring to
+    the host needs one unit of extra RAM, not a second copy of the streamed blocks.
+    """
+    device = torch.device(device) if device is not None else handle.engine.backend.device
+    _check_unwrappable(handle)
+    engine = handle.engine
+    _quiesce(engine)
+    if engine.backend.cuda:                           # teardown, not the hot path: uses of the slots finish
+        done = engine.backend.event()
+        done.record(torch.cuda.current_stream(engine.backend.device))
+        done.synchronize()
+    with torch.no_grad():
+        for u in handle.units:
+            for e in u.entries:
+                t = torch.empty(e.shape, dtype=e.dtype, device=device)
+                t.copy_(_view(u.host, e))
+                _point(e, t)
+            _drop_host(u)
+            return_freed_host_memory()
+    _unwrap(handle)
+    engine.slots.clear()
+    engine.by_storage.clear()
+    handle.units.clear()
+
+
+def release_streaming(handle: StreamingHandle) -> None:
+    """Drop the engine's state without restoring any weight: in-flight copies are waited for (on an
+    event, no device-wide synchronize), host buffers are unpinned and freed, slots are freed, the
+    forwards and hooks are removed. The streamed modules are left with empty (0-element) weights,
+    so the model cannot compute any more; use this for a model that is about to be dropped.
+    Checkpointing must be removed first.
+    """
+    _check_unwrappable(handle)
+    engine = handle.engine
+    _quiesce(engine)
+    with torch.no_grad():
+        for u in handle.units:
+            for e in u.entries:
+                _point(e, torch.empty(0, dtype=e.dtype, device=engine.backend.device))
+            _drop_host(u)
+    _unwrap(handle)
+    engine.slots.clear()
+    engine.by_storage.clear()
+    engine.fwd_order, engine.order, engine.log, engine.tracked = [], [], [], []
+    engine.bwd_holds.clear()
+    engine.end_holds.clear()
+    handle.units.clear()
+    return_freed_host_memory()

@@ -7,8 +7,16 @@ ComfyUI transformer file (bf16, fp8 e4m3, ComfyUI "scaled fp8"), possibly an all
 also carries CLIP-L, T5 and the VAE under ComfyUI prefixes.
 
 Every model is built on the meta device and filled tensor by tensor in its target dtype (see
-weights.py), so a 12B transformer never exists twice in host RAM, and fp8 files are upcast one
-tensor at a time. Architectures come from the checkpoint itself (diffusers config.json, or the
+weights.py), so a 12B transformer never exists twice in host RAM.
+
+fp8 files stay fp8 (`load_transformer(keep_fp8=True)`, the default): a block Linear weight that
+the file stores as float8_e4m3fn, other than the modulation/norm Linears the spec keeps in the
+compute dtype, is loaded as the stored e4m3 bytes, and its scale (ComfyUI's per-tensor
+`scale_weight`, or 1 for plain e4m3 files) becomes an fp32 `weight_scale` buffer of shape (out, 1)
+on the Linear, which dequantizes in its forward (memory/fp8.py `use_fp8_weight`). That Linear is
+the contract with the memory engine, which keeps such weights in e4m3 whatever memory.fp8 says.
+Everything else (non-block modules, modulation/norm Linears, biases) is upcast to the compute
+dtype one tensor at a time. Architectures come from the checkpoint itself (diffusers config.json, or the
 keys and shapes of a single file; bfl_keys.py / component_files.py), never from a hub. Only
 safetensors is read; pickle checkpoints are refused. Every error names the file and the key.
 """
@@ -25,11 +33,13 @@ import torch
 from ..io import UnsafeFileError, refuse_pickle, save_safetensors
 from . import bfl_keys
 from . import component_files as cf
+from .flux import FLUX_SPEC
 from .weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty, read_header
 
 __all__ = [
     "FluxSources", "TextEncoders", "LoadError", "resolve_sources", "load_transformer", "load_vae",
     "load_text_encoders", "fingerprint", "detect_variant", "save_bfl_transformer", "dtype_from_name",
+    "fp8_block_weights",
 ]
 
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae")
@@ -205,8 +215,35 @@ def _single_file(path: Path, component: str, label: str) -> tuple[CheckpointFile
 
 # -- transformer ---------------------------------------------------------------------------------------
 
-def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, device="cpu"):
-    """The FluxTransformer2DModel, built on meta and loaded straight into `dtype` on `device`."""
+def fp8_block_weights(transformer) -> set[str]:
+    """Names of the weights that fp8 storage applies to: every nn.Linear inside the spec's blocks
+    except the modulation/norm Linears of `FLUX_SPEC.fp8_skip` ('transformer_blocks.0.attn.to_q.weight')."""
+    names = set()
+    for block_name, block in FLUX_SPEC.blocks(transformer):
+        for rel, m in block.named_modules():
+            if type(m) is torch.nn.Linear and not FLUX_SPEC.keeps_compute_dtype(rel):
+                names.add(f"{block_name}.{rel}.weight")
+    return names
+
+
+def _keep_fp8_hooks(model) -> tuple:
+    """(keep_fp8, on_fp8) for load_into_empty: which weights stay e4m3, and how their scale is attached."""
+    from ..memory.fp8 import use_fp8_weight
+
+    eligible = fp8_block_weights(model)
+
+    def attach(target: str, scale: torch.Tensor) -> None:
+        use_fp8_weight(model.get_submodule(target[: -len(".weight")]), scale)   # scale: (out, 1) fp32
+
+    return eligible.__contains__, attach
+
+
+def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True):
+    """The FluxTransformer2DModel, built on meta and loaded straight into `dtype` on `device`.
+
+    `keep_fp8`: block Linear weights stored as float8_e4m3fn stay e4m3 with a `weight_scale`
+    buffer (module docstring); False upcasts them to `dtype` like every other tensor.
+    """
     from diffusers import FluxTransformer2DModel
 
     src = _require(sources.transformer, "transformer")
@@ -244,8 +281,9 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{src}: cannot build a Flux transformer from its config ({e})") from None
     detect_variant(model, sources.variant, source=src)      # from the structure, before reading weights
+    keep, attach = _keep_fp8_hooks(model) if keep_fp8 else (None, None)
     return load_into_empty(model, files, ops, what="a Flux transformer of this architecture", dtype=dtype,
-                           device=device, source_name=source_name)
+                           device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
 
 
 def detect_variant(transformer, expected: str = "auto", source=None) -> str:
@@ -411,6 +449,19 @@ def fingerprint(path: str | Path) -> str:
 _FP8_MAX = 448.0   # largest finite float8_e4m3fn
 
 
+def _dequantized(state: dict) -> dict:
+    """A state dict with every e4m3 weight that has a `weight_scale` (an fp8-loaded model) turned into
+    fp32 values and the scale key dropped: BFL keys fuse several Linears, whose scales may differ."""
+    from ..memory.fp8 import SCALE_ATTR, dequantize
+
+    out = dict(state)
+    for key in [k for k in state if k.endswith("." + SCALE_ATTR)]:
+        wkey = key[: -len(SCALE_ATTR)] + "weight"
+        if wkey in out and out[wkey].dtype == torch.float8_e4m3fn:
+            out[wkey] = dequantize(out[wkey].detach().cpu(), out.pop(key).detach().cpu().float(), torch.float32)
+    return out
+
+
 def save_bfl_transformer(transformer, path: str | Path, dtype: torch.dtype | None = None, fp8: str | None = None,
                          prefix: str = "", metadata: dict | None = None) -> Path:
     """Write a diffusers Flux transformer (model or state dict) as a BFL single file, atomically.
@@ -428,6 +479,7 @@ def save_bfl_transformer(transformer, path: str | Path, dtype: torch.dtype | Non
         meta.setdefault(cf.METADATA_CONFIG_KEY, json.dumps({"axes_dims_rope": list(transformer.config.axes_dims_rope)}))
     else:
         state = dict(transformer)
+    state = _dequantized(state)
     tensors = {}
     for key, t in bfl_keys.diffusers_to_bfl(state).items():
         t = t.detach().to("cpu")

@@ -11,7 +11,9 @@ final adaLN swaps two halves, a conv-shaped linear weight is the same bytes), so
 allocates each parameter once, in its target dtype, and fills it from the file through one small
 reusable staging buffer, casting and dequantising (ComfyUI scaled fp8) chunk by chunk. Host RAM
 therefore holds the finished model plus a few MiB, never a second copy of the model nor a
-full-precision copy of a tensor, and a wrong file fails before a single weight is read. Files are
+full-precision copy of a tensor, and a wrong file fails before a single weight is read. A caller
+may keep chosen e4m3 tensors in e4m3 (`keep_fp8`): their bytes are copied as stored, never
+converted, and their scales are handed to the caller instead of being multiplied in. Files are
 read with plain reads, not mmap: mapped pages would count as resident memory while a file is open.
 """
 
@@ -216,13 +218,26 @@ class CheckpointFiles:
             raise LoadError(f"{info.file}: file ends early (truncated)")
         return buf
 
-    def read_rows_into(self, key: str, row_start: int, row_end: int, out: torch.Tensor) -> None:
+    def row_scales(self, key: str, segments: list[tuple[int, int]]) -> torch.Tensor:
+        """The fp32 dequantisation scale of the rows `segments` of `key`, one per row: (rows, 1).
+        1 where the file has no scale key (plain e4m3)."""
+        rows = sum(b - a for a, b in segments)
+        scale = self._scale(key)
+        if scale is None:
+            return torch.ones(rows, 1)
+        if scale.shape[0] == 1:
+            return scale.expand(rows, 1).clone()
+        return torch.cat([scale[a:b] for a, b in segments])
+
+    def read_rows_into(self, key: str, row_start: int, row_end: int, out: torch.Tensor,
+                       dequantize: bool = True) -> None:
         """Fill the flat tensor `out` with rows [row_start, row_end) of `key`, cast to out's dtype and
-        dequantised, reading at most STAGING_BYTES at a time."""
+        dequantised (unless not `dequantize`: raw values, the scale left to the caller), reading at
+        most STAGING_BYTES at a time."""
         info = self.tensors[key]
         src_dtype = _DTYPES[info.dtype]
         row_bytes = info.row_numel * src_dtype.itemsize
-        scale = self._scale(key)
+        scale = self._scale(key) if dequantize else None
         rows_per_chunk = max(1, STAGING_BYTES // max(row_bytes, 1))
         need = min(rows_per_chunk, row_end - row_start) * row_bytes
         if self._staging is None or self._staging.numel() < need:
@@ -379,13 +394,21 @@ def load_into_empty(
     device: torch.device | str = "cpu",
     unexpected_ok: Callable[[str], bool] = lambda key: False,
     source_name: Callable[[str], str] = lambda target: target,
+    keep_fp8: Callable[[str], bool] | None = None,
+    on_fp8: Callable[[str, torch.Tensor], None] | None = None,
 ) -> torch.nn.Module:
     """Validate `ops` against the meta-built `model` from headers only, then fill it tensor by tensor.
 
     `what` names the component in messages ("a Flux transformer"); `unexpected_ok(file_key)` lets
     a family ignore known extra keys (a T5 decoder in a full T5 file); `source_name(model_key)`
     gives the file key a missing model key would have had, for the message.
+
+    `keep_fp8(model_key)`: True for model tensors that stay float8_e4m3fn when the file stores them
+    so; they are filled with the stored bytes (no conversion, no scaling) and, once in place,
+    `on_fp8(model_key, scale)` receives their fp32 dequantisation scale, one per row: (rows, 1).
     """
+    if (keep_fp8 is None) != (on_fp8 is None):
+        raise ValueError("load_into_empty: keep_fp8 and on_fp8 go together")
     expected = model.state_dict(keep_vars=True)
     groups = _tie_groups(model)
 
@@ -425,16 +448,22 @@ def load_into_empty(
             if target in done:
                 continue                              # tied to a tensor already loaded
             info = files.tensors[op.source]
-            to_dtype = _target_dtype(model, target, dtype) if info.floating else _DTYPES[info.dtype]
+            keep = keep_fp8 is not None and info.dtype == "F8_E4M3" and keep_fp8(target)
+            if keep:
+                to_dtype = torch.float8_e4m3fn
+            else:
+                to_dtype = _target_dtype(model, target, dtype) if info.floating else _DTYPES[info.dtype]
             out = torch.empty(tshape, dtype=to_dtype)
             flat, pos = out.view(-1), 0
             for a, b in segs:
                 n = (b - a) * info.row_numel
-                files.read_rows_into(op.source, a, b, flat[pos:pos + n])
+                files.read_rows_into(op.source, a, b, flat[pos:pos + n], dequantize=not keep)
                 pos += n
             names = groups.get(target, [target])
             _assign_group(model, names, out.to(device))
             done.update(names)
+            if keep:
+                on_fp8(target, files.row_scales(op.source, segs))
 
     leftovers = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftovers:  # only reachable if a model has tensors outside its state dict

@@ -1,0 +1,394 @@
+"""Activation memory, measured on the meta device rather than guessed from a formula.
+
+What it trades: a second of tracing per resolution bucket for activation numbers that follow the
+real diffusers/peft code, whatever that code keeps for backward. `probe_activations` runs a
+two-double/two-single-block copy of the model on the meta device (no memory, milliseconds) under
+the workload's batch, tokens, LoRA and bf16 autocast, with a dispatch mode that tracks every tensor
+storage as it is created and freed. That gives, per block kind, what is kept for backward (S_k),
+the block output (O_k), and the transient peaks in forward (Tf_k), backward (Tb_k) and no-grad
+forward (Tn_k), plus the FLOPs of every op (the timing model's compute term).
+
+Two things are emulated because they depend on the GPU: bf16 autocast (CUDA's op lists: matmuls in
+bf16, norms/pow/softmax in fp32; autocast itself ignores meta tensors) and attention (flash/efficient
+kernels keep q, k, v, out and a (B, heads, L) fp32 logsumexp, never the L x L matrix).
+
+`compose_activations` turns the per-kind values into the peak of a whole step over the n blocks
+in execution order, with N_pre the embedder outputs:
+    none:    peak = N_pre + sum_{j<=i} S_j + O_i + Tb_i                 (max over i; i = last usually)
+    blocks:  peak = N_pre + sum_{j<=i} O_j + O_i + S_i + max(Tf_i, Tb_i) (only block inputs are kept)
+    offload: as blocks, with sum_{j<=i} O_j replaced by 2 * O_i (inputs wait in pinned host memory)
+For Flux (width D = 3072, bf16 autocast, LoRA r16) the probe finds S_double ~ 25 and S_single ~ 23
+times B*L*D*2 bytes (~31 without autocast) and O = B*L*D*2, where L is the image tokens
+(height/16 * width/16) plus the text tokens; the probe, not this summary, is the source. fp8 plans
+are probed with the engine's own fp8 storage applied, so its dequantised temporaries are in the
+transients.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..config import LoraConfig
+from ..train.lora import add_lora
+from .fp8 import apply_fp8_storage
+from .meta import short_copy
+from .workload import Workload
+
+
+class _Tracker(TorchDispatchMode):
+    """An allocator simulation: bytes of tensor storages created under it and still alive.
+
+    A storage counts as new when no input of the op shares it (views and in-place results do not
+    allocate). Its bytes are released when the storage object dies. Also counts FLOPs of every op
+    torch's flop counter knows. Both are attributed to the open "window" (a block's forward, ...).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self._sizes: dict[int, int] = {}
+        self.windows: dict[str, dict] = {}
+        self._open: dict | None = None
+        from torch.utils.flop_counter import flop_registry
+
+        self._flop_registry = flop_registry
+
+    def open(self, name: str) -> None:
+        """Close the current window and start `name` (a window seen again keeps its first record)."""
+        self.close()
+        self._open = {"name": name, "start": self.live, "peak": self.live, "flops": 0.0, "traffic": 0}
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open["end"] = self.live
+            self.windows.setdefault(self._open["name"], self._open)
+            self._open = None
+
+    def add_flops(self, flops: float) -> None:
+        if self._open is not None:
+            self._open["flops"] += flops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        counter = self._flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            self.add_flops(float(counter(*args, **kwargs, out_val=out)))
+        in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {id(t.untyped_storage()) for t in in_tensors}
+        created = 0
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._sizes:
+                continue
+            n = storage.nbytes()
+            created += n
+            self._sizes[key] = n
+            self.live += n
+            if self._open is not None and self.live > self._open["peak"]:
+                self._open["peak"] = self.live
+            weakref.finalize(storage, self._release, key)
+        if created and counter is None and self._open is not None:
+            # memory-bound op (cast, dequantisation, norm, activation): bytes read + written
+            self._open["traffic"] += created + sum(t.numel() * t.element_size() for t in in_tensors)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """What a flash/efficient SDPA kernel keeps and allocates, without computing anything."""
+
+    tracker: _Tracker | None = None
+
+    @staticmethod
+    def forward(ctx, q, k, v):           # (B, heads, L, d)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)   # (B, heads, L)
+        ctx.save_for_backward(q, k, v, out, lse)
+        b, h, lq, d = q.shape
+        if _FlashAttention.tracker is not None:
+            _FlashAttention.tracker.add_flops(4.0 * b * h * lq * k.shape[-2] * d)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _out, _lse = ctx.saved_tensors
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # fp32 accumulator
+        gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del dq_accum
+        b, h, lq, d = q.shape
+        if _FlashAttention.tracker is not None:   # QK^T recompute, dV, dP, dQ, dK
+            _FlashAttention.tracker.add_flops(10.0 * b * h * lq * k.shape[-2] * d)
+        return gq, gk, gv
+
+
+_LOW_PRECISION_FUNCS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                        torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
+_FP32_FUNCS = {F.layer_norm, F.group_norm, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.rsqrt,
+               torch.Tensor.rsqrt, F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.exp,
+               torch.Tensor.exp, torch.log, torch.Tensor.log, torch.sum, torch.Tensor.sum, F.mse_loss,
+               torch.norm, torch.cumsum, torch.prod}
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _GpuSemantics(TorchFunctionMode):
+    """On meta tensors, behave as a CUDA training step would: flash attention, and bf16 autocast
+    following CUDA's op lists (autocast itself only acts on CUDA tensors)."""
+
+    def __init__(self, autocast: bool):
+        super().__init__()
+        self.autocast = autocast
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value")
+            q, k, v = (list(args) + [kwargs.get(n) for n in names][len(args):])[:3]
+            if self.autocast:
+                q, k, v = (_cast(t, torch.bfloat16) for t in (q, k, v))
+            return _FlashAttention.apply(q, k, v)
+        if self.autocast:
+            if func in _LOW_PRECISION_FUNCS:
+                args, kwargs = _cast_all((args, kwargs), torch.bfloat16)
+            elif func in _FP32_FUNCS:
+                args, kwargs = _cast_all((args, kwargs), torch.float32, only_from=(torch.float16, torch.bfloat16))
+        return func(*args, **kwargs)
+
+
+def _cast(t, dtype, only_from=_CASTABLE):
+    if isinstance(t, torch.Tensor) and t.dtype in only_from and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+def _cast_all(tree, dtype, only_from=_CASTABLE):
+    args, kwargs = tree
+    return (tuple(_cast(a, dtype, only_from) for a in args),
+            {k: _cast(v, dtype, only_from) for k, v in kwargs.items()})
+
+
+@dataclass(frozen=True)
+class KindProfile:
+    """Per-block activation bytes and FLOPs of one block kind at one bucket (batch included)."""
+
+    saved: int            # S: bytes one more block adds to the live set after its forward (output included)
+    out: int              # O: bytes of its output (the next block's input; what checkpointing keeps)
+    fwd_transient: int    # Tf: peak above the end state during its forward
+    bwd_transient: int    # Tb: peak above the start state during its backward
+    nograd_transient: int  # Tn: peak above the start during a no-grad forward (checkpointed/inference)
+    fwd_flops: float
+    bwd_flops: float
+    fwd_traffic: int = 0  # bytes moved by memory-bound ops (casts, fp8 dequantisation, norms)
+    bwd_traffic: int = 0
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """The probe's result for one bucket: per kind, plus the non-block parts."""
+
+    bucket: tuple[int, int]
+    tokens: int                              # image + text tokens per sample
+    kinds: dict[str, KindProfile]
+    pre: int                                 # embedder outputs, temb, rotary tables (live before block 0)
+    post: int                                # final norm/projection and loss tensors after the last block
+    post_bwd_transient: int
+    nb_fwd_flops: float                      # embedders (before the blocks)
+    nb_bwd_flops: float
+    nograd_pre: int
+    nograd_post_transient: int
+    nb_post_flops: float = 0.0               # final norm, projection and loss (after the blocks)
+
+
+def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bool, fp8: bool):
+    """A copy of `model`'s architecture with two blocks per list, on meta, in the workload's dtype,
+    with the run's adapters (the trainer's own add_lora) and fp8 storage (the engine's own)."""
+    probe = short_copy(spec, model, workload.dtype)
+    probe.requires_grad_(workload.mode == "full")
+    if with_lora:
+        blocks = None
+        if workload.lora_blocks is not None:   # a kind with any LoRA block is probed with LoRA
+            blocks = {kind: ([0, 1][:len(getattr(probe, spec.block_list(kind).attr))] if idx else [])
+                      for kind, idx in workload.lora_blocks.items()}
+        add_lora(probe, spec, LoraConfig(rank=workload.rank, targets=workload.targets, blocks=blocks,
+                                         dropout=workload.lora_dropout))
+    if fp8:
+        apply_fp8_storage(probe, spec, compute_dtype=workload.dtype)
+    return probe
+
+
+def _probe_inputs(model, workload: Workload, bucket: tuple[int, int]) -> dict:
+    cfg = model.config
+    b, n_img, n_txt = workload.batch_size, workload.image_tokens(bucket), workload.text_length
+    dt = workload.dtype
+
+    def meta(*shape, dtype=dt):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    inputs = {"hidden_states": meta(b, n_img, cfg.in_channels),                   # (B, N_img, C_in)
+              "encoder_hidden_states": meta(b, n_txt, cfg.joint_attention_dim),   # (B, N_txt, D_text)
+              "pooled_projections": meta(b, cfg.pooled_projection_dim), "timestep": meta(b),
+              "img_ids": meta(n_img, 3), "txt_ids": meta(n_txt, 3), "return_dict": False}
+    if getattr(cfg, "guidance_embeds", False):
+        inputs["guidance"] = meta(b, dtype=torch.float32)
+    return inputs
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tracker, dict, dict]:
+    """One forward (and backward when `grad`) of the probe model; returns the tracker's windows,
+    the live bytes after each block and the output bytes of each block."""
+    tracker = _Tracker()
+    after: dict[str, int] = {}
+    outs: dict[str, int] = {}
+    handles = []
+    kinds = {bl.attr: bl.kind for bl in spec.block_lists}
+
+    for attr, kind in kinds.items():
+        for i, block in enumerate(getattr(probe, attr)):
+            name = f"{kind}.{i}"
+
+            def pre(_m, _a, _k, name=name):
+                tracker.open(f"fwd:{name}")
+
+            def post(_m, _a, _k, output, name=name):
+                after[name] = tracker.live
+                outs[name] = _storage_bytes(tree_leaves(output))
+                tracker.open(f"fwd:after:{name}")
+                if grad:
+                    started = []
+
+                    def on_grad(_g, name=name):
+                        if not started:
+                            started.append(True)
+                            tracker.open(f"bwd:{name}")
+
+                    for t in tree_leaves(output):
+                        if isinstance(t, torch.Tensor) and t.requires_grad:
+                            t.register_hook(on_grad)
+
+            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(block.register_forward_hook(post, with_kwargs=True))
+    inputs = _probe_inputs(probe, workload, bucket)
+    _FlashAttention.tracker = tracker
+    try:
+        semantics = _GpuSemantics(workload.autocast)
+        with semantics, tracker, torch.set_grad_enabled(grad):
+            tracker.open("fwd:pre")
+            pred = probe(**inputs)[0]                                      # (B, N_img, 64)
+            if grad:
+                target = torch.empty(pred.shape, device="meta", dtype=torch.float32)
+                loss = ((pred.float() - target) ** 2).mean()
+                tracker.open("fwd:post_end")
+                tracker.open("bwd:post")
+                semantics.autocast = False          # autocast does not reach the backward pass
+                loss.backward()
+                del loss, target
+            tracker.open("end")
+            del pred
+            tracker.close()
+    finally:
+        _FlashAttention.tracker = None
+        for h in handles:
+            h.remove()
+    return tracker, after, outs
+
+
+def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[int, int],
+                      fp8: bool = False) -> ActivationProfile:
+    """Activation bytes and FLOPs of `model`'s architecture for one bucket, measured on meta.
+
+    Each kind is characterised by its last block in the probe copy, whose input comes from a block
+    of the same kind (or the kind before), as almost every block in the full model does.
+    """
+    with_lora = workload.mode == "lora" and (workload.lora_blocks is None or any(workload.lora_blocks.values()))
+    probe = _probe_model(spec, model, workload, with_lora, fp8)
+    order = [f"{bl.kind}.{i}" for bl in spec.block_lists for i in range(len(getattr(probe, bl.attr)))]
+    last = {name.split(".")[0]: name for name in order}          # kind -> its last block in the probe
+    kinds = list(last)
+    tokens = workload.image_tokens(bucket) + workload.text_length
+
+    ng, _, ng_outs = _run_probe(spec, probe, workload, bucket, grad=False)
+    nograd = {k: ng.windows[f"fwd:{last[k]}"]["peak"] - ng.windows[f"fwd:{last[k]}"]["start"] for k in kinds}
+    ng_post = ng.windows[f"fwd:after:{order[-1]}"]
+    nograd_pre = ng.windows["fwd:pre"]["end"]
+    nograd_post = max(0, ng_post["peak"] - ng_post["start"])
+    if workload.mode == "inference":
+        profiles = {k: KindProfile(saved=0, out=ng_outs[last[k]], fwd_transient=nograd[k], bwd_transient=0,
+                                   nograd_transient=nograd[k], fwd_flops=ng.windows[f"fwd:{last[k]}"]["flops"],
+                                   bwd_flops=0.0, fwd_traffic=ng.windows[f"fwd:{last[k]}"]["traffic"])
+                    for k in kinds}
+        return ActivationProfile(bucket, tokens, profiles, pre=nograd_pre, post=0, post_bwd_transient=0,
+                                 nb_fwd_flops=ng.windows["fwd:pre"]["flops"], nb_bwd_flops=0.0,
+                                 nograd_pre=nograd_pre, nograd_post_transient=nograd_post,
+                                 nb_post_flops=ng_post["flops"])
+
+    tr, after, outs = _run_probe(spec, probe, workload, bucket, grad=True)
+    profiles = {}
+    for k in kinds:
+        name = last[k]
+        idx = order.index(name)
+        before = after[order[idx - 1]] if idx > 0 else tr.windows[f"fwd:{name}"]["start"]
+        fw, bw = tr.windows[f"fwd:{name}"], tr.windows.get(f"bwd:{name}")
+        profiles[k] = KindProfile(
+            saved=after[name] - before, out=outs[name],
+            fwd_transient=max(0, fw["peak"] - fw["end"]),
+            bwd_transient=max(0, bw["peak"] - bw["start"]) if bw else 0,
+            nograd_transient=nograd[k], fwd_flops=fw["flops"], bwd_flops=bw["flops"] if bw else 0.0,
+            fwd_traffic=fw["traffic"], bwd_traffic=bw["traffic"] if bw else 0)
+    post_fwd = tr.windows[f"fwd:after:{order[-1]}"]
+    post_bwd = tr.windows["bwd:post"]
+    return ActivationProfile(
+        bucket=bucket, tokens=tokens, kinds=profiles,
+        pre=tr.windows[f"fwd:{order[0]}"]["start"], post=tr.windows["fwd:post_end"]["start"] - after[order[-1]],
+        post_bwd_transient=max(0, post_bwd["peak"] - post_bwd["start"]),
+        nb_fwd_flops=tr.windows["fwd:pre"]["flops"], nb_bwd_flops=post_bwd["flops"],
+        nograd_pre=nograd_pre, nograd_post_transient=nograd_post, nb_post_flops=post_fwd["flops"])
+
+
+def compose_activations(prof: ActivationProfile, seq: list[KindProfile], checkpointing: str, mode: str) -> int:
+    """Peak activation bytes of a whole step from per-kind probe values (formulas in the module docstring)."""
+    if mode == "inference":
+        top = max(k.nograd_transient + k.out for k in seq)
+        return prof.nograd_pre + max(top, prof.nograd_post_transient + seq[-1].out)
+    pre = prof.pre
+    peak = pre
+    if checkpointing == "none":
+        live = pre
+        for k in seq:
+            live += k.saved
+            peak = max(peak, live + k.fwd_transient)
+        peak = max(peak, live + prof.post + prof.post_bwd_transient)
+        for k in reversed(seq):
+            peak = max(peak, live + k.out + k.bwd_transient)
+            live -= k.saved
+        return peak
+    kept = pre
+    for k in seq:                                    # no-grad forward, keeping each block's input
+        peak = max(peak, kept + k.nograd_transient)
+        kept = kept + k.out if checkpointing == "blocks" else pre + 2 * k.out
+    peak = max(peak, kept + prof.post + prof.post_bwd_transient)
+    for k in reversed(seq):                          # recompute, then backward, block by block
+        peak = max(peak, kept + k.out + k.saved + max(k.fwd_transient, k.bwd_transient))
+        if checkpointing == "blocks":
+            kept -= k.out
+    return peak

@@ -1,0 +1,175 @@
+"""Calibration: correct the memory and timing model with what the first real steps measure.
+
+What it trades: nothing at run time (a comparison per early step) for plans that start right on
+the next run. The activation probe is exact for the code it traces, but a GPU's allocator, its
+kernels' workspaces and its real FLOP/s and PCIe rates are not visible on the meta device. So the
+trainer reports the first steps' peak allocated VRAM, step time and measured host->GPU rate;
+`PlanCalibrator` compares them with the prediction and, when the peak is off by more than the
+budget's margin, rescales the activation term to match and searches the plan again, once.
+
+Corrections are stored in one JSON file (`CalibrationStore`, written atomically) keyed by
+`architecture_key`: the architecture config and the workload's shape, not the weight values, so
+every checkpoint of one architecture at one batch/text length shares its calibration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..io import atomic_write_json
+from .oom import NoPlanFits
+from .plan import Plan
+from .workload import Budget, InfeasibleBudget, Workload, gib
+
+if TYPE_CHECKING:
+    from .search import Planner
+
+log = logging.getLogger("leantune")
+
+
+@dataclass
+class Calibration:
+    """Corrections measured on this machine: activation scale per bucket key, compute and copy rates."""
+
+    activation_scale: dict[str, float] = field(default_factory=dict)
+    flops_scale: float = 1.0
+    h2d_pinned: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"activation_scale": dict(self.activation_scale), "flops_scale": self.flops_scale,
+                "h2d_pinned": self.h2d_pinned}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Calibration:
+        d = d or {}
+        return cls(dict(d.get("activation_scale", {})), float(d.get("flops_scale", 1.0)), d.get("h2d_pinned"))
+
+
+def bucket_key(bucket: tuple[int, int]) -> str:
+    return f"{bucket[0]}x{bucket[1]}"
+
+
+def architecture_key(model: torch.nn.Module, workload: Workload) -> str:
+    """Identity of what decides activation memory: the architecture config and the workload's shape
+    (not the weight values, so every checkpoint of one architecture shares a calibration)."""
+    cfg = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
+    blob = json.dumps({"class": type(model).__name__, "config": cfg, "mode": workload.mode, "rank": workload.rank,
+                       "targets": workload.targets, "blocks": workload.lora_blocks, "batch": workload.batch_size,
+                       "text": workload.text_length, "autocast": workload.autocast, "dtype": str(workload.dtype),
+                       "dropout": workload.lora_dropout}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_calibration_path() -> Path:
+    base = os.environ.get("LEANTUNE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "leantune")
+    return Path(base) / "calibration.json"
+
+
+class CalibrationStore:
+    """Calibrations on disk, one JSON file, keyed by `architecture_key`. Written atomically; an
+    unreadable file is reported and ignored (the planner then starts from the uncalibrated model)."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else default_calibration_path()
+
+    def _read(self) -> dict:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict):
+                raise TypeError("not a JSON object")
+            return data
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("planner: ignoring unreadable calibration file %s (%s)", self.path, e)
+            return {}
+
+    def get(self, key: str) -> Calibration | None:
+        entry = self._read().get(key)
+        return Calibration.from_dict(entry) if entry else None
+
+    def put(self, key: str, calibration: Calibration) -> None:
+        data = self._read()
+        data[key] = calibration.to_dict()
+        atomic_write_json(self.path, data)
+
+
+class PlanCalibrator:
+    """Compares the first steps' measurements with the plan's prediction; re-plans once if off.
+
+    The trainer calls `observe` after each early step with the bucket it trained, the step's peak
+    allocated VRAM (torch.cuda.max_memory_allocated after a reset) and its seconds, plus the
+    streaming engine's step_report (measured H2D rate and stall). When the measured peak differs
+    from the prediction by more than the budget's margin, the activation term is rescaled to match,
+    the calibration is stored and, once, the plan is searched again: a different plan is returned
+    for the trainer to apply (and log), otherwise None.
+    """
+
+    def __init__(self, planner: Planner, budget: Budget, plan: Plan, store: CalibrationStore | None = None,
+                 steps: int = 3):
+        self.planner, self.budget, self.plan, self.store = planner, budget, plan, store
+        self.steps = steps
+        self.seen = 0
+        self.replanned = False
+        self.changes: list[str] = []
+
+    def observe(self, bucket: tuple[int, int], peak_allocated: int, step_s: float | None = None,
+                report: dict | None = None) -> Plan | None:
+        self.seen += 1
+        if self.replanned or self.seen > self.steps:
+            return None
+        cal = self.planner.calibration
+        bucket = self._nearest(bucket)
+        predicted_bucket = self.planner.memory(self.plan)[2][bucket_key(bucket)]
+        predicted, act = predicted_bucket["peak_vram"], predicted_bucket["activations"]
+        error = peak_allocated - predicted
+        if report and report.get("h2d_GBps"):
+            cal.h2d_pinned = float(report["h2d_GBps"]) * 1e9
+        if step_s and self.seen > 1:            # the first step also pays for warm-up
+            est = self.planner.estimate(self.plan)
+            stall = float((report or {}).get("stall_s") or 0.0)
+            busy = max(step_s - stall - est.overhead_s, 1e-9)
+            cal.flops_scale = cal.flops_scale * est.compute_s / busy
+        off = abs(error) > self.budget.margin_bytes
+        if off and act > 0:
+            key = f"{bucket_key(bucket)}:{self.plan.checkpointing}"
+            old = cal.activation_scale.get(key, 1.0)
+            cal.activation_scale[key] = max(0.25, old * (act + error) / act)
+            cal.activation_scale[f"{bucket_key(bucket)}:*"] = cal.activation_scale[key]
+        if self.store is not None:
+            self.store.put(self.planner.key, cal)
+        if not off:
+            return None
+        self.replanned = True
+        self.planner.forget_estimates()
+        try:
+            new = self.planner.plan(self.budget)
+        except InfeasibleBudget as e:
+            raise NoPlanFits(f"measured peak {gib(peak_allocated)} at {bucket[1]}x{bucket[0]} is above the "
+                             f"prediction, and with that correction {e}") from None
+        what = (f"re-planned from [{self.plan.describe()}] to [{new.describe()}]" if new != self.plan
+                else f"recalibrated; the plan [{new.describe()}] still fits")
+        self.changes.append(f"measured peak {gib(peak_allocated)} vs predicted {gib(predicted)} at "
+                            f"{bucket[1]}x{bucket[0]}: {what}")
+        log.info("planner: %s", self.changes[-1])
+        if new == self.plan:
+            return None
+        self.plan = new
+        return new
+
+    def _nearest(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """The planned bucket with the closest pixel count (aspect buckets of one resolution share
+        their square's token count, and activation memory follows the token count)."""
+        buckets = self.planner.workload.buckets
+        if bucket in buckets:
+            return bucket
+        return min(buckets, key=lambda b: abs(b[0] * b[1] - bucket[0] * bucket[1]))

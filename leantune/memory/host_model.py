@@ -1,0 +1,92 @@
+"""Host RAM of a plan: what the process holds while the model loads, while memory is applied, and
+during the steps.
+
+What it trades: nothing at run time; it is what lets the planner refuse a plan before the loader
+fills RAM, and pick fp8 when the host is the tighter resource. It follows what the memory engine
+really allocates (engine.py, fp8.py, streaming.py), phase by phase:
+- loading: the transformer in its stored dtypes (block weights of an fp8 checkpoint stay e4m3);
+- fp8 conversion (plans with fp8): one Linear at a time, the e4m3 copy and its scales exist beside
+  the original until it is freed, so the phase adds the largest converted weight (the arithmetic
+  runs on the GPU);
+- packing: each streamed unit is copied into a host buffer of exactly its packed size (pinned with
+  cudaHostRegister on that size: no power-of-two rounding), its original storages freed before the
+  next unit is packed. Packing unit i holds the stored model, the buffer of unit i and the
+  alignment slack of the units before it: the model plus about one unit, not plus every buffer;
+- steps: the streamed units' buffers (resident weights live in VRAM), a staging pool of two
+  32 MiB pinned buffers if any unit is pageable, the offloaded block inputs (pinned through
+  PyTorch's caching host allocator, which rounds each to a power of two) and caches held in RAM.
+The peak is a process baseline plus the largest phase. Pinning costs no more host RAM than
+pageable memory, so a pageable plan only adds the staging pool and slower copies.
+"""
+
+from __future__ import annotations
+
+from .activation_probe import ActivationProfile
+from .machine import GiB
+from .plan import Plan
+from .streaming import STAGING_CHUNK
+from .weight_bytes import ModelWeights, ModuleWeights
+from .workload import Workload
+
+HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, before any weight
+STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (streaming.py)
+
+
+def caching_host_size(n: int) -> int:
+    """What PyTorch's caching host allocator reserves for a pinned tensor of n bytes."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def packing_extra(units: list[tuple[int, int]]) -> int:
+    """Host bytes above the stored model while the engine packs the streamed units in order.
+
+    `units` holds (packed bytes, stored bytes) per unit. Packing unit i adds its buffer while its
+    originals still exist; each unit packed before it holds its packed size instead of its stored
+    size (the difference is the 512-byte alignment of every tensor).
+    """
+    extra = peak = 0
+    for packed, stored in units:
+        peak = max(peak, extra + packed)
+        extra += packed - stored
+    return peak
+
+
+def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], ActivationProfile], kinds: list[str]) -> int:
+    """Pinned host bytes of the block inputs activation offload keeps, at the largest bucket.
+
+    Each block's input is two tensors (image and text streams), each pinned on its own.
+    """
+    largest = 0
+    for bucket in workload.buckets:
+        prof = profiles[bucket]
+        img = workload.image_tokens(bucket) / prof.tokens
+        per_block = sum(caching_host_size(int(prof.kinds[k].out * img))
+                        + caching_host_size(int(prof.kinds[k].out * (1 - img))) for k in kinds)
+        largest = max(largest, per_block)
+    return largest
+
+
+def host_breakdown(plan: Plan, units: list[ModuleWeights], weights: ModelWeights, dtype_bytes: int, offload: int,
+                   cache_bytes: int) -> dict[str, int]:
+    """Host RAM components of a plan (bytes) and their "peak".
+
+    `units` are the streamed units in the engine's packing order, `offload` the offloaded inputs'
+    pinned bytes. The phase totals (loading, converting, packing) and the steady components are
+    listed; "peak" is the baseline plus the largest phase.
+    """
+    loaded = weights.total(dtype_bytes)
+    stored = weights.total(dtype_bytes, plan.fp8)
+    converting = 0
+    if plan.fp8:
+        converting = loaded + max([b.largest_conversion() for b in weights.blocks], default=0)
+    packed = [u.unit_bytes(dtype_bytes, plan.fp8) for u in units]
+    packing = stored + packing_extra([(p, u.bytes(dtype_bytes, plan.fp8)) for p, u in zip(packed, units)])
+    streamed = sum(packed)
+    staging = STAGING_BUFFERS * STAGING_CHUNK if units and not plan.pin_memory else 0
+    steady = streamed + staging + offload + cache_bytes
+    return {"process baseline": HOST_BASELINE, "transformer while loading": loaded,
+            "transformer while converting to fp8": converting,
+            "stored transformer + one unit while packing": packing,
+            f"streamed blocks ({'pinned' if plan.pin_memory else 'pageable'})": streamed,
+            "staging buffers": staging, "offloaded activations": offload, "caches": cache_bytes,
+            "peak": HOST_BASELINE + max(loaded, converting, packing, steady)}

@@ -1,0 +1,194 @@
+"""The memory model: predicted peak VRAM, host RAM and step time of any plan, per component.
+
+What it trades: about a second of meta-device work per resolution bucket at construction (weights
+counted, activations probed) for estimates that then cost microseconds each, which is what lets
+the search try every candidate plan and lets re-planning after an OOM be cheap.
+
+VRAM components at the peak (`memory`), all in bytes:
+- weights resident: the blocks that do not stream (and the non-block group unless it streams),
+  in the compute dtype or fp8 (weight_bytes.py);
+- stream slots: a ring of K slots, each the size of the largest streamed unit, 512-byte aligned;
+- adapters: r * (in + out) fp32 parameters per targeted Linear; gradients the same; AdamW keeps
+  two fp32 states per parameter, Adafactor one fp32 value per row and per column of each matrix;
+- activations: the probe's per-kind values composed over the whole stack (activation_probe.py),
+  times the calibrated correction for the bucket;
+- workspace: cuBLAS/cuDNN workspaces (`Machine.workspace`).
+The peak is the larger of the backward (activations, plus gradients kept through accumulation)
+and the optimizer step (gradients and the optimizer's temporaries), over the workload's buckets.
+Host RAM comes from host_model.py, step time from timing.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .activation_probe import ActivationProfile, compose_activations, probe_activations
+from .calibration import Calibration, architecture_key, bucket_key
+from .host_model import host_breakdown, offloaded_inputs
+from .machine import Machine, assumed_machine
+from .plan import Plan
+from .timing import StepTime, simulate_step
+from .weight_bytes import ModuleWeights, align, measure_weights
+from .workload import Workload
+
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+# Probes by (architecture key, bucket, fp8): a re-plan, or a second planner for the same run
+# (trainer, then `leantune plan`), does not trace again.
+_PROBE_CACHE: dict = {}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted peak VRAM and host RAM (bytes, per component) and step time (seconds) of a plan."""
+
+    vram: dict[str, int]
+    peak_vram: int
+    host: dict[str, int]
+    peak_host: int
+    step_s: float
+    compute_s: float
+    exposed_s: float                 # compute waiting on copies
+    overhead_s: float                # fp8 dequantisation and the optimizer step
+    h2d_bytes: int                   # weights (and offloaded inputs) copied per step
+    per_bucket: dict[str, dict]      # "HxW" -> {"peak_vram", "activations", "step_s"}
+
+
+class MemoryModel:
+    """Estimates of one (model, workload, machine): weights measured and activations probed once."""
+
+    def __init__(self, spec, model: torch.nn.Module, workload: Workload, machine: Machine | None = None,
+                 calibration: Calibration | None = None):
+        if workload.mode == "lora" and workload.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {workload.rank}")
+        if not workload.buckets:
+            raise ValueError("the workload needs at least one resolution bucket")
+        self.spec, self.workload = spec, workload
+        self.machine = machine or assumed_machine()
+        self.calibration = calibration or Calibration()
+        self.weights = measure_weights(spec, model, workload)
+        self.key = architecture_key(model, workload)
+        self.dtype_bytes = DTYPE_BYTES.get(workload.dtype, 2)
+        self.fp8_options = [False] + ([True] if workload.allow_fp8 and workload.mode != "full" else [])
+        self.profiles = {fp8: {b: self._probe(model, b, fp8) for b in workload.buckets} for fp8 in self.fp8_options}
+        self.kinds = [b.kind for b in self.weights.blocks]
+
+    def _probe(self, model, bucket, fp8: bool) -> ActivationProfile:
+        # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probe them so.
+        fp8 = fp8 or self.weights.prequantized
+        key = (self.key, bucket, fp8)
+        if key not in _PROBE_CACHE:
+            _PROBE_CACHE[key] = probe_activations(self.spec, model, self.workload, bucket, fp8=fp8)
+        return _PROBE_CACHE[key]
+
+    # -- parts ---------------------------------------------------------------------------------------
+    def activation_peak(self, bucket, fp8: bool, checkpointing: str) -> int:
+        prof = self.profiles[fp8][bucket]
+        seq = [prof.kinds[k] for k in self.kinds]
+        scales = self.calibration.activation_scale   # measured for this mode, else for another mode
+        scale = scales.get(f"{bucket_key(bucket)}:{checkpointing}", scales.get(f"{bucket_key(bucket)}:*", 1.0))
+        return int(compose_activations(prof, seq, checkpointing, self.workload.mode) * scale)
+
+    def trainable_bytes(self) -> tuple[int, int, int]:
+        """(parameter bytes, gradient bytes, optimizer-state bytes) of what trains."""
+        w = self.workload
+        if w.mode == "inference":
+            return 0, 0, 0
+        if w.mode == "lora":
+            n = self.weights.adapter_params(w.rank)
+            params = grads = 4 * n
+            states = 8 * n if w.optimizer == "adamw" else 4 * self.weights.adafactor_state(w.rank)
+            return params, grads, states
+        n = self.weights.numel
+        grads = n * self.dtype_bytes
+        # AdamW: two fp32 moments. Adafactor factors matrices into row and column statistics; without
+        # per-tensor shapes here, its unfactored size (one fp32 per parameter) is the upper bound used.
+        states = 8 * n if w.optimizer == "adamw" else 4 * n
+        return 0, grads, states   # full: the trained weights are the model's, already counted as weights
+
+    def indices(self, plan: Plan) -> set[int]:
+        """Execution-order indices of the plan's streamed blocks."""
+        index = {b.name: i for i, b in enumerate(self.weights.blocks)}
+        unknown = [n for n in plan.streamed_blocks if n not in index]
+        if unknown:
+            raise ValueError(f"plan streams unknown blocks {unknown[:3]}")
+        return {index[n] for n in plan.streamed_blocks}
+
+    def unit_weights(self, plan: Plan) -> list[ModuleWeights]:
+        """The streamed units in the engine's order (non-block group first, then execution order)."""
+        wt = self.weights
+        units = [wt.blocks[i] for i in sorted(self.indices(plan))]
+        return [wt.non_blocks, *units] if plan.stream_non_blocks else units
+
+    def units(self, plan: Plan) -> list[int]:
+        """Packed bytes of each streamed unit, in the engine's unit order."""
+        return [u.unit_bytes(self.dtype_bytes, plan.fp8) for u in self.unit_weights(plan)]
+
+    # -- estimates -----------------------------------------------------------------------------------
+    def memory(self, plan: Plan) -> tuple[dict[str, int], dict[str, int], dict[str, dict]]:
+        """(VRAM components at the peak, host RAM components, per-bucket peaks) of a plan.
+
+        The VRAM components add up to the peak: the backward peak (activations, plus gradients
+        when they persist through accumulation) or the optimizer step (gradients and the
+        optimizer's temporaries), whichever is larger, on top of what is always there.
+        """
+        w, wt = self.workload, self.weights
+        streamed = self.indices(plan)
+        units = self.units(plan)
+        resident = sum(b.bytes(self.dtype_bytes, plan.fp8) for i, b in enumerate(wt.blocks) if i not in streamed)
+        resident += 0 if plan.stream_non_blocks else wt.non_blocks.bytes(self.dtype_bytes)
+        slots = min(plan.ring_slots, len(units)) * align(max(units)) if units else 0
+        params, grads, states = self.trainable_bytes()
+        opt_tmp = {"lora": 2 * params, "full": 2 * grads, "inference": 0}[w.mode]
+        keep_grads = w.gradient_accumulation > 1 or w.mode == "full"
+        static = {"weights resident": resident, "stream slots": slots, "adapters": params,
+                  "optimizer states": states, "workspace": self.machine.workspace}
+        per_bucket: dict[str, dict] = {}
+        worst = None
+        for bucket in w.buckets:
+            act = self.activation_peak(bucket, plan.fp8, plan.checkpointing)
+            backward = {"activations": act, "gradients": grads if keep_grads else 0, "optimizer step": 0}
+            step = {"activations": 0, "gradients": grads, "optimizer step": opt_tmp}
+            part = backward if sum(backward.values()) >= sum(step.values()) else step
+            top = sum(static.values()) + sum(part.values())
+            per_bucket[bucket_key(bucket)] = {"peak_vram": top, "activations": act}
+            if worst is None or top > worst[0]:
+                worst = (top, part)
+        vram = {**static, **worst[1]}
+        order = ["weights resident", "stream slots", "adapters", "gradients", "optimizer states",
+                 "optimizer step", "activations", "workspace"]
+        return {k: vram[k] for k in order}, self.host(plan), per_bucket
+
+    def host(self, plan: Plan) -> dict[str, int]:
+        """Host RAM components of a plan (host_model.py)."""
+        offload = 0
+        if plan.checkpointing == "offload":
+            offload = offloaded_inputs(self.workload, self.profiles[plan.fp8], self.kinds)
+        return host_breakdown(plan, self.unit_weights(plan), self.weights, self.dtype_bytes, offload,
+                              self.workload.host_cache_bytes)
+
+    def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
+        """Step time of one bucket (timing.py)."""
+        return simulate_step(self.machine, self.calibration, plan, self.profiles[plan.fp8][bucket],
+                             self.profiles[False][bucket], self.kinds, sorted(self.indices(plan)), units,
+                             self.workload.mode, sum(self.trainable_bytes()))
+
+    def estimate(self, plan: Plan) -> Estimate:
+        vram, host, per_bucket = self.memory(plan)
+        units = self.units(plan)
+        timing = [self.timing(plan, bucket, units) for bucket in self.workload.buckets]
+        for bucket, t in zip(self.workload.buckets, timing):
+            per_bucket[bucket_key(bucket)]["step_s"] = t.step_s
+        n = len(timing)
+        return Estimate(vram=vram, peak_vram=sum(vram.values()), host=host, peak_host=host["peak"],
+                        step_s=sum(t.step_s for t in timing) / n, compute_s=sum(t.compute_s for t in timing) / n,
+                        exposed_s=sum(t.exposed_s for t in timing) / n,
+                        overhead_s=sum(t.overhead_s for t in timing) / n,
+                        h2d_bytes=int(sum(t.h2d_bytes for t in timing) / n), per_bucket=per_bucket)
+
+    def step_time(self, plan: Plan) -> float:
+        """Predicted seconds per step (mean over the buckets), without the memory breakdown."""
+        units = self.units(plan)
+        return sum(self.timing(plan, b, units).step_s for b in self.workload.buckets) / len(self.workload.buckets)

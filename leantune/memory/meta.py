@@ -1,0 +1,52 @@
+"""Architectures on the meta device: exact shapes and dtypes, no memory, built in milliseconds.
+
+The planner never needs weight values, only shapes, so everything it measures is built here on the
+meta device: the full-size Flux.1 transformers (`leantune plan --model flux-dev` on a laptop), the
+architecture a config's checkpoint declares, and the small copy (two blocks per list) whose
+forward and backward the activation probe traces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Config keys holding the length of each block list, per family: the probe copy shortens them.
+BLOCK_COUNT_KEYS = {"flux": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}}
+# T5 tokens each Flux.1 variant is run with (schnell was distilled at 256).
+TEXT_LENGTH = {"dev": 512, "schnell": 256}
+
+
+def meta_from_config(cls, config: dict, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """`cls.from_config(config)` on the meta device, floating tensors in `dtype`."""
+    config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return model
+
+
+def build_meta_flux(variant: str = "dev"):
+    """The full-size Flux.1 transformer (dev: with the guidance embedder; schnell: without) on the
+    meta device, from the architecture config shipped in the package (nothing is fetched)."""
+    from diffusers import FluxTransformer2DModel
+
+    from ..models.component_files import packaged_config
+
+    if variant not in ("dev", "schnell"):
+        raise ValueError(f"unknown Flux variant {variant!r}; choose 'dev' or 'schnell'")
+    return meta_from_config(FluxTransformer2DModel, packaged_config(f"flux1_{variant}"))
+
+
+def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list: int = 2) -> torch.nn.Module:
+    """`model`'s architecture on meta with at most `blocks_per_list` blocks in each block list.
+
+    Every block of a kind has the same shapes, so a short copy shows what each kind does; tracing
+    it costs milliseconds where the full model would cost seconds.
+    """
+    keys = BLOCK_COUNT_KEYS.get(spec.family)
+    if keys is None or not hasattr(model, "config"):
+        raise ValueError(f"the planner cannot build a probe copy of a {spec.family} model")
+    cfg = dict(model.config)
+    for attr, key in keys.items():
+        cfg[key] = min(blocks_per_list, len(getattr(model, attr)))
+    return meta_from_config(type(model), cfg, dtype)

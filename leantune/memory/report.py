@@ -1,0 +1,73 @@
+"""The plan as people read it: what streams, the predicted VRAM and host RAM at the peak by
+component, the budget it was checked against, and where the step time goes.
+
+Printed by `leantune plan` and logged by the trainer when it starts, so a run that does not fit
+shows which term to shrink before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+from .machine import GiB
+from .plan import Plan
+
+
+def format_plan(plan: Plan) -> str:
+    """The chosen plan and its predicted breakdown as an aligned text table."""
+    n = plan.notes or {}
+    lines = []
+    if "workload" in n:
+        lines.append(f"workload: {n['workload']}")
+        lines.append(f"machine:  {n['machine']}")
+    kinds = n.get("streamed_by_kind", {})
+    by_kind = ", ".join(f"{v} {k}" for k, v in kinds.items())
+    lines.append(f"plan:     {plan.describe()}" + (f" ({by_kind} of {n.get('total_blocks')})" if by_kind else ""))
+    if plan.streamed_blocks:
+        lines.append(f"streamed: {_compact_names(plan.streamed_blocks)}")
+    if "vram_breakdown" in n:
+        budget, margin = n["budget_vram"], n["margin_vram"]
+        lines.append("")
+        lines.append(f"{'VRAM at peak':<44}{'GiB':>9}")
+        for k, v in n["vram_breakdown"].items():
+            lines.append(f"  {k:<42}{v / GiB:>9.2f}")
+        lines.append(f"  {'total (predicted peak)':<42}{n['predicted_peak_vram'] / GiB:>9.2f}")
+        lines.append(f"  {'budget - safety margin':<42}{(budget - margin) / GiB:>9.2f}"
+                     f"   ({budget / GiB:.2f} - {margin / GiB:.2f})")
+        lines.append("")
+        lines.append(f"{'host RAM':<44}{'GiB':>9}")
+        host = n["host_breakdown"]
+        for k, v in host.items():
+            if k != "peak":
+                lines.append(f"  {k:<42}{v / GiB:>9.2f}")
+        lines.append(f"  {'peak (baseline + largest phase)':<42}{host['peak'] / GiB:>9.2f}")
+        if n["budget_ram"] < 2**60:
+            lines.append(f"  {'ram budget':<42}{n['budget_ram'] / GiB:>9.2f}")
+        else:
+            lines.append("  (host RAM not checked: planning for another machine; give --ram to check it)")
+        lines.append("")
+        lines.append(f"step time: {n['predicted_step_s']:.3f} s = compute {n['compute_s']:.3f} s + exposed transfer "
+                     f"{n['exposed_transfer_s']:.3f} s + overhead {n['overhead_s']:.3f} s "
+                     f"({n['h2d_bytes_per_step'] / 1e9:.1f} GB host->GPU per step)")
+        if not n.get("machine_measured", True):
+            lines.append("(rates assumed, not measured: no GPU here)")
+    return "\n".join(lines)
+
+
+def _compact_names(names) -> str:
+    """('single_transformer_blocks.0', '...1', '...2', '...5') -> 'single_transformer_blocks.0-2,5'."""
+    groups: dict[str, list[int]] = {}
+    for n in names:
+        attr, idx = n.rsplit(".", 1)
+        groups.setdefault(attr, []).append(int(idx))
+    parts = []
+    for attr, idx in groups.items():
+        idx.sort()
+        runs, start, prev = [], idx[0], idx[0]
+        for i in idx[1:] + [None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+            if i is not None:
+                start = prev = i
+        parts.append(f"{attr}.{','.join(runs)}")
+    return "; ".join(parts)

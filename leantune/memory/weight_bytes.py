@@ -1,0 +1,181 @@
+"""Weight bytes, exactly: per block, for the non-block group, and for the adapters a workload adds.
+
+The weight terms of the memory model are counted, never estimated: every tensor of every block is
+listed once (from a meta-device model, which costs no memory), with what it would cost in the
+compute dtype, in fp8 storage (1 byte per element plus one fp32 scale per output row and block of
+64 inputs, for the Linears fp8 storage converts), and packed by the streaming engine (each tensor
+512-byte aligned). Block Linears that are already e4m3 (an fp8 checkpoint, loaded as it is stored)
+cost 1 byte per element plus their own scales in every plan: the engine keeps them in fp8 whatever
+the plan says. Tests hold these numbers to what fp8 storage, the streaming engine and peft really
+allocate, so the planner prices exactly what the engine builds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .fp8 import SCALE_ATTR
+from .fp8 import SCALE_BLOCK as FP8_GROUP
+from .streaming import ALIGN as STREAM_ALIGN
+from .workload import Workload
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def align(n: int) -> int:
+    """`n` rounded up to the streaming engine's per-tensor alignment."""
+    return -(-n // STREAM_ALIGN) * STREAM_ALIGN
+
+
+def fp8_scale_count(out_features: int, in_features: int) -> int:
+    """fp32 scales of one fp8 weight: per output row and block of 64 inputs (per row if not divisible)."""
+    blocks = in_features // FP8_GROUP if in_features % FP8_GROUP == 0 else 1
+    return out_features * blocks
+
+
+@dataclass(frozen=True)
+class ModuleWeights:
+    """The frozen tensors of one block (or of the non-block group): enough to price any storage.
+
+    `tensors` holds (numel, fp8 scale count, stored in fp8) per tensor. The scale count is 0 for
+    tensors fp8 storage leaves alone (norms, modulation, biases, anything outside blocks); "stored
+    in fp8" marks e4m3 weights of an fp8 checkpoint, whose scale count is that of their own scale.
+    """
+
+    name: str                     # "transformer_blocks.3", or "non_blocks"
+    kind: str                     # "double", "single", "non_block"
+    tensors: tuple[tuple[int, int, bool], ...]
+    native_bytes: int             # as the model holds them now
+
+    @property
+    def numel(self) -> int:
+        return sum(n for n, _, _ in self.tensors)
+
+    @property
+    def fp8_numel(self) -> int:
+        """Elements fp8 storage holds in e4m3 (already e4m3 or converted by the engine)."""
+        return sum(n for n, s, _ in self.tensors if s)
+
+    @property
+    def prequantized(self) -> bool:
+        return any(stored for _, _, stored in self.tensors)
+
+    def bytes(self, dtype_bytes: int, fp8: bool = False) -> int:
+        """Bytes in `dtype_bytes` per element, or with fp8 storage (1 byte + fp32 scales)."""
+        return sum(n + 4 * s if (s and (fp8 or stored)) else n * dtype_bytes for n, s, stored in self.tensors)
+
+    def unit_bytes(self, dtype_bytes: int, fp8: bool = False) -> int:
+        """The streaming engine's packed host buffer: every tensor (and fp8 scale) 512-byte aligned."""
+        total = 0
+        for n, s, stored in self.tensors:
+            total += align(n) + align(4 * s) if (s and (fp8 or stored)) else align(n * dtype_bytes)
+        return total
+
+    def largest_conversion(self) -> int:
+        """Bytes of the largest weight fp8 storage converts (its e4m3 copy and scales), which
+        exist beside the original while it converts; 0 when nothing here is converted."""
+        return max((n + 4 * s for n, s, stored in self.tensors if s and not stored), default=0)
+
+
+@dataclass(frozen=True)
+class AdapterShape:
+    """One targeted Linear: LoRA adds down (rank, in) and up (out, rank)."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    blocks: tuple[ModuleWeights, ...]        # execution order
+    non_blocks: ModuleWeights
+    adapters: tuple[AdapterShape, ...]       # for the workload's rank/targets/blocks
+
+    def total(self, dtype_bytes: int, fp8: bool = False) -> int:
+        return sum(b.bytes(dtype_bytes, fp8) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
+
+    @property
+    def native_bytes(self) -> int:
+        return sum(b.native_bytes for b in self.blocks) + self.non_blocks.native_bytes
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.blocks) + self.non_blocks.numel
+
+    @property
+    def prequantized(self) -> bool:
+        """Some block weights are already e4m3 (an fp8 checkpoint): every plan stores them in fp8."""
+        return any(b.prequantized for b in self.blocks)
+
+    def adapter_params(self, rank: int) -> int:
+        return sum(rank * (a.in_features + a.out_features) for a in self.adapters)
+
+    def adafactor_state(self, rank: int) -> int:
+        """Elements Adafactor keeps for the adapters: one per row and per column of each matrix."""
+        return sum((rank + a.in_features) + (a.out_features + rank) for a in self.adapters)
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_" in f".{name}" or "lora_magnitude" in name
+
+
+def _base_name(name: str) -> str:
+    """A Linear's name with peft's wrapper level removed: 'attn.to_q.base_layer' -> 'attn.to_q'."""
+    return name.replace(".base_layer", "")
+
+
+def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_block: bool) -> ModuleWeights:
+    fp8_of: dict[int, tuple[int, bool]] = {}      # id(weight) -> (scale count, already e4m3)
+    if in_block:
+        for mname, m in module.named_modules():
+            if type(m) is torch.nn.Linear and not _is_adapter(mname) and not spec.keeps_compute_dtype(_base_name(mname)):
+                if m.weight.dtype in FP8_DTYPES:        # kept as the checkpoint stores it, with its own scale
+                    scale = getattr(m, SCALE_ATTR, None)
+                    fp8_of[id(m.weight)] = (scale.numel() if scale is not None else m.out_features, True)
+                else:
+                    fp8_of[id(m.weight)] = (fp8_scale_count(m.out_features, m.in_features), False)
+    seen: set[int] = set()
+    tensors, native = [], 0
+    for pname, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        native += t.numel() * t.element_size() if not _is_adapter(pname) else 0
+        if _is_adapter(pname) or pname.endswith(SCALE_ATTR):   # scales are priced with their weight
+            continue
+        tensors.append((t.numel(), *fp8_of.get(id(t), (0, False))))
+    return ModuleWeights(name, kind, tuple(tensors), native)
+
+
+def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = None) -> ModelWeights:
+    """Exact parameter counts per block and for the non-block group, from any device (meta included).
+
+    LoRA adapters already attached to `model` are excluded; the workload's adapters are priced from
+    the shapes of the Linears its rank/targets/blocks select, with the same regex peft is given.
+    """
+    blocks = []
+    for bl in spec.block_lists:
+        for i, block in enumerate(getattr(model, bl.attr)):
+            blocks.append(_module_weights(f"{bl.attr}.{i}", bl.kind, block, spec, in_block=True))
+    tensors, native = [], 0
+    for name in spec.non_block_modules:
+        mod = getattr(model, name, None)
+        if mod is not None:
+            w = _module_weights(name, "non_block", mod, spec, in_block=False)
+            tensors.extend(w.tensors)
+            native += w.native_bytes
+    non_blocks = ModuleWeights("non_blocks", "non_block", tuple(tensors), native)
+    adapters: list[AdapterShape] = []
+    if workload is not None and workload.mode == "lora":
+        regex = re.compile(spec.lora_target_regex(workload.targets, workload.lora_blocks))
+        for mname, m in model.named_modules():
+            if type(m) is torch.nn.Linear and not _is_adapter(mname):
+                base = _base_name(mname)
+                if regex.fullmatch(base):
+                    adapters.append(AdapterShape(base, m.in_features, m.out_features))
+    return ModelWeights(tuple(blocks), non_blocks, tuple(adapters))

@@ -1,0 +1,107 @@
+"""The planner's inputs: what runs (`Workload`) and what it may use (`Budget`).
+
+Kept apart from the search so that every part of the planner (the memory model, calibration, the
+out-of-memory guard) can speak of workloads and budgets without importing the search itself.
+`InfeasibleBudget` lives here too: it is the answer "this budget is too small for this workload",
+and both the search and the code that re-plans after a measurement raise or catch it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .machine import GiB, Machine, host_ram
+from .monitor import host_rss
+from .plan import Plan
+
+MiB = 2**20
+Mode = Literal["lora", "full", "inference"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained (or sampled): everything besides the plan that decides memory and time."""
+
+    mode: Mode = "lora"
+    rank: int = 16
+    targets: str = "attention_mlp"
+    lora_blocks: dict[str, list[int]] | None = None
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    batch_size: int = 1
+    buckets: tuple[tuple[int, int], ...] = ((1024, 1024),)   # (height, width) in pixels
+    text_length: int = 512
+    gradient_accumulation: int = 1
+    autocast: bool = True           # bf16 autocast, as the trainer's mixed_precision = "bf16"
+    lora_dropout: float = 0.0
+    dtype: torch.dtype = torch.bfloat16   # storage and compute dtype of the frozen weights
+    allow_fp8: bool = True          # fp8 storage of frozen block weights is acceptable
+    host_cache_bytes: int = 0       # caches held in host RAM during training
+
+    @staticmethod
+    def square(resolutions: list[int] | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        return tuple((int(r), int(r)) for r in resolutions)
+
+    def image_tokens(self, bucket: tuple[int, int]) -> int:
+        """Packed latent tokens of a bucket: 8x VAE downsampling then 2x2 patches."""
+        return (bucket[0] // 16) * (bucket[1] // 16)
+
+    def describe(self) -> str:
+        what = {"lora": f"LoRA r{self.rank} ({self.targets})", "full": "full fine-tune",
+                "inference": "inference"}[self.mode]
+        sizes = ", ".join(f"{w}x{h}" for h, w in self.buckets)
+        opt = "" if self.mode == "inference" else f", {self.optimizer}"
+        accum = f", accumulation {self.gradient_accumulation}" if self.gradient_accumulation > 1 else ""
+        return f"{what}{opt}, batch {self.batch_size}{accum}, {sizes}, text {self.text_length} tokens"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """VRAM and host RAM the run may use. The margin absorbs allocator fragmentation."""
+
+    vram: int
+    ram: int | None = None          # None: available host RAM minus a margin
+    margin: float = 0.07
+    min_margin: int = 256 * MiB
+
+    @property
+    def margin_bytes(self) -> int:
+        return int(max(self.margin * self.vram, self.min_margin))
+
+    @property
+    def usable_vram(self) -> int:
+        return self.vram - self.margin_bytes
+
+    def ram_limit(self, machine: Machine) -> int:
+        if self.ram is not None:
+            return self.ram
+        return default_ram_budget(machine)
+
+    def needed_for(self, peak: int) -> int:
+        """The smallest budget whose usable part holds `peak`."""
+        return max(math.ceil(peak / (1.0 - self.margin)), peak + self.min_margin)
+
+
+def default_ram_budget(machine: Machine | None = None) -> int:
+    """What this process may use in total: its current RSS plus available RAM, minus a margin."""
+    total, avail = (machine.host_ram_total, machine.host_ram_available) if machine else host_ram()
+    return int(host_rss()[0] + avail - max(2 * GiB, 0.1 * total))
+
+
+class InfeasibleBudget(ValueError):
+    """No plan fits the budget. The message names the smallest budget that works and what to change."""
+
+    def __init__(self, message: str, needed_vram: int | None = None, needed_ram: int | None = None,
+                 best: Plan | None = None):
+        super().__init__(message)
+        self.needed_vram = needed_vram
+        self.needed_ram = needed_ram
+        self.best = best
+
+
+def gib(n: float) -> str:
+    """Bytes as the planner's messages print them: '7.25 GiB'."""
+    return f"{n / GiB:.2f} GiB"
