@@ -4,7 +4,9 @@ For Flux.1-dev with random weights and a rank-16 LoRA, at each VRAM budget x res
 - the planner chooses a plan for the budget on this machine (rates measured by the machine probe);
 - the plan is applied with the memory engine and a few real training steps run with the budget
   enforced by torch.cuda.set_per_process_memory_fraction;
-- recorded: predicted peak, measured peak allocated and reserved, predicted and measured step time;
+- recorded: predicted peak, measured peak allocated and reserved, predicted and measured step time,
+  and the host RAM the run adds above the loaded model (resident set high-water mark, from
+  /proc/self/status) against the planner's host model;
 - a brute-force sweep of the engine's options (fp8 x checkpointing x streamed-block count) runs the
   same steps for every combination predicted to come near the budget and reports the fastest.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import re
 import subprocess
 import sys
 import time
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run = run_plan(model, FLUX_SPEC, plan, res, budget.vram, total, args.steps)
             row.update(plan=plan.describe(), predicted=plan.notes["predicted_peak_vram"],
-                       predicted_s=plan.notes["predicted_step_s"], **run)
+                       predicted_s=plan.notes["predicted_step_s"], predicted_host=predicted_host_extra(plan.notes),
+                       **run)
             if args.sweep != "none":
                 best = sweep(model, planner, budget, res, total, args.steps)
                 row.update(best_plan=best[0], best_s=best[1])
@@ -95,6 +99,22 @@ def random_flux_dev(build_meta_flux):
     return model
 
 
+def rss_status() -> dict[str, int]:
+    """VmRSS and VmHWM (the high-water mark) of this process, in bytes."""
+    text = Path("/proc/self/status").read_text()
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.MULTILINE)}
+
+
+def reset_rss_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")          # VmHWM := current VmRSS
+
+
+def predicted_host_extra(notes: dict) -> int:
+    """Host RAM the planner expects above the loaded model: its largest phase minus loading."""
+    host = notes["host_breakdown"]
+    return max(0, host["peak"] - host["process baseline"] - host["transformer while loading"])
+
+
 def run_plan(model, spec, plan, res: int, budget: int, total: int, steps: int) -> dict:
     """Apply `plan`, run 1 + `steps` LoRA training steps under the budget, restore the model."""
     from leantune.memory.engine import apply_memory
@@ -102,6 +122,9 @@ def run_plan(model, spec, plan, res: int, budget: int, total: int, steps: int) -
     handle = None
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    gc.collect()
+    host_start = rss_status()["VmRSS"]
+    reset_rss_peak()
     try:
         handle = apply_memory(model, spec, plan, "cuda")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -117,7 +140,8 @@ def run_plan(model, spec, plan, res: int, budget: int, total: int, steps: int) -
                 times.append(time.perf_counter() - t0)
         report = handle.step_report(wait=True)
         return {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved(),
-                "step_s": sorted(times)[len(times) // 2], "stall_s": report.get("stall_s"), "oom": False}
+                "step_s": sorted(times)[len(times) // 2], "stall_s": report.get("stall_s"), "oom": False,
+                "host_extra": rss_status()["VmHWM"] - host_start}
     except torch.OutOfMemoryError as e:
         return {"oom": True, "note": str(e).splitlines()[0][:120]}
     finally:
@@ -178,13 +202,13 @@ def markdown(rows: list[dict], machine, argv: list[str]) -> str:
         f"Command: `python bench/bench_planner.py {' '.join(argv)}`",
         "",
         ("| budget | px | chosen plan | predicted peak | measured peak alloc / reserved | error | step s "
-         "(predicted) | sweep best | best s | chosen / best |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
+         "(predicted) | host RAM above the loaded model, predicted / measured | sweep best | best s | chosen / best |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("plan") == "infeasible" or r.get("oom"):
             lines.append(f"| {r['budget']} GiB | {r['res']} | {r.get('plan')} | | {'OOM' if r.get('oom') else ''} "
-                         f"| | | | | {r.get('note', '')} |")
+                         f"| | | | | | {r.get('note', '')} |")
             continue
         err = (r["peak_allocated"] - r["predicted"]) / r["predicted"] * 100
         best_s = f"{r['best_s']:.3f}" if r.get("best_s") else ""
@@ -192,7 +216,8 @@ def markdown(rows: list[dict], machine, argv: list[str]) -> str:
         lines.append(
             f"| {r['budget']} GiB | {r['res']} | {r['plan']} | {r['predicted'] / GiB:.2f} GiB | "
             f"{r['peak_allocated'] / GiB:.2f} / {r['peak_reserved'] / GiB:.2f} GiB | {err:+.1f}% | "
-            f"{r['step_s']:.3f} ({r['predicted_s']:.3f}) | {r.get('best_plan', '')} | {best_s} | {ratio} |")
+            f"{r['step_s']:.3f} ({r['predicted_s']:.3f}) | {r['predicted_host'] / GiB:.2f} / "
+            f"{r['host_extra'] / GiB:.2f} GiB | {r.get('best_plan', '')} | {best_s} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

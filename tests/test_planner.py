@@ -127,7 +127,7 @@ def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8, pin):
 
 def _rss() -> dict[str, int]:
     text = Path("/proc/self/status").read_text()
-    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.MULTILINE)}
 
 
 def _can_reset_rss_peak() -> bool:

@@ -9,10 +9,12 @@ the number of streamed blocks (block kinds with the most FLOPs per byte first: f
 blocks, spread evenly through their list), ring slots 2-4, and streaming the non-block group when
 every block streams. Streamed units are always pinned: the engine pins exactly their size, so a
 pageable unit would save no host RAM and only add the staging pool and slower copies (the memory
-model still prices pageable plans given explicitly in [memory]). The fastest feasible plan wins; exact ties go to the
-simpler plan. Because the feasible set only grows with the budget, more budget never gives a
-slower plan. When nothing fits, `InfeasibleBudget` says the smallest budget that works and which
-keys of the run (training config or sample request) to change.
+model still prices pageable plans given explicitly in [memory]).
+
+The fastest feasible plan wins; exact ties go to the simpler plan. Because the feasible set only
+grows with the budget, more budget never gives a slower plan. When nothing fits,
+`InfeasibleBudget` says the smallest budget that works and which keys of the run (training config
+or sample request) to change.
 """
 
 from __future__ import annotations

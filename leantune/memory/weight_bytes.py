@@ -133,12 +133,13 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
     fp8_of: dict[int, tuple[int, bool]] = {}      # id(weight) -> (scale count, already e4m3)
     if in_block:
         for mname, m in module.named_modules():
-            if type(m) is torch.nn.Linear and not _is_adapter(mname) and not spec.keeps_compute_dtype(_base_name(mname)):
-                if m.weight.dtype in FP8_DTYPES:        # kept as the checkpoint stores it, with its own scale
-                    scale = getattr(m, SCALE_ATTR, None)
-                    fp8_of[id(m.weight)] = (scale.numel() if scale is not None else m.out_features, True)
-                else:
-                    fp8_of[id(m.weight)] = (fp8_scale_count(m.out_features, m.in_features), False)
+            if type(m) is not torch.nn.Linear or _is_adapter(mname) or spec.keeps_compute_dtype(_base_name(mname)):
+                continue
+            if m.weight.dtype in FP8_DTYPES:            # kept as the checkpoint stores it, with its own scale
+                scale = getattr(m, SCALE_ATTR, None)
+                fp8_of[id(m.weight)] = (scale.numel() if scale is not None else m.out_features, True)
+            else:
+                fp8_of[id(m.weight)] = (fp8_scale_count(m.out_features, m.in_features), False)
     seen: set[int] = set()
     tensors, native = [], 0
     for pname, t in list(module.named_parameters()) + list(module.named_buffers()):
