@@ -26,7 +26,7 @@ SLACK = 12 * MiB          # interpreter, allocator and bookkeeping noise allowed
 
 def _status() -> dict[str, int]:
     text = Path("/proc/self/status").read_text()
-    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.MULTILINE)}
 
 
 def _reset_peak() -> None:
@@ -135,6 +135,8 @@ def test_release_returns_memory_without_copying(wide):
     assert handle.streaming is None and handle.step_report()["bytes_h2d"] == 0
     with pytest.raises(ValueError, match=r"memory engine was released .* load the model again"):
         apply_memory(wide, FLUX_SPEC, Plan(), "cpu")
+    with pytest.raises(RuntimeError, match=r"engine was released; the streamed weights are gone"):
+        handle.remove()
 
 
 def test_remove_restores_unit_by_unit(wide):

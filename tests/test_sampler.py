@@ -624,6 +624,7 @@ def test_run_sampling_equals_pipeline_from_folder(tiny_flux_dir, tmp_path):
             self.t5_alive_at_denoise = self.t5() is not None
             t = super().transformer(dtype)
             self.tr = weakref.ref(t)
+            self.block = t.transformer_blocks[0]        # a streamed block, kept to see how it was left
             return t
 
         def vae(self, dtype, device):
@@ -636,6 +637,10 @@ def test_run_sampling_equals_pipeline_from_folder(tiny_flux_dir, tmp_path):
     streamed = run_sampling(request, components=watched)
     assert not watched.t5_alive_at_denoise and not watched.transformer_alive_at_decode
     assert streamed.plan.fp8 and len(streamed.plan.streamed_blocks) == 4
+    # The engine was released, not removed: no streamed weight was copied back, no wrapper is left.
+    base = [p for n, p in watched.block.named_parameters() if "lora_" not in n]
+    assert base and all(p.numel() == 0 for p in base)
+    assert "forward" not in watched.block.__dict__                 # streaming's and checkpointing's wrappers
     assert streamed.stream_report["bytes_h2d"] > 0
     diff = np.abs(np.stack([np.asarray(Image.open(f)) for f in streamed.files]).astype(int) - ours.astype(int))
     assert 0 < diff.max() <= 8 and diff.mean() <= 1.0

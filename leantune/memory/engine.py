@@ -45,9 +45,8 @@ from .checkpointing import (
     apply_checkpointing,
     remove_checkpointing,
 )
-from .fp8 import Fp8Handle, apply_fp8_storage, remove_fp8_storage
+from .fp8 import Fp8Handle, apply_fp8_storage, has_prequantized, remove_fp8_storage
 from .plan import Plan
-from .fp8 import has_prequantized
 from .streaming import (
     RunMode,
     StreamingHandle,
@@ -145,6 +144,9 @@ class MemoryHandle:
     def remove(self, device: torch.device | str | None = None) -> None:
         """Restore the plain model: weights back as ordinary parameters on `device` (default: the
         engine's device)."""
+        if self.model.__dict__.get(_APPLIED_ATTR) == _RELEASED:
+            raise RuntimeError("MemoryHandle.remove(): the engine was released; the streamed weights are gone "
+                               "and cannot be restored")
         if self.checkpointing is not None:
             remove_checkpointing(self.checkpointing)
             self.checkpointing = None

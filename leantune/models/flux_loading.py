@@ -16,9 +16,11 @@ compute dtype, is loaded as the stored e4m3 bytes, and its scale (ComfyUI's per-
 on the Linear, which dequantizes in its forward (memory/fp8.py `use_fp8_weight`). That Linear is
 the contract with the memory engine, which keeps such weights in e4m3 whatever memory.fp8 says.
 Everything else (non-block modules, modulation/norm Linears, biases) is upcast to the compute
-dtype one tensor at a time. Architectures come from the checkpoint itself (diffusers config.json, or the
-keys and shapes of a single file; bfl_keys.py / component_files.py), never from a hub. Only
-safetensors is read; pickle checkpoints are refused. Every error names the file and the key.
+dtype one tensor at a time.
+
+Architectures come from the checkpoint itself (diffusers config.json, or the keys and shapes of a
+single file; bfl_keys.py / component_files.py), never from a hub. Only safetensors is read;
+pickle checkpoints are refused. Every error names the file and the key.
 """
 
 from __future__ import annotations
