@@ -280,7 +280,7 @@ def training_rows(args, components, cuda: bool) -> list[dict]:
             torch.cuda.synchronize()
         rows.append({"name": name, "plan": plan.describe(), "seconds": time.perf_counter() - start,
                      "peak": torch.cuda.max_memory_reserved() if cuda else 0})
-        handle.remove()
+        handle.release()
         del t, handle
         if cuda:
             torch.cuda.empty_cache()

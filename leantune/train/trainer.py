@@ -164,6 +164,8 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     result.losses = losses
     result.lora_files = _save(t, cfg, paths, step, losses, intermediate=step < cfg.train.steps)
     _finish(paths, losses, monitor, writer)
+    if t.memory is not None:
+        t.memory.release()          # pinned buffers, slots and the staging thread go now, not at exit
     return result
 
 
