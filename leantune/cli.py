@@ -1,6 +1,8 @@
 """`leantune <verb>`: each verb lives in leantune/commands/<verb>.py with `configure(parser)` and `run(args)`.
 
 Commands are imported only when used, so `leantune plan` does not pay for importing diffusers.
+Bad input (a config, a dataset, a model or LoRA file, a checkpoint) ends in one paragraph that
+names the file and the key, never in a traceback: a traceback is kept for real faults.
 """
 
 from __future__ import annotations
@@ -8,6 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+
+DESCRIPTION = ("Fine-tune LoRAs for Flux.1 on the GPU memory you have, and sample from them. "
+               "Run `leantune <command> --help` for a command's options.")
 
 VERBS = {
     "train": "train a LoRA from a TOML config",
@@ -20,7 +26,7 @@ VERBS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leantune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="leantune", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="verb", required=True)
     for verb, help_text in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
@@ -30,10 +36,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the input is wrong", each raised with a message naming the file/key.
+
+    Imported only when an error is being handled, so the commands keep their lazy imports.
+    """
+    from leantune.data.cache import CacheError
+    from leantune.data.dataset import DataError
+    from leantune.demo import DemoFolderError
+    from leantune.io import UnreadableFileError, UnsafeFileError
+    from leantune.memory.oom import NoPlanFits
+    from leantune.memory.workload import InfeasibleBudget
+    from leantune.models.weights import LoadError
+    from leantune.train.lora_formats import LoraFormatError
+    from leantune.train.state import CheckpointError
+
+    return (DataError, CacheError, DemoFolderError, LoadError, UnsafeFileError, UnreadableFileError, LoraFormatError,
+            InfeasibleBudget, NoPlanFits, CheckpointError, FileNotFoundError, FloatingPointError)
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """leantune's own warnings (unreadable images, corrupt cache entries) are messages for the
+    user: print them without the source line Python adds. Other libraries' keep the default."""
+    if category.__module__.startswith("leantune"):
+        return f"warning: {message}\n"
+    return _default_format_warning(message, category, filename, lineno, line)
+
+
+_default_format_warning = warnings.formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from leantune.config import ConfigError
 
+    warnings.formatwarning = _format_warning
     try:
         return int(args._module.run(args) or 0)
     except ConfigError as e:
@@ -42,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"leantune {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not isinstance(e, user_errors()):
+            raise
+        print(f"leantune {args.verb}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        warnings.formatwarning = _default_format_warning
 
 
 if __name__ == "__main__":

@@ -50,13 +50,59 @@ def quickstart_text() -> str:
     return resources.files("leantune.resources").joinpath("quickstart.toml").read_text()
 
 
+MARKER = ".leantune-demo"
+DEMO_ENTRIES = ("model", "images", "cache", "run", "quickstart.toml")
+
+
+class DemoFolderError(ValueError):
+    """The demo was pointed at a folder it did not make; it never deletes a user's files."""
+
+
+def _check_ours(out: Path) -> None:
+    """`out` must be new, empty, or a folder an earlier demo made (it carries the marker). Anything
+    else is refused before a file is written or removed: `--out .` or `--out ~/data` must never
+    cost the user their files, nor train on their images."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DemoFolderError(f"--out {out}: exists and is not a folder")
+    if any(out.iterdir()) and not (out / MARKER).exists() and not _unmarked_earlier_demo(out):
+        raise DemoFolderError(f"--out {out}: the folder is not empty and was not made by `leantune demo` (it has "
+                              f"no {MARKER} file); give a new or empty folder (nothing was changed)")
+
+
+def _unmarked_earlier_demo(out: Path) -> bool:
+    """A demo folder from before the marker existed: the shipped quickstart config, unchanged, beside
+    a model folder. No folder of the user's own matches that."""
+    try:
+        same_config = (out / "quickstart.toml").read_text() == quickstart_text()
+    except OSError:
+        return False
+    return same_config and (out / "model" / "model_index.json").is_file()
+
+
+def _clear(out: Path) -> None:
+    """Remove what an earlier demo wrote into `out` (checked by `_check_ours` first), nothing else."""
+    for name in DEMO_ENTRIES:
+        entry = out / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry.exists() or entry.is_symlink():
+            entry.unlink()
+
+
 def prepare(out: Path, fresh: bool = False) -> Path:
-    """Write model, images and config into `out`; returns the config path. Reuses what exists."""
+    """Write model, images and config into `out`; returns the config path. Reuses what exists.
+
+    `fresh` first removes what an earlier demo wrote into `out` (see `_clear`).
+    """
     from .models import tiny
 
+    _check_ours(out)
     if fresh and out.exists():
-        shutil.rmtree(out)
+        _clear(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by `leantune demo`; `leantune demo` may clear this folder's demo files\n")
     if not (out / "model" / "model_index.json").exists():
         tiny.save_flux_folder(out / "model", seed=0)
     if not any((out / "images").glob("*.png")):
@@ -71,7 +117,7 @@ def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: 
     from .train.trainer import train
 
     config = prepare(out, fresh=fresh)
-    overrides = [f"train.steps={steps}"] if steps else []
+    overrides = [] if steps is None else [f"train.steps={steps}"]
     cfg = load_config(config, overrides)
     result = train(cfg, progress=progress)
     return config, result

@@ -22,6 +22,10 @@ class UnsafeFileError(ValueError):
     """A file format that can run code when loaded (pickle) was given."""
 
 
+class UnreadableFileError(ValueError):
+    """A file that should be safetensors is truncated, garbled or something else entirely."""
+
+
 def refuse_pickle(path: str | Path, what: str = "file") -> Path:
     """Raise a clear error for pickle-based checkpoint formats; return the path otherwise."""
     path = Path(path)
@@ -33,6 +37,30 @@ def refuse_pickle(path: str | Path, what: str = "file") -> Path:
     return path
 
 
+def _target_mode(path: Path) -> int:
+    """The permissions the file would get from a plain open(): the existing file's when it is
+    replaced, else 0o666 less the umask. mkstemp creates 0o600, which would leave LoRAs, samples
+    and caches unreadable to the other users of a shared machine."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # Linux reports it without changing it; os.umask() can only read it by setting it, which
+    # briefly affects files other threads (TensorBoard's writer) create.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call `write(tmp_path)`, then fsync and rename tmp over `path`. On any error the tmp is removed."""
     path = Path(path)
@@ -42,6 +70,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        os.chmod(tmp, _target_mode(path))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -88,5 +117,5 @@ def load_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict[str, t
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for truncated/garbled files
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        raise UnreadableFileError(f"{path}: not a readable safetensors file ({e})") from None
     return tensors, meta

@@ -154,8 +154,8 @@ def meta_model_for_config(cfg):
 
     try:
         sources = resolve_sources(cfg.model, Path(cfg.base_dir))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"[model]: {e}") from None
+    except (OSError, ValueError) as e:     # the message already names [model] and the path
+        raise ConfigError(f"{e}; to plan without the weights, use --model flux-dev or flux-schnell") from None
     src = sources.transformer
     if src is None:
         raise ConfigError(f"[model] path = {cfg.model.path!r}: no transformer found to read the architecture from")

@@ -15,7 +15,8 @@ import sys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("request", nargs="?", help="a sample request TOML (see infer/request.py)")
+    parser.add_argument("request", nargs="?", help="a sample request TOML: prompts, seed, steps, guidance, width, height, out, "
+                             "[model], [[lora]], [memory]; flags override its values")
     parser.add_argument("--model", help="a diffusers Flux folder or a single .safetensors transformer file")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     parser.add_argument("--lora", action="append", metavar="FILE[:STRENGTH]",

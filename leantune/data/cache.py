@@ -218,7 +218,8 @@ def check_text_entry(path: Path, key: str, caption: str, max_length: int) -> tup
 
 def _warn_corrupt(kind: str, bad: list[tuple[Path, str]]) -> None:
     if bad:
-        lines = "\n  ".join(f"{p}: {why}" for p, why in bad)
+        # A problem from load_safetensors already starts with the path: do not print it twice.
+        lines = "\n  ".join(f"{p}: {why.removeprefix(f'{p}: ')}" for p, why in bad)
         warnings.warn(f"recomputing {len(bad)} corrupt {kind} cache entr{'y' if len(bad) == 1 else 'ies'}:\n  {lines}",
                       CacheWarning, stacklevel=3)
 

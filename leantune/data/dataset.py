@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 _EXIF_ORIENTATION = 0x0112
@@ -62,7 +62,12 @@ def inspect_image(path: Path) -> tuple[str, int, int]:
     Raises whatever PIL raises for a file that does not decode to the end.
     """
     data = path.read_bytes()
-    with Image.open(io.BytesIO(data)) as img:
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        # PIL's own message names the in-memory buffer ("<_io.BytesIO object at 0x...>"), not the file.
+        raise UnidentifiedImageError("not an image format PIL can read") from None
+    with img:
         img.load()        # full decode: catches truncated files that `open` accepts
         w, h = img.size
         if _orientation(img) in _TRANSPOSING_ORIENTATIONS:

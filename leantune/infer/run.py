@@ -157,6 +157,9 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
     loras = [(request.resolve(ref.path), ref.strength) for ref in request.lora]
     for path, _ in loras:
         if not path.is_file():
+            head, sep, tail = str(path).rpartition(":")
+            if sep and Path(head).is_file():     # 'file:abc': the file exists, the strength is no number
+                raise ConfigError(f"lora: {path}: strength {tail!r} is not a number (FILE:STRENGTH, e.g. {head}:0.8)")
             raise ConfigError(f"lora: {path}: no such LoRA file")
     components = components or FolderComponents(request)
     result = SamplingResult(files=[])

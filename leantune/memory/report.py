@@ -25,22 +25,24 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"streamed: {_compact_names(plan.streamed_blocks)}")
     if "vram_breakdown" in n:
         budget, margin = n["budget_vram"], n["margin_vram"]
+        host = n["host_breakdown"]
+        # Label column as wide as the longest label, so the numbers line up whatever the names.
+        w = max(42, *(len(k) + 1 for k in (*n["vram_breakdown"], *host)))
         lines.append("")
-        lines.append(f"{'VRAM at peak':<44}{'GiB':>9}")
+        lines.append(f"{'VRAM at peak':<{w + 2}}{'GiB':>9}")
         for k, v in n["vram_breakdown"].items():
-            lines.append(f"  {k:<42}{v / GiB:>9.2f}")
-        lines.append(f"  {'total (predicted peak)':<42}{n['predicted_peak_vram'] / GiB:>9.2f}")
-        lines.append(f"  {'budget - safety margin':<42}{(budget - margin) / GiB:>9.2f}"
+            lines.append(f"  {k:<{w}}{v / GiB:>9.2f}")
+        lines.append(f"  {'total (predicted peak)':<{w}}{n['predicted_peak_vram'] / GiB:>9.2f}")
+        lines.append(f"  {'budget - safety margin':<{w}}{(budget - margin) / GiB:>9.2f}"
                      f"   ({budget / GiB:.2f} - {margin / GiB:.2f})")
         lines.append("")
-        lines.append(f"{'host RAM':<44}{'GiB':>9}")
-        host = n["host_breakdown"]
+        lines.append(f"{'host RAM':<{w + 2}}{'GiB':>9}")
         for k, v in host.items():
             if k != "peak":
-                lines.append(f"  {k:<42}{v / GiB:>9.2f}")
-        lines.append(f"  {'peak (baseline + largest phase)':<42}{host['peak'] / GiB:>9.2f}")
+                lines.append(f"  {k:<{w}}{v / GiB:>9.2f}")
+        lines.append(f"  {'peak (baseline + largest phase)':<{w}}{host['peak'] / GiB:>9.2f}")
         if n["budget_ram"] < 2**60:
-            lines.append(f"  {'ram budget':<42}{n['budget_ram'] / GiB:>9.2f}")
+            lines.append(f"  {'ram budget':<{w}}{n['budget_ram'] / GiB:>9.2f}")
         else:
             lines.append("  (host RAM not checked: planning for another machine; give --ram to check it)")
         lines.append("")

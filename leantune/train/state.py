@@ -24,6 +24,10 @@ from ..io import load_safetensors
 PREFIX = "step-"
 
 
+class CheckpointError(ValueError):
+    """A saved training state that cannot be resumed (unreadable, or made with other settings)."""
+
+
 def _flatten(obj, tensors: dict[str, torch.Tensor], path: str):
     """Replace tensors by {"__tensor__": key} and remember dicts with non-string keys."""
     if isinstance(obj, torch.Tensor):
@@ -120,9 +124,13 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict]:
     try:
         meta = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path / 'state.json'}: unreadable checkpoint state ({e})") from None
+        raise CheckpointError(f"{path / 'state.json'}: unreadable checkpoint state ({e})") from None
     tensors, _ = load_safetensors(path / "tensors.safetensors")
-    return int(meta["step"]), _unflatten(meta["state"], tensors)
+    try:
+        return int(meta["step"]), _unflatten(meta["state"], tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: state.json does not match tensors.safetensors ({type(e).__name__}: {e})") \
+            from None
 
 
 # -- RNG -------------------------------------------------------------------------------------------

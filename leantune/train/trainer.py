@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from ..models.flux import FLUX_SPEC, pack_latents, predict
 from . import flow_matching as fm
 from .optim import build_optimizer, build_scheduler
 from ..memory.planner import NoPlanFits
-from .state import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .state import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 log = logging.getLogger("leantune")
 
@@ -101,6 +102,22 @@ def pick_device(cfg: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Console log lines go to whatever sys.stderr is at the time: the handler is made once per
+    process, and a stream captured then (a redirected or since-closed one) must not be kept."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging(paths: RunPaths) -> None:
     paths.root.mkdir(parents=True, exist_ok=True)
     log.setLevel(logging.INFO)
@@ -112,7 +129,7 @@ def setup_logging(paths: RunPaths) -> None:
     fh._leantune_run = True
     log.addHandler(fh)
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in log.handlers):
-        sh = logging.StreamHandler()
+        sh = _StderrHandler()
         sh.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(sh)
 
@@ -227,7 +244,11 @@ def _build(cfg: RunConfig) -> Trainee:
     transformer.requires_grad_(False)
     params = add_lora(transformer, FLUX_SPEC, cfg.lora)
     if cfg.lora.init_from:
-        load_lora_into_model(transformer, read_lora(cfg.resolve(cfg.lora.init_from)), "default")
+        try:
+            weights = read_lora(cfg.resolve(cfg.lora.init_from))
+        except (ValueError, FileNotFoundError) as e:    # same type, with the key that named the file
+            raise type(e)(f"[lora] init_from: {e}") from None
+        load_lora_into_model(transformer, weights, "default")
     plan, memory, planner, budget = _apply_memory(cfg, transformer, device)
     optimizer = build_optimizer(params, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
@@ -333,9 +354,7 @@ def _resume(t: Trainee, paths: RunPaths) -> tuple[int, list[float]]:
         raise FileNotFoundError(f"--resume: no checkpoint in {paths.checkpoints}")
     step, state = load_checkpoint(ckpt)
     named = dict(t.transformer.named_parameters())
-    missing = [n for n in state["trainable"] if n not in named]
-    if missing:
-        raise ValueError(f"{ckpt}: checkpoint has weights this model lacks (different [lora] settings?): {missing[:3]}")
+    _check_resumable(ckpt, state["trainable"], named)
     with torch.no_grad():
         for n, v in state["trainable"].items():
             named[n].copy_(v.to(named[n].device, named[n].dtype))
@@ -345,6 +364,22 @@ def _resume(t: Trainee, paths: RunPaths) -> tuple[int, list[float]]:
     t.batches.load_state_dict(state["data"])
     log.info("resumed from %s at step %d", ckpt, step)
     return step, list(state["losses"])
+
+
+def _check_resumable(ckpt: Path, saved: dict, named: dict) -> None:
+    """The saved trainable weights must be exactly this run's: same names, same shapes. A run
+    resumed with another [lora] rank, targets or blocks is refused with the key that differs."""
+    hint = "it was saved with other [lora] settings (rank, targets, blocks); restore them or start a new [output] dir"
+    missing = [n for n in saved if n not in named]
+    if missing:
+        raise CheckpointError(f"{ckpt}: checkpoint has weights this model lacks, e.g. {missing[0]!r}: {hint}")
+    for n, v in saved.items():
+        if tuple(v.shape) != tuple(named[n].shape):
+            raise CheckpointError(f"{ckpt}: weight {n!r} has shape {tuple(v.shape)} in the checkpoint but "
+                                  f"{tuple(named[n].shape)} in this run: {hint}")
+    extra = [n for n, p in named.items() if p.requires_grad and n not in saved]
+    if extra:
+        raise CheckpointError(f"{ckpt}: checkpoint lacks trainable weights of this run, e.g. {extra[0]!r}: {hint}")
 
 
 def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[float], intermediate: bool) -> list[Path]:
