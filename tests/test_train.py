@@ -215,3 +215,15 @@ def latest_checkpoint_name(cfg):
     from leantune.train.state import latest_checkpoint
 
     return latest_checkpoint(cfg.resolve("out") / "checkpoints").name
+
+
+def test_training_under_the_memory_engine_reproduces_the_plain_run(tmp_path, tiny_flux_dir, images, reference_run):
+    """Streaming (poisoned slots) + offloaded checkpointing through the trainer: same loss curve as
+    the plain run, and the per-step streaming report reaches the log and TensorBoard."""
+    _, full = reference_run
+    cfg = make_config(tmp_path, tiny_flux_dir, images,
+                      extra=["memory.streamed_blocks=3", "memory.checkpointing=offload", "memory.debug_poison=true"])
+    result = train(cfg, progress=False, stop_after=6)
+    assert result.losses == pytest.approx(full.losses[:6], rel=1e-5, abs=1e-7)
+    log_text = result.paths.log_file.read_text()
+    assert "memory plan: stream 3 blocks" in log_text and "streamed 0.00 GB in" in log_text
