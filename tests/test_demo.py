@@ -24,6 +24,10 @@ def test_demo_end_to_end(tmp_path, capsys):
     # A sample grid per sampling step, real PNGs, a loss plot, a TensorBoard log.
     grids = sorted((run / "samples").glob("step-*.png"))
     assert grids and Image.open(grids[-1]).size == (256, 128)   # 2 prompts of 128x128 side by side
+    from leantune.infer.images import read_png_metadata
+
+    meta = read_png_metadata(grids[-1])
+    assert json.loads(meta["prompt"])[0].startswith("lnt, a red circle") and meta["training_step"] == "400"
     assert Image.open(run / "loss.png").format == "PNG"
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     # The LoRA loads back into diffusers and changes the model's output.

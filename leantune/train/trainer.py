@@ -473,6 +473,7 @@ def _streaming_summary(report: dict) -> str:
 
 
 def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
+    from ..infer.images import save_png
     from ..infer.sampler import sample_during_training
     from ..models.flux_loading import load_vae
 
@@ -481,11 +482,12 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
     embeds = t.data.prompt_embeds(cfg.sample.prompts)
     grid = sample_during_training(t.transformer, lambda: load_vae(t.sources, t.dtype, "cpu"), embeds, cfg.sample,
                                   memory_handle=t.memory, device=t.device, dtype=t.dtype)
-    paths.samples.mkdir(parents=True, exist_ok=True)
     out = paths.samples / f"step-{step:06d}.png"
-    from ..io import atomic_write
-
-    atomic_write(out, lambda tmp: grid.save(tmp, format="PNG"))
+    # Image i of the grid (left to right) is prompt i with seed + i.
+    save_png(grid, out, {"prompt": list(cfg.sample.prompts), "seed": cfg.sample.seed, "steps": cfg.sample.steps,
+                         "guidance": cfg.sample.guidance, "width": cfg.sample.width, "height": cfg.sample.height,
+                         "loras": f"{cfg.output.name} (training, step {step})", "model": str(t.sources.transformer),
+                         "training_step": step})
     log.info("samples: %s", out)
     return out
 
