@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -110,26 +111,44 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_flux_dir, images
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
-def test_ctrl_c_saves_a_resumable_state(tmp_path, tiny_flux_dir, images, reference_run, monkeypatch):
-    _, full = reference_run
-    cfg = make_config(tmp_path, tiny_flux_dir, images)
+def _sigint_during_step(monkeypatch, step: int, times: int):
+    """Deliver `times` real SIGINTs while optimizer step `step` runs (before its work)."""
     real_step = trainer_mod.train_step
     calls = {"n": 0}
 
-    def interrupting_step(t, c):
+    def step_with_ctrl_c(t, c):
         calls["n"] += 1
-        if calls["n"] == 7:
-            raise KeyboardInterrupt
+        if calls["n"] == step:
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)
         return real_step(t, c)
 
-    monkeypatch.setattr(trainer_mod, "train_step", interrupting_step)
+    monkeypatch.setattr(trainer_mod, "train_step", step_with_ctrl_c)
+
+
+def test_ctrl_c_finishes_the_step_then_saves_a_resumable_state(tmp_path, tiny_flux_dir, images, reference_run,
+                                                                monkeypatch):
+    _, full = reference_run
+    cfg = make_config(tmp_path, tiny_flux_dir, images)
+    _sigint_during_step(monkeypatch, 7, times=1)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, progress=False)
-    monkeypatch.setattr(trainer_mod, "train_step", real_step)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler     # handler restored
+    monkeypatch.setattr(trainer_mod, "train_step", _REAL_STEP)
     ckpts = sorted((cfg.resolve("out") / "checkpoints").glob("step-*"))
-    assert ckpts[-1].name == "step-000006"
+    assert ckpts[-1].name == "step-000007"                                    # the interrupted step completed
     resumed = train(cfg, resume=True, progress=False)
     assert resumed.losses == pytest.approx(full.losses, rel=1e-6, abs=1e-8)
+
+
+def test_second_ctrl_c_aborts_at_once_and_saves_nothing_half_done(tmp_path, tiny_flux_dir, images, monkeypatch):
+    cfg = make_config(tmp_path, tiny_flux_dir, images)
+    _sigint_during_step(monkeypatch, 13, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    ckpts = sorted((cfg.resolve("out") / "checkpoints").glob("step-*"))
+    assert [c.name for c in ckpts] == ["step-000010"]                         # only the periodic save
+    assert "aborted inside step 13" in (cfg.resolve("out") / "train.log").read_text()
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, tiny_flux_dir, images):
@@ -209,6 +228,7 @@ def test_oom_with_no_plan_left_stops_with_a_resumable_state(tmp_path, tiny_flux_
 
 
 _REAL_FORWARD = trainer_mod.forward_backward
+_REAL_STEP = trainer_mod.train_step
 
 
 def latest_checkpoint_name(cfg):

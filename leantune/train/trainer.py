@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +138,40 @@ def setup_logging(paths: RunPaths) -> None:
 
 # -- the loop ----------------------------------------------------------------------------------------
 
+class StopRequest:
+    """Ctrl-C during a step is deferred to the step's end, so the saved state is exact.
+
+    Used as a context manager around each step: a first SIGINT inside it only sets `requested`
+    (the loop saves and stops after the step); a second one aborts at once, and then nothing is
+    saved, since a half-done optimizer update must not become a resumable state. Outside a step
+    (saving, sampling) SIGINT behaves as usual. Only the main thread can own the handler.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.aborted_mid_step = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("Ctrl-C: stopping after this step with a resumable state (press again to abort now)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            self.aborted_mid_step = True      # however it was raised, the step did not finish
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        return False
+
+
 def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainResult:
     """Train a LoRA as `cfg` says. `stop_after` ends early after that many optimizer steps (tests)."""
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
@@ -150,10 +186,12 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     result = TrainResult(paths, losses, [])
     step = start
     bar = _progress(cfg, start, progress)
+    stop = StopRequest()
     try:
         while step < cfg.train.steps and (stop_after is None or step - start < stop_after):
             t0 = time.perf_counter()
-            loss = _guarded_step(t, cfg, step + 1)
+            with stop:
+                loss = _guarded_step(t, cfg, step + 1)
             step += 1
             seconds = time.perf_counter() - t0
             report = t.memory.step_report() if t.memory is not None else {}   # counters since last step
@@ -164,10 +202,15 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
                 _save(t, cfg, paths, step, losses, intermediate=True)
             if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0:
                 result.sample_files.append(_sample(t, cfg, paths, step))
+            if stop.requested:
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
-        log.info("interrupted at step %d: saving a resumable state", step)
-        _save(t, cfg, paths, step, losses, intermediate=True)
         result.interrupted = True
+        if stop.aborted_mid_step:
+            log.info("aborted inside step %d; the last saved state is intact", step + 1)
+        else:
+            log.info("interrupted at step %d: saving a resumable state", step)
+            _save(t, cfg, paths, step, losses, intermediate=True)
         raise
     except NoPlanFits:
         log.error("no memory plan fits: saving a resumable state at step %d", step)
