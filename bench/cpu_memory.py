@@ -23,6 +23,7 @@ import torch
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
+from leantune.models.tiny import wide_flux_transformer
 
 MiB = 2**20
 
@@ -67,17 +68,7 @@ def _status() -> dict[str, int]:
 
 def host_ram_while_streaming() -> tuple[int, int, int, int]:
     """(model bytes, streamed bytes, peak extra RSS during apply, extra RSS after apply)."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=8,
-                                       attention_head_dim=128, num_attention_heads=8, joint_attention_dim=64,
-                                       pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = torch.empty(p.shape, dtype=torch.bfloat16).fill_(0.01)
-    model.requires_grad_(False).eval()
+    model = wide_flux_transformer(n_single=8)
     singles = tuple(n for n, _ in FLUX_SPEC.blocks(model) if n.startswith("single"))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()

@@ -24,3 +24,26 @@ def tiny_flux_dir(tmp_path_factory):
     from leantune.models import tiny
 
     return tiny.save_flux_folder(tmp_path_factory.mktemp("tiny_flux") / "flux-tiny")
+
+
+# The [model] and [data] part every end-to-end test shares: the tiny Flux in fp32 at 64 px.
+TINY_RUN_HEAD = """
+[model]
+path = "{model}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "cache"
+max_text_length = 32
+
+[[data.datasets]]
+path = "{images}"
+"""
+
+
+def tiny_run_toml(model, images, rest: str) -> str:
+    """A run config for the tiny model: the shared head, then the test's own dataset keys and
+    [lora] / [train] / [output] sections (`rest`, which may use no format fields)."""
+    return TINY_RUN_HEAD.format(model=model, images=images) + rest

@@ -9,23 +9,12 @@ import warnings
 import pytest
 import torch
 
+from conftest import tiny_run_toml
+
 from leantune.cli import _format_warning, main
 from leantune.demo import MARKER, DemoFolderError, draw_shapes, prepare, quickstart_text
 
-RUN = """
-[model]
-path = "{model}"
-dtype = "fp32"
-
-[data]
-resolutions = [64]
-batch_size = 2
-cache_dir = "cache"
-max_text_length = 32
-
-[[data.datasets]]
-path = "{images}"
-
+RUN_REST = """
 [lora]
 rank = 4
 targets = "attention"
@@ -50,7 +39,7 @@ def images(tmp_path_factory):
 
 def write_config(tmp_path, model, images, lora_extra="") -> str:
     p = tmp_path / "run.toml"
-    p.write_text(RUN.format(model=model, images=images, lora_extra=lora_extra))
+    p.write_text(tiny_run_toml(model, images, RUN_REST.format(lora_extra=lora_extra)))
     return str(p)
 
 

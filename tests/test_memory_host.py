@@ -19,6 +19,7 @@ import torch
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, predict
+from leantune.models.tiny import wide_flux_transformer
 
 MiB = 2**20
 SLACK = 12 * MiB          # interpreter, allocator and bookkeeping noise allowed on top of a bound
@@ -58,22 +59,6 @@ class _Peak:
         return False
 
 
-def _wide_flux(n_single: int = 8):
-    """Real-class Flux at width 1024 (8 heads of 128), built on meta and filled with a constant, so
-    every page is touched and counts as resident, without the cost of a random init."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=n_single,
-                                       attention_head_dim=128, num_attention_heads=8, joint_attention_dim=64,
-                                       pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = torch.empty(p.shape, dtype=torch.bfloat16).fill_(0.01)
-    return model.requires_grad_(False).eval()
-
-
 def _singles(model) -> tuple[str, ...]:
     return tuple(n for n, _ in FLUX_SPEC.blocks(model) if n.startswith("single"))
 
@@ -88,7 +73,7 @@ def _sample(model) -> torch.Tensor:
 
 @pytest.fixture
 def wide():
-    model = _wide_flux()
+    model = wide_flux_transformer()
     yield model
     del model
     gc.collect()

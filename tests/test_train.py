@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_run_toml
 
 from leantune.config import load_config
 from leantune.demo import draw_shapes
@@ -15,20 +16,7 @@ from leantune.train.trainer import train
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_flux_lora_20_steps.json"
 
-RUN = """
-[model]
-path = "{model}"
-dtype = "fp32"
-
-[data]
-resolutions = [64]
-batch_size = 2
-cache_dir = "cache"
-max_text_length = 32
-
-[[data.datasets]]
-path = "{images}"
-trigger_word = "lnt"
+RUN_REST = """trigger_word = "lnt"
 caption_dropout = 0.2
 
 [lora]
@@ -62,7 +50,7 @@ def images(tmp_path_factory):
 
 def make_config(tmp_path, tiny_flux_dir, images, out="out", extra=()):
     p = tmp_path / "run.toml"
-    p.write_text(RUN.format(model=tiny_flux_dir, images=images, out=out))
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, RUN_REST.format(out=out)))
     return load_config(p, list(extra))
 
 

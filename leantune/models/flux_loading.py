@@ -255,10 +255,7 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
         return target if bfl_prefix is None else bfl_prefix + bfl_keys.bfl_name(target)
 
     if src.is_dir():
-        config = _read_json(src / "config.json")
-        _check_class(config, src / "config.json", ("FluxTransformer2DModel",), "Flux transformer")
-        files = _weight_files(src, "diffusion_pytorch_model")
-        ops = copy_ops(files.keys())
+        config, files, ops = _diffusers_folder(src, ("FluxTransformer2DModel",), "Flux transformer")
     else:
         files, prefix, shapes, meta = _single_file(src, "transformer", "Flux transformer")
         if bfl_keys.is_bfl(shapes):
@@ -288,6 +285,14 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
                            device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
 
 
+def _diffusers_folder(src: Path, classes: tuple[str, ...], what: str):
+    """A diffusers model folder: its checked config, weight files and identity key mapping."""
+    config = _read_json(src / "config.json")
+    _check_class(config, src / "config.json", classes, what)
+    files = _weight_files(src, "diffusion_pytorch_model")
+    return config, files, copy_ops(files.keys())
+
+
 def detect_variant(transformer, expected: str = "auto", source=None) -> str:
     """"dev" when the transformer has a guidance embedder (guidance-distilled), else "schnell".
 
@@ -310,10 +315,7 @@ def load_vae(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, device="
 
     src = _require(sources.vae, "vae")
     if src.is_dir():
-        config = _read_json(src / "config.json")
-        _check_class(config, src / "config.json", ("AutoencoderKL",), "VAE")
-        files = _weight_files(src, "diffusion_pytorch_model")
-        ops = copy_ops(files.keys())
+        config, files, ops = _diffusers_folder(src, ("AutoencoderKL",), "VAE")
     else:
         files, prefix, shapes, meta = _single_file(src, "vae", "VAE")
         config = cf.vae_config(shapes, meta, str(src))

@@ -130,6 +130,24 @@ def _randomize_zero_inits(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
 
+def wide_flux_transformer(n_single: int = 8):
+    """A real-class Flux at width 1024 (8 heads of 128, 1 double + `n_single` single blocks, 324 MiB
+    in bf16 for 8), built on meta and filled with a constant: every page is touched, so it counts as
+    resident memory, without the cost of a random init. For host-memory measurements, where blocks
+    must dwarf allocator noise."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=n_single,
+                                       attention_head_dim=128, num_attention_heads=8, joint_attention_dim=64,
+                                       pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = torch.empty(p.shape, dtype=torch.bfloat16).fill_(0.01)
+    return model.requires_grad_(False).eval()
+
+
 def vae(seed: int = 0, dtype: torch.dtype = torch.float32):
     from diffusers import AutoencoderKL
 
