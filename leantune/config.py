@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -83,9 +83,11 @@ class LoraConfig(Section):
 
 
 class TrainConfig(Section):
+    mode: Literal["lora", "full"] = "lora"     # "full": every (not excluded) transformer weight trains
     steps: int = Field(1000, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
-    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    # adamw8bit (bitsandbytes, CUDA): full mode only
+    optimizer: Literal["adamw", "adafactor", "adamw8bit"] = "adamw"
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -103,6 +105,26 @@ class TrainConfig(Section):
     keep_last: int = Field(3, ge=1)
     log_every: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class FullConfig(Section):
+    """[full]: full fine-tuning ([train] mode = "full"). See train/modes.py and train/fused_optim.py."""
+
+    # fnmatch patterns on diffusers parameter names ("transformer_blocks.3.attn.to_q.weight"):
+    # a parameter trains if it matches a `train` pattern and no `exclude` pattern.
+    train: list[str] = ["*"]
+    exclude: list[str] = []
+    state_dtype: Literal["fp32", "bf16"] = "fp32"     # AdamW moments (bf16: stochastically rounded)
+    stochastic_rounding: bool = True                  # bf16 weights: round updates stochastically
+    master_weights: bool = False                      # fp32 copies of bf16 weights on the host
+    grad_clip: Literal["parameter", "none"] = "parameter"   # max_grad_norm per parameter, not global
+
+    @field_validator("train")
+    @classmethod
+    def _some_pattern(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("needs at least one pattern (\"*\" trains every weight)")
+        return v
 
 
 class MemoryConfig(Section):
@@ -154,6 +176,7 @@ class RunConfig(Section):
     model: ModelConfig
     data: DataConfig
     lora: LoraConfig = LoraConfig()
+    full: FullConfig = FullConfig()
     train: TrainConfig = TrainConfig()
     memory: MemoryConfig = MemoryConfig()
     sample: SampleConfig = SampleConfig()
@@ -161,6 +184,44 @@ class RunConfig(Section):
 
     # Where relative paths in the file are resolved from (the TOML file's folder).
     base_dir: str = Field(".", exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _full_mode_formats(cls, data):
+        """Full mode writes the BFL / ComfyUI single file unless [output] formats asks for more: a
+        diffusers folder is a second copy of the whole model on disk."""
+        if isinstance(data, dict) and isinstance(data.get("train"), dict) and data["train"].get("mode") == "full":
+            out = data.get("output")
+            if isinstance(out, dict) and "formats" not in out:
+                data = {**data, "output": {**out, "formats": ["comfyui"]}}
+            elif out is None:
+                data = {**data, "output": {"formats": ["comfyui"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _mode_sections(self):
+        """A [lora] key in full mode, a [full] key in LoRA mode, fp8 over trainable weights, an
+        optimizer the mode lacks: each is an error that names the key (they would be ignored or fail
+        late otherwise)."""
+        mode = self.train.mode
+        if mode == "full":
+            if self.lora.model_fields_set:
+                key = sorted(self.lora.model_fields_set)[0]
+                raise ValueError(f"[lora] {key}: set, but [train] mode = \"full\" trains the weights themselves, "
+                                 f"not an adapter; remove the [lora] section (or set [train] mode = \"lora\")")
+            if self.memory.fp8 and not self.full.exclude:
+                raise ValueError("[memory] fp8 = true with [train] mode = \"full\": fp8 storage holds frozen weights "
+                                 "only and every weight trains; set [memory] fp8 = false, or freeze a part with "
+                                 "[full] exclude (only frozen block Linears are stored in fp8)")
+        else:
+            if self.full.model_fields_set:
+                key = sorted(self.full.model_fields_set)[0]
+                raise ValueError(f"[full] {key}: set, but [train] mode = \"lora\"; set [train] mode = \"full\" "
+                                 f"or remove the [full] section")
+            if self.train.optimizer not in ("adamw", "adafactor"):
+                raise ValueError(f"[train] optimizer = {self.train.optimizer!r} is for [train] mode = \"full\"; "
+                                 f"LoRA training uses \"adamw\" or \"adafactor\"")
+        return self
 
     def resolve(self, path: str | None) -> Path | None:
         """A path from the config, relative to the TOML file's folder."""
@@ -223,6 +284,8 @@ def error_messages(err: ValidationError, source: str, root: type[BaseModel] | No
                 close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
                 hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
             out.append(f"{source}: {section}: unknown key '{key}'{hint}")
+        elif not loc and e["type"] == "value_error":      # a cross-section check: its message names the keys
+            out.append(f"{source}: {e['msg'].removeprefix('Value error, ')}")
         elif e["type"] == "missing":
             out.append(f"{source}: {section}: missing required key '{key}'")
         else:

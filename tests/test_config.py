@@ -117,7 +117,7 @@ def test_every_config_key_is_documented():
 
     doc = (ROOT / "docs" / "config.md").read_text()
     sections = {"model": c.ModelConfig, "data": c.DataConfig, "data.datasets": c.DatasetConfig,
-                "lora": c.LoraConfig, "train": c.TrainConfig, "memory": c.MemoryConfig,
+                "lora": c.LoraConfig, "full": c.FullConfig, "train": c.TrainConfig, "memory": c.MemoryConfig,
                 "sample": c.SampleConfig, "output": c.OutputConfig}
     for name, model in sections.items():
         heading = f"## [[{name}]]" if name == "data.datasets" else f"## [{name}]"
@@ -125,3 +125,25 @@ def test_every_config_key_is_documented():
         body = doc.split(heading, 1)[1].split("\n## ", 1)[0]
         for key in model.model_fields:
             assert f"| `{key}` |" in body, f"{heading}: {key} is not documented"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[train]\nmode = \"full\"\n[lora]\nrank = 8\n", r"\[lora\] rank: set, but \[train\] mode = \"full\""),
+    ("[full]\nexclude = [\"x_embedder.*\"]\n", r"\[full\] exclude: set, but \[train\] mode = \"lora\""),
+    ("[train]\nmode = \"full\"\n[memory]\nfp8 = true\n", r"\[memory\] fp8 = true with \[train\] mode = \"full\""),
+    ("[train]\noptimizer = \"adamw8bit\"\n", r"\[train\] optimizer = 'adamw8bit' is for \[train\] mode = \"full\""),
+])
+def test_wrong_mode_combinations_name_the_key(tmp_path, extra, message):
+    p = write(tmp_path, MINIMAL + extra)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(p)
+    assert str(p) in str(e.value)
+
+
+def test_full_mode_defaults_to_the_single_file_export_and_allows_a_frozen_fp8_part(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "[train]\nmode = \"full\"\n"))
+    assert cfg.train.mode == "full" and cfg.output.formats == ["comfyui"] and cfg.full.train == ["*"]
+    cfg = load_config(write(tmp_path, MINIMAL + "[train]\nmode = \"full\"\n[output]\nformats = [\"comfyui\", \"diffusers\"]\n"
+                                       "[full]\nexclude = [\"single_transformer_blocks.*\"]\n[memory]\nfp8 = true\n"))
+    assert cfg.output.formats == ["comfyui", "diffusers"] and cfg.memory.fp8
+    assert load_config(write(tmp_path, MINIMAL)).output.formats == ["comfyui", "diffusers"]   # LoRA: unchanged

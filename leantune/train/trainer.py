@@ -21,9 +21,10 @@ import torch
 from ..config import RunConfig
 from ..models.flux import FLUX_SPEC, pack_latents, predict
 from . import flow_matching as fm
-from .optim import build_optimizer, build_scheduler
+from .modes import make_mode
+from .optim import build_scheduler
 from ..memory.planner import NoPlanFits
-from .state import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .state import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 log = logging.getLogger("leantune")
 
@@ -96,6 +97,7 @@ class Trainee:
     guard: object | None = None    # leantune.memory.planner.OomGuard when planning from a budget
     calibrator: object | None = None
     last_bucket: tuple[int, int] | None = None
+    mode: object = None            # leantune.train.modes: LoraMode or FullMode
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -173,7 +175,7 @@ class StopRequest:
 
 
 def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainResult:
-    """Train a LoRA as `cfg` says. `stop_after` ends early after that many optimizer steps (tests)."""
+    """Train as `cfg` says (a LoRA, or the whole model with [train] mode = "full"). `stop_after` ends early after that many optimizer steps (tests)."""
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
     setup_logging(paths)
     torch.manual_seed(cfg.train.seed)
@@ -214,7 +216,7 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
         raise
     except NoPlanFits:
         log.error("no memory plan fits: saving a resumable state at step %d", step)
-        t.optimizer.zero_grad(set_to_none=True)
+        t.mode.drop_partial_step(t)
         _save(t, cfg, paths, step, losses, intermediate=True)
         raise
     finally:
@@ -226,26 +228,19 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     result.losses = losses
     result.lora_files = _save(t, cfg, paths, step, losses, intermediate=step < cfg.train.steps)
     _finish(paths, losses, monitor, writer)
+    t.mode.close(t)
     if t.memory is not None:
         t.memory.release()          # pinned buffers, slots and the staging thread go now, not at exit
     return result
 
 
 def train_step(t: Trainee, cfg: RunConfig) -> float:
-    """One optimizer step over `gradient_accumulation` micro-batches; returns the mean loss."""
+    """One optimizer step over `gradient_accumulation` micro-batches (the mode runs them and
+    steps); returns the mean loss."""
     t.transformer.train()
-    t.optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    accum = cfg.train.gradient_accumulation
-    for _ in range(accum):
-        batch = next(t.batches)
-        loss = forward_backward(t, cfg, batch, scale=1.0 / accum)
-        total += loss
-    if cfg.train.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(t.params, cfg.train.max_grad_norm)
-    t.optimizer.step()
+    loss = t.mode.step(t, lambda scale: forward_backward(t, cfg, next(t.batches), scale=scale))
     t.scheduler.step()
-    return total / accum
+    return loss
 
 
 def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> float:
@@ -277,7 +272,6 @@ def _autocast(cfg: RunConfig, device: torch.device):
 def _build(cfg: RunConfig) -> Trainee:
     from ..data.cache import model_dtype, prepare_caches
     from ..models.flux_loading import detect_variant, load_transformer, resolve_sources
-    from .lora import add_lora, load_lora_into_model, read_lora
 
     device = pick_device(cfg)
     dtype = model_dtype(cfg)
@@ -286,24 +280,15 @@ def _build(cfg: RunConfig) -> Trainee:
     transformer = load_transformer(sources, dtype=dtype, device="cpu")
     variant = detect_variant(transformer)
     log.info("model: Flux.1-%s from %s (%s)", variant, sources.transformer, cfg.model.dtype)
-    transformer.requires_grad_(False)
-    params = add_lora(transformer, FLUX_SPEC, cfg.lora)
-    if cfg.lora.init_from:
-        try:
-            weights = read_lora(cfg.resolve(cfg.lora.init_from))
-        except (ValueError, FileNotFoundError) as e:    # same type, with the key that named the file
-            raise type(e)(f"[lora] init_from: {e}") from None
-        load_lora_into_model(transformer, weights, "default")
-    plan, memory, planner, budget = _apply_memory(cfg, transformer, device)
-    optimizer = build_optimizer(params, cfg.train)
+    mode = make_mode(cfg)
+    params = mode.prepare(transformer, FLUX_SPEC)
+    plan, memory, planner, budget = _apply_memory(cfg, transformer, device, mode)
+    optimizer = mode.build_optimizer(params)
     scheduler = build_scheduler(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
     batches = data.batches(seed=cfg.train.seed)
-    n_params = sum(p.numel() for p in params)
-    log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", cfg.lora.rank,
-             cfg.lora.effective_alpha, cfg.lora.targets, len(params), n_params / 1e6)
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
-                sources)
+                sources, mode=mode)
     if planner is not None:
         from ..memory.planner import CalibrationStore, OomGuard, PlanCalibrator
 
@@ -312,7 +297,7 @@ def _build(cfg: RunConfig) -> Trainee:
     return t
 
 
-def _apply_memory(cfg: RunConfig, transformer, device) -> tuple:
+def _apply_memory(cfg: RunConfig, transformer, device, mode) -> tuple:
     """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
 
     Returns (plan, handle, planner, budget); planner and budget are None without a budget.
@@ -328,7 +313,7 @@ def _apply_memory(cfg: RunConfig, transformer, device) -> tuple:
     else:
         plan = resolve_plan(cfg.memory, FLUX_SPEC, transformer)
     log.info("memory plan: %s", plan.describe())
-    return plan, apply_memory(transformer, FLUX_SPEC, plan, device), planner, budget
+    return plan, apply_memory(transformer, FLUX_SPEC, plan, device, **mode.memory_options()), planner, budget
 
 
 def _replan(t: Trainee, plan) -> None:
@@ -336,11 +321,11 @@ def _replan(t: Trainee, plan) -> None:
     host first so nothing is ever duplicated on the GPU, partial gradients are dropped."""
     from ..memory.engine import apply_memory
 
-    t.optimizer.zero_grad(set_to_none=True)
+    t.mode.drop_partial_step(t)
     if t.memory is not None:
         t.memory.remove(device="cpu")
     t.plan = plan
-    t.memory = apply_memory(t.transformer, FLUX_SPEC, plan, t.device)
+    t.memory = apply_memory(t.transformer, FLUX_SPEC, plan, t.device, **t.mode.memory_options())
     log.info("memory plan now: %s", plan.describe())
 
 
@@ -381,10 +366,8 @@ def _calibrate(t: Trainee, seconds: float, report: dict) -> None:
 
 
 def _training_state(t: Trainee, losses: list[float]) -> dict:
-    trainable = {n: p.detach() for n, p in t.transformer.named_parameters() if p.requires_grad}
     return {
-        "trainable": trainable,
-        "optimizer": t.optimizer.state_dict(),
+        **t.mode.state(t),                         # "trainable" weights and "optimizer" state
         "scheduler": t.scheduler.state_dict(),     # lr_lambdas are plain functions: stored as None
         "rng": rng_state(t.generator),
         "data": t.batches.state_dict(),
@@ -397,12 +380,7 @@ def _resume(t: Trainee, paths: RunPaths) -> tuple[int, list[float]]:
     if ckpt is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {paths.checkpoints}")
     step, state = load_checkpoint(ckpt)
-    named = dict(t.transformer.named_parameters())
-    _check_resumable(ckpt, state["trainable"], named)
-    with torch.no_grad():
-        for n, v in state["trainable"].items():
-            named[n].copy_(v.to(named[n].device, named[n].dtype))
-    t.optimizer.load_state_dict(state["optimizer"])
+    t.mode.load_state(t, state, ckpt)
     t.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], t.generator)
     t.batches.load_state_dict(state["data"])
@@ -410,58 +388,15 @@ def _resume(t: Trainee, paths: RunPaths) -> tuple[int, list[float]]:
     return step, list(state["losses"])
 
 
-def _check_resumable(ckpt: Path, saved: dict, named: dict) -> None:
-    """The saved trainable weights must be exactly this run's: same names, same shapes. A run
-    resumed with another [lora] rank, targets or blocks is refused with the key that differs."""
-    hint = "it was saved with other [lora] settings (rank, targets, blocks); restore them or start a new [output] dir"
-    missing = [n for n in saved if n not in named]
-    if missing:
-        raise CheckpointError(f"{ckpt}: checkpoint has weights this model lacks, e.g. {missing[0]!r}: {hint}")
-    for n, v in saved.items():
-        if tuple(v.shape) != tuple(named[n].shape):
-            raise CheckpointError(f"{ckpt}: weight {n!r} has shape {tuple(v.shape)} in the checkpoint but "
-                                  f"{tuple(named[n].shape)} in this run: {hint}")
-    extra = [n for n, p in named.items() if p.requires_grad and n not in saved]
-    if extra:
-        raise CheckpointError(f"{ckpt}: checkpoint lacks trainable weights of this run, e.g. {extra[0]!r}: {hint}")
-
-
 def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[float], intermediate: bool) -> list[Path]:
-    """Resumable state (always) and the LoRA files (per-step names while training, final at the end)."""
+    """Resumable state (always) and the mode's files (per-step names while training, final at the end)."""
     from ..io import atomic_write_json
-    from .lora import lora_weights_from_model, save_lora
 
     save_checkpoint(paths.checkpoints, step, _training_state(t, losses), keep_last=cfg.train.keep_last)
     atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
-    weights = lora_weights_from_model(t.transformer)
-    files = []
-    for fmt in cfg.output.formats:
-        path = paths.lora_file(fmt, step if intermediate else None)
-        save_lora(weights, path, fmt, metadata=_lora_metadata(cfg, step))
-        files.append(path)
-    if intermediate:
-        _prune_lora_files(paths, cfg)
+    files = t.mode.export(t, paths, step, intermediate)
     log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
     return files
-
-
-def _prune_lora_files(paths: RunPaths, cfg: RunConfig) -> None:
-    for fmt in cfg.output.formats:
-        found = sorted(paths.root.glob(f"{paths.name}-step*_{fmt}.safetensors"))
-        for old in found[:-cfg.train.keep_last]:
-            old.unlink(missing_ok=True)
-
-
-def _lora_metadata(cfg: RunConfig, step: int) -> dict:
-    return {
-        "ss_network_module": "networks.lora_flux", "ss_network_dim": cfg.lora.rank,
-        "ss_network_alpha": cfg.lora.effective_alpha, "ss_base_model_version": "flux1",
-        "ss_output_name": cfg.output.name, "ss_steps": step, "ss_learning_rate": cfg.train.learning_rate,
-        "ss_optimizer": cfg.train.optimizer, "ss_lr_scheduler": cfg.train.lr_scheduler,
-        "ss_resolution": ",".join(str(r) for r in cfg.data.resolutions), "ss_seed": cfg.train.seed,
-        "ss_timestep_sampling": cfg.train.timestep_sampling, "ss_guidance_scale": cfg.train.guidance,
-        "leantune_targets": cfg.lora.targets,
-    }
 
 
 # -- logging, samples, plots ---------------------------------------------------------------------------
