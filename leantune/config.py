@@ -118,6 +118,7 @@ class FullConfig(Section):
     stochastic_rounding: bool = True                  # bf16 weights: round updates stochastically
     master_weights: bool = False                      # fp32 copies of bf16 weights on the host
     grad_clip: Literal["parameter", "none"] = "parameter"   # max_grad_norm per parameter, not global
+    save_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"    # dtype of the exported model files
 
     @field_validator("train")
     @classmethod

@@ -105,6 +105,57 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
     return atomic_write(path, lambda tmp: save_file(clean, str(tmp), metadata=meta))
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def save_safetensors_streamed(path: str | Path, layout: list[tuple[str, tuple[int, ...], torch.dtype]],
+                              chunks, metadata: dict[str, str] | None = None) -> Path:
+    """Atomic safetensors save without holding the tensors in memory at once.
+
+    `layout` lists (key, shape, dtype) in file order, so the header can be written first; `chunks`
+    then yields {key: tensor} dicts (a block at a time) covering the layout in that order. Each
+    tensor is written from its own memory (moved to CPU alone if it lives elsewhere), so host RAM
+    holds at most one chunk beyond what the caller already has: safetensors' own `save_file`
+    serializes every tensor to bytes first, a second copy of a whole model.
+    """
+    import struct
+
+    header: dict = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}} if metadata else {}
+    offset = 0
+    for key, shape, dtype in layout:
+        n = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    expected = iter(layout)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for chunk in chunks:
+                for key, t in chunk.items():
+                    want, shape, dtype = next(expected)
+                    if key != want or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                        raise ValueError(f"{path}: tensor {key!r} {tuple(t.shape)} {t.dtype} does not match the "
+                                         f"header entry {want!r} {tuple(shape)} {dtype}")
+                    f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            if next(expected, None) is not None:
+                raise ValueError(f"{path}: fewer tensors were written than the header lists")
+
+    return atomic_write(path, write)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 def load_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Load tensors and the header metadata. Refuses pickle files; names the file on a corrupt header."""
     from safetensors import safe_open

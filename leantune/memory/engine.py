@@ -226,7 +226,7 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
 
 def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str = "cpu", *,
                  fp8_scales: Mapping[str, torch.Tensor] | None = None,
-                 offload_min_bytes: int = MIN_OFFLOAD_BYTES) -> MemoryHandle:
+                 offload_min_bytes: int = MIN_OFFLOAD_BYTES, streaming_engine=None) -> MemoryHandle:
     """Apply the plan to `model` (adapters already added) and move it to `device`, except the
     streamed weights, which stay in host memory and visit the device in ring slots.
 
@@ -235,6 +235,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     `weight_scale` buffer as the scale. `fp8_scales`: scales for e4m3 weights that carry no such
     buffer, by qualified Linear name (see fp8.apply_fp8_storage).
     `offload_min_bytes`: with checkpointing = "offload", smaller saved block inputs stay on the device.
+    `streaming_engine`: a StreamingEngine subclass (full fine-tuning streams trainable weights with
+    memory/trainable_streaming.py's).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -249,7 +251,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
         streaming = bool(plan.streamed_blocks) or plan.stream_non_blocks
         if streaming:                                                    # 3. streaming (inner wrapper)
             handle.streaming = apply_streaming(model, spec, plan, device,
-                                               checkpointed=plan.checkpointing != "none", mode=mode)
+                                               checkpointed=plan.checkpointing != "none", mode=mode,
+                                               **({"engine_cls": streaming_engine} if streaming_engine else {}))
         if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",
                                                        offload_min_bytes=offload_min_bytes)

@@ -164,7 +164,8 @@ class _Unit:
     refs: int = 0
 
     def trainable(self) -> bool:
-        return any(p.requires_grad for p in self.adapter_params)
+        return any(p.requires_grad for p in self.adapter_params) or any(
+            kind == "param" and m._parameters[attr].requires_grad for e in self.entries for m, kind, attr in e.owners)
 
 
 @dataclass(eq=False)
@@ -335,7 +336,13 @@ def _dedupe(seq: list) -> list:
 # -- the schedule --------------------------------------------------------------------------------------
 
 class StreamingEngine:
-    """Owns the slots and decides when each unit is copied, waited on, held and released."""
+    """Owns the slots and decides when each unit is copied, waited on, held and released.
+
+    Moves frozen weights only; memory/trainable_streaming.py subclasses it (`trains_weights`) to
+    write updated weights back through the `_retire` and `_drain` hooks.
+    """
+
+    trains_weights = False
 
     def __init__(self, units: list[_Unit], slots: list[_Slot], backend: _Backend, plan: Plan, mode: RunMode):
         self.units, self.slots, self.backend, self.mode = units, slots, backend, mode
@@ -420,7 +427,11 @@ class StreamingEngine:
         if unit.refs:
             return
         self.held -= 1
-        slot = self.slots[unit.slot]
+        self._retire(unit, self.slots[unit.slot])
+        self._prefetch()
+
+    def _retire(self, unit: _Unit, slot: _Slot) -> None:
+        """A unit's last hold ended: poison its slot (debug) and mark when the slot may be refilled."""
         stream = self.backend.compute_stream()
         if self.poison:
             slot.buf.fill_(POISON_BYTE)               # on the compute stream, after every use
@@ -429,7 +440,9 @@ class StreamingEngine:
             if slot.free_event is None:
                 slot.free_event = self.backend.event()
             slot.free_event.record(stream)
-        self._prefetch()
+
+    def _drain(self) -> None:
+        """Wait for copies other than the H2D fetches (none here; write-backs in the subclass)."""
 
     def _make_resident(self, unit: _Unit) -> None:
         slot = self.slots[unit.slot]
@@ -658,8 +671,10 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GB" if n >= 2**30 else (f"{n / 2**20:.0f} MB" if n >= 2**20 else f"{n / 2**10:.0f} KB")
 
 
-def _collect(modules: list[nn.Module], unit_name: str) -> tuple[list[_Entry], list[nn.Parameter], int]:
-    """The frozen tensors of a unit, laid out in one buffer; and its adapter parameters."""
+def _collect(modules: list[nn.Module], unit_name: str, trainable_ok: bool = False
+             ) -> tuple[list[_Entry], list[nn.Parameter], int]:
+    """The frozen tensors of a unit (and its trainable ones if `trainable_ok`), laid out in one
+    buffer; and its adapter parameters."""
     by_id: dict[int, _Entry] = {}
     entries: list[_Entry] = []
     adapters: list[nn.Parameter] = []
@@ -677,7 +692,7 @@ def _collect(modules: list[nn.Module], unit_name: str) -> tuple[list[_Entry], li
                     if id(t) in by_id:
                         by_id[id(t)].owners.append((m, kind, attr))
                         continue
-                    if kind == "param" and t.requires_grad:
+                    if kind == "param" and t.requires_grad and not trainable_ok:
                         raise ValueError(
                             f"memory.streamed_blocks: {unit_name}.{mname + '.' if mname else ''}{attr} is trainable; "
                             f"streaming moves frozen weights only (LoRA bases, sampling). Stream fewer blocks "
@@ -719,7 +734,8 @@ def _pack(host: torch.Tensor, entries: list[_Entry]) -> None:
 
 
 def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str, *,
-                    checkpointed: bool = False, mode: RunMode | None = None) -> StreamingHandle:
+                    checkpointed: bool = False, mode: RunMode | None = None,
+                    engine_cls: type[StreamingEngine] = StreamingEngine) -> StreamingHandle:
     """Stream the plan's blocks (and optionally the non-block group) of `model` onto `device`.
 
     Call after fp8 storage and adapters, before checkpointing wraps the blocks. Streamed tensors end
@@ -748,7 +764,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
 
     # Every unit is checked (trainable weights) before the first one is packed: a refused plan
     # leaves the model untouched.
-    layouts = [(name, mods, ckpt, *_collect(mods, name)) for name, mods, ckpt in groups]
+    layouts = [(name, mods, ckpt, *_collect(mods, name, engine_cls.trains_weights)) for name, mods, ckpt in groups]
     pin = backend.cuda and plan.pin_memory
     units: list[_Unit] = []
     for index, (name, mods, ckpt, entries, adapters, nbytes) in enumerate(layouts):
@@ -772,7 +788,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
         for e in u.entries:
             _point(e, _view(slots[u.slot].buf, e))
 
-    engine = StreamingEngine(units, slots, backend, plan, mode)
+    engine = engine_cls(units, slots, backend, plan, mode)
     wrapped = []
     for u in units:
         for m in u.modules:
@@ -789,6 +805,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
 def _quiesce(engine: StreamingEngine) -> None:
     """Wait until no copy reads a host buffer or writes a slot: the stager has issued everything it
     was given, and an event recorded after the last copy on the copy stream has completed."""
+    engine._drain()
     if engine.stager is not None:
         engine.stager.close()
         engine.stager = None

@@ -1,0 +1,143 @@
+"""Streaming of trainable weights (full fine-tuning): streamed blocks that also come back updated.
+
+Reuses streaming.py's machinery (packed host buffers, ring slots, copy stream, events, holds,
+poison) and adds what trainable weights need:
+
+- A streamed block's trainable weights *and their optimizer state* (the `ParamState` buffers that
+  train/fused_optim.py registers under each weight's module) are packed into the block's host
+  buffer, so one H2D copy brings both for the forward, again for the recompute/backward.
+- The optimizer step runs inside the block's backward hold (train/in_backward.py), on the device,
+  while the block is resident; each stepped weight marks its unit dirty.
+- When a dirty unit's last hold ends, its slot is copied back D2H into the host buffer on a second
+  copy stream (the write-back stream), after an event recorded on the compute stream; the slot's
+  `free_event` becomes the write-back's completion event, so the next H2D fetch into that slot
+  (on the copy stream) waits for it: the slot is never refilled before its update is saved. Poison
+  (debug) fills the slot on the write-back stream after the copy. No device-wide synchronize.
+- A unit acquired again while its write-back may still run (its slot still valid) makes the
+  compute stream wait on that write-back before the next update.
+- On CPU the same path runs with the CPU slot emulation (copies are synchronous), so CI tests it.
+
+The host buffer is the authoritative copy of a streamed weight between steps: `WeightAccess`
+reads and writes weights and optimizer state there (checkpoints, resume, export) after waiting for
+pending write-backs, and invalidates the slots after a write so nothing stale is reused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .streaming import POISON_BYTE, StreamingEngine, _Slot, _Unit, _view
+
+
+class TrainableStreamingEngine(StreamingEngine):
+    trains_weights = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        be = self.backend
+        self.writeback_stream = torch.cuda.Stream(be.device) if be.cuda else None
+        self.dirty: set[int] = set()                  # id(unit) stepped since its last write-back
+        self.written: dict[int, object] = {}         # id(unit) -> write-back completion event (CUDA)
+        self.unit_of: dict[int, _Unit] = {}          # id(trainable Parameter) -> its unit
+        for u in self.units:
+            for e in u.entries:
+                for m, kind, attr in e.owners:
+                    if kind == "param" and m._parameters[attr].requires_grad:
+                        self.unit_of[id(m._parameters[attr])] = u
+        self.bytes_d2h = 0
+
+    def mark_stepped(self, p: nn.Parameter) -> None:
+        """`p` was updated in place (in its slot): its unit must be written back before reuse."""
+        u = self.unit_of.get(id(p))
+        if u is not None:
+            self.dirty.add(id(u))
+
+    # -- hooks of StreamingEngine ------------------------------------------------------------------
+    def _retire(self, unit: _Unit, slot: _Slot) -> None:
+        if id(unit) not in self.dirty:
+            return super()._retire(unit, slot)
+        self.dirty.discard(id(unit))
+        n = unit.nbytes
+        self.bytes_d2h += n
+        be = self.backend
+        if not be.cuda:
+            unit.host[:n].copy_(slot.buf[:n])
+            if self.poison:
+                slot.buf.fill_(POISON_BYTE)
+                slot.valid = False
+            return
+        used = be.event()
+        used.record(be.compute_stream())             # every update of the slot is issued before this
+        wb = self.writeback_stream
+        with torch.cuda.stream(wb):
+            wb.wait_event(used)
+            unit.host[:n].copy_(slot.buf[:n], non_blocking=unit.pinned)
+            if self.poison:
+                slot.buf.fill_(POISON_BYTE)
+                slot.valid = False
+            done = be.event()
+            done.record(wb)
+        slot.free_event = done
+        self.written[id(unit)] = done
+
+    def _make_resident(self, unit: _Unit) -> None:
+        done = self.written.pop(id(unit), None)
+        if done is not None:
+            self.backend.compute_stream().wait_event(done)
+        super()._make_resident(unit)
+
+    def _drain(self) -> None:
+        for done in self.written.values():
+            done.synchronize()
+        self.written.clear()
+
+    # -- host access -------------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Host buffers were written: no slot may be reused without a fresh fetch."""
+        for s in self.slots:
+            s.valid = False
+
+    def report(self, wait: bool = False) -> dict:
+        out = super().report(wait)
+        out["bytes_d2h"], self.bytes_d2h = self.bytes_d2h, 0
+        return out
+
+
+class WeightAccess:
+    """The authoritative tensor of each parameter or buffer of a model under the memory engine:
+    the host-buffer view for streamed ones (after pending write-backs finished), the tensor itself
+    otherwise. Reading streamed weights this way costs no copy of the model."""
+
+    def __init__(self, memory_handle=None):
+        self.engine = None
+        self.views: dict[tuple[int, str], torch.Tensor] = {}
+        streaming = getattr(memory_handle, "streaming", None) if memory_handle is not None else None
+        if streaming is not None:
+            self.engine = streaming.engine
+            for u in streaming.units:
+                for e in u.entries:
+                    for m, _, attr in e.owners:
+                        self.views[(id(m), attr)] = _view(u.host, e)
+        self.synced = False
+
+    def _sync(self) -> None:
+        if self.engine is not None and not self.synced:
+            self.engine._drain()
+            self.synced = True
+
+    def get(self, module: nn.Module, attr: str) -> torch.Tensor:
+        view = self.views.get((id(module), attr))
+        if view is not None:
+            self._sync()
+            return view
+        t = module._parameters.get(attr)
+        if t is None:
+            t = module._buffers[attr]
+        return t.detach()
+
+    def set(self, module: nn.Module, attr: str, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.get(module, attr).copy_(value)
+        if (id(module), attr) in self.views and isinstance(self.engine, TrainableStreamingEngine):
+            self.engine.invalidate()

@@ -1,0 +1,148 @@
+"""Full fine-tuning ([train] mode = "full"): every selected transformer weight trains.
+
+- What trains: the parameters whose diffusers name matches a `[full] train` pattern and no
+  `[full] exclude` pattern (fnmatch); the rest is frozen (and may use fp8 storage).
+- The step: inside backward, per parameter (train/in_backward.py, train/fused_optim.py); the
+  trainer's `optimizer` is the FusedOptimizer, whose `step()` only closes the step.
+- Streamed blocks: the memory engine gets memory/trainable_streaming.py's engine, which brings a
+  block's weights and optimizer state to the device together and writes them back updated.
+- Resumable state: weights and optimizer state tensors by name, read from where they live (host
+  buffers for streamed blocks, no copy); scalars (step counts, RNG of stochastic rounding).
+- Export: the whole transformer as a BFL / ComfyUI single file, written block by block
+  (train/full_export.py), and a diffusers folder on request.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from .fused_optim import FusedOptimizer, _owner
+from .in_backward import InBackwardStep
+from .modes import check_resumable
+
+log = logging.getLogger("leantune")
+
+
+def select_trainable(model: torch.nn.Module, train: list[str], exclude: list[str]) -> dict[str, torch.nn.Parameter]:
+    """The parameters `[full] train` / `exclude` select, by diffusers name, in model order."""
+    out = {}
+    for name, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pat) for pat in train) and not any(
+                fnmatch.fnmatchcase(name, pat) for pat in exclude):
+            out[name] = p
+    return out
+
+
+class FullMode:
+    name = "full"
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.model = None
+        self.named: dict[str, torch.nn.Parameter] = {}
+        self.optimizer: FusedOptimizer | None = None
+        self.stepper: InBackwardStep | None = None
+        self.memory = None
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
+        cfg, full = self.cfg, self.cfg.full
+        named = select_trainable(transformer, full.train, full.exclude)
+        if not named:
+            raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight of the "
+                             f"transformer; names look like 'transformer_blocks.0.attn.to_q.weight'")
+        transformer.requires_grad_(False)
+        for p in named.values():
+            p.requires_grad_(True)
+        self.model, self.named = transformer, named
+        tc = cfg.train
+        self.optimizer = FusedOptimizer(transformer, named, tc.optimizer, lr=tc.learning_rate, betas=tc.betas,
+                                        eps=tc.eps, weight_decay=tc.weight_decay, state_dtype=full.state_dtype,
+                                        stochastic_rounding=full.stochastic_rounding,
+                                        master_weights=full.master_weights, seed=tc.seed)
+        clip = tc.max_grad_norm if full.grad_clip == "parameter" else 0.0
+        self.stepper = InBackwardStep(self.optimizer, list(named.values()), accumulation=tc.gradient_accumulation,
+                                      max_grad_norm=clip, on_step=self._stepped)
+        n = sum(p.numel() for p in named.values())
+        total = sum(p.numel() for p in transformer.parameters())
+        log.info("full fine-tune: %d of %d tensors, %.1fM of %.1fM parameters train; optimizer %s (state %s%s), "
+                 "step inside backward", len(named), sum(1 for _ in transformer.parameters()), n / 1e6, total / 1e6,
+                 tc.optimizer, full.state_dtype, ", fp32 master weights on host" if full.master_weights else "")
+        return list(named.values())
+
+    def memory_options(self) -> dict:
+        from ..memory.trainable_streaming import TrainableStreamingEngine
+
+        return {"streaming_engine": TrainableStreamingEngine}
+
+    def build_optimizer(self, params) -> FusedOptimizer:
+        return self.optimizer
+
+    def _stepped(self, p: torch.nn.Parameter) -> None:
+        streaming = getattr(self.memory, "streaming", None)
+        if streaming is not None:
+            streaming.engine.mark_stepped(p)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, t, micro_batch) -> float:
+        self.memory = t.memory
+        accum = self.cfg.train.gradient_accumulation
+        self.stepper.begin_step()
+        total = 0.0
+        for i in range(accum):
+            self.stepper.micro = i
+            total += micro_batch(1.0 / accum)
+        self.stepper.finish_step()
+        t.optimizer.step()
+        return total / accum
+
+    def drop_partial_step(self, t) -> None:
+        self.stepper.drop_partial()
+
+    # -- resumable state -----------------------------------------------------------------------------
+    def _access(self, t):
+        from ..memory.trainable_streaming import WeightAccess
+
+        return WeightAccess(t.memory)
+
+    def state(self, t) -> dict:
+        access = self._access(t)
+        weights, tensors = {}, {}
+        for n in self.named:
+            owner, attr = _owner(self.model, n)
+            weights[n] = access.get(owner, attr)
+            holder = self.optimizer.holders[n]
+            st = {k: access.get(holder, k) for k in holder.tensors()}
+            if n in self.optimizer.masters:
+                st["master"] = self.optimizer.masters[n]
+            tensors[n] = st
+        return {"trainable": weights, "optimizer": {"scalars": self.optimizer.state_dict(), "tensors": tensors}}
+
+    def load_state(self, t, state: dict, ckpt: Path) -> None:
+        check_resumable(ckpt, state["trainable"], dict(self.model.named_parameters()), "[full] train / exclude")
+        access = self._access(t)
+        for n, v in state["trainable"].items():
+            owner, attr = _owner(self.model, n)
+            access.set(owner, attr, v)
+        for n, st in state["optimizer"]["tensors"].items():
+            holder = self.optimizer.holders[n]
+            for k, v in st.items():
+                if k == "master":
+                    self.optimizer.masters[n].copy_(v)
+                else:
+                    access.set(holder, k, v)
+        self.optimizer.load_state_dict(state["optimizer"]["scalars"])
+
+    # -- exported files ----------------------------------------------------------------------------------
+    def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
+        from .full_export import export_full_model
+
+        return export_full_model(self, t, paths, step, intermediate)
+
+    def close(self, t) -> None:
+        self.stepper.remove()

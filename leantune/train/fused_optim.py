@@ -1,0 +1,266 @@
+"""Per-parameter optimizer steps for full fine-tuning, run inside backward.
+
+Why per parameter: the step for a weight runs as soon as its gradient is complete (train/
+in_backward.py calls `step_param` from a post-accumulate-grad hook), while a streamed block's
+weights are on the device, and the gradient is freed right after, so the gradients of the whole
+model never exist at once. A torch optimizer steps all its parameters together; here each
+parameter carries its own state.
+
+Where the state lives: in a small `ParamState` module registered as a child of the module that
+owns the weight (`<module>.<attr>_optstate`), with non-persistent buffers. The memory engine then
+treats the state like the weights it belongs to: a resident block's state is placed on the device
+with it, a streamed block's state is packed into the block's host buffer and travels with the
+weights in the same copy (and back, updated). It never appears in the model's state_dict.
+
+The math: `adamw` and `sgd` on fp32 weights with fp32 state are torch's single-tensor AdamW / SGD
+operation for operation (so the fused loop is bitwise equal to `backward(); opt.step()` on CPU);
+`adafactor` is torch's Adafactor (factored second moment: a row and a column vector per matrix).
+bf16 weights are updated in fp32 and written back with stochastic rounding (an update smaller than
+bf16's spacing moves the weight with the right probability instead of vanishing); bf16 AdamW
+moments (`state_dtype = "bf16"`) likewise. Optional fp32 master weights stay in host RAM.
+`adamw8bit` delegates to bitsandbytes (CUDA only; its state stays on the device).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STATE_SUFFIX = "_optstate"
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """fp32 -> bf16, rounding up with probability equal to the discarded fraction (unbiased).
+
+    Adds a uniform random 16-bit integer to the fp32 bit pattern and truncates the low 16 bits: the
+    bit pattern of a float is monotone in its magnitude, so the carry lands exactly when the
+    discarded fraction plus the noise reaches one bf16 step.
+    """
+    x = x.to(torch.float32).contiguous()
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.view(torch.int32) + noise) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+class ParamState(nn.Module):
+    """The optimizer state of one weight, as non-persistent buffers (see the module docstring)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        for k, v in tensors.items():
+            self.register_buffer(k, v, persistent=False)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._buffers)
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    mod_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(mod_name) if mod_name else model), attr
+
+
+def initial_state(kind: str, p: torch.Tensor, state_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero state of optimizer `kind` for weight `p` (on p's device)."""
+    if kind == "adamw":
+        return {"exp_avg": torch.zeros(p.shape, dtype=state_dtype, device=p.device),
+                "exp_avg_sq": torch.zeros(p.shape, dtype=state_dtype, device=p.device)}
+    if kind == "adafactor":
+        if p.dim() > 1:
+            row = list(p.shape)
+            row[-1] = 1
+            col = list(p.shape)
+            col[-2] = 1
+            return {"row_var": torch.zeros(row, device=p.device), "col_var": torch.zeros(col, device=p.device)}
+        return {"variance": torch.zeros(p.shape, device=p.device)}
+    if kind in ("sgd", "adamw8bit"):
+        return {}
+    raise ValueError(f"[train] optimizer: unknown optimizer {kind!r}")
+
+
+def state_bytes_per_param(kind: str, state_dtype: str = "fp32") -> float:
+    """Bytes of optimizer state per trained parameter (Adafactor: ~0 for large matrices)."""
+    return {"adamw": 8.0 if state_dtype == "fp32" else 4.0, "adamw8bit": 2.0, "adafactor": 0.0, "sgd": 0.0}[kind]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Holds the per-parameter state and hyper-parameters; `step_param` updates one weight.
+
+    A torch Optimizer subclass only so LR schedulers drive `param_groups[0]["lr"]`; `step()` ends a
+    training step (the updates themselves already ran in backward).
+    """
+
+    def __init__(self, model: nn.Module, named: dict[str, nn.Parameter], kind: str, *, lr: float,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, state_dtype: str = "fp32",
+                 stochastic_rounding: bool = True, master_weights: bool = False, seed: int = 0):
+        super().__init__(list(named.values()), {"lr": lr})
+        self.kind, self.betas, self.eps, self.weight_decay = kind, tuple(betas), eps, weight_decay
+        self.state_dtype = torch.bfloat16 if state_dtype == "bf16" else torch.float32
+        self.sr = stochastic_rounding
+        self.names = {p: n for n, p in named.items()}
+        self.steps: dict[str, int] = {n: 0 for n in named}
+        self.holders: dict[str, ParamState] = {}
+        self.masters: dict[str, torch.Tensor] = {}
+        self.bnb: dict[str, torch.optim.Optimizer] = {}
+        self.generators: dict[torch.device, torch.Generator] = {}
+        self.seed = seed
+        for n, p in named.items():
+            owner, attr = _owner(model, n)
+            holder = ParamState(initial_state(kind, p, self.state_dtype))
+            owner.add_module(attr + STATE_SUFFIX, holder)
+            self.holders[n] = holder
+            if master_weights and p.dtype != torch.float32:
+                self.masters[n] = p.detach().to("cpu", torch.float32, copy=True)
+        if kind == "adamw8bit":
+            self._check_bnb(named)
+
+    # -- one parameter -------------------------------------------------------------------------------
+    def step_param(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        name = self.names[p]
+        lr = self.param_groups[0]["lr"]
+        self.steps[name] += 1
+        if self.kind == "adamw8bit":
+            return self._step_bnb(name, p, grad, lr)
+        st = self.holders[name].tensors()
+        master = self.masters.get(name)
+        exact = p.dtype == torch.float32 and master is None
+        w = p.data if exact else (master.to(p.device, non_blocking=True) if master is not None else p.data.float())
+        g = grad if grad.dtype == w.dtype else grad.to(w.dtype)
+        work = {k: (v if v.dtype == torch.float32 else v.float()) for k, v in st.items()}
+        with torch.no_grad():
+            getattr(self, "_" + self.kind)(w, g, work, self.steps[name], lr)
+            for k, v in st.items():
+                if v.dtype != torch.float32:
+                    v.copy_(self._round(work[k]))
+            if exact:
+                return
+            if master is not None:
+                master.copy_(w)
+                p.data.copy_(w)                         # round to nearest from the fp32 master
+            elif p.dtype == torch.bfloat16 and self.sr:
+                p.data.copy_(self._round(w))
+            else:
+                p.data.copy_(w)
+
+    def _round(self, x: torch.Tensor) -> torch.Tensor:
+        return stochastic_round_to_bf16(x, self._generator(x.device)) if self.sr else x.to(torch.bfloat16)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        g = self.generators.get(device)
+        if g is None:
+            g = self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return g
+
+    # -- the update rules (in place on fp32 w and state) ---------------------------------------------
+    def _sgd(self, w, g, st, step, lr):
+        if self.weight_decay:
+            w.mul_(1 - lr * self.weight_decay)
+        w.add_(g, alpha=-lr)
+
+    def _adamw(self, w, g, st, step, lr):
+        """torch's _single_tensor_adam with decoupled weight decay, operation for operation."""
+        beta1, beta2 = self.betas
+        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+        if self.weight_decay != 0:
+            w.mul_(1 - lr * self.weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2 ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        w.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def _adafactor(self, w, g, st, step, lr):
+        """torch's _single_tensor_adafactor with its defaults (beta2_decay -0.8, eps (None, 1e-3), d 1)."""
+        eps1, eps2, d = torch.finfo(w.dtype).eps, 1e-3, 1.0
+        one_minus_beta2_t = step ** -0.8
+        rho_t = min(lr, 1 / (step ** 0.5))
+        alpha = max(eps2, w.norm(2).item() / (w.numel() ** 0.5)) * rho_t
+        if self.weight_decay != 0:
+            w.mul_(1 - lr * self.weight_decay)
+        if g.dim() > 1:
+            row_var, col_var = st["row_var"], st["col_var"]
+            row_mean = torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
+            row_var.lerp_(row_mean, one_minus_beta2_t)
+            col_mean = torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
+            col_var.lerp_(col_mean, one_minus_beta2_t)
+            var_estimate = row_var @ col_var
+            var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        else:
+            variance = st["variance"]
+            variance.lerp_(g * g, one_minus_beta2_t)
+            var_estimate = variance.clone()
+        update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+        update.mul_(g)
+        denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
+        w.add_(update, alpha=-alpha / denom)
+
+    # -- bitsandbytes 8-bit AdamW (CUDA) -------------------------------------------------------------
+    def _check_bnb(self, named) -> None:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ValueError("[train] optimizer = \"adamw8bit\" needs bitsandbytes: pip install 'leantune[bnb]' "
+                             "(CUDA only), or use \"adamw\" with [full] state_dtype = \"bf16\"") from None
+
+    def _step_bnb(self, name, p, grad, lr):
+        import bitsandbytes as bnb
+
+        opt = self.bnb.get(name)
+        if opt is None:
+            opt = self.bnb[name] = bnb.optim.AdamW8bit([p], lr=lr, betas=self.betas, eps=self.eps,
+                                                      weight_decay=self.weight_decay)
+        opt.param_groups[0]["lr"] = lr
+        p.grad = grad
+        opt.step()
+        p.grad = None
+
+    # -- a whole step ----------------------------------------------------------------------------------
+    def step(self, closure=None):        # noqa: D401  (torch's signature)
+        """End of a training step: nothing left to update (it ran in backward)."""
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    # -- resumable state -------------------------------------------------------------------------------
+    def state_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        out = dict(self.holders[name].tensors())
+        if name in self.masters:
+            out["master"] = self.masters[name]
+        return out
+
+    def state_dict(self) -> dict:
+        """Scalars only; the per-parameter tensors are saved by the mode, block by block."""
+        gens = {str(d): g.get_state() for d, g in self.generators.items()}
+        bnb = {n: o.state_dict() for n, o in self.bnb.items()}
+        return {"kind": self.kind, "steps": dict(self.steps), "generators": gens, "bnb": bnb,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["kind"] != self.kind:
+            raise ValueError(f"the checkpoint was trained with optimizer {state['kind']!r}, this run uses "
+                             f"{self.kind!r} ([train] optimizer)")
+        self.steps.update(state["steps"])
+        for d, s in state["generators"].items():
+            self._generator(torch.device(d)).set_state(s)
+        for k, v in state["param_groups"][0].items():
+            self.param_groups[0][k] = v
+        for n, s in state.get("bnb", {}).items():
+            p = next(p for p, nm in self.names.items() if nm == n)
+            import bitsandbytes as bnb
+
+            opt = self.bnb[n] = bnb.optim.AdamW8bit([p], lr=self.param_groups[0]["lr"], betas=self.betas,
+                                                    eps=self.eps, weight_decay=self.weight_decay)
+            opt.load_state_dict(s)
+
+    def remove_holders(self, model: nn.Module) -> None:
+        """Detach the state modules from the model (at the end of a run)."""
+        for n in self.holders:
+            owner, attr = _owner(model, n)
+            if hasattr(owner, attr + STATE_SUFFIX):
+                delattr(owner, attr + STATE_SUFFIX)
+

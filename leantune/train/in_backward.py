@@ -1,0 +1,98 @@
+"""The optimizer step inside backward: each weight is updated as soon as its gradient is complete.
+
+A post-accumulate-grad hook on every trained parameter takes the gradient, frees `p.grad` at once
+and runs `FusedOptimizer.step_param`, so at any moment the device holds the gradients of the
+parameters whose backward is in flight (at most one block's), never the model's. Autograd runs a
+parameter's AccumulateGrad node as soon as its gradient is ready (it has the highest priority in
+the ready queue), before the rest of its block's backward finishes, which is also what keeps a
+streamed block resident until its own weights are stepped (see memory/trainable_streaming.py).
+
+Why in-place updates are safe here: a weight's AccumulateGrad runs only after every node that
+computes a gradient from that weight has run, and those nodes are the only ones that saved it;
+autograd's version counter would raise if anything later read the stale value.
+
+Gradient accumulation over N micro-batches: the gradient of micro-batches 1..N-1 is added into an
+fp32 accumulator in host memory and freed on the device; on micro-batch N it is added back and the
+weight steps (`g_N + (g_1 + ... + g_{N-1})`, the same sum the plain loop forms, so the result is
+bitwise equal in fp32). Clipping by the global norm would need every gradient first; instead each
+parameter's gradient is clipped to `max_grad_norm` on its own (documented in docs/config.md).
+
+A step redone after an out-of-memory error (the trainer's OOM guard) skips the weights that were
+already updated in the failed attempt, so each weight steps once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .fused_optim import FusedOptimizer
+
+
+class InBackwardStep:
+    def __init__(self, optimizer: FusedOptimizer, params: list[torch.nn.Parameter], *, accumulation: int = 1,
+                 max_grad_norm: float = 0.0, on_step: Callable[[torch.nn.Parameter], None] | None = None):
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.accum = accumulation
+        self.max_grad_norm = max_grad_norm
+        self.on_step = on_step
+        self.micro = 0
+        self.acc: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.stepped: set[torch.nn.Parameter] = set()
+        self.open = False                     # a step began and has not finished (an OOM retry if so)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+
+    # -- the hook ------------------------------------------------------------------------------------
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        g = p.grad
+        p.grad = None
+        if g is None or p in self.stepped:
+            return
+        if self.micro < self.accum - 1:
+            a = self.acc.get(p)
+            if a is None:
+                self.acc[p] = g.detach().to("cpu", torch.float32, copy=True)
+            else:
+                a.add_(g.detach().to("cpu", torch.float32))
+            return
+        a = self.acc.pop(p, None)
+        if a is not None:
+            g = g + a.to(g.device, g.dtype)
+        self._update(p, g)
+
+    def _update(self, p: torch.nn.Parameter, g: torch.Tensor) -> None:
+        if self.max_grad_norm > 0:
+            norm = torch.linalg.vector_norm(g.detach().float())
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            g = g * coef.to(g.dtype)
+        self.optimizer.step_param(p, g)
+        self.stepped.add(p)
+        if self.on_step is not None:
+            self.on_step(p)
+
+    # -- a step --------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start an optimizer step (or redo one that failed: its updated weights are kept)."""
+        if not self.open:
+            self.stepped.clear()
+        self.acc.clear()
+        self.open = True
+
+    def finish_step(self) -> None:
+        """Weights that had a gradient in an earlier micro-batch but none in the last step now."""
+        for p in [p for p in self.params if p in self.acc]:
+            a = self.acc.pop(p)
+            self._update(p, a.to(p.device, p.dtype))
+        self.open = False
+
+    def drop_partial(self) -> None:
+        self.acc.clear()
+        for p in self.params:
+            p.grad = None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
