@@ -1,0 +1,142 @@
+"""Full fine-tuning through the trainer on the tiny Flux: exact resume, Ctrl-C, OOM re-plan, and the
+exported model files loading in leantune's loader and diffusers with the trained outputs."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from conftest import tiny_run_toml
+from test_memory_helpers import make_batch
+
+from leantune.config import load_config
+from leantune.demo import draw_shapes
+from leantune.models.flux import predict
+from leantune.train import trainer as trainer_mod
+from leantune.train.trainer import train
+
+REST = """
+[train]
+mode = "full"
+steps = 6
+learning_rate = 2e-4
+mixed_precision = "no"
+save_every = 2
+keep_last = 2
+seed = 3
+gradient_accumulation = 2
+
+[full]
+save_dtype = "fp32"
+
+[memory]
+streamed_blocks = 2
+stream_non_blocks = true
+debug_poison = true
+checkpointing = "blocks"
+
+[output]
+dir = "{out}"
+name = "t"
+formats = ["comfyui", "diffusers"]
+"""
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shapes") / "images"
+    draw_shapes(folder, count=6, size=64, seed=5)
+    return folder
+
+
+def make_config(tmp_path, tiny_flux_dir, images, out="out", extra=()):
+    p = tmp_path / "run.toml"
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, REST.replace("{out}", out)))
+    return load_config(p, list(extra))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_flux_dir, images):
+    tmp = tmp_path_factory.mktemp("full")
+    cfg = make_config(tmp, tiny_flux_dir, images)
+    return cfg, train(cfg, progress=False)
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _same_files(a, b):
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+
+
+def test_full_run_exports_files_that_load_and_give_the_trained_outputs(full_run, tiny_flux_dir):
+    from diffusers import FluxTransformer2DModel
+
+    from leantune.models.flux_loading import FluxSources, load_transformer
+
+    cfg, result = full_run
+    root = result.paths.root
+    assert [f.name for f in result.lora_files] == ["t_comfyui.safetensors", "t_diffusers"]
+    # keep_last = 2: per-step exports of steps 2 and 4 are kept (6 is the final, unsuffixed one)
+    assert sorted(p.name for p in root.glob("t-step*")) == ["t-step000002_comfyui.safetensors",
+                                                             "t-step000002_diffusers", "t-step000004_comfyui.safetensors",
+                                                             "t-step000004_diffusers"]
+    bfl = root / "t_comfyui.safetensors"
+    keys = _tensors(bfl).keys()
+    assert "double_blocks.0.img_attn.qkv.weight" in keys and "single_blocks.0.linear1.weight" in keys
+    ours = load_transformer(FluxSources(bfl, None, None, None, None, None), dtype=torch.float32)
+    theirs = FluxTransformer2DModel.from_pretrained(str(root / "t_diffusers"), torch_dtype=torch.float32)
+    base = FluxTransformer2DModel.from_pretrained(str(tiny_flux_dir / "transformer"), torch_dtype=torch.float32)
+    x, sigma, embeds, hw, _ = make_batch(8, 8, seed=1)
+    with torch.no_grad():
+        a = predict(ours, x, sigma, embeds, hw, guidance=1.0)
+        b = predict(theirs, x, sigma, embeds, hw, guidance=1.0)
+        c = predict(base, x, sigma, embeds, hw, guidance=1.0)
+    assert torch.equal(a, b)                       # both files hold the same trained weights
+    assert (a - c).abs().max() > 1e-4              # and they are not the base model's
+    # the last checkpoint's weights are the exported ones
+    from leantune.train.state import latest_checkpoint, load_checkpoint
+
+    _, state = load_checkpoint(latest_checkpoint(root / "checkpoints"))
+    sd = theirs.state_dict()
+    assert all(torch.equal(state["trainable"][n], sd[n]) for n in state["trainable"])
+
+
+def test_full_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_flux_dir, images, full_run):
+    _, full = full_run
+    cfg = make_config(tmp_path, tiny_flux_dir, images)
+    first = train(cfg, stop_after=3, progress=False)          # saves at 2, then at 3 on stop? no: only at 2
+    assert first.final_step == 3
+    resumed = train(cfg, resume=True, progress=False)          # from the step-3 state written at the end
+    assert resumed.final_step == 6
+    assert resumed.losses == full.losses
+    _same_files(full.paths.root / "t_comfyui.safetensors", resumed.paths.root / "t_comfyui.safetensors")
+
+
+def test_full_ctrl_c_finishes_the_step_and_resumes_exactly(tmp_path, tiny_flux_dir, images, full_run, monkeypatch):
+    _, full = full_run
+    cfg = make_config(tmp_path, tiny_flux_dir, images)
+    real = trainer_mod.train_step
+    calls = {"n": 0}
+
+    def step_with_ctrl_c(t, c):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            signal.raise_signal(signal.SIGINT)
+        return real(t, c)
+
+    monkeypatch.setattr(trainer_mod, "train_step", step_with_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    monkeypatch.setattr(trainer_mod, "train_step", real)
+    assert sorted(p.name for p in (cfg.resolve("out") / "checkpoints").glob("step-*"))[-1] == "step-000003"
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed.losses == full.losses
+    _same_files(full.paths.root / "t_comfyui.safetensors", resumed.paths.root / "t_comfyui.safetensors")
