@@ -210,3 +210,74 @@ def test_streamed_weights_are_written_back_and_the_host_holds_the_trained_model(
     _, got, handle, model, _ = fused_run("adamw", _plan("all", "blocks", names))
     handle.remove(device="cpu")
     assert_same({n: p.detach() for n, p in model.named_parameters() if p.requires_grad}, want)
+
+
+# -- bf16 weights: stochastic rounding, bf16 states, master weights ---------------------------------------
+
+def _tiny_updates(sr: bool, master: bool = False, steps: int = 200, n: int = 20000):
+    """A bf16 weight of ones under `steps` SGD updates of -1e-4 each: bf16's spacing just below 1 is
+    2**-8 = 0.0039, so each update is far below half a step."""
+    model = torch.nn.Linear(n, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    named = {"weight": model.weight}
+    opt = FusedOptimizer(model, named, "sgd", lr=1e-4, stochastic_rounding=sr, master_weights=master, seed=0)
+    grad = torch.ones(1, n, dtype=torch.bfloat16)
+    for _ in range(steps):
+        opt.step_param(model.weight, grad)
+    return model.weight.detach().float(), opt
+
+
+def test_stochastic_rounding_keeps_tiny_updates_in_expectation():
+    exact = 1.0 - 200 * 1e-4                                    # 0.98: what fp32 arithmetic gives
+    nearest, _ = _tiny_updates(sr=False)
+    assert torch.all(nearest == 1.0)                            # round-to-nearest loses every update
+    w, _ = _tiny_updates(sr=True)
+    assert abs(w.mean().item() - exact) < 2e-4                  # unbiased: the mean moves as fp32 would
+    assert w.unique().numel() > 1 and w.std().item() < 0.01      # each weight a random walk around it
+    m, opt = _tiny_updates(sr=False, master=True)               # fp32 master weights on the host
+    assert opt.masters["weight"].device.type == "cpu"
+    assert torch.allclose(opt.masters["weight"], torch.full_like(opt.masters["weight"], exact), atol=1e-6)
+    assert torch.all(m == torch.tensor(exact).to(torch.bfloat16).float())
+
+
+def test_stochastic_rounding_is_unbiased_per_value():
+    from leantune.train.fused_optim import stochastic_round_to_bf16
+
+    g = torch.Generator().manual_seed(0)
+    for v in (1.0 + 2**-9, -3.3e-3, 1234.567):
+        x = torch.full((200_000,), v)
+        r = stochastic_round_to_bf16(x, g).float()
+        lo, hi = r.min().item(), r.max().item()
+        assert lo <= v <= hi and r.unique().numel() <= 2         # only the two neighbours
+        assert r.mean().item() == pytest.approx(v, rel=2e-4)
+
+
+def test_bf16_weights_and_bf16_adam_state_train_like_fp32():
+    """AdamW on a bf16 model with bf16 moments (stochastically rounded) follows the fp32 run."""
+    model32 = _model(EXCLUDE)
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    runs = []
+    for model, state_dtype in ((model32, "fp32"), (model16, "bf16")):
+        named = select_trainable(model, ["*"], EXCLUDE)
+        opt = FusedOptimizer(model, named, "adamw", lr=1e-3, state_dtype=state_dtype)
+        assert all(t.dtype == (torch.float32 if state_dtype == "fp32" else torch.bfloat16)
+                   for h in opt.holders.values() for t in h.tensors().values())
+        stepper = InBackwardStep(opt, list(named.values()))
+        losses = []
+        for s in range(3):
+            stepper.begin_step()
+            h, w = SHAPES[s]
+            x, sigma, embeds, hw, target = make_batch(h, w, seed=100 * s)
+            pred = predict(model, x.to(model.dtype), sigma, embeds.to("cpu", model.dtype), hw, guidance=1.0)
+            loss = torch.nn.functional.mse_loss(pred.float(), target)
+            loss.backward()
+            stepper.finish_step()
+            losses.append(loss.item())
+        runs.append((losses, {n: p.detach().float() for n, p in named.items()}))
+    (l32, w32), (l16, w16) = runs
+    assert l16 == pytest.approx(l32, rel=0.03)
+    init = {n: p.detach().float() for n, p in _model(EXCLUDE).named_parameters() if p.requires_grad}
+    moved32 = sum((w32[n] - init[n]).abs().sum() for n in init)
+    moved16 = sum((w16[n] - init[n]).abs().sum() for n in init)
+    assert moved16 == pytest.approx(moved32.item(), rel=0.05)     # the bf16 run made the same progress
