@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import load_safetensors
+from ..io import load_safetensors, save_safetensors_streamed
 
 PREFIX = "step-"
 
@@ -73,8 +73,6 @@ def _fsync_path(path: Path) -> None:
 
 def save_checkpoint(root: str | Path, step: int, state: dict, keep_last: int | None = None) -> Path:
     """Write `state` as root/step-XXXXXX atomically; prune to the newest `keep_last` checkpoints."""
-    from safetensors.torch import save_file
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -84,7 +82,10 @@ def save_checkpoint(root: str | Path, step: int, state: dict, keep_last: int | N
     try:
         tensors: dict[str, torch.Tensor] = {}
         tree = _flatten(state, tensors, "")
-        save_file(tensors, str(tmp / "tensors.safetensors"))
+        # Written tensor by tensor: safetensors' save_file would first serialize all of them to
+        # bytes, a second copy of a full fine-tune's weights and optimizer state in host RAM.
+        save_safetensors_streamed(tmp / "tensors.safetensors", [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
+                                  ({k: v} for k, v in tensors.items()))
         _fsync_path(tmp / "tensors.safetensors")
         (tmp / "state.json").write_text(json.dumps({"step": step, "state": tree}))
         _fsync_path(tmp / "state.json")
