@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from leantune.config import LoraConfig
-    from leantune.memory.machine import probe_machine
-    from leantune.memory.planner import Budget, InfeasibleBudget, Planner, Workload, build_meta_flux
+    from leantune.planner.machine import probe_machine
+    from leantune.planner.meta import build_meta_flux
+    from leantune.planner.search import Planner
+    from leantune.planner.workload import Budget, InfeasibleBudget, Workload
     from leantune.models.flux import FLUX_SPEC
     from leantune.train.lora import add_lora
 

@@ -242,7 +242,8 @@ def training_rows(args, components, cuda: bool) -> list[dict]:
     from leantune.infer.sampler import sample_during_training
     from leantune.memory.engine import apply_memory
     from leantune.memory.plan import Plan
-    from leantune.memory.planner import Budget, Workload, plan_memory
+    from leantune.planner.from_config import plan_memory
+    from leantune.planner.workload import Budget, Workload
     from leantune.models.flux import PromptEmbeds
     from leantune.train.lora import add_lora
 

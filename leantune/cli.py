@@ -45,8 +45,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from leantune.data.dataset import DataError
     from leantune.demo import DemoFolderError
     from leantune.io import UnreadableFileError, UnsafeFileError
-    from leantune.memory.oom import NoPlanFits
-    from leantune.memory.workload import InfeasibleBudget
+    from leantune.planner.feedback.oom import NoPlanFits
+    from leantune.planner.workload import InfeasibleBudget
     from leantune.models.weights import LoadError
     from leantune.train.lora_formats import LoraFormatError
     from leantune.train.state import CheckpointError

@@ -15,10 +15,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from leantune.config import ConfigError, LoraConfig
-from leantune.memory import planner as P
-from leantune.memory.machine import assumed_machine, probe_machine
-from leantune.memory.host_model import HOST_BASELINE
 from leantune.memory.plan import Plan
+from leantune.planner.corrections import CalibrationStore, architecture_key
+from leantune.planner.feedback.calibrate import PlanCalibrator
+from leantune.planner.feedback.oom import NoPlanFits, OomGuard, is_out_of_memory
+from leantune.planner.from_config import budget_from_config, plan_for_config
+from leantune.planner.host_model import HOST_BASELINE
+from leantune.planner.machine import assumed_machine, probe_machine
+from leantune.planner.meta import build_meta_flux
+from leantune.planner.report import format_plan
+from leantune.planner.search import Planner
+from leantune.planner.weight_bytes import measure_weights
+from leantune.planner.workload import Budget, InfeasibleBudget, Workload
 from leantune.memory.streaming import STAGING_CHUNK
 from leantune.models import tiny
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
@@ -48,22 +56,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def flux_dev_planner():
     """The full-size Flux-dev architecture on meta, LoRA r16, 1024 px: what `leantune plan` plans."""
-    model = P.build_meta_flux("dev")
-    return P.Planner(FLUX_SPEC, model, P.Workload(rank=16, buckets=((1024, 1024),)))
-
-
-def test_public_names_stay_importable_from_the_planner():
-    """Callers (trainer, sampler, `leantune plan`) import from leantune.memory.planner; the names
-    there are the objects of the modules that define them."""
-    from leantune.memory import calibration, meta, oom, report, search, workload
-
-    assert P.Planner is search.Planner and P.Workload is workload.Workload and P.Budget is workload.Budget
-    assert P.InfeasibleBudget is workload.InfeasibleBudget and P.NoPlanFits is oom.NoPlanFits
-    assert P.OomGuard is oom.OomGuard and P.is_out_of_memory is oom.is_out_of_memory
-    assert P.PlanCalibrator is calibration.PlanCalibrator and P.CalibrationStore is calibration.CalibrationStore
-    assert P.format_plan is report.format_plan and P.build_meta_flux is meta.build_meta_flux
-    for name in ("plan_memory", "plan_for_config", "planner_for_config", "choose_plan"):
-        assert callable(getattr(P, name)), name
+    model = build_meta_flux("dev")
+    return Planner(FLUX_SPEC, model, Workload(rank=16, buckets=((1024, 1024),)))
 
 
 # -- weights -------------------------------------------------------------------------------------------
@@ -71,7 +65,7 @@ def test_public_names_stay_importable_from_the_planner():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_bytes_equal_the_real_parameter_bytes(dtype):
     model = tiny_lora_model(dtype=dtype)
-    weights = P.measure_weights(FLUX_SPEC, model)
+    weights = measure_weights(FLUX_SPEC, model)
     real = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
     real += sum(b.numel() * b.element_size() for b in model.buffers())
     assert weights.native_bytes == real
@@ -83,15 +77,15 @@ def test_weight_bytes_equal_the_real_parameter_bytes(dtype):
 
 
 def test_flux_dev_meta_build_has_the_published_parameter_count():
-    dev, schnell = P.build_meta_flux("dev"), P.build_meta_flux("schnell")
+    dev, schnell = build_meta_flux("dev"), build_meta_flux("schnell")
     assert all(p.device.type == "meta" for p in dev.parameters())
-    w = P.measure_weights(FLUX_SPEC, dev)
+    w = measure_weights(FLUX_SPEC, dev)
     assert w.numel == 11_901_408_320          # BFL's Flux.1-dev transformer
     assert w.total(2) == 2 * w.numel
     assert [b.kind for b in w.blocks].count("double") == 19 and len(w.blocks) == 57
-    assert P.measure_weights(FLUX_SPEC, schnell).numel < w.numel    # no guidance embedder
+    assert measure_weights(FLUX_SPEC, schnell).numel < w.numel    # no guidance embedder
     with pytest.raises(ValueError, match="unknown Flux variant"):
-        P.build_meta_flux("pro")
+        build_meta_flux("pro")
 
 
 @pytest.mark.parametrize("fp8,pin", [(False, False), (True, False), (False, True)])
@@ -102,7 +96,7 @@ def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8, pin):
     from leantune.memory.streaming import apply_streaming, remove_streaming
 
     model = tiny_lora_model(dtype=torch.bfloat16)
-    weights = P.measure_weights(FLUX_SPEC, model)
+    weights = measure_weights(FLUX_SPEC, model)
     if fp8:
         handle = apply_fp8_storage(model, FLUX_SPEC)
         assert handle.bytes_after == sum(b.bytes(2, fp8=True) - (b.numel - b.fp8_numel) * 2 for b in weights.blocks)
@@ -114,8 +108,8 @@ def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8, pin):
         assert real["non_blocks"] == weights.non_blocks.unit_bytes(2)
         for b in weights.blocks:
             assert real[b.name] == b.unit_bytes(2, fp8), b.name
-        planner = P.Planner(FLUX_SPEC, tiny_lora_model(dtype=torch.bfloat16),
-                            P.Workload(rank=4, buckets=((128, 128),), text_length=8, allow_fp8=True))
+        planner = Planner(FLUX_SPEC, tiny_lora_model(dtype=torch.bfloat16),
+                            Workload(rank=4, buckets=((128, 128),), text_length=8, allow_fp8=True))
         vram, host, _ = planner.memory(plan)
         slots = stream.engine.slots
         assert vram["stream slots"] == len(slots) * slots[0].buf.numel()
@@ -160,8 +154,8 @@ def test_planned_host_ram_matches_the_engine_while_packing():
         for p in model.parameters():
             p.data = torch.empty(p.shape, dtype=torch.bfloat16).fill_(0.01)
     model.requires_grad_(False).eval()
-    workload = P.Workload(mode="inference", buckets=((64, 64),), text_length=4, autocast=False, allow_fp8=False)
-    planner = P.Planner(FLUX_SPEC, model, workload)
+    workload = Workload(mode="inference", buckets=((64, 64),), text_length=4, autocast=False, allow_fp8=False)
+    planner = Planner(FLUX_SPEC, model, workload)
     singles = tuple(n for n, _ in FLUX_SPEC.blocks(model) if n.startswith("single"))
     plan = Plan(streamed_blocks=singles, ring_slots=2)
     host = planner.memory(plan)[1]
@@ -200,15 +194,15 @@ def test_an_fp8_checkpoint_is_priced_in_fp8_in_every_plan():
         return model
 
     model = checkpoint_like()
-    weights = P.measure_weights(FLUX_SPEC, model)
+    weights = measure_weights(FLUX_SPEC, model)
     assert weights.prequantized
     for (name, block), w in zip(FLUX_SPEC.blocks(model), weights.blocks):
         real = sum(t.numel() * t.element_size() for n, t in list(block.named_parameters()) + list(block.named_buffers())
                    if "lora_" not in n)
         assert w.bytes(2) == w.bytes(2, fp8=True) == real < w.numel * 2, name
-    workload = P.Workload(rank=4, buckets=((128, 128),), text_length=8)
-    planner = P.Planner(FLUX_SPEC, model, workload)
-    plain = P.Planner(FLUX_SPEC, tiny_lora_model(dtype=torch.bfloat16), workload)
+    workload = Workload(rank=4, buckets=((128, 128),), text_length=8)
+    planner = Planner(FLUX_SPEC, model, workload)
+    plain = Planner(FLUX_SPEC, tiny_lora_model(dtype=torch.bfloat16), workload)
     resident = Plan()
     assert planner.memory(resident)[0]["weights resident"] < plain.memory(resident)[0]["weights resident"]
     names = tuple(n for n, _ in FLUX_SPEC.blocks(model))
@@ -227,7 +221,7 @@ def test_an_fp8_checkpoint_is_priced_in_fp8_in_every_plan():
 def test_adapter_parameters_equal_peft(targets, blocks):
     model = tiny_lora_model(rank=3, targets=targets, blocks=blocks)
     real = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-    w = P.measure_weights(FLUX_SPEC, model, P.Workload(rank=3, targets=targets, lora_blocks=blocks))
+    w = measure_weights(FLUX_SPEC, model, Workload(rank=3, targets=targets, lora_blocks=blocks))
     assert w.adapter_params(3) == real > 0
 
 
@@ -268,9 +262,9 @@ def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing, one_th
 
     res, text = 768, 32
     model = tiny_lora_model(double=3, single=5)
-    workload = P.Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False,
+    workload = Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False,
                           allow_fp8=False)
-    predicted = P.Planner(FLUX_SPEC, model, workload).activation_peak((res, res), False, checkpointing)
+    predicted = Planner(FLUX_SPEC, model, workload).activation_peak((res, res), False, checkpointing)
     if checkpointing == "blocks":
         apply_checkpointing(model, FLUX_SPEC)
     g = torch.Generator().manual_seed(0)
@@ -316,7 +310,7 @@ def test_checkpointing_trades_activations_and_fp8_halves_block_bytes(flux_dev_pl
 def test_more_budget_never_gives_a_slower_plan_and_every_plan_fits(flux_dev_planner):
     previous = None
     for gib in (4, 6, 8, 12, 24, 48, 80):
-        budget = P.Budget(vram=gib * GiB, ram=UNLIMITED)
+        budget = Budget(vram=gib * GiB, ram=UNLIMITED)
         plan = flux_dev_planner.plan(budget)
         n = plan.notes
         assert n["predicted_peak_vram"] <= budget.usable_vram
@@ -328,27 +322,27 @@ def test_more_budget_never_gives_a_slower_plan_and_every_plan_fits(flux_dev_plan
 
 
 def test_infeasible_budget_names_the_smallest_budget_that_works(flux_dev_planner):
-    with pytest.raises(P.InfeasibleBudget) as info:
-        flux_dev_planner.plan(P.Budget(vram=2 * GiB, ram=UNLIMITED))
+    with pytest.raises(InfeasibleBudget) as info:
+        flux_dev_planner.plan(Budget(vram=2 * GiB, ram=UNLIMITED))
     err = info.value
     needed = err.needed_vram
     assert needed > 2 * GiB
     assert f"smallest budget that works is {needed / GiB:.2f} GiB" in str(err)
     assert "[data] resolutions" in str(err) and "[lora] rank" in str(err)
-    plan = flux_dev_planner.plan(P.Budget(vram=needed, ram=UNLIMITED))      # the stated minimum works ...
-    assert plan.notes["predicted_peak_vram"] <= P.Budget(vram=needed).usable_vram
-    with pytest.raises(P.InfeasibleBudget):                                  # ... and is the minimum
-        flux_dev_planner.plan(P.Budget(vram=needed - 32 * 2**20, ram=UNLIMITED))
+    plan = flux_dev_planner.plan(Budget(vram=needed, ram=UNLIMITED))      # the stated minimum works ...
+    assert plan.notes["predicted_peak_vram"] <= Budget(vram=needed).usable_vram
+    with pytest.raises(InfeasibleBudget):                                  # ... and is the minimum
+        flux_dev_planner.plan(Budget(vram=needed - 32 * 2**20, ram=UNLIMITED))
 
 
 def test_inference_budget_hint_names_the_sample_request_keys():
     """A sampling workload that does not fit is told in the sample request's terms (its keys and
     `leantune sample` flags), not the training config's."""
     model = tiny.flux_transformer(dtype=torch.bfloat16)
-    workload = P.Workload(mode="inference", batch_size=2, buckets=((256, 512),), text_length=16, autocast=False)
-    planner = P.Planner(FLUX_SPEC, model, workload, replace(assumed_machine(), workspace=0))
-    with pytest.raises(P.InfeasibleBudget) as info:
-        planner.plan(P.Budget(vram=2**16, ram=UNLIMITED, min_margin=0))
+    workload = Workload(mode="inference", batch_size=2, buckets=((256, 512),), text_length=16, autocast=False)
+    planner = Planner(FLUX_SPEC, model, workload, replace(assumed_machine(), workspace=0))
+    with pytest.raises(InfeasibleBudget) as info:
+        planner.plan(Budget(vram=2**16, ram=UNLIMITED, min_margin=0))
     message = str(info.value)
     assert "512x256, 2 image(s) per forward" in message
     for key in ("width/height (--width/--height)", "images_per_prompt (--images-per-prompt)", "batch_size",
@@ -356,8 +350,8 @@ def test_inference_budget_hint_names_the_sample_request_keys():
         assert key in message, key
     assert "[data]" not in message and "[lora]" not in message and "[train]" not in message
     needed = info.value.needed_vram
-    plan = planner.plan(P.Budget(vram=needed, ram=UNLIMITED, min_margin=0))     # the stated minimum works
-    assert plan.notes["predicted_peak_vram"] <= P.Budget(vram=needed, min_margin=0).usable_vram
+    plan = planner.plan(Budget(vram=needed, ram=UNLIMITED, min_margin=0))     # the stated minimum works
+    assert plan.notes["predicted_peak_vram"] <= Budget(vram=needed, min_margin=0).usable_vram
 
 
 def test_host_ram_budget_picks_fp8_then_refuses_early(flux_dev_planner):
@@ -365,7 +359,7 @@ def test_host_ram_budget_picks_fp8_then_refuses_early(flux_dev_planner):
     packs a unit beside the stored model; a budget between the two must choose fp8, and one below
     loading must be refused with the smallest host need, before anything is loaded."""
     pl = flux_dev_planner
-    budget = P.Budget(vram=8 * GiB, ram=UNLIMITED)
+    budget = Budget(vram=8 * GiB, ram=UNLIMITED)
     fits = [p for p in pl.candidates() if sum(pl.memory(p)[0].values()) <= budget.usable_vram]
     assert fits and all(p.pin_memory for p in pl.candidates())   # exact-size pinning: pageable saves nothing
     loaded = pl.weights.total(2)
@@ -376,7 +370,7 @@ def test_host_ram_budget_picks_fp8_then_refuses_early(flux_dev_planner):
     ram = (host[False] + host[True]) // 2
     plan = pl.plan(replace(budget, ram=ram))
     assert plan.fp8 and plan.notes["predicted_peak_host"] <= ram
-    with pytest.raises(P.InfeasibleBudget, match=r"ram_budget is 16\.00 GiB") as info:
+    with pytest.raises(InfeasibleBudget, match=r"ram_budget is 16\.00 GiB") as info:
         pl.plan(replace(budget, ram=16 * GiB))
     assert info.value.needed_ram == HOST_BASELINE + loaded     # nothing after loading adds to that
     assert "loading the transformer alone takes" in str(info.value)
@@ -389,13 +383,13 @@ def test_oom_guard_replans_tighter_and_redoes_the_same_step(one_thread):
     the device; the guard must re-plan until it fits and redo the step with the same batch, leaving the
     same gradients as an uninterrupted step."""
     res, text = 128, 8
-    workload = P.Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False)
+    workload = Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False)
     model = tiny_lora_model()
     reference = tiny_lora_model()
     reference.load_state_dict(model.state_dict())
     # No fixed workspace or margin, so that a tiny model's plans differ by their activations.
-    planner = P.Planner(FLUX_SPEC, model, workload, replace(assumed_machine(), workspace=0))
-    budget = P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
+    planner = Planner(FLUX_SPEC, model, workload, replace(assumed_machine(), workspace=0))
+    budget = Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
     first = planner.plan(budget)
     capacity = int(first.notes["predicted_peak_vram"] * 1.2 * 0.97)       # the first plan will not fit
     current = {"plan": first}
@@ -421,7 +415,7 @@ def test_oom_guard_replans_tighter_and_redoes_the_same_step(one_thread):
         for p in model.parameters():
             p.grad = None                  # the failed step's partial gradients must not count twice
 
-    guard = P.OomGuard(planner, budget, first, apply_plan)
+    guard = OomGuard(planner, budget, first, apply_plan)
     loss = guard.run(step, model, *batch, step=7)
     expected = step(reference, *batch)
     assert loss == pytest.approx(expected, rel=0, abs=0)
@@ -434,22 +428,22 @@ def test_oom_guard_replans_tighter_and_redoes_the_same_step(one_thread):
     def always_fails(*_):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    stuck = P.OomGuard(planner, budget, first, lambda plan: None, shrink=0.5)
-    with pytest.raises(P.NoPlanFits, match="resumable"):
+    stuck = OomGuard(planner, budget, first, lambda plan: None, shrink=0.5)
+    with pytest.raises(NoPlanFits, match="resumable"):
         stuck.run(always_fails, step=3)
 
     def broken(*_):
         raise ValueError("not a memory problem")
 
     with pytest.raises(ValueError, match="not a memory problem"):
-        P.OomGuard(planner, budget, first, apply_plan).run(broken)
+        OomGuard(planner, budget, first, apply_plan).run(broken)
 
 
 def test_out_of_memory_errors_are_recognised():
-    assert P.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
-    assert P.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
-    assert not P.is_out_of_memory(RuntimeError("shape mismatch"))
-    assert not P.is_out_of_memory(ValueError("out of memory"))
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("out of memory"))
 
 
 # -- calibration ---------------------------------------------------------------------------------------------
@@ -457,15 +451,15 @@ def test_out_of_memory_errors_are_recognised():
 def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
     res = 128
     key_bucket = f"{res}x{res}"
-    workload = P.Workload(rank=4, buckets=((res, res),), text_length=8, dtype=torch.float32, autocast=False)
+    workload = Workload(rank=4, buckets=((res, res),), text_length=8, dtype=torch.float32, autocast=False)
     model = tiny_lora_model()
-    store = P.CalibrationStore(tmp_path / "calibration.json")
-    planner = P.Planner(FLUX_SPEC, model, workload)
-    roomy = planner.plan(P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0))
-    budget = P.Budget(vram=int(1.6 * roomy.notes["predicted_peak_vram"]), ram=UNLIMITED, min_margin=0)
+    store = CalibrationStore(tmp_path / "calibration.json")
+    planner = Planner(FLUX_SPEC, model, workload)
+    roomy = planner.plan(Budget(vram=GiB, ram=UNLIMITED, min_margin=0))
+    budget = Budget(vram=int(1.6 * roomy.notes["predicted_peak_vram"]), ram=UNLIMITED, min_margin=0)
     plan = planner.plan(budget)
     predicted = plan.notes["per_bucket"][key_bucket]["peak_vram"]
-    calibrator = P.PlanCalibrator(planner, budget, plan, store)
+    calibrator = PlanCalibrator(planner, budget, plan, store)
     assert calibrator.observe((res, res), predicted + budget.margin_bytes // 2) is None     # within the margin
     assert calibrator.changes == []
     measured = budget.usable_vram + budget.margin_bytes          # the plan really does not fit
@@ -473,14 +467,14 @@ def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
     assert new is not None and new != plan and "re-planned" in calibrator.changes[0]
     assert calibrator.observe((res, res), measured * 2) is None                                 # only once
     saved = json.loads((tmp_path / "calibration.json").read_text())
-    key = P.architecture_key(model, workload)
+    key = architecture_key(model, workload)
     assert saved[key]["activation_scale"][f"{key_bucket}:{plan.checkpointing}"] > 1.0
-    again = P.Planner(FLUX_SPEC, model, workload, calibration=store.get(key))                # the next run
+    again = Planner(FLUX_SPEC, model, workload, calibration=store.get(key))                # the next run
     assert again.memory(plan)[2][key_bucket]["peak_vram"] == pytest.approx(measured, rel=0.01)
     assert sum(again.plan(budget).notes["vram_breakdown"].values()) <= budget.usable_vram   # starts right
 
-    roomy_budget = P.Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
-    fits = P.PlanCalibrator(P.Planner(FLUX_SPEC, model, workload), roomy_budget, roomy, None)
+    roomy_budget = Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
+    fits = PlanCalibrator(Planner(FLUX_SPEC, model, workload), roomy_budget, roomy, None)
     off = roomy.notes["predicted_peak_vram"] + 2 * roomy_budget.margin_bytes
     assert fits.observe((res, res), off) is None and "still fits" in fits.changes[0]
 
@@ -494,14 +488,14 @@ def test_budget_from_config_sizes_auto_and_errors():
     from leantune.config import MemoryConfig
 
     machine = assumed_machine()
-    b = P.budget_from_config(MemoryConfig(vram_budget="8GiB", ram_budget="32 GB"), machine)
+    b = budget_from_config(MemoryConfig(vram_budget="8GiB", ram_budget="32 GB"), machine)
     assert (b.vram, b.ram) == (8 * GiB, 32 * GiB)
     with pytest.raises(ConfigError, match="needs a GPU"):
-        P.budget_from_config(MemoryConfig(vram_budget="auto"), machine)
+        budget_from_config(MemoryConfig(vram_budget="auto"), machine)
     with pytest.raises(ConfigError, match=r"\[memory\] vram_budget: 'lots'"):
-        P.budget_from_config(MemoryConfig(vram_budget="lots"), machine)
+        budget_from_config(MemoryConfig(vram_budget="lots"), machine)
     gpu = replace(machine, vram_total=24 * GiB, vram_free=22 * GiB, measured=True)
-    assert P.budget_from_config(MemoryConfig(vram_budget="auto"), gpu).vram == 22 * GiB
+    assert budget_from_config(MemoryConfig(vram_budget="auto"), gpu).vram == 22 * GiB
 
 
 def _run_plan(capsys, *argv):
@@ -593,17 +587,18 @@ vram_budget = "1GiB"
 def test_plan_for_config_is_what_the_trainer_gets(tmp_path, tiny_flux_dir):
     from leantune.config import validate
 
-    cfg = validate({"model": {"path": str(tiny_flux_dir), "dtype": "fp32"}, "data": {
+    raw = {"model": {"path": str(tiny_flux_dir), "dtype": "fp32"}, "data": {
         "datasets": [{"path": "x"}], "resolutions": [128], "max_text_length": 8},
-        "lora": {"rank": 4}, "train": {"mixed_precision": "no"}, "memory": {"vram_budget": "2GiB"}})
+        "lora": {"rank": 4}, "train": {"mixed_precision": "no"}, "memory": {"vram_budget": "2GiB"}}
+    cfg = validate(raw)
     model = tiny_lora_model()
-    store = P.CalibrationStore(tmp_path / "cal.json")
-    plan = P.plan_for_config(cfg, FLUX_SPEC, model, store=store)
+    store = CalibrationStore(tmp_path / "cal.json")
+    plan = plan_for_config(cfg, FLUX_SPEC, model, store=store)
     assert plan.notes["budget_vram"] == 2 * GiB and plan.notes["predicted_peak_vram"] > 0
     assert plan.streamed_blocks == () and plan.checkpointing == "none"   # a tiny model fits resident
-    cfg_small = validate({**cfg.model_dump(exclude={"base_dir"}), "memory": {"vram_budget": "1MiB"}})
+    cfg_small = validate({**raw, "memory": {"vram_budget": "1MiB"}})
     with pytest.raises(ConfigError, match=r"\[memory\] vram_budget = '1MiB': no memory plan fits"):
-        P.plan_for_config(cfg_small, FLUX_SPEC, model, store=store)
+        plan_for_config(cfg_small, FLUX_SPEC, model, store=store)
 
 
 @pytest.mark.gpu

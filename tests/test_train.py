@@ -169,7 +169,7 @@ def test_simulated_oom_replans_and_redoes_the_step_without_losing_a_sample(tmp_p
     """
     from dataclasses import replace
 
-    from leantune.memory import planner as planner_mod
+    from leantune.planner import search as planner_mod
     from leantune.train.state import latest_checkpoint, load_checkpoint
 
     _, full = reference_run
@@ -201,7 +201,7 @@ def test_simulated_oom_replans_and_redoes_the_step_without_losing_a_sample(tmp_p
 
 def test_oom_with_no_plan_left_stops_with_a_resumable_state(tmp_path, tiny_flux_dir, images, reference_run,
                                                              monkeypatch):
-    from leantune.memory.planner import NoPlanFits
+    from leantune.planner.feedback.oom import NoPlanFits
 
     _, full = reference_run
     monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "calibration"))

@@ -48,8 +48,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import ConfigError, parse_size
-    from ..memory.machine import probe_machine
-    from ..memory.planner import Budget, InfeasibleBudget, Planner, format_plan
+    from ..planner.machine import probe_machine
+    from ..planner.report import format_plan
+    from ..planner.search import Planner
+    from ..planner.workload import Budget, InfeasibleBudget
     from ..models.flux import FLUX_SPEC
 
     if bool(args.config) == bool(args.model):
@@ -88,13 +90,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _vram_bytes(value: str, machine) -> int:
-    from ..memory.planner import parse_vram
+    from ..planner.from_config import parse_vram
 
     return parse_vram(value, machine, "--vram")
 
 
 def _from_flags(args):
-    from ..memory.planner import TEXT_LENGTH, Workload, build_meta_flux
+    from ..planner.meta import TEXT_LENGTH, build_meta_flux
+    from ..planner.workload import Workload
 
     variant = MODELS[args.model]
     model = build_meta_flux(variant)
@@ -112,7 +115,8 @@ def _from_config(args):
     from dataclasses import replace
 
     from ..config import load_config
-    from ..memory.planner import Workload, workload_from_config
+    from ..planner.from_config import workload_from_config
+    from ..planner.workload import Workload
 
     cfg = load_config(args.config, args.overrides)
     model = meta_model_for_config(cfg)
@@ -149,7 +153,7 @@ def meta_model_for_config(cfg):
     from diffusers import FluxTransformer2DModel
 
     from ..config import ConfigError
-    from ..memory.meta import meta_from_config
+    from ..planner.meta import meta_from_config
     from ..models.flux_loading import resolve_sources
 
     try:

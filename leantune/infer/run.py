@@ -102,7 +102,8 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
                      text_len: int):
     """The memory Plan for the denoising stage: the planner's under a budget, else the explicit [memory]."""
     if budget is not None:
-        from ..memory.planner import Budget, InfeasibleBudget, Workload, plan_memory
+        from ..planner.from_config import plan_memory
+        from ..planner.workload import Budget, InfeasibleBudget, Workload
 
         # Sampling runs in the weights' dtype without autocast; fp8 storage is the planner's call.
         workload = Workload(mode="inference", batch_size=request.batch_size or n_images,

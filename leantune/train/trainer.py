@@ -20,10 +20,10 @@ import torch
 
 from ..config import RunConfig
 from ..models.flux import FLUX_SPEC, pack_latents, predict
+from ..planner.feedback.oom import NoPlanFits
 from . import flow_matching as fm
 from .modes import make_mode
 from .optim import build_scheduler
-from ..memory.planner import NoPlanFits
 from .state import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 log = logging.getLogger("leantune")
@@ -94,7 +94,7 @@ class Trainee:
     memory: object | None = None   # leantune.memory.engine.MemoryHandle
     plan: object | None = None
     sources: object | None = None  # leantune.models.flux_loading.FluxSources: the VAE for samples
-    guard: object | None = None    # leantune.memory.planner.OomGuard when planning from a budget
+    guard: object | None = None    # leantune.planner.feedback.oom.OomGuard when planning from a budget
     calibrator: object | None = None
     last_bucket: tuple[int, int] | None = None
     mode: object = None            # leantune.train.modes: LoraMode or FullMode
@@ -290,7 +290,9 @@ def _build(cfg: RunConfig) -> Trainee:
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
                 sources, mode=mode)
     if planner is not None:
-        from ..memory.planner import CalibrationStore, OomGuard, PlanCalibrator
+        from ..planner.corrections import CalibrationStore
+        from ..planner.feedback.calibrate import PlanCalibrator
+        from ..planner.feedback.oom import OomGuard
 
         t.guard = OomGuard(planner, budget, plan, lambda new: _replan(t, new))
         t.calibrator = PlanCalibrator(planner, budget, plan, CalibrationStore())
@@ -306,7 +308,7 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode) -> tuple:
 
     planner = budget = None
     if cfg.memory.vram_budget is not None:
-        from ..memory.planner import choose_plan, planner_for_config
+        from ..planner.from_config import choose_plan, planner_for_config
 
         planner, budget = planner_for_config(cfg, FLUX_SPEC, transformer)
         plan = choose_plan(planner, budget, cfg)

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .plan import Plan
-from .workload import Budget, InfeasibleBudget, gib
+from ...memory.plan import Plan
+from ..workload import Budget, InfeasibleBudget, gib
 
 if TYPE_CHECKING:
-    from .search import Planner
+    from ..search import Planner
 
 log = logging.getLogger("leantune")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import SCALE_ATTR
-from .fp8 import SCALE_BLOCK as FP8_GROUP
-from .streaming import ALIGN as STREAM_ALIGN
+from ..memory.fp8 import SCALE_ATTR
+from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
+from ..memory.streaming import ALIGN as STREAM_ALIGN
 from .workload import Workload
 
 

@@ -15,8 +15,8 @@ from typing import Literal
 import torch
 
 from .machine import GiB, Machine, host_ram
-from .monitor import host_rss
-from .plan import Plan
+from ..memory.monitor import host_rss
+from ..memory.plan import Plan
 
 MiB = 2**20
 Mode = Literal["lora", "full", "inference"]

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from .activation_probe import ActivationProfile
 from .machine import GiB
-from .plan import Plan
-from .streaming import STAGING_CHUNK
+from ..memory.plan import Plan
+from ..memory.streaming import STAGING_CHUNK
 from .weight_bytes import ModelWeights, ModuleWeights
 from .workload import Workload
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .activation_probe import ActivationProfile
-from .calibration import Calibration
+from .corrections import Calibration
 from .machine import Machine
-from .plan import Plan
+from ..memory.plan import Plan
 
 
 class StepTime(NamedTuple):

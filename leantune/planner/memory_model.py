@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from .activation_probe import ActivationProfile, compose_activations, probe_activations
-from .calibration import Calibration, architecture_key, bucket_key
+from .corrections import Calibration, architecture_key, bucket_key
 from .host_model import host_breakdown, offloaded_inputs
 from .machine import Machine, assumed_machine
-from .plan import Plan
+from ..memory.plan import Plan
 from .timing import StepTime, simulate_step
 from .weight_bytes import ModuleWeights, align, measure_weights
 from .workload import Workload

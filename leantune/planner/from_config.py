@@ -1,25 +1,8 @@
-"""The planner: from a VRAM budget to the fastest memory plan that fits.
+"""The planner's entry points for a run: a config in, a Workload, a Budget, a Planner and a Plan out.
 
-Other trainers answer "will it fit?" with fixed tiers (a table of `blocks_to_swap` values per card
-size) that users then run out of memory with. Here the answer is computed: a memory model predicts
-the peak VRAM and host RAM of every candidate plan, a timing model predicts its step time, and the
-search keeps the fastest plan whose peak plus a safety margin is under the budget. The first
-training steps check the prediction and correct it; an out-of-memory re-plans tighter.
-
-This module is the planner's entry point (a config or a workload in, a Plan out); each part lives
-in its own module, and the names callers use are re-exported here:
-
-  workload.py          Workload, Budget, InfeasibleBudget: the inputs, and "nothing fits them"
-  meta.py              full-size architectures on the meta device (build_meta_flux)
-  weight_bytes.py      exact weight, fp8 and packed-unit bytes per block; adapter shapes
-  activation_probe.py  activations and FLOPs traced on a meta copy; composition over the stack
-  host_model.py        host RAM while loading, while memory is applied, and during the steps
-  timing.py            step time: compute plus the copies the ring cannot hide
-  memory_model.py      MemoryModel: all of the above for one plan, per component
-  search.py            Planner: the search over plans, and why a budget is infeasible
-  calibration.py       corrections from the first measured steps, stored per architecture
-  oom.py               OomGuard: re-plan tighter and redo a step after a CUDA out-of-memory
-  report.py            format_plan: the plan and its breakdown as a table
+The trainer calls `planner_for_config` + `choose_plan` (and keeps the Planner and Budget for the
+runtime feedback, feedback/); the sampler and `leantune plan` build a Workload themselves and call
+`plan_memory` or `Planner.plan`.
 """
 
 from __future__ import annotations
@@ -29,26 +12,12 @@ import logging
 import torch
 
 from ..config import ConfigError, parse_size
-from .activation_probe import ActivationProfile, KindProfile, probe_activations
-from .calibration import Calibration, CalibrationStore, PlanCalibrator, architecture_key, bucket_key
+from ..memory.plan import Plan
+from .corrections import Calibration, CalibrationStore, architecture_key
 from .machine import Machine, probe_machine
-from .memory_model import Estimate, MemoryModel
-from .meta import TEXT_LENGTH, build_meta_flux
-from .oom import NoPlanFits, OomGuard, is_out_of_memory
-from .plan import Plan
 from .report import format_plan
 from .search import Planner
-from .weight_bytes import AdapterShape, ModelWeights, ModuleWeights, fp8_scale_count, measure_weights
-from .workload import Budget, InfeasibleBudget, Workload, default_ram_budget
-
-__all__ = [  # the public names, for callers and re-export
-    "TEXT_LENGTH", "ActivationProfile", "AdapterShape", "Budget", "Calibration", "CalibrationStore",
-    "Estimate", "InfeasibleBudget", "KindProfile", "MemoryModel", "ModelWeights", "ModuleWeights",
-    "NoPlanFits", "OomGuard", "Plan", "PlanCalibrator", "Planner", "Workload", "architecture_key",
-    "bucket_key", "budget_from_config", "build_meta_flux", "choose_plan", "default_ram_budget", "format_plan",
-    "fp8_scale_count", "is_out_of_memory", "measure_weights", "parse_vram", "plan_for_config", "plan_memory",
-    "planner_for_config", "probe_activations", "workload_from_config",
-]
+from .workload import Budget, InfeasibleBudget, Workload
 
 log = logging.getLogger("leantune")
 

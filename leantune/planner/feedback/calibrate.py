@@ -5,102 +5,24 @@ the next run. The activation probe is exact for the code it traces, but a GPU's 
 kernels' workspaces and its real FLOP/s and PCIe rates are not visible on the meta device. So the
 trainer reports the first steps' peak allocated VRAM, step time and measured host->GPU rate;
 `PlanCalibrator` compares them with the prediction and, when the peak is off by more than the
-budget's margin, rescales the activation term to match and searches the plan again, once.
-
-Corrections are stored in one JSON file (`CalibrationStore`, written atomically) keyed by
-`architecture_key`: the architecture config and the workload's shape, not the weight values, so
-every checkpoint of one architecture at one batch/text length shares its calibration.
+budget's margin, rescales the activation term to match and searches the plan again, once. The
+corrections themselves, and their store, are in ../corrections.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from ..io import atomic_write_json
+from ...memory.plan import Plan
+from ..corrections import CalibrationStore, bucket_key
+from ..workload import Budget, InfeasibleBudget, gib
 from .oom import NoPlanFits
-from .plan import Plan
-from .workload import Budget, InfeasibleBudget, Workload, gib
 
 if TYPE_CHECKING:
-    from .search import Planner
+    from ..search import Planner
 
 log = logging.getLogger("leantune")
-
-
-@dataclass
-class Calibration:
-    """Corrections measured on this machine: activation scale per bucket key, compute and copy rates."""
-
-    activation_scale: dict[str, float] = field(default_factory=dict)
-    flops_scale: float = 1.0
-    h2d_pinned: float | None = None
-
-    def to_dict(self) -> dict:
-        return {"activation_scale": dict(self.activation_scale), "flops_scale": self.flops_scale,
-                "h2d_pinned": self.h2d_pinned}
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> Calibration:
-        d = d or {}
-        return cls(dict(d.get("activation_scale", {})), float(d.get("flops_scale", 1.0)), d.get("h2d_pinned"))
-
-
-def bucket_key(bucket: tuple[int, int]) -> str:
-    return f"{bucket[0]}x{bucket[1]}"
-
-
-def architecture_key(model: torch.nn.Module, workload: Workload) -> str:
-    """Identity of what decides activation memory: the architecture config and the workload's shape
-    (not the weight values, so every checkpoint of one architecture shares a calibration)."""
-    cfg = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
-    blob = json.dumps({"class": type(model).__name__, "config": cfg, "mode": workload.mode, "rank": workload.rank,
-                       "targets": workload.targets, "blocks": workload.lora_blocks, "batch": workload.batch_size,
-                       "text": workload.text_length, "autocast": workload.autocast, "dtype": str(workload.dtype),
-                       "dropout": workload.lora_dropout}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def default_calibration_path() -> Path:
-    base = os.environ.get("LEANTUNE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "leantune")
-    return Path(base) / "calibration.json"
-
-
-class CalibrationStore:
-    """Calibrations on disk, one JSON file, keyed by `architecture_key`. Written atomically; an
-    unreadable file is reported and ignored (the planner then starts from the uncalibrated model)."""
-
-    def __init__(self, path: str | Path | None = None):
-        self.path = Path(path) if path is not None else default_calibration_path()
-
-    def _read(self) -> dict:
-        if not self.path.exists():
-            return {}
-        try:
-            data = json.loads(self.path.read_text())
-            if not isinstance(data, dict):
-                raise TypeError("not a JSON object")
-            return data
-        except (OSError, ValueError, TypeError) as e:
-            log.warning("planner: ignoring unreadable calibration file %s (%s)", self.path, e)
-            return {}
-
-    def get(self, key: str) -> Calibration | None:
-        entry = self._read().get(key)
-        return Calibration.from_dict(entry) if entry else None
-
-    def put(self, key: str, calibration: Calibration) -> None:
-        data = self._read()
-        data[key] = calibration.to_dict()
-        atomic_write_json(self.path, data)
 
 
 class PlanCalibrator:

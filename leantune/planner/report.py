@@ -8,7 +8,7 @@ shows which term to shrink before any weight is loaded.
 from __future__ import annotations
 
 from .machine import GiB
-from .plan import Plan
+from ..memory.plan import Plan
 
 
 def format_plan(plan: Plan) -> str:

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .engine import even_spread
+from ..memory.engine import even_spread
 from .host_model import HOST_BASELINE
 from .memory_model import Estimate, MemoryModel
-from .plan import Plan
+from ..memory.plan import Plan
 from .weight_bytes import ModelWeights, ModuleWeights
 from .workload import Budget, InfeasibleBudget, gib
 

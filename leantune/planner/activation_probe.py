@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import LoraConfig
 from ..train.lora import add_lora
-from .fp8 import apply_fp8_storage
+from ..memory.fp8 import apply_fp8_storage
 from .meta import short_copy
 from .workload import Workload
 
