@@ -146,7 +146,7 @@ def _replanning(monkeypatch, tmp_path):
     """The planner's first answer, then (after an OOM) a plan that streams and checkpoints."""
     from dataclasses import replace
 
-    from leantune.memory import planner as planner_mod
+    from leantune.planner import search as planner_mod
 
     monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "calibration"))
     real_plan = planner_mod.Planner.plan
