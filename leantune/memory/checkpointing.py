@@ -47,7 +47,8 @@ class _HostTensor:
         self.off = offloader
         self.device = t.device
         be_cuda = t.device.type == "cuda"
-        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=be_cuda)
+        self.host = torch.empty(t.shape, dtype=t.dtype, device=offloader.host_device,
+                                pin_memory=be_cuda and offloader.host_device.type == "cpu")
         if be_cuda:
             side = offloader.side_stream(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))   # t is produced on the compute stream
@@ -65,8 +66,8 @@ class _HostTensor:
         if self.dev is not None:
             return
         self.off.stats["bytes_h2d"] += self.host.numel() * self.host.element_size()
-        if self.device.type != "cuda":
-            self.dev = self.host
+        if self.device.type != "cuda":        # host memory is the compute memory, or a synchronous copy
+            self.dev = self.host if self.host.device == self.device else self.host.to(self.device)
             return
         compute = torch.cuda.current_stream(self.device)
         side = self.off.side_stream(self.device)
@@ -100,8 +101,10 @@ class _Group:
 
 
 class ActivationOffloader:
-    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, host_device: torch.device | str = "cpu") -> None:
         self.min_bytes = min_bytes
+        self.host_device = torch.device(host_device)    # where offloaded inputs wait (another device
+        # than the compute device also off CUDA: the simulated device, memory/simulated.py)
         self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "tensors": 0}
         self._streams: dict = {}
         self._last: weakref.ref | None = None
@@ -210,11 +213,12 @@ class CheckpointHandle:
 
 
 def apply_checkpointing(model: nn.Module, spec: ModelSpec, *, offload: bool = False,
-                        blocks: list[str] | None = None, offload_min_bytes: int = MIN_OFFLOAD_BYTES
-                        ) -> CheckpointHandle:
+                        blocks: list[str] | None = None, offload_min_bytes: int = MIN_OFFLOAD_BYTES,
+                        host_device: torch.device | str = "cpu") -> CheckpointHandle:
     """Checkpoint every block of the spec (or the named ones). Apply after streaming.
 
     `offload_min_bytes`: saved inputs smaller than this stay on the device.
+    `host_device`: where offloaded inputs are kept (host RAM).
     """
     if getattr(model, "gradient_checkpointing", False):
         raise ValueError(
@@ -222,7 +226,7 @@ def apply_checkpointing(model: nn.Module, spec: ModelSpec, *, offload: bool = Fa
             "leantune checkpoints blocks itself, so do not call enable_gradient_checkpointing()")
     all_blocks = spec.blocks(model)
     chosen = all_blocks if blocks is None else [(n, b) for n, b in all_blocks if n in set(blocks)]
-    offloader = ActivationOffloader(offload_min_bytes) if offload else None
+    offloader = ActivationOffloader(offload_min_bytes, host_device) if offload else None
     wrapped = []
     for _, block in chosen:
         w = _CheckpointedForward(block, offloader)

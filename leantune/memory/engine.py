@@ -226,7 +226,8 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
 
 def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str = "cpu", *,
                  fp8_scales: Mapping[str, torch.Tensor] | None = None,
-                 offload_min_bytes: int = MIN_OFFLOAD_BYTES, streaming_engine=None) -> MemoryHandle:
+                 offload_min_bytes: int = MIN_OFFLOAD_BYTES, streaming_engine=None,
+                 host_device: torch.device | str = "cpu") -> MemoryHandle:
     """Apply the plan to `model` (adapters already added) and move it to `device`, except the
     streamed weights, which stay in host memory and visit the device in ring slots.
 
@@ -237,6 +238,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     `offload_min_bytes`: with checkpointing = "offload", smaller saved block inputs stay on the device.
     `streaming_engine`: a StreamingEngine subclass (full fine-tuning streams trainable weights with
     memory/trainable_streaming.py's).
+    `host_device`: where offloaded block inputs wait (host RAM; another device in the simulation).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -255,7 +257,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
                                                **({"engine_cls": streaming_engine} if streaming_engine else {}))
         if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",
-                                                       offload_min_bytes=offload_min_bytes)
+                                                       offload_min_bytes=offload_min_bytes, host_device=host_device)
         _place(model, device)                                            # 5. the resident set
         return_freed_host_memory()                                       # their host copies
     except BaseException:

@@ -324,6 +324,11 @@ class _Leave(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage `t` views (the address of its StorageImpl), valid while it lives."""
+    return t.untyped_storage()._cdata
+
+
 def _dedupe(seq: list) -> list:
     """Drop consecutive repeats (a group unit used by several consecutive modules)."""
     out: list = []
@@ -359,7 +364,9 @@ class StreamingEngine:
         self.end_holds: list[_Unit] = []              # holds released at the end of backward
         self.callback_queued = False
         self.held = 0
-        self.by_storage = {s.buf.untyped_storage().data_ptr(): s for s in slots}
+        # Keyed by storage identity, not data_ptr(): a fake or meta storage (the simulated device,
+        # memory/simulated.py) has data_ptr() 0, which would make every tensor look like a slot view.
+        self.by_storage = {_storage_key(s.buf): s for s in slots}
 
     # -- phases (model-level hooks and autograd boundaries) -------------------------------------
     def begin_forward(self) -> None:
@@ -539,7 +546,7 @@ class StreamingEngine:
 
     # -- saved tensors (no checkpointing) --------------------------------------------------------
     def pack(self, t: torch.Tensor):
-        slot = self.by_storage.get(t.untyped_storage().data_ptr())
+        slot = self.by_storage.get(_storage_key(t))
         if slot is None:
             return t
         return _SavedHandle(slot.owner, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
