@@ -361,11 +361,17 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 
 def parse_size(text: str) -> int:
-    """'8GiB' / '6 GB' / '512MiB' / '1.5g' -> bytes. GB and GiB both mean 2**30: cards are sold so."""
+    """'8GiB' / '6 GB' / '512MiB' / '1.5g' / '8' -> bytes. GB and GiB both mean 2**30: cards are sold so.
+
+    A bare number is GiB ("--vram 8" is an 8 GiB card, never 8 bytes); bytes need an explicit "B".
+    """
     import re
 
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
     if not m:
         raise ValueError(f"{text!r} is not a size like '8GiB' or '512MiB'")
-    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    unit = m.group(2).lower()
+    if not unit and not m.group(3):
+        unit = "g"
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit]
     return int(float(m.group(1)) * scale)

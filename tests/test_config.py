@@ -98,6 +98,8 @@ def test_quickstart_example_is_the_demo_config():
 def test_parse_size():
     assert parse_size("8GiB") == 8 * 2**30 == parse_size("8 GB") == parse_size("8g")
     assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("8") == parse_size(" 8 ") == 8 * 2**30 and parse_size("1.5") == 3 * 2**29   # bare = GiB
+    assert parse_size("512B") == 512
     with pytest.raises(ValueError):
         parse_size("lots")
 

@@ -307,18 +307,48 @@ def test_checkpointing_trades_activations_and_fp8_halves_block_bytes(flux_dev_pl
 
 # -- the search ------------------------------------------------------------------------------------------
 
-def test_more_budget_never_gives_a_slower_plan_and_every_plan_fits(flux_dev_planner):
-    previous = None
-    for gib in (4, 6, 8, 12, 24, 48, 80):
-        budget = Budget(vram=gib * GiB, ram=UNLIMITED)
-        plan = flux_dev_planner.plan(budget)
+@pytest.fixture(scope="module")
+def flux_dev_512_planner():
+    return Planner(FLUX_SPEC, build_meta_flux("dev"), Workload(rank=16, buckets=((512, 512),)))
+
+
+@pytest.mark.parametrize("res", [512, 1024])
+def test_more_budget_never_streams_more_turns_fp8_on_or_slows_the_step(res, flux_dev_planner, flux_dev_512_planner):
+    """Along budgets from 4 to 80 GiB in half-GiB steps, every plan fits, fp8 only ever turns off,
+    and while the storage stays the same the step time, the streamed parameters and the bytes
+    copied to the GPU per step never grow; at 80 GiB everything is resident."""
+    planner = flux_dev_512_planner if res == 512 else flux_dev_planner
+    rows = []
+    for half_gib in range(8, 161):
+        budget = Budget(vram=half_gib * GiB // 2, ram=UNLIMITED)
+        plan = planner.plan(budget)
         n = plan.notes
         assert n["predicted_peak_vram"] <= budget.usable_vram
-        assert sum(n["vram_breakdown"].values()) == n["predicted_peak_vram"]
-        if previous is not None:
-            assert round(n["predicted_step_s"], 6) <= round(previous.notes["predicted_step_s"], 6), gib
-        previous = plan
-    assert previous.streamed_blocks == () and previous.checkpointing == "none"   # 80 GiB: everything resident
+        params = sum(u.numel for u in planner.unit_weights(plan))
+        rows.append((half_gib / 2, plan.fp8, n["predicted_step_s"], params, n["h2d_bytes_per_step"]))
+    for (gib, fp8, step_s, params, moved), (gib2, fp8_2, step_s2, params2, moved2) in zip(rows, rows[1:]):
+        assert fp8_2 <= fp8, (gib, gib2)
+        if fp8_2 == fp8:
+            assert step_s2 <= step_s + 1e-6 and params2 <= params and moved2 <= moved, (gib, gib2)
+    assert rows[-1][3:] == (0, 0)
+    assert rows[0][4] > 0                            # 4 GiB cannot hold Flux-dev: the test sees streaming
+
+
+def test_fp8_is_chosen_only_where_it_buys_a_tenth_of_the_step(flux_dev_planner, flux_dev_512_planner):
+    """At 512 px a block computes in a quarter of its 1024 px time, so bf16 copies hide less: fp8
+    (half the bytes) is chosen at tight budgets, and only while the best plan without it is at
+    least 10% slower. At 1024 px bf16 copies hide and fp8 is never worth its error."""
+    chosen = {}
+    for res, planner in ((512, flux_dev_512_planner), (1024, flux_dev_planner)):
+        bf16_only = Planner(FLUX_SPEC, build_meta_flux("dev"), replace(planner.workload, allow_fp8=False))
+        for gib in (4, 6, 8, 12, 16, 24):
+            budget = Budget(vram=gib * GiB, ram=UNLIMITED)
+            plan, plain = planner.plan(budget), bf16_only.plan(budget)
+            assert not plain.fp8
+            if plan.fp8:
+                assert plain.notes["predicted_step_s"] >= 1.1 * plan.notes["predicted_step_s"], (res, gib)
+            chosen[res, gib] = plan.fp8
+    assert chosen[512, 4] and not chosen[512, 16] and not any(chosen[1024, g] for g in (4, 6, 8, 12, 16, 24))
 
 
 def test_infeasible_budget_names_the_smallest_budget_that_works(flux_dev_planner):
@@ -507,7 +537,7 @@ def _run_plan(capsys, *argv):
 
 
 def test_plan_command_for_flux_dev_at_several_budgets_is_consistent(capsys):
-    budgets = ["6GiB", "8GiB", "12GiB", "24GiB", "80GiB"]
+    budgets = ["6GiB", "8", "12GiB", "24 GB", "80GiB"]        # a bare number is GiB, GB means GiB
     args = ["--model", "flux-dev", "--mode", "lora", "--rank", "16", "--resolution", "1024"]
     for b in budgets:
         args += ["--vram", b]
@@ -518,14 +548,13 @@ def test_plan_command_for_flux_dev_at_several_budgets_is_consistent(capsys):
     times = []
     for entry, b in zip(data["plans"], budgets):
         plan, n = entry["plan"], entry["plan"]["notes"]
-        assert entry["budget_bytes"] == int(b[:-3]) * GiB
-        assert sum(n["vram_breakdown"].values()) == n["predicted_peak_vram"] <= entry["budget_bytes"] - n["margin_vram"]
+        assert entry["budget_bytes"] == int(re.match(r"\d+", b).group()) * GiB
+        assert n["predicted_peak_vram"] <= entry["budget_bytes"] - n["margin_vram"]
         assert set(plan["streamed_blocks"]) <= names and len(set(plan["streamed_blocks"])) == len(plan["streamed_blocks"])
         kinds = {"double": sum(x.startswith("transformer_blocks.") for x in plan["streamed_blocks"]),
                  "single": sum(x.startswith("single_") for x in plan["streamed_blocks"])}
         assert {k: v for k, v in kinds.items() if v} == n["streamed_by_kind"]
         assert (n["vram_breakdown"]["stream slots"] > 0) == bool(plan["streamed_blocks"])
-        assert n["predicted_step_s"] == pytest.approx(n["compute_s"] + n["exposed_transfer_s"] + n["overhead_s"])
         assert (n["h2d_bytes_per_step"] == 0) == (not plan["streamed_blocks"] and plan["checkpointing"] != "offload")
         assert plan["ring_slots"] >= 2 and plan["checkpointing"] in ("none", "blocks", "offload")
         times.append(n["predicted_step_s"])
@@ -537,6 +566,12 @@ def test_plan_command_for_flux_dev_at_several_budgets_is_consistent(capsys):
     assert "VRAM at peak" in text and "rates assumed, not measured" in text
     total = re.search(r"total \(predicted peak\)\s+([\d.]+)", text).group(1)
     assert float(total) == pytest.approx(eight["predicted_peak_vram"] / GiB, abs=0.006)
+
+
+def test_plan_command_says_full_fine_tunes_are_not_planned_yet(capsys):
+    rc, out, err = _run_plan(capsys, "--model", "flux-dev", "--mode", "full", "--vram", "24GiB")
+    assert rc == 2 and out == ""
+    assert "does not plan full fine-tunes yet" in err and "--mode lora" in err and "GiB" not in err
 
 
 def test_plan_command_reports_an_infeasible_budget(capsys):

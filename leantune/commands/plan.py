@@ -20,6 +20,10 @@ from pathlib import Path
 
 MODELS = {"flux-dev": "dev", "flux-schnell": "schnell"}
 UNLIMITED_RAM = 2**62   # host RAM not checked (reported, not limited)
+FULL_NOT_PLANNED = ("--mode full / [train] mode = \"full\": the planner does not plan full fine-tunes yet (their "
+                    "trainable weights stream with write-back and their optimizer steps inside backward, which the "
+                    "memory model does not price yet). Plan a LoRA with --mode lora, or set the [memory] choices "
+                    "(streamed_blocks, checkpointing) explicitly for a full fine-tune.")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -38,7 +42,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="square training resolution (repeatable for several buckets; default 1024)")
     p.add_argument("--text-length", type=int, default=None, help="T5 tokens (default 512 dev / 256 schnell)")
     p.add_argument("--vram", action="append", default=None, metavar="SIZE",
-                   help='VRAM budget, e.g. 8GiB, or "auto" (repeatable: one plan per budget)')
+                   help='VRAM budget, e.g. 8GiB (a bare 8 is GiB), or "auto" (repeatable: one plan per budget)')
     p.add_argument("--ram", default=None, metavar="SIZE",
                    help="host RAM budget (default: available here minus a margin; unchecked when no GPU is here)")
     p.add_argument("--no-fp8", action="store_true", help="never store weights in fp8")
@@ -100,7 +104,6 @@ def _from_flags(args):
     from ..planner.workload import Workload
 
     variant = MODELS[args.model]
-    model = build_meta_flux(variant)
     workload = Workload(
         mode=args.mode or "lora", rank=args.rank or 16, targets=args.targets or "attention_mlp",
         optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
@@ -108,7 +111,7 @@ def _from_flags(args):
         text_length=args.text_length or TEXT_LENGTH[variant], autocast=not args.no_autocast,
         allow_fp8=not args.no_fp8)
     _check_workload(workload)
-    return model, workload
+    return build_meta_flux(variant), workload
 
 
 def _from_config(args):
@@ -121,7 +124,8 @@ def _from_config(args):
     cfg = load_config(args.config, args.overrides)
     model = meta_model_for_config(cfg)
     workload = workload_from_config(cfg, model)
-    asked = {"mode": args.mode, "rank": args.rank, "targets": args.targets, "optimizer": args.optimizer,
+    mode = args.mode or ("full" if cfg.train.mode == "full" else None)
+    asked = {"mode": mode, "rank": args.rank, "targets": args.targets, "optimizer": args.optimizer,
              "batch_size": args.batch_size, "gradient_accumulation": args.accumulation,
              "text_length": args.text_length, "buckets": Workload.square(args.resolution) if args.resolution else None}
     changes = {k: v for k, v in asked.items() if v is not None}
@@ -138,6 +142,8 @@ def _from_config(args):
 def _check_workload(w) -> None:
     from ..config import ConfigError
 
+    if w.mode == "full":
+        raise ConfigError(FULL_NOT_PLANNED)
     for h, wd in w.buckets:
         if h < 64 or h % 16 or wd < 64 or wd % 16:
             raise ConfigError(f"--resolution {h}: must be a multiple of 16 of at least 64")

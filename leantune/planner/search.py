@@ -1,8 +1,28 @@
-"""The plan search: the fastest plan whose predicted peak fits the budget.
+"""The plan search: the fastest plan whose predicted peak fits the budget, monotone in the budget.
 
 Other trainers answer "will it fit?" with fixed tiers (a table of `blocks_to_swap` values per card
 size) that users then run out of memory with. Here every candidate is priced by the memory model
-(memory_model.py) and the fastest one whose peak plus a safety margin is under the budget wins.
+(memory_model.py) and the fastest one whose peak plus a safety margin is under the budget wins,
+with two rules that keep the answers sensible from one budget to the next:
+
+- fp8 storage costs accuracy, so it is priced: a plan that converts weights to fp8 must be at least
+  `FP8_MIN_GAIN` faster than the best plan without it (or be the only kind that fits). Without
+  this, at 512 px every budget up to 24 GiB chose fp8 for a few percent: a 512 px block computes in
+  a quarter of a 1024 px block's time, so bf16 copies hide less and halving them always looked
+  faster. It still wins where it buys real time (a tight budget at 512 px).
+- More budget never streams more. Dropping checkpointing saves a third of the compute but needs
+  room for activations, which a budget can buy by streaming more blocks: with the fastest plan
+  alone, 16 GiB streamed 12 blocks at 512 px and 24 GiB streamed 37. That trades a certain cost
+  for the least certain part of the prediction (copies hidden at an assumed PCIe rate), and it asks
+  a user who adds VRAM for more pinned host RAM. So the plan for a budget is found by a sweep over
+  the fitting plans in the order of the budget they need. For each storage (bf16, fp8) a plan
+  replaces the one chosen so far only if it is faster and streams no more parameters and no more
+  bytes per step; fp8 is used until the best bf16 plan is at least as good as the best fp8 one
+  (fp8 priced as above), and from that budget on it stays off. The answer is a function of the
+  budget alone. Along growing budgets fp8 only turns off, and while it stays the same the step
+  time, the streamed parameters and the streamed bytes only go down. Where more budget turns fp8
+  off, the bf16 plan may stream more than the fp8 plan below it did: that budget buys accuracy
+  first.
 
 Candidates: every combination of fp8 (where accuracy allows), checkpointing none/blocks/offload,
 the number of streamed blocks (block kinds with the most FLOPs per byte first: for Flux the single
@@ -11,15 +31,14 @@ every block streams. Streamed units are always pinned: the engine pins exactly t
 pageable unit would save no host RAM and only add the staging pool and slower copies (the memory
 model still prices pageable plans given explicitly in [memory]).
 
-The fastest feasible plan wins; exact ties go to the simpler plan. Because the feasible set only
-grows with the budget, more budget never gives a slower plan. When nothing fits,
-`InfeasibleBudget` says the smallest budget that works and which keys of the run (training config
-or sample request) to change.
+When nothing fits, `InfeasibleBudget` says the smallest budget that works and which keys of the run
+(training config or sample request) to change.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from ..memory.engine import even_spread
 from .host_model import HOST_BASELINE
@@ -30,6 +49,8 @@ from .workload import Budget, InfeasibleBudget, gib
 
 CHECKPOINTING = ("none", "blocks", "offload")
 RING_CHOICES = (2, 3, 4)
+# fp8 storage must make a step at least this much faster than the best plan without it.
+FP8_MIN_GAIN = 0.10
 
 
 class Planner(MemoryModel):
@@ -44,10 +65,14 @@ class Planner(MemoryModel):
         super().__init__(*args, **kwargs)
         self.order = self._streaming_order()
         self._peaks: dict = {}
+        self._times: dict = {}
+        self._moved: dict = {}
 
     def forget_estimates(self) -> None:
-        """Drop cached peaks: the calibration changed, so every plan is priced again."""
+        """Drop cached peaks and times: the calibration changed, so every plan is priced again."""
         self._peaks.clear()
+        self._times.clear()
+        self._moved.clear()
 
     def _streaming_order(self) -> list[str]:
         """Block kinds in the order they start streaming: most forward FLOPs per byte first (their
@@ -96,44 +121,70 @@ class Planner(MemoryModel):
                                        ring_slots=k, pin_memory=True)
 
     def plan(self, budget: Budget) -> Plan:
-        """The fastest plan whose predicted peak plus the margin fits `budget` (VRAM and host RAM).
-
-        Exhaustive over the candidates that fit, so a larger budget (a superset of fitting plans)
-        never gives a slower plan. To keep it fast, candidates are grouped by (fp8, checkpointing):
-        the group's plan with nothing streamed is a lower bound on every plan of the group (streaming
-        only adds copies), and groups whose bound is already slower than the best plan are skipped.
-        """
+        """The plan for `budget` (VRAM and host RAM): the sweep described in the module docstring
+        over every candidate whose predicted peak plus the margin fits."""
         ram_limit = budget.ram_limit(self.machine)
-        groups: dict[tuple[bool, str], list[Plan]] = {}
+        fits: list[tuple[int, Plan]] = []
         smallest_vram = None                       # over plans that fit host RAM
         for plan in self.candidates():
             vram, host = self._cheap_estimate(plan)
-            vram_ok, host_ok = vram <= budget.usable_vram, host <= ram_limit
-            if host_ok and (smallest_vram is None or vram < smallest_vram[0]):
+            if host > ram_limit:
+                continue
+            if smallest_vram is None or vram < smallest_vram[0]:
                 smallest_vram = (vram, plan)
-            if vram_ok and host_ok:
-                groups.setdefault((plan.fp8, plan.checkpointing), []).append(plan)
-        if not groups:
+            if vram <= budget.usable_vram:
+                fits.append((vram, plan))
+        if not fits:
             raise self._infeasible(budget, ram_limit, smallest_vram)
-        bound = {g: round(self.step_time(Plan(fp8=g[0], checkpointing=g[1])), 6) for g in groups}
-        best = best_key = None
-        for g in sorted(groups, key=bound.__getitem__):
-            if best_key is not None and bound[g] > best_key[0]:
-                break
-            for plan in groups[g]:
-                # Step times are compared to the microsecond: equal-time plans (copies fully hidden)
-                # tie, and the tie goes to no fp8, less checkpointing, fewer streamed blocks, the
-                # smaller ring.
-                key = (round(self.step_time(plan), 6), plan.fp8, CHECKPOINTING.index(plan.checkpointing),
-                       len(plan.streamed_blocks), plan.stream_non_blocks, plan.ring_slots)
-                if best_key is None or key < best_key:
-                    best, best_key = plan, key
+        fits.sort(key=lambda vp: (vp[0], _shape(vp[1])))
+        current: dict[bool, Plan | None] = {False: None, True: None}    # per storage: bf16, fp8
+        without_fp8 = False        # once the best bf16 plan beats the best fp8 one, fp8 stays off
+        for _, plan in fits:
+            cur = current[plan.fp8]
+            if cur is None or self._replaces(plan, cur):
+                current[plan.fp8] = plan
+            if current[False] is not None and (current[True] is None or
+                                               self._preference(current[False]) <= self._preference(current[True])):
+                without_fp8 = True
+        best = current[False] if without_fp8 else current[True]
         return self._annotate(best, self.estimate(best), budget, ram_limit)
 
+    def _replaces(self, plan: Plan, current: Plan) -> bool:
+        """Whether `plan` (same storage as `current`, fitting a larger budget) is chosen over it
+        there: faster, and streaming no more parameters and no more bytes."""
+        if any(a > b for a, b in zip(self._streamed(plan), self._streamed(current))):
+            return False
+        return self._preference(plan) < self._preference(current)
+
+    def _preference(self, plan: Plan) -> tuple:
+        """Smaller is better: the step time, fp8 priced at FP8_MIN_GAIN, compared to the
+        microsecond (plans whose copies are fully hidden tie), then the simpler plan: no fp8, less
+        checkpointing, fewer streamed blocks, the smaller ring."""
+        t = self._timed(plan).step_s * (1.0 + FP8_MIN_GAIN if plan.fp8 else 1.0)
+        return (round(t, 6), *_shape(plan))
+
+    def _streamed(self, plan: Plan) -> tuple[int, int]:
+        """(streamed parameters, host->GPU bytes) per step: what more budget must never increase."""
+        key = _plan_key(plan)
+        if key not in self._moved:
+            units = self.unit_weights(plan)
+            params = sum(u.numel for u in units)
+            self._moved[key] = (params, self._timed(plan).h2d_bytes)
+        return self._moved[key]
+
+    def _timed(self, plan: Plan):
+        """The plan's step time, simulated once per plan (mean over the buckets)."""
+        key = _plan_key(plan)
+        if key not in self._times:
+            units = self.units(plan)
+            per = [self.timing(plan, b, units) for b in self.workload.buckets]
+            n = len(per)
+            self._times[key] = _Timed(sum(t.step_s for t in per) / n, int(sum(t.h2d_bytes for t in per) / n))
+        return self._times[key]
+
     def _cheap_estimate(self, plan: Plan) -> tuple[int, int]:
-        """(peak VRAM, peak host) without the timing simulation: the search prunes with it."""
-        key = (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.checkpointing, plan.ring_slots,
-               plan.pin_memory)
+        """(peak VRAM, peak host) without the timing simulation: the search filters with it."""
+        key = _plan_key(plan)
         if key not in self._peaks:
             vram, host, _ = self.memory(plan)
             self._peaks[key] = (sum(vram.values()), host["peak"])
@@ -198,6 +249,22 @@ class Planner(MemoryModel):
             "architecture_key": self.key,
         }
         return replace(plan, notes=notes)
+
+
+class _Timed(NamedTuple):
+    step_s: float
+    h2d_bytes: int
+
+
+def _plan_key(plan: Plan) -> tuple:
+    return (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.checkpointing, plan.ring_slots,
+            plan.pin_memory)
+
+
+def _shape(plan: Plan) -> tuple:
+    """The simpler-plan order: no fp8, less checkpointing, fewer streamed blocks, the smaller ring."""
+    return (plan.fp8, CHECKPOINTING.index(plan.checkpointing), len(plan.streamed_blocks), plan.stream_non_blocks,
+            plan.ring_slots)
 
 
 def _count_kinds(names, weights: ModelWeights) -> dict[str, int]:
