@@ -150,6 +150,21 @@ class MemoryConfig(Section):
         return v
 
 
+class DistributedConfig(Section):
+    """[distributed]: how several processes (GPUs) share a run. See leantune/distributed.py."""
+
+    # auto: "ddp" for LoRA, "deepspeed" (ZeRO-2) for [train] mode = "full"
+    strategy: Literal["auto", "ddp", "deepspeed", "fsdp2"] = "auto"
+    zero_stage: Literal[2, 3] = 2                  # DeepSpeed ZeRO stage
+    offload_optimizer: bool = False                # DeepSpeed: optimizer states in host RAM
+    fsdp_cpu_offload: bool = False                 # FSDP2: parameters and gradients in host RAM
+    deepspeed_config: str | None = None            # a DeepSpeed JSON file used as written (overrides the keys above)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"   # auto: nccl on CUDA, gloo on CPU
+    timeout_minutes: int = Field(60, ge=1)         # a collective waits this long for a silent rank
+    share_host_weights: bool = True                # ranks of one machine share one host copy of streamed weights
+    allow_world_size_change: bool = False          # resume a checkpoint saved with another process count
+
+
 class SampleConfig(Section):
     every: int = Field(0, ge=0)          # 0: never during training
     prompts: list[str] = []
@@ -180,6 +195,7 @@ class RunConfig(Section):
     full: FullConfig = FullConfig()
     train: TrainConfig = TrainConfig()
     memory: MemoryConfig = MemoryConfig()
+    distributed: DistributedConfig = DistributedConfig()
     sample: SampleConfig = SampleConfig()
     output: OutputConfig = OutputConfig()
 
@@ -206,6 +222,10 @@ class RunConfig(Section):
         late otherwise)."""
         mode = self.train.mode
         if mode == "full":
+            if self.distributed.strategy == "ddp":
+                raise ValueError("[distributed] strategy = \"ddp\" with [train] mode = \"full\": a full fine-tune "
+                                 "steps each weight inside backward, before gradients could be summed across "
+                                 "processes; use \"deepspeed\" (ZeRO-2) or \"fsdp2\" (or \"auto\")")
             if self.lora.model_fields_set:
                 key = sorted(self.lora.model_fields_set)[0]
                 raise ValueError(f"[lora] {key}: set, but [train] mode = \"full\" trains the weights themselves, "
@@ -219,10 +239,26 @@ class RunConfig(Section):
                 key = sorted(self.full.model_fields_set)[0]
                 raise ValueError(f"[full] {key}: set, but [train] mode = \"lora\"; set [train] mode = \"full\" "
                                  f"or remove the [full] section")
+            if self.distributed.strategy in ("deepspeed", "fsdp2"):
+                raise ValueError(f"[distributed] strategy = {self.distributed.strategy!r} shards a full fine-tune; "
+                                 f"LoRA training uses \"ddp\" (or \"auto\"): set [train] mode = \"full\" or "
+                                 f"[distributed] strategy = \"ddp\"")
             if self.train.optimizer not in ("adamw", "adafactor"):
                 raise ValueError(f"[train] optimizer = {self.train.optimizer!r} is for [train] mode = \"full\"; "
                                  f"LoRA training uses \"adamw\" or \"adafactor\"")
+        self._distributed_storage()
         return self
+
+    def _distributed_storage(self) -> None:
+        """Streaming and FSDP / ZeRO-3 both own where parameters live: refuse the combination by key."""
+        d, m = self.distributed, self.memory
+        shards_params = d.strategy == "fsdp2" or (d.strategy in ("deepspeed", "auto") and d.zero_stage == 3
+                                                  and self.train.mode == "full")
+        if shards_params and (m.streamed_blocks not in (0, [], "none") or m.stream_non_blocks):
+            what = "strategy = \"fsdp2\"" if d.strategy == "fsdp2" else "zero_stage = 3"
+            raise ValueError(f"[distributed] {what} with [memory] streamed_blocks / stream_non_blocks: both would own "
+                             f"where the weights live; use [distributed] strategy = \"deepspeed\" with zero_stage = 2 "
+                             f"(resident weights, sharded optimizer), or stream without sharding")
 
     def resolve(self, path: str | None) -> Path | None:
         """A path from the config, relative to the TOML file's folder."""

@@ -16,13 +16,32 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest saved state of this run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="train on N processes of this machine (one per GPU): starts torchrun for you")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..train.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)      # bad input is reported once, before any launch
+    if args.gpus is not None and args.gpus > 1:
+        from ..distributed import launch_env, relaunch
+
+        if launch_env() is None:
+            return relaunch(args.gpus, _argv(args))
     result = train(cfg, resume=args.resume, progress=not args.no_progress)
     print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
     return 0
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """This command's arguments without --gpus, for each process torchrun starts."""
+    argv = ["train", args.config]
+    for o in args.overrides:
+        argv += ["--set", o]
+    if args.resume:
+        argv.append("--resume")
+    if args.no_progress:
+        argv.append("--no-progress")
+    return argv

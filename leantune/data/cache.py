@@ -390,9 +390,11 @@ class CachedData:
         return (f"{self.num_items} samples in {len(self.buckets)} bucket(s), {self.batches_per_epoch} batches per "
                 f"epoch; latents: {self.stats['latents']}; text: {self.stats['text']}")
 
-    def batches(self, seed: int, state: dict | None = None, dtype: torch.dtype = torch.float32) -> "BatchIterator":
-        """An endless iterator of batches in the seeded order; `state` resumes a saved position."""
-        order = BatchOrder([s.bucket for s in self.samples], self.batch_size, seed, self.shuffle,
+    def batches(self, seed: int, state: dict | None = None, dtype: torch.dtype = torch.float32,
+                batch_size: int | None = None) -> "BatchIterator":
+        """An endless iterator of batches in the seeded order; `state` resumes a saved position.
+        `batch_size` overrides [data] batch_size (several processes draw one global batch)."""
+        order = BatchOrder([s.bucket for s in self.samples], batch_size or self.batch_size, seed, self.shuffle,
                            dropout=[s.item.caption_dropout for s in self.samples])
         it = BatchIterator(self, order, dtype)
         if state is not None:

@@ -67,6 +67,7 @@ class LoraMode:
         t.optimizer.zero_grad(set_to_none=True)
         accum = cfg.train.gradient_accumulation
         total = sum(micro_batch(1.0 / accum) for _ in range(accum))
+        t.dist.sync_gradients(t.params)        # several processes: sum the ranks' shares (no-op for one)
         if cfg.train.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(t.params, cfg.train.max_grad_norm)
         t.optimizer.step()

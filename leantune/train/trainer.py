@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig
+from ..distributed import DistContext, shard_of
 from ..models.flux import FLUX_SPEC, pack_latents, predict
 from ..planner.feedback.oom import NoPlanFits
 from . import flow_matching as fm
@@ -98,6 +99,7 @@ class Trainee:
     calibrator: object | None = None
     last_bucket: tuple[int, int] | None = None
     mode: object = None            # leantune.train.modes: LoraMode or FullMode
+    dist: DistContext = field(default_factory=DistContext)   # this process's rank (trivial: one process)
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -177,17 +179,29 @@ class StopRequest:
 def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainResult:
     """Train as `cfg` says (a LoRA, or the whole model with [train] mode = "full"). `stop_after` ends early after that many optimizer steps (tests)."""
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
-    setup_logging(paths)
+    dist = DistContext.from_config(cfg, pick_device(cfg))
+    try:
+        return _train(cfg, paths, dist, resume, stop_after, progress)
+    finally:
+        dist.close()
+
+
+def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, stop_after: int | None,
+           progress: bool) -> TrainResult:
+    if dist.is_main:
+        setup_logging(paths)
+    else:
+        dist.quiet_logging(log)
     torch.manual_seed(cfg.train.seed)
-    t = _build(cfg)
+    t = _build(cfg, dist)
     start, losses = 0, []
     if resume:
-        start, losses = _resume(t, paths)
-    writer = _tensorboard(paths)
+        start, losses = _resume(t, paths, cfg)
+    writer = _tensorboard(paths) if dist.is_main else None
     monitor = _monitor(paths, t)
     result = TrainResult(paths, losses, [])
     step = start
-    bar = _progress(cfg, start, progress)
+    bar = _progress(cfg, start, progress and dist.is_main)
     stop = StopRequest()
     try:
         while step < cfg.train.steps and (stop_after is None or step - start < stop_after):
@@ -202,7 +216,7 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
             _log_step(cfg, step, loss, t, writer, monitor, bar, seconds, report)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 _save(t, cfg, paths, step, losses, intermediate=True)
-            if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0:
+            if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0 and dist.is_main:
                 result.sample_files.append(_sample(t, cfg, paths, step))
             if stop.requested:
                 raise KeyboardInterrupt
@@ -227,7 +241,8 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     result.final_step = step
     result.losses = losses
     result.lora_files = _save(t, cfg, paths, step, losses, intermediate=step < cfg.train.steps)
-    _finish(paths, losses, monitor, writer)
+    if dist.is_main:
+        _finish(paths, losses, monitor, writer)
     t.mode.close(t)
     if t.memory is not None:
         t.memory.release()          # pinned buffers, slots and the staging thread go now, not at exit
@@ -240,23 +255,29 @@ def train_step(t: Trainee, cfg: RunConfig) -> float:
     t.transformer.train()
     loss = t.mode.step(t, lambda scale: forward_backward(t, cfg, next(t.batches), scale=scale))
     t.scheduler.step()
-    return loss
+    return t.dist.sum(loss)                   # every rank's weighted share: the global batch's loss
 
 
 def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> float:
-    """Noise the cached latents, predict the velocity, backpropagate the scaled MSE."""
+    """Noise the cached latents, predict the velocity, backpropagate the scaled MSE.
+
+    With several processes the batch is this rank's rows of the global batch: the noise and
+    timesteps of the whole global batch are drawn (same generator state on every rank) and this
+    rank keeps its rows, and the loss is weighted by the rank's share (see distributed.py)."""
     x0 = batch.latents.to(t.device, torch.float32)                 # (B, 16, h, w)
-    b, _, h, w = x0.shape
+    _, _, h, w = x0.shape
+    shard = shard_of(batch)
     t.last_bucket = tuple(batch.bucket)
-    noise = torch.randn(x0.shape, generator=t.generator).to(t.device)
-    sigma = fm.sample_sigmas(b, cfg.train.timestep_sampling, t.generator, sigmoid_scale=cfg.train.sigmoid_scale,
-                             shift=cfg.train.shift, image_seq_len=(h // 2) * (w // 2))
+    noise = torch.randn((shard.global_size, *x0.shape[1:]), generator=t.generator)[shard.rows].to(t.device)
+    sigma = fm.sample_sigmas(shard.global_size, cfg.train.timestep_sampling, t.generator,
+                             sigmoid_scale=cfg.train.sigmoid_scale, shift=cfg.train.shift,
+                             image_seq_len=(h // 2) * (w // 2))[shard.rows]
     noisy = fm.add_noise(x0, noise, sigma)
     target = pack_latents(fm.velocity_target(x0, noise))            # (B, h/2*w/2, 64)
     with _autocast(cfg, t.device):
         pred = predict(t.transformer, pack_latents(noisy).to(t.dtype), sigma.to(t.device), batch.embeds,
                        (h, w), cfg.train.guidance)
-    loss = fm.flow_matching_loss(pred, target)
+    loss = fm.flow_matching_loss(pred, target) * shard.weight
     (loss * scale).backward()
     return float(loss.detach())
 
@@ -269,13 +290,14 @@ def _autocast(cfg: RunConfig, device: torch.device):
 
 # -- set-up ----------------------------------------------------------------------------------------
 
-def _build(cfg: RunConfig) -> Trainee:
+def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     from ..data.cache import model_dtype, prepare_caches
     from ..models.flux_loading import detect_variant, load_transformer, resolve_sources
 
+    dist = dist or DistContext()
     device = pick_device(cfg)
     dtype = model_dtype(cfg)
-    data = prepare_caches(cfg, device, dtype)
+    data = dist.main_first(lambda: prepare_caches(cfg, device, dtype))    # filled once, then read by all
     sources = resolve_sources(cfg.model, Path(cfg.base_dir))
     transformer = load_transformer(sources, dtype=dtype, device="cpu")
     variant = detect_variant(transformer)
@@ -286,9 +308,9 @@ def _build(cfg: RunConfig) -> Trainee:
     optimizer = mode.build_optimizer(params)
     scheduler = build_scheduler(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    batches = data.batches(seed=cfg.train.seed)
+    batches = dist.shard_batches(data, cfg.train.seed, cfg.data.batch_size)
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
-                sources, mode=mode)
+                sources, mode=mode, dist=dist)
     if planner is not None:
         from ..planner.corrections import CalibrationStore
         from ..planner.feedback.calibrate import PlanCalibrator
@@ -335,7 +357,7 @@ def _guarded_step(t: Trainee, cfg: RunConfig, step: int) -> float:
     """train_step under the OOM guard: a step that ran out of memory is redone on the same batch,
     noise and timesteps (data position and generator are rewound), so no sample is lost."""
     if t.guard is None:
-        return train_step(t, cfg)
+        return t.dist.agreed_step(lambda: train_step(t, cfg))
     position, noise_state = t.batches.state_dict(), t.generator.get_state()
     attempts = {"n": 0}
 
@@ -344,7 +366,7 @@ def _guarded_step(t: Trainee, cfg: RunConfig, step: int) -> float:
             t.batches.load_state_dict(position)
             t.generator.set_state(noise_state)
         attempts["n"] += 1
-        return train_step(t, cfg)
+        return t.dist.agreed_step(lambda: train_step(t, cfg))
 
     try:
         return t.guard.run(attempt, step=step)
@@ -374,26 +396,31 @@ def _training_state(t: Trainee, losses: list[float]) -> dict:
         "rng": rng_state(t.generator),
         "data": t.batches.state_dict(),
         "losses": list(losses),
+        "world_size": t.dist.world_size,
     }
 
 
-def _resume(t: Trainee, paths: RunPaths) -> tuple[int, list[float]]:
+def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[float]]:
     ckpt = latest_checkpoint(paths.checkpoints)
     if ckpt is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {paths.checkpoints}")
     step, state = load_checkpoint(ckpt)
+    exact = t.dist.check_resume(state, ckpt, cfg.distributed.allow_world_size_change)
     t.mode.load_state(t, state, ckpt)
     t.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], t.generator)
-    t.batches.load_state_dict(state["data"])
+    t.batches.load_state_dict(state["data"], strict=exact)
     log.info("resumed from %s at step %d", ckpt, step)
     return step, list(state["losses"])
 
 
 def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[float], intermediate: bool) -> list[Path]:
-    """Resumable state (always) and the mode's files (per-step names while training, final at the end)."""
+    """Resumable state (always) and the mode's files (per-step names while training, final at the
+    end), written by rank 0 only (every rank holds the same trainable weights)."""
     from ..io import atomic_write_json
 
+    if not t.dist.is_main:
+        return []
     save_checkpoint(paths.checkpoints, step, _training_state(t, losses), keep_last=cfg.train.keep_last)
     atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
     files = t.mode.export(t, paths, step, intermediate)
@@ -441,7 +468,8 @@ def _log_step(cfg, step, loss, t: Trainee, writer, monitor, bar, seconds, report
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", s_it=f"{seconds:.2f}", mem=mem)
     if step % cfg.train.log_every == 0:
-        log.info("step %d loss %.5f lr %.3g %.2fs/it %s%s", step, loss, lr, seconds, mem, streaming)
+        ranks = t.dist.rank_memory(monitor.samples[-1] if monitor.samples else None)
+        log.info("step %d loss %.5f lr %.3g %.2fs/it %s%s%s", step, loss, lr, seconds, mem, streaming, ranks)
 
 
 def _streaming_summary(report: dict) -> str:

@@ -1,0 +1,418 @@
+"""Several processes (GPUs) training one run: who this process is, and what ranks must agree on.
+
+Launch. `torchrun --nproc_per_node N -m leantune train my.toml`, `accelerate launch -m leantune
+train my.toml` and `leantune train my.toml --gpus N` (which starts torchrun) all set the same
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); `DistContext.from_env` reads it and
+joins the process group. Without those variables the context is trivial (one process, every
+collective a no-op), so the trainer has one code path and tests can build several configurations
+in one process.
+
+LoRA (DDP semantics over the adapter only). The frozen base is never synchronised: every rank
+holds (or streams) the same weights. Each step's *global* batch is `[data] batch_size x
+world_size` samples of one bucket, drawn from the same seeded order as a one-process run with that
+batch size; rank r trains on its rows of it, with the noise and timesteps of exactly those rows
+(every rank draws the global batch's noise and keeps its slice). Each rank weights its loss by its
+share of the global batch, the LoRA gradients are summed across ranks after the last micro-batch,
+and every rank takes the same optimizer step. So N processes compute the step a single process
+computes with the N-times batch, up to the order of floating-point additions.
+
+Why the gradient all-reduce is issued here and not from torch's DDP backward hooks: an
+out-of-memory error on one rank must make *all* ranks re-plan and redo the step. With DDP's hooks
+the healthy ranks would already be blocked inside backward's all-reduce, waiting for a rank that
+is re-planning. Here every rank first votes (one tiny all-reduce) on whether its forward/backward
+succeeded; only then are the gradients reduced, so a failed rank never leaves a collective
+half-entered, and the healthy ones raise the same out-of-memory error and re-plan with it.
+
+Full fine-tunes (DeepSpeed ZeRO-2, FSDP2) are configured here too (see `full_strategy`); their
+parameter storage is owned by those engines, so streaming is refused with them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("leantune")
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class RankOutOfMemory(torch.OutOfMemoryError):
+    """Raised on healthy ranks when another rank ran out of memory in the same step: every rank's
+    OOM guard then re-plans and redoes the step together."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of one global batch."""
+
+    global_size: int    # samples in the global batch (all ranks)
+    start: int          # this rank's rows of it: [start, stop)
+    stop: int
+    weight: float       # this rank's share of the global mean loss (0 for a stand-in row)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.stop)
+
+
+def split_rows(global_size: int, rank: int, world_size: int) -> Shard:
+    """Contiguous, as-even-as-possible rows of a global batch for `rank`.
+
+    A bucket's last batch of an epoch may hold fewer samples than ranks: a rank left without a row
+    trains on the batch's last row with weight 0, so it still joins every collective but adds
+    nothing to the gradient.
+    """
+    start = rank * global_size // world_size
+    stop = (rank + 1) * global_size // world_size
+    if stop > start:
+        return Shard(global_size, start, stop, (stop - start) / global_size)
+    return Shard(global_size, global_size - 1, global_size, 0.0)
+
+
+def shard_of(batch) -> Shard:
+    """The shard a batch carries (a one-process batch is the whole global batch)."""
+    shard = getattr(batch, "shard", None)
+    if shard is not None:
+        return shard
+    n = batch.latents.shape[0]
+    return Shard(n, 0, n, 1.0)
+
+
+class ShardedBatches:
+    """This rank's view of the global batch order: each global batch (one bucket, `batch_size x
+    world_size` samples, same on every rank) cut to this rank's rows. The position (state_dict)
+    is the global one, identical on every rank."""
+
+    def __init__(self, inner, rank: int, world_size: int):
+        self.inner, self.rank, self.world_size = inner, rank, world_size
+        # Cut each slot before its latents and embeddings are read, so a rank reads only its rows.
+        inner.order = _SlotCutter(inner.order, self)
+        self.last: Shard | None = None
+        self.global_slot = None
+        self._t5_lengths: dict[str, int] = {}
+
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.inner)
+        batch.shard = self.last
+        longest = self._longest_prompt()
+        t5 = batch.embeds.t5
+        if longest is not None and t5.shape[1] < longest:
+            # Flux attends to padded text tokens too: pad to the global batch's longest prompt, as
+            # the one-process batch is, so each row computes exactly what it computes there.
+            pad = t5.new_zeros(t5.shape[0], longest - t5.shape[1], t5.shape[2])
+            batch.embeds = replace(batch.embeds, t5=torch.cat([t5, pad], dim=1))
+        return batch
+
+    def _longest_prompt(self) -> int | None:
+        data, slot = getattr(self.inner, "data", None), self.global_slot
+        if data is None or slot is None:
+            return None
+        captions = ["" if drop else data.samples[i].item.caption for i, drop in zip(slot.samples, slot.dropped)]
+        for c in captions:
+            if c not in self._t5_lengths:
+                self._t5_lengths[c] = data.text_entry(c)[0].shape[0]
+        return max(self._t5_lengths[c] for c in captions)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.inner.load_state_dict(state, strict=strict)
+
+
+class _SlotCutter:
+    """Wraps a BatchOrder: hands out this rank's rows of every global slot."""
+
+    def __init__(self, order, owner: ShardedBatches):
+        self.order, self.owner = order, owner
+
+    def __getattr__(self, name):
+        return getattr(self.order, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        slot = next(self.order)
+        shard = split_rows(len(slot.samples), self.owner.rank, self.owner.world_size)
+        self.owner.last, self.owner.global_slot = shard, slot
+        return replace(slot, samples=slot.samples[shard.rows], dropped=slot.dropped[shard.rows])
+
+
+@dataclass
+class DistContext:
+    """Who this process is in the run, and the few collectives the trainer needs.
+
+    One per run, made by `DistContext.from_config` at the start of `train()`. With `world_size`
+    1 every method is a no-op or an identity, so single-process code needs no branches.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    strategy: str = "none"          # "none" (one process), "ddp", "deepspeed", "fsdp2"
+    backend: str | None = None      # "gloo" / "nccl" when distributed
+    owns_group: bool = False        # this context initialised the process group (and destroys it)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return "one process"
+        return (f"rank {self.rank} of {self.world_size} (local {self.local_rank} of {self.local_world_size}), "
+                f"strategy {self.strategy}, backend {self.backend}")
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg, device: torch.device | None = None) -> "DistContext":
+        """Join the process group the launcher described in the environment (no-op without one)."""
+        env = launch_env()
+        if env is None or env["WORLD_SIZE"] <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        dcfg = cfg.distributed
+        device = device or torch.device("cpu")
+        backend = dcfg.backend if dcfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(env["LOCAL_RANK"])
+        die_with_launcher()
+        owns = False
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=dcfg.timeout_minutes))
+            owns = True
+        ctx = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env["LOCAL_RANK"],
+                  local_world_size=env["LOCAL_WORLD_SIZE"], strategy=resolve_strategy(cfg), backend=backend,
+                  owns_group=owns)
+        return ctx
+
+    def close(self) -> None:
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_group = False
+
+    def quiet_logging(self, logger: logging.Logger) -> None:
+        """Ranks other than 0 log warnings and errors only, to stderr, prefixed with their rank (rank
+        0 writes the run's log file, TensorBoard and progress bar)."""
+        logger.setLevel(logging.WARNING)
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {self.rank}] %(message)s"))
+        logger.addHandler(handler)
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def main_first(self, fn: Callable):
+        """Run `fn` on rank 0, then (behind a barrier) on the others: caches are filled once and
+        the other ranks find every entry present. A failure on rank 0 still releases the others,
+        who then fail on their own (a missing file) rather than wait forever."""
+        if not self.distributed:
+            return fn()
+        if self.is_main:
+            try:
+                return fn()
+            finally:
+                self.barrier()
+        self.barrier()
+        return fn()
+
+    def sum(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def gather(self, value: float) -> list[float]:
+        """`value` from every rank, in rank order (e.g. per-rank memory for rank 0's log)."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * self.world_size
+        dist.all_gather_object(out, float(value))
+        return [float(v) for v in out]
+
+    def rank_memory(self, sample) -> str:
+        """', per rank: rss 1.2 1.3 GiB, vram peak 5.1 5.0 GiB' from every rank's latest memory sample
+        (a leantune.memory.monitor.MemorySample); empty for one process. Every rank must call it."""
+        if not self.distributed:
+            return ""
+        rss = self.gather(sample.rss if sample is not None else 0)
+        vram = self.gather((sample.peak_allocated or 0) if sample is not None else 0)
+        text = ", per rank: rss " + " ".join(f"{v / 2**30:.2f}" for v in rss) + " GiB"
+        if any(vram):
+            text += ", vram peak " + " ".join(f"{v / 2**30:.2f}" for v in vram) + " GiB"
+        return text
+
+    def vote(self, ok: bool) -> bool:
+        """True when every rank's `ok` is True (one all-reduce of one number)."""
+        if not self.distributed:
+            return ok
+        import torch.distributed as dist
+
+        t = torch.tensor([0.0 if ok else 1.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() == 0.0
+
+    # -- the step ------------------------------------------------------------------------------------
+    def agreed_step(self, step_fn: Callable[[], float]) -> float:
+        """Run one step's local work; an out-of-memory error here is announced to the other ranks
+        (they raise `RankOutOfMemory` at their next vote) before it is re-raised, so every rank's
+        OOM guard re-plans and redoes the same step. See the module docstring."""
+        if not self.distributed:
+            return step_fn()
+        from .memory.oom import is_out_of_memory
+
+        try:
+            return step_fn()
+        except Exception as exc:
+            if is_out_of_memory(exc) and not isinstance(exc, RankOutOfMemory):
+                log.warning("rank %d: out of memory; telling the other ranks to re-plan too", self.rank)
+                self.vote(False)
+            raise
+
+    def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """After the last micro-batch: agree that every rank got here, then sum the gradients
+        (each rank's loss was already weighted by its share of the global batch)."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        if not self.vote(True):
+            raise RankOutOfMemory("CUDA out of memory on another rank in this step (this rank's step was fine); "
+                                  "re-planning together")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                p.grad = g
+        by_device: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for group in by_device.values():
+            flat = torch._utils._flatten_dense_tensors(group)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for g, reduced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                g.copy_(reduced)
+
+    def shard_batches(self, data, seed: int, batch_size: int):
+        """The batch iterator for this rank: global batches of `batch_size x world_size`, cut to this
+        rank's rows (one process: the plain iterator)."""
+        if not self.distributed:
+            return data.batches(seed=seed)
+        return ShardedBatches(data.batches(seed=seed, batch_size=batch_size * self.world_size), self.rank,
+                              self.world_size)
+
+    def check_resume(self, state: dict, ckpt, allow_change: bool) -> bool:
+        """Compare the checkpoint's world size with this run's. Returns whether the data position can
+        be resumed exactly; a change is refused unless `allow_change` (then the run continues at the
+        start of the next epoch, which the message says)."""
+        saved = int(state.get("world_size", 1))
+        if saved == self.world_size:
+            return True
+        what = (f"{ckpt} was saved by a run on {saved} process(es); this run has {self.world_size}. "
+                f"Each step's global batch is [data] batch_size x processes, so the batch order of the saved "
+                f"run cannot continue exactly")
+        if not allow_change:
+            from .train.state import CheckpointError
+
+            raise CheckpointError(f"{what}. Resume with {saved} process(es), or set [distributed] "
+                                  f"allow_world_size_change = true to continue at the start of the next epoch "
+                                  f"(weights, optimizer and step count are kept; the rest of this epoch is skipped).")
+        log.warning("%s: continuing at the start of the next epoch (allow_world_size_change = true)", what)
+        return False
+
+
+def launch_env() -> dict | None:
+    """RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE) as set by torchrun or accelerate, or None."""
+    if not all(k in os.environ for k in ENV_VARS):
+        return None
+    env = {k: int(os.environ[k]) for k in ENV_VARS}
+    env["LOCAL_WORLD_SIZE"] = int(os.environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+    return env
+
+
+def resolve_strategy(cfg) -> str:
+    """The strategy `[distributed] strategy = "auto"` means for this run: DDP for LoRA, DeepSpeed
+    ZeRO-2 for a full fine-tune (the common multi-GPU full-FT setup)."""
+    strategy = cfg.distributed.strategy
+    if strategy != "auto":
+        return strategy
+    return "deepspeed" if cfg.train.mode == "full" else "ddp"
+
+
+def torchrun_command(gpus: int, argv: list[str]) -> list[str]:
+    """The command `leantune train ... --gpus N` runs: torchrun on this machine with N processes,
+    each running `leantune <argv>` (the same arguments without --gpus)."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+            "-m", "leantune", *argv]
+
+
+def relaunch(gpus: int, argv: list[str]) -> int:
+    """Become torchrun (exec, so Ctrl-C and kill reach the launcher itself, and there is one
+    launcher process to stop); each worker then runs `leantune <argv>`."""
+    import sys
+
+    cmd = torchrun_command(gpus, argv)
+    log.info("starting %d processes: %s", gpus, " ".join(cmd))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)
+    return 1        # not reached
+
+
+def die_with_launcher() -> None:
+    """Linux: end this worker when its launcher dies, however it died (kill -9 included), instead of
+    training on as an orphan. The last save stays the resumable state."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:         # the launcher is already gone
+        os.kill(os.getpid(), signal.SIGKILL)

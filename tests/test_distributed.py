@@ -1,0 +1,258 @@
+"""Several processes: row sharding, the [distributed] checks, and real 2-process runs (torchrun,
+gloo, tiny Flux) against the one-process run with the doubled batch.
+
+Tolerance. Two processes sum their weighted gradients where one process averages a batch, so
+results differ only in the order of float additions: losses within rel 1e-4 and LoRA weights
+within 1e-4 (fp32, 20 AdamW steps at lr 1e-3) are required; the measured gaps are far below.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_run_toml
+
+from leantune.config import ConfigError, load_config
+from leantune.data.buckets import BatchOrder
+from leantune.demo import draw_shapes
+from leantune.distributed import DistContext, ShardedBatches, split_rows, torchrun_command
+from leantune.train.state import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RUN_REST = """trigger_word = "lnt"
+caption_dropout = 0.2
+
+[lora]
+rank = 4
+alpha = 8
+targets = "all"
+
+[train]
+steps = 20
+learning_rate = 1e-3
+lr_scheduler = "cosine"
+warmup_steps = 3
+mixed_precision = "no"
+save_every = 5
+keep_last = 5
+seed = 3
+gradient_accumulation = 2
+"""
+
+
+def write_config(folder: Path, model, images, name: str, batch_size: int, out: str, extra: str = "") -> Path:
+    """A run config; 5 images at one bucket, so each epoch ends in a one-sample global batch."""
+    text = tiny_run_toml(model, images, RUN_REST).replace("batch_size = 2", f"batch_size = {batch_size}")
+    text = text.replace('cache_dir = "cache"', f'cache_dir = "{folder}/cache-{name}"')
+    text = text.replace("[train]", extra + "\n[train]") if extra.startswith("[memory]") else text + extra
+    text += f'\n[output]\ndir = "{out}"\nname = "t"\nformats = ["diffusers"]\n'
+    path = folder / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shapes") / "images"
+    draw_shapes(folder, count=5, size=64, seed=5)
+    return folder
+
+
+# -- sharding, checks (one process) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,world", [(4, 2), (5, 2), (1, 2), (3, 4), (7, 3)])
+def test_rows_cover_the_global_batch_once_with_weights_summing_to_one(n, world):
+    shards = [split_rows(n, r, world) for r in range(world)]
+    real = [s for s in shards if s.weight > 0]
+    rows = [i for s in real for i in range(s.start, s.stop)]
+    assert rows == list(range(n))
+    assert sum(s.weight for s in shards) == pytest.approx(1.0)
+    assert all(s.stop - s.start == 1 and s.stop == n for s in shards if s.weight == 0)   # stand-in row
+
+
+class _Iterator:
+    """The part of leantune.data.cache.BatchIterator that ShardedBatches uses."""
+
+    def __init__(self, order):
+        self.order = order
+
+    @property
+    def epoch(self):
+        return self.order.epoch
+
+    def __next__(self):
+        slot = next(self.order)
+        return type("B", (), {"samples": slot.samples, "bucket": slot.bucket, "dropped": slot.dropped})()
+
+    def state_dict(self):
+        return self.order.state_dict()
+
+    def load_state_dict(self, state, strict=True):
+        self.order.load_state_dict(state, strict=strict)
+
+
+def test_ranks_see_disjoint_rows_of_the_one_process_order_with_the_doubled_batch():
+    buckets = [(64, 64)] * 5 + [(48, 80)] * 4
+    single = BatchOrder(buckets, 4, seed=1, dropout=[0.3] * 9)
+    ranks = [ShardedBatches(_Iterator(BatchOrder(buckets, 4, seed=1, dropout=[0.3] * 9)), r, 2) for r in range(2)]
+    for _ in range(12):                                   # several epochs
+        slot = next(single)
+        got = [next(it) for it in ranks]
+        assert got[0].bucket == got[1].bucket == slot.bucket
+        real = [(b.samples, b.dropped) for b in got if b.shard.weight > 0]
+        assert tuple(i for s, _ in real for i in s) == slot.samples
+        assert tuple(d for _, d in real for d in d) == slot.dropped
+    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+
+
+def test_distributed_config_combinations_are_refused_by_key():
+    from leantune.config import validate
+
+    def check(**sections):
+        return validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]}, **sections}, "run.toml")
+
+    full = {"mode": "full"}
+    with pytest.raises(ConfigError, match=r"run.toml: \[distributed\] strategy = \"fsdp2\" with \[memory\] streamed_blocks"):
+        check(train=full, distributed={"strategy": "fsdp2"}, memory={"streamed_blocks": 2})
+    with pytest.raises(ConfigError, match=r"zero_stage = 3 with \[memory\] streamed_blocks / stream_non_blocks"):
+        check(train=full, distributed={"zero_stage": 3}, memory={"stream_non_blocks": True})
+    with pytest.raises(ConfigError, match=r"strategy = \"ddp\" with \[train\] mode = \"full\""):
+        check(train=full, distributed={"strategy": "ddp"})
+    with pytest.raises(ConfigError, match=r"strategy = 'deepspeed' shards a full fine-tune"):
+        check(distributed={"strategy": "deepspeed"})
+    with pytest.raises(ConfigError, match="zero_stag.*did you mean 'zero_stage'"):
+        check(distributed={"zero_stag": 2})
+    assert check(train=full, distributed={"zero_stage": 2}, memory={"streamed_blocks": 2}).distributed.zero_stage == 2
+
+
+def test_one_process_context_is_trivial_and_world_size_change_is_explained():
+    ctx = DistContext()
+    assert ctx.is_main and not ctx.distributed and ctx.sum(2.5) == 2.5 and ctx.vote(False) is False
+    assert ctx.main_first(lambda: 7) == 7 and ctx.agreed_step(lambda: 1.5) == 1.5
+    with pytest.raises(CheckpointError, match=r"saved by a run on 2 process\(es\); this run has 1.*"
+                                               r"allow_world_size_change = true"):
+        ctx.check_resume({"world_size": 2}, Path("ckpt/step-000010"), allow_change=False)
+    assert ctx.check_resume({"world_size": 2}, Path("x"), allow_change=True) is False
+    assert ctx.check_resume({}, Path("x"), allow_change=False) is True        # saved before [distributed]
+    cmd = torchrun_command(2, ["train", "a.toml", "--resume"])
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "leantune",
+                       "train", "a.toml", "--resume"]
+
+
+# -- real two-process runs -----------------------------------------------------------------------------
+
+def _env(tmp_path):
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "LEANTUNE_CACHE": str(tmp_path / "calibration")}
+
+
+def _lora(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "t_diffusers.safetensors"))
+
+
+def _assert_same_lora(a: dict, b: dict, atol=1e-4):
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= atol, f"largest LoRA weight difference {worst}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_flux_dir, images):
+    """One process, batch_size 2: what two processes with batch_size 1 must reproduce."""
+    from leantune.train.trainer import train
+
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = load_config(write_config(tmp, tiny_flux_dir, images, "ref", 2, str(tmp / "out")))
+    result = train(cfg, progress=False)
+    return result.losses, _lora(tmp / "out")
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_the_doubled_batch_plain_streamed_and_after_an_oom(
+        tmp_path, tiny_flux_dir, images, reference):
+    """torchrun, 2 ranks, gloo: plain DDP LoRA, the same with 2 streamed blocks per rank, and a run
+    where rank 1 runs out of memory in step 3: all equal the one-process run; the caches are filled
+    by rank 0 alone; after the OOM both ranks re-plan and redo the step."""
+    ref_losses, ref_lora = reference
+    plain = write_config(tmp_path, tiny_flux_dir, images, "plain", 1, str(tmp_path / "plain"))
+    streamed = write_config(tmp_path, tiny_flux_dir, images, "streamed", 1, str(tmp_path / "streamed"),
+                            "[memory]\nstreamed_blocks = 2\ndebug_poison = true\n")
+    oom = write_config(tmp_path, tiny_flux_dir, images, "oom", 1, str(tmp_path / "oom"),
+                       "[memory]\nvram_budget = \"8GiB\"\n")
+    for p in (streamed, oom):           # share the cache filled by the first run
+        p.write_text(p.read_text().replace(f"cache-{p.stem}", "cache-plain"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(plain), str(streamed), str(oom)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name in ("plain", "streamed", "oom"):
+        for r in ranks:
+            assert r[name]["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), name
+        _assert_same_lora(_lora(tmp_path / name), ref_lora)
+    # Counters are cumulative over the three runs: rank 0 encoded once, rank 1 never loaded an encoder.
+    assert ranks[0]["oom"]["vae"] == 1 and ranks[0]["oom"]["text_encoders"] == 1
+    assert ranks[1]["oom"]["vae"] == 0 and ranks[1]["oom"]["text_encoders"] == 0
+    assert ranks[0]["plain"]["files"] and not ranks[1]["plain"]["files"]      # rank 0 saves
+    assert ranks[0]["oom"]["replans"] == ranks[1]["oom"]["replans"] == 1
+    assert "out of memory at step 3" in run.stderr and "[rank 1]" in run.stderr
+    log = (tmp_path / "oom" / "train.log").read_text()
+    assert "memory plan now: stream 1" in log and "per rank: rss" in log
+
+
+@pytest.mark.slow
+def test_gpus_shortcut_resumes_exactly_after_kill_9_of_the_launcher(tmp_path, tiny_flux_dir, images, reference):
+    """`leantune train --gpus 2` becomes torchrun; kill -9 of it ends the workers too; `--resume`
+    on 2 processes finishes with the uninterrupted result; 1 process is refused with the reason."""
+    ref_losses, ref_lora = reference
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "run", 1, str(tmp_path / "out"))
+    base = [sys.executable, "-m", "leantune", "train", str(cfg), "--gpus", "2", "--no-progress"]
+    launcher = subprocess.Popen(base, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+    ckpts = tmp_path / "out" / "checkpoints"
+    deadline = time.time() + 600
+    while not (ckpts / "step-000010" / "state.json").exists():
+        assert launcher.poll() is None, launcher.stderr.read()[-4000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    workers = _children(launcher.pid)
+    assert len(workers) == 2
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    for _ in range(100):                     # the workers die with their launcher
+        if not any(Path(f"/proc/{p}").exists() and _state(p) != "Z" for p in workers):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"workers {workers} outlived their launcher")
+    assert not (tmp_path / "out" / "t_diffusers.safetensors").exists()
+    resumed = subprocess.run(base + ["--resume"], env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    history = json.loads((tmp_path / "out" / "loss.json").read_text())
+    assert history["step"] == 20 and history["loss"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
+    _assert_same_lora(_lora(tmp_path / "out"), ref_lora)
+    one = subprocess.run([sys.executable, "-m", "leantune", "train", str(cfg), "--resume", "--no-progress"],
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert one.returncode == 1
+    assert "saved by a run on 2 process(es); this run has 1" in one.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "gone"
