@@ -108,8 +108,8 @@ class ShardedBatches:
         batch = next(self.inner)
         batch.shard = self.last
         longest = self._longest_prompt()
-        t5 = batch.embeds.t5
-        if longest is not None and t5.shape[1] < longest:
+        if longest is not None and batch.embeds.t5.shape[1] < longest:
+            t5 = batch.embeds.t5
             # Flux attends to padded text tokens too: pad to the global batch's longest prompt, as
             # the one-process batch is, so each row computes exactly what it computes there.
             pad = t5.new_zeros(t5.shape[0], longest - t5.shape[1], t5.shape[2])
