@@ -297,7 +297,7 @@ class DistContext:
         OOM guard re-plans and redoes the same step. See the module docstring."""
         if not self.distributed:
             return step_fn()
-        from .memory.oom import is_out_of_memory
+        from .planner.feedback.oom import is_out_of_memory
 
         try:
             return step_fn()

@@ -24,7 +24,7 @@ def main(out: str, *configs: str) -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     from leantune.config import load_config
-    from leantune.memory import planner as planner_mod
+    from leantune.planner import search as planner_mod
     from leantune.models import flux_loading
     from leantune.train import trainer as trainer_mod
 
