@@ -290,6 +290,44 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() == 0.0
 
+    def shared_host(self, cfg, mode_name: str):
+        """Shared host buffers for the streamed weights when several processes of this machine
+        train a LoRA (frozen base) with [distributed] share_host_weights; else None. Collective:
+        every rank calls it (rank 0 names the files)."""
+        if not (self.distributed and self.local_world_size > 1 and cfg.distributed.share_host_weights
+                and mode_name == "lora"):
+            return None
+        import uuid
+
+        import torch.distributed as dist
+
+        from .memory.shared_host import SharedHostBuffers
+
+        box = [uuid.uuid4().hex[:12] if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return SharedHostBuffers(box[0], leader=self.is_local_main)
+
+    def local_main_first(self, fn: Callable, shared=None):
+        """Run `fn` (applying the memory plan) on each machine's first process, then on the others,
+        which map the buffers it filled; then drop the shared files' names (see shared_host.py)."""
+        if shared is None:
+            return fn()
+        if self.is_local_main:
+            try:
+                result = fn()
+            finally:
+                self.barrier()
+            self.barrier()
+            shared.unlink()
+        else:
+            self.barrier()
+            try:
+                result = fn()
+            finally:
+                self.barrier()
+        log.info(shared.describe())
+        return result
+
     # -- the step ------------------------------------------------------------------------------------
     def agreed_step(self, step_fn: Callable[[], float]) -> float:
         """Run one step's local work; an out-of-memory error here is announced to the other ranks

@@ -256,3 +256,56 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     except OSError:
         return "gone"
+
+
+# -- one host copy of the streamed weights -------------------------------------------------------------
+
+def test_streamed_weights_shared_between_a_leader_and_a_follower_compute_the_plain_outputs(tmp_path):
+    """Two models (as two processes would hold): the leader packs its streamed blocks into files,
+    the follower points its weights at the same pages without copying; both compute the plain
+    model's outputs, a byte the leader's buffer changes is seen by the follower, and the files'
+    names are gone after unlink."""
+    import copy
+
+    from test_memory_helpers import lora_flux, make_batch
+
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.memory.shared_host import SharedHostBuffers
+    from leantune.models.flux import FLUX_SPEC, predict
+
+    base = lora_flux(seed=0)
+    x, sigma, embeds, hw, _ = make_batch(8, 8, seed=7)
+    with torch.no_grad():
+        want = predict(copy.deepcopy(base), x, sigma, embeds, hw, guidance=3.5)
+    plan = Plan(streamed_blocks=("transformer_blocks.0", "single_transformer_blocks.1"), ring_slots=2)
+    leader, follower = (SharedHostBuffers("t1", leader=True, folder=tmp_path),
+                        SharedHostBuffers("t1", leader=False, folder=tmp_path))
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    ha = apply_memory(a, FLUX_SPEC, plan, "cpu", host_buffers=leader)
+    hb = apply_memory(b, FLUX_SPEC, plan, "cpu", host_buffers=follower)
+    assert len(list(tmp_path.iterdir())) == 2 and follower.mapped_bytes == leader.mapped_bytes > 0
+    ua, ub = ha.streaming.units[0], hb.streaming.units[0]
+    assert ua.host.data_ptr() != ub.host.data_ptr() and torch.equal(ua.host, ub.host)
+    with torch.no_grad():
+        for model in (a, b):
+            assert torch.equal(predict(model, x, sigma, embeds, hw, guidance=3.5), want)
+        saved = ua.host[100].item()
+        ua.host[100] = (saved + 1) % 256               # one mapping, two processes' views of it
+        assert ub.host[100].item() == (saved + 1) % 256
+        ua.host[100] = saved
+    leader.unlink()
+    assert not list(tmp_path.iterdir())
+    with torch.no_grad():
+        assert torch.equal(predict(b, x, sigma, embeds, hw, guidance=3.5), want)   # mappings outlive the names
+    ha.remove(), hb.remove()
+
+
+def test_shared_buffers_fall_back_to_private_copies_without_room(tmp_path, monkeypatch):
+    from leantune.memory import shared_host
+
+    monkeypatch.setattr(shared_host, "_free_bytes", lambda folder: 1000)
+    leader = shared_host.SharedHostBuffers("t2", leader=True, folder=tmp_path)
+    assert leader.buffer("transformer_blocks.0", 4096) is None
+    assert shared_host.SharedHostBuffers("t2", leader=False, folder=tmp_path).buffer("transformer_blocks.0", 4096) is None
+    assert "1 block(s) private" in leader.describe()

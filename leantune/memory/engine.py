@@ -227,7 +227,7 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
 def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str = "cpu", *,
                  fp8_scales: Mapping[str, torch.Tensor] | None = None,
                  offload_min_bytes: int = MIN_OFFLOAD_BYTES, streaming_engine=None,
-                 host_device: torch.device | str = "cpu") -> MemoryHandle:
+                 host_device: torch.device | str = "cpu", host_buffers=None) -> MemoryHandle:
     """Apply the plan to `model` (adapters already added) and move it to `device`, except the
     streamed weights, which stay in host memory and visit the device in ring slots.
 
@@ -239,6 +239,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     `streaming_engine`: a StreamingEngine subclass (full fine-tuning streams trainable weights with
     memory/trainable_streaming.py's).
     `host_device`: where offloaded block inputs wait (host RAM; another device in the simulation).
+    `host_buffers`: shared host buffers for the streamed weights (memory/shared_host.py), or None.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -254,6 +255,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
         if streaming:                                                    # 3. streaming (inner wrapper)
             handle.streaming = apply_streaming(model, spec, plan, device,
                                                checkpointed=plan.checkpointing != "none", mode=mode,
+                                               host_buffers=host_buffers,
                                                **({"engine_cls": streaming_engine} if streaming_engine else {}))
         if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",

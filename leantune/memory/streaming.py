@@ -246,15 +246,16 @@ class _Stager:
         self.pool.shutdown(wait=True)
 
 
-def _alloc_host(nbytes: int, pin: bool) -> tuple[torch.Tensor, object]:
+def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """A (nbytes,) uint8 host buffer, pinned if asked and the driver agrees.
 
     Pinned by registering an exact-size allocation (cudaHostRegister): torch's pinned caching
     allocator rounds every request up to a power of two, which would cost up to half again the
     host RAM for block-sized buffers. Returns the buffer and, when pinned, a callable that undoes
     the registration (also called automatically if the buffer is garbage-collected first).
+    `t`: an existing buffer to pin instead (a shared-memory mapping, see memory/shared_host.py).
     """
-    t = torch.empty(nbytes, dtype=torch.uint8)
+    t = torch.empty(nbytes, dtype=torch.uint8) if t is None else t
     if pin:
         ptr = t.data_ptr()
         rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
@@ -729,25 +730,28 @@ def _view(buf: torch.Tensor, e: _Entry) -> torch.Tensor:
     return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
-def _pack(host: torch.Tensor, entries: list[_Entry]) -> None:
+def _pack(host: torch.Tensor, entries: list[_Entry], copy: bool = True) -> None:
     """Copy a unit's tensors into its host buffer and re-point their owners there at once, so each
-    original storage is freed now, unit by unit, rather than after the whole model was packed."""
+    original storage is freed now, unit by unit, rather than after the whole model was packed.
+    `copy=False`: the buffer already holds these bytes (shared with another process): only re-point."""
     with torch.no_grad():
         for e in entries:
             place = _view(host, e)
-            place.copy_(_tensor_of(e).detach())
+            if copy:
+                place.copy_(_tensor_of(e).detach())
             _point(e, place)
     return_freed_host_memory()
 
 
 def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str, *,
                     checkpointed: bool = False, mode: RunMode | None = None,
-                    engine_cls: type[StreamingEngine] = StreamingEngine) -> StreamingHandle:
+                    engine_cls: type[StreamingEngine] = StreamingEngine, host_buffers=None) -> StreamingHandle:
     """Stream the plan's blocks (and optionally the non-block group) of `model` onto `device`.
 
     Call after fp8 storage and adapters, before checkpointing wraps the blocks. Streamed tensors end
     up as views of the device slots; the caller moves everything else to `device`. Host RAM peaks
-    at the model plus one unit (see the module docstring).
+    at the model plus one unit (see the module docstring). `host_buffers`: where the units' host
+    buffers come from when several processes share them (memory/shared_host.py); None: private.
     """
     mode = mode or RunMode()
     backend = _Backend(device)
@@ -775,8 +779,9 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     pin = backend.cuda and plan.pin_memory
     units: list[_Unit] = []
     for index, (name, mods, ckpt, entries, adapters, nbytes) in enumerate(layouts):
-        host, unpin = _alloc_host(max(nbytes, ALIGN), pin)
-        _pack(host, entries)
+        shared = host_buffers.buffer(name, max(nbytes, ALIGN)) if host_buffers is not None else None
+        host, unpin = _alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None)
+        _pack(host, entries, copy=not (shared and shared[1]))
         # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
         direct = unpin is not None or (not backend.cuda and plan.pin_memory)
         units.append(_Unit(name, mods, entries, nbytes, host, direct, index % plan.ring_slots, ckpt, adapters,

@@ -304,7 +304,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     log.info("model: Flux.1-%s from %s (%s)", variant, sources.transformer, cfg.model.dtype)
     mode = make_mode(cfg)
     params = mode.prepare(transformer, FLUX_SPEC)
-    plan, memory, planner, budget = _apply_memory(cfg, transformer, device, mode)
+    plan, memory, planner, budget = _apply_memory(cfg, transformer, device, mode, dist)
     optimizer = mode.build_optimizer(params)
     scheduler = build_scheduler(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -321,12 +321,12 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     return t
 
 
-def _apply_memory(cfg: RunConfig, transformer, device, mode) -> tuple:
+def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None) -> tuple:
     """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
 
     Returns (plan, handle, planner, budget); planner and budget are None without a budget.
     """
-    from ..memory.engine import apply_memory, resolve_plan
+    from ..memory.engine import resolve_plan
 
     planner = budget = None
     if cfg.memory.vram_budget is not None:
@@ -337,19 +337,26 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode) -> tuple:
     else:
         plan = resolve_plan(cfg.memory, FLUX_SPEC, transformer)
     log.info("memory plan: %s", plan.describe())
-    return plan, apply_memory(transformer, FLUX_SPEC, plan, device, **mode.memory_options()), planner, budget
+    return plan, _apply_engine(cfg, transformer, plan, device, mode, dist or DistContext()), planner, budget
+
+
+def _apply_engine(cfg: RunConfig, transformer, plan, device, mode, dist: DistContext):
+    """apply_memory; several processes on one machine share one host copy of the streamed weights."""
+    from ..memory.engine import apply_memory
+
+    shared = dist.shared_host(cfg, mode.name)
+    return dist.local_main_first(lambda: apply_memory(transformer, FLUX_SPEC, plan, device, host_buffers=shared,
+                                                      **mode.memory_options()), shared)
 
 
 def _replan(t: Trainee, plan) -> None:
     """Swap the memory setup for `plan` (after an OOM or a calibration): weights go home to the
     host first so nothing is ever duplicated on the GPU, partial gradients are dropped."""
-    from ..memory.engine import apply_memory
-
     t.mode.drop_partial_step(t)
     if t.memory is not None:
         t.memory.remove(device="cpu")
     t.plan = plan
-    t.memory = apply_memory(t.transformer, FLUX_SPEC, plan, t.device, **t.mode.memory_options())
+    t.memory = _apply_engine(t.mode.cfg, t.transformer, plan, t.device, t.mode, t.dist)
     log.info("memory plan now: %s", plan.describe())
 
 
