@@ -619,6 +619,113 @@ vram_budget = "1GiB"
     assert rc == 2 and "no VRAM budget" in err
 
 
+def _plan_toml(tmp_path, name: str, weights: Path, resolution: int = 256, text: int = 16) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f"""
+[model]
+path = "{weights}"
+[data]
+datasets = [{{ path = "images" }}]
+resolutions = [{resolution}]
+max_text_length = {text}
+[lora]
+rank = 4
+[memory]
+vram_budget = "8GiB"
+""")
+    return path
+
+
+def _held_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+@pytest.mark.parametrize("fp8", [None, "e4m3", "scaled"])
+def test_a_config_is_planned_from_the_dtypes_its_file_stores(capsys, tmp_path, fp8):
+    """`leantune plan my.toml` prices the checkpoint as the loader holds it: an fp8 file's block
+    weights in e4m3 with their scales, a bf16 file's in bf16. The predicted load phase and resident
+    weights equal the bytes the real loader holds, and the fp8 file is planned smaller."""
+    from leantune.config import load_config
+    from leantune.models.flux_loading import load_transformer, resolve_sources, save_bfl_transformer
+
+    source = tiny.flux_transformer(num_layers=2, num_single_layers=2)
+    file = tmp_path / "flux.safetensors"
+    save_bfl_transformer(source, file, dtype=torch.bfloat16, fp8=fp8)
+    toml = _plan_toml(tmp_path, "run", file)
+    rc, out, _ = _run_plan(capsys, str(toml), "--json")
+    assert rc == 0
+    notes = json.loads(out)["plans"][0]["plan"]["notes"]
+    cfg = load_config(toml)
+    loaded = load_transformer(resolve_sources(cfg.model, tmp_path), dtype=torch.bfloat16)
+    held = _held_bytes(loaded)
+    assert notes["host_breakdown"]["transformer while loading"] == held
+    assert notes["vram_breakdown"]["weights resident"] == held          # a tiny model stays resident
+    assert notes["stored_fp8"] == (fp8 is not None)
+    assert notes["host_breakdown"]["transformer while converting to fp8"] == 0
+    bf16 = 2 * sum(p.numel() for p in source.parameters())
+    assert (held < 0.8 * bf16) if fp8 else (held == bf16)
+
+
+_MEASURE_LOAD = """
+import gc, json, re, sys
+from pathlib import Path
+import torch
+from leantune.config import load_config
+from leantune.models.flux_loading import load_transformer, resolve_sources
+
+def rss():
+    text = Path("/proc/self/status").read_text()
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\\s+(\\d+) kB", text, re.MULTILINE)}
+
+from diffusers import FluxTransformer2DModel  # imports before the measurement: they are not the load
+import leantune.memory.fp8
+
+cfg = load_config(sys.argv[1])
+sources = resolve_sources(cfg.model, Path(sys.argv[1]).parent)
+gc.collect()
+start = rss()["VmRSS"]
+Path("/proc/self/clear_refs").write_text("5")
+model = load_transformer(sources, dtype=torch.bfloat16)
+held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+print(json.dumps({"measured": rss()["VmHWM"] - start, "held": held}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_reset_rss_peak(), reason="needs Linux /proc/self/status and a writable clear_refs")
+def test_the_predicted_load_phase_of_an_fp8_file_is_the_measured_load_peak(tmp_path):
+    """A real-width Flux (one double, eight single blocks, width 1024) saved as an fp8 file and as a
+    bf16 file: the host RAM the planner predicts for loading each is what loading it really adds to
+    the resident set of a fresh process (within the loader's 8 MiB read buffer and allocator noise)."""
+    import subprocess
+    import sys
+
+    from diffusers import FluxTransformer2DModel
+
+    from leantune.commands.plan import meta_model_for_config
+    from leantune.config import load_config
+    from leantune.models.flux_loading import save_bfl_transformer
+
+    model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=8,
+                                   attention_head_dim=128, num_attention_heads=8, joint_attention_dim=64,
+                                   pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    workload = Workload(mode="inference", buckets=((64, 64),), text_length=4, autocast=False)
+    loads = {}
+    for fp8 in (None, "e4m3"):
+        file = tmp_path / f"flux-{fp8}.safetensors"
+        save_bfl_transformer(model, file, dtype=torch.bfloat16, fp8=fp8)
+        toml = _plan_toml(tmp_path, f"run-{fp8}", file, resolution=64, text=4)
+        planner = Planner(FLUX_SPEC, meta_model_for_config(load_config(toml)), workload)
+        predicted = planner.memory(Plan())[1]["transformer while loading"]
+        run = subprocess.run([sys.executable, "-c", _MEASURE_LOAD, str(toml)], capture_output=True, text=True,
+                             check=True)
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert predicted == got["held"], fp8
+        assert abs(got["measured"] - predicted) <= 16 * 2**20, (fp8, got["measured"] / 2**20, predicted / 2**20)
+        loads[fp8] = predicted
+    assert loads["e4m3"] < 0.7 * loads[None]
+
+
 def test_plan_for_config_is_what_the_trainer_gets(tmp_path, tiny_flux_dir):
     from leantune.config import validate
 

@@ -154,50 +154,23 @@ def _check_workload(w) -> None:
 
 
 def meta_model_for_config(cfg):
-    """The config's transformer architecture on the meta device, read from config.json or a single
-    file's header (shapes only), never from its tensors."""
-    from diffusers import FluxTransformer2DModel
-
+    """The config's transformer on the meta device exactly as the loader would hold it: the
+    architecture from config.json or a single file's header, every tensor in the dtype loading gives
+    it (block weights a file stores in e4m3 stay e4m3, with their scales). No tensor is read."""
     from ..config import ConfigError
-    from ..planner.meta import meta_from_config
-    from ..models.flux_loading import resolve_sources
+    from ..models.flux_loading import dtype_from_name, load_transformer, resolve_sources
+    from ..models.weights import LoadError
 
     try:
         sources = resolve_sources(cfg.model, Path(cfg.base_dir))
     except (OSError, ValueError) as e:     # the message already names [model] and the path
         raise ConfigError(f"{e}; to plan without the weights, use --model flux-dev or flux-schnell") from None
-    src = sources.transformer
-    if src is None:
+    if sources.transformer is None:
         raise ConfigError(f"[model] path = {cfg.model.path!r}: no transformer found to read the architecture from")
     try:
-        config = _transformer_config(Path(src))
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"{src}: cannot read the transformer architecture ({e}); plan with --model flux-dev "
-                          f"instead") from None
-    return meta_from_config(FluxTransformer2DModel, config)
-
-
-def _transformer_config(src: Path) -> dict:
-    """A FluxTransformer2DModel config from a diffusers folder or a single file's keys and shapes."""
-    from ..models import bfl_keys
-    from ..models import component_files as cf
-    from ..models.weights import CheckpointFiles
-
-    if src.is_dir():
-        config = json.loads((src / "config.json").read_text())
-        return {k: v for k, v in config.items() if not k.startswith("_")}
-    files = CheckpointFiles([src])
-    prefix = cf.find_prefix(files.keys(), "transformer")
-    if prefix is None:
-        raise ValueError(f"not a Flux transformer: {cf.describe(files.keys())}")
-    shapes = {k[len(prefix):]: files.shape(k) for k in files.keys() if k.startswith(prefix)}  # noqa: SIM118
-    meta = cf.metadata_config(files.metadata, str(src), "transformer")
-    if bfl_keys.is_bfl(shapes):
-        ops, _unknown = bfl_keys.bfl_to_diffusers_ops(shapes, prefix)
-        shapes = {t: s for op in ops for t, s in zip(op.targets, op.target_shapes(files.shape(op.source)))}
-    config = bfl_keys.flux_config_from_shapes(shapes, meta.get("axes_dims_rope"))
-    config.update({k: v for k, v in meta.items() if k in config})
-    return config
+        return load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta")
+    except (OSError, LoadError) as e:
+        raise ConfigError(f"{e}; cannot read the transformer architecture: plan with --model flux-dev instead") from None
 
 
 def _as_json(workload, machine, results) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Iterable
@@ -406,6 +406,9 @@ def load_into_empty(
     `keep_fp8(model_key)`: True for model tensors that stay float8_e4m3fn when the file stores them
     so; they are filled with the stored bytes (no conversion, no scaling) and, once in place,
     `on_fp8(model_key, scale)` receives their fp32 dequantisation scale, one per row: (rows, 1).
+
+    On `device="meta"` nothing is read: every tensor gets the dtype and shape loading would give it
+    (and fp8 weights their scale), which is what the planner prices a checkpoint by.
     """
     if (keep_fp8 is None) != (on_fp8 is None):
         raise ValueError("load_into_empty: keep_fp8 and on_fp8 go together")
@@ -443,7 +446,8 @@ def load_into_empty(
 
     # -- fill: each parameter allocated once in its final dtype, streamed from the file ----------
     done: set[str] = set()
-    with files:
+    meta = torch.device(device).type == "meta"
+    with nullcontext() if meta else files:
         for target, (op, tshape, segs) in provided.items():
             if target in done:
                 continue                              # tied to a tensor already loaded
@@ -453,9 +457,9 @@ def load_into_empty(
                 to_dtype = torch.float8_e4m3fn
             else:
                 to_dtype = _target_dtype(model, target, dtype) if info.floating else _DTYPES[info.dtype]
-            out = torch.empty(tshape, dtype=to_dtype)
+            out = torch.empty(tshape, dtype=to_dtype, device="meta" if meta else "cpu")
             flat, pos = out.view(-1), 0
-            for a, b in segs:
+            for a, b in segs if not meta else ():
                 n = (b - a) * info.row_numel
                 files.read_rows_into(op.source, a, b, flat[pos:pos + n], dequantize=not keep)
                 pos += n
@@ -463,9 +467,10 @@ def load_into_empty(
             _assign_group(model, names, out.to(device))
             done.update(names)
             if keep:
-                on_fp8(target, files.row_scales(op.source, segs))
+                rows = sum(b - a for a, b in segs)
+                on_fp8(target, torch.empty(rows, 1, device="meta") if meta else files.row_scales(op.source, segs))
 
-    leftovers = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    leftovers = [] if meta else [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftovers:  # only reachable if a model has tensors outside its state dict
         raise LoadError(f"{files.name}: {what} still has unloaded tensors {leftovers[:5]}")
     model.to(device)    # buffers built in __init__ (CLIP's position ids)

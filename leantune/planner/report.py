@@ -23,6 +23,9 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"plan:     {plan.describe()}" + (f" ({by_kind} of {n.get('total_blocks')})" if by_kind else ""))
     if plan.streamed_blocks:
         lines.append(f"streamed: {_compact_names(plan.streamed_blocks)}")
+    if n.get("stored_fp8"):
+        lines.append("weights:  the block weights the checkpoint stores in fp8 (e4m3) stay e4m3 in every plan; "
+                     "fp8 above is about the others")
     if "vram_breakdown" in n:
         budget, margin = n["budget_vram"], n["margin_vram"]
         host = n["host_breakdown"]

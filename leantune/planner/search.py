@@ -246,6 +246,7 @@ class Planner(MemoryModel):
             "workload": self.workload.describe(),
             "streamed_by_kind": _count_kinds(plan.streamed_blocks, self.weights),
             "total_blocks": len(self.weights.blocks),
+            "stored_fp8": self.weights.prequantized,
             "architecture_key": self.key,
         }
         return replace(plan, notes=notes)
