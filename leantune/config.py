@@ -47,6 +47,9 @@ class DatasetConfig(Section):
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
     recursive: bool = True
     default_caption: str = ""
+    require_captions: bool = False       # an image without its own caption file (or an empty one) is an error
+    # Skip (with a warning) images smaller than this fraction of their bucket's side; 0 keeps all.
+    min_size: float = Field(0.5, ge=0.0, le=1.0)
 
 
 class DataConfig(Section):

@@ -26,6 +26,8 @@ def _image(path: Path, size: tuple[int, int], color=(200, 30, 30), **save_args) 
 
 
 def _data_cfg(datasets: list[dict], **data):
+    """Small test images are kept (min_size = 0) unless a test is about sizes."""
+    datasets = [{"min_size": 0, **d} for d in datasets]
     return validate({"model": {"path": "unused"}, "data": {"datasets": datasets, **data}}).data
 
 
@@ -79,7 +81,7 @@ def test_unreadable_images_listed_in_one_warning(tmp_path):
     with pytest.warns(DataWarning) as record:
         items = scan_datasets(_data_cfg([{"path": str(d)}]))
     assert [it.path.name for it in items] == ["good.png"]
-    ours = [w for w in record if issubclass(w.category, DataWarning)]
+    ours = [w for w in record if issubclass(w.category, DataWarning) and "unreadable image(s):" in str(w.message)]
     assert len(ours) == 1
     text = str(ours[0].message)
     assert str(d / "broken.jpg") in text and str(d / "fake.png") in text and "skipped 2" in text
@@ -114,6 +116,126 @@ def test_transparency_composited_on_white(tmp_path):
     path = tmp_path / "t.png"
     Image.new("RGBA", (8, 8), (0, 0, 0, 0)).save(path)
     assert np.asarray(load_rgb(path)).min() == 255
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I", "F", "F01", "LA", "P", "CMYK"])
+def test_every_image_mode_converts_by_its_range(tmp_path, mode):
+    """A 16-bit gray 33025 is 129 of 255, not white; alpha is composited on white; CMYK is converted."""
+    path = tmp_path / "img.png"
+    if mode == "I;16":
+        Image.fromarray(np.full((4, 4), 33025, dtype=np.uint16)).save(path)
+        assert Image.open(path).mode == "I;16"
+        expected = (129, 129, 129)          # 33025 / 257 = 128.5, rounded half to even... to 128 or 129
+    elif mode == "I":
+        Image.fromarray(np.full((4, 4), 33025, dtype=np.int32), mode="I").save(path := tmp_path / "img.tif")
+        expected = (129, 129, 129)
+    elif mode == "F":
+        Image.fromarray(np.full((4, 4), 33025.0, dtype=np.float32), mode="F").save(path := tmp_path / "img.tif")
+        expected = (129, 129, 129)
+    elif mode == "F01":
+        Image.fromarray(np.full((4, 4), 0.5, dtype=np.float32), mode="F").save(path := tmp_path / "img.tif")
+        expected = (128, 128, 128)          # float images in 0..1
+    elif mode == "LA":
+        img = Image.new("LA", (4, 4), (0, 255))
+        img.putpixel((0, 0), (0, 0))        # one transparent pixel: white, the rest black
+        img.save(path)
+        out = np.asarray(load_rgb(path))
+        assert tuple(out[0, 0]) == (255, 255, 255) and tuple(out[1, 1]) == (0, 0, 0)
+        return
+    elif mode == "P":
+        img = Image.new("P", (4, 4), 1)
+        img.putpalette([0, 0, 0, 200, 30, 30] + [0] * 762)
+        img.putpixel((0, 0), 0)
+        img.info["transparency"] = 0        # palette entry 0 is transparent
+        img.save(path, transparency=0)
+        out = np.asarray(load_rgb(path))
+        assert tuple(out[0, 0]) == (255, 255, 255) and tuple(out[1, 1]) == (200, 30, 30)
+        return
+    else:
+        Image.new("CMYK", (4, 4), (255, 0, 0, 0)).save(path := tmp_path / "img.jpg", quality=100)
+        expected = (0, 255, 255)            # pure cyan
+    out = np.asarray(load_rgb(path)).astype(int)
+    assert out.shape == (4, 4, 3)
+    assert np.abs(out[0, 0] - np.array(expected)).max() <= 1, (mode, out[0, 0])
+
+
+def _captioned(d: Path, name: str, caption: bytes | None) -> Path:
+    path = _image(d / f"{name}.png", (64, 64))
+    if caption is not None:
+        path.with_suffix(".txt").write_bytes(caption)
+    return path
+
+
+def test_captions_with_byte_order_marks_decode(tmp_path):
+    d = tmp_path / "d"
+    _captioned(d, "bom8", "\ufeffa red café".encode("utf-8"))
+    _captioned(d, "utf16", "a blue café".encode("utf-16"))            # BOM + UTF-16 LE
+    _captioned(d, "utf16be", b"\xfe\xff" + "a green square".encode("utf-16-be"))
+    _captioned(d, "plain", "a plain caption".encode("utf-8"))
+    items = {it.path.stem: it.caption for it in scan_datasets(_data_cfg([{"path": str(d)}]))}
+    assert items == {"bom8": "a red café", "utf16": "a blue café", "utf16be": "a green square",
+                     "plain": "a plain caption"}
+    assert not any("\ufeff" in c for c in items.values())
+
+
+def test_undecodable_caption_skips_its_image_and_is_listed(tmp_path):
+    d = tmp_path / "d"
+    _captioned(d, "good", b"a good caption")
+    _captioned(d, "latin1", "caf\xe9 cr\xe8me".encode("latin-1"))
+    with pytest.warns(DataWarning) as record:
+        items = scan_datasets(_data_cfg([{"path": str(d)}]))
+    assert [it.path.stem for it in items] == ["good"]
+    text = " ".join(str(w.message) for w in record if issubclass(w.category, DataWarning))
+    assert "skipped 1 unreadable" in text and str(d / "latin1.png") in text and "latin1.txt" in text
+
+
+def test_missing_and_empty_captions_one_warning_or_an_error(tmp_path):
+    d = tmp_path / "d"
+    _captioned(d, "ok", b"a caption")
+    for i in range(7):
+        _captioned(d, f"none{i}", None)
+    _captioned(d, "blank", b"  \n ")
+    with pytest.warns(DataWarning) as record:
+        items = scan_datasets(_data_cfg([{"path": str(d), "trigger_word": "sks"}]))
+    assert len(items) == 9
+    ours = [str(w.message) for w in record if issubclass(w.category, DataWarning)]
+    assert len(ours) == 1
+    assert ours[0].startswith("8 image(s) have no caption file or an empty one") and "(and 3 more)" in ours[0]
+    assert str(d / "blank.png") in ours[0]
+    # A default caption is the user's choice: no warning for the missing files.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataWarning)
+        scan_datasets(_data_cfg([{"path": str(d), "default_caption": "a picture"}]))
+    # require_captions: an error naming the count and the first paths, even with a default caption.
+    with pytest.raises(DataError, match=r"8 image\(s\) have no caption.*require_captions = true") as err:
+        scan_datasets(_data_cfg([{"path": str(d), "require_captions": True, "default_caption": "x"}]))
+    assert str(d / "blank.png") in str(err.value)
+
+
+def test_tiny_images_skipped_and_heavy_crops_warned(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    Image.new("RGB", (1, 1), (9, 9, 9)).save(d / "tiny.png")
+    (d / "tiny.txt").write_text("one pixel")
+    Image.new("RGB", (2000, 40), (9, 9, 9)).save(d / "strip.png")     # 50:1 into a 4:1 bucket
+    (d / "strip.txt").write_text("a strip")
+    _captioned(d, "fine", b"a fine image")                            # 64x64 at resolution 64
+    Image.new("RGB", (40, 40), (9, 9, 9)).save(d / "small_at_128.png")   # ok at 64 (1.6x), too small at 128
+    (d / "small_at_128.txt").write_text("small")
+    cfg = _data_cfg([{"path": str(d), "min_size": 0.5}], resolutions=[64, 128])
+    with pytest.warns(DataWarning) as record:
+        items = {it.path.stem: it for it in scan_datasets(cfg)}
+    assert sorted(items) == ["fine", "small_at_128", "strip"]
+    assert items["small_at_128"].too_small_for == {128} and items["fine"].too_small_for == frozenset()
+    ours = [str(w.message) for w in record if issubclass(w.category, DataWarning)]
+    small = [m for m in ours if "smaller than min_size" in m]
+    crops = [m for m in ours if "lose more than half" in m]
+    assert len(small) == 1 and "skipped 2 image(s)" in small[0] and str(d / "tiny.png") in small[0]
+    assert len(crops) == 1 and str(d / "strip.png") in crops[0] and "fine" not in crops[0]
+    # min_size = 0 keeps every image.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DataWarning)
+        assert len(scan_datasets(_data_cfg([{"path": str(d), "min_size": 0}], resolutions=[64]))) == 4
 
 
 # -- buckets ---------------------------------------------------------------------------------------

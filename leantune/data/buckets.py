@@ -72,6 +72,17 @@ def nearest_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket
     return min(buckets, key=lambda b: abs(math.log(b[0] / b[1]) - target))
 
 
+def upscale_factor(width: int, height: int, bucket: Bucket) -> float:
+    """How much `fit_to_bucket` enlarges a width x height image (below 1: it shrinks)."""
+    return max(bucket[0] / width, bucket[1] / height)
+
+
+def crop_fraction(width: int, height: int, bucket: Bucket) -> float:
+    """The share of the image's area that `fit_to_bucket`'s center crop throws away."""
+    scale = upscale_factor(width, height, bucket)
+    return 1.0 - (bucket[0] / scale) * (bucket[1] / scale) / (width * height)
+
+
 def fit_to_bucket(img: Image.Image, bucket: Bucket) -> Image.Image:
     """Center-crop `img` to the bucket's aspect ratio and resize it to the bucket, in one resample.
 

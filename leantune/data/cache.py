@@ -336,6 +336,8 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
     latent_jobs: dict[str, tuple[ImageItem, Bucket]] = {}
     for item in items:
         for res in cfg.data.resolutions:
+            if res in item.too_small_for:       # would be upscaled past [[data.datasets]] min_size
+                continue
             bucket = nearest_bucket(item.width, item.height, bucket_sets[res])
             key = latent_key(item.sha256, bucket, vae_id, dtype)
             latent_jobs[key] = (item, bucket)

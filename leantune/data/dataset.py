@@ -8,6 +8,13 @@ latent cache), so each file is read exactly once at startup.
 
 Unreadable files are skipped and reported together in one warning; a dataset left with no image
 is an error naming its folder, never a silent empty epoch.
+
+Nothing trains wrong without a word: every PIL mode is converted to 8-bit RGB by its real range
+(a 16-bit grayscale PNG is not clipped to white), captions with a byte-order mark decode (UTF-8
+BOM, UTF-16), an undecodable caption skips its image like an unreadable one, and images that
+would train on the trigger word alone, be upscaled past `min_size`, or lose more than half
+their area to the bucket crop are reported, each kind in one warning with the count and the
+first paths (`require_captions = true` turns missing captions into an error).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class ImageItem:
     dataset: int             # index into [[data.datasets]]
     repeats: int
     caption_dropout: float
+    too_small_for: frozenset = frozenset()   # training resolutions this image is skipped at (min_size)
 
 
 def _orientation(img: Image.Image) -> int:
@@ -75,15 +83,35 @@ def inspect_image(path: Path) -> tuple[str, int, int]:
     return hashlib.sha256(data).hexdigest(), w, h
 
 
+def _eight_bit(img: Image.Image) -> Image.Image:
+    """A single-channel image of more than 8 bits (I;16*, I, F) as 8-bit L, scaled by its range.
+
+    PIL's own convert("RGB") clips these to 0..255, so a 16-bit PNG (0..65535) turns near-white.
+    I;16 is 16-bit by definition. I (32-bit) holds 16-bit PNGs on some PIL versions and 8-bit data
+    on others: values above 255 mean 16-bit. F is taken as 0..1 when nothing exceeds 1 (the
+    float convention), else like I.
+    """
+    arr = np.asarray(img).astype(np.float64)
+    peak = float(arr.max()) if arr.size else 0.0
+    if img.mode.startswith("I;16") or (img.mode in ("I", "F") and peak > 255):
+        arr = arr / 257.0                         # 65535 -> 255, 33025 -> 128.5
+    elif img.mode == "F" and peak <= 1.0:
+        arr = arr * 255.0
+    return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), mode="L")
+
+
 def load_rgb(path: Path) -> Image.Image:
     """The image as displayed (EXIF orientation applied), RGB; transparency composited on white.
 
     White rather than black because transparent product shots and logos are meant to be seen on
-    a light page; a black matte would teach the model dark halos.
+    a light page; a black matte would teach the model dark halos. CMYK goes through PIL's
+    conversion; high-bit-depth grayscale through `_eight_bit`.
     """
     with Image.open(path) as img:
         img = ImageOps.exif_transpose(img)
-        if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+        if img.mode.startswith("I") or img.mode == "F":
+            return _eight_bit(img).convert("RGB")
+        if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
             rgba = img.convert("RGBA")
             background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             return Image.alpha_composite(background, rgba).convert("RGB")
@@ -96,15 +124,33 @@ def to_tensor(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
+class CaptionError(DataError):
+    """A caption file that is not text leantune can decode; its image is skipped."""
+
+
+_BOMS = ((b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe\x00\x00", "utf-32"), (b"\xef\xbb\xbf", "utf-8-sig"),
+         (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+
+
+def decode_caption(data: bytes, path: Path) -> str:
+    """Caption bytes as text: a byte-order mark picks UTF-8/16/32 (and is dropped, never fed to the
+    text encoders as U+FEFF); without one the text must be UTF-8."""
+    encoding = next((enc for bom, enc in _BOMS if data.startswith(bom)), "utf-8")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        what = "UTF-8 text (or UTF-16/32 with a byte-order mark)" if encoding == "utf-8" else f"valid {encoding}"
+        raise CaptionError(f"caption file {path.name} is not {what} ({e.reason} at byte {e.start})") from None
+
+
 def read_caption(image: Path, extension: str, default: str) -> str:
-    """The caption next to `image` (`cat.png` -> `cat.txt`), whitespace collapsed; `default` if absent."""
+    """The caption next to `image` (`cat.png` -> `cat.txt`), whitespace collapsed; `default` if absent.
+
+    Raises `CaptionError` for a file that does not decode."""
     caption_path = image.with_suffix(extension)
     if not caption_path.is_file():
         return default
-    try:
-        text = caption_path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{caption_path}: caption file is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = decode_caption(caption_path.read_bytes(), caption_path)
     # Line breaks in caption files are formatting, not meaning: one caption per image.
     return " ".join(text.split())
 
@@ -148,10 +194,82 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
         except Exception as e:   # PIL raises many types (OSError, SyntaxError, DecompressionBombError...)
             bad.append((path, f"{type(e).__name__}: {e}"))
             continue
-        caption = with_trigger(read_caption(path, cfg.caption_extension, cfg.default_caption), cfg.trigger_word)
-        items.append(ImageItem(path=path, caption=caption, width=w, height=h, sha256=digest, dataset=index,
-                               repeats=cfg.repeats, caption_dropout=cfg.caption_dropout))
+        try:
+            text = read_caption(path, cfg.caption_extension, cfg.default_caption)
+        except CaptionError as e:
+            bad.append((path, str(e)))
+            continue
+        items.append(ImageItem(path=path, caption=with_trigger(text, cfg.trigger_word), width=w, height=h,
+                               sha256=digest, dataset=index, repeats=cfg.repeats,
+                               caption_dropout=cfg.caption_dropout))
     return items, bad
+
+
+FIRST_PATHS = 5     # how many paths a summary warning lists before "and N more"
+
+
+def listing(paths: list[Path], first: int = FIRST_PATHS) -> str:
+    """'a.png, b.png (and 3 more)': the first paths of a long list, for one-line summaries."""
+    shown = ", ".join(str(p) for p in paths[:first])
+    return shown + (f" (and {len(paths) - first} more)" if len(paths) > first else "")
+
+
+def _own_caption_missing(item: ImageItem, cfg) -> bool:
+    """No caption file, or one with only whitespace (the default caption does not count)."""
+    path = item.path.with_suffix(cfg.caption_extension)
+    try:
+        return not path.is_file() or not read_caption(item.path, cfg.caption_extension, "")
+    except CaptionError:
+        return True
+
+
+def check_captions(items: list[ImageItem], datasets) -> None:
+    """`require_captions` datasets: an image without its own caption is an error; elsewhere an image
+    that would train on the trigger word alone (no caption, no default) is reported in one warning."""
+    required = [it.path for it in items if datasets[it.dataset].require_captions
+                and _own_caption_missing(it, datasets[it.dataset])]
+    if required:
+        raise DataError(f"{len(required)} image(s) have no caption file or an empty one, and their "
+                        f"[[data.datasets]] sets require_captions = true: {listing(required)}")
+    bare = [it.path for it in items if not datasets[it.dataset].default_caption.strip()
+            and _own_caption_missing(it, datasets[it.dataset])]
+    if bare:
+        warnings.warn(f"{len(bare)} image(s) have no caption file or an empty one and train on the trigger word "
+                      f"alone: {listing(bare)} (set require_captions = true to make this an error, or "
+                      f"default_caption to give them one)", DataWarning, stacklevel=3)
+
+
+def check_sizes(items: list[ImageItem], datasets, resolutions: list[int]) -> list[ImageItem]:
+    """Mark each image too small for a training resolution (upscaled by more than 1 / min_size to
+    its bucket) to be skipped there; drop images too small for all of them; warn once about the
+    skipped and once about images whose bucket crop drops more than half of them."""
+    from .buckets import bucket_sizes, crop_fraction, upscale_factor, nearest_bucket
+
+    bucket_sets = {r: bucket_sizes(r) for r in resolutions}
+    kept, small, cropped = [], [], []
+    for it in items:
+        min_size = datasets[it.dataset].min_size
+        skip = set()
+        heavy = False
+        for r, sizes in bucket_sets.items():
+            bucket = nearest_bucket(it.width, it.height, sizes)
+            if min_size and upscale_factor(it.width, it.height, bucket) > 1.0 / min_size:
+                skip.add(r)
+            elif crop_fraction(it.width, it.height, bucket) > 0.5:
+                heavy = True
+        if skip:
+            small.append(f"{it.path} ({it.width}x{it.height}, at {', '.join(str(r) for r in sorted(skip))})")
+        if heavy:
+            cropped.append(it.path)
+        if len(skip) < len(resolutions):
+            kept.append(ImageItem(**{**it.__dict__, "too_small_for": frozenset(skip)}) if skip else it)
+    if small:
+        warnings.warn(f"skipped {len(small)} image(s) smaller than min_size of their bucket's side (they would be "
+                      f"upscaled): {listing(small)}", DataWarning, stacklevel=3)
+    if cropped:
+        warnings.warn(f"{len(cropped)} image(s) lose more than half their area to the crop into their aspect "
+                      f"bucket (aspect beyond 1:4 / 4:1): {listing(cropped)}", DataWarning, stacklevel=3)
+    return kept
 
 
 def scan_datasets(data_cfg, base_dir: str | Path = ".") -> list[ImageItem]:
@@ -176,4 +294,9 @@ def scan_datasets(data_cfg, base_dir: str | Path = ".") -> list[ImageItem]:
         warnings.warn(f"skipped {len(bad)} unreadable image(s):\n  {lines}", DataWarning, stacklevel=2)
     if empty:
         raise DataError("\n".join(empty))
+    check_captions(items, data_cfg.datasets)
+    items = check_sizes(items, data_cfg.datasets, list(data_cfg.resolutions))
+    if not items:
+        raise DataError("every image is smaller than min_size of its bucket at every training resolution; "
+                        "lower [[data.datasets]] min_size or [data] resolutions")
     return items
