@@ -49,10 +49,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from leantune.planner.workload import InfeasibleBudget
     from leantune.models.weights import LoadError
     from leantune.train.lora_formats import LoraFormatError
+    from leantune.disk import DiskFullError
+    from leantune.train.run_folder import RunFolderError
     from leantune.train.state import CheckpointError
 
     return (DataError, CacheError, DemoFolderError, LoadError, UnsafeFileError, UnreadableFileError, LoraFormatError,
-            InfeasibleBudget, NoPlanFits, CheckpointError, FileNotFoundError, FloatingPointError)
+            InfeasibleBudget, NoPlanFits, CheckpointError, FileNotFoundError, FloatingPointError, RunFolderError,
+            DiskFullError)
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:

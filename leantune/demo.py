@@ -119,5 +119,5 @@ def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: 
     config = prepare(out, fresh=fresh)
     overrides = [] if steps is None else [f"train.steps={steps}"]
     cfg = load_config(config, overrides)
-    result = train(cfg, progress=progress)
+    result = train(cfg, progress=progress, overwrite=True)     # the demo owns its run folder
     return config, result

@@ -15,6 +15,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 def configure(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest saved state of this run")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the run already in [output] dir (checkpoints, exports, logs) and start again")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="train on N processes of this machine (one per GPU): starts torchrun for you")
@@ -30,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
         if launch_env() is None:
             return relaunch(args.gpus, _argv(args))
-    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
     return 0
 
@@ -42,6 +44,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv += ["--set", o]
     if args.resume:
         argv.append("--resume")
+    if args.overwrite:
+        argv.append("--overwrite")
     if args.no_progress:
         argv.append("--no-progress")
     return argv

@@ -7,12 +7,18 @@ data position, RNG states) is flattened generically, so no pickle is ever writte
 
 Saves are atomic at the folder level: written into a hidden temporary folder, every file fsynced,
 then renamed into place; `state.json` is written last and a folder without it is ignored, so an
-interrupted save never shadows the previous good checkpoint.
+interrupted save never shadows the previous good checkpoint. Each checkpoint also stores the
+resolved run config (`config.json`), so a resume can say what changed (train/resume_config.py).
+
+`load_latest` falls back past a checkpoint that does not load: it is renamed `corrupt-step-*`
+(kept for inspection, never picked up again) and the previous one is used, with a warning.
+A full disk during a save is reported with the folder and the bytes needed (leantune/disk.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +28,8 @@ import torch
 from ..io import load_safetensors, save_safetensors_streamed
 
 PREFIX = "step-"
+CORRUPT_PREFIX = "corrupt-"
+log = logging.getLogger("leantune")
 
 
 class CheckpointError(ValueError):
@@ -71,22 +79,37 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: str | Path, step: int, state: dict, keep_last: int | None = None) -> Path:
-    """Write `state` as root/step-XXXXXX atomically; prune to the newest `keep_last` checkpoints."""
+def save_checkpoint(root: str | Path, step: int, state: dict, keep_last: int | None = None,
+                    config: dict | None = None) -> Path:
+    """Write `state` (and the run's `config`) as root/step-XXXXXX atomically; prune to the newest
+    `keep_last` checkpoints. A full disk raises `DiskFullError` naming the folder and the size."""
+    from ..disk import disk_full_guard
+
     root = Path(root)
+    previous = latest_checkpoint(root)
+    intact = f"the last save ({previous.name}) is intact" if previous else "no earlier save exists"
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _flatten(state, tensors, "")
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    with disk_full_guard(root, needed, intact):
+        return _write_checkpoint(root, step, tensors, tree, keep_last, config)
+
+
+def _write_checkpoint(root: Path, step: int, tensors: dict, tree, keep_last: int | None, config: dict | None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
     tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        tensors: dict[str, torch.Tensor] = {}
-        tree = _flatten(state, tensors, "")
         # Written tensor by tensor: safetensors' save_file would first serialize all of them to
         # bytes, a second copy of a full fine-tune's weights and optimizer state in host RAM.
         save_safetensors_streamed(tmp / "tensors.safetensors", [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
                                   ({k: v} for k, v in tensors.items()))
         _fsync_path(tmp / "tensors.safetensors")
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            _fsync_path(tmp / "config.json")
         (tmp / "state.json").write_text(json.dumps({"step": step, "state": tree}))
         _fsync_path(tmp / "state.json")
         if final.exists():
@@ -132,6 +155,39 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict]:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: state.json does not match tensors.safetensors ({type(e).__name__}: {e})") \
             from None
+
+
+def saved_config(path: str | Path) -> dict | None:
+    """The resolved config a checkpoint was saved under; None for checkpoints from before it was stored."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{Path(path) / 'config.json'}: unreadable ({e})") from None
+
+
+def load_latest(root: str | Path) -> tuple[Path, int, dict] | None:
+    """(checkpoint, step, state) of the newest checkpoint that loads; None if there is none.
+
+    A newer one that does not load is renamed `corrupt-step-*` (kept aside, never resumed from)
+    and the next older one is tried, with a warning naming both."""
+    from ..io import UnreadableFileError
+
+    root = Path(root)
+    for ckpt in reversed(list_checkpoints(root)):
+        try:
+            step, state = load_checkpoint(ckpt)
+            saved_config(ckpt)
+        except (CheckpointError, UnreadableFileError, OSError) as e:
+            aside = root / f"{CORRUPT_PREFIX}{ckpt.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(ckpt, aside)
+            log.warning("checkpoint %s does not load (%s); kept aside as %s, trying the previous save",
+                        ckpt, e, aside.name)
+            continue
+        return ckpt, step, state
+    return None
 
 
 # -- RNG -------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ from ..planner.feedback.oom import NoPlanFits
 from . import flow_matching as fm
 from .modes import make_mode
 from .optim import build_scheduler
-from .state import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .resume_config import apply_learning_rate, check_resume, resolved_config
+from .run_folder import RunFolder, restore_exports
+from .state import load_latest, rng_state, save_checkpoint, saved_config, set_rng_state
 
 log = logging.getLogger("leantune")
 
@@ -176,12 +178,17 @@ class StopRequest:
         return False
 
 
-def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainResult:
-    """Train as `cfg` says (a LoRA, or the whole model with [train] mode = "full"). `stop_after` ends early after that many optimizer steps (tests)."""
+def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True,
+          overwrite: bool = False) -> TrainResult:
+    """Train as `cfg` says (a LoRA, or the whole model with [train] mode = "full"). `stop_after` ends early after that many optimizer steps (tests).
+
+    A folder holding another run needs `resume` or `overwrite`; the folder is locked while training
+    (train/run_folder.py)."""
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
     dist = DistContext.from_config(cfg, pick_device(cfg))
     try:
-        return _train(cfg, paths, dist, resume, stop_after, progress)
+        with RunFolder(paths.root, paths.name, resume, overwrite, enabled=dist.is_main):
+            return _train(cfg, paths, dist, resume, stop_after, progress)
     finally:
         dist.close()
 
@@ -408,16 +415,19 @@ def _training_state(t: Trainee, losses: list[float]) -> dict:
 
 
 def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[float]]:
-    ckpt = latest_checkpoint(paths.checkpoints)
-    if ckpt is None:
+    found = load_latest(paths.checkpoints)      # falls back past a corrupt latest save
+    if found is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {paths.checkpoints}")
-    step, state = load_checkpoint(ckpt)
+    ckpt, step, state = found
+    changes = check_resume(saved_config(ckpt), cfg, ckpt)
     exact = t.dist.check_resume(state, ckpt, cfg.distributed.allow_world_size_change)
     t.mode.load_state(t, state, ckpt)
     t.scheduler.load_state_dict(state["scheduler"])
+    apply_learning_rate(changes, t.optimizer, t.scheduler)
     set_rng_state(state["rng"], t.generator)
-    t.batches.load_state_dict(state["data"], strict=exact)
+    t.batches.load_state_dict(state["data"], strict=exact and not changes.data_order_changed)
     log.info("resumed from %s at step %d", ckpt, step)
+    restore_exports(t, paths, cfg, step)
     return step, list(state["losses"])
 
 
@@ -428,9 +438,14 @@ def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[f
 
     if not t.dist.is_main:
         return []
-    save_checkpoint(paths.checkpoints, step, _training_state(t, losses), keep_last=cfg.train.keep_last)
-    atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
-    files = t.mode.export(t, paths, step, intermediate)
+    from ..disk import disk_full_guard
+
+    save_checkpoint(paths.checkpoints, step, _training_state(t, losses), keep_last=cfg.train.keep_last,
+                    config=resolved_config(cfg))
+    with disk_full_guard(paths.root, None, f"the resumable state of step {step} is saved; --resume writes "
+                                           f"these files from it"):
+        atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
+        files = t.mode.export(t, paths, step, intermediate)
     log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
     return files
 
