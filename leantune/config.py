@@ -156,7 +156,7 @@ class MemoryConfig(Section):
 class DistributedConfig(Section):
     """[distributed]: how several processes (GPUs) share a run. See leantune/distributed.py."""
 
-    # auto: "ddp" for LoRA, "deepspeed" (ZeRO-2) for [train] mode = "full"
+    # auto: "ddp" for LoRA, "fsdp2" for [train] mode = "full"
     strategy: Literal["auto", "ddp", "deepspeed", "fsdp2"] = "auto"
     zero_stage: Literal[2, 3] = 2                  # DeepSpeed ZeRO stage
     offload_optimizer: bool = False                # DeepSpeed: optimizer states in host RAM
@@ -255,10 +255,10 @@ class RunConfig(Section):
     def _distributed_storage(self) -> None:
         """Streaming and FSDP / ZeRO-3 both own where parameters live: refuse the combination by key."""
         d, m = self.distributed, self.memory
-        shards_params = d.strategy == "fsdp2" or (d.strategy in ("deepspeed", "auto") and d.zero_stage == 3
-                                                  and self.train.mode == "full")
+        full = self.train.mode == "full"
+        shards_params = d.strategy == "fsdp2" or (full and d.strategy == "deepspeed" and d.zero_stage == 3)
         if shards_params and (m.streamed_blocks not in (0, [], "none") or m.stream_non_blocks):
-            what = "strategy = \"fsdp2\"" if d.strategy == "fsdp2" else "zero_stage = 3"
+            what = "zero_stage = 3" if d.strategy == "deepspeed" else f"strategy = \"{d.strategy}\""
             raise ValueError(f"[distributed] {what} with [memory] streamed_blocks / stream_non_blocks: both would own "
                              f"where the weights live; use [distributed] strategy = \"deepspeed\" with zero_stage = 2 "
                              f"(resident weights, sharded optimizer), or stream without sharding")

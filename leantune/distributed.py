@@ -406,12 +406,12 @@ def launch_env() -> dict | None:
 
 
 def resolve_strategy(cfg) -> str:
-    """The strategy `[distributed] strategy = "auto"` means for this run: DDP for LoRA, DeepSpeed
-    ZeRO-2 for a full fine-tune (the common multi-GPU full-FT setup)."""
+    """The strategy `[distributed] strategy = "auto"` means for this run: DDP for LoRA, FSDP2 for
+    a full fine-tune (DeepSpeed ZeRO-2 is not wired into the trainer yet)."""
     strategy = cfg.distributed.strategy
     if strategy != "auto":
         return strategy
-    return "deepspeed" if cfg.train.mode == "full" else "ddp"
+    return "fsdp2" if cfg.train.mode == "full" else "ddp"
 
 
 def torchrun_command(gpus: int, argv: list[str]) -> list[str]:

@@ -309,3 +309,58 @@ def test_shared_buffers_fall_back_to_private_copies_without_room(tmp_path, monke
     assert leader.buffer("transformer_blocks.0", 4096) is None
     assert shared_host.SharedHostBuffers("t2", leader=False, folder=tmp_path).buffer("transformer_blocks.0", 4096) is None
     assert "1 block(s) private" in leader.describe()
+
+
+# -- full fine-tune, FSDP2 --------------------------------------------------------------------------------
+
+FULL_REST = """
+[train]
+mode = "full"
+steps = 6
+learning_rate = 1e-4
+mixed_precision = "no"
+max_grad_norm = 0
+save_every = 3
+seed = 3
+gradient_accumulation = 2
+
+[full]
+exclude = ["*norm*"]
+"""
+
+
+def write_full_config(folder: Path, model, images, name: str, batch_size: int, out: str) -> Path:
+    text = tiny_run_toml(model, images, FULL_REST).replace("batch_size = 2", f"batch_size = {batch_size}")
+    text = text.replace('cache_dir = "cache"', f'cache_dir = "{folder}/cache-{name}"')
+    text += f'\n[output]\ndir = "{out}"\nname = "m"\n'
+    path = folder / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_fsdp2_full_fine_tune_on_two_processes_matches_one_process(tmp_path, tiny_flux_dir, images):
+    """[train] mode = "full" on 2 processes (FSDP2 shards every block and the root; torch AdamW on
+    the shards) against the one-process full mode (per-parameter AdamW inside backward) with the
+    doubled batch: same losses and the same exported model, within 1e-4."""
+    from safetensors.torch import load_file
+
+    from leantune.train.trainer import train
+
+    ref_cfg = load_config(write_full_config(tmp_path, tiny_flux_dir, images, "fullref", 2, str(tmp_path / "ref")))
+    ref = train(ref_cfg, progress=False)
+    cfg = write_full_config(tmp_path, tiny_flux_dir, images, "fsdp", 1, str(tmp_path / "fsdp"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(cfg)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["fsdp"]["losses"] == pytest.approx(ref.losses, rel=1e-4, abs=1e-6)
+    a = load_file(str(tmp_path / "ref" / "m_comfyui.safetensors"))
+    b = load_file(str(tmp_path / "fsdp" / "m_comfyui.safetensors"))
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= 1e-4, worst
+    assert (tmp_path / "fsdp" / "checkpoints" / "step-000006" / "state.json").exists()
+    assert "full (fsdp2)" in (tmp_path / "fsdp" / "train.log").read_text()

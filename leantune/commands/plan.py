@@ -48,6 +48,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fp8", action="store_true", help="never store weights in fp8")
     p.add_argument("--no-autocast", action="store_true", help="plan for mixed_precision = \"no\"")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    p.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="N processes (GPUs) on this machine: per-process VRAM and host RAM, and the machine total")
+    p.add_argument("--strategy", choices=["ddp", "deepspeed", "fsdp2"], default=None,
+                   help="how the processes share the work (LoRA: ddp; full fine-tunes are not planned yet)")
+    p.add_argument("--no-shared-host", action="store_true",
+                   help="with --gpus: each process keeps its own host copy of the streamed blocks")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     elif not machine.measured:
         # No GPU here, so the run will happen on another machine: this one's RAM says nothing about it.
         ram = UNLIMITED_RAM
+    _check_ranks(args, workload)
     budgets = [Budget(vram=_vram_bytes(v, machine), ram=ram) for v in vram_values]
     planner = Planner(FLUX_SPEC, model, workload, machine)
     results, failed = [], 0
@@ -86,11 +93,36 @@ def run(args: argparse.Namespace) -> int:
         except InfeasibleBudget as e:
             failed += 1
             results.append((value, budget, None, e))
+    ranks = _ranks(args, planner, results)
     if args.json:
-        print(json.dumps(_as_json(workload, machine, results), indent=2, default=str))
+        out = _as_json(workload, machine, results)
+        for entry, numbers in zip(out["plans"], ranks):
+            if numbers is not None:
+                entry["processes"] = {"count": args.gpus, **numbers}
+        print(json.dumps(out, indent=2, default=str))
     else:
-        _print_text(results, format_plan)
+        _print_text(results, format_plan, ranks, args)
     return 1 if failed else 0
+
+
+def _check_ranks(args, workload) -> None:
+    from ..config import ConfigError
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.strategy not in (None, "ddp") and workload.mode == "lora":
+        raise ConfigError(f"--strategy {args.strategy}: shards a full fine-tune; LoRA training uses ddp")
+
+
+def _ranks(args, planner, results) -> list:
+    """Per-process and machine numbers of each plan for --gpus N (None for one process)."""
+    from ..planner.ranks import per_rank
+
+    if args.gpus <= 1:
+        return [None] * len(results)
+    grad_bytes = planner.trainable_bytes()[1]
+    return [per_rank(plan, args.gpus, grad_bytes, shared=not args.no_shared_host) if plan is not None else None
+            for _, _, plan, _ in results]
 
 
 def _vram_bytes(value: str, machine) -> int:
@@ -187,13 +219,17 @@ def _as_json(workload, machine, results) -> dict:
     return {"workload": workload.describe(), "machine": machine.to_dict(), "plans": out}
 
 
-def _print_text(results, format_plan) -> None:
-    for i, (value, budget, plan, error) in enumerate(results):
+def _print_text(results, format_plan, ranks, args) -> None:
+    from ..planner.ranks import format_ranks
+
+    for i, ((value, budget, plan, error), numbers) in enumerate(zip(results, ranks)):
         if i:
             print()
         print(f"== VRAM budget {value} ({budget.vram / 2**30:.2f} GiB) ==")
         if plan is not None:
             print(format_plan(plan))
+            if numbers is not None:
+                print(format_ranks(numbers, args.gpus, not args.no_shared_host))
         else:
             print(f"infeasible: {error}", file=sys.stderr)
             print(f"infeasible: smallest working budget {error.needed_vram / 2**30:.2f} GiB"

@@ -126,6 +126,11 @@ def make_mode(cfg: RunConfig):
     """The mode object for `[train] mode`."""
     if cfg.train.mode == "full":
         from .full_mode import FullMode
+        from .sharded_full import sharded_full_mode
+
+        sharded = sharded_full_mode(cfg)      # several processes: FSDP2 owns the weights
+        if sharded is not None:
+            return sharded
 
         return FullMode(cfg)
     return LoraMode(cfg)

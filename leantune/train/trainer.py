@@ -436,12 +436,12 @@ def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[f
     end), written by rank 0 only (every rank holds the same trainable weights)."""
     from ..io import atomic_write_json
 
+    state = _training_state(t, losses)        # every rank: a sharded mode gathers the weights here
     if not t.dist.is_main:
         return []
     from ..disk import disk_full_guard
 
-    save_checkpoint(paths.checkpoints, step, _training_state(t, losses), keep_last=cfg.train.keep_last,
-                    config=resolved_config(cfg))
+    save_checkpoint(paths.checkpoints, step, state, keep_last=cfg.train.keep_last, config=resolved_config(cfg))
     with disk_full_guard(paths.root, None, f"the resumable state of step {step} is saved; --resume writes "
                                            f"these files from it"):
         atomic_write_json(paths.loss_history, {"step": step, "loss": losses})

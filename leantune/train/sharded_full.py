@@ -1,0 +1,183 @@
+"""Full fine-tuning on several processes with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Why a mode of its own. The one-process full mode (full_mode.py) steps each weight inside backward
+with its own fused optimizer, so that gradients never all exist at once. FSDP2 instead owns the
+parameter storage: every weight is a DTensor sharded across ranks, gathered per block for forward
+and backward, its gradient reduce-scattered back to the shards. The optimizer then steps each
+rank's shards with torch's AdamW, after backward, as usual. Memory per rank: weights, gradients
+and AdamW states are each 1/N of the model's (plus one gathered block at a time).
+
+- What trains: the `[full] train` / `exclude` selection, as in one process.
+- Sharding: `fully_shard` on every block of the family's spec, then on the root (the embedders
+  and the final layer), over all ranks; `[distributed] fsdp_cpu_offload` keeps shards in host RAM.
+- Gradients: each rank's loss is already weighted by its share of the global batch (see
+  distributed.py); the reduce-scatter averages, so the shards are multiplied by N afterwards
+  (a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
+- Clipping: global norm over every rank's shards (`clip_grad_norm_` on DTensors).
+- Resumable state and exports: the full weights and optimizer state are gathered to rank 0 (a
+  collective every rank joins in `state()`), saved in leantune's checkpoint format and exported as
+  the one-process full mode does. Resume gives every rank the full state and each keeps its shards.
+
+Streaming cannot be combined (both own where weights live; the config refuses it by key).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from .modes import check_resumable, prune_step_files
+
+log = logging.getLogger("leantune")
+
+
+class ShardedFullMode:
+    name = "full"
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.model = None
+        self.named: dict[str, torch.nn.Parameter] = {}
+        self._gathered: dict | None = None       # rank 0's full weights of the last state() call
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        from .full_mode import select_trainable
+
+        cfg, full = self.cfg, self.cfg.full
+        if cfg.train.optimizer != "adamw":
+            raise ValueError(f"[train] optimizer = {cfg.train.optimizer!r} with [distributed] strategy = \"fsdp2\": "
+                             f"sharded full fine-tunes use \"adamw\"")
+        named = select_trainable(transformer, full.train, full.exclude)
+        if not named:
+            raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight")
+        transformer.requires_grad_(False)
+        for p in named.values():
+            p.requires_grad_(True)
+        device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+        options = {"mesh": mesh}
+        if cfg.distributed.fsdp_cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        units = [block for _, block in spec.blocks(transformer)] + [transformer]
+        for module in units:
+            fully_shard(module, **options)
+        self.world_size = mesh.size()
+        self.model = transformer
+        self.named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        n = sum(p.numel() for p in self.named.values())
+        log.info("full (fsdp2): %d tensors, %.2fM parameters sharded over %d processes", len(self.named), n / 1e6,
+                 mesh.size())
+        return list(self.named.values())
+
+    def memory_options(self) -> dict:
+        return {}
+
+    def build_optimizer(self, params) -> torch.optim.Optimizer:
+        tc = self.cfg.train
+        return torch.optim.AdamW(params, lr=tc.learning_rate, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, t, micro_batch) -> float:
+        cfg = self.cfg
+        t.optimizer.zero_grad(set_to_none=True)
+        accum = cfg.train.gradient_accumulation
+        total = sum(micro_batch(1.0 / accum) for _ in range(accum))
+        with torch.no_grad():             # reduce-scatter averaged the weighted shares: make it their sum
+            for p in t.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.world_size)
+        if cfg.train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(t.params, cfg.train.max_grad_norm)
+        t.optimizer.step()
+        return total / accum
+
+    def drop_partial_step(self, t) -> None:
+        t.optimizer.zero_grad(set_to_none=True)
+
+    # -- resumable state (collective: every rank calls it) ---------------------------------------------
+    def _options(self, **kw):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, **kw)
+
+    def state(self, t) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        weights, optim = get_state_dict(self.model, t.optimizer, options=self._options(cpu_offload=True))
+        self._gathered = weights
+        if not weights:                                  # ranks other than 0 get empty dicts
+            return {}
+        return {"trainable": {n: weights[n] for n in self.named}, "optimizer": optim}
+
+    def load_state(self, t, state: dict, ckpt: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        check_resumable(ckpt, state["trainable"], dict(self.model.named_parameters()), "[full] train / exclude")
+        set_state_dict(self.model, t.optimizer, model_state_dict=state["trainable"],
+                       optim_state_dict=state["optimizer"], options=self._options(strict=False))
+
+    # -- exported files ----------------------------------------------------------------------------------
+    def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
+        """The whole model from the weights gathered by the last `state()` (rank 0)."""
+        from ..models.flux import FLUX_SPEC
+        from .full_export import SAVE_DTYPES, _config_metadata, write_diffusers_folder, write_model_file
+
+        cfg = self.cfg
+        access = _GatheredAccess(self.model, self._gathered or {})
+        dtype = SAVE_DTYPES[cfg.full.save_dtype]
+        suffix = f"-step{step:06d}" if intermediate else ""
+        files = []
+        for fmt in cfg.output.formats:
+            if fmt == "comfyui":
+                meta = {**_config_metadata(self.model), "leantune.mode": "full", "leantune.step": str(step)}
+                files.append(write_model_file(self.model, FLUX_SPEC, access,
+                                              paths.root / f"{paths.name}{suffix}_comfyui.safetensors", "comfyui",
+                                              dtype, meta))
+            else:
+                files.append(write_diffusers_folder(self.model, FLUX_SPEC, access,
+                                                    paths.root / f"{paths.name}{suffix}_diffusers", dtype))
+        if intermediate:
+            prune_step_files(paths, cfg,
+                             lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
+        return files
+
+    def close(self, t) -> None:
+        self._gathered = None
+
+
+class _GatheredAccess:
+    """full_export's weight access over a gathered full state dict (names as the model's)."""
+
+    def __init__(self, model: torch.nn.Module, weights: dict):
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.weights = weights
+
+    def get(self, module: torch.nn.Module, attr: str) -> torch.Tensor:
+        prefix = self.names[id(module)]
+        return self.weights[f"{prefix}.{attr}" if prefix else attr]
+
+
+def sharded_full_mode(cfg: RunConfig):
+    """The mode for `[train] mode = "full"` on several processes, or None for one process."""
+    from ..distributed import launch_env, resolve_strategy
+
+    env = launch_env()
+    if env is None or env["WORLD_SIZE"] <= 1:
+        return None
+    strategy = resolve_strategy(cfg)
+    m = cfg.memory
+    if m.streamed_blocks not in (0, [], "none") or m.stream_non_blocks or m.vram_budget is not None:
+        raise ValueError("[memory] streamed_blocks / stream_non_blocks / vram_budget with [train] mode = \"full\" on "
+                         "several processes: FSDP2 shards the weights and owns where they live; remove them (each "
+                         "process then holds 1/N of the weights, gradients and optimizer states)")
+    if strategy == "fsdp2":
+        return ShardedFullMode(cfg)
+    raise ValueError(f"[distributed] strategy = {strategy!r} for [train] mode = \"full\" on several processes is not "
+                     f"available in this version; set [distributed] strategy = \"fsdp2\"")
