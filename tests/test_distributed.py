@@ -122,7 +122,7 @@ def test_distributed_config_combinations_are_refused_by_key():
     with pytest.raises(ConfigError, match=r"run.toml: \[distributed\] strategy = \"fsdp2\" with \[memory\] streamed_blocks"):
         check(train=full, distributed={"strategy": "fsdp2"}, memory={"streamed_blocks": 2})
     with pytest.raises(ConfigError, match=r"zero_stage = 3 with \[memory\] streamed_blocks / stream_non_blocks"):
-        check(train=full, distributed={"zero_stage": 3}, memory={"stream_non_blocks": True})
+        check(train=full, distributed={"strategy": "deepspeed", "zero_stage": 3}, memory={"stream_non_blocks": True})
     with pytest.raises(ConfigError, match=r"strategy = \"ddp\" with \[train\] mode = \"full\""):
         check(train=full, distributed={"strategy": "ddp"})
     with pytest.raises(ConfigError, match=r"strategy = 'deepspeed' shards a full fine-tune"):
@@ -130,6 +130,25 @@ def test_distributed_config_combinations_are_refused_by_key():
     with pytest.raises(ConfigError, match="zero_stag.*did you mean 'zero_stage'"):
         check(distributed={"zero_stag": 2})
     assert check(train=full, distributed={"zero_stage": 2}, memory={"streamed_blocks": 2}).distributed.zero_stage == 2
+
+
+
+def test_full_mode_on_several_processes_picks_fsdp2_and_refuses_streaming_by_key(monkeypatch):
+    from leantune.config import validate
+    from leantune.train.modes import make_mode
+    from leantune.train.sharded_full import ShardedFullMode
+
+    def cfg(**sections):
+        return validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]}, "train": {"mode": "full"},
+                         **sections}, "run.toml")
+
+    assert type(make_mode(cfg())).__name__ == "FullMode"                   # one process: the fused full mode
+    monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("LOCAL_RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "2")
+    assert isinstance(make_mode(cfg()), ShardedFullMode)                   # auto = fsdp2
+    with pytest.raises(ValueError, match=r"\[memory\] streamed_blocks / stream_non_blocks / vram_budget"):
+        make_mode(cfg(memory={"streamed_blocks": 2}))
+    with pytest.raises(ValueError, match=r"strategy = 'deepspeed'.*not available in this version"):
+        make_mode(cfg(distributed={"strategy": "deepspeed"}))
 
 
 def test_one_process_context_is_trivial_and_world_size_change_is_explained():
@@ -364,3 +383,35 @@ def test_fsdp2_full_fine_tune_on_two_processes_matches_one_process(tmp_path, tin
     assert worst <= 1e-4, worst
     assert (tmp_path / "fsdp" / "checkpoints" / "step-000006" / "state.json").exists()
     assert "full (fsdp2)" in (tmp_path / "fsdp" / "train.log").read_text()
+
+
+# -- planner: per process and machine ----------------------------------------------------------------------
+
+def test_per_rank_numbers_count_the_shared_streamed_blocks_once():
+    from leantune.memory.plan import Plan
+    from leantune.planner.ranks import per_rank
+
+    g = 2**30
+    host = {"process baseline": 2 * g, "transformer while loading": 22 * g,
+            "transformer while converting to fp8": 0, "stored transformer + one unit while packing": 23 * g,
+            "streamed blocks (pinned)": 18 * g, "staging buffers": 0, "offloaded activations": 2 * g, "caches": 0}
+    plan = Plan(notes={"predicted_peak_vram": 7 * g, "host_breakdown": host})
+    shared, private = per_rank(plan, 4, 100, shared=True), per_rank(plan, 4, 100, shared=False)
+    assert shared["vram per process"] == 7 * g + 100
+    assert shared["host per process"] == 22 * g
+    assert shared["host machine steady"] == 4 * 4 * g + 18 * g
+    assert private["host machine steady"] == 4 * 22 * g
+    assert shared["host machine loading"] == 4 * 25 * g == shared["host machine peak"]
+    assert per_rank(plan, 1, 100)["vram per process"] == 7 * g
+
+
+def test_plan_gpus_prints_per_process_and_machine_numbers(capsys):
+    from leantune.cli import main
+
+    assert main(["plan", "--model", "flux-dev", "--rank", "16", "--resolution", "512", "--vram", "8GiB",
+                 "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 processes (ddp, one shared host copy of the streamed blocks)" in out
+    assert "VRAM per process (predicted peak)" in out and "host RAM, machine, during steps" in out
+    assert main(["plan", "--model", "flux-dev", "--vram", "8GiB", "--gpus", "2", "--strategy", "fsdp2"]) == 2
+    assert "--strategy fsdp2: shards a full fine-tune; LoRA training uses ddp" in capsys.readouterr().err
