@@ -70,6 +70,9 @@ _default_format_warning = warnings.formatwarning
 
 
 def main(argv: list[str] | None = None) -> int:
+    from leantune.quiet import quiet_third_party
+
+    quiet_third_party()          # before any command imports diffusers / transformers
     args = build_parser().parse_args(argv)
     from leantune.config import ConfigError
 

@@ -145,6 +145,21 @@ class MemoryConfig(Section):
     vram_budget: str | None = None
     ram_budget: str | None = None        # default: available host RAM minus a margin
 
+    @field_validator("vram_budget", "ram_budget")
+    @classmethod
+    def _size(cls, v, info):
+        """Checked with the config, not after caching and model loading."""
+        if v is None or (info.field_name == "vram_budget" and v.strip().lower() == "auto"):
+            return v
+        try:
+            size = parse_size(v)
+        except ValueError:
+            also = ' or "auto"' if info.field_name == "vram_budget" else ""
+            raise ValueError(f'{v!r} is not a size like "8GiB" or "512MiB"{also}') from None
+        if size <= 0:
+            raise ValueError(f"{v!r} is not a positive size")
+        return v
+
     @field_validator("streamed_blocks")
     @classmethod
     def _non_negative(cls, v):
@@ -353,16 +368,31 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> 
         dotted, value = item.split("=", 1)
         parts = dotted.strip().split(".")
         node = data
-        for p in parts[:-1]:
-            if isinstance(node, list):
-                node = node[int(p)]
-            else:
-                node = node.setdefault(p, {})
-        if isinstance(node, list):
-            node[int(parts[-1])] = _parse_value(value.strip())
-        else:
-            node[parts[-1]] = _parse_value(value.strip())
+        for i, p in enumerate(parts[:-1]):
+            node = _override_step(node, p, parts[:i], item, source, last=False)
+        _override_step(node, parts[-1], parts[:-1], item, source, last=True, value=_parse_value(value.strip()))
     return data
+
+
+def _override_step(node, part: str, before: list[str], item: str, source: str, last: bool, value: Any = None):
+    """One dotted part of a `--set` key: a list takes an index (0-based, within its length), a
+    table a key; anything else is a `ConfigError` naming the override."""
+    where = ".".join(before) or "top level"
+    if isinstance(node, list):
+        if not part.isdigit() or int(part) >= len(node):
+            table = f"[[{where}]]"
+            raise ConfigError(f"{source} {item!r}: {where} is a list of {len(node)} {table} table(s); "
+                              f"use an index from 0 to {len(node) - 1} (got {part!r})")
+        if last:
+            node[int(part)] = value
+            return None
+        return node[int(part)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"{source} {item!r}: {where} is a value ({node!r}), not a table with keys")
+    if last:
+        node[part] = value
+        return None
+    return node.setdefault(part, {})
 
 
 def validate_model(model: type[BaseModel], data: dict, source: str, base_dir: str | Path, title: str):

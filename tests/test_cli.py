@@ -161,9 +161,7 @@ def test_demo_fresh_start_removes_only_its_own_files(made_by, tmp_path, capsys):
     (out / "run" / "old.safetensors").write_bytes(b"x")
     (out / "run2").mkdir()                          # a user's own run beside the demo's
     (out / "notes.txt").write_text("keep me")
-    # --steps 0 is a config error (it used to mean "the default 400 steps"), raised after the fresh start.
-    assert main(["demo", "--out", str(out), "--steps", "0"]) == 2
-    assert "steps" in capsys.readouterr().err
+    prepare(out, fresh=True)                        # the demo's fresh start, without the training
     assert not (out / "run").exists()
     assert (out / "run2").is_dir() and (out / "notes.txt").read_text() == "keep me"
     assert not (out / "model" / "stale.json").exists()

@@ -22,7 +22,30 @@ def configure(parser) -> None:
                         help="tensor dtype of the output (default: as in the input)")
 
 
+def output_problem(source: str, target: str) -> str | None:
+    """Why `target` cannot be written, or None: its folder must exist (a typo must not create
+    folders at /), it must be a .safetensors file, and never the input itself."""
+    from pathlib import Path
+
+    src, out = Path(source).expanduser(), Path(target).expanduser()
+    if out.suffix.lower() != ".safetensors":
+        return f"{target}: the output must be a .safetensors file (got {out.suffix or 'no extension'})"
+    if not out.parent.is_dir():
+        return f"{target}: the folder {out.parent} does not exist; create it first (nothing was written)"
+    if out.is_dir():
+        return f"{target}: is a folder; give a file name ending in .safetensors"
+    same = out.exists() and src.exists() and out.samefile(src)
+    if same or out.resolve() == src.resolve():
+        return f"{target}: is the input file; write the converted LoRA to another file (the input stays as it is)"
+    return None
+
+
 def run(args) -> int:
+    problem = output_problem(args.input, args.output)
+    if problem:
+        print(f"leantune convert: {problem}", file=sys.stderr)
+        return 2
+
     import torch
 
     from leantune.train.lora_formats import read_lora, save_lora

@@ -6,9 +6,20 @@ import argparse
 from pathlib import Path
 
 
+def _positive_int(text: str) -> int:
+    """--steps is checked by the parser, before anything is built."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: the demo needs at least 1 training step")
+    return value
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-output", help="folder for the model, images and run (default: demo-output)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the quickstart config's)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: the quickstart config's)")
     p.add_argument("--keep", action="store_true", help="keep an existing demo folder instead of starting fresh")
 
 

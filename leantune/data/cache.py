@@ -347,12 +347,19 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
     text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
     text_jobs = {k: p for p, k in text_keys.items()}
 
-    stats = {
-        "latents": _fill_latents(latent_jobs, cache_dir / "latents", sources, dtype, device,
-                                 load_vae or flux_loading.load_vae),
-        "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
-                           load_text_encoders or flux_loading.load_text_encoders),
-    }
+    from leantune.disk import disk_full_guard
+
+    def latent_bytes() -> int:     # what the latents need (bf16); the text entries come on top
+        return sum(LATENT_CHANNELS * (b[0] // VAE_SCALE_FACTOR) * (b[1] // VAE_SCALE_FACTOR) * 2
+                   for _, b in latent_jobs.values())
+
+    with disk_full_guard(cache_dir, latent_bytes, "every entry already written is intact and reused next time"):
+        stats = {
+            "latents": _fill_latents(latent_jobs, cache_dir / "latents", sources, dtype, device,
+                                     load_vae or flux_loading.load_vae),
+            "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
+                               load_text_encoders or flux_loading.load_text_encoders),
+        }
     data = CachedData(cache_dir, samples, text_keys, cfg.data.batch_size, cfg.data.shuffle, stats)
     log.info("cache: %s", data.summary())
     return data

@@ -137,6 +137,11 @@ def decode_latents(vae, latents: torch.Tensor, device, plan: DecodePlan | None =
                 x = vae.tiled_decode(z, return_dict=False)[0]
         else:
             x = vae.decode(z, return_dict=False)[0]                   # (1, 3, H, W) in [-1, 1]
+        if not bool(torch.isfinite(x).all()):
+            # Clamping would turn NaN/inf into a black or white image that looks like a result.
+            raise FloatingPointError(f"image {len(out) + 1} decoded to non-finite pixels (NaN or inf): the sampled "
+                                     f"latents overflowed (a LoRA strength far from 1, or fp16 weights?); "
+                                     f"no image was written")
         out.append((x / 2 + 0.5).clamp(0, 1).to("cpu", torch.float32))
     return torch.cat(out)
 

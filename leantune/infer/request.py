@@ -43,9 +43,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# LoRAs are trained for strengths around 1; beyond this the outputs overflow to black or noise.
+MAX_LORA_STRENGTH = 10.0
+
+
 class LoraRef(_Strict):
     path: str
     strength: float = 1.0
+
+    @field_validator("strength")
+    @classmethod
+    def _sane_strength(cls, v: float) -> float:
+        import math
+
+        if not math.isfinite(v):
+            raise ValueError(f"LoRA strength must be a finite number (got {v})")
+        if abs(v) > MAX_LORA_STRENGTH:
+            raise ValueError(f"LoRA strength {v:g} is outside -{MAX_LORA_STRENGTH:g}..{MAX_LORA_STRENGTH:g}; "
+                             f"LoRAs are made for strengths around 1")
+        return v
 
 
 class SampleRequest(_Strict):

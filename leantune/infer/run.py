@@ -113,7 +113,12 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
             ram = parse_size(request.memory.ram_budget) if request.memory.ram_budget else None
             return plan_memory(FLUX_SPEC, transformer, workload, Budget(vram=budget, ram=ram))
         except (InfeasibleBudget, ValueError) as e:
-            raise ConfigError(f"memory.vram_budget = {request.memory.vram_budget!r}: {e}") from None
+            if device.type != "cpu" or not isinstance(e, InfeasibleBudget):
+                raise ConfigError(f"memory.vram_budget = {request.memory.vram_budget!r}: {e}") from None
+            # On the CPU there is no VRAM to run out of: a budget only shapes how blocks stream
+            # through host memory, and one that no plan fits is set aside rather than refused.
+            log.warning("memory.vram_budget = %r: no plan fits it, and on the CPU a VRAM budget does not apply; "
+                        "ignored (the model runs from host memory as [memory] says)", request.memory.vram_budget)
     from ..memory.engine import resolve_plan
 
     return resolve_plan(request.memory, FLUX_SPEC, transformer)

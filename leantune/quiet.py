@@ -1,0 +1,48 @@
+"""Third-party chatter that does not concern a leantune user, silenced before those libraries load.
+
+A newcomer running `leantune demo` saw "CLIPImageProcessor requires torchvision", "modules that
+should be kept in float32: []", DeepSpeed's "Setting accelerator to CPU" and diffusers' shard-
+writing progress bars: none is about anything they did or can act on (leantune uses no image
+processor, casts on purpose, and reports its own progress). The libraries' errors still show;
+leantune's own warnings are untouched. `LEANTUNE_VERBOSE=1` keeps everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# Message starts of third-party warnings known not to concern the user (see the module doc).
+_NOISE = (
+    r".*requires torchvision",
+    r"There are modules in .* that should be kept in float32",
+)
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        import re
+
+        text = record.getMessage()
+        return not any(re.match(p, text, re.S) for p in _NOISE) and "Setting accelerator to CPU" not in text
+
+
+def quiet_third_party() -> None:
+    """Call before diffusers / transformers / DeepSpeed are imported (the env settings are read then)."""
+    if os.environ.get("LEANTUNE_VERBOSE"):
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for pattern in _NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
+    noise = _DropNoise()
+    for name in ("transformers", "diffusers", "DeepSpeed", "accelerate", "peft"):
+        logging.getLogger(name).addFilter(noise)
+    root = logging.getLogger()
+    if not any(isinstance(f, _DropNoise) for f in root.filters):
+        root.addFilter(noise)
+    for handler in root.handlers:
+        handler.addFilter(noise)
