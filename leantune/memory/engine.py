@@ -238,7 +238,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     `offload_min_bytes`: with checkpointing = "offload", smaller saved block inputs stay on the device.
     `streaming_engine`: a StreamingEngine subclass (full fine-tuning streams trainable weights with
     memory/trainable_streaming.py's).
-    `host_device`: where offloaded block inputs wait (host RAM; another device in the simulation).
+    `host_device`: host RAM, where streamed units and offloaded block inputs wait (another device
+    in the simulation, memory/simulated.py).
     `host_buffers`: shared host buffers for the streamed weights (memory/shared_host.py), or None.
     """
     device = torch.device(device)
@@ -256,6 +257,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
             handle.streaming = apply_streaming(model, spec, plan, device,
                                                checkpointed=plan.checkpointing != "none", mode=mode,
                                                host_buffers=host_buffers,
+                                               host_device=host_device,
                                                **({"engine_cls": streaming_engine} if streaming_engine else {}))
         if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",

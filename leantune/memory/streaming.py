@@ -246,7 +246,8 @@ class _Stager:
         self.pool.shutdown(wait=True)
 
 
-def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, object]:
     """A (nbytes,) uint8 host buffer, pinned if asked and the driver agrees.
 
     Pinned by registering an exact-size allocation (cudaHostRegister): torch's pinned caching
@@ -255,7 +256,7 @@ def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None) -> tuple[
     the registration (also called automatically if the buffer is garbage-collected first).
     `t`: an existing buffer to pin instead (a shared-memory mapping, see memory/shared_host.py).
     """
-    t = torch.empty(nbytes, dtype=torch.uint8) if t is None else t
+    t = torch.empty(nbytes, dtype=torch.uint8, device=device) if t is None else t
     if pin:
         ptr = t.data_ptr()
         rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
@@ -745,13 +746,16 @@ def _pack(host: torch.Tensor, entries: list[_Entry], copy: bool = True) -> None:
 
 def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str, *,
                     checkpointed: bool = False, mode: RunMode | None = None,
-                    engine_cls: type[StreamingEngine] = StreamingEngine, host_buffers=None) -> StreamingHandle:
+                    engine_cls: type[StreamingEngine] = StreamingEngine, host_buffers=None,
+                    host_device: torch.device | str = "cpu") -> StreamingHandle:
     """Stream the plan's blocks (and optionally the non-block group) of `model` onto `device`.
 
     Call after fp8 storage and adapters, before checkpointing wraps the blocks. Streamed tensors end
     up as views of the device slots; the caller moves everything else to `device`. Host RAM peaks
     at the model plus one unit (see the module docstring). `host_buffers`: where the units' host
     buffers come from when several processes share them (memory/shared_host.py); None: private.
+    `host_device`: where the packed units live (host RAM; another device in the simulation,
+    memory/simulated.py).
     """
     mode = mode or RunMode()
     backend = _Backend(device)
@@ -776,11 +780,11 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     # Every unit is checked (trainable weights) before the first one is packed: a refused plan
     # leaves the model untouched.
     layouts = [(name, mods, ckpt, *_collect(mods, name, engine_cls.trains_weights)) for name, mods, ckpt in groups]
-    pin = backend.cuda and plan.pin_memory
+    pin = backend.cuda and plan.pin_memory and torch.device(host_device).type == "cpu"
     units: list[_Unit] = []
     for index, (name, mods, ckpt, entries, adapters, nbytes) in enumerate(layouts):
         shared = host_buffers.buffer(name, max(nbytes, ALIGN)) if host_buffers is not None else None
-        host, unpin = _alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None)
+        host, unpin = _alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None, host_device)
         _pack(host, entries, copy=not (shared and shared[1]))
         # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
         direct = unpin is not None or (not backend.cuda and plan.pin_memory)

@@ -53,8 +53,11 @@ def sample_sigmas(batch: int, method: str, generator: torch.Generator, *, sigmoi
 
 
 def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """(1 - sigma) * x0 + sigma * noise, sigma (B,) broadcast over the other dims."""
-    s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+    """(1 - sigma) * x0 + sigma * noise, sigma (B,) broadcast over the other dims.
+
+    sigma is drawn on the host (a CPU generator, for exact resumes) and moved to x0's device here: a
+    (B, 1, 1, 1) CPU tensor cannot meet a CUDA tensor in one op (only 0-dim CPU tensors can)."""
+    s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(device=x0.device, dtype=x0.dtype)
     return (1.0 - s) * x0 + s * noise
 
 

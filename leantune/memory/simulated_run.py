@@ -1,0 +1,259 @@
+"""One training step or one sampling step of a model on the simulated device (simulated.py), through
+the code a real run uses, and the bytes it keeps on the GPU.
+
+Training goes through the trainer's own `train_step` (the LoRA mode's zero_grad / backward / clip /
+optimizer step, bf16 autocast, the flow-matching loss) with the memory engine applied by
+`apply_memory`; sampling through the sampler's `denoise` under `forward_only`. The model is built
+on the meta device by the caller (with its LoRA, which peft can add there), given fake parameters
+here, and never holds a byte of data.
+
+Computed numbers a step reads back (`float(loss)`) come out as 0: nothing is computed, so a branch
+on such a value would always take the same side. Neither the engine nor the step branches on one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..models.flux import PromptEmbeds
+from ..models.spec import ModelSpec
+from .plan import Plan
+from .simulated import HOST, DeviceMemoryTracker, enable, simulation
+
+
+@dataclass
+class SimulatedStep:
+    """Bytes on the simulated GPU: the peak of each step (the last one is the steady state, with
+    optimizer states created), what stays between steps, and the engine's step report."""
+
+    peaks: list[int]
+    resident: int                      # live at the end of the last step
+    after_setup: int                   # live once the engine placed the model (weights, slots)
+    report: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    host_peak: int = 0                 # fake host-RAM bytes created under the tracker (not process RSS)
+
+    @property
+    def peak(self) -> int:
+        return self.peaks[-1]
+
+
+class _ReadsAsZero(DeviceMemoryTracker):
+    """The tracker, plus: reading a computed fake tensor's value (`.item()`, `float()`) gives 0.
+    Values the fake mode knows (tensors made from Python data, such as the optimizer's step
+    count) read as themselves."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
+            return 0.0 if args[0].is_floating_point() else 0
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def fake_parameters(model: nn.Module, device: torch.device | str = HOST) -> nn.Module:
+    """Replace every parameter and buffer of a meta-built `model` by a fake tensor of the same shape
+    and dtype on `device` (host RAM), keeping requires_grad and shared tensors shared. Call inside
+    the FakeTensorMode the step runs in."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in memo:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+        return memo[id(t)]
+
+    for m in model.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                m._parameters[k] = fake(p, True)
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = fake(b, False)
+    return model
+
+
+def _host_batch(model: nn.Module, bucket: tuple[int, int], batch_size: int, text_length: int, dtype: torch.dtype):
+    """A cached batch as the trainer's data loader yields it: latents and prompt embeddings in host RAM."""
+    cfg = model.config
+    h, w = bucket[0] // 8, bucket[1] // 8
+    embeds = PromptEmbeds(t5=torch.empty(batch_size, text_length, cfg.joint_attention_dim, dtype=dtype),
+                          pooled=torch.empty(batch_size, cfg.pooled_projection_dim, dtype=dtype))
+    return SimpleNamespace(latents=torch.empty(batch_size, cfg.in_channels // 4, h, w, dtype=dtype), embeds=embeds,
+                           bucket=bucket)
+
+
+def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket: tuple[int, int], *,
+                      text_length: int | None = None, steps: int = 2) -> SimulatedStep:
+    """`steps` LoRA training steps of `model` (meta-built, adapters added, base frozen) under `plan`
+    on the simulated GPU, as the trainer runs them for `cfg` (a RunConfig: [train] optimizer,
+    clipping, mixed precision, timestep sampling; [data] batch size and text length)."""
+    from ..train.modes import make_mode
+    from ..train.optim import build_scheduler
+    from ..train.trainer import train_step
+    from .engine import apply_memory
+
+    device = enable()
+    text_length = text_length or cfg.data.max_text_length
+    dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point())
+    tracker = _ReadsAsZero()
+    t0 = time.perf_counter()
+    peaks: list[int] = []
+    with simulation(tracker):
+        fake_parameters(model)
+        handle = apply_memory(model, spec, plan, device, host_device=HOST)
+        after_setup = tracker.live.get(str(device), 0)
+        mode = make_mode(cfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = mode.build_optimizer(params)
+        batch = _host_batch(model, bucket, cfg.data.batch_size, text_length, dtype)
+        t = SimpleNamespace(transformer=model, params=params, optimizer=optimizer,
+                            scheduler=build_scheduler(optimizer, cfg.train), batches=iter(lambda: batch, None),
+                            generator=torch.Generator().manual_seed(0), device=device, dtype=dtype, mode=mode,
+                            last_bucket=None, memory=handle)
+        report = {}
+        for _ in range(steps):
+            tracker.reset_peak()
+            train_step(t, cfg)
+            peaks.append(tracker.peak.get(str(device), 0))
+            report = handle.step_report()
+        resident = tracker.live.get(str(device), 0)
+        host_peak = tracker.peak.get(HOST, 0)
+        handle.release()
+    return SimulatedStep(peaks, resident, after_setup, report, time.perf_counter() - t0, host_peak)
+
+
+def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple[int, int], *,
+                      text_length: int = 512, steps: int = 2, guidance: float = 3.5) -> SimulatedStep:
+    """`steps` denoising steps of one image of `size` (height, width) under `plan`, through the
+    sampler's own `denoise` with the engine in forward-only mode, as `leantune sample` runs it."""
+    from ..infer.sampler import denoise
+    from ..infer.schedule import FlowSchedule
+    from .engine import apply_memory
+
+    device = enable()
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    tracker = _ReadsAsZero()
+    t0 = time.perf_counter()
+    peaks: list[int] = []
+    with simulation(tracker), torch.no_grad():
+        fake_parameters(model)
+        model.eval().requires_grad_(False)
+        handle = apply_memory(model, spec, plan, device, host_device=HOST)
+        handle.forward_only(True)
+        after_setup = tracker.live.get(str(device), 0)
+        cfg = model.config
+        embeds = PromptEmbeds(t5=torch.empty(1, text_length, cfg.joint_attention_dim, dtype=dtype),
+                              pooled=torch.empty(1, cfg.pooled_projection_dim, dtype=dtype))
+        schedule = FlowSchedule.for_variant("dev" if getattr(cfg, "guidance_embeds", False) else "schnell")
+        report = {}
+        for _ in range(steps):
+            tracker.reset_peak()
+            denoise(model, [embeds], [0], width=size[1], height=size[0], steps=1, guidance=guidance,
+                    schedule=schedule, device=device, dtype=dtype)
+            peaks.append(tracker.peak.get(str(device), 0))
+            report = handle.step_report()
+        resident = tracker.live.get(str(device), 0)
+        host_peak = tracker.peak.get(HOST, 0)
+        handle.release()
+    return SimulatedStep(peaks, resident, after_setup, report, time.perf_counter() - t0, host_peak)
+
+
+# -- planned cases: the planner's plan for a budget, simulated, next to its prediction -------------------
+
+GiB = 2**30
+CASE_RAM_BUDGET = 64 * GiB     # host RAM the cases plan for: a typical GPU machine, not this one
+
+
+def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None = None) -> nn.Module:
+    """Flux.1-dev's architecture on meta (bf16), optionally with fewer blocks of full width."""
+    from diffusers import FluxTransformer2DModel
+
+    from ..models.component_files import packaged_config
+    from ..planner.meta import meta_from_config
+
+    conf = dict(packaged_config("flux1_dev"))
+    if num_layers is not None:
+        conf["num_layers"] = num_layers
+    if num_single_layers is not None:
+        conf["num_single_layers"] = num_single_layers
+    return meta_from_config(FluxTransformer2DModel, conf)
+
+
+def training_config(size: int, budget: int, rank: int = 16):
+    """The RunConfig of a LoRA run at one square resolution with a VRAM budget (defaults otherwise:
+    attention+MLP targets, AdamW, batch 1, 512 text tokens, bf16 autocast)."""
+    from ..config import validate
+
+    return validate({"model": {"path": "unused"}, "data": {"datasets": [{"path": "unused"}], "resolutions": [size]},
+                     "lora": {"rank": rank}, "memory": {"vram_budget": f"{budget}B", "ram_budget": f"{CASE_RAM_BUDGET}B"}})
+
+
+def planned_case(what: str, size: int, budget: int, blocks: tuple[int, int] | None = None,
+                 plan: Plan | None = None) -> dict:
+    """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
+    and run on the simulated device: a LoRA training step ("train") or a sampling step ("sample")
+    at size x size pixels, on Flux.1-dev (or `blocks` = (double, single) blocks of full width).
+
+    Returns the plan, the planner's predicted peak with its workspace term and the budget's margin
+    apart, the simulated peak, and their ratio (prediction without workspace / simulation). Call
+    with the simulated device enabled before any backward (see simulated.enable).
+    """
+    from ..models.flux import FLUX_SPEC
+    from ..planner.corrections import Calibration
+    from ..planner.from_config import workload_from_config
+    from ..planner.machine import assumed_machine
+    from ..planner.search import Planner
+    from ..planner.workload import Budget, InfeasibleBudget, Workload
+    from ..train.modes import make_mode
+
+    enable()
+    model = meta_flux_dev(*(blocks or (None, None)))
+    machine = assumed_machine(vram_total=budget)
+    if what == "train":
+        cfg = training_config(size, budget)
+        make_mode(cfg).prepare(model, FLUX_SPEC)
+        workload = workload_from_config(cfg, model)
+    elif what == "sample":
+        model.eval().requires_grad_(False)
+        workload = Workload(mode="inference", batch_size=1, buckets=((size, size),), text_length=512,
+                            autocast=False, dtype=torch.bfloat16)
+    else:
+        raise ValueError(f"unknown case {what!r}: 'train' or 'sample'")
+    budget_obj = Budget(vram=budget, ram=CASE_RAM_BUDGET)
+    planner = Planner(FLUX_SPEC, model, workload, machine, Calibration())
+    out = {"what": what, "size": size, "budget": budget, "blocks": blocks, "margin": budget_obj.margin_bytes}
+    try:
+        chosen = plan or planner.plan(budget_obj)
+    except InfeasibleBudget as e:
+        return {**out, "infeasible": str(e), "needed": e.needed_vram}
+    est = planner.estimate(chosen)
+    if what == "train":
+        sim = simulate_training(model, FLUX_SPEC, cfg, chosen, (size, size))
+    else:
+        sim = simulate_sampling(model, FLUX_SPEC, chosen, (size, size))
+    workspace = est.vram["workspace"]
+    return {**out, "plan": chosen.describe(), "fp8": chosen.fp8, "checkpointing": chosen.checkpointing,
+            "streamed": len(chosen.streamed_blocks), "stream_non_blocks": chosen.stream_non_blocks,
+            "ring": chosen.ring_slots, "predicted": est.peak_vram, "workspace": workspace,
+            "breakdown": dict(est.vram), "simulated": sim.peak, "simulated_steps": sim.peaks,
+            "after_setup": sim.after_setup, "ratio": (est.peak_vram - workspace) / sim.peak,
+            "seconds": sim.seconds, "report": sim.report}
+
+
+def _run_cases(cases: list[dict]) -> list[dict]:
+    enable()
+    return [planned_case(**c) for c in cases]
+
+
+def run_in_fresh_process(cases: list[dict]) -> list[dict]:
+    """`planned_case(**c)` for each case, in a new Python process: autograd must not have run a
+    backward before the simulated device is set up (simulated.enable), which a test runner or an
+    application may already have done."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_run_cases, (cases,))
