@@ -1,4 +1,5 @@
-"""The memory engine on fake tensors: the seams that let its real code run on a simulated device.
+"""The memory engine on the simulated GPU (leantune/memory/simulated.py): the seams that let its
+real code run on fake tensors, the byte tracker, and full-width Flux steps against the planner.
 
 Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and devices but no data, and every fake
 storage reports data_ptr() 0. The engine must tell its ring slots apart by storage identity, and
@@ -7,10 +8,12 @@ checkpoint offload must treat the host as a device of its own.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_memory_helpers import lora_flux, lora_params, make_batch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from leantune.memory import simulated
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, predict
@@ -66,3 +69,118 @@ def test_offloaded_inputs_go_to_the_host_device_and_come_back():
         rep = handle.step_report()
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in lora_params(model).values())
     assert rep["offload_tensors"] > 0 and rep["offload_bytes_h2d"] == rep["offload_bytes_d2h"]
+
+
+# -- the simulated device ----------------------------------------------------------------------------
+
+def test_tracker_counts_new_storages_not_views():
+    """Live bytes follow storages: a view or an in-place result adds nothing, a dead storage is
+    subtracted, the peak stays until reset."""
+    tracker = simulated.DeviceMemoryTracker()
+    with FakeTensorMode(), tracker:
+        x = torch.empty(1000, dtype=torch.float32)
+        v = x[10:20].view(2, 5)
+        x.add_(1)
+        assert tracker.live["cpu"] == 4000
+        y = x * 2                                      # a new storage
+        assert tracker.live["cpu"] == 8000
+        del x, v, y
+        assert tracker.live["cpu"] == 0 and tracker.peak["cpu"] == 8000
+        tracker.reset_peak()
+        assert tracker.peak["cpu"] == 0
+
+
+def test_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    monkeypatch.setenv("LEANTUNE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(simulated.SimulatedDeviceUnavailable, match="no-such-compiler-here.*not on PATH"):
+        simulated.build_library()
+
+
+def _library_or_skip():
+    try:
+        return simulated.build_library()
+    except simulated.SimulatedDeviceUnavailable as e:
+        pytest.skip(f"simulated device unavailable: {e}")
+
+
+def test_library_is_built_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("LEANTUNE_CACHE_DIR", str(tmp_path))
+    first = _library_or_skip()
+    stamp = first.stat().st_mtime_ns
+    assert simulated.build_library() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]      # no temporary left behind
+
+
+# Full width (3072, 24 heads, T5 4096) with one double and one single block: every tensor of a
+# full-size block, in seconds. Run in a fresh process (see simulated.enable).
+BLOCKS = (1, 1)
+DOUBLE, SINGLE = "transformer_blocks.0", "single_transformer_blocks.0"
+GiB = 2**30
+CASES = {
+    "resident": dict(what="train", size=512, plan=Plan(checkpointing="none")),
+    "streamed_checkpointed": dict(what="train", size=512,
+                                  plan=Plan(streamed_blocks=(DOUBLE, SINGLE), checkpointing="blocks", ring_slots=2)),
+    "streamed_offloaded": dict(what="train", size=512,
+                               plan=Plan(streamed_blocks=(DOUBLE, SINGLE), checkpointing="offload", ring_slots=2)),
+    "fp8_checkpointed": dict(what="train", size=512, plan=Plan(streamed_blocks=(SINGLE,), fp8=True,
+                                                                checkpointing="blocks", ring_slots=2)),
+    "planned_1.75GiB": dict(what="train", size=512, budget=int(1.75 * GiB)),
+    "sample_fp8_streamed": dict(what="sample", size=1024, plan=Plan(streamed_blocks=(DOUBLE, SINGLE), fp8=True,
+                                                                    ring_slots=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def simulated_cases():
+    _library_or_skip()
+    from leantune.memory.simulated_run import run_in_fresh_process
+
+    names = list(CASES)
+    cases = [{"budget": 8 * GiB, **CASES[n], "blocks": BLOCKS} for n in names]
+    return dict(zip(names, run_in_fresh_process(cases), strict=True))
+
+
+def _static(r: dict) -> int:
+    b = r["breakdown"]
+    return b["weights resident"] + b["stream slots"] + b["adapters"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resident", "streamed_checkpointed", "streamed_offloaded", "sample_fp8_streamed"])
+def test_engine_places_what_the_planner_counts(simulated_cases, name):
+    """After apply_memory, the simulated GPU holds exactly the resident weights, the ring slots and
+    the adapters the planner prices; the step's peak is within 3% of the planner's prediction
+    (without its workspace term, which the simulation cannot see)."""
+    r = simulated_cases[name]
+    assert r["after_setup"] == _static(r)
+    assert 0.97 <= r["ratio"] <= 1.03, r
+
+
+@pytest.mark.slow
+def test_streaming_and_checkpointing_lower_the_simulated_peak(simulated_cases):
+    resident, ckpt = simulated_cases["resident"], simulated_cases["streamed_checkpointed"]
+    assert ckpt["breakdown"]["weights resident"] < resident["breakdown"]["weights resident"]
+    slots = ckpt["breakdown"]["stream slots"]
+    assert slots > 0 and ckpt["report"]["slots"] == 2
+    # both units fit the ring: after the first step nothing moves
+    assert ckpt["report"]["copies"] == 0
+    assert ckpt["simulated"] - ckpt["after_setup"] < resident["simulated"] - resident["after_setup"]
+
+
+@pytest.mark.slow
+def test_planned_budget_holds_on_the_simulated_device(simulated_cases):
+    r = simulated_cases["planned_1.75GiB"]
+    assert "infeasible" not in r, r
+    assert r["simulated"] + r["workspace"] <= r["budget"] - r["margin"]
+    assert 0.90 <= r["ratio"] <= 1.10, r
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="under bf16 autocast the fp8 Linear dequantizes its weight to the fp32 "
+                   "input dtype and autocast casts it again (issue 8, fp8 item 4); the planner's probe prices "
+                   "a bf16 temporary, so the simulated peak is ~13% above the prediction")
+def test_fp8_training_step_matches_the_prediction(simulated_cases):
+    r = simulated_cases["fp8_checkpointed"]
+    assert r["after_setup"] == _static(r)
+    assert 0.97 <= r["ratio"] <= 1.03, r

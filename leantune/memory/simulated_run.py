@@ -28,8 +28,8 @@ from .simulated import HOST, DeviceMemoryTracker, enable, simulation
 
 @dataclass
 class SimulatedStep:
-    """Bytes on the simulated GPU: the peak of each step (the last one is the steady state, with
-    optimizer states created), what stays between steps, and the engine's step report."""
+    """Bytes on the simulated GPU: the peak of each step (the last one is the steady state), what
+    stays between steps, and the engine's step report."""
 
     peaks: list[int]
     resident: int                      # live at the end of the last step
@@ -87,10 +87,15 @@ def _host_batch(model: nn.Module, bucket: tuple[int, int], batch_size: int, text
 
 
 def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket: tuple[int, int], *,
-                      text_length: int | None = None, steps: int = 2) -> SimulatedStep:
+                      text_length: int | None = None, steps: int = 1) -> SimulatedStep:
     """`steps` LoRA training steps of `model` (meta-built, adapters added, base frozen) under `plan`
     on the simulated GPU, as the trainer runs them for `cfg` (a RunConfig: [train] optimizer,
-    clipping, mixed precision, timestep sampling; [data] batch size and text length)."""
+    clipping, mixed precision, timestep sampling; [data] batch size and text length).
+
+    The optimizer's states exist before the first measured step (one optimizer step on zero
+    gradients creates them, as a real first step would), so every measured step is a steady-state
+    step: a second model step would measure the same peak, at twice the cost.
+    """
     from ..train.modes import make_mode
     from ..train.optim import build_scheduler
     from ..train.trainer import train_step
@@ -109,6 +114,7 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
         mode = make_mode(cfg)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = mode.build_optimizer(params)
+        _create_optimizer_states(optimizer, params)
         batch = _host_batch(model, bucket, cfg.data.batch_size, text_length, dtype)
         t = SimpleNamespace(transformer=model, params=params, optimizer=optimizer,
                             scheduler=build_scheduler(optimizer, cfg.train), batches=iter(lambda: batch, None),
@@ -126,8 +132,15 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
     return SimulatedStep(peaks, resident, after_setup, report, time.perf_counter() - t0, host_peak)
 
 
+def _create_optimizer_states(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple[int, int], *,
-                      text_length: int = 512, steps: int = 2, guidance: float = 3.5) -> SimulatedStep:
+                      text_length: int = 512, steps: int = 1, guidance: float = 3.5) -> SimulatedStep:
     """`steps` denoising steps of one image of `size` (height, width) under `plan`, through the
     sampler's own `denoise` with the engine in forward-only mode, as `leantune sample` runs it."""
     from ..infer.sampler import denoise
@@ -254,6 +267,8 @@ def run_in_fresh_process(cases: list[dict]) -> list[dict]:
     backward before the simulated device is set up (simulated.enable), which a test runner or an
     application may already have done."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run_cases, (cases,))
+    # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_cases, cases).result()
