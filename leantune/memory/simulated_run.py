@@ -98,7 +98,7 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
     """
     from ..train.modes import make_mode
     from ..train.optim import build_scheduler
-    from ..train.trainer import train_step
+    from ..train.trainer import Trainee, train_step
     from .engine import apply_memory
 
     device = enable()
@@ -116,10 +116,10 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
         optimizer = mode.build_optimizer(params)
         _create_optimizer_states(optimizer, params)
         batch = _host_batch(model, bucket, cfg.data.batch_size, text_length, dtype)
-        t = SimpleNamespace(transformer=model, params=params, optimizer=optimizer,
-                            scheduler=build_scheduler(optimizer, cfg.train), batches=iter(lambda: batch, None),
-                            generator=torch.Generator().manual_seed(0), device=device, dtype=dtype, mode=mode,
-                            last_bucket=None, memory=handle)
+        t = Trainee(transformer=model, params=params, optimizer=optimizer,
+                    scheduler=build_scheduler(optimizer, cfg.train), data=None, batches=iter(lambda: batch, None),
+                    generator=torch.Generator().manual_seed(0), device=device, dtype=dtype, memory=handle,
+                    plan=plan, mode=mode)
         report = {}
         for _ in range(steps):
             tracker.reset_peak()
