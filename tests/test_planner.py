@@ -43,6 +43,12 @@ def tiny_lora_model(dtype=torch.float32, rank=4, double=2, single=2, **lora):
     return model
 
 
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):
+    """Measurements and calibrations go to the test's folder, never to the user's cache."""
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "leantune-cache"))
+
+
 @pytest.fixture
 def one_thread():
     """Real CPU steps run single-threaded: tiny ops gain nothing from threads, and on a busy shared
@@ -469,6 +475,66 @@ def test_oom_guard_replans_tighter_and_redoes_the_same_step(one_thread):
         OomGuard(planner, budget, first, apply_plan).run(broken)
 
 
+def _tight_tiny_planner():
+    """A tiny model with no fixed workspace or margin, so that its plans differ by their activations."""
+    workload = Workload(rank=4, buckets=((128, 128),), text_length=8, dtype=torch.float32, autocast=False)
+    planner = Planner(FLUX_SPEC, tiny_lora_model(), workload, replace(assumed_machine(), workspace=0))
+    return planner, Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
+
+
+def test_a_plan_that_runs_out_of_memory_while_being_applied_is_replanned_tighter():
+    """Applying the tighter plan after an OOM can itself run out of memory (weights moving onto the
+    device): that is caught by the same guard, which re-plans tighter again instead of failing."""
+    planner, budget = _tight_tiny_planner()
+    first = planner.plan(budget)
+    applied, attempts = [], []
+
+    def apply_plan(plan):
+        applied.append(plan)
+        if len(applied) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory while applying (simulated)")
+
+    def step():
+        attempts.append(len(applied))
+        if not applied:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return "done"
+
+    guard = OomGuard(planner, budget, first, apply_plan)
+    assert guard.run(step, step=3) == "done"
+    assert attempts == [0, 2]                       # redone once, after the second plan went in
+    peaks = [p.notes["predicted_peak_vram"] for p in (first, *applied)]
+    assert peaks[0] > peaks[1] > peaks[2] and guard.plan == applied[-1] and guard.replans == 2
+
+
+def test_calibration_after_an_oom_works_from_the_plan_and_budget_in_use():
+    """After an OOM re-plan the calibrator compares the plan that now runs, re-plans within the
+    tightened budget, and a peak below the prediction does not plan back towards the plan that failed."""
+    planner, budget = _tight_tiny_planner()
+    first = planner.plan(budget)
+    applied = []
+    guard = OomGuard(planner, budget, first, applied.append)
+    failed = {"n": 0}
+
+    def step():
+        if not failed["n"]:
+            failed["n"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    guard.run(step, step=1)
+    after_oom, tight = guard.plan, guard.budget
+    assert after_oom != first and tight.vram < budget.vram
+    calibrator = PlanCalibrator(guard)
+    bucket = (128, 128)
+    predicted = planner.memory(after_oom)[2]["128x128"]["peak_vram"]
+    assert calibrator.observe(bucket, predicted // 4) is None        # lower than predicted: not trusted now
+    assert guard.plan == after_oom and planner.calibration.activation_scale == {}
+    higher = PlanCalibrator(guard)
+    new = higher.observe(bucket, tight.usable_vram + 2 * tight.margin_bytes)
+    assert new is not None and guard.plan == new == applied[-1]
+    assert new.notes["predicted_peak_vram"] <= tight.usable_vram and guard.budget == tight
+
+
 def test_out_of_memory_errors_are_recognised():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
@@ -489,12 +555,15 @@ def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
     budget = Budget(vram=int(1.6 * roomy.notes["predicted_peak_vram"]), ram=UNLIMITED, min_margin=0)
     plan = planner.plan(budget)
     predicted = plan.notes["per_bucket"][key_bucket]["peak_vram"]
-    calibrator = PlanCalibrator(planner, budget, plan, store)
+    applied = []
+    guard = OomGuard(planner, budget, plan, applied.append)
+    calibrator = PlanCalibrator(guard, store)
     assert calibrator.observe((res, res), predicted + budget.margin_bytes // 2) is None     # within the margin
-    assert calibrator.changes == []
+    assert calibrator.changes == [] and applied == []
     measured = budget.usable_vram + budget.margin_bytes          # the plan really does not fit
     new = calibrator.observe((res, 2 * res), measured)          # an aspect bucket maps to its nearest
     assert new is not None and new != plan and "re-planned" in calibrator.changes[0]
+    assert applied == [new] and guard.plan == new                # applied once, through the plan's owner
     assert calibrator.observe((res, res), measured * 2) is None                                 # only once
     saved = json.loads((tmp_path / "calibration.json").read_text())
     key = architecture_key(model, workload)
@@ -504,7 +573,7 @@ def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
     assert sum(again.plan(budget).notes["vram_breakdown"].values()) <= budget.usable_vram   # starts right
 
     roomy_budget = Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
-    fits = PlanCalibrator(Planner(FLUX_SPEC, model, workload), roomy_budget, roomy, None)
+    fits = PlanCalibrator(OomGuard(Planner(FLUX_SPEC, model, workload), roomy_budget, roomy, applied.append))
     off = roomy.notes["predicted_peak_vram"] + 2 * roomy_budget.margin_bytes
     assert fits.observe((res, res), off) is None and "still fits" in fits.changes[0]
 
@@ -664,6 +733,45 @@ def test_a_config_is_planned_from_the_dtypes_its_file_stores(capsys, tmp_path, f
     assert notes["host_breakdown"]["transformer while converting to fp8"] == 0
     bf16 = 2 * sum(p.numel() for p in source.parameters())
     assert (held < 0.8 * bf16) if fp8 else (held == bf16)
+
+    # The measurement is kept for the next plan, keyed by the file: replacing the file measures again.
+    save_bfl_transformer(source, file, dtype=torch.bfloat16, fp8=None if fp8 else "e4m3")
+    rc, out, _ = _run_plan(capsys, str(toml), "--json")
+    assert rc == 0 and json.loads(out)["plans"][0]["plan"]["notes"]["stored_fp8"] == (fp8 is None)
+
+
+_PLAN_TWICE = """
+import json, sys
+from leantune.cli import main
+rc = main(["plan", "--model", "flux-schnell", "--resolution", "256", "--vram", "6GiB", "--vram", "12", "--json"])
+print(json.dumps({"heavy": sorted(m for m in ("diffusers", "peft", "transformers") if m in sys.modules)}))
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_plan_of_the_same_model_and_workload_comes_from_the_cache(tmp_path):
+    """`leantune plan` keeps what it measured: planning the same architecture and workload again
+    builds no model and traces nothing (diffusers and peft are not even imported), with the same plans."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LEANTUNE_CACHE": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _PLAN_TWICE], capture_output=True, text=True, env=env, check=True)
+        *plans, heavy = run.stdout.strip().splitlines()
+        runs.append((json.loads("\n".join(plans)), json.loads(heavy)["heavy"]))
+    (first, first_heavy), (second, second_heavy) = runs
+    assert "diffusers" in first_heavy and second_heavy == []
+
+    def predicted(entry):      # the plan and its predictions, not the machine's free RAM of the moment
+        plan = dict(entry["plan"])
+        plan["notes"] = {k: v for k, v in plan["notes"].items() if k not in ("machine", "budget_ram")}
+        return plan
+
+    assert [predicted(p) for p in second["plans"]] == [predicted(p) for p in first["plans"]]
 
 
 _MEASURE_LOAD = """

@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give either a config file or --model flux-dev|flux-schnell")
     machine = probe_machine()
     if args.config:
-        model, workload, vram_values, ram_value = _from_config(args)
+        source, build, workload, vram_values, ram_value = _from_config(args)
     else:
-        model, workload = _from_flags(args)
+        source, build, workload = _from_flags(args)
         vram_values, ram_value = args.vram, args.ram
     if not vram_values:
         raise ConfigError("no VRAM budget: give --vram SIZE (or set [memory] vram_budget in the config)")
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         ram = UNLIMITED_RAM
     _check_ranks(args, workload)
     budgets = [Budget(vram=_vram_bytes(v, machine), ram=ram) for v in vram_values]
-    planner = Planner(FLUX_SPEC, model, workload, machine)
+    planner = Planner(FLUX_SPEC, _measured(source, build, workload), workload, machine)
     results, failed = [], 0
     for value, budget in zip(vram_values, budgets):
         try:
@@ -125,6 +125,19 @@ def _ranks(args, planner, results) -> list:
             for _, _, plan, _ in results]
 
 
+def _measured(source: str, build, workload):
+    """The model as the planner measures it: from the cache when this source and workload shape
+    were planned before (no model built, nothing traced), else measured from `build()` and kept."""
+    from ..models.flux import FLUX_SPEC
+    from ..planner.spec_cache import load_measured, measure_model, save_measured
+
+    measured = load_measured(source, workload)
+    if measured is None:
+        measured = measure_model(FLUX_SPEC, build(), workload)
+        save_measured(source, workload, measured)
+    return measured
+
+
 def _vram_bytes(value: str, machine) -> int:
     from ..planner.from_config import parse_vram
 
@@ -132,7 +145,9 @@ def _vram_bytes(value: str, machine) -> int:
 
 
 def _from_flags(args):
+    """(model source, how to build it, workload) of the --model form."""
     from ..planner.meta import TEXT_LENGTH, build_meta_flux
+    from ..planner.spec_cache import source_key
     from ..planner.workload import Workload
 
     variant = MODELS[args.model]
@@ -143,19 +158,20 @@ def _from_flags(args):
         text_length=args.text_length or TEXT_LENGTH[variant], autocast=not args.no_autocast,
         allow_fp8=not args.no_fp8)
     _check_workload(workload)
-    return build_meta_flux(variant), workload
+    return source_key(f"packaged:flux1_{variant}", "bf16"), lambda: build_meta_flux(variant), workload
 
 
 def _from_config(args):
+    """(model source, how to build it, workload, VRAM budgets, RAM budget) of the config form."""
     from dataclasses import replace
 
     from ..config import load_config
     from ..planner.from_config import workload_from_config
+    from ..planner.spec_cache import source_key
     from ..planner.workload import Workload
 
     cfg = load_config(args.config, args.overrides)
-    model = meta_model_for_config(cfg)
-    workload = workload_from_config(cfg, model)
+    workload = workload_from_config(cfg)
     mode = args.mode or ("full" if cfg.train.mode == "full" else None)
     asked = {"mode": mode, "rank": args.rank, "targets": args.targets, "optimizer": args.optimizer,
              "batch_size": args.batch_size, "gradient_accumulation": args.accumulation,
@@ -168,7 +184,8 @@ def _from_config(args):
     workload = replace(workload, **changes)
     _check_workload(workload)
     vram = args.vram or ([cfg.memory.vram_budget] if cfg.memory.vram_budget else None)
-    return model, workload, vram, args.ram if args.ram is not None else cfg.memory.ram_budget
+    source = source_key(_transformer_source(cfg), cfg.model.dtype)
+    return source, lambda: meta_model_for_config(cfg), workload, vram, args.ram if args.ram is not None else cfg.memory.ram_budget
 
 
 def _check_workload(w) -> None:
@@ -185,6 +202,20 @@ def _check_workload(w) -> None:
             raise ConfigError(f"--{name.replace(' ', '-')} must be >= 1, got {value}")
 
 
+def _transformer_source(cfg) -> Path:
+    """The transformer file or folder of a config, with a config error naming [model] if there is none."""
+    from ..config import ConfigError
+    from ..models.flux_loading import resolve_sources
+
+    try:
+        sources = resolve_sources(cfg.model, Path(cfg.base_dir))
+    except (OSError, ValueError) as e:     # the message already names [model] and the path
+        raise ConfigError(f"{e}; to plan without the weights, use --model flux-dev or flux-schnell") from None
+    if sources.transformer is None:
+        raise ConfigError(f"[model] path = {cfg.model.path!r}: no transformer found to read the architecture from")
+    return Path(sources.transformer)
+
+
 def meta_model_for_config(cfg):
     """The config's transformer on the meta device exactly as the loader would hold it: the
     architecture from config.json or a single file's header, every tensor in the dtype loading gives
@@ -193,12 +224,8 @@ def meta_model_for_config(cfg):
     from ..models.flux_loading import dtype_from_name, load_transformer, resolve_sources
     from ..models.weights import LoadError
 
-    try:
-        sources = resolve_sources(cfg.model, Path(cfg.base_dir))
-    except (OSError, ValueError) as e:     # the message already names [model] and the path
-        raise ConfigError(f"{e}; to plan without the weights, use --model flux-dev or flux-schnell") from None
-    if sources.transformer is None:
-        raise ConfigError(f"[model] path = {cfg.model.path!r}: no transformer found to read the architecture from")
+    _transformer_source(cfg)
+    sources = resolve_sources(cfg.model, Path(cfg.base_dir))
     try:
         return load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta")
     except (OSError, LoadError) as e:

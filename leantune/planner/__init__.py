@@ -15,7 +15,10 @@ Prediction (nothing here knows about a running trainer):
   machine.py           the GPU's and the host's rates and sizes (measured, or assumed without a GPU)
   meta.py              full-size architectures on the meta device (build_meta_flux)
   weight_bytes.py      exact weight, fp8 and packed-unit bytes per block; adapter shapes
-  activation_probe.py  activations and FLOPs traced on a meta copy; composition over the stack
+  activation_probe.py  activations and FLOPs traced on a meta copy (imports peft and the engine)
+  activations.py       ActivationProfile and its composition over the whole stack (light)
+  spec_cache.py        MeasuredModel: what the planner measures of a model, kept on disk per source
+                       and workload shape, so the next plan builds nothing and traces nothing
   host_model.py        host RAM while loading, while memory is applied, and during the steps
   timing.py            step time: compute plus the copies the ring cannot hide
   corrections.py       Calibration (measured corrections the model applies) and its CalibrationStore
@@ -26,6 +29,8 @@ Prediction (nothing here knows about a running trainer):
                        planner_for_config, choose_plan, plan_for_config, plan_memory, parse_vram
 
 Runtime feedback (feedback/; depends on the prediction, never the other way round):
-  feedback/calibrate.py  PlanCalibrator: the first steps' measured peaks correct the model, re-plan once
-  feedback/oom.py        OomGuard, NoPlanFits: re-plan tighter and redo a step after a CUDA out-of-memory
+  feedback/oom.py        OomGuard, NoPlanFits: the one owner of the run's plan and budget; re-plans
+                         tighter and redoes a step after a CUDA out-of-memory (applying included)
+  feedback/calibrate.py  PlanCalibrator: the first steps' measured peaks correct the model and
+                         re-plan once, through the guard, within the budget in use
 """

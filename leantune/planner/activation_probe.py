@@ -12,22 +12,12 @@ Two things are emulated because they depend on the GPU: bf16 autocast (CUDA's op
 bf16, norms/pow/softmax in fp32; autocast itself ignores meta tensors) and attention (flash/efficient
 kernels keep q, k, v, out and a (B, heads, L) fp32 logsumexp, never the L x L matrix).
 
-`compose_activations` turns the per-kind values into the peak of a whole step over the n blocks
-in execution order, with N_pre the embedder outputs:
-    none:    peak = N_pre + sum_{j<=i} S_j + O_i + Tb_i                 (max over i; i = last usually)
-    blocks:  peak = N_pre + sum_{j<=i} O_j + O_i + S_i + max(Tf_i, Tb_i) (only block inputs are kept)
-    offload: as blocks, with sum_{j<=i} O_j replaced by 2 * O_i (inputs wait in pinned host memory)
-For Flux (width D = 3072, bf16 autocast, LoRA r16) the probe finds S_double ~ 25 and S_single ~ 23
-times B*L*D*2 bytes (~31 without autocast) and O = B*L*D*2, where L is the image tokens
-(height/16 * width/16) plus the text tokens; the probe, not this summary, is the source. fp8 plans
-are probed with the engine's own fp8 storage applied, so its dequantised temporaries are in the
-transients.
+The profiles and their composition over the whole stack are in activations.py.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import LoraConfig
-from ..train.lora import add_lora
 from ..memory.fp8 import apply_fp8_storage
+from ..train.lora import add_lora
+from .activations import ActivationProfile, KindProfile
 from .meta import short_copy
 from .workload import Workload
 
@@ -177,38 +168,6 @@ def _cast_all(tree, dtype, only_from=_CASTABLE):
     args, kwargs = tree
     return (tuple(_cast(a, dtype, only_from) for a in args),
             {k: _cast(v, dtype, only_from) for k, v in kwargs.items()})
-
-
-@dataclass(frozen=True)
-class KindProfile:
-    """Per-block activation bytes and FLOPs of one block kind at one bucket (batch included)."""
-
-    saved: int            # S: bytes one more block adds to the live set after its forward (output included)
-    out: int              # O: bytes of its output (the next block's input; what checkpointing keeps)
-    fwd_transient: int    # Tf: peak above the end state during its forward
-    bwd_transient: int    # Tb: peak above the start state during its backward
-    nograd_transient: int  # Tn: peak above the start during a no-grad forward (checkpointed/inference)
-    fwd_flops: float
-    bwd_flops: float
-    fwd_traffic: int = 0  # bytes moved by memory-bound ops (casts, fp8 dequantisation, norms)
-    bwd_traffic: int = 0
-
-
-@dataclass(frozen=True)
-class ActivationProfile:
-    """The probe's result for one bucket: per kind, plus the non-block parts."""
-
-    bucket: tuple[int, int]
-    tokens: int                              # image + text tokens per sample
-    kinds: dict[str, KindProfile]
-    pre: int                                 # embedder outputs, temb, rotary tables (live before block 0)
-    post: int                                # final norm/projection and loss tensors after the last block
-    post_bwd_transient: int
-    nb_fwd_flops: float                      # embedders (before the blocks)
-    nb_bwd_flops: float
-    nograd_pre: int
-    nograd_post_transient: int
-    nb_post_flops: float = 0.0               # final norm, projection and loss (after the blocks)
 
 
 def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bool, fp8: bool):
@@ -363,32 +322,3 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
         post_bwd_transient=max(0, post_bwd["peak"] - post_bwd["start"]),
         nb_fwd_flops=tr.windows["fwd:pre"]["flops"], nb_bwd_flops=post_bwd["flops"],
         nograd_pre=nograd_pre, nograd_post_transient=nograd_post, nb_post_flops=post_fwd["flops"])
-
-
-def compose_activations(prof: ActivationProfile, seq: list[KindProfile], checkpointing: str, mode: str) -> int:
-    """Peak activation bytes of a whole step from per-kind probe values (formulas in the module docstring)."""
-    if mode == "inference":
-        top = max(k.nograd_transient + k.out for k in seq)
-        return prof.nograd_pre + max(top, prof.nograd_post_transient + seq[-1].out)
-    pre = prof.pre
-    peak = pre
-    if checkpointing == "none":
-        live = pre
-        for k in seq:
-            live += k.saved
-            peak = max(peak, live + k.fwd_transient)
-        peak = max(peak, live + prof.post + prof.post_bwd_transient)
-        for k in reversed(seq):
-            peak = max(peak, live + k.out + k.bwd_transient)
-            live -= k.saved
-        return peak
-    kept = pre
-    for k in seq:                                    # no-grad forward, keeping each block's input
-        peak = max(peak, kept + k.nograd_transient)
-        kept = kept + k.out if checkpointing == "blocks" else pre + 2 * k.out
-    peak = max(peak, kept + prof.post + prof.post_bwd_transient)
-    for k in reversed(seq):                          # recompute, then backward, block by block
-        peak = max(peak, kept + k.out + k.saved + max(k.fwd_transient, k.bwd_transient))
-        if checkpointing == "blocks":
-            kept -= k.out
-    return peak

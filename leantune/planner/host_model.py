@@ -21,11 +21,10 @@ pageable memory, so a pageable plan only adds the staging pool and slower copies
 
 from __future__ import annotations
 
-from .activation_probe import ActivationProfile
+from .activations import ActivationProfile
 from .machine import GiB
 from ..memory.plan import Plan
 from ..memory.streaming import STAGING_CHUNK
-from .weight_bytes import ModelWeights, ModuleWeights
 from .workload import Workload
 
 HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, before any weight
@@ -66,23 +65,20 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
     return largest
 
 
-def host_breakdown(plan: Plan, units: list[ModuleWeights], weights: ModelWeights, dtype_bytes: int, offload: int,
-                   cache_bytes: int) -> dict[str, int]:
+def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,
+                   largest_conversion: int, offload: int, cache_bytes: int) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
-    `units` are the streamed units in the engine's packing order, `offload` the offloaded inputs'
-    pinned bytes. The phase totals (loading, converting, packing) and the steady components are
-    listed; "peak" is the baseline plus the largest phase.
+    `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
+    packing order; `loaded` the transformer as loaded, `stored` as the plan stores it (fp8 or not),
+    `largest_conversion` the largest weight fp8 storage converts (0 without fp8), `offload` the
+    offloaded inputs' pinned bytes. The phase totals (loading, converting, packing) and the steady
+    components are listed; "peak" is the baseline plus the largest phase.
     """
-    loaded = weights.total(dtype_bytes)
-    stored = weights.total(dtype_bytes, plan.fp8)
-    converting = 0
-    if plan.fp8:
-        converting = loaded + max([b.largest_conversion() for b in weights.blocks], default=0)
-    packed = [u.unit_bytes(dtype_bytes, plan.fp8) for u in units]
-    packing = stored + packing_extra([(p, u.bytes(dtype_bytes, plan.fp8)) for p, u in zip(packed, units)])
+    converting = loaded + largest_conversion if plan.fp8 else 0
+    packing = stored + packing_extra(list(zip(packed, unit_stored)))
     streamed = sum(packed)
-    staging = STAGING_BUFFERS * STAGING_CHUNK if units and not plan.pin_memory else 0
+    staging = STAGING_BUFFERS * STAGING_CHUNK if packed and not plan.pin_memory else 0
     steady = streamed + staging + offload + cache_bytes
     return {"process baseline": HOST_BASELINE, "transformer while loading": loaded,
             "transformer while converting to fp8": converting,

@@ -24,21 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .activation_probe import ActivationProfile, compose_activations, probe_activations
-from .corrections import Calibration, architecture_key, bucket_key
+from .activations import compose_activations
+from .corrections import Calibration, bucket_key
 from .host_model import host_breakdown, offloaded_inputs
 from .machine import Machine, assumed_machine
 from ..memory.plan import Plan
 from .timing import StepTime, simulate_step
-from .weight_bytes import ModuleWeights, align, measure_weights
+from .spec_cache import MeasuredModel, measure_model
+from .weight_bytes import ModuleWeights, align
 from .workload import Workload
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-
-# Probes by (architecture key, bucket, fp8): a re-plan, or a second planner for the same run
-# (trainer, then `leantune plan`), does not trace again.
-_PROBE_CACHE: dict = {}
-
 
 @dataclass(frozen=True)
 class Estimate:
@@ -57,10 +53,14 @@ class Estimate:
 
 
 class MemoryModel:
-    """Estimates of one (model, workload, machine): weights measured and activations probed once."""
+    """Estimates of one (model, workload, machine): weights measured and activations probed once.
 
-    def __init__(self, spec, model: torch.nn.Module, workload: Workload, machine: Machine | None = None,
-                 calibration: Calibration | None = None):
+    `model` is the model itself (real or meta weights) or its MeasuredModel (spec_cache.py: what a
+    previous plan measured of it), which costs nothing to price again.
+    """
+
+    def __init__(self, spec, model: torch.nn.Module | MeasuredModel, workload: Workload,
+                 machine: Machine | None = None, calibration: Calibration | None = None):
         if workload.mode == "lora" and workload.rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {workload.rank}")
         if not workload.buckets:
@@ -68,31 +68,41 @@ class MemoryModel:
         self.spec, self.workload = spec, workload
         self.machine = machine or assumed_machine()
         self.calibration = calibration or Calibration()
-        self.weights = measure_weights(spec, model, workload)
-        self.key = architecture_key(model, workload)
+        self.measured = model if isinstance(model, MeasuredModel) else measure_model(spec, model, workload)
+        self.weights, self.key = self.measured.weights, self.measured.key
         self.dtype_bytes = DTYPE_BYTES.get(workload.dtype, 2)
         self.fp8_options = [False] + ([True] if workload.allow_fp8 and workload.mode != "full" else [])
-        self.profiles = {fp8: {b: self._probe(model, b, fp8) for b in workload.buckets} for fp8 in self.fp8_options}
+        # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probed so.
+        self.profiles = {fp8: {b: self.measured.profile(b, fp8 or self.weights.prequantized) for b in workload.buckets}
+                         for fp8 in self.fp8_options}
         self.kinds = [b.kind for b in self.weights.blocks]
-
-    def _probe(self, model, bucket, fp8: bool) -> ActivationProfile:
-        # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probe them so.
-        fp8 = fp8 or self.weights.prequantized
-        key = (self.key, bucket, fp8)
-        if key not in _PROBE_CACHE:
-            _PROBE_CACHE[key] = probe_activations(self.spec, model, self.workload, bucket, fp8=fp8)
-        return _PROBE_CACHE[key]
+        # Per-block numbers every candidate plan sums: computed once, so a search prices ~1000 plans fast.
+        db, blocks, nb = self.dtype_bytes, self.weights.blocks, self.weights.non_blocks
+        self._index = {b.name: i for i, b in enumerate(blocks)}
+        self._bytes = {f: [b.bytes(db, f) for b in blocks] for f in (False, True)}
+        self._unit = {f: [b.unit_bytes(db, f) for b in blocks] for f in (False, True)}
+        self._nb_bytes, self._nb_unit = nb.bytes(db), nb.unit_bytes(db)
+        self._conversion = max([b.largest_conversion() for b in blocks], default=0)
+        self._composed: dict = {}      # (bucket, fp8, checkpointing) -> activations before calibration
 
     # -- parts ---------------------------------------------------------------------------------------
     def activation_peak(self, bucket, fp8: bool, checkpointing: str) -> int:
-        prof = self.profiles[fp8][bucket]
-        seq = [prof.kinds[k] for k in self.kinds]
+        key = (bucket, fp8, checkpointing)
+        if key not in self._composed:
+            prof = self.profiles[fp8][bucket]
+            seq = [prof.kinds[k] for k in self.kinds]
+            self._composed[key] = compose_activations(prof, seq, checkpointing, self.workload.mode)
         scales = self.calibration.activation_scale   # measured for this mode, else for another mode
         scale = scales.get(f"{bucket_key(bucket)}:{checkpointing}", scales.get(f"{bucket_key(bucket)}:*", 1.0))
-        return int(compose_activations(prof, seq, checkpointing, self.workload.mode) * scale)
+        return int(self._composed[key] * scale)
 
     def trainable_bytes(self) -> tuple[int, int, int]:
         """(parameter bytes, gradient bytes, optimizer-state bytes) of what trains."""
+        if not hasattr(self, "_trainable"):
+            self._trainable = self._trainable_bytes()
+        return self._trainable
+
+    def _trainable_bytes(self) -> tuple[int, int, int]:
         w = self.workload
         if w.mode == "inference":
             return 0, 0, 0
@@ -110,11 +120,10 @@ class MemoryModel:
 
     def indices(self, plan: Plan) -> set[int]:
         """Execution-order indices of the plan's streamed blocks."""
-        index = {b.name: i for i, b in enumerate(self.weights.blocks)}
-        unknown = [n for n in plan.streamed_blocks if n not in index]
+        unknown = [n for n in plan.streamed_blocks if n not in self._index]
         if unknown:
             raise ValueError(f"plan streams unknown blocks {unknown[:3]}")
-        return {index[n] for n in plan.streamed_blocks}
+        return {self._index[n] for n in plan.streamed_blocks}
 
     def unit_weights(self, plan: Plan) -> list[ModuleWeights]:
         """The streamed units in the engine's order (non-block group first, then execution order)."""
@@ -124,7 +133,8 @@ class MemoryModel:
 
     def units(self, plan: Plan) -> list[int]:
         """Packed bytes of each streamed unit, in the engine's unit order."""
-        return [u.unit_bytes(self.dtype_bytes, plan.fp8) for u in self.unit_weights(plan)]
+        blocks = [self._unit[plan.fp8][i] for i in sorted(self.indices(plan))]
+        return [self._nb_unit, *blocks] if plan.stream_non_blocks else blocks
 
     # -- estimates -----------------------------------------------------------------------------------
     def memory(self, plan: Plan) -> tuple[dict[str, int], dict[str, int], dict[str, dict]]:
@@ -134,11 +144,11 @@ class MemoryModel:
         when they persist through accumulation) or the optimizer step (gradients and the
         optimizer's temporaries), whichever is larger, on top of what is always there.
         """
-        w, wt = self.workload, self.weights
+        w = self.workload
         streamed = self.indices(plan)
         units = self.units(plan)
-        resident = sum(b.bytes(self.dtype_bytes, plan.fp8) for i, b in enumerate(wt.blocks) if i not in streamed)
-        resident += 0 if plan.stream_non_blocks else wt.non_blocks.bytes(self.dtype_bytes)
+        resident = sum(b for i, b in enumerate(self._bytes[plan.fp8]) if i not in streamed)
+        resident += 0 if plan.stream_non_blocks else self._nb_bytes
         slots = min(plan.ring_slots, len(units)) * align(max(units)) if units else 0
         params, grads, states = self.trainable_bytes()
         opt_tmp = {"lora": 2 * params, "full": 2 * grads, "inference": 0}[w.mode]
@@ -166,7 +176,14 @@ class MemoryModel:
         offload = 0
         if plan.checkpointing == "offload":
             offload = offloaded_inputs(self.workload, self.profiles[plan.fp8], self.kinds)
-        return host_breakdown(plan, self.unit_weights(plan), self.weights, self.dtype_bytes, offload,
+        idx = sorted(self.indices(plan))
+        packed = [self._unit[plan.fp8][i] for i in idx]
+        unit_stored = [self._bytes[plan.fp8][i] for i in idx]
+        if plan.stream_non_blocks:
+            packed, unit_stored = [self._nb_unit, *packed], [self._nb_bytes, *unit_stored]
+        loaded = sum(self._bytes[False]) + self._nb_bytes
+        stored = sum(self._bytes[plan.fp8]) + self._nb_bytes
+        return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion, offload,
                               self.workload.host_cache_bytes)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
@@ -187,8 +204,3 @@ class MemoryModel:
                         exposed_s=sum(t.exposed_s for t in timing) / n,
                         overhead_s=sum(t.overhead_s for t in timing) / n,
                         h2d_bytes=int(sum(t.h2d_bytes for t in timing) / n), per_bucket=per_bucket)
-
-    def step_time(self, plan: Plan) -> float:
-        """Predicted seconds per step (mean over the buckets), without the memory breakdown."""
-        units = self.units(plan)
-        return sum(self.timing(plan, b, units).step_s for b in self.workload.buckets) / len(self.workload.buckets)

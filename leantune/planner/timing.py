@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .activation_probe import ActivationProfile
+from .activations import ActivationProfile
 from .corrections import Calibration
 from .machine import Machine
 from ..memory.plan import Plan

@@ -206,6 +206,7 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
         start, losses = _resume(t, paths, cfg)
     writer = _tensorboard(paths) if dist.is_main else None
     monitor = _monitor(paths, t)
+    _reset_peaks(t)
     result = TrainResult(paths, losses, [])
     step = start
     bar = _progress(cfg, start, progress and dist.is_main)
@@ -323,8 +324,8 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
         from ..planner.feedback.calibrate import PlanCalibrator
         from ..planner.feedback.oom import OomGuard
 
-        t.guard = OomGuard(planner, budget, plan, lambda new: _replan(t, new))
-        t.calibrator = PlanCalibrator(planner, budget, plan, CalibrationStore())
+        t.guard = OomGuard(planner, budget, plan, lambda new: _replan(t, new))   # owns the plan and budget
+        t.calibrator = PlanCalibrator(t.guard, CalibrationStore())
     return t
 
 
@@ -361,7 +362,8 @@ def _replan(t: Trainee, plan) -> None:
     host first so nothing is ever duplicated on the GPU, partial gradients are dropped."""
     t.mode.drop_partial_step(t)
     if t.memory is not None:
-        t.memory.remove(device="cpu")
+        handle, t.memory = t.memory, None       # if applying `plan` fails, the weights stay home
+        handle.remove(device="cpu")
     t.plan = plan
     t.memory = _apply_engine(t.mode.cfg, t.transformer, plan, t.device, t.mode, t.dist)
     log.info("memory plan now: %s", plan.describe())
@@ -392,15 +394,17 @@ def _guarded_step(t: Trainee, cfg: RunConfig, step: int) -> float:
 
 
 def _calibrate(t: Trainee, seconds: float, report: dict) -> None:
-    """First CUDA steps: compare measured peak with the prediction; re-plan once if it was off."""
+    """First CUDA steps: compare the step's peak with the prediction; re-plan once if it was off.
+    Reads the peak without resetting it: the memory monitor reads it next and resets it."""
     if t.calibrator is None or t.device.type != "cuda" or t.last_bucket is None:
         return
-    new = t.calibrator.observe(t.last_bucket, torch.cuda.max_memory_allocated(), seconds, report or None)
-    torch.cuda.reset_peak_memory_stats()
-    if new is not None:
-        _replan(t, new)
-        if t.guard is not None:
-            t.guard.plan = new
+    t.calibrator.observe(t.last_bucket, torch.cuda.max_memory_allocated(), seconds, report or None)
+
+
+def _reset_peaks(t: Trainee) -> None:
+    """Start the peak statistics at step 1: caching, loading and the machine probe are not a step."""
+    if t.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _training_state(t: Trainee, losses: list[float]) -> dict:

@@ -40,13 +40,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 class OomGuard:
-    """Runs training steps; on a CUDA out-of-memory it frees, re-plans tighter and redoes the step.
+    """The one owner of a run's plan and budget: runs training steps under an out-of-memory guard,
+    and switches plans (its own re-plans, and calibration's through `switch`).
 
-    `apply_plan(plan)` must rebuild the memory setup for a plan (remove the engine's handle, apply the
-    new plan) and clear the failed step's partial gradients, so the redone step uses the same batch
-    and no sample is lost. Each retry shrinks the budget by `shrink` until the planner returns a
-    different plan; when no plan fits (or after `max_replans`), NoPlanFits is raised and the caller
-    saves a resumable state.
+    `apply_plan(plan)` must rebuild the memory setup for a plan (take the engine's weights home to
+    the host, apply the new plan) and clear the failed step's partial gradients, so the redone step
+    uses the same batch and no sample is lost. Applying a plan is itself guarded: if it runs out of
+    memory, the guard re-plans tighter again. Each retry shrinks the budget by `shrink` until the
+    planner returns a different plan; when no plan fits (or after `max_replans`), NoPlanFits is
+    raised and the caller saves a resumable state. `plan` and `budget` are always the plan in use
+    and the budget it was chosen under, so calibration (calibrate.py) compares and re-plans against
+    them, never against a plan that already ran out of memory.
     """
 
     def __init__(self, planner: Planner, budget: Budget, plan: Plan, apply_plan: Callable[[Plan], None],
@@ -57,21 +61,31 @@ class OomGuard:
         self.events: list[str] = []
 
     def run(self, step_fn: Callable, *args, step: int | None = None, **kwargs):
+        """`step_fn(*args, **kwargs)`, redone under a tighter plan after each out-of-memory error."""
+        where = f"step {step}" if step is not None else "a step"
+        return self._guarded(lambda: step_fn(*args, **kwargs), where, None)
+
+    def switch(self, plan: Plan) -> Plan:
+        """Apply `plan` (a calibrated re-plan) as the run's plan, under the guard; returns the plan in use."""
+        self._guarded(lambda: None, "switching plans", plan)
+        return self.plan
+
+    def _guarded(self, fn: Callable, where: str, pending: Plan | None):
         while True:
             try:
-                return step_fn(*args, **kwargs)
+                if pending is not None:
+                    self.apply_plan(pending)       # may itself run out of memory
+                    self.plan, pending = pending, None
+                return fn()
             except Exception as exc:  # only out-of-memory is handled; everything else propagates
                 if not is_out_of_memory(exc):
                     raise
-                where = f"step {step}" if step is not None else "a step"
                 first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 del exc
                 _free_memory()
-                self.plan = self._tighter(where, first_line)
-                self.apply_plan(self.plan)
+                pending = self._tighter(where, first_line, pending or self.plan)
 
-    def _tighter(self, where: str, error: str) -> Plan:
-        previous = self.plan
+    def _tighter(self, where: str, error: str, failed: Plan) -> Plan:
         while True:
             if self.replans >= self.max_replans:
                 raise NoPlanFits(f"out of memory at {where} ({error}) after {self.replans} re-plans; last budget "
@@ -80,23 +94,26 @@ class OomGuard:
             self.replans += 1
             # The failed plan's predicted peak did not really fit: ask for a plan predicted to need
             # `shrink` times less, whatever the nominal budget was.
-            failed = (previous.notes or {}).get("predicted_peak_vram") or self.planner.estimate(previous).peak_vram
-            vram = min(self.budget.vram, self.budget.needed_for(failed))
+            peak = (failed.notes or {}).get("predicted_peak_vram") or self.planner.estimate(failed).peak_vram
+            vram = min(self.budget.vram, self.budget.needed_for(peak))
             self.budget = replace(self.budget, vram=int(vram * self.shrink))
             try:
                 plan = self.planner.plan(self.budget)
             except InfeasibleBudget as e:
                 raise NoPlanFits(f"out of memory at {where} ({error}), and no plan fits a tighter budget of "
                                  f"{gib(self.budget.vram)}: {e} The last saved state is resumable.") from None
-            if plan != previous:
+            if plan != failed:
                 msg = (f"out of memory at {where}: re-planned with a budget of {gib(self.budget.vram)}: "
-                       f"[{previous.describe()}] -> [{plan.describe()}]; redoing the step")
+                       f"[{failed.describe()}] -> [{plan.describe()}]; redoing it")
                 self.events.append(msg)
                 log.warning("planner: %s", msg)
                 return plan
 
 
 def _free_memory() -> None:
+    """Free what the failed attempt held; its peak is not the redone step's, so the peak statistics
+    start again (the calibration reads the redone step's peak)."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()

@@ -1,0 +1,162 @@
+"""What the planner measures of a model, kept so that planning it again costs milliseconds.
+
+What it trades: a small JSON file per (model source, workload shape) in the leantune cache for a
+`leantune plan` that, the second time, builds no meta model, traces nothing and imports neither
+diffusers nor peft. Everything the memory model needs from a model is here: the weight bytes per
+block (weight_bytes.py), the architecture key (calibration's identity) and the activation profiles
+per bucket and storage (activations.py).
+
+`measure_model` measures a model (real or meta); `load_measured` / `save_measured` keep the result
+under a key the caller derives from where the model comes from (`source_key`: a packaged
+architecture, or a checkpoint file's path, size and modification time) and the workload shape. The
+key also covers the code that measures (the planner's and engine's modules that decide these
+numbers, and the torch/diffusers/peft versions), so a change to any of them measures again. An
+unreadable or stale file is ignored and rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, fields
+from importlib import metadata
+from pathlib import Path
+
+from ..io import atomic_write_json
+from .activations import ActivationProfile
+from .corrections import architecture_key, default_calibration_path
+from .weight_bytes import AdapterShape, ModelWeights, ModuleWeights, measure_weights
+from .workload import Workload
+
+log = logging.getLogger("leantune")
+
+# The modules whose code decides the measured numbers (relative to the leantune package).
+_MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "planner/activations.py",
+                   "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming.py",
+                   "models/spec.py", "models/flux.py", "train/lora.py")
+_PROBE_CACHE: dict = {}   # (architecture key, bucket, fp8) -> ActivationProfile, for this process
+
+
+@dataclass(frozen=True)
+class MeasuredModel:
+    """A model as the memory model sees it: weights per block, identity, activation profiles."""
+
+    weights: ModelWeights
+    key: str                                                      # architecture_key(model, workload)
+    profiles: dict[tuple[tuple[int, int], bool], ActivationProfile]   # (bucket, probed with fp8) -> profile
+
+    def profile(self, bucket: tuple[int, int], fp8: bool) -> ActivationProfile:
+        return self.profiles[(tuple(bucket), fp8)]
+
+    def to_dict(self) -> dict:
+        return {"weights": asdict(self.weights), "key": self.key,
+                "profiles": [{"bucket": list(b), "fp8": f, "profile": p.to_dict()}
+                             for (b, f), p in self.profiles.items()]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MeasuredModel:
+        w = d["weights"]
+
+        def module(m: dict) -> ModuleWeights:
+            return ModuleWeights(m["name"], m["kind"], tuple(tuple(t) for t in m["tensors"]), m["native_bytes"])
+
+        weights = ModelWeights(tuple(module(b) for b in w["blocks"]), module(w["non_blocks"]),
+                               tuple(AdapterShape(**a) for a in w["adapters"]))
+        profiles = {(tuple(e["bucket"]), bool(e["fp8"])): ActivationProfile.from_dict(e["profile"])
+                    for e in d["profiles"]}
+        return cls(weights, d["key"], profiles)
+
+
+def probed_storages(workload: Workload, prequantized: bool) -> list[bool]:
+    """The storages activations are probed with: without and with fp8 where fp8 is a choice; an fp8
+    checkpoint's block weights compute through fp8 storage in every plan, so only fp8 then."""
+    options = [False] + ([True] if workload.allow_fp8 and workload.mode != "full" else [])
+    return sorted({fp8 or prequantized for fp8 in options})
+
+
+def measure_model(spec, model, workload: Workload) -> MeasuredModel:
+    """Weights, architecture key and activation profiles of `model` (any device, meta included) for
+    every bucket and storage the workload can use. Probes are shared within the process."""
+    weights = measure_weights(spec, model, workload)
+    key = architecture_key(model, workload)
+    profiles = {}
+    for fp8 in probed_storages(workload, weights.prequantized):
+        for bucket in workload.buckets:
+            cache_key = (key, bucket, fp8)
+            if cache_key not in _PROBE_CACHE:
+                from .activation_probe import probe_activations   # traces: imports peft and the engine
+
+                _PROBE_CACHE[cache_key] = probe_activations(spec, model, workload, bucket, fp8=fp8)
+            profiles[(bucket, fp8)] = _PROBE_CACHE[cache_key]
+    return MeasuredModel(weights, key, profiles)
+
+
+def source_key(source: str | Path, dtype: str) -> str:
+    """Where a model comes from: "packaged:<name>" for a shipped architecture, else a checkpoint
+    path with its size and modification time (a replaced file measures again), and the dtype it loads in."""
+    text = str(source)
+    if not text.startswith("packaged:"):
+        path = Path(source).resolve()
+        stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(_files_of(path))]
+        text = json.dumps(stats)
+    return f"{text}|{dtype}"
+
+
+def _files_of(path: Path) -> list[Path]:
+    if path.is_dir():
+        return [p for p in path.rglob("*") if p.is_file() and p.suffix in (".json", ".safetensors")]
+    return [path]
+
+
+def _code_fingerprint() -> str:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _MEASURING_CODE:
+        path = root / rel
+        h.update(rel.encode())
+        h.update(path.read_bytes() if path.exists() else b"-")
+    for dist in ("torch", "diffusers", "peft"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=none".encode())
+    return h.hexdigest()[:16]
+
+
+def _workload_shape(workload: Workload) -> dict:
+    """The workload fields that decide what is measured (not the optimizer, accumulation or caches)."""
+    shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
+    for unmeasured in ("optimizer", "gradient_accumulation", "host_cache_bytes"):
+        shape.pop(unmeasured)
+    return shape
+
+
+def cache_path(source: str, workload: Workload) -> Path:
+    blob = json.dumps({"source": source, "workload": _workload_shape(workload), "code": _code_fingerprint()},
+                      sort_keys=True, default=str)
+    name = hashlib.sha256(blob.encode()).hexdigest()[:24]
+    return default_calibration_path().parent / "planner" / f"{name}.json"
+
+
+def load_measured(source: str, workload: Workload) -> MeasuredModel | None:
+    """The stored measurement of `source` for this workload shape, or None (none yet, or unreadable)."""
+    path = cache_path(source, workload)
+    if not path.exists():
+        return None
+    try:
+        measured = MeasuredModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("planner: ignoring unreadable cached measurement %s (%s)", path, e)
+        return None
+    needed = {(b, f) for f in probed_storages(workload, measured.weights.prequantized) for b in workload.buckets}
+    return measured if needed <= set(measured.profiles) else None
+
+
+def save_measured(source: str, workload: Workload, measured: MeasuredModel) -> None:
+    """Keep `measured` for the next plan of `source`; a cache that cannot be written only costs time."""
+    path = cache_path(source, workload)
+    try:
+        atomic_write_json(path, measured.to_dict())
+    except OSError as e:
+        log.warning("planner: cannot keep the measurement in %s (%s)", path, e)
