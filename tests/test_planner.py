@@ -87,7 +87,6 @@ def test_flux_dev_meta_build_has_the_published_parameter_count():
     assert all(p.device.type == "meta" for p in dev.parameters())
     w = measure_weights(FLUX_SPEC, dev)
     assert w.numel == 11_901_408_320          # BFL's Flux.1-dev transformer
-    assert w.total(2) == 2 * w.numel
     assert [b.kind for b in w.blocks].count("double") == 19 and len(w.blocks) == 57
     assert measure_weights(FLUX_SPEC, schnell).numel < w.numel    # no guidance embedder
     with pytest.raises(ValueError, match="unknown Flux variant"):
@@ -300,7 +299,6 @@ def test_checkpointing_trades_activations_and_fp8_halves_block_bytes(flux_dev_pl
     assert none > 5 * blocks > 5 * offload > 0
     w = pl.weights
     double = w.blocks[0]
-    assert double.bytes(2) == 2 * double.numel
     assert 0.6 < double.bytes(2, fp8=True) / double.bytes(2) < 0.75   # modulation and norms stay bf16
     # A double block moves ~2.4x more bytes per FLOP than a single one: singles stream first, spread out.
     assert pl.order == ["single", "double"]
@@ -570,7 +568,7 @@ def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
     assert saved[key]["activation_scale"][f"{key_bucket}:{plan.checkpointing}"] > 1.0
     again = Planner(FLUX_SPEC, model, workload, calibration=store.get(key))                # the next run
     assert again.memory(plan)[2][key_bucket]["peak_vram"] == pytest.approx(measured, rel=0.01)
-    assert sum(again.plan(budget).notes["vram_breakdown"].values()) <= budget.usable_vram   # starts right
+    assert again.plan(budget).notes["predicted_peak_vram"] <= budget.usable_vram   # starts right
 
     roomy_budget = Budget(vram=GiB, ram=UNLIMITED, min_margin=0)
     fits = PlanCalibrator(OomGuard(Planner(FLUX_SPEC, model, workload), roomy_budget, roomy, applied.append))
