@@ -1,7 +1,10 @@
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Planner measurements and calibrations of the tests never land in the user's cache.
+os.environ.setdefault("LEANTUNE_CACHE", tempfile.mkdtemp(prefix="leantune-test-cache-"))
 
 import pytest
 import torch

@@ -19,7 +19,7 @@ from leantune.memory.plan import Plan
 from leantune.planner.corrections import CalibrationStore, architecture_key
 from leantune.planner.feedback.calibrate import PlanCalibrator
 from leantune.planner.feedback.oom import NoPlanFits, OomGuard, is_out_of_memory
-from leantune.planner.from_config import budget_from_config, plan_for_config
+from leantune.planner.from_config import budget_from_config, parse_vram, plan_for_config
 from leantune.planner.host_model import HOST_BASELINE
 from leantune.planner.machine import assumed_machine, probe_machine
 from leantune.planner.meta import build_meta_flux
@@ -589,8 +589,8 @@ def test_budget_from_config_sizes_auto_and_errors():
     assert (b.vram, b.ram) == (8 * GiB, 32 * GiB)
     with pytest.raises(ConfigError, match="needs a GPU"):
         budget_from_config(MemoryConfig(vram_budget="auto"), machine)
-    with pytest.raises(ConfigError, match=r"\[memory\] vram_budget: 'lots'"):
-        budget_from_config(MemoryConfig(vram_budget="lots"), machine)
+    with pytest.raises(ConfigError, match=r"--vram: 'lots'"):
+        parse_vram("lots", machine, "--vram")
     gpu = replace(machine, vram_total=24 * GiB, vram_free=22 * GiB, measured=True)
     assert budget_from_config(MemoryConfig(vram_budget="auto"), gpu).vram == 22 * GiB
 
