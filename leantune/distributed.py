@@ -407,7 +407,7 @@ def launch_env() -> dict | None:
 
 def resolve_strategy(cfg) -> str:
     """The strategy `[distributed] strategy = "auto"` means for this run: DDP for LoRA, FSDP2 for
-    a full fine-tune (DeepSpeed ZeRO-2 is not wired into the trainer yet)."""
+    a full fine-tune (it needs no extra package; DeepSpeed ZeRO-2 is `strategy = "deepspeed"`)."""
     strategy = cfg.distributed.strategy
     if strategy != "auto":
         return strategy
@@ -454,3 +454,34 @@ def die_with_launcher() -> None:
         return
     if os.getppid() == 1:         # the launcher is already gone
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def deepspeed_config(cfg, world_size: int) -> dict:
+    """The DeepSpeed config a run means: `[distributed] deepspeed_config` as written, else the
+    keys of [distributed], [data] and [train] in DeepSpeed's terms (the usual accelerate setup:
+    ZeRO-2, no optimizer offload, bf16, the run's accumulation and clipping)."""
+    import json
+
+    d, tc = cfg.distributed, cfg.train
+    if d.deepspeed_config is not None:
+        path = cfg.resolve(d.deepspeed_config)
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            from .config import ConfigError
+
+            raise ConfigError(f"[distributed] deepspeed_config = {d.deepspeed_config!r}: cannot read {path}: {e}") from None
+    zero = {"stage": d.zero_stage, "offload_optimizer": {"device": "cpu" if d.offload_optimizer else "none"},
+            "overlap_comm": False, "contiguous_gradients": True}
+    return {
+        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+        "gradient_accumulation_steps": tc.gradient_accumulation,
+        "train_batch_size": cfg.data.batch_size * tc.gradient_accumulation * world_size,
+        "gradient_clipping": tc.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": tc.mixed_precision == "bf16" and cfg.model.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+

@@ -4,7 +4,7 @@
 trains each config in turn on this rank (one process group for all of them, so the imports are
 paid once) and writes what this rank saw to OUT/rank<r>.json: the losses, how often each encoder
 was loaded, and how often the memory plan was re-applied. A config whose file name contains
-"oom" makes rank 1's 5th forward/backward fail as the CUDA allocator does, and makes the
+"resume" trains 3 steps, then resumes to the end. One whose name contains "oom" makes rank 1's 5th forward/backward fail as the CUDA allocator does, and makes the
 planner answer the re-plan with a streaming + checkpointing plan (exact on CPU).
 """
 
@@ -60,7 +60,11 @@ def main(out: str, *configs: str) -> None:
             trainer_mod.forward_backward, planner_mod.Planner.plan = forward, plan
         else:
             trainer_mod.forward_backward, planner_mod.Planner.plan = real_forward, real_plan
-        result = trainer_mod.train(load_config(path), progress=False)
+        if "resume" in Path(path).name:          # stop after 3 steps, then resume in the same processes
+            trainer_mod.train(load_config(path), stop_after=3, progress=False)
+            result = trainer_mod.train(load_config(path), resume=True, progress=False)
+        else:
+            result = trainer_mod.train(load_config(path), progress=False)
         results[Path(path).stem] = {"losses": result.losses, **counts,
                                     "files": [str(f) for f in result.lora_files]}
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))

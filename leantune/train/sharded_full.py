@@ -152,6 +152,102 @@ class ShardedFullMode:
         self._gathered = None
 
 
+class ZeroFullMode(ShardedFullMode):
+    """Full fine-tune through DeepSpeed ZeRO-2: every process holds the whole (resident) model;
+    gradients and AdamW states are partitioned across processes; DeepSpeed reduces the gradients
+    in backward, clips globally and steps its partition (with a torch AdamW it wraps, so no
+    DeepSpeed kernel needs compiling). Checkpoints hold the full fp32 weights and AdamW moments,
+    gathered with DeepSpeed's safe_get_full_* (collective) and written by rank 0 in leantune's
+    format; resume hands every rank the full tensors (safe_set_full_*)."""
+
+    def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
+        from .full_mode import select_trainable
+
+        cfg, full = self.cfg, self.cfg.full
+        if cfg.train.optimizer != "adamw":
+            raise ValueError(f"[train] optimizer = {cfg.train.optimizer!r} with [distributed] strategy = \"deepspeed\": "
+                             f"ZeRO-2 full fine-tunes use \"adamw\"")
+        named = select_trainable(transformer, full.train, full.exclude)
+        if not named:
+            raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight")
+        transformer.requires_grad_(False)
+        for p in named.values():
+            p.requires_grad_(True)
+        self.model, self.named = transformer, named
+        self.world_size = torch.distributed.get_world_size()
+        return list(named.values())
+
+    def build_optimizer(self, params) -> torch.optim.Optimizer:
+        import deepspeed
+
+        from ..distributed import deepspeed_config
+
+        opt = super().build_optimizer(params)
+        self.engine, self.zero, _, _ = deepspeed.initialize(model=self.model, optimizer=opt,
+                                                            config=deepspeed_config(self.cfg, self.world_size),
+                                                            dist_init_required=False)
+        n = sum(p.numel() for p in params)
+        log.info("full (deepspeed ZeRO-%d): %d tensors, %.2fM parameters, optimizer states over %d processes",
+                 self.engine.zero_optimization_stage(), len(params), n / 1e6, self.world_size)
+        return opt                 # the scheduler drives its param groups' lr, which DeepSpeed reads
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The weighted share of this rank; DeepSpeed averages over ranks, so scale to their sum.
+        The trainer already divided by the accumulation steps."""
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self, t, micro_batch) -> float:
+        accum = self.cfg.train.gradient_accumulation
+        total = 0.0
+        for _ in range(accum):
+            total += micro_batch(1.0 / accum)
+            self.engine.step()     # steps the optimizer (clipped) at the accumulation boundary only
+        return total / accum
+
+    def drop_partial_step(self, t) -> None:
+        self.engine.zero_grad()
+
+    def state(self, t) -> dict:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        weights, moments = {}, {}
+        for n, p in self.named.items():            # collective: the same order on every rank
+            weights[n] = safe_get_full_fp32_param(p).cpu()
+            moments[n] = {k: safe_get_full_optimizer_state(p, k).cpu() for k in ("exp_avg", "exp_avg_sq")}
+        self._gathered = None
+        if not self.is_main():
+            return {}
+        self._gathered = {**{k: v for k, v in self.model.state_dict().items()}, **weights}
+        return {"trainable": weights, "optimizer": {"moments": moments, "step": self._step_count()}}
+
+    def load_state(self, t, state: dict, ckpt: Path) -> None:
+        from deepspeed.utils import (lazy_init_hp_params_optimizer_state, safe_set_full_fp32_param,
+                                     safe_set_full_optimizer_state)
+
+        check_resumable(ckpt, state["trainable"], dict(self.model.named_parameters()), "[full] train / exclude")
+        # AdamW creates its state at the first step: create it now (zeros, then the saved values),
+        # and link each weight's slice of it, as DeepSpeed does after that first step.
+        step = torch.tensor(float(state["optimizer"]["step"]))
+        for i, flat in enumerate(self.zero.single_partition_of_fp32_groups):
+            self.zero.optimizer.state[flat] = {"step": step.clone(), "exp_avg": torch.zeros_like(flat),
+                                               "exp_avg_sq": torch.zeros_like(flat)}
+            lazy_init_hp_params_optimizer_state(self.zero.bit16_groups[i], flat, self.zero.optimizer.state)
+        for n, p in self.named.items():
+            safe_set_full_fp32_param(p, state["trainable"][n])
+            with torch.no_grad():
+                p.copy_(state["trainable"][n].to(p.dtype))     # the module's own copy, used by forward
+            for k, v in state["optimizer"]["moments"][n].items():
+                safe_set_full_optimizer_state(p, v, k)
+
+    def _step_count(self) -> int:
+        steps = [int(s["step"]) for s in self.zero.optimizer.state.values() if "step" in s]
+        return max(steps, default=0)
+
+    @staticmethod
+    def is_main() -> bool:
+        return torch.distributed.get_rank() == 0
+
+
 class _GatheredAccess:
     """full_export's weight access over a gathered full state dict (names as the model's)."""
 
@@ -179,5 +275,9 @@ def sharded_full_mode(cfg: RunConfig):
                          "process then holds 1/N of the weights, gradients and optimizer states)")
     if strategy == "fsdp2":
         return ShardedFullMode(cfg)
-    raise ValueError(f"[distributed] strategy = {strategy!r} for [train] mode = \"full\" on several processes is not "
-                     f"available in this version; set [distributed] strategy = \"fsdp2\"")
+    if strategy == "deepspeed":
+        if cfg.distributed.zero_stage != 2 and cfg.distributed.deepspeed_config is None:
+            raise ValueError("[distributed] zero_stage = 3: leantune runs DeepSpeed ZeRO-2 only (stage 3 shards the "
+                             "weights; use strategy = \"fsdp2\" for that)")
+        return ZeroFullMode(cfg)
+    raise ValueError(f"[distributed] strategy = {strategy!r} cannot run [train] mode = \"full\"")

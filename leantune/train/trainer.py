@@ -286,7 +286,8 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
         pred = predict(t.transformer, pack_latents(noisy).to(t.dtype), sigma.to(t.device), batch.embeds,
                        (h, w), cfg.train.guidance)
     loss = fm.flow_matching_loss(pred, target) * shard.weight
-    (loss * scale).backward()
+    backward = getattr(t.mode, "backward", None)      # an engine that owns backward (DeepSpeed)
+    (backward or torch.Tensor.backward)(loss * scale)
     return float(loss.detach())
 
 
