@@ -579,6 +579,37 @@ def test_calibration_replans_once_and_is_kept_for_the_next_run(tmp_path):
     assert store.get(key) is None                  # unreadable: ignored, the plan starts uncalibrated
 
 
+def test_calibration_and_the_memory_monitor_read_the_same_step_peak(monkeypatch, tmp_path):
+    """The peak statistics start at step 1 (caching and loading allocate more than a step) and each
+    step's peak is read by the calibration before the memory monitor reads and resets it, so both
+    see the step's own peak. The CUDA allocator's statistics are stood in for by a counter."""
+    from types import SimpleNamespace
+
+    from leantune.memory import monitor as monitor_mod
+    from leantune.memory.monitor import MemoryMonitor
+    from leantune.train import trainer
+
+    stats = {"peak": 0}
+    for name, fn in {"max_memory_allocated": lambda *a, **k: stats["peak"],
+                     "max_memory_reserved": lambda *a, **k: stats["peak"],
+                     "memory_allocated": lambda *a, **k: 0, "memory_reserved": lambda *a, **k: 0,
+                     "reset_peak_memory_stats": lambda *a, **k: stats.update(peak=0)}.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(monitor_mod, "_cuda_in_use", lambda: True)
+    seen = []
+    calibrator = SimpleNamespace(observe=lambda bucket, peak, *rest: seen.append(peak))
+    t = SimpleNamespace(calibrator=calibrator, device=torch.device("cuda"), last_bucket=(64, 64))
+    monitor = MemoryMonitor(tmp_path)
+
+    stats["peak"] = 9 * GiB                       # setup: text encoders, VAE, loading
+    trainer._reset_peaks(t)
+    for step, peak in ((1, 3 * GiB), (2, 2 * GiB)):
+        stats["peak"] = max(stats["peak"], peak)  # the step
+        trainer._calibrate(t, 1.0, {})
+        monitor.record(step)
+        assert seen[-1] == peak == monitor.samples[-1].peak_allocated, step
+
+
 # -- configuration and the command ------------------------------------------------------------------------------
 
 def test_budget_from_config_sizes_auto_and_errors():
