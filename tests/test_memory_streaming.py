@@ -214,7 +214,7 @@ def test_step_report_counts(base):
     rep = handle.step_report()
     assert rep["streamed_units"] == 4 and rep["slots"] == 3
     assert rep["copies"] >= 4 and rep["bytes_h2d"] >= sum(handle.streaming.unit_bytes().values())
-    assert rep["copy_s"] > 0 and rep["stall_s"] >= 0 and rep["slots_held_max"] == 1
+    assert rep["copy_s"] > 0 and rep["slots_held_max"] == 1
     assert rep["slot_bytes"] >= max(handle.streaming.unit_bytes().values())
     assert handle.step_report()["bytes_h2d"] == 0          # counters reset per report
     handle.remove()
