@@ -280,6 +280,18 @@ class DistContext:
             text += ", vram peak " + " ".join(f"{v / 2**30:.2f}" for v in vram) + " GiB"
         return text
 
+    def agree_observation(self, peak: int, seconds: float, report: dict | None) -> tuple[int, float, dict | None]:
+        """One step's measurements as every rank will use them: the largest peak and time of all
+        ranks and rank 0's streaming report, so every rank's calibration makes the same re-plan
+        decision (a re-plan on some ranks only would leave the others waiting in a collective)."""
+        if not self.distributed:
+            return peak, seconds, report
+        import torch.distributed as dist
+
+        out = [None] * self.world_size
+        dist.all_gather_object(out, (int(peak), float(seconds), report))
+        return max(o[0] for o in out), max(o[1] for o in out), out[0][2]
+
     def vote(self, ok: bool) -> bool:
         """True when every rank's `ok` is True (one all-reduce of one number)."""
         if not self.distributed:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_run_toml
+from test_train import RUN_REST as TRAIN_RUN_REST
 
 from leantune.config import ConfigError, load_config
 from leantune.data.buckets import BatchOrder
@@ -26,25 +27,8 @@ from leantune.train.state import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RUN_REST = """trigger_word = "lnt"
-caption_dropout = 0.2
-
-[lora]
-rank = 4
-alpha = 8
-targets = "all"
-
-[train]
-steps = 20
-learning_rate = 1e-3
-lr_scheduler = "cosine"
-warmup_steps = 3
-mixed_precision = "no"
-save_every = 5
-keep_last = 5
-seed = 3
-gradient_accumulation = 2
-"""
+# test_train's run (rank-4 LoRA, 20 steps, accumulation 2, caption dropout), saving every 5 steps.
+RUN_REST = TRAIN_RUN_REST.split("[output]")[0].replace("save_every = 10", "save_every = 5")
 
 
 def write_config(folder: Path, model, images, name: str, batch_size: int, out: str, extra: str = "") -> Path:
@@ -155,6 +139,7 @@ def test_one_process_context_is_trivial_and_world_size_change_is_explained():
     ctx = DistContext()
     assert ctx.is_main and not ctx.distributed and ctx.sum(2.5) == 2.5 and ctx.vote(False) is False
     assert ctx.main_first(lambda: 7) == 7 and ctx.agreed_step(lambda: 1.5) == 1.5
+    assert ctx.agree_observation(5, 1.0, None) == (5, 1.0, None) and ctx.rank_memory(None) == ""
     with pytest.raises(CheckpointError, match=r"saved by a run on 2 process\(es\); this run has 1.*"
                                                r"allow_world_size_change = true"):
         ctx.check_resume({"world_size": 2}, Path("ckpt/step-000010"), allow_change=False)

@@ -48,18 +48,8 @@ class ShardedFullMode:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        from .full_mode import select_trainable
-
-        cfg, full = self.cfg, self.cfg.full
-        if cfg.train.optimizer != "adamw":
-            raise ValueError(f"[train] optimizer = {cfg.train.optimizer!r} with [distributed] strategy = \"fsdp2\": "
-                             f"sharded full fine-tunes use \"adamw\"")
-        named = select_trainable(transformer, full.train, full.exclude)
-        if not named:
-            raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight")
-        transformer.requires_grad_(False)
-        for p in named.values():
-            p.requires_grad_(True)
+        cfg = self.cfg
+        self._unfreeze(transformer, "fsdp2")
         device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
         options = {"mesh": mesh}
@@ -75,6 +65,22 @@ class ShardedFullMode:
         log.info("full (fsdp2): %d tensors, %.2fM parameters sharded over %d processes", len(self.named), n / 1e6,
                  mesh.size())
         return list(self.named.values())
+
+    def _unfreeze(self, transformer: torch.nn.Module, strategy: str) -> dict[str, torch.nn.Parameter]:
+        """The `[full] train` / `exclude` selection trains; everything else is frozen."""
+        from .full_mode import select_trainable
+
+        cfg, full = self.cfg, self.cfg.full
+        if cfg.train.optimizer != "adamw":
+            raise ValueError(f"[train] optimizer = {cfg.train.optimizer!r} with [distributed] strategy = "
+                             f"\"{strategy}\": full fine-tunes on several processes use \"adamw\"")
+        named = select_trainable(transformer, full.train, full.exclude)
+        if not named:
+            raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight")
+        transformer.requires_grad_(False)
+        for p in named.values():
+            p.requires_grad_(True)
+        return named
 
     def memory_options(self) -> dict:
         return {}
@@ -161,18 +167,7 @@ class ZeroFullMode(ShardedFullMode):
     format; resume hands every rank the full tensors (safe_set_full_*)."""
 
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
-        from .full_mode import select_trainable
-
-        cfg, full = self.cfg, self.cfg.full
-        if cfg.train.optimizer != "adamw":
-            raise ValueError(f"[train] optimizer = {cfg.train.optimizer!r} with [distributed] strategy = \"deepspeed\": "
-                             f"ZeRO-2 full fine-tunes use \"adamw\"")
-        named = select_trainable(transformer, full.train, full.exclude)
-        if not named:
-            raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight")
-        transformer.requires_grad_(False)
-        for p in named.values():
-            p.requires_grad_(True)
+        named = self._unfreeze(transformer, "deepspeed")
         self.model, self.named = transformer, named
         self.world_size = torch.distributed.get_world_size()
         return list(named.values())

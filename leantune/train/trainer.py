@@ -399,7 +399,10 @@ def _calibrate(t: Trainee, seconds: float, report: dict) -> None:
     Reads the peak without resetting it: the memory monitor reads it next and resets it."""
     if t.calibrator is None or t.device.type != "cuda" or t.last_bucket is None:
         return
-    t.calibrator.observe(t.last_bucket, torch.cuda.max_memory_allocated(), seconds, report or None)
+    if t.calibrator.replanned or t.calibrator.seen >= t.calibrator.steps:
+        return
+    peak, seconds, report = t.dist.agree_observation(torch.cuda.max_memory_allocated(), seconds, report or None)
+    t.calibrator.observe(t.last_bucket, peak, seconds, report)
 
 
 def _reset_peaks(t: Trainee) -> None:
