@@ -337,7 +337,8 @@ class DistContext:
                 result = fn()
             finally:
                 self.barrier()
-        log.info(shared.describe())
+        if shared.mapped_bytes or shared.private:
+            log.info(shared.describe())
         return result
 
     # -- the step ------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ within 1e-4 (fp32, 20 AdamW steps at lr 1e-3) are required; the measured gaps ar
 """
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -439,3 +440,18 @@ def test_deepspeed_config_from_the_run_matches_the_seed_report_setup(tmp_path):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "train_batch_size": 8}')
     own = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"deepspeed_config": "ds.json"})})
     assert deepspeed_config(own, 2) == {"zero_optimization": {"stage": 2}, "train_batch_size": 8}
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_two_processes(tmp_path, tiny_flux_dir, images):
+    """`accelerate launch --multi_gpu --num_processes 2 -m leantune train` (gloo on this CPU machine):
+    two ranks train, rank 0 writes the log with both ranks' memory and the LoRA files."""
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "acc", 1, str(tmp_path / "out"))
+    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 2"))
+    accelerate = Path(sys.executable).with_name("accelerate")
+    run = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "-m", "leantune", "train",
+                          str(cfg), "--no-progress"], env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    log = (tmp_path / "out" / "train.log").read_text()
+    assert "step 2 loss" in log and re.search(r"per rank: rss \d+\.\d+ \d+\.\d+ GiB", log)
+    assert run.stdout.count("LoRA files:") == 1 and (tmp_path / "out" / "t_diffusers.safetensors").exists()

@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         if launch_env() is None:
             return relaunch(args.gpus, _argv(args))
     result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
-    print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
+    if result.lora_files:                 # rank 0 writes them; other processes have nothing to say
+        print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
     return 0
 
 
@@ -48,4 +49,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv.append("--overwrite")
     if args.no_progress:
         argv.append("--no-progress")
+    if getattr(args, "overwrite", False):
+        argv.append("--overwrite")
     return argv
