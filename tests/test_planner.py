@@ -585,6 +585,7 @@ def test_calibration_and_the_memory_monitor_read_the_same_step_peak(monkeypatch,
     see the step's own peak. The CUDA allocator's statistics are stood in for by a counter."""
     from types import SimpleNamespace
 
+    from leantune.distributed import DistContext
     from leantune.memory import monitor as monitor_mod
     from leantune.memory.monitor import MemoryMonitor
     from leantune.train import trainer
@@ -597,8 +598,9 @@ def test_calibration_and_the_memory_monitor_read_the_same_step_peak(monkeypatch,
         monkeypatch.setattr(torch.cuda, name, fn)
     monkeypatch.setattr(monitor_mod, "_cuda_in_use", lambda: True)
     seen = []
-    calibrator = SimpleNamespace(observe=lambda bucket, peak, *rest: seen.append(peak))
-    t = SimpleNamespace(calibrator=calibrator, device=torch.device("cuda"), last_bucket=(64, 64))
+    calibrator = SimpleNamespace(observe=lambda bucket, peak, *rest: seen.append(peak), replanned=False, seen=0,
+                                 steps=3)
+    t = SimpleNamespace(calibrator=calibrator, device=torch.device("cuda"), last_bucket=(64, 64), dist=DistContext())
     monitor = MemoryMonitor(tmp_path)
 
     stats["peak"] = 9 * GiB                       # setup: text encoders, VAE, loading
