@@ -455,3 +455,29 @@ def test_accelerate_launch_runs_two_processes(tmp_path, tiny_flux_dir, images):
     log = (tmp_path / "out" / "train.log").read_text()
     assert "step 2 loss" in log and re.search(r"per rank: rss \d+\.\d+ \d+\.\d+ GiB", log)
     assert run.stdout.count("LoRA files:") == 1 and (tmp_path / "out" / "t_diffusers.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_run_and_leaves_the_last_save_intact(tmp_path, tiny_flux_dir, images):
+    """kill -9 of rank 1 mid-run: the launcher stops rank 0 too (no hang), exits non-zero naming the
+    rank and the signal, and the last checkpoint still loads."""
+    from leantune.train.state import latest_checkpoint, load_checkpoint
+
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "die", 1, str(tmp_path / "out"))
+    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 200"))
+    launcher = subprocess.Popen([sys.executable, "-m", "leantune", "train", str(cfg), "--gpus", "2", "--no-progress"],
+                                env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ckpts = tmp_path / "out" / "checkpoints"
+    deadline = time.time() + 600
+    while not (ckpts / "step-000005" / "state.json").exists():
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    workers = sorted(_children(launcher.pid))
+    assert len(workers) == 2
+    rank1 = next(p for p in workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+    os.kill(rank1, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert "rank      : 1" in err and "Signal 9 (SIGKILL)" in err
+    step, state = load_checkpoint(latest_checkpoint(ckpts))
+    assert step >= 5 and state["world_size"] == 2
