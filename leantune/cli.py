@@ -22,6 +22,7 @@ VERBS = {
     "cache": "fill the latent and text-embedding caches for a config",
     "convert": "convert a LoRA file between ComfyUI/kohya and diffusers formats",
     "demo": "train a LoRA on a tiny Flux built offline (CPU, about two minutes)",
+    "ui": "a local web page to prepare a dataset, plan, train, watch and sample",
 }
 
 

@@ -14,3 +14,9 @@ if ! .venv/bin/python -c "import leantune, pytest" >/dev/null 2>&1 || [ pyprojec
   .venv/bin/pip install --quiet -e ".[test]"
   touch .venv/.leantune-installed
 fi
+# The browser test of `leantune ui` drives Debian's Chromium (never a downloaded browser).
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
+    || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; }) \
+    || echo "setup.sh: could not install chromium; the browser test of leantune ui will be skipped" >&2
+fi

@@ -1,0 +1,190 @@
+"""The page's server: a FastAPI app over the modules of this package.
+
+Imported only by `leantune ui` (FastAPI and uvicorn are optional: `pip install leantune[ui]`).
+Every /api route is a thin call into form.py, dataset_view.py, plan_answer.py, launcher.py,
+runs.py or sample_job.py; bad input comes back as HTTP 400 with the module's message. When a token
+is set (the server is bound beyond localhost), every request must carry it (?token=... once, then a
+cookie).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import tempfile
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from . import dataset_view, launcher, plan_answer, runs, sample_job
+from .form import RunForm, choices
+
+STATIC = Path(__file__).parent / "static"
+COOKIE = "leantune_token"
+
+
+def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
+    runs_dir = Path(runs_dir).resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    app = FastAPI(title="leantune", docs_url=None, redoc_url=None, openapi_url=None)
+    plans: dict[str, dict] = {}          # TOML text -> summary: the plan shown is the plan a run keeps
+
+    @app.middleware("http")
+    async def check_token(request: Request, call_next):
+        if token is None:
+            return await call_next(request)
+        given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
+        if not hmac.compare_digest(given, token):
+            return PlainTextResponse("leantune ui: open the address with ?token=... as printed at start", 403)
+        response = await call_next(request)
+        response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        return response
+
+    @app.exception_handler(ValueError)
+    @app.exception_handler(OSError)
+    async def user_error(request: Request, exc: Exception):
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.get("/", response_class=HTMLResponse)
+    def index():
+        return (STATIC / "index.html").read_text()
+
+    @app.get("/static/{name}")
+    def static(name: str):
+        path = STATIC / Path(name).name
+        if not path.is_file():
+            return PlainTextResponse("not found", 404)
+        return FileResponse(path)
+
+    @app.get("/api/choices")
+    def get_choices():
+        return {"family": choices("model", "family"), "mode": choices("train", "mode"),
+                "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
+                "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir)}
+
+    @app.get("/api/dataset")
+    def get_dataset(path: str, min_resolution: int | None = None):
+        return {"folder": str(dataset_view.folder_of(path)), "images": dataset_view.scan(path, min_resolution)}
+
+    @app.get("/api/dataset/image")
+    def get_image(path: str, name: str):
+        return FileResponse(dataset_view.image_path(path, name))
+
+    @app.post("/api/caption")
+    def post_caption(body: dict):
+        written = dataset_view.write_caption(str(body.get("path", "")), str(body.get("name", "")),
+                                             str(body.get("caption", "")))
+        return {"written": str(written)}
+
+    @app.post("/api/toml")
+    def post_toml(body: dict):
+        return {"toml": RunForm.from_fields(body).to_toml()}
+
+    @app.post("/api/plan")
+    def post_plan(body: dict):
+        form = RunForm.from_fields(body)
+        if not form.vram_budget.strip():
+            return {"fits": None, "message": "set a VRAM budget to see the plan"}
+        return _plan(form)
+
+    def _plan(form: RunForm) -> dict:
+        text = form.to_toml()
+        if text not in plans:
+            with tempfile.TemporaryDirectory() as tmp:
+                config = form.write(Path(tmp) / "config.toml")
+                plans[text] = plan_answer.summarize(plan_answer.plan_json(config, form.vram_budget.strip(),
+                                                                          form.ram_budget.strip() or None))
+        return plans[text]
+
+    @app.get("/api/runs")
+    def get_runs():
+        return {"runs": runs.listing(runs_dir)}
+
+    @app.post("/api/runs")
+    def post_run(body: dict):
+        form = RunForm.from_fields(body)
+        folder = runs.run_folder(runs_dir, form.name)
+        if folder.exists():
+            raise ValueError(f"a run named {form.name!r} exists in {runs_dir}: pick another name, or resume it")
+        folder.mkdir(parents=True)
+        config = form.write(folder / runs.CONFIG_FILE)
+        if form.vram_budget.strip():
+            from ..io import atomic_write_json
+
+            atomic_write_json(folder / runs.PLAN_FILE, _plan(form))
+        return launcher.start(folder, config)
+
+    def _existing(name: str) -> Path:
+        folder = runs.run_folder(runs_dir, name)
+        if not (folder / runs.CONFIG_FILE).is_file():
+            raise ValueError(f"no run named {name!r} in {runs_dir}")
+        return folder
+
+    @app.post("/api/runs/{name}/stop")
+    def post_stop(name: str):
+        return launcher.stop(_existing(name))
+
+    @app.post("/api/runs/{name}/resume")
+    def post_resume(name: str):
+        folder = _existing(name)
+        return launcher.start(folder, folder / runs.CONFIG_FILE, resume=True)
+
+    @app.get("/api/runs/{name}")
+    def get_run(name: str):
+        return runs.progress(_existing(name))
+
+    @app.get("/api/runs/{name}/events")
+    async def run_events(name: str):
+        folder = _existing(name)
+
+        async def stream():
+            last = None
+            while True:
+                data = json.dumps(await asyncio.to_thread(runs.progress, folder))
+                if data != last:
+                    yield f"data: {data}\n\n"
+                    last = data
+                await asyncio.sleep(1.0)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/api/runs/{name}/config.toml")
+    def get_config(name: str):
+        return FileResponse(_existing(name) / runs.CONFIG_FILE, filename=f"{name}.toml", media_type="application/toml")
+
+    @app.get("/api/runs/{name}/samples/{file}")
+    def get_sample(name: str, file: str):
+        return _file(_existing(name) / runs.RUN_DIR / "samples", file, download=False)
+
+    @app.get("/api/runs/{name}/weights/{file}")
+    def get_weights(name: str, file: str):
+        return _file(_existing(name) / runs.RUN_DIR, file, download=True)
+
+    @app.post("/api/sample")
+    def post_sample(body: dict):
+        return sample_job.start(runs_dir, body)
+
+    @app.get("/api/sample/{job}")
+    def get_sample_job(job: int):
+        return sample_job.result(runs_dir, job)
+
+    @app.get("/api/sample/{job}/{file}")
+    def get_sample_image(job: int, file: str):
+        return _file(runs_dir / sample_job.SAMPLES_DIR / str(job), file, download=False)
+
+    return app
+
+
+def _file(folder: Path, name: str, download: bool):
+    path = folder / Path(name).name
+    if name != Path(name).name or not path.is_file():
+        return PlainTextResponse("not found", 404)
+    return FileResponse(path, filename=name if download else None)
+
+
+def serve(runs_dir: Path, host: str, port: int, token: str | None) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(runs_dir, token), host=host, port=port, log_level="warning")

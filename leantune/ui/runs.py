@@ -1,0 +1,134 @@
+"""The runs under `leantune ui --runs DIR`, read from their folders.
+
+Each run is DIR/<name>/ with the config the page wrote (config.toml), the plan it showed
+(plan.json), the process record (process.json, launcher.py) and the trainer's run folder (run/).
+Everything the page watches comes from files the trainer writes anyway: the step lines of train.log
+(loss, s/it, VRAM, RSS), samples/*.png, the LoRA/model files and checkpoints/. So the page can be
+closed and reopened, or restarted, without losing sight of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from . import launcher
+
+CONFIG_FILE = "config.toml"
+PLAN_FILE = "plan.json"
+RUN_DIR = "run"
+GiB = 2**30
+
+STEP_LINE = re.compile(r"\bstep (\d+) loss (\S+) lr \S+ ([\d.]+)s/it(.*)$")
+VRAM = re.compile(r"vram ([\d.]+)/([\d.]+) GiB \(peak ([\d.]+)\)")
+RSS = re.compile(r"rss ([\d.]+) GiB")
+
+
+def run_folders(runs_dir: Path) -> list[Path]:
+    if not runs_dir.is_dir():
+        return []
+    return sorted(p for p in runs_dir.iterdir() if (p / CONFIG_FILE).is_file())
+
+
+def run_folder(runs_dir: Path, name: str) -> Path:
+    """DIR/<name>, refusing names that leave DIR."""
+    from .form import NAME, FormError
+
+    if not NAME.match(name):
+        raise FormError(f"run name {name!r}: letters, digits, '-', '_' or '.'")
+    return runs_dir / name
+
+
+def parse_log(text: str) -> list[dict]:
+    """The step lines of a train.log: [{step, loss, s_it, vram, vram_peak, rss}] (GiB; None if absent)."""
+    out = []
+    for line in text.splitlines():
+        m = STEP_LINE.search(line)
+        if not m:
+            continue
+        try:
+            loss = float(m.group(2))
+        except ValueError:
+            continue
+        rest = m.group(4)
+        vram, rss = VRAM.search(rest), RSS.search(rest)
+        out.append({"step": int(m.group(1)), "loss": loss, "s_it": float(m.group(3)),
+                    "vram": float(vram.group(1)) if vram else None,
+                    "vram_peak": float(vram.group(3)) if vram else None,
+                    "rss": float(rss.group(1)) if rss else None})
+    by_step = {entry["step"]: entry for entry in out}      # a resumed run logs steps again: keep the last
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def outputs(folder: Path) -> dict:
+    """Sample grids, exported weights (final and per step) and checkpoints of a run."""
+    root = folder / RUN_DIR
+    samples = sorted(p.name for p in (root / "samples").glob("*.png")) if (root / "samples").is_dir() else []
+    weights = sorted(p.name for p in root.glob("*.safetensors")) if root.is_dir() else []
+    checkpoints = sorted(p.name for p in (root / "checkpoints").iterdir()) if (root / "checkpoints").is_dir() else []
+    return {"samples": samples, "weights": weights, "checkpoints": checkpoints}
+
+
+def state(folder: Path) -> str:
+    """running | finished | stopped (resumable) | failed | new."""
+    info = launcher.read_process(folder)
+    if launcher.is_alive(info):
+        return "running"
+    out = outputs(folder)
+    final = [w for w in out["weights"] if "-step" not in w]
+    if final:
+        return "finished"
+    if info and info.get("exit_code") not in (None, 0, 130) and not out["checkpoints"]:
+        return "failed"
+    if out["checkpoints"]:
+        return "stopped"
+    if info and info.get("exit_code") not in (None, 0, 130):
+        return "failed"
+    return "new"
+
+
+def total_steps(folder: Path) -> int | None:
+    from ..config import read_toml
+
+    try:
+        return int(read_toml(folder / CONFIG_FILE).get("train", {}).get("steps"))
+    except Exception:
+        return None
+
+
+def predicted(folder: Path) -> dict:
+    try:
+        plan = json.loads((folder / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: plan.get(k) for k in ("peak_vram_gib", "peak_host_gib", "step_s", "message")}
+
+
+def progress(folder: Path, log_lines: int = 40) -> dict:
+    """Everything the watch screen draws, from the run's files."""
+    root = folder / RUN_DIR
+    steps = parse_log(_tail(root / "train.log", 100000))
+    info = launcher.read_process(folder) or {}
+    return {"name": folder.name, "state": state(folder), "steps": steps, "total_steps": total_steps(folder),
+            "predicted": predicted(folder), "log": _tail(root / "train.log", log_lines),
+            "console": _tail(folder / launcher.CONSOLE_FILE, log_lines), "exit_code": info.get("exit_code"),
+            **outputs(folder)}
+
+
+def listing(runs_dir: Path) -> list[dict]:
+    """[{name, state, step, total_steps}] of every run under runs_dir."""
+    out = []
+    for folder in run_folders(runs_dir):
+        steps = parse_log(_tail(folder / RUN_DIR / "train.log", 100000))
+        out.append({"name": folder.name, "state": state(folder), "step": steps[-1]["step"] if steps else 0,
+                    "total_steps": total_steps(folder)})
+    return out

@@ -1,0 +1,66 @@
+"""The page's Sample form as a `leantune sample` process.
+
+Each request gets its own folder DIR/_samples/<n>/ with the command's output (console.log) and the
+images it writes; the page polls the folder. Like training, sampling runs in its own process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SAMPLES_DIR = "_samples"
+
+
+def command(fields: dict, out: Path) -> list[str]:
+    """`leantune sample` arguments from the form: model, prompts, seed, steps, guidance, size,
+    LoRAs ("file:strength" lines) and a VRAM budget."""
+    from .form import FormError
+
+    model = str(fields.get("model_path", "")).strip()
+    prompts = [p.strip() for p in str(fields.get("prompts", "")).splitlines() if p.strip()]
+    if not model:
+        raise FormError("model_path: give the model folder or single .safetensors file")
+    if not prompts:
+        raise FormError("prompts: give at least one prompt (one a line)")
+    cmd = [sys.executable, "-m", "leantune", "sample", "--model", model, "--out", str(out)]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    for key, flag, kind in (("seed", "--seed", int), ("steps", "--steps", int), ("guidance", "--guidance", float),
+                            ("width", "--width", int), ("height", "--height", int)):
+        value = fields.get(key)
+        if value not in (None, ""):
+            try:
+                cmd += [flag, str(kind(value))]
+            except (TypeError, ValueError):
+                raise FormError(f"{key}: {value!r} is not a number") from None
+    for lora in str(fields.get("loras", "")).splitlines():
+        if lora.strip():
+            cmd += ["--lora", lora.strip()]
+    if str(fields.get("vram", "")).strip():
+        cmd += ["--vram", str(fields["vram"]).strip()]
+    return cmd
+
+
+def start(runs_dir: Path, fields: dict) -> dict:
+    base = runs_dir / SAMPLES_DIR
+    base.mkdir(parents=True, exist_ok=True)
+    n = 1 + max((int(p.name) for p in base.iterdir() if p.name.isdigit()), default=0)
+    out = base / str(n)
+    cmd = command(fields, out)
+    out.mkdir()
+    with open(out / "console.log", "wb") as console:
+        proc = subprocess.Popen(cmd, cwd=out, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return {"job": n, "pid": proc.pid}
+
+
+def result(runs_dir: Path, job: int) -> dict:
+    out = runs_dir / SAMPLES_DIR / str(int(job))
+    images = sorted(p.name for p in out.glob("*.png")) if out.is_dir() else []
+    try:
+        console = "\n".join((out / "console.log").read_text(errors="replace").splitlines()[-20:])
+    except OSError:
+        console = ""
+    return {"job": job, "images": images, "console": console}

@@ -1,0 +1,216 @@
+// The leantune page: plain DOM calls over the /api routes of leantune/ui/app.py.
+const $ = (id) => document.getElementById(id);
+const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "rank",
+  "resolutions", "batch_size", "max_text_length", "steps", "learning_rate", "save_every", "log_every",
+  "vram_budget", "ram_budget", "sample_every", "sample_steps", "sample_size", "sample_prompts"];
+let watching = null, events = null;
+
+async function api(method, url, body) {
+  const r = await fetch(url, {method, headers: {"Content-Type": "application/json"},
+                              body: body === undefined ? undefined : JSON.stringify(body)});
+  const data = await r.json();
+  if (!r.ok) throw new Error(data.error || r.statusText);
+  return data;
+}
+function status(text) { $("status").textContent = text; }
+function formFields() {
+  const out = {};
+  for (const k of FORM) out[k] = $(k).value;
+  return out;
+}
+function el(tag, attrs = {}, text) {
+  const e = document.createElement(tag);
+  Object.assign(e, attrs);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// -- 1. dataset -------------------------------------------------------------------------------------
+async function loadDataset() {
+  const path = $("dataset").value;
+  const res = parseInt(($("resolutions").value.split(/[ ,]+/)[0]) || "0");
+  try {
+    const data = await api("GET", `/api/dataset?path=${encodeURIComponent(path)}` + (res ? `&min_resolution=${res}` : ""));
+    const grid = $("grid");
+    grid.replaceChildren();
+    let warned = 0;
+    for (const img of data.images) {
+      const item = el("div", {className: "item"});
+      item.dataset.name = img.name;
+      item.append(el("img", {src: `/api/dataset/image?path=${encodeURIComponent(data.folder)}&name=${encodeURIComponent(img.name)}`, loading: "lazy"}));
+      item.append(el("div", {}, `${img.name} ${img.width ?? "?"}×${img.height ?? "?"}`));
+      const caption = el("textarea", {className: "caption", rows: 3, value: img.caption});
+      caption.dataset.name = img.name;
+      const note = el("div", {className: "note"});
+      caption.addEventListener("change", async () => {
+        try {
+          await api("POST", "/api/caption", {path: data.folder, name: img.name, caption: caption.value});
+          note.className = "note saved"; note.textContent = "saved";
+        } catch (e) { note.className = "note warn"; note.textContent = e.message; }
+      });
+      item.append(caption, note);
+      for (const w of img.warnings) { item.append(el("div", {className: "warn"}, "⚠ " + w)); }
+      if (img.warnings.length) warned++;
+      grid.append(item);
+    }
+    $("dataset-summary").textContent = `${data.images.length} images in ${data.folder}` + (warned ? `, ${warned} with warnings` : "");
+    schedulePlan();
+  } catch (e) { $("dataset-summary").textContent = e.message; }
+}
+
+// -- 2. plan ------------------------------------------------------------------------------------------
+let planTimer = null, planSeq = 0;
+function schedulePlan() { clearTimeout(planTimer); planTimer = setTimeout(updatePlan, 600); }
+async function updatePlan() {
+  const seq = ++planSeq;
+  const fields = formFields();
+  try {
+    const t = await api("POST", "/api/toml", fields);
+    $("toml").textContent = t.toml;
+    $("toml-download").href = URL.createObjectURL(new Blob([t.toml], {type: "application/toml"}));
+  } catch (e) { $("toml").textContent = e.message; }
+  if (!fields.vram_budget.trim()) { showPlan({fits: null, message: "set a VRAM budget to see the plan"}); return; }
+  $("plan-message").textContent = "planning…";
+  try {
+    const plan = await api("POST", "/api/plan", fields);
+    if (seq === planSeq) showPlan(plan);
+  } catch (e) { if (seq === planSeq) showPlan({fits: false, message: e.message}); }
+}
+function gib(x) { return x.toFixed(2) + " GiB"; }
+function showPlan(p) {
+  $("plan").className = "plan " + (p.fits === true ? "fits" : p.fits === false ? "nofit" : "");
+  $("plan-message").textContent = p.message;
+  const d = $("plan-detail");
+  d.replaceChildren();
+  if (p.fits === false && p.detail) d.append(el("p", {className: "muted"}, p.detail));
+  if (!p.fits) return;
+  d.append(el("p", {}, `${p.workload} · streamed blocks ${p.streamed_blocks}/${p.total_blocks} · fp8 ${p.fp8 ? "on" : "off"} · ` +
+    `checkpointing ${p.checkpointing} · predicted ${p.step_s.toPrecision(3)} s/step` + (p.assumed_machine ? ` (${p.machine}, assumed rates)` : "")));
+  const table = el("table");
+  const rows = [["VRAM", p.vram_breakdown_gib], ["host RAM", p.host_breakdown_gib]];
+  for (const [title, parts] of rows) {
+    const tr = el("tr"); tr.append(el("td", {}, title));
+    tr.append(el("td", {}, Object.entries(parts).filter(([, v]) => v > 0).map(([k, v]) => `${k} ${gib(v)}`).join(" · ")));
+    table.append(tr);
+  }
+  d.append(table);
+}
+
+// -- 3. runs ------------------------------------------------------------------------------------------
+async function startRun() {
+  $("start-message").textContent = "starting…";
+  try {
+    await api("POST", "/api/runs", formFields());
+    $("start-message").textContent = "started";
+    await refreshRuns();
+    watch($("name").value);
+  } catch (e) { $("start-message").textContent = e.message; }
+}
+async function refreshRuns() {
+  const data = await api("GET", "/api/runs");
+  const body = $("runs").querySelector("tbody");
+  body.replaceChildren();
+  for (const r of data.runs) {
+    const tr = el("tr");
+    tr.append(el("td", {}, r.name), el("td", {className: "state"}, r.state), el("td", {}, `${r.step}/${r.total_steps ?? "?"}`));
+    const b = el("button", {}, "watch"); b.onclick = () => watch(r.name);
+    const td = el("td"); td.append(b); tr.append(td);
+    body.append(tr);
+  }
+}
+
+// -- 4. watch -----------------------------------------------------------------------------------------
+function watch(name) {
+  watching = name;
+  $("watch-section").hidden = false;
+  $("watch-name").textContent = name;
+  if (events) events.close();
+  events = new EventSource(`/api/runs/${encodeURIComponent(name)}/events`);
+  events.onmessage = (m) => showProgress(JSON.parse(m.data));
+}
+function line(points, xs, ys, color, dash) {
+  if (!points.length) return "";
+  const d = points.map(([x, y]) => `${xs(x).toFixed(1)},${ys(y).toFixed(1)}`).join(" ");
+  return `<polyline fill="none" stroke="${color}" stroke-width="1.5" ${dash ? 'stroke-dasharray="5,4"' : ""} points="${d}"/>`;
+}
+function chart(svg, series, maxX) {
+  const all = series.flatMap((s) => s.points.map((p) => p[1]));
+  if (!all.length) { svg.innerHTML = ""; return; }
+  let lo = Math.min(...all), hi = Math.max(...all);
+  if (hi === lo) { hi += 1; lo -= lo > 1 ? 1 : lo; }
+  const xs = (x) => 40 + (x / Math.max(maxX, 1)) * 350, ys = (y) => 185 - ((y - lo) / (hi - lo)) * 170;
+  svg.innerHTML = series.map((s) => line(s.points, xs, ys, s.color, s.dash)).join("") +
+    `<text x="2" y="14" font-size="10">${hi.toPrecision(3)}</text><text x="2" y="186" font-size="10">${lo.toPrecision(3)}</text>` +
+    `<text x="360" y="198" font-size="10">${maxX}</text>`;
+}
+function showProgress(p) {
+  if (p.name !== watching) return;
+  $("watch-state").textContent = p.state;
+  $("stop").disabled = p.state !== "running";
+  $("resume").disabled = p.state !== "stopped";
+  const steps = p.steps, last = steps[steps.length - 1];
+  const maxX = p.total_steps || (last ? last.step : 1);
+  $("speed").textContent = last ? `step ${last.step}/${p.total_steps ?? "?"} · loss ${last.loss.toFixed(4)} · ${last.s_it.toFixed(2)} s/it` +
+    (p.predicted.step_s ? ` (predicted ${p.predicted.step_s.toPrecision(3)} s/it on the planned GPU)` : "") : "waiting for the first step…";
+  chart($("loss-chart"), [{points: steps.map((s) => [s.step, s.loss]), color: "#1f77b4"}], maxX);
+  const mem = [{points: steps.filter((s) => s.rss !== null).map((s) => [s.step, s.rss]), color: "#1f77b4"},
+               {points: steps.filter((s) => s.vram_peak !== null).map((s) => [s.step, s.vram_peak]), color: "#d62728"}];
+  if (p.predicted.peak_vram_gib) mem.push({points: [[0, p.predicted.peak_vram_gib], [maxX, p.predicted.peak_vram_gib]], color: "#d62728", dash: true});
+  if (p.predicted.peak_host_gib) mem.push({points: [[0, p.predicted.peak_host_gib], [maxX, p.predicted.peak_host_gib]], color: "#1f77b4", dash: true});
+  chart($("mem-chart"), mem, maxX);
+  const samples = $("samples");
+  if (samples.dataset.list !== p.samples.join()) {
+    samples.dataset.list = p.samples.join();
+    samples.replaceChildren(...p.samples.slice(-4).map((f) => el("img", {src: `/api/runs/${p.name}/samples/${f}`, title: f})));
+  }
+  const downloads = $("downloads");
+  downloads.replaceChildren(el("li"));
+  downloads.firstChild.append(el("a", {href: `/api/runs/${p.name}/config.toml`}, "config.toml"));
+  for (const w of p.weights) {
+    const li = el("li"); li.append(el("a", {href: `/api/runs/${p.name}/weights/${w}`}, w)); downloads.append(li);
+  }
+  $("log").textContent = (p.log || p.console);
+  refreshRuns();
+}
+async function stopRun() { await api("POST", `/api/runs/${watching}/stop`); status("stop asked: the run finishes its step and saves"); }
+async function resumeRun() {
+  try { await api("POST", `/api/runs/${watching}/resume`); status("resumed"); } catch (e) { status(e.message); }
+}
+
+// -- 5. sample ----------------------------------------------------------------------------------------
+async function sample() {
+  const body = {model_path: $("s_model").value, prompts: $("s_prompts").value, seed: $("s_seed").value,
+    steps: $("s_steps").value, guidance: $("s_guidance").value, width: $("s_width").value,
+    height: $("s_height").value, vram: $("s_vram").value, loras: $("s_loras").value};
+  try {
+    const job = await api("POST", "/api/sample", body);
+    const poll = async () => {
+      const r = await api("GET", `/api/sample/${job.job}`);
+      $("sample-console").textContent = r.console;
+      $("sample-images").replaceChildren(...r.images.map((f) => el("img", {src: `/api/sample/${job.job}/${f}`})));
+      if (!r.images.length) setTimeout(poll, 1500);
+    };
+    poll();
+  } catch (e) { $("sample-console").textContent = e.message; }
+}
+
+async function init() {
+  const c = await api("GET", "/api/choices");
+  for (const k of ["family", "mode", "dtype", "mixed_precision"]) {
+    $(k).replaceChildren(...c[k].map((v) => el("option", {value: v}, v)));
+  }
+  for (const [k, v] of Object.entries(c.defaults)) {
+    if ($(k)) $(k).value = Array.isArray(v) ? (k === "sample_prompts" ? v.join("\n") : v.join(" ")) : v;
+  }
+  status(`runs in ${c.runs_dir}`);
+  for (const k of FORM) { $(k).addEventListener("input", schedulePlan); $(k).addEventListener("change", schedulePlan); }
+  $("load-dataset").onclick = loadDataset;
+  $("start").onclick = startRun;
+  $("stop").onclick = stopRun;
+  $("resume").onclick = resumeRun;
+  $("sample").onclick = sample;
+  $("model_path").addEventListener("change", () => { if (!$("s_model").value) $("s_model").value = $("model_path").value; });
+  refreshRuns();
+  schedulePlan();
+}
+init();

@@ -1,0 +1,229 @@
+"""The parts of `leantune ui` that are not the page: the form's TOML, caption write-back, the run
+folder reading, the plan answer, the launcher's process record, and the HTTP routes (without a
+browser; tests/test_ui_browser.py drives the real page)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from leantune.config import ConfigError, load_config
+from leantune.ui import dataset_view, launcher, plan_answer, runs
+from leantune.ui.form import FormError, RunForm, choices
+
+FIELDS = {"name": "cats", "model_path": "/models/flux", "dataset": "/data/cats", "trigger_word": "ohwx",
+          "rank": "8", "resolutions": "512, 768", "steps": "300", "learning_rate": "2e-4", "vram_budget": "8GiB",
+          "sample_prompts": "ohwx, a cat\n\nohwx, a dog\n", "sample_every": "100"}
+
+
+def test_form_writes_the_toml_train_loads(tmp_path):
+    form = RunForm.from_fields(FIELDS)
+    cfg = load_config(form.write(tmp_path / "config.toml"))
+    assert cfg.model.path == "/models/flux" and cfg.model.family == "flux"
+    assert cfg.data.resolutions == [512, 768] and cfg.data.datasets[0].trigger_word == "ohwx"
+    assert Path(cfg.data.datasets[0].path) == Path("/data/cats")
+    assert (cfg.lora.rank, cfg.lora.alpha) == (8, 8)
+    assert cfg.train.steps == 300 and cfg.train.learning_rate == pytest.approx(2e-4)
+    assert cfg.memory.vram_budget == "8GiB" and cfg.memory.ram_budget is None
+    assert cfg.sample.prompts == ["ohwx, a cat", "ohwx, a dog"] and cfg.sample.every == 100
+    assert Path(cfg.resolve(cfg.output.dir)) == tmp_path / "run" and cfg.output.name == "cats"
+
+
+def test_form_without_prompts_or_budget_leaves_those_sections_out(tmp_path):
+    form = RunForm.from_fields({**FIELDS, "sample_prompts": "", "vram_budget": ""})
+    doc = form.to_dict()
+    assert "sample" not in doc and "memory" not in doc
+    cfg = load_config(form.write(tmp_path / "c.toml"))
+    assert cfg.memory.vram_budget is None and not cfg.sample.prompts
+
+
+def test_form_full_mode_has_no_lora_section():
+    assert "full" in choices("train", "mode")
+    doc = RunForm.from_fields({**FIELDS, "mode": "full"}).to_dict()
+    assert doc["train"]["mode"] == "full" and "lora" not in doc
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("rank", "eight", "rank"), ("rank", "0", "rank"), ("steps", 2.5, "steps"), ("family", "sdxl", "family"),
+    ("name", "../evil", "name"), ("model_path", " ", "model_path"), ("resolutions", "", "resolutions"),
+    ("learning_rate", "-1", "learning_rate"), ("bogus", "1", "bogus")])
+def test_form_errors_name_the_field(key, value, words):
+    with pytest.raises(FormError, match=words):
+        RunForm.from_fields({**FIELDS, key: value})
+
+
+def test_form_bad_budget_is_refused_by_the_config_check_and_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="vram_budget"):
+        RunForm.from_fields({**FIELDS, "vram_budget": "lots"}).write(tmp_path / "c.toml")
+
+
+def _images(folder: Path) -> Path:
+    folder.mkdir()
+    Image.new("RGB", (64, 48), (200, 0, 0)).save(folder / "a.png")
+    (folder / "a.txt").write_text("a red\nbox\n")
+    Image.new("RGB", (300, 300), (0, 0, 200)).save(folder / "b.jpg")
+    (folder / "c.png").write_bytes(b"not a png")
+    (folder / "notes.md").write_text("ignored")
+    return folder
+
+
+def test_scan_lists_images_with_captions_and_the_trainers_warnings(tmp_path):
+    entries = {e["name"]: e for e in dataset_view.scan(str(_images(tmp_path / "d")), min_resolution=256)}
+    assert sorted(entries) == ["a.png", "b.jpg", "c.png"]
+    assert entries["a.png"]["caption"] == "a red box" and (entries["a.png"]["width"], entries["a.png"]["height"]) == (64, 48)
+    assert any("smaller than 256" in w for w in entries["a.png"]["warnings"])
+    assert entries["b.jpg"]["warnings"] == ["no caption (.txt): trains with the trigger word only"]
+    assert any(w.startswith("unreadable") for w in entries["c.png"]["warnings"])
+
+
+def test_caption_write_back_is_atomic_and_stays_in_the_folder(tmp_path, monkeypatch):
+    folder = _images(tmp_path / "d")
+    written = dataset_view.write_caption(str(folder), "b.jpg", "  a blue\n square ")
+    assert written == folder.resolve() / "b.txt" and written.read_text() == "a blue square\n"
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]      # no temp file left
+    for bad in ("../a.png", "/etc/passwd", "notes.md", "missing.png", ".hidden.png", ""):
+        with pytest.raises(dataset_view.DatasetViewError):
+            dataset_view.write_caption(str(folder), bad, "x")
+    # a failing write leaves the old caption intact
+    import leantune.io as lio
+
+    def boom(tmp):
+        Path(tmp).write_text("half")
+        raise OSError("disk full")
+    monkeypatch.setattr(lio, "atomic_write_bytes", lambda path, data: lio.atomic_write(path, boom))
+    with pytest.raises(OSError):
+        dataset_view.write_caption(str(folder), "a.png", "new")
+    assert (folder / "a.txt").read_text() == "a red\nbox\n"
+
+
+def test_scan_of_a_missing_folder_names_it(tmp_path):
+    with pytest.raises(dataset_view.DatasetViewError, match="nowhere"):
+        dataset_view.scan(str(tmp_path / "nowhere"))
+
+
+LOG = """\
+2026-11-24 08:26:19,908 INFO memory plan: stream 0 blocks
+2026-11-24 08:26:21,000 INFO step 1 loss 0.81234 lr 0.002 1.52s/it rss 2.4 GiB
+2026-11-24 08:26:22,000 INFO step 2 loss 0.71000 lr 0.002 1.40s/it vram 5.21/5.62 GiB (peak 5.40) rss 11.3 GiB, streamed 1.2 GB
+2026-11-24 08:26:23,000 INFO interrupted at step 2: saving a resumable state
+2026-11-24 08:26:30,000 INFO step 2 loss 0.70000 lr 0.002 1.30s/it rss 2.5 GiB
+2026-11-24 08:26:31,000 INFO step 3 loss nan lr 0.002 1.30s/it rss 2.5 GiB
+"""
+
+
+def test_parse_log_reads_loss_speed_and_memory_keeping_the_last_of_a_resumed_step():
+    steps = runs.parse_log(LOG)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert steps[0] == {"step": 1, "loss": 0.81234, "s_it": 1.52, "vram": None, "vram_peak": None, "rss": 2.4}
+    assert steps[1]["loss"] == 0.7 and steps[1]["rss"] == 2.5          # the resumed run's line
+    assert runs.parse_log(LOG.replace("1.30s/it rss 2.5", "1.30s/it vram 5.21/5.62 GiB (peak 5.40) rss 2.5"))[1][
+        "vram_peak"] == 5.4
+    assert str(steps[2]["loss"]) == "nan"
+
+
+def _run(runs_dir: Path, name: str, steps: int = 10) -> Path:
+    folder = runs_dir / name
+    (folder / "run").mkdir(parents=True)
+    (folder / "config.toml").write_text(f"[train]\nsteps = {steps}\n")
+    return folder
+
+
+def test_run_states_from_the_folder(tmp_path):
+    new = _run(tmp_path, "a-new")
+    stopped = _run(tmp_path, "b-stopped")
+    (stopped / "run" / "checkpoints" / "step-000005").mkdir(parents=True)
+    (stopped / "run" / "b-stopped-step000005_comfyui.safetensors").write_bytes(b"x")
+    (stopped / "run" / "train.log").write_text(LOG)
+    done = _run(tmp_path, "c-done")
+    (done / "run" / "c-done_comfyui.safetensors").write_bytes(b"x")
+    failed = _run(tmp_path, "d-failed")
+    (failed / launcher.PROCESS_FILE).write_text(json.dumps({"pid": 1, "exit_code": 1}))
+    (tmp_path / "not-a-run").mkdir()
+    listing = runs.listing(tmp_path)
+    assert [(r["name"], r["state"], r["step"], r["total_steps"]) for r in listing] == [
+        ("a-new", "new", 0, 10), ("b-stopped", "stopped", 3, 10), ("c-done", "finished", 0, 10),
+        ("d-failed", "failed", 0, 10)]
+    p = runs.progress(stopped)
+    assert p["weights"] == ["b-stopped-step000005_comfyui.safetensors"] and p["checkpoints"] == ["step-000005"]
+    assert p["log"].endswith("rss 2.5 GiB") and p["predicted"] == {}
+
+
+def test_run_names_cannot_leave_the_runs_folder(tmp_path):
+    with pytest.raises(FormError):
+        runs.run_folder(tmp_path, "../x")
+
+
+def test_launcher_records_the_process_and_stop_sends_sigint(tmp_path):
+    """A stand-in for `leantune train` that exits 130 on SIGINT, as the trainer does after saving."""
+    folder = tmp_path / "r"
+    folder.mkdir()
+    script = folder / "fake.py"
+    script.write_text("import signal, sys, time\nprint('started', flush=True)\n"
+                      "signal.signal(signal.SIGINT, lambda *a: sys.exit(130))\ntime.sleep(60)\n")
+    info = launcher.start(folder, None, command=[sys.executable, str(script)])
+    assert launcher.is_alive(launcher.read_process(folder))
+    with pytest.raises(launcher.LaunchError, match="already running"):
+        launcher.start(folder, folder / "config.toml")
+    deadline = time.time() + 10
+    while "started" not in (folder / launcher.CONSOLE_FILE).read_text() and time.time() < deadline:
+        time.sleep(0.1)
+    launcher.stop(folder)
+    while launcher.read_process(folder).get("exit_code") is None and time.time() < deadline:
+        time.sleep(0.1)
+    record = launcher.read_process(folder)
+    assert record["exit_code"] == 130 and record["pid"] == info["pid"]
+    assert not launcher.is_alive(record)
+    with pytest.raises(launcher.LaunchError, match="not running"):
+        launcher.stop(folder)
+
+
+def test_train_command_resumes_with_the_flag(tmp_path):
+    cmd = launcher.train_command(tmp_path / "c.toml", resume=True)
+    assert cmd[1:4] == ["-m", "leantune", "train"] and cmd[-1] == "--resume"
+    assert launcher.train_command(tmp_path / "c.toml")[-1] == str(tmp_path / "c.toml")
+
+
+ANSWER_FITS = {"workload": "LoRA r8", "machine": {"name": "assumed GPU"}, "plans": [
+    {"vram": "8GiB", "budget_bytes": 8 * 2**30, "plan": {
+        "streamed_blocks": ["double.0", "double.1"], "fp8": False, "checkpointing": "blocks",
+        "notes": {"predicted_peak_vram": 6 * 2**30, "predicted_peak_host": 20 * 2**30,
+                  "vram_breakdown": {"weights resident": 5 * 2**30, "activations": 2**30},
+                  "host_breakdown": {"process baseline": 2**31, "peak": 20 * 2**30}, "predicted_step_s": 3.5,
+                  "total_blocks": 57, "machine_measured": False}}}]}
+
+
+def test_summary_of_a_plan_that_fits():
+    s = plan_answer.summarize(ANSWER_FITS)
+    assert s["fits"] is True and s["message"] == "fits: predicted peak VRAM 6.00 GiB, host RAM 20.00 GiB"
+    assert (s["streamed_blocks"], s["total_blocks"], s["step_s"]) == (2, 57, 3.5)
+    assert s["vram_breakdown_gib"] == {"weights resident": 5.0, "activations": 1.0}
+    assert "peak" not in s["host_breakdown_gib"]
+
+
+def test_summary_of_a_budget_that_does_not_fit():
+    answer = {"workload": "LoRA", "machine": {"name": "m"}, "plans": [
+        {"vram": "1GiB", "budget_bytes": 2**30, "error": "no memory plan fits ...", "needed_vram": 3 * 2**30 // 2,
+         "needed_ram": None}]}
+    s = plan_answer.summarize(answer)
+    assert s["fits"] is False and s["message"] == "does not fit: the smallest budget is 1.50 GiB"
+    assert s["smallest_gib"] == 1.5 and s["detail"] == "no memory plan fits ..."
+
+
+@pytest.mark.slow
+def test_plan_answer_is_leantune_plans_answer(tmp_path, tiny_flux_dir):
+    """In-process, through the command: a fitting budget and one below the smallest."""
+    images = _images(tmp_path / "d")
+    form = RunForm.from_fields({**FIELDS, "model_path": str(tiny_flux_dir), "dataset": str(images), "dtype": "fp32",
+                                "resolutions": "64", "max_text_length": "16"})
+    config = form.write(tmp_path / "c.toml")
+    fits = plan_answer.summarize(plan_answer.plan_json(config, "1GiB"))
+    assert fits["fits"] is True and 0 < fits["peak_vram_gib"] < 1
+    tight = plan_answer.summarize(plan_answer.plan_json(config, "1MiB"))
+    assert tight["fits"] is False and tight["smallest_gib"] > 0.001
+    assert tight["message"].startswith("does not fit: the smallest budget is ")
