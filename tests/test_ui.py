@@ -227,3 +227,57 @@ def test_plan_answer_is_leantune_plans_answer(tmp_path, tiny_flux_dir):
     tight = plan_answer.summarize(plan_answer.plan_json(config, "1MiB"))
     assert tight["fits"] is False and tight["smallest_gib"] > 0.001
     assert tight["message"].startswith("does not fit: the smallest budget is ")
+
+
+def _serve(args: list[str], tmp_path: Path):
+    import subprocess
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "leantune", "ui", "--runs", str(tmp_path / "runs"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    banner = proc.stdout.readline()
+    return proc, banner, urllib.request
+
+
+def test_bound_beyond_localhost_the_page_needs_the_printed_token(tmp_path):
+    import socket
+    import urllib.error
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, banner, request = _serve(["--host", "0.0.0.0", "--port", str(port)], tmp_path)
+    try:
+        assert "?token=" in banner, banner
+        token = banner.split("?token=")[1].split()[0]
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                request.urlopen(f"{base}/api/runs", timeout=2)
+                pytest.fail("answered without the token")
+            except urllib.error.HTTPError as e:
+                assert e.code == 403
+                break
+            except OSError:
+                assert time.time() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        with request.urlopen(f"{base}/api/runs?token={token}", timeout=5) as r:
+            assert json.loads(r.read()) == {"runs": []}
+            cookie = r.headers["set-cookie"].split(";")[0]
+        with request.urlopen(request.Request(f"{base}/api/choices", headers={"Cookie": cookie}), timeout=5) as r:
+            assert "lora" in json.loads(r.read())["mode"]
+        with pytest.raises(urllib.error.HTTPError):
+            request.urlopen(f"{base}/api/runs?token={token}x", timeout=5)
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert "warning: leantune ui is bound to 0.0.0.0" in err
+
+
+def test_on_localhost_there_is_no_token(tmp_path):
+    from leantune.commands.ui import address
+
+    assert address("127.0.0.1", 7860, None) == "http://127.0.0.1:7860/"
+    assert address("::", 80, "t") == "http://[::]:80/?token=t"

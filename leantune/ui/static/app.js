@@ -76,7 +76,7 @@ async function updatePlan() {
     if (seq === planSeq) showPlan(plan);
   } catch (e) { if (seq === planSeq) showPlan({fits: false, message: e.message}); }
 }
-function gib(x) { return x.toFixed(2) + " GiB"; }
+function gib(x) { return x < 0.1 ? (x * 1024).toFixed(1) + " MiB" : x.toFixed(2) + " GiB"; }
 function showPlan(p) {
   $("plan").className = "plan " + (p.fits === true ? "fits" : p.fits === false ? "nofit" : "");
   $("plan-message").textContent = p.message;
@@ -169,7 +169,9 @@ function showProgress(p) {
   for (const w of p.weights) {
     const li = el("li"); li.append(el("a", {href: `/api/runs/${p.name}/weights/${w}`}, w)); downloads.append(li);
   }
-  $("log").textContent = (p.log || p.console);
+  const log = $("log");
+  log.textContent = p.log || p.console;
+  log.scrollTop = log.scrollHeight;
   refreshRuns();
 }
 async function stopRun() { await api("POST", `/api/runs/${watching}/stop`); status("stop asked: the run finishes its step and saves"); }
