@@ -179,9 +179,6 @@ def test_planned_budget_holds_on_the_simulated_device(simulated_cases):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="under bf16 autocast the fp8 Linear dequantizes its weight to the fp32 "
-                   "input dtype and autocast casts it again (issue 8, fp8 item 4); the planner's probe prices "
-                   "a bf16 temporary, so the simulated peak is ~13% above the prediction")
 def test_fp8_training_step_matches_the_prediction(simulated_cases):
     """Prediction within 10% of the simulation for fp8 training plans, given and planned; and the
     planned one inside the usable budget (the budget less the allocator margin)."""

@@ -10,6 +10,8 @@ Order, and why (each step is one module with its own docstring):
                   e4m3 from an fp8 checkpoint always take this step, whatever plan.fp8 says: a plain
                   Linear cannot compute with an e4m3 weight. plan.fp8 decides only whether the
                   other block Linears are quantized too.
+2b. CPU matmuls   on a CPU compute device, every frozen bf16/fp16 Linear computes through fp32
+                  (cpu_linear.py): torch's bf16 matmul backward is 10-40x slower there.
 3. streaming      packs each streamed unit's frozen tensors into one host buffer, block by block,
                   freeing the originals as it goes, and re-points them at device ring slots; wraps
                   the unit's forward (inner wrapper).
@@ -45,6 +47,7 @@ from .checkpointing import (
     apply_checkpointing,
     remove_checkpointing,
 )
+from .cpu_linear import CpuLinearHandle, apply_cpu_linears, remove_cpu_linears
 from .fp8 import Fp8Handle, apply_fp8_storage, has_prequantized, remove_fp8_storage
 from .plan import Plan
 from .streaming import (
@@ -111,6 +114,7 @@ class MemoryHandle:
     fp8: Fp8Handle | None = None
     streaming: StreamingHandle | None = None
     checkpointing: CheckpointHandle | None = None
+    cpu_linears: CpuLinearHandle | None = None
 
     def forward_only(self, enabled: bool) -> None:
         """Sampling mode (call the model under torch.no_grad()): the streaming ring keeps cycling
@@ -153,6 +157,9 @@ class MemoryHandle:
         if self.streaming is not None:
             remove_streaming(self.streaming, device or self.device)
             self.streaming = None
+        if self.cpu_linears is not None:
+            remove_cpu_linears(self.cpu_linears)
+            self.cpu_linears = None
         if self.fp8 is not None:
             remove_fp8_storage(self.fp8)
             self.fp8 = None
@@ -178,6 +185,9 @@ class MemoryHandle:
         if self.streaming is not None:
             release_streaming(self.streaming)
             self.streaming = None
+        if self.cpu_linears is not None:
+            remove_cpu_linears(self.cpu_linears)
+            self.cpu_linears = None
         self.fp8 = None                       # fp8 weights stay as they are: no dequantized copies
         self.model.__dict__[_APPLIED_ATTR] = _RELEASED
 
@@ -252,6 +262,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
         if plan.fp8 or fp8_scales or has_prequantized(model, spec):     # 2. fp8 storage
             handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales, quantize_rest=plan.fp8,
                                            work_device=device if device.type == "cuda" else None)
+        if device.type == "cpu":                                         # 2b. fp32 matmuls on CPU
+            handle.cpu_linears = apply_cpu_linears(model)
         streaming = bool(plan.streamed_blocks) or plan.stream_non_blocks
         if streaming:                                                    # 3. streaming (inner wrapper)
             handle.streaming = apply_streaming(model, spec, plan, device,
@@ -265,7 +277,9 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
         _place(model, device)                                            # 5. the resident set
         return_freed_host_memory()                                       # their host copies
     except BaseException:
-        handle.remove()
+        # Roll back to the host, never onto the device: this is typically an out-of-memory while a
+        # tighter plan is applied, and copying every streamed block onto the device would run out again.
+        handle.remove(device=host_device)
         raise
     model.__dict__[_APPLIED_ATTR] = True
     for line in handle.describe():

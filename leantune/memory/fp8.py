@@ -1,8 +1,8 @@
 """Scaled fp8 storage for the Linear weights inside transformer blocks.
 
 What it trades: each frozen block Linear weight is stored as float8 e4m3 (1 byte per value instead
-of 2 for bf16) plus a small fp32 scale tensor, and is dequantized to the input's dtype inside the
-forward. That halves the resident (or streamed) bytes of those weights for one elementwise
+of 2 for bf16) plus a small fp32 scale tensor, and is dequantized to the matmul's dtype (the
+autocast dtype when autocast is on, else the input's) inside the forward. That halves the resident (or streamed) bytes of those weights for one elementwise
 dequantization per call; the matmul itself still runs in the compute dtype.
 
 How it works:
@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.spec import ModelSpec
+from .cpu_linear import linear, linear_input_grad, matmul_dtype
+from .fp8_matmul import scaled_mm_linear
 
 log = logging.getLogger("leantune.memory")
 
@@ -79,16 +81,25 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """y = x @ dequant(q, scale)^T + b, saving the fp8 weight rather than its dequantized copy."""
+    """y = x @ dequant(q, scale)^T + b, saving the fp8 weight rather than its dequantized copy.
+
+    The weight is dequantized to the dtype the matmul runs in (cpu_linear.matmul_dtype: autocast's
+    when autocast is on), not to the input's: under bf16 autocast Flux's modulated inputs are fp32,
+    and an fp32 temporary that autocast then casts to bf16 holds 3x the intended bytes. On CPU the
+    products run through fp32 (cpu_linear), where bf16 matmuls are slow; with fp8 tensor cores
+    (CUDA sm_89+) the forward uses torch._scaled_mm (fp8_matmul.py)."""
 
     @staticmethod
     def forward(ctx, x, q, scale, bias):
-        w = dequantize(q, scale, x.dtype)                                  # (out, in)
-        b = None if bias is None else bias.to(x.dtype)
+        dtype = matmul_dtype(x)
         ctx.save_for_backward(q, scale)
         ctx.bias_needs_grad = bias is not None and bias.requires_grad
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return F.linear(x, w, b)                                           # (..., out)
+        y = scaled_mm_linear(x, q, scale, bias, dtype)
+        if y is not None:
+            return y
+        w = dequantize(q, scale, dtype)                                     # (out, in)
+        return linear(x, w, bias, dtype)                                   # (..., out)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -96,7 +107,7 @@ class _Fp8Linear(torch.autograd.Function):
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
             w = dequantize(q, scale, grad_out.dtype)
-            grad_x = grad_out @ w                                          # (..., in)
+            grad_x = linear_input_grad(grad_out, w)                        # (..., in)
         if ctx.bias_needs_grad:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_x, None, None, grad_b

@@ -1,0 +1,121 @@
+"""Frozen 16-bit Linears and fp8 Linears on CPU compute through fp32 (memory/cpu_linear.py), and
+the fp8 Linear computes in the autocast dtype, not its input's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from leantune.memory import fp8_matmul
+from leantune.memory.cpu_linear import apply_cpu_linears, matmul_dtype, remove_cpu_linears
+from leantune.memory.fp8 import _Fp8Linear, dequantize, quantize
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the dtypes of every mm/addmm/bmm the CPU runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen.append(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_frozen_bf16_linear_matches_plain_linear_and_runs_no_bf16_matmul():
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(96, 48).to(torch.bfloat16).requires_grad_(False)
+    lin.bias.requires_grad_(True)                  # a trainable bias still gets its gradient
+    ref = nn.Linear(96, 48).to(torch.bfloat16)
+    ref.load_state_dict(lin.state_dict())
+    ref.weight.requires_grad_(False)
+    x = torch.randn(3, 7, 96, generator=g).to(torch.bfloat16).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    gy = torch.randn(3, 7, 48, generator=g).to(torch.bfloat16)
+
+    handle = apply_cpu_linears(nn.Sequential(lin))
+    assert handle.linears == [lin]
+    with _MatmulDtypes() as rec:
+        y = lin(x)
+        y.backward(gy)
+    assert rec.seen and set(rec.seen) == {torch.float32}
+    y2 = ref(x2)
+    y2.backward(gy)
+    assert y.dtype == y2.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y2, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1.6e-2, atol=1e-2)
+    assert lin.weight.grad is None
+
+    remove_cpu_linears(handle)
+    assert "forward" not in lin.__dict__
+    with _MatmulDtypes() as rec:
+        lin(x)
+    assert set(rec.seen) == {torch.bfloat16}
+
+
+def test_only_frozen_16_bit_linears_are_wrapped():
+    trainable = nn.Linear(8, 8).to(torch.bfloat16)
+    fp32 = nn.Linear(8, 8).requires_grad_(False)
+    frozen = nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+    handle = apply_cpu_linears(nn.Sequential(trainable, fp32, frozen))
+    assert handle.linears == [frozen]
+
+
+def test_matmul_dtype_follows_autocast():
+    x = torch.randn(2, 4)
+    assert matmul_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert matmul_dtype(x) == torch.bfloat16
+    assert matmul_dtype(x.bfloat16()) == torch.bfloat16
+
+
+def test_fp8_linear_under_autocast_computes_in_the_autocast_dtype():
+    """An fp32 input under bf16 autocast (Flux's modulated activations): the product is the bf16
+    product of bf16-rounded operands, with bf16 output and an input-gradient in the input's dtype;
+    on CPU the matmuls themselves run in fp32."""
+    g = torch.Generator().manual_seed(2)
+    q, s = quantize(torch.randn(32, 128, generator=g))
+    x = torch.randn(4, 128, generator=g, requires_grad=True)
+    bias = torch.randn(32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _MatmulDtypes() as rec:
+        y = _Fp8Linear.apply(x, q, s, bias)
+    assert y.dtype == torch.bfloat16
+    assert set(rec.seen) == {torch.float32}
+    w16 = dequantize(q, s, torch.bfloat16)
+    ref = (x.detach().bfloat16().float() @ w16.float().t() + bias.bfloat16().float()).bfloat16()
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    gy = torch.randn(4, 32, generator=g).bfloat16()
+    y.backward(gy)
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, (gy.float() @ w16.float()).bfloat16().float(), rtol=0, atol=0)
+
+
+def test_scaled_mm_path_is_off_without_fp8_tensor_cores():
+    q, s = quantize(torch.randn(32, 64), block=0)
+    assert s.shape == (32, 1)
+    x = torch.randn(4, 64)
+    assert not fp8_matmul.usable(x, q, s, torch.bfloat16)
+    assert fp8_matmul.scaled_mm_linear(x, q, s, None, torch.bfloat16) is None
+
+
+@pytest.mark.gpu
+def test_scaled_mm_matches_the_dequantized_product_on_fp8_tensor_cores():
+    dev = torch.device("cuda")
+    if not fp8_matmul.fp8_tensor_cores(dev):
+        pytest.skip("needs a CUDA device of compute capability 8.9 or newer")
+    g = torch.Generator().manual_seed(3)
+    q, s = quantize(torch.randn(256, 512, generator=g), block=0)
+    q, s = q.to(dev), s.to(dev)
+    x = torch.randn(2, 40, 512, generator=g).to(dev, torch.bfloat16)
+    bias = torch.randn(256, generator=g).to(dev, torch.bfloat16)
+    assert fp8_matmul.usable(x, q, s, torch.bfloat16)
+    y = fp8_matmul.scaled_mm_linear(x, q, s, bias, torch.bfloat16)
+    assert y is not None and y.shape == (2, 40, 256) and not fp8_matmul._state["failed"]
+    ref = nn.functional.linear(x.float(), dequantize(q, s, torch.float32), bias.float())
+    rel = (y.float() - ref).norm() / ref.norm()
+    assert rel < 0.05, rel          # the input is quantized to e4m3 per row: a few percent at most
