@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 MODELS = {"flux-dev": "dev", "flux-schnell": "schnell"}
+MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux"}   # --model name -> [model] family
 UNLIMITED_RAM = 2**62   # host RAM not checked (reported, not limited)
 FULL_NOT_PLANNED = ("--mode full / [train] mode = \"full\": the planner does not plan full fine-tunes yet (their "
                     "trainable weights stream with write-back and their optimizer steps inside backward, which the "
@@ -62,15 +63,14 @@ def run(args: argparse.Namespace) -> int:
     from ..planner.report import format_plan
     from ..planner.search import Planner
     from ..planner.workload import Budget, InfeasibleBudget
-    from ..models.flux import FLUX_SPEC
 
     if bool(args.config) == bool(args.model):
         raise ConfigError("give either a config file or --model flux-dev|flux-schnell")
     machine = probe_machine()
     if args.config:
-        source, build, workload, vram_values, ram_value = _from_config(args)
+        spec, source, build, workload, vram_values, ram_value = _from_config(args)
     else:
-        source, build, workload = _from_flags(args)
+        spec, source, build, workload = _from_flags(args)
         vram_values, ram_value = args.vram, args.ram
     if not vram_values:
         raise ConfigError("no VRAM budget: give --vram SIZE (or set [memory] vram_budget in the config)")
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         ram = UNLIMITED_RAM
     _check_ranks(args, workload)
     budgets = [Budget(vram=_vram_bytes(v, machine), ram=ram) for v in vram_values]
-    planner = Planner(FLUX_SPEC, _measured(source, build, workload), workload, machine)
+    planner = Planner(spec, _measured(spec, source, build, workload), workload, machine)
     results, failed = [], 0
     for value, budget in zip(vram_values, budgets):
         try:
@@ -125,15 +125,14 @@ def _ranks(args, planner, results) -> list:
             for _, _, plan, _ in results]
 
 
-def _measured(source: str, build, workload):
+def _measured(spec, source: str, build, workload):
     """The model as the planner measures it: from the cache when this source and workload shape
     were planned before (no model built, nothing traced), else measured from `build()` and kept."""
-    from ..models.flux import FLUX_SPEC
     from ..planner.spec_cache import load_measured, measure_model, save_measured
 
     measured = load_measured(source, workload)
     if measured is None:
-        measured = measure_model(FLUX_SPEC, build(), workload)
+        measured = measure_model(spec, build(), workload)
         save_measured(source, workload, measured)
     return measured
 
@@ -145,7 +144,8 @@ def _vram_bytes(value: str, machine) -> int:
 
 
 def _from_flags(args):
-    """(model source, how to build it, workload) of the --model form."""
+    """(spec, model source, how to build it, workload) of the --model form."""
+    from ..models.family import get_family
     from ..planner.meta import TEXT_LENGTH, build_meta_flux
     from ..planner.spec_cache import source_key
     from ..planner.workload import Workload
@@ -158,14 +158,16 @@ def _from_flags(args):
         text_length=args.text_length or TEXT_LENGTH[variant], autocast=not args.no_autocast,
         allow_fp8=not args.no_fp8)
     _check_workload(workload)
-    return source_key(f"packaged:flux1_{variant}", "bf16"), lambda: build_meta_flux(variant), workload
+    spec = get_family(MODEL_FAMILY[args.model]).spec
+    return spec, source_key(f"packaged:flux1_{variant}", "bf16"), lambda: build_meta_flux(variant), workload
 
 
 def _from_config(args):
-    """(model source, how to build it, workload, VRAM budgets, RAM budget) of the config form."""
+    """(spec, model source, how to build it, workload, VRAM budgets, RAM budget) of the config form."""
     from dataclasses import replace
 
     from ..config import load_config
+    from ..models.family import get_family
     from ..planner.from_config import workload_from_config
     from ..planner.spec_cache import source_key
     from ..planner.workload import Workload
@@ -185,7 +187,8 @@ def _from_config(args):
     _check_workload(workload)
     vram = args.vram or ([cfg.memory.vram_budget] if cfg.memory.vram_budget else None)
     source = source_key(_transformer_source(cfg), cfg.model.dtype)
-    return source, lambda: meta_model_for_config(cfg), workload, vram, args.ram if args.ram is not None else cfg.memory.ram_budget
+    ram = args.ram if args.ram is not None else cfg.memory.ram_budget
+    return get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg), workload, vram, ram
 
 
 def _check_workload(w) -> None:
@@ -205,10 +208,10 @@ def _check_workload(w) -> None:
 def _transformer_source(cfg) -> Path:
     """The transformer file or folder of a config, with a config error naming [model] if there is none."""
     from ..config import ConfigError
-    from ..models.flux_loading import resolve_sources
+    from ..models.family import get_family
 
     try:
-        sources = resolve_sources(cfg.model, Path(cfg.base_dir))
+        sources = get_family(cfg.model.family).resolve_sources(cfg.model, Path(cfg.base_dir))
     except (OSError, ValueError) as e:     # the message already names [model] and the path
         raise ConfigError(f"{e}; to plan without the weights, use --model flux-dev or flux-schnell") from None
     if sources.transformer is None:
@@ -221,13 +224,15 @@ def meta_model_for_config(cfg):
     architecture from config.json or a single file's header, every tensor in the dtype loading gives
     it (block weights a file stores in e4m3 stay e4m3, with their scales). No tensor is read."""
     from ..config import ConfigError
-    from ..models.flux_loading import dtype_from_name, load_transformer, resolve_sources
+    from ..models.family import get_family
+    from ..models.flux_loading import dtype_from_name
     from ..models.weights import LoadError
 
     _transformer_source(cfg)
-    sources = resolve_sources(cfg.model, Path(cfg.base_dir))
+    family = get_family(cfg.model.family)
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     try:
-        return load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta")
+        return family.load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta")
     except (OSError, LoadError) as e:
         raise ConfigError(f"{e}; cannot read the transformer architecture: plan with --model flux-dev instead") from None
 

@@ -44,9 +44,8 @@ import torch
 from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
 from leantune.data.dataset import ImageItem, load_rgb, scan_datasets, to_tensor
 from leantune.io import load_safetensors, save_safetensors
-from leantune.models import flux_loading
-from leantune.models.flux import LATENT_CHANNELS, VAE_SCALE_FACTOR, PromptEmbeds, encode_prompts
-from leantune.models.flux_loading import fingerprint, resolve_sources
+from leantune.models.family import ModelFamily, PromptEmbeds, get_family
+from leantune.models.flux_loading import dtype_from_name, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +117,7 @@ def text_key(caption: str, encoders_id: str, max_length: int, dtype: torch.dtype
 
 def model_dtype(cfg) -> torch.dtype:
     """The compute dtype [model] dtype names; part of every cache key, so `train` and `cache` must agree."""
-    return flux_loading.dtype_from_name(cfg.model.dtype)
+    return dtype_from_name(cfg.model.dtype)
 
 
 def _release(device) -> None:
@@ -174,7 +173,7 @@ def _check_tensor(name: str, t: torch.Tensor | None, ndim: int) -> str | None:
     return None
 
 
-def check_latent_entry(path: Path, key: str, bucket: Bucket) -> str | None:
+def check_latent_entry(path: Path, key: str, bucket: Bucket, family: ModelFamily) -> str | None:
     """None if the latent entry at `path` is sound for `key` and `bucket`, else what is wrong."""
     try:
         tensors, meta = _read(path)
@@ -186,7 +185,8 @@ def check_latent_entry(path: Path, key: str, bucket: Bucket) -> str | None:
     problem = _check_tensor("latent", lat, 3)
     if problem:
         return problem
-    expected = (LATENT_CHANNELS, bucket[1] // VAE_SCALE_FACTOR, bucket[0] // VAE_SCALE_FACTOR)
+    f = family.vae_scale_factor
+    expected = (family.latent_channels, bucket[1] // f, bucket[0] // f)
     if tuple(lat.shape) != expected:
         return f"tensor 'latent' has shape {tuple(lat.shape)}, expected {expected} for bucket {bucket[0]}x{bucket[1]}"
     return None
@@ -227,7 +227,7 @@ def _warn_corrupt(kind: str, bad: list[tuple[Path, str]]) -> None:
 # -- the cache pass ------------------------------------------------------------------------------
 
 def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sources, dtype, device,
-                  load_vae: Callable) -> CacheStats:
+                  load_vae: Callable, family: ModelFamily) -> CacheStats:
     stats, todo, bad = CacheStats(), [], []
     for key, (item, bucket) in jobs.items():
         path = folder / f"{key}.safetensors"
@@ -235,7 +235,7 @@ def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sourc
             stats.misses += 1
             todo.append(key)
             continue
-        problem = check_latent_entry(path, key, bucket)
+        problem = check_latent_entry(path, key, bucket, family)
         if problem:
             bad.append((path, problem))
             stats.recomputed += 1
@@ -261,7 +261,7 @@ def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sourc
 
 
 def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_length: int,
-               load_text_encoders: Callable) -> CacheStats:
+               load_text_encoders: Callable, family: ModelFamily) -> CacheStats:
     stats, todo, bad = CacheStats(), [], []
     dims: dict[str, tuple[int, int]] = {}
     for key, caption in jobs.items():
@@ -293,12 +293,11 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
     log.info("cache: encoding %d caption(s) with the text encoders", len(todo))
     enc = load_text_encoders(sources, dtype, device)
     try:
-        side = getattr(enc.tokenizer_2, "padding_side", "right")
+        side = family.padding_side(enc)
         for start in range(0, len(todo), TEXT_BATCH):
             keys = todo[start:start + TEXT_BATCH]
-            embeds, lengths = encode_prompts([jobs[k] for k in keys], enc.tokenizer, enc.text_encoder,
-                                             enc.tokenizer_2, enc.text_encoder_2, max_length=max_length,
-                                             device=device)
+            embeds, lengths = family.encode_prompts([jobs[k] for k in keys], enc, max_length=max_length,
+                                                    device=device)
             for i, key in enumerate(keys):
                 n = int(lengths[i])
                 save_safetensors({"t5": _trim(embeds.t5[i], n, side).to(STORE_DTYPE),        # (n, D_t5)
@@ -318,16 +317,16 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
     """Scan the datasets, fill the caches, free the encoders; return what the trainer reads.
 
     `cfg` is a `RunConfig`. The loaders are called as `load_vae(sources, dtype, device)` and
-    `load_text_encoders(sources, dtype, device)` (flux_loading's by default) and only when an
+    `load_text_encoders(sources, dtype, device)` (the [model] family's by default) and only when an
     entry of their kind is missing or corrupt. Besides the captions, the empty caption (caption
     dropout, unconditional use), `cfg.sample.prompts` and `extra_prompts` are encoded in the same
     pass, so sampling during training never reloads the text encoders.
     """
+    family = get_family(cfg.model.family)
     items = scan_datasets(cfg.data, cfg.base_dir)
-    sources = resolve_sources(cfg.model, Path(cfg.base_dir))
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     vae_id = component_identity(sources.vae)
-    encoders_id = "+".join(component_identity(getattr(sources, n))
-                           for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"))
+    encoders_id = "+".join(component_identity(getattr(sources, n)) for n in family.text_sources)
     max_length = cfg.data.max_text_length
     cache_dir = cfg.resolve(cfg.data.cache_dir)
 
@@ -350,15 +349,16 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
     from leantune.disk import disk_full_guard
 
     def latent_bytes() -> int:     # what the latents need (bf16); the text entries come on top
-        return sum(LATENT_CHANNELS * (b[0] // VAE_SCALE_FACTOR) * (b[1] // VAE_SCALE_FACTOR) * 2
+        f = family.vae_scale_factor
+        return sum(family.latent_channels * (b[0] // f) * (b[1] // f) * 2
                    for _, b in latent_jobs.values())
 
     with disk_full_guard(cache_dir, latent_bytes, "every entry already written is intact and reused next time"):
         stats = {
             "latents": _fill_latents(latent_jobs, cache_dir / "latents", sources, dtype, device,
-                                     load_vae or flux_loading.load_vae),
+                                     load_vae or family.load_vae, family),
             "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
-                               load_text_encoders or flux_loading.load_text_encoders),
+                               load_text_encoders or family.load_text_encoders, family),
         }
     data = CachedData(cache_dir, samples, text_keys, cfg.data.batch_size, cfg.data.shuffle, stats)
     log.info("cache: %s", data.summary())

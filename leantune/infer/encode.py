@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..models.flux import PromptEmbeds, encode_prompts
+from ..models.family import ModelFamily, PromptEmbeds, get_family
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -108,7 +108,8 @@ def _free_device_cache(device) -> None:
 
 @torch.no_grad()
 def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int = 512, device="cpu",
-                         stream_t5: bool = False, batch_size: int = 8) -> list[PromptEmbeds]:
+                         stream_t5: bool = False, batch_size: int = 8,
+                         family: ModelFamily | None = None) -> list[PromptEmbeds]:
     """Encode `prompts` with CLIP-L + T5 on `device`; return one (1, L, D) PromptEmbeds per prompt on the host.
 
     `text_encoders` has tokenizer, text_encoder (CLIP), tokenizer_2, text_encoder_2 (T5), each on the
@@ -116,14 +117,15 @@ def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int =
     `stream_t5` runs T5 block by block (see module docstring) for budgets it does not fit in.
     Prompts are encoded `batch_size` at a time, exactly as FluxPipeline tokenizes and encodes them.
     """
+    family = family or get_family("flux")
     te = text_encoders
     clip, t5 = te.text_encoder, te.text_encoder_2
     t5_ctx = blockwise_offload(t5, t5_blocks(t5), device) if stream_t5 else _moved(t5, device)
     pooled, seqs = [], []
     with _eval_mode(clip, t5), _moved(clip, device), t5_ctx:
         for i in range(0, len(prompts), batch_size):
-            emb, _ = encode_prompts(prompts[i:i + batch_size], te.tokenizer, clip, te.tokenizer_2, t5,
-                                    max_length=max_length, device=torch.device(device))
+            emb, _ = family.encode_prompts(prompts[i:i + batch_size], te, max_length=max_length,
+                                           device=torch.device(device))
             pooled.append(emb.pooled.to("cpu"))   # (b, D_clip)
             seqs.append(emb.t5.to("cpu"))         # (b, L, D_t5)
     _free_device_cache(device)

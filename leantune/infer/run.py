@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, parse_size
-from ..models.flux import FLUX_SPEC
+from ..models.family import get_family
 from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
 from .encode import encode_prompts_stage, module_bytes
 from .images import format_loras, save_png
@@ -111,7 +111,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
                             dtype=_DTYPES[request.model.dtype])
         try:
             ram = parse_size(request.memory.ram_budget) if request.memory.ram_budget else None
-            return plan_memory(FLUX_SPEC, transformer, workload, Budget(vram=budget, ram=ram))
+            return plan_memory(get_family(request.model.family).spec, transformer, workload, Budget(vram=budget, ram=ram))
         except (InfeasibleBudget, ValueError) as e:
             if device.type != "cpu" or not isinstance(e, InfeasibleBudget):
                 raise ConfigError(f"memory.vram_budget = {request.memory.vram_budget!r}: {e}") from None
@@ -121,16 +121,14 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
                         "ignored (the model runs from host memory as [memory] says)", request.memory.vram_budget)
     from ..memory.engine import resolve_plan
 
-    return resolve_plan(request.memory, FLUX_SPEC, transformer)
+    return resolve_plan(request.memory, get_family(request.model.family).spec, transformer)
 
 
 class FolderComponents:
-    """The models of a request's [model] section, loaded from disk one at a time (flux_loading.py)."""
+    """The models of a request's [model] section, loaded from disk one at a time by its family."""
 
     def __init__(self, request: SampleRequest):
-        from ..models import flux_loading as fl
-
-        self._fl = fl
+        self._fl = fl = get_family(request.model.family)
         self.sources = fl.resolve_sources(request.model, Path(request.base_dir))
         folder = request.resolve(request.model.path)
         self.schedule_folder = folder if folder.is_dir() else None   # scheduler/scheduler_config.json
@@ -176,7 +174,7 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         needed = module_bytes(encoders.text_encoder) + module_bytes(encoders.text_encoder_2) + _MARGIN
         result.stream_t5 = budget is not None and needed > budget
         embeds = encode_prompts_stage(encoders, prompts, max_length=request.max_text_length, device=device,
-                                      stream_t5=result.stream_t5)
+                                      stream_t5=result.stream_t5, family=get_family(request.model.family))
         del encoders
         _release(device)
 
@@ -193,13 +191,14 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         result.plan = transformer_plan(request, transformer, device, budget, len(prompts), embeds[0].t5.shape[1])
         log.info("sample: %s", result.plan.describe())
         t1 = time.perf_counter()
-        handle = apply_memory(transformer, FLUX_SPEC, result.plan, device)
+        handle = apply_memory(transformer, get_family(request.model.family).spec, result.plan, device)
         handle.forward_only(True)
         t2 = time.perf_counter()
         try:
             latents = denoise(transformer, embeds, seeds, width=request.width, height=request.height, steps=steps,
                               guidance=guidance, schedule=schedule, device=device, dtype=dtype,
-                              batch_size=request.batch_size, progress=progress)
+                              batch_size=request.batch_size, progress=progress,
+                              family=get_family(request.model.family))
             result.stream_report = handle.step_report(wait=True)
         finally:
             # release(), not remove(): restoring would copy every streamed weight onto the device

@@ -31,14 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..models.flux import (
-    LATENT_CHANNELS,
-    VAE_SCALE_FACTOR,
-    PromptEmbeds,
-    pack_latents,
-    predict,
-    unpack_latents,
-)
+from ..models.family import ModelFamily, PromptEmbeds, family_for_model
 from .decode import (
     DecodePlan,
     Tiling,
@@ -72,12 +65,13 @@ def compute_dtype(transformer: nn.Module) -> torch.dtype:
     return transformer.x_embedder.weight.dtype
 
 
-def initial_noise(seeds: Sequence[int], latent_h: int, latent_w: int, dtype: torch.dtype) -> torch.Tensor:
-    """Noise (B, 16, h, w) on the host, image i from its own CPU generator seeded with seeds[i]."""
+def initial_noise(seeds: Sequence[int], latent_h: int, latent_w: int, dtype: torch.dtype,
+                  channels: int = 16) -> torch.Tensor:
+    """Noise (B, C, h, w) on the host, image i from its own CPU generator seeded with seeds[i]."""
     out = []
     for s in seeds:
         g = torch.Generator(device="cpu").manual_seed(int(s))
-        out.append(torch.randn((1, LATENT_CHANNELS, latent_h, latent_w), generator=g, dtype=torch.float32))
+        out.append(torch.randn((1, channels, latent_h, latent_w), generator=g, dtype=torch.float32))
     return torch.cat(out).to(dtype)
 
 
@@ -107,37 +101,39 @@ def _batches(embeds: list[PromptEmbeds], batch_size: int | None) -> list[list[in
 def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds], seeds: Sequence[int], *,
             width: int, height: int, steps: int, guidance: float | None, schedule: FlowSchedule,
             device, dtype: torch.dtype | None = None, batch_size: int | None = None,
-            progress: Progress | None = None) -> torch.Tensor:
+            progress: Progress | None = None, family: ModelFamily | None = None) -> torch.Tensor:
     """Stage 2: Euler-sample latents for each (prompt embedding, seed) pair.
 
     The transformer must already be placed for `device` (resident, or under the memory engine).
     Returns unpacked latents (B, 16, height/8, width/8) on the host in the compute dtype.
     `batch_size` images share a forward (default: all that have the same text length).
+    `family` defaults to the transformer's (from its class).
     """
     check_size(width, height)
+    family = family or family_for_model(transformer)
     items = as_embed_list(embeds)
     if len(items) != len(seeds):
         raise ValueError(f"{len(items)} prompt embeddings but {len(seeds)} seeds: give one seed per image")
     dtype = dtype or compute_dtype(transformer)
-    h, w = height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR
-    n_tokens = (h // 2) * (w // 2)
-    sigmas = schedule.sigmas(steps, n_tokens)                               # (steps + 1,) float32
+    h, w = height // family.vae_scale_factor, width // family.vae_scale_factor
+    sigmas = schedule.sigmas(steps, family.image_tokens(h, w))             # (steps + 1,) float32
     g = guidance if getattr(transformer.config, "guidance_embeds", False) else None
-    out = torch.empty(len(items), LATENT_CHANNELS, h, w, dtype=dtype)
+    out = torch.empty(len(items), family.latent_channels, h, w, dtype=dtype)
     groups = _batches(items, batch_size)
     done, total = 0, steps * len(groups)
     for idx in groups:
         cond = PromptEmbeds(t5=torch.cat([items[i].t5 for i in idx]), pooled=torch.cat([items[i].pooled for i in idx]))
         cond = cond.to(device=device, dtype=dtype)                          # (b, L, D_t5), (b, D_clip)
-        x = pack_latents(initial_noise([seeds[i] for i in idx], h, w, dtype)).to(device)   # (b, N, 64)
+        noise = initial_noise([seeds[i] for i in idx], h, w, dtype, family.latent_channels)
+        x = family.pack_latents(noise).to(device)                           # Flux: (b, N, 64)
         for k in range(steps):
             t = model_timestep(sigmas[k], len(idx), dtype, device)          # (b,)
-            v = predict(transformer, x, t, cond, (h, w), g)                  # (b, N, 64) velocity
+            v = family.predict(transformer, x, t, cond, (h, w), g)         # velocity, packed
             x = euler_step(x, v, sigmas[k], sigmas[k + 1])
             done += 1
             if progress is not None:
                 progress(done, total)
-        out[idx] = unpack_latents(x, h, w).to("cpu", dtype)
+        out[idx] = family.unpack_latents(x, h, w).to("cpu", dtype)
     return out
 
 

@@ -8,10 +8,9 @@ Shapes: latents (B, 16, h, w) with h = H/8; packed latents (B, h/2 * w/2, 64); T
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .family import PromptEmbeds
 from .spec import BlockList, ModelSpec
 
 _DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
@@ -48,17 +47,6 @@ FLUX_SPEC = ModelSpec(
 VAE_SCALE_FACTOR = 8      # pixels per latent
 LATENT_CHANNELS = 16
 CLIP_MAX_LENGTH = 77
-
-
-@dataclass
-class PromptEmbeds:
-    """Text conditioning for a batch: T5 sequence (B, L, D_t5) and CLIP pooled (B, D_clip)."""
-
-    t5: torch.Tensor
-    pooled: torch.Tensor
-
-    def to(self, device=None, dtype=None) -> "PromptEmbeds":
-        return PromptEmbeds(self.t5.to(device=device, dtype=dtype), self.pooled.to(device=device, dtype=dtype))
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -134,3 +122,69 @@ def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds
         return_dict=False,
     )[0]
     return out
+
+
+# -- the family object: what trainer, cache, planner and sampler call (see family.py) -----------------
+
+def _encode(prompts: list[str], encoders, max_length: int = 512, device=None) -> tuple[PromptEmbeds, torch.Tensor]:
+    return encode_prompts(prompts, encoders.tokenizer, encoders.text_encoder, encoders.tokenizer_2,
+                          encoders.text_encoder_2, max_length=max_length, device=device)
+
+
+def _padding_side(encoders) -> str:
+    return getattr(encoders.tokenizer_2, "padding_side", "right")
+
+
+def _image_tokens(h: int, w: int) -> int:
+    return (h // 2) * (w // 2)
+
+
+def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype) -> dict:
+    """Forward kwargs on the meta device for the planner's activation probe (same shapes as predict)."""
+    image_tokens = _image_tokens(*latent_hw)
+
+    def meta(*shape, dtype=dtype):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    inputs = {"hidden_states": meta(batch, image_tokens, config.in_channels),                # (B, N_img, C_in)
+              "encoder_hidden_states": meta(batch, text_length, config.joint_attention_dim),  # (B, N_txt, D_text)
+              "pooled_projections": meta(batch, config.pooled_projection_dim), "timestep": meta(batch),
+              "img_ids": meta(image_tokens, 3), "txt_ids": meta(text_length, 3), "return_dict": False}
+    if getattr(config, "guidance_embeds", False):
+        inputs["guidance"] = meta(batch, dtype=torch.float32)
+    return inputs
+
+
+def _loader(name: str):
+    """flux_loading's `name`, imported on call (flux_loading imports this module for FLUX_SPEC)."""
+    def call(*args, **kwargs):
+        from . import flux_loading
+
+        return getattr(flux_loading, name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+def _describe(transformer) -> str:
+    from .flux_loading import detect_variant
+
+    return f"Flux.1-{detect_variant(transformer)}"
+
+
+def _register():
+    from .family import ModelFamily, register
+
+    return register(ModelFamily(
+        name="flux", spec=FLUX_SPEC,
+        resolve_sources=_loader("resolve_sources"), load_transformer=_loader("load_transformer"),
+        load_text_encoders=_loader("load_text_encoders"), load_vae=_loader("load_vae"),
+        text_sources=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"),
+        encode_prompts=_encode, padding_side=_padding_side,
+        latent_channels=LATENT_CHANNELS, vae_scale_factor=VAE_SCALE_FACTOR,
+        pack_latents=pack_latents, unpack_latents=unpack_latents, image_tokens=_image_tokens,
+        predict=predict, probe_inputs=probe_inputs, describe=_describe,
+        transformer_classes=("FluxTransformer2DModel",),
+    ))
+
+
+FLUX = _register()

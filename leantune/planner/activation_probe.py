@@ -187,21 +187,13 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
     return probe
 
 
-def _probe_inputs(model, workload: Workload, bucket: tuple[int, int]) -> dict:
-    cfg = model.config
-    b, n_img, n_txt = workload.batch_size, workload.image_tokens(bucket), workload.text_length
-    dt = workload.dtype
+def _probe_inputs(spec, model, workload: Workload, bucket: tuple[int, int]) -> dict:
+    """The forward kwargs of the model's family on the meta device (models/family.py probe_inputs)."""
+    from ..models.family import family_of_spec
 
-    def meta(*shape, dtype=dt):
-        return torch.empty(*shape, device="meta", dtype=dtype)
-
-    inputs = {"hidden_states": meta(b, n_img, cfg.in_channels),                   # (B, N_img, C_in)
-              "encoder_hidden_states": meta(b, n_txt, cfg.joint_attention_dim),   # (B, N_txt, D_text)
-              "pooled_projections": meta(b, cfg.pooled_projection_dim), "timestep": meta(b),
-              "img_ids": meta(n_img, 3), "txt_ids": meta(n_txt, 3), "return_dict": False}
-    if getattr(cfg, "guidance_embeds", False):
-        inputs["guidance"] = meta(b, dtype=torch.float32)
-    return inputs
+    family = family_of_spec(spec)
+    latent_hw = (bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor)
+    return family.probe_inputs(model.config, workload.batch_size, latent_hw, workload.text_length, workload.dtype)
 
 
 def _storage_bytes(tensors) -> int:
@@ -247,7 +239,7 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tr
 
             handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(block.register_forward_hook(post, with_kwargs=True))
-    inputs = _probe_inputs(probe, workload, bucket)
+    inputs = _probe_inputs(spec, probe, workload, bucket)
     _FlashAttention.tracker = tracker
     try:
         semantics = _GpuSemantics(workload.autocast)

@@ -20,7 +20,7 @@ import torch
 
 from ..config import RunConfig
 from ..distributed import DistContext, shard_of
-from ..models.flux import FLUX_SPEC, pack_latents, predict
+from ..models.family import get_family
 from ..planner.feedback.oom import NoPlanFits
 from . import flow_matching as fm
 from .modes import make_mode
@@ -96,7 +96,7 @@ class Trainee:
     dtype: torch.dtype
     memory: object | None = None   # leantune.memory.engine.MemoryHandle
     plan: object | None = None
-    sources: object | None = None  # leantune.models.flux_loading.FluxSources: the VAE for samples
+    sources: object | None = None  # the family's sources (resolve_sources): the VAE for samples
     guard: object | None = None    # leantune.planner.feedback.oom.OomGuard when planning from a budget
     calibrator: object | None = None
     last_bucket: tuple[int, int] | None = None
@@ -272,19 +272,20 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
     With several processes the batch is this rank's rows of the global batch: the noise and
     timesteps of the whole global batch are drawn (same generator state on every rank) and this
     rank keeps its rows, and the loss is weighted by the rank's share (see distributed.py)."""
-    x0 = batch.latents.to(t.device, torch.float32)                 # (B, 16, h, w)
+    family = get_family(cfg.model.family)
+    x0 = batch.latents.to(t.device, torch.float32)                 # (B, C, h, w)
     _, _, h, w = x0.shape
     shard = shard_of(batch)
     t.last_bucket = tuple(batch.bucket)
     noise = torch.randn((shard.global_size, *x0.shape[1:]), generator=t.generator)[shard.rows].to(t.device)
     sigma = fm.sample_sigmas(shard.global_size, cfg.train.timestep_sampling, t.generator,
                              sigmoid_scale=cfg.train.sigmoid_scale, shift=cfg.train.shift,
-                             image_seq_len=(h // 2) * (w // 2))[shard.rows]
+                             image_seq_len=family.image_tokens(h, w))[shard.rows]
     noisy = fm.add_noise(x0, noise, sigma)
-    target = pack_latents(fm.velocity_target(x0, noise))            # (B, h/2*w/2, 64)
+    target = family.pack_latents(fm.velocity_target(x0, noise))     # the transformer's layout
     with _autocast(cfg, t.device):
-        pred = predict(t.transformer, pack_latents(noisy).to(t.dtype), sigma.to(t.device), batch.embeds,
-                       (h, w), cfg.train.guidance)
+        pred = family.predict(t.transformer, family.pack_latents(noisy).to(t.dtype), sigma.to(t.device),
+                              batch.embeds, (h, w), cfg.train.guidance)
     loss = fm.flow_matching_loss(pred, target) * shard.weight
     backward = getattr(t.mode, "backward", None)      # an engine that owns backward (DeepSpeed)
     (backward or torch.Tensor.backward)(loss * scale)
@@ -301,18 +302,16 @@ def _autocast(cfg: RunConfig, device: torch.device):
 
 def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     from ..data.cache import model_dtype, prepare_caches
-    from ..models.flux_loading import detect_variant, load_transformer, resolve_sources
-
     dist = dist or DistContext()
+    family = get_family(cfg.model.family)
     device = pick_device(cfg)
     dtype = model_dtype(cfg)
     data = dist.main_first(lambda: prepare_caches(cfg, device, dtype))    # filled once, then read by all
-    sources = resolve_sources(cfg.model, Path(cfg.base_dir))
-    transformer = load_transformer(sources, dtype=dtype, device="cpu")
-    variant = detect_variant(transformer)
-    log.info("model: Flux.1-%s from %s (%s)", variant, sources.transformer, cfg.model.dtype)
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    transformer = family.load_transformer(sources, dtype=dtype, device="cpu")
+    log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
     mode = make_mode(cfg)
-    params = mode.prepare(transformer, FLUX_SPEC)
+    params = mode.prepare(transformer, family.spec)
     plan, memory, planner, budget = _apply_memory(cfg, transformer, device, mode, dist)
     optimizer = mode.build_optimizer(params)
     scheduler = build_scheduler(optimizer, cfg.train)
@@ -338,13 +337,14 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
     from ..memory.engine import resolve_plan
 
     planner = budget = None
+    spec = get_family(cfg.model.family).spec
     if cfg.memory.vram_budget is not None:
         from ..planner.from_config import choose_plan, planner_for_config
 
-        planner, budget = planner_for_config(cfg, FLUX_SPEC, transformer)
+        planner, budget = planner_for_config(cfg, spec, transformer)
         plan = choose_plan(planner, budget, cfg)
     else:
-        plan = resolve_plan(cfg.memory, FLUX_SPEC, transformer)
+        plan = resolve_plan(cfg.memory, spec, transformer)
     log.info("memory plan: %s", plan.describe())
     return plan, _apply_engine(cfg, transformer, plan, device, mode, dist or DistContext()), planner, budget
 
@@ -354,7 +354,8 @@ def _apply_engine(cfg: RunConfig, transformer, plan, device, mode, dist: DistCon
     from ..memory.engine import apply_memory
 
     shared = dist.shared_host(cfg, mode.name)
-    return dist.local_main_first(lambda: apply_memory(transformer, FLUX_SPEC, plan, device, host_buffers=shared,
+    spec = get_family(cfg.model.family).spec
+    return dist.local_main_first(lambda: apply_memory(transformer, spec, plan, device, host_buffers=shared,
                                                       **mode.memory_options()), shared)
 
 
@@ -513,7 +514,8 @@ def _streaming_summary(report: dict) -> str:
 def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
     from ..infer.images import save_png
     from ..infer.sampler import sample_during_training
-    from ..models.flux_loading import load_vae
+
+    load_vae = get_family(cfg.model.family).load_vae
 
     # Prompts were encoded with the captions (no text encoder reload); the VAE is loaded only
     # for the decode and dropped again, so training keeps its memory.

@@ -1,0 +1,115 @@
+"""ModelFamily: everything that differs between model families, in one object per family.
+
+The trainer, the cache, the planner's probe, `leantune plan` and the sampler never import a
+family's module: they ask `get_family(cfg.model.family)` and call what it holds. A family module
+(models/flux.py, ...) builds one `ModelFamily` and registers it; adding a family means writing
+that module, not editing the callers.
+
+What a family provides, and the shapes callers rely on:
+- `spec`: the `ModelSpec` the memory engine, LoRA targeting and the planner read (block lists,
+  fp8 exceptions, LoRA presets).
+- loading: `resolve_sources(model_cfg, base_dir) -> sources` (an object with one path attribute per
+  component, `transformer` and `vae` at least), `load_transformer(sources, dtype, device)` (device
+  "meta" builds the architecture with the loader's dtypes and reads nothing: the planner uses it),
+  `load_text_encoders(sources, dtype, device)`, `load_vae(sources, dtype, device)`,
+  `text_sources`: the attributes of `sources` whose files identify the cached text embeddings.
+- text: `encode_prompts(prompts, encoders, max_length, device) -> (PromptEmbeds, lengths)`;
+  `PromptEmbeds` (below, shared by the families) holds a text sequence `t5` (B, L, D) — the family
+  decides what the sequence is — and a pooled vector `pooled` (B, D_pooled). `lengths` (B,) are the sequence rows worth keeping
+  per prompt (the cache trims the rest; batches pad with zeros); `padding_side(encoders)` says
+  which end holds the padding.
+- latents: `latent_channels`, `vae_scale_factor` (pixels per latent), `pack_latents`
+  (B, C, h, w) -> the transformer's input layout, `unpack_latents(packed, h, w)` back, and
+  `image_tokens(h, w)` the number of image tokens for latent size h x w.
+- the forward call: `predict(transformer, packed_noisy, sigma, embeds, (h, w), guidance)` -> the
+  packed velocity; `guidance` is the distilled guidance input where the family has one (Flux dev),
+  else ignored. `probe_inputs(config, batch, (h, w), text_length, dtype)` are the forward
+  kwargs on the meta device for the planner's activation probe.
+- `describe(transformer)`: a short name for logs ("Flux.1-dev").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .spec import ModelSpec
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for a batch: a text sequence `t5` (B, L, D) and a pooled vector `pooled`
+    (B, D_pooled). Flux: the T5 sequence and CLIP-L pooled; each family says what its sequence is."""
+
+    t5: torch.Tensor
+    pooled: torch.Tensor
+
+    def to(self, device=None, dtype=None) -> "PromptEmbeds":
+        return PromptEmbeds(self.t5.to(device=device, dtype=dtype), self.pooled.to(device=device, dtype=dtype))
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    spec: ModelSpec
+    # loading
+    resolve_sources: Callable
+    load_transformer: Callable
+    load_text_encoders: Callable
+    load_vae: Callable
+    text_sources: tuple[str, ...]
+    # text
+    encode_prompts: Callable
+    padding_side: Callable
+    # latents
+    latent_channels: int
+    vae_scale_factor: int
+    pack_latents: Callable
+    unpack_latents: Callable
+    image_tokens: Callable
+    # the forward call
+    predict: Callable
+    probe_inputs: Callable
+    describe: Callable
+    # diffusers transformer classes of this family (family_for_model tells a loaded model's family)
+    transformer_classes: tuple[str, ...] = ()
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+# Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
+_MODULES = {"flux": "leantune.models.flux"}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family called `name` ([model] family), importing its module on first use."""
+    if name not in _FAMILIES:
+        module = _MODULES.get(name)
+        if module is None:
+            raise KeyError(f"unknown model family {name!r}; known: {sorted(_MODULES)}")
+        import importlib
+
+        importlib.import_module(module)
+    return _FAMILIES[name]
+
+
+def family_for_model(transformer) -> ModelFamily:
+    """The family of a loaded transformer, from its class (for code handed only the model, such as
+    the sampler called directly with a diffusers model)."""
+    cls = type(transformer).__name__
+    for name in _MODULES:
+        family = get_family(name)
+        if cls in family.transformer_classes:
+            return family
+    raise TypeError(f"{cls} belongs to no known model family ({sorted(_MODULES)})")
+
+
+def family_of_spec(spec: ModelSpec) -> ModelFamily:
+    """The family a spec belongs to (for code handed a spec, such as the planner's probe)."""
+    return get_family(spec.family)
