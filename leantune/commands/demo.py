@@ -36,9 +36,19 @@ def run(args: argparse.Namespace) -> int:
     for f in result.lora_files:
         print(f"  LoRA         {f}")
     for f in result.sample_files:
-        print(f"  samples      {f}")
+        label = "before/after" if f.name == "before-after.png" else "samples"
+        print(f"  {label:<13}{f}")
     print(f"  loss plot    {p.loss_plot}")
     print(f"  memory plot  {p.memory_plot}")
     print(f"  TensorBoard  tensorboard --logdir {p.tensorboard}")
     print(f"  log          {p.log_file}")
+    if (p.samples / "before-after.png").exists():
+        from ..config import load_config
+        from ..demo import before_after_match
+
+        prompts = list(load_config(config).sample.prompts)
+        match = before_after_match(p.samples, prompts)
+        print("prompted colours in the samples (share of pixels: shape colour, background), before -> after:")
+        for prompt, (sb, bb), (sa, ba) in zip(prompts, match["before"], match["after"]):
+            print(f"  {prompt!r}: shape {sb:.0%} -> {sa:.0%}, background {bb:.0%} -> {ba:.0%}")
     return 0

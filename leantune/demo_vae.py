@@ -1,0 +1,121 @@
+"""A tiny VAE for the demo that really reconstructs its images, built analytically in a second.
+
+A randomly initialised VAE decodes anything to noise, so the demo's samples could show nothing.
+This one is the real diffusers `AutoencoderKL` class with the tiny preset's shape (16 latent
+channels, 8x compression, like Flux's VAE), its weights set by hand so that
+
+  encode: every latent cell holds the mean colour of its 8x8 pixel block, per colour channel
+          divided by that channel's RMS over the image, spread over the 16 latent channels by a
+          fixed orthonormal mixing (so every channel carries signal, at about unit scale);
+  decode: un-mix, upsample with a smoothing kernel, and map back to colours.
+
+How it survives the architecture: every ResNet block's and the attention's residual branch is
+zeroed (the blocks become identities); downsampling convs average 2x2; each colour travels as a
+pair of channels (v, -v), which makes the GroupNorm before the output an exact division by the
+channel's RMS (the pair's mean is exactly zero) and makes `silu(x) - silu(-x) = x` undo the SiLU
+exactly. What is lost is each colour channel's overall gain (the RMS), restored as one typical
+value: the demo's saturated colours on white or black come back within a few levels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Typical RMS of a colour channel of the demo's images in [-1, 1] (saturated shapes on white/black).
+PIXEL_RMS = 0.85
+COLOURS = 3
+
+
+def mixing(latent_channels: int = 16, seed: int = 0) -> torch.Tensor:
+    """(latent_channels, 3) with orthogonal columns of squared norm latent_channels / 3: unit-RMS latents."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(latent_channels, COLOURS, generator=g, dtype=torch.float64))
+    return (q * (latent_channels / COLOURS) ** 0.5).float()
+
+
+def _center(conv: torch.nn.Conv2d, weights: torch.Tensor) -> None:
+    """Set a 3x3 conv to act as the 1x1 matrix `weights` (out, in) through its center tap, no bias."""
+    conv.weight.zero_()
+    conv.weight[:, :, 1, 1] = weights
+    conv.bias.zero_()
+
+
+def _pairs(out_channels: int, source: torch.Tensor) -> torch.Tensor:
+    """(out_channels, n_in): channel 2c = source row c, channel 2c+1 = minus it, the rest zero."""
+    w = torch.zeros(out_channels, source.shape[1])
+    for c in range(source.shape[0]):
+        w[2 * c], w[2 * c + 1] = source[c], -source[c]
+    return w
+
+
+def _identity_blocks(module: torch.nn.Module) -> None:
+    """Zero every residual branch: ResNet blocks' second conv and attention output projections."""
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.resnet import ResnetBlock2D
+
+    for m in module.modules():
+        if isinstance(m, ResnetBlock2D):
+            m.conv2.weight.zero_()
+            m.conv2.bias.zero_()
+            if m.conv_shortcut is not None:
+                raise ValueError("the analytic VAE needs equal channel counts in every block")
+        elif isinstance(m, Attention):
+            m.to_out[0].weight.zero_()
+            m.to_out[0].bias.zero_()
+
+
+def _per_channel(conv: torch.nn.Conv2d, kernel: torch.Tensor) -> None:
+    """A conv that applies `kernel` (kh, kw) to each channel on its own."""
+    conv.weight.zero_()
+    for c in range(conv.out_channels):
+        conv.weight[c, c, : kernel.shape[0], : kernel.shape[1]] = kernel
+    conv.bias.zero_()
+
+
+@torch.no_grad()
+def shape_vae(seed: int = 0):
+    """The analytic AutoencoderKL (tiny preset's config; scaling 1, shift 0: latents are unit RMS)."""
+    from diffusers import AutoencoderKL
+
+    from .models.tiny import VAE_TINY
+
+    vae = AutoencoderKL(**{**VAE_TINY, "scaling_factor": 1.0, "shift_factor": 0.0}).eval()
+    enc, dec = vae.encoder, vae.decoder
+    width = enc.conv_in.out_channels
+    latent = vae.config.latent_channels
+    m = mixing(latent, seed)                                              # (16, 3)
+    if 2 * COLOURS > width:
+        raise ValueError(f"the analytic VAE needs at least {2 * COLOURS} channels per block, has {width}")
+    for part in (enc, dec):
+        _identity_blocks(part)
+        part.conv_norm_out.weight.fill_(1.0)
+        part.conv_norm_out.bias.zero_()
+
+    # Encoder: RGB -> (R, -R, G, -G, B, -B, 0, 0); 2x2 averages down to 1/8; mix into 16 means.
+    _center(enc.conv_in, _pairs(width, torch.eye(COLOURS)))
+    for block in enc.down_blocks:
+        for down in block.downsamplers or ():
+            _per_channel(down.conv, torch.full((2, 2), 0.25))      # padding (0,1,0,1): rows/cols 2i, 2i+1
+    unpair = torch.zeros(COLOURS, width)                                  # silu(x) - silu(-x) = x
+    for c in range(COLOURS):
+        unpair[c, 2 * c], unpair[c, 2 * c + 1] = 1.0, -1.0
+    out = torch.zeros(2 * latent, width)
+    out[:latent] = m @ unpair                                             # posterior means
+    _center(enc.conv_out, out)
+    enc.conv_out.bias[latent:] = -20.0                                    # log-variance: a point posterior
+
+    # Decoder: un-mix to (u, -u) pairs; smooth 2x upsampling; back to colours at the typical gain.
+    _center(dec.conv_in, _pairs(width, m.T / (latent / COLOURS)))
+    smooth = torch.tensor([0.25, 0.5, 0.25])
+    for block in dec.up_blocks:
+        for up in block.upsamplers or ():
+            _per_channel(up.conv, torch.outer(smooth, smooth))
+    _center(dec.conv_out, PIXEL_RMS * unpair)
+    return vae
+
+
+def save_shape_vae(folder, seed: int = 0):
+    """Write the analytic VAE as a diffusers `vae/` folder (safetensors), replacing what is there."""
+    vae = shape_vae(seed)
+    vae.save_pretrained(folder, safe_serialization=True)
+    return folder
