@@ -246,29 +246,79 @@ class _Stager:
         self.pool.shutdown(wait=True)
 
 
+PAGE = 4096                  # host page size; cudaHostRegister pins whole pages
+
+
+def _cudart():
+    """The CUDA runtime bindings (a seam: tests give a recording stand-in)."""
+    return torch.cuda.cudart()
+
+
+def _page_aligned(nbytes: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int, int]:
+    """A (nbytes,) uint8 host buffer that starts on a page boundary and owns every page it touches.
+
+    Returns (buffer, start address, length in bytes rounded up to whole pages). The allocation is
+    one page larger than needed and the buffer is a view at its first page boundary, so the pinned
+    range [start, start + length) lies inside this allocation alone: no other tensor shares its
+    pages. (Small buffers from the ordinary allocator share pages with their neighbours, and a
+    second registration of an already registered page fails with cudaErrorHostMemoryAlreadyRegistered.)
+    """
+    length = -(-nbytes // PAGE) * PAGE
+    raw = torch.empty(length + PAGE, dtype=torch.uint8, device=device)
+    skip = (-raw.data_ptr()) % PAGE
+    return raw[skip:skip + nbytes], raw.data_ptr() + skip, length
+
+
 def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, object]:
     """A (nbytes,) uint8 host buffer, pinned if asked and the driver agrees.
 
-    Pinned by registering an exact-size allocation (cudaHostRegister): torch's pinned caching
-    allocator rounds every request up to a power of two, which would cost up to half again the
-    host RAM for block-sized buffers. Returns the buffer and, when pinned, a callable that undoes
-    the registration (also called automatically if the buffer is garbage-collected first).
-    `t`: an existing buffer to pin instead (a shared-memory mapping, see memory/shared_host.py).
+    Pinned by registering a page-aligned allocation of our own (cudaHostRegister): torch's pinned
+    caching allocator rounds every request up to a power of two, which would cost up to half again
+    the host RAM for block-sized buffers. A refused registration leaves a sticky error in the CUDA
+    runtime that a later, unrelated launch would report, so it is cleared at once
+    (cudaGetLastError) and the buffer stays pageable. Returns the buffer and, when pinned, a
+    callable that undoes the registration (also called if the buffer is garbage-collected first).
+    `t`: an existing buffer to pin instead (a shared-memory mapping, see memory/shared_host.py,
+    page-aligned by mmap).
     """
-    t = torch.empty(nbytes, dtype=torch.uint8, device=device) if t is None else t
-    if pin:
-        ptr = t.data_ptr()
-        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
-        if rc == 0:
-            return t, weakref.finalize(t, _unregister, ptr)
-        log.warning("streaming: could not pin %.1f MB of host memory (cudaError %d); using a pageable buffer "
-                    "copied through the staging pool", nbytes / 2**20, rc)
+    if t is None:
+        if not pin:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+        t, ptr, length = _page_aligned(nbytes, device)
+    else:
+        ptr, length = t.data_ptr(), nbytes
+        if not pin:
+            return t, None
+    rt = _cudart()
+    rc = int(rt.cudaHostRegister(ptr, length, 0))
+    if rc == 0:
+        return t, weakref.finalize(t.untyped_storage(), _unregister, ptr)
+    _clear_cuda_error(rt)                       # the refusal left a sticky error: clear it now
+    log.warning("streaming: could not pin %.1f MB of host memory (cudaError %d); using a pageable buffer "
+                "copied through the staging pool", nbytes / 2**20, rc)
     return t, None
 
 
+def _clear_cuda_error(rt) -> None:
+    """cudaGetLastError(): reset the runtime's last error. torch's cudart bindings do not export
+    it, so it is called in the loaded libcudart through ctypes (same process, same library)."""
+    fn = getattr(rt, "cudaGetLastError", None)
+    if fn is None:
+        for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"):
+            try:
+                fn = ctypes.CDLL(name).cudaGetLastError
+                break
+            except (OSError, AttributeError):
+                continue
+    if fn is None:
+        log.warning("streaming: cannot reach cudaGetLastError; a refused pin may surface as a later CUDA error")
+        return
+    fn()
+
+
 def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    _cudart().cudaHostUnregister(ptr)
 
 
 def _libc_trim():
@@ -468,10 +518,13 @@ class StreamingEngine:
         if ready is None:
             return
         if isinstance(ready, Future):
+            # The staged copy must have been issued (CPU: done) before compute may wait on it. If
+            # it has not, the main thread blocks here: that is a stall like any other and is
+            # counted, on CUDA too, so calibration sees it. A prefetch issued early enough finds
+            # the future done and costs nothing.
             t0 = time.perf_counter()
-            ready = ready.result()                    # the worker has issued (CPU: done) the copy
-            if not self.backend.cuda:
-                self.stats.stall_s += time.perf_counter() - t0
+            ready = ready.result()
+            self.stats.stall_s += time.perf_counter() - t0
         if ready is not None and not ready.query():
             stream = self.backend.compute_stream()
             before, after = self.backend.event(timing=True), self.backend.event(timing=True)
@@ -482,10 +535,18 @@ class StreamingEngine:
         slot.ready = None
 
     def _fetch(self, unit: _Unit, demand: bool) -> None:
+        """Copy `unit` into its slot. Copies into one slot are serialized: a staged copy still queued
+        on the worker would otherwise land after a direct copy issued now, and the slot would hold
+        the previous unit's bytes while naming the new one. So while the slot's last copy is a
+        pending staged one, the new copy is queued behind it on the same worker (FIFO); every
+        issued copy is on the one copy stream, which orders the rest."""
         slot = self.slots[unit.slot]
         n = unit.nbytes
-        if unit.pinned:
+        queued = isinstance(slot.ready, Future) and not slot.ready.done()
+        if unit.pinned and not queued:
             slot.ready = self._copy_direct(unit.host, slot.buf[:n], slot.free_event)
+        elif unit.pinned:
+            slot.ready = self.stager.pool.submit(self._copy_direct, unit.host, slot.buf[:n], slot.free_event, True)
         else:
             slot.ready = self.stager.submit(unit.host, slot.buf[:n], slot.free_event)
         slot.owner, slot.valid = unit, True
@@ -493,7 +554,7 @@ class StreamingEngine:
         self.stats.copies += 1
         self.stats.demand += int(demand)
 
-    def _copy_direct(self, src: torch.Tensor, dst: torch.Tensor, free_event):
+    def _copy_direct(self, src: torch.Tensor, dst: torch.Tensor, free_event, on_worker: bool = False):
         be = self.backend
         if not be.cuda:
             t0 = time.perf_counter()
@@ -501,10 +562,11 @@ class StreamingEngine:
             dt = time.perf_counter() - t0
             with self.stats.lock:
                 self.stats.copy_s += dt
-            self.stats.stall_s += dt                  # nothing overlaps on CPU: a copy is a stall
+            if not on_worker:
+                self.stats.stall_s += dt              # nothing overlaps on CPU: a copy is a stall
             return None
         cs = be.copy_stream
-        with torch.cuda.stream(cs):
+        with torch.cuda.device(be.device), torch.cuda.stream(cs):
             if free_event is not None:
                 cs.wait_event(free_event)
             start, end = be.event(timing=True), be.event(timing=True)
@@ -799,7 +861,11 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
         buf = torch.empty(slot_bytes, dtype=torch.uint8, device=backend.device)
         if plan.debug_poison:
             buf.fill_(POISON_BYTE)
-        slots.append(_Slot(buf))
+        slot = _Slot(buf)
+        if backend.cuda:        # the first copy into the slot waits for its allocation and poison fill,
+            slot.free_event = backend.event()     # issued on the compute stream (and earlier compute)
+            slot.free_event.record(backend.compute_stream())
+        slots.append(slot)
     for u in units:                                   # re-point once: unit i always uses slot i mod K
         for e in u.entries:
             _point(e, _view(slots[u.slot].buf, e))

@@ -1,0 +1,131 @@
+"""The streaming engine's copy paths that a CPU run can check: page-aligned pinning and what a
+refused pin leaves behind (with a recording stand-in for the CUDA runtime), per-slot ordering of
+staged and direct copies, and stall accounting of a staged copy compute waits for."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+from test_memory_helpers import block_names, lora_flux
+
+from leantune.memory import streaming
+from leantune.memory.engine import apply_memory
+from leantune.memory.plan import Plan
+from leantune.models.flux import FLUX_SPEC
+
+
+class _FakeCudart:
+    """Records cudaHostRegister/Unregister/GetLastError; refuses registration with `rc`."""
+
+    def __init__(self, rc: int = 0):
+        self.rc, self.calls = rc, []
+
+    def cudaHostRegister(self, ptr, n, flags):
+        self.calls.append(("register", ptr, n))
+        return self.rc
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+    def cudaGetLastError(self):
+        self.calls.append(("clear",))
+        return 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 100, 4096, 5000, 3 * 4096 + 7])
+def test_pinned_range_is_page_aligned_and_owned(nbytes):
+    buf, start, length = streaming._page_aligned(nbytes)
+    assert buf.numel() == nbytes and buf.data_ptr() == start
+    assert start % streaming.PAGE == 0 and length % streaming.PAGE == 0 and length >= nbytes
+    storage = buf.untyped_storage()
+    assert storage.data_ptr() <= start and start + length <= storage.data_ptr() + storage.nbytes()
+
+
+def test_pinning_registers_whole_own_pages_and_unregisters_when_freed(monkeypatch):
+    rt = _FakeCudart(rc=0)
+    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
+    a, undo_a = streaming._alloc_host(1000, pin=True)
+    b, undo_b = streaming._alloc_host(1000, pin=True)
+    (_, pa, na), (_, pb, nb) = rt.calls
+    assert (pa, pb) == (a.data_ptr(), b.data_ptr()) and na == nb == streaming.PAGE
+    assert pa + na <= pb or pb + nb <= pa          # two small buffers never share a page
+    undo_a()
+    assert rt.calls[-1] == ("unregister", pa)
+    del b
+    gc.collect()
+    assert rt.calls[-1] == ("unregister", pb)      # dropped without undo: unregistered by the finalizer
+    assert undo_b.alive is False
+
+
+def test_refused_pin_clears_the_sticky_error_and_stays_pageable(monkeypatch, caplog):
+    rt = _FakeCudart(rc=712)                       # cudaErrorHostMemoryAlreadyRegistered
+    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
+    buf, undo = streaming._alloc_host(1000, pin=True)
+    assert undo is None and buf.numel() == 1000
+    assert [c[0] for c in rt.calls] == ["register", "clear"]
+    assert "could not pin" in caplog.text
+
+
+def _slow_stager(monkeypatch, delay: float):
+    real = streaming._Stager._run
+
+    def slow(self, src, dst, free_event):
+        time.sleep(delay)
+        return real(self, src, dst, free_event)
+    monkeypatch.setattr(streaming._Stager, "_run", slow)
+
+
+@pytest.fixture
+def pageable_engine():
+    model = lora_flux(seed=0)
+    handle = apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(model)), ring_slots=2,
+                                                    pin_memory=False), "cpu")
+    yield handle.streaming.engine
+    handle.remove()
+
+
+def test_copies_into_one_slot_land_in_order(pageable_engine, monkeypatch):
+    """A pageable unit's staged copy is still queued when a pinned unit of the same slot is fetched:
+    the slot must end up holding the pinned unit's bytes, as its owner says."""
+    eng = pageable_engine
+    a, b = eng.units[0], eng.units[2]
+    assert a.slot == b.slot and not a.pinned and not torch.equal(a.host[:64], b.host[:64])
+    b.pinned = True                                # mixed: b takes the direct path
+    _slow_stager(monkeypatch, 0.3)
+    slot = eng.slots[a.slot]
+    eng._fetch(a, demand=True)
+    eng._fetch(b, demand=True)
+    eng._wait_ready(slot)
+    eng.stager.pool.submit(lambda: None).result()  # every queued copy has run
+    assert slot.owner is b
+    assert torch.equal(slot.buf[:b.nbytes], b.host[:b.nbytes])
+
+
+def test_waiting_for_a_staged_copy_counts_as_stall(pageable_engine, monkeypatch):
+    eng = pageable_engine
+    eng.report()
+    _slow_stager(monkeypatch, 0.3)
+    unit = eng.units[0]
+    eng._fetch(unit, demand=True)
+    eng._wait_ready(eng.slots[unit.slot])
+    rep = eng.report()
+    assert rep["stall_s"] >= 0.25, rep
+
+
+@pytest.mark.gpu
+def test_small_blocks_pin_and_first_copies_wait_for_the_slots():
+    """On CUDA: the tiny model's blocks (far smaller than a page group of their neighbours) are all
+    pinned, no CUDA error is left behind, and every slot's first copy waits on an event recorded
+    after its allocation and poison fill."""
+    model = lora_flux(seed=0)
+    handle = apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(model)), ring_slots=2,
+                                                 debug_poison=True), "cuda")
+    eng = handle.streaming.engine
+    assert all(u.pinned for u in eng.units)
+    assert all(s.free_event is not None for s in eng.slots)
+    torch.cuda.synchronize()
+    handle.remove(device="cpu")
