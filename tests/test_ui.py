@@ -144,11 +144,17 @@ def test_run_states_from_the_folder(tmp_path):
     (done / "run" / "c-done_comfyui.safetensors").write_bytes(b"x")
     failed = _run(tmp_path, "d-failed")
     (failed / launcher.PROCESS_FILE).write_text(json.dumps({"pid": 1, "exit_code": 1}))
+    failed_resume = _run(tmp_path, "e-failed-resume")
+    (failed_resume / "run" / "checkpoints" / "step-000005").mkdir(parents=True)
+    (failed_resume / launcher.PROCESS_FILE).write_text(json.dumps({"pid": 1, "exit_code": 2}))
+    interrupted = _run(tmp_path, "f-interrupted")
+    (interrupted / "run" / "checkpoints" / "step-000005").mkdir(parents=True)
+    (interrupted / launcher.PROCESS_FILE).write_text(json.dumps({"pid": 1, "exit_code": 130}))
     (tmp_path / "not-a-run").mkdir()
     listing = runs.listing(tmp_path)
     assert [(r["name"], r["state"], r["step"], r["total_steps"]) for r in listing] == [
         ("a-new", "new", 0, 10), ("b-stopped", "stopped", 3, 10), ("c-done", "finished", 0, 10),
-        ("d-failed", "failed", 0, 10)]
+        ("d-failed", "failed", 0, 10), ("e-failed-resume", "failed", 0, 10), ("f-interrupted", "stopped", 0, 10)]
     p = runs.progress(stopped)
     assert p["weights"] == ["b-stopped-step000005_comfyui.safetensors"] and p["checkpoints"] == ["step-000005"]
     assert p["log"].endswith("rss 2.5 GiB") and p["predicted"] == {}
@@ -281,3 +287,37 @@ def test_on_localhost_there_is_no_token(tmp_path):
 
     assert address("127.0.0.1", 7860, None) == "http://127.0.0.1:7860/"
     assert address("::", 80, "t") == "http://[::]:80/?token=t"
+
+
+def test_upload_adds_a_decodable_image_and_never_overwrites(tmp_path):
+    import io
+
+    folder = _images(tmp_path / "d")
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (0, 200, 0)).save(buf, format="PNG")
+    written = dataset_view.save_upload(str(folder), "new.png", buf.getvalue())
+    assert written.read_bytes() == buf.getvalue()
+    assert "new.png" in [e["name"] for e in dataset_view.scan(str(folder))]
+    before = (folder / "a.png").read_bytes()
+    for name, data, words in (("a.png", buf.getvalue(), "exists"), ("bad.png", b"garbage", "not a readable image"),
+                              ("../up.png", buf.getvalue(), "not an image file name"),
+                              ("x.exe", buf.getvalue(), "not an image file name")):
+        with pytest.raises(dataset_view.DatasetViewError, match=words):
+            dataset_view.save_upload(str(folder), name, data)
+    assert (folder / "a.png").read_bytes() == before
+    assert not (folder / "bad.png").exists() and not (tmp_path / "up.png").exists()
+
+
+def test_sample_form_becomes_the_sample_command(tmp_path):
+    from leantune.ui import sample_job
+
+    cmd = sample_job.command({"model_path": "/m", "prompts": "a cat\n\na dog", "seed": "3", "steps": "",
+                              "guidance": "3.5", "loras": "my.safetensors:0.8\n", "vram": "6GiB"}, tmp_path)
+    assert cmd[1:4] == ["-m", "leantune", "sample"]
+    args = cmd[4:]
+    assert args == ["--model", "/m", "--out", str(tmp_path), "--prompt", "a cat", "--prompt", "a dog", "--seed", "3",
+                    "--guidance", "3.5", "--lora", "my.safetensors:0.8", "--vram", "6GiB"]
+    with pytest.raises(FormError, match="prompts"):
+        sample_job.command({"model_path": "/m", "prompts": " "}, tmp_path)
+    with pytest.raises(FormError, match="seed"):
+        sample_job.command({"model_path": "/m", "prompts": "x", "seed": "abc"}, tmp_path)

@@ -3,7 +3,8 @@
 One test walks the main screens as a user would: load the demo's dataset, edit a caption (the
 .txt changes on disk), set a budget below the smallest plan and see "does not fit", then one that
 fits, start a 20-step run of the tiny Flux, see the loss curve and a sample grid appear, stop it
-(the trainer saves at the step) and resume it to the end, with the LoRA files offered for download.
+(the trainer saves at the step) and resume it to the end, with the LoRA files offered for download,
+then sample with that LoRA through the Sample form.
 Set LEANTUNE_UI_SCREENSHOTS=docs to refresh the screenshots in docs/.
 """
 
@@ -105,7 +106,8 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
         for key, value in {"name": "shapes", "model_path": str(demo / "model"), "rank": "4", "resolutions": "64",
                            "batch_size": "2", "max_text_length": "32", "steps": "20", "learning_rate": "0.002",
                            "save_every": "0", "log_every": "1", "sample_every": "10", "sample_steps": "2",
-                           "sample_size": "64", "sample_prompts": "lnt, a red circle on a white background"}.items():
+                           "sample_size": "64", "ram_budget": "16GiB",
+                           "sample_prompts": "lnt, a red circle on a white background"}.items():
             page.fill(f"#{key}", value)
         page.select_option("#dtype", "fp32")
         page.select_option("#mixed_precision", "no")
@@ -129,17 +131,31 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "watch", tmp_path)
         page.click("#stop")
-        page.wait_for_function("document.querySelector('#watch-state').textContent === 'stopped'")
+        page.wait_for_function("['stopped', 'failed'].includes(document.querySelector('#watch-state').textContent)")
         folder = runs_dir / "shapes"
+        assert page.inner_text("#watch-state") == "stopped", (folder / "console.log").read_text()[-2000:]
         assert (folder / "run" / "checkpoints").is_dir() and any((folder / "run" / "checkpoints").iterdir())
         stopped_at = max(int(p.name.split("-")[-1]) for p in (folder / "run" / "checkpoints").iterdir())
         assert 10 <= stopped_at < 20
         page.click("#resume")
-        page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
+        page.wait_for_function("['finished', 'failed'].includes(document.querySelector('#watch-state').textContent)")
+        assert page.inner_text("#watch-state") == "finished", (folder / "console.log").read_text()[-2000:]
         links = page.locator("#downloads a").all_inner_texts()
         assert "shapes_comfyui.safetensors" in links and "shapes_diffusers.safetensors" in links
         log = (folder / "run" / "train.log").read_text()
         assert f"resumed from" in log and "step 20 loss" in log
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "finished", tmp_path)
+
+        # 5. sample with the finished LoRA
+        page.fill("#s_model", str(demo / "model"))
+        page.fill("#s_prompts", "lnt, a blue square on a black background")
+        for key, value in {"s_steps": "2", "s_width": "64", "s_height": "64", "s_guidance": "3.5",
+                           "s_loras": f"{folder / 'run' / 'shapes_comfyui.safetensors'}:0.8"}.items():
+            page.fill(f"#{key}", value)
+        page.click("#sample")
+        page.wait_for_function("document.querySelector('#sample-images img') && "
+                               "document.querySelector('#sample-images img').naturalWidth === 64")
+        page.locator("#sample-section").scroll_into_view_if_needed()
+        _shot(page, "sample", tmp_path)
         browser.close()

@@ -72,6 +72,11 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     def get_image(path: str, name: str):
         return FileResponse(dataset_view.image_path(path, name))
 
+    @app.put("/api/dataset/image")
+    async def put_image(path: str, name: str, request: Request):
+        data = await request.body()
+        return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data))}
+
     @app.post("/api/caption")
     def post_caption(body: dict):
         written = dataset_view.write_caption(str(body.get("path", "")), str(body.get("name", "")),

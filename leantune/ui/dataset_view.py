@@ -60,6 +60,31 @@ def image_path(folder: str, name: str) -> Path:
     return image
 
 
+def save_upload(folder: str, name: str, data: bytes) -> Path:
+    """Add an uploaded image to the dataset folder, atomically. The name must be a plain image
+    file name that is not there yet (nothing of the user's is overwritten), and the bytes must
+    decode as an image, so a broken upload never lands in the dataset."""
+    import io
+
+    from PIL import Image
+
+    from ..data.dataset import IMAGE_EXTENSIONS
+    from ..io import atomic_write_bytes
+
+    base = folder_of(folder)
+    if not name or Path(name).name != name or name.startswith(".") or Path(name).suffix.lower() not in IMAGE_EXTENSIONS:
+        raise DatasetViewError(f"{name!r}: not an image file name ({', '.join(IMAGE_EXTENSIONS)})")
+    target = base / name
+    if target.exists():
+        raise DatasetViewError(f"{target}: exists already; rename the file to upload it")
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+    except Exception as e:     # PIL raises many types
+        raise DatasetViewError(f"{name}: not a readable image ({type(e).__name__}: {e})") from None
+    return atomic_write_bytes(target, data)
+
+
 def write_caption(folder: str, name: str, caption: str) -> Path:
     """Write the caption of image `name` as its same-stem .txt, atomically; returns the .txt path."""
     from ..io import atomic_write_bytes

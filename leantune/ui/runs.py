@@ -79,7 +79,7 @@ def outputs(folder: Path) -> dict:
 
 
 def state(folder: Path) -> str:
-    """running | finished | stopped (resumable) | failed | new."""
+    """running | finished | failed (the last process exited with an error) | stopped (resumable) | new."""
     info = launcher.read_process(folder)
     if launcher.is_alive(info):
         return "running"
@@ -87,12 +87,10 @@ def state(folder: Path) -> str:
     final = [w for w in out["weights"] if "-step" not in w]
     if final:
         return "finished"
-    if info and info.get("exit_code") not in (None, 0, 130) and not out["checkpoints"]:
+    if info and info.get("exit_code") not in (None, 0, 130):     # 130: stopped by SIGINT after saving
         return "failed"
     if out["checkpoints"]:
         return "stopped"
-    if info and info.get("exit_code") not in (None, 0, 130):
-        return "failed"
     return "new"
 
 

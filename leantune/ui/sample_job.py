@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import launcher
+
 SAMPLES_DIR = "_samples"
 
 
@@ -53,6 +55,7 @@ def start(runs_dir: Path, fields: dict) -> dict:
     with open(out / "console.log", "wb") as console:
         proc = subprocess.Popen(cmd, cwd=out, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
+    (out / "pid").write_text(str(proc.pid))
     return {"job": n, "pid": proc.pid}
 
 
@@ -63,4 +66,8 @@ def result(runs_dir: Path, job: int) -> dict:
         console = "\n".join((out / "console.log").read_text(errors="replace").splitlines()[-20:])
     except OSError:
         console = ""
-    return {"job": job, "images": images, "console": console}
+    try:
+        running = launcher.is_alive({"pid": int((out / "pid").read_text())})
+    except (OSError, ValueError):
+        running = False
+    return {"job": job, "images": images, "console": console, "running": running}

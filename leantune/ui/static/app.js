@@ -58,6 +58,17 @@ async function loadDataset() {
   } catch (e) { $("dataset-summary").textContent = e.message; }
 }
 
+async function upload() {
+  const folder = $("dataset").value;
+  for (const f of $("upload").files) {
+    const r = await fetch(`/api/dataset/image?path=${encodeURIComponent(folder)}&name=${encodeURIComponent(f.name)}`,
+                          {method: "PUT", body: f});
+    if (!r.ok) { $("dataset-summary").textContent = (await r.json()).error; return; }
+  }
+  $("upload").value = "";
+  loadDataset();
+}
+
 // -- 2. plan ------------------------------------------------------------------------------------------
 let planTimer = null, planSeq = 0;
 function schedulePlan() { clearTimeout(planTimer); planTimer = setTimeout(updatePlan, 600); }
@@ -147,7 +158,7 @@ function showProgress(p) {
   if (p.name !== watching) return;
   $("watch-state").textContent = p.state;
   $("stop").disabled = p.state !== "running";
-  $("resume").disabled = p.state !== "stopped";
+  $("resume").disabled = !(["stopped", "failed"].includes(p.state) && p.checkpoints.length);
   const steps = p.steps, last = steps[steps.length - 1];
   const maxX = p.total_steps || (last ? last.step : 1);
   $("speed").textContent = last ? `step ${last.step}/${p.total_steps ?? "?"} · loss ${last.loss.toFixed(4)} · ${last.s_it.toFixed(2)} s/it` +
@@ -170,7 +181,7 @@ function showProgress(p) {
     const li = el("li"); li.append(el("a", {href: `/api/runs/${p.name}/weights/${w}`}, w)); downloads.append(li);
   }
   const log = $("log");
-  log.textContent = p.log || p.console;
+  log.textContent = p.state === "failed" ? p.console : (p.log || p.console);
   log.scrollTop = log.scrollHeight;
   refreshRuns();
 }
@@ -190,7 +201,7 @@ async function sample() {
       const r = await api("GET", `/api/sample/${job.job}`);
       $("sample-console").textContent = r.console;
       $("sample-images").replaceChildren(...r.images.map((f) => el("img", {src: `/api/sample/${job.job}/${f}`})));
-      if (!r.images.length) setTimeout(poll, 1500);
+      if (r.running) setTimeout(poll, 1500);
     };
     poll();
   } catch (e) { $("sample-console").textContent = e.message; }
@@ -207,6 +218,7 @@ async function init() {
   status(`runs in ${c.runs_dir}`);
   for (const k of FORM) { $(k).addEventListener("input", schedulePlan); $(k).addEventListener("change", schedulePlan); }
   $("load-dataset").onclick = loadDataset;
+  $("upload").onchange = upload;
   $("start").onclick = startRun;
   $("stop").onclick = stopRun;
   $("resume").onclick = resumeRun;
