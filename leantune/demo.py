@@ -6,6 +6,8 @@ draws a small captioned image set of coloured shapes, and trains a LoRA with the
 config — the same `train()` a real run uses. Then it samples the quickstart's prompts with the base
 model and with the trained LoRA (same seeds) and puts them side by side: the picture a newcomer
 looks at shows what training changed.
+`mode="full"` fine-tunes every weight instead (quickstart_full.toml: step inside backward, two
+streamed trainable blocks) and exports the whole model as a BFL / ComfyUI file.
 """
 
 from __future__ import annotations
@@ -83,12 +85,15 @@ def before_after_match(samples: Path, prompts: list[str]) -> dict[str, list[tupl
     return out
 
 
-def quickstart_text() -> str:
-    return resources.files("leantune.resources").joinpath("quickstart.toml").read_text()
+CONFIGS = {"lora": "quickstart.toml", "full": "quickstart_full.toml"}
+
+
+def quickstart_text(mode: str = "lora") -> str:
+    return resources.files("leantune.resources").joinpath(CONFIGS[mode]).read_text()
 
 
 MARKER = ".leantune-demo"
-DEMO_ENTRIES = ("model", "images", "cache", "run", "quickstart.toml")
+DEMO_ENTRIES = ("model", "images", "cache", "run", "quickstart.toml", "quickstart_full.toml")
 
 
 class DemoFolderError(ValueError):
@@ -128,7 +133,7 @@ def _clear(out: Path) -> None:
             entry.unlink()
 
 
-def prepare(out: Path, fresh: bool = False) -> Path:
+def prepare(out: Path, fresh: bool = False, mode: str = "lora") -> Path:
     """Write model, images and config into `out`; returns the config path. Reuses what exists.
 
     `fresh` first removes what an earlier demo wrote into `out` (see `_clear`).
@@ -146,20 +151,20 @@ def prepare(out: Path, fresh: bool = False) -> Path:
         save_shape_vae(out / "model" / "vae")          # a VAE that reconstructs the shapes
     if not any((out / "images").glob("*.png")):
         draw_shapes(out / "images", cycle=True)
-    config = out / "quickstart.toml"
-    config.write_text(quickstart_text())
+    config = out / CONFIGS[mode]
+    config.write_text(quickstart_text(mode))
     return config
 
 
-def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: bool = True):
+def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: bool = True, mode: str = "lora"):
     from .config import load_config
     from .train.trainer import train
 
-    config = prepare(out, fresh=fresh)
+    config = prepare(out, fresh=fresh, mode=mode)
     overrides = [] if steps is None else [f"train.steps={steps}"]
     cfg = load_config(config, overrides)
     result = train(cfg, progress=progress, overwrite=True)     # the demo owns its run folder
-    if not result.interrupted and result.lora_files and cfg.sample.prompts:
+    if mode == "lora" and not result.interrupted and result.lora_files and cfg.sample.prompts:
         result.sample_files.append(before_after(cfg, result.lora_files[0], result.paths.samples))
     return config, result
 

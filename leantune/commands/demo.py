@@ -1,4 +1,5 @@
-"""`leantune demo [--out DIR] [--steps N]`: train a LoRA on a tiny Flux built offline, on CPU."""
+"""`leantune demo [--out DIR] [--steps N] [--mode lora|full]`: train a LoRA (or every weight) of a
+tiny Flux built offline, on CPU."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-output", help="folder for the model, images and run (default: demo-output)")
     p.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: the quickstart config's)")
     p.add_argument("--keep", action="store_true", help="keep an existing demo folder instead of starting fresh")
+    p.add_argument("--mode", choices=("lora", "full"), default="lora",
+                   help="lora (default), or full: fine-tune every weight and export the whole model")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
-    config, result = run_demo(Path(args.out), steps=args.steps, fresh=not args.keep)
+    config, result = run_demo(Path(args.out), steps=args.steps, fresh=not args.keep, mode=args.mode)
     p = result.paths
     n = max(1, len(result.losses) // 10)
     first, last = sum(result.losses[:n]) / n, sum(result.losses[-n:]) / n
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"demo finished: {result.final_step} steps, loss {first:.4f} (first {n} steps) -> {last:.4f} (last {n})")
     print(f"  config       {config}")
     for f in result.lora_files:
-        print(f"  LoRA         {f}")
+        print(f"  {'LoRA' if args.mode == 'lora' else 'model':<12} {f}")
     for f in result.sample_files:
         label = "before/after" if f.name == "before-after.png" else "samples"
         print(f"  {label:<13}{f}")
