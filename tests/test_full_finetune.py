@@ -281,3 +281,31 @@ def test_bf16_weights_and_bf16_adam_state_train_like_fp32():
     moved32 = sum((w32[n] - init[n]).abs().sum() for n in init)
     moved16 = sum((w16[n] - init[n]).abs().sum() for n in init)
     assert moved16 == pytest.approx(moved32.item(), rel=0.05)     # the bf16 run made the same progress
+
+
+@pytest.mark.gpu
+def test_adamw8bit_in_backward_equals_bitsandbytes_plain_loop():
+    """bitsandbytes' 8-bit AdamW stepped per parameter inside backward equals its own plain loop
+    (its blockwise-quantized state is per tensor, so the order of tensors does not matter)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    plain = _model(EXCLUDE).cuda()
+    fused = copy.deepcopy(plain)
+    opt = bnb.optim.AdamW8bit([p for p in plain.parameters() if p.requires_grad], lr=1e-3)
+    named = select_trainable(fused, ["*"], EXCLUDE)
+    fopt = FusedOptimizer(fused, named, "adamw8bit", lr=1e-3)
+    stepper = InBackwardStep(fopt, list(named.values()))
+    for s in range(3):
+        h, w = SHAPES[s]
+        for model in (plain, fused):
+            x, sigma, embeds, hw, target = make_batch(h, w, seed=100 * s, device="cuda")
+            if model is fused:
+                stepper.begin_step()
+            loss = torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0).float(), target)
+            loss.backward()
+            if model is plain:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                stepper.finish_step()
+    a = {n: p for n, p in plain.named_parameters() if p.requires_grad}
+    assert_same({n: p.detach() for n, p in named.items()}, {n: p.detach() for n, p in a.items()})

@@ -75,6 +75,14 @@ class FullMode:
                  tc.optimizer, full.state_dtype, ", fp32 master weights on host" if full.master_weights else "")
         return list(named.values())
 
+    def check_before_load(self, meta_model) -> None:
+        """Host RAM for weights + optimizer state (+ masters, accumulators): refused with numbers
+        and alternatives before any weight is read (train/full_host_ram.py)."""
+        from .full_host_ram import check_host_ram
+
+        parts = check_host_ram(self.cfg, meta_model())
+        log.info("full fine-tune host RAM: %s", ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items() if v))
+
     def memory_options(self) -> dict:
         from ..memory.trainable_streaming import TrainableStreamingEngine
 

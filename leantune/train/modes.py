@@ -1,6 +1,7 @@
 """Training modes: what trains, how one optimizer step runs, what a resumable state holds and
 which files a run exports. The trainer's loop is the same for every mode and asks the mode object:
 
+- `check_before_load(meta)`      refuse what cannot fit before the weights load (full: host RAM);
 - `prepare(transformer, spec)`   make the trainable parameters (LoRA: add adapters; full: unfreeze
                                  the selected weights), before the memory engine is applied;
 - `memory_options()`             extra arguments for `apply_memory` (full mode: an engine that
@@ -53,6 +54,9 @@ class LoraMode:
         log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", cfg.lora.rank,
                  cfg.lora.effective_alpha, cfg.lora.targets, len(params), n_params / 1e6)
         return params
+
+    def check_before_load(self, meta_model) -> None:
+        """Nothing to check before loading (the planner prices LoRA runs)."""
 
     def memory_options(self) -> dict:
         return {}

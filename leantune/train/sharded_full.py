@@ -44,6 +44,9 @@ class ShardedFullMode:
         self._gathered: dict | None = None       # rank 0's full weights of the last state() call
 
     # -- set-up ------------------------------------------------------------------------------------
+    def check_before_load(self, meta_model) -> None:
+        """Nothing checked before loading here (each process holds its shard)."""
+
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard

@@ -308,9 +308,10 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     dtype = model_dtype(cfg)
     data = dist.main_first(lambda: prepare_caches(cfg, device, dtype))    # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    mode = make_mode(cfg)
+    mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta"))   # host RAM (full)
     transformer = family.load_transformer(sources, dtype=dtype, device="cpu")
     log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
-    mode = make_mode(cfg)
     params = mode.prepare(transformer, family.spec)
     plan, memory, planner, budget = _apply_memory(cfg, transformer, device, mode, dist)
     optimizer = mode.build_optimizer(params)

@@ -1,0 +1,74 @@
+"""Host RAM of a full fine-tune, checked before anything loads.
+
+What this implementation holds in host RAM at its peak (set-up, before the memory plan moves the
+resident part to the GPU): every weight as loaded, the optimizer state of every trained weight
+(created next to it), fp32 master copies ([full] master_weights, bf16/fp16 weights only) and the fp32
+gradient accumulators ([train] gradient_accumulation > 1). Streamed blocks keep their weights and
+state in host RAM for the whole run, so this is also what a fully streamed run holds.
+
+The numbers come from the transformer built on the meta device (no tensor is read), so a budget
+that cannot hold them is refused in milliseconds, with what would fit instead.
+"""
+
+from __future__ import annotations
+
+from ..config import ConfigError, RunConfig, parse_size
+from .fused_optim import state_bytes_per_param
+
+GiB = 2**30
+MARGIN = 2 * GiB          # interpreter, caches and allocator slack kept free of the budget
+
+
+def host_bytes(cfg: RunConfig, model) -> dict[str, int]:
+    """Host RAM parts (bytes) of a full fine-tune of `model` (may be on the meta device)."""
+    from .full_mode import select_trainable
+
+    trained = select_trainable(model, cfg.full.train, cfg.full.exclude)
+    n = sum(p.numel() for p in trained.values())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    wide = any(p.element_size() < 4 for p in trained.values())
+    return {
+        "weights": weights,
+        "optimizer state": int(n * state_bytes_per_param(cfg.train.optimizer, cfg.full.state_dtype)),
+        "master weights": 4 * n if cfg.full.master_weights and wide else 0,
+        "gradient accumulators": 4 * n if cfg.train.gradient_accumulation > 1 else 0,
+        "_trained": n,
+    }
+
+
+def _budget(cfg: RunConfig) -> tuple[int, str]:
+    if cfg.memory.ram_budget is not None:
+        return parse_size(cfg.memory.ram_budget), "[memory] ram_budget"
+    from ..planner.machine import host_ram
+
+    return max(0, host_ram()[1] - MARGIN), "available host RAM"
+
+
+def check_host_ram(cfg: RunConfig, model, budget: tuple[int, str] | None = None) -> dict[str, int]:
+    """Refuse a full fine-tune whose host RAM need exceeds the budget, naming the parts and the
+    alternatives that would fit; returns the parts otherwise."""
+    parts = host_bytes(cfg, model)
+    n = parts.pop("_trained")
+    need = sum(parts.values())
+    limit, where = budget or _budget(cfg)
+    if need <= limit:
+        return parts
+    lines = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts.items() if v)
+    options = []
+    base = need - parts["optimizer state"]
+    for label, opt, dtype in (("[train] optimizer = \"adafactor\"", "adafactor", "fp32"),
+                              ("[full] state_dtype = \"bf16\"", cfg.train.optimizer, "bf16")):
+        alt = base + int(n * state_bytes_per_param(opt, dtype))
+        if (opt, dtype) != (cfg.train.optimizer, cfg.full.state_dtype) and cfg.train.optimizer != "adafactor":
+            options.append(f"{label}: {alt / GiB:.1f} GiB{' (fits)' if alt <= limit else ''}")
+    if parts["master weights"]:
+        options.append(f"[full] master_weights = false: saves {parts['master weights'] / GiB:.1f} GiB")
+    if parts["gradient accumulators"]:
+        options.append(f"[train] gradient_accumulation = 1: saves {parts['gradient accumulators'] / GiB:.1f} GiB")
+    per_param = need and (need - parts["weights"]) / max(n, 1)
+    spare = limit - parts["weights"]
+    if per_param > 0 and spare > 0:
+        options.append(f"a frozen part ([full] exclude): at most {spare / per_param / 1e9:.2f}B of the "
+                       f"{n / 1e9:.2f}B parameters can train")
+    raise ConfigError(f"[train] mode = \"full\": the run needs {need / GiB:.1f} GiB of host RAM ({lines}) but "
+                      f"{where} is {limit / GiB:.1f} GiB. What would fit: " + "; ".join(options or ["a LoRA"]))
