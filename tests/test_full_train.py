@@ -260,4 +260,5 @@ def test_demo_mode_full_writes_a_loadable_model_file(tmp_path, capsys):
     base = load_transformer(FluxSources(out / "model" / "transformer", None, None, None, None, None),
                             dtype=torch.float32)
     moved = [n for n, p in trained.named_parameters() if not torch.equal(p, base.state_dict()[n])]
-    assert len(moved) > 100                     # every weight trained (bf16 export of 4 small steps)
+    # every weight trained; a few (norm scales near 1) hide 4 small steps under the bf16 export's rounding
+    assert len(moved) >= 0.8 * sum(1 for _ in base.parameters())

@@ -110,7 +110,6 @@ def write_diffusers_folder(model, spec: ModelSpec, access, folder: Path, dtype: 
 def export_full_model(mode, t, paths, step: int, intermediate: bool) -> list[Path]:
     """The run's model files in every [output] format; per-step names while training."""
     from ..memory.trainable_streaming import WeightAccess
-    from ..models.flux import FLUX_SPEC
 
     cfg = mode.cfg
     model = t.transformer
@@ -121,10 +120,10 @@ def export_full_model(mode, t, paths, step: int, intermediate: bool) -> list[Pat
     for fmt in cfg.output.formats:
         if fmt == "comfyui":
             meta = {**_config_metadata(model), "leantune.mode": "full", "leantune.step": str(step)}
-            files.append(write_model_file(model, FLUX_SPEC, access, paths.root / f"{paths.name}{suffix}_comfyui.safetensors",
+            files.append(write_model_file(model, mode.spec, access, paths.root / f"{paths.name}{suffix}_comfyui.safetensors",
                                           "comfyui", dtype, meta))
         else:
-            files.append(write_diffusers_folder(model, FLUX_SPEC, access, paths.root / f"{paths.name}{suffix}_diffusers",
+            files.append(write_diffusers_folder(model, mode.spec, access, paths.root / f"{paths.name}{suffix}_diffusers",
                                                 dtype))
     if intermediate:
         prune_step_files(paths, cfg, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))

@@ -59,7 +59,7 @@ class FullMode:
         transformer.requires_grad_(False)
         for p in named.values():
             p.requires_grad_(True)
-        self.model, self.named = transformer, named
+        self.model, self.named, self.spec = transformer, named, spec
         tc = cfg.train
         self.optimizer = FusedOptimizer(transformer, named, tc.optimizer, lr=tc.learning_rate, betas=tc.betas,
                                         eps=tc.eps, weight_decay=tc.weight_decay, state_dtype=full.state_dtype,
