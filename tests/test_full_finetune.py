@@ -165,7 +165,10 @@ def test_training_the_time_embedder_too_streamed_matches_within_last_bits():
     want_losses, want = reference("adamw", exclude=())
     losses, got, *_ = fused_run("adamw", _plan("all", "blocks", names), exclude=())
     assert losses == pytest.approx(want_losses, rel=1e-6)
-    assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # AdamW divides each gradient by its running RMS, so a last-bit difference in the gradient of an
+    # element whose second moment is tiny moves its update by a small fraction of lr (1e-3 here):
+    # allow 1e-3 * lr absolute, far below one step's size.
+    assert_close(got, want, rtol=1e-5, atol=1e-3 * LR["adamw"])
     # and without streaming (no re-association), bitwise again
     losses, got, *_ = fused_run("adamw", _plan("none", "offload", names), exclude=())
     assert losses == want_losses

@@ -182,8 +182,9 @@ def test_full_oom_between_micro_batches_replans_and_stays_exact(tmp_path, tiny_f
     log_text = result.paths.log_file.read_text()
     assert "out of memory at step 2" in log_text and "memory plan now: stream 2 blocks + non-blocks" in log_text
     # Step 1 ran unstreamed here but streamed in the reference: the time embedder's gradient sums
-    # associate differently (see test_full_finetune.py), a last-bit difference, nothing more.
-    assert result.losses[:2] == full.losses[:2]
+    # associate differently (see test_full_finetune.py), a last-bit difference in the weights after
+    # step 1, so only step 1's loss is bitwise the reference's.
+    assert result.losses[:1] == full.losses[:1]
     assert result.losses == pytest.approx(full.losses, rel=1e-6)
     a, b = _tensors(full.paths.root / "t_comfyui.safetensors"), _tensors(result.paths.root / "t_comfyui.safetensors")
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
