@@ -321,3 +321,88 @@ def test_sample_form_becomes_the_sample_command(tmp_path):
         sample_job.command({"model_path": "/m", "prompts": " "}, tmp_path)
     with pytest.raises(FormError, match="seed"):
         sample_job.command({"model_path": "/m", "prompts": "x", "seed": "abc"}, tmp_path)
+
+
+def test_family_choices_come_from_the_family_registry(monkeypatch):
+    from leantune.models import family
+    from leantune.ui import form as form_module
+
+    assert form_module.families() == sorted(family._MODULES) and "flux" in form_module.families()
+    monkeypatch.setitem(family._MODULES, "newfam", "leantune.models.newfam")
+    assert "newfam" in form_module.families()
+    assert RunForm.from_fields({**FIELDS, "family": "newfam"}).to_dict()["model"]["family"] == "newfam"
+    monkeypatch.delitem(family._MODULES, "newfam")
+    with pytest.raises(FormError, match="family 'newfam'"):
+        RunForm.from_fields({**FIELDS, "family": "newfam"})
+
+
+# Every field the issue names, and where it lands in the TOML (the plan reads that TOML).
+WIRED = [("model_path", "/models/flux1-dev.safetensors", ("model", "path"), "/models/flux1-dev.safetensors"),
+         ("family", "flux", ("model", "family"), "flux"), ("mode", "full", ("train", "mode"), "full"),
+         ("rank", "32", ("lora", "rank"), 32), ("resolutions", "512 768,1024", ("data", "resolutions"), [512, 768, 1024]),
+         ("steps", "1234", ("train", "steps"), 1234), ("learning_rate", "3e-5", ("train", "learning_rate"), 3e-5),
+         ("vram_budget", "auto", ("memory", "vram_budget"), "auto"), ("vram_budget", "12GiB", ("memory", "vram_budget"), "12GiB"),
+         ("ram_budget", "24GiB", ("memory", "ram_budget"), "24GiB")]
+
+
+@pytest.mark.parametrize("key,value,where,expected", WIRED)
+def test_each_issue_field_reaches_the_toml_train_loads(tmp_path, key, value, where, expected):
+    form = RunForm.from_fields({**FIELDS, key: value})
+    section, name = where
+    assert form.to_dict()[section][name] == expected
+    cfg = load_config(form.write(tmp_path / "c.toml"))
+    assert getattr(getattr(cfg, section), name) == expected
+
+
+def test_host_ram_auto_is_the_configs_default(tmp_path):
+    assert RunForm().ram_budget == "auto"
+    for auto in ("auto", "AUTO", ""):
+        form = RunForm.from_fields({**FIELDS, "ram_budget": auto})
+        assert "ram_budget" not in form.to_dict()["memory"]
+        assert load_config(form.write(tmp_path / "c.toml")).memory.ram_budget is None
+
+
+def test_full_mode_form_is_a_config_train_loads(tmp_path):
+    cfg = load_config(RunForm.from_fields({**FIELDS, "mode": "full"}).write(tmp_path / "c.toml"))
+    assert cfg.train.mode == "full"
+
+
+def _endpoint(app, path: str, method: str):
+    for route in app.routes:
+        if getattr(route, "path", None) == path and method in getattr(route, "methods", ()):
+            return route.endpoint
+    raise AssertionError(f"no route {method} {path}")
+
+
+def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monkeypatch):
+    """E.g. a mode the planner does not price yet: the page shows the planner's words as "not planned"."""
+    from leantune.ui.app import create_app
+
+    def declines(config, vram, ram=None):
+        raise ConfigError("the planner does not plan this yet")
+    monkeypatch.setattr(plan_answer, "plan_json", declines)
+    plan = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")
+    answer = plan({**FIELDS, "mode": "full"})
+    assert answer == {"fits": None, "planned": False, "message": "not planned: the planner does not plan this yet"}
+    with pytest.raises(ConfigError, match="vram_budget"):        # a field the config refuses stays an error
+        plan({**FIELDS, "vram_budget": "lots"})
+
+
+def test_full_mode_plan_answer_is_shown_not_raised(tmp_path):
+    """Through the real planner: full mode gets a plan summary, or the planner's own "not planned yet"."""
+    from leantune.ui.app import create_app
+
+    answer = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")({**FIELDS, "mode": "full"})
+    if answer.get("planned") is False:
+        assert "full" in answer["message"] and "not" in answer["message"]
+    else:
+        assert answer["fits"] in (True, False) and answer["message"].startswith(("fits", "does not fit"))
+
+
+def test_a_refused_run_form_leaves_no_run_folder(tmp_path):
+    from leantune.ui.app import create_app
+
+    start = _endpoint(create_app(tmp_path / "runs"), "/api/runs", "POST")
+    with pytest.raises(ConfigError):
+        start({**FIELDS, "vram_budget": "lots"})
+    assert not (tmp_path / "runs" / "cats").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import dataset_view, launcher, plan_answer, runs, sample_job
-from .form import RunForm, choices
+from .form import RunForm, choices, families
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "leantune_token"
@@ -60,7 +61,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
 
     @app.get("/api/choices")
     def get_choices():
-        return {"family": choices("model", "family"), "mode": choices("train", "mode"),
+        return {"family": families(), "mode": choices("train", "mode"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir)}
 
@@ -95,12 +96,21 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
         return _plan(form)
 
     def _plan(form: RunForm) -> dict:
+        """The planner's answer for the form. A form the config check refuses is an error (HTTP 400);
+        a config the planner declines to plan (a mode it does not price yet, "auto" with no GPU
+        here) is its answer, shown as such: {"fits": None, "planned": False, "message": ...}."""
+        from ..config import ConfigError
+
         text = form.to_toml()
         if text not in plans:
             with tempfile.TemporaryDirectory() as tmp:
                 config = form.write(Path(tmp) / "config.toml")
-                plans[text] = plan_answer.summarize(plan_answer.plan_json(config, form.vram_budget.strip(),
-                                                                          form.ram_budget.strip() or None))
+                ram = form.to_dict().get("memory", {}).get("ram_budget")
+                try:
+                    answer = plan_answer.plan_json(config, form.vram_budget.strip(), ram)
+                except ConfigError as e:
+                    return {"fits": None, "planned": False, "message": f"not planned: {e}"}
+                plans[text] = plan_answer.summarize(answer)
         return plans[text]
 
     @app.get("/api/runs")
@@ -114,7 +124,11 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
         if folder.exists():
             raise ValueError(f"a run named {form.name!r} exists in {runs_dir}: pick another name, or resume it")
         folder.mkdir(parents=True)
-        config = form.write(folder / runs.CONFIG_FILE)
+        try:
+            config = form.write(folder / runs.CONFIG_FILE)
+        except Exception:
+            shutil.rmtree(folder)           # a refused form leaves no half-made run behind
+            raise
         if form.vram_budget.strip():
             from ..io import atomic_write_json
 

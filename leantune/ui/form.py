@@ -3,7 +3,9 @@
 The page sends plain field values; `RunForm.from_fields` checks them (an error names the field),
 `to_toml` writes the config a user could have written by hand, and `write` saves it atomically and
 checks it with the same validation `leantune train` applies, so a bad form never starts a run.
-Choices (family, mode) are read from the config schema, so the form offers what the trainer takes.
+Choices are read from where they are defined: the families from the family registry
+(models/family.py), so a family the project gains appears here with nothing to edit; mode, dtype
+and mixed precision from the config schema, so the form offers what the trainer takes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ def choices(section: str, key: str) -> list[str]:
     return [str(v) for v in typing.get_args(model.model_fields[key].annotation)]
 
 
+def families() -> list[str]:
+    """The model families the registry knows (models/family.py), imported or not."""
+    from ..models import family
+
+    return sorted(family._MODULES)
+
+
 @dataclass
 class RunForm:
     name: str = "my-lora"
@@ -45,7 +54,7 @@ class RunForm:
     learning_rate: float = 1e-4
     mixed_precision: str = "bf16"
     vram_budget: str = ""          # "" = no budget (everything on the GPU), "auto", or a size
-    ram_budget: str = ""
+    ram_budget: str = "auto"       # "auto" or "" = the config's default (available host RAM), or a size
     save_every: int = 250
     log_every: int = 1             # the page's loss curve reads the step lines of train.log
     sample_every: int = 250
@@ -70,7 +79,7 @@ class RunForm:
     def check(self) -> None:
         if not NAME.match(self.name):
             raise FormError(f"name {self.name!r}: letters, digits, '-', '_' or '.', starting with a letter or digit")
-        for key, allowed in (("family", choices("model", "family")), ("mode", choices("train", "mode")),
+        for key, allowed in (("family", families()), ("mode", choices("train", "mode")),
                              ("dtype", choices("model", "dtype")),
                              ("mixed_precision", choices("train", "mixed_precision"))):
             if getattr(self, key) not in allowed:
@@ -105,7 +114,7 @@ class RunForm:
             del cfg["lora"]
         if self.vram_budget.strip():
             cfg["memory"]["vram_budget"] = self.vram_budget.strip()
-        if self.ram_budget.strip():
+        if self.ram_budget.strip() and self.ram_budget.strip().lower() != "auto":
             cfg["memory"]["ram_budget"] = self.ram_budget.strip()
         if not cfg["memory"]:
             del cfg["memory"]

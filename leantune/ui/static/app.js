@@ -59,14 +59,20 @@ async function loadDataset() {
 }
 
 async function upload() {
-  const folder = $("dataset").value;
+  // Each file is checked by the server (decodes as an image, name not taken); a refused one is
+  // reported and the others still land.
+  const folder = $("dataset").value, refused = [];
+  let added = 0;
   for (const f of $("upload").files) {
     const r = await fetch(`/api/dataset/image?path=${encodeURIComponent(folder)}&name=${encodeURIComponent(f.name)}`,
                           {method: "PUT", body: f});
-    if (!r.ok) { $("dataset-summary").textContent = (await r.json()).error; return; }
+    if (r.ok) added++; else refused.push((await r.json()).error);
   }
   $("upload").value = "";
-  loadDataset();
+  await loadDataset();
+  const note = $("upload-message");
+  note.className = refused.length ? "warn" : "saved";
+  note.replaceChildren(el("div", {}, `${added} image(s) added`), ...refused.map((m) => el("div", {}, "refused: " + m)));
 }
 
 // -- 2. plan ------------------------------------------------------------------------------------------
@@ -85,11 +91,14 @@ async function updatePlan() {
   try {
     const plan = await api("POST", "/api/plan", fields);
     if (seq === planSeq) showPlan(plan);
-  } catch (e) { if (seq === planSeq) showPlan({fits: false, message: e.message}); }
+  } catch (e) { if (seq === planSeq) showPlan({fits: null, error: true, message: e.message}); }
 }
 function gib(x) { return x < 0.1 ? (x * 1024).toFixed(1) + " MiB" : x.toFixed(2) + " GiB"; }
 function showPlan(p) {
-  $("plan").className = "plan " + (p.fits === true ? "fits" : p.fits === false ? "nofit" : "");
+  // fits (green) · does not fit, with the smallest budget (red) · the planner declined to plan this
+  // config, e.g. a mode it does not price yet (its own words, amber) · a field the config refuses.
+  $("plan").className = "plan " + (p.fits === true ? "fits" : p.fits === false ? "nofit" :
+                                   p.planned === false ? "note" : p.error ? "error" : "");
   $("plan-message").textContent = p.message;
   const d = $("plan-detail");
   d.replaceChildren();
@@ -139,10 +148,12 @@ function watch(name) {
   events = new EventSource(`/api/runs/${encodeURIComponent(name)}/events`);
   events.onmessage = (m) => showProgress(JSON.parse(m.data));
 }
-function line(points, xs, ys, color, dash) {
-  if (!points.length) return "";
-  const d = points.map(([x, y]) => `${xs(x).toFixed(1)},${ys(y).toFixed(1)}`).join(" ");
-  return `<polyline fill="none" stroke="${color}" stroke-width="1.5" ${dash ? 'stroke-dasharray="5,4"' : ""} points="${d}"/>`;
+function line(s, xs, ys) {
+  if (!s.points.length) return "";
+  const d = s.points.map(([x, y]) => `${xs(x).toFixed(1)},${ys(y).toFixed(1)}`).join(" ");
+  const value = s.value === undefined ? "" : ` data-value="${s.value}"`;
+  return `<polyline fill="none" stroke="${s.color}" stroke-width="1.5" ${s.dash ? 'stroke-dasharray="5,4"' : ""} ` +
+    `data-series="${s.name}"${value} points="${d}"><title>${s.label || s.name}</title></polyline>`;
 }
 function chart(svg, series, maxX) {
   const all = series.flatMap((s) => s.points.map((p) => p[1]));
@@ -150,7 +161,7 @@ function chart(svg, series, maxX) {
   let lo = Math.min(...all), hi = Math.max(...all);
   if (hi === lo) { hi += 1; lo -= lo > 1 ? 1 : lo; }
   const xs = (x) => 40 + (x / Math.max(maxX, 1)) * 350, ys = (y) => 185 - ((y - lo) / (hi - lo)) * 170;
-  svg.innerHTML = series.map((s) => line(s.points, xs, ys, s.color, s.dash)).join("") +
+  svg.innerHTML = series.map((s) => line(s, xs, ys)).join("") +
     `<text x="2" y="14" font-size="10">${hi.toPrecision(3)}</text><text x="2" y="186" font-size="10">${lo.toPrecision(3)}</text>` +
     `<text x="360" y="198" font-size="10">${maxX}</text>`;
 }
@@ -163,12 +174,17 @@ function showProgress(p) {
   const maxX = p.total_steps || (last ? last.step : 1);
   $("speed").textContent = last ? `step ${last.step}/${p.total_steps ?? "?"} · loss ${last.loss.toFixed(4)} · ${last.s_it.toFixed(2)} s/it` +
     (p.predicted.step_s ? ` (predicted ${p.predicted.step_s.toPrecision(3)} s/it on the planned GPU)` : "") : "waiting for the first step…";
-  chart($("loss-chart"), [{points: steps.map((s) => [s.step, s.loss]), color: "#1f77b4"}], maxX);
-  const mem = [{points: steps.filter((s) => s.rss !== null).map((s) => [s.step, s.rss]), color: "#1f77b4"},
-               {points: steps.filter((s) => s.vram_peak !== null).map((s) => [s.step, s.vram_peak]), color: "#d62728"}];
-  if (p.predicted.peak_vram_gib) mem.push({points: [[0, p.predicted.peak_vram_gib], [maxX, p.predicted.peak_vram_gib]], color: "#d62728", dash: true});
-  if (p.predicted.peak_host_gib) mem.push({points: [[0, p.predicted.peak_host_gib], [maxX, p.predicted.peak_host_gib]], color: "#1f77b4", dash: true});
+  chart($("loss-chart"), [{name: "loss", points: steps.map((s) => [s.step, s.loss]), color: "#1f77b4"}], maxX);
+  // measured (solid) against the plan's prediction (dashed): RSS vs host RAM, VRAM peak vs VRAM
+  const mem = [{name: "rss", points: steps.filter((s) => s.rss !== null).map((s) => [s.step, s.rss]), color: "#1f77b4"},
+               {name: "vram", points: steps.filter((s) => s.vram_peak !== null).map((s) => [s.step, s.vram_peak]), color: "#d62728"}];
+  const pv = p.predicted.peak_vram_gib, ph = p.predicted.peak_host_gib;
+  if (pv) mem.push({name: "predicted-vram", label: `predicted peak VRAM ${gib(pv)}`, value: pv, points: [[0, pv], [maxX, pv]], color: "#d62728", dash: true});
+  if (ph) mem.push({name: "predicted-host", label: `predicted peak host RAM ${gib(ph)}`, value: ph, points: [[0, ph], [maxX, ph]], color: "#1f77b4", dash: true});
   chart($("mem-chart"), mem, maxX);
+  $("mem-legend").textContent = [pv ? `predicted VRAM ${gib(pv)}` : "", ph ? `predicted host RAM ${gib(ph)}` : "",
+    last && last.vram_peak !== null ? `VRAM peak ${gib(last.vram_peak)}` : "", last && last.rss !== null ? `RSS ${gib(last.rss)}` : ""]
+    .filter(Boolean).join(" · ") || (p.predicted.message || "no plan for this run (no VRAM budget)");
   const samples = $("samples");
   if (samples.dataset.list !== p.samples.join()) {
     samples.dataset.list = p.samples.join();
@@ -207,6 +223,11 @@ async function sample() {
   } catch (e) { $("sample-console").textContent = e.message; }
 }
 
+function modeChanged() {
+  // the rank belongs to the adapter: a full fine-tune has none (the TOML then has no [lora])
+  $("rank").disabled = $("mode").value !== "lora";
+}
+
 async function init() {
   const c = await api("GET", "/api/choices");
   for (const k of ["family", "mode", "dtype", "mixed_precision"]) {
@@ -223,6 +244,8 @@ async function init() {
   $("stop").onclick = stopRun;
   $("resume").onclick = resumeRun;
   $("sample").onclick = sample;
+  $("mode").addEventListener("change", modeChanged);
+  modeChanged();
   $("model_path").addEventListener("change", () => { if (!$("s_model").value) $("s_model").value = $("model_path").value; });
   refreshRuns();
   schedulePlan();
