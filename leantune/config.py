@@ -25,18 +25,44 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    family: Literal["flux"] = "flux"
-    # A diffusers folder (FLUX.1-dev layout) or a BFL / ComfyUI single transformer file (.safetensors).
+    family: Literal["flux", "sd3"] = "flux"
+    # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
+    # (.safetensors: BFL / ComfyUI for Flux, Stability's sd3.5_*.safetensors for SD3).
     path: str
-    variant: Literal["auto", "dev", "schnell"] = "auto"
-    # Per-component overrides: a diffusers sub-folder or a single .safetensors file each.
+    variant: Literal["auto", "dev", "schnell"] = "auto"     # Flux only
+    # Per-component overrides: a diffusers sub-folder or a single .safetensors file each, named as
+    # in the family's diffusers repository.
     transformer: str | None = None
     text_encoder: str | None = None      # CLIP-L
-    text_encoder_2: str | None = None    # T5-XXL
+    text_encoder_2: str | None = None    # Flux: T5-XXL; SD3: CLIP-G
+    text_encoder_3: str | None = None    # SD3: T5-XXL
     tokenizer: str | None = None
     tokenizer_2: str | None = None
+    tokenizer_3: str | None = None       # SD3: T5 tokenizer
     vae: str | None = None
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
+    # SD3: false leaves T5-XXL out (zeros in its place, as StableDiffusion3Pipeline without
+    # text_encoder_3). Flux cannot run without T5: false is refused there.
+    t5: bool = True
+
+    @model_validator(mode="after")
+    def _family_keys(self):
+        if self.family == "flux":
+            if not self.t5:
+                raise ValueError("[model] t5 = false: Flux cannot run without its T5 text encoder (only "
+                                 "family = \"sd3\" can); remove the key")
+            for key in ("text_encoder_3", "tokenizer_3"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"[model] {key}: Flux has no third text encoder (its T5 is text_encoder_2)")
+        else:
+            if self.variant != "auto":
+                raise ValueError(f"[model] variant = {self.variant!r} is a Flux variant; remove it for "
+                                 f"family = {self.family!r}")
+            if not self.t5:
+                for key in ("text_encoder_3", "tokenizer_3"):
+                    if getattr(self, key) is not None:
+                        raise ValueError(f"[model] {key}: set, but [model] t5 = false leaves T5 out")
+        return self
 
 
 class DatasetConfig(Section):
@@ -75,8 +101,9 @@ class LoraConfig(Section):
     rank: int = Field(16, ge=1)
     alpha: float | None = None           # default: equal to rank
     targets: Literal["attention", "attention_mlp", "all"] = "attention_mlp"
-    # Optional block selection per block list, e.g. {double = [0, 1, 2], single = []}; absent = all.
-    blocks: dict[Literal["double", "single"], list[int]] | None = None
+    # Optional block selection per block list, e.g. {double = [0, 1, 2], single = []} (Flux) or
+    # {joint = [0, 1]} (SD3); absent = all.
+    blocks: dict[Literal["double", "single", "joint"], list[int]] | None = None
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_from: str | None = None         # continue from an existing LoRA file
 
@@ -232,6 +259,27 @@ class RunConfig(Section):
             elif out is None:
                 data = {**data, "output": {"formats": ["comfyui"]}}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data):
+        """SD3: [data] max_text_length defaults to 256 T5 tokens (StableDiffusion3Pipeline's
+        max_sequence_length); SD3 keeps every token (no trimming), so the default is what it trains on."""
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) and data["model"].get("family") == "sd3":
+            d = data.get("data")
+            if isinstance(d, dict) and "max_text_length" not in d:
+                data = {**data, "data": {**d, "max_text_length": 256}}
+        return data
+
+    @model_validator(mode="after")
+    def _lora_block_kinds(self):
+        """[lora] blocks names the family's block lists (Flux: double, single; SD3: joint)."""
+        kinds = {"flux": ("double", "single"), "sd3": ("joint",)}[self.model.family]
+        for kind in (self.lora.blocks or {}):
+            if kind not in kinds:
+                raise ValueError(f"[lora] blocks: {kind!r} is not a block list of family = \"{self.model.family}\"; "
+                                 f"it has {', '.join(kinds)}")
+        return self
 
     @model_validator(mode="after")
     def _mode_sections(self):

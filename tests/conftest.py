@@ -50,3 +50,11 @@ def tiny_run_toml(model, images, rest: str) -> str:
     """A run config for the tiny model: the shared head, then the test's own dataset keys and
     [lora] / [train] / [output] sections (`rest`, which may use no format fields)."""
     return TINY_RUN_HEAD.format(model=model, images=images) + rest
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory):
+    """A complete tiny SD3.5 (Large-style) model in the diffusers folder layout, written once per session."""
+    from leantune.models import tiny
+
+    return tiny.save_sd3_folder(tmp_path_factory.mktemp("tiny_sd3") / "sd3-tiny", style="large")

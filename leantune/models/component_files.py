@@ -28,13 +28,16 @@ PREFIXES = {
     "transformer": ("model.diffusion_model.", "diffusion_model.", ""),
     "clip": ("text_encoders.clip_l.transformer.", "cond_stage_model.transformer.",
              "conditioner.embedders.0.transformer.", ""),
+    "clip_g": ("text_encoders.clip_g.transformer.", ""),      # SD3's CLIP-G (transformers layout)
     "t5": ("text_encoders.t5xxl.transformer.", "text_encoders.t5xxl.", ""),
     "vae": ("vae.", "first_stage_model.", ""),
 }
 # A key (after the prefix) whose presence identifies the component.
 ANCHORS = {
-    "transformer": ("img_in.weight", "x_embedder.weight"),
+    # Flux (BFL, diffusers), SD3 (Stability, diffusers)
+    "transformer": ("img_in.weight", "x_embedder.weight", "x_embedder.proj.weight", "pos_embed.proj.weight"),
     "clip": ("text_model.embeddings.token_embedding.weight", "embeddings.token_embedding.weight"),
+    "clip_g": ("text_model.embeddings.token_embedding.weight", "embeddings.token_embedding.weight"),
     "t5": ("encoder.block.0.layer.0.SelfAttention.q.weight",),
     "vae": ("encoder.conv_in.weight",),
 }
@@ -109,9 +112,10 @@ def _need(shapes, key: str, where: str, what: str):
 
 # -- CLIP-L ---------------------------------------------------------------------------------------
 
-def clip_config(shapes: dict, meta: dict, where: str) -> dict:
-    """CLIPTextConfig kwargs from shapes of keys without the `text_model.` prefix."""
-    cfg = packaged_config("clip_l")
+def clip_config(shapes: dict, meta: dict, where: str, base: str = "clip_l") -> dict:
+    """CLIPTextConfig kwargs from shapes of keys without the `text_model.` prefix, completed from the
+    packaged config `base` ("clip_l", or "clip_g" for SD3's second encoder: gelu, not quick_gelu)."""
+    cfg = packaged_config(base)
     vocab, hidden = _need(shapes, "embeddings.token_embedding.weight", where, "a CLIP text encoder")
     inferred = dict(
         vocab_size=vocab, hidden_size=hidden,
@@ -146,6 +150,11 @@ def clip_rename(model_keys) -> callable:
 def clip_ignorable(key: str) -> bool:
     """Keys of a CLIP file that CLIPTextModel does not have: the projection, logit scale, old position ids."""
     return bool(re.search(r"(^|\.)(text_projection(\.weight)?|logit_scale|embeddings\.position_ids)$", key))
+
+
+def clip_ignorable_with_projection(key: str) -> bool:
+    """As clip_ignorable, for CLIPTextModelWithProjection, which has the projection."""
+    return bool(re.search(r"(^|\.)(logit_scale|embeddings\.position_ids)$", key))
 
 
 # -- T5-XXL ---------------------------------------------------------------------------------------
@@ -198,9 +207,11 @@ def vae_layout(shapes) -> str:
     return "unknown"
 
 
-def vae_config(shapes: dict, meta: dict, where: str) -> dict:
-    """AutoencoderKL config from the shapes of an LDM (ae.safetensors) or diffusers-keyed VAE."""
-    cfg = packaged_config("flux_vae")
+def vae_config(shapes: dict, meta: dict, where: str, base: str = "flux_vae") -> dict:
+    """AutoencoderKL config from the shapes of an LDM (ae.safetensors) or diffusers-keyed VAE,
+    completed from the packaged config `base` ("flux_vae", "sd3_vae"): the latent scaling and shift
+    factors are the family's and invisible in the weights."""
+    cfg = packaged_config(base)
     cfg.pop("_class_name", None)
     layout = vae_layout(shapes)
     if layout == "unknown":

@@ -79,7 +79,7 @@ class ModelFamily:
 
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
-_MODULES = {"flux": "leantune.models.flux"}
+_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3"}
 
 
 def register(family: ModelFamily) -> ModelFamily:

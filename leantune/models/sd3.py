@@ -8,8 +8,14 @@ there is no guidance input (SD3.5 uses real classifier-free guidance), and the t
 CLIP-L + CLIP-G penultimate states (padded to the T5 width) followed by the T5 sequence, with the
 two CLIP pooled outputs concatenated (B, 2048).
 
-Not here yet: loading (diffusers folder and Stability single files), the three text encoders, the
-family registration (`get_family("sd3")`), LoRA key maps, sampling with CFG.
+Loading (diffusers folder, Stability single files) lives in sd3_loading.py, the Stability key
+mapping in sd3_keys.py. The family registers itself as `get_family("sd3")` at the end of this module.
+
+Text sequence and trimming: SD3 attends to every text token (there is no attention mask), and T5's
+padding positions carry non-zero states, so dropping them changes the prediction (tests/
+test_sd3_loading.py measures it). The cache therefore keeps the whole sequence, 77 CLIP rows plus
+`max_text_length` T5 rows (default 256 for SD3, StableDiffusion3Pipeline's max_sequence_length), so
+training sees exactly the conditioning the pipeline builds at inference.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ SD3_SPEC = ModelSpec(
 VAE_SCALE_FACTOR = 8
 LATENT_CHANNELS = 16
 TIMESTEP_SCALE = 1000.0     # StableDiffusion3Pipeline passes sigma * num_train_timesteps
+CLIP_MAX_LENGTH = 77
+DEFAULT_TEXT_LENGTH = 256   # T5 tokens: StableDiffusion3Pipeline's max_sequence_length
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -56,6 +64,46 @@ def unpack_latents(latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
 def image_tokens(h: int, w: int) -> int:
     """Image tokens of an h x w latent: 2x2 patches."""
     return (h // 2) * (w // 2)
+
+
+def _clip_states(tokenizer, encoder, prompts: list[str], max_length: int, device):
+    """One CLIP's penultimate hidden states (B, 77, D) and projected pooled output (B, P)."""
+    ids = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True,
+                    return_tensors="pt").input_ids
+    out = encoder(ids.to(device), output_hidden_states=True)
+    return out.hidden_states[-2], out[0]
+
+
+@torch.no_grad()
+def encode_prompts(prompts: list[str], encoders, max_length: int = DEFAULT_TEXT_LENGTH,
+                   device=None) -> tuple[PromptEmbeds, torch.Tensor]:
+    """Encode prompts as StableDiffusion3Pipeline.encode_prompt does (one prompt for all encoders,
+    no clip_skip): CLIP-L and CLIP-G penultimate states side by side (B, 77, 768 + 1280), zero-padded
+    to T5's width and followed by the T5 sequence (B, max_length, 4096), or by zeros of that shape
+    without T5; pooled = CLIP-L and CLIP-G projected pooled outputs side by side (B, 2048).
+
+    Returns the embeddings and per-prompt lengths equal to the whole sequence (77 + max_length):
+    nothing is trimmed, because SD3 attends to padding too (module docstring).
+    """
+    device = device or encoders.text_encoder.device
+    clip_len = min(CLIP_MAX_LENGTH, encoders.tokenizer.model_max_length)
+    dtype = encoders.text_encoder.dtype
+    seq_l, pooled_l = _clip_states(encoders.tokenizer, encoders.text_encoder, prompts, clip_len, device)
+    seq_g, pooled_g = _clip_states(encoders.tokenizer_2, encoders.text_encoder_2, prompts, clip_len, device)
+    clip = torch.cat([seq_l.to(dtype), seq_g.to(dtype)], dim=-1)                  # (B, 77, D_l + D_g)
+    if encoders.text_encoder_3 is None:
+        t5 = torch.zeros(len(prompts), max_length, encoders.t5_width, device=device, dtype=dtype)
+    else:
+        ids = encoders.tokenizer_3(prompts, padding="max_length", max_length=max_length, truncation=True,
+                                   add_special_tokens=True, return_tensors="pt").input_ids
+        t5 = encoders.text_encoder_3(ids.to(device))[0]                             # (B, L, D_t5)
+    if clip.shape[-1] > t5.shape[-1]:
+        raise ValueError(f"CLIP-L + CLIP-G width {clip.shape[-1]} exceeds the T5 width {t5.shape[-1]}")
+    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))      # (B, 77, D_t5)
+    seq = torch.cat([clip.to(t5.dtype), t5], dim=-2)                              # (B, 77 + L, D_t5)
+    pooled = torch.cat([pooled_l, pooled_g.to(pooled_l.dtype)], dim=-1)           # (B, P_l + P_g)
+    lengths = torch.full((len(prompts),), seq.shape[1], dtype=torch.long)
+    return PromptEmbeds(t5=seq, pooled=pooled), lengths
 
 
 def predict(transformer, noisy: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
@@ -83,3 +131,38 @@ def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: in
             "encoder_hidden_states": meta(batch, text_length, config.joint_attention_dim),
             "pooled_projections": meta(batch, config.pooled_projection_dim), "timestep": meta(batch),
             "return_dict": False}
+
+
+# -- the family object: what trainer, cache, planner and sampler call (see family.py) -----------------
+
+def _loader(name: str):
+    """sd3_loading's `name`, imported on call (sd3_loading imports this module for SD3_SPEC)."""
+    def call(*args, **kwargs):
+        from . import sd3_loading
+
+        return getattr(sd3_loading, name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+def _padding_side(encoders) -> str:
+    return "right"        # lengths cover the whole sequence: nothing is trimmed from either end
+
+
+def _register():
+    from .family import ModelFamily, register
+
+    return register(ModelFamily(
+        name="sd3", spec=SD3_SPEC,
+        resolve_sources=_loader("resolve_sources"), load_transformer=_loader("load_transformer"),
+        load_text_encoders=_loader("load_text_encoders"), load_vae=_loader("load_vae"),
+        text_sources=("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"),
+        encode_prompts=encode_prompts, padding_side=_padding_side,
+        latent_channels=LATENT_CHANNELS, vae_scale_factor=VAE_SCALE_FACTOR,
+        pack_latents=pack_latents, unpack_latents=unpack_latents, image_tokens=image_tokens,
+        predict=predict, probe_inputs=probe_inputs, describe=_loader("describe"),
+        transformer_classes=("SD3Transformer2DModel",),
+    ))
+
+
+SD3 = _register()

@@ -203,3 +203,79 @@ def save_flux_folder(path: str | Path, seed: int = 0, guidance_embeds: bool = Tr
     pipe = FluxPipeline(**flux_components(seed, guidance_embeds=guidance_embeds))
     pipe.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# -- SD3.5 ----------------------------------------------------------------------------------------
+# Two joint blocks, 4 heads of 8 (width 32). Large-style: plain MMDiT blocks; Medium-style: MMDiT-X,
+# the first block with the second (image-only) attention. Both with qk-norm, as SD3.5. The text
+# widths keep SD3's proportions: CLIP-L (16) + CLIP-G (32) < T5 (64), so the CLIP states are
+# zero-padded to T5's width; pooled = 16 + 16 projected.
+SD3_TINY_LARGE = dict(
+    sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+    joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=32, out_channels=16,
+    pos_embed_max_size=96, qk_norm="rms_norm", dual_attention_layers=(),
+)
+SD3_TINY_MEDIUM = dict(SD3_TINY_LARGE, dual_attention_layers=(0,))
+SD3_TINY = {"large": SD3_TINY_LARGE, "medium": SD3_TINY_MEDIUM}
+CLIP_L_SD3_TINY = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                       max_position_embeddings=77, projection_dim=16, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+CLIP_G_SD3_TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       max_position_embeddings=77, projection_dim=16, hidden_act="gelu", layer_norm_eps=1e-5)
+T5_SD3_TINY = dict(T5_TINY, d_model=64, d_kv=16)
+# SD3's VAE: Flux's architecture, its own latent statistics.
+VAE_SD3_TINY = dict(VAE_TINY, scaling_factor=1.5305, shift_factor=0.0609)
+
+
+def sd3_transformer(style: str = "large", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = SD3Transformer2DModel(**{**SD3_TINY[style], **overrides})
+    _randomize_zero_inits(model, seed)
+    return model.to(dtype).eval()
+
+
+def _clip_with_projection(tokenizer, config: dict, seed: int, dtype: torch.dtype):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    cfg = CLIPTextConfig(**config, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return CLIPTextModelWithProjection(cfg).to(dtype).eval()
+
+
+def sd3_scheduler():
+    """SD3.5's scheduler: flow matching with a fixed shift of 3."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+
+
+def sd3_components(style: str = "large", seed: int = 0, dtype: torch.dtype = torch.float32, t5: bool = True) -> dict:
+    """All components of a tiny StableDiffusion3Pipeline, keyed as its constructor expects
+    (`t5=False`: text_encoder_3 and tokenizer_3 are None, as the pipeline allows)."""
+    from diffusers import AutoencoderKL
+    from transformers import T5Config, T5EncoderModel
+
+    tok, tok2, tok3 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer()
+    torch.manual_seed(seed + 3)
+    t5_model = T5EncoderModel(T5Config(**T5_SD3_TINY, vocab_size=len(tok3))).to(dtype).eval()
+    torch.manual_seed(seed)
+    return dict(
+        transformer=sd3_transformer(style, seed, dtype),
+        vae=AutoencoderKL(**VAE_SD3_TINY).to(dtype).eval(),
+        text_encoder=_clip_with_projection(tok, CLIP_L_SD3_TINY, seed + 1, dtype),
+        text_encoder_2=_clip_with_projection(tok2, CLIP_G_SD3_TINY, seed + 2, dtype),
+        text_encoder_3=t5_model if t5 else None,
+        tokenizer=tok, tokenizer_2=tok2, tokenizer_3=tok3 if t5 else None,
+        scheduler=sd3_scheduler(),
+    )
+
+
+def save_sd3_folder(path: str | Path, style: str = "large", seed: int = 0) -> Path:
+    """Write a complete tiny SD3.5 model in the diffusers (stable-diffusion-3.5 repository) layout."""
+    from diffusers import StableDiffusion3Pipeline
+
+    path = Path(path)
+    StableDiffusion3Pipeline(**sd3_components(style, seed)).save_pretrained(path, safe_serialization=True)
+    return path
