@@ -295,6 +295,50 @@ def load_t5(src: Path, dtype, device):
                            device=device, unexpected_ok=cf.t5_ignorable)
 
 
+# -- writing single files ------------------------------------------------------------------------------
+
+FP8_MAX = 448.0   # largest finite float8_e4m3fn
+
+
+def dequantized_state(state: dict) -> dict:
+    """A state dict with every e4m3 weight that has a `weight_scale` (an fp8-loaded model) turned into
+    fp32 values and the scale key dropped: single-file layouts fuse several Linears (q, k, v), whose
+    scales may differ."""
+    from ..memory.fp8 import SCALE_ATTR, dequantize
+
+    out = dict(state)
+    for key in [k for k in state if k.endswith("." + SCALE_ATTR)]:
+        wkey = key[: -len(SCALE_ATTR)] + "weight"
+        if wkey in out and out[wkey].dtype == torch.float8_e4m3fn:
+            out[wkey] = dequantize(out[wkey].detach().cpu(), out.pop(key).detach().cpu().float(), torch.float32)
+    return out
+
+
+def file_tensors(state: dict, *, dtype: torch.dtype | None, fp8: str | None, prefix: str, in_block) -> dict:
+    """The tensors of a single file from a state dict already in the file's keys: cast to `dtype`
+    (None: as they are) and, with `fp8`, every 2-D `.weight` whose key `in_block(key)` accepts stored
+    as float8_e4m3fn — "e4m3": plain (ComfyUI fp8 files), "scaled": divided by a per-tensor
+    `scale_weight` (ComfyUI "scaled fp8", with its `scaled_fp8` marker). Keys get `prefix`."""
+    if fp8 not in (None, "e4m3", "scaled"):
+        raise ValueError(f"fp8 must be None, 'e4m3' or 'scaled', not {fp8!r}")
+    tensors = {}
+    for key, t in state.items():
+        t = t.detach().to("cpu")
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if fp8 and in_block(key) and key.endswith(".weight") and t.dim() == 2:
+            if fp8 == "scaled":
+                scale = t.float().abs().max().clamp(min=1e-12) / FP8_MAX
+                tensors[prefix + key[: -len("weight")] + "scale_weight"] = scale.reshape(())
+                t = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            else:
+                t = t.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        tensors[prefix + key] = t
+    if fp8 == "scaled":
+        tensors[prefix + "scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    return tensors
+
+
 # -- identity ------------------------------------------------------------------------------------------
 
 _SLICE = 64 * 1024      # bytes sampled at the start, middle and end of a file's data

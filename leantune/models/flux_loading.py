@@ -180,20 +180,7 @@ def load_text_encoders(sources: FluxSources, dtype: torch.dtype = torch.bfloat16
 
 # -- writing BFL files -----------------------------------------------------------------------------------
 
-_FP8_MAX = 448.0   # largest finite float8_e4m3fn
-
-
-def _dequantized(state: dict) -> dict:
-    """A state dict with every e4m3 weight that has a `weight_scale` (an fp8-loaded model) turned into
-    fp32 values and the scale key dropped: BFL keys fuse several Linears, whose scales may differ."""
-    from ..memory.fp8 import SCALE_ATTR, dequantize
-
-    out = dict(state)
-    for key in [k for k in state if k.endswith("." + SCALE_ATTR)]:
-        wkey = key[: -len(SCALE_ATTR)] + "weight"
-        if wkey in out and out[wkey].dtype == torch.float8_e4m3fn:
-            out[wkey] = dequantize(out[wkey].detach().cpu(), out.pop(key).detach().cpu().float(), torch.float32)
-    return out
+_dequantized = cl.dequantized_state     # (full_export.py imports it from here)
 
 
 def save_bfl_transformer(transformer, path: str | Path, dtype: torch.dtype | None = None, fp8: str | None = None,
@@ -205,29 +192,12 @@ def save_bfl_transformer(transformer, path: str | Path, dtype: torch.dtype | Non
     a per-tensor `scale_weight` (ComfyUI "scaled fp8"). The rotary axes go into the metadata so
     widths other than Flux's load with the right positional split.
     """
-    if fp8 not in (None, "e4m3", "scaled"):
-        raise ValueError(f"fp8 must be None, 'e4m3' or 'scaled', not {fp8!r}")
     meta = dict(metadata or {})
     if isinstance(transformer, torch.nn.Module):
         state = transformer.state_dict()
         meta.setdefault(cf.METADATA_CONFIG_KEY, json.dumps({"axes_dims_rope": list(transformer.config.axes_dims_rope)}))
     else:
         state = dict(transformer)
-    state = _dequantized(state)
-    tensors = {}
-    for key, t in bfl_keys.diffusers_to_bfl(state).items():
-        t = t.detach().to("cpu")
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        in_block = key.startswith(("double_blocks.", "single_blocks.")) and key.endswith(".weight") and t.dim() == 2
-        if fp8 and in_block:
-            if fp8 == "scaled":
-                scale = t.float().abs().max().clamp(min=1e-12) / _FP8_MAX
-                tensors[prefix + key[: -len("weight")] + "scale_weight"] = scale.reshape(())
-                t = (t.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-            else:
-                t = t.float().clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-        tensors[prefix + key] = t
-    if fp8 == "scaled":
-        tensors[prefix + "scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    tensors = cl.file_tensors(bfl_keys.diffusers_to_bfl(_dequantized(state)), dtype=dtype, fp8=fp8, prefix=prefix,
+                              in_block=lambda key: key.startswith(("double_blocks.", "single_blocks.")))
     return save_safetensors(tensors, path, metadata=meta)

@@ -19,11 +19,13 @@ the architecture read from shapes from sd3_keys.py. Everything here is what SD3 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..io import save_safetensors
 from . import component_files as cf
 from . import component_loading as cl
 from . import sd3_keys
@@ -31,7 +33,9 @@ from .sd3 import SD3_SPEC
 from .weights import LoadError, build_empty, copy_ops, load_into_empty
 
 __all__ = ["SD3Sources", "SD3TextEncoders", "resolve_sources", "load_transformer", "load_text_encoders",
-           "load_vae", "transformer_config", "fp8_block_weights", "LoadError"]
+           "load_vae", "transformer_config", "fp8_block_weights", "save_stability_transformer", "LoadError"]
+
+STABILITY_PREFIX = "model.diffusion_model."
 
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
               "tokenizer_3", "vae")
@@ -196,3 +200,30 @@ def load_text_encoders(sources: SD3Sources, dtype: torch.dtype = torch.bfloat16,
     return SD3TextEncoders(tokenizer=tokenizer, text_encoder=clip_l, tokenizer_2=tokenizer_2, text_encoder_2=clip_g,
                            tokenizer_3=tokenizer_3, text_encoder_3=t5, t5_width=width)
 
+
+
+# -- writing Stability files ---------------------------------------------------------------------------------
+
+def save_stability_transformer(transformer, path: str | Path, dtype: torch.dtype | None = None,
+                               fp8: str | None = None, prefix: str = STABILITY_PREFIX,
+                               metadata: dict | None = None) -> Path:
+    """Write a diffusers SD3 transformer (model or state dict) in Stability's single-file layout
+    (sd3_keys.diffusers_to_stability), atomically.
+
+    fp8=None keeps `dtype` (default: the tensors' own); "e4m3" / "scaled" store the Linear weights
+    inside the joint blocks as ComfyUI's fp8 / scaled-fp8 files do (component_loading.file_tensors).
+    A model's sample_size and head size go into the `leantune.config` metadata, so the file loads
+    back to the same config at any width (real Stability files need neither: 128 and 64).
+    """
+    meta = dict(metadata or {})
+    if isinstance(transformer, torch.nn.Module):
+        state = transformer.state_dict()
+        cfg = transformer.config
+        meta.setdefault(cf.METADATA_CONFIG_KEY, json.dumps({"sample_size": cfg.sample_size,
+                                                            "attention_head_dim": cfg.attention_head_dim}))
+    else:
+        state = dict(transformer)
+    stability = sd3_keys.diffusers_to_stability(cl.dequantized_state(state))
+    tensors = cl.file_tensors(stability, dtype=dtype, fp8=fp8, prefix=prefix,
+                              in_block=lambda key: key.startswith("joint_blocks."))
+    return save_safetensors(tensors, path, metadata=meta)
