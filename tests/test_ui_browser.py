@@ -3,8 +3,12 @@
 One test walks the main screens as a user would: load the demo's dataset, edit a caption (the
 .txt changes on disk), set a budget below the smallest plan and see "does not fit", then one that
 fits, start a 20-step run of the tiny Flux, see the loss curve and a sample grid appear, stop it
-(the trainer saves at the step) and resume it to the end, with the LoRA files offered for download,
-then sample with that LoRA through the Sample form.
+(the trainer saves at the step) and resume it to the end, with the LoRA files offered for download
+(one is fetched and compared byte for byte), then sample with that LoRA through the Sample form.
+A second, shorter test covers what that run cannot show on a CPU: the page behind a token,
+uploads (decoded, never overwriting), the family and mode choices with the planner's "not planned"
+answer, and the watch screen of a run with measured VRAM drawn against the plan's predicted lines,
+read from a run folder written by hand.
 Set LEANTUNE_UI_SCREENSHOTS=docs to refresh the screenshots in docs/.
 """
 
@@ -42,18 +46,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server(tmp_path):
+def _serve(tmp_path: Path, token: str | None = None):
+    """`leantune ui` on a free localhost port; yields (url, runs dir). With `token`, the server asks
+    for it as it does when bound beyond localhost."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "leantune", "ui", "--port", str(port), "--runs",
-                             str(tmp_path / "runs")], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             str(tmp_path / "runs")] + (["--token", token] if token else []),
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 120
     while True:
         try:
-            urllib.request.urlopen(url + "api/runs", timeout=2)
+            urllib.request.urlopen(url + "api/runs" + (f"?token={token}" if token else ""), timeout=2)
             break
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
@@ -64,6 +70,16 @@ def server(tmp_path):
     proc.terminate()
     proc.wait(30)
     log.close()
+
+
+@pytest.fixture
+def server(tmp_path):
+    yield from _serve(tmp_path)
+
+
+@pytest.fixture
+def token_server(tmp_path):
+    yield from _serve(tmp_path, token="s3cret-token")
 
 
 def _shot(page, name: str, tmp_path: Path) -> None:
@@ -87,6 +103,7 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.set_default_timeout(180_000)
         page.goto(url)
+        page.wait_for_function("document.querySelectorAll('#family option').length > 0")
 
         # 1. dataset: load, edit a caption, the .txt changes
         page.fill("#dataset", str(images))
@@ -128,6 +145,12 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
                                "document.querySelector('#loss-chart polyline').getAttribute('points').split(' ').length >= 2")
         page.wait_for_selector("#samples img")
         page.wait_for_function("document.querySelector('#samples img').naturalWidth > 0")
+        # measured host RSS against the plan's predicted lines (no VRAM is measured on a CPU run)
+        page.wait_for_function("document.querySelector('#mem-chart polyline[data-series=rss]')")
+        for series in ("predicted-vram", "predicted-host"):
+            assert float(page.get_attribute(f"#mem-chart polyline[data-series={series}]", "data-value")) > 0
+        assert "predicted VRAM" in page.inner_text("#mem-legend") and "RSS" in page.inner_text("#mem-legend")
+        assert " s/it" in page.inner_text("#speed") and "step 1 loss" in page.inner_text("#log")
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "watch", tmp_path)
         page.click("#stop")
@@ -142,6 +165,9 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
         assert page.inner_text("#watch-state") == "finished", (folder / "console.log").read_text()[-2000:]
         links = page.locator("#downloads a").all_inner_texts()
         assert "shapes_comfyui.safetensors" in links and "shapes_diffusers.safetensors" in links
+        download = page.request.get(page.locator("#downloads a", has_text="shapes_comfyui.safetensors")
+                                    .evaluate("a => a.href"))
+        assert download.body() == (folder / "run" / "shapes_comfyui.safetensors").read_bytes()
         log = (folder / "run" / "train.log").read_text()
         assert f"resumed from" in log and "step 20 loss" in log
         page.locator("#watch-section").scroll_into_view_if_needed()
@@ -158,4 +184,127 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
                                "document.querySelector('#sample-images img').naturalWidth === 64")
         page.locator("#sample-section").scroll_into_view_if_needed()
         _shot(page, "sample", tmp_path)
+        browser.close()
+
+
+def _png(path: Path, size: int, color) -> bytes:
+    from PIL import Image
+
+    Image.new("RGB", (size, size), color).save(path)
+    return path.read_bytes()
+
+
+def _finished_run(runs_dir: Path) -> Path:
+    """A finished run's folder as the page and the trainer write it, with VRAM in its step lines."""
+    import json
+
+    folder = runs_dir / "watched"
+    (folder / "run" / "samples").mkdir(parents=True)
+    (folder / "config.toml").write_text("[train]\nsteps = 4\n")
+    (folder / "plan.json").write_text(json.dumps({"peak_vram_gib": 5.5, "peak_host_gib": 12.0, "step_s": 1.4,
+                                                 "message": "fits: predicted peak VRAM 5.50 GiB"}))
+    (folder / "process.json").write_text(json.dumps({"pid": 1, "exit_code": 0}))
+    (folder / "run" / "train.log").write_text("".join(
+        f"2026-11-24 08:26:2{i},000 INFO step {i} loss {0.9 - 0.1 * i:.5f} lr 0.0001 {1.5 - 0.05 * i:.2f}s/it "
+        f"vram 4.80/5.90 GiB (peak {5.0 + 0.1 * i:.2f}) rss {10.0 + 0.2 * i:.1f} GiB\n" for i in range(1, 5))
+        + "2026-11-24 08:26:30,000 INFO saved watched_comfyui.safetensors\n")
+    _png(folder / "run" / "samples" / "step000004.png", 64, (10, 120, 200))
+    (folder / "run" / "watched_comfyui.safetensors").write_bytes(b"weights of the finished run")
+    return folder
+
+
+def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_the_plan(tmp_path, token_server):
+    sync_playwright = _browser_or_skip()
+    from leantune.ui.form import families
+
+    url, runs_dir = token_server
+    images = tmp_path / "images"
+    images.mkdir()
+    original = _png(images / "a.png", 96, (200, 0, 0))
+    (images / "a.txt").write_text("a red square\n")
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    new = _png(uploads / "new.png", 80, (0, 200, 0))
+    _png(uploads / "a.png", 80, (0, 0, 0))                       # same name as the dataset's: refused
+    (uploads / "broken.png").write_bytes(b"this is not an image")  # does not decode: refused
+    folder = _finished_run(runs_dir)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(60_000)
+
+        # the token: refused without it, then the page works from the cookie the address sets
+        assert page.goto(url).status == 403
+        assert "token" in page.inner_text("body")
+        page.goto(url + "?token=s3cret-token")
+        page.wait_for_function("document.querySelectorAll('#family option').length > 0")
+        assert page.locator("#family option").all_inner_texts() == families()
+        assert page.locator("#mode option").all_inner_texts() == ["lora", "full"]
+        assert page.input_value("#ram_budget") == "auto"
+
+        # uploads: the image lands byte for byte; a taken name and a file that does not decode are refused
+        page.fill("#dataset", str(images))
+        page.click("#load-dataset")
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 1")
+        page.set_input_files("#upload", [str(uploads / "new.png"), str(uploads / "a.png"), str(uploads / "broken.png")])
+        page.wait_for_function("document.querySelector('#upload-message').textContent.includes('added')")
+        message = page.inner_text("#upload-message")
+        assert "1 image(s) added" in message and "exists already" in message and "not a readable image" in message
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 2")
+        assert (images / "new.png").read_bytes() == new
+        assert (images / "a.png").read_bytes() == original and not (images / "broken.png").exists()
+        assert sorted(p.name for p in images.iterdir()) == ["a.png", "a.txt", "new.png"]
+
+        # full mode: no rank; the plan box shows the planner's answer, an amber "not planned" while
+        # the planner does not price full fine-tunes
+        page.fill("#model_path", str(tmp_path / "flux1-dev.safetensors"))
+        page.select_option("#mode", "full")
+        assert page.locator("#rank").is_disabled()
+        page.fill("#vram_budget", "12GiB")
+        page.wait_for_function("!['planning…', 'set a VRAM budget to see the plan']"
+                               ".includes(document.querySelector('#plan-message').textContent)")
+        page.wait_for_function("document.querySelector('#toml').textContent.includes('mode = \\\"full\\\"')")
+        toml = page.text_content("#toml")
+        assert "[lora]" not in toml and 'vram_budget = "12GiB"' in toml and "\nram_budget" not in toml
+        plan_class, plan_message = page.get_attribute("#plan", "class"), page.inner_text("#plan-message")
+        if plan_message.startswith("not planned"):
+            assert "note" in plan_class and "full" in plan_message
+        else:
+            assert plan_class.split()[-1] in ("fits", "nofit"), (plan_class, plan_message)
+        page.select_option("#mode", "lora")
+        assert not page.locator("#rank").is_disabled()
+
+        # watch a finished run: loss, s/it, VRAM and RSS against the predicted lines, log, samples, downloads
+        page.wait_for_selector("#runs tbody tr")
+        page.locator("#runs tbody tr", has_text="watched").locator("button").click()
+        page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
+        assert len(page.get_attribute("#loss-chart polyline[data-series=loss]", "points").split()) == 4
+        chart = "#mem-chart polyline"
+        assert page.locator(chart).count() == 4
+        for series in ("rss", "vram"):
+            assert len(page.get_attribute(f"{chart}[data-series={series}]", "points").split()) == 4
+            assert page.get_attribute(f"{chart}[data-series={series}]", "stroke-dasharray") is None
+        for series, value in (("predicted-vram", "5.5"), ("predicted-host", "12")):
+            line = page.locator(f"{chart}[data-series={series}]")
+            assert line.get_attribute("data-value") == value and line.get_attribute("stroke-dasharray")
+            (x0, y0), (x1, y1) = [tuple(map(float, p.split(","))) for p in line.get_attribute("points").split()]
+            assert y0 == y1 and x0 < x1                               # flat, across the whole run
+        # measured VRAM peaks 5.1..5.4 GiB sit below the predicted 5.5 line (SVG y grows downwards)
+        vram_ys = [float(p.split(",")[1]) for p in page.get_attribute(f"{chart}[data-series=vram]", "points").split()]
+        predicted_y = float(page.get_attribute(f"{chart}[data-series=predicted-vram]", "points").split()[0].split(",")[1])
+        assert all(y > predicted_y for y in vram_ys)
+        legend = page.inner_text("#mem-legend")
+        assert "predicted VRAM 5.50 GiB" in legend and "predicted host RAM 12.00 GiB" in legend
+        assert "VRAM peak 5.40 GiB" in legend and "RSS 10.80 GiB" in legend
+        speed = page.inner_text("#speed")
+        assert "step 4/4" in speed and "1.30 s/it" in speed and "predicted 1.40 s/it" in speed
+        assert page.inner_text("#log").endswith("saved watched_comfyui.safetensors")
+        page.wait_for_function("document.querySelector('#samples img') && "
+                               "document.querySelector('#samples img').naturalWidth === 64")
+        links = page.locator("#downloads a")
+        assert links.all_inner_texts() == ["config.toml", "watched_comfyui.safetensors"]
+        download = page.request.get(links.nth(1).evaluate("a => a.href"))     # with the cookie
+        assert download.ok and download.body() == (folder / "run" / "watched_comfyui.safetensors").read_bytes()
+        assert "attachment" in download.headers["content-disposition"]
         browser.close()

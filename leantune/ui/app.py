@@ -31,6 +31,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     runs_dir.mkdir(parents=True, exist_ok=True)
     app = FastAPI(title="leantune", docs_url=None, redoc_url=None, openapi_url=None)
     plans: dict[str, dict] = {}          # TOML text -> summary: the plan shown is the plan a run keeps
+    family_names = families()            # imports the registry (and torch) now, not on the page's first call
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):
@@ -61,7 +62,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
 
     @app.get("/api/choices")
     def get_choices():
-        return {"family": families(), "mode": choices("train", "mode"),
+        return {"family": family_names, "mode": choices("train", "mode"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir)}
 

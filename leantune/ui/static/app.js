@@ -229,14 +229,7 @@ function modeChanged() {
 }
 
 async function init() {
-  const c = await api("GET", "/api/choices");
-  for (const k of ["family", "mode", "dtype", "mixed_precision"]) {
-    $(k).replaceChildren(...c[k].map((v) => el("option", {value: v}, v)));
-  }
-  for (const [k, v] of Object.entries(c.defaults)) {
-    if ($(k)) $(k).value = Array.isArray(v) ? (k === "sample_prompts" ? v.join("\n") : v.join(" ")) : v;
-  }
-  status(`runs in ${c.runs_dir}`);
+  // handlers first: a click while the choices load is not lost
   for (const k of FORM) { $(k).addEventListener("input", schedulePlan); $(k).addEventListener("change", schedulePlan); }
   $("load-dataset").onclick = loadDataset;
   $("upload").onchange = upload;
@@ -245,8 +238,16 @@ async function init() {
   $("resume").onclick = resumeRun;
   $("sample").onclick = sample;
   $("mode").addEventListener("change", modeChanged);
-  modeChanged();
   $("model_path").addEventListener("change", () => { if (!$("s_model").value) $("s_model").value = $("model_path").value; });
+  const c = await api("GET", "/api/choices");
+  for (const k of ["family", "mode", "dtype", "mixed_precision"]) {
+    $(k).replaceChildren(...c[k].map((v) => el("option", {value: v}, v)));
+  }
+  for (const [k, v] of Object.entries(c.defaults)) {      // defaults fill what the user has not typed yet
+    if ($(k) && !$(k).value) $(k).value = Array.isArray(v) ? (k === "sample_prompts" ? v.join("\n") : v.join(" ")) : v;
+  }
+  status(`runs in ${c.runs_dir}`);
+  modeChanged();
   refreshRuns();
   schedulePlan();
 }
