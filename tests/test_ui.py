@@ -233,6 +233,13 @@ def test_plan_answer_is_leantune_plans_answer(tmp_path, tiny_flux_dir):
     tight = plan_answer.summarize(plan_answer.plan_json(config, "1MiB"))
     assert tight["fits"] is False and tight["smallest_gib"] > 0.001
     assert tight["message"].startswith("does not fit: the smallest budget is ")
+    # the form's fields reach the answer: a larger resolution, a larger rank each predict more VRAM
+    for key, value, part in (("resolutions", "128", "activations"), ("rank", "64", "adapters")):
+        bigger = RunForm.from_fields({**FIELDS, "model_path": str(tiny_flux_dir), "dataset": str(images),
+                                      "dtype": "fp32", "resolutions": "64", "max_text_length": "16", key: value})
+        other = plan_answer.summarize(plan_answer.plan_json(bigger.write(tmp_path / f"{key}.toml"), "1GiB"))
+        assert other["vram_breakdown_gib"][part] > fits["vram_breakdown_gib"][part], (key, other, fits)
+        assert other["peak_vram_gib"] > fits["peak_vram_gib"]
 
 
 def _serve(args: list[str], tmp_path: Path):
@@ -285,6 +292,10 @@ def test_bound_beyond_localhost_the_page_needs_the_printed_token(tmp_path):
 def test_on_localhost_there_is_no_token(tmp_path):
     from leantune.commands.ui import address
 
+    from leantune.commands.ui import is_local
+
+    assert [h for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "0.0.0.0", "::", "192.168.1.5", "myhost")
+            if is_local(h)] == ["127.0.0.1", "127.0.0.2", "localhost", "::1"]
     assert address("127.0.0.1", 7860, None) == "http://127.0.0.1:7860/"
     assert address("::", 80, "t") == "http://[::]:80/?token=t"
 

@@ -12,7 +12,16 @@ import secrets
 import sys
 from pathlib import Path
 
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+def is_local(host: str) -> bool:
+    """Whether binding `host` keeps the page on this machine (localhost or any loopback address)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False          # a host name: it may resolve to an outside address
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -36,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"leantune ui needs FastAPI and uvicorn ({e.name} is missing): "
                           f"pip install 'leantune[ui]'") from None
     token = args.token
-    if args.host not in LOCAL_HOSTS:
+    if not is_local(args.host):
         token = token or secrets.token_urlsafe(16)
         print(f"warning: leantune ui is bound to {args.host}, reachable from other machines; anyone with the "
               f"address below can start runs and write files as this user", file=sys.stderr)
