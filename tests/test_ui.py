@@ -347,6 +347,12 @@ def test_family_choices_come_from_the_family_registry(monkeypatch):
         RunForm.from_fields({**FIELDS, "family": "newfam"})
 
 
+@pytest.mark.parametrize("name", __import__("leantune.ui.form", fromlist=["families"]).families())
+def test_every_registered_family_makes_a_config_train_loads(tmp_path, name):
+    cfg = load_config(RunForm.from_fields({**FIELDS, "family": name}).write(tmp_path / "c.toml"))
+    assert cfg.model.family == name
+
+
 # Every field the issue names, and where it lands in the TOML (the plan reads that TOML).
 WIRED = [("model_path", "/models/flux1-dev.safetensors", ("model", "path"), "/models/flux1-dev.safetensors"),
          ("family", "flux", ("model", "family"), "flux"), ("mode", "full", ("train", "mode"), "full"),
@@ -391,12 +397,17 @@ def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monk
 
     def declines(config, vram, ram=None):
         raise ConfigError("the planner does not plan this yet")
+
+    def cannot(config, vram, ram=None):
+        raise ValueError("the planner cannot build a probe copy of a newfam model")
     monkeypatch.setattr(plan_answer, "plan_json", declines)
     plan = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")
     answer = plan({**FIELDS, "mode": "full"})
     assert answer == {"fits": None, "planned": False, "message": "not planned: the planner does not plan this yet"}
     with pytest.raises(ConfigError, match="vram_budget"):        # a field the config refuses stays an error
         plan({**FIELDS, "vram_budget": "lots"})
+    monkeypatch.setattr(plan_answer, "plan_json", cannot)
+    assert plan({**FIELDS, "rank": "3"})["message"] == "not planned: the planner cannot build a probe copy of a newfam model"
 
 
 def test_full_mode_plan_answer_is_shown_not_raised(tmp_path):

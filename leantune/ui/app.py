@@ -98,9 +98,8 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
 
     def _plan(form: RunForm) -> dict:
         """The planner's answer for the form. A form the config check refuses is an error (HTTP 400);
-        a config the planner declines to plan (a mode it does not price yet, "auto" with no GPU
-        here) is its answer, shown as such: {"fits": None, "planned": False, "message": ...}."""
-        from ..config import ConfigError
+        a config the planner declines to plan (a mode or family it does not price yet, "auto" with
+        no GPU here) is its answer, shown as such: {"fits": None, "planned": False, "message": ...}."""
 
         text = form.to_toml()
         if text not in plans:
@@ -109,7 +108,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
                 ram = form.to_dict().get("memory", {}).get("ram_budget")
                 try:
                     answer = plan_answer.plan_json(config, form.vram_budget.strip(), ram)
-                except ConfigError as e:
+                except ValueError as e:        # ConfigError and the planner's refusals; the form passed
                     return {"fits": None, "planned": False, "message": f"not planned: {e}"}
                 plans[text] = plan_answer.summarize(answer)
         return plans[text]
