@@ -18,11 +18,12 @@ from torch import nn
 
 def apply_loras(transformer: nn.Module, loras: list[tuple[Path, float]]) -> list[str]:
     """Apply each (file, strength) as its own frozen, unmerged adapter; returns the adapter names."""
-    from ..train.lora import apply_lora, check_fits, read_lora
+    from ..train.lora import apply_lora, check_fits, model_lora_keys, read_lora
 
+    keys = model_lora_keys(transformer)      # read each file as a LoRA of the model's family
     checked = []
     for path, strength in loras:
-        weights = read_lora(path)      # any supported layout; raises naming the file and key
+        weights = read_lora(path, keys)  # any supported layout; raises naming the file and key
         check_fits(transformer, weights)
         checked.append((weights, strength))
     names = []

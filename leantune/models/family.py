@@ -99,6 +99,11 @@ def get_family(name: str) -> ModelFamily:
     return _FAMILIES[name]
 
 
+def known_families() -> list[str]:
+    """Names of every family leantune has, registered or not yet imported, in a fixed order."""
+    return list(_MODULES)
+
+
 def family_for_model(transformer) -> ModelFamily:
     """The family of a loaded transformer, from its class (for code handed only the model, such as
     the sampler called directly with a diffusers model)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .family import PromptEmbeds
+from .flux_lora_keys import FLUX_LORA_KEYS
 from .spec import BlockList, ModelSpec
 
 _DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
@@ -42,6 +43,7 @@ FLUX_SPEC = ModelSpec(
         "all": _unique(_DOUBLE_ATTN, _SINGLE_ATTN, _MLP, _MODULATION),
     },
     default_lora_preset="attention_mlp",
+    lora_keys=FLUX_LORA_KEYS,
 )
 
 VAE_SCALE_FACTOR = 8      # pixels per latent

@@ -35,6 +35,8 @@ class ModelSpec:
     # LoRA target presets: name -> regexes on module names relative to a block.
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)
     default_lora_preset: str = "attention_mlp"
+    # LoRA file names of this family (models/lora_keymap.LoraKeyMap): diffusers <-> kohya / native.
+    lora_keys: object = None
 
     # -- helpers -------------------------------------------------------------------------------
     def block_list(self, kind: str) -> BlockList:

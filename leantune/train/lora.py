@@ -1,4 +1,4 @@
-"""LoRA adapters on the diffusers Flux transformer, through peft.
+"""LoRA adapters on a diffusers transformer (Flux, SD3.5), through peft.
 
 Training adds one peft adapter ("default") on the Linears a [lora] preset names (spec regexes,
 optionally restricted to some blocks), with standard init (A random, B zero, so the model starts
@@ -132,8 +132,20 @@ def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_na
     return params
 
 
+def model_lora_keys(transformer: torch.nn.Module):
+    """The LoRA names of a loaded transformer's family (spec.lora_keys), or None for a class no
+    family claims."""
+    from leantune.models.family import family_for_model
+
+    try:
+        return family_for_model(transformer).spec.lora_keys
+    except TypeError:
+        return None
+
+
 def lora_weights_from_model(transformer: torch.nn.Module, adapter_name: str = "default") -> LoraWeights:
-    """A CPU copy of an adapter's weights, keyed by module name ('transformer_blocks.0.attn.to_q')."""
+    """A CPU copy of an adapter's weights, keyed by module name ('transformer_blocks.0.attn.to_q'),
+    knowing the model's family (so its kohya names are the family's)."""
     layers = lora_layers(transformer, adapter_name)
     if not layers:
         raise ValueError(f"the transformer has no LoRA adapter named {adapter_name!r}")
@@ -147,7 +159,7 @@ def lora_weights_from_model(transformer: torch.nn.Module, adapter_name: str = "d
         if layer.use_rslora.get(adapter_name, False):
             alpha *= math.sqrt(layer.r[adapter_name])   # rsLoRA's alpha / sqrt(r) as alpha' / r
         modules[name] = LoraModule(down, up, alpha, key=name)
-    return LoraWeights(modules=modules, source=f"adapter {adapter_name!r}")
+    return LoraWeights(modules=modules, source=f"adapter {adapter_name!r}", keys=model_lora_keys(transformer))
 
 
 def _base_linear(model: torch.nn.Module, name: str, weights: LoraWeights, key: str) -> torch.nn.Module:

@@ -1,25 +1,33 @@
-"""LoRA files: read every common Flux LoRA layout, write ComfyUI/kohya and diffusers files.
+"""LoRA files: read every common Flux and SD3.5 LoRA layout, write ComfyUI/kohya and diffusers files.
 
 In memory a LoRA is a `LoraWeights`: one `LoraModule(down (r, in), up (out, r), alpha)` per
 diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in three ways:
 
-* names: kohya / ComfyUI use BFL module paths (`lora_unet_double_blocks_0_img_attn_qkv`),
-  diffusers / ai-toolkit use diffusers paths with a `transformer.` prefix, some tools use BFL
-  paths with a `diffusion_model.` prefix;
-* fusing: BFL's q, k, v (and, in single blocks, the MLP input) are one Linear, so a kohya file
-  holds one LoRA for what diffusers trains as three or four. We fuse exactly: down = cat(A_q, A_k,
-  A_v) (3r, in), up = block_diag(B_q, B_k, B_v) (3d, 3r), alpha = 3 * alpha, so that the fused
-  scale alpha / 3r equals each part's alpha / r and the delta of every row block is unchanged.
-  Missing parts are zero blocks. On import a block-diagonal fused LoRA is split back the same
-  way diffusers' `_convert_kohya_flux_lora_to_diffusers` does (equal rank chunks), and a dense one
-  is split by rows with the down matrix shared, which is exact too;
+* names: kohya / ComfyUI use the reference implementation's module paths (Flux:
+  `lora_unet_double_blocks_0_img_attn_qkv`; SD3.5: `lora_unet_joint_blocks_0_x_block_attn_qkv`),
+  diffusers / ai-toolkit use diffusers paths with a `transformer.` prefix, some tools use native
+  paths with a `diffusion_model.` prefix. Which names exist is the family's data
+  (`spec.lora_keys`, models/lora_keymap.py); this module never names a family's modules;
+* fusing: the native q, k, v (and, in Flux single blocks, the MLP input) are one Linear, so a
+  kohya file holds one LoRA for what diffusers trains as three or four. We fuse exactly: down =
+  cat(A_q, A_k, A_v) (3r, in), up = block_diag(B_q, B_k, B_v) (3d, 3r), alpha = 3 * alpha, so
+  that the fused scale alpha / 3r equals each part's alpha / r and the delta of every row block is
+  unchanged. Missing parts are zero blocks. On import a block-diagonal fused LoRA is split back the
+  same way diffusers' `_convert_kohya_flux_lora_to_diffusers` and sd-scripts' split-qkv loader do
+  (equal rank chunks), and a dense one is split by rows with the down matrix shared, which is
+  exact too;
 * alpha: kohya stores `<module>.alpha`; diffusers stores the LoraConfig (r, lora_alpha,
   rank_pattern, alpha_pattern) as JSON in the `lora_adapter_metadata` header; ai-toolkit stores
   none, meaning alpha = rank.
 
+The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...). Some
+files fit several families (diffusers names such as `transformer_blocks.0.attn.to_q` exist in both):
+their modules are the same either way, and only writing kohya names needs the family; the file's
+header (`ss_base_model_version`) or the caller (`keys=`, `leantune convert --family`) then says it.
+
 Only safetensors are read or written (io.py refuses pickle); saves are atomic. Any key we do not
-understand is an error naming the file and the key, except text-encoder LoRA keys, which Flux
-LoRA training here does not use: those are reported in a warning and skipped.
+understand is an error naming the file and the key, except text-encoder LoRA keys, which LoRA
+training here does not use: those are reported in a warning and skipped.
 """
 
 from __future__ import annotations
@@ -37,12 +45,7 @@ import torch
 
 from leantune.io import load_safetensors, save_safetensors
 
-from .lora_keys import (
-    FusedTarget,
-    target_for_bfl,
-    target_for_diffusers,
-    target_for_kohya,
-)
+from .lora_keys import FusedTarget, LoraKeyMap, all_key_maps
 
 LoraFileFormat = Literal["comfyui", "diffusers"]
 FORMATS = ("comfyui", "diffusers")
@@ -84,13 +87,20 @@ class LoraModule:
 
 @dataclass
 class LoraWeights:
-    """A LoRA for a Flux transformer, keyed by diffusers module names relative to the transformer."""
+    """A LoRA for a transformer, keyed by diffusers module names relative to the transformer."""
 
     modules: dict[str, LoraModule]
     metadata: dict[str, str] = field(default_factory=dict)   # file header (ss_* training notes ...)
     source: str = "<memory>"                                   # file it was read from
     format: str = ""                                           # layout it was read from
     ignored: list[str] = field(default_factory=list)           # keys skipped (text-encoder LoRA)
+    # The family's LoRA names (spec.lora_keys); None when unknown: the modules' names then fit
+    # several families and writing kohya names asks the header or the caller.
+    keys: LoraKeyMap | None = None
+
+    @property
+    def family(self) -> str | None:
+        return None if self.keys is None else self.keys.family
 
 
 # -- fusing and splitting --------------------------------------------------------------------------
@@ -113,13 +123,13 @@ def _part_rows(target: FusedTarget, rows: int, where: str) -> list[int]:
 
 
 def split_fused(target: FusedTarget, fused: LoraModule, where: str) -> dict[str, LoraModule]:
-    """Split a LoRA on a BFL Linear into LoRAs on its diffusers parts, exactly.
+    """Split a LoRA on a native Linear into LoRAs on its diffusers parts, exactly.
 
     A block-diagonal fused LoRA (equal rank chunks, as kohya split-qkv and our exports write) gives
     each part its own chunk at the same scale; all-zero parts (absent when fused) are dropped. A
     dense one gives every part the whole down matrix and its rows of the up matrix.
     """
-    up = _swap_halves(fused.up, where) if target.swap_halves else fused.up
+    up = _swap_halves(fused.up, where) if target.swaps_halves(fused.up.shape[0], fused.down.shape[1]) else fused.up
     n = len(target.parts)
     if n == 1:
         return {target.parts[0]: LoraModule(fused.down, up, fused.alpha, fused.key)}
@@ -149,17 +159,17 @@ def split_fused(target: FusedTarget, fused: LoraModule, where: str) -> dict[str,
 
 
 def fuse_parts(target: FusedTarget, parts: dict[int, LoraModule]) -> LoraModule:
-    """The LoRA on a BFL Linear equivalent to LoRAs on some of its diffusers parts (others zero).
+    """The LoRA on a native Linear equivalent to LoRAs on some of its diffusers parts (others zero).
 
     With equal ranks and scales (what training produces) the weights are copied untouched and
     alpha becomes n * alpha; otherwise each part's scale is folded into its up matrix relative to
     the first part's scale, so the delta stays exact either way.
     """
-    where = target.bfl
+    where = target.native
     present = sorted(parts)
     first = parts[present[0]]
     if len(target.parts) == 1:
-        up = _swap_halves(first.up, where) if target.swap_halves else first.up
+        up = _swap_halves(first.up, where) if target.swaps_halves(first.up.shape[0], first.down.shape[1]) else first.up
         return LoraModule(first.down, up, first.alpha, target.kohya)
     in_features = first.down.shape[1]
     units = set()
@@ -191,7 +201,7 @@ def fuse_parts(target: FusedTarget, parts: dict[int, LoraModule]) -> LoraModule:
         ups.append(m.up.to(dtype) if m.scale == first.scale else (m.up.float() * (m.scale / first.scale)).to(dtype))
     down = torch.cat(downs, dim=0)                  # (sum r_j, in)
     up = torch.block_diag(*ups)                     # (sum out_j, sum r_j)
-    if target.swap_halves:
+    if target.swaps_halves(up.shape[0], in_features):
         up = _swap_halves(up, where)
     n_rank = down.shape[0]
     alpha = first.alpha * len(target.parts) if uniform else first.scale * n_rank
@@ -243,23 +253,72 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def comfyui_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """kohya / ComfyUI keys: fused BFL modules with lora_down, lora_up and a scalar alpha each."""
+def _displays(maps: list[LoraKeyMap]) -> str:
+    return " or ".join(m.display for m in maps) or "known"
+
+
+def _maps_for_names(names) -> list[LoraKeyMap]:
+    """The families whose transformers have every one of these diffusers Linear names."""
+    return [k for k in all_key_maps() if all(k.target_for_diffusers(n) is not None for n in names)]
+
+
+def writing_keys(weights: LoraWeights, keys: LoraKeyMap | None = None) -> list[LoraKeyMap]:
+    """The family names to write `weights` with: the caller's, the LoRA's own, else every family
+    whose transformer has all its modules (narrowed by the header's hint). Several means the names
+    fit several families; the caller checks whether that matters."""
+    if keys is None:
+        keys = weights.keys
+    if keys is not None:
+        for name in weights.modules:
+            if keys.target_for_diffusers(name) is None:
+                raise LoraFormatError(f"{weights.source}: module {name!r} is not a {keys.display} transformer "
+                                      f"Linear with a kohya/ComfyUI name")
+        return [keys]
+    maps = _maps_for_names(weights.modules)
+    if not maps:
+        every = all_key_maps()
+        name = next(n for n in sorted(weights.modules) if not _maps_for_names([n]))
+        raise LoraFormatError(f"{weights.source}: module {name!r} is not a {_displays(every)} transformer Linear "
+                              f"with a kohya/ComfyUI name")
+    hinted = [k for k in maps if k.hinted_by(weights.metadata)]
+    return hinted if len(hinted) == 1 else maps
+
+
+def _comfyui_tensors(weights: LoraWeights, keys: LoraKeyMap, dtype) -> dict[str, torch.Tensor]:
     groups: dict[str, tuple[FusedTarget, dict[int, LoraModule]]] = {}
     for name, module in weights.modules.items():
-        found = target_for_diffusers(name)
-        if found is None:
-            raise LoraFormatError(f"{weights.source}: module {name!r} is not a Flux transformer Linear with a "
-                                  f"kohya/ComfyUI name")
-        target, part = found
-        groups.setdefault(target.bfl, (target, {}))[1][part] = module
+        target, part = keys.target_for_diffusers(name)
+        groups.setdefault(target.native, (target, {}))[1][part] = module
     out = {}
-    for bfl in sorted(groups):
-        target, parts = groups[bfl]
+    for native in sorted(groups):
+        target, parts = groups[native]
         fused = fuse_parts(target, parts)
         out[f"{target.kohya}.lora_down.weight"] = _cast(fused.down, dtype)
         out[f"{target.kohya}.lora_up.weight"] = _cast(fused.up, dtype)
         out[f"{target.kohya}.alpha"] = torch.tensor(fused.alpha, dtype=torch.float32)
+    return out
+
+
+def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def comfyui_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None,
+                       keys: LoraKeyMap | None = None) -> dict[str, torch.Tensor]:
+    """kohya / ComfyUI keys: fused native modules with lora_down, lora_up and a scalar alpha each.
+
+    `keys` (a family's spec.lora_keys) defaults to the LoRA's own family, else the one family its
+    module names fit; names that fit several families are written only if every family would
+    write the same file (the final layer, say)."""
+    maps = writing_keys(weights, keys)
+    out = _comfyui_tensors(weights, maps[0], dtype)
+    for other in maps[1:]:
+        if not _same_tensors(out, _comfyui_tensors(weights, other, dtype)):
+            example = next(iter(sorted(weights.modules)))
+            raise LoraFormatError(
+                f"{weights.source}: the LoRA's module names (e.g. {example!r}) exist in both {maps[0].display} and "
+                f"{other.display} transformers, with different kohya/ComfyUI names; say which family it is for "
+                f"(leantune convert --family)")
     return _unshared(out)
 
 
@@ -277,45 +336,60 @@ def _header_value(v) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def file_metadata(weights: LoraWeights, fmt: LoraFileFormat, path: Path, extra: dict | None) -> dict[str, str]:
-    """The header of a saved LoRA: kohya-style ss_* notes (defaults, then the source file's, then
-    the caller's) plus the layout keys of `fmt`."""
+def file_metadata(weights: LoraWeights, fmt: LoraFileFormat, path: Path, extra: dict | None,
+                  keys: LoraKeyMap | None = None) -> dict[str, str]:
+    """The header of a saved LoRA: kohya-style ss_* notes (defaults, the family's, then the source
+    file's, then the caller's) plus the layout keys of `fmt`. `keys`: the family written for; its
+    notes are left out when the family is unknown."""
     ranks = [m.rank for m in weights.modules.values()]
     alphas = [float(m.alpha) for m in weights.modules.values()]
-    meta = {
-        "ss_network_module": "networks.lora_flux",
-        "ss_network_dim": str(_most_common(ranks)),
-        "ss_network_alpha": _header_value(_most_common(alphas)),
-        "ss_base_model_version": "flux1",
-        "ss_output_name": path.stem,
-    }
+    meta = {}
+    if keys is not None:
+        meta["ss_network_module"] = keys.header["ss_network_module"]
+    meta["ss_network_dim"] = str(_most_common(ranks))
+    meta["ss_network_alpha"] = _header_value(_most_common(alphas))
+    if keys is not None:
+        meta["ss_base_model_version"] = keys.header["ss_base_model_version"]
+    meta["ss_output_name"] = path.stem
     meta.update({k: v for k, v in weights.metadata.items() if k not in _LAYOUT_KEYS})
     meta.update({k: _header_value(v) for k, v in (extra or {}).items()})
     meta["leantune_format"] = fmt
     if fmt == "diffusers":
         meta["format"] = "pt"
         config = peft_config_kwargs(weights)
-        # FluxPipeline.save_lora_weights prefixes the config keys with the component name.
+        # The pipelines' save_lora_weights prefix the config keys with the component name.
         meta[ADAPTER_METADATA_KEY] = json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
     return meta
 
 
 def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
-              metadata: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+              metadata: dict | None = None, dtype: torch.dtype | None = None,
+              keys: LoraKeyMap | None = None) -> Path:
     """Write `weights` as a ComfyUI/kohya or diffusers LoRA file (atomic); `dtype` None keeps theirs.
 
-    Both load in ComfyUI and in diffusers' FluxPipeline.load_lora_weights (from the path, so the
-    header's alpha is read). One limit lies in diffusers, not in the file: its kohya converter drops
-    top-level layers (embedders, final layer) and splits single-block linear1 only at width 3072;
-    use the diffusers format for such LoRAs there. Our presets train block Linears only.
+    `keys` is the family's LoRA names (spec.lora_keys); by default the LoRA's own family, else the
+    one its module names fit (see comfyui_state_dict). Both layouts load in ComfyUI and in
+    diffusers' pipelines (FluxPipeline / StableDiffusion3Pipeline.load_lora_weights, from the path
+    so the header's alpha is read). Limits lie in diffusers, not in the files: its kohya Flux
+    converter drops top-level layers (embedders, final layer) and splits single-block linear1 only
+    at width 3072, and it has no kohya SD3 converter; use the diffusers format there.
     """
     if fmt not in FORMATS:
         raise LoraFormatError(f"{path}: unknown LoRA file format {fmt!r}; choose one of {FORMATS}")
     if not weights.modules:
         raise LoraFormatError(f"{path}: refusing to write a LoRA with no modules")
     path = Path(path)
-    tensors = comfyui_state_dict(weights, dtype) if fmt == "comfyui" else diffusers_state_dict(weights, dtype)
-    return save_safetensors(tensors, path, file_metadata(weights, fmt, path, metadata))
+    if fmt == "comfyui":
+        maps = writing_keys(weights, keys)
+        tensors = comfyui_state_dict(weights, dtype, keys)
+    else:
+        try:            # diffusers names need no family; it only picks the header's notes
+            maps = writing_keys(weights, keys)
+        except LoraFormatError:
+            maps = []
+        tensors = diffusers_state_dict(weights, dtype)
+    family_keys = maps[0] if len(maps) == 1 else None
+    return save_safetensors(tensors, path, file_metadata(weights, fmt, path, metadata, family_keys))
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -325,8 +399,9 @@ _ROLE_SUFFIXES = (
     (".lora_A.weight", "down"), (".lora_B.weight", "up"),
     (".alpha", "alpha"),
 )
-_TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.")
-_BFL_PREFIXES = ("diffusion_model.", "model.diffusion_model.")
+_TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
+                          "text_encoder_3.")
+_NATIVE_PREFIXES = ("diffusion_model.", "model.diffusion_model.")
 _DIFFUSERS_PREFIXES = (DIFFUSERS_PREFIX, "base_model.model.", "")
 _UNSUPPORTED_HINTS = (   # (regex searched in the key, what it is) for a helpful error
     (r"\.dora_scale$|lora_magnitude_vector", "DoRA"), (r"\.hada_", "LoHa"), (r"\.lokr_", "LoKr"),
@@ -339,35 +414,34 @@ _UNSUPPORTED_HINTS = (   # (regex searched in the key, what it is) for a helpful
 class _Entry:
     """down / up / alpha tensors of one module as found in the file, and their keys."""
 
-    kind: str                               # "kohya" | "bfl" | "diffusers"
-    target: FusedTarget | None = None       # for kohya / bfl: the fused BFL Linear
+    kind: str                               # "kohya" | "native" | "diffusers"
+    target: FusedTarget | None = None       # for kohya / native: the fused native Linear
     name: str = ""                          # for diffusers: the module name
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
 
 
-def _classify(stem: str) -> tuple[str, str, FusedTarget | None]:
-    """(kind, unit id, target) of a key without its role suffix; kind 'unknown' if not Flux."""
-    if stem.startswith(_TEXT_ENCODER_PREFIXES):
-        return "text_encoder", stem, None
+def _classify(stem: str, keys: LoraKeyMap) -> tuple[str, str, FusedTarget | None]:
+    """(kind, unit id, target) of a key without its role suffix under one family's names; kind
+    'unknown' if that family has no such module."""
     if stem.startswith("lora_unet_"):
-        t = target_for_kohya(stem)
-        return ("kohya", t.bfl, t) if t else ("unknown", stem, None)
-    for prefix in _BFL_PREFIXES:
+        t = keys.target_for_kohya(stem)
+        return ("kohya", t.native, t) if t else ("unknown", stem, None)
+    for prefix in _NATIVE_PREFIXES:
         if stem.startswith(prefix):
-            t = target_for_bfl(stem[len(prefix):])
-            return ("bfl", t.bfl, t) if t else ("unknown", stem, None)
+            t = keys.target_for_native(stem[len(prefix):])
+            return ("native", t.native, t) if t else ("unknown", stem, None)
     for prefix in _DIFFUSERS_PREFIXES:
-        if stem.startswith(prefix) and target_for_diffusers(stem[len(prefix):]) is not None:
+        if stem.startswith(prefix) and keys.target_for_diffusers(stem[len(prefix):]) is not None:
             return "diffusers", stem[len(prefix):], None
-    t = target_for_bfl(stem)   # BFL names without a prefix
-    return ("bfl", t.bfl, t) if t else ("unknown", stem, None)
+    t = keys.target_for_native(stem)   # native names without a prefix
+    return ("native", t.native, t) if t else ("unknown", stem, None)
 
 
-def _unknown(source: str, key: str, why: str = "") -> LoraFormatError:
+def _unknown(source: str, key: str, maps: list[LoraKeyMap], why: str = "") -> LoraFormatError:
     hint = next((f" ({what} is not supported)" for pat, what in _UNSUPPORTED_HINTS if re.search(pat, key)), "")
-    return LoraFormatError(f"{source}: key {key!r} is not a Flux transformer LoRA key leantune understands"
-                           f"{hint}{why}")
+    return LoraFormatError(f"{source}: key {key!r} is not a {_displays(maps)} transformer LoRA key leantune "
+                           f"understands{hint}{why}")
 
 
 def _adapter_config(source: str, metadata: dict[str, str]) -> dict | None:
@@ -425,30 +499,29 @@ def _checked_module(source: str, entry: _Entry, unit: str) -> LoraModule:
     return LoraModule(down, up, alpha, kd.rsplit(".", 2)[0])
 
 
-def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
-                         source: str = "<state dict>") -> LoraWeights:
-    """Parse a LoRA state dict in any supported layout (see the module docstring)."""
-    metadata = dict(metadata or {})
-    config = _adapter_config(source, metadata)
-    entries: dict[str, _Entry] = {}
-    ignored: list[str] = []
+def _roles(source: str, tensors: dict[str, torch.Tensor], maps: list[LoraKeyMap]):
+    """(key, role, stem) of every transformer key, and the text-encoder keys skipped."""
+    found, ignored = [], []
     for key in sorted(tensors):
         role = stem = None
         for suffix, r in _ROLE_SUFFIXES:
             if key.endswith(suffix):
                 role, stem = r, key[: -len(suffix)]
                 break
-        if role is None:
-            if key.startswith(_TEXT_ENCODER_PREFIXES):
-                ignored.append(key)
-                continue
-            raise _unknown(source, key)
-        kind, unit, target = _classify(stem)
-        if kind == "text_encoder":
+        if key.startswith(_TEXT_ENCODER_PREFIXES):
             ignored.append(key)
             continue
-        if kind == "unknown":
-            raise _unknown(source, key)
+        if role is None:
+            raise _unknown(source, key, maps)
+        found.append((key, role, stem))
+    return found, ignored
+
+
+def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None):
+    """The LoraModules of a file under one family's names, and the layouts its keys used."""
+    entries: dict[str, _Entry] = {}
+    for key, role, stem in found:
+        kind, unit, target = _classify(stem, keys)
         entry = entries.setdefault(f"{kind}:{unit}", _Entry(kind, target, unit if kind == "diffusers" else ""))
         if role in entry.tensors:
             raise LoraFormatError(f"{source}: keys {entry.keys[role]!r} and {key!r} give the same tensor twice")
@@ -476,16 +549,51 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
                 raise LoraFormatError(f"{source}: module {name!r} is given twice, by {origin[name]!r} and {m.key!r}")
             modules[name] = m
             origin[name] = m.key
+    return modules, kinds
+
+
+def _same_modules(a: dict[str, LoraModule], b: dict[str, LoraModule]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].down, b[n].down) and torch.equal(a[n].up, b[n].up) and a[n].alpha == b[n].alpha for n in a)
+
+
+def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                         source: str = "<state dict>", keys: LoraKeyMap | None = None) -> LoraWeights:
+    """Parse a LoRA state dict in any supported layout (see the module docstring).
+
+    `keys` (a family's spec.lora_keys) reads it as that family's; by default the family is the one
+    whose names fit every key (the header's hint decides between several that read it differently).
+    """
+    metadata = dict(metadata or {})
+    config = _adapter_config(source, metadata)
+    maps = [keys] if keys is not None else all_key_maps()
+    found, ignored = _roles(source, tensors, maps)
+    unknown = {k: [key for key, _, stem in found if _classify(stem, k)[0] == "unknown"] for k in maps}
+    fitting = [k for k in maps if not unknown[k]]
+    if not fitting:
+        closest = min(maps, key=lambda k: len(unknown[k]))
+        raise _unknown(source, unknown[closest][0], maps)
+    hinted = [k for k in fitting if k.hinted_by(metadata)]
+    if len(hinted) == 1:
+        fitting = hinted
+    modules, kinds = _modules(source, tensors, found, fitting[0], config)
+    for other in fitting[1:]:
+        if not _same_modules(modules, _modules(source, tensors, found, other, config)[0]):
+            raise LoraFormatError(f"{source}: its keys read as a {fitting[0].display} LoRA and as a {other.display} "
+                                  f"LoRA with different meanings; say which family it is for (leantune convert "
+                                  f"--family)")
     if ignored:
-        warnings.warn(f"{source}: ignored {len(ignored)} text-encoder LoRA keys (only the Flux transformer is "
+        warnings.warn(f"{source}: ignored {len(ignored)} text-encoder LoRA keys (only the transformer is "
                       f"supported), e.g. {ignored[0]!r}", IgnoredKeysWarning, stacklevel=3)
     if not modules:
-        raise LoraFormatError(f"{source}: no Flux transformer LoRA keys found")
-    fmt = "mixed" if len(kinds) > 1 else {"kohya": "comfyui", "bfl": "bfl", "diffusers": "diffusers"}[kinds.pop()]
-    return LoraWeights(modules=modules, metadata=metadata, source=source, format=fmt, ignored=ignored)
+        raise LoraFormatError(f"{source}: no {_displays(maps)} transformer LoRA keys found")
+    fmt = "mixed" if len(kinds) > 1 else {"kohya": "comfyui", "native": "bfl", "diffusers": "diffusers"}[kinds.pop()]
+    return LoraWeights(modules=modules, metadata=metadata, source=source, format=fmt, ignored=ignored,
+                       keys=fitting[0] if len(fitting) == 1 else None)
 
 
-def read_lora(path: str | Path) -> LoraWeights:
-    """Read a LoRA file written by leantune, kohya sd-scripts, ai-toolkit, diffusers or ComfyUI tools."""
+def read_lora(path: str | Path, keys: LoraKeyMap | None = None) -> LoraWeights:
+    """Read a LoRA file written by leantune, kohya sd-scripts, ai-toolkit, diffusers or ComfyUI tools;
+    `keys` (a family's spec.lora_keys) when the caller knows the family (a loaded model's)."""
     tensors, metadata = load_safetensors(path)
-    return lora_from_state_dict(tensors, metadata, source=str(path))
+    return lora_from_state_dict(tensors, metadata, source=str(path), keys=keys)

@@ -46,7 +46,7 @@ class LoraMode:
         params = add_lora(transformer, spec, cfg.lora)
         if cfg.lora.init_from:
             try:
-                weights = read_lora(cfg.resolve(cfg.lora.init_from))
+                weights = read_lora(cfg.resolve(cfg.lora.init_from), spec.lora_keys)
             except (ValueError, FileNotFoundError) as e:    # same type, with the key that named the file
                 raise type(e)(f"[lora] init_from: {e}") from None
             load_lora_into_model(transformer, weights, "default")
