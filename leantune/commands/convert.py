@@ -1,8 +1,11 @@
-"""`leantune convert in.safetensors out.safetensors --to comfyui|diffusers`.
+"""`leantune convert in.safetensors out.safetensors --to comfyui|diffusers [--family flux|sd3]`.
 
-Reads any LoRA layout leantune understands (kohya / ComfyUI, diffusers, ai-toolkit, BFL keys)
-and writes it in the chosen one, with the same weight deltas; the source header's training notes
-(ss_*) are carried over. Heavy imports wait until the command runs.
+Reads any LoRA layout leantune understands (kohya / ComfyUI, diffusers, ai-toolkit, native BFL /
+Stability keys) for any family (Flux, SD3.5) and writes it in the chosen one, with the same weight
+deltas; the source header's training notes (ss_*) are carried over. The family comes from the keys
+(Flux `double_blocks` vs SD3 `joint_blocks`, ...) or the header; `--family` says it for files whose
+names fit several (diffusers names written without a header, converted to kohya names). Heavy
+imports wait until the command runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ def configure(parser) -> None:
                         help="comfyui: kohya/ComfyUI lora_unet_* keys; diffusers: transformer.* peft keys")
     parser.add_argument("--dtype", default="keep", choices=tuple(_DTYPES),
                         help="tensor dtype of the output (default: as in the input)")
+    parser.add_argument("--family", default=None, metavar="NAME",
+                        help="model family the LoRA is for (flux, sd3); default: read from its keys and header")
 
 
 def output_problem(source: str, target: str) -> str | None:
@@ -51,15 +56,26 @@ def run(args) -> int:
     from leantune.train.lora_formats import read_lora, save_lora
 
     dtype = None if _DTYPES[args.dtype] is None else getattr(torch, _DTYPES[args.dtype])
+    keys = None
+    if args.family is not None:
+        from leantune.models.family import known_families
+        from leantune.train.lora_keys import key_map
+
+        if args.family not in known_families():
+            print(f"leantune convert: --family {args.family!r} is not a model family; choose one of "
+                  f"{known_families()}", file=sys.stderr)
+            return 2
+        keys = key_map(args.family)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            weights = read_lora(args.input)
+            weights = read_lora(args.input, keys)
         for w in caught:
             print(f"leantune convert: warning: {w.message}", file=sys.stderr)
         path = save_lora(weights, args.output, args.to, dtype=dtype)
     except (ValueError, FileNotFoundError) as e:   # LoraFormatError and unreadable files name the file
         print(f"leantune convert: {e}", file=sys.stderr)
         return 2
-    print(f"converted {len(weights.modules)} modules from {weights.format} layout to {args.to}: {path}")
+    family = f" of a {weights.keys.display} LoRA" if weights.keys is not None else ""
+    print(f"converted {len(weights.modules)} modules{family} from {weights.format} layout to {args.to}: {path}")
     return 0

@@ -36,12 +36,14 @@ class LoraMode:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self.spec = None          # the family's spec, from prepare(): its LoRA names name the files
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
         from .lora import add_lora, load_lora_into_model, read_lora
 
         cfg = self.cfg
+        self.spec = spec
         transformer.requires_grad_(False)
         params = add_lora(transformer, spec, cfg.lora)
         if cfg.lora.init_from:
@@ -101,20 +103,23 @@ class LoraMode:
 
         cfg = self.cfg
         weights = lora_weights_from_model(t.transformer)
+        keys = self.spec.lora_keys if self.spec is not None else weights.keys
         files = []
         for fmt in cfg.output.formats:
             path = paths.lora_file(fmt, step if intermediate else None)
-            save_lora(weights, path, fmt, metadata=self._metadata(step))
+            save_lora(weights, path, fmt, metadata=self._metadata(step, keys), keys=keys)
             files.append(path)
         if intermediate:
             prune_step_files(paths, cfg, lambda fmt: f"{paths.name}-step*_{fmt}.safetensors")
         return files
 
-    def _metadata(self, step: int) -> dict:
+    def _metadata(self, step: int, keys) -> dict:
+        """Training notes for the header; the family's own notes (ss_network_module,
+        ss_base_model_version) come from its LoRA names (`keys`, spec.lora_keys)."""
         cfg = self.cfg
         return {
-            "ss_network_module": "networks.lora_flux", "ss_network_dim": cfg.lora.rank,
-            "ss_network_alpha": cfg.lora.effective_alpha, "ss_base_model_version": "flux1",
+            **(keys.header if keys is not None else {}), "ss_network_dim": cfg.lora.rank,
+            "ss_network_alpha": cfg.lora.effective_alpha,
             "ss_output_name": cfg.output.name, "ss_steps": step, "ss_learning_rate": cfg.train.learning_rate,
             "ss_optimizer": cfg.train.optimizer, "ss_lr_scheduler": cfg.train.lr_scheduler,
             "ss_resolution": ",".join(str(r) for r in cfg.data.resolutions), "ss_seed": cfg.train.seed,
