@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .family import PromptEmbeds
+from .sd3_lora_keys import SD3_LORA_KEYS
 from .spec import BlockList, ModelSpec
 
 _ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
@@ -43,6 +44,7 @@ SD3_SPEC = ModelSpec(
         "all": _ATTN + _MLP + _MODULATION,
     },
     default_lora_preset="attention_mlp",
+    lora_keys=SD3_LORA_KEYS,
 )
 
 VAE_SCALE_FACTOR = 8
