@@ -53,7 +53,7 @@ def run(args) -> int:
 
     import torch
 
-    from leantune.train.lora_formats import read_lora, save_lora
+    from leantune.train.lora_formats import families_in_doubt, read_lora, save_lora
 
     dtype = None if _DTYPES[args.dtype] is None else getattr(torch, _DTYPES[args.dtype])
     keys = None
@@ -72,7 +72,15 @@ def run(args) -> int:
             weights = read_lora(args.input, keys)
         for w in caught:
             print(f"leantune convert: warning: {w.message}", file=sys.stderr)
-        path = save_lora(weights, args.output, args.to, dtype=dtype)
+        if args.to == "comfyui" and keys is None and weights.keys is None:
+            doubt = families_in_doubt(weights)
+            if doubt:
+                names = ", ".join(k.family for k in doubt)
+                print(f"leantune convert: {args.input}: its module names (e.g. {sorted(weights.modules)[0]!r}) "
+                      f"exist in several model families ({names}) with different kohya/ComfyUI names, and its "
+                      f"header does not say which it is for; give --family ({names})", file=sys.stderr)
+                return 2
+        path = save_lora(weights, args.output, args.to, dtype=dtype, keys=keys)
     except (ValueError, FileNotFoundError) as e:   # LoraFormatError and unreadable files name the file
         print(f"leantune convert: {e}", file=sys.stderr)
         return 2

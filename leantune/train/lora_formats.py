@@ -303,23 +303,26 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+def families_in_doubt(weights: LoraWeights) -> list[LoraKeyMap]:
+    """The families whose kohya/ComfyUI files of `weights` would differ, when its family is not
+    known and its module names fit several ('transformer_blocks.0.attn.to_q' is a Flux double
+    block's and an SD3 joint block's); empty when the kohya file is the same whichever is meant.
+    `leantune convert` asks for --family then."""
+    maps = writing_keys(weights)
+    first = _comfyui_tensors(weights, maps[0], None)
+    differing = [k for k in maps[1:] if not _same_tensors(first, _comfyui_tensors(weights, k, None))]
+    return [maps[0], *differing] if differing else []
+
+
 def comfyui_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None,
                        keys: LoraKeyMap | None = None) -> dict[str, torch.Tensor]:
     """kohya / ComfyUI keys: fused native modules with lora_down, lora_up and a scalar alpha each.
 
     `keys` (a family's spec.lora_keys) defaults to the LoRA's own family, else the one family its
-    module names fit; names that fit several families are written only if every family would
-    write the same file (the final layer, say)."""
-    maps = writing_keys(weights, keys)
-    out = _comfyui_tensors(weights, maps[0], dtype)
-    for other in maps[1:]:
-        if not _same_tensors(out, _comfyui_tensors(weights, other, dtype)):
-            example = next(iter(sorted(weights.modules)))
-            raise LoraFormatError(
-                f"{weights.source}: the LoRA's module names (e.g. {example!r}) exist in both {maps[0].display} and "
-                f"{other.display} transformers, with different kohya/ComfyUI names; say which family it is for "
-                f"(leantune convert --family)")
-    return _unshared(out)
+    module names fit; names that fit several (a LoRA built by hand, or a diffusers file without a
+    header) are written with the first family's names in the families' order (Flux, as before
+    other families existed): `families_in_doubt` tells whether that choice matters."""
+    return _unshared(_comfyui_tensors(weights, writing_keys(weights, keys)[0], dtype))
 
 
 def diffusers_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -368,7 +371,7 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
     """Write `weights` as a ComfyUI/kohya or diffusers LoRA file (atomic); `dtype` None keeps theirs.
 
     `keys` is the family's LoRA names (spec.lora_keys); by default the LoRA's own family, else the
-    one its module names fit (see comfyui_state_dict). Both layouts load in ComfyUI and in
+    one its module names fit (see comfyui_state_dict and families_in_doubt). Both layouts load in ComfyUI and in
     diffusers' pipelines (FluxPipeline / StableDiffusion3Pipeline.load_lora_weights, from the path
     so the header's alpha is read). Limits lie in diffusers, not in the files: its kohya Flux
     converter drops top-level layers (embedders, final layer) and splits single-block linear1 only
@@ -380,15 +383,15 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
         raise LoraFormatError(f"{path}: refusing to write a LoRA with no modules")
     path = Path(path)
     if fmt == "comfyui":
-        maps = writing_keys(weights, keys)
-        tensors = comfyui_state_dict(weights, dtype, keys)
+        family_keys = writing_keys(weights, keys)[0]      # the family whose names are written
+        tensors = comfyui_state_dict(weights, dtype, family_keys)
     else:
         try:            # diffusers names need no family; it only picks the header's notes
             maps = writing_keys(weights, keys)
         except LoraFormatError:
             maps = []
+        family_keys = maps[0] if len(maps) == 1 else None
         tensors = diffusers_state_dict(weights, dtype)
-    family_keys = maps[0] if len(maps) == 1 else None
     return save_safetensors(tensors, path, file_metadata(weights, fmt, path, metadata, family_keys))
 
 
