@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -164,6 +164,11 @@ class MemoryConfig(Section):
     streamed_blocks: int | list[str] | Literal["all"] = 0
     stream_non_blocks: bool = False
     fp8: bool = False
+    # fp8 for the modulation/adaLN Linears too. "auto": an fp8 checkpoint's e4m3 modulation weights
+    # stay e4m3; a bf16 one is quantized only when the planner finds nothing else fits the budget.
+    # true: always (with fp8 = true when no vram_budget is set); false: never, and the loader
+    # upcasts a checkpoint's e4m3 modulation weights.
+    fp8_modulation: StrictBool | Literal["auto"] = "auto"
     checkpointing: Literal["none", "blocks", "offload"] = "none"
     ring_slots: int = Field(2, ge=2)
     pin_memory: bool = True
@@ -286,6 +291,11 @@ class RunConfig(Section):
         """A [lora] key in full mode, a [full] key in LoRA mode, fp8 over trainable weights, an
         optimizer the mode lacks: each is an error that names the key (they would be ignored or fail
         late otherwise)."""
+        mem = self.memory
+        if mem.fp8_modulation is True and not mem.fp8 and mem.vram_budget is None:
+            raise ValueError("[memory] fp8_modulation = true stores the modulation Linears in fp8 on top of the other "
+                             "block Linears: set [memory] fp8 = true as well (or a vram_budget, and the planner "
+                             "decides fp8)")
         mode = self.train.mode
         if mode == "full":
             if self.distributed.strategy == "ddp":

@@ -55,6 +55,19 @@ def test_bad_values_name_the_key(tmp_path):
         load_config(write(tmp_path, MINIMAL + "[sample]\nwidth = 100\n"))
 
 
+def test_fp8_modulation_values(tmp_path):
+    """"auto" (default), true with fp8 or a budget, false; true without either, and any other value,
+    are errors naming the key."""
+    assert load_config(write(tmp_path, MINIMAL)).memory.fp8_modulation == "auto"
+    for memory, want in (("fp8 = true\nfp8_modulation = true", True), ('vram_budget = "8GiB"\nfp8_modulation = true', True),
+                         ("fp8_modulation = false", False)):
+        assert load_config(write(tmp_path, MINIMAL + f"[memory]\n{memory}\n")).memory.fp8_modulation is want
+    with pytest.raises(ConfigError, match=r"\[memory\] fp8_modulation = true .*set \[memory\] fp8 = true"):
+        load_config(write(tmp_path, MINIMAL + "[memory]\nfp8_modulation = true\n"))
+    with pytest.raises(ConfigError, match=r"\[memory\]: key 'fp8_modulation'"):
+        load_config(write(tmp_path, MINIMAL + '[memory]\nfp8_modulation = "yes"\n'))
+
+
 def test_missing_required_key(tmp_path):
     with pytest.raises(ConfigError, match=r"\[model\]: missing required key 'path'"):
         load_config(write(tmp_path, "[model]\n[[data.datasets]]\npath = 'x'\n"))

@@ -1,6 +1,7 @@
 """fp8 checkpoints stay fp8: ComfyUI e4m3 BFL files (plain and "scaled fp8") load with their block
-Linear weights in e4m3 plus a `weight_scale`, are never upcast on the way, compute exactly what the
-upcast load computes, and train a LoRA under streaming + checkpointing.
+Linear weights in e4m3 plus a `weight_scale`, the modulation Linears included unless
+[memory] fp8_modulation = false asks for them upcast, are never upcast on the way, compute exactly
+what the upcast load computes, and train a LoRA under streaming + checkpointing.
 """
 
 from __future__ import annotations
@@ -64,12 +65,18 @@ class _UpcastRecorder(TorchDispatchMode):
         return out
 
 
-def test_block_linears_load_as_stored_e4m3(fp8_file):
+@pytest.mark.parametrize("modulation", [True, False])
+def test_block_linears_load_as_stored_e4m3(fp8_file, modulation):
+    """Every block Linear the file stores in e4m3 stays e4m3, modulation included; with
+    fp8_modulation=False the modulation Linears alone are upcast."""
     kind, path = fp8_file
     tensors, _ = load_safetensors(path)
-    model = load_transformer(_sources(path), dtype=torch.bfloat16)
-    eligible = fp8_block_weights(model)
-    assert len(eligible) == 34                                  # 2 double x 11 + 2 single x 6 Linears
+    model = load_transformer(_sources(path), dtype=torch.bfloat16, fp8_modulation=modulation)
+    eligible = fp8_block_weights(model, modulation)
+    # 2 double x 11 + 2 single x 6 Linears, + 2 double x 2 + 2 single x 1 modulation Linears
+    assert len(eligible) == (40 if modulation else 34)
+    mod_names = {"transformer_blocks.0.norm1.linear.weight", "single_transformer_blocks.1.norm.linear.weight"}
+    assert (mod_names <= eligible) == modulation and not (mod_names & eligible) == (not modulation)
     for name, p in model.named_parameters():
         if name in eligible:
             assert p.dtype == E4M3, name
@@ -77,7 +84,7 @@ def test_block_linears_load_as_stored_e4m3(fp8_file):
             scale = getattr(lin, SCALE_ATTR)
             assert scale.dtype == torch.float32 and scale.shape == (p.shape[0], 1), name
             assert isinstance(lin.__dict__.get("forward"), _Fp8Forward), name
-        else:                                                   # modulation, norms, biases, embedders
+        else:                                                   # norms, biases, embedders (modulation if asked)
             assert p.dtype == torch.bfloat16, name
     # the very bytes of the file: BFL's fused qkv split into to_q / to_k / to_v rows, scale as stored
     qkv = tensors["double_blocks.1.img_attn.qkv.weight"]                      # (96, 32) e4m3
@@ -86,26 +93,34 @@ def test_block_linears_load_as_stored_e4m3(fp8_file):
         lin = getattr(model.transformer_blocks[1].attn, part)
         assert torch.equal(lin.weight.view(torch.uint8), qkv[32 * i:32 * (i + 1)].view(torch.uint8)), part
         assert torch.equal(getattr(lin, SCALE_ATTR), torch.full((32, 1), want_scale)), part
-    assert model.transformer_blocks[0].norm1.linear.weight.dtype == torch.bfloat16    # fp8 in the file, skipped
+    mod = model.transformer_blocks[0].norm1.linear
+    assert mod.weight.dtype == (E4M3 if modulation else torch.bfloat16)             # e4m3 in the file
+    if modulation:
+        want = tensors["double_blocks.0.img_mod.lin.weight"]
+        assert torch.equal(mod.weight.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_no_fp8_weight_is_upcast_while_loading(fp8_file):
-    """The loader's per-tensor path never widens a kept weight: the only fp8 values converted to a
-    wider float are those of the modulation Linears (kept in the compute dtype). The upcast load
-    converts every fp8 value in the file, once."""
+    """The loader's per-tensor path never widens a kept weight: by default no fp8 value of the file is
+    converted to a wider float at all; with fp8_modulation=False only those of the modulation
+    Linears are. The upcast load converts every fp8 value in the file, once."""
     _, path = fp8_file
     tensors, _ = load_safetensors(path)
     in_file = sum(t.numel() for k, t in tensors.items() if t.dtype == E4M3 and k.endswith(".weight"))
     with _UpcastRecorder() as kept_rec:
         kept = load_transformer(_sources(path), dtype=torch.bfloat16)
+    with _UpcastRecorder() as mod_rec:
+        mod_upcast = load_transformer(_sources(path), dtype=torch.bfloat16, fp8_modulation=False)
     with _UpcastRecorder() as upcast_rec:
         load_transformer(_sources(path), dtype=torch.bfloat16, keep_fp8=False)
     kept_values = sum(p.numel() for p in kept.parameters() if p.dtype == E4M3)
     modulation = sum(p.numel() for n, p in kept.named_parameters()
                      if n.startswith(("transformer_blocks.", "single_transformer_blocks.")) and ".norm" in n
                      and n.endswith("linear.weight"))
-    assert upcast_rec.values == in_file
-    assert kept_rec.values == in_file - kept_values == modulation > 0
+    assert upcast_rec.values == in_file == kept_values
+    assert kept_rec.values == 0
+    assert mod_rec.values == modulation == in_file - sum(p.numel() for p in mod_upcast.parameters()
+                                                         if p.dtype == E4M3) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,7 +149,7 @@ def test_outputs_match_the_upcast_load(fp8_file, dtype):
     for fp8 in (False, True):
         model = copy.deepcopy(kept).requires_grad_(False)
         handle = apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(model)), fp8=fp8), "cpu")
-        assert len(handle.fp8.prequantized) == 34
+        assert len(handle.fp8.prequantized) == 40 and len(handle.fp8.modulation) == 6
         assert torch.equal(_out(model, dtype), got)
         handle.remove()
         assert model.transformer_blocks[0].attn.to_q.weight.dtype == E4M3          # remove keeps them e4m3
@@ -167,7 +182,7 @@ def test_lora_trains_on_fp8_checkpoint_with_streaming_and_checkpointing(fp8_file
     handle = apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(model)), checkpointing="blocks",
                                                  debug_poison=True), "cpu")
     entries = [e for u in handle.streaming.units for e in u.entries]
-    assert sum(e.dtype == E4M3 for e in entries) == 34 and "(fp8," in handle.streaming.describe()
+    assert sum(e.dtype == E4M3 for e in entries) == 40 and "(fp8," in handle.streaming.describe()
     got = train(model)
     assert_records_equal(got, want)
     assert all(torch.isfinite(g).all() for r in got for g in r["grads"].values())

@@ -17,6 +17,7 @@ from leantune.memory.fp8 import (
     SCALE_ATTR,
     _Fp8Linear,
     apply_fp8_storage,
+    block_linears,
     dequantize,
     quantize,
     remove_fp8_storage,
@@ -106,7 +107,8 @@ def test_what_is_quantized():
 
 def test_prequantized_checkpoint_is_kept_as_is():
     """An e4m3 weight from a checkpoint is not requantized; a scalar (ComfyUI) or per-row scale is
-    used as given; a modulation Linear that arrived in fp8 goes back to the compute dtype."""
+    used as given; a modulation Linear that arrived in fp8 stays e4m3 too (only the loader upcasts
+    it, when [memory] fp8_modulation = false)."""
     model = lora_flux(seed=0)
     to_q = model.transformer_blocks[0].attn.to_q.base_layer
     mod = model.single_transformer_blocks[0].norm.linear
@@ -123,14 +125,38 @@ def test_prequantized_checkpoint_is_kept_as_is():
     assert to_q.weight.data_ptr() == q_data.data_ptr()                         # the very same bytes
     assert torch.equal(getattr(to_q, SCALE_ATTR), torch.full((32, 1), 0.01))
     assert torch.equal(getattr(to_k, SCALE_ATTR), torch.full((32, 1), 0.5))
-    assert mod.weight.dtype == torch.float32 and torch.equal(mod.weight, mod_q.float() * 2.0)
+    assert mod.weight.data_ptr() == mod_q.data_ptr() and torch.equal(getattr(mod, SCALE_ATTR), torch.full((96, 1), 2.0))
+    assert handle.modulation == {"single_transformer_blocks.0.norm.linear"} <= handle.prequantized
+    assert len(handle.kept) == 5                                               # the other modulation Linears
     x = torch.randn(3, 32, generator=g)
+    assert torch.equal(mod(x), nn.functional.linear(x, mod_q.float() * 2.0, mod.bias))
     assert torch.equal(to_q(x), nn.functional.linear(x, q_data.float() * 0.01, to_q.bias))
     with pytest.raises(ValueError, match=r"scale of transformer_blocks\.1\.attn\.to_v has shape \(7,\), which does not fit weight"):
         other = lora_flux(seed=0)
         other.transformer_blocks[1].attn.to_v.base_layer.weight.data = q_data.clone()
         apply_fp8_storage(other, FLUX_SPEC, scales={"transformer_blocks.1.attn.to_v": torch.ones(7)})
     assert handle.linears
+
+
+def test_fp8_modulation_stores_the_modulation_linears_too():
+    """modulation=True (Plan.fp8_modulation) takes the spec's modulation Linears as well, and only
+    them with quantize_rest=False; remove restores every one of them."""
+    model = lora_flux(seed=0)
+    handle = apply_fp8_storage(model, FLUX_SPEC, modulation=True)
+    assert len(handle.linears) == 40 and not handle.kept
+    assert sorted(n.split(".", 2)[2] for n in handle.modulation) == sorted(
+        ["norm1.linear", "norm1_context.linear"] * 2 + ["norm.linear"] * 2)
+    for _, rel, lin in block_linears(FLUX_SPEC, model):
+        assert lin.weight.dtype == FP8_DTYPE, rel
+    rec = train(model, shapes=[(8, 8)])
+    assert all(g is not None and torch.isfinite(g).all() for g in rec[0]["grads"].values())
+    remove_fp8_storage(handle)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+    only = lora_flux(seed=0)
+    handle = apply_fp8_storage(only, FLUX_SPEC, quantize_rest=False, modulation=True)
+    assert set(handle.linears) == handle.modulation and len(handle.modulation) == 6
+    assert only.transformer_blocks[0].attn.to_q.base_layer.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("breakage,match", [
@@ -173,6 +199,9 @@ def test_output_error_per_technique_tiny_bf16(capsys):
         "fp8 storage": Plan(fp8=True),
         "fp8 + streaming + offload": Plan(fp8=True, streamed_blocks=tuple(names), checkpointing="offload",
                                           debug_poison=True),
+        "fp8 storage + modulation": Plan(fp8=True, fp8_modulation=True),
+        "fp8 + modulation + streaming + offload": Plan(fp8=True, fp8_modulation=True, streamed_blocks=tuple(names),
+                                                       checkpointing="offload", debug_poison=True),
     }
     errors = {}
     for label, plan in plans.items():
@@ -189,6 +218,9 @@ def test_output_error_per_technique_tiny_bf16(capsys):
     assert errors["checkpointing (offload)"] == 0.0
     assert 0.0 < errors["fp8 storage"] < 0.05
     assert errors["fp8 + streaming + offload"] == errors["fp8 storage"]
+    assert 0.0 < errors["fp8 storage + modulation"] < 0.05
+    assert errors["fp8 + modulation + streaming + offload"] == errors["fp8 storage + modulation"]
+    assert errors["fp8 storage + modulation"] != errors["fp8 storage"]
 
 
 def test_fp8_error_on_a_real_width_block(capsys):
@@ -220,15 +252,20 @@ def test_fp8_error_on_a_real_width_block(capsys):
     _, fp32_upd = run(torch.float32)
     block.to(torch.bfloat16)
     bf16_out, bf16_upd = run(torch.bfloat16)
+    bf16_state = {k: v.clone() for k, v in block.state_dict().items()}
     holder = nn.Module()
     holder.transformer_blocks, holder.single_transformer_blocks = nn.ModuleList(), nn.ModuleList([block])
-    handle = apply_fp8_storage(holder, FLUX_SPEC)
-    fp8_out, fp8_upd = run(torch.bfloat16)
-    assert len(handle.linears) == 5 and handle.bytes_after < 0.55 * handle.bytes_before
-    errs = {"fp8 vs bf16, block output": _rel(fp8_out, bf16_out),
-            "fp8 vs bf16, block update (output - input)": _rel(fp8_upd, bf16_upd),
-            "bf16 vs fp32, block update": _rel(bf16_upd, fp32_upd),
-            "fp8 vs fp32, block update": _rel(fp8_upd, fp32_upd)}
+    errs = {}
+    for label, modulation in (("fp8", False), ("fp8 + modulation", True)):
+        handle = apply_fp8_storage(holder, FLUX_SPEC, modulation=modulation)
+        fp8_out, fp8_upd = run(torch.bfloat16)
+        assert len(handle.linears) == 5 + modulation and handle.bytes_after < 0.55 * handle.bytes_before
+        errs[f"{label} vs bf16, block output"] = _rel(fp8_out, bf16_out)
+        errs[f"{label} vs bf16, block update (output - input)"] = _rel(fp8_upd, bf16_upd)
+        errs[f"{label} vs fp32, block update"] = _rel(fp8_upd, fp32_upd)
+        remove_fp8_storage(handle)
+        block.load_state_dict(bf16_state)                               # the same bf16 weights again
+    errs["bf16 vs fp32, block update"] = _rel(bf16_upd, fp32_upd)
     with capsys.disabled():
         print("\nrelative error, one real-width Flux single block (3072):")
         for label, err in errs.items():
@@ -236,3 +273,6 @@ def test_fp8_error_on_a_real_width_block(capsys):
     assert errs["fp8 vs bf16, block output"] < 0.01
     assert errs["fp8 vs bf16, block update (output - input)"] < 0.08
     assert errs["fp8 vs fp32, block update"] < 0.08
+    assert errs["fp8 + modulation vs bf16, block output"] < 0.01
+    assert errs["fp8 + modulation vs bf16, block update (output - input)"] < 0.08
+    assert errs["fp8 + modulation vs fp32, block update"] < 0.08

@@ -93,26 +93,31 @@ def test_flux_dev_meta_build_has_the_published_parameter_count():
         build_meta_flux("pro")
 
 
-@pytest.mark.parametrize("fp8,pin", [(False, False), (True, False), (False, True)])
-def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8, pin):
-    """What the planner prices is exactly what fp8 storage and the streaming engine allocate
-    (pinned or not: the engine pins a unit's exact size)."""
+@pytest.mark.parametrize("fp8,mod,pin", [(False, False, False), (True, False, False), (False, False, True),
+                                         (True, True, True)])
+def test_unit_slot_and_fp8_bytes_equal_the_engine(fp8, mod, pin):
+    """What the planner prices is exactly what fp8 storage (modulation Linears included or not)
+    and the streaming engine allocate (pinned or not: the engine pins a unit's exact size)."""
     from leantune.memory.fp8 import apply_fp8_storage
     from leantune.memory.streaming import apply_streaming, remove_streaming
 
     model = tiny_lora_model(dtype=torch.bfloat16)
     weights = measure_weights(FLUX_SPEC, model)
     if fp8:
-        handle = apply_fp8_storage(model, FLUX_SPEC)
-        assert handle.bytes_after == sum(b.bytes(2, fp8=True) - (b.numel - b.fp8_numel) * 2 for b in weights.blocks)
+        handle = apply_fp8_storage(model, FLUX_SPEC, modulation=mod)
+        assert handle.bytes_after == sum(b.bytes(2, fp8=True, modulation=mod) - (b.numel - b.e4m3_numel(True, mod)) * 2
+                                         for b in weights.blocks)
+        real_blocks = sum(t.numel() * t.element_size() for _, blk in FLUX_SPEC.blocks(model)
+                          for n, t in list(blk.named_parameters()) + list(blk.named_buffers()) if "lora_" not in n)
+        assert real_blocks == sum(b.bytes(2, fp8=True, modulation=mod) for b in weights.blocks)
     names = tuple(n for n, _ in FLUX_SPEC.blocks(model))
-    plan = Plan(streamed_blocks=names, stream_non_blocks=True, fp8=fp8, ring_slots=3, pin_memory=pin)
+    plan = Plan(streamed_blocks=names, stream_non_blocks=True, fp8=fp8, fp8_modulation=mod, ring_slots=3, pin_memory=pin)
     stream = apply_streaming(model, FLUX_SPEC, plan, "cpu")
     try:
         real = stream.unit_bytes()
         assert real["non_blocks"] == weights.non_blocks.unit_bytes(2)
         for b in weights.blocks:
-            assert real[b.name] == b.unit_bytes(2, fp8), b.name
+            assert real[b.name] == b.unit_bytes(2, fp8, mod), b.name
         planner = Planner(FLUX_SPEC, tiny_lora_model(dtype=torch.bfloat16),
                             Workload(rank=4, buckets=((128, 128),), text_length=8, allow_fp8=True))
         vram, host, _ = planner.memory(plan)
@@ -316,26 +321,76 @@ def flux_dev_512_planner():
     return Planner(FLUX_SPEC, build_meta_flux("dev"), Workload(rank=16, buckets=((512, 512),)))
 
 
-@pytest.mark.parametrize("res", [512, 1024])
-def test_more_budget_never_streams_more_turns_fp8_on_or_slows_the_step(res, flux_dev_planner, flux_dev_512_planner):
-    """Along budgets from 4 to 80 GiB in half-GiB steps, every plan fits, fp8 only ever turns off,
-    and while the storage stays the same the step time, the streamed parameters and the bytes
-    copied to the GPU per step never grow; at 80 GiB everything is resident."""
+@pytest.mark.parametrize("res,start", [(512, 10), (1024, 13)])
+def test_more_budget_never_streams_more_turns_fp8_on_or_slows_the_step(res, start, flux_dev_planner,
+                                                                       flux_dev_512_planner):
+    """Along budgets from the smallest that works (2.5 / 3.25 GiB) to 80 GiB in quarter-GiB steps,
+    every plan fits, fp8 modulation and then fp8 only ever turn off, and while the storage stays the
+    same the step time, the streamed parameters and the bytes copied to the GPU per step never grow;
+    at 80 GiB everything is resident."""
     planner = flux_dev_512_planner if res == 512 else flux_dev_planner
+    with pytest.raises(InfeasibleBudget):
+        planner.plan(Budget(vram=(start - 1) * GiB // 4, ram=UNLIMITED))
     rows = []
-    for half_gib in range(8, 161):
-        budget = Budget(vram=half_gib * GiB // 2, ram=UNLIMITED)
+    for quarter_gib in range(start, 321):
+        budget = Budget(vram=quarter_gib * GiB // 4, ram=UNLIMITED)
         plan = planner.plan(budget)
         n = plan.notes
         assert n["predicted_peak_vram"] <= budget.usable_vram
         params = sum(u.numel for u in planner.unit_weights(plan))
-        rows.append((half_gib / 2, plan.fp8, n["predicted_step_s"], params, n["h2d_bytes_per_step"]))
-    for (gib, fp8, step_s, params, moved), (gib2, fp8_2, step_s2, params2, moved2) in zip(rows, rows[1:]):
-        assert fp8_2 <= fp8, (gib, gib2)
-        if fp8_2 == fp8:
+        rows.append((quarter_gib / 4, (plan.fp8_modulation, plan.fp8), n["predicted_step_s"], params,
+                     n["h2d_bytes_per_step"]))
+    for (gib, st, step_s, params, moved), (gib2, st2, step_s2, params2, moved2) in zip(rows, rows[1:]):
+        assert st2 <= st, (gib, gib2)
+        if st2 == st:
             assert step_s2 <= step_s + 1e-6 and params2 <= params and moved2 <= moved, (gib, gib2)
     assert rows[-1][3:] == (0, 0)
-    assert rows[0][4] > 0                            # 4 GiB cannot hold Flux-dev: the test sees streaming
+    assert rows[0][1] == (True, True) and rows[0][4] > 0     # the smallest budget needs fp8 modulation
+    assert rows[1][1] != (True, True)                        # and a quarter GiB more does not
+
+
+def test_fp8_modulation_is_chosen_only_when_nothing_else_fits(flux_dev_planner):
+    """fp8 for the modulation Linears is not priced against speed but held back: at 1024 px it is
+    chosen only below the smallest budget that works without it, where it makes a plan fit.
+    fp8_modulation = false refuses those budgets, true uses it at every budget."""
+    pl = flux_dev_planner
+    without = Planner(FLUX_SPEC, build_meta_flux("dev"), replace(pl.workload, fp8_modulation=False))
+    forced = Planner(FLUX_SPEC, build_meta_flux("dev"), replace(pl.workload, fp8_modulation=True))
+    assert without.storages == [(False, False), (True, False)] and forced.storages == [(False, True), (True, True)]
+    with pytest.raises(InfeasibleBudget) as info:
+        without.plan(Budget(vram=3 * GiB, ram=UNLIMITED))
+    plain_min = info.value.needed_vram
+    with pytest.raises(InfeasibleBudget) as info:
+        pl.plan(Budget(vram=3 * GiB, ram=UNLIMITED))
+    mod_min = info.value.needed_vram
+    assert mod_min < plain_min and "fp8=on + modulation" in str(info.value)
+    tight = pl.plan(Budget(vram=mod_min, ram=UNLIMITED))
+    assert tight.fp8 and tight.fp8_modulation
+    assert tight.notes["predicted_peak_vram"] <= Budget(vram=mod_min).usable_vram
+    at_min = pl.plan(Budget(vram=plain_min, ram=UNLIMITED))
+    assert not at_min.fp8_modulation
+    for gib in (4, 8, 24):
+        assert not pl.plan(Budget(vram=gib * GiB, ram=UNLIMITED)).fp8_modulation
+        assert forced.plan(Budget(vram=gib * GiB, ram=UNLIMITED)).fp8_modulation
+    # the weights it prices: a double block's modulation Linears are 2 x 6 x 3072 x 3072 elements
+    double = pl.weights.blocks[0]
+    mod_numel = double.e4m3_numel(True, True) - double.e4m3_numel(True, False)
+    assert mod_numel == 2 * 6 * 3072 * 3072
+    assert double.bytes(2, True, False) - double.bytes(2, True, True) == 2 * mod_numel - (mod_numel + 4 * mod_numel // 64)
+
+
+def test_host_ram_picks_fp8_modulation_when_only_it_fits(flux_dev_planner):
+    """With caches in host RAM, the streamed blocks' host buffers decide the host peak: a RAM budget
+    that only the fp8-modulation plans fit chooses one, one that fp8 alone fits does not."""
+    pl = Planner(FLUX_SPEC, build_meta_flux("dev"), replace(flux_dev_planner.workload, host_cache_bytes=15 * GiB))
+    budget = Budget(vram=6 * GiB, ram=UNLIMITED)
+    fits = [p for p in pl.candidates() if sum(pl.memory(p)[0].values()) <= budget.usable_vram]
+    host = {st: min(pl.memory(p)[1]["peak"] for p in fits if p.storage == st) for st in pl.storages}
+    assert host[(True, True)] < host[(True, False)] < host[(False, False)]
+    plan = pl.plan(replace(budget, ram=(host[(True, True)] + host[(True, False)]) // 2))
+    assert plan.storage == (True, True) and plan.notes["predicted_peak_host"] <= host[(True, False)]
+    plan = pl.plan(replace(budget, ram=(host[(True, False)] + host[(False, False)]) // 2))
+    assert plan.storage == (True, False)
 
 
 def test_fp8_is_chosen_only_where_it_buys_a_tenth_of_the_step(flux_dev_planner, flux_dev_512_planner):
@@ -719,7 +774,7 @@ vram_budget = "1GiB"
     assert rc == 2 and "no VRAM budget" in err
 
 
-def _plan_toml(tmp_path, name: str, weights: Path, resolution: int = 256, text: int = 16) -> Path:
+def _plan_toml(tmp_path, name: str, weights: Path, resolution: int = 256, text: int = 16, memory: str = "") -> Path:
     path = tmp_path / f"{name}.toml"
     path.write_text(f"""
 [model]
@@ -732,6 +787,7 @@ max_text_length = {text}
 rank = 4
 [memory]
 vram_budget = "8GiB"
+{memory}
 """)
     return path
 
@@ -740,27 +796,32 @@ def _held_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
-@pytest.mark.parametrize("fp8", [None, "e4m3", "scaled"])
-def test_a_config_is_planned_from_the_dtypes_its_file_stores(capsys, tmp_path, fp8):
+@pytest.mark.parametrize("fp8,modulation", [(None, "auto"), ("e4m3", "auto"), ("scaled", "auto"), ("scaled", False)])
+def test_a_config_is_planned_from_the_dtypes_its_file_stores(capsys, tmp_path, fp8, modulation):
     """`leantune plan my.toml` prices the checkpoint as the loader holds it: an fp8 file's block
-    weights in e4m3 with their scales, a bf16 file's in bf16. The predicted load phase and resident
-    weights equal the bytes the real loader holds, and the fp8 file is planned smaller."""
+    weights in e4m3 with their scales (modulation Linears too, unless [memory] fp8_modulation =
+    false upcasts them), a bf16 file's in bf16. The predicted load phase and resident weights equal
+    the bytes the real loader holds, and the fp8 file is planned smaller."""
     from leantune.config import load_config
     from leantune.models.flux_loading import load_transformer, resolve_sources, save_bfl_transformer
 
     source = tiny.flux_transformer(num_layers=2, num_single_layers=2)
     file = tmp_path / "flux.safetensors"
     save_bfl_transformer(source, file, dtype=torch.bfloat16, fp8=fp8)
-    toml = _plan_toml(tmp_path, "run", file)
+    toml = _plan_toml(tmp_path, "run", file, memory="" if modulation == "auto" else "fp8_modulation = false")
     rc, out, _ = _run_plan(capsys, str(toml), "--json")
     assert rc == 0
     notes = json.loads(out)["plans"][0]["plan"]["notes"]
     cfg = load_config(toml)
-    loaded = load_transformer(resolve_sources(cfg.model, tmp_path), dtype=torch.bfloat16)
+    loaded = load_transformer(resolve_sources(cfg.model, tmp_path), dtype=torch.bfloat16,
+                              fp8_modulation=cfg.memory.fp8_modulation is not False)
     held = _held_bytes(loaded)
     assert notes["host_breakdown"]["transformer while loading"] == held
     assert notes["vram_breakdown"]["weights resident"] == held          # a tiny model stays resident
     assert notes["stored_fp8"] == (fp8 is not None)
+    mod_weight = loaded.transformer_blocks[0].norm1.linear.weight
+    assert notes["stored_fp8_modulation"] == (mod_weight.dtype == torch.float8_e4m3fn) == (
+        fp8 is not None and modulation == "auto")
     assert notes["host_breakdown"]["transformer while converting to fp8"] == 0
     bf16 = 2 * sum(p.numel() for p in source.parameters())
     assert (held < 0.8 * bf16) if fp8 else (held == bf16)

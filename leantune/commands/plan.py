@@ -21,6 +21,7 @@ from pathlib import Path
 MODELS = {"flux-dev": "dev", "flux-schnell": "schnell"}
 MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux"}   # --model name -> [model] family
 UNLIMITED_RAM = 2**62   # host RAM not checked (reported, not limited)
+_MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 FULL_NOT_PLANNED = ("--mode full / [train] mode = \"full\": the planner does not plan full fine-tunes yet (their "
                     "trainable weights stream with write-back and their optimizer steps inside backward, which the "
                     "memory model does not price yet). Plan a LoRA with --mode lora, or set the [memory] choices "
@@ -47,6 +48,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram", default=None, metavar="SIZE",
                    help="host RAM budget (default: available here minus a margin; unchecked when no GPU is here)")
     p.add_argument("--no-fp8", action="store_true", help="never store weights in fp8")
+    p.add_argument("--fp8-modulation", choices=["auto", "on", "off"], default=None,
+                   help="fp8 for the modulation Linears too: auto (only when nothing else fits; a file's e4m3 "
+                        "modulation stays e4m3), on, off (default: the config's [memory] fp8_modulation, else auto)")
     p.add_argument("--no-autocast", action="store_true", help="plan for mixed_precision = \"no\"")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
     p.add_argument("--gpus", type=int, default=1, metavar="N",
@@ -156,7 +160,7 @@ def _from_flags(args):
         optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
         gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
         text_length=args.text_length or TEXT_LENGTH[variant], autocast=not args.no_autocast,
-        allow_fp8=not args.no_fp8)
+        allow_fp8=not args.no_fp8, fp8_modulation=_MODULATION_FLAG[args.fp8_modulation or "auto"])
     _check_workload(workload)
     spec = get_family(MODEL_FAMILY[args.model]).spec
     return spec, source_key(f"packaged:flux1_{variant}", "bf16"), lambda: build_meta_flux(variant), workload
@@ -181,14 +185,18 @@ def _from_config(args):
     changes = {k: v for k, v in asked.items() if v is not None}
     if args.no_fp8:
         changes["allow_fp8"] = False
+    if args.fp8_modulation is not None:
+        changes["fp8_modulation"] = _MODULATION_FLAG[args.fp8_modulation]
     if args.no_autocast:
         changes["autocast"] = False
     workload = replace(workload, **changes)
     _check_workload(workload)
     vram = args.vram or ([cfg.memory.vram_budget] if cfg.memory.vram_budget else None)
-    source = source_key(_transformer_source(cfg), cfg.model.dtype)
+    keep_mod = workload.fp8_modulation is not False
+    source = source_key(_transformer_source(cfg), cfg.model.dtype + ("" if keep_mod else "|modulation upcast"))
     ram = args.ram if args.ram is not None else cfg.memory.ram_budget
-    return get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg), workload, vram, ram
+    return (get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg, keep_mod), workload, vram,
+            ram)
 
 
 def _check_workload(w) -> None:
@@ -219,12 +227,14 @@ def _transformer_source(cfg) -> Path:
     return Path(sources.transformer)
 
 
-def meta_model_for_config(cfg):
+def meta_model_for_config(cfg, fp8_modulation: bool | None = None):
     """The config's transformer on the meta device exactly as the loader would hold it: the
     architecture from config.json or a single file's header, every tensor in the dtype loading gives
-    it (block weights a file stores in e4m3 stay e4m3, with their scales). No tensor is read."""
+    it (block weights a file stores in e4m3 stay e4m3, with their scales; the modulation Linears
+    unless `fp8_modulation` is False, default: unless the config's [memory] fp8_modulation is false).
+    No tensor is read."""
     from ..config import ConfigError
-    from ..models.family import get_family
+    from ..models.family import get_family, loader_options
     from ..models.flux_loading import dtype_from_name
     from ..models.weights import LoadError
 
@@ -232,7 +242,10 @@ def meta_model_for_config(cfg):
     family = get_family(cfg.model.family)
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     try:
-        return family.load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta")
+        options = {} if fp8_modulation is not False else {"fp8_modulation": False}
+        if fp8_modulation is None:
+            options = loader_options(cfg.memory)
+        return family.load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta", **options)
     except (OSError, LoadError) as e:
         raise ConfigError(f"{e}; cannot read the transformer architecture: plan with --model flux-dev instead") from None
 

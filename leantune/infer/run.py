@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, parse_size
-from ..models.family import get_family
+from ..models.family import get_family, loader_options
 from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
 from .encode import encode_prompts_stage, module_bytes
 from .images import format_loras, save_png
@@ -106,9 +106,11 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
         from ..planner.workload import Budget, InfeasibleBudget, Workload
 
         # Sampling runs in the weights' dtype without autocast; fp8 storage is the planner's call.
+        from ..planner.from_config import fp8_modulation_choice
+
         workload = Workload(mode="inference", batch_size=request.batch_size or n_images,
                             buckets=((request.height, request.width),), text_length=text_len, autocast=False,
-                            dtype=_DTYPES[request.model.dtype])
+                            dtype=_DTYPES[request.model.dtype], fp8_modulation=fp8_modulation_choice(request.memory))
         try:
             ram = parse_size(request.memory.ram_budget) if request.memory.ram_budget else None
             return plan_memory(get_family(request.model.family).spec, transformer, workload, Budget(vram=budget, ram=ram))
@@ -129,6 +131,7 @@ class FolderComponents:
 
     def __init__(self, request: SampleRequest):
         self._fl = fl = get_family(request.model.family)
+        self._options = loader_options(request.memory)     # a file's e4m3 modulation stays e4m3 unless asked
         self.sources = fl.resolve_sources(request.model, Path(request.base_dir))
         folder = request.resolve(request.model.path)
         self.schedule_folder = folder if folder.is_dir() else None   # scheduler/scheduler_config.json
@@ -137,7 +140,7 @@ class FolderComponents:
         return self._fl.load_text_encoders(self.sources, dtype, "cpu")
 
     def transformer(self, dtype: torch.dtype):
-        return self._fl.load_transformer(self.sources, dtype, "cpu")
+        return self._fl.load_transformer(self.sources, dtype, "cpu", **self._options)
 
     def vae(self, dtype: torch.dtype, device):
         return self._fl.load_vae(self.sources, dtype, device)

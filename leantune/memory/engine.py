@@ -9,7 +9,8 @@ Order, and why (each step is one module with its own docstring):
                   RAM, so streaming packs (and later moves) fp8 bytes. Block Linears that arrived in
                   e4m3 from an fp8 checkpoint always take this step, whatever plan.fp8 says: a plain
                   Linear cannot compute with an e4m3 weight. plan.fp8 decides only whether the
-                  other block Linears are quantized too.
+                  other block Linears are quantized too, plan.fp8_modulation whether the
+                  modulation Linears are (an e4m3 modulation weight from the file stays e4m3).
 2b. CPU matmuls   on a CPU compute device, every frozen bf16/fp16 Linear computes through fp32
                   (cpu_linear.py): torch's bf16 matmul backward is 10-40x slower there.
 3. streaming      packs each streamed unit's frozen tensors into one host buffer, block by block,
@@ -99,7 +100,8 @@ def resolve_plan(memory_cfg: MemoryConfig, spec: ModelSpec, model: nn.Module) ->
         order = {n: i for i, n in enumerate(names)}
         streamed = sorted(sb, key=order.__getitem__)
     return Plan(streamed_blocks=tuple(streamed), stream_non_blocks=memory_cfg.stream_non_blocks,
-                fp8=memory_cfg.fp8, checkpointing=memory_cfg.checkpointing, ring_slots=memory_cfg.ring_slots,
+                fp8=memory_cfg.fp8, fp8_modulation=memory_cfg.fp8_modulation is True,
+                checkpointing=memory_cfg.checkpointing, ring_slots=memory_cfg.ring_slots,
                 pin_memory=memory_cfg.pin_memory, debug_poison=memory_cfg.debug_poison)
 
 
@@ -259,8 +261,9 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     mode = RunMode()
     handle = MemoryHandle(model=model, device=device, plan=plan, mode=mode)
     try:
-        if plan.fp8 or fp8_scales or has_prequantized(model, spec):     # 2. fp8 storage
+        if plan.fp8 or plan.fp8_modulation or fp8_scales or has_prequantized(model, spec):   # 2. fp8 storage
             handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales, quantize_rest=plan.fp8,
+                                           modulation=plan.fp8_modulation,
                                            work_device=device if device.type == "cuda" else None)
         if device.type == "cpu":                                         # 2b. fp32 matmuls on CPU
             handle.cpu_linears = apply_cpu_linears(model)

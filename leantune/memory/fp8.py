@@ -19,13 +19,20 @@ How it works:
   biases, everything outside the blocks (embedders, final layer), and adapter weights: peft's
   `lora_A`/`lora_B` are never touched (only the wrapped `base_layer` of a peft layer is stored in
   fp8), so LoRA trains in its own dtype.
+- Modulation in fp8 (`modulation=True`, the plan's `fp8_modulation`): the spec's `modulation`
+  Linears are stored like the others. They are a quarter of Flux's parameters (6 GiB of a
+  full-size model in bf16) and cost a little more accuracy than the rest, since their output
+  scales and shifts every activation of the block (measured in tests/test_memory_fp8.py and
+  docs/engine.md), so the planner turns it on only when nothing else fits.
 - An fp8 checkpoint (ComfyUI e4m3 files, plain or "scaled") is kept as it is. The contract with the
   loader: a block Linear whose weight has dtype float8_e4m3fn carries its dequantization scale as
   an fp32 `weight_scale` buffer of shape (out, 1) (per tensor or per row) or (out, nb), and the
   fp8 forward (`use_fp8_weight`), so the loaded model computes as it is. apply_fp8_storage never
   requantizes such a weight (scale: that buffer, else `scales[name]`, else 1), and takes it
-  whatever the plan says (`quantize_rest=False` leaves the other Linears alone); remove_fp8_storage
-  leaves it in e4m3 with its scale and forward. Nothing round-trips through bf16 in host RAM.
+  whatever the plan says (`quantize_rest=False` leaves the other Linears alone), modulation Linears
+  included: a checkpoint's e4m3 modulation weight is upcast only by the loader, when the user asks
+  for it (`[memory] fp8_modulation = false`). remove_fp8_storage leaves such weights in e4m3 with
+  their scale and forward. Nothing round-trips through bf16 in host RAM.
 
 Differs from kohya's `--fp8_base` (which casts every parameter, norms and modulation included, to
 unscaled fp8) and from diffusers' layerwise casting (unscaled, and it needs a bf16 model first).
@@ -185,17 +192,19 @@ class Fp8Handle:
     bytes_after: int = 0
     kept: list[str] = field(default_factory=list)                 # block Linears left in compute dtype
     prequantized: set[str] = field(default_factory=set)           # of `linears`: e4m3 before apply
+    modulation: set[str] = field(default_factory=set)             # of `linears`: modulation Linears
     quantized: bool = True                                         # the other block Linears were quantized
 
     def describe(self) -> str:
         nblocks = len({".".join(n.split(".")[:2]) for n in self.linears})   # "transformer_blocks.3"
         dtype = str(self.compute_dtype).replace("torch.", "")
+        mod = f" ({len(self.modulation)} modulation)" if self.modulation else ""
         if not self.quantized:
-            return (f"fp8: {len(self.linears)} Linear weights in {nblocks} blocks kept in e4m3 as the checkpoint "
+            return (f"fp8: {len(self.linears)} Linear weights{mod} in {nblocks} blocks kept in e4m3 as the checkpoint "
                     f"stores them ({_gb(self.bytes_after)} with scales); memory.fp8 = false leaves the other block "
                     f"Linears in their dtype")
         own = f", {len(self.prequantized)} of them e4m3 in the checkpoint" if self.prequantized else ""
-        return (f"fp8: {len(self.linears)} Linear weights in {nblocks} blocks stored as e4m3 "
+        return (f"fp8: {len(self.linears)} Linear weights{mod} in {nblocks} blocks stored as e4m3 "
                 f"(scales per row x {SCALE_BLOCK} inputs{own}), {_gb(self.bytes_before)} -> {_gb(self.bytes_after)}; "
                 f"{len(self.kept)} modulation/norm Linears kept in {dtype}")
 
@@ -218,13 +227,15 @@ def has_prequantized(model: nn.Module, spec: ModelSpec) -> bool:
 
 
 def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str, torch.Tensor] | None = None,
-                      quantize_rest: bool = True, compute_dtype: torch.dtype | None = None,
+                      quantize_rest: bool = True, modulation: bool = False, compute_dtype: torch.dtype | None = None,
                       work_device: str | torch.device | None = None) -> Fp8Handle:
     """Store the block Linear weights of `model` as block-scaled e4m3, in place.
 
-    Weights that are already e4m3 are kept as they are, with their scales. `quantize_rest=False` does
-    only that (and upcasts modulation/norm Linears that arrived in fp8), leaving every other block
-    Linear in its dtype: the engine's path for an fp8 checkpoint under memory.fp8 = false.
+    Weights that are already e4m3 are kept as they are, with their scales, modulation Linears
+    included. `quantize_rest=False` does only that, leaving every other block Linear in its dtype:
+    the engine's path for an fp8 checkpoint under memory.fp8 = false. `modulation`: also quantize
+    the spec's modulation Linears (Plan.fp8_modulation); they are otherwise left in their dtype.
+    Other Linears of `spec.fp8_skip` that arrive in fp8 go back to the compute dtype.
     `scales`: per-Linear scales of weights that are already e4m3 and carry no `weight_scale`
     buffer (qualified name -> tensor of shape (), (out,), (out, 1) or (out, nb)). `compute_dtype`:
     dtype of skipped Linears that arrive as fp8 (default: the model's first non-fp8 floating dtype).
@@ -248,8 +259,9 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
         given = scales.pop(qname, None)
         if given is None and hasattr(lin, SCALE_ATTR):
             given = getattr(lin, SCALE_ATTR)
-        if spec.keeps_compute_dtype(rel):
-            if prequantized:      # a modulation/norm Linear that arrived in fp8: back to compute dtype
+        is_mod = spec.is_modulation(rel)
+        if spec.keeps_compute_dtype(rel, fp8_modulation=modulation or (is_mod and prequantized)):
+            if prequantized:      # a norm Linear that arrived in fp8: back to compute dtype
                 s = _scale_for(given, w.shape, qname)
                 with torch.no_grad():
                     w.data = dequantize(w.data, s.to(w.device), compute_dtype)
@@ -257,7 +269,7 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
                     delattr(lin, SCALE_ATTR)
             handle.kept.append(qname)
             continue
-        if not (prequantized or quantize_rest):
+        if not (prequantized or (modulation if is_mod else quantize_rest)):
             continue                      # memory.fp8 = false: only checkpoint e4m3 weights are handled
         if w.requires_grad and prequantized:
             raise ValueError(
@@ -284,6 +296,8 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
         handle.linears[qname] = lin
         if prequantized:
             handle.prequantized.add(qname)
+        if is_mod:
+            handle.modulation.add(qname)
     if scales:
         raise ValueError(f"memory.fp8: scales given for modules that are not fp8 block Linears: {sorted(scales)[:5]}")
     return handle

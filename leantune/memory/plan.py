@@ -19,12 +19,18 @@ class Plan:
     streamed_blocks: tuple[str, ...] = ()
     stream_non_blocks: bool = False     # stream embedders + final layer as one group
     fp8: bool = False                   # block-scaled e4m3 storage of block Linear weights
+    fp8_modulation: bool = False        # ... of the modulation/adaLN Linears too (spec.modulation)
     checkpointing: Checkpointing = "none"
     ring_slots: int = 2
     pin_memory: bool = True
     debug_poison: bool = False
     # Free-form notes from the planner (predicted peak, why this plan); not used by the engine.
     notes: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def storage(self) -> tuple[bool, bool]:
+        """(fp8, fp8_modulation): what the planner prices a plan's weights and activations by."""
+        return (self.fp8, self.fp8_modulation)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -33,5 +39,5 @@ class Plan:
 
     def describe(self) -> str:
         return (f"stream {len(self.streamed_blocks)} blocks{' + non-blocks' if self.stream_non_blocks else ''}, "
-                f"fp8={'on' if self.fp8 else 'off'}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
+                f"fp8={'on' if self.fp8 else 'off'}{' + modulation' if self.fp8_modulation else ''}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
                 f"{'pinned' if self.pin_memory else 'pageable'}")

@@ -175,22 +175,24 @@ def single_file(path: Path, component: str, label: str) -> tuple[CheckpointFiles
 
 # -- fp8-kept block weights ---------------------------------------------------------------------------
 
-def fp8_block_weights(transformer, spec) -> set[str]:
-    """Names of the weights that fp8 storage applies to: every nn.Linear inside the spec's blocks
-    except the modulation/norm Linears of `spec.fp8_skip` ('transformer_blocks.0.attn.to_q.weight')."""
+def fp8_block_weights(transformer, spec, modulation: bool = True) -> set[str]:
+    """Names of the weights that may stay e4m3 when a file stores them so: every nn.Linear inside the
+    spec's blocks except the norm Linears of `spec.fp8_skip`, and except the modulation Linears
+    (`spec.modulation`) unless `modulation` ('transformer_blocks.0.attn.to_q.weight')."""
     names = set()
     for block_name, block in spec.blocks(transformer):
         for rel, m in block.named_modules():
-            if type(m) is torch.nn.Linear and not spec.keeps_compute_dtype(rel):
+            if type(m) is torch.nn.Linear and not spec.keeps_compute_dtype(rel, fp8_modulation=modulation):
                 names.add(f"{block_name}.{rel}.weight")
     return names
 
 
-def keep_fp8_hooks(model, spec) -> tuple:
-    """(keep_fp8, on_fp8) for load_into_empty: which weights stay e4m3, and how their scale is attached."""
+def keep_fp8_hooks(model, spec, modulation: bool = True) -> tuple:
+    """(keep_fp8, on_fp8) for load_into_empty: which weights stay e4m3 (the modulation Linears only
+    with `modulation`, [memory] fp8_modulation not false), and how their scale is attached."""
     from ..memory.fp8 import use_fp8_weight
 
-    eligible = fp8_block_weights(model, spec)
+    eligible = fp8_block_weights(model, spec, modulation)
 
     def attach(target: str, scale: torch.Tensor) -> None:
         use_fp8_weight(model.get_submodule(target[: -len(".weight")]), scale)   # scale: (out, 1) fp32

@@ -10,7 +10,9 @@ What a family provides, and the shapes callers rely on:
   fp8 exceptions, LoRA presets).
 - loading: `resolve_sources(model_cfg, base_dir) -> sources` (an object with one path attribute per
   component, `transformer` and `vae` at least), `load_transformer(sources, dtype, device)` (device
-  "meta" builds the architecture with the loader's dtypes and reads nothing: the planner uses it),
+  "meta" builds the architecture with the loader's dtypes and reads nothing: the planner uses it;
+  block weights a file stores in e4m3 stay e4m3, the spec's modulation Linears included; a loader
+  that takes `fp8_modulation=False` upcasts those: callers pass `loader_options(memory_cfg)`),
   `load_text_encoders(sources, dtype, device)`, `load_vae(sources, dtype, device)`,
   `text_sources`: the attributes of `sources` whose files identify the cached text embeddings.
 - text: `encode_prompts(prompts, encoders, max_length, device) -> (PromptEmbeds, lengths)`;
@@ -80,6 +82,13 @@ class ModelFamily:
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
 _MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3"}
+
+
+def loader_options(memory_cfg) -> dict:
+    """Keyword arguments of `load_transformer` that follow a [memory] section: `fp8_modulation=False`
+    when it asks for the modulation Linears upcast (fp8_modulation = false), else none (every
+    loader keeps a file's e4m3 modulation weights e4m3 by default)."""
+    return {"fp8_modulation": False} if getattr(memory_cfg, "fp8_modulation", "auto") is False else {}
 
 
 def register(family: ModelFamily) -> ModelFamily:

@@ -44,6 +44,7 @@ FLUX_SPEC = ModelSpec(
     },
     default_lora_preset="attention_mlp",
     lora_keys=FLUX_LORA_KEYS,
+    modulation=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$", r"(^|\.)norm\.linear$"),
 )
 
 VAE_SCALE_FACTOR = 8      # pixels per latent

@@ -10,13 +10,13 @@ Every model is built on the meta device and filled tensor by tensor in its targe
 weights.py), so a 12B transformer never exists twice in host RAM.
 
 fp8 files stay fp8 (`load_transformer(keep_fp8=True)`, the default): a block Linear weight that
-the file stores as float8_e4m3fn, other than the modulation/norm Linears the spec keeps in the
-compute dtype, is loaded as the stored e4m3 bytes, and its scale (ComfyUI's per-tensor
-`scale_weight`, or 1 for plain e4m3 files) becomes an fp32 `weight_scale` buffer of shape (out, 1)
-on the Linear, which dequantizes in its forward (memory/fp8.py `use_fp8_weight`). That Linear is
-the contract with the memory engine, which keeps such weights in e4m3 whatever memory.fp8 says.
-Everything else (non-block modules, modulation/norm Linears, biases) is upcast to the compute
-dtype one tensor at a time.
+the file stores as float8_e4m3fn, the modulation/adaLN Linears included, is loaded as the stored
+e4m3 bytes, and its scale (ComfyUI's per-tensor `scale_weight`, or 1 for plain e4m3 files) becomes
+an fp32 `weight_scale` buffer of shape (out, 1) on the Linear, which dequantizes in its forward
+(memory/fp8.py `use_fp8_weight`). That Linear is the contract with the memory engine, which keeps
+such weights in e4m3 whatever memory.fp8 says. `fp8_modulation=False` (`[memory] fp8_modulation =
+false`) upcasts the modulation Linears instead. Everything else (non-block modules, norms, biases)
+is upcast to the compute dtype one tensor at a time.
 
 Architectures come from the checkpoint itself (diffusers config.json, or the keys and shapes of a
 single file; bfl_keys.py / component_files.py), never from a hub. Only safetensors is read;
@@ -93,17 +93,20 @@ def _require(source: Path | None, name: str) -> Path:
 
 # -- transformer ---------------------------------------------------------------------------------------
 
-def fp8_block_weights(transformer) -> set[str]:
-    """Names of the weights that fp8 storage applies to: every nn.Linear inside the spec's blocks
-    except the modulation/norm Linears of `FLUX_SPEC.fp8_skip` ('transformer_blocks.0.attn.to_q.weight')."""
-    return cl.fp8_block_weights(transformer, FLUX_SPEC)
+def fp8_block_weights(transformer, modulation: bool = True) -> set[str]:
+    """Names of the weights that may stay e4m3: every nn.Linear inside the spec's blocks except the
+    norm Linears of `FLUX_SPEC.fp8_skip`, and except the modulation Linears unless `modulation`
+    ('transformer_blocks.0.attn.to_q.weight')."""
+    return cl.fp8_block_weights(transformer, FLUX_SPEC, modulation)
 
 
-def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True):
+def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True,
+                     fp8_modulation: bool = True):
     """The FluxTransformer2DModel, built on meta and loaded straight into `dtype` on `device`.
 
     `keep_fp8`: block Linear weights stored as float8_e4m3fn stay e4m3 with a `weight_scale`
     buffer (module docstring); False upcasts them to `dtype` like every other tensor.
+    `fp8_modulation=False` upcasts the modulation Linears only ([memory] fp8_modulation = false).
     """
     from diffusers import FluxTransformer2DModel
 
@@ -139,7 +142,7 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{src}: cannot build a Flux transformer from its config ({e})") from None
     detect_variant(model, sources.variant, source=src)      # from the structure, before reading weights
-    keep, attach = cl.keep_fp8_hooks(model, FLUX_SPEC) if keep_fp8 else (None, None)
+    keep, attach = cl.keep_fp8_hooks(model, FLUX_SPEC, fp8_modulation) if keep_fp8 else (None, None)
     return load_into_empty(model, files, ops, what="a Flux transformer of this architecture", dtype=dtype,
                            device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
 

@@ -45,6 +45,7 @@ SD3_SPEC = ModelSpec(
     },
     default_lora_preset="attention_mlp",
     lora_keys=SD3_LORA_KEYS,
+    modulation=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$"),
 )
 
 VAE_SCALE_FACTOR = 8

@@ -37,6 +37,11 @@ class ModelSpec:
     default_lora_preset: str = "attention_mlp"
     # LoRA file names of this family (models/lora_keymap.LoraKeyMap): diffusers <-> kohya / native.
     lora_keys: object = None
+    # Regexes (relative to a block) of the modulation/adaLN Linears among `fp8_skip`: the ones fp8
+    # storage may still take when a plan asks for fp8 modulation (Plan.fp8_modulation), or when an
+    # fp8 checkpoint stores them in e4m3. They map the timestep embedding to per-block scales,
+    # shifts and gates: a quarter of Flux's parameters, read once per step for one token.
+    modulation: tuple[str, ...] = ()
 
     # -- helpers -------------------------------------------------------------------------------
     def block_list(self, kind: str) -> BlockList:
@@ -53,8 +58,15 @@ class ModelSpec:
                 out.append((f"{bl.attr}.{i}", block))
         return out
 
-    def keeps_compute_dtype(self, relative_name: str) -> bool:
-        """True if a Linear inside a block (named relative to the block) must not be stored in fp8."""
+    def is_modulation(self, relative_name: str) -> bool:
+        """True for a modulation/adaLN Linear (named relative to its block)."""
+        return any(re.search(p, relative_name) for p in self.modulation)
+
+    def keeps_compute_dtype(self, relative_name: str, fp8_modulation: bool = False) -> bool:
+        """True if a Linear inside a block (named relative to the block) must not be stored in fp8;
+        with `fp8_modulation`, the modulation Linears may be."""
+        if fp8_modulation and self.is_modulation(relative_name):
+            return False
         return any(re.search(p, relative_name) for p in self.fp8_skip)
 
     def lora_target_regex(self, preset: str, blocks: dict[str, list[int]] | None = None) -> str:

@@ -170,7 +170,8 @@ def _cast_all(tree, dtype, only_from=_CASTABLE):
             {k: _cast(v, dtype, only_from) for k, v in kwargs.items()})
 
 
-def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bool, fp8: bool):
+def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bool, fp8: bool,
+                 modulation: bool = False):
     """A copy of `model`'s architecture with two blocks per list, on meta, in the workload's dtype,
     with the run's adapters (the trainer's own add_lora) and fp8 storage (the engine's own)."""
     probe = short_copy(spec, model, workload.dtype)
@@ -182,8 +183,8 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
                       for kind, idx in workload.lora_blocks.items()}
         add_lora(probe, spec, LoraConfig(rank=workload.rank, targets=workload.targets, blocks=blocks,
                                          dropout=workload.lora_dropout))
-    if fp8:
-        apply_fp8_storage(probe, spec, compute_dtype=workload.dtype)
+    if fp8 or modulation:
+        apply_fp8_storage(probe, spec, quantize_rest=fp8, modulation=modulation, compute_dtype=workload.dtype)
     return probe
 
 
@@ -265,14 +266,14 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tr
 
 
 def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[int, int],
-                      fp8: bool = False) -> ActivationProfile:
+                      fp8: bool = False, modulation: bool = False) -> ActivationProfile:
     """Activation bytes and FLOPs of `model`'s architecture for one bucket, measured on meta.
 
     Each kind is characterised by its last block in the probe copy, whose input comes from a block
     of the same kind (or the kind before), as almost every block in the full model does.
     """
     with_lora = workload.mode == "lora" and (workload.lora_blocks is None or any(workload.lora_blocks.values()))
-    probe = _probe_model(spec, model, workload, with_lora, fp8)
+    probe = _probe_model(spec, model, workload, with_lora, fp8, modulation)
     order = [f"{bl.kind}.{i}" for bl in spec.block_lists for i in range(len(getattr(probe, bl.attr)))]
     last = {name.split(".")[0]: name for name in order}          # kind -> its last block in the probe
     kinds = list(last)

@@ -41,7 +41,13 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     buckets=Workload.square(cfg.data.resolutions), text_length=cfg.data.max_text_length,
                     gradient_accumulation=cfg.train.gradient_accumulation,
                     autocast=cfg.train.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
-                    lora_dropout=cfg.lora.dropout)
+                    lora_dropout=cfg.lora.dropout, fp8_modulation=fp8_modulation_choice(cfg.memory))
+
+
+def fp8_modulation_choice(memory_cfg) -> bool | None:
+    """[memory] fp8_modulation as the Workload takes it: "auto" -> None (the planner's call)."""
+    value = memory_cfg.fp8_modulation
+    return None if value == "auto" else bool(value)
 
 
 def parse_vram(value, machine: Machine, key: str) -> int:

@@ -75,7 +75,7 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     offloaded inputs' pinned bytes. The phase totals (loading, converting, packing) and the steady
     components are listed; "peak" is the baseline plus the largest phase.
     """
-    converting = loaded + largest_conversion if plan.fp8 else 0
+    converting = loaded + largest_conversion if (plan.fp8 or plan.fp8_modulation) else 0
     packing = stored + packing_extra(list(zip(packed, unit_stored)))
     streamed = sum(packed)
     staging = STAGING_BUFFERS * STAGING_CHUNK if packed and not plan.pin_memory else 0

@@ -6,7 +6,7 @@ the search try every candidate plan and lets re-planning after an OOM be cheap.
 
 VRAM components at the peak (`memory`), all in bytes:
 - weights resident: the blocks that do not stream (and the non-block group unless it streams),
-  in the compute dtype or fp8 (weight_bytes.py);
+  in the compute dtype or fp8, modulation Linears included or not (weight_bytes.py);
 - stream slots: a ring of K slots, each the size of the largest streamed unit, 512-byte aligned;
 - adapters: r * (in + out) fp32 parameters per targeted Linear; gradients the same; AdamW keeps
   two fp32 states per parameter, Adafactor one fp32 value per row and per column of each matrix;
@@ -30,7 +30,7 @@ from .host_model import host_breakdown, offloaded_inputs
 from .machine import Machine, assumed_machine
 from ..memory.plan import Plan
 from .timing import StepTime, simulate_step
-from .spec_cache import MeasuredModel, measure_model
+from .spec_cache import MeasuredModel, effective_storage, measure_model, storage_options
 from .weight_bytes import ModuleWeights, align
 from .workload import Workload
 
@@ -71,25 +71,28 @@ class MemoryModel:
         self.measured = model if isinstance(model, MeasuredModel) else measure_model(spec, model, workload)
         self.weights, self.key = self.measured.weights, self.measured.key
         self.dtype_bytes = DTYPE_BYTES.get(workload.dtype, 2)
-        self.fp8_options = [False] + ([True] if workload.allow_fp8 and workload.mode != "full" else [])
+        # (fp8, fp8_modulation) storages the search tries (spec_cache.storage_options).
+        self.storages = storage_options(workload, self.weights)
         # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probed so.
-        self.profiles = {fp8: {b: self.measured.profile(b, fp8 or self.weights.prequantized) for b in workload.buckets}
-                         for fp8 in self.fp8_options}
+        # The plainest storage is the reference of the dequantisation cost (timing.py).
+        self.profiles = {st: {b: self.measured.profile(b, effective_storage(st, self.weights)) for b in workload.buckets}
+                         for st in {*self.storages, (False, False)}}
         self.kinds = [b.kind for b in self.weights.blocks]
         # Per-block numbers every candidate plan sums: computed once, so a search prices ~1000 plans fast.
         db, blocks, nb = self.dtype_bytes, self.weights.blocks, self.weights.non_blocks
         self._index = {b.name: i for i, b in enumerate(blocks)}
-        self._bytes = {f: [b.bytes(db, f) for b in blocks] for f in (False, True)}
-        self._unit = {f: [b.unit_bytes(db, f) for b in blocks] for f in (False, True)}
+        every = [(f, m) for f in (False, True) for m in (False, True)]
+        self._bytes = {st: [b.bytes(db, *st) for b in blocks] for st in every}
+        self._unit = {st: [b.unit_bytes(db, *st) for b in blocks] for st in every}
         self._nb_bytes, self._nb_unit = nb.bytes(db), nb.unit_bytes(db)
-        self._conversion = max([b.largest_conversion() for b in blocks], default=0)
-        self._composed: dict = {}      # (bucket, fp8, checkpointing) -> activations before calibration
+        self._conversion = {st: max([b.largest_conversion(*st) for b in blocks], default=0) for st in every}
+        self._composed: dict = {}      # (bucket, storage, checkpointing) -> activations before calibration
 
     # -- parts ---------------------------------------------------------------------------------------
-    def activation_peak(self, bucket, fp8: bool, checkpointing: str) -> int:
-        key = (bucket, fp8, checkpointing)
+    def activation_peak(self, bucket, fp8: bool, checkpointing: str, modulation: bool = False) -> int:
+        key = (bucket, (fp8, modulation), checkpointing)
         if key not in self._composed:
-            prof = self.profiles[fp8][bucket]
+            prof = self.profiles[(fp8, modulation)][bucket]
             seq = [prof.kinds[k] for k in self.kinds]
             self._composed[key] = compose_activations(prof, seq, checkpointing, self.workload.mode)
         scales = self.calibration.activation_scale   # measured for this mode, else for another mode
@@ -133,7 +136,7 @@ class MemoryModel:
 
     def units(self, plan: Plan) -> list[int]:
         """Packed bytes of each streamed unit, in the engine's unit order."""
-        blocks = [self._unit[plan.fp8][i] for i in sorted(self.indices(plan))]
+        blocks = [self._unit[plan.storage][i] for i in sorted(self.indices(plan))]
         return [self._nb_unit, *blocks] if plan.stream_non_blocks else blocks
 
     # -- estimates -----------------------------------------------------------------------------------
@@ -147,7 +150,7 @@ class MemoryModel:
         w = self.workload
         streamed = self.indices(plan)
         units = self.units(plan)
-        resident = sum(b for i, b in enumerate(self._bytes[plan.fp8]) if i not in streamed)
+        resident = sum(b for i, b in enumerate(self._bytes[plan.storage]) if i not in streamed)
         resident += 0 if plan.stream_non_blocks else self._nb_bytes
         slots = min(plan.ring_slots, len(units)) * align(max(units)) if units else 0
         params, grads, states = self.trainable_bytes()
@@ -158,7 +161,7 @@ class MemoryModel:
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:
-            act = self.activation_peak(bucket, plan.fp8, plan.checkpointing)
+            act = self.activation_peak(bucket, plan.fp8, plan.checkpointing, plan.fp8_modulation)
             backward = {"activations": act, "gradients": grads if keep_grads else 0, "optimizer step": 0}
             step = {"activations": 0, "gradients": grads, "optimizer step": opt_tmp}
             part = backward if sum(backward.values()) >= sum(step.values()) else step
@@ -175,21 +178,21 @@ class MemoryModel:
         """Host RAM components of a plan (host_model.py)."""
         offload = 0
         if plan.checkpointing == "offload":
-            offload = offloaded_inputs(self.workload, self.profiles[plan.fp8], self.kinds)
+            offload = offloaded_inputs(self.workload, self.profiles[plan.storage], self.kinds)
         idx = sorted(self.indices(plan))
-        packed = [self._unit[plan.fp8][i] for i in idx]
-        unit_stored = [self._bytes[plan.fp8][i] for i in idx]
+        packed = [self._unit[plan.storage][i] for i in idx]
+        unit_stored = [self._bytes[plan.storage][i] for i in idx]
         if plan.stream_non_blocks:
             packed, unit_stored = [self._nb_unit, *packed], [self._nb_bytes, *unit_stored]
-        loaded = sum(self._bytes[False]) + self._nb_bytes
-        stored = sum(self._bytes[plan.fp8]) + self._nb_bytes
-        return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion, offload,
+        loaded = sum(self._bytes[(False, False)]) + self._nb_bytes
+        stored = sum(self._bytes[plan.storage]) + self._nb_bytes
+        return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
                               self.workload.host_cache_bytes)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""
-        return simulate_step(self.machine, self.calibration, plan, self.profiles[plan.fp8][bucket],
-                             self.profiles[False][bucket], self.kinds, sorted(self.indices(plan)), units,
+        return simulate_step(self.machine, self.calibration, plan, self.profiles[plan.storage][bucket],
+                             self.profiles[(False, False)][bucket], self.kinds, sorted(self.indices(plan)), units,
                              self.workload.mode, sum(self.trainable_bytes()))
 
     def estimate(self, plan: Plan) -> Estimate:

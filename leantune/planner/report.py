@@ -24,7 +24,8 @@ def format_plan(plan: Plan) -> str:
     if plan.streamed_blocks:
         lines.append(f"streamed: {_compact_names(plan.streamed_blocks)}")
     if n.get("stored_fp8"):
-        lines.append("weights:  the block weights the checkpoint stores in fp8 (e4m3) stay e4m3 in every plan; "
+        mod = " (the modulation Linears too)" if n.get("stored_fp8_modulation") else ""
+        lines.append(f"weights:  the block weights the checkpoint stores in fp8 (e4m3){mod} stay e4m3 in every plan; "
                      "fp8 above is about the others")
     if "vram_breakdown" in n:
         budget, margin = n["budget_vram"], n["margin_vram"]

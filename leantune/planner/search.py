@@ -24,7 +24,12 @@ with two rules that keep the answers sensible from one budget to the next:
   off, the bf16 plan may stream more than the fp8 plan below it did: that budget buys accuracy
   first.
 
-Candidates: every combination of fp8 (where accuracy allows), checkpointing none/blocks/offload,
+- fp8 for the modulation Linears (Plan.fp8_modulation) costs more accuracy than the rest of fp8
+  (their output scales and shifts every activation of a block), so it is not priced but held back:
+  under `Workload.fp8_modulation = None` ("auto") it is used only when no plan without it fits the
+  VRAM and host-RAM budgets. Along growing budgets it therefore only turns off, once.
+
+Candidates: every combination of storage (fp8 and fp8 modulation where accuracy allows), checkpointing none/blocks/offload,
 the number of streamed blocks (block kinds with the most FLOPs per byte first: for Flux the single
 blocks, spread evenly through their list), ring slots 2-4, and streaming the non-block group when
 every block streams. Streamed units are always pinned: the engine pins exactly their size, so a
@@ -78,7 +83,7 @@ class Planner(MemoryModel):
         """Block kinds in the order they start streaming: most forward FLOPs per byte first (their
         copies hide best behind their own compute; for Flux, single blocks move ~2.4x fewer bytes
         per FLOP than double blocks)."""
-        prof = self.profiles[False][self.workload.buckets[0]]
+        prof = self.profiles[(False, False)][self.workload.buckets[0]]
         by_kind: dict[str, list[ModuleWeights]] = {}
         for b in self.weights.blocks:
             by_kind.setdefault(b.kind, []).append(b)
@@ -105,20 +110,20 @@ class Planner(MemoryModel):
         n_blocks = len(self.weights.blocks)
         ckpts = ("none",) if w.mode == "inference" else CHECKPOINTING
         counts = range(n_blocks + 1) if w.mode != "full" else range(1)
-        for fp8 in self.fp8_options:
+        for fp8, mod in self.storages:
             for ckpt in ckpts:
                 for n in counts:
                     names = tuple(self.weights.blocks[i].name for i in self.streamed_set(n))
                     if n == 0:
-                        yield Plan(streamed_blocks=(), fp8=fp8, checkpointing=ckpt)
+                        yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt)
                         continue
                     for nb in ((False, True) if n == n_blocks else (False,)):
                         units = n + int(nb)
                         for k in RING_CHOICES:
                             if k > max(2, units):
                                 continue
-                            yield Plan(streamed_blocks=names, stream_non_blocks=nb, fp8=fp8, checkpointing=ckpt,
-                                       ring_slots=k, pin_memory=True)
+                            yield Plan(streamed_blocks=names, stream_non_blocks=nb, fp8=fp8, fp8_modulation=mod,
+                                       checkpointing=ckpt, ring_slots=k, pin_memory=True)
 
     def plan(self, budget: Budget) -> Plan:
         """The plan for `budget` (VRAM and host RAM): the sweep described in the module docstring
@@ -136,6 +141,8 @@ class Planner(MemoryModel):
                 fits.append((vram, plan))
         if not fits:
             raise self._infeasible(budget, ram_limit, smallest_vram)
+        if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
+            fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
         fits.sort(key=lambda vp: (vp[0], _shape(vp[1])))
         current: dict[bool, Plan | None] = {False: None, True: None}    # per storage: bf16, fp8
         without_fp8 = False        # once the best bf16 plan beats the best fp8 one, fp8 stays off
@@ -247,6 +254,7 @@ class Planner(MemoryModel):
             "streamed_by_kind": _count_kinds(plan.streamed_blocks, self.weights),
             "total_blocks": len(self.weights.blocks),
             "stored_fp8": self.weights.prequantized,
+            "stored_fp8_modulation": self.weights.prequantized_modulation,
             "architecture_key": self.key,
         }
         return replace(plan, notes=notes)
@@ -258,13 +266,14 @@ class _Timed(NamedTuple):
 
 
 def _plan_key(plan: Plan) -> tuple:
-    return (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.checkpointing, plan.ring_slots,
-            plan.pin_memory)
+    return (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.fp8_modulation, plan.checkpointing,
+            plan.ring_slots, plan.pin_memory)
 
 
 def _shape(plan: Plan) -> tuple:
-    """The simpler-plan order: no fp8, less checkpointing, fewer streamed blocks, the smaller ring."""
-    return (plan.fp8, CHECKPOINTING.index(plan.checkpointing), len(plan.streamed_blocks), plan.stream_non_blocks,
+    """The simpler-plan order: no fp8 (modulation first), less checkpointing, fewer streamed blocks,
+    the smaller ring."""
+    return (plan.fp8_modulation, plan.fp8, CHECKPOINTING.index(plan.checkpointing), len(plan.streamed_blocks), plan.stream_non_blocks,
             plan.ring_slots)
 
 

@@ -35,7 +35,7 @@ log = logging.getLogger("leantune")
 _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "planner/activations.py",
                    "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming.py",
                    "models/spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "train/lora.py")
-_PROBE_CACHE: dict = {}   # (architecture key, bucket, fp8) -> ActivationProfile, for this process
+_PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,16 @@ class MeasuredModel:
 
     weights: ModelWeights
     key: str                                                      # architecture_key(model, workload)
-    profiles: dict[tuple[tuple[int, int], bool], ActivationProfile]   # (bucket, probed with fp8) -> profile
+    # (bucket, (probed with fp8, with fp8 modulation)) -> profile
+    profiles: dict[tuple[tuple[int, int], tuple[bool, bool]], ActivationProfile]
 
-    def profile(self, bucket: tuple[int, int], fp8: bool) -> ActivationProfile:
-        return self.profiles[(tuple(bucket), fp8)]
+    def profile(self, bucket: tuple[int, int], storage: tuple[bool, bool]) -> ActivationProfile:
+        return self.profiles[(tuple(bucket), tuple(storage))]
 
     def to_dict(self) -> dict:
         return {"weights": asdict(self.weights), "key": self.key,
-                "profiles": [{"bucket": list(b), "fp8": f, "profile": p.to_dict()}
-                             for (b, f), p in self.profiles.items()]}
+                "profiles": [{"bucket": list(b), "fp8": f, "modulation": m, "profile": p.to_dict()}
+                             for (b, (f, m)), p in self.profiles.items()]}
 
     @classmethod
     def from_dict(cls, d: dict) -> MeasuredModel:
@@ -63,16 +64,43 @@ class MeasuredModel:
 
         weights = ModelWeights(tuple(module(b) for b in w["blocks"]), module(w["non_blocks"]),
                                tuple(AdapterShape(**a) for a in w["adapters"]))
-        profiles = {(tuple(e["bucket"]), bool(e["fp8"])): ActivationProfile.from_dict(e["profile"])
-                    for e in d["profiles"]}
+        profiles = {(tuple(e["bucket"]), (bool(e["fp8"]), bool(e["modulation"]))):
+                    ActivationProfile.from_dict(e["profile"]) for e in d["profiles"]}
         return cls(weights, d["key"], profiles)
 
 
-def probed_storages(workload: Workload, prequantized: bool) -> list[bool]:
-    """The storages activations are probed with: without and with fp8 where fp8 is a choice; an fp8
-    checkpoint's block weights compute through fp8 storage in every plan, so only fp8 then."""
-    options = [False] + ([True] if workload.allow_fp8 and workload.mode != "full" else [])
-    return sorted({fp8 or prequantized for fp8 in options})
+Storage = tuple[bool, bool]     # (fp8, fp8_modulation), as Plan.storage
+
+
+def storage_options(workload: Workload, weights: ModelWeights) -> list[Storage]:
+    """The (fp8, fp8_modulation) storages the workload's plans may use, plainest first.
+
+    fp8 modulation comes only on top of fp8 (unless the workload forces it), never for a full
+    fine-tune, and is no choice when the checkpoint already stores the modulation Linears in e4m3
+    (the plan then converts nothing more: Plan.fp8_modulation stays False, as Plan.fp8 does for the
+    other block weights of an fp8 checkpoint).
+    """
+    if workload.mode == "full":
+        return [(False, False)]
+    fp8s = [False] + ([True] if workload.allow_fp8 else [])
+    forced = workload.fp8_modulation
+    if weights.prequantized_modulation or forced is False:
+        mods = [False]
+    else:
+        mods = [True] if forced else [False, True]
+    return [(f, m) for m in mods for f in fp8s if f or not m or forced]
+
+
+def effective_storage(storage: Storage, weights: ModelWeights) -> Storage:
+    """What a storage computes with on this model: weights already e4m3 compute through fp8 storage
+    in every plan."""
+    return (storage[0] or weights.prequantized, storage[1] or weights.prequantized_modulation)
+
+
+def probed_storages(workload: Workload, weights: ModelWeights) -> list[Storage]:
+    """The storages activations are probed with: each storage the workload may use and the plainest
+    one (the reference of the dequantisation cost), as the model computes them."""
+    return sorted({effective_storage(s, weights) for s in [*storage_options(workload, weights), (False, False)]})
 
 
 def measure_model(spec, model, workload: Workload) -> MeasuredModel:
@@ -81,14 +109,15 @@ def measure_model(spec, model, workload: Workload) -> MeasuredModel:
     weights = measure_weights(spec, model, workload)
     key = architecture_key(model, workload)
     profiles = {}
-    for fp8 in probed_storages(workload, weights.prequantized):
+    for storage in probed_storages(workload, weights):
         for bucket in workload.buckets:
-            cache_key = (key, bucket, fp8)
+            cache_key = (key, bucket, storage)
             if cache_key not in _PROBE_CACHE:
                 from .activation_probe import probe_activations   # traces: imports peft and the engine
 
-                _PROBE_CACHE[cache_key] = probe_activations(spec, model, workload, bucket, fp8=fp8)
-            profiles[(bucket, fp8)] = _PROBE_CACHE[cache_key]
+                _PROBE_CACHE[cache_key] = probe_activations(spec, model, workload, bucket, fp8=storage[0],
+                                                            modulation=storage[1])
+            profiles[(bucket, storage)] = _PROBE_CACHE[cache_key]
     return MeasuredModel(weights, key, profiles)
 
 
@@ -149,7 +178,7 @@ def load_measured(source: str, workload: Workload) -> MeasuredModel | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("planner: ignoring unreadable cached measurement %s (%s)", path, e)
         return None
-    needed = {(b, f) for f in probed_storages(workload, measured.weights.prequantized) for b in workload.buckets}
+    needed = {(b, f) for f in probed_storages(workload, measured.weights) for b in workload.buckets}
     return measured if needed <= set(measured.profiles) else None
 
 

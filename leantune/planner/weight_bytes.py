@@ -3,10 +3,10 @@
 The weight terms of the memory model are counted, never estimated: every tensor of every block is
 listed once (from a meta-device model, which costs no memory), with what it would cost in the
 compute dtype, in fp8 storage (1 byte per element plus one fp32 scale per output row and block of
-64 inputs, for the Linears fp8 storage converts), and packed by the streaming engine (each tensor
-512-byte aligned). Block Linears that are already e4m3 (an fp8 checkpoint, loaded as it is stored)
-cost 1 byte per element plus their own scales in every plan: the engine keeps them in fp8 whatever
-the plan says. Tests hold these numbers to what fp8 storage, the streaming engine and peft really
+64 inputs, for the Linears fp8 storage converts; the modulation Linears only with fp8 modulation),
+and packed by the streaming engine (each tensor 512-byte aligned). Block Linears that are already
+e4m3 (an fp8 checkpoint, loaded as it is stored, modulation included) cost 1 byte per element plus
+their own scales in every plan: the engine keeps them in fp8 whatever the plan says. Tests hold these numbers to what fp8 storage, the streaming engine and peft really
 allocate, so the planner prices exactly what the engine builds.
 """
 
@@ -41,44 +41,58 @@ def fp8_scale_count(out_features: int, in_features: int) -> int:
 class ModuleWeights:
     """The frozen tensors of one block (or of the non-block group): enough to price any storage.
 
-    `tensors` holds (numel, fp8 scale count, stored in fp8) per tensor. The scale count is 0 for
-    tensors fp8 storage leaves alone (norms, modulation, biases, anything outside blocks); "stored
-    in fp8" marks e4m3 weights of an fp8 checkpoint, whose scale count is that of their own scale.
+    `tensors` holds (numel, fp8 scale count, stored in fp8, modulation) per tensor. The scale
+    count is 0 for tensors fp8 storage leaves alone (norms, biases, anything outside blocks);
+    "stored in fp8" marks e4m3 weights of an fp8 checkpoint, whose scale count is that of their own
+    scale; "modulation" marks the modulation Linears (spec.modulation), converted only with fp8
+    modulation.
     """
 
     name: str                     # "transformer_blocks.3", or "non_blocks"
     kind: str                     # "double", "single", "non_block"
-    tensors: tuple[tuple[int, int, bool], ...]
+    tensors: tuple[tuple[int, int, bool, bool], ...]
     native_bytes: int             # as the model holds them now
 
     @property
     def numel(self) -> int:
-        return sum(n for n, _, _ in self.tensors)
+        return sum(t[0] for t in self.tensors)
 
-    @property
-    def fp8_numel(self) -> int:
-        """Elements fp8 storage holds in e4m3 (already e4m3 or converted by the engine)."""
-        return sum(n for n, s, _ in self.tensors if s)
+    def e4m3_numel(self, fp8: bool = True, modulation: bool = False) -> int:
+        """Elements held in e4m3 with fp8 storage of the block Linears (`fp8`) and of the
+        modulation Linears (`modulation`), those already e4m3 included."""
+        return sum(n for n, s, stored, mod in self.tensors if self._e4m3(s, stored, mod, fp8, modulation))
 
     @property
     def prequantized(self) -> bool:
-        return any(stored for _, _, stored in self.tensors)
+        return any(t[2] for t in self.tensors)
 
-    def bytes(self, dtype_bytes: int, fp8: bool = False) -> int:
-        """Bytes in `dtype_bytes` per element, or with fp8 storage (1 byte + fp32 scales)."""
-        return sum(n + 4 * s if (s and (fp8 or stored)) else n * dtype_bytes for n, s, stored in self.tensors)
+    @property
+    def prequantized_modulation(self) -> bool:
+        return any(stored and mod for _, _, stored, mod in self.tensors)
 
-    def unit_bytes(self, dtype_bytes: int, fp8: bool = False) -> int:
+    @staticmethod
+    def _e4m3(scales: int, stored: bool, mod: bool, fp8: bool, modulation: bool) -> bool:
+        return bool(scales) and (stored or (modulation if mod else fp8))
+
+    def bytes(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
+        """Bytes in `dtype_bytes` per element, or with fp8 storage (1 byte + fp32 scales) of the
+        block Linears (`fp8`) and of the modulation Linears (`modulation`)."""
+        return sum(n + 4 * s if self._e4m3(s, stored, mod, fp8, modulation) else n * dtype_bytes
+                   for n, s, stored, mod in self.tensors)
+
+    def unit_bytes(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
         """The streaming engine's packed host buffer: every tensor (and fp8 scale) 512-byte aligned."""
         total = 0
-        for n, s, stored in self.tensors:
-            total += align(n) + align(4 * s) if (s and (fp8 or stored)) else align(n * dtype_bytes)
+        for n, s, stored, mod in self.tensors:
+            e4m3 = self._e4m3(s, stored, mod, fp8, modulation)
+            total += align(n) + align(4 * s) if e4m3 else align(n * dtype_bytes)
         return total
 
-    def largest_conversion(self) -> int:
+    def largest_conversion(self, fp8: bool = True, modulation: bool = False) -> int:
         """Bytes of the largest weight fp8 storage converts (its e4m3 copy and scales), which
         exist beside the original while it converts; 0 when nothing here is converted."""
-        return max((n + 4 * s for n, s, stored in self.tensors if s and not stored), default=0)
+        return max((n + 4 * s for n, s, stored, mod in self.tensors
+                    if not stored and self._e4m3(s, stored, mod, fp8, modulation)), default=0)
 
 
 @dataclass(frozen=True)
@@ -96,8 +110,8 @@ class ModelWeights:
     non_blocks: ModuleWeights
     adapters: tuple[AdapterShape, ...]       # for the workload's rank/targets/blocks
 
-    def total(self, dtype_bytes: int, fp8: bool = False) -> int:
-        return sum(b.bytes(dtype_bytes, fp8) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
+    def total(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
+        return sum(b.bytes(dtype_bytes, fp8, modulation) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
 
     @property
     def native_bytes(self) -> int:
@@ -111,6 +125,11 @@ class ModelWeights:
     def prequantized(self) -> bool:
         """Some block weights are already e4m3 (an fp8 checkpoint): every plan stores them in fp8."""
         return any(b.prequantized for b in self.blocks)
+
+    @property
+    def prequantized_modulation(self) -> bool:
+        """The checkpoint stores modulation Linears in e4m3 (and the loader kept them so)."""
+        return any(b.prequantized_modulation for b in self.blocks)
 
     def adapter_params(self, rank: int) -> int:
         return sum(rank * (a.in_features + a.out_features) for a in self.adapters)
@@ -130,16 +149,18 @@ def _base_name(name: str) -> str:
 
 
 def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_block: bool) -> ModuleWeights:
-    fp8_of: dict[int, tuple[int, bool]] = {}      # id(weight) -> (scale count, already e4m3)
+    fp8_of: dict[int, tuple[int, bool, bool]] = {}      # id(weight) -> (scale count, already e4m3, modulation)
     if in_block:
         for mname, m in module.named_modules():
-            if type(m) is not torch.nn.Linear or _is_adapter(mname) or spec.keeps_compute_dtype(_base_name(mname)):
+            rel = _base_name(mname)
+            if type(m) is not torch.nn.Linear or _is_adapter(mname) or spec.keeps_compute_dtype(rel, fp8_modulation=True):
                 continue
+            mod = spec.is_modulation(rel)
             if m.weight.dtype in FP8_DTYPES:            # kept as the checkpoint stores it, with its own scale
                 scale = getattr(m, SCALE_ATTR, None)
-                fp8_of[id(m.weight)] = (scale.numel() if scale is not None else m.out_features, True)
+                fp8_of[id(m.weight)] = (scale.numel() if scale is not None else m.out_features, True, mod)
             else:
-                fp8_of[id(m.weight)] = (fp8_scale_count(m.out_features, m.in_features), False)
+                fp8_of[id(m.weight)] = (fp8_scale_count(m.out_features, m.in_features), False, mod)
     seen: set[int] = set()
     tensors, native = [], 0
     for pname, t in list(module.named_parameters()) + list(module.named_buffers()):
@@ -149,7 +170,7 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
         native += t.numel() * t.element_size() if not _is_adapter(pname) else 0
         if _is_adapter(pname) or pname.endswith(SCALE_ATTR):   # scales are priced with their weight
             continue
-        tensors.append((t.numel(), *fp8_of.get(id(t), (0, False))))
+        tensors.append((t.numel(), *fp8_of.get(id(t), (0, False, False))))
     return ModuleWeights(name, kind, tuple(tensors), native)
 
 

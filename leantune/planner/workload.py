@@ -39,6 +39,9 @@ class Workload:
     lora_dropout: float = 0.0
     dtype: torch.dtype = torch.bfloat16   # storage and compute dtype of the frozen weights
     allow_fp8: bool = True          # fp8 storage of frozen block weights is acceptable
+    # fp8 storage of the modulation Linears too: None lets the planner use it only when no plan
+    # without it fits; True: every plan; False: never ([memory] fp8_modulation "auto"/true/false).
+    fp8_modulation: bool | None = None
     host_cache_bytes: int = 0       # caches held in host RAM during training
 
     @staticmethod

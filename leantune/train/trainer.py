@@ -20,7 +20,7 @@ import torch
 
 from ..config import RunConfig
 from ..distributed import DistContext, shard_of
-from ..models.family import get_family
+from ..models.family import get_family, loader_options
 from ..planner.feedback.oom import NoPlanFits
 from . import flow_matching as fm
 from .modes import make_mode
@@ -309,8 +309,9 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     data = dist.main_first(lambda: prepare_caches(cfg, device, dtype))    # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg)
-    mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta"))   # host RAM (full)
-    transformer = family.load_transformer(sources, dtype=dtype, device="cpu")
+    options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
+    mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **options))  # host RAM
+    transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
     log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
     params = mode.prepare(transformer, family.spec)
     plan, memory, planner, budget = _apply_memory(cfg, transformer, device, mode, dist)
