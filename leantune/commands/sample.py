@@ -2,6 +2,8 @@
 
     leantune sample --model /models/FLUX.1-dev --prompt "a photo of sks dog" \\
         --lora output/dog.safetensors:0.8 --vram 6GiB --out samples
+    leantune sample --model /models/stable-diffusion-3.5-large --prompt "a photo of sks dog" \
+        --negative-prompt "blurry" --guidance 4.5 --vram 8GiB
     leantune sample request.toml [--seed 7] [--set steps=20]
 
 Flags override the request file's values; both go through one strict schema (infer/request.py).
@@ -17,13 +19,18 @@ import sys
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("request", nargs="?", help="a sample request TOML: prompts, seed, steps, guidance, width, height, out, "
                              "[model], [[lora]], [memory]; flags override its values")
-    parser.add_argument("--model", help="a diffusers Flux folder or a single .safetensors transformer file")
+    parser.add_argument("--model", help="a diffusers Flux / SD3.5 folder or a single .safetensors transformer file")
+    parser.add_argument("--family", choices=("flux", "sd3"),
+                        help="the model family (default: the request's [model] family, else flux)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    parser.add_argument("--negative-prompt", metavar="TEXT",
+                        help="what the image should not show (SD3.5's classifier-free guidance; default empty)")
     parser.add_argument("--lora", action="append", metavar="FILE[:STRENGTH]",
                         help="a LoRA file and its strength, default 1.0 (repeat for several)")
     parser.add_argument("--vram", metavar="SIZE", help="VRAM budget such as 6GiB, or 'auto' for the free memory")
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--guidance", type=float)
+    parser.add_argument("--guidance", type=float,
+                        help="Flux dev: distilled guidance (default 3.5); SD3.5: CFG scale (default 7.0)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--width", type=int)
     parser.add_argument("--height", type=int)
@@ -49,6 +56,8 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
 
     if args.model is not None:
         data.setdefault("model", {})["path"] = here(args.model)
+    if args.family is not None:
+        data.setdefault("model", {})["family"] = args.family
     if args.prompt:
         data["prompts"] = list(args.prompt)
     if args.lora:
@@ -57,7 +66,8 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
         data["out"] = here(args.out)
     if args.vram is not None:
         data.setdefault("memory", {})["vram_budget"] = args.vram
-    for flag, key in (("steps", "steps"), ("guidance", "guidance"), ("seed", "seed"), ("width", "width"),
+    for flag, key in (("steps", "steps"), ("guidance", "guidance"), ("negative_prompt", "negative_prompt"),
+                      ("seed", "seed"), ("width", "width"),
                       ("height", "height"), ("images_per_prompt", "images_per_prompt"), ("device", "device")):
         value = getattr(args, flag)
         if value is not None:

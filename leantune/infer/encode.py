@@ -1,11 +1,15 @@
 """Stage 1 of sampling: every prompt of a request is encoded, then the text encoders leave the GPU.
 
+Which modules are the text encoders is the family's answer (`ModelFamily.text_modules`): Flux has
+CLIP-L and T5-XXL, SD3.5 CLIP-L, CLIP-G and T5-XXL (or no T5). Negative prompts (classifier-free
+guidance) are encoded in the same stage, so the encoders are placed once per request.
+
 T5-XXL is 4.7 B parameters (9.5 GB in bf16): on its own more than a 6 GB budget. It runs once per
 request, so it does not need the training engine's ring of prefetched slots: `blockwise_offload`
 keeps the embedding and final norm on the GPU and brings one T5 block at a time (about 400 MB in
 bf16), dropping it right after its forward. That costs one pass over the weights per request
-(≈0.4 s at 25 GB/s) and bounds the stage's peak at one block plus activations. CLIP-L (123 M
-parameters) simply moves to the GPU and back.
+(≈0.4 s at 25 GB/s) and bounds the stage's peak at one block plus activations. The CLIPs (123 M
+and, for SD3.5, 695 M parameters) simply move to the GPU and back.
 
 While a block is not in use its parameters hold empty placeholders, not host copies, so any use of
 an offloaded weight fails loudly instead of silently computing on the host; the same code path runs
@@ -106,31 +110,65 @@ def _free_device_cache(device) -> None:
         torch.cuda.empty_cache()
 
 
+def text_encoder_bytes(text_encoders, family: ModelFamily) -> int:
+    """Bytes of every text encoder module the family uses (what stage 1 puts on the device at once
+    without T5 streaming)."""
+    whole, streamable = family.text_modules(text_encoders)
+    return sum(module_bytes(m) for m in whole) + (module_bytes(streamable) if streamable is not None else 0)
+
+
 @torch.no_grad()
 def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int = 512, device="cpu",
-                         stream_t5: bool = False, batch_size: int = 8,
-                         family: ModelFamily | None = None) -> list[PromptEmbeds]:
-    """Encode `prompts` with CLIP-L + T5 on `device`; return one (1, L, D) PromptEmbeds per prompt on the host.
+                         stream_t5: bool = False, batch_size: int = 8, family: ModelFamily | None = None,
+                         negative_prompts: list[str] | None = None):
+    """Encode `prompts` on `device`; return one (1, L, D) PromptEmbeds per prompt on the host.
 
-    `text_encoders` has tokenizer, text_encoder (CLIP), tokenizer_2, text_encoder_2 (T5), each on the
-    host; they are back on the host when this returns, so the next stage has the device to itself.
-    `stream_t5` runs T5 block by block (see module docstring) for budgets it does not fit in.
-    Prompts are encoded `batch_size` at a time, exactly as FluxPipeline tokenizes and encodes them.
+    `text_encoders` is what the family's `load_text_encoders` returns, on the host; they are back
+    on the host when this returns, so the next stage has the device to itself. `stream_t5` runs T5
+    block by block (see module docstring) for budgets it does not fit in. Prompts are encoded
+    `batch_size` at a time, as the pipelines tokenize and encode them.
+
+    With `negative_prompts` (a list, possibly empty) the return value is a pair (prompt embeddings,
+    negative embeddings), the negatives encoded as their own batches while the encoders are placed.
     """
     family = family or get_family("flux")
-    te = text_encoders
-    clip, t5 = te.text_encoder, te.text_encoder_2
-    t5_ctx = blockwise_offload(t5, t5_blocks(t5), device) if stream_t5 else _moved(t5, device)
-    pooled, seqs = [], []
-    with _eval_mode(clip, t5), _moved(clip, device), t5_ctx:
-        for i in range(0, len(prompts), batch_size):
-            emb, _ = family.encode_prompts(prompts[i:i + batch_size], te, max_length=max_length,
-                                           device=torch.device(device))
-            pooled.append(emb.pooled.to("cpu"))   # (b, D_clip)
-            seqs.append(emb.t5.to("cpu"))         # (b, L, D_t5)
+    whole, t5 = family.text_modules(text_encoders)
+    modules = list(whole) + ([t5] if t5 is not None else [])
+    t5_ctx = _moved(t5, device) if t5 is not None and not stream_t5 else \
+        blockwise_offload(t5, t5_blocks(t5), device) if t5 is not None else _nothing()
+    lists = [prompts] + ([negative_prompts] if negative_prompts is not None else [])
+    results = []
+    with _eval_mode(*modules), _all_moved(whole, device), t5_ctx:
+        for texts in lists:
+            pooled, seqs = [], []
+            for i in range(0, len(texts), batch_size):
+                emb, _ = family.encode_prompts(texts[i:i + batch_size], text_encoders, max_length=max_length,
+                                               device=torch.device(device))
+                pooled.append(emb.pooled.to("cpu"))   # (b, D_pooled)
+                seqs.append(emb.t5.to("cpu"))         # (b, L, D_text)
+            if texts:
+                pooled_all, seq_all = torch.cat(pooled), torch.cat(seqs)
+                results.append([PromptEmbeds(t5=seq_all[i:i + 1], pooled=pooled_all[i:i + 1])
+                                for i in range(len(texts))])
+            else:
+                results.append([])
     _free_device_cache(device)
-    pooled_all, seq_all = torch.cat(pooled), torch.cat(seqs)
-    return [PromptEmbeds(t5=seq_all[i:i + 1], pooled=pooled_all[i:i + 1]) for i in range(len(prompts))]
+    return results[0] if negative_prompts is None else (results[0], results[1])
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _all_moved(modules, device) -> Iterator[None]:
+    """Move each module to `device` for the duration, then back where it was."""
+    if not modules:
+        yield
+        return
+    with _moved(modules[0], device), _all_moved(modules[1:], device):
+        yield
 
 
 @contextmanager

@@ -6,8 +6,9 @@ one schema. Unknown keys are errors that name the file and the key.
 
     prompts = ["a photo of sks dog on a beach"]
     seed = 42
-    steps = 28                 # default: 28 for dev, 4 for schnell
-    guidance = 3.5             # distilled guidance (dev); schnell ignores it
+    steps = 28                 # default: 28 for dev and SD3.5, 4 for schnell
+    guidance = 3.5             # Flux dev: distilled guidance (schnell ignores it); SD3.5: CFG scale, default 7.0
+    negative_prompt = ""       # SD3.5 (classifier-free guidance) only
     width = 1024
     height = 1024
     out = "samples"
@@ -70,7 +71,8 @@ class SampleRequest(_Strict):
     seed: int = 0                              # image i of the request uses seed + i
     images_per_prompt: int = Field(1, ge=1)
     steps: int | None = Field(None, ge=1)      # None: the variant's default
-    guidance: float | None = Field(None, ge=0)
+    guidance: float | None = Field(None, ge=0)  # None: the family's default (Flux dev 3.5, SD3.5 CFG 7.0)
+    negative_prompt: str = ""                   # classifier-free guidance (SD3.5); one for every image
     width: int = 1024
     height: int = 1024
     lora: list[LoraRef] = []

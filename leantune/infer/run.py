@@ -6,6 +6,11 @@ transformer's placement comes from the same memory engine and planner as trainin
 budget the planner chooses streamed blocks / fp8 for an inference workload, without one the
 explicit [memory] choices apply (default: fully resident). On CUDA each stage's peak reserved
 memory is measured and reported, so "the peak is the largest stage" is checked on every run.
+
+What differs between families comes from the family (`ModelFamily.sampling`): with classifier-free
+guidance (SD3.5) the negative prompt is encoded in stage 1 beside the prompts, and each transformer
+forward carries twice the images (negatives and prompts together), which the planner is told; when
+no plan fits the doubled batch, the two halves run one after the other instead.
 """
 
 from __future__ import annotations
@@ -22,11 +27,10 @@ import torch
 from ..config import ConfigError, parse_size
 from ..models.family import get_family, loader_options
 from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
-from .encode import encode_prompts_stage, module_bytes
+from .encode import encode_prompts_stage, text_encoder_bytes
 from .images import format_loras, save_png
 from .request import SampleRequest
-from .sampler import denoise, free_device_bytes, variant_of
-from .schedule import FlowSchedule
+from .sampler import denoise, free_device_bytes
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class SamplingResult:
     stream_t5: bool = False
     decode_tile: int | None = None                               # latent tile size, None when untiled
     stream_report: dict = field(default_factory=dict)            # the engine's counters for stage 2
+    cfg_batched: bool | None = None                              # CFG halves in one forward (None: no CFG)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -99,31 +104,52 @@ def _release(device: torch.device) -> None:
 
 
 def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
-                     text_len: int):
-    """The memory Plan for the denoising stage: the planner's under a budget, else the explicit [memory]."""
+                     text_len: int, cfg: bool = False):
+    """The memory Plan for the denoising stage, and whether CFG's two halves share a forward.
+
+    Under a budget it is the planner's, for an inference workload of the images per forward
+    (twice as many with classifier-free guidance: negatives and prompts in one batch; when no plan
+    fits that, the halves run one after the other and the planner is asked for the single batch).
+    Without a budget the explicit [memory] choices apply and CFG runs batched, as the pipelines do.
+    """
+    spec = get_family(request.model.family).spec
     if budget is not None:
         from ..planner.from_config import plan_memory
         from ..planner.workload import Budget, InfeasibleBudget, Workload
 
-        # Sampling runs in the weights' dtype without autocast; fp8 storage is the planner's call.
         from ..planner.from_config import fp8_modulation_choice
 
-        workload = Workload(mode="inference", batch_size=request.batch_size or n_images,
-                            buckets=((request.height, request.width),), text_length=text_len, autocast=False,
-                            dtype=_DTYPES[request.model.dtype], fp8_modulation=fp8_modulation_choice(request.memory))
+        images = request.batch_size or n_images
+        ram = None
         try:
             ram = parse_size(request.memory.ram_budget) if request.memory.ram_budget else None
-            return plan_memory(get_family(request.model.family).spec, transformer, workload, Budget(vram=budget, ram=ram))
-        except (InfeasibleBudget, ValueError) as e:
-            if device.type != "cpu" or not isinstance(e, InfeasibleBudget):
+        except ValueError as e:
+            raise ConfigError(f"memory.ram_budget: {e}") from None
+        error = None
+        for factor in ((2, 1) if cfg else (1,)):
+            # Sampling runs in the weights' dtype without autocast; fp8 storage is the planner's call.
+            workload = Workload(mode="inference", batch_size=factor * images,
+                                buckets=((request.height, request.width),), text_length=text_len, autocast=False,
+                                dtype=_DTYPES[request.model.dtype], fp8_modulation=fp8_modulation_choice(request.memory))
+            try:
+                return plan_memory(spec, transformer, workload, Budget(vram=budget, ram=ram)), factor == 2
+            except InfeasibleBudget as e:
+                error = e
+                if factor == 2:
+                    log.info("sample: classifier-free guidance's doubled batch fits no plan under %s (%s); "
+                             "the negative and positive halves run one after the other",
+                             request.memory.vram_budget, e)
+            except ValueError as e:
                 raise ConfigError(f"memory.vram_budget = {request.memory.vram_budget!r}: {e}") from None
-            # On the CPU there is no VRAM to run out of: a budget only shapes how blocks stream
-            # through host memory, and one that no plan fits is set aside rather than refused.
-            log.warning("memory.vram_budget = %r: no plan fits it, and on the CPU a VRAM budget does not apply; "
-                        "ignored (the model runs from host memory as [memory] says)", request.memory.vram_budget)
+        if device.type != "cpu":
+            raise ConfigError(f"memory.vram_budget = {request.memory.vram_budget!r}: {error}") from None
+        # On the CPU there is no VRAM to run out of: a budget only shapes how blocks stream
+        # through host memory, and one that no plan fits is set aside rather than refused.
+        log.warning("memory.vram_budget = %r: no plan fits it, and on the CPU a VRAM budget does not apply; "
+                    "ignored (the model runs from host memory as [memory] says)", request.memory.vram_budget)
     from ..memory.engine import resolve_plan
 
-    return resolve_plan(request.memory, get_family(request.model.family).spec, transformer)
+    return resolve_plan(request.memory, spec, transformer), True
 
 
 class FolderComponents:
@@ -159,6 +185,11 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
 
     device = pick_device(request.device)
     dtype = _DTYPES[request.model.dtype]
+    family = get_family(request.model.family)
+    cfg_family = family.sampling.guidance == "cfg"
+    if request.negative_prompt and not cfg_family:
+        raise ConfigError(f"negative_prompt: {request.model.family} samples with distilled guidance (no "
+                          f"classifier-free guidance), so a negative prompt would have no effect; remove it")
     budget = vram_budget(request, device)
     prompts, seeds = request.expanded_prompts(), request.seeds()
     loras = [(request.resolve(ref.path), ref.strength) for ref in request.lora]
@@ -171,37 +202,47 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
     components = components or FolderComponents(request)
     result = SamplingResult(files=[])
 
-    # Stage 1: encode every prompt; T5 runs block by block when CLIP + T5 exceed the budget.
+    # Stage 1: encode every prompt (and the negative prompt under CFG); T5 runs block by block when
+    # the text encoders together exceed the budget.
     with _Stage("encode", device, result):
         encoders = components.text_encoders(dtype)
-        needed = module_bytes(encoders.text_encoder) + module_bytes(encoders.text_encoder_2) + _MARGIN
+        needed = text_encoder_bytes(encoders, family) + _MARGIN
         result.stream_t5 = budget is not None and needed > budget
-        embeds = encode_prompts_stage(encoders, prompts, max_length=request.max_text_length, device=device,
-                                      stream_t5=result.stream_t5, family=get_family(request.model.family))
-        del encoders
+        encoded = encode_prompts_stage(encoders, prompts, max_length=request.max_text_length, device=device,
+                                       stream_t5=result.stream_t5, family=family,
+                                       # one copy per image, batched as the prompts: the pipeline's
+                                       # rounding (a lone row can round its pooled output differently)
+                                       negative_prompts=[request.negative_prompt] * len(prompts) if cfg_family
+                                       else None)
+        embeds, negative = encoded if cfg_family else (encoded, None)
+        del encoders, encoded
         _release(device)
 
     # Stage 2: denoise; LoRAs first, then the engine places the model (adapters must exist before it).
     with _Stage("denoise", device, result):
         t0 = time.perf_counter()
         transformer = components.transformer(dtype).eval().requires_grad_(False)
-        variant = request.model.variant if request.model.variant != "auto" else variant_of(transformer)
-        schedule = FlowSchedule.from_model_folder(components.schedule_folder, variant)
+        variant = request.model.variant if request.model.variant != "auto" else family.sampling.variant(transformer)
+        schedule = family.sampling.schedule(variant, components.schedule_folder)
         steps = request.steps or schedule.default_steps
         guidance = schedule.default_guidance if request.guidance is None else request.guidance
+        cfg = cfg_family and guidance > 1          # as the pipeline: a scale of 1 or less is no guidance
         if loras:
             apply_loras(transformer, loras)
-        result.plan = transformer_plan(request, transformer, device, budget, len(prompts), embeds[0].t5.shape[1])
-        log.info("sample: %s", result.plan.describe())
+        result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),
+                                                embeds[0].t5.shape[1], cfg=cfg)
+        result.cfg_batched = batched if cfg else None
+        log.info("sample: %s%s", result.plan.describe(),
+                 "" if not cfg else f"; CFG {guidance:g}, halves {'batched' if batched else 'one after the other'}")
         t1 = time.perf_counter()
-        handle = apply_memory(transformer, get_family(request.model.family).spec, result.plan, device)
+        handle = apply_memory(transformer, family.spec, result.plan, device)
         handle.forward_only(True)
         t2 = time.perf_counter()
         try:
             latents = denoise(transformer, embeds, seeds, width=request.width, height=request.height, steps=steps,
                               guidance=guidance, schedule=schedule, device=device, dtype=dtype,
-                              batch_size=request.batch_size, progress=progress,
-                              family=get_family(request.model.family))
+                              batch_size=request.batch_size, progress=progress, family=family,
+                              negative=negative, cfg_batched=batched)
             result.stream_report = handle.step_report(wait=True)
         finally:
             # release(), not remove(): restoring would copy every streamed weight onto the device
@@ -231,6 +272,8 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         meta = {"prompt": prompt, "seed": str(seed), "steps": str(steps), "guidance": f"{guidance:g}",
                 "width": str(request.width), "height": str(request.height), "loras": lora_text,
                 "model": request.model.path, "variant": variant}
+        if cfg_family:
+            meta["negative_prompt"] = request.negative_prompt
         result.files.append(save_png(img, out_dir / f"{base + i:05d}-{seed}.png", meta))
     return result
 

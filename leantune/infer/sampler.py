@@ -1,4 +1,4 @@
-"""Staged low-VRAM sampling for Flux: encode -> denoise -> decode, one stage on the GPU at a time.
+"""Staged low-VRAM sampling (Flux, SD3.5): encode -> denoise -> decode, one stage on the GPU at a time.
 
 A Flux-dev image needs three models that together are ~33 GB in bf16 (T5-XXL 9.5, transformer
 23.8, VAE 0.2). Nothing needs two of them at once, so they run as stages and the device's peak is
@@ -13,10 +13,18 @@ the largest stage, never the sum:
 3. decode (infer/decode.py): the VAE turns latents into pixels, one image at a time, tiled when the
    budget left does not hold a whole image's activations.
 
-The sampler reproduces diffusers' FluxPipeline bit for bit for the same weights, seeds and settings
-(fp32 and bf16, with FluxPipeline's VAE decoding image by image as stage 3 does). The noise of
-image i is `torch.randn` of (1, 16, h, w) from a CPU generator seeded with seeds[i] (FluxPipeline
-with one generator per image), so a seed means the same starting noise on any device, and
+Guidance is the family's (`ModelFamily.sampling`): Flux dev feeds the scale to the transformer
+(distilled guidance, one forward per step); SD3.5 uses classifier-free guidance, one forward of the
+negative prompt and one of the prompt per step, mixed as v_neg + scale * (v_pos - v_neg). Both
+halves run as one batch (negatives first, as StableDiffusion3Pipeline) or, when the memory plan
+says the doubled batch does not fit, one after the other: the same numbers up to float
+reassociation of a different batch size.
+
+The sampler reproduces diffusers' FluxPipeline and StableDiffusion3Pipeline bit for bit for the
+same weights, seeds and settings (fp32, and bf16 for Flux, with the pipeline's VAE decoding image
+by image as stage 3 does). The noise of image i is `torch.randn` of (1, 16, h, w) from a CPU
+generator seeded with seeds[i] (the pipelines with one generator per image), so a seed means the
+same starting noise on any device, and
 sampling never touches the global RNG (sampling during training leaves the training run's random
 stream unchanged). The trainer's samples use `sample_during_training` with the model it already has
 in memory and prompts pre-encoded by its cache, so nothing is reloaded.
@@ -49,20 +57,37 @@ Progress = Callable[[int, int], None]   # (steps done, steps total)
 
 
 def check_size(width: int, height: int) -> None:
-    """Flux packs 2x2 latent patches of an 8x VAE: sides must be multiples of 16."""
+    """Both families patch 2x2 latents of an 8x VAE: sides must be multiples of 16."""
     for name, v in (("width", width), ("height", height)):
         if v < 16 or v % 16:
             raise ValueError(f"{name} = {v} must be a positive multiple of 16")
 
 
 def variant_of(transformer: nn.Module) -> str:
-    """'dev' when the transformer has the distilled-guidance embedder, else 'schnell'."""
-    return "dev" if getattr(transformer.config, "guidance_embeds", False) else "schnell"
+    """The checkpoint kind of a transformer, as its family names it ('dev', 'schnell', 'large')."""
+    return family_for_model(transformer).sampling.variant(transformer)
 
 
-def compute_dtype(transformer: nn.Module) -> torch.dtype:
-    """The dtype activations run in: the input embedder's (never fp8-stored, never streamed away)."""
-    return transformer.x_embedder.weight.dtype
+def default_schedule(transformer: nn.Module, family: ModelFamily | None = None) -> FlowSchedule:
+    """The published schedule of the transformer's family and variant."""
+    family = family or family_for_model(transformer)
+    return family.sampling.schedule(family.sampling.variant(transformer), None)
+
+
+_FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+def compute_dtype(transformer: nn.Module, family: ModelFamily | None = None) -> torch.dtype:
+    """The dtype activations run in: that of the first non-block module's floating weights (the
+    embedders: never fp8-stored; Flux's time embedder, SD3's patch embedding)."""
+    family = family or family_for_model(transformer)
+    for name in family.spec.non_block_modules:
+        module = getattr(transformer, name, None)
+        for p in module.parameters() if module is not None else ():
+            if p.is_floating_point() and p.dtype not in _FP8:
+                return p.dtype
+    raise TypeError(f"{type(transformer).__name__}: no floating-point weights outside the blocks to tell the "
+                    f"compute dtype; pass dtype=")
 
 
 def initial_noise(seeds: Sequence[int], latent_h: int, latent_w: int, dtype: torch.dtype,
@@ -85,6 +110,23 @@ def as_embed_list(embeds: PromptEmbeds | Sequence[PromptEmbeds]) -> list[PromptE
     return out
 
 
+def _cat(items: list[PromptEmbeds]) -> PromptEmbeds:
+    return PromptEmbeds(t5=torch.cat([e.t5 for e in items]), pooled=torch.cat([e.pooled for e in items]))
+
+
+def _negatives(negative: PromptEmbeds | Sequence[PromptEmbeds] | None, n: int) -> list[PromptEmbeds]:
+    """One (1, L, D) negative embedding per image: a single one is shared by all."""
+    if negative is None:
+        raise ValueError("classifier-free guidance needs the negative prompt's embedding (negative=); "
+                         "encode the negative prompt (default: the empty prompt) with the prompts")
+    items = as_embed_list(negative)
+    if len(items) == 1:
+        return items * n
+    if len(items) != n:
+        raise ValueError(f"{len(items)} negative prompt embeddings for {n} images: give one, or one per image")
+    return items
+
+
 def _batches(embeds: list[PromptEmbeds], batch_size: int | None) -> list[list[int]]:
     """Group consecutive images into batches of equal text length (T5 sequences concatenate)."""
     groups: list[list[int]] = []
@@ -101,34 +143,55 @@ def _batches(embeds: list[PromptEmbeds], batch_size: int | None) -> list[list[in
 def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds], seeds: Sequence[int], *,
             width: int, height: int, steps: int, guidance: float | None, schedule: FlowSchedule,
             device, dtype: torch.dtype | None = None, batch_size: int | None = None,
-            progress: Progress | None = None, family: ModelFamily | None = None) -> torch.Tensor:
+            progress: Progress | None = None, family: ModelFamily | None = None,
+            negative: PromptEmbeds | Sequence[PromptEmbeds] | None = None, cfg_batched: bool = True) -> torch.Tensor:
     """Stage 2: Euler-sample latents for each (prompt embedding, seed) pair.
 
     The transformer must already be placed for `device` (resident, or under the memory engine).
     Returns unpacked latents (B, 16, height/8, width/8) on the host in the compute dtype.
     `batch_size` images share a forward (default: all that have the same text length).
-    `family` defaults to the transformer's (from its class).
+    `family` defaults to the transformer's (from its class). `guidance` is the family's kind
+    (Sampling.guidance): the distilled input, or the classifier-free scale, which uses `negative`
+    (one embedding shared by all images, or one per image) and runs both halves in one batch
+    (`cfg_batched`, as the pipelines do) or one after the other (half the activations).
     """
     check_size(width, height)
     family = family or family_for_model(transformer)
     items = as_embed_list(embeds)
     if len(items) != len(seeds):
         raise ValueError(f"{len(items)} prompt embeddings but {len(seeds)} seeds: give one seed per image")
-    dtype = dtype or compute_dtype(transformer)
+    cfg = family.sampling.guidance == "cfg" and guidance is not None and guidance > 1
+    negatives = _negatives(negative, len(items)) if cfg else None
+    distilled = guidance if family.sampling.guidance == "distilled" else None
+    dtype = dtype or compute_dtype(transformer, family)
     h, w = height // family.vae_scale_factor, width // family.vae_scale_factor
     sigmas = schedule.sigmas(steps, family.image_tokens(h, w))             # (steps + 1,) float32
-    g = guidance if getattr(transformer.config, "guidance_embeds", False) else None
     out = torch.empty(len(items), family.latent_channels, h, w, dtype=dtype)
     groups = _batches(items, batch_size)
     done, total = 0, steps * len(groups)
     for idx in groups:
-        cond = PromptEmbeds(t5=torch.cat([items[i].t5 for i in idx]), pooled=torch.cat([items[i].pooled for i in idx]))
-        cond = cond.to(device=device, dtype=dtype)                          # (b, L, D_t5), (b, D_clip)
+        b = len(idx)
+        cond = _cat([items[i] for i in idx]).to(device=device, dtype=dtype)         # (b, L, D_t5), (b, D_pool)
+        if cfg:
+            uncond = _cat([negatives[i] for i in idx]).to(device=device, dtype=dtype)
+            together = cfg_batched and uncond.t5.shape[1] == cond.t5.shape[1]
+            if together:      # negatives first, as StableDiffusion3Pipeline concatenates them
+                both = PromptEmbeds(torch.cat([uncond.t5, cond.t5]), torch.cat([uncond.pooled, cond.pooled]))
         noise = initial_noise([seeds[i] for i in idx], h, w, dtype, family.latent_channels)
-        x = family.pack_latents(noise).to(device)                           # Flux: (b, N, 64)
+        x = family.pack_latents(noise).to(device)                           # Flux: (b, N, 64); SD3: (b, 16, h, w)
         for k in range(steps):
-            t = model_timestep(sigmas[k], len(idx), dtype, device)          # (b,)
-            v = family.predict(transformer, x, t, cond, (h, w), g)         # velocity, packed
+            if not cfg:
+                t = family.sampling.timestep(sigmas[k], b, dtype, device)    # (b,)
+                v = family.predict(transformer, x, t, cond, (h, w), distilled)
+            elif together:
+                t = family.sampling.timestep(sigmas[k], 2 * b, dtype, device)
+                v_neg, v_pos = family.predict(transformer, torch.cat([x, x]), t, both, (h, w), None).chunk(2)
+                v = v_neg + guidance * (v_pos - v_neg)
+            else:
+                t = family.sampling.timestep(sigmas[k], b, dtype, device)
+                v_neg = family.predict(transformer, x, t, uncond, (h, w), None)
+                v_pos = family.predict(transformer, x, t, cond, (h, w), None)
+                v = v_neg + guidance * (v_pos - v_neg)
             x = euler_step(x, v, sigmas[k], sigmas[k + 1])
             done += 1
             if progress is not None:
@@ -142,19 +205,22 @@ def sample_images(transformer: nn.Module, vae: nn.Module, embeds: PromptEmbeds |
                   seeds: Sequence[int], *, width: int, height: int, steps: int | None = None,
                   guidance: float | None = None, schedule: FlowSchedule | None = None, device="cpu",
                   dtype: torch.dtype | None = None, batch_size: int | None = None, tiling: Tiling = "auto",
-                  decode_bytes: int | None = None, progress: Progress | None = None) -> list:
+                  decode_bytes: int | None = None, progress: Progress | None = None,
+                  negative: PromptEmbeds | Sequence[PromptEmbeds] | None = None, cfg_batched: bool = True) -> list:
     """Denoise and decode: PIL images, one per (embedding, seed).
 
     Both models must already be placed for `device`. `schedule` defaults to the published one of
-    the transformer's variant, and so do `steps` (dev 28, schnell 4) and `guidance` (dev 3.5).
+    the transformer's family and variant, and so do `steps` (Flux dev 28, schnell 4, SD3.5 28) and
+    `guidance` (Flux dev 3.5; SD3.5 CFG 7.0, which needs `negative`: the negative prompt's embedding).
     `decode_bytes` is the memory the VAE may use for activations (None: unlimited), which decides
     tiling under "auto".
     """
-    schedule = schedule or FlowSchedule.for_variant(variant_of(transformer))
+    schedule = schedule or default_schedule(transformer)
     steps = steps or schedule.default_steps
     guidance = schedule.default_guidance if guidance is None else guidance
     latents = denoise(transformer, embeds, seeds, width=width, height=height, steps=steps, guidance=guidance,
-                      schedule=schedule, device=device, dtype=dtype, batch_size=batch_size, progress=progress)
+                      schedule=schedule, device=device, dtype=dtype, batch_size=batch_size, progress=progress,
+                      negative=negative, cfg_batched=cfg_batched)
     plan = plan_decode(vae, height, width, tiling, decode_bytes)
     return to_pil(decode_latents(vae, latents, device, plan))
 
@@ -177,11 +243,13 @@ _DECODE_MARGIN = 256 * 2**20   # allocator fragmentation and cuDNN workspaces
 def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[], nn.Module],
                            embeds: PromptEmbeds | Sequence[PromptEmbeds], sample_cfg, *, memory_handle=None,
                            device="cpu", dtype: torch.dtype | None = None, schedule: FlowSchedule | None = None,
-                           cols: int | None = None):
+                           cols: int | None = None, negative: PromptEmbeds | None = None):
     """A grid of samples from the model being trained, without reloading or re-placing anything.
 
     `embeds` are the cache's pre-encoded prompts (text encoders stay unloaded); `sample_cfg` is the
-    run's [sample] section (seed, steps, guidance, width, height; image i uses seed + i). The memory
+    run's [sample] section (seed, steps, guidance, width, height; image i uses seed + i). For a
+    family with classifier-free guidance `negative` is the cached embedding of [sample]
+    negative_prompt, run batched with the prompts as `leantune sample` does. The memory
     engine is switched to forward-only for the duration (resident set kept across denoising steps)
     and back afterwards; the transformer runs in eval mode (no LoRA dropout) and returns to its
     previous mode. `vae` may be a loader called only now, whose VAE is dropped after decoding.
@@ -194,10 +262,10 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
         memory_handle.forward_only(True)
     transformer.eval()
     try:
-        schedule = schedule or FlowSchedule.for_variant(variant_of(transformer))
+        schedule = schedule or default_schedule(transformer)
         latents = denoise(transformer, items, seeds, width=sample_cfg.width, height=sample_cfg.height,
                           steps=sample_cfg.steps, guidance=sample_cfg.guidance, schedule=schedule,
-                          device=device, dtype=dtype)
+                          device=device, dtype=dtype, negative=negative)
     finally:
         transformer.train(was_training)
         if memory_handle is not None:
@@ -229,6 +297,7 @@ __all__ = [
     "FlowSchedule",
     "check_size",
     "compute_dtype",
+    "default_schedule",
     "denoise",
     "initial_noise",
     "make_grid",

@@ -1,6 +1,6 @@
-"""Flow-matching Euler sampling schedule, as Flux checkpoints expect it.
+"""Flow-matching Euler sampling schedule, as Flux and SD3.5 checkpoints expect it.
 
-Flux is a rectified-flow model: x_sigma = (1 - sigma) * x0 + sigma * noise, and the transformer
+Both families are rectified-flow models: x_sigma = (1 - sigma) * x0 + sigma * noise, and the transformer
 predicts the velocity (noise - x0). Sampling walks sigma from 1 down to 0 with Euler steps
 x <- x + (sigma_next - sigma) * v.
 
@@ -9,6 +9,11 @@ Which sigmas are visited is what makes dev and schnell differ:
   time shift exp(mu) / (exp(mu) + (1/sigma - 1)) with mu linear in the packed image sequence length
   (0.5 at 256 tokens, 1.15 at 4096 tokens = 1024x1024). Larger images spend more steps at high noise.
 - schnell: the same linspace with a fixed shift of 1.0 (no shift), 4 steps.
+- SD3.5 (StableDiffusion3Pipeline passes no sigmas): the scheduler's own spacing, a float64
+  linspace of timesteps between its largest and smallest *training* sigma (those already shifted:
+  the smallest is shift(1/1000)), divided by 1000, then the fixed shift 3.0 applied (a second time
+  for the end point, exactly as diffusers does). Families hand their schedule to the sampler
+  (`ModelFamily.sampling`); nothing here asks which family it serves.
 
 The numbers are computed exactly as diffusers' FlowMatchEulerDiscreteScheduler does (float32 numpy,
 timesteps = sigma * 1000, the transformer fed timestep / 1000 in the model dtype), so an image made
@@ -40,6 +45,9 @@ class FlowSchedule:
     max_image_seq_len: int = 4096
     default_steps: int = 28
     default_guidance: float = 3.5
+    # True: linspace(1, 1/steps) as FluxPipeline passes it; False: the scheduler's own timesteps over
+    # its training sigma range, as StableDiffusion3Pipeline (which passes none) gets them.
+    pipeline_sigmas: bool = True
 
     @classmethod
     def for_variant(cls, variant: str) -> FlowSchedule:
@@ -51,9 +59,17 @@ class FlowSchedule:
         raise ValueError(f"unknown Flux variant {variant!r}; expected 'dev' or 'schnell'")
 
     @classmethod
-    def from_scheduler_config(cls, config: dict, variant: str) -> FlowSchedule:
-        """Read a diffusers scheduler_config.json dict; values it lacks come from the variant's defaults."""
-        base = cls.for_variant(variant)
+    def sd3(cls) -> FlowSchedule:
+        """SD3.5 Large / Medium: fixed shift 3.0 (their scheduler_config.json), the scheduler's own
+        spacing, and StableDiffusion3Pipeline's defaults of 28 steps at CFG scale 7.0."""
+        return cls(use_dynamic_shifting=False, shift=3.0, default_steps=28, default_guidance=7.0,
+                   pipeline_sigmas=False)
+
+    @classmethod
+    def from_scheduler_config(cls, config: dict, variant: str | FlowSchedule) -> FlowSchedule:
+        """Read a diffusers scheduler_config.json dict; values it lacks come from `variant`: a Flux
+        variant name or a family's published schedule."""
+        base = variant if isinstance(variant, FlowSchedule) else cls.for_variant(variant)
         unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                                    "invert_sigmas", "stochastic_sampling") if config.get(k)]
         if config.get("shift_terminal"):
@@ -61,7 +77,7 @@ class FlowSchedule:
         if config.get("time_shift_type", "exponential") != "exponential":
             unsupported.append("time_shift_type")
         if unsupported:
-            raise ValueError(f"scheduler settings {unsupported} are not supported by the Flux Euler sampler")
+            raise ValueError(f"scheduler settings {unsupported} are not supported by the flow-matching Euler sampler")
         return cls(
             use_dynamic_shifting=bool(config.get("use_dynamic_shifting", base.use_dynamic_shifting)),
             shift=float(config.get("shift", base.shift)),
@@ -71,11 +87,13 @@ class FlowSchedule:
             max_image_seq_len=int(config.get("max_image_seq_len", base.max_image_seq_len)),
             default_steps=base.default_steps,
             default_guidance=base.default_guidance,
+            pipeline_sigmas=base.pipeline_sigmas,
         )
 
     @classmethod
-    def from_model_folder(cls, folder: str | Path | None, variant: str) -> FlowSchedule:
-        """The schedule of a diffusers model folder (scheduler/scheduler_config.json), else the variant's."""
+    def from_model_folder(cls, folder: str | Path | None, variant: str | FlowSchedule) -> FlowSchedule:
+        """The schedule of a diffusers model folder (scheduler/scheduler_config.json), else `variant`'s
+        (a Flux variant name or a family's published schedule)."""
         if folder is not None:
             path = Path(folder) / "scheduler" / "scheduler_config.json"
             if path.is_file():
@@ -87,7 +105,7 @@ class FlowSchedule:
                     return cls.from_scheduler_config(config, variant)
                 except ValueError as e:
                     raise ValueError(f"{path}: {e}") from None
-        return cls.for_variant(variant)
+        return variant if isinstance(variant, FlowSchedule) else cls.for_variant(variant)
 
     def mu(self, image_seq_len: int) -> float:
         """Resolution-dependent shift: linear in the packed token count (h/2 * w/2)."""
@@ -99,7 +117,11 @@ class FlowSchedule:
         """The sigmas visited, float32 (steps + 1,), from 1 down to a final 0."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
-        s = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
+        if self.pipeline_sigmas:
+            s = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
+        else:
+            hi, lo = self._training_sigma_range()
+            s = np.linspace(hi * NUM_TRAIN_TIMESTEPS, lo * NUM_TRAIN_TIMESTEPS, steps) / NUM_TRAIN_TIMESTEPS  # float64
         if self.use_dynamic_shifting:
             e = math.exp(self.mu(image_seq_len))
             s = e / (e + (1.0 / s - 1.0))
@@ -107,6 +129,15 @@ class FlowSchedule:
             s = self.shift * s / (1 + (self.shift - 1) * s)
         out = torch.from_numpy(np.asarray(s)).to(torch.float32)
         return torch.cat([out, torch.zeros(1)])
+
+    def _training_sigma_range(self) -> tuple[float, float]:
+        """The largest and smallest of the scheduler's 1000 training sigmas, computed as
+        FlowMatchEulerDiscreteScheduler.__init__ does (float32; shifted unless dynamic shifting)."""
+        t = torch.tensor([float(NUM_TRAIN_TIMESTEPS), 1.0], dtype=torch.float32)
+        s = t / NUM_TRAIN_TIMESTEPS
+        if not self.use_dynamic_shifting:
+            s = self.shift * s / (1 + (self.shift - 1) * s)
+        return s[0].item(), s[1].item()
 
 
 def model_timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:

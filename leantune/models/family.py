@@ -28,6 +28,11 @@ What a family provides, and the shapes callers rely on:
   else ignored. `probe_inputs(config, batch, (h, w), text_length, dtype)` are the forward
   kwargs on the meta device for the planner's activation probe.
 - `describe(transformer)`: a short name for logs ("Flux.1-dev").
+- `sampling` (`Sampling`, below): how the family samples: which guidance (Flux dev: the distilled
+  guidance input; SD3.5: real classifier-free guidance with a negative prompt), its published
+  schedule, and what `predict` is fed as the time of a sigma.
+- `text_modules(encoders) -> (whole, streamable)`: the text encoder modules sampling moves to the
+  device whole (CLIP) and the one it may run block by block (the T5, or None when left out).
 """
 
 from __future__ import annotations
@@ -53,6 +58,33 @@ class PromptEmbeds:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How a family samples, for infer/ (which never asks which family it holds).
+
+    - `guidance`: "distilled" — the scale is a transformer input (`predict`'s `guidance`; Flux dev;
+      a model without the embedder ignores it); "cfg" — classifier-free guidance: every step runs the
+      prompt and the negative prompt and mixes v_neg + scale * (v_pos - v_neg), as
+      StableDiffusion3Pipeline does (no guidance when scale <= 1, as there).
+    - `variant(transformer) -> str`: a short name of the checkpoint kind ("dev", "large") for the
+      PNG metadata and for `schedule`.
+    - `schedule(variant, folder) -> FlowSchedule`: the published schedule with its default steps and
+      guidance, read from `folder`/scheduler/scheduler_config.json when the model is a diffusers
+      folder (folder None: the published one).
+    - `timestep(sigma, batch, dtype, device) -> (B,)`: what `predict` gets as `sigma` for the float32
+      sigma of a step, rounded the way the family's pipeline rounds its timesteps.
+    """
+
+    guidance: str
+    variant: Callable
+    schedule: Callable
+    timestep: Callable
+
+    def __post_init__(self):
+        if self.guidance not in ("distilled", "cfg"):
+            raise ValueError(f"Sampling.guidance must be 'distilled' or 'cfg', got {self.guidance!r}")
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     spec: ModelSpec
@@ -75,6 +107,9 @@ class ModelFamily:
     predict: Callable
     probe_inputs: Callable
     describe: Callable
+    # sampling (see Sampling) and the text encoder modules sampling places
+    sampling: Sampling
+    text_modules: Callable
     # diffusers transformer classes of this family (family_for_model tells a loaded model's family)
     transformer_classes: tuple[str, ...] = ()
 

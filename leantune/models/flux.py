@@ -174,8 +174,30 @@ def _describe(transformer) -> str:
     return f"Flux.1-{detect_variant(transformer)}"
 
 
+def _variant(transformer) -> str:
+    """'dev' when the transformer has the distilled-guidance embedder, else 'schnell'."""
+    return "dev" if getattr(transformer.config, "guidance_embeds", False) else "schnell"
+
+
+def _schedule(variant: str, folder=None):
+    from ..infer.schedule import FlowSchedule
+
+    return FlowSchedule.from_model_folder(folder, variant)
+
+
+def _timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    from ..infer.schedule import model_timestep
+
+    return model_timestep(sigma, batch, dtype, device)
+
+
+def _text_modules(encoders):
+    """CLIP-L moves whole; T5-XXL may run block by block."""
+    return [encoders.text_encoder], encoders.text_encoder_2
+
+
 def _register():
-    from .family import ModelFamily, register
+    from .family import ModelFamily, Sampling, register
 
     return register(ModelFamily(
         name="flux", spec=FLUX_SPEC,
@@ -186,6 +208,8 @@ def _register():
         latent_channels=LATENT_CHANNELS, vae_scale_factor=VAE_SCALE_FACTOR,
         pack_latents=pack_latents, unpack_latents=unpack_latents, image_tokens=_image_tokens,
         predict=predict, probe_inputs=probe_inputs, describe=_describe,
+        sampling=Sampling(guidance="distilled", variant=_variant, schedule=_schedule, timestep=_timestep),
+        text_modules=_text_modules,
         transformer_classes=("FluxTransformer2DModel",),
     ))
 

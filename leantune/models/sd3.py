@@ -120,7 +120,9 @@ def predict(transformer, noisy: torch.Tensor, sigma: torch.Tensor, embeds: Promp
         hidden_states=noisy,
         encoder_hidden_states=embeds.t5.to(device=device, dtype=dtype),
         pooled_projections=embeds.pooled.to(device=device, dtype=dtype),
-        timestep=sigma.to(device=device, dtype=dtype) * TIMESTEP_SCALE,
+        # float32, as StableDiffusion3Pipeline and diffusers' SD3 training pass it (the model's
+        # sinusoidal embedding runs in float32; a bf16 timestep would round 999 to 1000)
+        timestep=sigma.to(device=device, dtype=torch.float32) * TIMESTEP_SCALE,
         return_dict=False,
     )[0]
 
@@ -152,8 +154,30 @@ def _padding_side(encoders) -> str:
     return "right"        # lengths cover the whole sequence: nothing is trimmed from either end
 
 
+def _variant(transformer) -> str:
+    """'medium' for MMDiT-X (dual-attention layers), else 'large'."""
+    return "medium" if tuple(getattr(transformer.config, "dual_attention_layers", None) or ()) else "large"
+
+
+def _schedule(variant: str, folder=None):
+    """SD3.5's schedule (shift 3.0, 28 steps, CFG 7.0 as StableDiffusion3Pipeline), or the folder's."""
+    from ..infer.schedule import FlowSchedule
+
+    return FlowSchedule.from_model_folder(folder, FlowSchedule.sd3())
+
+
+def _timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The float32 sigma itself: `predict` feeds sigma * 1000 in float32, the scheduler's timestep."""
+    return sigma.to(device=device, dtype=torch.float32).expand(batch)
+
+
+def _text_modules(encoders):
+    """CLIP-L and CLIP-G move whole; T5-XXL (absent with [model] t5 = false) may run block by block."""
+    return [encoders.text_encoder, encoders.text_encoder_2], encoders.text_encoder_3
+
+
 def _register():
-    from .family import ModelFamily, register
+    from .family import ModelFamily, Sampling, register
 
     return register(ModelFamily(
         name="sd3", spec=SD3_SPEC,
@@ -164,6 +188,8 @@ def _register():
         latent_channels=LATENT_CHANNELS, vae_scale_factor=VAE_SCALE_FACTOR,
         pack_latents=pack_latents, unpack_latents=unpack_latents, image_tokens=image_tokens,
         predict=predict, probe_inputs=probe_inputs, describe=_loader("describe"),
+        sampling=Sampling(guidance="cfg", variant=_variant, schedule=_schedule, timestep=_timestep),
+        text_modules=_text_modules,
         transformer_classes=("SD3Transformer2DModel",),
     ))
 

@@ -1,0 +1,134 @@
+"""The staged sampler on SD3.5 against diffusers' StableDiffusion3Pipeline, on tiny real components:
+classifier-free guidance with a negative prompt, SD3's schedule (shift 3.0, the scheduler's own
+spacing), the VAE's latent scaling and shift, LoRAs, and the memory engine under sampling.
+
+Parity is exact (max |diff| 0) in fp32 wherever the computation is the same; the pipeline's VAE
+decodes image by image (`use_slicing`) as stage 3 does.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from leantune.models import tiny
+
+PROMPTS = ["a photo of a cat", "a green triangle"]
+NEGATIVE = "blurry, low quality"
+SEEDS = [3, 7]
+W, H = 96, 64          # latent 12 x 8: a non-square size catches height / width mix-ups
+MAX_LEN = 16           # T5 tokens after the 77 CLIP rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models are microseconds per op: one intra-op thread avoids waiting on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def comps():
+    return tiny.sd3_components("large", seed=0)
+
+
+def _pipe(components):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline(**components)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.use_slicing = True
+    return pipe
+
+
+def _reference(pipe, prompts=PROMPTS, seeds=SEEDS, steps=4, guidance=7.0, negative=NEGATIVE, **kw):
+    return pipe(prompts, negative_prompt=None if negative is None else [negative] * len(prompts), height=H, width=W,
+                num_inference_steps=steps, guidance_scale=guidance, max_sequence_length=MAX_LEN,
+                generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="np", **kw).images
+
+
+def _encoders(c):
+    return SimpleNamespace(tokenizer=c["tokenizer"], text_encoder=c["text_encoder"], tokenizer_2=c["tokenizer_2"],
+                           text_encoder_2=c["text_encoder_2"], tokenizer_3=c["tokenizer_3"],
+                           text_encoder_3=c["text_encoder_3"], t5_width=c["transformer"].config.joint_attention_dim)
+
+
+def _encode(c, prompts=PROMPTS, negative=NEGATIVE, **kw):
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.models.family import get_family
+
+    return encode_prompts_stage(_encoders(c), prompts, max_length=MAX_LEN, device="cpu", family=get_family("sd3"),
+                                negative_prompts=[negative] * len(prompts), **kw)
+
+
+def _ours(c, prompts=PROMPTS, seeds=SEEDS, steps=4, guidance=7.0, negative=NEGATIVE, transformer=None, **kw):
+    from leantune.infer.sampler import sample_images
+
+    embeds, neg = _encode(c, prompts, negative)
+    images = sample_images(transformer or c["transformer"], c["vae"], embeds, seeds, width=W, height=H, steps=steps,
+                           guidance=guidance, device="cpu", negative=neg, **kw)
+    return np.stack([np.asarray(im) for im in images])
+
+
+def _u8(images: np.ndarray) -> np.ndarray:
+    return (images * 255).round().astype(np.uint8)
+
+
+def test_sd3_schedule_equals_the_pipelines_timesteps():
+    """SD3.5's scheduler (shift 3.0, no sigmas passed by the pipeline): the same sigmas and timesteps."""
+    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.family import get_family
+
+    sched = tiny.sd3_scheduler()
+    ours = get_family("sd3").sampling.schedule("large", None)
+    assert ours == FlowSchedule.sd3() and (ours.default_steps, ours.default_guidance) == (28, 7.0)
+    for steps in (1, 4, 28, 40):
+        sched.set_timesteps(steps)
+        sigmas = ours.sigmas(steps, 4096)
+        assert torch.equal(sigmas, sched.sigmas)
+        assert torch.equal(sigmas[:-1] * 1000, sched.timesteps)      # what the transformer is fed
+    # A folder's scheduler_config.json wins over the published values.
+    assert FlowSchedule.from_scheduler_config({"shift": 2.0}, FlowSchedule.sd3()).shift == 2.0
+
+
+def test_sd3_sampler_equals_pipeline_with_cfg_and_negative_prompt(comps):
+    ref = _reference(_pipe(comps))                              # (2, H, W, 3) float in [0, 1]
+    ours = _ours(comps)
+    assert ours.shape == (2, H, W, 3)
+    assert np.array_equal(ours, _u8(ref))
+
+    # The float images too, before rounding to 8 bits, and with the halves one after the other
+    # (what a tight memory plan picks): the same up to float reassociation of a smaller batch.
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.sampler import denoise
+    from leantune.infer.schedule import FlowSchedule
+
+    embeds, neg = _encode(comps)
+    schedule = FlowSchedule.sd3()
+    lat = denoise(comps["transformer"], embeds, SEEDS, width=W, height=H, steps=4, guidance=7.0, schedule=schedule,
+                  device="cpu", negative=neg)
+    floats = decode_latents(comps["vae"], lat, "cpu").permute(0, 2, 3, 1).numpy()
+    assert np.abs(floats - ref).max() == 0.0
+    seq = denoise(comps["transformer"], embeds, SEEDS, width=W, height=H, steps=4, guidance=7.0, schedule=schedule,
+                  device="cpu", negative=neg, cfg_batched=False)
+    assert (seq - lat).abs().max() < 1e-4 * lat.abs().max()
+
+    # The guidance scale and the negative prompt both matter; scale 1 is no guidance (one forward),
+    # as in the pipeline.
+    assert np.abs(_ours(comps, guidance=3.0).astype(int) - ours.astype(int)).max() > 10
+    assert np.abs(_ours(comps, negative="").astype(int) - ours.astype(int)).max() > 10
+    no_cfg = _ours(comps, guidance=1.0)
+    assert np.array_equal(no_cfg, _u8(_reference(_pipe(comps), guidance=1.0)))
+
+
+def test_sd3_default_negative_is_the_empty_prompt_and_medium_style(comps):
+    """No negative prompt means the empty one (the pipeline's default), on MMDiT-X with a dual-attention block."""
+    c = tiny.sd3_components("medium", seed=1)
+    ref = _reference(_pipe(c), negative=None, steps=3, guidance=4.5)
+    assert np.array_equal(_ours(c, negative="", steps=3, guidance=4.5), _u8(ref))
