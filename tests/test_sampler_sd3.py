@@ -132,3 +132,90 @@ def test_sd3_default_negative_is_the_empty_prompt_and_medium_style(comps):
     c = tiny.sd3_components("medium", seed=1)
     ref = _reference(_pipe(c), negative=None, steps=3, guidance=4.5)
     assert np.array_equal(_ours(c, negative="", steps=3, guidance=4.5), _u8(ref))
+
+
+# -- `leantune sample` on an SD3.5 folder ---------------------------------------------------------------
+
+def _request(folder, out, **kw):
+    from leantune.infer.request import validate_request
+
+    data = {"model": {"path": str(folder), "family": "sd3", "dtype": "fp32"}, "prompts": PROMPTS, "seed": 3,
+            "steps": 3, "width": W, "height": H, "max_text_length": MAX_LEN, "out": str(out), **kw}
+    return validate_request(data, "test request")
+
+
+def _images(result):
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.open(f)) for f in result.files])
+
+
+def test_run_sampling_sd3_folder_equals_pipeline_and_streams(tiny_sd3_dir, tmp_path):
+    """Loading from the diffusers folder, the negative prompt encoded in stage 1, CFG at the
+    pipeline's default scale (7.0), PNG metadata; equal to StableDiffusion3Pipeline.from_pretrained.
+    Then every block and the non-block group streamed with fp8 storage: near the plain images."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from leantune.infer.images import read_png_metadata
+    from leantune.infer.run import run_sampling
+
+    result = run_sampling(_request(tiny_sd3_dir, tmp_path / "out", negative_prompt=NEGATIVE))
+    assert [f.name for f in result.files] == ["00000-3.png", "00001-4.png"]
+    assert result.cfg_batched is True and result.plan.streamed_blocks == ()
+    meta = read_png_metadata(result.files[1])
+    assert meta["prompt"] == PROMPTS[1] and meta["negative_prompt"] == NEGATIVE and meta["seed"] == "4"
+    assert meta["guidance"] == "7" and meta["steps"] == "3" and meta["variant"] == "large" and meta["loras"] == ""
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.use_slicing = True
+    ref = _u8(_reference(pipe, seeds=[3, 4], steps=3))
+    plain = _images(result)
+    assert np.array_equal(plain, ref)
+
+    # Streamed (poisoned slots: a stale weight would turn the image to NaN) and fp8-stored block
+    # Linears: the rounding of e4m3 weights moves pixels by a few levels, no more.
+    streamed = run_sampling(_request(tiny_sd3_dir, tmp_path / "fp8", negative_prompt=NEGATIVE,
+                                     memory={"streamed_blocks": "all", "stream_non_blocks": True, "fp8": True,
+                                             "debug_poison": True}))
+    assert streamed.plan.fp8 and len(streamed.plan.streamed_blocks) == 2
+    assert streamed.stream_report["bytes_h2d"] > 0
+    diff = np.abs(_images(streamed).astype(int) - plain.astype(int))
+    assert 0 < diff.max() <= 8 and diff.mean() <= 1.0
+    # Streaming alone moves the same bytes: identical images.
+    exact = run_sampling(_request(tiny_sd3_dir, tmp_path / "stream", negative_prompt=NEGATIVE,
+                                  memory={"streamed_blocks": "all", "stream_non_blocks": True, "debug_poison": True}))
+    assert np.array_equal(_images(exact), plain)
+
+
+def test_sample_command_detects_sd3_and_takes_negative_prompt(tiny_sd3_dir, tmp_path, monkeypatch, capsys):
+    """`leantune sample --model <SD3.5 folder>` needs no family flag; --negative-prompt and
+    --guidance reach the images; a negative prompt for Flux (distilled guidance) is refused."""
+    import argparse
+
+    from leantune.commands import sample
+    from leantune.infer.images import read_png_metadata
+
+    def cli(argv):
+        parser = argparse.ArgumentParser()
+        sample.configure(parser)
+        return sample.run(parser.parse_args(argv))
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", str(tiny_sd3_dir), "--prompt", "a yellow star", "--steps", "2", "--width", "64", "--height",
+            "64", "--seed", "11", "--set", f"max_text_length={MAX_LEN}"]
+    assert cli(args + ["--negative-prompt", "a blue square", "--guidance", "4.5", "--out", "a"]) == 0
+    assert cli(args + ["--guidance", "4.5", "--out", "b"]) == 0
+    (a,), (b,) = sorted((tmp_path / "a").glob("*.png")), sorted((tmp_path / "b").glob("*.png"))
+    meta = read_png_metadata(a)
+    assert meta["negative_prompt"] == "a blue square" and meta["guidance"] == "4.5" and meta["variant"] == "large"
+    assert read_png_metadata(b)["negative_prompt"] == ""
+    from PIL import Image
+
+    assert np.abs(np.asarray(Image.open(a)).astype(int) - np.asarray(Image.open(b)).astype(int)).max() > 0
+
+    capsys.readouterr()
+    assert cli(["--model", str(tmp_path / "nothing"), "--family", "flux", "--prompt", "x", "--negative-prompt", "y",
+                "--out", "never"]) == 2
+    assert "negative_prompt: flux samples with distilled guidance" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()

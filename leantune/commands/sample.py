@@ -21,7 +21,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "[model], [[lora]], [memory]; flags override its values")
     parser.add_argument("--model", help="a diffusers Flux / SD3.5 folder or a single .safetensors transformer file")
     parser.add_argument("--family", choices=("flux", "sd3"),
-                        help="the model family (default: the request's [model] family, else flux)")
+                        help="the model family (default: the request's [model] family, else what --model's "
+                             "folder or file says it is, else flux)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     parser.add_argument("--negative-prompt", metavar="TEXT",
                         help="what the image should not show (SD3.5's classifier-free guidance; default empty)")
@@ -58,6 +59,12 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
         data.setdefault("model", {})["path"] = here(args.model)
     if args.family is not None:
         data.setdefault("model", {})["family"] = args.family
+    elif args.model is not None and "family" not in data.get("model", {}):
+        from leantune.models.family import guess_family
+
+        family = guess_family(data["model"]["path"])       # a folder's or file's own metadata
+        if family is not None:
+            data["model"]["family"] = family
     if args.prompt:
         data["prompts"] = list(args.prompt)
     if args.lora:

@@ -112,6 +112,9 @@ class ModelFamily:
     text_modules: Callable
     # diffusers transformer classes of this family (family_for_model tells a loaded model's family)
     transformer_classes: tuple[str, ...] = ()
+    # True for the tensor names of a single transformer file of this family, any prefix kept
+    # (guess_family: `leantune sample --model FILE` without a family)
+    recognizes_keys: Callable = lambda keys: False
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -157,6 +160,39 @@ def family_for_model(transformer) -> ModelFamily:
         if cls in family.transformer_classes:
             return family
     raise TypeError(f"{cls} belongs to no known model family ({sorted(_MODULES)})")
+
+
+def guess_family(path) -> str | None:
+    """The family of a model path from its metadata alone, or None when nothing says.
+
+    A diffusers folder names its transformer class (model_index.json, else transformer/config.json);
+    a single .safetensors file is matched by its tensor names (header only, nothing loaded).
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    cls = None
+    try:
+        if path.is_dir():
+            index, config = path / "model_index.json", path / "transformer" / "config.json"
+            if index.is_file():
+                entry = json.loads(index.read_text(encoding="utf-8")).get("transformer")
+                cls = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+            if cls is None and config.is_file():
+                cls = json.loads(config.read_text(encoding="utf-8")).get("_class_name")
+            if cls is None:
+                return None
+            return next((n for n in _MODULES if cls in get_family(n).transformer_classes), None)
+        if path.is_file() and path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                keys = list(f.keys())
+            return next((n for n in _MODULES if get_family(n).recognizes_keys(keys)), None)
+    except (OSError, ValueError, json.JSONDecodeError, AttributeError, TypeError):
+        return None     # unreadable: the family's loader reports it with the file's name
+    return None
 
 
 def family_of_spec(spec: ModelSpec) -> ModelFamily:

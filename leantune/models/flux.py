@@ -196,6 +196,11 @@ def _text_modules(encoders):
     return [encoders.text_encoder], encoders.text_encoder_2
 
 
+def _recognizes_keys(keys) -> bool:
+    """A BFL / ComfyUI or diffusers Flux transformer file (any prefix)."""
+    return any(".double_blocks." in f".{k}" or ".single_transformer_blocks." in f".{k}" for k in keys)
+
+
 def _register():
     from .family import ModelFamily, Sampling, register
 
@@ -210,7 +215,7 @@ def _register():
         predict=predict, probe_inputs=probe_inputs, describe=_describe,
         sampling=Sampling(guidance="distilled", variant=_variant, schedule=_schedule, timestep=_timestep),
         text_modules=_text_modules,
-        transformer_classes=("FluxTransformer2DModel",),
+        transformer_classes=("FluxTransformer2DModel",), recognizes_keys=_recognizes_keys,
     ))
 
 

@@ -176,6 +176,11 @@ def _text_modules(encoders):
     return [encoders.text_encoder, encoders.text_encoder_2], encoders.text_encoder_3
 
 
+def _recognizes_keys(keys) -> bool:
+    """A Stability or diffusers SD3 transformer file (any prefix; an all-in-one file too)."""
+    return any(".joint_blocks." in f".{k}" or k.endswith("pos_embed.proj.weight") for k in keys)
+
+
 def _register():
     from .family import ModelFamily, Sampling, register
 
@@ -190,7 +195,7 @@ def _register():
         predict=predict, probe_inputs=probe_inputs, describe=_loader("describe"),
         sampling=Sampling(guidance="cfg", variant=_variant, schedule=_schedule, timestep=_timestep),
         text_modules=_text_modules,
-        transformer_classes=("SD3Transformer2DModel",),
+        transformer_classes=("SD3Transformer2DModel",), recognizes_keys=_recognizes_keys,
     ))
 
 
