@@ -127,7 +127,8 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, ge=0)   # 0 disables clipping
     seed: int = 42
     mixed_precision: Literal["bf16", "no"] = "bf16"
-    timestep_sampling: Literal["sigmoid", "shift", "flux_shift", "uniform"] = "sigmoid"
+    # "auto": the family's default (Flux: sigmoid; SD3: shift, with `shift` = 3.0); see flow_matching.py
+    timestep_sampling: Literal["auto", "sigmoid", "shift", "flux_shift", "uniform"] = "auto"
     sigmoid_scale: float = Field(1.0, gt=0)
     shift: float = Field(3.0, gt=0)
     guidance: float = Field(1.0, ge=0)         # distilled guidance input for dev; unused for schnell

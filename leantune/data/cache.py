@@ -193,7 +193,8 @@ def check_latent_entry(path: Path, key: str, bucket: Bucket, family: ModelFamily
 
 
 def check_text_entry(path: Path, key: str, caption: str, max_length: int) -> tuple[str | None, tuple[int, int] | None]:
-    """(problem or None, (D_t5, D_clip)) for the text entry at `path`."""
+    """(problem or None, (D_t5, D_clip)) for the text entry at `path`; `max_length`: the most rows
+    its sequence may have (the family's `text_rows` of [data] max_text_length)."""
     try:
         tensors, meta = _read(path)
     except CacheError as e:
@@ -270,7 +271,7 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
             stats.misses += 1
             todo.append(key)
             continue
-        problem, d = check_text_entry(path, key, caption, max_length)
+        problem, d = check_text_entry(path, key, caption, family.text_rows(max_length))
         if problem:
             bad.append((path, problem))
             stats.recomputed += 1

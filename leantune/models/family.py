@@ -19,7 +19,9 @@ What a family provides, and the shapes callers rely on:
   `PromptEmbeds` (below, shared by the families) holds a text sequence `t5` (B, L, D) — the family
   decides what the sequence is — and a pooled vector `pooled` (B, D_pooled). `lengths` (B,) are the sequence rows worth keeping
   per prompt (the cache trims the rest; batches pad with zeros); `padding_side(encoders)` says
-  which end holds the padding.
+  which end holds the padding. `text_rows(max_length)`: the most sequence rows `max_length` text
+  tokens give ([data] max_text_length; SD3 puts 77 CLIP rows before the T5 ones): the cache's
+  bound on an entry and the planner's text length.
 - latents: `latent_channels`, `vae_scale_factor` (pixels per latent), `pack_latents`
   (B, C, h, w) -> the transformer's input layout, `unpack_latents(packed, h, w)` back, and
   `image_tokens(h, w)` the number of image tokens for latent size h x w.
@@ -33,6 +35,9 @@ What a family provides, and the shapes callers rely on:
   schedule, and what `predict` is fed as the time of a sigma.
 - `text_modules(encoders) -> (whole, streamable)`: the text encoder modules sampling moves to the
   device whole (CLIP) and the one it may run block by block (the T5, or None when left out).
+- `timestep_sampling`: the training noise-level sampling `[train] timestep_sampling = "auto"` means
+  (flow_matching.py): Flux "sigmoid" (logit-normal), SD3 "shift" (logit-normal shifted by
+  `[train] shift`, 3.0, as SD3's scheduler and diffusers' SD3 training script).
 """
 
 from __future__ import annotations
@@ -115,6 +120,10 @@ class ModelFamily:
     # True for the tensor names of a single transformer file of this family, any prefix kept
     # (guess_family: `leantune sample --model FILE` without a family)
     recognizes_keys: Callable = lambda keys: False
+    # sequence rows for [data] max_text_length tokens (the cache's bound, the planner's text length)
+    text_rows: Callable[[int], int] = lambda max_length: max_length
+    # training schedule: what [train] timestep_sampling = "auto" means
+    timestep_sampling: str = "sigmoid"
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -196,6 +196,8 @@ def _register():
         sampling=Sampling(guidance="cfg", variant=_variant, schedule=_schedule, timestep=_timestep),
         text_modules=_text_modules,
         transformer_classes=("SD3Transformer2DModel",), recognizes_keys=_recognizes_keys,
+        text_rows=lambda max_length: CLIP_MAX_LENGTH + max_length,
+        timestep_sampling="shift",      # logit-normal, then shifted by [train] shift (3.0)
     ))
 
 

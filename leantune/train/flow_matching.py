@@ -12,6 +12,9 @@ Timestep (sigma) sampling decides which noise levels the LoRA sees most:
   pushing toward high noise (s > 1), which matters more at high resolution.
 - `flux_shift`: as `shift`, with the resolution-dependent shift BFL's schedule uses:
   mu linear in the image token count (256 -> 0.5, 4096 -> 1.15), sigma' = e^mu / (e^mu + 1/sigma - 1).
+- `auto` (the default): the model family's choice (`sampling_method`): `sigmoid` for Flux, `shift`
+  with s = 3.0 for SD3.5 — SD3's scheduler shift, which diffusers' SD3 training script applies to its
+  logit-normal draws the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ def flux_mu(image_seq_len: int) -> float:
 def time_shift(mu: float, sigma: torch.Tensor) -> torch.Tensor:
     """sigma' = e^mu / (e^mu + (1/sigma - 1)); equals shift(s=e^mu) applied to sigma."""
     return math.exp(mu) / (math.exp(mu) + (1.0 / sigma - 1.0))
+
+
+def sampling_method(configured: str, family) -> str:
+    """The sampling `[train] timestep_sampling` names: itself, or for "auto" the family's default."""
+    return family.timestep_sampling if configured == "auto" else configured
 
 
 def sample_sigmas(batch: int, method: str, generator: torch.Generator, *, sigmoid_scale: float = 1.0,

@@ -123,9 +123,15 @@ class LoraMode:
             "ss_output_name": cfg.output.name, "ss_steps": step, "ss_learning_rate": cfg.train.learning_rate,
             "ss_optimizer": cfg.train.optimizer, "ss_lr_scheduler": cfg.train.lr_scheduler,
             "ss_resolution": ",".join(str(r) for r in cfg.data.resolutions), "ss_seed": cfg.train.seed,
-            "ss_timestep_sampling": cfg.train.timestep_sampling, "ss_guidance_scale": cfg.train.guidance,
+            "ss_timestep_sampling": self._sampling(), "ss_guidance_scale": cfg.train.guidance,
             "leantune_targets": cfg.lora.targets,
         }
+
+    def _sampling(self) -> str:
+        from ..models.family import get_family
+        from .flow_matching import sampling_method
+
+        return sampling_method(self.cfg.train.timestep_sampling, get_family(self.cfg.model.family))
 
     def close(self, t) -> None:
         pass

@@ -278,7 +278,7 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
     shard = shard_of(batch)
     t.last_bucket = tuple(batch.bucket)
     noise = torch.randn((shard.global_size, *x0.shape[1:]), generator=t.generator)[shard.rows].to(t.device)
-    sigma = fm.sample_sigmas(shard.global_size, cfg.train.timestep_sampling, t.generator,
+    sigma = fm.sample_sigmas(shard.global_size, fm.sampling_method(cfg.train.timestep_sampling, family), t.generator,
                              sigmoid_scale=cfg.train.sigmoid_scale, shift=cfg.train.shift,
                              image_seq_len=family.image_tokens(h, w))[shard.rows]
     noisy = fm.add_noise(x0, noise, sigma)
