@@ -136,12 +136,15 @@ def test_fp8_file_stays_fp8(fp8, tmp_path):
     eligible = fp8_block_weights(tr)
     state = tr.state_dict()
     assert "transformer_blocks.0.attn2.to_q.weight" in eligible
-    assert "transformer_blocks.0.norm1.linear.weight" not in eligible        # adaLN stays bf16
+    assert "transformer_blocks.0.norm1.linear.weight" in eligible            # adaLN too, as the file has it
     for name in eligible:
         assert state[name].dtype == torch.float8_e4m3fn, name
         assert state[name[: -len("weight")] + "weight_scale"].shape == (state[name].shape[0], 1)
-    assert state["transformer_blocks.0.norm1.linear.weight"].dtype == torch.bfloat16
-    assert state["pos_embed.proj.weight"].dtype == torch.bfloat16
+    assert state["pos_embed.proj.weight"].dtype == torch.bfloat16             # outside the blocks: never fp8
+    no_mod = FAM.load_transformer(_sources(path), dtype=torch.bfloat16, fp8_modulation=False).state_dict()
+    assert no_mod["transformer_blocks.0.norm1.linear.weight"].dtype == torch.bfloat16   # [memory] fp8_modulation = false
+    assert no_mod["transformer_blocks.0.norm1_context.linear.weight"].dtype == torch.bfloat16
+    assert no_mod["transformer_blocks.0.attn.to_q.weight"].dtype == torch.float8_e4m3fn
     if fp8 == "scaled":     # q, k and v share the fused tensor's one scale
         qkv = tensors["model.diffusion_model.joint_blocks.1.x_block.attn.qkv.scale_weight"].float()
         for part in ("to_q", "to_k", "to_v"):

@@ -91,9 +91,10 @@ def _require(source: Path | None, name: str) -> Path:
 
 # -- transformer -------------------------------------------------------------------------------------
 
-def fp8_block_weights(transformer) -> set[str]:
-    """The weights fp8 storage applies to (every block Linear but the adaLN ones), by name."""
-    return cl.fp8_block_weights(transformer, SD3_SPEC)
+def fp8_block_weights(transformer, modulation: bool = True) -> set[str]:
+    """The block weights that stay e4m3 when a file stores them so (the adaLN Linears only with
+    `modulation`), by name."""
+    return cl.fp8_block_weights(transformer, SD3_SPEC, modulation)
 
 
 def _transformer_layout(src: Path):
@@ -139,12 +140,14 @@ def transformer_config(sources: SD3Sources) -> dict:
     return _transformer_layout(_require(sources.transformer, "transformer"))[0]
 
 
-def load_transformer(sources: SD3Sources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True):
+def load_transformer(sources: SD3Sources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True,
+                     fp8_modulation: bool = True):
     """The SD3Transformer2DModel, built on meta and loaded straight into `dtype` on `device`
     (device="meta": shapes and dtypes only, for the planner).
 
     `keep_fp8`: block Linear weights stored as float8_e4m3fn stay e4m3 with a `weight_scale`
-    buffer (as flux_loading explains); False upcasts them to `dtype`.
+    buffer (as flux_loading explains); False upcasts them to `dtype`. `fp8_modulation=False` upcasts
+    the adaLN Linears only ([memory] fp8_modulation = false).
     """
     from diffusers import SD3Transformer2DModel
 
@@ -154,7 +157,7 @@ def load_transformer(sources: SD3Sources, dtype: torch.dtype = torch.bfloat16, d
         model = build_empty(lambda: SD3Transformer2DModel.from_config(config))
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{src}: cannot build an SD3 transformer from its config ({e})") from None
-    keep, attach = cl.keep_fp8_hooks(model, SD3_SPEC) if keep_fp8 else (None, None)
+    keep, attach = cl.keep_fp8_hooks(model, SD3_SPEC, fp8_modulation) if keep_fp8 else (None, None)
     return load_into_empty(model, files, ops, what="an SD3 transformer of this architecture", dtype=dtype,
                            device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
 
