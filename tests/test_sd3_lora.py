@@ -360,3 +360,42 @@ def test_sd3_lora_file_on_a_flux_model_is_refused(tmp_path):
     with pytest.raises(LoraFormatError, match=r"sd3.safetensors: key 'lora_unet_joint_blocks_0_.*' is not a Flux "
                                               r"transformer LoRA key"):
         read_lora(path, model_lora_keys(flux))
+
+
+# -- the trainer's LoRA files ----------------------------------------------------------------------
+
+def test_lora_mode_exports_sd3_files_with_sd3_names(tmp_path):
+    """The LoRA mode (what `leantune train` saves through) names SD3 files as SD3's, header included."""
+    from types import SimpleNamespace
+
+    from leantune.config import load_config
+    from leantune.train.modes import LoraMode
+    from leantune.train.trainer import RunPaths
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "images").mkdir()
+    (tmp_path / "run.toml").write_text('[model]\nfamily = "sd3"\npath = "model"\n\n[[data.datasets]]\npath = "images"\n\n'
+                                       '[lora]\nrank = 4\nalpha = 8\ntargets = "attention"\n\n'
+                                       '[output]\ndir = "out"\nname = "s"\nformats = ["comfyui", "diffusers"]\n')
+    cfg = load_config(tmp_path / "run.toml")
+    mode = LoraMode(cfg)
+    model = fresh("medium")
+    params = mode.prepare(model, SD3_SPEC)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.1)
+    (tmp_path / "out").mkdir()
+    files = mode.export(SimpleNamespace(transformer=model), RunPaths(tmp_path / "out", "s"), step=7, intermediate=False)
+    comfy, diff = sorted(files)
+    assert comfy.name == "s_comfyui.safetensors" and diff.name == "s_diffusers.safetensors"
+    t = load_file(comfy)
+    assert "lora_unet_joint_blocks_0_x_block_attn2_qkv.lora_down.weight" in t
+    assert "lora_unet_joint_blocks_1_context_block_attn_qkv.alpha" in t
+    for f in files:
+        meta = header(f)
+        assert meta["ss_base_model_version"] == "sd3" and meta["ss_network_module"] == "networks.lora_sd3"
+        assert meta["ss_steps"] == "7"
+    back, ours = read_lora(comfy), lora_weights_from_model(model)
+    assert back.family == "sd3" and set(back.modules) == set(ours.modules)
+    for name, m in ours.modules.items():
+        assert torch.equal(back.modules[name].up, m.up) and torch.equal(back.modules[name].down, m.down)
