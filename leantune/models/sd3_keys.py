@@ -182,11 +182,14 @@ def _swap(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([b, a], dim=0)
 
 
-def diffusers_to_stability(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def diffusers_to_stability(state_dict: dict[str, torch.Tensor], num_layers: int | None = None,
+                           ) -> dict[str, torch.Tensor]:
     """A diffusers SD3Transformer2DModel state dict in Stability keys (no prefix; add
     "model.diffusion_model." for a ComfyUI checkpoint). Exact inverse of the loading direction:
-    q/k/v concatenated in that order, the swapped adaLN halves swapped back."""
-    n = _num_layers(state_dict.keys(), _D_BLOCK_RE)
+    q/k/v concatenated in that order, the swapped adaLN halves swapped back. `num_layers`: the
+    model's depth when `state_dict` is only part of it (one block at a time, as a streamed export
+    writes), since the last block's text adaLN is the swapped one; default: read from the keys."""
+    n = _num_layers(state_dict.keys(), _D_BLOCK_RE) if num_layers is None else num_layers
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[int, torch.Tensor]] = {}
     for key, t in state_dict.items():
