@@ -12,7 +12,7 @@ import torch
 
 from .family import PromptEmbeds
 from .flux_lora_keys import FLUX_LORA_KEYS
-from .spec import BlockList, ModelSpec
+from .spec import BlockList, ModelSpec, SingleFileLayout
 
 _DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
                 r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out")
@@ -27,6 +27,21 @@ def _unique(*groups: tuple[str, ...]) -> tuple[str, ...]:
         for item in g:
             seen[item] = None
     return tuple(seen)
+
+
+def _to_bfl(state: dict, model) -> dict:
+    from .bfl_keys import diffusers_to_bfl
+
+    return diffusers_to_bfl(state)
+
+
+def _bfl_metadata(model) -> dict:
+    """The rotary split, which BFL files do not show (so other widths load too)."""
+    import json
+
+    from .component_files import METADATA_CONFIG_KEY
+
+    return {METADATA_CONFIG_KEY: json.dumps({"axes_dims_rope": list(model.config.axes_dims_rope)})}
 
 
 FLUX_SPEC = ModelSpec(
@@ -45,6 +60,7 @@ FLUX_SPEC = ModelSpec(
     default_lora_preset="attention_mlp",
     lora_keys=FLUX_LORA_KEYS,
     modulation=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$", r"(^|\.)norm\.linear$"),
+    single_file=SingleFileLayout("BFL", "", _to_bfl, _bfl_metadata),
 )
 
 VAE_SCALE_FACTOR = 8      # pixels per latent

@@ -24,7 +24,7 @@ import torch
 
 from .family import PromptEmbeds
 from .sd3_lora_keys import SD3_LORA_KEYS
-from .spec import BlockList, ModelSpec
+from .spec import BlockList, ModelSpec, SingleFileLayout
 
 _ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
          r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
@@ -32,6 +32,22 @@ _ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
          r"attn2\.to_q", r"attn2\.to_k", r"attn2\.to_v", r"attn2\.to_out\.0")
 _MLP = (r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2")
 _MODULATION = (r"norm1\.linear", r"norm1_context\.linear")
+
+def _to_stability(state: dict, model) -> dict:
+    from .sd3_keys import diffusers_to_stability
+
+    return diffusers_to_stability(state, num_layers=model.config.num_layers)   # a group: tell the depth
+
+
+def _stability_metadata(model) -> dict:
+    """sample_size and the head size, which Stability files do not show (so other widths load too)."""
+    import json
+
+    from .component_files import METADATA_CONFIG_KEY
+
+    cfg = model.config
+    return {METADATA_CONFIG_KEY: json.dumps({"sample_size": cfg.sample_size, "attention_head_dim": cfg.attention_head_dim})}
+
 
 SD3_SPEC = ModelSpec(
     family="sd3",
@@ -46,6 +62,7 @@ SD3_SPEC = ModelSpec(
     default_lora_preset="attention_mlp",
     lora_keys=SD3_LORA_KEYS,
     modulation=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$"),
+    single_file=SingleFileLayout("Stability", "model.diffusion_model.", _to_stability, _stability_metadata),
 )
 
 VAE_SCALE_FACTOR = 8

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,20 @@ class BlockList:
     attr: str             # attribute on the model holding an nn.ModuleList: "transformer_blocks"
     kind: str             # short name used in configs, logs and plan reports: "double"
     kohya_prefix: str     # prefix of this list's keys in BFL / kohya files: "double_blocks"
+
+
+@dataclass(frozen=True)
+class SingleFileLayout:
+    """How a family's reference single file (BFL's flux1-dev.safetensors, Stability's
+    sd3.5_large.safetensors) names a transformer's tensors: what a full fine-tune's "comfyui"
+    export writes, one group of tensors (the non-block modules, or one block) at a time."""
+
+    name: str                 # "BFL", "Stability": for docs and messages
+    prefix: str               # every key's prefix in the file: "" (BFL), "model.diffusion_model." (Stability)
+    # (diffusers-named state dict of one group, the whole model) -> the group in the file's names (no prefix)
+    to_native: Callable
+    # the model -> header entries a loader needs to rebuild the same config at any width
+    metadata: Callable
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,8 @@ class ModelSpec:
     # fp8 checkpoint stores them in e4m3. They map the timestep embedding to per-block scales,
     # shifts and gates: a quarter of Flux's parameters, read once per step for one token.
     modulation: tuple[str, ...] = ()
+    # The single-file layout full fine-tunes are exported in (SingleFileLayout); None: no such export.
+    single_file: SingleFileLayout | None = None
 
     # -- helpers -------------------------------------------------------------------------------
     def block_list(self, kind: str) -> BlockList:

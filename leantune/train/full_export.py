@@ -1,12 +1,15 @@
 """Saving a fully fine-tuned transformer, block by block, without a second copy in host RAM.
 
 Formats ([output] formats in full mode):
-- "comfyui": one BFL / ComfyUI-layout single file (`<name>_comfyui.safetensors`: fused qkv /
-  linear1, swapped final adaLN), the layout ComfyUI, leantune's loader and diffusers'
-  `from_single_file` read; the rotary split goes into the metadata so other widths load too.
+- "comfyui": one single file in the family's reference layout (`<name>_comfyui.safetensors`),
+  the one ComfyUI, leantune's loader and diffusers' `from_single_file` read: Flux in BFL's layout
+  (fused qkv / linear1, swapped final adaLN), SD3.5 in Stability's (`model.diffusion_model.`
+  keys, fused qkv, swapped adaLN halves of the final layer and the last joint block). The family's
+  `spec.single_file` (models/spec.SingleFileLayout) says how; the config a width needs beyond the
+  weights (Flux's rotary split, SD3's sample size and head size) goes into the metadata.
 - "diffusers": a `<name>_diffusers/` folder with config.json and diffusion_pytorch_model.safetensors.
 
-How: the file's header is laid out first from shapes alone (the BFL conversion run on meta
+How: the file's header is laid out first from shapes alone (the layout conversion run on meta
 tensors), then each group (the non-block modules, then every block in order) is read from where it
 lives (a streamed block: its host buffer, no copy; a resident block: its device tensors), converted,
 cast to `[full] save_dtype` and written, before the next group is touched. Host RAM therefore holds
@@ -23,9 +26,7 @@ from pathlib import Path
 import torch
 
 from ..io import save_safetensors_streamed
-from ..models import bfl_keys
-from ..models.component_files import METADATA_CONFIG_KEY
-from ..models.flux_loading import _dequantized
+from ..models.component_loading import dequantized_state
 from ..models.spec import ModelSpec
 from .modes import prune_step_files
 
@@ -51,16 +52,23 @@ def weight_groups(model: torch.nn.Module, spec: ModelSpec) -> list[list[tuple[st
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _converted(group, read, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _converted(model, spec: ModelSpec, group, read, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = {}
     for key, m, attr in group:
         if read is _meta and attr == "weight_scale" and getattr(m, "weight", None) is not None and m.weight.dtype in _FP8:
-            continue          # _dequantized folds the scale into the weight (which _meta already shows as fp32)
+            continue          # dequantized_state folds the scale into the weight (which _meta already shows as fp32)
         state[key] = read(m, attr)
-    state = _dequantized(state)
+    state = dequantized_state(state)
     if fmt == "comfyui":
-        state = bfl_keys.diffusers_to_bfl(state)
+        layout = _single_file(spec)
+        state = {layout.prefix + k: v for k, v in layout.to_native(state, model).items()}
     return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def _single_file(spec: ModelSpec):
+    if spec.single_file is None:
+        raise ValueError(f"[output] formats: the {spec.family} family has no single-file layout; use \"diffusers\"")
+    return spec.single_file
 
 
 def _meta(m: torch.nn.Module, attr: str) -> torch.Tensor:
@@ -73,18 +81,20 @@ def _meta(m: torch.nn.Module, attr: str) -> torch.Tensor:
 
 def write_model_file(model, spec: ModelSpec, access, path: Path, fmt: str, dtype: torch.dtype,
                      metadata: dict | None = None) -> Path:
-    """One safetensors file of the whole transformer in `fmt` key layout ("comfyui" = BFL keys,
-    "diffusers" = the model's own), streamed group by group (see the module docstring)."""
+    """One safetensors file of the whole transformer in `fmt` key layout ("comfyui" = the family's
+    single-file layout, "diffusers" = the model's own), streamed group by group (see the module
+    docstring)."""
     groups = weight_groups(model, spec)
     layout = []
     for g in groups:
-        layout += [(k, tuple(v.shape), v.dtype) for k, v in _converted(g, _meta, fmt, dtype).items()]
-    chunks = (_converted(g, access.get, fmt, dtype) for g in groups)
+        layout += [(k, tuple(v.shape), v.dtype) for k, v in _converted(model, spec, g, _meta, fmt, dtype).items()]
+    chunks = (_converted(model, spec, g, access.get, fmt, dtype) for g in groups)
     return save_safetensors_streamed(path, layout, chunks, metadata)
 
 
-def _config_metadata(model) -> dict:
-    return {METADATA_CONFIG_KEY: json.dumps({"axes_dims_rope": list(model.config.axes_dims_rope)})}
+def single_file_metadata(model, spec: ModelSpec, step: int) -> dict:
+    """The header of a full fine-tune's single file: what its loader needs, and the step."""
+    return {**_single_file(spec).metadata(model), "leantune.mode": "full", "leantune.step": str(step)}
 
 
 def write_diffusers_folder(model, spec: ModelSpec, access, folder: Path, dtype: torch.dtype) -> Path:
@@ -107,24 +117,26 @@ def write_diffusers_folder(model, spec: ModelSpec, access, folder: Path, dtype: 
     return folder
 
 
-def export_full_model(mode, t, paths, step: int, intermediate: bool) -> list[Path]:
-    """The run's model files in every [output] format; per-step names while training."""
-    from ..memory.trainable_streaming import WeightAccess
-
-    cfg = mode.cfg
-    model = t.transformer
-    access = WeightAccess(t.memory)
+def export_files(model, spec: ModelSpec, access, cfg, paths, step: int, intermediate: bool) -> list[Path]:
+    """The model files in every [output] format (per-step names while training), through `access`
+    (a WeightAccess: where each tensor lives now)."""
     dtype = SAVE_DTYPES[cfg.full.save_dtype]
     suffix = f"-step{step:06d}" if intermediate else ""
     files = []
     for fmt in cfg.output.formats:
         if fmt == "comfyui":
-            meta = {**_config_metadata(model), "leantune.mode": "full", "leantune.step": str(step)}
-            files.append(write_model_file(model, mode.spec, access, paths.root / f"{paths.name}{suffix}_comfyui.safetensors",
-                                          "comfyui", dtype, meta))
+            files.append(write_model_file(model, spec, access, paths.root / f"{paths.name}{suffix}_comfyui.safetensors",
+                                          "comfyui", dtype, single_file_metadata(model, spec, step)))
         else:
-            files.append(write_diffusers_folder(model, mode.spec, access, paths.root / f"{paths.name}{suffix}_diffusers",
+            files.append(write_diffusers_folder(model, spec, access, paths.root / f"{paths.name}{suffix}_diffusers",
                                                 dtype))
     if intermediate:
         prune_step_files(paths, cfg, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
     return files
+
+
+def export_full_model(mode, t, paths, step: int, intermediate: bool) -> list[Path]:
+    """The run's model files in every [output] format; per-step names while training."""
+    from ..memory.trainable_streaming import WeightAccess
+
+    return export_files(t.transformer, mode.spec, WeightAccess(t.memory), mode.cfg, paths, step, intermediate)

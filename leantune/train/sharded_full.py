@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig
-from .modes import check_resumable, prune_step_files
+from .modes import check_resumable
 
 log = logging.getLogger("leantune")
 
@@ -135,27 +135,12 @@ class ShardedFullMode:
     # -- exported files ----------------------------------------------------------------------------------
     def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
         """The whole model from the weights gathered by the last `state()` (rank 0)."""
-        from ..models.flux import FLUX_SPEC
-        from .full_export import SAVE_DTYPES, _config_metadata, write_diffusers_folder, write_model_file
+        from ..models.family import get_family
+        from .full_export import export_files
 
-        cfg = self.cfg
         access = _GatheredAccess(self.model, self._gathered or {})
-        dtype = SAVE_DTYPES[cfg.full.save_dtype]
-        suffix = f"-step{step:06d}" if intermediate else ""
-        files = []
-        for fmt in cfg.output.formats:
-            if fmt == "comfyui":
-                meta = {**_config_metadata(self.model), "leantune.mode": "full", "leantune.step": str(step)}
-                files.append(write_model_file(self.model, FLUX_SPEC, access,
-                                              paths.root / f"{paths.name}{suffix}_comfyui.safetensors", "comfyui",
-                                              dtype, meta))
-            else:
-                files.append(write_diffusers_folder(self.model, FLUX_SPEC, access,
-                                                    paths.root / f"{paths.name}{suffix}_diffusers", dtype))
-        if intermediate:
-            prune_step_files(paths, cfg,
-                             lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
-        return files
+        spec = get_family(self.cfg.model.family).spec
+        return export_files(self.model, spec, access, self.cfg, paths, step, intermediate)
 
     def close(self, t) -> None:
         self._gathered = None
