@@ -134,6 +134,52 @@ def test_sd3_default_negative_is_the_empty_prompt_and_medium_style(comps):
     assert np.array_equal(_ours(c, negative="", steps=3, guidance=4.5), _u8(ref))
 
 
+# -- LoRAs ------------------------------------------------------------------------------------------
+
+def _random_lora(transformer, seed: int):
+    """A LoRA on every joint-block Linear (attention, MLP, adaLN), nonzero as after training."""
+    from leantune.config import LoraConfig
+    from leantune.models.sd3 import SD3_SPEC
+    from leantune.train.lora import add_lora, lora_weights_from_model
+
+    model = copy.deepcopy(transformer)
+    params = add_lora(model, SD3_SPEC, LoraConfig(rank=4, alpha=8, targets="all"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    return lora_weights_from_model(model)
+
+
+@pytest.fixture(scope="module")
+def lora_files(comps, tmp_path_factory):
+    from leantune.train.lora import save_lora
+
+    folder = tmp_path_factory.mktemp("sd3_loras")
+    w = _random_lora(comps["transformer"], seed=5)
+    return {fmt: save_lora(w, folder / f"{fmt}.safetensors", fmt) for fmt in ("diffusers", "comfyui")}
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.5])
+def test_loras_in_each_format_equal_the_pipeline(comps, lora_files, strength):
+    """leantune's unmerged LoRA, from the diffusers file and from the kohya/ComfyUI file (q/k/v fused,
+    split again on reading), against StableDiffusion3Pipeline.load_lora_weights of the diffusers file
+    at the same adapter weight. (diffusers has no kohya SD3 reader: the two files hold the same
+    deltas, which tests/test_sd3_lora.py checks through diffusers' Stability converter.)"""
+    from leantune.infer.loras import apply_loras
+
+    pipe = _pipe(dict(comps, transformer=copy.deepcopy(comps["transformer"])))
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.set_adapters(["style"], [strength])
+    ref = _u8(_reference(pipe, steps=3))
+    for fmt, path in lora_files.items():
+        t = copy.deepcopy(comps["transformer"])
+        apply_loras(t, [(path, strength)])
+        assert np.array_equal(_ours(comps, transformer=t, steps=3), ref), fmt
+    # The LoRA matters at this strength: without it the images differ.
+    assert np.abs(_ours(comps, steps=3).astype(int) - ref.astype(int)).max() > 10
+
+
 # -- `leantune sample` on an SD3.5 folder ---------------------------------------------------------------
 
 def _request(folder, out, **kw):
@@ -150,42 +196,48 @@ def _images(result):
     return np.stack([np.asarray(Image.open(f)) for f in result.files])
 
 
-def test_run_sampling_sd3_folder_equals_pipeline_and_streams(tiny_sd3_dir, tmp_path):
+def test_run_sampling_sd3_folder_equals_pipeline_and_streams(tiny_sd3_dir, lora_files, tmp_path):
     """Loading from the diffusers folder, the negative prompt encoded in stage 1, CFG at the
-    pipeline's default scale (7.0), PNG metadata; equal to StableDiffusion3Pipeline.from_pretrained.
-    Then every block and the non-block group streamed with fp8 storage: near the plain images."""
+    pipeline's default scale (7.0), a kohya-format LoRA at 0.7, PNG metadata; equal to
+    StableDiffusion3Pipeline.from_pretrained with the same LoRA. Then every block and the non-block
+    group streamed, with and without fp8 storage."""
     from diffusers import StableDiffusion3Pipeline
 
     from leantune.infer.images import read_png_metadata
     from leantune.infer.run import run_sampling
 
-    result = run_sampling(_request(tiny_sd3_dir, tmp_path / "out", negative_prompt=NEGATIVE))
+    lora = [{"path": str(lora_files["comfyui"]), "strength": 0.7}]
+    result = run_sampling(_request(tiny_sd3_dir, tmp_path / "out", negative_prompt=NEGATIVE, lora=lora))
     assert [f.name for f in result.files] == ["00000-3.png", "00001-4.png"]
     assert result.cfg_batched is True and result.plan.streamed_blocks == ()
     meta = read_png_metadata(result.files[1])
     assert meta["prompt"] == PROMPTS[1] and meta["negative_prompt"] == NEGATIVE and meta["seed"] == "4"
-    assert meta["guidance"] == "7" and meta["steps"] == "3" and meta["variant"] == "large" and meta["loras"] == ""
+    assert meta["guidance"] == "7" and meta["steps"] == "3" and meta["variant"] == "large"
+    assert meta["loras"] == f"{lora_files['comfyui']}:0.7"
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.use_slicing = True
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.set_adapters(["style"], [0.7])
     ref = _u8(_reference(pipe, seeds=[3, 4], steps=3))
     plain = _images(result)
     assert np.array_equal(plain, ref)
 
-    # Streamed (poisoned slots: a stale weight would turn the image to NaN) and fp8-stored block
-    # Linears: the rounding of e4m3 weights moves pixels by a few levels, no more.
-    streamed = run_sampling(_request(tiny_sd3_dir, tmp_path / "fp8", negative_prompt=NEGATIVE,
-                                     memory={"streamed_blocks": "all", "stream_non_blocks": True, "fp8": True,
-                                             "debug_poison": True}))
-    assert streamed.plan.fp8 and len(streamed.plan.streamed_blocks) == 2
-    assert streamed.stream_report["bytes_h2d"] > 0
-    diff = np.abs(_images(streamed).astype(int) - plain.astype(int))
-    assert 0 < diff.max() <= 8 and diff.mean() <= 1.0
-    # Streaming alone moves the same bytes: identical images.
-    exact = run_sampling(_request(tiny_sd3_dir, tmp_path / "stream", negative_prompt=NEGATIVE,
-                                  memory={"streamed_blocks": "all", "stream_non_blocks": True, "debug_poison": True}))
+    # Streaming moves the same bytes (poisoned slots: a stale weight would turn the image to NaN):
+    # identical images.
+    stream = {"streamed_blocks": "all", "stream_non_blocks": True, "debug_poison": True}
+    exact = run_sampling(_request(tiny_sd3_dir, tmp_path / "stream", negative_prompt=NEGATIVE, lora=lora,
+                                  memory=stream))
+    assert exact.stream_report["bytes_h2d"] > 0 and len(exact.plan.streamed_blocks) == 2
     assert np.array_equal(_images(exact), plain)
+    # fp8-stored block Linears (block-scaled e4m3) on top: the weight rounding moves pixels by a few
+    # levels (stated bound: at most 8/255, at most 1/255 on average), no more.
+    fp8 = run_sampling(_request(tiny_sd3_dir, tmp_path / "fp8", negative_prompt=NEGATIVE, lora=lora,
+                                memory={**stream, "fp8": True}))
+    assert fp8.plan.fp8
+    diff = np.abs(_images(fp8).astype(int) - plain.astype(int))
+    assert 0 < diff.max() <= 8 and diff.mean() <= 1.0
 
 
 def test_sample_command_detects_sd3_and_takes_negative_prompt(tiny_sd3_dir, tmp_path, monkeypatch, capsys):
