@@ -221,7 +221,8 @@ class SampleConfig(Section):
     prompts: list[str] = []
     seed: int = 0
     steps: int = Field(20, ge=1)
-    guidance: float = Field(3.5, ge=0)
+    guidance: float = Field(3.5, ge=0)   # Flux dev: distilled guidance; SD3.5: classifier-free guidance scale
+    negative_prompt: str = ""            # SD3.5 (classifier-free guidance) only
     width: int = Field(512, ge=16)
     height: int = Field(512, ge=16)
 
@@ -276,6 +277,13 @@ class RunConfig(Section):
             if isinstance(d, dict) and "max_text_length" not in d:
                 data = {**data, "data": {**d, "max_text_length": 256}}
         return data
+
+    @model_validator(mode="after")
+    def _negative_prompt_family(self):
+        if self.sample.negative_prompt and self.model.family == "flux":
+            raise ValueError("[sample] negative_prompt: Flux samples with distilled guidance (no classifier-free "
+                             "guidance), so a negative prompt would have no effect; remove it")
+        return self
 
     @model_validator(mode="after")
     def _lora_block_kinds(self):

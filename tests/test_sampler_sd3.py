@@ -271,3 +271,104 @@ def test_sample_command_detects_sd3_and_takes_negative_prompt(tiny_sd3_dir, tmp_
                 "--out", "never"]) == 2
     assert "negative_prompt: flux samples with distilled guidance" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+# -- samples during training ------------------------------------------------------------------------------
+
+SD3_RUN = """
+[model]
+path = "{model}"
+family = "sd3"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "cache"
+max_text_length = {max_len}
+
+[[data.datasets]]
+path = "{images}"
+trigger_word = "lnt"
+
+[lora]
+rank = 4
+alpha = 8
+
+[train]
+steps = 2
+learning_rate = 1e-2
+mixed_precision = "no"
+seed = 3
+
+[sample]
+every = 2
+prompts = ["lnt a red circle", "lnt a blue square"]
+negative_prompt = "{negative}"
+guidance = 4.5
+steps = 3
+seed = 9
+width = 64
+height = 48
+
+[output]
+dir = "out"
+name = "t"
+formats = ["diffusers"]
+"""
+
+
+def test_training_samples_use_cfg_with_the_configs_negative_prompt(tiny_sd3_dir, tmp_path):
+    """The trainer's sample grid for SD3 is the CFG sampler's output for the trained LoRA, the
+    cached prompts and the cached [sample] negative_prompt (not the empty prompt)."""
+    from PIL import Image
+
+    from leantune.config import load_config
+    from leantune.demo import draw_shapes
+    from leantune.infer.images import make_grid, read_png_metadata
+    from leantune.infer.loras import apply_loras
+    from leantune.infer.sampler import sample_images
+    from leantune.models.family import PromptEmbeds
+    from leantune.train.trainer import train
+
+    draw_shapes(tmp_path / "images", count=2, size=64, seed=5)
+    (tmp_path / "run.toml").write_text(SD3_RUN.format(model=tiny_sd3_dir, images=tmp_path / "images",
+                                                      max_len=MAX_LEN, negative=NEGATIVE))
+    cfg = load_config(tmp_path / "run.toml")
+    result = train(cfg, progress=False)
+    (grid_file,) = result.sample_files
+    meta = read_png_metadata(grid_file)
+    assert meta["negative_prompt"] == NEGATIVE and meta["guidance"] == "4.5"
+
+    # The same images from the standalone sampler: base model + the exported LoRA, with the text
+    # embeddings the cache holds (the trainer never reloads the text encoders).
+    from leantune.data.cache import prepare_caches
+
+    data = prepare_caches(cfg, "cpu", torch.float32)
+    embeds = data.prompt_embeds(cfg.sample.prompts)
+    neg = data.prompt_embeds([NEGATIVE])
+    model = tiny.sd3_components("large")["transformer"]
+    (lora,) = (tmp_path / "out").glob("t*.safetensors")
+    apply_loras(model, [(lora, 1.0)])
+    vae = tiny.sd3_components("large")["vae"]
+
+    def grid(negative: PromptEmbeds):
+        images = sample_images(model, vae, embeds, [9, 10], width=64, height=48, steps=3, guidance=4.5,
+                               negative=negative, device="cpu", dtype=torch.float32)
+        return np.asarray(make_grid(images))
+
+    trained = np.asarray(Image.open(grid_file).convert("RGB"))
+    assert np.array_equal(grid(neg), trained)
+    empty = data.prompt_embeds([""])
+    assert np.abs(grid(empty).astype(int) - trained.astype(int)).max() > 10
+
+
+def test_sample_negative_prompt_is_refused_for_flux():
+    from leantune.config import ConfigError, validate
+
+    data = {"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]},
+            "sample": {"prompts": ["x"], "negative_prompt": "blurry"}}
+    with pytest.raises(ConfigError, match=r"\[sample\] negative_prompt: Flux samples with distilled guidance"):
+        validate(data, "run.toml")
+    sd3 = validate({**data, "model": {"path": "m", "family": "sd3"}}, "run.toml")
+    assert sd3.sample.negative_prompt == "blurry"

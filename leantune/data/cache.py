@@ -320,7 +320,7 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
     `cfg` is a `RunConfig`. The loaders are called as `load_vae(sources, dtype, device)` and
     `load_text_encoders(sources, dtype, device)` (the [model] family's by default) and only when an
     entry of their kind is missing or corrupt. Besides the captions, the empty caption (caption
-    dropout, unconditional use), `cfg.sample.prompts` and `extra_prompts` are encoded in the same
+    dropout, unconditional use), `cfg.sample.prompts`, its negative prompt and `extra_prompts` are encoded in the same
     pass, so sampling during training never reloads the text encoders.
     """
     family = get_family(cfg.model.family)
@@ -343,7 +343,8 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
             latent_jobs[key] = (item, bucket)
             samples.extend([Sample(item, res, bucket, key)] * item.repeats)
 
-    prompts = [it.caption for it in items] + [""] + list(cfg.sample.prompts) + list(extra_prompts or ())
+    prompts = [it.caption for it in items] + ["", cfg.sample.negative_prompt] + list(cfg.sample.prompts) + \
+        list(extra_prompts or ())
     text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
     text_jobs = {k: p for p, k in text_keys.items()}
 

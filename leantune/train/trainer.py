@@ -517,19 +517,24 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
     from ..infer.images import save_png
     from ..infer.sampler import sample_during_training
 
-    load_vae = get_family(cfg.model.family).load_vae
+    family = get_family(cfg.model.family)
+    cfg_guidance = family.sampling.guidance == "cfg"
 
-    # Prompts were encoded with the captions (no text encoder reload); the VAE is loaded only
-    # for the decode and dropped again, so training keeps its memory.
+    # Prompts (and, for classifier-free guidance, the negative prompt) were encoded with the captions
+    # (no text encoder reload); the VAE is loaded only for the decode and dropped again, so training
+    # keeps its memory.
     embeds = t.data.prompt_embeds(cfg.sample.prompts)
-    grid = sample_during_training(t.transformer, lambda: load_vae(t.sources, t.dtype, "cpu"), embeds, cfg.sample,
-                                  memory_handle=t.memory, device=t.device, dtype=t.dtype)
+    negative = t.data.prompt_embeds([cfg.sample.negative_prompt]) if cfg_guidance else None
+    grid = sample_during_training(t.transformer, lambda: family.load_vae(t.sources, t.dtype, "cpu"), embeds,
+                                  cfg.sample, memory_handle=t.memory, device=t.device, dtype=t.dtype,
+                                  negative=negative)
     out = paths.samples / f"step-{step:06d}.png"
     # Image i of the grid (left to right) is prompt i with seed + i.
     save_png(grid, out, {"prompt": list(cfg.sample.prompts), "seed": cfg.sample.seed, "steps": cfg.sample.steps,
                          "guidance": cfg.sample.guidance, "width": cfg.sample.width, "height": cfg.sample.height,
                          "loras": f"{cfg.output.name} (training, step {step})", "model": str(t.sources.transformer),
-                         "training_step": step})
+                         "training_step": step,
+                         **({"negative_prompt": cfg.sample.negative_prompt} if cfg_guidance else {})})
     log.info("samples: %s", out)
     return out
 
