@@ -127,6 +127,14 @@ def test_sd3_sampler_equals_pipeline_with_cfg_and_negative_prompt(comps):
     assert np.array_equal(no_cfg, _u8(_reference(_pipe(comps), guidance=1.0)))
 
 
+def test_sd3_sampler_equals_pipeline_bf16():
+    """bf16 weights and activations: still the pipeline's images, because the transformer gets the
+    float32 timestep the pipeline gives it (sigma * 1000 rounded to bf16 would be another number)."""
+    c = tiny.sd3_components("large", seed=2, dtype=torch.bfloat16)
+    ref = _reference(_pipe(c), steps=3, guidance=5.0)
+    assert np.array_equal(_ours(c, steps=3, guidance=5.0), _u8(ref))
+
+
 def test_sd3_default_negative_is_the_empty_prompt_and_medium_style(comps):
     """No negative prompt means the empty one (the pipeline's default), on MMDiT-X with a dual-attention block."""
     c = tiny.sd3_components("medium", seed=1)
@@ -372,3 +380,30 @@ def test_sample_negative_prompt_is_refused_for_flux():
         validate(data, "run.toml")
     sd3 = validate({**data, "model": {"path": "m", "family": "sd3"}}, "run.toml")
     assert sd3.sample.negative_prompt == "blurry"
+
+
+@pytest.mark.gpu
+def test_cuda_sd3_sampling_streams_exactly_and_runs_cfg_halves_in_sequence(tiny_sd3_dir, tmp_path):
+    """On a GPU: CFG batched, streamed (real copy streams, pinned buffers) and with the halves one
+    after the other give the resident images (the last up to a smaller batch's float rounding)."""
+    from leantune.infer.run import run_sampling
+
+    resident = run_sampling(_request(tiny_sd3_dir, tmp_path / "a", device="cuda", negative_prompt=NEGATIVE))
+    assert set(resident.stage_peaks) == {"encode", "denoise", "decode"} and resident.cfg_batched
+    streamed = run_sampling(_request(tiny_sd3_dir, tmp_path / "b", device="cuda", negative_prompt=NEGATIVE,
+                                     memory={"streamed_blocks": "all", "stream_non_blocks": True}))
+    assert streamed.stream_report["bytes_h2d"] > 0
+    assert np.array_equal(_images(streamed), _images(resident))
+
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.infer.sampler import denoise
+    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.family import get_family
+
+    c = tiny.sd3_components("large")
+    t = c["transformer"].to("cuda")
+    embeds, neg = encode_prompts_stage(_encoders(c), PROMPTS, max_length=MAX_LEN, device="cuda",
+                                       family=get_family("sd3"), negative_prompts=[NEGATIVE] * 2)
+    kw = dict(width=W, height=H, steps=3, guidance=7.0, schedule=FlowSchedule.sd3(), device="cuda", negative=neg)
+    batched, halves = denoise(t, embeds, SEEDS, **kw), denoise(t, embeds, SEEDS, cfg_batched=False, **kw)
+    assert (batched - halves).abs().max() < 1e-3 * batched.abs().max()
