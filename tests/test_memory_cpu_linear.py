@@ -103,6 +103,80 @@ def test_scaled_mm_path_is_off_without_fp8_tensor_cores():
     assert fp8_matmul.scaled_mm_linear(x, q, s, None, torch.bfloat16) is None
 
 
+def _contract_checked_scaled_mm(calls: list):
+    """torch._scaled_mm (torch 2.13 has a CPU kernel) behind the checks its CUDA build makes for
+    row-wise scaling, which the CPU kernel does not all make."""
+    real = torch._scaled_mm
+
+    def checked(a, b, *, scale_a, scale_b, bias=None, out_dtype=None, **kw):
+        m, k = a.shape
+        n = b.shape[1]
+        assert a.dtype == b.dtype == torch.float8_e4m3fn
+        assert a.stride() == (k, 1), f"mat_a must be row-major, stride {a.stride()}"
+        assert b.stride() == (1, k), f"mat_b must be column-major, stride {b.stride()}"
+        assert k % 16 == 0 and n % 16 == 0 and m % 16 == 0
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        assert scale_a.shape == (m, 1) and scale_a.is_contiguous()
+        assert scale_b.shape == (1, n) and scale_b.is_contiguous()
+        assert bias is None or bias.dtype == out_dtype
+        calls.append(out_dtype)
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, **kw)
+
+    return checked
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_mm_call_keeps_torchs_contract_and_matches_the_dequantized_product(monkeypatch, dtype):
+    """The fp8 tensor-core call, run on torch's CPU kernel: operand layouts, scale shapes, padding of
+    a token count that is no multiple of 16, bias dtype, and the result."""
+    monkeypatch.setitem(fp8_matmul._state, "failed", set())
+    monkeypatch.setattr(fp8_matmul, "fp8_tensor_cores", lambda device: True)
+    calls: list = []
+    monkeypatch.setattr(torch, "_scaled_mm", _contract_checked_scaled_mm(calls))
+    g = torch.Generator().manual_seed(5)
+    q, s = quantize(torch.randn(48, 64, generator=g), block=0)           # (48, 64) e4m3, (48, 1)
+    x = torch.randn(2, 37, 64, generator=g).to(dtype)                     # 74 token rows
+    bias = torch.randn(48, generator=g)
+    y = fp8_matmul.scaled_mm_linear(x, q, s, bias, dtype)
+    assert calls == [dtype]
+    assert y.shape == (2, 37, 48) and y.dtype == dtype
+    ref = nn.functional.linear(x.float(), dequantize(q, s, torch.float32), bias.float())
+    rel = (y.float() - ref).norm() / ref.norm()
+    assert rel < 0.05, rel
+
+
+def test_a_refused_scaled_mm_falls_back_for_that_dtype_only_and_oom_propagates(monkeypatch):
+    """torch reports a broken _scaled_mm contract as ValueError: that falls back to dequantizing
+    (it used to escape, as only RuntimeError was caught), and only for the refused output dtype
+    (row-wise fp16 output is refused by some builds where bf16 works). An out-of-memory error is
+    the OOM guard's to handle: it propagates and does not switch the path off."""
+    monkeypatch.setitem(fp8_matmul._state, "failed", set())
+    monkeypatch.setattr(fp8_matmul, "fp8_tensor_cores", lambda device: True)
+    real = torch._scaled_mm
+    raised = {"oom": False}
+
+    def picky(a, b, *, out_dtype=None, **kw):
+        if raised["oom"]:
+            raised["oom"] = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if out_dtype == torch.float16:
+            raise ValueError("Only bf16 high precision output types are supported for row-wise scaling.")
+        return real(a, b, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", picky)
+    q, s = quantize(torch.randn(32, 64), block=0)
+    x = torch.randn(16, 64)
+    assert fp8_matmul.scaled_mm_linear(x.half(), q, s, None, torch.float16) is None
+    assert not fp8_matmul.usable(x, q, s, torch.float16)
+    assert fp8_matmul.usable(x, q, s, torch.bfloat16)
+    raised["oom"] = True
+    with pytest.raises(torch.OutOfMemoryError):
+        fp8_matmul.scaled_mm_linear(x.bfloat16(), q, s, None, torch.bfloat16)
+    y = fp8_matmul.scaled_mm_linear(x.bfloat16(), q, s, None, torch.bfloat16)
+    assert y is not None and y.dtype == torch.bfloat16
+    assert not fp8_matmul.usable(x, q.t().contiguous().t(), s, torch.bfloat16)   # a non-contiguous weight
+
+
 @pytest.mark.gpu
 def test_scaled_mm_matches_the_dequantized_product_on_fp8_tensor_cores():
     dev = torch.device("cuda")

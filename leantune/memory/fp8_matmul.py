@@ -8,8 +8,15 @@ per-tensor and per-row scaled checkpoints). `torch._scaled_mm` scales per row of
 per block of 64 inputs, so the engine's own block-scaled weights (out, in/64) keep the dequantize
 path. The input is quantized to e4m3 per token row (its amax onto 448) for the product; backward
 always dequantizes (fp8.py). If the device is older than sm_89, a dimension is not a multiple of
-16, or the call fails once (an older torch or driver), None is returned and the caller falls back;
-after a failure the path stays off for the process.
+16, or the call is refused once for an output dtype, None is returned and the caller falls back;
+after a refusal the path stays off for that output dtype (row-wise scaling takes bf16 output on
+every build, fp16 only on some: an fp16 refusal must not turn off the bf16 path).
+
+torch's contract (2.13): mat_a row-major (M, K), mat_b column-major (K, N) (the transpose of a
+contiguous (N, K) weight), K and N multiples of 16, scale_a (M, 1) and scale_b (1, N) contiguous
+fp32, bias in the output dtype. torch reports a broken contract as ValueError (TORCH_CHECK_VALUE)
+or RuntimeError / NotImplementedError (an older build or driver); both mean "fall back". An
+out-of-memory error is not a refusal: it propagates to the OOM guard, and the path stays on.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ log = logging.getLogger("leantune.memory")
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
-_state = {"failed": False}
+_state: dict = {"failed": set()}     # output dtypes torch refused (see module docstring)
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
@@ -34,8 +41,9 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 def usable(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether scaled_mm_linear can take this call (see module docstring)."""
-    return (not _state["failed"] and hasattr(torch, "_scaled_mm") and q.dtype == _FP8
-            and scale.dim() == 2 and scale.shape[1] == 1 and dtype in (torch.bfloat16, torch.float16)
+    return (dtype not in _state["failed"] and hasattr(torch, "_scaled_mm") and q.dtype == _FP8
+            and q.is_contiguous() and scale.dim() == 2 and scale.shape[1] == 1
+            and dtype in (torch.bfloat16, torch.float16)
             and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0 and fp8_tensor_cores(x.device))
 
 
@@ -60,9 +68,12 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias
     try:
         y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.float().reshape(1, -1),
                              bias=None if bias is None else bias.to(dtype), out_dtype=dtype)
-    except RuntimeError as e:                       # older torch/driver: fall back for good
-        _state["failed"] = True
-        log.warning("fp8: torch._scaled_mm failed (%s); dequantizing fp8 weights instead", e)
+    except torch.OutOfMemoryError:
+        raise                                       # not a refusal: the OOM guard re-plans
+    except (RuntimeError, ValueError) as e:         # refused: fall back for this output dtype
+        _state["failed"].add(dtype)
+        log.warning("fp8: torch._scaled_mm refused a %s product (%s); dequantizing fp8 weights instead",
+                    dtype, e)
         return None
     if pad:
         y = y[: y.shape[0] - pad]
