@@ -3,6 +3,7 @@
 Two forms:
   leantune plan my.toml [--set section.key=value] [--vram 8GiB]
   leantune plan --model flux-dev --mode lora --rank 16 --resolution 1024 --vram 8GiB [--vram 12GiB ...]
+  (--model flux-dev | flux-schnell | sd3.5-large | sd3.5-medium: full-size architectures shipped in the package)
 
 The config form reads the architecture from the config's model files (a diffusers config.json or
 the header of a single safetensors file; no tensor is read) and the workload from its sections.
@@ -18,8 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-MODELS = {"flux-dev": "dev", "flux-schnell": "schnell"}
-MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux"}   # --model name -> [model] family
+# --model name -> the architecture shipped in models/configs/, its [model] family, and the text
+# tokens it runs with (Flux dev 512, schnell 256; SD3.5: StableDiffusion3Pipeline's 256 T5 tokens,
+# after 77 CLIP rows: family.text_rows).
+MODELS = {"flux-dev": "flux1_dev", "flux-schnell": "flux1_schnell", "sd3.5-large": "sd35_large",
+          "sd3.5-medium": "sd35_medium"}
+MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3"}
+TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256}
 UNLIMITED_RAM = 2**62   # host RAM not checked (reported, not limited)
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 FULL_NOT_PLANNED = ("--mode full / [train] mode = \"full\": the planner does not plan full fine-tunes yet (their "
@@ -42,7 +48,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulation", type=int, default=None, help="gradient accumulation steps")
     p.add_argument("--resolution", type=int, action="append", default=None, metavar="PX",
                    help="square training resolution (repeatable for several buckets; default 1024)")
-    p.add_argument("--text-length", type=int, default=None, help="T5 tokens (default 512 dev / 256 schnell)")
+    p.add_argument("--text-length", type=int, default=None, help="T5 tokens (default 512 flux-dev / 256 flux-schnell / 256 SD3.5, which adds 77 CLIP rows)")
     p.add_argument("--vram", action="append", default=None, metavar="SIZE",
                    help='VRAM budget, e.g. 8GiB (a bare 8 is GiB), or "auto" (repeatable: one plan per budget)')
     p.add_argument("--ram", default=None, metavar="SIZE",
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from ..planner.workload import Budget, InfeasibleBudget
 
     if bool(args.config) == bool(args.model):
-        raise ConfigError("give either a config file or --model flux-dev|flux-schnell")
+        raise ConfigError(f"give either a config file or --model {'|'.join(sorted(MODELS))}")
     machine = probe_machine()
     if args.config:
         spec, source, build, workload, vram_values, ram_value = _from_config(args)
@@ -150,20 +156,20 @@ def _vram_bytes(value: str, machine) -> int:
 def _from_flags(args):
     """(spec, model source, how to build it, workload) of the --model form."""
     from ..models.family import get_family
-    from ..planner.meta import TEXT_LENGTH, build_meta_flux
+    from ..planner.meta import build_meta_packaged
     from ..planner.spec_cache import source_key
     from ..planner.workload import Workload
 
-    variant = MODELS[args.model]
+    config_name, family = MODELS[args.model], get_family(MODEL_FAMILY[args.model])
     workload = Workload(
         mode=args.mode or "lora", rank=args.rank or 16, targets=args.targets or "attention_mlp",
         optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
         gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
-        text_length=args.text_length or TEXT_LENGTH[variant], autocast=not args.no_autocast,
+        text_length=family.text_rows(args.text_length or TEXT_TOKENS[args.model]), autocast=not args.no_autocast,
         allow_fp8=not args.no_fp8, fp8_modulation=_MODULATION_FLAG[args.fp8_modulation or "auto"])
     _check_workload(workload)
-    spec = get_family(MODEL_FAMILY[args.model]).spec
-    return spec, source_key(f"packaged:flux1_{variant}", "bf16"), lambda: build_meta_flux(variant), workload
+    return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
+            lambda: build_meta_packaged(family.name, config_name), workload)
 
 
 def _from_config(args):
@@ -221,7 +227,7 @@ def _transformer_source(cfg) -> Path:
     try:
         sources = get_family(cfg.model.family).resolve_sources(cfg.model, Path(cfg.base_dir))
     except (OSError, ValueError) as e:     # the message already names [model] and the path
-        raise ConfigError(f"{e}; to plan without the weights, use --model flux-dev or flux-schnell") from None
+        raise ConfigError(f"{e}; to plan without the weights, use --model with one of {', '.join(sorted(MODELS))}") from None
     if sources.transformer is None:
         raise ConfigError(f"[model] path = {cfg.model.path!r}: no transformer found to read the architecture from")
     return Path(sources.transformer)
@@ -247,7 +253,7 @@ def meta_model_for_config(cfg, fp8_modulation: bool | None = None):
             options = loader_options(cfg.memory)
         return family.load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta", **options)
     except (OSError, LoadError) as e:
-        raise ConfigError(f"{e}; cannot read the transformer architecture: plan with --model flux-dev instead") from None
+        raise ConfigError(f"{e}; cannot read the transformer architecture: plan with --model (one of {', '.join(sorted(MODELS))}) instead") from None
 
 
 def _as_json(workload, machine, results) -> dict:

@@ -34,11 +34,13 @@ def plan_memory(spec, model_or_meta: torch.nn.Module, workload: Workload, budget
 
 def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
     """The Workload a [data]/[lora]/[train]/[model] configuration trains."""
+    from ..models.family import get_family
     from ..models.flux_loading import dtype_from_name
 
+    text_rows = get_family(cfg.model.family).text_rows(cfg.data.max_text_length)   # SD3: 77 CLIP + T5
     return Workload(mode="lora", rank=cfg.lora.rank, targets=cfg.lora.targets, lora_blocks=cfg.lora.blocks,
                     optimizer=cfg.train.optimizer, batch_size=cfg.data.batch_size,
-                    buckets=Workload.square(cfg.data.resolutions), text_length=cfg.data.max_text_length,
+                    buckets=Workload.square(cfg.data.resolutions), text_length=text_rows,
                     gradient_accumulation=cfg.train.gradient_accumulation,
                     autocast=cfg.train.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
                     lora_dropout=cfg.lora.dropout, fp8_modulation=fp8_modulation_choice(cfg.memory))

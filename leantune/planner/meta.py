@@ -1,7 +1,7 @@
 """Architectures on the meta device: exact shapes and dtypes, no memory, built in milliseconds.
 
 The planner never needs weight values, only shapes, so everything it measures is built here on the
-meta device: the full-size Flux.1 transformers (`leantune plan --model flux-dev` on a laptop), the
+meta device: the full-size Flux.1 and SD3.5 transformers (`leantune plan --model flux-dev` on a laptop), the
 architecture a config's checkpoint declares, and the small copy (two blocks per list) whose
 forward and backward the activation probe traces.
 """
@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 
 # Config keys holding the length of each block list, per family: the probe copy shortens them.
-BLOCK_COUNT_KEYS = {"flux": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}}
+BLOCK_COUNT_KEYS = {"flux": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
+                    "sd3": {"transformer_blocks": "num_layers"}}
+# Blocks at the end of a list built unlike the others (SD3's last joint block is "context pre-only":
+# no text-stream output projection or MLP). The probe copy is built with them and then cut off, so
+# the blocks it traces are the ones the rest of the stack is made of.
+TRAILING_SPECIAL = {"sd3": {"transformer_blocks": 1}}
 # T5 tokens each Flux.1 variant is run with (schnell was distilled at 256).
 TEXT_LENGTH = {"dev": 512, "schnell": 256}
 
@@ -37,16 +42,38 @@ def build_meta_flux(variant: str = "dev"):
     return meta_from_config(FluxTransformer2DModel, packaged_config(f"flux1_{variant}"))
 
 
+def build_meta_packaged(family: str, config_name: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A full-size transformer of `family` on the meta device from a config shipped in
+    models/configs/ ("flux1_dev", "sd35_large", ...), built with the family's diffusers class."""
+    import diffusers
+
+    from ..models.component_files import packaged_config
+    from ..models.family import get_family
+
+    cls = getattr(diffusers, get_family(family).transformer_classes[0])
+    return meta_from_config(cls, packaged_config(config_name), dtype)
+
+
 def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list: int = 2) -> torch.nn.Module:
     """`model`'s architecture on meta with at most `blocks_per_list` blocks in each block list.
 
-    Every block of a kind has the same shapes, so a short copy shows what each kind does; tracing
-    it costs milliseconds where the full model would cost seconds.
+    Every block of a kind has the same shapes (but the trailing ones of TRAILING_SPECIAL, left out
+    of the copy), so a short copy shows what each kind does; tracing it costs milliseconds where the
+    full model would cost seconds. SD3.5 Medium's first 13 blocks carry a second attention: its copy
+    is made of those, the larger kind, so its activations are not under-estimated.
     """
     keys = BLOCK_COUNT_KEYS.get(spec.family)
     if keys is None or not hasattr(model, "config"):
         raise ValueError(f"the planner cannot build a probe copy of a {spec.family} model")
+    trailing = TRAILING_SPECIAL.get(spec.family, {})
     cfg = dict(model.config)
     for attr, key in keys.items():
-        cfg[key] = min(blocks_per_list, len(getattr(model, attr)))
-    return meta_from_config(type(model), cfg, dtype)
+        n = len(getattr(model, attr))
+        extra = trailing.get(attr, 0)
+        cfg[key] = min(blocks_per_list, max(n - extra, 1)) + extra
+    copy = meta_from_config(type(model), cfg, dtype)
+    for attr, extra in trailing.items():
+        blocks = getattr(copy, attr)
+        if extra and len(blocks) > extra:
+            setattr(copy, attr, torch.nn.ModuleList(list(blocks)[:-extra]))
+    return copy

@@ -1,0 +1,165 @@
+"""The planner on SD3.5: full-size Large and Medium on the meta device (`leantune plan --model
+sd3.5-large|sd3.5-medium`, no weights), byte counts against a real tiny model, the probe copy, the
+activation prediction against a real CPU step, and the text length of a config."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+from leantune.config import LoraConfig, validate
+from leantune.models import tiny
+from leantune.models.family import PromptEmbeds
+from leantune.models.sd3 import SD3_SPEC, predict
+from leantune.planner.from_config import workload_from_config
+from leantune.planner.meta import build_meta_packaged, short_copy
+from leantune.planner.search import Planner
+from leantune.planner.weight_bytes import measure_weights
+from leantune.planner.workload import Workload
+from leantune.train.lora import add_lora
+from test_planner import _HeapPeak, _run_plan, one_thread  # noqa: F401  (fixture)
+
+GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "leantune-cache"))
+
+
+def _lora_model(style="large", rank=4, num_layers=2, **lora):
+    model = tiny.sd3_transformer(style, num_layers=num_layers)
+    model.requires_grad_(False)
+    add_lora(model, SD3_SPEC, LoraConfig(rank=rank, **lora))
+    return model
+
+
+@pytest.mark.parametrize("name,blocks,width,dual,positions", [("sd35_large", 38, 2432, [], 192),
+                                                              ("sd35_medium", 24, 1536, list(range(13)), 384)])
+def test_full_size_meta_builds(name, blocks, width, dual, positions):
+    model = build_meta_packaged("sd3", name)
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    cfg = model.config
+    assert (cfg.num_layers, cfg.num_attention_heads * cfg.attention_head_dim) == (blocks, width)
+    assert list(cfg.dual_attention_layers) == dual and cfg.pos_embed_max_size == positions
+    assert cfg.qk_norm == "rms_norm" and (cfg.joint_attention_dim, cfg.pooled_projection_dim) == (4096, 2048)
+    w = measure_weights(SD3_SPEC, model)
+    assert len(w.blocks) == blocks and {b.kind for b in w.blocks} == {"joint"}
+    # Stability's published sizes: 8.1 B (Large), 2.5 B (Medium, MMDiT-X).
+    lo, hi = (8.0e9, 8.2e9) if name == "sd35_large" else (2.4e9, 2.6e9)
+    assert lo < w.numel < hi, w.numel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("style", ["large", "medium"])
+def test_weight_and_adapter_bytes_equal_the_real_model(style, dtype):
+    model = _lora_model(style, num_layers=3, targets="all").to(dtype)
+    weights = measure_weights(SD3_SPEC, model, Workload(rank=4, targets="all"))
+    real = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+    real += sum(b.numel() * b.element_size() for b in model.buffers())
+    assert weights.native_bytes == real
+    for (name, block), w in zip(SD3_SPEC.blocks(model), weights.blocks):
+        assert w.name == name
+        assert w.bytes(torch.finfo(dtype).bits // 8) == sum(
+            p.numel() * p.element_size() for n, p in block.named_parameters() if "lora_" not in n)
+    assert weights.adapter_params(4) == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0
+
+
+def test_probe_copy_is_made_of_full_joint_blocks():
+    """SD3's last joint block is context pre-only (smaller): the probe copy leaves it out, so the
+    kind is measured on the blocks the rest of the stack is made of (Medium: the dual-attention ones)."""
+    for name in ("sd35_large", "sd35_medium"):
+        full = build_meta_packaged("sd3", name)
+        copy = short_copy(SD3_SPEC, full, torch.bfloat16)
+        assert len(copy.transformer_blocks) == 2
+        assert not any(b.context_pre_only for b in copy.transformer_blocks)
+        assert full.transformer_blocks[-1].context_pre_only
+        ref = dict(full.transformer_blocks[0].named_parameters())
+        for block in copy.transformer_blocks:
+            assert {n: p.shape for n, p in block.named_parameters()} == {n: p.shape for n, p in ref.items()}
+
+
+def _step_inputs(res: int, text: int):
+    g = torch.Generator().manual_seed(0)
+    h = res // 8
+    x = torch.randn(1, 16, h, h, generator=g)
+    embeds = PromptEmbeds(torch.randn(1, text, 64, generator=g), torch.randn(1, 32, generator=g))
+    return x, embeds, torch.randn(x.shape, generator=g), torch.rand(1, generator=g), h
+
+
+def test_predicted_activation_peak_matches_a_real_cpu_step(one_thread):
+    """The meta probe extrapolated to a 6-block tiny SD3 predicts the heap peak of a real
+    forward+backward on CPU within 5% (+1 MiB of CPU attention scratch), the tolerance Flux's
+    prediction meets. (At this depth the per-block gap below still fits in it.)"""
+    res, text = 512, 93
+    model = _lora_model("large", num_layers=6)
+    workload = Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False,
+                        allow_fp8=False)
+    predicted = Planner(SD3_SPEC, model, workload).activation_peak((res, res), False, "none")
+    x, embeds, target, sigma, h = _step_inputs(res, text)
+
+    def step():
+        loss = ((predict(model, x, sigma, embeds, (h, h)).float() - target) ** 2).mean()
+        loss.backward()
+
+    step()
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    with _HeapPeak() as heap:
+        step()
+    assert abs(heap.peak - predicted) <= 0.05 * predicted + 2**20, (heap.peak, predicted)
+
+
+@pytest.mark.xfail(strict=True, reason="SD3's saved activations per joint block are under-predicted: the probe "
+                   "says 2.75 MB where the real CPU forward keeps 3.12 MB (tiny model, 512 px, LoRA r4), so deep "
+                   "stacks are predicted low (8% at 6 blocks, 10% at 10). Flux's double blocks show the same gap "
+                   "(probe 2.58 MB, real 2.95 MB): the probe's, in joint attention blocks; cause not found yet")
+def test_saved_bytes_per_joint_block_match_a_real_forward(one_thread):
+    from leantune.planner.activation_probe import probe_activations
+    from test_planner import _heap_in_use
+
+    res, text = 512, 93
+    model = _lora_model("large", num_layers=6)
+    workload = Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False,
+                        allow_fp8=False)
+    saved = probe_activations(SD3_SPEC, model, workload, (res, res)).kinds["joint"].saved
+    x, embeds, _, sigma, h = _step_inputs(res, text)
+    marks = []
+    for block in model.transformer_blocks:
+        block.register_forward_hook(lambda *_: marks.append(_heap_in_use()))
+    predict(model, x, sigma, embeds, (h, h))        # warm-up
+    marks.clear()
+    gc.collect()
+    out = predict(model, x, sigma, embeds, (h, h))
+    real = sorted(b - a for a, b in zip(marks[1:-2], marks[2:-1]))[1]      # median of the interior blocks
+    del out
+    assert abs(real - saved) <= 0.05 * real, (real, saved)
+
+
+def test_a_config_plans_77_clip_rows_plus_the_t5_tokens():
+    base = {"model": {"path": "m", "family": "sd3"}, "data": {"datasets": [{"path": "d"}]}}
+    assert workload_from_config(validate(base)).text_length == 77 + 256
+    flux = {"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}], "max_text_length": 300}}
+    assert workload_from_config(validate(flux)).text_length == 300
+
+
+@pytest.mark.parametrize("model,blocks", [("sd3.5-large", 38), ("sd3.5-medium", 24)])
+def test_plan_command_without_weights(capsys, model, blocks):
+    rc, out, _ = _run_plan(capsys, "--model", model, "--mode", "lora", "--rank", "16", "--resolution", "1024",
+                           "--vram", "8GiB", "--vram", "24GiB", "--json")
+    assert rc == 0
+    plans = json.loads(out)["plans"]
+    names = {f"transformer_blocks.{i}" for i in range(blocks)}
+    streamed = []
+    for entry in plans:
+        plan, notes = entry["plan"], entry["plan"]["notes"]
+        assert notes["predicted_peak_vram"] <= entry["budget_bytes"] - notes["margin_vram"]
+        assert set(plan["streamed_blocks"]) <= names
+        streamed.append(len(plan["streamed_blocks"]))
+    assert streamed[0] >= streamed[1]
+    rc, text, _ = _run_plan(capsys, "--model", model, "--resolution", "1024", "--vram", "12GiB")
+    assert rc == 0 and "text 333 tokens" in text and "VRAM at peak" in text
