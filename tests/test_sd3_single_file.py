@@ -229,3 +229,38 @@ def test_bad_files_are_named(tmp_path, tiny_sd3_dir):
     bfl = save_bfl_transformer(tiny.flux_transformer(), tmp_path / "flux.safetensors")
     with pytest.raises(LoadError, match="not an SD3 transformer: it looks like a Flux transformer"):
         FAM.load_transformer(_sources(bfl), dtype=torch.float32)
+
+
+def test_all_in_one_checkpoint(tiny_sd3_dir, tmp_path):
+    """One file with the transformer, CLIP-L, CLIP-G and T5 under ComfyUI's text_encoders.* prefixes
+    and the VAE (as sd3_medium_incl_clips_t5xxlfp8.safetensors is laid out); tokenizers from a folder."""
+    refs = tiny.sd3_components("medium")
+    sd = {"model.diffusion_model." + k: v
+          for k, v in sd3_keys.diffusers_to_stability(refs["transformer"].state_dict()).items()}
+    sd.update({"first_stage_model." + k: v for k, v in cf.vae_diffusers_to_ldm(refs["vae"].state_dict()).items()})
+    meta = {f"{cf.METADATA_CONFIG_KEY}.vae": json.dumps(dict(norm_num_groups=4, sample_size=64)),
+            f"{cf.METADATA_CONFIG_KEY}.transformer": json.dumps(dict(sample_size=32)),
+            f"{cf.METADATA_CONFIG_KEY}.t5": json.dumps(dict(relative_attention_max_distance=16))}
+    tok = refs["tokenizer"]
+    for part, name, kind in (("text_encoder", "clip_l", "clip"), ("text_encoder_2", "clip_g", "clip_g")):
+        model = refs[part]
+        sd.update({f"text_encoders.{name}.transformer." + (k if k.startswith(("text_model.", "text_projection"))
+                                                         else f"text_model.{k}"): v
+                   for k, v in model.state_dict().items()})
+        meta[f"{cf.METADATA_CONFIG_KEY}.{kind}"] = json.dumps(dict(
+            num_attention_heads=model.config.num_attention_heads, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    sd.update({"text_encoders.t5xxl.transformer." + k: v for k, v in refs["text_encoder_3"].state_dict().items()
+               if k != "encoder.embed_tokens.weight"})
+    path = save_safetensors(sd, tmp_path / "sd3.5_medium_incl_clips_t5xxl.safetensors", meta)
+
+    sources = _sources(path, tokenizer=str(tiny_sd3_dir), tokenizer_2=str(tiny_sd3_dir), tokenizer_3=str(tiny_sd3_dir))
+    assert {sources.transformer, sources.text_encoder, sources.text_encoder_2, sources.text_encoder_3,
+            sources.vae} == {path}
+    _same_weights(FAM.load_transformer(sources, dtype=torch.float32), refs["transformer"])
+    _same_weights(FAM.load_vae(sources, dtype=torch.float32), refs["vae"])
+    enc = FAM.load_text_encoders(sources, dtype=torch.float32)
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        _same_weights(getattr(enc, name), refs[name])
+    # [model] t5 = false leaves the embedded T5 unread.
+    assert _sources(path, t5=False, tokenizer=str(tiny_sd3_dir), tokenizer_2=str(tiny_sd3_dir)).text_encoder_3 is None
