@@ -117,7 +117,10 @@ def test_predicted_activation_peak_matches_a_real_cpu_step(one_thread):
 @pytest.mark.xfail(strict=True, reason="SD3's saved activations per joint block are under-predicted: the probe "
                    "says 2.75 MB where the real CPU forward keeps 3.12 MB (tiny model, 512 px, LoRA r4), so deep "
                    "stacks are predicted low (8% at 6 blocks, 10% at 10). Flux's double blocks show the same gap "
-                   "(probe 2.58 MB, real 2.95 MB): the probe's, in joint attention blocks; cause not found yet")
+                   "(probe 2.58 MB, real 2.95 MB). Found so far: the probe's tracker run on real CPU tensors gives "
+                   "the meta numbers (2.75 MB for the second block), but a third block keeps 0.14 MB more (one "
+                   "full-sequence activation) than the second one the probe copy is characterised by, and the heap "
+                   "holds another ~0.22 MB per block the tracker does not see")
 def test_saved_bytes_per_joint_block_match_a_real_forward(one_thread):
     from leantune.planner.activation_probe import probe_activations
     from test_planner import _heap_in_use
