@@ -24,6 +24,8 @@ pending write-backs, and invalidates the slots after a write so nothing stale is
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -52,6 +54,21 @@ class TrainableStreamingEngine(StreamingEngine):
         u = self.unit_of.get(id(p))
         if u is not None:
             self.dirty.add(id(u))
+
+    @contextlib.contextmanager
+    def holding(self, p: nn.Parameter):
+        """Keep `p`'s unit resident around an update made outside its backward hold (a weight whose
+        gradient came only from earlier micro-batches, train/in_backward.py): outside a hold its
+        slot may hold another unit's bytes or poison. The release writes the unit back."""
+        unit = self.unit_of.get(id(p))
+        if unit is None:
+            yield
+            return
+        self.acquire(unit)
+        try:
+            yield
+        finally:
+            self.release(unit)
 
     # -- hooks of StreamingEngine ------------------------------------------------------------------
     def _retire(self, unit: _Unit, slot: _Slot) -> None:

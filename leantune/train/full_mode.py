@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 from pathlib import Path
@@ -67,7 +68,7 @@ class FullMode:
                                         master_weights=full.master_weights, seed=tc.seed)
         clip = tc.max_grad_norm if full.grad_clip == "parameter" else 0.0
         self.stepper = InBackwardStep(self.optimizer, list(named.values()), accumulation=tc.gradient_accumulation,
-                                      max_grad_norm=clip, on_step=self._stepped)
+                                      max_grad_norm=clip, on_step=self._stepped, hold=self._hold)
         n = sum(p.numel() for p in named.values())
         total = sum(p.numel() for p in transformer.parameters())
         log.info("full fine-tune: %d of %d tensors, %.1fM of %.1fM parameters train; optimizer %s (state %s%s), "
@@ -95,6 +96,10 @@ class FullMode:
         streaming = getattr(self.memory, "streaming", None)
         if streaming is not None:
             streaming.engine.mark_stepped(p)
+
+    def _hold(self, p: torch.nn.Parameter):
+        streaming = getattr(self.memory, "streaming", None)
+        return streaming.engine.holding(p) if streaming is not None else contextlib.nullcontext()
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, t, micro_batch) -> float:

@@ -17,13 +17,19 @@ weight steps (`g_N + (g_1 + ... + g_{N-1})`, the same sum the plain loop forms, 
 bitwise equal in fp32). Clipping by the global norm would need every gradient first; instead each
 parameter's gradient is clipped to `max_grad_norm` on its own (documented in docs/config.md).
 
+A weight whose gradient came only from earlier micro-batches steps in `finish_step`, after backward,
+when a streamed weight's block is no longer resident (its slot may hold another block, or poison):
+`hold` (the streaming engine's `holding`) fetches the block around that update and writes it back.
+
 A step redone after an out-of-memory error (the trainer's OOM guard) skips the weights that were
 already updated in the failed attempt, so each weight steps once per optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import ContextManager
 
 import torch
 
@@ -32,12 +38,14 @@ from .fused_optim import FusedOptimizer
 
 class InBackwardStep:
     def __init__(self, optimizer: FusedOptimizer, params: list[torch.nn.Parameter], *, accumulation: int = 1,
-                 max_grad_norm: float = 0.0, on_step: Callable[[torch.nn.Parameter], None] | None = None):
+                 max_grad_norm: float = 0.0, on_step: Callable[[torch.nn.Parameter], None] | None = None,
+                 hold: Callable[[torch.nn.Parameter], ContextManager] | None = None):
         self.optimizer = optimizer
         self.params = list(params)
         self.accum = accumulation
         self.max_grad_norm = max_grad_norm
         self.on_step = on_step
+        self.hold = hold                      # keeps a weight's streamed block resident (finish_step)
         self.micro = 0
         self.acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.stepped: set[torch.nn.Parameter] = set()
@@ -84,7 +92,8 @@ class InBackwardStep:
         """Weights that had a gradient in an earlier micro-batch but none in the last step now."""
         for p in [p for p in self.params if p in self.acc]:
             a = self.acc.pop(p)
-            self._update(p, a.to(p.device, p.dtype))
+            with self.hold(p) if self.hold is not None else contextlib.nullcontext():
+                self._update(p, a.to(p.device, p.dtype))
         self.open = False
 
     def drop_partial(self) -> None:
