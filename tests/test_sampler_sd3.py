@@ -407,3 +407,16 @@ def test_cuda_sd3_sampling_streams_exactly_and_runs_cfg_halves_in_sequence(tiny_
     kw = dict(width=W, height=H, steps=3, guidance=7.0, schedule=FlowSchedule.sd3(), device="cuda", negative=neg)
     batched, halves = denoise(t, embeds, SEEDS, **kw), denoise(t, embeds, SEEDS, cfg_batched=False, **kw)
     assert (batched - halves).abs().max() < 1e-3 * batched.abs().max()
+
+
+def test_family_guessed_from_folder_or_file(tiny_sd3_dir, tiny_flux_dir, tmp_path):
+    from leantune.models.family import guess_family
+    from leantune.models.sd3_loading import save_stability_transformer
+
+    assert guess_family(tiny_sd3_dir) == "sd3" and guess_family(tiny_flux_dir) == "flux"
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    assert guess_family(tiny_sd3_dir / weights) == "sd3" and guess_family(tiny_flux_dir / weights) == "flux"
+    stability = save_stability_transformer(tiny.sd3_transformer(), tmp_path / "sd3.5_tiny.safetensors")
+    assert guess_family(stability) == "sd3"
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 16)
+    assert guess_family(tmp_path / "junk.safetensors") is None and guess_family(tmp_path / "none") is None

@@ -142,9 +142,9 @@ def _create_optimizer_states(optimizer: torch.optim.Optimizer, params: list[nn.P
 def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple[int, int], *,
                       text_length: int = 512, steps: int = 1, guidance: float = 3.5) -> SimulatedStep:
     """`steps` denoising steps of one image of `size` (height, width) under `plan`, through the
-    sampler's own `denoise` with the engine in forward-only mode, as `leantune sample` runs it."""
-    from ..infer.sampler import denoise
-    from ..infer.schedule import FlowSchedule
+    sampler's own `denoise` with the engine in forward-only mode, as `leantune sample` runs it
+    (with classifier-free guidance, SD3.5, the negative and positive halves in one batch)."""
+    from ..infer.sampler import default_schedule, denoise
     from .engine import apply_memory
 
     device = enable()
@@ -161,12 +161,12 @@ def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple
         cfg = model.config
         embeds = PromptEmbeds(t5=torch.empty(1, text_length, cfg.joint_attention_dim, dtype=dtype),
                               pooled=torch.empty(1, cfg.pooled_projection_dim, dtype=dtype))
-        schedule = FlowSchedule.for_variant("dev" if getattr(cfg, "guidance_embeds", False) else "schnell")
+        schedule = default_schedule(model)
         report = {}
         for _ in range(steps):
             tracker.reset_peak()
             denoise(model, [embeds], [0], width=size[1], height=size[0], steps=1, guidance=guidance,
-                    schedule=schedule, device=device, dtype=dtype)
+                    schedule=schedule, device=device, dtype=dtype, negative=embeds)
             peaks.append(tracker.peak.get(str(device), 0))
             report = handle.step_report()
         resident = tracker.live.get(str(device), 0)

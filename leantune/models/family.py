@@ -194,12 +194,15 @@ def guess_family(path) -> str | None:
                 return None
             return next((n for n in _MODULES if cls in get_family(n).transformer_classes), None)
         if path.is_file() and path.suffix == ".safetensors":
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            with safe_open(str(path), "pt") as f:
-                keys = list(f.keys())
+            try:
+                with safe_open(str(path), "pt") as f:
+                    keys = list(f.keys())
+            except SafetensorError:
+                return None
             return next((n for n in _MODULES if get_family(n).recognizes_keys(keys)), None)
-    except (OSError, ValueError, json.JSONDecodeError, AttributeError, TypeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         return None     # unreadable: the family's loader reports it with the file's name
     return None
 
