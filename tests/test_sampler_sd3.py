@@ -248,6 +248,52 @@ def test_run_sampling_sd3_folder_equals_pipeline_and_streams(tiny_sd3_dir, lora_
     assert 0 < diff.max() <= 8 and diff.mean() <= 1.0
 
 
+@pytest.mark.slow
+def test_planner_counts_the_cfg_batch_and_falls_back_to_halves(tiny_sd3_dir, tmp_path):
+    """Under a VRAM budget the planner is asked for twice the images per forward (CFG's negatives and
+    prompts together); at a budget between what that needs and what the single batch needs, the
+    halves run one after the other, with the same images up to a smaller batch's float rounding."""
+    from leantune.infer.run import inference_workload, run_sampling
+    from leantune.models.sd3 import SD3_SPEC
+    from leantune.planner.from_config import plan_memory
+    from leantune.planner.workload import Budget, InfeasibleBudget
+
+    request = _request(tiny_sd3_dir, tmp_path / "plain", negative_prompt=NEGATIVE, vae_tiling="off")
+    transformer = tiny.sd3_transformer("large")
+    text_len = 77 + MAX_LEN
+
+    def least_budget(batch: int) -> int:
+        """The smallest VRAM budget (to 64 KiB) the planner finds a plan for."""
+        lo, hi = 0, 2**30
+        while hi - lo > 2**16:
+            mid = (lo + hi) // 2
+            try:
+                plan_memory(SD3_SPEC, transformer, inference_workload(request, batch, text_len),
+                            Budget(vram=mid, ram=8 * 2**30))
+                hi = mid
+            except InfeasibleBudget:
+                lo = mid
+        return hi
+
+    single, double = least_budget(2), least_budget(4)
+    assert double > single             # the doubled batch's activations are priced
+    plain = run_sampling(request)
+    between = f"{(single + double) // 2}B"
+    tight = run_sampling(_request(tiny_sd3_dir, tmp_path / "tight", negative_prompt=NEGATIVE, vae_tiling="off",
+                                  memory={"vram_budget": between}))
+    assert plain.cfg_batched is True and tight.cfg_batched is False
+    assert tight.stream_t5                 # the three text encoders exceed such a budget too
+    # Same images up to the smaller batch's float rounding (and e4m3 weight rounding, should the
+    # planner store weights in fp8 at this budget).
+    assert np.abs(_images(tight).astype(int) - _images(plain).astype(int)).max() <= (8 if tight.plan.fp8 else 1)
+    # Just above what the doubled batch needs, it runs batched again; with room to spare, the plain plan.
+    assert run_sampling(_request(tiny_sd3_dir, tmp_path / "edge", negative_prompt=NEGATIVE, vae_tiling="off",
+                                 memory={"vram_budget": f"{double + 2**16}B"})).cfg_batched is True
+    roomy = run_sampling(_request(tiny_sd3_dir, tmp_path / "roomy", negative_prompt=NEGATIVE, vae_tiling="off",
+                                  memory={"vram_budget": "4GiB"}))
+    assert roomy.cfg_batched is True and not roomy.plan.fp8 and np.array_equal(_images(roomy), _images(plain))
+
+
 def test_sample_command_detects_sd3_and_takes_negative_prompt(tiny_sd3_dir, tmp_path, monkeypatch, capsys):
     """`leantune sample --model <SD3.5 folder>` needs no family flag; --negative-prompt and
     --guidance reach the images; a negative prompt for Flux (distilled guidance) is refused."""

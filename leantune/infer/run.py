@@ -103,6 +103,18 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def inference_workload(request: SampleRequest, batch: int, text_len: int):
+    """The planner's workload for the denoising stage: `batch` images per transformer forward
+    (with classifier-free guidance batched, negatives included), in the weights' dtype without
+    autocast; fp8 storage is the planner's call."""
+    from ..planner.from_config import fp8_modulation_choice
+    from ..planner.workload import Workload
+
+    return Workload(mode="inference", batch_size=batch, buckets=((request.height, request.width),),
+                    text_length=text_len, autocast=False, dtype=_DTYPES[request.model.dtype],
+                    fp8_modulation=fp8_modulation_choice(request.memory))
+
+
 def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
                      text_len: int, cfg: bool = False):
     """The memory Plan for the denoising stage, and whether CFG's two halves share a forward.
@@ -115,9 +127,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
     spec = get_family(request.model.family).spec
     if budget is not None:
         from ..planner.from_config import plan_memory
-        from ..planner.workload import Budget, InfeasibleBudget, Workload
-
-        from ..planner.from_config import fp8_modulation_choice
+        from ..planner.workload import Budget, InfeasibleBudget
 
         images = request.batch_size or n_images
         ram = None
@@ -127,10 +137,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
             raise ConfigError(f"memory.ram_budget: {e}") from None
         error = None
         for factor in ((2, 1) if cfg else (1,)):
-            # Sampling runs in the weights' dtype without autocast; fp8 storage is the planner's call.
-            workload = Workload(mode="inference", batch_size=factor * images,
-                                buckets=((request.height, request.width),), text_length=text_len, autocast=False,
-                                dtype=_DTYPES[request.model.dtype], fp8_modulation=fp8_modulation_choice(request.memory))
+            workload = inference_workload(request, factor * images, text_len)
             try:
                 return plan_memory(spec, transformer, workload, Budget(vram=budget, ram=ram)), factor == 2
             except InfeasibleBudget as e:
@@ -284,4 +291,5 @@ def _next_index(out_dir: Path) -> int:
     return max(used) + 1 if used else 0
 
 
-__all__ = ["FolderComponents", "SamplingResult", "pick_device", "run_sampling", "transformer_plan", "vram_budget"]
+__all__ = ["FolderComponents", "SamplingResult", "inference_workload", "pick_device", "run_sampling",
+           "transformer_plan", "vram_budget"]
