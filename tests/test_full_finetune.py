@@ -326,6 +326,55 @@ def test_bf16_weights_and_bf16_adam_state_train_like_fp32():
     assert moved16 == pytest.approx(moved32.item(), rel=0.05)     # the bf16 run made the same progress
 
 
+def test_adafactor_off_the_cpu_reads_nothing_on_the_host_and_matches_torch(monkeypatch):
+    """Off the CPU, Adafactor's two norms per weight stay device tensors (a `.item()` inside backward
+    would wait for every queued kernel, twice per weight). Run that path on the CPU with `.item()`
+    forbidden: it follows torch's Adafactor to float rounding (the CPU path is bitwise, above)."""
+    from leantune.train import fused_optim
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.nn.Linear(32, 16)
+    model = copy.deepcopy(ref)
+    topt = torch.optim.Adafactor(ref.parameters(), lr=LR["adafactor"], weight_decay=0.1, foreach=False)
+    fopt = FusedOptimizer(model, dict(model.named_parameters()), "adafactor", lr=LR["adafactor"], weight_decay=0.1)
+    grads = [{n: torch.randn(p.shape, generator=g) for n, p in ref.named_parameters()} for _ in range(4)]
+    for step in grads:
+        for n, p in ref.named_parameters():
+            p.grad = step[n].clone()
+        topt.step()
+    monkeypatch.setattr(fused_optim, "_host_scalars", lambda t: False)
+
+    def no_host_read(self):
+        raise AssertionError("a device value was read on the host inside the step")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_host_read)
+    for step in grads:
+        for n, p in model.named_parameters():
+            fopt.step_param(p, step[n])
+    monkeypatch.undo()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(model.get_parameter(n).detach(), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_adamw8bit_in_backward_never_synchronizes_the_device(monkeypatch):
+    """bitsandbytes' Optimizer8bit.step() calls torch.cuda.synchronize() after each parameter; the
+    fused step, called per weight inside backward, must not."""
+    pytest.importorskip("bitsandbytes")
+    model = _model(EXCLUDE).cuda()
+    named = select_trainable(model, ["*"], EXCLUDE)
+    stepper = InBackwardStep(FusedOptimizer(model, named, "adamw8bit", lr=1e-3), list(named.values()))
+    syncs = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (syncs.append(1), real(*a, **k)))
+    for s in range(2):
+        x, sigma, embeds, hw, target = make_batch(*SHAPES[s], seed=100 * s, device="cuda")
+        stepper.begin_step()
+        torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0).float(), target).backward()
+        stepper.finish_step()
+    assert syncs == []
+
+
 @pytest.mark.gpu
 def test_adamw8bit_in_backward_equals_bitsandbytes_plain_loop():
     """bitsandbytes' 8-bit AdamW stepped per parameter inside backward equals its own plain loop

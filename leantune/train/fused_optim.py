@@ -19,6 +19,12 @@ bf16 weights are updated in fp32 and written back with stochastic rounding (an u
 bf16's spacing moves the weight with the right probability instead of vanishing); bf16 AdamW
 moments (`state_dtype = "bf16"`) likewise. Optional fp32 master weights stay in host RAM.
 `adamw8bit` delegates to bitsandbytes (CUDA only; its state stays on the device).
+
+No step reads a device value on the host: inside backward such a read (`.item()`) waits for every
+queued kernel, once per weight. Adafactor's two norms stay 0-dim device tensors off the CPU (on the
+CPU they are read as torch's Adafactor reads them, which keeps the fused loop bitwise equal to it),
+and bitsandbytes' per-parameter update is called without its `step()`, which synchronizes the
+device after every parameter.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ import torch
 from torch import nn
 
 STATE_SUFFIX = "_optstate"
+
+
+def _host_scalars(t: torch.Tensor) -> bool:
+    """Whether a step may read reductions of `t` on the host: free on the CPU, a device-wide wait
+    anywhere else (see the module docstring)."""
+    return t.device.type == "cpu"
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -176,7 +188,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         eps1, eps2, d = torch.finfo(w.dtype).eps, 1e-3, 1.0
         one_minus_beta2_t = step ** -0.8
         rho_t = min(lr, 1 / (step ** 0.5))
-        alpha = max(eps2, w.norm(2).item() / (w.numel() ** 0.5)) * rho_t
+        on_host = _host_scalars(w)
+        if on_host:
+            alpha = max(eps2, w.norm(2).item() / (w.numel() ** 0.5)) * rho_t
+        else:                                   # 0-dim on the device, computed before weight decay
+            alpha = (w.norm(2) / (w.numel() ** 0.5)).clamp_(min=eps2) * rho_t
         if self.weight_decay != 0:
             w.mul_(1 - lr * self.weight_decay)
         if g.dim() > 1:
@@ -193,8 +209,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             var_estimate = variance.clone()
         update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
         update.mul_(g)
-        denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
-        w.add_(update, alpha=-alpha / denom)
+        if on_host:
+            denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
+            w.add_(update, alpha=-alpha / denom)
+        else:
+            denom = (update.norm(2) / ((update.numel() ** 0.5) * d)).clamp_(min=1.0)
+            w.sub_(update.mul_(alpha / denom))
 
     # -- bitsandbytes 8-bit AdamW (CUDA) -------------------------------------------------------------
     def _check_bnb(self, named) -> None:
@@ -211,10 +231,23 @@ class FusedOptimizer(torch.optim.Optimizer):
         if opt is None:
             opt = self.bnb[name] = bnb.optim.AdamW8bit([p], lr=lr, betas=self.betas, eps=self.eps,
                                                       weight_decay=self.weight_decay)
-        opt.param_groups[0]["lr"] = lr
+        group = opt.param_groups[0]
+        group["lr"] = lr
         p.grad = grad
-        opt.step()
-        p.grad = None
+        try:
+            # Optimizer8bit.step() ends every parameter's update with torch.cuda.synchronize(): called
+            # from backward for each weight, that would drain the device once per weight. Its parts
+            # are called directly instead (first call: overrides, state onto the weight's device).
+            with torch.no_grad():
+                if not opt.initialized:
+                    opt.check_overrides()
+                    opt.to_gpu()
+                    opt.initialized = True
+                if len(opt.state[p]) == 0:
+                    opt.init_state(group, p, 0, 0)
+                opt.update_step(group, p, 0, 0)
+        finally:
+            p.grad = None
 
     # -- a whole step ----------------------------------------------------------------------------------
     def step(self, closure=None):        # noqa: D401  (torch's signature)
