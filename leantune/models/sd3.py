@@ -3,8 +3,9 @@ blocks): the spec the engine, LoRA targeting and the planner read, and the trans
 
 We use diffusers' `SD3Transformer2DModel` as it is. What differs from Flux: one block list
 (`transformer_blocks`, kohya prefix `joint_blocks`), latents enter unpacked (B, 16, h, w) (the
-model patchifies them itself), the timestep is sigma * 1000 as StableDiffusion3Pipeline passes it,
-there is no guidance input (SD3.5 uses real classifier-free guidance), and the text sequence is
+model patchifies them itself), the timestep is sigma * 1000 in float32 as StableDiffusion3Pipeline
+passes it, there is no guidance input (SD3.5 samples with real classifier-free guidance: `Sampling`
+at the end of this module, the scheduler's own spacing with shift 3.0), and the text sequence is
 CLIP-L + CLIP-G penultimate states (padded to the T5 width) followed by the T5 sequence, with the
 two CLIP pooled outputs concatenated (B, 2048).
 
