@@ -16,6 +16,7 @@ matrix freezes them (`EXCLUDE`) and a separate test trains everything within a s
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -43,9 +44,9 @@ def _model(exclude=()):
     return model
 
 
-def _loss(model, step: int, scale: float = 1.0, micro: int = 0):
+def _loss(model, step: int, scale: float = 1.0, micro: int = 0, device="cpu"):
     h, w = SHAPES[step % len(SHAPES)]
-    x, sigma, embeds, hw, target = make_batch(h, w, seed=100 * step + micro)
+    x, sigma, embeds, hw, target = make_batch(h, w, seed=100 * step + micro, device=device)
     pred = predict(model, x, sigma, embeds, hw, guidance=1.0)
     loss = torch.nn.functional.mse_loss(pred.float(), target)
     (loss * scale).backward()
@@ -70,14 +71,16 @@ def plain_run(kind: str, steps: int = 3, accumulation: int = 1, weight_decay: fl
 
 
 def fused_run(kind: str, plan: Plan | None = None, steps: int = 3, accumulation: int = 1, weight_decay: float = 0.0,
-              probe=None, exclude=tuple(EXCLUDE)):
+              probe=None, exclude=tuple(EXCLUDE), device="cpu"):
     model = _model(exclude)
     named = select_trainable(model, ["*"], list(exclude))
     opt = FusedOptimizer(model, named, kind, lr=LR[kind], weight_decay=weight_decay)
     handle = None
     if plan is not None:
-        handle = apply_memory(model, FLUX_SPEC, plan, "cpu", offload_min_bytes=0,
+        handle = apply_memory(model, FLUX_SPEC, plan, device, offload_min_bytes=0,
                               streaming_engine=TrainableStreamingEngine)
+    else:
+        model.to(device)
     engine = handle.streaming.engine if handle is not None and handle.streaming is not None else None
     if probe is not None:
         probe(model)                             # registered before the optimizer's hooks: sees live grads
@@ -89,7 +92,7 @@ def fused_run(kind: str, plan: Plan | None = None, steps: int = 3, accumulation:
         total = 0.0
         for m in range(accumulation):
             stepper.micro = m
-            total += _loss(model, s, 1.0 / accumulation, m)
+            total += _loss(model, s, 1.0 / accumulation, m, device=device)
         stepper.finish_step()
         losses.append(total)
     access = WeightAccess(handle)
@@ -255,6 +258,24 @@ def test_a_weight_stepped_after_backward_updates_its_streamed_block():
     assert any(not torch.equal(stale[n], want[n]) for n in want)
 
 
+def test_write_backs_the_thread_waits_for_count_as_stall(monkeypatch):
+    """A synchronous write-back (CPU; on CUDA a pageable host buffer) holds the thread like a fetch
+    does, so calibration must see it in stall_s. A clock that advances 1000 s per reading makes
+    each write-back count exactly 1000 s."""
+    from leantune.memory import trainable_streaming
+
+    ticks = itertools.count(step=1000.0)
+    readings = []
+    monkeypatch.setattr(trainable_streaming, "_clock", lambda: readings.append(1) or next(ticks))
+    names = [n for n, _ in FLUX_SPEC.blocks(_model())]
+    _, _, handle, _, _ = fused_run("sgd", _plan("all", "none", names), steps=1)
+    units = handle.streaming.units
+    rep = handle.step_report()
+    write_backs = len(readings) // 2                                   # two readings per write-back
+    assert write_backs >= len(units) and rep["bytes_d2h"] >= sum(u.nbytes for u in units)
+    assert 1000.0 * write_backs <= rep["stall_s"] < 1000.0 * write_backs + 60
+
+
 # -- bf16 weights: stochastic rounding, bf16 states, master weights ---------------------------------------
 
 def _tiny_updates(sr: bool, master: bool = False, steps: int = 200, n: int = 20000):
@@ -373,6 +394,61 @@ def test_adamw8bit_in_backward_never_synchronizes_the_device(monkeypatch):
         torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0).float(), target).backward()
         stepper.finish_step()
     assert syncs == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+@pytest.mark.parametrize("pin_memory", [True, False])
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_trainable_streaming_on_cuda_matches_the_unstreamed_run(kind, pin_memory, checkpointing):
+    """Streamed trainable weights on CUDA: fetch on the copy stream, step on the compute stream,
+    write-back on its own stream before the slot is refilled (pinned: asynchronous; pageable: the
+    synchronous path). Poison makes any use of a slot outside its hold, or a refill before the
+    write-back, a NaN; the host must hold the trained weights at the end."""
+    names = [n for n, _ in FLUX_SPEC.blocks(_model())]
+    want_losses, want, *_ = fused_run(kind, None, device="cuda")
+    plan = Plan(checkpointing=checkpointing, streamed_blocks=tuple(names), stream_non_blocks=True,
+                debug_poison=True, pin_memory=pin_memory)
+    losses, got, handle, _, _ = fused_run(kind, plan, device="cuda")
+    assert all(u.pinned for u in handle.streaming.units) == pin_memory
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert_close({n: t.cpu() for n, t in got.items()}, {n: t.cpu() for n, t in want.items()},
+                 rtol=1e-5, atol=1e-3 * LR[kind])
+    rep = handle.step_report(wait=True)
+    assert rep["bytes_d2h"] > 0 and rep["demand_fetches"] >= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+def test_trainable_streaming_step_never_synchronizes(kind):
+    """One full fine-tune step with every block streamed (pinned): no device-, stream- or event-wide
+    synchronize (a host read inside the step, e.g. .item(), shows as one)."""
+    names = [n for n, _ in FLUX_SPEC.blocks(_model())]
+    model = _model(EXCLUDE)
+    named = select_trainable(model, ["*"], EXCLUDE)
+    opt = FusedOptimizer(model, named, kind, lr=LR[kind])
+    handle = apply_memory(model, FLUX_SPEC, Plan(checkpointing="blocks", streamed_blocks=tuple(names)), "cuda",
+                          streaming_engine=TrainableStreamingEngine)
+    stepper = InBackwardStep(opt, list(named.values()), on_step=handle.streaming.engine.mark_stepped,
+                             hold=handle.streaming.engine.holding)
+    batch = make_batch(8, 8, seed=0, device="cuda")
+
+    def step():
+        x, sigma, embeds, hw, target = batch
+        stepper.begin_step()
+        torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0).float(), target).backward()
+        stepper.finish_step()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+    torch.cuda.synchronize()
+    seen = {e.name for e in prof.events()}
+    for bad in ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"):
+        assert bad not in seen, f"{bad} called during a full fine-tune step"
 
 
 @pytest.mark.gpu

@@ -15,6 +15,10 @@ poison) and adds what trainable weights need:
   (debug) fills the slot on the write-back stream after the copy. No device-wide synchronize.
 - A unit acquired again while its write-back may still run (its slot still valid) makes the
   compute stream wait on that write-back before the next update.
+- Stall accounting (what calibration reads as `stall_s`): the compute stream's wait on a pending
+  write-back is timed with events, as a fetch's is; a write-back into a pageable host buffer (pin
+  refused or off) returns only once the device has finished everything before it, so the thread's
+  wait is counted too, and so is a CPU write-back (a synchronous copy).
 - On CPU the same path runs with the CPU slot emulation (copies are synchronous), so CI tests it.
 
 The host buffer is the authoritative copy of a streamed weight between steps: `WeightAccess`
@@ -25,11 +29,14 @@ pending write-backs, and invalidates the slots after a write so nothing stale is
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
 
 from .streaming import POISON_BYTE, StreamingEngine, _Slot, _Unit, _view
+
+_clock = time.perf_counter          # a seam: tests give a clock of their own
 
 
 class TrainableStreamingEngine(StreamingEngine):
@@ -79,7 +86,9 @@ class TrainableStreamingEngine(StreamingEngine):
         self.bytes_d2h += n
         be = self.backend
         if not be.cuda:
+            t0 = _clock()
             unit.host[:n].copy_(slot.buf[:n])
+            self.stats.stall_s += _clock() - t0     # nothing overlaps on CPU: the copy is a stall
             if self.poison:
                 slot.buf.fill_(POISON_BYTE)
                 slot.valid = False
@@ -89,7 +98,10 @@ class TrainableStreamingEngine(StreamingEngine):
         wb = self.writeback_stream
         with torch.cuda.stream(wb):
             wb.wait_event(used)
+            t0 = _clock()
             unit.host[:n].copy_(slot.buf[:n], non_blocking=unit.pinned)
+            if not unit.pinned:                     # returned only once the device got here
+                self.stats.stall_s += _clock() - t0
             if self.poison:
                 slot.buf.fill_(POISON_BYTE)
                 slot.valid = False
@@ -100,8 +112,13 @@ class TrainableStreamingEngine(StreamingEngine):
 
     def _make_resident(self, unit: _Unit) -> None:
         done = self.written.pop(id(unit), None)
-        if done is not None:
-            self.backend.compute_stream().wait_event(done)
+        if done is not None and not done.query():
+            stream = self.backend.compute_stream()
+            before, after = self.backend.event(timing=True), self.backend.event(timing=True)
+            before.record(stream)
+            stream.wait_event(done)
+            after.record(stream)
+            self.stats.add("pending_stall", before, after)
         super()._make_resident(unit)
 
     def _drain(self) -> None:
