@@ -146,12 +146,19 @@ def model_timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) 
     FluxPipeline keeps timesteps in [0, 1000] (sigma * 1000), casts to the latent dtype and divides by
     1000; in bf16 that is not the same number as sigma cast to bf16, so it is reproduced here.
     """
-    t = (sigma * NUM_TRAIN_TIMESTEPS).to(device)
-    return t.expand(batch).to(dtype) / NUM_TRAIN_TIMESTEPS
+    # A fill from a host number, not a copy: a (pageable) host tensor copied to the GPU makes the
+    # host wait for every queued kernel, once per denoising step. float32 either way, same value.
+    t = torch.full((batch,), float(sigma * NUM_TRAIN_TIMESTEPS), dtype=torch.float32, device=device)
+    return t.to(dtype) / NUM_TRAIN_TIMESTEPS
 
 
 def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor,
                sigma_next: torch.Tensor) -> torch.Tensor:
-    """x <- x + (sigma_next - sigma) * v, accumulated in float32 and returned in the velocity's dtype."""
-    dt = (sigma_next - sigma).to(velocity.device)
+    """x <- x + (sigma_next - sigma) * v, accumulated in float32 and returned in the velocity's dtype.
+
+    dt stays a 0-dim host tensor, as FlowMatchEulerDiscreteScheduler keeps its sigmas on the CPU: a
+    GPU kernel takes it as a float32 scalar. Moved to the GPU it would be rounded to the velocity's
+    dtype (bf16) before the product, unlike the pipelines and the CPU, and the copy would make the
+    host wait for the device once per step."""
+    dt = sigma_next - sigma
     return (latents.to(torch.float32) + dt * velocity).to(velocity.dtype)

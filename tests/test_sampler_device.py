@@ -1,0 +1,72 @@
+"""The denoising loop's per-step scalar math on an accelerator (infer/schedule.py): nothing is copied
+from the host to the device per step (such a copy makes the host wait for every queued kernel), and
+the Euler update takes dt as a float32 scalar, as the pipelines' scheduler does, not rounded to the
+velocity's dtype. On CPU the meta device stands in for the GPU; the gpu tests check the real one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from leantune.infer.schedule import euler_step, model_timestep
+
+aten = torch.ops.aten
+
+
+class _NoHostToDeviceCopy(TorchDispatchMode):
+    """Raises on any copy of a host tensor onto another device."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is aten._to_copy:
+            dst = kwargs.get("device")
+            if args[0].device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu":
+                raise AssertionError(f"host -> {dst} copy in the denoising step")
+        if func.overloadpacket is aten.copy_ and args[1].device.type == "cpu" and args[0].device.type != "cpu":
+            raise AssertionError(f"host -> {args[0].device} copy in the denoising step")
+        return func(*args, **kwargs)
+
+
+def _step_inputs(device, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    sigmas = torch.linspace(1.0, 0.03, 5, dtype=torch.float32)
+    x = torch.randn(2, 64, 16, generator=g).to(device, dtype)
+    v = torch.randn(2, 64, 16, generator=g).to(device, dtype)
+    return sigmas, x, v
+
+
+def test_denoising_step_scalars_stay_on_the_host():
+    sigmas, x, v = _step_inputs("meta")
+    with _NoHostToDeviceCopy():
+        t = model_timestep(sigmas[1], 2, torch.bfloat16, "meta")
+        out = euler_step(x, v, sigmas[1], sigmas[2])
+    assert t.shape == (2,) and t.dtype == torch.bfloat16 and t.device.type == "meta"
+    assert out.shape == x.shape and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+def test_denoising_step_values_are_the_pipelines():
+    """FluxPipeline's timestep (sigma * 1000 in the latent dtype, / 1000) and the scheduler's
+    x + (sigma_next - sigma) * v in float32, bitwise."""
+    sigmas, x, v = _step_inputs("cpu")
+    t = model_timestep(sigmas[1], 2, torch.bfloat16, "cpu")
+    assert torch.equal(t, (sigmas[1] * 1000).expand(2).to(torch.bfloat16) / 1000)
+    out = euler_step(x, v, sigmas[1], sigmas[2])
+    assert torch.equal(out, (x.float() + (sigmas[2] - sigmas[1]) * v).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_denoising_step_on_cuda_equals_the_cpu_and_does_not_synchronize():
+    sigmas, x, v = _step_inputs("cpu")
+    want_t = model_timestep(sigmas[1], 2, torch.bfloat16, "cpu")
+    want = euler_step(x, v, sigmas[1], sigmas[2])
+    xc, vc = x.cuda(), v.cuda()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t = model_timestep(sigmas[1], 2, torch.bfloat16, "cuda")
+        out = euler_step(xc, vc, sigmas[1], sigmas[2])
+    seen = {e.name for e in prof.events()}
+    assert not any("Synchronize" in n or "Memcpy HtoD" in n for n in seen), sorted(seen)
+    assert torch.equal(t.cpu(), want_t)
+    assert torch.equal(out.cpu(), want)          # dt was not rounded to bf16 on the device
