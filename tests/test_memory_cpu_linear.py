@@ -145,6 +145,30 @@ def test_scaled_mm_call_keeps_torchs_contract_and_matches_the_dequantized_produc
     assert rel < 0.05, rel
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantizing_the_input_for_scaled_mm_needs_the_e4m3_result_and_one_chunk(monkeypatch, dtype):
+    """The input's e4m3 copy is built a chunk of rows at a time: transient bytes are the (M, K) result
+    plus one fp32 chunk (it was an fp32 copy and an fp32 quotient of the whole input besides: 9
+    bytes per element). Values bitwise as the one-expression quantization, zero rows padded."""
+    from leantune.memory.simulated import DeviceMemoryTracker
+
+    monkeypatch.setattr(fp8_matmul, "QUANT_CHUNK", 64 * 2**10)
+    g = torch.Generator().manual_seed(1)
+    m, k, pad = 500, 1024, 12
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]).to(dtype)
+    x[7] = 0
+    tracker = DeviceMemoryTracker()
+    with tracker:
+        q, s = fp8_matmul.quantize_rows(x, pad)
+    assert tracker.peak["cpu"] <= (m + pad) * k + fp8_matmul.QUANT_CHUNK + 16 * (m + pad)
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    want_s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    want_q = (x.float() / want_s).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert q.shape == (m + pad, k) and s.shape == (m + pad, 1)
+    assert torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s[:m], want_s)
+    assert not q[m:].view(torch.uint8).any() and bool((s[m:] == 1).all())
+
+
 def test_a_refused_scaled_mm_falls_back_for_that_dtype_only_and_oom_propagates(monkeypatch):
     """torch reports a broken _scaled_mm contract as ValueError: that falls back to dequantizing
     (it used to escape, as only RuntimeError was caught), and only for the refused output dtype
