@@ -262,7 +262,19 @@ def test_kohyas_own_sd3_file_reads_as_comfyui_applies_it(style, tmp_path):
             "time_text_embed.timestep_embedder.linear_1"} <= set(w.modules)
     model = fresh(style)
     apply_lora(model, w, adapter_name="kohya")
-    close(run(model), run(merged_through_stability(style, sd)))
+    reference = run(merged_through_stability(style, sd))
+    close(run(model), reference)
+
+    # `leantune convert` to the diffusers layout: diffusers' SD3 loader applies it the same way.
+    from diffusers import StableDiffusion3Pipeline
+
+    out = tmp_path / "converted.safetensors"
+    assert _convert(path, out, "--to", "diffusers") == 0
+    state, meta = StableDiffusion3Pipeline.lora_state_dict(str(out), return_lora_metadata=True)
+    theirs = fresh(style)
+    StableDiffusion3Pipeline.load_lora_into_transformer(state, transformer=theirs, adapter_name="k", metadata=meta)
+    assert set(lora_layers(theirs, "k")) == set(w.modules)
+    close(run(theirs), reference)
 
 
 def test_conv_and_unknown_keys_are_refused_naming_the_key(tmp_path):

@@ -375,7 +375,8 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
     diffusers' pipelines (FluxPipeline / StableDiffusion3Pipeline.load_lora_weights, from the path
     so the header's alpha is read). Limits lie in diffusers, not in the files: its kohya Flux
     converter drops top-level layers (embedders, final layer) and splits single-block linear1 only
-    at width 3072, and it has no kohya SD3 converter; use the diffusers format there.
+    at width 3072, and it has no kohya SD3 converter (0.42 loads a kohya SD3 file as no LoRA at
+    all, with only a warning); use the diffusers format there.
     """
     if fmt not in FORMATS:
         raise LoraFormatError(f"{path}: unknown LoRA file format {fmt!r}; choose one of {FORMATS}")
