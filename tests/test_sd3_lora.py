@@ -332,10 +332,11 @@ def test_family_from_keys_header_or_flag(tmp_path, capsys):
     r = read_lora(tmp_path / "plain.safetensors")
     assert r.keys is None and r.format == "diffusers"
     assert [k.family for k in families_in_doubt(r)] == ["flux", "sd3"]
-    assert _convert(tmp_path / "plain.safetensors", tmp_path / "x.safetensors", "--to", "comfyui") == 2
+    # Converted without --family: the first family's names, as before SD3.5 existed, with a warning.
+    assert _convert(tmp_path / "plain.safetensors", tmp_path / "x.safetensors", "--to", "comfyui") == 0
     err = capsys.readouterr().err
-    assert "exist in several model families (flux, sd3)" in err and "give --family" in err
-    assert not (tmp_path / "x.safetensors").exists()
+    assert "warning" in err and "fit Flux and SD3.5 LoRAs" in err and "give --family sd3" in err
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in load_file(tmp_path / "x.safetensors")
     # The final layer alone is named alike in both: no doubt.
     assert families_in_doubt(LoraWeights({"proj_out": LoraModule(torch.ones(2, D), torch.ones(64, 2), 2.0)})) == []
     assert _convert(tmp_path / "plain.safetensors", tmp_path / "sd3.safetensors", "--to", "comfyui",
@@ -348,6 +349,12 @@ def test_family_from_keys_header_or_flag(tmp_path, capsys):
                     "--family", "sdxl") == 2
     assert "not a model family" in capsys.readouterr().err
 
+    # The width of the released checkpoints says it: 2432 is SD3.5 Large, 3072 Flux.1.
+    g = torch.Generator().manual_seed(0)
+    for width, family in ((2432, "sd3"), (1536, "sd3"), (3072, "flux")):
+        wide = {"transformer.transformer_blocks.3.attn.to_q.lora_A.weight": torch.randn(2, width, generator=g),
+                "transformer.transformer_blocks.3.attn.to_q.lora_B.weight": torch.randn(width, 2, generator=g)}
+        assert lora_from_state_dict(wide).family == family
     # A header says it (kohya's ss_base_model_version; ours writes it too).
     save_file(plain, str(tmp_path / "hinted.safetensors"), metadata={"ss_base_model_version": "sd3"})
     assert read_lora(tmp_path / "hinted.safetensors").family == "sd3"

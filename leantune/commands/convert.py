@@ -3,9 +3,10 @@
 Reads any LoRA layout leantune understands (kohya / ComfyUI, diffusers, ai-toolkit, native BFL /
 Stability keys) for any family (Flux, SD3.5) and writes it in the chosen one, with the same weight
 deltas; the source header's training notes (ss_*) are carried over. The family comes from the keys
-(Flux `double_blocks` vs SD3 `joint_blocks`, ...) or the header; `--family` says it for files whose
-names fit several (diffusers names written without a header, converted to kohya names). Heavy
-imports wait until the command runs.
+(Flux `double_blocks` vs SD3 `joint_blocks`, ...), the header or the LoRA's width (3072: Flux.1);
+`--family` says it for files whose names fit several and that nothing else tells apart (diffusers
+names without a header, at another width, converted to kohya names: the first family's names are
+written then, with a warning). Heavy imports wait until the command runs.
 """
 
 from __future__ import annotations
@@ -74,12 +75,12 @@ def run(args) -> int:
             print(f"leantune convert: warning: {w.message}", file=sys.stderr)
         if args.to == "comfyui" and keys is None and weights.keys is None:
             doubt = families_in_doubt(weights)
-            if doubt:
-                names = ", ".join(k.family for k in doubt)
-                print(f"leantune convert: {args.input}: its module names (e.g. {sorted(weights.modules)[0]!r}) "
-                      f"exist in several model families ({names}) with different kohya/ComfyUI names, and its "
-                      f"header does not say which it is for; give --family ({names})", file=sys.stderr)
-                return 2
+            if doubt:          # written with the first family's names, as save_lora does; say so
+                others = ", ".join(k.family for k in doubt[1:])
+                print(f"leantune convert: warning: {args.input}: its module names (e.g. {sorted(weights.modules)[0]!r}) "
+                      f"fit {doubt[0].display} and {', '.join(k.display for k in doubt[1:])} LoRAs, which kohya/ComfyUI "
+                      f"name differently, and neither its header nor its width says which; writing "
+                      f"{doubt[0].display} names (give --family {others} for the other)", file=sys.stderr)
         path = save_lora(weights, args.output, args.to, dtype=dtype, keys=keys)
     except (ValueError, FileNotFoundError) as e:   # LoraFormatError and unreadable files name the file
         print(f"leantune convert: {e}", file=sys.stderr)

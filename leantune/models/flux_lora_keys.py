@@ -50,4 +50,5 @@ FLUX_LORA_KEYS = LoraKeyMap(
     swaps={"final_layer.adaLN_modulation.1": ALWAYS},
     header={"ss_network_module": "networks.lora_flux", "ss_base_model_version": "flux1"},
     header_hints=("flux",),
+    widths=(3072,),          # Flux.1 dev / schnell
 )

@@ -58,7 +58,7 @@ class LoraKeyMap:
 
     def __init__(self, family: str, display: str, block_lists: tuple[tuple[str, str, BlockTable], ...],
                  top: dict[str, str], swaps: dict[str, str], header: dict[str, str],
-                 header_hints: tuple[str, ...]):
+                 header_hints: tuple[str, ...], widths: tuple[int, ...] = ()):
         self.family = family                # "flux": the ModelFamily name
         self.display = display              # "Flux": in messages
         # (diffusers attribute, native prefix, in-block table): ("transformer_blocks", "double_blocks", {...})
@@ -69,6 +69,9 @@ class LoraKeyMap:
         # Lower-case prefixes of `ss_base_model_version` / `modelspec.architecture` values that say
         # a file is for this family (a tie-breaker only, when the keys fit several families).
         self.header_hints = header_hints
+        # Transformer widths of the family's released checkpoints (Flux.1: 3072): the most common
+        # LoRA input width of a file tells its family apart when names and header cannot.
+        self.widths = widths
 
     def __repr__(self) -> str:
         return f"LoraKeyMap({self.family!r})"
@@ -152,6 +155,9 @@ class LoraKeyMap:
         native_inner, part = found
         native_prefix = next(p for a, p, _ in self.block_lists if a == attr)
         return self.target_for_native(f"{native_prefix}.{int(index)}.{native_inner}"), part
+
+    def has_width(self, width: int) -> bool:
+        return width in self.widths
 
     def hinted_by(self, metadata: dict[str, str]) -> bool:
         """Whether a file header names this family (kohya's ss_base_model_version, modelspec)."""

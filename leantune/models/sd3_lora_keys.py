@@ -52,4 +52,5 @@ SD3_LORA_KEYS = LoraKeyMap(
     swaps={"final_layer.adaLN_modulation.1": ALWAYS, "context_block.adaLN_modulation.1": WHEN_TWO_CHUNKS},
     header={"ss_network_module": "networks.lora_sd3", "ss_base_model_version": "sd3"},
     header_hints=("sd3", "stable-diffusion-3", "stable-diffusion-v3"),
+    widths=(2432, 1536),     # SD3.5 Large (38 heads of 64); SD3 / SD3.5 Medium (24 heads)
 )

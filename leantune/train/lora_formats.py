@@ -23,7 +23,8 @@ diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in
 The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...). Some
 files fit several families (diffusers names such as `transformer_blocks.0.attn.to_q` exist in both):
 their modules are the same either way, and only writing kohya names needs the family; the file's
-header (`ss_base_model_version`) or the caller (`keys=`, `leantune convert --family`) then says it.
+header (`ss_base_model_version`), its width (3072: Flux.1; 2432 / 1536: SD3.5 Large / Medium) or
+the caller (`keys=`, `leantune convert --family`) then says it.
 
 Only safetensors are read or written (io.py refuses pickle); saves are atomic. Any key we do not
 understand is an error naming the file and the key, except text-encoder LoRA keys, which LoRA
@@ -280,8 +281,23 @@ def writing_keys(weights: LoraWeights, keys: LoraKeyMap | None = None) -> list[L
         name = next(n for n in sorted(weights.modules) if not _maps_for_names([n]))
         raise LoraFormatError(f"{weights.source}: module {name!r} is not a {_displays(every)} transformer Linear "
                               f"with a kohya/ComfyUI name")
-    hinted = [k for k in maps if k.hinted_by(weights.metadata)]
-    return hinted if len(hinted) == 1 else maps
+    return _narrowed(maps, weights.metadata, weights.modules)
+
+
+def _narrowed(maps: list[LoraKeyMap], metadata: dict[str, str], modules: dict[str, LoraModule]) -> list[LoraKeyMap]:
+    """Of several families whose names fit, the one the header names, else the one whose released
+    checkpoints have the LoRA's most common input width (3072: Flux.1); else all of them."""
+    if len(maps) < 2:
+        return maps
+    hinted = [k for k in maps if k.hinted_by(metadata)]
+    if len(hinted) == 1:
+        return hinted
+    if modules:
+        width = _most_common(m.down.shape[1] for m in modules.values())
+        wide = [k for k in maps if k.has_width(width)]
+        if len(wide) == 1:
+            return wide
+    return maps
 
 
 def _comfyui_tensors(weights: LoraWeights, keys: LoraKeyMap, dtype) -> dict[str, torch.Tensor]:
@@ -586,6 +602,7 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
             raise LoraFormatError(f"{source}: its keys read as a {fitting[0].display} LoRA and as a {other.display} "
                                   f"LoRA with different meanings; say which family it is for (leantune convert "
                                   f"--family)")
+    fitting = _narrowed(fitting, metadata, modules)
     if ignored:
         warnings.warn(f"{source}: ignored {len(ignored)} text-encoder LoRA keys (only the transformer is "
                       f"supported), e.g. {ignored[0]!r}", IgnoredKeysWarning, stacklevel=3)
