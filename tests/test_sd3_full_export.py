@@ -121,3 +121,43 @@ def test_last_block_adaln_halves_are_swapped_only_there(tmp_path):
     last = d[2].norm1_context.linear.weight
     assert torch.equal(tensors["model.diffusion_model.joint_blocks.2.context_block.adaLN_modulation.1.weight"],
                        torch.cat([last[48:], last[:48]]))
+
+
+def test_full_fine_tune_run_writes_a_stability_file(tmp_path, tiny_sd3_dir):
+    """`leantune train` in full mode on SD3 (formats comfyui + diffusers): the Stability single file
+    and the diffusers folder hold the same trained weights, and differ from the base."""
+    from test_train_sd3 import RUN, make_config
+
+    from leantune.demo import draw_shapes
+    from leantune.train.trainer import train
+
+    images = tmp_path / "images"
+    draw_shapes(images, count=4, size=64, seed=5)
+    text = RUN.split("[lora]")[0] + """
+[train]
+mode = "full"
+steps = 2
+learning_rate = 1e-4
+mixed_precision = "no"
+seed = 3
+
+[output]
+dir = "out"
+name = "f"
+formats = ["comfyui", "diffusers"]
+"""
+    cfg = make_config(tmp_path / "run", tiny_sd3_dir, images, text=text)
+    result = train(cfg, progress=False)
+    single = result.paths.root / "f_comfyui.safetensors"
+    folder = result.paths.root / "f_diffusers"
+    tensors, _ = load_safetensors(single)
+    assert all(k.startswith("model.diffusion_model.") for k in tensors)
+
+    def load(path):
+        return FAM.load_transformer(FAM.resolve_sources(ModelConfig(path=str(path), family="sd3"), Path("/")),
+                                    dtype=torch.float32)
+
+    from_file, from_folder = _state(load(single)), _state(load(folder))
+    _same(from_file, from_folder)
+    base = _state(load(tiny_sd3_dir))
+    assert not torch.equal(from_file["transformer_blocks.0.attn.to_q.weight"], base["transformer_blocks.0.attn.to_q.weight"])
