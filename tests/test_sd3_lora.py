@@ -418,3 +418,25 @@ def test_lora_mode_exports_sd3_files_with_sd3_names(tmp_path):
     assert back.family == "sd3" and set(back.modules) == set(ours.modules)
     for name, m in ours.modules.items():
         assert torch.equal(back.modules[name].up, m.up) and torch.equal(back.modules[name].down, m.down)
+
+
+def test_sd3_lora_run_writes_both_formats(tmp_path, tiny_sd3_dir):
+    """`leantune train` on SD3 (formats comfyui + diffusers): both files are SD3 LoRAs of the same modules."""
+    from test_train_sd3 import RUN, make_config
+
+    from leantune.demo import draw_shapes
+    from leantune.train.trainer import train
+
+    images = tmp_path / "images"
+    draw_shapes(images, count=4, size=64, seed=5)
+    text = RUN.replace("steps = 20", "steps = 2").replace('formats = ["diffusers"]', 'formats = ["comfyui", "diffusers"]')
+    cfg = make_config(tmp_path / "run", tiny_sd3_dir, images, text=text)
+    result = train(cfg, progress=False)
+    comfy, diff = (result.paths.root / f"t_{fmt}.safetensors" for fmt in ("comfyui", "diffusers"))
+    assert "lora_unet_joint_blocks_1_context_block_adaLN_modulation_1.lora_up.weight" in load_file(comfy)
+    a, b = read_lora(comfy), read_lora(diff)
+    assert a.family == b.family == "sd3" and set(a.modules) == set(b.modules)
+    for name, m in b.modules.items():
+        assert torch.equal(a.modules[name].up, m.up) and torch.equal(a.modules[name].down, m.down)
+        assert a.modules[name].alpha == m.alpha
+    assert header(comfy)["ss_base_model_version"] == "sd3"
