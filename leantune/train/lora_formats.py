@@ -265,8 +265,8 @@ def _maps_for_names(names) -> list[LoraKeyMap]:
 
 def writing_keys(weights: LoraWeights, keys: LoraKeyMap | None = None) -> list[LoraKeyMap]:
     """The family names to write `weights` with: the caller's, the LoRA's own, else every family
-    whose transformer has all its modules (narrowed by the header's hint). Several means the names
-    fit several families; the caller checks whether that matters."""
+    whose transformer has all its modules (narrowed by the header's hint or the LoRA's width).
+    Several means nothing told them apart; families_in_doubt says whether that matters."""
     if keys is None:
         keys = weights.keys
     if keys is not None:
