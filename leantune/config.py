@@ -100,7 +100,8 @@ class DataConfig(Section):
 class LoraConfig(Section):
     rank: int = Field(16, ge=1)
     alpha: float | None = None           # default: equal to rank
-    targets: Literal["attention", "attention_mlp", "all"] = "attention_mlp"
+    # all_linear: "all" plus the Linears outside the blocks (embedders, final layer)
+    targets: Literal["attention", "attention_mlp", "all", "all_linear"] = "attention_mlp"
     # Optional block selection per block list, e.g. {double = [0, 1, 2], single = []} (Flux) or
     # {joint = [0, 1]} (SD3); absent = all.
     blocks: dict[Literal["double", "single", "joint"], list[int]] | None = None

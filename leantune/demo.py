@@ -6,6 +6,16 @@ draws a small captioned image set of coloured shapes, and trains a LoRA with the
 config — the same `train()` a real run uses. Then it samples the quickstart's prompts with the base
 model and with the trained LoRA (same seeds) and puts them side by side: the picture a newcomer
 looks at shows what training changed.
+
+The base model's weights are random (it draws noise), so the LoRA must carry everything: the
+recipe (quickstart.toml) is what makes that possible in about a minute of one CPU core. Shapes sit
+centred at a fixed size, so what there is to learn is what the words mean; the LoRA covers every
+Linear (`all_linear`: a random, frozen input and output projection would cap what the blocks can
+learn) at rank 32 on a model 64 wide; timesteps are drawn uniformly, since sampling starts at pure
+noise, where the logit-normal draw of real Flux training seldom goes; samples use the guidance the
+LoRA was trained with, since the random guidance embedder means nothing at any other value.
+Torch runs on one thread: the matrices are too small to share, and on a busy machine extra
+threads spin for cores they do not get.
 `mode="full"` fine-tunes every weight instead (quickstart_full.toml: step inside backward, two
 streamed trainable blocks) and exports the whole model as a BFL / ComfyUI file.
 """
@@ -14,6 +24,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -23,14 +34,20 @@ COLOURS = {
 }
 BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15)}
 SHAPES = ("circle", "square", "triangle")
+# The demo's images: three colours far apart, each with its own shape. Six colours were too many
+# words for the random base's LoRA to tell apart in a minute; three it learns.
+DEMO_PAIRS = (("red", "circle"), ("blue", "square"), ("green", "triangle"))
 
 
-def draw_shapes(folder: Path, count: int = 24, size: int = 128, seed: int = 0, cycle: bool = False) -> list[Path]:
+def draw_shapes(folder: Path, count: int = 24, size: int = 128, seed: int = 0, cycle: bool = False,
+                centred: bool = False) -> list[Path]:
     """`count` PNGs of one coloured shape each, with a same-stem .txt caption describing it.
 
-    Colours and backgrounds are drawn at random, or with `cycle` in a fixed round: image i has
-    colour i % 6, each colour its own shape, and the background switches every 6 images, so 24
-    images hold every combination twice (the demo's prompts name two of them)."""
+    Colours and backgrounds are drawn at random, or with `cycle` in the demo's fixed round: image i
+    is the (colour, shape) pair i % 3 of DEMO_PAIRS, and the background switches every 3 images, so
+    24 images hold each of the 6 combinations 4 times (the demo's prompts name two of them). Shapes
+    sit at a random place and size, or with `centred` in the middle at a fixed size (`shape_box`):
+    the demo's small model then learns what the words mean, not where shapes may lie."""
     from PIL import Image, ImageDraw
 
     rng = random.Random(seed)
@@ -39,12 +56,14 @@ def draw_shapes(folder: Path, count: int = 24, size: int = 128, seed: int = 0, c
     for i in range(count):
         colour, shape, bg = rng.choice(list(COLOURS)), SHAPES[i % len(SHAPES)], rng.choice(list(BACKGROUNDS))
         if cycle:
-            colour, bg = list(COLOURS)[i % len(COLOURS)], list(BACKGROUNDS)[(i // len(COLOURS)) % len(BACKGROUNDS)]
+            (colour, shape), bg = DEMO_PAIRS[i % len(DEMO_PAIRS)], list(BACKGROUNDS)[(i // len(DEMO_PAIRS)) % 2]
         img = Image.new("RGB", (size, size), BACKGROUNDS[bg])
         d = ImageDraw.Draw(img)
         r = rng.randint(size // 5, size // 3)
         cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
-        if shape == "circle":
+        if centred:
+            draw_one(d, shape, *shape_box(size), COLOURS[colour])
+        elif shape == "circle":
             d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=COLOURS[colour])
         elif shape == "square":
             d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=COLOURS[colour])
@@ -57,6 +76,11 @@ def draw_shapes(folder: Path, count: int = 24, size: int = 128, seed: int = 0, c
     return paths
 
 
+def shape_box(size: int) -> tuple[int, int]:
+    """(centre, half side) of a centred shape in a `size` x `size` image: it spans 60% of the side."""
+    return size // 2, size * 3 // 10
+
+
 def colour_match(image, prompt: str, tolerance: float = 60.0) -> tuple[float, float]:
     """(share of pixels near the prompt's shape colour, share near its background colour) of a PIL
     image: how well a sample draws "a red circle on a white background". `tolerance` is a
@@ -67,23 +91,97 @@ def colour_match(image, prompt: str, tolerance: float = 60.0) -> tuple[float, fl
     colour = next(w for w in words if w in COLOURS)
     background = next(w for w in words if w in BACKGROUNDS)
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32).reshape(-1, 3)
-
-    def share(rgb) -> float:
-        return float((np.linalg.norm(pixels - np.array(rgb, dtype=np.float32), axis=1) < tolerance).mean())
-
-    return share(COLOURS[colour]), share(BACKGROUNDS[background])
+    return (float(_near(pixels, COLOURS[colour], tolerance).mean()),
+            float(_near(pixels, BACKGROUNDS[background], tolerance).mean()))
 
 
-def before_after_match(samples: Path, prompts: list[str]) -> dict[str, list[tuple[float, float]]]:
-    """colour_match of each prompt's image in samples/before and samples/after (prompt order)."""
+def prompt_words(prompt: str) -> tuple[str, str, str]:
+    """(colour, shape, background) named by a demo prompt such as "lnt, a red circle on a white background"."""
+    words = prompt.replace(",", " ").split()
+    try:
+        return (next(w for w in words if w in COLOURS), next(w for w in words if w in SHAPES),
+                next(w for w in words if w in BACKGROUNDS))
+    except StopIteration:
+        raise ValueError(f"{prompt!r} does not name a colour, a shape and a background of the demo") from None
+
+
+def _near(pixels, rgb, tolerance: float):
+    import numpy as np
+
+    return np.linalg.norm(pixels - np.asarray(rgb, dtype=np.float32), axis=-1) < tolerance
+
+
+def shape_mask(shape: str, size: int):
+    """(size, size) bool mask of the centred `shape` as `draw_shapes(centred=True)` draws it."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    img = Image.new("L", (size, size), 0)
+    draw_one(ImageDraw.Draw(img), shape, *shape_box(size), 255)
+    return np.asarray(img) > 0
+
+
+def draw_one(d, shape: str, c: int, r: int, fill) -> None:
+    if shape == "circle":
+        d.ellipse([c - r, c - r, c + r, c + r], fill=fill)
+    elif shape == "square":
+        d.rectangle([c - r, c - r, c + r, c + r], fill=fill)
+    else:
+        d.polygon([(c, c - r), (c - r, c + r), (c + r, c + r)], fill=fill)
+
+
+def prompt_match(image, prompt: str, tolerance: float = 80.0) -> dict[str, float | str]:
+    """How well a sample draws its demo prompt, where the demo's images put it (centred):
+
+    - `shape`: share of the prompted shape's pixels (eroded 4 px: edges blur) near the prompted colour;
+    - `background`: share of the pixels away from the shape (outside its box grown by 8 px) near the
+      prompted background colour;
+    - `best_shape`: which of the three centred shapes the pixels of the prompted colour overlap best
+      (intersection over union), and `iou`, that overlap: the shape check.
+    `tolerance` is a Euclidean RGB distance in 0..255 levels."""
+    import numpy as np
+    from PIL import ImageFilter
+
+    colour, _, background = prompt_words(prompt)
+    rgb = image.convert("RGB")
+    size = rgb.size[0]
+    pixels = np.asarray(rgb, dtype=np.float32)                          # (H, W, 3)
+    coloured = _near(pixels, COLOURS[colour], tolerance)               # (H, W)
+    masks = {s: shape_mask(s, size) for s in SHAPES}
+    c, r = shape_box(size)
+    inner = {s: np.asarray(_pil_mask(m).filter(ImageFilter.MinFilter(9))) > 0 for s, m in masks.items()}
+    away = np.ones_like(coloured)
+    away[max(0, c - r - 8):c + r + 9, max(0, c - r - 8):c + r + 9] = False
+    iou = {s: float((coloured & m).sum() / max(1, (coloured | m).sum())) for s, m in masks.items()}
+    best = max(iou, key=iou.get)
+    shape = prompt_words(prompt)[1]
+    return {"shape": float(coloured[inner[shape]].mean()),
+            "background": float(_near(pixels, BACKGROUNDS[background], tolerance)[away].mean()),
+            "best_shape": best, "iou": iou[shape]}
+
+
+def _pil_mask(mask):
+    from PIL import Image
+
+    return Image.fromarray(mask.astype("uint8") * 255)
+
+
+def before_after_match(samples: Path, prompts: list[str]) -> dict[str, list[dict]]:
+    """prompt_match of each prompt's image in samples/before and samples/after (prompt order)."""
     from PIL import Image
 
     out = {}
     for which in ("before", "after"):
         files = sorted((samples / which).glob("*.png"))
-        out[which] = [colour_match(Image.open(f), prompt) for f, prompt in zip(files, prompts)]
+        out[which] = [prompt_match(Image.open(f), prompt) for f, prompt in zip(files, prompts)]
     return out
 
+
+# The demo's base: the tiny preset at width 64 (4 heads of 16) instead of 32, its weights random.
+# A random base draws noise, so the LoRA carries everything the "after" samples show; at width 64
+# the blocks can carry each of the 64 packed latent channels (at 32 they could not), and the
+# LoRA also covers the embedders and the final layer (quickstart.toml: targets = "all_linear").
+DEMO_FLUX = {"num_attention_heads": 4}
 
 CONFIGS = {"lora": "quickstart.toml", "full": "quickstart_full.toml"}
 
@@ -147,25 +245,44 @@ def prepare(out: Path, fresh: bool = False, mode: str = "lora") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by `leantune demo`; `leantune demo` may clear this folder's demo files\n")
     if not (out / "model" / "model_index.json").exists():
-        tiny.save_flux_folder(out / "model", seed=0)
+        tiny.save_flux_folder(out / "model", seed=0, **DEMO_FLUX)
         save_shape_vae(out / "model" / "vae")          # a VAE that reconstructs the shapes
     if not any((out / "images").glob("*.png")):
-        draw_shapes(out / "images", cycle=True)
+        draw_shapes(out / "images", cycle=True, centred=True)
     config = out / CONFIGS[mode]
     config.write_text(quickstart_text(mode))
     return config
+
+
+@contextmanager
+def one_thread():
+    """Run torch on one intra-op thread, then restore the count.
+
+    The demo's matrices are tens of columns wide: splitting them over threads costs more in
+    hand-offs than it gains, and on a busy machine each extra thread spin-waits for a core the
+    others hold (measured on 2 shared cores under load 7: 66 CPU-s for 100 steps on two threads,
+    8 CPU-s on one)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: bool = True, mode: str = "lora"):
     from .config import load_config
     from .train.trainer import train
 
-    config = prepare(out, fresh=fresh, mode=mode)
-    overrides = [] if steps is None else [f"train.steps={steps}"]
-    cfg = load_config(config, overrides)
-    result = train(cfg, progress=progress, overwrite=True)     # the demo owns its run folder
-    if mode == "lora" and not result.interrupted and result.lora_files and cfg.sample.prompts:
-        result.sample_files.append(before_after(cfg, result.lora_files[0], result.paths.samples))
+    with one_thread():
+        config = prepare(out, fresh=fresh, mode=mode)
+        overrides = [] if steps is None else [f"train.steps={steps}"]
+        cfg = load_config(config, overrides)
+        result = train(cfg, progress=progress, overwrite=True)     # the demo owns its run folder
+        if mode == "lora" and not result.interrupted and result.lora_files and cfg.sample.prompts:
+            result.sample_files.append(before_after(cfg, result.lora_files[0], result.paths.samples))
     return config, result
 
 

@@ -1,12 +1,17 @@
-"""The README's first command, end to end: `leantune demo` trains on a tiny Flux built offline."""
+"""The README's first command, end to end: `leantune demo` trains on a tiny Flux built offline, and
+its before/after picture shows what training taught: the prompted shape, in the prompted colour, on
+the prompted background, where the random base model draws noise."""
 
 import json
 
+import pytest
 from PIL import Image
 
 from leantune.cli import main
+from leantune.demo import SHAPES, draw_shapes, prompt_match
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out)]) == 0
@@ -20,16 +25,18 @@ def test_demo_end_to_end(tmp_path, capsys):
     losses = json.loads((run / "loss.json").read_text())["loss"]
     n = len(losses) // 10
     first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
-    assert last < 0.8 * first, (first, last)
+    assert last < 0.5 * first, (first, last)
     # A sample grid per sampling step, real PNGs, a loss plot, a TensorBoard log.
     grids = sorted((run / "samples").glob("step-*.png"))
     assert grids and Image.open(grids[-1]).size == (256, 128)   # 2 prompts of 128x128 side by side
     from leantune.infer.images import read_png_metadata
 
     meta = read_png_metadata(grids[-1])
-    assert json.loads(meta["prompt"])[0].startswith("lnt, a red circle") and meta["training_step"] == "400"
+    assert json.loads(meta["prompt"])[0].startswith("lnt, a red circle") and meta["training_step"] == "1000"
     assert Image.open(run / "loss.png").format == "PNG"
-    # Before/after: the base model and the trained LoRA on the same prompts and seeds, side by side.
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    # Before/after: the base model and the trained LoRA (read back from its file by `leantune
+    # sample`'s code) on the same prompts and seeds, side by side.
     from leantune.demo import before_after_match
 
     pair = Image.open(run / "samples" / "before-after.png")
@@ -38,12 +45,14 @@ def test_demo_end_to_end(tmp_path, capsys):
     match = before_after_match(run / "samples", prompts)
     assert len(match["before"]) == len(match["after"]) == 2
     assert "before -> after" in printed
-    # The trained model draws the prompted background colour far more often than the base model
-    # (measured: 2% -> 17% of pixels, mean over the two prompts; the shapes are not yet learned).
-    before_bg = sum(bg for _, bg in match["before"]) / 2
-    after_bg = sum(bg for _, bg in match["after"]) / 2
-    assert after_bg > 3 * before_bg and after_bg > 0.1, match
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    # The random base draws noise: little of the shape in its colour, little clean background.
+    # Trained, each sample draws its prompt: measured 97% / 79% of the shape's pixels in the
+    # prompted colour (red, blue) and 80% / 92% of the background; before, 6% and under 8%.
+    for prompt, before, after in zip(prompts, match["before"], match["after"]):
+        assert before["shape"] < 0.25 and before["background"] < 0.25, (prompt, before)
+        assert after["shape"] > 0.6 and after["background"] > 0.6, (prompt, after)
+        # Where it is drawn: the prompted colour overlaps the centred shape (IoU; measured 0.79 / 0.63).
+        assert after["iou"] > 0.4 and after["iou"] > before["iou"] + 0.3, (prompt, before, after)
     # The LoRA loads back into diffusers and changes the model's output.
     import torch
     from diffusers import FluxPipeline
@@ -56,3 +65,22 @@ def test_demo_end_to_end(tmp_path, capsys):
     kwargs["generator"] = torch.Generator().manual_seed(0)
     after = pipe(**kwargs).images
     assert (after - before).abs().max() > 1e-3
+
+
+def test_prompt_match_scores_the_demo_images_themselves_and_not_others(tmp_path):
+    """The score the demo test relies on: a training image of the prompt scores near 1, an image of
+    another colour, shape or background does not."""
+    paths = draw_shapes(tmp_path, count=6, size=128, cycle=True, centred=True)
+    captions = [p.with_suffix(".txt").read_text() for p in paths]
+    for path, caption in zip(paths, captions):
+        m = prompt_match(Image.open(path), caption)
+        assert m["shape"] > 0.99 and m["background"] > 0.99 and m["iou"] > 0.95, (caption, m)
+        assert m["best_shape"] == next(s for s in SHAPES if s in caption)
+    red_on_white, blue_on_white = Image.open(paths[0]), Image.open(paths[1])
+    assert prompt_match(blue_on_white, captions[0])["shape"] < 0.01         # wrong colour
+    assert prompt_match(red_on_white, captions[0].replace("white", "black"))["background"] < 0.01
+    import numpy as np
+
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (128, 128, 3), dtype=np.uint8))
+    m = prompt_match(noise, captions[0])
+    assert m["shape"] < 0.2 and m["background"] < 0.2 and m["iou"] < 0.2, m

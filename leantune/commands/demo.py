@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
         prompts = list(load_config(config).sample.prompts)
         match = before_after_match(p.samples, prompts)
-        print("prompted colours in the samples (share of pixels: shape colour, background), before -> after:")
-        for prompt, (sb, bb), (sa, ba) in zip(prompts, match["before"], match["after"]):
-            print(f"  {prompt!r}: shape {sb:.0%} -> {sa:.0%}, background {bb:.0%} -> {ba:.0%}")
+        print("how the samples draw their prompts, before -> after training (share of the shape's pixels in the "
+              "prompted colour; share of the pixels around it in the prompted background):")
+        for prompt, b, a in zip(prompts, match["before"], match["after"]):
+            print(f"  {prompt!r}: shape {b['shape']:.0%} -> {a['shape']:.0%}, "
+                  f"background {b['background']:.0%} -> {a['background']:.0%}")
     return 0

@@ -23,6 +23,13 @@ class BlockList:
     kohya_prefix: str     # prefix of this list's keys in BFL / kohya files: "double_blocks"
 
 
+# LoRA preset of every family: its "all" preset in the blocks, plus every Linear outside them
+# (embedders, final norm's modulation, final projection). On a trained base those are rarely worth
+# adapting; on the demo's random base the LoRA must carry everything, and a random, frozen input
+# and output projection would cap what the blocks can learn.
+ALL_LINEAR = "all_linear"
+
+
 @dataclass(frozen=True)
 class SingleFileLayout:
     """How a family's reference single file (BFL's flux1-dev.safetensors, Stability's
@@ -92,8 +99,12 @@ class ModelSpec:
         `blocks` optionally restricts targets to some block indices per block-list kind, e.g.
         {"double": [0, 1], "single": []}; kinds absent from it are not restricted.
         """
+        top = preset == ALL_LINEAR
+        if top:
+            preset = "all"
         if preset not in self.lora_presets:
-            raise KeyError(f"unknown LoRA target preset {preset!r}; choose one of {sorted(self.lora_presets)}")
+            choices = sorted(self.lora_presets) + ([ALL_LINEAR] if "all" in self.lora_presets else [])
+            raise KeyError(f"unknown LoRA target preset {preset!r}; choose one of {choices}")
         modules = "|".join(self.lora_presets[preset])
         alternatives = []
         for bl in self.block_lists:
@@ -105,6 +116,9 @@ class ModelSpec:
             else:
                 index_re = r"\d+"
             alternatives.append(rf"{re.escape(bl.attr)}\.{index_re}\.({modules})")
+        if top:
+            # Every module under a non-block child; callers keep the Linears among them.
+            alternatives.append(rf"({'|'.join(re.escape(n) for n in self.non_block_modules)})(\..+)?")
         if not alternatives:
             raise ValueError("the LoRA block selection leaves no block to train")
         return "^(" + "|".join(alternatives) + ")$"

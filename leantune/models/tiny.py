@@ -181,11 +181,13 @@ def flux_scheduler():
     )
 
 
-def flux_components(seed: int = 0, dtype: torch.dtype = torch.float32, guidance_embeds: bool = True) -> dict:
-    """All components of a tiny FluxPipeline, keyed as FluxPipeline's constructor expects."""
+def flux_components(seed: int = 0, dtype: torch.dtype = torch.float32, guidance_embeds: bool = True,
+                    **transformer_overrides) -> dict:
+    """All components of a tiny FluxPipeline, keyed as FluxPipeline's constructor expects;
+    `transformer_overrides` change FLUX_TINY (e.g. the demo's wider model)."""
     tok, tok2 = clip_tokenizer(), t5_tokenizer()
     return dict(
-        transformer=flux_transformer(seed, dtype, guidance_embeds=guidance_embeds),
+        transformer=flux_transformer(seed, dtype, guidance_embeds=guidance_embeds, **transformer_overrides),
         vae=vae(seed, dtype),
         text_encoder=clip_text_encoder(tok, seed, dtype),
         text_encoder_2=t5_text_encoder(tok2, seed, dtype),
@@ -195,12 +197,12 @@ def flux_components(seed: int = 0, dtype: torch.dtype = torch.float32, guidance_
     )
 
 
-def save_flux_folder(path: str | Path, seed: int = 0, guidance_embeds: bool = True) -> Path:
+def save_flux_folder(path: str | Path, seed: int = 0, guidance_embeds: bool = True, **transformer_overrides) -> Path:
     """Write a complete tiny Flux model in the diffusers (FLUX.1-dev repository) layout, as safetensors."""
     from diffusers import FluxPipeline
 
     path = Path(path)
-    pipe = FluxPipeline(**flux_components(seed, guidance_embeds=guidance_embeds))
+    pipe = FluxPipeline(**flux_components(seed, guidance_embeds=guidance_embeds, **transformer_overrides))
     pipe.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -107,9 +107,13 @@ def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_na
         raise ValueError(f"the transformer already has an adapter named {adapter_name!r}")
     _check_block_selection(transformer, spec, lora_cfg.blocks)
     regex = spec.lora_target_regex(lora_cfg.targets, lora_cfg.blocks)
-    targets = [n for n, _ in transformer.named_modules() if re.fullmatch(regex, n)]
+    matched = [(n, m) for n, m in transformer.named_modules()
+               if re.fullmatch(regex, n) and not re.search(r"\.(base_layer|lora_\w+)(\.|$)", n)]
+    targets = [n for n, m in matched if isinstance(getattr(m, "base_layer", m), torch.nn.Linear)]   # peft wraps
     if not targets:
         raise ValueError(f"[lora] targets = {lora_cfg.targets!r} with blocks = {lora_cfg.blocks} selects no module")
+    if len(targets) < len(matched):            # all_linear names whole top-level children: keep their Linears
+        regex = "^(" + "|".join(re.escape(n) for n in targets) + ")$"
     config = PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.effective_alpha, lora_dropout=lora_cfg.dropout,
                             target_modules=regex, init_lora_weights=True)
     transformer.requires_grad_(False)
