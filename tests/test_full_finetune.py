@@ -258,6 +258,71 @@ def test_a_weight_stepped_after_backward_updates_its_streamed_block():
     assert any(not torch.equal(stale[n], want[n]) for n in want)
 
 
+def test_an_out_of_memory_error_inside_a_block_keeps_its_stepped_weights_on_restore():
+    """An OOM between two weight updates of one streamed block leaves that block held, with the
+    weights stepped so far updated only in its slot. The re-plan restores the model from the host
+    (remove) and the redone step skips those weights, so the restore must carry their update."""
+    names = [n for n, _ in FLUX_SPEC.blocks(_model())]
+    model = _model(EXCLUDE)
+    named = select_trainable(model, ["*"], EXCLUDE)
+    opt = FusedOptimizer(model, named, "sgd", lr=LR["sgd"])
+    handle = apply_memory(model, FLUX_SPEC, _plan("all", "none", names), "cpu", offload_min_bytes=0,
+                          streaming_engine=TrainableStreamingEngine)
+    engine = handle.streaming.engine
+    updated = {}
+
+    def stepped(p):
+        engine.mark_stepped(p)
+        updated[p] = p.detach().clone()          # the value the step wrote (its block is held here)
+
+    stepper = InBackwardStep(opt, list(named.values()), on_step=stepped, hold=engine.holding)
+    victim = model.transformer_blocks[0].attn.to_q.weight
+    block0 = {id(p) for p in model.transformer_blocks[0].parameters()}
+
+    def oom(p):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated, inside backward)")
+
+    victim.register_post_accumulate_grad_hook(oom)
+    stepper.begin_step()
+    with pytest.raises(torch.OutOfMemoryError):
+        _loss(model, 0)
+    assert victim in updated and sum(id(p) in block0 for p in updated) > 1   # stepped inside the held block
+    stepper.drop_partial()
+    handle.remove(device="cpu")                  # what the OOM guard's re-plan does first
+    for p, value in updated.items():
+        assert torch.equal(p.detach(), value), next(n for n, q in named.items() if q is p)
+
+
+def test_a_step_after_an_interrupted_backward_ends_its_backward_normally():
+    """The engine stays usable without a re-plan after an exception inside backward: the next
+    backward releases every hold at its end (its end-of-backward callback is queued again)."""
+    names = [n for n, _ in FLUX_SPEC.blocks(_model())]
+    model = _model(EXCLUDE)
+    named = select_trainable(model, ["*"], EXCLUDE)
+    opt = FusedOptimizer(model, named, "sgd", lr=LR["sgd"])
+    handle = apply_memory(model, FLUX_SPEC, _plan("all", "none", names), "cpu", offload_min_bytes=0,
+                          streaming_engine=TrainableStreamingEngine)
+    engine = handle.streaming.engine
+    stepper = InBackwardStep(opt, list(named.values()), on_step=engine.mark_stepped, hold=engine.holding)
+    fired = []
+
+    def oom_once(p):
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, inside backward)")
+
+    model.transformer_blocks[0].attn.to_q.weight.register_post_accumulate_grad_hook(oom_once)
+    stepper.begin_step()
+    with pytest.raises(torch.OutOfMemoryError):
+        _loss(model, 0)
+    stepper.drop_partial()
+    stepper.begin_step()                          # the redo, on the same engine
+    loss = _loss(model, 0)
+    stepper.finish_step()
+    assert loss == loss and engine.held == 0 and engine.phase == "idle"
+    assert not engine.dirty                       # every stepped block was written back
+
+
 def test_write_backs_the_thread_waits_for_count_as_stall(monkeypatch):
     """A synchronous write-back (CPU; on CUDA a pageable host buffer) holds the thread like a fetch
     does, so calibration must see it in stall_s. A clock that advances 1000 s per reading makes

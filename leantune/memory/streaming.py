@@ -427,6 +427,10 @@ class StreamingEngine:
                 self.release(u)
         self.bwd_holds.clear()
         self.end_holds.clear()
+        # An interrupted backward (an exception, e.g. out of memory) never ran the end-of-backward
+        # callback it queued: without this the next backward would queue none and keep its
+        # held-to-the-end units held past its end.
+        self.callback_queued = False
         self.phase, self.order, self.cursor = "forward", self.fwd_order, -1
         self.log, self.tracked = [], []
         self._prefetch()

@@ -19,6 +19,9 @@ poison) and adds what trainable weights need:
   write-back is timed with events, as a fetch's is; a write-back into a pageable host buffer (pin
   refused or off) returns only once the device has finished everything before it, so the thread's
   wait is counted too, and so is a CPU write-back (a synchronous copy).
+- A unit stepped but never released (backward interrupted by an out-of-memory error between two of
+  its weights' updates) is written back when the engine drains (before a teardown or a save), so
+  the OOM re-plan's restore keeps the updates the redone step will skip.
 - On CPU the same path runs with the CPU slot emulation (copies are synchronous), so CI tests it.
 
 The host buffer is the authoritative copy of a streamed weight between steps: `WeightAccess`
@@ -81,6 +84,10 @@ class TrainableStreamingEngine(StreamingEngine):
     def _retire(self, unit: _Unit, slot: _Slot) -> None:
         if id(unit) not in self.dirty:
             return super()._retire(unit, slot)
+        self._write_back(unit, slot, self.poison)
+
+    def _write_back(self, unit: _Unit, slot: _Slot, poison: bool) -> None:
+        """Copy a stepped unit's slot into its host buffer (then poison the slot if asked)."""
         self.dirty.discard(id(unit))
         n = unit.nbytes
         self.bytes_d2h += n
@@ -89,7 +96,7 @@ class TrainableStreamingEngine(StreamingEngine):
             t0 = _clock()
             unit.host[:n].copy_(slot.buf[:n])
             self.stats.stall_s += _clock() - t0     # nothing overlaps on CPU: the copy is a stall
-            if self.poison:
+            if poison:
                 slot.buf.fill_(POISON_BYTE)
                 slot.valid = False
             return
@@ -102,7 +109,7 @@ class TrainableStreamingEngine(StreamingEngine):
             unit.host[:n].copy_(slot.buf[:n], non_blocking=unit.pinned)
             if not unit.pinned:                     # returned only once the device got here
                 self.stats.stall_s += _clock() - t0
-            if self.poison:
+            if poison:
                 slot.buf.fill_(POISON_BYTE)
                 slot.valid = False
             done = be.event()
@@ -122,6 +129,14 @@ class TrainableStreamingEngine(StreamingEngine):
         super()._make_resident(unit)
 
     def _drain(self) -> None:
+        # A unit stepped but never released (a backward interrupted between two of its weights'
+        # updates, e.g. by an out-of-memory error) holds those updates in its slot only, and the
+        # redone step skips the weights already stepped: write it back before a teardown (the OOM
+        # re-plan's remove) or a save reads the host copy.
+        for u in self.units:
+            slot = self.slots[u.slot] if self.slots else None
+            if id(u) in self.dirty and slot is not None and slot.owner is u and slot.valid:
+                self._write_back(u, slot, poison=False)
         for done in self.written.values():
             done.synchronize()
         self.written.clear()
