@@ -17,7 +17,8 @@ operation for operation (so the fused loop is bitwise equal to `backward(); opt.
 `adafactor` is torch's Adafactor (factored second moment: a row and a column vector per matrix).
 bf16 weights are updated in fp32 and written back with stochastic rounding (an update smaller than
 bf16's spacing moves the weight with the right probability instead of vanishing); bf16 AdamW
-moments (`state_dtype = "bf16"`) likewise. Optional fp32 master weights stay in host RAM.
+moments (`state_dtype = "bf16"`) likewise. Optional fp32 master weights stay in host RAM (pageable:
+on CUDA the copy back after each weight's step waits for the device, once per weight).
 `adamw8bit` delegates to bitsandbytes (CUDA only; its state stays on the device).
 
 No step reads a device value on the host: inside backward such a read (`.item()`) waits for every

@@ -16,6 +16,10 @@ fp32 accumulator in host memory and freed on the device; on micro-batch N it is 
 weight steps (`g_N + (g_1 + ... + g_{N-1})`, the same sum the plain loop forms, so the result is
 bitwise equal in fp32). Clipping by the global norm would need every gradient first; instead each
 parameter's gradient is clipped to `max_grad_norm` on its own (documented in docs/config.md).
+The cost on CUDA: the copy of a gradient into pageable host memory returns only when the device
+has finished everything queued before it, so micro-batches 1..N-1 synchronize once per weight
+(the GPU idles while the host copies and adds); a stream-ordered accumulator in pinned memory
+would remove that and is not built yet.
 
 A weight whose gradient came only from earlier micro-batches steps in `finish_step`, after backward,
 when a streamed weight's block is no longer resident (its slot may hold another block, or poison):
