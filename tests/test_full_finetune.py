@@ -150,6 +150,19 @@ def test_in_backward_step_equals_the_plain_loop_bitwise(kind, streaming, checkpo
         assert rep["bytes_h2d"] > 0 and rep["bytes_d2h"] > 0
 
 
+def test_pageable_host_buffers_through_the_staging_worker_match_the_plain_loop():
+    """pin_memory = false: fetches go through the staging worker thread (on CUDA: pageable host
+    buffers, synchronous write-backs), with poison; still bitwise the plain loop."""
+    names = [n for n, _ in FLUX_SPEC.blocks(_model())]
+    want_losses, want = reference("adamw")
+    plan = Plan(checkpointing="blocks", streamed_blocks=tuple(names), stream_non_blocks=True, debug_poison=True,
+                pin_memory=False)
+    losses, got, handle, _, _ = fused_run("adamw", plan)
+    assert not any(u.pinned for u in handle.streaming.units) and handle.streaming.engine.stager is not None
+    assert losses == want_losses
+    assert_same(got, want)
+
+
 def test_adafactor_and_weight_decay_and_accumulation_match_torch():
     names = [n for n, _ in FLUX_SPEC.blocks(_model())]
     want_losses, want = reference("adafactor")

@@ -20,8 +20,8 @@ from leantune.models.flux import FLUX_SPEC
 class _FakeCudart:
     """Records cudaHostRegister/Unregister/GetLastError; refuses registration with `rc`."""
 
-    def __init__(self, rc: int = 0):
-        self.rc, self.calls = rc, []
+    def __init__(self, rc: int = 0, unregister_rc: int = 0):
+        self.rc, self.unregister_rc, self.calls = rc, unregister_rc, []
 
     def cudaHostRegister(self, ptr, n, flags):
         self.calls.append(("register", ptr, n))
@@ -29,7 +29,7 @@ class _FakeCudart:
 
     def cudaHostUnregister(self, ptr):
         self.calls.append(("unregister", ptr))
-        return 0
+        return self.unregister_rc
 
     def cudaGetLastError(self):
         self.calls.append(("clear",))
@@ -68,6 +68,14 @@ def test_refused_pin_clears_the_sticky_error_and_stays_pageable(monkeypatch, cap
     assert undo is None and buf.numel() == 1000
     assert [c[0] for c in rt.calls] == ["register", "clear"]
     assert "could not pin" in caplog.text
+
+
+def test_refused_unpin_clears_the_sticky_error_too(monkeypatch):
+    rt = _FakeCudart(rc=0, unregister_rc=1)       # cudaErrorInvalidValue
+    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
+    _, undo = streaming._alloc_host(1000, pin=True)
+    undo()
+    assert [c[0] for c in rt.calls] == ["register", "unregister", "clear"]
 
 
 def _slow_stager(monkeypatch, delay: float):

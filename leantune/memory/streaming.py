@@ -318,7 +318,11 @@ def _clear_cuda_error(rt) -> None:
 
 
 def _unregister(ptr: int) -> None:
-    _cudart().cudaHostUnregister(ptr)
+    """cudaHostUnregister; a refusal would leave the same sticky error a refused pin does (reported
+    by the next kernel launch of this thread, e.g. the autograd thread when a buffer dies there)."""
+    rt = _cudart()
+    if int(rt.cudaHostUnregister(ptr)) != 0:
+        _clear_cuda_error(rt)
 
 
 def _libc_trim():
