@@ -185,3 +185,24 @@ def test_release_frees_slots_and_pins_without_copies(pin_memory):
         streaming._clear_cuda_error(rt)      # the refusal is deliberate: leave no error for later launches
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_an_unused_offload_prefetch_keeps_its_memory_until_its_copy_is_done():
+    """A block input restored ahead of its recompute but never used (backward interrupted) is freed
+    while its host->device copy may still run on the side stream: the allocator must not hand that
+    memory to the compute stream before the copy is done (record_stream)."""
+    from leantune.memory.checkpointing import ActivationOffloader, _HostTensor
+
+    off = ActivationOffloader(min_bytes=0)
+    t = torch.randn(1 << 20, device="cuda")
+    h = _HostTensor(off, t)
+    torch.cuda.synchronize()
+    side = off.side_stream(t.device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)         # keeps the side stream busy: the copy stays pending
+    h.prefetch()
+    pending = h.dev.data_ptr()
+    h.dev = None                                  # dropped without get(): nothing waited for the copy
+    fresh = torch.empty_like(t)                   # same size, compute stream
+    assert fresh.data_ptr() != pending
+    torch.cuda.synchronize()

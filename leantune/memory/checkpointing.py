@@ -77,6 +77,9 @@ class _HostTensor:
             dev.copy_(self.host, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(side)
+        # A prefetched input that is never used (backward interrupted, e.g. out of memory) is freed
+        # without compute having waited for its copy: keep its memory until the copy is done.
+        dev.record_stream(side)
         self.dev = dev
 
     def get(self) -> torch.Tensor:
