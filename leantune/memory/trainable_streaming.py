@@ -118,7 +118,9 @@ class TrainableStreamingEngine(StreamingEngine):
         self.written[id(unit)] = done
 
     def _make_resident(self, unit: _Unit) -> None:
-        done = self.written.pop(id(unit), None)
+        # Kept (not popped) until _drain: the compute stream waiting for a write-back does not make
+        # the host buffer safe to read, and a save reads it after draining.
+        done = self.written.get(id(unit))
         if done is not None and not done.query():
             stream = self.backend.compute_stream()
             before, after = self.backend.event(timing=True), self.backend.event(timing=True)
