@@ -28,7 +28,7 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert last < 0.5 * first, (first, last)
     # A sample grid per sampling step, real PNGs, a loss plot, a TensorBoard log.
     grids = sorted((run / "samples").glob("step-*.png"))
-    assert grids and Image.open(grids[-1]).size == (256, 128)   # 2 prompts of 128x128 side by side
+    assert grids and Image.open(grids[-1]).size == (256, 256)   # 3 prompts of 128x128, 2 to a row
     from leantune.infer.images import read_png_metadata
 
     meta = read_png_metadata(grids[-1])
@@ -40,19 +40,24 @@ def test_demo_end_to_end(tmp_path, capsys):
     from leantune.demo import before_after_match
 
     pair = Image.open(run / "samples" / "before-after.png")
-    assert pair.size == (2 * 128 + 4, 2 * 128 + 4)              # 2 prompts x (before, after), 4 px apart
+    assert pair.size == (3 * 128 + 8, 2 * 128 + 4)              # 3 prompts x (before, after), 4 px apart
     prompts = json.loads(meta["prompt"])
     match = before_after_match(run / "samples", prompts)
-    assert len(match["before"]) == len(match["after"]) == 2
+    assert len(match["before"]) == len(match["after"]) == 3
     assert "before -> after" in printed
     # The random base draws noise: little of the shape in its colour, little clean background.
-    # Trained, each sample draws its prompt: measured 97% / 79% of the shape's pixels in the
-    # prompted colour (red, blue) and 80% / 92% of the background; before, 6% and under 8%.
+    # Trained, each sample draws its prompt: measured 93% / 85% / 80% of the shape's pixels in the
+    # prompted colour (red, blue, green) and 87% / 91% / 90% of the background; before, 6-8% and 4-8%.
     for prompt, before, after in zip(prompts, match["before"], match["after"]):
         assert before["shape"] < 0.25 and before["background"] < 0.25, (prompt, before)
         assert after["shape"] > 0.6 and after["background"] > 0.6, (prompt, after)
-        # Where it is drawn: the prompted colour overlaps the centred shape (IoU; measured 0.79 / 0.63).
+        # Where it is drawn: the prompted colour overlaps the centred shape (IoU; measured 0.73 / 0.70 / 0.60).
         assert after["iou"] > 0.4 and after["iou"] > before["iou"] + 0.3, (prompt, before, after)
+        # Which shape: the triangle's pixels match a triangle better than a circle or a square, and
+        # the circle's a circle. (A square's corners are what the blurry samples round off first:
+        # its best match is still the circle, so the square is left out of this check.)
+        if "square" not in prompt:
+            assert after["best_shape"] == next(s for s in SHAPES if s in prompt), (prompt, after)
     # The LoRA loads back into diffusers and changes the model's output.
     import torch
     from diffusers import FluxPipeline
