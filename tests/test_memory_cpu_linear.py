@@ -169,6 +169,33 @@ def test_quantizing_the_input_for_scaled_mm_needs_the_e4m3_result_and_one_chunk(
     assert not q[m:].view(torch.uint8).any() and bool((s[m:] == 1).all())
 
 
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_scaled_mm_path_runs_no_op_that_cuda_autocast_would_recast(monkeypatch):
+    """Under bf16 autocast on CUDA an op on autocast's lists casts its input first (a norm: to fp32,
+    a full copy of the activation). The tensor-core path's ops must all fall through autocast; read
+    from torch's own dispatch table for AutocastCUDA, so this holds without a GPU."""
+    monkeypatch.setitem(fp8_matmul._state, "failed", set())
+    monkeypatch.setattr(fp8_matmul, "fp8_tensor_cores", lambda device: True)
+    q, s = quantize(torch.randn(48, 64), block=0)
+    x = torch.randn(37, 64).bfloat16()
+    rec = _OpNames()
+    with rec:
+        assert fp8_matmul.scaled_mm_linear(x, q, s, torch.randn(48), torch.bfloat16) is not None
+    recast = [op for op in sorted(rec.names)
+              if any(line.startswith("AutocastCUDA:") and "fallthrough" not in line
+                     for line in torch._C._dispatch_dump_table(op).splitlines())]
+    assert "aten::_scaled_mm" in rec.names and recast == []
+
+
 def test_a_refused_scaled_mm_falls_back_for_that_dtype_only_and_oom_propagates(monkeypatch):
     """torch reports a broken _scaled_mm contract as ValueError: that falls back to dequantizing
     (it used to escape, as only RuntimeError was caught), and only for the refused output dtype
