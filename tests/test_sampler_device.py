@@ -1,7 +1,8 @@
-"""The denoising loop's per-step scalar math on an accelerator (infer/schedule.py): nothing is copied
-from the host to the device per step (such a copy makes the host wait for every queued kernel), and
-the Euler update takes dt as a float32 scalar, as the pipelines' scheduler does, not rounded to the
-velocity's dtype. On CPU the meta device stands in for the GPU; the gpu tests check the real one."""
+"""The denoising loop's per-step work on an accelerator (infer/schedule.py, the family's predict):
+nothing is copied from the host to the device per step or per transformer call (such a copy makes
+the host wait for every queued kernel), and the Euler update takes dt as a float32 scalar, as the
+pipelines' scheduler does, not rounded to the velocity's dtype. On CPU the meta device stands in
+for the GPU; the gpu tests check the real one."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ class _NoHostToDeviceCopy(TorchDispatchMode):
         if func.overloadpacket is aten._to_copy:
             dst = kwargs.get("device")
             if args[0].device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu":
-                raise AssertionError(f"host -> {dst} copy in the denoising step")
+                raise AssertionError(f"host -> {dst} copy")
         if func.overloadpacket is aten.copy_ and args[1].device.type == "cpu" and args[0].device.type != "cpu":
-            raise AssertionError(f"host -> {args[0].device} copy in the denoising step")
+            raise AssertionError(f"host -> {args[0].device} copy")
         return func(*args, **kwargs)
 
 
@@ -53,6 +54,24 @@ def test_denoising_step_values_are_the_pipelines():
     assert torch.equal(t, (sigmas[1] * 1000).expand(2).to(torch.bfloat16) / 1000)
     out = euler_step(x, v, sigmas[1], sigmas[2])
     assert torch.equal(out, (x.float() + (sigmas[2] - sigmas[1]) * v).to(torch.bfloat16))
+
+
+def test_a_flux_transformer_call_copies_nothing_from_the_host():
+    """predict builds its position ids and guidance on the device (a whole tiny Flux on meta)."""
+    from test_memory_helpers import make_batch
+
+    from leantune.models import tiny
+    from leantune.models.flux import image_ids, predict
+
+    model = tiny.flux_transformer(seed=0).to("meta")
+    x, sigma, embeds, hw, _ = make_batch(8, 8, seed=0, device="meta")
+    with _NoHostToDeviceCopy():
+        out = predict(model, x, sigma, embeds, hw, guidance=3.5)
+    assert out.shape == x.shape and out.device.type == "meta"
+    want = torch.zeros(3, 5, 3)                   # (0, row, col), as FluxPipeline's latent ids
+    want[..., 1] = torch.arange(3)[:, None]
+    want[..., 2] = torch.arange(5)[None, :]
+    assert torch.equal(image_ids(6, 10, dtype=torch.bfloat16), want.reshape(-1, 3).bfloat16())
 
 
 @pytest.mark.gpu

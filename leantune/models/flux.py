@@ -83,11 +83,14 @@ def unpack_latents(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 def image_ids(h: int, w: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Positional ids (h/2 * w/2, 3) of the packed latent tokens: (0, row, col)."""
-    ids = torch.zeros(h // 2, w // 2, 3)
-    ids[..., 1] = torch.arange(h // 2)[:, None]
-    ids[..., 2] = torch.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+    """Positional ids (h/2 * w/2, 3) of the packed latent tokens: (0, row, col).
+
+    Built on `device` itself: a host tensor copied to a GPU makes the host wait for every queued
+    kernel, at each transformer call."""
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+    ids[..., 1] = torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(w // 2, device=device)[None, :]
+    return ids.reshape(-1, 3).to(dtype=dtype)
 
 
 def text_ids(length: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -129,7 +132,10 @@ def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds
     g = None
     if getattr(transformer.config, "guidance_embeds", False):
         scale = 1.0 if guidance is None else guidance
-        g = torch.as_tensor(scale, device=device, dtype=torch.float32).expand(b).clone()
+        if isinstance(scale, torch.Tensor):
+            g = scale.to(device=device, dtype=torch.float32).expand(b).clone()
+        else:                                     # a fill from a host number: no host->device copy
+            g = torch.full((b,), float(scale), device=device, dtype=torch.float32)
     out = transformer(
         hidden_states=noisy_packed,
         timestep=sigma.to(device=device, dtype=dtype),
