@@ -493,7 +493,7 @@ def test_trainable_streaming_on_cuda_matches_the_unstreamed_run(kind, pin_memory
     assert_close({n: t.cpu() for n, t in got.items()}, {n: t.cpu() for n, t in want.items()},
                  rtol=1e-5, atol=1e-3 * LR[kind])
     rep = handle.step_report(wait=True)
-    assert rep["bytes_d2h"] > 0 and rep["demand_fetches"] >= 0
+    assert rep["bytes_d2h"] > 0 and rep["bytes_h2d"] > 0
 
 
 @pytest.mark.gpu
