@@ -185,8 +185,11 @@ def _schedule(variant: str, folder=None):
 
 
 def _timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The float32 sigma itself: `predict` feeds sigma * 1000 in float32, the scheduler's timestep."""
-    return sigma.to(device=device, dtype=torch.float32).expand(batch)
+    """The float32 sigma itself: `predict` feeds sigma * 1000 in float32, the scheduler's timestep.
+
+    A fill from a host number, not a copy of the host tensor: that copy would make the host wait
+    for every queued kernel once per denoising step on CUDA (same float32 value either way)."""
+    return torch.full((batch,), float(sigma), dtype=torch.float32, device=device)
 
 
 def _text_modules(encoders):
