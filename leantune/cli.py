@@ -21,7 +21,7 @@ VERBS = {
     "plan": "print the memory plan for a config or a model/budget, without loading weights",
     "cache": "fill the latent and text-embedding caches for a config",
     "convert": "convert a LoRA file between ComfyUI/kohya and diffusers formats",
-    "demo": "train a LoRA on a tiny Flux built offline (CPU, about two minutes)",
+    "demo": "train a LoRA on a tiny Flux (or SD3.5) built offline (CPU, about a minute)",
     "ui": "a local web page to prepare a dataset, plan, train, watch and sample",
 }
 

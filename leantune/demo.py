@@ -182,16 +182,31 @@ def before_after_match(samples: Path, prompts: list[str]) -> dict[str, list[dict
 # the blocks can carry each of the 64 packed latent channels (at 32 they could not), and the
 # LoRA also covers the embedders and the final layer (quickstart.toml: targets = "all_linear").
 DEMO_FLUX = {"num_attention_heads": 4}
+# The same for SD3.5 (Large-style): 8 heads of 8, the text projection as wide as the blocks, and
+# position embeddings one unit apart per patch. The tiny preset's (sample_size 32, a 96-patch table)
+# are 1/6 apart, so the 8 patches across a 128-pixel image span barely a radian of the fastest
+# sine: the model could not tell the centre from the edge, and drew the colours where the noise had
+# them (SD3.5 Large is 1/3 apart at 64 patches across).
+DEMO_SD3 = {"num_attention_heads": 8, "caption_projection_dim": 64, "sample_size": 64, "pos_embed_max_size": 32}
 
-CONFIGS = {"lora": "quickstart.toml", "full": "quickstart_full.toml"}
+# (mode, family) -> the shipped config the demo trains with
+CONFIGS = {("lora", "flux"): "quickstart.toml", ("full", "flux"): "quickstart_full.toml",
+           ("lora", "sd3"): "quickstart_sd3.toml"}
+FAMILIES = ("flux", "sd3")
+# Each family's model folder (the config's [model] path)
+MODEL_FOLDERS = {"flux": "model", "sd3": "model-sd3"}
 
 
-def quickstart_text(mode: str = "lora") -> str:
-    return resources.files("leantune.resources").joinpath(CONFIGS[mode]).read_text()
+def quickstart_text(mode: str = "lora", family: str = "flux") -> str:
+    if (mode, family) not in CONFIGS:
+        raise ValueError(f"the demo has no {mode} run for family {family!r}; it has "
+                         f"{', '.join(f'{f} {m}' for m, f in CONFIGS)}")
+    return resources.files("leantune.resources").joinpath(CONFIGS[mode, family]).read_text()
 
 
 MARKER = ".leantune-demo"
-DEMO_ENTRIES = ("model", "images", "cache", "run", "quickstart.toml", "quickstart_full.toml")
+DEMO_ENTRIES = ("model", "model-sd3", "images", "cache", "cache-sd3", "run", "quickstart.toml",
+                "quickstart_full.toml", "quickstart_sd3.toml")
 
 
 class DemoFolderError(ValueError):
@@ -231,27 +246,42 @@ def _clear(out: Path) -> None:
             entry.unlink()
 
 
-def prepare(out: Path, fresh: bool = False, mode: str = "lora") -> Path:
+def prepare(out: Path, fresh: bool = False, mode: str = "lora", family: str = "flux") -> Path:
     """Write model, images and config into `out`; returns the config path. Reuses what exists.
 
     `fresh` first removes what an earlier demo wrote into `out` (see `_clear`).
     """
     from .demo_vae import save_shape_vae
-    from .models import tiny
 
+    text = quickstart_text(mode, family)          # an unknown (mode, family) fails before any write
     _check_ours(out)
     if fresh and out.exists():
         _clear(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by `leantune demo`; `leantune demo` may clear this folder's demo files\n")
-    if not (out / "model" / "model_index.json").exists():
-        tiny.save_flux_folder(out / "model", seed=0, **DEMO_FLUX)
-        save_shape_vae(out / "model" / "vae")          # a VAE that reconstructs the shapes
+    model = out / MODEL_FOLDERS[family]
+    if not (model / "model_index.json").exists():
+        _save_model(model, family)
+        save_shape_vae(model / "vae")                  # a VAE that reconstructs the shapes
     if not any((out / "images").glob("*.png")):
         draw_shapes(out / "images", cycle=True, centred=True)
-    config = out / CONFIGS[mode]
-    config.write_text(quickstart_text(mode))
+    config = out / CONFIGS[mode, family]
+    config.write_text(text)
     return config
+
+
+def _save_model(folder: Path, family: str) -> None:
+    """The demo's random base as a diffusers folder: tiny.py's preset of the family, widened."""
+    from .models import tiny
+
+    if family == "flux":
+        tiny.save_flux_folder(folder, seed=0, **DEMO_FLUX)
+        return
+    from diffusers import StableDiffusion3Pipeline
+
+    parts = tiny.sd3_components("large", seed=0)
+    parts["transformer"] = tiny.sd3_transformer("large", seed=0, **DEMO_SD3)
+    StableDiffusion3Pipeline(**parts).save_pretrained(folder, safe_serialization=True)
 
 
 @contextmanager
@@ -272,12 +302,13 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: bool = True, mode: str = "lora"):
+def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: bool = True, mode: str = "lora",
+             family: str = "flux"):
     from .config import load_config
     from .train.trainer import train
 
     with one_thread():
-        config = prepare(out, fresh=fresh, mode=mode)
+        config = prepare(out, fresh=fresh, mode=mode, family=family)
         overrides = [] if steps is None else [f"train.steps={steps}"]
         cfg = load_config(config, overrides)
         result = train(cfg, progress=progress, overwrite=True)     # the demo owns its run folder
@@ -302,9 +333,11 @@ def before_after(cfg, lora_file: Path, folder: Path, device: str = "cpu") -> Pat
         out = folder / name
         for old in out.glob("*.png"):           # numbered per run: keep only this run's
             old.unlink()
-        request = validate_request({"model": {"path": str(cfg.resolve(cfg.model.path)), "dtype": cfg.model.dtype},
+        request = validate_request({"model": {"path": str(cfg.resolve(cfg.model.path)), "dtype": cfg.model.dtype,
+                                              "family": cfg.model.family},
                                     "prompts": list(s.prompts), "seed": s.seed, "steps": s.steps,
-                                    "guidance": s.guidance, "width": s.width, "height": s.height,
+                                    "guidance": s.guidance, "negative_prompt": s.negative_prompt,
+                                    "width": s.width, "height": s.height,
                                     "max_text_length": cfg.data.max_text_length, "lora": loras, "out": str(out),
                                     "device": device}, "demo")
         rows[name] = [Image.open(f).convert("RGB") for f in run_sampling(request).files]

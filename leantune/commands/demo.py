@@ -1,9 +1,10 @@
-"""`leantune demo [--out DIR] [--steps N] [--mode lora|full]`: train a LoRA (or every weight) of a
-tiny Flux built offline, on CPU."""
+"""`leantune demo [--out DIR] [--steps N] [--mode lora|full] [--family flux|sd3]`: train a LoRA (or
+every weight) of a tiny Flux (or SD3.5) built offline, on CPU."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -24,12 +25,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep an existing demo folder instead of starting fresh")
     p.add_argument("--mode", choices=("lora", "full"), default="lora",
                    help="lora (default), or full: fine-tune every weight and export the whole model")
+    p.add_argument("--family", choices=("flux", "sd3"), default="flux",
+                   help="the tiny base model: flux (default) or sd3 (SD3.5 Large-style; lora mode)")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
-    config, result = run_demo(Path(args.out), steps=args.steps, fresh=not args.keep, mode=args.mode)
+    if args.family == "sd3" and args.mode == "full":
+        print("leantune demo: --family sd3 runs in lora mode only; drop --mode full", file=sys.stderr)
+        return 2
+    config, result = run_demo(Path(args.out), steps=args.steps, fresh=not args.keep, mode=args.mode,
+                              family=args.family)
     p = result.paths
     n = max(1, len(result.losses) // 10)
     first, last = sum(result.losses[:n]) / n, sum(result.losses[-n:]) / n
