@@ -53,8 +53,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from leantune.disk import DiskFullError
     from leantune.train.run_folder import RunFolderError
     from leantune.train.state import CheckpointError
+    from leantune.distributed import ShardedOutOfMemory
 
-    return (DataError, CacheError, DemoFolderError, LoadError, UnsafeFileError, UnreadableFileError, LoraFormatError,
+    return (ShardedOutOfMemory, DataError, CacheError, DemoFolderError, LoadError, UnsafeFileError, UnreadableFileError, LoraFormatError,
             InfeasibleBudget, NoPlanFits, CheckpointError, FileNotFoundError, FloatingPointError, RunFolderError,
             DiskFullError)
 

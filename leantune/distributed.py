@@ -2,10 +2,11 @@
 
 Launch. `torchrun --nproc_per_node N -m leantune train my.toml`, `accelerate launch -m leantune
 train my.toml` and `leantune train my.toml --gpus N` (which starts torchrun) all set the same
-environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); `DistContext.from_env` reads it and
-joins the process group. Without those variables the context is trivial (one process, every
-collective a no-op), so the trainer has one code path and tests can build several configurations
-in one process.
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); `DistContext.from_config` makes the
+run's `accelerate.Accelerator` (accelerate_setup.py), which joins the process group and places the
+process, and takes its rank, world size and device. Without those variables the run is one
+process and every collective here is a no-op, so the trainer has one code path; the Accelerator is
+released at the run's end, so tests can build several configurations in one process.
 
 LoRA (DDP semantics over the adapter only). The frozen base is never synchronised: every rank
 holds (or streams) the same weights. Each step's *global* batch is `[data] batch_size x
@@ -29,7 +30,6 @@ parameter storage is owned by those engines, so streaming is refused with them.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -40,6 +40,11 @@ import torch
 log = logging.getLogger("leantune")
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class ShardedOutOfMemory(RuntimeError):
+    """An out-of-memory error in a full fine-tune sharded over several processes (FSDP2, DeepSpeed):
+    the run ends on every rank instead of re-planning (see `DistContext.agreed_step`)."""
 
 
 class RankOutOfMemory(torch.OutOfMemoryError):
@@ -167,6 +172,9 @@ class DistContext:
     strategy: str = "none"          # "none" (one process), "ddp", "deepspeed", "fsdp2"
     backend: str | None = None      # "gloo" / "nccl" when distributed
     owns_group: bool = False        # this context initialised the process group (and destroys it)
+    accelerator: object = None      # the run's accelerate.Accelerator (None: a bare context for unit use)
+    device: torch.device | None = None   # the accelerator's device for this process
+    _saved_env: dict | None = None
 
     @property
     def is_main(self) -> bool:
@@ -189,28 +197,39 @@ class DistContext:
     # -- construction ------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg, device: torch.device | None = None) -> "DistContext":
-        """Join the process group the launcher described in the environment (no-op without one)."""
+        """The run's `accelerate.Accelerator` (accelerate_setup.py) joins the process group the launcher
+        described and places this process; its rank, world size and device are this context's.
+        `close()` releases it, so another run in this process may configure its own."""
+        from .accelerate_setup import make_accelerator
+
         env = launch_env()
-        if env is None or env["WORLD_SIZE"] <= 1:
-            return cls()
+        world = env["WORLD_SIZE"] if env is not None else 1
+        strategy = resolve_strategy(cfg) if world > 1 else "none"
+        if world > 1:
+            die_with_launcher()
         import torch.distributed as dist
 
-        dcfg = cfg.distributed
-        device = device or torch.device("cpu")
-        backend = dcfg.backend if dcfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cuda":
-            torch.cuda.set_device(env["LOCAL_RANK"])
-        die_with_launcher()
-        owns = False
-        if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=dcfg.timeout_minutes))
-            owns = True
-        ctx = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env["LOCAL_RANK"],
-                  local_world_size=env["LOCAL_WORLD_SIZE"], strategy=resolve_strategy(cfg), backend=backend,
-                  owns_group=owns)
-        return ctx
+        had_group = dist.is_available() and dist.is_initialized()
+        accelerator, saved_env = make_accelerator(cfg, device or torch.device("cpu"), strategy, world)
+        state = accelerator.state
+        distributed = accelerator.num_processes > 1
+        # accelerate names a CPU process's device "cpu:<local rank mod 1>"; CPU tensors say "cpu", and
+        # the memory engine compares devices, so the plain name is used.
+        device = accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
+        return cls(rank=accelerator.process_index, world_size=accelerator.num_processes,
+                   local_rank=accelerator.local_process_index,
+                   local_world_size=env["LOCAL_WORLD_SIZE"] if env is not None else 1,
+                   strategy=strategy, backend=state.backend if distributed else None,
+                   owns_group=dist.is_initialized() and not had_group, accelerator=accelerator,
+                   device=device, _saved_env=saved_env)
 
     def close(self) -> None:
+        """Release the Accelerator's process-wide state, and the process group it created."""
+        if self.accelerator is not None:
+            from .accelerate_setup import release_accelerator
+
+            self.accelerator = None
+            release_accelerator(self._saved_env or {})
         if self.owns_group:
             import torch.distributed as dist
 
@@ -341,11 +360,44 @@ class DistContext:
             log.info(shared.describe())
         return result
 
+    def local_turns(self, fn: Callable, shared=None):
+        """Run `fn` (load the model, apply its memory plan) on this machine's processes one after
+        another, local rank 0 first, a barrier between turns: the machine then holds one process's
+        loading peak at a time beside the steady state of those done before, instead of N loading
+        peaks at once. Local rank 0 fills the shared host buffers; the later turns map them. Once
+        every turn is done the shared files' names are dropped (see shared_host.py). Collective:
+        every rank calls it (ranks of other machines take the same turns on theirs)."""
+        if not self.distributed:
+            return fn()
+        result = None
+        for turn in range(self.local_world_size):
+            if self.local_rank == turn:
+                try:
+                    result = fn()
+                finally:
+                    self.barrier()       # a failure still releases the others, who then fail on their own
+            else:
+                self.barrier()
+        if shared is not None:
+            if self.is_local_main:
+                shared.unlink()
+            if shared.mapped_bytes or shared.private:
+                log.info(shared.describe())
+        return result
+
     # -- the step ------------------------------------------------------------------------------------
-    def agreed_step(self, step_fn: Callable[[], float]) -> float:
+    def agreed_step(self, step_fn: Callable[[], float], step: int | None = None) -> float:
         """Run one step's local work; an out-of-memory error here is announced to the other ranks
         (they raise `RankOutOfMemory` at their next vote) before it is re-raised, so every rank's
-        OOM guard re-plans and redoes the same step. See the module docstring."""
+        OOM guard re-plans and redoes the same step. See the module docstring.
+
+        Full fine-tunes sharded by FSDP2 or DeepSpeed cannot do that: their collectives run inside
+        forward and backward (FSDP2 gathers each block's weights, ZeRO-2 reduces gradient buckets
+        from backward hooks), so when one rank fails the others are already waiting inside one, and
+        a vote would be a mismatched collective (a hang until the timeout). There is no memory plan
+        to change either (streaming is refused with them). So the failing rank raises
+        `ShardedOutOfMemory` and leaves; its closed connections end the others' collectives (gloo)
+        or the launcher stops them (torchrun), and the last save stays the resumable state."""
         if not self.distributed:
             return step_fn()
         from .planner.feedback.oom import is_out_of_memory
@@ -354,6 +406,14 @@ class DistContext:
             return step_fn()
         except Exception as exc:
             if is_out_of_memory(exc) and not isinstance(exc, RankOutOfMemory):
+                if self.strategy in ("fsdp2", "deepspeed"):
+                    at = f" in step {step}" if step is not None else ""
+                    raise ShardedOutOfMemory(
+                        f"rank {self.rank}: out of memory{at} of a full fine-tune on {self.world_size} processes "
+                        f"({self.strategy}): the other ranks are inside {self.strategy}'s collectives of this step, so "
+                        f"the ranks cannot re-plan together; the run ends here and the last save is intact. Lower "
+                        f"[data] batch_size or the resolution, or add processes, then resume with --resume. "
+                        f"({exc})") from exc
                 log.warning("rank %d: out of memory; telling the other ranks to re-plan too", self.rank)
                 self.vote(False)
             raise
@@ -486,7 +546,13 @@ def deepspeed_config(cfg, world_size: int) -> dict:
             raise ConfigError(f"[distributed] deepspeed_config = {d.deepspeed_config!r}: cannot read {path}: {e}") from None
     zero = {"stage": d.zero_stage, "offload_optimizer": {"device": "cpu" if d.offload_optimizer else "none"},
             "overlap_comm": False, "contiguous_gradients": True}
-    return {
+    extra = {}
+    if d.offload_optimizer:
+        # The offloaded fp32 partitions are stepped on the CPU by the run's torch AdamW (DeepSpeed's
+        # CPUAdam would need its C++ op compiled on every machine); DeepSpeed refuses a client
+        # optimizer with offload unless told this is meant.
+        extra["zero_force_ds_cpu_optimizer"] = False
+    return {**extra,
         "train_micro_batch_size_per_gpu": cfg.data.batch_size,
         "gradient_accumulation_steps": tc.gradient_accumulation,
         "train_batch_size": cfg.data.batch_size * tc.gradient_accumulation * world_size,

@@ -4,8 +4,11 @@
 trains each config in turn on this rank (one process group for all of them, so the imports are
 paid once) and writes what this rank saw to OUT/rank<r>.json: the losses, how often each encoder
 was loaded, and how often the memory plan was re-applied. A config whose file name contains
-"resume" trains 3 steps, then resumes to the end. One whose name contains "oom" makes rank 1's 5th forward/backward fail as the CUDA allocator does, and makes the
-planner answer the re-plan with a streaming + checkpointing plan (exact on CPU).
+"resume" trains 3 steps, then resumes to the end. One whose name contains "oom" makes rank 1's 5th
+forward/backward fail as the CUDA allocator does, and makes the planner answer the re-plan with a
+streaming + checkpointing plan (exact on CPU); "oomfull" (a full fine-tune) makes rank 1's 9th
+forward/backward fail the same way, with no planner. The results are written after every config,
+so a config that ends the processes leaves those of the configs before it.
 """
 
 import json
@@ -43,7 +46,15 @@ def main(out: str, *configs: str) -> None:
     results = {}
     for path in configs:
         calls = {"forward": 0, "plan": 0}
-        if "oom" in Path(path).name:
+        if "oomfull" in Path(path).name:
+            def forward(t, c, batch, scale=1.0):
+                calls["forward"] += 1
+                if rank == 1 and calls["forward"] == 9:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+                return real_forward(t, c, batch, scale)
+
+            trainer_mod.forward_backward, planner_mod.Planner.plan = forward, real_plan
+        elif "oom" in Path(path).name:
             def forward(t, c, batch, scale=1.0):
                 calls["forward"] += 1
                 if rank == 1 and calls["forward"] == 5:
@@ -67,7 +78,7 @@ def main(out: str, *configs: str) -> None:
             result = trainer_mod.train(load_config(path), progress=False)
         results[Path(path).stem] = {"losses": result.losses, **counts,
                                     "files": [str(f) for f in result.lora_files]}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ within 1e-4 (fp32, 20 AdamW steps at lr 1e-3) are required; the measured gaps ar
 """
 
 import json
+import math
 import re
 import os
 import signal
@@ -352,14 +353,19 @@ def write_full_config(folder: Path, model, images, name: str, batch_size: int, o
 
 
 @pytest.mark.slow
-def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process(tmp_path, tiny_flux_dir, images):
+def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process_and_an_oom_ends_the_run(
+        tmp_path, tiny_flux_dir, images):
     """[train] mode = "full" on 2 processes against the one-process full mode (per-parameter AdamW
     inside backward) with the doubled batch: FSDP2 (every block and the root sharded, torch AdamW on
-    the shards), and DeepSpeed ZeRO-2 (gradients and AdamW states partitioned) stopped after 3
-    steps and resumed. Same losses and the same exported model, within 1e-4."""
+    the shards), and DeepSpeed ZeRO-2 through the run's Accelerator (gradients and AdamW states
+    partitioned) stopped after 3 steps and resumed, and ZeRO-2 with the optimizer offloaded to host
+    RAM (the run's AdamW steps the fp32 partitions on the CPU). Same losses and the same exported
+    model, within 1e-4. Then an FSDP2 run where rank 1 runs out of memory in step 5: both processes end (no hang)
+    with the reason, and the step-3 save is intact."""
     pytest.importorskip("deepspeed")
     from safetensors.torch import load_file
 
+    from leantune.train.state import latest_checkpoint, load_checkpoint
     from leantune.train.trainer import train
 
     ref_cfg = load_config(write_full_config(tmp_path, tiny_flux_dir, images, "fullref", 2, str(tmp_path / "ref")))
@@ -367,14 +373,21 @@ def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process(tmp_
     fsdp = write_full_config(tmp_path, tiny_flux_dir, images, "fsdp", 1, str(tmp_path / "fsdp"))
     zero = write_full_config(tmp_path, tiny_flux_dir, images, "zero2_resume", 1, str(tmp_path / "zero2_resume"),
                              '\n[distributed]\nstrategy = "deepspeed"\n')
-    zero.write_text(zero.read_text().replace("cache-zero2_resume", "cache-fsdp"))
+    offload = write_full_config(tmp_path, tiny_flux_dir, images, "zero2offload", 1, str(tmp_path / "zero2offload"),
+                                '\n[distributed]\nstrategy = "deepspeed"\noffload_optimizer = true\n')
+    oom = write_full_config(tmp_path, tiny_flux_dir, images, "oomfull", 1, str(tmp_path / "oomfull"))
+    for p in (zero, offload, oom):
+        p.write_text(p.read_text().replace(f"cache-{p.stem}", "cache-fsdp"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(fsdp), str(zero)]
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(fsdp), str(zero), str(offload), str(oom)]
     run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert run.returncode != 0, "rank 1's out-of-memory error must end the run"
+    assert "rank 1: out of memory in step 5 of a full fine-tune on 2 processes (fsdp2)" in run.stderr, \
+        run.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     a = load_file(str(tmp_path / "ref" / "m_comfyui.safetensors"))
-    for name, marker in (("fsdp", "full (fsdp2)"), ("zero2_resume", "full (deepspeed ZeRO-2)")):
+    for name, marker in (("fsdp", "full (fsdp2)"), ("zero2_resume", "full (deepspeed ZeRO-2)"),
+                         ("zero2offload", "optimizer offload cpu")):
         for r in ranks:
             assert r[name]["losses"] == pytest.approx(ref.losses, rel=1e-4, abs=1e-6), name
         b = load_file(str(tmp_path / name / "m_comfyui.safetensors"))
@@ -385,6 +398,74 @@ def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process(tmp_
         assert worst <= 1e-4, (name, worst)
         assert (tmp_path / name / "checkpoints" / "step-000006" / "state.json").exists()
         assert marker in (tmp_path / name / "train.log").read_text()
+    assert all("oomfull" not in r for r in ranks)
+    step, state = load_checkpoint(latest_checkpoint(tmp_path / "oomfull" / "checkpoints"))
+    assert step == 3 and state["world_size"] == 2 and state["losses"] == pytest.approx(ref.losses[:3], rel=1e-4)
+
+
+SEED_ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  gradient_accumulation_steps: 2
+  gradient_clipping: 1.0
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: false
+  zero_stage: 2
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+@pytest.mark.slow
+def test_zero2_full_fine_tune_from_the_seed_accelerate_config_as_written(tmp_path, tiny_flux_dir, images):
+    """The x-flux accelerate config file (DEEPSPEED, zero_stage 2, offload_optimizer_device none,
+    bf16, gradient_accumulation_steps 2, gradient_clipping 1.0; 8 processes, overridden to 2 on the
+    command line) with `accelerate launch --config_file ... -m leantune train` and a bf16 full-mode
+    TOML that leaves those keys unset: the run takes them over, DeepSpeed's engine (made by the
+    run's Accelerator) reports them, and it trains on 2 CPU processes (finite losses, every trained
+    weight of the saved state moved off the base)."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from leantune.train.state import latest_checkpoint, load_checkpoint
+
+    seed = tmp_path / "accelerate_config.yaml"
+    seed.write_text(SEED_ACCELERATE_CONFIG)
+    rest = '\n[train]\nmode = "full"\nsteps = 3\nlearning_rate = 1e-3\nseed = 3\n\n[full]\nexclude = ["*norm*"]\n'
+    text = tiny_run_toml(tiny_flux_dir, images, rest).replace('dtype = "fp32"', 'dtype = "bf16"')
+    text = text.replace('cache_dir = "cache"', f'cache_dir = "{tmp_path}/cache"')
+    cfg = tmp_path / "seed.toml"
+    cfg.write_text(text + f'\n[output]\ndir = "{tmp_path / "out"}"\nname = "m"\n')
+    accelerate = Path(sys.executable).with_name("accelerate")
+    run = subprocess.run([str(accelerate), "launch", "--config_file", str(seed), "--num_processes", "2", "-m",
+                          "leantune", "train", str(cfg), "--no-progress"], env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    log = (tmp_path / "out" / "train.log").read_text()
+    assert ('from the accelerate launch config: [distributed] strategy = "deepspeed", [train] gradient_accumulation '
+            '= 2, [train] max_grad_norm = 1.0') in log
+    assert ("full (deepspeed ZeRO-2)" in log and "over 2 processes; bf16 on, gradient accumulation 2, clipping 1, "
+            "optimizer offload none") in log
+    history = json.loads((tmp_path / "out" / "loss.json").read_text())
+    assert history["step"] == 3 and all(math.isfinite(x) for x in history["loss"])
+    step, state = load_checkpoint(latest_checkpoint(tmp_path / "out" / "checkpoints"))
+    base = load_file(str(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    trained = state["trainable"]
+    assert step == 3 and trained and set(trained) <= set(base)
+    unmoved = [k for k, v in trained.items() if torch.equal(v.to(base[k].dtype), base[k])]
+    assert all(torch.isfinite(v).all() for v in trained.values()) and not unmoved, unmoved[:5]
 
 
 # -- planner: per process and machine ----------------------------------------------------------------------
@@ -403,7 +484,12 @@ def test_per_rank_numbers_count_the_shared_streamed_blocks_once():
     assert shared["host per process"] == 22 * g
     assert shared["host machine steady"] == 4 * 4 * g + 18 * g
     assert private["host machine steady"] == 4 * 22 * g
-    assert shared["host machine loading"] == 4 * 25 * g == shared["host machine peak"]
+    # In turns (default): while the 4th process loads (2 + 23), 3 are steady (2 + 2 own each) and the
+    # streamed blocks exist once (shared) or 3 times (private). At once: 4 loading peaks.
+    assert shared["host machine loading"] == 3 * 4 * g + 18 * g + 25 * g == shared["host machine peak"]
+    assert private["host machine loading"] == 3 * 4 * g + 3 * 18 * g + 25 * g == private["host machine peak"]
+    at_once = per_rank(plan, 4, 100, shared=True, turns=False)
+    assert at_once["host machine loading"] == 4 * 25 * g == at_once["host machine peak"]
     assert per_rank(plan, 1, 100)["vram per process"] == 7 * g
 
 
@@ -413,7 +499,7 @@ def test_plan_gpus_prints_per_process_and_machine_numbers(capsys):
     assert main(["plan", "--model", "flux-dev", "--rank", "16", "--resolution", "512", "--vram", "8GiB",
                  "--gpus", "2"]) == 0
     out = capsys.readouterr().out
-    assert "2 processes (ddp, one shared host copy of the streamed blocks)" in out
+    assert "2 processes (ddp, one shared host copy of the streamed blocks, loading in turns)" in out
     assert "VRAM per process (predicted peak)" in out and "host RAM, machine, during steps" in out
     assert main(["plan", "--model", "flux-dev", "--vram", "8GiB", "--gpus", "2", "--strategy", "fsdp2"]) == 2
     assert "--strategy fsdp2: shards a full fine-tune; LoRA training uses ddp" in capsys.readouterr().err

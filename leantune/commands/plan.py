@@ -65,6 +65,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="how the processes share the work (LoRA: ddp; full fine-tunes are not planned yet)")
     p.add_argument("--no-shared-host", action="store_true",
                    help="with --gpus: each process keeps its own host copy of the streamed blocks")
+    p.add_argument("--load-at-once", action="store_true",
+                   help="with --gpus: the processes load the model at the same time "
+                        "([distributed] load_in_turns = false) instead of one after another")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,7 +134,8 @@ def _ranks(args, planner, results) -> list:
     if args.gpus <= 1:
         return [None] * len(results)
     grad_bytes = planner.trainable_bytes()[1]
-    return [per_rank(plan, args.gpus, grad_bytes, shared=not args.no_shared_host) if plan is not None else None
+    return [per_rank(plan, args.gpus, grad_bytes, shared=not args.no_shared_host,
+                     turns=not args.load_at_once) if plan is not None else None
             for _, _, plan, _ in results]
 
 
@@ -280,7 +284,7 @@ def _print_text(results, format_plan, ranks, args) -> None:
         if plan is not None:
             print(format_plan(plan))
             if numbers is not None:
-                print(format_ranks(numbers, args.gpus, not args.no_shared_host))
+                print(format_ranks(numbers, args.gpus, not args.no_shared_host, not args.load_at_once))
         else:
             print(f"infeasible: {error}", file=sys.stderr)
             print(f"infeasible: smallest working budget {error.needed_vram / 2**30:.2f} GiB"

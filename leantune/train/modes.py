@@ -137,13 +137,13 @@ class LoraMode:
         pass
 
 
-def make_mode(cfg: RunConfig):
-    """The mode object for `[train] mode`."""
+def make_mode(cfg: RunConfig, dist=None):
+    """The mode object for `[train] mode` (`dist`: the run's DistContext, for the sharded full modes)."""
     if cfg.train.mode == "full":
         from .full_mode import FullMode
         from .sharded_full import sharded_full_mode
 
-        sharded = sharded_full_mode(cfg)      # several processes: FSDP2 owns the weights
+        sharded = sharded_full_mode(cfg, dist)    # several processes: FSDP2 owns the weights
         if sharded is not None:
             return sharded
 

@@ -37,8 +37,9 @@ log = logging.getLogger("leantune")
 class ShardedFullMode:
     name = "full"
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, dist=None):
         self.cfg = cfg
+        self.dist = dist                          # leantune.distributed.DistContext (its Accelerator)
         self.model = None
         self.named: dict[str, torch.nn.Parameter] = {}
         self._gathered: dict | None = None       # rank 0's full weights of the last state() call
@@ -56,6 +57,10 @@ class ShardedFullMode:
         device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
         options = {"mesh": mesh}
+        if cfg.distributed.fsdp_cpu_offload and device == "cpu":
+            raise ValueError("[distributed] fsdp_cpu_offload = true with CPU processes: the shards already live in host "
+                             "RAM, and FSDP2's CPUOffloadPolicy needs a CUDA device (it fails with \"Cannot access "
+                             "accelerator device when none is available\"); remove the key")
         if cfg.distributed.fsdp_cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
         units = [block for _, block in spec.blocks(transformer)] + [transformer]
@@ -150,7 +155,10 @@ class ZeroFullMode(ShardedFullMode):
     """Full fine-tune through DeepSpeed ZeRO-2: every process holds the whole (resident) model;
     gradients and AdamW states are partitioned across processes; DeepSpeed reduces the gradients
     in backward, clips globally and steps its partition (with a torch AdamW it wraps, so no
-    DeepSpeed kernel needs compiling). Checkpoints hold the full fp32 weights and AdamW moments,
+    DeepSpeed optimizer kernel needs compiling). The engine is the run Accelerator's
+    (`accelerator.prepare` with the DeepSpeedPlugin made from `deepspeed_config`); the loop drives
+    `engine.backward` / `engine.step` itself, as accelerate's own wrapper does, with the
+    accumulation boundary the engine counts from `gradient_accumulation_steps`. Checkpoints hold the full fp32 weights and AdamW moments,
     gathered with DeepSpeed's safe_get_full_* (collective) and written by rank 0 in leantune's
     format; resume hands every rank the full tensors (safe_set_full_*)."""
 
@@ -161,17 +169,20 @@ class ZeroFullMode(ShardedFullMode):
         return list(named.values())
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
-        import deepspeed
-
-        from ..distributed import deepspeed_config
-
         opt = super().build_optimizer(params)
-        self.engine, self.zero, _, _ = deepspeed.initialize(model=self.model, optimizer=opt,
-                                                            config=deepspeed_config(self.cfg, self.world_size),
-                                                            dist_init_required=False)
+        accelerator = getattr(self.dist, "accelerator", None)
+        if accelerator is None or accelerator.state.deepspeed_plugin is None:
+            raise RuntimeError("[distributed] strategy = \"deepspeed\": the run's Accelerator was made without its "
+                               "DeepSpeed plugin (train() makes it; build the mode through train())")
+        self.engine, _ = accelerator.prepare(self.model, opt)
+        self.zero = self.engine.optimizer            # DeepSpeed's ZeRO-2 optimizer around `opt`
         n = sum(p.numel() for p in params)
-        log.info("full (deepspeed ZeRO-%d): %d tensors, %.2fM parameters, optimizer states over %d processes",
-                 self.engine.zero_optimization_stage(), len(params), n / 1e6, self.world_size)
+        e = self.engine
+        log.info("full (deepspeed ZeRO-%d): %d tensors, %.2fM parameters, optimizer states over %d processes; "
+                 "bf16 %s, gradient accumulation %d, clipping %g, optimizer offload %s",
+                 e.zero_optimization_stage(), len(params), n / 1e6, self.world_size,
+                 "on" if e.bfloat16_enabled() else "off", e.gradient_accumulation_steps(), e.gradient_clipping(),
+                 "cpu" if e.zero_cpu_offload() else "none")
         return opt                 # the scheduler drives its param groups' lr, which DeepSpeed reads
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -243,12 +254,15 @@ class _GatheredAccess:
         return self.weights[f"{prefix}.{attr}" if prefix else attr]
 
 
-def sharded_full_mode(cfg: RunConfig):
-    """The mode for `[train] mode = "full"` on several processes, or None for one process."""
+def sharded_full_mode(cfg: RunConfig, dist=None):
+    """The mode for `[train] mode = "full"` on several processes, or None for one process.
+    `dist` is the run's DistContext (its world size and Accelerator); without one the launcher's
+    environment says how many processes there are."""
     from ..distributed import launch_env, resolve_strategy
 
     env = launch_env()
-    if env is None or env["WORLD_SIZE"] <= 1:
+    world = dist.world_size if dist is not None and dist.accelerator is not None else (env or {}).get("WORLD_SIZE", 1)
+    if world <= 1:
         return None
     strategy = resolve_strategy(cfg)
     m = cfg.memory
@@ -257,10 +271,10 @@ def sharded_full_mode(cfg: RunConfig):
                          "several processes: FSDP2 shards the weights and owns where they live; remove them (each "
                          "process then holds 1/N of the weights, gradients and optimizer states)")
     if strategy == "fsdp2":
-        return ShardedFullMode(cfg)
+        return ShardedFullMode(cfg, dist)
     if strategy == "deepspeed":
         if cfg.distributed.zero_stage != 2 and cfg.distributed.deepspeed_config is None:
             raise ValueError("[distributed] zero_stage = 3: leantune runs DeepSpeed ZeRO-2 only (stage 3 shards the "
                              "weights; use strategy = \"fsdp2\" for that)")
-        return ZeroFullMode(cfg)
+        return ZeroFullMode(cfg, dist)
     raise ValueError(f"[distributed] strategy = {strategy!r} cannot run [train] mode = \"full\"")

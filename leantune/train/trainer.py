@@ -184,6 +184,9 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
 
     A folder holding another run needs `resume` or `overwrite`; the folder is locked while training
     (train/run_folder.py)."""
+    from ..accelerate_setup import apply_launch_settings
+
+    cfg = apply_launch_settings(cfg)          # `accelerate launch --config_file` settings the TOML leaves unset
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
     dist = DistContext.from_config(cfg, pick_device(cfg))
     try:
@@ -304,17 +307,27 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     from ..data.cache import model_dtype, prepare_caches
     dist = dist or DistContext()
     family = get_family(cfg.model.family)
-    device = pick_device(cfg)
+    device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
     dtype = model_dtype(cfg)
     data = dist.main_first(lambda: prepare_caches(cfg, device, dtype))    # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
-    mode = make_mode(cfg)
+    mode = make_mode(cfg, dist)
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
     mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **options))  # host RAM
-    transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
-    log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
-    params = mode.prepare(transformer, family.spec)
-    plan, memory, planner, budget = _apply_memory(cfg, transformer, device, mode, dist)
+
+    def load(in_turn: bool, shared=None) -> tuple:
+        transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
+        log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
+        params = mode.prepare(transformer, family.spec)
+        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared))
+
+    if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
+        # One loading peak at a time on each machine (the frozen base is the same on every rank).
+        shared = dist.shared_host(cfg, mode.name)
+        loaded = dist.local_turns(lambda: load(True, shared), shared)
+    else:
+        loaded = load(False)
+    transformer, params, plan, memory, planner, budget = loaded
     optimizer = mode.build_optimizer(params)
     scheduler = build_scheduler(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -331,8 +344,11 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     return t
 
 
-def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None) -> tuple:
+def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None, in_turn: bool = False,
+                  shared=None) -> tuple:
     """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
+    `in_turn`: this process applies it in its loading turn (DistContext.local_turns) with the shared
+    host buffers `shared`, without collectives; else every rank applies it together.
 
     Returns (plan, handle, planner, budget); planner and budget are None without a budget.
     """
@@ -348,7 +364,13 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
     else:
         plan = resolve_plan(cfg.memory, spec, transformer)
     log.info("memory plan: %s", plan.describe())
-    return plan, _apply_engine(cfg, transformer, plan, device, mode, dist or DistContext()), planner, budget
+    if in_turn:
+        from ..memory.engine import apply_memory
+
+        handle = apply_memory(transformer, spec, plan, device, host_buffers=shared, **mode.memory_options())
+    else:
+        handle = _apply_engine(cfg, transformer, plan, device, mode, dist or DistContext())
+    return plan, handle, planner, budget
 
 
 def _apply_engine(cfg: RunConfig, transformer, plan, device, mode, dist: DistContext):
@@ -377,7 +399,7 @@ def _guarded_step(t: Trainee, cfg: RunConfig, step: int) -> float:
     """train_step under the OOM guard: a step that ran out of memory is redone on the same batch,
     noise and timesteps (data position and generator are rewound), so no sample is lost."""
     if t.guard is None:
-        return t.dist.agreed_step(lambda: train_step(t, cfg))
+        return t.dist.agreed_step(lambda: train_step(t, cfg), step)
     position, noise_state = t.batches.state_dict(), t.generator.get_state()
     attempts = {"n": 0}
 
@@ -386,7 +408,7 @@ def _guarded_step(t: Trainee, cfg: RunConfig, step: int) -> float:
             t.batches.load_state_dict(position)
             t.generator.set_state(noise_state)
         attempts["n"] += 1
-        return t.dist.agreed_step(lambda: train_step(t, cfg))
+        return t.dist.agreed_step(lambda: train_step(t, cfg), step)
 
     try:
         return t.guard.run(attempt, step=step)

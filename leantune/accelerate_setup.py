@@ -1,0 +1,197 @@
+"""The run's `accelerate.Accelerator`: made once per `train()`, released at its end.
+
+What accelerate does here. It joins the process group the launcher described (torchrun,
+`accelerate launch`, `leantune train --gpus N`), places this process on its device (cuda:LOCAL_RANK,
+or the CPU), carries the run's mixed precision, and for `[distributed] strategy = "deepspeed"`
+builds the DeepSpeed engine from a `DeepSpeedPlugin` (`accelerator.prepare(model, optimizer)`).
+Its rank, world size and device are the ones `DistContext` (distributed.py) hands to the rest of
+leantune. What it does not do here, and why:
+- LoRA gradients are all-reduced by `DistContext.sync_gradients` after the last micro-batch, not
+  by the DDP wrapper `accelerator.prepare` would add, for two reasons. (1) DDP reduces from
+  autograd hooks inside backward: when one rank runs out of memory the others are already blocked
+  in that bucket's all-reduce and cannot re-plan with it; leantune first votes on the step (one
+  tiny all-reduce) and reduces only when every rank succeeded. (2) A re-plan sends the weights
+  home to the host and applies the new plan, which replaces the adapter parameters' storage; DDP
+  builds its gradient buckets over those storages once, at wrap time, and would have to be
+  rebuilt after every re-plan. The summed result is DDP's (tested against one process with the
+  doubled batch).
+- FSDP2 is `fully_shard` on the spec's blocks (train/sharded_full.py): `Accelerator(cpu=True)`
+  runs as MULTI_CPU and ignores an FSDP plugin, so the plugin's path could not be tested on CPU,
+  and the spec already names the blocks to shard.
+- Checkpoints stay leantune's own exact-resume files (no `save_state`).
+
+DeepSpeed on a CPU. `Accelerator(cpu=True)` ignores DeepSpeed (accelerate only enables it
+for `cpu=False`), so a DeepSpeed run on CPU processes makes the Accelerator with `cpu=False` and
+the gloo backend: DeepSpeed's CPU accelerator then runs the same engine the GPUs do.
+
+One process, several configurations. `AcceleratorState` is a process-wide singleton that refuses
+a second configuration, and accelerate writes `ACCELERATE_USE_DEEPSPEED` into the environment.
+`release_accelerator` resets the singleton and puts the environment back, so tests (and the UI's
+runs) can build one run after another in one process.
+
+`accelerate launch --config_file` settings. accelerate's launcher passes its config as
+environment variables (ACCELERATE_MIXED_PRECISION, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
+ACCELERATE_DEEPSPEED_ZERO_STAGE, ...). `apply_launch_settings` maps them onto leantune's keys
+where the run's TOML leaves a key unset; a key the TOML sets wins, with a warning naming both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("leantune")
+
+
+@dataclass(frozen=True)
+class LaunchSetting:
+    env: str            # the variable accelerate launch sets
+    section: str        # leantune's section and key
+    key: str
+    accelerate_key: str  # the key's name in accelerate's config file
+
+
+# accelerate launch config -> leantune keys (only those leantune has a key for).
+LAUNCH_SETTINGS = (
+    LaunchSetting("ACCELERATE_MIXED_PRECISION", "train", "mixed_precision", "mixed_precision"),
+    LaunchSetting("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "train", "gradient_accumulation",
+                  "gradient_accumulation_steps"),
+    LaunchSetting("ACCELERATE_GRADIENT_CLIPPING", "train", "max_grad_norm", "gradient_clipping"),
+    LaunchSetting("ACCELERATE_DEEPSPEED_ZERO_STAGE", "distributed", "zero_stage", "zero_stage"),
+    LaunchSetting("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "distributed", "offload_optimizer",
+                  "offload_optimizer_device"),
+    LaunchSetting("ACCELERATE_DEEPSPEED_CONFIG_FILE", "distributed", "deepspeed_config", "deepspeed_config_file"),
+    LaunchSetting("FSDP_OFFLOAD_PARAMS", "distributed", "fsdp_cpu_offload", "fsdp_offload_params"),
+)
+
+
+def _parse(setting: LaunchSetting, raw: str):
+    if setting.key == "mixed_precision":
+        if raw not in ("no", "bf16"):
+            from .config import ConfigError
+
+            raise ConfigError(f"accelerate launch: mixed_precision = {raw!r}: leantune trains in \"bf16\" or \"no\"")
+        return raw
+    if setting.key == "zero_stage":
+        if raw not in ("2", "3"):
+            from .config import ConfigError
+
+            raise ConfigError(f"accelerate launch: zero_stage = {raw}: leantune runs DeepSpeed ZeRO stage 2 (or 3 "
+                              f"where the config allows it)")
+        return int(raw)
+    if setting.key == "gradient_accumulation":
+        return int(raw)
+    if setting.key == "max_grad_norm":
+        return float(raw)
+    if setting.key == "offload_optimizer":
+        if raw not in ("none", "cpu"):
+            from .config import ConfigError
+
+            raise ConfigError(f"accelerate launch: offload_optimizer_device = {raw!r}: leantune offloads the "
+                              f"optimizer to \"cpu\" or not at all (\"none\")")
+        return raw == "cpu"
+    if setting.key == "fsdp_cpu_offload":
+        return raw.lower() == "true"
+    return raw
+
+
+def launcher_strategy() -> str | None:
+    """The strategy an `accelerate launch` config chose (DEEPSPEED / FSDP), else None."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp2"
+    return None
+
+
+def apply_launch_settings(cfg):
+    """`cfg` with the settings of an `accelerate launch` config where the TOML leaves the key unset
+    (a new RunConfig; `cfg` is not changed). A key set in both with different values keeps the
+    TOML's and says so. Without accelerate launch (no ACCELERATE_* variables) `cfg` comes back."""
+    updates: dict[str, dict] = {}
+    said = []
+    strategy = launcher_strategy()
+    if strategy is not None and "strategy" not in cfg.distributed.model_fields_set:
+        if cfg.train.mode == "full":
+            updates.setdefault("distributed", {})["strategy"] = strategy
+            said.append(f"[distributed] strategy = \"{strategy}\"")
+        elif strategy == "deepspeed":
+            log.info("accelerate launch asked for DeepSpeed: a LoRA run reduces its adapter gradients itself (ddp "
+                     "semantics, leantune/distributed.py); the ZeRO settings apply to [train] mode = \"full\"")
+    for s in LAUNCH_SETTINGS:
+        raw = os.environ.get(s.env)
+        if raw is None or raw == "":
+            continue
+        if s.section == "distributed" and (cfg.train.mode != "full"
+                                           or strategy != ("fsdp2" if s.key == "fsdp_cpu_offload" else "deepspeed")):
+            continue                  # ZeRO / FSDP settings concern full fine-tunes only
+        value = _parse(s, raw)
+        section = getattr(cfg, s.section)
+        current = getattr(section, s.key)
+        if s.key in section.model_fields_set:
+            if current != value:
+                log.warning("[%s] %s = %r in the run's TOML overrides accelerate launch's %s = %r", s.section, s.key,
+                            current, s.accelerate_key, raw)
+            continue
+        if current != value:
+            updates.setdefault(s.section, {})[s.key] = value
+            said.append(f"[{s.section}] {s.key} = {value!r}")
+    if not updates:
+        return cfg
+    log.info("from the accelerate launch config: %s", ", ".join(said))
+    new = {name: getattr(cfg, name).model_copy(update=values) for name, values in updates.items()}
+    return cfg.model_copy(update=new)
+
+
+def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
+    """The run's Accelerator (see the module docstring). Returns (accelerator, saved_env) for
+    `release_accelerator`."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    AcceleratorState._reset_state(True)          # a run never inherits another run's configuration
+    dcfg = cfg.distributed
+    cpu = device.type == "cpu"
+    backend = dcfg.backend if dcfg.backend != "auto" else ("gloo" if cpu else "nccl")
+    deepspeed = strategy == "deepspeed" and world_size > 1
+    # The strategy is leantune's decision (resolve_strategy); accelerate must not pick DeepSpeed or
+    # FSDP from the launcher's variables on its own.
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true" if deepspeed else "false"
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    kwargs = {"mixed_precision": cfg.train.mixed_precision, "cpu": cpu and not deepspeed}
+    if world_size > 1:
+        import datetime
+
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(
+            backend=backend, timeout=datetime.timedelta(minutes=dcfg.timeout_minutes))]
+    if deepspeed:
+        from .distributed import deepspeed_config
+
+        ds = deepspeed_config(cfg, world_size)
+        # DeepSpeed's own bf16 (a bf16 module, fp32 masters) is on only for a bf16 model; the
+        # forward's autocast stays the trainer's either way, as in one process.
+        kwargs["mixed_precision"] = "bf16" if ds.get("bf16", {}).get("enabled") else "no"
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+    try:
+        accelerator = Accelerator(**kwargs)
+    except BaseException:
+        release_accelerator(saved)
+        raise
+    return accelerator, saved
+
+
+def release_accelerator(saved_env: dict[str, str]) -> None:
+    """Forget the Accelerator's process-wide state and put accelerate's variables back."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    for k in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+        if k not in saved_env:
+            del os.environ[k]
+    os.environ.update(saved_env)
