@@ -33,6 +33,8 @@ runs) can build one run after another in one process.
 environment variables (ACCELERATE_MIXED_PRECISION, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
 ACCELERATE_DEEPSPEED_ZERO_STAGE, ...). `apply_launch_settings` maps them onto leantune's keys
 where the run's TOML leaves a key unset; a key the TOML sets wins, with a warning naming both.
+accelerate launch passes mixed_precision "no" even when nothing chose it, so "no" is taken only
+from a DeepSpeed config file that lists it (ACCELERATE_CONFIG_DS_FIELDS).
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ def _parse(setting: LaunchSetting, raw: str):
     return raw
 
 
+def _config_fields() -> set[str]:
+    """The DeepSpeed keys accelerate launch took from a config file (it lists them)."""
+    return set(filter(None, os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")))
+
+
 def launcher_strategy() -> str | None:
     """The strategy an `accelerate launch` config chose (DEEPSPEED / FSDP), else None."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
@@ -107,20 +114,22 @@ def launcher_strategy() -> str | None:
     return None
 
 
-def apply_launch_settings(cfg):
+def apply_launch_settings(cfg) -> tuple[object, list[tuple[int, str]]]:
     """`cfg` with the settings of an `accelerate launch` config where the TOML leaves the key unset
-    (a new RunConfig; `cfg` is not changed). A key set in both with different values keeps the
-    TOML's and says so. Without accelerate launch (no ACCELERATE_* variables) `cfg` comes back."""
+    (a new RunConfig; `cfg` is not changed), and the (logging level, message) lines that say what
+    was taken or overridden, for the run's log. A key set in both with different values keeps the
+    TOML's. Without accelerate launch (no ACCELERATE_* variables) `cfg` comes back unchanged."""
     updates: dict[str, dict] = {}
-    said = []
+    said, notes = [], []
     strategy = launcher_strategy()
     if strategy is not None and "strategy" not in cfg.distributed.model_fields_set:
         if cfg.train.mode == "full":
             updates.setdefault("distributed", {})["strategy"] = strategy
             said.append(f"[distributed] strategy = \"{strategy}\"")
         elif strategy == "deepspeed":
-            log.info("accelerate launch asked for DeepSpeed: a LoRA run reduces its adapter gradients itself (ddp "
-                     "semantics, leantune/distributed.py); the ZeRO settings apply to [train] mode = \"full\"")
+            notes.append((logging.INFO, "accelerate launch asked for DeepSpeed: a LoRA run reduces its adapter gradients "
+                                        "itself (ddp semantics, leantune/distributed.py); ZeRO applies to [train] mode = "
+                                        "\"full\""))
     for s in LAUNCH_SETTINGS:
         raw = os.environ.get(s.env)
         if raw is None or raw == "":
@@ -129,21 +138,24 @@ def apply_launch_settings(cfg):
                                            or strategy != ("fsdp2" if s.key == "fsdp_cpu_offload" else "deepspeed")):
             continue                  # ZeRO / FSDP settings concern full fine-tunes only
         value = _parse(s, raw)
+        if s.key == "mixed_precision" and value == "no" and "mixed_precision" not in _config_fields():
+            continue                  # accelerate launch's default, not a choice (it always passes one)
         section = getattr(cfg, s.section)
         current = getattr(section, s.key)
         if s.key in section.model_fields_set:
             if current != value:
-                log.warning("[%s] %s = %r in the run's TOML overrides accelerate launch's %s = %r", s.section, s.key,
-                            current, s.accelerate_key, raw)
+                notes.append((logging.WARNING, f"[{s.section}] {s.key} = {current!r} in the run's TOML overrides "
+                                               f"accelerate launch's {s.accelerate_key} = {raw!r}"))
             continue
         if current != value:
             updates.setdefault(s.section, {})[s.key] = value
             said.append(f"[{s.section}] {s.key} = {value!r}")
+    if said:
+        notes.insert(0, (logging.INFO, "from the accelerate launch config: " + ", ".join(said)))
     if not updates:
-        return cfg
-    log.info("from the accelerate launch config: %s", ", ".join(said))
+        return cfg, notes
     new = {name: getattr(cfg, name).model_copy(update=values) for name, values in updates.items()}
-    return cfg.model_copy(update=new)
+    return cfg.model_copy(update=new), notes
 
 
 def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
@@ -163,6 +175,11 @@ def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
     # FSDP from the launcher's variables on its own.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true" if deepspeed else "false"
     os.environ["ACCELERATE_USE_FSDP"] = "false"
+    # The launcher's settings are in `cfg` already (apply_launch_settings) and the DeepSpeed config
+    # below is complete; the plugin would refuse a config beside the launcher's DeepSpeed fields.
+    for k in [k for k in os.environ if k.startswith(("ACCELERATE_DEEPSPEED_", "ACCELERATE_GRADIENT_"))
+              or k in ("ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_MIXED_PRECISION")]:
+        del os.environ[k]
     kwargs = {"mixed_precision": cfg.train.mixed_precision, "cpu": cpu and not deepspeed}
     if world_size > 1:
         import datetime

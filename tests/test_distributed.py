@@ -152,6 +152,81 @@ def test_one_process_context_is_trivial_and_world_size_change_is_explained():
                        "train", "a.toml", "--resume"]
 
 
+def test_accelerator_is_made_per_run_and_released_so_runs_of_other_configurations_follow(monkeypatch):
+    """One process: the run's Accelerator says rank 0 of 1 on the CPU with the run's mixed
+    precision; after close() a second run with another mixed precision gets its own (accelerate's
+    singleton would refuse it otherwise) and accelerate's variables are as before."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    from leantune.config import validate
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    before = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    seen = []
+    for precision in ("bf16", "no"):
+        cfg = validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]},
+                        "train": {"mixed_precision": precision}}, "run.toml")
+        ctx = DistContext.from_config(cfg, torch.device("cpu"))
+        acc = ctx.accelerator
+        seen.append((ctx.rank, ctx.world_size, ctx.device, acc.mixed_precision, acc.num_processes))
+        ctx.close()
+        assert ctx.accelerator is None and not AcceleratorState._shared_state
+    assert seen == [(0, 1, torch.device("cpu"), "bf16", 1), (0, 1, torch.device("cpu"), "no", 1)]
+    assert {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")} == before
+
+
+SEED_LAUNCH_ENV = {   # what `accelerate launch --config_file` sets for x-flux's DeepSpeed config
+    "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2",
+    "ACCELERATE_GRADIENT_CLIPPING": "1.0", "ACCELERATE_MIXED_PRECISION": "bf16",
+    "ACCELERATE_CONFIG_DS_FIELDS": "gradient_accumulation_steps,gradient_clipping,offload_optimizer_device,"
+                                   "offload_param_device,zero3_init_flag,zero_stage,mixed_precision",
+}
+
+
+def test_accelerate_launch_settings_fill_the_keys_the_toml_leaves_unset(monkeypatch):
+    from leantune.accelerate_setup import apply_launch_settings
+    from leantune.config import validate
+
+    def cfg(mode="full", **train):
+        return validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]},
+                         "train": {"mode": mode, "mixed_precision": "no", **train}}, "run.toml")
+
+    plain = cfg()
+    assert apply_launch_settings(plain) == (plain, [])                # not launched by accelerate
+    for k, v in SEED_LAUNCH_ENV.items():
+        monkeypatch.setenv(k, v)
+    full, notes = apply_launch_settings(cfg())
+    assert full.distributed.strategy == "deepspeed" and full.distributed.zero_stage == 2
+    assert not full.distributed.offload_optimizer
+    assert (full.train.gradient_accumulation, full.train.max_grad_norm) == (2, 1.0)
+    assert full.train.mixed_precision == "no"                     # set in the TOML: the TOML wins, and says so
+    text = "\n".join(n for _, n in notes)
+    # max_grad_norm 1.0 is leantune's default already: nothing to take over.
+    assert 'from the accelerate launch config: [distributed] strategy = "deepspeed", [train] gradient_accumulation = 2\n' \
+        in text + "\n"
+    assert "[train] mixed_precision = 'no' in the run's TOML overrides accelerate launch's mixed_precision = 'bf16'" in text
+    mine, _ = apply_launch_settings(cfg(gradient_accumulation=4))
+    assert mine.train.gradient_accumulation == 4 and mine.train.max_grad_norm == 1.0
+    lora, notes = apply_launch_settings(cfg(mode="lora"))            # LoRA keeps its own all-reduce
+    assert lora.distributed.strategy == "auto" and lora.train.gradient_accumulation == 2
+    assert any("a LoRA run reduces its adapter gradients itself" in n for _, n in notes)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "nvme")
+    with pytest.raises(ConfigError, match="offload_optimizer_device = 'nvme'"):
+        apply_launch_settings(cfg())
+    for k in SEED_LAUNCH_ENV:                                      # plain `accelerate launch`: its default
+        monkeypatch.delenv(k)                                      # "no" is not a choice
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    bf16 = validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]}}, "run.toml")
+    assert apply_launch_settings(bf16)[0].train.mixed_precision == "bf16"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true"), monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    fsdp, _ = apply_launch_settings(cfg())
+    assert fsdp.distributed.strategy == "fsdp2" and fsdp.distributed.fsdp_cpu_offload
+
+
 # -- real two-process runs -----------------------------------------------------------------------------
 
 def _env(tmp_path):
@@ -454,8 +529,8 @@ def test_zero2_full_fine_tune_from_the_seed_accelerate_config_as_written(tmp_pat
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-6000:]
     log = (tmp_path / "out" / "train.log").read_text()
-    assert ('from the accelerate launch config: [distributed] strategy = "deepspeed", [train] gradient_accumulation '
-            '= 2, [train] max_grad_norm = 1.0') in log
+    assert 'from the accelerate launch config: [distributed] strategy = "deepspeed", [train] gradient_accumulation = 2' \
+        in log
     assert ("full (deepspeed ZeRO-2)" in log and "over 2 processes; bf16 on, gradient accumulation 2, clipping 1, "
             "optimizer offload none") in log
     history = json.loads((tmp_path / "out" / "loss.json").read_text())

@@ -186,22 +186,24 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     (train/run_folder.py)."""
     from ..accelerate_setup import apply_launch_settings
 
-    cfg = apply_launch_settings(cfg)          # `accelerate launch --config_file` settings the TOML leaves unset
+    cfg, launch_notes = apply_launch_settings(cfg)   # `accelerate launch --config_file` settings the TOML leaves unset
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
     dist = DistContext.from_config(cfg, pick_device(cfg))
     try:
         with RunFolder(paths.root, paths.name, resume, overwrite, enabled=dist.is_main):
-            return _train(cfg, paths, dist, resume, stop_after, progress)
+            return _train(cfg, paths, dist, resume, stop_after, progress, launch_notes)
     finally:
         dist.close()
 
 
 def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, stop_after: int | None,
-           progress: bool) -> TrainResult:
+           progress: bool, launch_notes: list = ()) -> TrainResult:
     if dist.is_main:
         setup_logging(paths)
     else:
         dist.quiet_logging(log)
+    for level, note in launch_notes:
+        log.log(level, note)
     torch.manual_seed(cfg.train.seed)
     t = _build(cfg, dist)
     start, losses = 0, []
