@@ -370,7 +370,8 @@ class DistContext:
         if not self.distributed:
             return fn()
         result = None
-        for turn in range(self.local_world_size):
+        turns = int(max(self.gather(self.local_world_size)))   # machines may run different process counts
+        for turn in range(turns):
             if self.local_rank == turn:
                 try:
                     result = fn()
