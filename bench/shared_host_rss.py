@@ -8,7 +8,7 @@ of Pss; both are printed.
 
     python bench/shared_host_rss.py                      # 1 process, 2 private, 2 shared
     python bench/shared_host_rss.py --single 16          # a bigger model
-    python bench/shared_host_rss.py --load               # the machine's peak while 2 processes load:
+    python bench/shared_host_rss.py --load               # the machine's peak while 2 and 4 processes load:
                                                          # at once vs in turns ([distributed] load_in_turns)
 
 The loading peak is sampled from outside: this script reads every worker's Pss and RSS every
@@ -140,7 +140,7 @@ def main() -> None:
         print("| processes (shared host copy) | loading | model (MiB, per process) | peak sum of Pss (machine, MiB) | "
               "peak sum of RSS (MiB) | steady sum of Pss (MiB) |")
         print("|---|---|---|---|---|---|")
-        for n, turns in ((1, False), (2, False), (2, True)):
+        for n, turns in ((1, False), (2, False), (2, True), (4, False), (4, True)):
             ranks, peak = run(n, True, args.single, turns)
             what = "-" if n == 1 else ("in turns" if turns else "at once")
             print(f"| {n} | {what} | {ranks[0]['model_mib']:.0f} | {peak['pss_mib']:.0f} | {peak['rss_mib']:.0f} | "
