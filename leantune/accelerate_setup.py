@@ -189,6 +189,8 @@ def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
     if deepspeed:
         from .distributed import deepspeed_config
 
+        _ninja_on_path()
+
         ds = deepspeed_config(cfg, world_size)
         # DeepSpeed's own bf16 (a bf16 module, fp32 masters) is on only for a bf16 model; the
         # forward's autocast stays the trainer's either way, as in one process.
@@ -200,6 +202,19 @@ def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
         release_accelerator(saved)
         raise
     return accelerator, saved
+
+
+def _ninja_on_path() -> None:
+    """DeepSpeed compiles its CPU communication op at its first use with torch's extension builder,
+    which runs `ninja` from PATH. pip installs ninja (a DeepSpeed dependency) beside this Python,
+    which is on PATH only in an activated environment: put that folder on PATH when no ninja is."""
+    import shutil
+    import sys
+
+    if shutil.which("ninja") is None:
+        here = os.path.dirname(sys.executable)
+        if os.path.exists(os.path.join(here, "ninja")):
+            os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
 
 
 def release_accelerator(saved_env: dict[str, str]) -> None:

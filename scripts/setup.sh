@@ -23,7 +23,7 @@ if [ ! -e .venv/.deepspeed-ops-built ] && .venv/bin/python -c "import deepspeed"
     apt-get install -y --no-install-recommends g++ >/dev/null 2>&1 \
       || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends g++ >/dev/null 2>&1; } || true
   fi
-  if .venv/bin/python - >/dev/null 2>&1 <<'PY'
+  if PATH="$PWD/.venv/bin:$PATH" .venv/bin/python - >/dev/null 2>&1 <<'PY'
 from deepspeed.accelerator import get_accelerator
 import deepspeed.ops
 builder = get_accelerator().create_op_builder("ShareMemCommBuilder")

@@ -227,6 +227,24 @@ def test_accelerate_launch_settings_fill_the_keys_the_toml_leaves_unset(monkeypa
     assert fsdp.distributed.strategy == "fsdp2" and fsdp.distributed.fsdp_cpu_offload
 
 
+def test_deepspeed_finds_the_venvs_ninja_without_an_activated_environment(monkeypatch, tmp_path):
+    """DeepSpeed compiles its CPU comm op with `ninja` from PATH; pip puts ninja beside this Python,
+    which a plain `.venv/bin/python` (CI, `.venv/bin/leantune`) does not have on PATH."""
+    import shutil
+
+    from leantune.accelerate_setup import _ninja_on_path
+
+    beside = Path(sys.executable).parent / "ninja"
+    if not beside.exists():
+        pytest.skip("no ninja installed beside this Python (pip install ninja)")
+    monkeypatch.setenv("PATH", str(tmp_path))                        # no ninja anywhere on PATH
+    assert shutil.which("ninja") is None
+    _ninja_on_path()
+    assert Path(shutil.which("ninja")) == beside
+    out = subprocess.run(["ninja", "--version"], capture_output=True, text=True)   # as torch's builder runs it
+    assert out.returncode == 0 and out.stdout.strip()
+
+
 # -- real two-process runs -----------------------------------------------------------------------------
 
 def _env(tmp_path):
