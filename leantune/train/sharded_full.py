@@ -55,7 +55,7 @@ class ShardedFullMode:
         cfg = self.cfg
         self._unfreeze(transformer, "fsdp2")
         device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+        mesh = init_device_mesh(device, (self._world_size(),))
         options = {"mesh": mesh}
         if cfg.distributed.fsdp_cpu_offload and device == "cpu":
             raise ValueError("[distributed] fsdp_cpu_offload = true with CPU processes: the shards already live in host "
@@ -89,6 +89,10 @@ class ShardedFullMode:
         for p in named.values():
             p.requires_grad_(True)
         return named
+
+    def _world_size(self) -> int:
+        """The run Accelerator's process count (DistContext); the process group's without one."""
+        return self.dist.world_size if self.dist is not None else torch.distributed.get_world_size()
 
     def memory_options(self) -> dict:
         return {}
@@ -165,7 +169,7 @@ class ZeroFullMode(ShardedFullMode):
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
         named = self._unfreeze(transformer, "deepspeed")
         self.model, self.named = transformer, named
-        self.world_size = torch.distributed.get_world_size()
+        self.world_size = self._world_size()
         return list(named.values())
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
@@ -237,9 +241,8 @@ class ZeroFullMode(ShardedFullMode):
         steps = [int(s["step"]) for s in self.zero.optimizer.state.values() if "step" in s]
         return max(steps, default=0)
 
-    @staticmethod
-    def is_main() -> bool:
-        return torch.distributed.get_rank() == 0
+    def is_main(self) -> bool:
+        return self.dist.is_main if self.dist is not None else torch.distributed.get_rank() == 0
 
 
 class _GatheredAccess:
