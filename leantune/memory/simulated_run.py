@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..models.flux import PromptEmbeds
+from ..models.family import ModelFamily, PromptEmbeds, family_for_model, get_family
 from ..models.spec import ModelSpec
 from .plan import Plan
 from .simulated import HOST, DeviceMemoryTracker, enable, simulation
@@ -76,21 +76,29 @@ def fake_parameters(model: nn.Module, device: torch.device | str = HOST) -> nn.M
     return model
 
 
-def _host_batch(model: nn.Module, bucket: tuple[int, int], batch_size: int, text_length: int, dtype: torch.dtype):
-    """A cached batch as the trainer's data loader yields it: latents and prompt embeddings in host RAM."""
+def _embeds(model: nn.Module, batch: int, text_rows: int, dtype: torch.dtype) -> PromptEmbeds:
+    """Prompt embeddings as the cache holds them: the text sequence (B, rows, joint_attention_dim)
+    and the pooled vector (B, pooled_projection_dim); both families name the widths so."""
     cfg = model.config
-    h, w = bucket[0] // 8, bucket[1] // 8
-    embeds = PromptEmbeds(t5=torch.empty(batch_size, text_length, cfg.joint_attention_dim, dtype=dtype),
-                          pooled=torch.empty(batch_size, cfg.pooled_projection_dim, dtype=dtype))
-    return SimpleNamespace(latents=torch.empty(batch_size, cfg.in_channels // 4, h, w, dtype=dtype), embeds=embeds,
-                           bucket=bucket)
+    return PromptEmbeds(t5=torch.empty(batch, text_rows, cfg.joint_attention_dim, dtype=dtype),
+                        pooled=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype))
+
+
+def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], batch_size: int, text_rows: int,
+                dtype: torch.dtype):
+    """A cached batch as the trainer's data loader yields it: latents (B, C, H/f, W/f) and prompt
+    embeddings in host RAM."""
+    h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
+    return SimpleNamespace(latents=torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype),
+                           embeds=_embeds(model, batch_size, text_rows, dtype), bucket=bucket)
 
 
 def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket: tuple[int, int], *,
                       text_length: int | None = None, steps: int = 1) -> SimulatedStep:
     """`steps` LoRA training steps of `model` (meta-built, adapters added, base frozen) under `plan`
     on the simulated GPU, as the trainer runs them for `cfg` (a RunConfig: [train] optimizer,
-    clipping, mixed precision, timestep sampling; [data] batch size and text length).
+    clipping, mixed precision, timestep sampling; [data] batch size and text length; [model] family).
+    `text_length` is in sequence rows (default: the family's rows for [data] max_text_length).
 
     The optimizer's states exist before the first measured step (one optimizer step on zero
     gradients creates them, as a real first step would), so every measured step is a steady-state
@@ -102,7 +110,8 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
     from .engine import apply_memory
 
     device = enable()
-    text_length = text_length or cfg.data.max_text_length
+    family = get_family(cfg.model.family)
+    text_length = text_length or family.text_rows(cfg.data.max_text_length)
     dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point())
     tracker = _ReadsAsZero()
     t0 = time.perf_counter()
@@ -115,7 +124,7 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = mode.build_optimizer(params)
         _create_optimizer_states(optimizer, params)
-        batch = _host_batch(model, bucket, cfg.data.batch_size, text_length, dtype)
+        batch = _host_batch(model, family, bucket, cfg.data.batch_size, text_length, dtype)
         t = Trainee(transformer=model, params=params, optimizer=optimizer,
                     scheduler=build_scheduler(optimizer, cfg.train), data=None, batches=iter(lambda: batch, None),
                     generator=torch.Generator().manual_seed(0), device=device, dtype=dtype, memory=handle,
@@ -140,14 +149,18 @@ def _create_optimizer_states(optimizer: torch.optim.Optimizer, params: list[nn.P
 
 
 def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple[int, int], *,
-                      text_length: int = 512, steps: int = 1, guidance: float = 3.5) -> SimulatedStep:
+                      text_length: int = 512, steps: int = 1, guidance: float = 3.5,
+                      family: ModelFamily | None = None, cfg_batched: bool = True) -> SimulatedStep:
     """`steps` denoising steps of one image of `size` (height, width) under `plan`, through the
     sampler's own `denoise` with the engine in forward-only mode, as `leantune sample` runs it
-    (with classifier-free guidance, SD3.5, the negative and positive halves in one batch)."""
+    (with classifier-free guidance, SD3.5, the negative and positive halves in one batch, or one
+    after the other with `cfg_batched` False). `text_length` is in sequence rows; `family`
+    defaults to the model's."""
     from ..infer.sampler import default_schedule, denoise
     from .engine import apply_memory
 
     device = enable()
+    family = family or family_for_model(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     tracker = _ReadsAsZero()
     t0 = time.perf_counter()
@@ -158,15 +171,14 @@ def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple
         handle = apply_memory(model, spec, plan, device, host_device=HOST)
         handle.forward_only(True)
         after_setup = tracker.live.get(str(device), 0)
-        cfg = model.config
-        embeds = PromptEmbeds(t5=torch.empty(1, text_length, cfg.joint_attention_dim, dtype=dtype),
-                              pooled=torch.empty(1, cfg.pooled_projection_dim, dtype=dtype))
-        schedule = default_schedule(model)
+        embeds = _embeds(model, 1, text_length, dtype)
+        schedule = default_schedule(model, family)
         report = {}
         for _ in range(steps):
             tracker.reset_peak()
             denoise(model, [embeds], [0], width=size[1], height=size[0], steps=1, guidance=guidance,
-                    schedule=schedule, device=device, dtype=dtype, negative=embeds)
+                    schedule=schedule, device=device, dtype=dtype, negative=embeds, family=family,
+                    cfg_batched=cfg_batched)
             peaks.append(tracker.peak.get(str(device), 0))
             report = handle.step_report()
         resident = tracker.live.get(str(device), 0)
@@ -181,41 +193,62 @@ GiB = 2**30
 CASE_RAM_BUDGET = 64 * GiB     # host RAM the cases plan for: a typical GPU machine, not this one
 
 
-def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None = None) -> nn.Module:
-    """Flux.1-dev's architecture on meta (bf16), optionally with fewer blocks of full width."""
-    from diffusers import FluxTransformer2DModel
+# The architectures a case can run: `leantune plan --model` names -> (family, config shipped in
+# models/configs/, T5 tokens it samples with).
+MODELS = {"flux-dev": ("flux", "flux1_dev", 512), "sd3.5-large": ("sd3", "sd35_large", 256),
+          "sd3.5-medium": ("sd3", "sd35_medium", 256)}
+
+
+def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) -> nn.Module:
+    """The full-size architecture `name` (MODELS) on meta (bf16), built through its family's
+    diffusers class from the packaged config; `blocks` gives fewer blocks of full width, one count
+    per block list in planner.meta.BLOCK_COUNT_KEYS order (Flux: double, single; SD3: joint, its
+    last block the context-pre-only one)."""
+    import diffusers
 
     from ..models.component_files import packaged_config
-    from ..planner.meta import meta_from_config
+    from ..planner.meta import BLOCK_COUNT_KEYS, meta_from_config
 
-    conf = dict(packaged_config("flux1_dev"))
-    if num_layers is not None:
-        conf["num_layers"] = num_layers
-    if num_single_layers is not None:
-        conf["num_single_layers"] = num_single_layers
-    return meta_from_config(FluxTransformer2DModel, conf)
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
+    family, config_name, _ = MODELS[name]
+    conf = dict(packaged_config(config_name))
+    keys = list(BLOCK_COUNT_KEYS[family].values())
+    if blocks is not None:
+        if len(blocks) != len(keys):
+            raise ValueError(f"{name}: blocks gives {len(blocks)} counts, its block lists are {keys}")
+        conf.update({k: n for k, n in zip(keys, blocks) if n is not None})
+    return meta_from_config(getattr(diffusers, get_family(family).transformer_classes[0]), conf)
 
 
-def training_config(size: int, budget: int, rank: int = 16):
+def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None = None) -> nn.Module:
+    """Flux.1-dev's architecture on meta (bf16), optionally with fewer blocks of full width."""
+    return meta_model("flux-dev", (num_layers, num_single_layers))
+
+
+def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"):
     """The RunConfig of a LoRA run at one square resolution with a VRAM budget (defaults otherwise:
-    attention+MLP targets, AdamW, batch 1, 512 text tokens, bf16 autocast)."""
+    attention+MLP targets, AdamW, batch 1, the family's text tokens (Flux 512, SD3 256), bf16 autocast)."""
     from ..config import validate
 
-    return validate({"model": {"path": "unused"}, "data": {"datasets": [{"path": "unused"}], "resolutions": [size]},
+    return validate({"model": {"path": "unused", "family": family},
+                     "data": {"datasets": [{"path": "unused"}], "resolutions": [size]},
                      "lora": {"rank": rank}, "memory": {"vram_budget": f"{budget}B", "ram_budget": f"{CASE_RAM_BUDGET}B"}})
 
 
-def planned_case(what: str, size: int, budget: int, blocks: tuple[int, int] | None = None,
-                 plan: Plan | None = None) -> dict:
+def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
+                 plan: Plan | None = None, model_name: str = "flux-dev") -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train") or a sampling step ("sample")
-    at size x size pixels, on Flux.1-dev (or `blocks` = (double, single) blocks of full width).
+    at size x size pixels, on `model_name` (MODELS; or `blocks` blocks of full width, see
+    meta_model). Sampling a family with classifier-free guidance plans, as `leantune sample` does,
+    for the doubled batch (negative and positive halves in one forward) and, when no plan fits it,
+    for one half at a time ("cfg_batched" in the result).
 
     Returns the plan, the planner's predicted peak with its workspace term and the budget's margin
     apart, the simulated peak, and their ratio (prediction without workspace / simulation). Call
     with the simulated device enabled before any backward (see simulated.enable).
     """
-    from ..models.flux import FLUX_SPEC
     from ..planner.corrections import Calibration
     from ..planner.from_config import workload_from_config
     from ..planner.machine import assumed_machine
@@ -224,30 +257,42 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, int] | No
     from ..train.modes import make_mode
 
     enable()
-    model = meta_flux_dev(*(blocks or (None, None)))
+    model = meta_model(model_name, blocks)
+    family = get_family(MODELS[model_name][0])
+    spec = family.spec
+    text_rows = family.text_rows(MODELS[model_name][2])
     machine = assumed_machine(vram_total=budget)
+    budget_obj = Budget(vram=budget, ram=CASE_RAM_BUDGET)
     if what == "train":
-        cfg = training_config(size, budget)
-        make_mode(cfg).prepare(model, FLUX_SPEC)
-        workload = workload_from_config(cfg, model)
+        cfg = training_config(size, budget, family=family.name)
+        make_mode(cfg).prepare(model, spec)
+        workloads = [workload_from_config(cfg, model)]
     elif what == "sample":
         model.eval().requires_grad_(False)
-        workload = Workload(mode="inference", batch_size=1, buckets=((size, size),), text_length=512,
-                            autocast=False, dtype=torch.bfloat16)
+        workloads = [Workload(mode="inference", batch_size=factor, buckets=((size, size),), text_length=text_rows,
+                              autocast=False, dtype=torch.bfloat16)
+                     for factor in ((2, 1) if family.sampling.guidance == "cfg" else (1,))]
     else:
         raise ValueError(f"unknown case {what!r}: 'train' or 'sample'")
-    budget_obj = Budget(vram=budget, ram=CASE_RAM_BUDGET)
-    planner = Planner(FLUX_SPEC, model, workload, machine, Calibration())
-    out = {"what": what, "size": size, "budget": budget, "blocks": blocks, "margin": budget_obj.margin_bytes}
-    try:
-        chosen = plan or planner.plan(budget_obj)
-    except InfeasibleBudget as e:
-        return {**out, "infeasible": str(e), "needed": e.needed_vram}
+    out = {"model": model_name, "what": what, "size": size, "budget": budget, "blocks": blocks,
+           "margin": budget_obj.margin_bytes}
+    for workload in workloads:           # the doubled CFG batch first, then one half at a time
+        planner = Planner(spec, model, workload, machine, Calibration())
+        try:
+            chosen = plan or planner.plan(budget_obj)
+            break
+        except InfeasibleBudget as e:
+            infeasible = {**out, "infeasible": str(e), "needed": e.needed_vram}
+    else:
+        return infeasible
+    batched = workload.batch_size == 2
     est = planner.estimate(chosen)
     if what == "train":
-        sim = simulate_training(model, FLUX_SPEC, cfg, chosen, (size, size))
+        sim = simulate_training(model, spec, cfg, chosen, (size, size))
     else:
-        sim = simulate_sampling(model, FLUX_SPEC, chosen, (size, size))
+        sim = simulate_sampling(model, spec, chosen, (size, size), text_length=text_rows, family=family,
+                                cfg_batched=batched)
+        out["cfg_batched"] = batched if family.sampling.guidance == "cfg" else None
     workspace = est.vram["workspace"]
     return {**out, "plan": chosen.describe(), "fp8": chosen.fp8, "checkpointing": chosen.checkpointing,
             "streamed": len(chosen.streamed_blocks), "stream_non_blocks": chosen.stream_non_blocks,
