@@ -334,6 +334,58 @@ def test_sample_form_becomes_the_sample_command(tmp_path):
         sample_job.command({"model_path": "/m", "prompts": "x", "seed": "abc"}, tmp_path)
 
 
+def _sample_request(cmd: list[str]):
+    """The SampleRequest `leantune sample` builds from the form's command (nothing loaded)."""
+    import argparse
+
+    from leantune.commands.sample import configure, request_data
+    from leantune.infer.request import validate_request
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return validate_request(*request_data(parser.parse_args(cmd[4:])))
+
+
+def _model_folder(tmp_path: Path, cls: str) -> Path:
+    folder = tmp_path / cls
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "transformer" / "config.json").write_text(json.dumps({"_class_name": cls}))
+    return folder
+
+
+def test_sample_form_negative_prompt_only_for_families_with_cfg(tmp_path):
+    """The negative prompt reaches `leantune sample`'s request for a family sampling with
+    classifier-free guidance (chosen, or named by the model's metadata), and is refused, naming
+    the field, for one with distilled guidance; the page is told which families show the field."""
+    from leantune.ui import sample_job
+    from leantune.ui.app import create_app
+
+    sd3, flux = _model_folder(tmp_path, "SD3Transformer2DModel"), _model_folder(tmp_path, "FluxTransformer2DModel")
+    out = tmp_path / "out"
+    fields = {"prompts": "a cat", "negative_prompt": " blurry, low quality "}
+    cmd = sample_job.command({**fields, "model_path": str(sd3), "family": "sd3"}, out)
+    assert cmd[cmd.index("--family") + 1] == "sd3" and cmd[cmd.index("--negative-prompt") + 1] == "blurry, low quality"
+    request = _sample_request(cmd)
+    assert request.negative_prompt == "blurry, low quality" and request.model.family == "sd3"
+    guessed = sample_job.command({**fields, "model_path": str(sd3)}, out)          # family from the model
+    assert "--family" not in guessed and _sample_request(guessed).negative_prompt == "blurry, low quality"
+    for given in ({"model_path": str(flux)}, {"model_path": str(sd3), "family": "flux"}):
+        with pytest.raises(FormError, match="negative_prompt: family 'flux'"):
+            sample_job.command({**fields, **given}, out)
+    plain = sample_job.command({"prompts": "a cat", "negative_prompt": "  ", "model_path": str(flux)}, out)
+    assert "--negative-prompt" not in plain and _sample_request(plain).negative_prompt == ""
+    with pytest.raises(FormError, match="family: 'sdxl'"):
+        sample_job.command({**fields, "model_path": str(sd3), "family": "sdxl"}, out)
+
+    routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs").routes if hasattr(r, "endpoint")}
+    assert routes["/api/choices"]()["cfg_families"] == ["sd3"]
+    assert routes["/api/model-family"](str(sd3)) == {"family": "sd3"}
+    assert routes["/api/model-family"](str(flux)) == {"family": "flux"}
+    assert routes["/api/model-family"](str(tmp_path / "missing")) == {"family": None}
+    page = (Path(sample_job.__file__).parent / "static" / "index.html").read_text()
+    assert 'id="s_negative"' in page and 'id="s_family"' in page
+
+
 def test_family_choices_come_from_the_family_registry(monkeypatch):
     from leantune.models import family
     from leantune.ui import form as form_module

@@ -308,3 +308,33 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         assert download.ok and download.body() == (folder / "run" / "watched_comfyui.safetensors").read_bytes()
         assert "attachment" in download.headers["content-disposition"]
         browser.close()
+
+
+@pytest.mark.slow
+def test_sample_form_shows_the_negative_prompt_for_cfg_families(tmp_path, server):
+    """The Sample form's negative-prompt field is visible for a family with classifier-free guidance
+    (SD3.5: chosen, or named by the model folder's metadata) and hidden for Flux."""
+    import json
+
+    sync_playwright = _browser_or_skip()
+    url, _ = server
+    sd3 = tmp_path / "sd3" / "transformer"
+    sd3.mkdir(parents=True)
+    (sd3 / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel"}))
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(url)
+        page.wait_for_function("document.querySelectorAll('#s_family option').length > 1")
+        negative = page.locator("#s_negative")
+        assert not negative.is_visible()
+        page.select_option("#s_family", "sd3")
+        negative.wait_for(state="visible")
+        page.select_option("#s_family", "flux")
+        negative.wait_for(state="hidden")
+        page.select_option("#s_family", "")
+        page.fill("#s_model", str(sd3.parent))
+        page.locator("#s_model").press("Tab")          # change fires on blur
+        negative.wait_for(state="visible")
+        browser.close()

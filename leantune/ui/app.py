@@ -32,6 +32,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     app = FastAPI(title="leantune", docs_url=None, redoc_url=None, openapi_url=None)
     plans: dict[str, dict] = {}          # TOML text -> summary: the plan shown is the plan a run keeps
     family_names = families()            # imports the registry (and torch) now, not on the page's first call
+    cfg_families = sample_job.cfg_families()     # the Sample form's negative prompt shows for these
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):
@@ -62,7 +63,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
 
     @app.get("/api/choices")
     def get_choices():
-        return {"family": family_names, "mode": choices("train", "mode"),
+        return {"family": family_names, "cfg_families": cfg_families, "mode": choices("train", "mode"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir)}
 
@@ -184,6 +185,12 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     @app.post("/api/sample")
     def post_sample(body: dict):
         return sample_job.start(runs_dir, body)
+
+    @app.get("/api/model-family")
+    def get_model_family(path: str):
+        """The family a model path's metadata names (null when nothing says): the Sample form's
+        "from the model" choice."""
+        return {"family": sample_job.model_family(path)}
 
     @app.get("/api/sample/{job}")
     def get_sample_job(job: int):

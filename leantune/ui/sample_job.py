@@ -15,10 +15,33 @@ from . import launcher
 SAMPLES_DIR = "_samples"
 
 
+def uses_cfg(family: str) -> bool:
+    """True when `family` samples with classifier-free guidance (SD3.5), the guidance a negative
+    prompt belongs to (models/family.py Sampling.guidance)."""
+    from ..models.family import get_family
+
+    return get_family(family).sampling.guidance == "cfg"
+
+
+def cfg_families() -> list[str]:
+    """The families whose Sample form shows a negative-prompt field."""
+    from .form import families
+
+    return [f for f in families() if uses_cfg(f)]
+
+
+def model_family(model: str) -> str | None:
+    """The family of the Sample form's model from its metadata (family.guess_family), or None."""
+    from ..models.family import guess_family
+
+    return guess_family(model) if model else None
+
+
 def command(fields: dict, out: Path) -> list[str]:
-    """`leantune sample` arguments from the form: model, prompts, seed, steps, guidance, size,
+    """`leantune sample` arguments from the form: model, family (blank: from the model), prompts,
+    negative prompt (families with classifier-free guidance only), seed, steps, guidance, size,
     LoRAs ("file:strength" lines) and a VRAM budget."""
-    from .form import FormError
+    from .form import FormError, families
 
     model = str(fields.get("model_path", "")).strip()
     prompts = [p.strip() for p in str(fields.get("prompts", "")).splitlines() if p.strip()]
@@ -26,9 +49,21 @@ def command(fields: dict, out: Path) -> list[str]:
         raise FormError("model_path: give the model folder or single .safetensors file")
     if not prompts:
         raise FormError("prompts: give at least one prompt (one a line)")
+    family = str(fields.get("family", "") or "").strip()
+    if family and family not in families():
+        raise FormError(f"family: {family!r} is not a model family; choose one of {families()} or leave it blank")
+    negative = str(fields.get("negative_prompt", "") or "").strip()
     cmd = [sys.executable, "-m", "leantune", "sample", "--model", model, "--out", str(out)]
+    if family:
+        cmd += ["--family", family]
     for p in prompts:
         cmd += ["--prompt", p]
+    if negative:
+        known = family or model_family(model)     # unknown: `leantune sample` finds the family and decides
+        if known is not None and not uses_cfg(known):
+            raise FormError(f"negative_prompt: family {known!r} samples with distilled guidance, which takes no "
+                            f"negative prompt; leave it empty")
+        cmd += ["--negative-prompt", negative]
     for key, flag, kind in (("seed", "--seed", int), ("steps", "--steps", int), ("guidance", "--guidance", float),
                             ("width", "--width", int), ("height", "--height", int)):
         value = fields.get(key)

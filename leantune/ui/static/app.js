@@ -207,8 +207,22 @@ async function resumeRun() {
 }
 
 // -- 5. sample ----------------------------------------------------------------------------------------
+let cfgFamilies = [];
+async function sampleFamilyChanged() {
+  // the negative prompt belongs to classifier-free guidance (SD3.5): shown for those families only,
+  // the family chosen or, "from the model", the one the model's metadata names
+  let family = $("s_family").value;
+  if (!family && $("s_model").value) {
+    try { family = (await api("GET", `/api/model-family?path=${encodeURIComponent($("s_model").value)}`)).family; }
+    catch (e) { family = null; }
+  }
+  const cfg = cfgFamilies.includes(family);
+  $("s_negative_label").hidden = !cfg;
+  if (!cfg) $("s_negative").value = "";
+}
 async function sample() {
-  const body = {model_path: $("s_model").value, prompts: $("s_prompts").value, seed: $("s_seed").value,
+  const body = {model_path: $("s_model").value, family: $("s_family").value, prompts: $("s_prompts").value,
+    negative_prompt: $("s_negative_label").hidden ? "" : $("s_negative").value, seed: $("s_seed").value,
     steps: $("s_steps").value, guidance: $("s_guidance").value, width: $("s_width").value,
     height: $("s_height").value, vram: $("s_vram").value, loras: $("s_loras").value};
   try {
@@ -238,11 +252,17 @@ async function init() {
   $("resume").onclick = resumeRun;
   $("sample").onclick = sample;
   $("mode").addEventListener("change", modeChanged);
-  $("model_path").addEventListener("change", () => { if (!$("s_model").value) $("s_model").value = $("model_path").value; });
+  $("model_path").addEventListener("change", () => {
+    if (!$("s_model").value) { $("s_model").value = $("model_path").value; sampleFamilyChanged(); }
+  });
+  $("s_family").addEventListener("change", sampleFamilyChanged);
+  $("s_model").addEventListener("change", sampleFamilyChanged);
   const c = await api("GET", "/api/choices");
   for (const k of ["family", "mode", "dtype", "mixed_precision"]) {
     $(k).replaceChildren(...c[k].map((v) => el("option", {value: v}, v)));
   }
+  cfgFamilies = c.cfg_families;
+  $("s_family").append(...c.family.map((v) => el("option", {value: v}, v)));
   for (const [k, v] of Object.entries(c.defaults)) {      // defaults fill what the user has not typed yet
     if ($(k) && !$(k).value) $(k).value = Array.isArray(v) ? (k === "sample_prompts" ? v.join("\n") : v.join(" ")) : v;
   }
