@@ -89,7 +89,8 @@ def markdown(rows: list[dict]) -> str:
                        f"{_gib(r['margin'])} | | | |")
             continue
         plan = (f"{r['streamed']} blocks streamed{' + non-blocks' if r['stream_non_blocks'] else ''}, "
-                f"ring {r['ring']}, fp8 {'on' if r['fp8'] else 'off'}, checkpointing {r['checkpointing']}")
+                f"ring {r['ring']}, fp8 {'on' if r['fp8'] else 'off'}"
+                f"{' + modulation' if r.get('fp8_modulation') else ''}, checkpointing {r['checkpointing']}")
         fits = "yes" if r["simulated"] <= r["budget"] else "**no**"
         out.append(f"| {r['case']} | {r['budget'] / GiB:g} | {plan} | {_gib(r['predicted'] - r['workspace'])} | "
                    f"{_gib(r['workspace'])} | {_gib(r['margin'])} | {_gib(r['simulated'])} | {r['ratio']:.3f} | {fits} |")

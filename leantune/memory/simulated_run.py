@@ -294,7 +294,8 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
                                 cfg_batched=batched)
         out["cfg_batched"] = batched if family.sampling.guidance == "cfg" else None
     workspace = est.vram["workspace"]
-    return {**out, "plan": chosen.describe(), "fp8": chosen.fp8, "checkpointing": chosen.checkpointing,
+    return {**out, "plan": chosen.describe(), "fp8": chosen.fp8, "fp8_modulation": chosen.fp8_modulation,
+            "checkpointing": chosen.checkpointing,
             "streamed": len(chosen.streamed_blocks), "stream_non_blocks": chosen.stream_non_blocks,
             "ring": chosen.ring_slots, "predicted": est.peak_vram, "workspace": workspace,
             "breakdown": dict(est.vram), "simulated": sim.peak, "simulated_steps": sim.peaks,
