@@ -1,5 +1,6 @@
 """Full-size Flux.1-dev on the CPU, as a new user without a GPU meets it: loading a ComfyUI fp8 file
-with leantune and with diffusers' `from_single_file`, and one sampling step through the engine.
+with leantune and with diffusers' `from_single_file`, one sampling step and one LoRA training step
+through the engine.
 
 Files are written with random weights in the ComfyUI layout (BFL keys, block Linear weights in
 float8_e4m3fn, everything else bf16) tensor by tensor, so writing never holds the model:
@@ -18,6 +19,14 @@ One sampling step (64 px, short prompt) of the loaded model under the planner's 
 the CPU, with the engine's streaming report and peak RSS against the planner's host-RAM prediction:
 
     python bench/cpu_fullsize.py sample /tmp/flux-dev-fp8.safetensors --vram 8
+
+One LoRA training step (rank 16 on attention + MLP, AdamW, bf16 autocast, 64 px, 64 text tokens)
+through the trainer's own `train_step`, under the plan the planner makes for a `--vram` budget,
+in a fresh process watched from outside like a load (stopped above --rss-cap GiB); wall and CPU
+seconds of the load and of the step, the streaming report, peak RSS against the planner's
+host-RAM prediction:
+
+    python bench/cpu_fullsize.py train-step /tmp/flux-dev-fp8.safetensors --vram 8 --rss-cap 18
 """
 
 from __future__ import annotations
@@ -123,7 +132,13 @@ def load_child(path: Path, loader: str) -> None:
 
 def load(path: Path, loader: str, rss_cap: float) -> dict:
     """`load_child` in a fresh process, stopped when its RSS passes `rss_cap` GiB."""
-    cmd = [sys.executable, __file__, "_load_child", str(path), "--loader", loader]
+    out = watched([sys.executable, __file__, "_load_child", str(path), "--loader", loader], rss_cap)
+    return {"loader": loader, "file": str(path), **out}
+
+
+def watched(cmd: list[str], rss_cap: float) -> dict:
+    """Run `cmd` (which prints one JSON line last), stopped when its RSS passes `rss_cap` GiB: its
+    result with the wall time, or where and when it was stopped."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     peak, stopped = 0, False
@@ -143,10 +158,11 @@ def load(path: Path, loader: str, rss_cap: float) -> dict:
     out, _ = proc.communicate()
     wall = time.perf_counter() - t0
     if stopped:
-        return {"loader": loader, "file": str(path), "stopped": True, "rss_cap": rss_cap * GiB,
-                "peak_rss_seen": peak, "seconds_until_stopped": wall}
+        return {"stopped": True, "rss_cap": rss_cap * GiB, "peak_rss_seen": peak, "seconds_until_stopped": wall}
+    if proc.returncode:
+        return {"failed": proc.returncode, "peak_rss_seen": peak, "wall_s": wall}
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "file": str(path), "wall_s": wall}
+    return {**result, "wall_s": wall}
 
 
 # -- one sampling step --------------------------------------------------------------------------------
@@ -192,6 +208,73 @@ def sample(path: Path, vram_gib: float, size: int, text_length: int) -> dict:
             "stream_report": report}
 
 
+# -- one LoRA training step ------------------------------------------------------------------------------
+
+def train_step_child(path: Path, vram_gib: float, size: int, text_length: int, rank: int) -> dict:
+    """Load with leantune, add the trainer's LoRA, plan a training step for a `vram_gib` budget,
+    apply it on the CPU, run one step of the trainer's `train_step` on a random cached batch."""
+    import resource
+    from types import SimpleNamespace
+
+    from leantune.config import validate
+    from leantune.memory.engine import apply_memory
+    from leantune.models.flux import FLUX_SPEC, PromptEmbeds
+    from leantune.models.flux_loading import FluxSources, load_transformer
+    from leantune.planner.from_config import workload_from_config
+    from leantune.planner.search import Planner
+    from leantune.planner.workload import Budget
+    from leantune.train.modes import make_mode
+    from leantune.train.optim import build_scheduler
+    from leantune.train.trainer import Trainee, train_step
+
+    def cpu_s() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    cfg = validate({"model": {"path": str(path)}, "data": {"datasets": [{"path": "unused"}], "resolutions": [size],
+                                                        "max_text_length": text_length},
+                    "lora": {"rank": rank}, "train": {"device": "cpu"},
+                    "memory": {"vram_budget": f"{vram_gib}GiB"}})
+    t0, c0 = time.perf_counter(), cpu_s()
+    model = load_transformer(FluxSources(path, None, None, None, None, None), dtype=torch.bfloat16)
+    t_load, c_load = time.perf_counter() - t0, cpu_s() - c0
+    rss_loaded = rss()
+    mode = make_mode(cfg)
+    params = mode.prepare(model, FLUX_SPEC)
+    planner = Planner(FLUX_SPEC, model, workload_from_config(cfg, model))
+    plan = planner.plan(Budget(vram=int(vram_gib * GiB), ram=2**62))     # host RAM reported, not limited
+    t1 = time.perf_counter()
+    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
+    t_apply = time.perf_counter() - t1
+    rss_applied = rss()
+    optimizer = mode.build_optimizer(params)
+    c = model.config
+    g = torch.Generator().manual_seed(0)
+    batch = SimpleNamespace(latents=torch.randn(1, c.in_channels // 4, size // 8, size // 8, generator=g),
+                            embeds=PromptEmbeds(t5=torch.randn(1, text_length, c.joint_attention_dim, generator=g),
+                                                pooled=torch.randn(1, c.pooled_projection_dim, generator=g)),
+                            bucket=(size, size))
+    t = Trainee(transformer=model, params=params, optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.train),
+                data=None, batches=iter(lambda: batch, None), generator=torch.Generator().manual_seed(0),
+                device=torch.device("cpu"), dtype=torch.bfloat16, memory=handle, plan=plan, mode=mode)
+    handle.step_report()                                          # counters from here on
+    t2, c2 = time.perf_counter(), cpu_s()
+    loss = train_step(t, cfg)
+    t_step, c_step = time.perf_counter() - t2, cpu_s() - c2
+    report = handle.step_report(wait=True)
+    r = rss()
+    notes = plan.notes
+    return {"file": str(path), "plan": plan.describe(), "size": size, "text_length": text_length, "rank": rank,
+            "vram_budget": vram_gib * GiB, "threads": torch.get_num_threads(),
+            "load_s": t_load, "load_cpu_s": c_load, "apply_s": t_apply, "step_s": t_step, "step_cpu_s": c_step,
+            "loss": loss, "finite": bool(math.isfinite(loss)) and all(p.grad is None or bool(p.grad.isfinite().all())
+                                                                      for p in params),
+            "held_after_load": sum(x.numel() * x.element_size() for x in list(model.parameters()) + list(model.buffers())),
+            "rss_after_load": rss_loaded["VmRSS"], "rss_after_apply": rss_applied["VmRSS"], "peak_rss": r["VmHWM"],
+            "predicted_peak_host": notes["predicted_peak_host"], "host_breakdown": notes["host_breakdown"],
+            "stream_report": report, "fp8": handle.fp8.describe() if handle.fp8 else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -210,6 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--vram", type=float, default=8.0, help="GiB budget the plan is made for")
     s.add_argument("--size", type=int, default=64)
     s.add_argument("--text-length", type=int, default=64)
+    for name in ("train-step", "_train_child"):
+        tr = sub.add_parser(name)
+        tr.add_argument("path", type=Path)
+        tr.add_argument("--vram", type=float, default=8.0, help="GiB budget the plan is made for")
+        tr.add_argument("--size", type=int, default=64)
+        tr.add_argument("--text-length", type=int, default=64)
+        tr.add_argument("--rank", type=int, default=16)
+        tr.add_argument("--rss-cap", type=float, default=18.0, help="GiB; the run is stopped above it")
     args = p.parse_args(argv)
     if args.cmd == "write":
         write(args.path, tuple(args.blocks) if args.blocks else None)
@@ -217,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         load_child(args.path, args.loader)
     elif args.cmd == "load":
         print(json.dumps(load(args.path, args.loader, args.rss_cap)))
+    elif args.cmd == "_train_child":
+        print(json.dumps(train_step_child(args.path, args.vram, args.size, args.text_length, args.rank), default=str),
+              flush=True)
+    elif args.cmd == "train-step":
+        cmd = [sys.executable, __file__, "_train_child", str(args.path), "--vram", str(args.vram), "--size",
+               str(args.size), "--text-length", str(args.text_length), "--rank", str(args.rank)]
+        print(json.dumps(watched(cmd, args.rss_cap), default=str))
     else:
         print(json.dumps(sample(args.path, args.vram, args.size, args.text_length), default=str))
     return 0

@@ -832,11 +832,11 @@ def test_a_config_is_planned_from_the_dtypes_its_file_stores(capsys, tmp_path, f
     assert rc == 0 and json.loads(out)["plans"][0]["plan"]["notes"]["stored_fp8"] == (fp8 is None)
 
 
-_PLAN_TWICE = """
+_PLAN_AGAIN = """
 import json, sys
 from leantune.cli import main
-rc = main(["plan", "--model", "flux-schnell", "--resolution", "256", "--vram", "6GiB", "--vram", "12", "--json"])
-print(json.dumps({"heavy": sorted(m for m in ("diffusers", "peft", "transformers") if m in sys.modules)}))
+rc = main(["plan", "--model", "flux-schnell", "--resolution", "256", "--json", *sys.argv[1:]])
+print(json.dumps({"heavy": sorted(m for m in ("diffusers", "peft", "transformers", "torch") if m in sys.modules)}))
 sys.exit(rc)
 """
 
@@ -844,26 +844,35 @@ sys.exit(rc)
 @pytest.mark.slow
 def test_a_second_plan_of_the_same_model_and_workload_comes_from_the_cache(tmp_path):
     """`leantune plan` keeps what it measured: planning the same architecture and workload again
-    builds no model and traces nothing (diffusers and peft are not even imported), with the same plans."""
+    builds no model and traces nothing (diffusers and peft are not even imported), with the same
+    plans; asking the very same `--model` question again on a machine without a GPU imports not even
+    torch, and answers the same (the machine line read afresh)."""
     import os
     import subprocess
     import sys
 
+    from leantune.planner.machine import gpu_device_visible
+
     env = {**os.environ, "LEANTUNE_CACHE": str(tmp_path / "cache")}
     runs = []
-    for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", _PLAN_TWICE], capture_output=True, text=True, env=env, check=True)
+    for vram in (["6GiB", "12"], ["6GiB", "12"], ["6GiB", "12", "8GiB"]):
+        flags = [x for v in vram for x in ("--vram", v)]
+        run = subprocess.run([sys.executable, "-c", _PLAN_AGAIN, *flags], capture_output=True, text=True, env=env,
+                             check=True)
         *plans, heavy = run.stdout.strip().splitlines()
         runs.append((json.loads("\n".join(plans)), json.loads(heavy)["heavy"]))
-    (first, first_heavy), (second, second_heavy) = runs
-    assert "diffusers" in first_heavy and second_heavy == []
+    (first, first_heavy), (again, again_heavy), (more, more_heavy) = runs
+    assert "diffusers" in first_heavy and more_heavy == ["torch"]
+    assert again_heavy == ([] if not gpu_device_visible() else ["torch"])
 
     def predicted(entry):      # the plan and its predictions, not the machine's free RAM of the moment
         plan = dict(entry["plan"])
         plan["notes"] = {k: v for k, v in plan["notes"].items() if k not in ("machine", "budget_ram")}
         return plan
 
-    assert [predicted(p) for p in second["plans"]] == [predicted(p) for p in first["plans"]]
+    assert [predicted(p) for p in again["plans"]] == [predicted(p) for p in first["plans"]]
+    assert [predicted(p) for p in more["plans"][:2]] == [predicted(p) for p in first["plans"]]
+    assert again["machine"].keys() == first["machine"].keys()
 
 
 _MEASURE_LOAD = """

@@ -10,6 +10,10 @@ the header of a single safetensors file; no tensor is read) and the workload fro
 Both forms build the transformer on the meta device, so planning Flux-dev takes a few seconds on
 any machine. With a GPU present its rates are measured; otherwise assumed rates are used and the
 report says so. `--json` prints the plans with every predicted number for scripts.
+
+Planning the same model and workload again reuses what was measured (planner/spec_cache.py); asking
+the same `--model` question again on a machine without a GPU prints the kept answer without
+importing torch (planner/answer_cache.py).
 """
 
 from __future__ import annotations
@@ -71,6 +75,60 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..planner.machine import gpu_device_visible
+
+    keep = bool(args.model) and not args.config and not gpu_device_visible()
+    if keep:
+        from ..planner.answer_cache import load_answer
+
+        answer = load_answer(_question(args))
+        if answer is not None:
+            return _replay(answer, args.json)
+    if not keep:
+        return _run(args)
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc, machine = _run(args, with_machine=True)
+    sys.stdout.write(out.getvalue())
+    sys.stderr.write(err.getvalue())
+    if not machine.measured:
+        from ..planner.answer_cache import save_answer
+
+        save_answer(_question(args), {"stdout": out.getvalue(), "stderr": err.getvalue(), "rc": rc,
+                                      "machine": {"describe": machine.describe(), **machine.to_dict()}})
+    return rc
+
+
+def _question(args: argparse.Namespace) -> dict:
+    """Every flag of the command: what a kept answer is the answer to."""
+    return {k: v for k, v in sorted(vars(args).items()) if not callable(v)}
+
+
+def _replay(answer: dict, as_json: bool) -> int:
+    """Print a kept answer with this machine's host RAM as it is now."""
+    from ..planner.machine import assumed_machine
+
+    machine = assumed_machine()
+    stdout = answer["stdout"]
+    if as_json:
+        out = json.loads(stdout)
+        out["machine"] = machine.to_dict()
+        for entry in out.get("plans", []):
+            notes = entry.get("plan", {}).get("notes")
+            if isinstance(notes, dict) and "machine" in notes:
+                notes["machine"] = machine.describe()
+        stdout = json.dumps(out, indent=2, default=str) + "\n"
+    else:
+        stdout = stdout.replace(answer["machine"]["describe"], machine.describe())
+    sys.stdout.write(stdout)
+    sys.stderr.write(answer["stderr"])
+    return int(answer["rc"])
+
+
+def _run(args: argparse.Namespace, with_machine: bool = False):
     from ..config import ConfigError, parse_size
     from ..planner.machine import probe_machine
     from ..planner.report import format_plan
@@ -115,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, default=str))
     else:
         _print_text(results, format_plan, ranks, args)
-    return 1 if failed else 0
+    rc = 1 if failed else 0
+    return (rc, machine) if with_machine else rc
 
 
 def _check_ranks(args, workload) -> None:

@@ -6,14 +6,19 @@ and how fast device memory is (fp8 dequantisation and copy/compute contention co
 With a GPU they are measured by a short probe (about a second: a few 256 MiB copies and a few bf16
 matmuls); without one the planner uses assumed values for a typical consumer card on PCIe Gen4
 (RTX 4090 class, about 25 GB/s pinned) and says so in its report, so `leantune plan` works on a
-laptop with no GPU. Host RAM is read from /proc/meminfo (no psutil dependency).
+laptop with no GPU. Host RAM is read from /proc/meminfo (no psutil dependency). torch is imported
+only to probe a GPU, so that a repeated `leantune plan` without one can answer without it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GiB = 2**30
 
@@ -94,6 +99,8 @@ def probe_machine(device: str | torch.device | None = None, quick: bool = True) 
 
     `quick` keeps the probe near one second; the long form averages more repetitions.
     """
+    import torch
+
     if not torch.cuda.is_available():
         return assumed_machine()
     dev = torch.device(device or "cuda")
@@ -113,6 +120,8 @@ def probe_machine(device: str | torch.device | None = None, quick: bool = True) 
 
 def _copy_rates(dev: torch.device, reps: int, size: int = 256 * 2**20) -> tuple[float, float, float, float]:
     """Bytes/s of pinned H2D, pageable H2D, pinned D2H and device-to-device (read + write) copies."""
+    import torch
+
     dst = torch.empty(size, dtype=torch.uint8, device=dev)
     other = torch.empty_like(dst)
     pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
@@ -125,6 +134,8 @@ def _copy_rates(dev: torch.device, reps: int, size: int = 256 * 2**20) -> tuple[
 
 def _gemm_rate(dev: torch.device, reps: int, n: int = 4096) -> float:
     """FLOP/s of an n^3 bf16 matmul."""
+    import torch
+
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     return 2 * n**3 / _time_cuda(lambda: a @ b, reps)
@@ -132,6 +143,8 @@ def _gemm_rate(dev: torch.device, reps: int, n: int = 4096) -> float:
 
 def _time_cuda(fn, reps: int) -> float:
     """Median seconds of `fn` on the current stream, timed with CUDA events after one warm-up."""
+    import torch
+
     fn()
     torch.cuda.synchronize()
     times = []
@@ -144,6 +157,16 @@ def _time_cuda(fn, reps: int) -> float:
         times.append(start.elapsed_time(end) / 1000.0)
     times.sort()
     return max(times[len(times) // 2], 1e-9)
+
+
+def gpu_device_visible() -> bool:
+    """Whether a GPU could be visible to this process, judged without importing torch: NVIDIA's or
+    AMD's device nodes exist and CUDA_VISIBLE_DEVICES does not hide every device. False means
+    `probe_machine` would return the assumed machine; True says nothing (probe to know)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    dev = Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
 
 
 def with_vram(machine: Machine, vram_total: int) -> Machine:

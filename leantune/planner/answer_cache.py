@@ -1,0 +1,85 @@
+"""`leantune plan --model ...` answers kept, so that asking the same question again costs no torch.
+
+What it trades: one small JSON file per question in the leantune cache for a repeated
+`leantune plan --model flux-dev ...` on a machine without a GPU that imports neither torch nor the
+planner: it reads the answer it printed before and prints it again. Such an answer is a function
+of the flags, of the packaged architecture and of leantune's code alone: without a GPU the planner
+uses assumed rates, no calibration and no host-RAM limit (unless --ram is given, which is a flag).
+The only thing that changes is this machine's free host RAM in the "machine" line, which is read
+again and put in. The key covers every flag, the source of the planner, engine, models and the
+plan command, and the torch/diffusers/peft versions, so a change to any of them answers afresh.
+
+Only answers computed with assumed rates are kept, and they are used only where no GPU device
+node is visible (`machine.gpu_device_visible`); with a GPU the planner measures it every time.
+The config form (`leantune plan my.toml`) is not kept here: its answer depends on files the
+config names, which only the family's loader can resolve (the measurement cache, spec_cache.py,
+still spares it the model build and the probes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from importlib import metadata
+from pathlib import Path
+
+log = logging.getLogger("leantune")
+
+# Code whose change can change an answer (relative to the leantune package; folders: every .py/.json in them).
+_ANSWERING_CODE = ("planner", "memory", "models", "commands/plan.py", "config.py", "train/lora.py")
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("LEANTUNE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "leantune")
+    return Path(base) / "plan-answers"
+
+
+def _code_fingerprint() -> str:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _ANSWERING_CODE:
+        path = root / rel
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".json")) if path.is_dir() else [path]
+        for f in files:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes() if f.exists() else b"-")
+    for dist in ("torch", "diffusers", "peft"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=none".encode())
+    return h.hexdigest()
+
+
+def answer_path(question: dict) -> Path:
+    """Where the answer to `question` (every flag of the command, JSON-able) is kept."""
+    blob = json.dumps({"question": question, "code": _code_fingerprint()}, sort_keys=True, default=str)
+    return _cache_dir() / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+
+
+def load_answer(question: dict) -> dict | None:
+    """The kept answer ({"stdout", "stderr", "rc", "machine"}) or None (none yet, or unreadable)."""
+    path = answer_path(question)
+    try:
+        answer = json.loads(path.read_text())
+        if {"stdout", "stderr", "rc", "machine"} <= set(answer):
+            return answer
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("plan: ignoring unreadable kept answer %s (%s)", path, e)
+    return None
+
+
+def save_answer(question: dict, answer: dict) -> None:
+    """Keep `answer`; a cache that cannot be written only costs time next time."""
+    from ..io import atomic_write_json
+
+    path = answer_path(question)
+    try:
+        atomic_write_json(path, answer)
+    except OSError as e:
+        log.warning("plan: cannot keep the answer in %s (%s)", path, e)
