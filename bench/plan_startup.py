@@ -1,8 +1,9 @@
 """How long `leantune plan --model flux-dev --vram 8GiB` takes from a fresh process, first and repeated.
 
 The first plan of an architecture and workload builds the meta model and traces the activation
-probes; the planner keeps what it measured (leantune/planner/spec_cache.py), so a repeated plan
-only imports torch, reads one JSON file and searches. Each run is a fresh Python process with its
+probes; the planner keeps what it measured (leantune/planner/spec_cache.py), and a repeated
+`--model` question on a machine without a GPU prints its kept answer without importing torch
+(leantune/planner/answer_cache.py). Each run is a fresh Python process with its
 own cache folder; wall seconds and the child's CPU seconds (user + system, less sensitive to other
 load on a shared machine) are reported, with `import torch` alone for reference.
 
