@@ -263,6 +263,81 @@ class _HeapPeak(TorchDispatchMode):
         return out
 
 
+def _kept_per_block(model, spec, forward) -> list[tuple[str, int, int]]:
+    """Per block of a real forward (`forward()`, run once before to warm up): the bytes of the distinct
+    storages autograd newly keeps for backward while the block runs (saved_tensors_hooks, by data
+    pointer, parameters left out), and the heap's growth from the previous block's end (the first
+    block: the forward's start) to its end.
+
+    The first is what a GPU would hold; the second adds the autograd graph's own nodes (host memory).
+    """
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: set[int] = set()
+    current: list[str | None] = [None]
+    kept: dict[str, int] = {}
+    heap: dict[str, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if current[0] is not None and ptr not in weights and ptr not in seen:
+            seen.add(ptr)
+            kept[current[0]] += storage.nbytes()
+        return t
+
+    def pre(name):
+        def hook(_m, _a):
+            current[0] = name
+            kept[name] = 0
+        return hook
+
+    def post(name):
+        def hook(_m, _a, _o):
+            current[0] = None
+            heap[name] = _heap_in_use()
+        return hook
+
+    handles = []
+    for name, block in spec.blocks(model):
+        handles += [block.register_forward_pre_hook(pre(name)), block.register_forward_hook(post(name))]
+    try:
+        forward()
+        seen.clear()
+        gc.collect()
+        start = _heap_in_use()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward()
+        ends = [start, *heap.values()]
+        rows = [(name, kept[name], end - before) for name, before, end in zip(heap, ends, ends[1:])]
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def test_saved_bytes_per_block_match_a_real_forward(one_thread):
+    """What the probe says a double and a single block keep equals what autograd keeps for backward in
+    the interior blocks of a real 5+5-block forward on CPU (LoRA r4, 512 px)."""
+    from leantune.planner.activation_probe import probe_activations
+
+    res, text = 512, 32
+    model = tiny_lora_model(double=5, single=5)
+    workload = Workload(rank=4, buckets=((res, res),), text_length=text, dtype=torch.float32, autocast=False,
+                        allow_fp8=False)
+    kinds = probe_activations(FLUX_SPEC, model, workload, (res, res)).kinds
+    g = torch.Generator().manual_seed(0)
+    h = res // 8
+    packed = pack_latents(torch.randn(1, 16, h, h, generator=g))
+    embeds = PromptEmbeds(torch.randn(1, text, 32, generator=g), torch.randn(1, 32, generator=g))
+    sigma = torch.rand(1, generator=g)
+    rows = _kept_per_block(model, FLUX_SPEC, lambda: predict(model, packed, sigma, embeds, (h, h), 1.0))
+    for kind, prefix in (("double", "transformer_blocks."), ("single", "single_transformer_blocks.")):
+        interior = [kept for name, kept, _ in rows if name.startswith(prefix)][1:-1]
+        assert len(interior) == 3 and len(set(interior)) == 1, interior
+        assert abs(kinds[kind].saved - interior[0]) <= 0.01 * interior[0], (kind, kinds[kind].saved, interior)
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "blocks"])
 def test_predicted_activation_peak_matches_a_real_cpu_step(checkpointing, one_thread):
     """The meta probe (2+2 blocks) extrapolated to a 3+5-block model predicts the heap peak of a real

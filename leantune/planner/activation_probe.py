@@ -39,12 +39,14 @@ class _Tracker(TorchDispatchMode):
     A storage counts as new when no input of the op shares it (views and in-place results do not
     allocate). Its bytes are released when the storage object dies. Also counts FLOPs of every op
     torch's flop counter knows. Both are attributed to the open "window" (a block's forward, ...).
+    A window also counts the bytes released in it of storages created in the "fwd:pre" window (the
+    embedders' outputs, the inputs of the block stack): `pre_freed`.
     """
 
     def __init__(self):
         super().__init__()
         self.live = 0
-        self._sizes: dict[int, int] = {}
+        self._sizes: dict[int, tuple[int, bool]] = {}    # storage id -> (bytes, created in "fwd:pre")
         self.windows: dict[str, dict] = {}
         self._open: dict | None = None
         from torch.utils.flop_counter import flop_registry
@@ -54,7 +56,8 @@ class _Tracker(TorchDispatchMode):
     def open(self, name: str) -> None:
         """Close the current window and start `name` (a window seen again keeps its first record)."""
         self.close()
-        self._open = {"name": name, "start": self.live, "peak": self.live, "flops": 0.0, "traffic": 0}
+        self._open = {"name": name, "start": self.live, "peak": self.live, "flops": 0.0, "traffic": 0,
+                      "pre_freed": 0}
 
     def close(self) -> None:
         if self._open is not None:
@@ -84,7 +87,7 @@ class _Tracker(TorchDispatchMode):
                 continue
             n = storage.nbytes()
             created += n
-            self._sizes[key] = n
+            self._sizes[key] = (n, self._open is not None and self._open["name"] == "fwd:pre")
             self.live += n
             if self._open is not None and self.live > self._open["peak"]:
                 self._open["peak"] = self.live
@@ -95,7 +98,10 @@ class _Tracker(TorchDispatchMode):
         return out
 
     def _release(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        n, pre = self._sizes.pop(key, (0, False))
+        self.live -= n
+        if pre and self._open is not None:
+            self._open["pre_freed"] += n
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -270,7 +276,9 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
     """Activation bytes and FLOPs of `model`'s architecture for one bucket, measured on meta.
 
     Each kind is characterised by its last block in the probe copy, whose input comes from a block
-    of the same kind (or the kind before), as almost every block in the full model does.
+    of the same kind (or the kind before), as almost every block in the full model does. Its S is the
+    growth of the live set over it and the gap before it, not counting the embedder outputs the model
+    drops there: that happens once per step (after the first block), not once per block.
     """
     with_lora = workload.mode == "lora" and (workload.lora_blocks is None or any(workload.lora_blocks.values()))
     probe = _probe_model(spec, model, workload, with_lora, fp8, modulation)
@@ -301,8 +309,11 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
         idx = order.index(name)
         before = after[order[idx - 1]] if idx > 0 else tr.windows[f"fwd:{name}"]["start"]
         fw, bw = tr.windows[f"fwd:{name}"], tr.windows.get(f"bwd:{name}")
+        # The stack's inputs (embedder outputs) die after the first block when it does not keep them
+        # (a LoRA step: they need no grad), once per step: not part of what each block adds.
+        released = fw["pre_freed"] + (tr.windows[f"fwd:after:{order[idx - 1]}"]["pre_freed"] if idx > 0 else 0)
         profiles[k] = KindProfile(
-            saved=after[name] - before, out=outs[name],
+            saved=after[name] - before + released, out=outs[name],
             fwd_transient=max(0, fw["peak"] - fw["end"]),
             bwd_transient=max(0, bw["peak"] - bw["start"]) if bw else 0,
             nograd_transient=nograd[k], fwd_flops=fw["flops"], bwd_flops=bw["flops"] if bw else 0.0,
