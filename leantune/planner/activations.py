@@ -9,7 +9,9 @@ in execution order, with N_pre the embedder outputs:
     none:    peak = N_pre + sum_{j<=i} S_j + O_i + Tb_i                 (max over i; i = last usually)
     blocks:  peak = N_pre + sum_{j<=i} O_j + O_i + S_i + max(Tf_i, Tb_i) (only block inputs are kept)
     offload: as blocks, with sum_{j<=i} O_j replaced by 2 * O_i (inputs wait in pinned host memory)
-For Flux (width D = 3072, bf16 autocast, LoRA r16) the probe finds S_double ~ 25 and S_single ~ 23
+In a LoRA step the first block does not keep its input (the embedder outputs need no grad), which is
+then released: N_pre keeps counting it, so "none" is over by one block input (~1 O, on the safe side).
+For Flux (width D = 3072, bf16 autocast, LoRA r16) the probe finds S_double ~ 26 and S_single ~ 23
 times B*L*D*2 bytes (~31 without autocast) and O = B*L*D*2, where L is the image tokens
 (height/16 * width/16) plus the text tokens; the probe, not this summary, is the source. fp8 plans
 are probed with the engine's own fp8 storage applied, so its dequantised temporaries are in the
