@@ -798,12 +798,6 @@ def test_plan_command_for_flux_dev_at_several_budgets_is_consistent(capsys):
     assert float(total) == pytest.approx(eight["predicted_peak_vram"] / GiB, abs=0.006)
 
 
-def test_plan_command_says_full_fine_tunes_are_not_planned_yet(capsys):
-    rc, out, err = _run_plan(capsys, "--model", "flux-dev", "--mode", "full", "--vram", "24GiB")
-    assert rc == 2 and out == ""
-    assert "does not plan full fine-tunes yet" in err and "--mode lora" in err and "GiB" not in err
-
-
 def test_plan_command_reports_an_infeasible_budget(capsys):
     rc, out, err = _run_plan(capsys, "--model", "flux-schnell", "--resolution", "1024", "--vram", "1GiB")
     assert rc == 1

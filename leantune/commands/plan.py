@@ -32,10 +32,6 @@ MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3"
 TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256}
 UNLIMITED_RAM = 2**62   # host RAM not checked (reported, not limited)
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
-FULL_NOT_PLANNED = ("--mode full / [train] mode = \"full\": the planner does not plan full fine-tunes yet (their "
-                    "trainable weights stream with write-back and their optimizer steps inside backward, which the "
-                    "memory model does not price yet). Plan a LoRA with --mode lora, or set the [memory] choices "
-                    "(streamed_blocks, checkpointing) explicitly for a full fine-tune.")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -47,7 +43,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
     p.add_argument("--targets", choices=["attention", "attention_mlp", "all"], default=None,
                    help="LoRA target preset (default attention_mlp)")
-    p.add_argument("--optimizer", choices=["adamw", "adafactor"], default=None)
+    p.add_argument("--optimizer", choices=["adamw", "adafactor", "adamw8bit"], default=None,
+                   help="adamw8bit (bitsandbytes): --mode full only")
+    p.add_argument("--state-dtype", choices=["fp32", "bf16"], default=None,
+                   help="--mode full: dtype of AdamW's moments (default fp32)")
+    p.add_argument("--exclude", action="append", default=None, metavar="PATTERN",
+                   help="--mode full: freeze the weights whose diffusers name matches (fnmatch, repeatable), "
+                        "e.g. 'single_transformer_blocks.*'")
+    p.add_argument("--master-weights", action="store_true", help="--mode full: fp32 master weights in host RAM")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--accumulation", type=int, default=None, help="gradient accumulation steps")
     p.add_argument("--resolution", type=int, action="append", default=None, metavar="PX",
@@ -184,6 +187,9 @@ def _check_ranks(args, workload) -> None:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     if args.strategy not in (None, "ddp") and workload.mode == "lora":
         raise ConfigError(f"--strategy {args.strategy}: shards a full fine-tune; LoRA training uses ddp")
+    if args.gpus > 1 and workload.mode == "full":
+        raise ConfigError(f"--gpus {args.gpus} with --mode full: this command plans a full fine-tune on one GPU "
+                          f"(its weights stream with their optimizer state); plan it with --gpus 1")
 
 
 def _ranks(args, planner, results) -> list:
@@ -229,7 +235,8 @@ def _from_flags(args):
         optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
         gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
         text_length=family.text_rows(args.text_length or TEXT_TOKENS[args.model]), autocast=not args.no_autocast,
-        allow_fp8=not args.no_fp8, fp8_modulation=_MODULATION_FLAG[args.fp8_modulation or "auto"])
+        allow_fp8=not args.no_fp8, fp8_modulation=_MODULATION_FLAG[args.fp8_modulation or "auto"],
+        **_full_flags(args))
     _check_workload(workload)
     return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
             lambda: build_meta_packaged(family.name, config_name), workload)
@@ -252,6 +259,7 @@ def _from_config(args):
              "batch_size": args.batch_size, "gradient_accumulation": args.accumulation,
              "text_length": args.text_length, "buckets": Workload.square(args.resolution) if args.resolution else None}
     changes = {k: v for k, v in asked.items() if v is not None}
+    changes.update(_full_flags(args))
     if args.no_fp8:
         changes["allow_fp8"] = False
     if args.fp8_modulation is not None:
@@ -268,11 +276,20 @@ def _from_config(args):
             ram)
 
 
+def _full_flags(args) -> dict:
+    """The --mode full flags given, as Workload fields."""
+    out = {"state_dtype": args.state_dtype, "master_weights": args.master_weights or None,
+           "full_exclude": tuple(args.exclude) if args.exclude else None}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def _check_workload(w) -> None:
     from ..config import ConfigError
 
-    if w.mode == "full":
-        raise ConfigError(FULL_NOT_PLANNED)
+    if w.mode != "full" and (w.state_dtype != "fp32" or w.master_weights or w.full_exclude):
+        raise ConfigError("--state-dtype, --exclude and --master-weights are for --mode full")
+    if w.mode != "full" and w.optimizer not in ("adamw", "adafactor"):
+        raise ConfigError(f"--optimizer {w.optimizer}: for --mode full; LoRA training uses adamw or adafactor")
     for h, wd in w.buckets:
         if h < 64 or h % 16 or wd < 64 or wd % 16:
             raise ConfigError(f"--resolution {h}: must be a multiple of 16 of at least 64")

@@ -264,7 +264,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
         if plan.fp8 or plan.fp8_modulation or fp8_scales or has_prequantized(model, spec):   # 2. fp8 storage
             handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales, quantize_rest=plan.fp8,
                                            modulation=plan.fp8_modulation,
-                                           work_device=device if device.type == "cuda" else None)
+                                           work_device=device if device.type == "cuda" else None,
+                                           keep_trainable=getattr(streaming_engine, "trains_weights", False))
         if device.type == "cpu":                                         # 2b. fp32 matmuls on CPU
             handle.cpu_linears = apply_cpu_linears(model)
         streaming = bool(plan.streamed_blocks) or plan.stream_non_blocks

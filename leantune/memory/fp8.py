@@ -194,6 +194,7 @@ class Fp8Handle:
     prequantized: set[str] = field(default_factory=set)           # of `linears`: e4m3 before apply
     modulation: set[str] = field(default_factory=set)             # of `linears`: modulation Linears
     quantized: bool = True                                         # the other block Linears were quantized
+    trained: list[str] = field(default_factory=list)              # block Linears left alone: they train
 
     def describe(self) -> str:
         nblocks = len({".".join(n.split(".")[:2]) for n in self.linears})   # "transformer_blocks.3"
@@ -206,7 +207,8 @@ class Fp8Handle:
         own = f", {len(self.prequantized)} of them e4m3 in the checkpoint" if self.prequantized else ""
         return (f"fp8: {len(self.linears)} Linear weights{mod} in {nblocks} blocks stored as e4m3 "
                 f"(scales per row x {SCALE_BLOCK} inputs{own}), {_gb(self.bytes_before)} -> {_gb(self.bytes_after)}; "
-                f"{len(self.kept)} modulation/norm Linears kept in {dtype}")
+                f"{len(self.kept)} modulation/norm Linears kept in {dtype}"
+                + (f", {len(self.trained)} trained Linears kept in their dtype" if self.trained else ""))
 
 
 def _gb(n: int) -> str:
@@ -228,7 +230,7 @@ def has_prequantized(model: nn.Module, spec: ModelSpec) -> bool:
 
 def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str, torch.Tensor] | None = None,
                       quantize_rest: bool = True, modulation: bool = False, compute_dtype: torch.dtype | None = None,
-                      work_device: str | torch.device | None = None) -> Fp8Handle:
+                      work_device: str | torch.device | None = None, keep_trainable: bool = False) -> Fp8Handle:
     """Store the block Linear weights of `model` as block-scaled e4m3, in place.
 
     Weights that are already e4m3 are kept as they are, with their scales, modulation Linears
@@ -240,7 +242,9 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
     buffer (qualified name -> tensor of shape (), (out,), (out, 1) or (out, nb)). `compute_dtype`:
     dtype of skipped Linears that arrive as fp8 (default: the model's first non-fp8 floating dtype).
     `work_device`: where to run the quantization arithmetic (a GPU makes a 12B model quick); results
-    return to each weight's device.
+    return to each weight's device. `keep_trainable`: a full fine-tune with a frozen part stores only
+    the frozen block Linears in fp8 and leaves the trained ones in their dtype (without it a trained
+    weight is refused: fp8 storage of a LoRA base must not meet a trainable weight).
     """
     scales = dict(scales or {})
     compute_dtype = compute_dtype or _default_compute_dtype(model)
@@ -275,6 +279,9 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
             raise ValueError(
                 f"memory.fp8: {qname}.weight is trainable, but it is e4m3 as the checkpoint stores it; an fp8 "
                 f"checkpoint can only be a frozen base (LoRA, sampling): use a bf16 checkpoint to train it")
+        if w.requires_grad and keep_trainable:
+            handle.trained.append(qname)
+            continue
         if w.requires_grad:
             raise ValueError(
                 f"memory.fp8: {qname}.weight is trainable; fp8 storage is for frozen base weights "

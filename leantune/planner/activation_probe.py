@@ -181,7 +181,12 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
     """A copy of `model`'s architecture with two blocks per list, on meta, in the workload's dtype,
     with the run's adapters (the trainer's own add_lora) and fp8 storage (the engine's own)."""
     probe = short_copy(spec, model, workload.dtype)
-    probe.requires_grad_(workload.mode == "full")
+    probe.requires_grad_(False)
+    if workload.mode == "full":      # the run's [full] train / exclude, on the probe's names
+        from ..train.full_mode import select_trainable
+
+        for p in select_trainable(probe, list(workload.full_train), list(workload.full_exclude)).values():
+            p.requires_grad_(True)
     if with_lora:
         blocks = None
         if workload.lora_blocks is not None:   # a kind with any LoRA block is probed with LoRA
@@ -190,7 +195,8 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
         add_lora(probe, spec, LoraConfig(rank=workload.rank, targets=workload.targets, blocks=blocks,
                                          dropout=workload.lora_dropout))
     if fp8 or modulation:
-        apply_fp8_storage(probe, spec, quantize_rest=fp8, modulation=modulation, compute_dtype=workload.dtype)
+        apply_fp8_storage(probe, spec, quantize_rest=fp8, modulation=modulation, compute_dtype=workload.dtype,
+                          keep_trainable=workload.mode == "full")
     return probe
 
 
@@ -246,6 +252,12 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tr
 
             handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(block.register_forward_hook(post, with_kwargs=True))
+    if grad and workload.mode == "full":
+        # The optimizer steps each weight inside backward and frees its gradient at once
+        # (train/in_backward.py): a gradient lives only until its weight's AccumulateGrad ran.
+        for p in probe.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
     inputs = _probe_inputs(spec, probe, workload, bucket)
     _FlashAttention.tracker = tracker
     try:
@@ -269,6 +281,10 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tr
         for h in handles:
             h.remove()
     return tracker, after, outs
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
 
 
 def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[int, int],

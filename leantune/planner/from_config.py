@@ -33,17 +33,22 @@ def plan_memory(spec, model_or_meta: torch.nn.Module, workload: Workload, budget
 
 
 def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
-    """The Workload a [data]/[lora]/[train]/[model] configuration trains."""
+    """The Workload a [data]/[lora]/[full]/[train]/[model] configuration trains."""
     from ..models.family import get_family
     from ..models.flux_loading import dtype_from_name
 
     text_rows = get_family(cfg.model.family).text_rows(cfg.data.max_text_length)   # SD3: 77 CLIP + T5
-    return Workload(mode="lora", rank=cfg.lora.rank, targets=cfg.lora.targets, lora_blocks=cfg.lora.blocks,
-                    optimizer=cfg.train.optimizer, batch_size=cfg.data.batch_size,
+    tc, full = cfg.train, cfg.full
+    return Workload(mode=tc.mode, rank=cfg.lora.rank, targets=cfg.lora.targets, lora_blocks=cfg.lora.blocks,
+                    optimizer=tc.optimizer, batch_size=cfg.data.batch_size,
                     buckets=Workload.square(cfg.data.resolutions), text_length=text_rows,
-                    gradient_accumulation=cfg.train.gradient_accumulation,
-                    autocast=cfg.train.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
-                    lora_dropout=cfg.lora.dropout, fp8_modulation=fp8_modulation_choice(cfg.memory))
+                    gradient_accumulation=tc.gradient_accumulation,
+                    autocast=tc.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
+                    lora_dropout=cfg.lora.dropout, fp8_modulation=fp8_modulation_choice(cfg.memory),
+                    full_train=tuple(full.train), full_exclude=tuple(full.exclude),
+                    state_dtype=full.state_dtype, master_weights=full.master_weights,
+                    stochastic_rounding=full.stochastic_rounding,
+                    clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter")
 
 
 def fp8_modulation_choice(memory_cfg) -> bool | None:

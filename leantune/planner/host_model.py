@@ -17,6 +17,13 @@ really allocates (engine.py, fp8.py, streaming.py), phase by phase:
   PyTorch's caching host allocator, which rounds each to a power of two) and caches held in RAM.
 The peak is a process baseline plus the largest phase. Pinning costs no more host RAM than
 pageable memory, so a pageable plan only adds the staging pool and slower copies.
+
+A full fine-tune (`full`: train/full_host_ram.py's parts) adds its optimizer state, created beside
+every trained weight before the memory plan is applied, and fp32 masters; the set-up phase holds
+the loaded weights, all the state and the masters; a streamed unit packs its state with its
+weights (so `packed` and `unit_stored` include it); the resident part's state leaves for the
+device with its weights; during the steps the host keeps the packed units, the masters and the
+fp32 gradient accumulators.
 """
 
 from __future__ import annotations
@@ -66,7 +73,8 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
 
 
 def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,
-                   largest_conversion: int, offload: int, cache_bytes: int) -> dict[str, int]:
+                   largest_conversion: int, offload: int, cache_bytes: int,
+                   full: dict[str, int] | None = None) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
     `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
@@ -75,14 +83,24 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     offloaded inputs' pinned bytes. The phase totals (loading, converting, packing) and the steady
     components are listed; "peak" is the baseline plus the largest phase.
     """
-    converting = loaded + largest_conversion if (plan.fp8 or plan.fp8_modulation) else 0
-    packing = stored + packing_extra(list(zip(packed, unit_stored)))
+    state = full["optimizer state"] if full else 0
+    masters = full["master weights"] if full else 0
+    accumulators = full["gradient accumulators"] if full else 0
+    setup = loaded + state + masters if full else 0
+    converting = loaded + state + masters + largest_conversion if (plan.fp8 or plan.fp8_modulation) else 0
+    packing = stored + state + masters + packing_extra(list(zip(packed, unit_stored)))
     streamed = sum(packed)
     staging = STAGING_BUFFERS * STAGING_CHUNK if packed and not plan.pin_memory else 0
-    steady = streamed + staging + offload + cache_bytes
-    return {"process baseline": HOST_BASELINE, "transformer while loading": loaded,
-            "transformer while converting to fp8": converting,
-            "stored transformer + one unit while packing": packing,
-            f"streamed blocks ({'pinned' if plan.pin_memory else 'pageable'})": streamed,
-            "staging buffers": staging, "offloaded activations": offload, "caches": cache_bytes,
-            "peak": HOST_BASELINE + max(loaded, converting, packing, steady)}
+    steady = streamed + staging + offload + cache_bytes + masters + accumulators
+    out = {"process baseline": HOST_BASELINE, "transformer while loading": loaded}
+    if full:
+        out["transformer + optimizer state + masters at set-up"] = setup
+    out.update({"transformer while converting to fp8": converting,
+                "stored transformer + one unit while packing": packing,
+                f"streamed blocks ({'pinned' if plan.pin_memory else 'pageable'})": streamed,
+                "staging buffers": staging, "offloaded activations": offload, "caches": cache_bytes})
+    if full:
+        out["fp32 master weights"] = masters
+        out["fp32 gradient accumulators"] = accumulators
+    out["peak"] = HOST_BASELINE + max(loaded, setup, converting, packing, steady)
+    return out

@@ -15,6 +15,15 @@ VRAM components at the peak (`memory`), all in bytes:
 - workspace: cuBLAS/cuDNN workspaces (`Machine.workspace`).
 The peak is the larger of the backward (activations, plus gradients kept through accumulation)
 and the optimizer step (gradients and the optimizer's temporaries), over the workload's buckets.
+
+A full fine-tune (full_model.py) steps each weight inside backward, so its components differ:
+- weights resident: as above; fp8 storage holds only the frozen block Linears ([full] exclude);
+- stream slots: a streamed block's unit carries its weights *and* their optimizer state;
+- optimizer states: the state of the resident trained weights (plus bitsandbytes' 8-bit state of
+  every weight, which never moves);
+- gradients: one trained tensor's gradient (the largest), freed as soon as it is stepped;
+- optimizer step: that tensor's update temporaries, at the same moment as the backward's
+  activations (the update runs inside it): the peak is their sum.
 Host RAM comes from host_model.py, step time from timing.py.
 """
 
@@ -26,6 +35,7 @@ import torch
 
 from .activations import compose_activations
 from .corrections import Calibration, bucket_key
+from .full_model import FullPricing
 from .host_model import host_breakdown, offloaded_inputs
 from .machine import Machine, assumed_machine
 from ..memory.plan import Plan
@@ -50,6 +60,7 @@ class Estimate:
     overhead_s: float                # fp8 dequantisation and the optimizer step
     h2d_bytes: int                   # weights (and offloaded inputs) copied per step
     per_bucket: dict[str, dict]      # "HxW" -> {"peak_vram", "activations", "step_s"}
+    d2h_bytes: int = 0               # trained weights and state written back per step (full mode)
 
 
 class MemoryModel:
@@ -71,7 +82,8 @@ class MemoryModel:
         self.measured = model if isinstance(model, MeasuredModel) else measure_model(spec, model, workload)
         self.weights, self.key = self.measured.weights, self.measured.key
         self.dtype_bytes = DTYPE_BYTES.get(workload.dtype, 2)
-        # (fp8, fp8_modulation) storages the search tries (spec_cache.storage_options).
+        # (fp8, fp8_modulation) storages the search tries (spec_cache.storage_options); in full mode
+        # fp8 storage holds frozen block Linears only, an option when some are frozen.
         self.storages = storage_options(workload, self.weights)
         # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probed so.
         # The plainest storage is the reference of the dequantisation cost (timing.py).
@@ -82,10 +94,13 @@ class MemoryModel:
         db, blocks, nb = self.dtype_bytes, self.weights.blocks, self.weights.non_blocks
         self._index = {b.name: i for i, b in enumerate(blocks)}
         every = [(f, m) for f in (False, True) for m in (False, True)]
-        self._bytes = {st: [b.bytes(db, *st) for b in blocks] for st in every}
-        self._unit = {st: [b.unit_bytes(db, *st) for b in blocks] for st in every}
-        self._nb_bytes, self._nb_unit = nb.bytes(db), nb.unit_bytes(db)
-        self._conversion = {st: max([b.largest_conversion(*st) for b in blocks], default=0) for st in every}
+        self.full = FullPricing.of(self.weights, workload, db) if workload.mode == "full" else None
+        st = self.full.state_packed if self.full else [0] * len(blocks)
+        self._bytes = {s: [b.bytes(db, *s) for b in blocks] for s in every}
+        self._unit = {s: [b.unit_bytes(db, *s) + st[i] for i, b in enumerate(blocks)] for s in every}
+        self._nb_bytes = nb.bytes(db)
+        self._nb_unit = nb.unit_bytes(db) + (self.full.nb_state_packed if self.full else 0)
+        self._conversion = {s: max([b.largest_conversion(*s) for b in blocks], default=0) for s in every}
         self._composed: dict = {}      # (bucket, storage, checkpointing) -> activations before calibration
 
     # -- parts ---------------------------------------------------------------------------------------
@@ -154,17 +169,24 @@ class MemoryModel:
         resident += 0 if plan.stream_non_blocks else self._nb_bytes
         slots = min(plan.ring_slots, len(units)) * align(max(units)) if units else 0
         params, grads, states = self.trainable_bytes()
-        opt_tmp = {"lora": 2 * params, "full": 2 * grads, "inference": 0}[w.mode]
-        keep_grads = w.gradient_accumulation > 1 or w.mode == "full"
+        full = self.full
+        if full is not None:          # states of resident weights; streamed ones travel in the slots
+            states = sum(b for i, b in enumerate(full.state) if i not in streamed) + full.device_always
+            states += 0 if plan.stream_non_blocks else full.nb_state
+        opt_tmp = {"lora": 2 * params, "full": 0, "inference": 0}[w.mode]
+        keep_grads = w.gradient_accumulation > 1
         static = {"weights resident": resident, "stream slots": slots, "adapters": params,
                   "optimizer states": states, "workspace": self.machine.workspace}
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:
             act = self.activation_peak(bucket, plan.fp8, plan.checkpointing, plan.fp8_modulation)
-            backward = {"activations": act, "gradients": grads if keep_grads else 0, "optimizer step": 0}
-            step = {"activations": 0, "gradients": grads, "optimizer step": opt_tmp}
-            part = backward if sum(backward.values()) >= sum(step.values()) else step
+            if full is not None:      # each weight steps inside backward: all at once, one tensor's worth
+                part = {"activations": act, "gradients": full.gradient, "optimizer step": full.step}
+            else:
+                backward = {"activations": act, "gradients": grads if keep_grads else 0, "optimizer step": 0}
+                step = {"activations": 0, "gradients": grads, "optimizer step": opt_tmp}
+                part = backward if sum(backward.values()) >= sum(step.values()) else step
             top = sum(static.values()) + sum(part.values())
             per_bucket[bucket_key(bucket)] = {"peak_vram": top, "activations": act}
             if worst is None or top > worst[0]:
@@ -180,20 +202,34 @@ class MemoryModel:
         if plan.checkpointing == "offload":
             offload = offloaded_inputs(self.workload, self.profiles[plan.storage], self.kinds)
         idx = sorted(self.indices(plan))
+        full = self.full
+        state = full.state if full else [0] * len(self._bytes[plan.storage])
         packed = [self._unit[plan.storage][i] for i in idx]
-        unit_stored = [self._bytes[plan.storage][i] for i in idx]
+        unit_stored = [self._bytes[plan.storage][i] + state[i] for i in idx]
         if plan.stream_non_blocks:
-            packed, unit_stored = [self._nb_unit, *packed], [self._nb_bytes, *unit_stored]
+            nb_state = full.nb_state if full else 0
+            packed, unit_stored = [self._nb_unit, *packed], [self._nb_bytes + nb_state, *unit_stored]
         loaded = sum(self._bytes[(False, False)]) + self._nb_bytes
         stored = sum(self._bytes[plan.storage]) + self._nb_bytes
+        parts = full.host_parts(loaded, self.workload.gradient_accumulation) if full else None
         return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
-                              self.workload.host_cache_bytes)
+                              self.workload.host_cache_bytes, full=parts)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""
-        return simulate_step(self.machine, self.calibration, plan, self.profiles[plan.storage][bucket],
-                             self.profiles[(False, False)][bucket], self.kinds, sorted(self.indices(plan)), units,
-                             self.workload.mode, sum(self.trainable_bytes()))
+        full, w = self.full, self.workload
+        prof, ref = self.profiles[plan.storage][bucket], self.profiles[(False, False)][bucket]
+        if full is None:
+            return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
+                                 sorted(self.indices(plan)), units, w.mode, sum(self.trainable_bytes()))
+        # The update reads and writes each trained weight and its state, reads its gradient, and
+        # touches its temporaries; masters and accumulators cross the bus from pageable memory.
+        # (timing.py counts `optimizer_bytes` read and written: the gradient and temporaries count half.)
+        step_bytes = int(full.trained_weight_bytes + full.state_total
+                         + (full.trained * self.dtype_bytes + full.step_coef * full.trained) / 2)
+        pageable = (8 * full.trained if full.masters else 0) + (8 * full.trained * (w.gradient_accumulation - 1))
+        return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds, sorted(self.indices(plan)),
+                             units, w.mode, step_bytes, writeback=True, inline_pageable=pageable)
 
     def estimate(self, plan: Plan) -> Estimate:
         vram, host, per_bucket = self.memory(plan)
@@ -206,4 +242,5 @@ class MemoryModel:
                         step_s=sum(t.step_s for t in timing) / n, compute_s=sum(t.compute_s for t in timing) / n,
                         exposed_s=sum(t.exposed_s for t in timing) / n,
                         overhead_s=sum(t.overhead_s for t in timing) / n,
-                        h2d_bytes=int(sum(t.h2d_bytes for t in timing) / n), per_bucket=per_bucket)
+                        h2d_bytes=int(sum(t.h2d_bytes for t in timing) / n), per_bucket=per_bucket,
+                        d2h_bytes=int(sum(t.d2h_bytes for t in timing) / n))

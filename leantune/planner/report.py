@@ -52,7 +52,9 @@ def format_plan(plan: Plan) -> str:
         lines.append("")
         lines.append(f"step time: {n['predicted_step_s']:.3f} s = compute {n['compute_s']:.3f} s + exposed transfer "
                      f"{n['exposed_transfer_s']:.3f} s + overhead {n['overhead_s']:.3f} s "
-                     f"({n['h2d_bytes_per_step'] / 1e9:.1f} GB host->GPU per step)")
+                     f"({n['h2d_bytes_per_step'] / 1e9:.1f} GB host->GPU"
+                     + (f", {n['d2h_bytes_per_step'] / 1e9:.1f} GB GPU->host" if n.get("d2h_bytes_per_step") else "")
+                     + " per step)")
         if not n.get("machine_measured", True):
             lines.append("(rates assumed, not measured: no GPU here)")
     return "\n".join(lines)

@@ -29,6 +29,10 @@ with two rules that keep the answers sensible from one budget to the next:
   under `Workload.fp8_modulation = None` ("auto") it is used only when no plan without it fits the
   VRAM and host-RAM budgets. Along growing budgets it therefore only turns off, once.
 
+A full fine-tune is searched the same way (memory_model.py prices its streamed units with their
+optimizer state and their write-back); fp8 is a candidate there only for the frozen block Linears
+of a run that freezes some ([full] exclude).
+
 Candidates: every combination of storage (fp8 and fp8 modulation where accuracy allows), checkpointing none/blocks/offload,
 the number of streamed blocks (block kinds with the most FLOPs per byte first: for Flux the single
 blocks, spread evenly through their list), ring slots 2-4, and streaming the non-block group when
@@ -109,7 +113,7 @@ class Planner(MemoryModel):
         w = self.workload
         n_blocks = len(self.weights.blocks)
         ckpts = ("none",) if w.mode == "inference" else CHECKPOINTING
-        counts = range(n_blocks + 1) if w.mode != "full" else range(1)
+        counts = range(n_blocks + 1)
         for fp8, mod in self.storages:
             for ckpt in ckpts:
                 for n in counts:
@@ -221,9 +225,8 @@ class Planner(MemoryModel):
             levers.append(f"adapters, gradients and optimizer states take {gib(train)}: lower [lora] rank or "
                           f"narrow [lora] targets, or use [train] optimizer = \"adafactor\"")
         if w.mode == "full":
-            levers.append(f"a full fine-tune keeps every weight, gradient and optimizer state on the GPU "
-                          f"({gib(parts['weights resident'] + train)}); train a LoRA instead")
-        if parts["weights resident"] and w.mode != "full":
+            levers.extend(_full_levers(w, parts))
+        if parts["weights resident"]:
             levers.append(f"weights that cannot stream take {gib(parts['weights resident'])}")
         if w.mode == "inference":
             levers.append("or give the sampler a larger budget (--vram, or [memory] vram_budget in the request)")
@@ -244,6 +247,7 @@ class Planner(MemoryModel):
             "exposed_transfer_s": est.exposed_s,
             "overhead_s": est.overhead_s,
             "h2d_bytes_per_step": est.h2d_bytes,
+            "d2h_bytes_per_step": est.d2h_bytes,
             "per_bucket": est.per_bucket,
             "budget_vram": budget.vram,
             "margin_vram": budget.margin_bytes,
@@ -282,6 +286,25 @@ def _count_kinds(names, weights: ModelWeights) -> dict[str, int]:
     out: dict[str, int] = {}
     for n in names:
         out[kinds[n]] = out.get(kinds[n], 0) + 1
+    return out
+
+
+def _full_levers(w, parts: dict[str, int]) -> list[str]:
+    """What shrinks a full fine-tune's own terms, in the config's keys."""
+    out = []
+    slots, states = parts["stream slots"], parts["optimizer states"]
+    if slots:
+        out.append(f"the ring slots take {gib(slots)}, each a streamed block with its optimizer state: "
+                   f"[train] optimizer = \"adafactor\" or [full] state_dtype = \"bf16\" makes them smaller")
+    if states:
+        out.append(f"optimizer state on the GPU takes {gib(states)}" +
+                   (" (bitsandbytes keeps 8-bit AdamW state on the GPU for every weight: use \"adamw\" with "
+                    "streaming)" if w.optimizer == "adamw8bit" else ""))
+    step = parts["gradients"] + parts["optimizer step"]
+    if step:
+        out.append(f"stepping the largest weight inside backward takes {gib(step)} (its gradient and the "
+                   f"update's temporaries)")
+    out.append("freeze a part with [full] exclude, or train a LoRA instead")
     return out
 
 

@@ -34,6 +34,7 @@ log = logging.getLogger("leantune")
 # The modules whose code decides the measured numbers (relative to the leantune package).
 _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "planner/activations.py",
                    "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming.py",
+                   "train/full_mode.py",
                    "models/spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "train/lora.py")
 _PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
 
@@ -60,7 +61,8 @@ class MeasuredModel:
         w = d["weights"]
 
         def module(m: dict) -> ModuleWeights:
-            return ModuleWeights(m["name"], m["kind"], tuple(tuple(t) for t in m["tensors"]), m["native_bytes"])
+            return ModuleWeights(m["name"], m["kind"], tuple(tuple(t) for t in m["tensors"]), m["native_bytes"],
+                                 tuple(tuple(s) for s in m.get("trained", ())))
 
         weights = ModelWeights(tuple(module(b) for b in w["blocks"]), module(w["non_blocks"]),
                                tuple(AdapterShape(**a) for a in w["adapters"]))
@@ -76,12 +78,13 @@ def storage_options(workload: Workload, weights: ModelWeights) -> list[Storage]:
     """The (fp8, fp8_modulation) storages the workload's plans may use, plainest first.
 
     fp8 modulation comes only on top of fp8 (unless the workload forces it), never for a full
-    fine-tune, and is no choice when the checkpoint already stores the modulation Linears in e4m3
+    fine-tune (whose fp8 storage, for the block Linears of a frozen part only, is a choice when
+    [full] exclude freezes some: ModelWeights.fp8_convertible), and is no choice when the checkpoint already stores the modulation Linears in e4m3
     (the plan then converts nothing more: Plan.fp8_modulation stays False, as Plan.fp8 does for the
     other block weights of an fp8 checkpoint).
     """
     if workload.mode == "full":
-        return [(False, False)]
+        return [(False, False)] + ([(True, False)] if workload.allow_fp8 and weights.fp8_convertible() else [])
     fp8s = [False] + ([True] if workload.allow_fp8 else [])
     forced = workload.fp8_modulation
     if weights.prequantized_modulation or forced is False:
@@ -156,7 +159,8 @@ def _code_fingerprint() -> str:
 def _workload_shape(workload: Workload) -> dict:
     """The workload fields that decide what is measured (not the optimizer, accumulation or caches)."""
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
-    for unmeasured in ("optimizer", "gradient_accumulation", "host_cache_bytes"):
+    for unmeasured in ("optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
+                       "stochastic_rounding", "clip_per_param"):
         shape.pop(unmeasured)
     return shape
 

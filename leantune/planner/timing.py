@@ -10,6 +10,13 @@ compute waits for its copy; a unit still in its slot is not copied again. The se
 step is reported. Step time = compute + exposed transfer + overhead, the overhead being fp8
 dequantisation (the extra bytes the probe saw memory-bound ops move, at HBM bandwidth), the
 copies' own HBM traffic and the optimizer's read and write of its tensors.
+
+Full fine-tuning (`writeback`): a streamed unit holds trainable weights and their optimizer state;
+after its backward it is copied back device->host on a second stream (memory/trainable_streaming
+.py) at the D2H rate, and its slot takes no new copy before that write-back ends. The non-block
+group is used once more at the end of backward (the embedders' backward). Copies that the engine
+issues inline from pageable memory (fp32 masters, gradient accumulators: `inline_pageable` bytes)
+are not hidden: they add to the exposed transfer.
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ class StepTime(NamedTuple):
     exposed_s: float         # compute waiting on copies
     overhead_s: float        # fp8 dequantisation, copies' HBM traffic, the optimizer step
     h2d_bytes: int           # weights (and offloaded inputs) copied per step
+    d2h_bytes: int = 0       # trained units written back per step (full fine-tuning)
 
 
 def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int], mode: str,
-                  optimizer_bytes: int) -> StepTime:
+                  optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0) -> StepTime:
     """One bucket's step time under `plan`.
 
     `prof` is the probe of the plan's storage (fp8 or not), `ref` the probe without fp8 (their
@@ -55,30 +63,33 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
         extra = (a.fwd_traffic - b.fwd_traffic) if phase == "fwd" else (a.bwd_traffic - b.bwd_traffic)
         return max(0, extra) / m.hbm
 
-    uses: list[tuple[int | None, float, int, float]] = []   # (unit, compute s, extra H2D bytes, overhead s)
-    uses.append((nb_unit, prof.nb_fwd_flops / rate, 0, 0.0))           # embedders
+    # (unit, compute s, extra H2D bytes, overhead s, written back after this use)
+    uses: list[tuple[int | None, float, int, float, bool]] = []
+    uses.append((nb_unit, prof.nb_fwd_flops / rate, 0, 0.0, False))           # embedders
     for i, kind in enumerate(kinds):
         kp = prof.kinds[kind]
-        uses.append((unit_of.get(i), kp.fwd_flops / rate, 0, dq(kind, "fwd")))
-    uses.append((nb_unit, prof.nb_post_flops / rate, 0, 0.0))          # final norm and projection
+        uses.append((unit_of.get(i), kp.fwd_flops / rate, 0, dq(kind, "fwd"), False))
+    uses.append((nb_unit, prof.nb_post_flops / rate, 0, 0.0, False))          # final norm and projection
     if mode != "inference":
-        uses.append((nb_unit, prof.nb_bwd_flops / rate, 0, 0.0))
+        uses.append((nb_unit, prof.nb_bwd_flops / rate, 0, 0.0, False))
         for i in reversed(range(len(kinds))):
             kind = kinds[i]
             kp = prof.kinds[kind]
             c = kp.bwd_flops / rate + (kp.fwd_flops / rate if ckpt else 0.0)
             over = dq(kind, "bwd") + (dq(kind, "fwd") if ckpt else 0.0)
-            uses.append((unit_of.get(i), c, kp.out if offload else 0, over))
+            uses.append((unit_of.get(i), c, kp.out if offload else 0, over, writeback))
+        if writeback:
+            uses.append((nb_unit, 0.0, 0, 0.0, True))                    # embedders' backward, then write-back
     owner = [None] * k_slots
     ready = [0.0] * k_slots
     free_at = [0.0] * k_slots
-    t = copy_free = 0.0
-    moved = 0
+    t = copy_free = wb_free = 0.0
+    moved = written = 0
     step_start = compute = overhead = 0.0
     for step in range(2):
         if step == 1:
-            step_start, compute, overhead, moved = t, 0.0, 0.0, 0
-        for unit, c, extra, over in uses:
+            step_start, compute, overhead, moved, written = t, 0.0, 0.0, 0, 0
+        for unit, c, extra, over, wb in uses:
             need = 0.0
             if unit is not None:
                 s = unit % k_slots
@@ -97,7 +108,13 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
             overhead += over
             if unit is not None:
                 free_at[unit % k_slots] = t
+                if wb:                       # the slot is refilled only after its write-back ends
+                    wb_free = max(wb_free, t) + units[unit] / m.d2h
+                    free_at[unit % k_slots] = wb_free
+                    written += units[unit]
+    t = max(t, wb_free)                                   # the step ends when its updates are home
     opt = 2 * optimizer_bytes / m.hbm                     # the optimizer reads and writes its tensors
-    step_s = t - step_start + opt + moved / m.hbm         # copies also cost device-memory bandwidth
-    overhead += opt + moved / m.hbm
-    return StepTime(step_s, compute, max(0.0, step_s - compute - overhead), overhead, moved)
+    inline = inline_pageable / m.h2d_pageable             # masters, accumulators: not hidden
+    step_s = t - step_start + opt + inline + (moved + written) / m.hbm   # copies also cost HBM bandwidth
+    overhead += opt + (moved + written) / m.hbm
+    return StepTime(step_s, compute, max(0.0, step_s - compute - overhead), overhead, moved, written)

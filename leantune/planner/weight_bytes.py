@@ -20,6 +20,7 @@ import torch
 from ..memory.fp8 import SCALE_ATTR
 from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
 from ..memory.streaming import ALIGN as STREAM_ALIGN
+from ..train.fused_optim import STATE_SUFFIX
 from .workload import Workload
 
 
@@ -45,13 +46,16 @@ class ModuleWeights:
     count is 0 for tensors fp8 storage leaves alone (norms, biases, anything outside blocks);
     "stored in fp8" marks e4m3 weights of an fp8 checkpoint, whose scale count is that of their own
     scale; "modulation" marks the modulation Linears (spec.modulation), converted only with fp8
-    modulation.
+    modulation. Weights a full fine-tune trains have scale count 0 (fp8 storage holds frozen
+    weights only). `trained` holds the shapes of the tensors a full fine-tune trains (empty
+    otherwise): their optimizer state is priced from them (full_model.py).
     """
 
     name: str                     # "transformer_blocks.3", or "non_blocks"
     kind: str                     # "double", "single", "non_block"
     tensors: tuple[tuple[int, int, bool, bool], ...]
     native_bytes: int             # as the model holds them now
+    trained: tuple[tuple[int, ...], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -131,6 +135,11 @@ class ModelWeights:
         """The checkpoint stores modulation Linears in e4m3 (and the loader kept them so)."""
         return any(b.prequantized_modulation for b in self.blocks)
 
+    def fp8_convertible(self, modulation: bool = False) -> bool:
+        """Some block weight fp8 storage would convert (of the block Linears, or of the modulation
+        Linears with `modulation`); none when a full fine-tune trains them all."""
+        return any(s and not stored and mod == modulation for b in self.blocks for _, s, stored, mod in b.tensors)
+
     def adapter_params(self, rank: int) -> int:
         return sum(rank * (a.in_features + a.out_features) for a in self.adapters)
 
@@ -148,12 +157,18 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
-def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_block: bool) -> ModuleWeights:
+def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_block: bool,
+                    trains=None) -> ModuleWeights:
+    """`trains(qualified name)`: whether a full fine-tune trains that tensor (None: nothing trains).
+    Trained weights keep their dtype under fp8 storage (it holds frozen weights only)."""
+    prefix = f"{name}." if in_block else ""
     fp8_of: dict[int, tuple[int, bool, bool]] = {}      # id(weight) -> (scale count, already e4m3, modulation)
     if in_block:
         for mname, m in module.named_modules():
             rel = _base_name(mname)
             if type(m) is not torch.nn.Linear or _is_adapter(mname) or spec.keeps_compute_dtype(rel, fp8_modulation=True):
+                continue
+            if trains is not None and m.weight.dtype not in FP8_DTYPES and trains(f"{prefix}{mname}.weight"):
                 continue
             mod = spec.is_modulation(rel)
             if m.weight.dtype in FP8_DTYPES:            # kept as the checkpoint stores it, with its own scale
@@ -162,36 +177,50 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
             else:
                 fp8_of[id(m.weight)] = (fp8_scale_count(m.out_features, m.in_features), False, mod)
     seen: set[int] = set()
-    tensors, native = [], 0
+    tensors, native, trained = [], 0, []
+    params = {id(p) for p in module.parameters()}
     for pname, t in list(module.named_parameters()) + list(module.named_buffers()):
         if id(t) in seen:
             continue
         seen.add(id(t))
         native += t.numel() * t.element_size() if not _is_adapter(pname) else 0
-        if _is_adapter(pname) or pname.endswith(SCALE_ATTR):   # scales are priced with their weight
-            continue
+        if _is_adapter(pname) or pname.endswith(SCALE_ATTR) or f"{STATE_SUFFIX}." in pname:
+            continue            # scales are priced with their weight, optimizer state from `trained`
         tensors.append((t.numel(), *fp8_of.get(id(t), (0, False, False))))
-    return ModuleWeights(name, kind, tuple(tensors), native)
+        if trains is not None and id(t) in params and t.dtype not in FP8_DTYPES and trains(f"{prefix}{pname}"):
+            trained.append(tuple(t.shape))
+    return ModuleWeights(name, kind, tuple(tensors), native, tuple(trained))
 
 
 def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = None) -> ModelWeights:
     """Exact parameter counts per block and for the non-block group, from any device (meta included).
 
     LoRA adapters already attached to `model` are excluded; the workload's adapters are priced from
-    the shapes of the Linears its rank/targets/blocks select, with the same regex peft is given.
+    the shapes of the Linears its rank/targets/blocks select, with the same regex peft is given. A
+    full fine-tune's trained tensors (the workload's [full] train / exclude patterns, matched on the
+    diffusers names as the trainer matches them) are listed by shape per block; optimizer state a
+    model already carries (the trainer's `*_optstate` modules) is not counted as weights.
     """
+    trains = None
+    if workload is not None and workload.mode == "full":
+        from ..train.full_mode import trains_name
+
+        def trains(qname: str) -> bool:
+            return trains_name(qname, workload.full_train, workload.full_exclude)
     blocks = []
     for bl in spec.block_lists:
         for i, block in enumerate(getattr(model, bl.attr)):
-            blocks.append(_module_weights(f"{bl.attr}.{i}", bl.kind, block, spec, in_block=True))
-    tensors, native = [], 0
+            blocks.append(_module_weights(f"{bl.attr}.{i}", bl.kind, block, spec, in_block=True, trains=trains))
+    tensors, native, trained = [], 0, []
     for name in spec.non_block_modules:
         mod = getattr(model, name, None)
         if mod is not None:
-            w = _module_weights(name, "non_block", mod, spec, in_block=False)
+            w = _module_weights(name, "non_block", mod, spec, in_block=False,
+                                trains=(lambda q, name=name: trains(f"{name}.{q}")) if trains else None)
             tensors.extend(w.tensors)
+            trained.extend(w.trained)
             native += w.native_bytes
-    non_blocks = ModuleWeights("non_blocks", "non_block", tuple(tensors), native)
+    non_blocks = ModuleWeights("non_blocks", "non_block", tuple(tensors), native, tuple(trained))
     adapters: list[AdapterShape] = []
     if workload is not None and workload.mode == "lora":
         regex = re.compile(spec.lora_target_regex(workload.targets, workload.lora_blocks))

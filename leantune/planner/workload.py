@@ -30,7 +30,7 @@ class Workload:
     rank: int = 16
     targets: str = "attention_mlp"
     lora_blocks: dict[str, list[int]] | None = None
-    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    optimizer: Literal["adamw", "adafactor", "adamw8bit", "sgd"] = "adamw"
     batch_size: int = 1
     buckets: tuple[tuple[int, int], ...] = ((1024, 1024),)   # (height, width) in pixels
     text_length: int = 512
@@ -43,6 +43,13 @@ class Workload:
     # without it fits; True: every plan; False: never ([memory] fp8_modulation "auto"/true/false).
     fp8_modulation: bool | None = None
     host_cache_bytes: int = 0       # caches held in host RAM during training
+    # Full fine-tuning ([full] section; mode = "full" only): what trains and how its state is kept.
+    full_train: tuple[str, ...] = ("*",)       # fnmatch patterns on diffusers parameter names
+    full_exclude: tuple[str, ...] = ()
+    state_dtype: Literal["fp32", "bf16"] = "fp32"   # AdamW moments
+    master_weights: bool = False    # fp32 copies of bf16 weights in host RAM
+    stochastic_rounding: bool = True
+    clip_per_param: bool = True     # [train] max_grad_norm > 0 with [full] grad_clip = "parameter"
 
     @staticmethod
     def square(resolutions: list[int] | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -53,12 +60,24 @@ class Workload:
         return (bucket[0] // 16) * (bucket[1] // 16)
 
     def describe(self) -> str:
-        what = {"lora": f"LoRA r{self.rank} ({self.targets})", "full": "full fine-tune",
+        what = {"lora": f"LoRA r{self.rank} ({self.targets})", "full": self._describe_full(),
                 "inference": "inference"}[self.mode]
         sizes = ", ".join(f"{w}x{h}" for h, w in self.buckets)
         opt = "" if self.mode == "inference" else f", {self.optimizer}"
         accum = f", accumulation {self.gradient_accumulation}" if self.gradient_accumulation > 1 else ""
         return f"{what}{opt}, batch {self.batch_size}{accum}, {sizes}, text {self.text_length} tokens"
+
+    def _describe_full(self) -> str:
+        parts = []
+        if tuple(self.full_train) != ("*",):
+            parts.append(f"train {', '.join(self.full_train)}")
+        if self.full_exclude:
+            parts.append(f"frozen {', '.join(self.full_exclude)}")
+        if self.optimizer == "adamw" and self.state_dtype != "fp32":
+            parts.append(f"{self.state_dtype} moments")
+        if self.master_weights:
+            parts.append("fp32 masters on host")
+        return "full fine-tune" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,15 @@ GiB = 2**30
 MARGIN = 2 * GiB          # interpreter, caches and allocator slack kept free of the budget
 
 
+def full_host_parts(weights: int, trained: int, state: int, *, masters: bool, accumulation: int) -> dict[str, int]:
+    """The host RAM parts of a full fine-tune from its sizes: the loaded `weights` (bytes), the
+    `trained` parameter count and the optimizer `state` bytes; fp32 masters when `masters` (bf16/fp16
+    weights with [full] master_weights), fp32 gradient accumulators when `accumulation` > 1. The
+    planner (planner/full_model.py) prices the same parts with the exact state of each tensor."""
+    return {"weights": weights, "optimizer state": int(state), "master weights": 4 * trained if masters else 0,
+            "gradient accumulators": 4 * trained if accumulation > 1 else 0}
+
+
 def host_bytes(cfg: RunConfig, model) -> dict[str, int]:
     """Host RAM parts (bytes) of a full fine-tune of `model` (may be on the meta device)."""
     from .full_mode import select_trainable
@@ -27,13 +36,9 @@ def host_bytes(cfg: RunConfig, model) -> dict[str, int]:
     n = sum(p.numel() for p in trained.values())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     wide = any(p.element_size() < 4 for p in trained.values())
-    return {
-        "weights": weights,
-        "optimizer state": int(n * state_bytes_per_param(cfg.train.optimizer, cfg.full.state_dtype)),
-        "master weights": 4 * n if cfg.full.master_weights and wide else 0,
-        "gradient accumulators": 4 * n if cfg.train.gradient_accumulation > 1 else 0,
-        "_trained": n,
-    }
+    parts = full_host_parts(weights, n, n * state_bytes_per_param(cfg.train.optimizer, cfg.full.state_dtype),
+                            masters=cfg.full.master_weights and wide, accumulation=cfg.train.gradient_accumulation)
+    return {**parts, "_trained": n}
 
 
 def _budget(cfg: RunConfig) -> tuple[int, str]:

@@ -29,14 +29,15 @@ from .modes import check_resumable
 log = logging.getLogger("leantune")
 
 
+def trains_name(name: str, train, exclude) -> bool:
+    """Whether `[full] train` / `exclude` select the parameter of this diffusers name."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in train) and not any(
+        fnmatch.fnmatchcase(name, pat) for pat in exclude)
+
+
 def select_trainable(model: torch.nn.Module, train: list[str], exclude: list[str]) -> dict[str, torch.nn.Parameter]:
     """The parameters `[full] train` / `exclude` select, by diffusers name, in model order."""
-    out = {}
-    for name, p in model.named_parameters():
-        if any(fnmatch.fnmatchcase(name, pat) for pat in train) and not any(
-                fnmatch.fnmatchcase(name, pat) for pat in exclude):
-            out[name] = p
-    return out
+    return {name: p for name, p in model.named_parameters() if trains_name(name, train, exclude)}
 
 
 class FullMode:
