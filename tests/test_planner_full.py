@@ -172,11 +172,11 @@ def test_full_host_ram_matches_the_trainers_check_and_a_frozen_part_uses_fp8(flu
     assert plan.notes["host_breakdown"]["transformer + optimizer state + masters at set-up"] == sum(parts.values())
 
     frozen = _planner(flux_dev, full_exclude=("single_transformer_blocks.*",))
-    assert frozen.fp8_options == [False, True] and planner.fp8_options == [False]
+    assert frozen.storages == [(False, False), (True, False)] and planner.storages == [(False, False)]
     single = next(i for i, b in enumerate(frozen.weights.blocks) if b.kind == "single")
     double = next(i for i, b in enumerate(frozen.weights.blocks) if b.kind == "double")
-    assert frozen._bytes[True][single] < 0.65 * frozen._bytes[False][single]     # its modulation stays bf16
-    assert frozen._bytes[True][double] == frozen._bytes[False][double]      # trained: stays bf16
+    assert frozen._bytes[(True, False)][single] < 0.65 * frozen._bytes[(False, False)][single]     # its modulation stays bf16
+    assert frozen._bytes[(True, False)][double] == frozen._bytes[(False, False)][double]      # trained: stays bf16
     assert frozen.full.state[single] == 0 and frozen.full.state[double] > 0
 
 
