@@ -230,6 +230,7 @@ def test_plan_answer_is_leantune_plans_answer(tmp_path, tiny_flux_dir):
     config = form.write(tmp_path / "c.toml")
     fits = plan_answer.summarize(plan_answer.plan_json(config, "1GiB"))
     assert fits["fits"] is True and 0 < fits["peak_vram_gib"] < 1
+    assert f"predicted peak VRAM {fits['peak_vram_gib'] * 1024:.1f} MiB," in fits["message"]   # below 1 GiB: MiB
     tight = plan_answer.summarize(plan_answer.plan_json(config, "1MiB"))
     assert tight["fits"] is False and tight["smallest_gib"] > 0.001
     assert tight["message"].startswith("does not fit: the smallest budget is ")
@@ -462,15 +463,21 @@ def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monk
     assert plan({**FIELDS, "rank": "3"})["message"] == "not planned: the planner cannot build a probe copy of a newfam model"
 
 
-def test_full_mode_plan_answer_is_shown_not_raised(tmp_path):
-    """Through the real planner: full mode gets a plan summary, or the planner's own "not planned yet"."""
+def test_full_mode_plan_answer_is_the_planners_full_fine_tune_plan(tmp_path, tiny_flux_dir):
+    """Through the real planner: full mode prices every trained weight's optimizer state, so its
+    plan needs more VRAM than a LoRA plan of the same model and budget; a missing model is refused
+    as the planner's answer (naming the path), not raised."""
     from leantune.ui.app import create_app
 
-    answer = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")({**FIELDS, "mode": "full"})
-    if answer.get("planned") is False:
-        assert "full" in answer["message"] and "not" in answer["message"]
-    else:
-        assert answer["fits"] in (True, False) and answer["message"].startswith(("fits", "does not fit"))
+    plan = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")
+    fields = {**FIELDS, "model_path": str(tiny_flux_dir), "dataset": str(_images(tmp_path / "d")), "dtype": "fp32",
+              "resolutions": "64", "max_text_length": "16", "vram_budget": "1GiB"}
+    full, lora = plan({**fields, "mode": "full"}), plan(fields)
+    assert full["fits"] is True and full["message"].startswith("fits: predicted peak VRAM")
+    assert full["peak_vram_gib"] > lora["peak_vram_gib"] > 0
+    missing = plan({**FIELDS, "mode": "full"})
+    assert missing["planned"] is False and "/models/flux" in missing["message"]
+    assert missing["message"].startswith("not planned: [model]")
 
 
 def test_a_refused_run_form_leaves_no_run_folder(tmp_path):

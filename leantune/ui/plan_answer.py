@@ -34,6 +34,12 @@ def plan_json(config: Path, vram: str, ram: str | None = None) -> dict:
     return json.loads(out.getvalue())
 
 
+def size_text(n: float) -> str:
+    """Bytes as the page prints them: GiB to two places, MiB below one GiB (a small model's plans
+    would otherwise all read "0.07 GiB")."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 def summarize(answer: dict) -> dict:
     """The page's view of one plan answer (the first budget's)."""
     entry = answer["plans"][0]
@@ -41,7 +47,7 @@ def summarize(answer: dict) -> dict:
             "budget_gib": entry["budget_bytes"] / GiB}
     if "plan" not in entry:
         needed = entry.get("needed_vram")
-        text = (f"does not fit: the smallest budget is {needed / GiB:.2f} GiB" if needed
+        text = (f"does not fit: the smallest budget is {size_text(needed)}" if needed
                 else "does not fit: not enough host RAM")
         return {**base, "fits": False, "message": text, "smallest_gib": needed / GiB if needed else None,
                 "detail": entry["error"]}
@@ -49,8 +55,8 @@ def summarize(answer: dict) -> dict:
     notes = plan["notes"]
     streamed = plan["streamed_blocks"]
     return {**base, "fits": True,
-            "message": (f"fits: predicted peak VRAM {notes['predicted_peak_vram'] / GiB:.2f} GiB, "
-                        f"host RAM {notes['predicted_peak_host'] / GiB:.2f} GiB"),
+            "message": (f"fits: predicted peak VRAM {size_text(notes['predicted_peak_vram'])}, "
+                        f"host RAM {size_text(notes['predicted_peak_host'])}"),
             "peak_vram_gib": notes["predicted_peak_vram"] / GiB, "peak_host_gib": notes["predicted_peak_host"] / GiB,
             "vram_breakdown_gib": {k: v / GiB for k, v in notes["vram_breakdown"].items()},
             "host_breakdown_gib": {k: v / GiB for k, v in notes["host_breakdown"].items() if k != "peak"},
