@@ -34,7 +34,7 @@ def families() -> list[str]:
     """The model families the registry knows (models/family.py), imported or not."""
     from ..models import family
 
-    return sorted(family._MODULES)
+    return sorted(family.known_families())
 
 
 @dataclass
