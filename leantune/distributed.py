@@ -223,8 +223,14 @@ class DistContext:
                    owns_group=dist.is_initialized() and not had_group, accelerator=accelerator,
                    device=device, _saved_env=saved_env)
 
-    def close(self) -> None:
-        """Release the Accelerator's process-wide state, and the process group it created."""
+    def close(self, finished: bool = False) -> None:
+        """Release the Accelerator's process-wide state, and the process group it created.
+
+        A run that `finished` on this rank waits for the others first: a process group torn down
+        while another rank's last collective is still in flight can abort that rank at exit. A rank
+        leaving on an error does not wait (the others may never come)."""
+        if finished:
+            self.barrier()
         if self.accelerator is not None:
             from .accelerate_setup import release_accelerator
 

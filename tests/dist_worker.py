@@ -79,6 +79,7 @@ def main(out: str, *configs: str) -> None:
         results[Path(path).stem] = {"losses": result.losses, **counts,
                                     "files": [str(f) for f in result.lora_files]}
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()                   # no rank tears the group down while another's last op is in flight
     dist.destroy_process_group()
 
 

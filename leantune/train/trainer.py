@@ -189,11 +189,14 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     cfg, launch_notes = apply_launch_settings(cfg)   # `accelerate launch --config_file` settings the TOML leaves unset
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
     dist = DistContext.from_config(cfg, pick_device(cfg))
+    finished = False
     try:
         with RunFolder(paths.root, paths.name, resume, overwrite, enabled=dist.is_main):
-            return _train(cfg, paths, dist, resume, stop_after, progress, launch_notes)
+            result = _train(cfg, paths, dist, resume, stop_after, progress, launch_notes)
+        finished = True
+        return result
     finally:
-        dist.close()
+        dist.close(finished)
 
 
 def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, stop_after: int | None,
