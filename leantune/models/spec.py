@@ -23,6 +23,18 @@ class BlockList:
     kohya_prefix: str     # prefix of this list's keys in BFL / kohya files: "double_blocks"
 
 
+@dataclass(frozen=True)
+class BlockVariant:
+    """Blocks of one list built with an extra part, listed by index in the model's config: SD3.5
+    Medium's joint blocks 0-12 (`dual_attention_layers`) carry a second, image-only attention.
+    They keep their list's attribute, kohya prefix and config kind ("joint"); the planner, whose
+    activations, FLOPs and streaming order differ between them, prices them as a kind of their own."""
+
+    attr: str             # the block list they belong to: "transformer_blocks"
+    kind: str             # the planner's name for them: "joint_dual"
+    config_key: str       # model config entry listing their indices: "dual_attention_layers"
+
+
 # LoRA preset of every family: its "all" preset in the blocks, plus every Linear outside them
 # (embedders, final norm's modulation, final projection). On a trained base those are rarely worth
 # adapting; on the demo's random base the LoRA must carry everything, and a random, frozen input
@@ -66,6 +78,8 @@ class ModelSpec:
     modulation: tuple[str, ...] = ()
     # The single-file layout full fine-tunes are exported in (SingleFileLayout); None: no such export.
     single_file: SingleFileLayout | None = None
+    # Blocks built unlike the rest of their list (BlockVariant): priced by the planner as their own kind.
+    block_variants: tuple[BlockVariant, ...] = ()
 
     # -- helpers -------------------------------------------------------------------------------
     def block_list(self, kind: str) -> BlockList:
@@ -81,6 +95,23 @@ class ModelSpec:
             for i, block in enumerate(getattr(model, bl.attr)):
                 out.append((f"{bl.attr}.{i}", block))
         return out
+
+    def variant_indices(self, config, attr: str) -> dict[str, set[int]]:
+        """Variant kind -> indices of the blocks of list `attr` built so, read from a model config
+        (a diffusers config or a plain dict; absent or empty entries: none)."""
+        cfg = dict(config or {})
+        return {v.kind: {int(i) for i in (cfg.get(v.config_key) or ())} for v in self.block_variants if v.attr == attr}
+
+    def list_kinds(self, model: torch.nn.Module, bl: BlockList) -> list[str]:
+        """The kind the planner prices each block of list `bl` as: the list's kind, or its variant's."""
+        variants = self.variant_indices(getattr(model, "config", None), bl.attr)
+        return [next((kind for kind, idx in variants.items() if i in idx), bl.kind)
+                for i in range(len(getattr(model, bl.attr)))]
+
+    def block_kinds(self, model: torch.nn.Module) -> list[str]:
+        """`list_kinds` of every block in execution order (as `blocks`): SD3.5 Medium, 13
+        "joint_dual" then 11 "joint"; a model without variants, its lists' kinds."""
+        return [kind for bl in self.block_lists for kind in self.list_kinds(model, bl)]
 
     def is_modulation(self, relative_name: str) -> bool:
         """True for a modulation/adaLN Linear (named relative to its block)."""

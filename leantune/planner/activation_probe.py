@@ -2,9 +2,11 @@
 
 What it trades: a second of tracing per resolution bucket for activation numbers that follow the
 real diffusers/peft code, whatever that code keeps for backward. `probe_activations` runs a
-two-double/two-single-block copy of the model on the meta device (no memory, milliseconds) under
-the workload's batch, tokens, LoRA and bf16 autocast, with a dispatch mode that tracks every tensor
-storage as it is created and freed. That gives, per block kind, what is kept for backward (S_k),
+copy of the model with two blocks of each kind (Flux: two double, two single; SD3.5 Medium: two
+joint blocks with the second attention, "joint_dual", and two without, spec.block_kinds) on the
+meta device (no memory, milliseconds) under the workload's batch, tokens, LoRA and bf16 autocast,
+with a dispatch mode that tracks every tensor storage as it is created and freed. That gives, per
+block kind, what is kept for backward (S_k),
 the block output (O_k), and the transient peaks in forward (Tf_k), backward (Tb_k) and no-grad
 forward (Tn_k), plus the FLOPs of every op (the timing model's compute term).
 
@@ -178,7 +180,7 @@ def _cast_all(tree, dtype, only_from=_CASTABLE):
 
 def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bool, fp8: bool,
                  modulation: bool = False):
-    """A copy of `model`'s architecture with two blocks per list, on meta, in the workload's dtype,
+    """A copy of `model`'s architecture with two blocks of each kind, on meta, in the workload's dtype,
     with the run's adapters (the trainer's own add_lora) and fp8 storage (the engine's own)."""
     probe = short_copy(spec, model, workload.dtype)
     probe.requires_grad_(False)
@@ -190,7 +192,7 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
     if with_lora:
         blocks = None
         if workload.lora_blocks is not None:   # a kind with any LoRA block is probed with LoRA
-            blocks = {kind: ([0, 1][:len(getattr(probe, spec.block_list(kind).attr))] if idx else [])
+            blocks = {kind: (list(range(len(getattr(probe, spec.block_list(kind).attr)))) if idx else [])
                       for kind, idx in workload.lora_blocks.items()}
         add_lora(probe, spec, LoraConfig(rank=workload.rank, targets=workload.targets, blocks=blocks,
                                          dropout=workload.lora_dropout))
@@ -225,33 +227,28 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tr
     after: dict[str, int] = {}
     outs: dict[str, int] = {}
     handles = []
-    kinds = {bl.attr: bl.kind for bl in spec.block_lists}
+    for name, block in _named_blocks(spec, probe):
+        def pre(_m, _a, _k, name=name):
+            tracker.open(f"fwd:{name}")
 
-    for attr, kind in kinds.items():
-        for i, block in enumerate(getattr(probe, attr)):
-            name = f"{kind}.{i}"
+        def post(_m, _a, _k, output, name=name):
+            after[name] = tracker.live
+            outs[name] = _storage_bytes(tree_leaves(output))
+            tracker.open(f"fwd:after:{name}")
+            if grad:
+                started = []
 
-            def pre(_m, _a, _k, name=name):
-                tracker.open(f"fwd:{name}")
+                def on_grad(_g, name=name):
+                    if not started:
+                        started.append(True)
+                        tracker.open(f"bwd:{name}")
 
-            def post(_m, _a, _k, output, name=name):
-                after[name] = tracker.live
-                outs[name] = _storage_bytes(tree_leaves(output))
-                tracker.open(f"fwd:after:{name}")
-                if grad:
-                    started = []
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(on_grad)
 
-                    def on_grad(_g, name=name):
-                        if not started:
-                            started.append(True)
-                            tracker.open(f"bwd:{name}")
-
-                    for t in tree_leaves(output):
-                        if isinstance(t, torch.Tensor) and t.requires_grad:
-                            t.register_hook(on_grad)
-
-            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(block.register_forward_hook(post, with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
     if grad and workload.mode == "full":
         # The optimizer steps each weight inside backward and frees its gradient at once
         # (train/in_backward.py): a gradient lives only until its weight's AccumulateGrad ran.
@@ -283,6 +280,13 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tr
     return tracker, after, outs
 
 
+def _named_blocks(spec, probe) -> list[tuple[str, torch.nn.Module]]:
+    """Every block of the probe copy in execution order, named "<kind>.<index in its list>" with
+    the kind it is priced as (spec.block_kinds: "double", "joint_dual", ...)."""
+    kinds = spec.block_kinds(probe)
+    return [(f"{kind}.{qname.rsplit('.', 1)[1]}", block) for kind, (qname, block) in zip(kinds, spec.blocks(probe))]
+
+
 def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
@@ -298,7 +302,7 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
     """
     with_lora = workload.mode == "lora" and (workload.lora_blocks is None or any(workload.lora_blocks.values()))
     probe = _probe_model(spec, model, workload, with_lora, fp8, modulation)
-    order = [f"{bl.kind}.{i}" for bl in spec.block_lists for i in range(len(getattr(probe, bl.attr)))]
+    order = [name for name, _ in _named_blocks(spec, probe)]
     last = {name.split(".")[0]: name for name in order}          # kind -> its last block in the probe
     kinds = list(last)
     tokens = workload.image_tokens(bucket) + workload.text_length

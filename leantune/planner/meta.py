@@ -2,7 +2,7 @@
 
 The planner never needs weight values, only shapes, so everything it measures is built here on the
 meta device: the full-size Flux.1 and SD3.5 transformers (`leantune plan --model flux-dev` on a laptop), the
-architecture a config's checkpoint declares, and the small copy (two blocks per list) whose
+architecture a config's checkpoint declares, and the small copy (two blocks of each kind) whose
 forward and backward the activation probe traces.
 """
 
@@ -55,12 +55,14 @@ def build_meta_packaged(family: str, config_name: str, dtype: torch.dtype = torc
 
 
 def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list: int = 2) -> torch.nn.Module:
-    """`model`'s architecture on meta with at most `blocks_per_list` blocks in each block list.
+    """`model`'s architecture on meta with at most `blocks_per_list` blocks of each kind in each list.
 
     Every block of a kind has the same shapes (but the trailing ones of TRAILING_SPECIAL, left out
     of the copy), so a short copy shows what each kind does; tracing it costs milliseconds where the
-    full model would cost seconds. SD3.5 Medium's first 13 blocks carry a second attention: its copy
-    is made of those, the larger kind, so its activations are not under-estimated.
+    full model would cost seconds. A list whose blocks come in variants (spec.block_variants: SD3.5
+    Medium's 13 dual-attention joint blocks, then 11 plain ones) keeps up to `blocks_per_list` of
+    each, in the order the kinds first appear, so each kind's last block in the copy takes its
+    input from a block of its own kind, as almost every block of that kind in the full model does.
     """
     keys = BLOCK_COUNT_KEYS.get(spec.family)
     if keys is None or not hasattr(model, "config"):
@@ -70,10 +72,19 @@ def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list
     for attr, key in keys.items():
         n = len(getattr(model, attr))
         extra = trailing.get(attr, 0)
-        cfg[key] = min(blocks_per_list, max(n - extra, 1)) + extra
+        bl = next(b for b in spec.block_lists if b.attr == attr)
+        body = spec.list_kinds(model, bl)[:max(n - extra, 1)]
+        layout: list[str] = []                      # the copy's kinds in order, `blocks_per_list` at most of each
+        for kind in dict.fromkeys(body):
+            layout += [kind] * min(blocks_per_list, body.count(kind))
+        cfg[key] = len(layout) + extra
+        for v in spec.block_variants:
+            if v.attr == attr:
+                cfg[v.config_key] = tuple(i for i, kind in enumerate(layout) if kind == v.kind)
     copy = meta_from_config(type(model), cfg, dtype)
     for attr, extra in trailing.items():
         blocks = getattr(copy, attr)
         if extra and len(blocks) > extra:
             setattr(copy, attr, torch.nn.ModuleList(list(blocks)[:-extra]))
     return copy
+

@@ -52,7 +52,7 @@ class ModuleWeights:
     """
 
     name: str                     # "transformer_blocks.3", or "non_blocks"
-    kind: str                     # "double", "single", "non_block"
+    kind: str                     # "double", "single", "joint", "joint_dual" (spec.block_kinds), "non_block"
     tensors: tuple[tuple[int, int, bool, bool], ...]
     native_bytes: int             # as the model holds them now
     trained: tuple[tuple[int, ...], ...] = ()
@@ -208,9 +208,8 @@ def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = No
         def trains(qname: str) -> bool:
             return trains_name(qname, workload.full_train, workload.full_exclude)
     blocks = []
-    for bl in spec.block_lists:
-        for i, block in enumerate(getattr(model, bl.attr)):
-            blocks.append(_module_weights(f"{bl.attr}.{i}", bl.kind, block, spec, in_block=True, trains=trains))
+    for kind, (name, block) in zip(spec.block_kinds(model), spec.blocks(model)):
+        blocks.append(_module_weights(name, kind, block, spec, in_block=True, trains=trains))
     tensors, native, trained = [], 0, []
     for name in spec.non_block_modules:
         mod = getattr(model, name, None)
