@@ -11,6 +11,16 @@ plan fits that, for one half at a time (the "CFG" column says which ran).
 
     python bench/simulate.py --model sd3.5-large --out bench/results/simulate_sd35_large.json
     python bench/simulate.py --model sd3.5-large --budgets 8 24 --cases train1024 sample1024
+
+`--mode full` runs full fine-tuning steps instead ([train] mode = "full": every weight trains, the
+optimizer steps inside backward, streamed blocks carry their optimizer state and are written back),
+with `--optimizer` and `--state-dtype` (AdamW moments), planned with no host-RAM limit (the host
+RAM is reported: predicted, and the fake host bytes the simulation created), two steps each, the
+second measured (steady state: ring slots kept from the step before). Its table adds host RAM and
+the bytes copied per step, H2D and the D2H write-back, predicted and simulated:
+
+    python bench/simulate.py --mode full --optimizer adamw --state-dtype bf16 --budgets 8 12 16 24 \
+        --cases train1024 --out bench/results/simulate_full_flux_adamw_bf16.json
 """
 
 from __future__ import annotations
@@ -36,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", type=float, nargs="+", default=[4, 6, 8, 12, 16, 24], help="GiB")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     p.add_argument("--out", type=Path, default=None, help="JSON results (written after every case)")
+    p.add_argument("--mode", choices=("lora", "full"), default="lora",
+                   help="training cases: a LoRA step, or a full fine-tuning step (sampling cases are the same)")
+    p.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw", help="--mode full")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="--mode full: AdamW moments")
     args = p.parse_args(argv)
 
     from leantune.memory.simulated import SimulatedDeviceUnavailable, enable
@@ -48,13 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     from leantune.memory.simulated_run import planned_case
 
     meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(sys.argv),
-            "model": args.model, "device": "simulated GPU on CPU (fake tensors)"}
+            "model": args.model, "device": "simulated GPU on CPU (fake tensors)", "mode": args.mode}
+    if args.mode == "full":
+        meta.update(optimizer=args.optimizer, state_dtype=args.state_dtype)
+    full = {"optimizer": args.optimizer, "state_dtype": args.state_dtype} if args.mode == "full" else {}
     rows = []
     for case in args.cases:
         for budget in args.budgets:
             what, size = CASES[case]
+            if what == "train" and args.mode == "full":
+                what = "full"
             t0 = time.perf_counter()
-            row = planned_case(what, size, int(budget * GiB), model_name=args.model)
+            row = planned_case(what, size, int(budget * GiB), model_name=args.model,
+                               **(full if what == "full" else {}))
             row["case"], row["wall_s"] = case, time.perf_counter() - t0
             rows.append(row)
             print(_line(row), flush=True)
@@ -62,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1, default=str))
     print()
-    print(markdown(sorted(rows, key=lambda r: (list(CASES).index(r["case"]), r["budget"]))))
+    ordered = sorted(rows, key=lambda r: (list(CASES).index(r["case"]), r["budget"]))
+    print(markdown_full([r for r in ordered if r["what"] == "full"]) if args.mode == "full" else markdown(ordered))
     return 0
 
 
@@ -73,7 +94,39 @@ def _line(r: dict) -> str:
     cfg = "" if r.get("cfg_batched") is None else f", CFG {'batched' if r['cfg_batched'] else 'halves'}"
     return head + (f"{r['plan']}{cfg}; predicted {_gib(r['predicted'] - r['workspace'])} GiB "
                    f"(+{_gib(r['workspace'])} workspace), simulated {_gib(r['simulated'])} GiB, "
-                   f"ratio {r['ratio']:.3f} ({r['wall_s']:.0f} s)")
+                   f"ratio {r['ratio']:.3f}" + (_full_line(r) if r["what"] == "full" else "") +
+                   f" ({r['wall_s']:.0f} s)")
+
+
+def _full_line(r: dict) -> str:
+    return (f"; host {_gib(r['host_predicted'] - r['host_breakdown']['process baseline'])} / "
+            f"{_gib(r['host_simulated'])} GiB, H2D {_gib(r['h2d_predicted'])} / {_gib(r['h2d_simulated'])} GiB, "
+            f"D2H {_gib(r['d2h_predicted'])} / {_gib(r['d2h_simulated'])} GiB (predicted / simulated)")
+
+
+def markdown_full(rows: list[dict]) -> str:
+    """The docs/benchmarks.md table of full fine-tuning cases: device peak, host RAM, copies per step.
+    Host RAM predicted: the planner's peak less its process baseline (Python, torch, CUDA runtime),
+    which holds no tensor; the simulation counts only the tensors it creates."""
+    out = ["| case | budget GiB | optimizer (state) | plan chosen by the planner | predicted GiB (tensors) | "
+           "+ workspace | simulated peak GiB | predicted / simulated | simulated + workspace ≤ budget | "
+           "host GiB predicted (tensors) | host GiB simulated | H2D GiB/step predicted / simulated | "
+           "D2H GiB/step predicted / simulated |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        opt = r["optimizer"] + (f" ({r['state_dtype']})" if r["optimizer"] == "adamw" else "")
+        if "infeasible" in r:
+            out.append(f"| {r['case']} | {r['budget'] / GiB:g} | {opt} | no plan fits: needs {_gib(r['needed'])} GiB "
+                       f"| | | | | | | | | |")
+            continue
+        fits = "yes" if r["simulated"] + r["workspace"] <= r["budget"] else "**no**"
+        host = r["host_predicted"] - r["host_breakdown"]["process baseline"]
+        out.append(f"| {r['case']} | {r['budget'] / GiB:g} | {opt} | {r['plan']} | "
+                   f"{_gib(r['predicted'] - r['workspace'])} | {_gib(r['workspace'])} | {_gib(r['simulated'])} | "
+                   f"{r['ratio']:.3f} | {fits} | {_gib(host)} | {_gib(r['host_simulated'])} | "
+                   f"{_gib(r['h2d_predicted'])} / {_gib(r['h2d_simulated'])} | "
+                   f"{_gib(r['d2h_predicted'])} / {_gib(r['d2h_simulated'])} |")
+    return "\n".join(out)
 
 
 def markdown(rows: list[dict]) -> str:

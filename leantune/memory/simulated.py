@@ -374,11 +374,46 @@ def foreach_as_on_cuda():
             lst.remove(FakeTensor)
 
 
+_GENERATOR = torch.Generator            # torch._C.Generator
+
+
+class _GeneratorType(type(_GENERATOR)):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, _GENERATOR)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, _GENERATOR)
+
+
+class _Generator(_GENERATOR, metaclass=_GeneratorType):
+    """`torch.Generator(device=...)` as a CUDA build answers it, for the simulated device: a
+    generator whose state lives on the host (a CUDA generator's state is host memory too). The
+    backend has no generator of its own (torch asks a C++ PrivateUse1 hook for one), and a random
+    op on fake tensors draws nothing whatever generator it gets, so a CPU generator stands in; the
+    drawn tensor is made, and counted, on the device the op names. Other devices get their own."""
+
+    def __new__(cls, device="cpu"):
+        d = torch.device(device)
+        return _GENERATOR.__new__(_GENERATOR, "cpu" if d.type == BACKEND else d)
+
+
+@contextlib.contextmanager
+def generators_on_host():
+    """`torch.Generator(device=GPU)` works for the duration (see _Generator): stochastic rounding
+    (train/fused_optim.py) draws its noise with a generator per device."""
+    torch.Generator = _Generator
+    try:
+        yield
+    finally:
+        torch.Generator = _GENERATOR
+
+
 @contextlib.contextmanager
 def simulation(tracker: DeviceMemoryTracker | None = None):
     """Everything inside runs on fake tensors with the simulated device set up: the fake mode,
     `tracker` (if given) counting bytes, tensors from Python data built on the host, `.data`
-    moving devices, and attention through the flash kernel. Yields the FakeTensorMode."""
+    moving devices, attention through the flash kernel, and generators for the simulated device.
+    Yields the FakeTensorMode."""
     enable()
     with contextlib.ExitStack() as stack:
         fake = stack.enter_context(FakeTensorMode())
@@ -388,6 +423,7 @@ def simulation(tracker: DeviceMemoryTracker | None = None):
         stack.enter_context(data_moves_device())
         stack.enter_context(foreach_as_on_cuda())
         stack.enter_context(flash_attention())
+        stack.enter_context(generators_on_host())
         yield fake
 
 

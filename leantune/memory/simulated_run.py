@@ -1,14 +1,17 @@
 """One training step or one sampling step of a model on the simulated device (simulated.py), through
 the code a real run uses, and the bytes it keeps on the GPU.
 
-Training goes through the trainer's own `train_step` (the LoRA mode's zero_grad / backward / clip /
-optimizer step, bf16 autocast, the flow-matching loss) with the memory engine applied by
-`apply_memory`; sampling through the sampler's `denoise` under `forward_only`. The model is built
-on the meta device by the caller (with its LoRA, which peft can add there), given fake parameters
-here, and never holds a byte of data.
+Training goes through the trainer's own `train_step` (bf16 autocast, the flow-matching loss, and
+the mode's step: LoRA's zero_grad / backward / clip / optimizer step, or full fine-tuning's update
+of each weight inside backward) with the memory engine applied by `apply_memory`; sampling through
+the sampler's `denoise` under `forward_only`. The model is built on the meta device by the caller
+(with its LoRA, which peft can add there), given fake parameters here, and never holds a byte of
+data. A full fine-tune is prepared by the trainer's FullMode on the fake weights (its optimizer
+state is created in fake host RAM) and streamed by its trainable streaming engine.
 
 Computed numbers a step reads back (`float(loss)`) come out as 0: nothing is computed, so a branch
-on such a value would always take the same side. Neither the engine nor the step branches on one.
+on such a value would always take the same side. Neither the engine nor the step branches on one
+(full fine-tuning's per-parameter clipping and Adafactor's norms stay on the device off the CPU).
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ class SimulatedStep:
     after_setup: int                   # live once the engine placed the model (weights, slots)
     report: dict = field(default_factory=dict)
     seconds: float = 0.0
-    host_peak: int = 0                 # fake host-RAM bytes created under the tracker (not process RSS)
+    host_peak: int = 0                 # fake host-RAM bytes created under the tracker (not process RSS);
+                                       # training: over set-up and steps, sampling: of the last step
+    host_after_setup: int = 0          # host bytes live once the engine placed the model
+    host_live: int = 0                 # host bytes live at the end of the last step
+    reports: list[dict] = field(default_factory=list)    # the engine's report of each step
 
     @property
     def peak(self) -> int:
@@ -95,14 +102,22 @@ def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], 
 
 def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket: tuple[int, int], *,
                       text_length: int | None = None, steps: int = 1) -> SimulatedStep:
-    """`steps` LoRA training steps of `model` (meta-built, adapters added, base frozen) under `plan`
-    on the simulated GPU, as the trainer runs them for `cfg` (a RunConfig: [train] optimizer,
-    clipping, mixed precision, timestep sampling; [data] batch size and text length; [model] family).
+    """`steps` training steps of `model` (meta-built) under `plan` on the simulated GPU, as the
+    trainer runs them for `cfg` (a RunConfig: [train] mode, optimizer, clipping, mixed precision,
+    timestep sampling; [full]; [data] batch size and text length; [model] family).
     `text_length` is in sequence rows (default: the family's rows for [data] max_text_length).
 
-    The optimizer's states exist before the first measured step (one optimizer step on zero
-    gradients creates them, as a real first step would), so every measured step is a steady-state
-    step: a second model step would measure the same peak, at twice the cost.
+    LoRA ([train] mode = "lora"): `model` comes with its adapters (peft adds them on meta), base
+    frozen. The optimizer's states exist before the first measured step (one optimizer step on
+    zero gradients creates them, as a real first step would), so every measured step is a
+    steady-state step: a second model step would measure the same peak, at twice the cost.
+
+    Full ([train] mode = "full"): `model` comes unprepared (see `unprepare_full`); the trainer's
+    FullMode prepares it here on the fake host weights, as a real run does after loading: it picks
+    the trained weights and creates their zero optimizer state beside them (in host RAM, counted
+    in `host_peak`), and the memory engine gets FullMode's trainable streaming. The states exist
+    from the start, but the first step still finds the ring slots empty: the last of `steps` is
+    the steady state (slots kept valid from the step before), and its report is that step's copies.
     """
     from ..train.modes import make_mode
     from ..train.optim import build_scheduler
@@ -116,29 +131,47 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
     tracker = _ReadsAsZero()
     t0 = time.perf_counter()
     peaks: list[int] = []
+    reports: list[dict] = []
     with simulation(tracker):
         fake_parameters(model)
-        handle = apply_memory(model, spec, plan, device, host_device=HOST)
-        after_setup = tracker.live.get(str(device), 0)
         mode = make_mode(cfg)
-        params = [p for p in model.parameters() if p.requires_grad]
+        if mode.name == "full":
+            params = mode.prepare(model, spec)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+        handle = apply_memory(model, spec, plan, device, host_device=HOST, **mode.memory_options())
+        after_setup = tracker.live.get(str(device), 0)
+        host_after_setup = tracker.live.get(HOST, 0)
         optimizer = mode.build_optimizer(params)
-        _create_optimizer_states(optimizer, params)
+        if mode.name != "full":
+            _create_optimizer_states(optimizer, params)
         batch = _host_batch(model, family, bucket, cfg.data.batch_size, text_length, dtype)
         t = Trainee(transformer=model, params=params, optimizer=optimizer,
                     scheduler=build_scheduler(optimizer, cfg.train), data=None, batches=iter(lambda: batch, None),
                     generator=torch.Generator().manual_seed(0), device=device, dtype=dtype, memory=handle,
                     plan=plan, mode=mode)
-        report = {}
+        host_peak = tracker.peak.get(HOST, 0)            # loading, optimizer state, packing
         for _ in range(steps):
             tracker.reset_peak()
             train_step(t, cfg)
             peaks.append(tracker.peak.get(str(device), 0))
-            report = handle.step_report()
+            host_peak = max(host_peak, tracker.peak.get(HOST, 0))
+            reports.append(handle.step_report())
         resident = tracker.live.get(str(device), 0)
-        host_peak = tracker.peak.get(HOST, 0)
+        host_live = tracker.live.get(HOST, 0)
         handle.release()
-    return SimulatedStep(peaks, resident, after_setup, report, time.perf_counter() - t0, host_peak)
+        if mode.name == "full":
+            mode.close(t)
+    return SimulatedStep(peaks, resident, after_setup, reports[-1] if reports else {}, time.perf_counter() - t0,
+                         host_peak, host_after_setup, host_live, reports)
+
+
+def unprepare_full(model: nn.Module, mode) -> None:
+    """Undo FullMode.prepare on a meta model (planned on before the simulation): its hooks and
+    optimizer-state modules go, so the simulation's own FullMode prepares the faked model afresh
+    (prepare keys its state by Parameter, and fake_parameters makes new ones)."""
+    mode.stepper.remove()
+    mode.optimizer.remove_holders(model)
 
 
 def _create_optimizer_states(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -190,7 +223,10 @@ def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple
 # -- planned cases: the planner's plan for a budget, simulated, next to its prediction -------------------
 
 GiB = 2**30
-CASE_RAM_BUDGET = 64 * GiB     # host RAM the cases plan for: a typical GPU machine, not this one
+CASE_RAM_BUDGET = 64 * GiB     # host RAM the LoRA cases plan for: a typical GPU machine, not this one
+# Full fine-tunes plan with no host-RAM limit, as `leantune plan` does without --ram on a machine with
+# no GPU: their host RAM
+# (weights + optimizer state: ~69 GiB for Flux-dev with bf16 AdamW moments) is reported, not a constraint.
 
 
 # The architectures a case can run: `leantune plan --model` names -> (family, config shipped in
@@ -226,28 +262,41 @@ def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None =
     return meta_model("flux-dev", (num_layers, num_single_layers))
 
 
-def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"):
-    """The RunConfig of a LoRA run at one square resolution with a VRAM budget (defaults otherwise:
-    attention+MLP targets, AdamW, batch 1, the family's text tokens (Flux 512, SD3 256), bf16 autocast)."""
+def training_config(size: int, budget: int, rank: int = 16, family: str = "flux", *, mode: str = "lora",
+                    optimizer: str = "adamw", state_dtype: str = "fp32"):
+    """The RunConfig of a training run at one square resolution with a VRAM budget (defaults otherwise:
+    batch 1, the family's text tokens (Flux 512, SD3 256), bf16 autocast). `mode` "lora": attention+MLP
+    targets of `rank`; "full": every weight trains ([full] defaults: bf16 weights with stochastic
+    rounding, gradients clipped per parameter), `state_dtype` the AdamW moments' dtype."""
     from ..config import validate
 
+    trains = {"full": {"state_dtype": state_dtype}} if mode == "full" else {"lora": {"rank": rank}}
+    memory = {"vram_budget": f"{budget}B"} | ({} if mode == "full" else {"ram_budget": f"{CASE_RAM_BUDGET}B"})
     return validate({"model": {"path": "unused", "family": family},
                      "data": {"datasets": [{"path": "unused"}], "resolutions": [size]},
-                     "lora": {"rank": rank}, "memory": {"vram_budget": f"{budget}B", "ram_budget": f"{CASE_RAM_BUDGET}B"}})
+                     "train": {"mode": mode, "optimizer": optimizer}, **trains, "memory": memory})
 
 
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
-                 plan: Plan | None = None, model_name: str = "flux-dev") -> dict:
+                 plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
+                 state_dtype: str = "fp32") -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
-    and run on the simulated device: a LoRA training step ("train") or a sampling step ("sample")
-    at size x size pixels, on `model_name` (MODELS; or `blocks` blocks of full width, see
-    meta_model). Sampling a family with classifier-free guidance plans, as `leantune sample` does,
+    and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
+    ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
+    sampling step ("sample") at size x size pixels, on `model_name` (MODELS; or `blocks` blocks of
+    full width, see meta_model). Sampling a family with classifier-free guidance plans, as `leantune sample` does,
     for the doubled batch (negative and positive halves in one forward) and, when no plan fits it,
     for one half at a time ("cfg_batched" in the result).
 
     Returns the plan, the planner's predicted peak with its workspace term and the budget's margin
-    apart, the simulated peak, and their ratio (prediction without workspace / simulation). Call
-    with the simulated device enabled before any backward (see simulated.enable).
+    apart, the simulated peak, and their ratio (prediction without workspace / simulation); the
+    predicted host RAM and the simulation's fake host bytes; the predicted and simulated bytes
+    copied per step (H2D, and D2H, the write-back of a full fine-tune). Call with the simulated
+    device enabled before any backward (see simulated.enable).
+
+    A full fine-tune is planned as the trainer plans it, after FullMode.prepare (the optimizer
+    state modules exist); the simulation then prepares its faked model afresh (unprepare_full)
+    and runs two steps, the second the steady state (simulate_training).
     """
     from ..planner.corrections import Calibration
     from ..planner.from_config import workload_from_config
@@ -262,10 +311,14 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     spec = family.spec
     text_rows = family.text_rows(MODELS[model_name][2])
     machine = assumed_machine(vram_total=budget)
-    budget_obj = Budget(vram=budget, ram=CASE_RAM_BUDGET)
-    if what == "train":
-        cfg = training_config(size, budget, family=family.name)
-        make_mode(cfg).prepare(model, spec)
+    from ..commands.plan import UNLIMITED_RAM
+
+    budget_obj = Budget(vram=budget, ram=UNLIMITED_RAM if what == "full" else CASE_RAM_BUDGET)
+    if what in ("train", "full"):
+        cfg = training_config(size, budget, family=family.name, mode="full" if what == "full" else "lora",
+                              optimizer=optimizer, state_dtype=state_dtype)
+        mode = make_mode(cfg)
+        mode.prepare(model, spec)
         workloads = [workload_from_config(cfg, model)]
     elif what == "sample":
         model.eval().requires_grad_(False)
@@ -273,9 +326,11 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
                               autocast=False, dtype=torch.bfloat16)
                      for factor in ((2, 1) if family.sampling.guidance == "cfg" else (1,))]
     else:
-        raise ValueError(f"unknown case {what!r}: 'train' or 'sample'")
+        raise ValueError(f"unknown case {what!r}: 'train', 'full' or 'sample'")
     out = {"model": model_name, "what": what, "size": size, "budget": budget, "blocks": blocks,
            "margin": budget_obj.margin_bytes}
+    if what == "full":
+        out.update(optimizer=optimizer, state_dtype=state_dtype)
     for workload in workloads:           # the doubled CFG batch first, then one half at a time
         planner = Planner(spec, model, workload, machine, Calibration())
         try:
@@ -289,6 +344,9 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     est = planner.estimate(chosen)
     if what == "train":
         sim = simulate_training(model, spec, cfg, chosen, (size, size))
+    elif what == "full":
+        unprepare_full(model, mode)
+        sim = simulate_training(model, spec, cfg, chosen, (size, size), steps=2)
     else:
         sim = simulate_sampling(model, spec, chosen, (size, size), text_length=text_rows, family=family,
                                 cfg_batched=batched)
@@ -300,7 +358,18 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
             "ring": chosen.ring_slots, "predicted": est.peak_vram, "workspace": workspace,
             "breakdown": dict(est.vram), "simulated": sim.peak, "simulated_steps": sim.peaks,
             "after_setup": sim.after_setup, "ratio": (est.peak_vram - workspace) / sim.peak,
-            "seconds": sim.seconds, "report": sim.report}
+            "seconds": sim.seconds, "report": sim.report,
+            "host_predicted": est.peak_host, "host_breakdown": dict(est.host), "host_simulated": sim.host_peak,
+            "host_after_setup": sim.host_after_setup, "host_live": sim.host_live,
+            "h2d_predicted": est.h2d_bytes, "d2h_predicted": est.d2h_bytes,
+            "h2d_simulated": _h2d(sim.report), "d2h_simulated": sim.report.get("bytes_d2h", 0),
+            "h2d_simulated_steps": [_h2d(r) for r in sim.reports]}
+
+
+def _h2d(report: dict) -> int:
+    """Bytes a step copied host -> device, as the planner counts them: streamed units and restored
+    offloaded block inputs."""
+    return report.get("bytes_h2d", 0) + report.get("offload_bytes_h2d", 0)
 
 
 def _run_cases(cases: list[dict]) -> list[dict]:
