@@ -86,3 +86,17 @@ def test_planned_full_fine_tune_fits_its_budget(full_cases):
     assert r["streamed"] == 4 and r["report"]["streamed_units"] == 4
     assert r["d2h_simulated"] > 0
     assert r["simulated"] + r["workspace"] <= r["budget"] - r["margin"]
+
+
+def test_a_prepared_model_is_refused():
+    """simulate_training prepares the faked model itself; a model still carrying the optimizer
+    state of an earlier FullMode.prepare (on meta, for planning) would be counted twice in host RAM."""
+    from leantune.memory.simulated_run import meta_model, simulate_training, training_config
+    from leantune.models.flux import FLUX_SPEC
+    from leantune.train.modes import make_mode
+
+    cfg = training_config(512, 8 * GiB, mode="full")
+    model = meta_model("flux-dev", (1, 1))
+    make_mode(cfg).prepare(model, FLUX_SPEC)
+    with pytest.raises(ValueError, match="unprepare_full"):
+        simulate_training(model, FLUX_SPEC, cfg, Plan(), (512, 512))

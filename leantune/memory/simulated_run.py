@@ -124,6 +124,11 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
     from ..train.trainer import Trainee, train_step
     from .engine import apply_memory
 
+    from ..train.fused_optim import STATE_SUFFIX
+
+    if any(name.endswith(STATE_SUFFIX) for name, _ in model.named_modules()):
+        raise ValueError("simulate_training: the model carries optimizer-state modules from an earlier "
+                         "FullMode.prepare; call unprepare_full(model, mode) first (the simulation prepares it)")
     device = enable()
     family = get_family(cfg.model.family)
     text_length = text_length or family.text_rows(cfg.data.max_text_length)
