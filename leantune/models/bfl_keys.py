@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from .weights import KeyOp
+from .weights import KeyOp, apply_ops
 
 # Linear layers: (BFL module, diffusers module(s)); both .weight and .bias are mapped.
 # Several diffusers modules for one BFL module = the BFL tensor is their concatenation along dim 0.
@@ -158,11 +158,7 @@ def convert_bfl_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
     ops, unknown = bfl_to_diffusers_ops({k: tuple(v.shape) for k, v in state_dict.items()})
     if unknown:
         raise KeyError(f"not BFL Flux keys: {unknown[:5]}")
-    out = {}
-    for op in ops:
-        for target, t in zip(op.targets, op.apply(state_dict[op.source])):
-            out[target] = t
-    return out
+    return apply_ops(ops, state_dict)
 
 
 def diffusers_to_bfl(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

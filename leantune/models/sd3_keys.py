@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .weights import KeyOp
+from .weights import KeyOp, apply_ops
 
 # Modules inside joint block i: (diffusers module, Stability module, part, parts). parts > 1: the
 # Stability tensor is the concatenation of `parts` equal row blocks along dim 0, this one is `part`.
@@ -170,11 +170,7 @@ def stability_to_diffusers(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
     ops, unknown = stability_to_diffusers_ops({k: tuple(t.shape) for k, t in state_dict.items()})
     if unknown:
         raise KeyError(f"not part of an SD3 transformer: {unknown[:5]}")
-    out = {}
-    for op in ops:
-        for target, t in zip(op.targets, op.apply(state_dict[op.source])):
-            out[target] = t
-    return out
+    return apply_ops(ops, state_dict)
 
 
 def _swap(t: torch.Tensor) -> torch.Tensor:

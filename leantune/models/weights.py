@@ -318,6 +318,15 @@ class KeyOp:
                 for segs, shape in zip(self.segments(tuple(t.shape)), self.target_shapes(tuple(t.shape)))]
 
 
+def apply_ops(ops: Iterable[KeyOp], state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole in-memory state dict converted by `ops` (the loaders apply the same ops lazily instead)."""
+    out = {}
+    for op in ops:
+        for target, t in zip(op.targets, op.apply(state_dict[op.source])):
+            out[target] = t
+    return out
+
+
 def copy_ops(keys: Iterable[str], strip: str = "", rename: Callable[[str], str] | None = None) -> list[KeyOp]:
     """One-to-one ops for files already in the model's layout (optionally minus a prefix / renamed)."""
     ops = []
