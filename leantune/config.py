@@ -151,6 +151,10 @@ class FullConfig(Section):
     master_weights: bool = False                      # fp32 copies of bf16 weights on the host
     grad_clip: Literal["parameter", "none"] = "parameter"   # max_grad_norm per parameter, not global
     save_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"    # dtype of the exported model files
+    # Where a streamed block's optimizer step runs: "device" (its state comes with the weights and
+    # is written back with them), "host" (its state stays in host RAM, its gradients come to the
+    # host and the CPU steps), "auto" (the planner chooses with [memory] vram_budget; else device).
+    streamed_step: Literal["auto", "device", "host"] = "auto"
 
     @field_validator("train")
     @classmethod

@@ -24,6 +24,10 @@ class Plan:
     ring_slots: int = 2
     pin_memory: bool = True
     debug_poison: bool = False
+    # Full fine-tuning: the streamed blocks' optimizer step runs on the host (their optimizer state
+    # stays in host RAM and never travels; their gradients go to the host) instead of on the device
+    # (state packed with the weights, brought in and written back). memory/trainable_streaming.py.
+    optimizer_on_host: bool = False
     # Free-form notes from the planner (predicted peak, why this plan); not used by the engine.
     notes: dict = field(default_factory=dict, compare=False)
 
@@ -40,4 +44,5 @@ class Plan:
     def describe(self) -> str:
         return (f"stream {len(self.streamed_blocks)} blocks{' + non-blocks' if self.stream_non_blocks else ''}, "
                 f"fp8={'on' if self.fp8 else 'off'}{' + modulation' if self.fp8_modulation else ''}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
-                f"{'pinned' if self.pin_memory else 'pageable'}")
+                f"{'pinned' if self.pin_memory else 'pageable'}"
+                + (", optimizer step of streamed blocks on the host" if self.optimizer_on_host else ""))

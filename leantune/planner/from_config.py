@@ -47,6 +47,7 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     lora_dropout=cfg.lora.dropout, fp8_modulation=fp8_modulation_choice(cfg.memory),
                     full_train=tuple(full.train), full_exclude=tuple(full.exclude),
                     state_dtype=full.state_dtype, master_weights=full.master_weights,
+                    streamed_step=full.streamed_step,
                     stochastic_rounding=full.stochastic_rounding,
                     clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter")
 

@@ -47,6 +47,8 @@ class Workload:
     full_train: tuple[str, ...] = ("*",)       # fnmatch patterns on diffusers parameter names
     full_exclude: tuple[str, ...] = ()
     state_dtype: Literal["fp32", "bf16"] = "fp32"   # AdamW moments
+    # Where streamed blocks step ([full] streamed_step): "auto" lets the search try both.
+    streamed_step: Literal["auto", "device", "host"] = "auto"
     master_weights: bool = False    # fp32 copies of bf16 weights in host RAM
     stochastic_rounding: bool = True
     clip_per_param: bool = True     # [train] max_grad_norm > 0 with [full] grad_clip = "parameter"

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -368,6 +368,8 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
         plan = choose_plan(planner, budget, cfg)
     else:
         plan = resolve_plan(cfg.memory, spec, transformer)
+        if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and (plan.streamed_blocks or plan.stream_non_blocks):
+            plan = replace(plan, optimizer_on_host=True)
     log.info("memory plan: %s", plan.describe())
     if in_turn:
         from ..memory.engine import apply_memory
