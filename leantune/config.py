@@ -325,6 +325,11 @@ class RunConfig(Section):
                 raise ValueError("[memory] fp8 = true with [train] mode = \"full\": fp8 storage holds frozen weights "
                                  "only and every weight trains; set [memory] fp8 = false, or freeze a part with "
                                  "[full] exclude (only frozen block Linears are stored in fp8)")
+            if self.full.streamed_step == "host" and self.train.optimizer == "adamw8bit":
+                raise ValueError("[full] streamed_step = \"host\" with [train] optimizer = \"adamw8bit\": "
+                                 "bitsandbytes keeps its 8-bit state on the GPU and steps there; use \"adamw\" "
+                                 "(fp32 or bf16 moments) or \"adafactor\" for a host step, or streamed_step = "
+                                 "\"device\"")
         else:
             if self.full.model_fields_set:
                 key = sorted(self.full.model_fields_set)[0]

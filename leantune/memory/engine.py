@@ -194,11 +194,14 @@ class MemoryHandle:
         self.model.__dict__[_APPLIED_ATTR] = _RELEASED
 
 
-def _place(model: nn.Module, device: torch.device) -> None:
+def _place(model: nn.Module, device: torch.device, keep=()) -> None:
     """Move every parameter and buffer that is not on `device` there, keeping Parameter identity
-    (optimizers and peft keep their references)."""
+    (optimizers and peft keep their references); the modules in `keep` stay where they are."""
+    kept = {id(m) for m in keep}
     with torch.no_grad():
         for m in model.modules():
+            if id(m) in kept:
+                continue
             for p in m._parameters.values():
                 if p is not None and p.device != device:
                     p.data = p.data.to(device)
@@ -278,7 +281,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
         if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",
                                                        offload_min_bytes=offload_min_bytes, host_device=host_device)
-        _place(model, device)                                            # 5. the resident set
+        _place(model, device, keep=handle.streaming.host_modules if handle.streaming else ())   # 5. the resident set
         return_freed_host_memory()                                       # their host copies
     except BaseException:
         # Roll back to the host, never onto the device: this is typically an out-of-memory while a

@@ -76,6 +76,9 @@ log = logging.getLogger("leantune.memory")
 ALIGN = 512                  # byte alignment of each tensor inside a packed unit
 STAGING_CHUNK = 32 * 2**20   # bytes per pinned staging buffer for pageable units
 POISON_BYTE = 0xFF           # all-ones bits: NaN in fp32, bf16, fp16 and e4m3fn
+# Set (True) on a module holding a trained weight's optimizer state (train/fused_optim.ParamState):
+# under Plan.optimizer_on_host a streamed unit leaves such modules in host RAM.
+OPTIMIZER_STATE_ATTR = "holds_optimizer_state"
 
 
 class RunMode:
@@ -719,6 +722,9 @@ class StreamingHandle:
     hooks: list
     total_blocks: int
     fp8: bool
+    # Modules whose tensors stay in host RAM, neither packed nor placed on the device: the
+    # streamed blocks' optimizer state under Plan.optimizer_on_host.
+    host_modules: list[nn.Module] = field(default_factory=list)
 
     @property
     def host_bytes(self) -> int:
@@ -750,19 +756,24 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GB" if n >= 2**30 else (f"{n / 2**20:.0f} MB" if n >= 2**20 else f"{n / 2**10:.0f} KB")
 
 
-def _collect(modules: list[nn.Module], unit_name: str, trainable_ok: bool = False
-             ) -> tuple[list[_Entry], list[nn.Parameter], int]:
+def _collect(modules: list[nn.Module], unit_name: str, trainable_ok: bool = False, state_on_host: bool = False
+             ) -> tuple[list[_Entry], list[nn.Parameter], int, list[nn.Module]]:
     """The frozen tensors of a unit (and its trainable ones if `trainable_ok`), laid out in one
-    buffer; and its adapter parameters."""
+    buffer; its adapter parameters; and, with `state_on_host`, the optimizer-state modules left out
+    of the buffer (they stay in host RAM: Plan.optimizer_on_host)."""
     by_id: dict[int, _Entry] = {}
     entries: list[_Entry] = []
     adapters: list[nn.Parameter] = []
+    kept: list[nn.Module] = []
     offset = 0
     for top in modules:
         skip = adapter_module_ids(top)
         for mname, m in top.named_modules():
             if id(m) in skip:
                 adapters.extend(p for p in m._parameters.values() if p is not None)
+                continue
+            if state_on_host and getattr(m, OPTIMIZER_STATE_ATTR, False):
+                kept.append(m)
                 continue
             for kind, store in (("param", m._parameters), ("buffer", m._buffers)):
                 for attr, t in store.items():
@@ -781,7 +792,7 @@ def _collect(modules: list[nn.Module], unit_name: str, trainable_ok: bool = Fals
                     by_id[id(t)] = e
                     entries.append(e)
                     offset += -(-nbytes // ALIGN) * ALIGN
-    return entries, adapters, offset
+    return entries, adapters, offset, kept
 
 
 def _tensor_of(entry: _Entry) -> torch.Tensor:
@@ -849,10 +860,12 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
 
     # Every unit is checked (trainable weights) before the first one is packed: a refused plan
     # leaves the model untouched.
-    layouts = [(name, mods, ckpt, *_collect(mods, name, engine_cls.trains_weights)) for name, mods, ckpt in groups]
+    state_on_host = plan.optimizer_on_host and engine_cls.trains_weights
+    layouts = [(name, mods, ckpt, *_collect(mods, name, engine_cls.trains_weights, state_on_host))
+               for name, mods, ckpt in groups]
     pin = backend.cuda and plan.pin_memory and torch.device(host_device).type == "cpu"
     units: list[_Unit] = []
-    for index, (name, mods, ckpt, entries, adapters, nbytes) in enumerate(layouts):
+    for index, (name, mods, ckpt, entries, adapters, nbytes, _) in enumerate(layouts):
         shared = host_buffers.buffer(name, max(nbytes, ALIGN)) if host_buffers is not None else None
         host, unpin = _alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None, host_device)
         _pack(host, entries, copy=not (shared and shared[1]))
@@ -888,7 +901,8 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     hooks = [model.register_forward_pre_hook(lambda mod, args: engine.begin_forward()),
              model.register_forward_hook(lambda mod, args, out: engine.end_forward())]
     handle = StreamingHandle(engine, units, wrapped, hooks, total_blocks=len(blocks),
-                             fp8=any(e.dtype == torch.float8_e4m3fn for u in units for e in u.entries))
+                             fp8=any(e.dtype == torch.float8_e4m3fn for u in units for e in u.entries),
+                             host_modules=[m for layout in layouts for m in layout[-1]])
     return handle
 
 
@@ -896,6 +910,9 @@ def _quiesce(engine: StreamingEngine) -> None:
     """Wait until no copy reads a host buffer or writes a slot: the stager has issued everything it
     was given, and an event recorded after the last copy on the copy stream has completed."""
     engine._drain()
+    close = getattr(engine, "close", None)            # workers of a subclass (trainable streaming)
+    if close is not None:
+        close()
     if engine.stager is not None:
         engine.stager.close()
         engine.stager = None
@@ -957,10 +974,15 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
                 _point(e, t)
             _drop_host(u)
             return_freed_host_memory()
+        for m in handle.host_modules:                 # a plain model keeps everything on `device`
+            for attr, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[attr] = b.to(device)
     _unwrap(handle)
     engine.slots.clear()
     engine.by_storage.clear()
     handle.units.clear()
+    handle.host_modules.clear()
 
 
 def release_streaming(handle: StreamingHandle) -> None:

@@ -24,6 +24,20 @@ poison) and adds what trainable weights need:
   the OOM re-plan's restore keeps the updates the redone step will skip.
 - On CPU the same path runs with the CPU slot emulation (copies are synchronous), so CI tests it.
 
+The optimizer step on the host (Plan.optimizer_on_host): the streamed units' optimizer state is not
+packed (streaming.py leaves the ParamState modules in host RAM), so slots hold weights only and no
+state crosses the bus. A trained weight's gradient, when complete, is copied to the host and its
+update runs there on the weight's host-buffer view (`step_on_host`); the slot's copy is then out of
+date, so the unit is marked stale and its slot invalidated when its hold ends (nothing is written
+back). On CUDA the gradient goes to a pinned buffer on the write-back stream (after an event on the
+compute stream; the device gradient is kept alive for that stream with record_stream) and one
+worker thread waits for that copy's event and steps: the CPU steps overlap the rest of backward.
+Pinned gradients in flight are bounded (`host_inflight_limit`: two of the largest unit's trained
+gradients); past it the thread waits for the oldest step (counted as stall). A unit is fetched
+again only after its host steps finished (`_fetch` waits, counted as stall), and `_drain` waits for
+all of them, so checkpoints and exports read updated host weights. On a CPU (or simulated) compute
+device the copy and the step run synchronously. bitsandbytes' 8-bit AdamW cannot step on the host.
+
 The host buffer is the authoritative copy of a streamed weight between steps: `WeightAccess`
 reads and writes weights and optimizer state there (checkpoints, resume, export) after waiting for
 pending write-backs, and invalidates the slots after a write so nothing stale is reused.
@@ -32,7 +46,9 @@ pending write-backs, and invalidates the slots after a write so nothing stale is
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -45,8 +61,8 @@ _clock = time.perf_counter          # a seam: tests give a clock of their own
 class TrainableStreamingEngine(StreamingEngine):
     trains_weights = True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, units: list[_Unit], slots: list[_Slot], backend, plan, mode):
+        super().__init__(units, slots, backend, plan, mode)
         be = self.backend
         self.writeback_stream = torch.cuda.Stream(be.device) if be.cuda else None
         self.dirty: set[int] = set()                  # id(unit) stepped since its last write-back
@@ -58,12 +74,100 @@ class TrainableStreamingEngine(StreamingEngine):
                     if kind == "param" and m._parameters[attr].requires_grad:
                         self.unit_of[id(m._parameters[attr])] = u
         self.bytes_d2h = 0
+        # The optimizer step on the host (module docstring).
+        self.host_step = plan.optimizer_on_host
+        self.host_views: dict[int, torch.Tensor] = {}   # id(trainable Parameter) -> its host-buffer view
+        grads: dict[int, int] = {}
+        for u in self.units:
+            for e in u.entries:
+                for m, kind, attr in e.owners:
+                    if kind == "param" and m._parameters[attr].requires_grad:
+                        self.host_views[id(m._parameters[attr])] = _view(u.host, e)
+                        grads[id(u)] = grads.get(id(u), 0) + e.nbytes
+        self.stale: set[int] = set()                  # id(unit) whose host copy was stepped since its fetch
+        self.pending: dict[int, list[Future]] = {}    # id(unit) -> host steps in flight (CUDA)
+        self.host_inflight_limit = 2 * max(grads.values(), default=0)
+        self._inflight: list[tuple[Future, int]] = []
+        self._inflight_lock = threading.Lock()
+        self.host_worker = ThreadPoolExecutor(1, thread_name_prefix="leantune-host-step") \
+            if self.host_step and be.cuda else None
 
     def mark_stepped(self, p: nn.Parameter) -> None:
         """`p` was updated in place (in its slot): its unit must be written back before reuse."""
+        if self.steps_on_host(p):
+            return                                    # its host copy was stepped: see step_on_host
         u = self.unit_of.get(id(p))
         if u is not None:
             self.dirty.add(id(u))
+
+    # -- the optimizer step on the host ----------------------------------------------------------------
+    def steps_on_host(self, p: nn.Parameter) -> bool:
+        return self.host_step and id(p) in self.host_views
+
+    def step_on_host(self, p: nn.Parameter, grad: torch.Tensor | None, step) -> None:
+        """Run `step(host_weight, host_grad)` for streamed weight `p` on the host: `grad` is its
+        gradient on the compute device (None: the step needs no device gradient)."""
+        unit = self.unit_of[id(p)]
+        weight = self.host_views[id(p)]
+        self.stale.add(id(unit))
+        be = self.backend
+        if grad is None:
+            if self.host_worker is None:
+                step(weight, None)
+            else:
+                self._submit(unit, 0, lambda: step(weight, None))
+            return
+        n = grad.numel() * grad.element_size()
+        self.bytes_d2h += n
+        if self.host_worker is None:                  # CPU compute device: the copy is a stall, as on CPU
+            t0 = _clock()
+            host_grad = grad.to(weight.device)
+            self.stats.stall_s += _clock() - t0
+            step(weight, host_grad)
+            return
+        used = be.event()
+        used.record(be.compute_stream())              # the gradient is complete on the compute stream
+        host_grad = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        wb = self.writeback_stream
+        with torch.cuda.stream(wb):
+            wb.wait_event(used)
+            host_grad.copy_(grad, non_blocking=True)
+            copied = be.event()
+            copied.record(wb)
+        grad.record_stream(wb)                        # its memory is not reused before the copy ends
+
+        def run() -> None:
+            copied.synchronize()                      # this copy only, on the worker thread
+            step(weight, host_grad)
+
+        self._submit(unit, n, run)
+
+    def _submit(self, unit: _Unit, nbytes: int, fn) -> None:
+        with self._inflight_lock:
+            self._inflight = [(f, b) for f, b in self._inflight if not f.done()]
+            waiting = [f for f, _ in self._inflight]
+            total = sum(b for _, b in self._inflight)
+        t0 = _clock()
+        while waiting and total + nbytes > self.host_inflight_limit:
+            waiting.pop(0).result()                   # the oldest step: its pinned gradient is freed
+            with self._inflight_lock:
+                self._inflight = [(f, b) for f, b in self._inflight if not f.done()]
+                total = sum(b for _, b in self._inflight)
+        self.stats.stall_s += _clock() - t0
+        fut = self.host_worker.submit(fn)
+        with self._inflight_lock:
+            self._inflight.append((fut, nbytes))
+        self.pending.setdefault(id(unit), []).append(fut)
+
+    def _wait_host_steps(self, unit: _Unit | None = None) -> None:
+        """Wait for the host steps of `unit` (all units: None); their errors surface here."""
+        keys = list(self.pending) if unit is None else [id(unit)]
+        t0 = _clock()
+        for k in keys:
+            for f in self.pending.pop(k, []):
+                f.result()
+        if keys:
+            self.stats.stall_s += _clock() - t0
 
     @contextlib.contextmanager
     def holding(self, p: nn.Parameter):
@@ -82,9 +186,19 @@ class TrainableStreamingEngine(StreamingEngine):
 
     # -- hooks of StreamingEngine ------------------------------------------------------------------
     def _retire(self, unit: _Unit, slot: _Slot) -> None:
+        if id(unit) in self.stale:                    # stepped on the host: the slot's copy is old
+            self.stale.discard(id(unit))
+            super()._retire(unit, slot)
+            slot.valid = False
+            return
         if id(unit) not in self.dirty:
             return super()._retire(unit, slot)
         self._write_back(unit, slot, self.poison)
+
+    def _fetch(self, unit: _Unit, demand: bool) -> None:
+        if self.pending.get(id(unit)):
+            self._wait_host_steps(unit)               # the copy must read the stepped host weights
+        super()._fetch(unit, demand)
 
     def _write_back(self, unit: _Unit, slot: _Slot, poison: bool) -> None:
         """Copy a stepped unit's slot into its host buffer (then poison the slot if asked)."""
@@ -142,12 +256,19 @@ class TrainableStreamingEngine(StreamingEngine):
         for done in self.written.values():
             done.synchronize()
         self.written.clear()
+        self._wait_host_steps()
 
     # -- host access -------------------------------------------------------------------------------
     def invalidate(self) -> None:
         """Host buffers were written: no slot may be reused without a fresh fetch."""
         for s in self.slots:
             s.valid = False
+
+    def close(self) -> None:
+        """The engine is torn down (streaming.remove/release, after draining): stop the worker."""
+        if self.host_worker is not None:
+            self.host_worker.shutdown(wait=True)
+            self.host_worker = None
 
     def report(self, wait: bool = False) -> dict:
         out = super().report(wait)

@@ -5,7 +5,9 @@
 - The step: inside backward, per parameter (train/in_backward.py, train/fused_optim.py); the
   trainer's `optimizer` is the FusedOptimizer, whose `step()` only closes the step.
 - Streamed blocks: the memory engine gets memory/trainable_streaming.py's engine, which brings a
-  block's weights and optimizer state to the device together and writes them back updated.
+  block's weights and optimizer state to the device together and writes them back updated, or,
+  under Plan.optimizer_on_host ([full] streamed_step), brings the weights only and steps them on
+  the host, where their state stays.
 - Resumable state: weights and optimizer state tensors by name, read from where they live (host
   buffers for streamed blocks, no copy); scalars (step counts, RNG of stochastic rounding).
 - Export: the whole transformer as a BFL / ComfyUI single file, written block by block
@@ -69,7 +71,8 @@ class FullMode:
                                         master_weights=full.master_weights, seed=tc.seed)
         clip = tc.max_grad_norm if full.grad_clip == "parameter" else 0.0
         self.stepper = InBackwardStep(self.optimizer, list(named.values()), accumulation=tc.gradient_accumulation,
-                                      max_grad_norm=clip, on_step=self._stepped, hold=self._hold)
+                                      max_grad_norm=clip, on_step=self._stepped, hold=self._hold,
+                                      host=self._host_engine)
         n = sum(p.numel() for p in named.values())
         total = sum(p.numel() for p in transformer.parameters())
         log.info("full fine-tune: %d of %d tensors, %.1fM of %.1fM parameters train; optimizer %s (state %s%s), "
@@ -97,6 +100,13 @@ class FullMode:
         streaming = getattr(self.memory, "streaming", None)
         if streaming is not None:
             streaming.engine.mark_stepped(p)
+
+    def _host_engine(self, p: torch.nn.Parameter):
+        """The streaming engine when `p` steps on the host (Plan.optimizer_on_host), else None."""
+        streaming = getattr(self.memory, "streaming", None)
+        if streaming is not None and streaming.engine.steps_on_host(p):
+            return streaming.engine
+        return None
 
     def _hold(self, p: torch.nn.Parameter):
         streaming = getattr(self.memory, "streaming", None)

@@ -58,6 +58,8 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None)
 class ParamState(nn.Module):
     """The optimizer state of one weight, as non-persistent buffers (see the module docstring)."""
 
+    holds_optimizer_state = True        # memory/streaming.OPTIMIZER_STATE_ATTR: may stay on the host
+
     def __init__(self, tensors: dict[str, torch.Tensor]):
         super().__init__()
         for k, v in tensors.items():
@@ -127,16 +129,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._check_bnb(named)
 
     # -- one parameter -------------------------------------------------------------------------------
-    def step_param(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+    def step_param(self, p: nn.Parameter, grad: torch.Tensor, weight: torch.Tensor | None = None,
+                   lr: float | None = None) -> None:
+        """Update `p` with `grad`. `weight`: the tensor to update instead of `p.data` (the host copy
+        of a streamed weight whose step runs on the host, memory/trainable_streaming.py); `lr`: the
+        learning rate read when the step was issued (a host step may run after the scheduler moved)."""
         name = self.names[p]
-        lr = self.param_groups[0]["lr"]
+        lr = self.param_groups[0]["lr"] if lr is None else lr
         self.steps[name] += 1
         if self.kind == "adamw8bit":
             return self._step_bnb(name, p, grad, lr)
+        data = p.data if weight is None else weight
         st = self.holders[name].tensors()
         master = self.masters.get(name)
-        exact = p.dtype == torch.float32 and master is None
-        w = p.data if exact else (master.to(p.device, non_blocking=True) if master is not None else p.data.float())
+        exact = data.dtype == torch.float32 and master is None
+        w = data if exact else (master.to(data.device, non_blocking=True) if master is not None else data.float())
         g = grad if grad.dtype == w.dtype else grad.to(w.dtype)
         work = {k: (v if v.dtype == torch.float32 else v.float()) for k, v in st.items()}
         with torch.no_grad():
@@ -147,12 +154,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             if exact:
                 return
             if master is not None:
-                master.copy_(w)
-                p.data.copy_(w)                         # round to nearest from the fp32 master
-            elif p.dtype == torch.bfloat16 and self.sr:
-                p.data.copy_(self._round(w))
+                if w is not master:
+                    master.copy_(w)
+                data.copy_(w)                           # round to nearest from the fp32 master
+            elif data.dtype == torch.bfloat16 and self.sr:
+                data.copy_(self._round(w))
             else:
-                p.data.copy_(w)
+                data.copy_(w)
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         return stochastic_round_to_bf16(x, self._generator(x.device)) if self.sr else x.to(torch.bfloat16)

@@ -25,6 +25,11 @@ A weight whose gradient came only from earlier micro-batches steps in `finish_st
 when a streamed weight's block is no longer resident (its slot may hold another block, or poison):
 `hold` (the streaming engine's `holding`) fetches the block around that update and writes it back.
 
+A streamed weight whose block steps on the host (Plan.optimizer_on_host): `host(p)` returns the
+streaming engine, which copies the gradient to the host and runs `_step` there on the weight's host
+copy (memory/trainable_streaming.py), clipping included; an accumulator is added to the gradient on
+the host, not brought to the device.
+
 A step redone after an out-of-memory error (the trainer's OOM guard) skips the weights that were
 already updated in the failed attempt, so each weight steps once per optimizer step.
 """
@@ -43,13 +48,15 @@ from .fused_optim import FusedOptimizer
 class InBackwardStep:
     def __init__(self, optimizer: FusedOptimizer, params: list[torch.nn.Parameter], *, accumulation: int = 1,
                  max_grad_norm: float = 0.0, on_step: Callable[[torch.nn.Parameter], None] | None = None,
-                 hold: Callable[[torch.nn.Parameter], ContextManager] | None = None):
+                 hold: Callable[[torch.nn.Parameter], ContextManager] | None = None,
+                 host: Callable[[torch.nn.Parameter], object | None] | None = None):
         self.optimizer = optimizer
         self.params = list(params)
         self.accum = accumulation
         self.max_grad_norm = max_grad_norm
         self.on_step = on_step
         self.hold = hold                      # keeps a weight's streamed block resident (finish_step)
+        self.host = host                      # the engine that steps p on the host, or None
         self.micro = 0
         self.acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.stepped: set[torch.nn.Parameter] = set()
@@ -70,19 +77,44 @@ class InBackwardStep:
                 a.add_(g.detach().to("cpu", torch.float32))
             return
         a = self.acc.pop(p, None)
+        engine = self.host(p) if self.host is not None else None
+        if engine is not None:
+            self._update_on_host(engine, p, g, a)
+            return
         if a is not None:
             g = g + a.to(g.device, g.dtype)
         self._update(p, g)
 
     def _update(self, p: torch.nn.Parameter, g: torch.Tensor) -> None:
+        self._step(p, g)
+        self.stepped.add(p)
+        if self.on_step is not None:
+            self.on_step(p)
+
+    def _update_on_host(self, engine, p: torch.nn.Parameter, g: torch.Tensor | None, acc: torch.Tensor | None) -> None:
+        """Step `p` on the host: `g` (on the device, or None when only accumulated micro-batches
+        gave a gradient) plus the host accumulator `acc`, in the order the plain loop sums them."""
+        lr = self.optimizer.param_groups[0]["lr"]
+
+        def step(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
+            if grad is None:
+                grad = acc.to(weight.dtype)
+            elif acc is not None:
+                grad = grad + acc.to(grad.dtype)
+            self._step(p, grad, weight, lr)
+
+        engine.step_on_host(p, g, step)
+        self.stepped.add(p)
+        if self.on_step is not None:
+            self.on_step(p)
+
+    def _step(self, p: torch.nn.Parameter, g: torch.Tensor, weight: torch.Tensor | None = None,
+              lr: float | None = None) -> None:
         if self.max_grad_norm > 0:
             norm = torch.linalg.vector_norm(g.detach().float())
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             g = g * coef.to(g.dtype)
-        self.optimizer.step_param(p, g)
-        self.stepped.add(p)
-        if self.on_step is not None:
-            self.on_step(p)
+        self.optimizer.step_param(p, g, weight, lr)
 
     # -- a step --------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -96,6 +128,10 @@ class InBackwardStep:
         """Weights that had a gradient in an earlier micro-batch but none in the last step now."""
         for p in [p for p in self.params if p in self.acc]:
             a = self.acc.pop(p)
+            engine = self.host(p) if self.host is not None else None
+            if engine is not None:            # the host copy is stepped: no need for the block
+                self._update_on_host(engine, p, None, a)
+                continue
             with self.hold(p) if self.hold is not None else contextlib.nullcontext():
                 self._update(p, a.to(p.device, p.dtype))
         self.open = False

@@ -1,0 +1,190 @@
+"""The optimizer step of streamed blocks on the host (Plan.optimizer_on_host, [full] streamed_step).
+
+Their optimizer state stays in host RAM (never packed, never on the device), each trained weight's
+gradient goes to the host and the update runs on the weight's host copy; the slot's copy is then
+out of date and is fetched again. On the CPU the math is the device step's, so the runs must equal
+the plain `backward(); opt.step()` loop bitwise, like tests/test_full_finetune.py's matrix, with
+poisoned slots proving that nothing stale is reused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_full_finetune import EXCLUDE, LR, _loss, _model, _plan, assert_same, reference
+
+from leantune.memory.engine import apply_memory
+from leantune.memory.plan import Plan
+from leantune.memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
+from leantune.models.flux import FLUX_SPEC
+from leantune.train.full_mode import select_trainable
+from leantune.train.fused_optim import STATE_SUFFIX, FusedOptimizer, _owner
+from leantune.train.in_backward import InBackwardStep
+
+
+def run(kind: str, plan: Plan, steps: int = 3, accumulation: int = 1, exclude=tuple(EXCLUDE), dtype=None,
+        state_dtype: str = "fp32", master_weights: bool = False, clip: float = 0.0, device: str = "cpu"):
+    model = _model(exclude)
+    if dtype is not None:
+        model.to(dtype)
+    named = select_trainable(model, ["*"], list(exclude))
+    opt = FusedOptimizer(model, named, kind, lr=LR[kind], state_dtype=state_dtype, master_weights=master_weights)
+    handle = apply_memory(model, FLUX_SPEC, plan, device, offload_min_bytes=0, streaming_engine=TrainableStreamingEngine)
+    engine = handle.streaming.engine
+    stepper = InBackwardStep(opt, list(named.values()), accumulation=accumulation, max_grad_norm=clip,
+                             on_step=engine.mark_stepped,
+                             host=lambda p: engine if engine.steps_on_host(p) else None)
+    losses = []
+    for s in range(steps):
+        stepper.begin_step()
+        total = 0.0
+        for m in range(accumulation):
+            stepper.micro = m
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                total += _loss(model, s, 1.0 / accumulation, m, device=device)
+        stepper.finish_step()
+        losses.append(total)
+    access = WeightAccess(handle)
+    values = {n: access.get(*_owner(model, n)).clone() for n in named}
+    return losses, values, handle, model, opt
+
+
+def _host(plan: Plan | None) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, optimizer_on_host=True)
+
+
+def _names():
+    return [n for n, _ in FLUX_SPEC.blocks(_model())]
+
+
+MATRIX = [(k, s, c) for k in ("sgd", "adamw") for s in ("some", "all") for c in ("none", "blocks", "offload")]
+MATRIX += [("adafactor", s, c) for s in ("some", "all") for c in ("none", "blocks")]
+
+
+@pytest.mark.parametrize("kind,streaming,checkpointing", MATRIX)
+def test_host_step_equals_the_plain_loop_bitwise(kind, streaming, checkpointing):
+    want_losses, want = reference(kind)
+    losses, got, handle, model, _ = run(kind, _host(_plan(streaming, checkpointing, _names())))
+    assert losses == want_losses
+    assert_same(got, want)
+
+
+def test_state_stays_on_the_host_and_only_gradients_go_back():
+    """Slots hold weights only; the streamed weights' state is ordinary host memory beside the
+    packed buffer; per step the device sends back exactly the streamed trained gradients."""
+    names = _names()
+    plan = Plan(streamed_blocks=tuple(names), stream_non_blocks=True, checkpointing="blocks", debug_poison=True)
+    _, _, dev_handle, _, _ = run("adamw", plan, steps=1)
+    _, _, handle, model, opt = run("adamw", _host(plan), steps=1)
+    engine = handle.streaming.engine
+    packed = {id(t) for u in handle.streaming.units for e in u.entries for m, kind, attr in e.owners
+              for t in [(m._parameters if kind == "param" else m._buffers)[attr]]}
+    assert packed
+    streamed_trained = [p for p in model.parameters() if p.requires_grad and engine.steps_on_host(p)]
+    assert len(streamed_trained) == sum(1 for p in model.parameters() if p.requires_grad)   # all streamed
+    state_bytes = 0
+    for name, holder in opt.holders.items():
+        for t in holder.tensors().values():
+            assert t.device.type == "cpu" and id(t) not in packed
+            state_bytes += t.numel() * t.element_size()
+    # The device-step plan's units carry that state; these do not: every unit is smaller by its state.
+    dev_units = dev_handle.streaming.unit_bytes()
+    host_units = handle.streaming.unit_bytes()
+    assert sum(host_units.values()) < sum(dev_units.values()) and state_bytes > 0
+    for name in host_units:
+        assert host_units[name] < dev_units[name]
+    rep = handle.step_report()
+    grads = sum(p.numel() * p.element_size() for p in streamed_trained)
+    assert rep["bytes_d2h"] == grads                  # one step: each gradient once, no write-back
+    assert dev_handle.step_report()["bytes_d2h"] >= sum(dev_units.values())   # weights + state, each unit
+
+
+def test_host_step_with_some_resident_blocks_and_accumulation_equals_the_plain_loop():
+    """Resident blocks step on the device, streamed ones on the host; two micro-batches (the host
+    adds its accumulator to the last gradient there)."""
+    want_losses, want = reference("adamw", accumulation=2)
+    losses, got, _, _, _ = run("adamw", _host(_plan("some", "blocks", _names())), accumulation=2)
+    assert losses == want_losses
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("state_dtype,master", [("bf16", False), ("fp32", True)])
+def test_bf16_weights_with_stochastic_rounding_step_the_same_on_host_and_device(state_dtype, master):
+    """bf16 weights (stochastic rounding, bf16 moments or fp32 masters, clipping): the host step
+    draws the same random numbers in the same order as the device step, so the runs are equal."""
+    plan = Plan(streamed_blocks=tuple(_names()), stream_non_blocks=True, checkpointing="blocks", debug_poison=True)
+    kw = dict(dtype=torch.bfloat16, state_dtype=state_dtype, master_weights=master, clip=0.5, exclude=())
+    dev_losses, dev, _, _, _ = run("adamw", plan, **kw)
+    host_losses, host, _, _, opt = run("adamw", _host(plan), **kw)
+    assert host_losses == dev_losses
+    assert_same(host, dev)
+    start = dict(_model(()).to(torch.bfloat16).named_parameters())
+    moved = sum(not torch.equal(v, start[n].detach()) for n, v in host.items())
+    assert moved > len(host) // 2                     # the weights did train
+
+
+def test_remove_restores_a_plain_model_with_its_state_on_the_device_side():
+    """Tearing the engine down puts the host-kept state where the rest of the model goes, so a
+    re-plan to a device-step plan finds every tensor in one place."""
+    plan = _host(Plan(streamed_blocks=tuple(_names()[:2]), checkpointing="blocks"))
+    _, _, handle, model, opt = run("adamw", plan, steps=1)
+    handle.remove(device="cpu")
+    for name, holder in opt.holders.items():
+        owner, attr = _owner(model, name)
+        assert getattr(owner, attr + STATE_SUFFIX) is holder
+        assert all(t.device.type == "cpu" for t in holder.tensors().values())
+    assert not handle.streaming
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_host_step_on_cuda_matches_the_device_step_and_never_synchronizes_the_device(kind, checkpointing):
+    """On CUDA the gradients go to pinned buffers on the write-back stream and one worker thread
+    steps the host copies while backward goes on; poisoned slots, every block streamed. The result
+    equals the device-step run to float rounding (the device runs the same kernels in another
+    order of launches, the CPU its own), and no device- or stream-wide synchronize is issued."""
+    plan = Plan(checkpointing=checkpointing, streamed_blocks=tuple(_names()), stream_non_blocks=True,
+                debug_poison=True)
+    want_losses, want, *_ = run(kind, plan, device="cuda")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        losses, got, handle, _, _ = run(kind, _host(plan), device="cuda")
+    seen = {e.name for e in prof.events()}
+    for bad in ("cudaDeviceSynchronize", "cudaStreamSynchronize"):
+        assert bad not in seen, f"{bad} called during a host-step fine-tune"
+    assert handle.streaming.engine.host_worker is not None
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    for n in want:
+        torch.testing.assert_close(got[n].cpu(), want[n].cpu(), rtol=1e-5, atol=1e-3 * LR[kind])
+
+
+# -- through the trainer -----------------------------------------------------------------------------
+
+from test_full_train import _same_files, full_run, images, make_config  # noqa: E402,F401  (fixtures)
+
+from leantune.config import ConfigError  # noqa: E402
+from leantune.train.trainer import train  # noqa: E402
+
+
+def test_a_run_stepping_streamed_blocks_on_the_host_equals_the_device_step_and_resumes_exactly(
+        tmp_path, tiny_flux_dir, images, full_run):  # noqa: F811
+    """[full] streamed_step = "host" with the full-mode run of tests/test_full_train.py (two
+    streamed blocks + the non-block group, poison, checkpointing, two micro-batches): stopped after
+    3 steps and resumed, it gives the uninterrupted device-step run's losses and exported model."""
+    _, device_run = full_run
+    cfg = make_config(tmp_path, tiny_flux_dir, images, extra=["full.streamed_step=host"])
+    first = train(cfg, stop_after=3, progress=False)
+    assert first.final_step == 3
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed.losses == device_run.losses
+    _same_files(device_run.paths.root / "t_comfyui.safetensors", resumed.paths.root / "t_comfyui.safetensors")
+    log = (cfg.resolve("out") / "train.log").read_text()
+    assert "optimizer step of streamed blocks on the host" in log
+
+
+def test_host_step_with_8bit_adamw_is_refused_by_key(tmp_path, tiny_flux_dir, images):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"streamed_step = \"host\".*adamw8bit"):
+        make_config(tmp_path, tiny_flux_dir, images, extra=["full.streamed_step=host", "train.optimizer=adamw8bit"])
