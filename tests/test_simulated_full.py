@@ -25,6 +25,13 @@ CASES = {
                                                                           checkpointing="offload", ring_slots=2)),
     "single_streamed_adamw_fp32": dict(state_dtype="fp32", plan=Plan(streamed_blocks=(SINGLE,),
                                                                      checkpointing="blocks", ring_slots=2)),
+    # the optimizer step of the streamed blocks on the host: weight-only slots, gradients back
+    "streamed_host_adamw_fp32": dict(state_dtype="fp32", plan=Plan(streamed_blocks=(DOUBLE, SINGLE),
+                                                                   checkpointing="blocks", ring_slots=2,
+                                                                   optimizer_on_host=True)),
+    "streamed_host_offloaded_adafactor": dict(optimizer="adafactor", plan=Plan(streamed_blocks=(DOUBLE, SINGLE),
+                                                                               checkpointing="offload", ring_slots=2,
+                                                                               optimizer_on_host=True)),
     # two blocks of each kind at 7 GiB: the planner streams all four (their units cycle through 2 slots)
     "planned_7GiB": dict(state_dtype="bf16", budget=7 * GiB, blocks=(2, 2)),
 }
