@@ -197,8 +197,6 @@ def test_auto_keeps_device_plans_whenever_one_fits(flux_dev):
     plan = forced.plan(Budget(vram=8 * GiB, ram=2**62))
     assert plan.optimizer_on_host and plan.notes["predicted_step_s"] > auto.notes["predicted_step_s"]
     assert all(p.optimizer_on_host == bool(p.streamed_blocks) for p in forced.candidates())
-    big = forced.plan(Budget(vram=80 * GiB, ram=2**62))
-    assert not big.streamed_blocks and not big.optimizer_on_host
     assert _planner(flux_dev, optimizer="adamw8bit").step_places() == (False,)
 
 
