@@ -149,7 +149,7 @@ def test_full_flux_dev_adamw_fits_8gib_with_bf16_moments_and_is_monotone(flux_de
         if plan.streamed_blocks:
             assert n["d2h_bytes_per_step"] > 0        # trained units are written back
     assert times == sorted(times, reverse=True) and streamed == sorted(streamed, reverse=True)
-    fp32 = _planner(flux_dev)
+    fp32 = _planner(flux_dev, streamed_step="device")     # the host step would fit: test_planner_host_step.py
     with pytest.raises(InfeasibleBudget) as e:
         fp32.plan(Budget(vram=8 * GiB, ram=2**62))
     assert "state_dtype = \"bf16\"" in str(e.value) and e.value.needed_vram > 8 * GiB

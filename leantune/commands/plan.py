@@ -51,6 +51,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="--mode full: freeze the weights whose diffusers name matches (fnmatch, repeatable), "
                         "e.g. 'single_transformer_blocks.*'")
     p.add_argument("--master-weights", action="store_true", help="--mode full: fp32 master weights in host RAM")
+    p.add_argument("--streamed-step", choices=["auto", "device", "host"], default=None,
+                   help="--mode full: where streamed blocks take their optimizer step: on the device (their state "
+                        "travels with them), on the host (state stays in host RAM, the CPU steps: fits smaller "
+                        "budgets, much slower), or auto (the host only when no device plan fits; default: the "
+                        "config's [full] streamed_step, else auto)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--accumulation", type=int, default=None, help="gradient accumulation steps")
     p.add_argument("--resolution", type=int, action="append", default=None, metavar="PX",
@@ -279,15 +284,16 @@ def _from_config(args):
 def _full_flags(args) -> dict:
     """The --mode full flags given, as Workload fields."""
     out = {"state_dtype": args.state_dtype, "master_weights": args.master_weights or None,
-           "full_exclude": tuple(args.exclude) if args.exclude else None}
+           "full_exclude": tuple(args.exclude) if args.exclude else None, "streamed_step": args.streamed_step}
     return {k: v for k, v in out.items() if v is not None}
 
 
 def _check_workload(w) -> None:
     from ..config import ConfigError
 
-    if w.mode != "full" and (w.state_dtype != "fp32" or w.master_weights or w.full_exclude):
-        raise ConfigError("--state-dtype, --exclude and --master-weights are for --mode full")
+    if w.mode != "full" and (w.state_dtype != "fp32" or w.master_weights or w.full_exclude
+                             or w.streamed_step != "auto"):
+        raise ConfigError("--state-dtype, --exclude, --master-weights and --streamed-step are for --mode full")
     if w.mode != "full" and w.optimizer not in ("adamw", "adafactor"):
         raise ConfigError(f"--optimizer {w.optimizer}: for --mode full; LoRA training uses adamw or adafactor")
     for h, wd in w.buckets:

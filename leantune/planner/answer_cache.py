@@ -6,7 +6,9 @@ planner: it reads the answer it printed before and prints it again. Such an answ
 of the flags, of the packaged architecture and of leantune's code alone: without a GPU the planner
 uses assumed rates, no calibration and no host-RAM limit (unless --ram is given, which is a flag).
 The only thing that changes is this machine's free host RAM in the "machine" line, which is read
-again and put in. The key covers every flag, the source of the planner, engine, models and the
+again and put in. (A full fine-tune whose streamed blocks step on the host is timed with this
+machine's CPU optimizer rate, full_model.host_step_rate: the kept answer keeps the rate measured
+when it was computed, on this same machine.) The key covers every flag, the source of the planner, engine, models and the
 plan command, and the torch/diffusers/peft versions, so a change to any of them answers afresh.
 
 Only answers computed with assumed rates are kept, and they are used only where no GPU device
@@ -28,7 +30,9 @@ from pathlib import Path
 log = logging.getLogger("leantune")
 
 # Code whose change can change an answer (relative to the leantune package; folders: every .py/.json in them).
-_ANSWERING_CODE = ("planner", "memory", "models", "commands/plan.py", "config.py", "train/lora.py")
+# train/fused_optim.py and train/in_backward.py: a full fine-tune's update is measured by running them.
+_ANSWERING_CODE = ("planner", "memory", "models", "commands/plan.py", "config.py", "train/lora.py",
+                   "train/fused_optim.py", "train/in_backward.py")
 
 
 def _cache_dir() -> Path:

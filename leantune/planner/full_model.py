@@ -29,6 +29,23 @@ train/fused_optim.py, train/in_backward.py and memory/trainable_streaming.py:
 - Traffic per step (timing.py): a streamed trainable block comes in for forward and again for
   backward (as any streamed block) and goes back once, weights and state, on the write-back
   stream; masters and accumulators cross the bus from pageable memory inside the step.
+
+The host-step variant (Plan.optimizer_on_host, [full] streamed_step = "host", or "auto" when no
+device-step plan fits): the optimizer step of *streamed* blocks runs on the host CPU. Their state
+never crosses PCIe: it stays in host RAM as ordinary tensors, so a streamed unit (its host buffer
+and its ring slot) holds the weights alone, and nothing is written back; instead each streamed
+trained tensor's gradient (in the weight's dtype) goes device->host once per optimizer step and the
+CPU updates the host copy of the weight. That is why it fits budgets the device step cannot (fp32
+AdamW moments of Flux-dev at 8 GiB: the slots shrink by the state they no longer carry); its cost
+is time: a CPU updates a few tens of millions of parameters per second, a GPU tens of billions.
+Priced here: per block, the trained parameters (gradient bytes, host step time) and the largest
+trained tensor (the device keeps the temporaries of the largest *resident* one only; the host, one
+streamed tensor's gradient copy and its update temporaries, with the same measured coefficients
+less the master's device copy: on the CPU the master is used in place); and the host optimizer
+rate (`host_step_rate`), parameters per second of the fused update measured once per process and
+optimizer setting on *this* (the planning) machine's CPU. A plan made on one machine and run on
+another with a slower CPU under-predicts the host step; the search keeps host-step plans for when
+nothing else fits, so that rate rarely decides which plan is chosen.
 """
 
 from __future__ import annotations
@@ -44,6 +61,13 @@ from .workload import Workload
 BNB_BLOCK = 256          # values per absmax of bitsandbytes' blockwise 8-bit state
 BNB_MIN_8BIT = 4096      # smaller tensors keep fp32 moments (bitsandbytes' min_8bit_size)
 _STEP_COEF: dict = {}    # (optimizer, dtype, state dtype, rounding, master, clip) -> bytes per element
+_RAW_COEF: dict = {}     # the same key -> (bytes per element, fixed bytes) as measured on the CPU
+_HOST_RATE: dict = {}    # the same key -> parameters per second of the update on this machine's CPU
+# The tensor the host optimizer rate is timed on: 8.4M elements, past the CPU caches like the
+# weights it prices (Flux's are 5-57M). A 1M-element tensor stays cache-resident and stepped 2-3x
+# faster per parameter than a 37.7M one (bf16 AdamW, this 2-core machine: 124-207 vs 67 M/s), while
+# 8.4M stepped at 59-63 M/s: the same regime as the real tensors, slightly on the safe side.
+HOST_RATE_SHAPE = (2048, 4096)
 
 
 def state_tensor_bytes(optimizer: str, shape: tuple[int, ...], state_dtype: str) -> list[int]:
@@ -79,12 +103,54 @@ def step_bytes(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_
     included: measured on real CPU tensors of two sizes (module docstring)."""
     key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip)
     if key not in _STEP_COEF:
-        small, large = (_measure_step(*key, rows=r) for r in (96, 192))
-        per = (large - small) / (96 * 128)
+        per, fixed = host_step_bytes(*key)
         if master and dtype != torch.float32 and optimizer != "adamw8bit":
             per += 4.0                 # the master's device copy (the master itself on the CPU)
-        _STEP_COEF[key] = (per, int(round(small - (large - small))))
+        _STEP_COEF[key] = (per, fixed)
     return _STEP_COEF[key]
+
+
+def host_step_bytes(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_rounding: bool,
+                    master: bool, clip: bool) -> tuple[float, int]:
+    """Peak bytes the update of one tensor allocates *on the CPU*, as step_bytes gives them (per
+    element, fixed), without the master's device copy: what a host step (Plan.optimizer_on_host)
+    allocates beside the gradient it steps with, since it runs exactly where this is measured."""
+    key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip)
+    if key not in _RAW_COEF:
+        small, large = (_measure_step(*key, rows=r) for r in (96, 192))
+        _RAW_COEF[key] = ((large - small) / (96 * 128), int(round(small - (large - small))))
+    return _RAW_COEF[key]
+
+
+def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_rounding: bool,
+                   master: bool, clip: bool) -> float:
+    """Parameters per second the host step (InBackwardStep's update: clipping, then the fused
+    optimizer's step) runs at on this machine's CPU: timed on a HOST_RATE_SHAPE tensor of the run's
+    dtype, best of 3 after a first step that creates the state, once per process and setting
+    (about half a second; only plans stepping on the host are timed with it).
+    It is the planning machine's CPU: a run on another machine steps at that machine's rate."""
+    import time
+
+    from ..train.fused_optim import FusedOptimizer
+    from ..train.in_backward import InBackwardStep
+
+    key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip)
+    if key not in _HOST_RATE:
+        rows, cols = HOST_RATE_SHAPE
+        lin = torch.nn.Linear(cols, rows, bias=False).to(dtype)
+        opt = FusedOptimizer(lin, {"weight": lin.weight}, optimizer, lr=1e-4, state_dtype=state_dtype,
+                             stochastic_rounding=stochastic_rounding, master_weights=master)
+        stepper = InBackwardStep(opt, [], max_grad_norm=1.0 if clip else 0.0)
+        grad = (torch.randn(HOST_RATE_SHAPE) * 1e-3).to(dtype)
+        with torch.no_grad():
+            stepper._update(lin.weight, grad)      # state and generator created, as after a run's first step
+            best = math.inf
+            for _ in range(3):
+                t0 = time.perf_counter()
+                stepper._update(lin.weight, grad)
+                best = min(best, time.perf_counter() - t0)
+        _HOST_RATE[key] = rows * cols / max(best, 1e-9)
+    return _HOST_RATE[key]
 
 
 def _measure_step(optimizer, dtype, state_dtype, sr, master, clip, rows: int) -> int:
@@ -127,6 +193,30 @@ class FullPricing:
     state_total: int
     masters: bool               # fp32 masters in host RAM
     trained_weight_bytes: int   # the trained tensors in their dtype
+    # The host-step variant (module docstring): per block, then the non-block group.
+    trained_numel: tuple[int, ...] = ()   # per block: trained parameters
+    largest: tuple[int, ...] = ()         # per block: elements of its largest trained tensor
+    nb_trained_numel: int = 0
+    nb_largest: int = 0
+    step_fixed: int = 0         # the update's bytes whatever the tensor's size (norms, scalars)
+    host_coef: float = 0.0      # the update's temporaries on the CPU, per element (no master copy)
+    host_fixed: int = 0
+    dtype_bytes: int = 2        # the trained weights' (and so their gradients') element size
+    accumulation: int = 1
+    rate_key: tuple = ()        # host_step_rate's arguments
+
+    def step_of(self, numel: int) -> int:
+        """The device update's temporaries for a trained tensor of `numel` elements (0: none)."""
+        return int(math.ceil(self.step_coef * numel)) + self.step_fixed if numel else 0
+
+    def host_step_of(self, numel: int) -> int:
+        """Host bytes one host step of a tensor of `numel` elements holds: its gradient's copy and
+        the update's temporaries on the CPU (0: none)."""
+        return numel * self.dtype_bytes + int(math.ceil(self.host_coef * numel)) + self.host_fixed if numel else 0
+
+    def host_rate(self) -> float:
+        """Parameters per second of the host step on this machine's CPU (host_step_rate)."""
+        return host_step_rate(*self.rate_key) if self.trained else math.inf
 
     @classmethod
     def of(cls, weights: ModelWeights, workload: Workload, dtype_bytes: int) -> FullPricing:
@@ -143,16 +233,30 @@ class FullPricing:
         shapes = [s for m in (*weights.blocks, weights.non_blocks) for s in m.trained]
         largest = max((math.prod(s) for s in shapes), default=0)
         trained = sum(math.prod(s) for s in shapes)
-        coef, fixed = step_bytes(w.optimizer, w.dtype, w.state_dtype, w.stochastic_rounding,
-                                 w.master_weights and wide, w.clip_per_param) if shapes else (0.0, 0)
+        key = (w.optimizer, w.dtype, w.state_dtype, w.stochastic_rounding, w.master_weights and wide,
+               w.clip_per_param)
+        coef, fixed = step_bytes(*key) if shapes else (0.0, 0)
+        host_coef, host_fixed = host_step_bytes(*key) if shapes else (0.0, 0)
         if w.gradient_accumulation > 1:
             coef += 4.0
+            host_coef += 4.0           # the last micro-batch's gradient added to its fp32 accumulator
+
+        def sizes(m: ModuleWeights) -> tuple[int, int]:
+            n = [math.prod(s) for s in m.trained]
+            return sum(n), max(n, default=0)
+
+        per_block = [sizes(b) for b in weights.blocks]
+        nb_sizes = sizes(weights.non_blocks)
         device_always = sum(b[2] for b in blocks) + nb[2]
         return cls(state=[b[0] for b in blocks], state_packed=[b[1] for b in blocks], nb_state=nb[0],
                    nb_state_packed=nb[1], device_always=device_always, gradient=largest * dtype_bytes,
                    step=int(math.ceil(coef * largest)) + fixed, step_coef=coef, trained=trained,
                    state_total=sum(b[0] for b in blocks) + nb[0] + device_always,
-                   masters=w.master_weights and wide, trained_weight_bytes=trained * dtype_bytes)
+                   masters=w.master_weights and wide, trained_weight_bytes=trained * dtype_bytes,
+                   trained_numel=tuple(b[0] for b in per_block), largest=tuple(b[1] for b in per_block),
+                   nb_trained_numel=nb_sizes[0], nb_largest=nb_sizes[1], step_fixed=fixed,
+                   host_coef=host_coef, host_fixed=host_fixed, dtype_bytes=dtype_bytes,
+                   accumulation=w.gradient_accumulation, rate_key=key)
 
     def host_parts(self, loaded: int, accumulation: int) -> dict[str, int]:
         """train/full_host_ram.py's parts, with this model's exact state (8-bit state is on the device)."""

@@ -24,6 +24,17 @@ the loaded weights, all the state and the masters; a streamed unit packs its sta
 weights (so `packed` and `unit_stored` include it); the resident part's state leaves for the
 device with its weights; during the steps the host keeps the packed units, the masters and the
 fp32 gradient accumulators.
+
+With the optimizer step of streamed blocks on the host (Plan.optimizer_on_host: `host_step`), a
+streamed unit packs its weights only: packing copies no state into the buffers (the state stays
+in its own tensors, so `packed` and `unit_stored` are weights only) and during the steps the host
+keeps, beside the weight-only buffers, the streamed weights' optimizer state (unaligned, pageable:
+"optimizer state of streamed blocks (host)"), the transient of one host step (the largest streamed
+trained tensor's gradient copy and its update's temporaries, with full_model.host_step_bytes'
+CPU-measured coefficients) and, on a CUDA device only, the pinned gradient staging buffers in
+flight (at most twice the largest streamed unit's trained-gradient bytes): "gradient staging
+(pinned)". A CPU or simulated compute device steps synchronously from the gradient itself and has
+no staging, so a comparison with the simulation subtracts that line.
 """
 
 from __future__ import annotations
@@ -74,14 +85,16 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
 
 def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,
                    largest_conversion: int, offload: int, cache_bytes: int,
-                   full: dict[str, int] | None = None) -> dict[str, int]:
+                   full: dict[str, int] | None = None, host_step: dict[str, int] | None = None) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
     `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
     packing order; `loaded` the transformer as loaded, `stored` as the plan stores it (fp8 or not),
     `largest_conversion` the largest weight fp8 storage converts (0 without fp8), `offload` the
     offloaded inputs' pinned bytes. The phase totals (loading, converting, packing) and the steady
-    components are listed; "peak" is the baseline plus the largest phase.
+    components are listed; "peak" is the baseline plus the largest phase. `host_step` (a full
+    fine-tune whose streamed blocks step on the host) gives their optimizer "state", the host
+    step's transient ("step") and the CUDA gradient "staging" (module docstring).
     """
     state = full["optimizer state"] if full else 0
     masters = full["master weights"] if full else 0
@@ -92,6 +105,8 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     streamed = sum(packed)
     staging = STAGING_BUFFERS * STAGING_CHUNK if packed and not plan.pin_memory else 0
     steady = streamed + staging + offload + cache_bytes + masters + accumulators
+    if host_step:
+        steady += host_step["state"] + host_step["step"] + host_step["staging"]
     out = {"process baseline": HOST_BASELINE, "transformer while loading": loaded}
     if full:
         out["transformer + optimizer state + masters at set-up"] = setup
@@ -102,5 +117,9 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     if full:
         out["fp32 master weights"] = masters
         out["fp32 gradient accumulators"] = accumulators
+    if host_step:
+        out["optimizer state of streamed blocks (host)"] = host_step["state"]
+        out["optimizer step on the host (one tensor)"] = host_step["step"]
+        out["gradient staging (pinned)"] = host_step["staging"]
     out["peak"] = HOST_BASELINE + max(loaded, setup, converting, packing, steady)
     return out

@@ -24,6 +24,15 @@ A full fine-tune (full_model.py) steps each weight inside backward, so its compo
 - gradients: one trained tensor's gradient (the largest), freed as soon as it is stepped;
 - optimizer step: that tensor's update temporaries, at the same moment as the backward's
   activations (the update runs inside it): the peak is their sum.
+With the optimizer step of streamed blocks on the host (Plan.optimizer_on_host, full_model.py's
+host-step variant), a streamed unit carries its weights only, so the slots shrink by the state
+they no longer carry; the optimizer states are still the resident weights' own; the gradients
+term stays the largest trained tensor's (a streamed one waits on the device until it is copied
+to the host); the optimizer step term is the update temporaries of the largest *resident* trained
+tensor (0 if every trained tensor streams), or, with gradient accumulation, the fp32 conversion of
+the largest streamed gradient on its way to its host accumulator if that is larger. The streamed
+weights' state, the host step's transient and the pinned gradient staging are host RAM
+(host_model.py); the gradients' device->host copies and the CPU step are time (timing.py).
 Host RAM comes from host_model.py, step time from timing.py.
 """
 
@@ -60,7 +69,9 @@ class Estimate:
     overhead_s: float                # fp8 dequantisation and the optimizer step
     h2d_bytes: int                   # weights (and offloaded inputs) copied per step
     per_bucket: dict[str, dict]      # "HxW" -> {"peak_vram", "activations", "step_s"}
-    d2h_bytes: int = 0               # trained weights and state written back per step (full mode)
+    # full mode, per step: the streamed units written back (weights and state), or, with the
+    # optimizer step of streamed blocks on the host, their trained tensors' gradients
+    d2h_bytes: int = 0
 
 
 class MemoryModel:
@@ -100,6 +111,9 @@ class MemoryModel:
         self._unit = {s: [b.unit_bytes(db, *s) + st[i] for i, b in enumerate(blocks)] for s in every}
         self._nb_bytes = nb.bytes(db)
         self._nb_unit = nb.unit_bytes(db) + (self.full.nb_state_packed if self.full else 0)
+        # Units without their optimizer state: a plan whose streamed blocks step on the host.
+        self._unit_w = {s: [b.unit_bytes(db, *s) for b in blocks] for s in every}
+        self._nb_unit_w = nb.unit_bytes(db)
         self._conversion = {s: max([b.largest_conversion(*s) for b in blocks], default=0) for s in every}
         self._composed: dict = {}      # (bucket, storage, checkpointing) -> activations before calibration
 
@@ -149,10 +163,31 @@ class MemoryModel:
         units = [wt.blocks[i] for i in sorted(self.indices(plan))]
         return [wt.non_blocks, *units] if plan.stream_non_blocks else units
 
+    def host_step(self, plan: Plan) -> bool:
+        """Whether the plan's streamed blocks step on the host (a full fine-tune that streams,
+        with Plan.optimizer_on_host): their units carry no optimizer state."""
+        return self.full is not None and plan.optimizer_on_host and bool(plan.streamed_blocks or plan.stream_non_blocks)
+
     def units(self, plan: Plan) -> list[int]:
         """Packed bytes of each streamed unit, in the engine's unit order."""
-        blocks = [self._unit[plan.storage][i] for i in sorted(self.indices(plan))]
-        return [self._nb_unit, *blocks] if plan.stream_non_blocks else blocks
+        unit, nb_unit = (self._unit_w, self._nb_unit_w) if self.host_step(plan) else (self._unit, self._nb_unit)
+        blocks = [unit[plan.storage][i] for i in sorted(self.indices(plan))]
+        return [nb_unit, *blocks] if plan.stream_non_blocks else blocks
+
+    def streamed_trained(self, plan: Plan) -> list[tuple[int, int]]:
+        """(trained parameters, largest trained tensor's elements) of each streamed unit, in the
+        engine's unit order (full mode)."""
+        full = self.full
+        blocks = [(full.trained_numel[i], full.largest[i]) for i in sorted(self.indices(plan))]
+        return [(full.nb_trained_numel, full.nb_largest), *blocks] if plan.stream_non_blocks else blocks
+
+    def resident_trained(self, plan: Plan) -> tuple[int, int]:
+        """(trained parameters, largest trained tensor's elements) outside the streamed units."""
+        full, streamed = self.full, self.indices(plan)
+        sizes = [(full.trained_numel[i], full.largest[i]) for i in range(len(full.largest)) if i not in streamed]
+        if not plan.stream_non_blocks:
+            sizes.append((full.nb_trained_numel, full.nb_largest))
+        return sum(n for n, _ in sizes), max((m for _, m in sizes), default=0)
 
     # -- estimates -----------------------------------------------------------------------------------
     def memory(self, plan: Plan) -> tuple[dict[str, int], dict[str, int], dict[str, dict]]:
@@ -174,6 +209,11 @@ class MemoryModel:
             states = sum(b for i, b in enumerate(full.state) if i not in streamed) + full.device_always
             states += 0 if plan.stream_non_blocks else full.nb_state
         opt_tmp = {"lora": 2 * params, "full": 0, "inference": 0}[w.mode]
+        step_tmp = full.step if full is not None else 0
+        if full is not None and self.host_step(plan):   # streamed tensors step on the host
+            step_tmp = full.step_of(self.resident_trained(plan)[1])
+            if w.gradient_accumulation > 1:            # a streamed gradient's fp32 copy to its accumulator
+                step_tmp = max(step_tmp, 4 * max((m for _, m in self.streamed_trained(plan)), default=0))
         keep_grads = w.gradient_accumulation > 1
         static = {"weights resident": resident, "stream slots": slots, "adapters": params,
                   "optimizer states": states, "workspace": self.machine.workspace}
@@ -182,7 +222,7 @@ class MemoryModel:
         for bucket in w.buckets:
             act = self.activation_peak(bucket, plan.fp8, plan.checkpointing, plan.fp8_modulation)
             if full is not None:      # each weight steps inside backward: all at once, one tensor's worth
-                part = {"activations": act, "gradients": full.gradient, "optimizer step": full.step}
+                part = {"activations": act, "gradients": full.gradient, "optimizer step": step_tmp}
             else:
                 backward = {"activations": act, "gradients": grads if keep_grads else 0, "optimizer step": 0}
                 step = {"activations": 0, "gradients": grads, "optimizer step": opt_tmp}
@@ -203,17 +243,27 @@ class MemoryModel:
             offload = offloaded_inputs(self.workload, self.profiles[plan.storage], self.kinds)
         idx = sorted(self.indices(plan))
         full = self.full
+        on_host = self.host_step(plan)
         state = full.state if full else [0] * len(self._bytes[plan.storage])
-        packed = [self._unit[plan.storage][i] for i in idx]
-        unit_stored = [self._bytes[plan.storage][i] + state[i] for i in idx]
-        if plan.stream_non_blocks:
-            nb_state = full.nb_state if full else 0
-            packed, unit_stored = [self._nb_unit, *packed], [self._nb_bytes + nb_state, *unit_stored]
+        nb_state = full.nb_state if full else 0
+        packed = self.units(plan)
+        # What packing frees of each unit: its weights, and its state unless that stays as it is
+        # (the host step keeps it in its own tensors).
+        kept = [self._bytes[plan.storage][i] + (0 if on_host else state[i]) for i in idx]
+        unit_stored = [self._nb_bytes + (0 if on_host else nb_state), *kept] if plan.stream_non_blocks else kept
         loaded = sum(self._bytes[(False, False)]) + self._nb_bytes
         stored = sum(self._bytes[plan.storage]) + self._nb_bytes
         parts = full.host_parts(loaded, self.workload.gradient_accumulation) if full else None
+        host_step = None
+        if on_host:
+            sizes = self.streamed_trained(plan)
+            host_step = {
+                "state": sum(state[i] for i in idx) + (nb_state if plan.stream_non_blocks else 0),
+                "step": full.host_step_of(max(m for _, m in sizes)),
+                "staging": 2 * max(n for n, _ in sizes) * full.dtype_bytes,
+            }
         return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
-                              self.workload.host_cache_bytes, full=parts)
+                              self.workload.host_cache_bytes, full=parts, host_step=host_step)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""
@@ -225,11 +275,27 @@ class MemoryModel:
         # The update reads and writes each trained weight and its state, reads its gradient, and
         # touches its temporaries; masters and accumulators cross the bus from pageable memory.
         # (timing.py counts `optimizer_bytes` read and written: the gradient and temporaries count half.)
-        step_bytes = int(full.trained_weight_bytes + full.state_total
-                         + (full.trained * self.dtype_bytes + full.step_coef * full.trained) / 2)
-        pageable = (8 * full.trained if full.masters else 0) + (8 * full.trained * (w.gradient_accumulation - 1))
-        return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds, sorted(self.indices(plan)),
-                             units, w.mode, step_bytes, writeback=True, inline_pageable=pageable)
+        accumulators = 8 * full.trained * (w.gradient_accumulation - 1)
+        if not self.host_step(plan):
+            step_bytes = int(full.trained_weight_bytes + full.state_total
+                             + (full.trained * self.dtype_bytes + full.step_coef * full.trained) / 2)
+            pageable = (8 * full.trained if full.masters else 0) + accumulators
+            return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
+                                 sorted(self.indices(plan)), units, w.mode, step_bytes, writeback=True,
+                                 inline_pageable=pageable)
+        # Streamed tensors step on the host: on the device only the resident ones, whose state is
+        # the device's; each streamed unit's gradients go to the host, where the CPU steps them at
+        # the measured rate (full_model.host_step_rate); their masters never cross the bus.
+        n_res = self.resident_trained(plan)[0]
+        streamed = self.indices(plan)
+        res_state = sum(b for i, b in enumerate(full.state) if i not in streamed) + full.device_always
+        res_state += 0 if plan.stream_non_blocks else full.nb_state
+        step_bytes = int(n_res * self.dtype_bytes + res_state + (n_res * self.dtype_bytes + full.step_coef * n_res) / 2)
+        pageable = (8 * n_res if full.masters else 0) + accumulators
+        rate = full.host_rate()
+        host = [(n * self.dtype_bytes, n / rate) for n, _ in self.streamed_trained(plan)]
+        return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds, sorted(streamed), units,
+                             w.mode, step_bytes, inline_pageable=pageable, host_steps=host)
 
     def estimate(self, plan: Plan) -> Estimate:
         vram, host, per_bucket = self.memory(plan)

@@ -55,6 +55,11 @@ def format_plan(plan: Plan) -> str:
                      f"({n['h2d_bytes_per_step'] / 1e9:.1f} GB host->GPU"
                      + (f", {n['d2h_bytes_per_step'] / 1e9:.1f} GB GPU->host" if n.get("d2h_bytes_per_step") else "")
                      + " per step)")
+        if n.get("host_step_params"):
+            rate = n["host_optimizer_rate"]
+            lines.append(f"host step: {n['host_step_params'] / 1e6:.0f} M streamed parameters stepped on the CPU at "
+                         f"{rate / 1e6:.1f} M/s (measured on this machine's CPU) = "
+                         f"{n['host_step_params'] / rate:.1f} s of CPU time per step")
         if not n.get("machine_measured", True):
             lines.append("(rates assumed, not measured: no GPU here)")
     return "\n".join(lines)

@@ -33,6 +33,17 @@ A full fine-tune is searched the same way (memory_model.py prices its streamed u
 optimizer state and their write-back); fp8 is a candidate there only for the frozen block Linears
 of a run that freezes some ([full] exclude).
 
+- The optimizer step of streamed blocks on the host (Plan.optimizer_on_host, full_model.py): their
+  state never crosses PCIe, so the slots carry weights only and fp32 AdamW fits budgets the device
+  step cannot (Flux-dev at 8 GiB); but the CPU steps far slower than the GPU. Under
+  `Workload.streamed_step` ([full] streamed_step) "device" no plan steps on the host; under "host"
+  every plan that streams does (a plan that streams nothing steps on the device: nothing to move);
+  under "auto" it is held back like fp8 modulation: every streaming plan is tried both ways, and
+  host-step plans are used only when no device-step plan fits the VRAM and host-RAM budgets (after
+  fp8 modulation's own rule: accuracy before speed). The rule, not the measured CPU rate, decides,
+  so a config plans the same on machines with different CPUs; along growing budgets the host step
+  only turns off, once. bitsandbytes' 8-bit AdamW keeps its state on the device: never on the host.
+
 Candidates: every combination of storage (fp8 and fp8 modulation where accuracy allows), checkpointing none/blocks/offload,
 the number of streamed blocks (block kinds with the most FLOPs per byte first: for Flux the single
 blocks, spread evenly through their list), ring slots 2-4, and streaming the non-block group when
@@ -109,11 +120,19 @@ class Planner(MemoryModel):
         return sorted(chosen)
 
     # -- the search ---------------------------------------------------------------------------------
-    def candidates(self):
+    def step_places(self) -> tuple[bool, ...]:
+        """Plan.optimizer_on_host values a streaming plan is tried with (module docstring)."""
+        w = self.workload
+        if w.mode != "full" or w.optimizer == "adamw8bit" or w.streamed_step == "device":
+            return (False,)
+        return (True,) if w.streamed_step == "host" else (False, True)
+
+    def candidates(self, places: tuple[bool, ...] | None = None):
         w = self.workload
         n_blocks = len(self.weights.blocks)
         ckpts = ("none",) if w.mode == "inference" else CHECKPOINTING
         counts = range(n_blocks + 1)
+        places = places or self.step_places()
         for fp8, mod in self.storages:
             for ckpt in ckpts:
                 for n in counts:
@@ -126,8 +145,10 @@ class Planner(MemoryModel):
                         for k in RING_CHOICES:
                             if k > max(2, units):
                                 continue
-                            yield Plan(streamed_blocks=names, stream_non_blocks=nb, fp8=fp8, fp8_modulation=mod,
-                                       checkpointing=ckpt, ring_slots=k, pin_memory=True)
+                            for on_host in places:
+                                yield Plan(streamed_blocks=names, stream_non_blocks=nb, fp8=fp8, fp8_modulation=mod,
+                                           checkpointing=ckpt, ring_slots=k, pin_memory=True,
+                                           optimizer_on_host=on_host)
 
     def plan(self, budget: Budget) -> Plan:
         """The plan for `budget` (VRAM and host RAM): the sweep described in the module docstring
@@ -147,6 +168,8 @@ class Planner(MemoryModel):
             raise self._infeasible(budget, ram_limit, smallest_vram)
         if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
             fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
+        if len(self.step_places()) > 1:                     # "auto": the host step only when needed
+            fits = [vp for vp in fits if not vp[1].optimizer_on_host] or fits
         fits.sort(key=lambda vp: (vp[0], _shape(vp[1])))
         current: dict[bool, Plan | None] = {False: None, True: None}    # per storage: bf16, fp8
         without_fp8 = False        # once the best bf16 plan beats the best fp8 one, fp8 stays off
@@ -225,7 +248,7 @@ class Planner(MemoryModel):
             levers.append(f"adapters, gradients and optimizer states take {gib(train)}: lower [lora] rank or "
                           f"narrow [lora] targets, or use [train] optimizer = \"adafactor\"")
         if w.mode == "full":
-            levers.extend(_full_levers(w, parts))
+            levers.extend(_full_levers(w, parts, self._host_step_need(budget, ram_limit), plan.optimizer_on_host))
         if parts["weights resident"]:
             levers.append(f"weights that cannot stream take {gib(parts['weights resident'])}")
         if w.mode == "inference":
@@ -235,6 +258,15 @@ class Planner(MemoryModel):
                    f"is {gib(need)}, with: {plan.describe()} (predicted peak {gib(peak)}). To fit "
                    f"{gib(budget.vram)}: " + "; ".join(levers) + ".")
         return InfeasibleBudget(message, needed_vram=need, best=plan)
+
+    def _host_step_need(self, budget: Budget, ram_limit: int) -> int | None:
+        """The smallest VRAM budget a host-step plan fits (within the host-RAM limit), when the
+        search did not try them ([full] streamed_step = "device"); None otherwise."""
+        w = self.workload
+        if w.mode != "full" or w.optimizer == "adamw8bit" or w.streamed_step != "device":
+            return None
+        peaks = [vram for vram, host in map(self._cheap_estimate, self.candidates((True,))) if host <= ram_limit]
+        return budget.needed_for(min(peaks)) if peaks else None
 
     def _annotate(self, plan: Plan, est: Estimate, budget: Budget, ram_limit: int) -> Plan:
         notes = {
@@ -261,6 +293,9 @@ class Planner(MemoryModel):
             "stored_fp8_modulation": self.weights.prequantized_modulation,
             "architecture_key": self.key,
         }
+        if self.host_step(plan):       # the CPU's share of the step (timing.py), at this machine's rate
+            notes["host_step_params"] = sum(n for n, _ in self.streamed_trained(plan))
+            notes["host_optimizer_rate"] = self.full.host_rate()
         return replace(plan, notes=notes)
 
 
@@ -271,14 +306,14 @@ class _Timed(NamedTuple):
 
 def _plan_key(plan: Plan) -> tuple:
     return (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.fp8_modulation, plan.checkpointing,
-            plan.ring_slots, plan.pin_memory)
+            plan.ring_slots, plan.pin_memory, plan.optimizer_on_host)
 
 
 def _shape(plan: Plan) -> tuple:
     """The simpler-plan order: no fp8 (modulation first), less checkpointing, fewer streamed blocks,
-    the smaller ring."""
+    the smaller ring, the optimizer step on the device."""
     return (plan.fp8_modulation, plan.fp8, CHECKPOINTING.index(plan.checkpointing), len(plan.streamed_blocks), plan.stream_non_blocks,
-            plan.ring_slots)
+            plan.ring_slots, plan.optimizer_on_host)
 
 
 def _count_kinds(names, weights: ModelWeights) -> dict[str, int]:
@@ -289,11 +324,19 @@ def _count_kinds(names, weights: ModelWeights) -> dict[str, int]:
     return out
 
 
-def _full_levers(w, parts: dict[str, int]) -> list[str]:
-    """What shrinks a full fine-tune's own terms, in the config's keys."""
+def _full_levers(w, parts: dict[str, int], host_need: int | None = None, on_host: bool = False) -> list[str]:
+    """What shrinks a full fine-tune's own terms, in the config's keys. `host_need`: the smallest
+    budget of a plan whose streamed blocks step on the host, when the search did not try them;
+    `on_host`: the smallest plan's streamed blocks step on the host (its slots carry no state)."""
     out = []
     slots, states = parts["stream slots"], parts["optimizer states"]
-    if slots:
+    if host_need is not None:
+        out.append(f"[full] streamed_step = \"host\" (or \"auto\") keeps the streamed blocks' optimizer state in host "
+                   f"RAM and steps them on the CPU (much slower per step): its smallest budget is {gib(host_need)}")
+    if slots and on_host:
+        out.append(f"the ring slots take {gib(slots)}, each a streamed block's weights (their optimizer state "
+                   f"stays in host RAM)")
+    elif slots:
         out.append(f"the ring slots take {gib(slots)}, each a streamed block with its optimizer state: "
                    f"[train] optimizer = \"adafactor\" or [full] state_dtype = \"bf16\" makes them smaller")
     if states:

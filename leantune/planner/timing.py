@@ -17,6 +17,16 @@ after its backward it is copied back device->host on a second stream (memory/tra
 group is used once more at the end of backward (the embedders' backward). Copies that the engine
 issues inline from pageable memory (fp32 masters, gradient accumulators: `inline_pageable` bytes)
 are not hidden: they add to the exposed transfer.
+
+Full fine-tuning with the optimizer step of streamed blocks on the host (`host_steps`, one
+(gradient bytes, host seconds) per streamed unit): units carry weights only and nothing is written
+back. After a unit's backward use its trained tensors' gradients go device->host on the second
+stream at the D2H rate, then the CPU steps them: host steps run one after another on one worker
+thread (overlapping the GPU's backward), each taking the unit's trained parameters over the host
+optimizer rate measured on the planning machine's CPU (full_model.host_step_rate). The step
+changes the host copy, so the unit's slot is stale: the unit is fetched afresh, and its next fetch
+cannot start before its host step ended (the second simulated step shows that steady state). The
+step ends when the last host step ends; the reported step is the time between two such ends.
 """
 
 from __future__ import annotations
@@ -35,19 +45,22 @@ class StepTime(NamedTuple):
     exposed_s: float         # compute waiting on copies
     overhead_s: float        # fp8 dequantisation, copies' HBM traffic, the optimizer step
     h2d_bytes: int           # weights (and offloaded inputs) copied per step
-    d2h_bytes: int = 0       # trained units written back per step (full fine-tuning)
+    d2h_bytes: int = 0       # trained units written back (or, host step: gradients) per step, full mode
 
 
 def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int], mode: str,
-                  optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0) -> StepTime:
+                  optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0,
+                  host_steps: list[tuple[int, float]] | None = None) -> StepTime:
     """One bucket's step time under `plan`.
 
     `prof` is the probe of the plan's storage (fp8 or not), `ref` the probe without fp8 (their
     difference in memory traffic is the dequantisation cost); `kinds` the block kinds in
     execution order; `streamed` the sorted indices of streamed blocks; `units` the packed bytes of
     each streamed unit in the engine's order (non-block group first); `optimizer_bytes` the
-    parameters, gradients and states the optimizer reads and writes once per step.
+    parameters, gradients and states the optimizer reads and writes once per step (on the device);
+    `host_steps` (unit order) each streamed unit's gradient bytes and host step seconds when the
+    streamed blocks step on the host (module docstring).
     """
     m = machine
     rate = m.flops * calibration.flops_scale
@@ -57,6 +70,7 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
     k_slots = max(1, min(plan.ring_slots, len(units))) if units else 1
     ckpt = plan.checkpointing != "none"
     offload = plan.checkpointing == "offload"
+    host = host_steps is not None
 
     def dq(kind: str, phase: str) -> float:   # extra memory-bound traffic of fp8 dequantisation
         a, b = prof.kinds[kind], ref.kinds[kind]
@@ -77,24 +91,27 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
             kp = prof.kinds[kind]
             c = kp.bwd_flops / rate + (kp.fwd_flops / rate if ckpt else 0.0)
             over = dq(kind, "bwd") + (dq(kind, "fwd") if ckpt else 0.0)
-            uses.append((unit_of.get(i), c, kp.out if offload else 0, over, writeback))
-        if writeback:
+            uses.append((unit_of.get(i), c, kp.out if offload else 0, over, writeback or host))
+        if writeback or host:
             uses.append((nb_unit, 0.0, 0, 0.0, True))                    # embedders' backward, then write-back
     owner = [None] * k_slots
     ready = [0.0] * k_slots
     free_at = [0.0] * k_slots
-    t = copy_free = wb_free = 0.0
+    t = copy_free = wb_free = host_free = 0.0
+    host_done: dict[int, float] = {}          # unit -> end of its last host step
     moved = written = 0
     step_start = compute = overhead = 0.0
     for step in range(2):
         if step == 1:
-            step_start, compute, overhead, moved, written = t, 0.0, 0.0, 0, 0
+            # The step ends when its updates are done: with host steps, at the last one's end.
+            step_start = max(t, wb_free, host_free) if host else t
+            compute, overhead, moved, written = 0.0, 0.0, 0, 0
         for unit, c, extra, over, wb in uses:
             need = 0.0
             if unit is not None:
                 s = unit % k_slots
                 if owner[s] != unit:
-                    start = max(copy_free, free_at[s])
+                    start = max(copy_free, free_at[s], host_done.get(unit, 0.0))
                     copy_free = start + units[unit] / bw
                     owner[s], ready[s] = unit, copy_free
                     moved += units[unit]
@@ -108,11 +125,18 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
             overhead += over
             if unit is not None:
                 free_at[unit % k_slots] = t
-                if wb:                       # the slot is refilled only after its write-back ends
+                if wb and host:              # gradients to the host, then the CPU steps them
+                    grad, secs = host_steps[unit]
+                    wb_free = max(wb_free, t) + grad / m.d2h
+                    host_free = max(host_free, wb_free) + secs
+                    host_done[unit] = host_free
+                    owner[unit % k_slots] = None        # the host copy changed: fetched afresh
+                    written += grad
+                elif wb:                     # the slot is refilled only after its write-back ends
                     wb_free = max(wb_free, t) + units[unit] / m.d2h
                     free_at[unit % k_slots] = wb_free
                     written += units[unit]
-    t = max(t, wb_free)                                   # the step ends when its updates are home
+    t = max(t, wb_free, host_free)                        # the step ends when its updates are home
     opt = 2 * optimizer_bytes / m.hbm                     # the optimizer reads and writes its tensors
     inline = inline_pageable / m.h2d_pageable             # masters, accumulators: not hidden
     step_s = t - step_start + opt + inline + (moved + written) / m.hbm   # copies also cost HBM bandwidth
