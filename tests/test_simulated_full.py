@@ -62,7 +62,22 @@ def test_full_engine_places_and_moves_what_the_planner_counts(full_cases, name):
     r = full_cases[name]
     assert "infeasible" not in r, r
     assert r["after_setup"] == _static(r)
-    assert r["host_simulated"] == r["host_predicted"] - r["host_breakdown"]["process baseline"]
+    host = r["host_breakdown"]
+    # A host-step plan's peak includes the pinned gradient staging of a CUDA run, where a worker
+    # thread steps while backward goes on; on the simulated device the host step is synchronous
+    # and has none. It is a term of the steady phase, which must then be the peak.
+    staging = host.get("gradient staging (pinned)", 0)
+    if staging:
+        steady = sum(host[k] for k in host if k.startswith(("streamed blocks", "optimizer state of", "optimizer step on",
+                                                              "gradient staging", "offloaded", "staging", "caches",
+                                                              "fp32 ")))
+        assert r["host_predicted"] - host["process baseline"] == steady
+        # The host step's temporaries are priced per element from two measured sizes (exact for
+        # AdamW; Adafactor's row/column statistics are not linear in the size): at most 1 % over.
+        expected = r["host_predicted"] - host["process baseline"] - staging
+        assert 0 <= expected - r["host_simulated"] <= 0.01 * expected, (expected, r["host_simulated"])
+    else:
+        assert r["host_simulated"] == r["host_predicted"] - host["process baseline"]
     assert r["d2h_simulated"] == r["d2h_predicted"]
     assert r["h2d_simulated"] == r["h2d_predicted"]
 
@@ -80,7 +95,9 @@ def test_full_step_peak_is_within_the_prediction(full_cases, name):
     predicted = r["predicted"] - r["workspace"]
     step = r["breakdown"]["gradients"] + r["breakdown"]["optimizer step"]
     assert 0 <= predicted - r["simulated"] <= step, (name, predicted, r["simulated"], step)
-    assert 1.0 <= r["ratio"] <= 1.15, (name, r["ratio"])
+    # With the optimizer step of streamed blocks on the host the slots hold weights only, so the
+    # device peak is a quarter of the device-step plan's and the same step term a larger share.
+    assert 1.0 <= r["ratio"] <= (1.25 if "host" in name else 1.15), (name, r["ratio"])
 
 
 @pytest.mark.slow

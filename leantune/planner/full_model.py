@@ -92,7 +92,7 @@ class _NoStep:
     """An optimizer that changes nothing: isolates what clipping allocates (8-bit AdamW's own
     step is bitsandbytes' fused in-place kernel)."""
 
-    def step_param(self, p, g) -> None:
+    def step_param(self, p, g, weight=None, lr=None) -> None:
         pass
 
 
