@@ -86,21 +86,30 @@ def fused_run(kind: str, plan: Plan | None = None, steps: int = 3, accumulation:
         probe(model)                             # registered before the optimizer's hooks: sees live grads
     stepper = InBackwardStep(opt, list(named.values()), accumulation=accumulation,
                              on_step=engine.mark_stepped if engine else None)
+    losses = run_steps(model, stepper, steps, accumulation, device)
+    return losses, trained_values(handle, model, named), handle, model, opt
+
+
+def run_steps(model, stepper: InBackwardStep, steps: int, accumulation: int, device="cpu",
+              autocast: torch.dtype | None = None) -> list[float]:
+    """`steps` optimizer steps of `accumulation` micro-batches, the update inside backward."""
     losses = []
     for s in range(steps):
         stepper.begin_step()
         total = 0.0
         for m in range(accumulation):
             stepper.micro = m
-            total += _loss(model, s, 1.0 / accumulation, m, device=device)
+            with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                total += _loss(model, s, 1.0 / accumulation, m, device=device)
         stepper.finish_step()
         losses.append(total)
+    return losses
+
+
+def trained_values(handle, model, named) -> dict:
+    """The trained weights where they live (host buffers of streamed ones), copied."""
     access = WeightAccess(handle)
-    values = {}
-    for n in named:
-        owner, attr = _owner(model, n)
-        values[n] = access.get(owner, attr).clone()
-    return losses, values, handle, model, opt
+    return {n: access.get(*_owner(model, n)).clone() for n in named}
 
 
 def assert_same(got: dict, want: dict):
@@ -248,9 +257,7 @@ def _stepped_after_backward(hold: bool):
     _loss(model, 0, 0.5, 0)
     stepper.micro = 1                             # a micro-batch whose loss reaches no weight
     stepper.finish_step()
-    access = WeightAccess(handle)
-    got = {n: access.get(*_owner(model, n)).clone() for n in named}
-    return got, model
+    return trained_values(handle, model, named), model
 
 
 def test_a_weight_stepped_after_backward_updates_its_streamed_block():

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_full_finetune import EXCLUDE, LR, _loss, _model, _plan, assert_same, reference
+from test_full_finetune import EXCLUDE, LR, _model, _plan, assert_same, reference, run_steps, trained_values
 
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
-from leantune.memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
+from leantune.memory.trainable_streaming import TrainableStreamingEngine
 from leantune.models.flux import FLUX_SPEC
 from leantune.train.full_mode import select_trainable
 from leantune.train.fused_optim import STATE_SUFFIX, FusedOptimizer, _owner
@@ -34,19 +34,9 @@ def run(kind: str, plan: Plan, steps: int = 3, accumulation: int = 1, exclude=tu
     stepper = InBackwardStep(opt, list(named.values()), accumulation=accumulation, max_grad_norm=clip,
                              on_step=engine.mark_stepped,
                              host=lambda p: engine if engine.steps_on_host(p) else None)
-    losses = []
-    for s in range(steps):
-        stepper.begin_step()
-        total = 0.0
-        for m in range(accumulation):
-            stepper.micro = m
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                total += _loss(model, s, 1.0 / accumulation, m, device=device)
-        stepper.finish_step()
-        losses.append(total)
-    access = WeightAccess(handle)
-    values = {n: access.get(*_owner(model, n)).clone() for n in named}
-    return losses, values, handle, model, opt
+    losses = run_steps(model, stepper, steps, accumulation, device,
+                       autocast=torch.bfloat16 if dtype == torch.bfloat16 else None)
+    return losses, trained_values(handle, model, named), handle, model, opt
 
 
 def _host(plan: Plan | None) -> Plan:
