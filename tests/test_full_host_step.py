@@ -178,3 +178,40 @@ def test_a_run_stepping_streamed_blocks_on_the_host_equals_the_device_step_and_r
 def test_host_step_with_8bit_adamw_is_refused_by_key(tmp_path, tiny_flux_dir, images):  # noqa: F811
     with pytest.raises(ConfigError, match=r"streamed_step = \"host\".*adamw8bit"):
         make_config(tmp_path, tiny_flux_dir, images, extra=["full.streamed_step=host", "train.optimizer=adamw8bit"])
+
+
+# -- the planner's copy counts against the engine ------------------------------------------------------
+
+@pytest.mark.parametrize("host", [False, True], ids=["device_step", "host_step"])
+@pytest.mark.parametrize("stream_non_blocks", [False, True], ids=["blocks", "blocks+non_blocks"])
+@pytest.mark.parametrize("ring,streamed", [(2, 2), (2, 4), (3, 4)])
+def test_the_planner_counts_the_bytes_the_engine_copies_per_step(host, stream_non_blocks, ring, streamed):
+    """A steady-state full fine-tuning step on the tiny Flux: the bytes the engine copies host to
+    device and back equal the planner's step simulation, for the device step (a stepped unit is
+    written back when another unit claims its slot, once however often it was released: the
+    non-block group is released per module) and the host step (gradients out; a stepped unit's
+    slot is fetched afresh after backward, not within it)."""
+    from leantune.planner.search import Planner
+    from leantune.planner.workload import Workload
+
+    model = _model(())
+    named = select_trainable(model, ["*"], [])
+    opt = FusedOptimizer(model, named, "adamw", lr=LR["adamw"])
+    names = _names()
+    blocks = tuple(names[:streamed]) if streamed == 4 else (names[1], names[-1])
+    plan = Plan(streamed_blocks=blocks, stream_non_blocks=stream_non_blocks, checkpointing="blocks",
+                ring_slots=ring, optimizer_on_host=host)
+    workload = Workload(mode="full", optimizer="adamw", buckets=((64, 64),), text_length=8, allow_fp8=False,
+                        dtype=torch.float32)
+    est = Planner(FLUX_SPEC, model, workload).estimate(plan)
+    handle = apply_memory(model, FLUX_SPEC, plan, "cpu", streaming_engine=TrainableStreamingEngine)
+    engine = handle.streaming.engine
+    stepper = InBackwardStep(opt, list(named.values()), on_step=engine.mark_stepped, hold=engine.holding,
+                             host=lambda p: engine if engine.steps_on_host(p) else None)
+    run_steps(model, stepper, 1, 1)
+    handle.step_report()
+    run_steps(model, stepper, 1, 1)                   # the steady state: what the last step left in the slots
+    rep = handle.step_report()
+    assert rep["bytes_h2d"] == est.h2d_bytes
+    assert rep["bytes_d2h"] == est.d2h_bytes
+    assert rep["bytes_d2h"] > 0 or (not host and streamed + stream_non_blocks <= ring)

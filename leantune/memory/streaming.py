@@ -479,7 +479,11 @@ class StreamingEngine:
         self.end_holds.clear()
         self.bwd_holds.clear()
         self.phase, self.order, self.cursor = "idle", self.fwd_order, -1
+        self._backward_ended()
         self._prefetch()                              # the next forward's first units
+
+    def _backward_ended(self) -> None:
+        """A hook: backward ended and every hold is released (trainable streaming uses it)."""
 
     # -- holding ---------------------------------------------------------------------------------
     def acquire(self, unit: _Unit) -> None:

@@ -8,28 +8,35 @@ poison) and adds what trainable weights need:
   buffer, so one H2D copy brings both for the forward, again for the recompute/backward.
 - The optimizer step runs inside the block's backward hold (train/in_backward.py), on the device,
   while the block is resident; each stepped weight marks its unit dirty.
-- When a dirty unit's last hold ends, its slot is copied back D2H into the host buffer on a second
-  copy stream (the write-back stream), after an event recorded on the compute stream; the slot's
-  `free_event` becomes the write-back's completion event, so the next H2D fetch into that slot
-  (on the copy stream) waits for it: the slot is never refilled before its update is saved. Poison
-  (debug) fills the slot on the write-back stream after the copy. No device-wide synchronize.
+- A dirty unit whose last hold ended keeps its slot (valid, updated) until another unit claims
+  that slot: then, before the claimant's fetch, the slot is copied back D2H into the host buffer
+  on a second copy stream (the write-back stream), after an event recorded on the compute stream;
+  the slot's `free_event` becomes the write-back's completion event, so the H2D fetch into that
+  slot (on the copy stream) waits for it: the slot is never refilled before its update is saved.
+  Deferring to the claim writes a unit back once however often it is released in between (the
+  non-block group is held once per module: the final layer's two Linears, then the embedders),
+  and a unit used again before its slot is claimed is used from the slot. Poison (debug) fills
+  the slot on the write-back stream after the copy. No device-wide synchronize.
 - A unit acquired again while its write-back may still run (its slot still valid) makes the
   compute stream wait on that write-back before the next update.
 - Stall accounting (what calibration reads as `stall_s`): the compute stream's wait on a pending
   write-back is timed with events, as a fetch's is; a write-back into a pageable host buffer (pin
   refused or off) returns only once the device has finished everything before it, so the thread's
   wait is counted too, and so is a CPU write-back (a synchronous copy).
-- A unit stepped but never released (backward interrupted by an out-of-memory error between two of
-  its weights' updates) is written back when the engine drains (before a teardown or a save), so
-  the OOM re-plan's restore keeps the updates the redone step will skip.
+- A unit stepped and not yet written back (its slot unclaimed, or backward interrupted by an
+  out-of-memory error between two of its weights' updates) is written back when the engine drains
+  (before a teardown or a save), so saves read the updates and the OOM re-plan's restore keeps the
+  updates the redone step will skip.
 - On CPU the same path runs with the CPU slot emulation (copies are synchronous), so CI tests it.
 
 The optimizer step on the host (Plan.optimizer_on_host): the streamed units' optimizer state is not
 packed (streaming.py leaves the ParamState modules in host RAM), so slots hold weights only and no
 state crosses the bus. A trained weight's gradient, when complete, is copied to the host and its
 update runs there on the weight's host-buffer view (`step_on_host`); the slot's copy is then out of
-date, so the unit is marked stale and its slot invalidated when its hold ends (nothing is written
-back). On CUDA the gradient goes to a pinned buffer on the write-back stream (after an event on the
+date for the stepped weights, so the unit is marked stale and its slot invalidated when backward
+ends (or at once when the step runs after backward; nothing is written back). Within the backward
+the slot stays usable: a weight's update runs after its last use in that backward, so the rest of
+the unit (the non-block group's embedders after its final layer) is still current there. On CUDA the gradient goes to a pinned buffer on the write-back stream (after an event on the
 compute stream; the device gradient is kept alive for that stream with record_stream) and one
 worker thread waits for that copy's event and steps: the CPU steps overlap the rest of backward.
 Pinned gradients in flight are bounded (`host_inflight_limit`: two of the largest unit's trained
@@ -110,6 +117,8 @@ class TrainableStreamingEngine(StreamingEngine):
         unit = self.unit_of[id(p)]
         weight = self.host_views[id(p)]
         self.stale.add(id(unit))
+        if unit.refs == 0 and self.phase != "backward":
+            self._invalidate_stale()                  # stepped after backward (finish_step)
         be = self.backend
         if grad is None:
             if self.host_worker is None:
@@ -186,19 +195,40 @@ class TrainableStreamingEngine(StreamingEngine):
 
     # -- hooks of StreamingEngine ------------------------------------------------------------------
     def _retire(self, unit: _Unit, slot: _Slot) -> None:
-        if id(unit) in self.stale:                    # stepped on the host: the slot's copy is old
-            self.stale.discard(id(unit))
-            super()._retire(unit, slot)
-            slot.valid = False
-            return
         if id(unit) not in self.dirty:
             return super()._retire(unit, slot)
-        self._write_back(unit, slot, self.poison)
+        # Written back when its slot is claimed (_fetch) or the engine drains; poisoned then.
+        stream = self.backend.compute_stream()
+        if stream is not None:
+            if slot.free_event is None:
+                slot.free_event = self.backend.event()
+            slot.free_event.record(stream)
 
     def _fetch(self, unit: _Unit, demand: bool) -> None:
+        slot = self.slots[unit.slot]
+        owner = slot.owner
+        if owner is not None and owner is not unit and id(owner) in self.dirty and slot.valid:
+            self._write_back(owner, slot, self.poison)   # the claimed slot's update goes home first
         if self.pending.get(id(unit)):
             self._wait_host_steps(unit)               # the copy must read the stepped host weights
         super()._fetch(unit, demand)
+
+    def _invalidate_stale(self) -> None:
+        """Slots of units stepped on the host hold old weights: fetch them afresh next time."""
+        for u in self.units:
+            if id(u) in self.stale and u.refs == 0:
+                slot = self.slots[u.slot] if self.slots else None
+                if slot is not None and slot.owner is u:
+                    slot.valid = False
+                self.stale.discard(id(u))
+
+    def _backward_ended(self) -> None:
+        self._invalidate_stale()
+
+    def begin_forward(self) -> None:
+        super().begin_forward()                       # releases what an interrupted backward held
+        self._invalidate_stale()
+        self._prefetch()
 
     def _write_back(self, unit: _Unit, slot: _Slot, poison: bool) -> None:
         """Copy a stepped unit's slot into its host buffer (then poison the slot if asked)."""

@@ -12,8 +12,11 @@ dequantisation (the extra bytes the probe saw memory-bound ops move, at HBM band
 copies' own HBM traffic and the optimizer's read and write of its tensors.
 
 Full fine-tuning (`writeback`): a streamed unit holds trainable weights and their optimizer state;
-after its backward it is copied back device->host on a second stream (memory/trainable_streaming
-.py) at the D2H rate, and its slot takes no new copy before that write-back ends. The non-block
+its backward steps them in the slot, and when another unit claims that slot it is first copied
+back device->host on a second stream (memory/trainable_streaming.py) at the D2H rate: the slot
+takes no new copy before that write-back ends. A unit never evicted is not written back (it
+stays current in its slot), and one used twice in backward (the non-block group: final layer,
+then embedders) is written back once per claim, not once per use. The non-block
 group is used once more at the end of backward (the embedders' backward). Copies that the engine
 issues inline from pageable memory (fp32 masters, gradient accumulators: `inline_pageable` bytes)
 are not hidden: they add to the exposed transfer.
@@ -85,7 +88,8 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
         uses.append((unit_of.get(i), kp.fwd_flops / rate, 0, dq(kind, "fwd"), False))
     uses.append((nb_unit, prof.nb_post_flops / rate, 0, 0.0, False))          # final norm and projection
     if mode != "inference":
-        uses.append((nb_unit, prof.nb_bwd_flops / rate, 0, 0.0, False))
+        # The final layer's backward steps its weights: on the device that makes the group dirty.
+        uses.append((nb_unit, prof.nb_bwd_flops / rate, 0, 0.0, writeback and not host))
         for i in reversed(range(len(kinds))):
             kind = kinds[i]
             kp = prof.kinds[kind]
@@ -99,6 +103,7 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
     free_at = [0.0] * k_slots
     t = copy_free = wb_free = host_free = 0.0
     host_done: dict[int, float] = {}          # unit -> end of its last host step
+    dirty: set[int] = set()                   # units stepped on the device, not yet written back
     moved = written = 0
     step_start = compute = overhead = 0.0
     for step in range(2):
@@ -111,6 +116,12 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
             if unit is not None:
                 s = unit % k_slots
                 if owner[s] != unit:
+                    old = owner[s]
+                    if old is not None and old in dirty:   # the claimed slot's update goes home first
+                        wb_free = max(wb_free, free_at[s]) + units[old] / m.d2h
+                        free_at[s] = wb_free
+                        written += units[old]
+                        dirty.discard(old)
                     start = max(copy_free, free_at[s], host_done.get(unit, 0.0))
                     copy_free = start + units[unit] / bw
                     owner[s], ready[s] = unit, copy_free
@@ -132,10 +143,8 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
                     host_done[unit] = host_free
                     owner[unit % k_slots] = None        # the host copy changed: fetched afresh
                     written += grad
-                elif wb:                     # the slot is refilled only after its write-back ends
-                    wb_free = max(wb_free, t) + units[unit] / m.d2h
-                    free_at[unit % k_slots] = wb_free
-                    written += units[unit]
+                elif wb:                     # written back when another unit claims the slot
+                    dirty.add(unit)
     t = max(t, wb_free, host_free)                        # the step ends when its updates are home
     opt = 2 * optimizer_bytes / m.hbm                     # the optimizer reads and writes its tensors
     inline = inline_pageable / m.h2d_pageable             # masters, accumulators: not hidden
