@@ -102,3 +102,23 @@ def assert_records_equal(got: list[dict], want: list[dict]) -> None:
 
 def block_names(model) -> list[str]:
     return [n for n, _ in FLUX_SPEC.blocks(model)]
+
+
+def synchronizes_beyond_the_profiler(prof_events) -> list[str]:
+    """The synchronizing CUDA calls in a profile beyond those the profiler makes itself.
+
+    torch's profiler (seen with torch 2.11 on an H100) records a cudaDeviceSynchronize of its own
+    around any profiled region, even one that only adds two tensors; a check that the code under
+    test never synchronizes compares against a profile of such a region."""
+    from collections import Counter
+
+    names = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    x = torch.ones(8, device="cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=acts) as control:
+        x.add_(1)
+    torch.cuda.synchronize()
+    base = Counter(e.name for e in control.events() if e.name in names)
+    seen = Counter(e.name for e in prof_events if e.name in names)
+    return sorted((seen - base).elements())

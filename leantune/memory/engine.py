@@ -48,6 +48,7 @@ from .checkpointing import (
     apply_checkpointing,
     remove_checkpointing,
 )
+from .attention_kernels import guard_attention_kernels
 from .cpu_linear import CpuLinearHandle, apply_cpu_linears, remove_cpu_linears
 from .fp8 import Fp8Handle, apply_fp8_storage, has_prequantized, remove_fp8_storage
 from .plan import Plan
@@ -261,6 +262,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     validate(model, spec, plan, device)
+    guard_attention_kernels(device)
     mode = RunMode()
     handle = MemoryHandle(model=model, device=device, plan=plan, mode=mode)
     try:
