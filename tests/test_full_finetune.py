@@ -91,10 +91,11 @@ def fused_run(kind: str, plan: Plan | None = None, steps: int = 3, accumulation:
 
 
 def run_steps(model, stepper: InBackwardStep, steps: int, accumulation: int, device="cpu",
-              autocast: torch.dtype | None = None) -> list[float]:
-    """`steps` optimizer steps of `accumulation` micro-batches, the update inside backward."""
+              autocast: torch.dtype | None = None, start: int = 0) -> list[float]:
+    """`steps` optimizer steps of `accumulation` micro-batches, the update inside backward (steps
+    `start` ... of the run: each step's batch follows from its index)."""
     losses = []
-    for s in range(steps):
+    for s in range(start, start + steps):
         stepper.begin_step()
         total = 0.0
         for m in range(accumulation):

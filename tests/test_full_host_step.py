@@ -24,7 +24,10 @@ from leantune.train.in_backward import InBackwardStep
 
 
 def run(kind: str, plan: Plan, steps: int = 3, accumulation: int = 1, exclude=tuple(EXCLUDE), dtype=None,
-        state_dtype: str = "fp32", master_weights: bool = False, clip: float = 0.0, device: str = "cpu"):
+        state_dtype: str = "fp32", master_weights: bool = False, clip: float = 0.0, device: str = "cpu",
+        profile: list | None = None):
+    """`steps` steps of the in-backward update under `plan`; with `profile`, the last step runs under
+    torch's profiler and its events are appended there (the steady state: slots and state exist)."""
     model = _model(exclude)
     if dtype is not None:
         model.to(dtype)
@@ -35,8 +38,16 @@ def run(kind: str, plan: Plan, steps: int = 3, accumulation: int = 1, exclude=tu
     stepper = InBackwardStep(opt, list(named.values()), accumulation=accumulation, max_grad_norm=clip,
                              on_step=engine.mark_stepped,
                              host=lambda p: engine if engine.steps_on_host(p) else None)
-    losses = run_steps(model, stepper, steps, accumulation, device,
-                       autocast=torch.bfloat16 if dtype == torch.bfloat16 else None)
+    autocast = torch.bfloat16 if dtype == torch.bfloat16 else None
+    if profile is None:
+        losses = run_steps(model, stepper, steps, accumulation, device, autocast=autocast)
+    else:
+        losses = run_steps(model, stepper, steps - 1, accumulation, device, autocast=autocast)
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            losses += run_steps(model, stepper, 1, accumulation, device, autocast=autocast, start=steps - 1)
+        profile.extend(prof.events())
     return losses, trained_values(handle, model, named), handle, model, opt
 
 
@@ -140,12 +151,12 @@ def test_host_step_on_cuda_matches_the_device_step_and_never_synchronizes_the_de
     plan = Plan(checkpointing=checkpointing, streamed_blocks=tuple(_names()), stream_non_blocks=True,
                 debug_poison=True)
     want_losses, want, *_ = run(kind, plan, device="cuda")
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        losses, got, handle, _, _ = run(kind, _host(plan), device="cuda")
-    # The worker thread waits on its copies' events (cudaEventSynchronize): only device- and
-    # stream-wide waits are refused.
-    extra = [n for n in synchronizes_beyond_the_profiler(prof.events()) if n != "cudaEventSynchronize"]
+    events: list = []
+    losses, got, handle, _, _ = run(kind, _host(plan), device="cuda", profile=events)
+    # Only the last (steady) step is profiled: set-up and reading the weights back synchronize by
+    # design. The worker thread waits on its copies' events (cudaEventSynchronize): only device-
+    # and stream-wide waits are refused.
+    extra = [n for n in synchronizes_beyond_the_profiler(events) if n != "cudaEventSynchronize"]
     assert not extra, f"{extra} called during a host-step fine-tune"
     assert handle.streaming.engine.host_worker is not None
     assert losses == pytest.approx(want_losses, rel=1e-5)

@@ -126,16 +126,24 @@ def test_no_memory_growth_over_50_steps():
     model, handle, params, opt, batch = _setup(plan, base)
     for _ in range(3):
         _step(model, params, opt, batch)
-    torch.cuda.synchronize()
-    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    reserved, allocated = _settled_memory()
     for _ in range(50):
         loss = _step(model, params, opt, batch)
         handle.step_report()
     torch.cuda.synchronize()
     assert torch.isfinite(loss)
-    assert torch.cuda.memory_reserved() == reserved
-    assert torch.cuda.memory_allocated() == allocated
+    assert _settled_memory() == (reserved, allocated)
     handle.remove()
+
+
+def _settled_memory() -> tuple[int, int]:
+    """Reserved and allocated bytes once freed blocks are settled: a block freed while a side
+    stream still used it (record_stream: offloaded inputs, their copies) is returned to the pool at
+    the allocator's next allocation after its event completed, and counts as allocated until then
+    (seen on an H100: 256 KiB more after 50 steps, one such block)."""
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")                  # the allocator processes completed events here
+    return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "offload"])

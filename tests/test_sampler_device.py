@@ -91,4 +91,8 @@ def test_denoising_step_on_cuda_equals_the_cpu_and_does_not_synchronize():
     assert not any("Memcpy HtoD" in n for n in seen), sorted(seen)
     assert not synchronizes_beyond_the_profiler(prof.events())
     assert torch.equal(t.cpu(), want_t)
-    assert torch.equal(out.cpu(), want)          # dt was not rounded to bf16 on the device
+    # The scheduler's own expression on the device (FlowMatchEulerDiscreteScheduler: sample upcast to
+    # float32, the sigmas on the host), bitwise. The CPU differs from it in the last bf16 bit of a
+    # few values (seen on an H100 with torch 2.11: its bf16 x scalar product rounds differently).
+    assert torch.equal(out, (xc.float() + (sigmas[2] - sigmas[1]) * vc).to(torch.bfloat16))
+    torch.testing.assert_close(out.cpu(), want, rtol=2 ** -7, atol=0)
