@@ -228,3 +228,39 @@ def test_the_planner_counts_the_bytes_the_engine_copies_per_step(host, stream_no
     assert rep["bytes_h2d"] == est.h2d_bytes
     assert rep["bytes_d2h"] == est.d2h_bytes
     assert rep["bytes_d2h"] > 0 or (not host and streamed + stream_non_blocks <= ring)
+
+
+def test_host_steps_in_flight_stay_within_their_byte_limit():
+    """The worker queue (CUDA's path, driven here with a thread on the CPU): the thread waits for
+    the oldest steps once the next gradient would pass the limit, so the pinned gradient bytes in
+    flight never exceed it; every step runs, in order, and `_drain` waits for them all."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    plan = _host(Plan(streamed_blocks=tuple(_names()), checkpointing="blocks"))
+    _, _, handle, _, _ = run("sgd", plan, steps=1)
+    engine = handle.streaming.engine
+    engine.host_worker = ThreadPoolExecutor(1)
+    limit = engine.host_inflight_limit
+    unit = engine.units[0]
+    lock, live, peak, order = threading.Lock(), [0], [0], []
+
+    def job(i, n):
+        def fn():
+            time.sleep(0.01)
+            with lock:
+                order.append(i)
+                live[0] -= n
+        return fn
+
+    for i in range(12):
+        n = limit // 3
+        engine._make_room(n)                          # as step_on_host does before pinning a gradient
+        with lock:
+            live[0] += n
+            peak[0] = max(peak[0], live[0])
+        engine._submit(unit, n, job(i, n))
+    engine._drain()
+    assert peak[0] <= limit and order == list(range(12)) and not engine.pending
+    engine.close()

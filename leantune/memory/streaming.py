@@ -437,6 +437,8 @@ class StreamingEngine:
         # An interrupted backward (an exception, e.g. out of memory) never ran the end-of-backward
         # callback it queued: without this the next backward would queue none and keep its
         # held-to-the-end units held past its end.
+        if self.callback_queued:
+            self._backward_ended()
         self.callback_queued = False
         self.phase, self.order, self.cursor = "forward", self.fwd_order, -1
         self.log, self.tracked = [], []
@@ -483,7 +485,8 @@ class StreamingEngine:
         self._prefetch()                              # the next forward's first units
 
     def _backward_ended(self) -> None:
-        """A hook: backward ended and every hold is released (trainable streaming uses it)."""
+        """A hook: backward ended, or was interrupted and the next forward released its holds
+        (trainable streaming uses it)."""
 
     # -- holding ---------------------------------------------------------------------------------
     def acquire(self, unit: _Unit) -> None:

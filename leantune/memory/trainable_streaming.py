@@ -53,8 +53,8 @@ pending write-backs, and invalidates the slots after a write so nothing stale is
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -75,27 +75,23 @@ class TrainableStreamingEngine(StreamingEngine):
         self.dirty: set[int] = set()                  # id(unit) stepped since its last write-back
         self.written: dict[int, object] = {}         # id(unit) -> write-back completion event (CUDA)
         self.unit_of: dict[int, _Unit] = {}          # id(trainable Parameter) -> its unit
+        self.host_views: dict[int, torch.Tensor] = {}   # id(trainable Parameter) -> its host-buffer view
+        grads: dict[int, int] = {}                    # id(unit) -> bytes of its trained weights (= gradients)
         for u in self.units:
             for e in u.entries:
                 for m, kind, attr in e.owners:
                     if kind == "param" and m._parameters[attr].requires_grad:
                         self.unit_of[id(m._parameters[attr])] = u
+                        self.host_views[id(m._parameters[attr])] = _view(u.host, e)
+                        grads[id(u)] = grads.get(id(u), 0) + e.nbytes
         self.bytes_d2h = 0
         # The optimizer step on the host (module docstring).
         self.host_step = plan.optimizer_on_host
-        self.host_views: dict[int, torch.Tensor] = {}   # id(trainable Parameter) -> its host-buffer view
-        grads: dict[int, int] = {}
-        for u in self.units:
-            for e in u.entries:
-                for m, kind, attr in e.owners:
-                    if kind == "param" and m._parameters[attr].requires_grad:
-                        self.host_views[id(m._parameters[attr])] = _view(u.host, e)
-                        grads[id(u)] = grads.get(id(u), 0) + e.nbytes
         self.stale: set[int] = set()                  # id(unit) whose host copy was stepped since its fetch
         self.pending: dict[int, list[Future]] = {}    # id(unit) -> host steps in flight (CUDA)
         self.host_inflight_limit = 2 * max(grads.values(), default=0)
-        self._inflight: list[tuple[Future, int]] = []
-        self._inflight_lock = threading.Lock()
+        self._inflight: deque[tuple[Future, int]] = deque()   # in submission order (one worker: FIFO)
+        self._inflight_bytes = 0
         self.host_worker = ThreadPoolExecutor(1, thread_name_prefix="leantune-host-step") \
             if self.host_step and be.cuda else None
 
@@ -134,6 +130,7 @@ class TrainableStreamingEngine(StreamingEngine):
             self.stats.stall_s += _clock() - t0
             step(weight, host_grad)
             return
+        self._make_room(n)
         used = be.event()
         used.record(be.compute_stream())              # the gradient is complete on the compute stream
         host_grad = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
@@ -151,21 +148,23 @@ class TrainableStreamingEngine(StreamingEngine):
 
         self._submit(unit, n, run)
 
-    def _submit(self, unit: _Unit, nbytes: int, fn) -> None:
-        with self._inflight_lock:
-            self._inflight = [(f, b) for f, b in self._inflight if not f.done()]
-            waiting = [f for f, _ in self._inflight]
-            total = sum(b for _, b in self._inflight)
+    def _make_room(self, nbytes: int) -> None:
+        """Before a pinned gradient of `nbytes` is allocated: past the in-flight limit, wait for the
+        oldest host steps (the worker runs them in order, so the oldest finishes first and frees
+        its pinned gradient). The wait is a stall."""
         t0 = _clock()
-        while waiting and total + nbytes > self.host_inflight_limit:
-            waiting.pop(0).result()                   # the oldest step: its pinned gradient is freed
-            with self._inflight_lock:
-                self._inflight = [(f, b) for f, b in self._inflight if not f.done()]
-                total = sum(b for _, b in self._inflight)
+        while self._inflight and (self._inflight[0][0].done()
+                                  or self._inflight_bytes + nbytes > self.host_inflight_limit):
+            done, n = self._inflight.popleft()
+            done.result()
+            self._inflight_bytes -= n
         self.stats.stall_s += _clock() - t0
+
+    def _submit(self, unit: _Unit, nbytes: int, fn) -> None:
+        """Queue a host step holding `nbytes` of pinned gradient (room made first: _make_room)."""
         fut = self.host_worker.submit(fn)
-        with self._inflight_lock:
-            self._inflight.append((fut, nbytes))
+        self._inflight.append((fut, nbytes))
+        self._inflight_bytes += nbytes
         self.pending.setdefault(id(unit), []).append(fut)
 
     def _wait_host_steps(self, unit: _Unit | None = None) -> None:
@@ -224,11 +223,6 @@ class TrainableStreamingEngine(StreamingEngine):
 
     def _backward_ended(self) -> None:
         self._invalidate_stale()
-
-    def begin_forward(self) -> None:
-        super().begin_forward()                       # releases what an interrupted backward held
-        self._invalidate_stale()
-        self._prefetch()
 
     def _write_back(self, unit: _Unit, slot: _Slot, poison: bool) -> None:
         """Copy a stepped unit's slot into its host buffer (then poison the slot if asked)."""

@@ -181,6 +181,13 @@ class MemoryModel:
         blocks = [(full.trained_numel[i], full.largest[i]) for i in sorted(self.indices(plan))]
         return [(full.nb_trained_numel, full.nb_largest), *blocks] if plan.stream_non_blocks else blocks
 
+    def resident_state(self, plan: Plan) -> int:
+        """Device bytes of optimizer state outside the streamed units (full mode): the resident
+        weights' state, and bitsandbytes' 8-bit state of every weight."""
+        full, streamed = self.full, self.indices(plan)
+        state = sum(b for i, b in enumerate(full.state) if i not in streamed) + full.device_always
+        return state + (0 if plan.stream_non_blocks else full.nb_state)
+
     def resident_trained(self, plan: Plan) -> tuple[int, int]:
         """(trained parameters, largest trained tensor's elements) outside the streamed units."""
         full, streamed = self.full, self.indices(plan)
@@ -206,8 +213,7 @@ class MemoryModel:
         params, grads, states = self.trainable_bytes()
         full = self.full
         if full is not None:          # states of resident weights; streamed ones travel in the slots
-            states = sum(b for i, b in enumerate(full.state) if i not in streamed) + full.device_always
-            states += 0 if plan.stream_non_blocks else full.nb_state
+            states = self.resident_state(plan)
         opt_tmp = {"lora": 2 * params, "full": 0, "inference": 0}[w.mode]
         step_tmp = full.step if full is not None else 0
         if full is not None and self.host_step(plan):   # streamed tensors step on the host
@@ -288,9 +294,8 @@ class MemoryModel:
         # the measured rate (full_model.host_step_rate); their masters never cross the bus.
         n_res = self.resident_trained(plan)[0]
         streamed = self.indices(plan)
-        res_state = sum(b for i, b in enumerate(full.state) if i not in streamed) + full.device_always
-        res_state += 0 if plan.stream_non_blocks else full.nb_state
-        step_bytes = int(n_res * self.dtype_bytes + res_state + (n_res * self.dtype_bytes + full.step_coef * n_res) / 2)
+        step_bytes = int(n_res * self.dtype_bytes + self.resident_state(plan)
+                         + (n_res * self.dtype_bytes + full.step_coef * n_res) / 2)
         pageable = (8 * n_res if full.masters else 0) + accumulators
         rate = full.host_rate()
         host = [(n * self.dtype_bytes, n / rate) for n, _ in self.streamed_trained(plan)]

@@ -87,6 +87,9 @@ class InBackwardStep:
 
     def _update(self, p: torch.nn.Parameter, g: torch.Tensor) -> None:
         self._step(p, g)
+        self._stepped(p)
+
+    def _stepped(self, p: torch.nn.Parameter) -> None:
         self.stepped.add(p)
         if self.on_step is not None:
             self.on_step(p)
@@ -104,9 +107,7 @@ class InBackwardStep:
             self._step(p, grad, weight, lr)
 
         engine.step_on_host(p, g, step)
-        self.stepped.add(p)
-        if self.on_step is not None:
-            self.on_step(p)
+        self._stepped(p)
 
     def _step(self, p: torch.nn.Parameter, g: torch.Tensor, weight: torch.Tensor | None = None,
               lr: float | None = None) -> None:
