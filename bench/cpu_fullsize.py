@@ -171,7 +171,7 @@ def sample(path: Path, vram_gib: float, size: int, text_length: int) -> dict:
     """Load with leantune, plan an inference step for a `vram_gib` budget, apply it on the CPU (the
     ring slots are host buffers there), run one denoising step of the sampler, report."""
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
     from leantune.memory.engine import apply_memory
     from leantune.models.flux import FLUX_SPEC, PromptEmbeds
     from leantune.models.flux_loading import FluxSources, load_transformer

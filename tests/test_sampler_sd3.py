@@ -82,7 +82,7 @@ def _u8(images: np.ndarray) -> np.ndarray:
 
 def test_sd3_schedule_equals_the_pipelines_timesteps():
     """SD3.5's scheduler (shift 3.0, no sigmas passed by the pipeline): the same sigmas and timesteps."""
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
     from leantune.models.family import get_family
 
     sched = tiny.sd3_scheduler()
@@ -107,7 +107,7 @@ def test_sd3_sampler_equals_pipeline_with_cfg_and_negative_prompt(comps):
     # (what a tight memory plan picks): the same up to float reassociation of a smaller batch.
     from leantune.infer.decode import decode_latents
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
 
     embeds, neg = _encode(comps)
     schedule = FlowSchedule.sd3()
@@ -443,7 +443,7 @@ def test_cuda_sd3_sampling_streams_exactly_and_runs_cfg_halves_in_sequence(tiny_
 
     from leantune.infer.encode import encode_prompts_stage
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
     from leantune.models.family import get_family
 
     c = tiny.sd3_components("large")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..models.family import ModelFamily, PromptEmbeds, family_for_model, get_family
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 from .plan import Plan
 from .simulated import HOST, DeviceMemoryTracker, enable, simulation
 

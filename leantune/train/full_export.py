@@ -5,7 +5,7 @@ Formats ([output] formats in full mode):
   the one ComfyUI, leantune's loader and diffusers' `from_single_file` read: Flux in BFL's layout
   (fused qkv / linear1, swapped final adaLN), SD3.5 in Stability's (`model.diffusion_model.`
   keys, fused qkv, swapped adaLN halves of the final layer and the last joint block). The family's
-  `spec.single_file` (models/spec.SingleFileLayout) says how; the config a width needs beyond the
+  `spec.single_file` (leantune/spec.py, SingleFileLayout) says how; the config a width needs beyond the
   weights (Flux's rotary split, SD3's sample size and head size) goes into the metadata.
 - "diffusers": a `<name>_diffusers/` folder with config.json and diffusion_pytorch_model.safetensors.
 
@@ -27,7 +27,7 @@ import torch
 
 from ..io import save_safetensors_streamed
 from ..models.component_loading import dequantized_state
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 from .modes import prune_step_files
 
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
