@@ -383,7 +383,7 @@ def test_training_samples_use_cfg_with_the_configs_negative_prompt(tiny_sd3_dir,
     from leantune.infer.loras import apply_loras
     from leantune.infer.sampler import sample_images
     from leantune.models.family import PromptEmbeds
-    from leantune.train.trainer import train
+    from leantune.trainer import train
 
     draw_shapes(tmp_path / "images", count=2, size=64, seed=5)
     (tmp_path / "run.toml").write_text(SD3_RUN.format(model=tiny_sd3_dir, images=tmp_path / "images",

@@ -16,7 +16,7 @@ from leantune.demo import draw_shapes
 from leantune.models import tiny
 from leantune.models.family import get_family
 from leantune.train import flow_matching as fm
-from leantune.train.trainer import train
+from leantune.trainer import train
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_sd3_lora_20_steps.json"
 
