@@ -307,7 +307,7 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     from .planner.from_config import workload_from_config
     from .planner.machine import assumed_machine
     from .planner.search import Planner
-    from .planner.workload import Budget, InfeasibleBudget, Workload
+    from .planner.workload import UNLIMITED_RAM, Budget, InfeasibleBudget, Workload
     from .train.modes import make_mode
 
     enable()
@@ -316,7 +316,6 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     spec = family.spec
     text_rows = family.text_rows(MODELS[model_name][2])
     machine = assumed_machine(vram_total=budget)
-    from .commands.plan import UNLIMITED_RAM
 
     budget_obj = Budget(vram=budget, ram=UNLIMITED_RAM if what == "full" else CASE_RAM_BUDGET)
     if what in ("train", "full"):

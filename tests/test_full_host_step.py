@@ -18,7 +18,7 @@ from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.memory.trainable_streaming import TrainableStreamingEngine
 from leantune.models.flux import FLUX_SPEC
-from leantune.train.full_mode import select_trainable
+from leantune.train.trainable import select_trainable
 from leantune.train.fused_optim import STATE_SUFFIX, FusedOptimizer, _owner
 from leantune.train.in_backward import InBackwardStep
 

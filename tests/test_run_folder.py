@@ -152,7 +152,7 @@ def test_leftovers_of_a_killed_save_are_cleaned_and_a_half_replaced_step_restore
 def test_kill_between_state_and_lora_save_rewrites_the_lora_on_resume(tmp_path, tiny_flux_dir, images, monkeypatch,
                                                                       caplog):
     path = _toml(tmp_path, tiny_flux_dir, images, REST.replace("steps = 4", "steps = 6"))
-    from leantune.train import modes
+    from leantune.train import lora_mode as modes
 
     calls = {"n": 0}
     real_export = modes.LoraMode.export

@@ -388,7 +388,7 @@ def test_lora_mode_exports_sd3_files_with_sd3_names(tmp_path):
     from types import SimpleNamespace
 
     from leantune.config import load_config
-    from leantune.train.modes import LoraMode
+    from leantune.train.lora_mode import LoraMode
     from leantune.trainer import RunPaths
 
     (tmp_path / "model").mkdir()

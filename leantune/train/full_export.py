@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from ..io import save_safetensors_streamed
+from ..memory.trainable_streaming import WeightAccess
 from ..models.component_loading import dequantized_state
 from ..spec import ModelSpec
-from .modes import prune_step_files
+from .mode_shared import prune_step_files
 
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -137,6 +138,4 @@ def export_files(model, spec: ModelSpec, access, cfg, paths, step: int, intermed
 
 def export_full_model(mode, t, paths, step: int, intermediate: bool) -> list[Path]:
     """The run's model files in every [output] format; per-step names while training."""
-    from ..memory.trainable_streaming import WeightAccess
-
     return export_files(t.transformer, mode.spec, WeightAccess(t.memory), mode.cfg, paths, step, intermediate)
