@@ -206,7 +206,7 @@ class DistContext:
 
         env = launch_env()
         world = env["WORLD_SIZE"] if env is not None else 1
-        strategy = resolve_strategy(cfg) if world > 1 else "none"
+        strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode) if world > 1 else "none"
         if world > 1:
             die_with_launcher()
         import torch.distributed as dist
@@ -329,12 +329,11 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() == 0.0
 
-    def shared_host(self, cfg, mode_name: str):
+    def shared_host(self, share_host_weights: bool, mode_name: str):
         """Shared host buffers for the streamed weights when several processes of this machine
         train a LoRA (frozen base) with [distributed] share_host_weights; else None. Collective:
         every rank calls it (rank 0 names the files)."""
-        if not (self.distributed and self.local_world_size > 1 and cfg.distributed.share_host_weights
-                and mode_name == "lora"):
+        if not (self.distributed and self.local_world_size > 1 and share_host_weights and mode_name == "lora"):
             return None
         import uuid
 
@@ -483,13 +482,13 @@ def launch_env() -> dict | None:
     return env
 
 
-def resolve_strategy(cfg) -> str:
-    """The strategy `[distributed] strategy = "auto"` means for this run: DDP for LoRA, FSDP2 for
-    a full fine-tune (it needs no extra package; DeepSpeed ZeRO-2 is `strategy = "deepspeed"`)."""
-    strategy = cfg.distributed.strategy
+def resolve_strategy(strategy: str, train_mode: str) -> str:
+    """The strategy `[distributed] strategy = "auto"` means for a run of `[train] mode`: DDP for
+    LoRA, FSDP2 for a full fine-tune (it needs no extra package; DeepSpeed ZeRO-2 is
+    `strategy = "deepspeed"`)."""
     if strategy != "auto":
         return strategy
-    return "fsdp2" if cfg.train.mode == "full" else "ddp"
+    return "fsdp2" if train_mode == "full" else "ddp"
 
 
 def torchrun_command(gpus: int, argv: list[str]) -> list[str]:

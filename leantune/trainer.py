@@ -309,12 +309,13 @@ def _autocast(cfg: RunConfig, device: torch.device):
 # -- set-up ----------------------------------------------------------------------------------------
 
 def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
-    from .data.cache import model_dtype, prepare_caches
+    from .data.cache import model_dtype, prepare_caches, sample_prompts
     dist = dist or DistContext()
     family = get_family(cfg.model.family)
     device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
-    dtype = model_dtype(cfg)
-    data = dist.main_first(lambda: prepare_caches(cfg, device, dtype))    # filled once, then read by all
+    dtype = model_dtype(cfg.model)
+    data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
+                                                  extra_prompts=sample_prompts(cfg.sample)))  # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
@@ -328,7 +329,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
 
     if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
-        shared = dist.shared_host(cfg, mode.name)
+        shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
         loaded = dist.local_turns(lambda: load(True, shared), shared)
     else:
         loaded = load(False)
@@ -384,7 +385,7 @@ def _apply_engine(cfg: RunConfig, transformer, plan, device, mode, dist: DistCon
     """apply_memory; several processes on one machine share one host copy of the streamed weights."""
     from .memory.engine import apply_memory
 
-    shared = dist.shared_host(cfg, mode.name)
+    shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
     spec = get_family(cfg.model.family).spec
     return dist.local_main_first(lambda: apply_memory(transformer, spec, plan, device, host_buffers=shared,
                                                       **mode.memory_options()), shared)
@@ -467,7 +468,7 @@ def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[floa
     set_rng_state(state["rng"], t.generator)
     t.batches.load_state_dict(state["data"], strict=exact and not changes.data_order_changed)
     log.info("resumed from %s at step %d", ckpt, step)
-    restore_exports(t, paths, cfg, step)
+    restore_exports(t, paths, step, cfg.train.steps, cfg.output.formats)
     return step, list(state["losses"])
 
 

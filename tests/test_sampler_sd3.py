@@ -396,9 +396,9 @@ def test_training_samples_use_cfg_with_the_configs_negative_prompt(tiny_sd3_dir,
 
     # The same images from the standalone sampler: base model + the exported LoRA, with the text
     # embeddings the cache holds (the trainer never reloads the text encoders).
-    from leantune.data.cache import prepare_caches
+    from leantune.data.cache import prepare_caches, sample_prompts
 
-    data = prepare_caches(cfg, "cpu", torch.float32)
+    data = prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32, extra_prompts=sample_prompts(cfg.sample))
     embeds = data.prompt_embeds(cfg.sample.prompts)
     neg = data.prompt_embeds([NEGATIVE])
     model = tiny.sd3_components("large")["transformer"]

@@ -132,7 +132,7 @@ def export_files(model, spec: ModelSpec, access, cfg, paths, step: int, intermed
             files.append(write_diffusers_folder(model, spec, access, paths.root / f"{paths.name}{suffix}_diffusers",
                                                 dtype))
     if intermediate:
-        prune_step_files(paths, cfg, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
+        prune_step_files(paths, cfg.output.formats, cfg.train.keep_last, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
     return files
 
 

@@ -97,7 +97,7 @@ class LoraMode:
             save_lora(weights, path, fmt, metadata=self._metadata(step, keys), keys=keys)
             files.append(path)
         if intermediate:
-            prune_step_files(paths, cfg, lambda fmt: f"{paths.name}-step*_{fmt}.safetensors")
+            prune_step_files(paths, cfg.output.formats, cfg.train.keep_last, lambda fmt: f"{paths.name}-step*_{fmt}.safetensors")
         return files
 
     def _metadata(self, step: int, keys) -> dict:

@@ -7,15 +7,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..config import RunConfig
 from ..errors import CheckpointError
 
 
-def prune_step_files(paths, cfg: RunConfig, pattern) -> None:
+def prune_step_files(paths, formats: list[str], keep_last: int, pattern) -> None:
     """Keep the newest `[train] keep_last` per-step exports of each format (`pattern(fmt)` globs them)."""
-    for fmt in cfg.output.formats:
+    for fmt in formats:
         found = sorted(paths.root.glob(pattern(fmt)))
-        for old in found[:-cfg.train.keep_last]:
+        for old in found[:-keep_last]:
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
             else:

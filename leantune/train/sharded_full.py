@@ -264,7 +264,7 @@ def sharded_full_mode(cfg: RunConfig, dist=None):
     world = dist.world_size if dist is not None and dist.accelerator is not None else (env or {}).get("WORLD_SIZE", 1)
     if world <= 1:
         return None
-    strategy = resolve_strategy(cfg)
+    strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode)
     m = cfg.memory
     if m.streamed_blocks not in (0, [], "none") or m.stream_non_blocks or m.vram_budget is not None:
         raise ValueError("[memory] streamed_blocks / stream_non_blocks / vram_budget with [train] mode = \"full\" on "
