@@ -102,6 +102,7 @@ class Trainee:
     last_bucket: tuple[int, int] | None = None
     mode: object = None            # leantune.train.modes: LoraMode or FullMode
     dist: DistContext = field(default_factory=DistContext)   # this process's rank (trivial: one process)
+    share_host_weights: bool = False   # [distributed] share_host_weights, for re-plans
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -339,7 +340,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     generator = torch.Generator().manual_seed(cfg.train.seed)
     batches = dist.shard_batches(data, cfg.train.seed, cfg.data.batch_size)
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
-                sources, mode=mode, dist=dist)
+                sources, mode=mode, dist=dist, share_host_weights=cfg.distributed.share_host_weights)
     if planner is not None:
         from .planner.corrections import CalibrationStore
         from .planner.feedback.calibrate import PlanCalibrator
@@ -377,16 +378,17 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
 
         handle = apply_memory(transformer, spec, plan, device, host_buffers=shared, **mode.memory_options())
     else:
-        handle = _apply_engine(cfg, transformer, plan, device, mode, dist or DistContext())
+        handle = _apply_engine(cfg.distributed.share_host_weights, spec, transformer, plan, device, mode,
+                               dist or DistContext())
     return plan, handle, planner, budget
 
 
-def _apply_engine(cfg: RunConfig, transformer, plan, device, mode, dist: DistContext):
-    """apply_memory; several processes on one machine share one host copy of the streamed weights."""
+def _apply_engine(share_host_weights: bool, spec, transformer, plan, device, mode, dist: DistContext):
+    """apply_memory; several processes on one machine share one host copy of the streamed weights
+    ([distributed] share_host_weights)."""
     from .memory.engine import apply_memory
 
-    shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
-    spec = get_family(cfg.model.family).spec
+    shared = dist.shared_host(share_host_weights, mode.name)
     return dist.local_main_first(lambda: apply_memory(transformer, spec, plan, device, host_buffers=shared,
                                                       **mode.memory_options()), shared)
 
@@ -399,7 +401,7 @@ def _replan(t: Trainee, plan) -> None:
         handle, t.memory = t.memory, None       # if applying `plan` fails, the weights stay home
         handle.remove(device="cpu")
     t.plan = plan
-    t.memory = _apply_engine(t.mode.cfg, t.transformer, plan, t.device, t.mode, t.dist)
+    t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist)
     log.info("memory plan now: %s", plan.describe())
 
 

@@ -397,7 +397,7 @@ def test_lora_mode_exports_sd3_files_with_sd3_names(tmp_path):
                                        '[lora]\nrank = 4\nalpha = 8\ntargets = "attention"\n\n'
                                        '[output]\ndir = "out"\nname = "s"\nformats = ["comfyui", "diffusers"]\n')
     cfg = load_config(tmp_path / "run.toml")
-    mode = LoraMode(cfg)
+    mode = LoraMode(cfg.lora, cfg.train, cfg.output.formats)
     model = fresh("medium")
     params = mode.prepare(model, SD3_SPEC)
     with torch.no_grad():
