@@ -15,7 +15,8 @@ from leantune.config import MemoryConfig
 from leantune.memory.checkpointing import remove_checkpointing
 from leantune.memory.engine import apply_memory, even_spread, resolve_plan
 from leantune.memory.plan import Plan
-from leantune.memory.streaming import ALIGN, remove_streaming
+from leantune.memory.streaming import remove_streaming
+from leantune.memory.streaming_units import ALIGN
 from leantune.models.flux import FLUX_SPEC, predict
 
 
