@@ -109,7 +109,7 @@ def test_poison_turns_unguarded_saved_weights_nan(base, monkeypatch):
     model, handle = _all_streamed(base)
     eng = handle.streaming.engine
     monkeypatch.setattr(eng, "backward_begin", lambda unit, release_at_end: None)
-    monkeypatch.setattr(eng, "pack", lambda t: t)
+    monkeypatch.setattr(eng.saved_tensors, "pack", lambda t: t)
     rec = train(model, shapes=[(8, 8)])
     assert torch.isfinite(rec[0]["loss"])                                # the forward was fine
     assert any(torch.isnan(g).any() for g in rec[0]["grads"].values() if g is not None)
