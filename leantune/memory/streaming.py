@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 from .copy_streams import CopyBackend
 from .host_buffers import alloc_host, return_freed_host_memory
 from .plan import Plan
