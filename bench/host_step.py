@@ -2,11 +2,19 @@
 
     python bench/host_step.py                          # one 3072 x 12288 weight (a Flux MLP Linear)
     python bench/host_step.py --out bench/results/host_step.json
+    python bench/host_step.py --compare                # beside torch's fused CPU AdamW (and DeepSpeed's
+                                                       # CPU Adam where its op is already built)
 
 What it times: `InBackwardStep._update` (per-parameter clipping, then FusedOptimizer.step_param) on
 one weight held in host memory, as the host step runs it for each trained tensor of a streamed
 block, best of --repeat after a first step that creates the state. Reported per setting: seconds,
-parameters per second, and what that rate makes of one step of Flux-dev's 11.9 B weights. The
+parameters per second, and what that rate makes of one step of Flux-dev's 11.9 B weights. With
+--compare, each timing of leantune's step is interleaved with one of torch's `AdamW(fused=True)` step
+on fp32 tensors of the same size (the fused CPU kernel: fp32 weights, grads and moments; the machine
+may be loaded by others, so A and B alternate and the best of each is kept), and
+`ratio_vs_torch_fused=` is leantune's rate over torch's. DeepSpeed's CPU Adam (bf16 or fp32 params,
+fp32 moments) is timed too when its op is already built (it is never built here: minutes of compiling).
+The
 planner times the same update on a smaller tensor (planner/full_model.host_step_rate), printed
 beside it, so a plan's predicted host-step time can be checked against this.
 """
@@ -32,10 +40,13 @@ SETTINGS = [  # (label, weight dtype, optimizer, state dtype, master weights)
     ("bf16 weights, AdamW fp32 moments + fp32 masters", torch.bfloat16, "adamw", "fp32", True),
     ("bf16 weights, Adafactor", torch.bfloat16, "adafactor", "fp32", False),
     ("fp32 weights, AdamW fp32 moments", torch.float32, "adamw", "fp32", False),
+    ("fp32 weights, AdamW bf16 moments", torch.float32, "adamw", "bf16", False),
+    ("fp32 weights, Adafactor (torch's ops, bitwise)", torch.float32, "adafactor", "fp32", False),
 ]
 
 
-def time_update(shape, dtype, optimizer, state_dtype, master, repeat: int) -> float:
+def leantune_step(shape, dtype, optimizer, state_dtype, master):
+    """A callable running one host step (clipping + FusedOptimizer.step_param) on a host weight."""
     from leantune.train.fused_optim import FusedOptimizer
     from leantune.train.in_backward import InBackwardStep
 
@@ -44,13 +55,54 @@ def time_update(shape, dtype, optimizer, state_dtype, master, repeat: int) -> fl
                          stochastic_rounding=True, master_weights=master)
     stepper = InBackwardStep(opt, [], max_grad_norm=1.0)
     grad = (torch.randn(shape) * 1e-3).to(dtype)
-    best = math.inf
     with torch.no_grad():
-        stepper._update(lin.weight, grad)
+        stepper._update(lin.weight, grad)      # state created
+    return lambda: stepper._update(lin.weight, grad)
+
+
+def torch_fused_step(shape):
+    """torch's AdamW(fused=True) on fp32 CPU tensors of this shape."""
+    p = torch.nn.Parameter(torch.randn(shape) * 0.02)
+    p.grad = torch.randn(shape) * 1e-3
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()
+    return opt.step
+
+
+def deepspeed_step(shape, dtype):
+    """DeepSpeed's CPU Adam on this dtype's params, or None where its op is not built already."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+        if not CPUAdamBuilder().is_compatible() or not _built(CPUAdamBuilder()):
+            return None
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001  (not installed, or not built here)
+        return None
+    p = torch.nn.Parameter((torch.randn(shape) * 0.02).to(dtype))
+    p.grad = (torch.randn(shape) * 1e-3).to(dtype)
+    opt = DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True)
+    opt.step()
+    return opt.step
+
+
+def _built(builder) -> bool:
+    import glob
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    d = _get_build_directory(builder.name, verbose=False)
+    return bool(glob.glob(os.path.join(d, "*.so")))
+
+
+def best_of(fns: list, repeat: int) -> list[float]:
+    """Best seconds of each callable, calls interleaved (A, B, A, B, ...)."""
+    best = [math.inf] * len(fns)
+    with torch.no_grad():
         for _ in range(repeat):
-            t0 = time.perf_counter()
-            stepper._update(lin.weight, grad)
-            best = min(best, time.perf_counter() - t0)
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -60,21 +112,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cols", type=int, default=3072)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--compare", action="store_true", help="time torch's fused AdamW (and DeepSpeed's) beside it")
     a = ap.parse_args(argv)
     from leantune.planner.full_model import host_step_rate
+    from leantune.train import host_kernels
 
     torch.manual_seed(0)
     shape = (a.rows, a.cols)
     n = a.rows * a.cols
+    print(f"shape {shape}, {torch.get_num_threads()} threads, load {os.getloadavg()}, host kernels: "
+          f"{'built' if host_kernels.library() else host_kernels.unavailable_reason()}", flush=True)
+    peers = {}
+    if a.compare:
+        peers["torch_fused"] = torch_fused_step(shape)
+        for dt, label in ((torch.bfloat16, "deepspeed_cpu_adam_bf16"), (torch.float32, "deepspeed_cpu_adam_fp32")):
+            ds = deepspeed_step(shape, dt)
+            if ds is not None:
+                peers[label] = ds
+        if len(peers) == 1:
+            print("DeepSpeed CPU Adam: not timed (its op is not built on this machine)", flush=True)
     rows = []
     for label, dtype, optimizer, state_dtype, master in SETTINGS:
-        secs = time_update(shape, dtype, optimizer, state_dtype, master, a.repeat)
+        ours = leantune_step(shape, dtype, optimizer, state_dtype, master)
+        times = best_of([ours, *peers.values()], a.repeat)
+        secs = times[0]
         planner = host_step_rate(optimizer, dtype, state_dtype, True, master, True)
         row = {"setting": label, "seconds": secs, "params_per_s": n / secs, "planner_params_per_s": planner,
                "flux_dev_step_s": FLUX_DEV_PARAMS / (n / secs)}
+        for (name, _), t in zip(peers.items(), times[1:]):
+            row[f"{name}_params_per_s"] = n / t
+        line = (f"{label:50s} {secs * 1e3:7.0f} ms  {n / secs / 1e6:6.1f} M/s  (planner's timing: "
+                f"{planner / 1e6:6.1f} M/s)  Flux-dev step {row['flux_dev_step_s']:6.0f} s")
+        if peers:
+            row["ratio_vs_torch_fused"] = row["params_per_s"] / row["torch_fused_params_per_s"]
+            line += "  " + "  ".join(f"{k}={row[f'{k}_params_per_s'] / 1e6:.1f} M/s" for k in peers)
+            line += f"  ratio_vs_torch_fused={row['ratio_vs_torch_fused']:.2f}"
         rows.append(row)
-        print(f"{label:50s} {secs * 1e3:7.0f} ms  {n / secs / 1e6:6.1f} M/s  (planner's timing: {planner / 1e6:6.1f} M/s)"
-              f"  Flux-dev step {row['flux_dev_step_s']:6.0f} s", flush=True)
+        print(line, flush=True)
     if a.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()

@@ -1,7 +1,7 @@
 """Full fine-tuning on the tiny Flux: the optimizer step inside backward against the plain loop.
 
-The reference is `loss.backward(); opt.step()` with torch's SGD / AdamW (single-tensor, as on
-CPU) on a plain copy of the model. The fused loop steps every weight from its post-accumulate-grad
+The reference is `loss.backward(); opt.step()` with torch's SGD (single-tensor) / AdamW (fused:
+a CPU weight steps with torch's fused kernel, train/fused_optim.py) on a plain copy of the model. The fused loop steps every weight from its post-accumulate-grad
 hook, with none / some / all blocks (+ the non-block group) streamed in poison mode, with and
 without checkpointing and activation offload. Equality is bitwise for SGD and AdamW (same
 operations in the same order); Adafactor is torch's formula too and also compared bitwise.
@@ -59,7 +59,7 @@ def plain_run(kind: str, steps: int = 3, accumulation: int = 1, weight_decay: fl
     if kind == "sgd":
         opt = torch.optim.SGD(params, lr=LR[kind], weight_decay=0.0)
     elif kind == "adamw":
-        opt = torch.optim.AdamW(params, lr=LR[kind], weight_decay=weight_decay, foreach=False)
+        opt = torch.optim.AdamW(params, lr=LR[kind], weight_decay=weight_decay, fused=True)
     else:
         opt = torch.optim.Adafactor(params, lr=LR[kind], foreach=False)
     losses = []

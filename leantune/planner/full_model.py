@@ -92,8 +92,11 @@ class _NoStep:
     """An optimizer that changes nothing: isolates what clipping allocates (8-bit AdamW's own
     step is bitsandbytes' fused in-place kernel)."""
 
-    def step_param(self, p, g, weight=None, lr=None) -> None:
-        pass
+    def step_param(self, p, g, weight=None, lr=None, max_grad_norm=0.0) -> None:
+        from ..train.fused_optim import clip_in_place
+
+        if max_grad_norm > 0:
+            clip_in_place(g, max_grad_norm)
 
 
 def step_bytes(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_rounding: bool,
@@ -103,7 +106,7 @@ def step_bytes(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_
     included: measured on real CPU tensors of two sizes (module docstring)."""
     key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip)
     if key not in _STEP_COEF:
-        per, fixed = host_step_bytes(*key)
+        per, fixed = _measured_coef(key, host=False)
         if master and dtype != torch.float32 and optimizer != "adamw8bit":
             per += 4.0                 # the master's device copy (the master itself on the CPU)
         _STEP_COEF[key] = (per, fixed)
@@ -114,12 +117,18 @@ def host_step_bytes(optimizer: str, dtype: torch.dtype, state_dtype: str, stocha
                     master: bool, clip: bool) -> tuple[float, int]:
     """Peak bytes the update of one tensor allocates *on the CPU*, as step_bytes gives them (per
     element, fixed), without the master's device copy: what a host step (Plan.optimizer_on_host)
-    allocates beside the gradient it steps with, since it runs exactly where this is measured."""
-    key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip)
-    if key not in _RAW_COEF:
-        small, large = (_measure_step(*key, rows=r) for r in (96, 192))
-        _RAW_COEF[key] = ((large - small) / (96 * 128), int(round(small - (large - small))))
-    return _RAW_COEF[key]
+    allocates beside the gradient it steps with, since it runs exactly where this is measured
+    (with the host kernels, train/host_kernels.py, where they apply)."""
+    return _measured_coef((optimizer, dtype, state_dtype, stochastic_rounding, master, clip), host=True)
+
+
+def _measured_coef(key: tuple, host: bool) -> tuple[float, int]:
+    """(bytes per element, fixed bytes) of one update, measured on CPU tensors of two sizes: with
+    the host kernels (`host`), or with the torch-op path a device step runs."""
+    if (key, host) not in _RAW_COEF:
+        small, large = (_measure_step(*key, rows=r, host=host) for r in (96, 192))
+        _RAW_COEF[key, host] = ((large - small) / (96 * 128), int(round(small - (large - small))))
+    return _RAW_COEF[key, host]
 
 
 def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_rounding: bool,
@@ -153,7 +162,7 @@ def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochas
     return _HOST_RATE[key]
 
 
-def _measure_step(optimizer, dtype, state_dtype, sr, master, clip, rows: int) -> int:
+def _measure_step(optimizer, dtype, state_dtype, sr, master, clip, rows: int, host: bool) -> int:
     from ..memory.simulated import DeviceMemoryTracker
     from ..train.fused_optim import FusedOptimizer
     from ..train.in_backward import InBackwardStep
@@ -164,7 +173,7 @@ def _measure_step(optimizer, dtype, state_dtype, sr, master, clip, rows: int) ->
         opt = _NoStep()
     else:
         opt = FusedOptimizer(lin, {"weight": lin.weight}, optimizer, lr=1e-3, state_dtype=state_dtype,
-                             stochastic_rounding=sr, master_weights=master)
+                             stochastic_rounding=sr, master_weights=master, host_kernels=host)
         opt._generator(lin.weight.device)
     stepper = InBackwardStep(opt, [], max_grad_norm=1.0 if clip else 0.0)
     peak = 0

@@ -30,10 +30,22 @@ device after every parameter.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import nn
 
+from . import host_kernels
+
 STATE_SUFFIX = "_optstate"
+
+
+def clip_in_place(g: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale g to norm <= max_norm (per-parameter clipping), in place: bitwise `g * coef`, without
+    a second gradient-sized tensor. No host read of the norm (the coefficient stays a tensor)."""
+    norm = torch.linalg.vector_norm(g.detach().float())
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return g.mul_(coef.to(g.dtype))
 
 
 def _host_scalars(t: torch.Tensor) -> bool:
@@ -106,8 +118,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, named: dict[str, nn.Parameter], kind: str, *, lr: float,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, state_dtype: str = "fp32",
-                 stochastic_rounding: bool = True, master_weights: bool = False, seed: int = 0):
+                 stochastic_rounding: bool = True, master_weights: bool = False, seed: int = 0,
+                 host_kernels: bool = True):
         super().__init__(list(named.values()), {"lr": lr})
+        self.use_host_kernels = host_kernels   # False: the torch-op path everywhere (what a device runs)
         self.kind, self.betas, self.eps, self.weight_decay = kind, tuple(betas), eps, weight_decay
         self.state_dtype = torch.bfloat16 if state_dtype == "bf16" else torch.float32
         self.sr = stochastic_rounding
@@ -130,16 +144,22 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- one parameter -------------------------------------------------------------------------------
     def step_param(self, p: nn.Parameter, grad: torch.Tensor, weight: torch.Tensor | None = None,
-                   lr: float | None = None) -> None:
+                   lr: float | None = None, max_grad_norm: float = 0.0) -> None:
         """Update `p` with `grad`. `weight`: the tensor to update instead of `p.data` (the host copy
         of a streamed weight whose step runs on the host, memory/trainable_streaming.py); `lr`: the
-        learning rate read when the step was issued (a host step may run after the scheduler moved)."""
+        learning rate read when the step was issued (a host step may run after the scheduler moved);
+        `max_grad_norm` > 0: clip this gradient to that norm first (the step owns `grad` and may
+        scale it in place)."""
         name = self.names[p]
         lr = self.param_groups[0]["lr"] if lr is None else lr
         self.steps[name] += 1
+        data = p.data if weight is None else weight
+        if self.kind != "adamw8bit" and self._host_step(name, data, grad, lr, max_grad_norm):
+            return
+        if max_grad_norm > 0:
+            grad = clip_in_place(grad, max_grad_norm)
         if self.kind == "adamw8bit":
             return self._step_bnb(name, p, grad, lr)
-        data = p.data if weight is None else weight
         st = self.holders[name].tensors()
         master = self.masters.get(name)
         exact = data.dtype == torch.float32 and master is None
@@ -161,6 +181,64 @@ class FusedOptimizer(torch.optim.Optimizer):
                 data.copy_(self._round(w))
             else:
                 data.copy_(w)
+
+    # -- the host step: library kernels (host_kernels.py module docstring) ------------------------------
+    def _host_step(self, name: str, data: torch.Tensor, grad: torch.Tensor, lr: float, max_grad_norm: float) -> bool:
+        """The update of a weight held in host memory, at the fused-kernel rate; False where it does
+        not apply (a device tensor, a layout or setting the kernels do not cover, no kernels built):
+        the torch-op path below runs then.
+
+        fp32 weights with fp32 AdamW moments: torch's fused CPU AdamW (`_fused_adamw_`), bitwise
+        torch's `AdamW(fused=True)`. Every other AdamW setting, and Adafactor on bf16 weights:
+        host_kernels.c, one pass per element in fp32 registers. Its results differ from the torch-op
+        path by the order of fp32 operations (a few ulp of fp32 before rounding to bf16), the
+        clipping scale applied in fp32 rather than to a bf16 gradient, and the random bits of
+        stochastic rounding (a hash of seed, tensor, step and element instead of torch's
+        generator); tests/test_host_kernels.py states the tolerances. fp32 Adafactor keeps torch's
+        operations (bitwise torch's Adafactor)."""
+        st = self.holders[name].tensors()
+        master = self.masters.get(name)
+        if not self.use_host_kernels or self.kind not in ("adamw", "adafactor") or not host_kernels.handles(data, grad, master, *st.values()):
+            return False
+        if grad.shape != data.shape:
+            return False
+        fp32_exact = data.dtype == torch.float32 and master is None
+        if self.kind == "adafactor" and (fp32_exact or data.dim() != 2):
+            return False
+        fused_adamw = self.kind == "adamw" and fp32_exact and grad.dtype == torch.float32 \
+            and self.state_dtype == torch.float32
+        if not fused_adamw and host_kernels.library() is None:
+            return False
+        if fused_adamw:
+            # Clipping rides in the kernel: it divides the gradient by grad_scale as it reads it.
+            scale = None
+            if max_grad_norm > 0:
+                coef = max_grad_norm / (float(torch.linalg.vector_norm(grad)) + 1e-6)
+                scale = torch.tensor(1.0 / coef) if coef < 1.0 else None
+            beta1, beta2 = self.betas
+            steps = torch.tensor(float(self.steps[name]))
+            torch._fused_adamw_([data], [grad], [st["exp_avg"]], [st["exp_avg_sq"]], [], [steps], lr=lr,
+                                beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
+                                amsgrad=False, maximize=False, grad_scale=scale)
+            return True
+        gscale = 1.0
+        if max_grad_norm > 0:
+            norm = host_kernels.sumsq(grad) ** 0.5
+            gscale = min(max_grad_norm / (norm + 1e-6), 1.0)
+        step = self.steps[name]
+        key = zlib.crc32(f"{self.seed}:{name}:{step}".encode())
+        decay = 1 - lr * self.weight_decay
+        if self.kind == "adafactor":
+            host_kernels.adafactor_matrix(
+                data, grad, st["row_var"], st["col_var"], gscale=gscale, one_minus_beta2_t=step ** -0.8,
+                rho_t=min(lr, 1 / (step ** 0.5)), decay=decay, eps1=torch.finfo(torch.float32).eps, eps2=1e-3,
+                sr_w=self.sr, key=key)
+            return True
+        beta1, beta2 = self.betas
+        return host_kernels.adamw(
+            data, master, grad, st["exp_avg"], st["exp_avg_sq"], gscale=gscale, decay=decay, beta1=beta1,
+            beta2=beta2, eps=self.eps, step_size=lr / (1 - beta1 ** step), bc2_sqrt=(1 - beta2 ** step) ** 0.5,
+            sr_w=self.sr, sr_state=self.sr, key=key)
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         return stochastic_round_to_bf16(x, self._generator(x.device)) if self.sr else x.to(torch.bfloat16)

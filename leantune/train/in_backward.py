@@ -111,11 +111,7 @@ class InBackwardStep:
 
     def _step(self, p: torch.nn.Parameter, g: torch.Tensor, weight: torch.Tensor | None = None,
               lr: float | None = None) -> None:
-        if self.max_grad_norm > 0:
-            norm = torch.linalg.vector_norm(g.detach().float())
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            g = g * coef.to(g.dtype)
-        self.optimizer.step_param(p, g, weight, lr)
+        self.optimizer.step_param(p, g, weight, lr, max_grad_norm=self.max_grad_norm)
 
     # -- a step --------------------------------------------------------------------------------------
     def begin_step(self) -> None:

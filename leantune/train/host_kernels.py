@@ -1,0 +1,200 @@
+"""The host optimizer step's element loops in C, built on first use and called from threads.
+
+Why: the host step ([full] streamed_step = "host", and every step on a CPU compute device) updates
+billions of weights per optimizer step on the CPU. torch's fused CPU AdamW covers fp32 weights with
+fp32 moments (train/fused_optim.py calls it there, bitwise torch's `AdamW(fused=True)`), but not
+bf16 weights with fp32 moments, fp32 masters beside bf16 weights, stochastic rounding, or Adafactor;
+as torch ops those take a dozen passes with full-size fp32 temporaries and run 10-25x below the
+fused kernel. host_kernels.c does each in one pass per element, no temporaries.
+
+How it is built: plain C, no torch headers, compiled with the system C compiler ($CC, else cc or
+gcc) into $LEANTUNE_CACHE_DIR (else ~/.cache/leantune)/host_kernels/ the first time a step needs it
+(about a second), never at import; the file name carries a hash of the source and the compiler, and
+it is written under a temporary name and renamed. Where no compiler exists, or the build fails, or
+LEANTUNE_HOST_KERNELS=0, `library()` returns None and the optimizer keeps its torch-op path (same
+math, slower); `unavailable_reason()` says why.
+
+Threads: a tensor is split into as many contiguous ranges as torch uses intra-op threads; each range
+is one C call on a worker thread (ctypes drops the GIL during the call). The random bits of
+stochastic rounding are a hash of (key, element index), so the result does not depend on the split.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("host_kernels.c")
+MIN_PER_THREAD = 1 << 16            # elements: below this a tensor is one call on the calling thread
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_reason = ""
+_pool: ThreadPoolExecutor | None = None
+
+_i64, _i32, _u32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LEANTUNE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "leantune")
+    return Path(root) / "host_kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build() -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler on PATH ($CC, cc, gcc)")
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC"]
+    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_dir() / f"host_kernels-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    cmd = [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-1500:]}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None where they cannot be had (see unavailable_reason)."""
+    global _lib, _tried, _reason
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if os.environ.get("LEANTUNE_HOST_KERNELS", "1") == "0":
+            _reason = "LEANTUNE_HOST_KERNELS=0"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build()))
+                lib.lt_adamw.restype = _i32
+                lib.lt_adamw.argtypes = [_i64, _i64, _p, _i32, _p, _p, _i32, _p, _p, _i32, _f32, _f32, _f32, _f32,
+                                         _f32, _f32, _f32, _i32, _i32, _u32]
+                lib.lt_sumsq.restype = ctypes.c_double
+                lib.lt_sumsq.argtypes = [_i64, _i64, _p, _i32]
+                lib.lt_adafactor_stats.restype = ctypes.c_double
+                lib.lt_adafactor_stats.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p]
+                lib.lt_adafactor_update.restype = ctypes.c_double
+                lib.lt_adafactor_update.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p, _f32, _f32,
+                                                    _f32, _f32, _i32, _i32, _u32]
+                _lib = lib
+            except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+                _reason = f"host kernels not built: {e}"
+        _tried = True
+    return _lib
+
+
+def unavailable_reason() -> str:
+    library()
+    return _reason
+
+
+def handles(*tensors: torch.Tensor | None) -> bool:
+    """Whether these tensors can go to the kernels: on the CPU, contiguous, bf16 or fp32."""
+    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()
+                             and t.dtype in (torch.bfloat16, torch.float32)) for t in tensors)
+
+
+def _ranges(n: int, align: int = 64) -> list[tuple[int, int]]:
+    parts = max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
+    step = -(-n // parts)
+    step = -(-step // align) * align
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _parallel(fn, ranges: list[tuple[int, int]]) -> list:
+    """fn(lo, hi) over the ranges: the first on this thread, the rest on the pool."""
+    global _pool
+    if len(ranges) == 1:
+        return [fn(*ranges[0])]
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="leantune-host-kernel")
+    futs = [_pool.submit(fn, lo, hi) for lo, hi in ranges[1:]]
+    first = fn(*ranges[0])
+    return [first] + [f.result() for f in futs]
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _bf(t: torch.Tensor | None) -> int:
+    return int(t is not None and t.dtype == torch.bfloat16)
+
+
+def sumsq(x: torch.Tensor) -> float:
+    """Sum of squares of x (fp32 arithmetic in short runs, double across them), threaded."""
+    lib = library()
+    return sum(_parallel(lambda lo, hi: lib.lt_sumsq(lo, hi, _ptr(x), _bf(x)), _ranges(x.numel())))
+
+
+def adamw(w: torch.Tensor, master: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
+          gscale: float, decay: float, beta1: float, beta2: float, eps: float, step_size: float, bc2_sqrt: float,
+          sr_w: bool, sr_state: bool, key: int) -> bool:
+    """One AdamW update of w (and master) in place; False where the kernel has no such combination."""
+    lib = library()
+    mv_bf = _bf(m)
+    sr_w = bool(sr_w and w.dtype == torch.bfloat16 and master is None)
+    sr_state = bool(sr_state and mv_bf)
+    args = (_ptr(w), _bf(w), _ptr(master), _ptr(g), _bf(g), _ptr(m), _ptr(v), mv_bf, gscale, decay, beta1, beta2,
+            eps, step_size, bc2_sqrt, int(sr_w), int(sr_state), key & 0xFFFFFFFF)
+    return not any(_parallel(lambda lo, hi: lib.lt_adamw(lo, hi, *args), _ranges(w.numel())))
+
+
+def adafactor_matrix(w: torch.Tensor, g: torch.Tensor, row_var: torch.Tensor, col_var: torch.Tensor, *,
+                     gscale: float, one_minus_beta2_t: float, rho_t: float, decay: float, eps1: float, eps2: float,
+                     sr_w: bool, key: int) -> None:
+    """torch's Adafactor update of a 2-D weight (factored second moment), in three passes over the
+    gradient and none over a temporary: (1) row and column sums of squares of g and ||w||; the
+    small row/column moments are updated with torch ops; (2) ||update||; (3) the update itself."""
+    lib = library()
+    rows, cols = w.shape
+    row_ranges = _split_rows(rows, len(_ranges(rows * cols)))
+    row_sq = torch.empty(rows, dtype=torch.float32)
+    col_parts = torch.zeros(len(row_ranges), cols, dtype=torch.float32)
+    wsq = sum(_parallel(lambda k, _: lib.lt_adafactor_stats(
+        *row_ranges[k], cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(row_sq), _ptr(col_parts[k])),
+        [(k, 0) for k in range(len(row_ranges))]))
+    alpha = max(eps2, (wsq ** 0.5) / (w.numel() ** 0.5)) * rho_t
+    row_var.view(rows).lerp_(row_sq.div_(cols), one_minus_beta2_t)
+    col_var.view(cols).lerp_(col_parts.sum(0).div_(rows), one_minus_beta2_t)
+    inv_rmean = 1.0 / max(float(row_var.mean()), eps1)
+    rv, cv = row_var.view(rows).contiguous(), col_var.view(cols).contiguous()
+    common = (cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(rv), _ptr(cv), inv_rmean, eps1 * eps1, decay)
+    usq = sum(_parallel(lambda r0, r1: lib.lt_adafactor_update(r0, r1, *common, 0.0, 0, 0, 0), row_ranges))
+    denom = max(1.0, (usq ** 0.5) / (w.numel() ** 0.5))
+    sr = int(sr_w and w.dtype == torch.bfloat16)
+    _parallel(lambda r0, r1: lib.lt_adafactor_update(r0, r1, *common, alpha / denom, 1, sr, key & 0xFFFFFFFF),
+              row_ranges)
+
+
+def _split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-rows // max(1, parts))
+    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
+
