@@ -63,16 +63,17 @@ static inline float load(const void *p, int bf16, int64_t i) {
 /* AdamW with decoupled weight decay, the operation order of torch's single-tensor AdamW:
  *   w *= 1 - lr*wd;  m = lerp(m, g, 1-b1);  v = v*b2 + (1-b2)*g*g;
  *   w -= step_size * m / (sqrt(v)/bc2_sqrt + eps)
- * g is scaled by gscale first (per-parameter clipping). The weight is read from `master` (fp32)
+ * g is scaled by gscale first (per-parameter clipping). 1 - beta1 and 1 - beta2 come from the caller
+ * (computed in double, as torch does: 1 - (float)0.999 is 1.3e-5 off). The weight is read from `master` (fp32)
  * when given, else from `w`; it is written to `master` and rounded to nearest into `w`, or rounded
  * stochastically (sr_w) or to nearest into a bf16 `w`, or stored into an fp32 `w`.
  * Moments: fp32, or bf16 rounded stochastically (sr_state) or to nearest. */
 static inline __attribute__((always_inline)) void adamw_body(
         int64_t lo, int64_t hi, void *restrict w, const int w_bf16, const int has_master, float *restrict master,
         const void *restrict g, const int g_bf16,
-        void *restrict m, void *restrict v, const int mv_bf16, float gscale, float decay, float beta1, float beta2, float eps,
-        float step_size, float bc2_sqrt, const int sr_w, const int sr_state, uint32_t key) {
-    const float one_minus_b1 = 1.0f - beta1, one_minus_b2 = 1.0f - beta2;
+        void *restrict m, void *restrict v, const int mv_bf16, float gscale, float decay, float one_minus_b1,
+        float beta2, float one_minus_b2, float eps, float step_size, float bc2_sqrt, const int sr_w,
+        const int sr_state, uint32_t key) {
     for (int64_t i = lo; i < hi; i++) {
         float x = has_master ? master[i] : load(w, w_bf16, i);
         float gi = load(g, g_bf16, i) * gscale;
@@ -110,19 +111,19 @@ static inline __attribute__((always_inline)) void adamw_body(
 
 #define ADAMW_CASE(WB, GB, MB, SRW, SRS)                                                              \
     if (w_bf16 == WB && g_bf16 == GB && mv_bf16 == MB && sr_w == SRW && sr_state == SRS && master) {  \
-        adamw_body(lo, hi, w, WB, 1, master, g, GB, m, v, MB, gscale, decay, beta1, beta2, eps, step_size, \
-                   bc2_sqrt, SRW, SRS, key);                                                          \
+        adamw_body(lo, hi, w, WB, 1, master, g, GB, m, v, MB, gscale, decay, one_minus_b1, beta2, one_minus_b2, eps, \
+                   step_size, bc2_sqrt, SRW, SRS, key);                                                          \
         return 0;                                                                                     \
     }                                                                                                 \
     if (w_bf16 == WB && g_bf16 == GB && mv_bf16 == MB && sr_w == SRW && sr_state == SRS && !master) { \
-        adamw_body(lo, hi, w, WB, 0, master, g, GB, m, v, MB, gscale, decay, beta1, beta2, eps, step_size, \
-                   bc2_sqrt, SRW, SRS, key);                                                          \
+        adamw_body(lo, hi, w, WB, 0, master, g, GB, m, v, MB, gscale, decay, one_minus_b1, beta2, one_minus_b2, eps, \
+                   step_size, bc2_sqrt, SRW, SRS, key);                                                          \
         return 0;                                                                                     \
     }
 
 int lt_adamw(int64_t lo, int64_t hi, void *w, int w_bf16, float *master, const void *g, int g_bf16,
-             void *m, void *v, int mv_bf16, float gscale, float decay, float beta1, float beta2, float eps,
-             float step_size, float bc2_sqrt, int sr_w, int sr_state, uint32_t key) {
+             void *m, void *v, int mv_bf16, float gscale, float decay, float one_minus_b1, float beta2,
+             float one_minus_b2, float eps, float step_size, float bc2_sqrt, int sr_w, int sr_state, uint32_t key) {
     /* Each combination is its own loop, so the compiler vectorises it without branches inside. */
     ADAMW_CASE(1, 1, 0, 1, 0) ADAMW_CASE(1, 1, 0, 0, 0) ADAMW_CASE(1, 1, 1, 1, 1) ADAMW_CASE(1, 1, 1, 1, 0)
     ADAMW_CASE(1, 1, 1, 0, 1) ADAMW_CASE(1, 1, 1, 0, 0) ADAMW_CASE(1, 0, 0, 1, 0) ADAMW_CASE(1, 0, 0, 0, 0)

@@ -93,7 +93,7 @@ def library() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(_build()))
                 lib.lt_adamw.restype = _i32
                 lib.lt_adamw.argtypes = [_i64, _i64, _p, _i32, _p, _p, _i32, _p, _p, _i32, _f32, _f32, _f32, _f32,
-                                         _f32, _f32, _f32, _i32, _i32, _u32]
+                                         _f32, _f32, _f32, _f32, _i32, _i32, _u32]
                 lib.lt_sumsq.restype = ctypes.c_double
                 lib.lt_sumsq.argtypes = [_i64, _i64, _p, _i32]
                 lib.lt_adafactor_stats.restype = ctypes.c_double
@@ -162,8 +162,8 @@ def adamw(w: torch.Tensor, master: torch.Tensor | None, g: torch.Tensor, m: torc
     mv_bf = _bf(m)
     sr_w = bool(sr_w and w.dtype == torch.bfloat16 and master is None)
     sr_state = bool(sr_state and mv_bf)
-    args = (_ptr(w), _bf(w), _ptr(master), _ptr(g), _bf(g), _ptr(m), _ptr(v), mv_bf, gscale, decay, beta1, beta2,
-            eps, step_size, bc2_sqrt, int(sr_w), int(sr_state), key & 0xFFFFFFFF)
+    args = (_ptr(w), _bf(w), _ptr(master), _ptr(g), _bf(g), _ptr(m), _ptr(v), mv_bf, gscale, decay, 1 - beta1, beta2,
+            1 - beta2, eps, step_size, bc2_sqrt, int(sr_w), int(sr_state), key & 0xFFFFFFFF)
     return not any(_parallel(lambda lo, hi: lib.lt_adamw(lo, hi, *args), _ranges(w.numel())))
 
 
