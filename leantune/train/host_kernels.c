@@ -155,11 +155,16 @@ double lt_sumsq(int64_t lo, int64_t hi, const void *x, int bf16) {
     return s;
 }
 
-/* Adafactor, pass 1 over rows [r0, r1) of a (rows, cols) gradient: each row's sum of squares into
- * row_sq[r] and this range's column sums of squares into col_sq (zeroed by the caller, one per
- * thread). Returns the sum of squares of the weight rows (for the relative step size). */
-double lt_adafactor_stats(int64_t r0, int64_t r1, int64_t cols, const void *g, int g_bf16, float gscale,
-                          const void *w, int w_bf16, float *row_sq, float *col_sq) {
+/* torch.lerp's formula (two branches, for accuracy near either end). */
+static inline float lerp(float start, float end, float weight) {
+    return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+
+/* Adafactor, pass 1a over rows [r0, r1) of a (rows, cols) gradient: row_var[r] moves toward the
+ * row's mean square by `beta` (torch's lerp). Returns the sum of squares of the weight's rows (for
+ * the relative step size). Nothing is allocated: the row moments are updated where they are. */
+double lt_adafactor_rows(int64_t r0, int64_t r1, int64_t cols, const void *g, int g_bf16, float gscale,
+                         const void *w, int w_bf16, float *row_var, float beta) {
     double wsq = 0.0;
     for (int64_t r = r0; r < r1; r++) {
         float rs = 0.0f, ws = 0.0f;
@@ -167,16 +172,34 @@ double lt_adafactor_stats(int64_t r0, int64_t r1, int64_t cols, const void *g, i
 #pragma omp simd reduction(+ : rs, ws)
         for (int64_t c = 0; c < cols; c++) {
             float gi = load(g, g_bf16, base + c) * gscale;
-            float sq = gi * gi;
-            rs += sq;
-            col_sq[c] += sq;
+            rs += gi * gi;
             float wi = load(w, w_bf16, base + c);
             ws += wi * wi;
         }
-        row_sq[r] = rs;
+        row_var[r] = lerp(row_var[r], rs / (float)cols, beta);
         wsq += ws;
     }
     return wsq;
+}
+
+/* Adafactor, pass 1b over columns [c0, c1): col_var[c] moves toward the column's mean square,
+ * COL_BLOCK columns at a time (their sums on the stack, the rows' segments read in order). */
+#define COL_BLOCK 512
+void lt_adafactor_cols(int64_t c0, int64_t c1, int64_t rows, int64_t cols, const void *g, int g_bf16,
+                       float gscale, float *col_var, float beta) {
+    float acc[COL_BLOCK];
+    for (int64_t b = c0; b < c1; b += COL_BLOCK) {
+        const int64_t n = (c1 - b) < COL_BLOCK ? (c1 - b) : COL_BLOCK;
+        for (int64_t k = 0; k < n; k++) acc[k] = 0.0f;
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t base = r * cols + b;
+            for (int64_t k = 0; k < n; k++) {
+                float gi = load(g, g_bf16, base + k) * gscale;
+                acc[k] += gi * gi;
+            }
+        }
+        for (int64_t k = 0; k < n; k++) col_var[b + k] = lerp(col_var[b + k], acc[k] / (float)rows, beta);
+    }
 }
 
 /* Adafactor, pass 2 (apply = 0): the sum of squares of the update u = g * rsqrt(max(rvar[r] *

@@ -96,8 +96,10 @@ def library() -> ctypes.CDLL | None:
                                          _f32, _f32, _f32, _f32, _i32, _i32, _u32]
                 lib.lt_sumsq.restype = ctypes.c_double
                 lib.lt_sumsq.argtypes = [_i64, _i64, _p, _i32]
-                lib.lt_adafactor_stats.restype = ctypes.c_double
-                lib.lt_adafactor_stats.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p]
+                lib.lt_adafactor_rows.restype = ctypes.c_double
+                lib.lt_adafactor_rows.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _f32]
+                lib.lt_adafactor_cols.restype = None
+                lib.lt_adafactor_cols.argtypes = [_i64, _i64, _i64, _i64, _p, _i32, _f32, _p, _f32]
                 lib.lt_adafactor_update.restype = ctypes.c_double
                 lib.lt_adafactor_update.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p, _f32, _f32,
                                                     _f32, _f32, _i32, _i32, _u32]
@@ -170,22 +172,22 @@ def adamw(w: torch.Tensor, master: torch.Tensor | None, g: torch.Tensor, m: torc
 def adafactor_matrix(w: torch.Tensor, g: torch.Tensor, row_var: torch.Tensor, col_var: torch.Tensor, *,
                      gscale: float, one_minus_beta2_t: float, rho_t: float, decay: float, eps1: float, eps2: float,
                      sr_w: bool, key: int) -> None:
-    """torch's Adafactor update of a 2-D weight (factored second moment), in three passes over the
-    gradient and none over a temporary: (1) row and column sums of squares of g and ||w||; the
-    small row/column moments are updated with torch ops; (2) ||update||; (3) the update itself."""
+    """torch's Adafactor update of a 2-D weight (factored second moment), in four passes over the
+    gradient and none over a temporary: (1a) the row moments and ||w||, split by rows; (1b) the
+    column moments, split by columns; (2) ||update||; (3) the update itself."""
     lib = library()
     rows, cols = w.shape
-    row_ranges = _split_rows(rows, len(_ranges(rows * cols)))
-    row_sq = torch.empty(rows, dtype=torch.float32)
-    col_parts = torch.zeros(len(row_ranges), cols, dtype=torch.float32)
-    wsq = sum(_parallel(lambda k, _: lib.lt_adafactor_stats(
-        *row_ranges[k], cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(row_sq), _ptr(col_parts[k])),
-        [(k, 0) for k in range(len(row_ranges))]))
+    parts = len(_ranges(rows * cols))
+    row_ranges, col_ranges = _split(rows, parts), _split(cols, parts)
+    rv, cv = row_var.view(rows), col_var.view(cols)
+    if not (rv.is_contiguous() and cv.is_contiguous()):
+        raise ValueError("adafactor_matrix: the row/column moments must be contiguous")
+    wsq = sum(_parallel(lambda r0, r1: lib.lt_adafactor_rows(
+        r0, r1, cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(rv), one_minus_beta2_t), row_ranges))
+    _parallel(lambda c0, c1: lib.lt_adafactor_cols(
+        c0, c1, rows, cols, _ptr(g), _bf(g), gscale, _ptr(cv), one_minus_beta2_t), col_ranges)
     alpha = max(eps2, (wsq ** 0.5) / (w.numel() ** 0.5)) * rho_t
-    row_var.view(rows).lerp_(row_sq.div_(cols), one_minus_beta2_t)
-    col_var.view(cols).lerp_(col_parts.sum(0).div_(rows), one_minus_beta2_t)
-    inv_rmean = 1.0 / max(float(row_var.mean()), eps1)
-    rv, cv = row_var.view(rows).contiguous(), col_var.view(cols).contiguous()
+    inv_rmean = 1.0 / max(float(rv.sum(dtype=torch.float64)) / rows, eps1)
     common = (cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(rv), _ptr(cv), inv_rmean, eps1 * eps1, decay)
     usq = sum(_parallel(lambda r0, r1: lib.lt_adafactor_update(r0, r1, *common, 0.0, 0, 0, 0), row_ranges))
     denom = max(1.0, (usq ** 0.5) / (w.numel() ** 0.5))
@@ -194,7 +196,7 @@ def adafactor_matrix(w: torch.Tensor, g: torch.Tensor, row_var: torch.Tensor, co
               row_ranges)
 
 
-def _split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+def _split(rows: int, parts: int) -> list[tuple[int, int]]:
     step = -(-rows // max(1, parts))
     return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
