@@ -133,24 +133,26 @@ int lt_adamw(int64_t lo, int64_t hi, void *w, int w_bf16, float *master, const v
     return 1;   /* a combination not built: the caller falls back to torch ops */
 }
 
-/* Sum of squares of x[lo:hi] in double (the clipping norm of a bf16 gradient without an fp32 copy). */
+/* Sum of squares of x[lo:hi]: fp32 sums over runs of 4096 elements (vectorised), added in double
+ * (the clipping norm of a bf16 gradient without an fp32 copy). */
 double lt_sumsq(int64_t lo, int64_t hi, const void *x, int bf16) {
     double s = 0.0;
-    float acc[16] = {0};
-    int64_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        for (int k = 0; k < 16; k++) {
-            float t = load(x, bf16, i + k);
-            acc[k] += t * t;
+    for (int64_t b = lo; b < hi; b += 4096) {
+        const int64_t e = (hi - b) < 4096 ? hi : b + 4096;
+        float acc = 0.0f;
+        if (bf16) {
+            const uint16_t *p = (const uint16_t *)x;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = b; i < e; i++) {
+                float t = bf16_to_f32(p[i]);
+                acc += t * t;
+            }
+        } else {
+            const float *p = (const float *)x;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = b; i < e; i++) acc += p[i] * p[i];
         }
-        if (((i - lo) & 0xFFFF) == 0) {     /* flush to double now and then: fp32 partials stay short */
-            for (int k = 0; k < 16; k++) { s += acc[k]; acc[k] = 0.0f; }
-        }
-    }
-    for (int k = 0; k < 16; k++) s += acc[k];
-    for (; i < hi; i++) {
-        float t = load(x, bf16, i);
-        s += (double)t * t;
+        s += acc;
     }
     return s;
 }
