@@ -185,8 +185,9 @@ double lt_adafactor_rows(int64_t r0, int64_t r1, int64_t cols, const void *g, in
 }
 
 /* Adafactor, pass 1b over columns [c0, c1): col_var[c] moves toward the column's mean square,
- * COL_BLOCK columns at a time (their sums on the stack, the rows' segments read in order). */
-#define COL_BLOCK 512
+ * COL_BLOCK columns at a time (their sums on the stack, 32 KB; each row's segment of the range read in
+ * order, so a thread streams through its columns row after row). */
+#define COL_BLOCK 8192
 void lt_adafactor_cols(int64_t c0, int64_t c1, int64_t rows, int64_t cols, const void *g, int g_bf16,
                        float gscale, float *col_var, float beta) {
     float acc[COL_BLOCK];
