@@ -1027,3 +1027,26 @@ def test_machine_probe_measures_a_gpu():
     m = probe_machine()
     assert m.measured and m.vram_total >= m.vram_free > 0
     assert 1e9 < m.h2d_pinned < 1e12 and m.flops > 1e12 and m.hbm > m.h2d_pinned
+
+
+def test_the_activation_probe_builds_no_adapter_memory_at_a_huge_rank(one_thread):
+    """`leantune plan --rank 100000` priced the adapters by building them: peft creates each on the
+    CPU and draws its init before moving it to the probe's meta device. The probe now creates them
+    on meta: nothing the size of an adapter is allocated anywhere but on meta, and the LoRA
+    activations still grow with the rank."""
+    from leantune.memory.simulated import DeviceMemoryTracker
+    from leantune.planner.activation_probe import probe_activations
+
+    model = tiny_lora_model(rank=4)
+    res = 256
+    saved = {}
+    for rank in (4, 100000):
+        workload = Workload(rank=rank, buckets=((res, res),), text_length=8, dtype=torch.float32, autocast=False,
+                            allow_fp8=False)
+        tracker = DeviceMemoryTracker()
+        with tracker:
+            profile = probe_activations(FLUX_SPEC, model, workload, (res, res))
+        off_meta = {d: b for d, b in tracker.peak.items() if d != "meta"}
+        assert sum(off_meta.values()) < 1 << 20, off_meta       # a rank-100000 adapter is > 10 MB here
+        saved[rank] = profile.kinds["double"].saved
+    assert saved[100000] > saved[4]

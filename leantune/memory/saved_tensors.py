@@ -45,19 +45,39 @@ class SlotSavedTensors:
         # Keyed by storage identity, not data_ptr(): a fake or meta storage (the simulated device,
         # memory/simulated.py) has data_ptr() 0, which would make every tensor look like a slot view.
         self.by_storage = {storage_key(s.buf): s for s in slots}
+        # Real slots (CPU, CUDA): their address ranges, found once. A tensor whose first element lies
+        # in a slot's range is a view of that slot (no other live allocation overlaps it), and
+        # data_ptr() is a field read where untyped_storage() builds a Python object per saved tensor.
+        real = all(s.buf.device.type in ("cpu", "cuda") and s.buf.data_ptr() for s in slots)
+        self.ranges = [(s.buf.data_ptr(), s.buf.data_ptr() + s.buf.numel(), s) for s in slots] if real else None
 
     def installed(self):
         """The context in which a unit's forward runs: its saved slot views become handles."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        slot = self.by_storage.get(storage_key(t))
+        # Called for every tensor autograd saves in a streamed unit's forward (about 60 per Flux
+        # block), most of them activations: the common case is a few integer comparisons.
+        ranges = self.ranges
+        if ranges is not None:
+            try:
+                p = t.data_ptr()
+            except RuntimeError:                      # no storage (a wrapper subclass): look it up
+                slot = self.by_storage.get(storage_key(t))
+            else:
+                for lo, hi, slot in ranges:
+                    if lo <= p < hi:
+                        break
+                else:
+                    return t
+        else:
+            slot = self.by_storage.get(storage_key(t))
         if slot is None:
             return t
         return SavedSlotView(slot.owner, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def unpack(self, h):
-        if not isinstance(h, SavedSlotView):
+        if h.__class__ is not SavedSlotView:
             return h
         slot = self.slots[h.unit.slot]
         if h.unit.refs == 0 or slot.owner is not h.unit or not slot.valid:
@@ -68,3 +88,4 @@ class SlotSavedTensors:
     def clear(self) -> None:
         """Forget the slots (teardown): no tensor is a slot view any more."""
         self.by_storage.clear()
+        self.ranges = None if self.ranges is None else []

@@ -194,8 +194,13 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
         if workload.lora_blocks is not None:   # a kind with any LoRA block is probed with LoRA
             blocks = {kind: (list(range(len(getattr(probe, spec.block_list(kind).attr)))) if idx else [])
                       for kind, idx in workload.lora_blocks.items()}
-        add_lora(probe, spec, LoraConfig(rank=workload.rank, targets=workload.targets, blocks=blocks,
-                                         dropout=workload.lora_dropout))
+        # Created on meta: peft builds each adapter on the CPU (and draws its init) before moving it
+        # to the base layer's device, which at a large rank (`leantune plan --rank 100000`) allocated
+        # gigabytes and took minutes. On meta the adapters cost nothing, and the probe still sees
+        # their activations at the run's rank (their bytes are weight_bytes.AdapterShape's).
+        with torch.device("meta"):
+            add_lora(probe, spec, LoraConfig(rank=workload.rank, targets=workload.targets, blocks=blocks,
+                                             dropout=workload.lora_dropout))
     if fp8 or modulation:
         apply_fp8_storage(probe, spec, quantize_rest=fp8, modulation=modulation, compute_dtype=workload.dtype,
                           keep_trainable=workload.mode == "full")
