@@ -175,6 +175,7 @@ class DistContext:
     accelerator: object = None      # the run's accelerate.Accelerator (None: a bare context for unit use)
     device: torch.device | None = None   # the accelerator's device for this process
     _saved_env: dict | None = None
+    _host_group: object = None       # a gloo group for host tensors when the default group has no CPU backend
 
     @property
     def is_main(self) -> bool:
@@ -216,12 +217,13 @@ class DistContext:
         # accelerate names a CPU process's device "cpu:<local rank mod 1>"; CPU tensors say "cpu", and
         # the memory engine compares devices, so the plain name is used.
         device = accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
+        host_group = host_group_for_default() if distributed else None
         return cls(rank=accelerator.process_index, world_size=accelerator.num_processes,
                    local_rank=accelerator.local_process_index,
                    local_world_size=env["LOCAL_WORLD_SIZE"] if env is not None else 1,
                    strategy=strategy, backend=state.backend if distributed else None,
                    owns_group=dist.is_initialized() and not had_group, accelerator=accelerator,
-                   device=device, _saved_env=saved_env)
+                   device=device, _saved_env=saved_env, _host_group=host_group)
 
     def close(self, finished: bool = False) -> None:
         """Release the Accelerator's process-wide state, and the process group it created.
@@ -236,9 +238,12 @@ class DistContext:
 
             self.accelerator = None
             release_accelerator(self._saved_env or {})
-        if self.owns_group:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        if self._host_group is not None and not self.owns_group and dist.is_initialized():
+            dist.destroy_process_group(self._host_group)
+        self._host_group = None
+        if self.owns_group:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.owns_group = False
@@ -254,11 +259,29 @@ class DistContext:
         logger.addHandler(handler)
 
     # -- collectives ---------------------------------------------------------------------------------
+    # The step's small agreements (loss sum, votes, observations, object broadcasts) carry host
+    # tensors. NCCL serves CUDA tensors only ("No backend type associated with device type cpu"), so
+    # they go over `_host_group` (gloo) whenever the default group has no CPU backend; a GPU run then
+    # never copies a flag to the device and back (no synchronize) to agree on it.
+    @property
+    def host_group(self):
+        """The group for host tensors: None (the default group) when it serves the CPU."""
+        return self._host_group
+
+    def group_for(self, device: torch.device):
+        """The group whose backend serves tensors of `device` (None: the default group)."""
+        if device.type == "cpu":
+            return self._host_group
+        if not _serves(None, device.type):
+            raise RuntimeError(f"the process group has no backend for {device.type} tensors "
+                               f"({_backend_config(None)})")
+        return None
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=self._host_group)
 
     def main_first(self, fn: Callable):
         """Run `fn` on rank 0, then (behind a barrier) on the others: caches are filled once and
@@ -280,7 +303,7 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._host_group)
         return float(t.item())
 
     def gather(self, value: float) -> list[float]:
@@ -290,7 +313,7 @@ class DistContext:
         import torch.distributed as dist
 
         out = [None] * self.world_size
-        dist.all_gather_object(out, float(value))
+        dist.all_gather_object(out, float(value), group=self._host_group)
         return [float(v) for v in out]
 
     def rank_memory(self, sample) -> str:
@@ -314,7 +337,7 @@ class DistContext:
         import torch.distributed as dist
 
         out = [None] * self.world_size
-        dist.all_gather_object(out, (int(peak), float(seconds), report))
+        dist.all_gather_object(out, (int(peak), float(seconds), report), group=self._host_group)
         return max(o[0] for o in out), max(o[1] for o in out), out[0][2]
 
     def vote(self, ok: bool) -> bool:
@@ -324,7 +347,7 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor([0.0 if ok else 1.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._host_group)
         return t.item() == 0.0
 
     def shared_host(self, cfg, mode_name: str):
@@ -341,7 +364,7 @@ class DistContext:
         from .memory.shared_host import SharedHostBuffers
 
         box = [uuid.uuid4().hex[:12] if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._host_group)
         return SharedHostBuffers(box[0], leader=self.is_local_main)
 
     def local_main_first(self, fn: Callable, shared=None):
@@ -442,9 +465,9 @@ class DistContext:
         by_device: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault((g.device, g.dtype), []).append(g)
-        for group in by_device.values():
+        for (device, _), group in by_device.items():
             flat = torch._utils._flatten_dense_tensors(group)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group_for(device))
             for g, reduced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 g.copy_(reduced)
 
@@ -474,6 +497,36 @@ class DistContext:
                                   f"(weights, optimizer and step count are kept; the rest of this epoch is skipped).")
         log.warning("%s: continuing at the start of the next epoch (allow_world_size_change = true)", what)
         return False
+
+
+def _backend_config(group) -> str:
+    from torch.distributed import distributed_c10d as c10d
+
+    return str(c10d._world.pg_backend_config.get(group or c10d._get_default_group(), "?"))
+
+
+def _serves(group, device_type: str) -> bool:
+    """Whether `group` (None: the default group) has a backend for tensors of `device_type`."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group or c10d._get_default_group()
+    types = getattr(pg, "_device_types", None)
+    if types is not None:
+        return any(d.type == device_type for d in types)
+    config = _backend_config(group)            # "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+    if ":" in config:
+        return any(part.split(":")[0] == device_type for part in config.split(","))
+    return (config == "gloo") if device_type == "cpu" else config in ("gloo", "nccl")
+
+
+def host_group_for_default():
+    """A gloo group beside a default group that has no CPU backend (NCCL), else None. Collective:
+    every rank calls it once, in the same order as its other group creations."""
+    import torch.distributed as dist
+
+    if _serves(None, "cpu"):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def launch_env() -> dict | None:

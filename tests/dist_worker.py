@@ -9,6 +9,11 @@ forward/backward fail as the CUDA allocator does, and makes the planner answer t
 streaming + checkpointing plan (exact on CPU); "oomfull" (a full fine-tune) makes rank 1's 9th
 forward/backward fail the same way, with no planner. The results are written after every config,
 so a config that ends the processes leaves those of the configs before it.
+
+The process group has NCCL's device restriction (tests/nccl_like.py): a host tensor handed to the
+default group fails as under NCCL. `--plain-gloo` (first argument after OUT) starts plain gloo for
+the FSDP2 / DeepSpeed runs, whose own collectives carry the model's tensors (CPU ones here; CUDA
+ones, served by NCCL, on a GPU: bench/gpu_checks.sh runs those under NCCL).
 """
 
 import json
@@ -20,12 +25,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nccl_like import init_group  # noqa: E402
+
 torch.set_num_threads(1)
 
 
 def main(out: str, *configs: str) -> None:
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
+    plain = configs[:1] == ("--plain-gloo",)
+    configs = configs[1:] if plain else configs
+    init_group(plain=plain)
     from leantune.config import load_config
     from leantune.planner import search as planner_mod
     from leantune.models import flux_loading
@@ -79,7 +89,9 @@ def main(out: str, *configs: str) -> None:
         results[Path(path).stem] = {"losses": result.losses, **counts,
                                     "files": [str(f) for f in result.lora_files]}
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()                   # no rank tears the group down while another's last op is in flight
+    # No rank tears the group down while another's last op is in flight (over a group that serves
+    # host tensors: the default one may not).
+    dist.barrier(group=dist.new_group(backend="gloo"))
     dist.destroy_process_group()
 
 

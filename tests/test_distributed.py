@@ -270,6 +270,26 @@ def _loss_gap(a: list[float], b: list[float], what: str) -> None:
     print(f"{what}: largest relative loss difference {rel:.2e}")
 
 
+def test_every_collective_of_the_run_works_under_nccls_device_restriction(tmp_path):
+    """Two processes on a group whose device map has no CPU backend (tests/nccl_like.py: NCCL's
+    restriction, NCCL's error): every collective the trainer calls (the step's loss sum, the
+    gradient vote, gather, the calibration's observation, barrier, the gradient all-reduce, an OOM
+    announced by rank 1) works and gives the agreed values on both ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_collectives_worker.py"), str(tmp_path)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    errors = {k: v["error"] for r in ranks for k, v in r.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    for r in ranks:
+        assert r["sum"] == 4.0 and r["vote"] == [True, False] and r["gather"] == [0.0, 10.0]
+        assert r["observation"] == [101, 2.0, {"r": 0}] and r["barrier"] == "ok"
+        assert r["sync_gradients"] == [[3.0, 3.0, 3.0], [0.0, 0.0]]
+    assert ranks[0]["main_first"] == 0 and ranks[1]["main_first"] == 1
+    assert ranks[0]["agreed_step"] == "RankOutOfMemory" and ranks[1]["agreed_step"] == "OutOfMemoryError"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_flux_dir, images):
     """One process, batch_size 2: what two processes with batch_size 1 must reproduce."""
@@ -472,7 +492,8 @@ def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process_and_
     for p in (zero, offload, oom):
         p.write_text(p.read_text().replace(f"cache-{p.stem}", "cache-fsdp"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(fsdp), str(zero), str(offload), str(oom)]
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), "--plain-gloo", str(fsdp), str(zero), str(offload),
+           str(oom)]
     run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert run.returncode != 0, "rank 1's out-of-memory error must end the run"
     assert "rank 1: out of memory in step 5 of a full fine-tune on 2 processes (fsdp2)" in run.stderr, \
