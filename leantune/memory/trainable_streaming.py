@@ -40,7 +40,8 @@ the unit (the non-block group's embedders after its final layer) is still curren
 compute stream; the device gradient is kept alive for that stream with record_stream) and one
 worker thread waits for that copy's event and steps: the CPU steps overlap the rest of backward.
 Pinned gradients in flight are bounded (`host_inflight_limit`: two of the largest unit's trained
-gradients); past it the thread waits for the oldest step (counted as stall). A unit is fetched
+gradients, each tensor's copy counted as the caching host allocator reserves it, rounded up to a
+power of two: the plan's "gradient staging (pinned)" line); past it the thread waits for the oldest step (counted as stall). A unit is fetched
 again only after its host steps finished (`_fetch` waits, counted as stall), and `_drain` waits for
 all of them, so checkpoints and exports read updated host weights. On a CPU (or simulated) compute
 device the copy and the step run synchronously. bitsandbytes' 8-bit AdamW cannot step on the host.
@@ -60,6 +61,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from .pinned_sizes import caching_host_size
 from .streaming import POISON_BYTE, StreamingEngine, _Slot, _Unit, _view
 
 _clock = time.perf_counter          # a seam: tests give a clock of their own
@@ -76,14 +78,14 @@ class TrainableStreamingEngine(StreamingEngine):
         self.written: dict[int, object] = {}         # id(unit) -> write-back completion event (CUDA)
         self.unit_of: dict[int, _Unit] = {}          # id(trainable Parameter) -> its unit
         self.host_views: dict[int, torch.Tensor] = {}   # id(trainable Parameter) -> its host-buffer view
-        grads: dict[int, int] = {}                    # id(unit) -> bytes of its trained weights (= gradients)
+        grads: dict[int, int] = {}                    # id(unit) -> pinned bytes of its gradients' host copies
         for u in self.units:
             for e in u.entries:
                 for m, kind, attr in e.owners:
                     if kind == "param" and m._parameters[attr].requires_grad:
                         self.unit_of[id(m._parameters[attr])] = u
                         self.host_views[id(m._parameters[attr])] = _view(u.host, e)
-                        grads[id(u)] = grads.get(id(u), 0) + e.nbytes
+                        grads[id(u)] = grads.get(id(u), 0) + caching_host_size(e.nbytes)
         self.bytes_d2h = 0
         # The optimizer step on the host (module docstring).
         self.host_step = plan.optimizer_on_host
@@ -130,7 +132,7 @@ class TrainableStreamingEngine(StreamingEngine):
             self.stats.stall_s += _clock() - t0
             step(weight, host_grad)
             return
-        self._make_room(n)
+        self._make_room(caching_host_size(n))         # what the caching host allocator reserves for it
         used = be.event()
         used.record(be.compute_stream())              # the gradient is complete on the compute stream
         host_grad = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
@@ -146,7 +148,7 @@ class TrainableStreamingEngine(StreamingEngine):
             copied.synchronize()                      # this copy only, on the worker thread
             step(weight, host_grad)
 
-        self._submit(unit, n, run)
+        self._submit(unit, caching_host_size(n), run)
 
     def _make_room(self, nbytes: int) -> None:
         """Before a pinned gradient of `nbytes` is allocated: past the in-flight limit, wait for the

@@ -42,6 +42,7 @@ from __future__ import annotations
 from .activations import ActivationProfile
 from .machine import GiB
 from ..memory.plan import Plan
+from ..memory.pinned_sizes import caching_host_size  # noqa: F401 - priced here, bounded by the engine
 from ..memory.streaming import STAGING_CHUNK
 from .workload import Workload
 
@@ -49,9 +50,6 @@ HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, bef
 STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (streaming.py)
 
 
-def caching_host_size(n: int) -> int:
-    """What PyTorch's caching host allocator reserves for a pinned tensor of n bytes."""
-    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def packing_extra(units: list[tuple[int, int]]) -> int:
