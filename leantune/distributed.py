@@ -47,6 +47,14 @@ class ShardedOutOfMemory(RuntimeError):
     the run ends on every rank instead of re-planning (see `DistContext.agreed_step`)."""
 
 
+class StepFailedAfterVote(RuntimeError):
+    """A rank failed after every rank had agreed on the step's gradients (in their reduction, the
+    clipping or the optimizer step: most likely AdamW allocating its state in step 1). The other
+    ranks have stepped, or are stepping, so redoing the step on the failed rank alone would leave
+    the ranks' weights different: the run ends on every rank, and the last save stays the resumable
+    state. Not an out-of-memory error, so no rank's OOM guard re-plans it."""
+
+
 class RankOutOfMemory(torch.OutOfMemoryError):
     """Raised on healthy ranks when another rank ran out of memory in the same step: every rank's
     OOM guard then re-plans and redoes the step together."""
@@ -176,6 +184,8 @@ class DistContext:
     device: torch.device | None = None   # the accelerator's device for this process
     _saved_env: dict | None = None
     _host_group: object = None       # a gloo group for host tensors when the default group has no CPU backend
+    _after_vote: bool = False        # this step's gradient vote passed (see `agreed_step`)
+    _step: int | None = None         # the step `agreed_step` runs
 
     @property
     def is_main(self) -> bool:
@@ -306,6 +316,34 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._host_group)
         return float(t.item())
 
+    def step_total(self, loss: float) -> float:
+        """The step's closing collective: the sum of every rank's weighted loss, and whether a rank
+        failed after the gradient vote (`agreed_step` sends that rank's failure here, in the same
+        shape, so no rank is left in a collective the others never enter)."""
+        if not self.distributed:
+            return loss
+        total, failed = self._closing(loss, failed=False)
+        if failed:
+            raise StepFailedAfterVote(self._after_vote_message(
+                self._step, f"rank(s) {', '.join(map(str, failed))} failed after the gradient vote"))
+        return total
+
+    def _closing(self, loss: float, failed: bool) -> tuple[float, list[int]]:
+        import torch.distributed as dist
+
+        flags = [0.0] * self.world_size
+        flags[self.rank] = 1.0 if failed else 0.0
+        t = torch.tensor([loss, *flags], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._host_group)
+        return float(t[0]), [r for r in range(self.world_size) if t[1 + r] > 0]
+
+    def _after_vote_message(self, step: int | None, why: str) -> str:
+        at = f"step {step}" if step is not None else "a step"
+        return (f"rank {self.rank}: {at} failed after the ranks agreed on its gradients ({why}): the other "
+                f"ranks' optimizer steps may have run, so the step cannot be redone on one rank without the "
+                f"ranks' weights drifting apart; the run ends on every rank and the last save is intact. "
+                f"Lower [memory] vram_budget or [data] batch_size, then resume with --resume.")
+
     def gather(self, value: float) -> list[float]:
         """`value` from every rank, in rank order (e.g. per-rank memory for rank 0's log)."""
         if not self.distributed:
@@ -432,9 +470,20 @@ class DistContext:
             return step_fn()
         from .planner.feedback.oom import is_out_of_memory
 
+        self._after_vote, self._step = False, step
         try:
             return step_fn()
         except Exception as exc:
+            if self._after_vote and not isinstance(exc, StepFailedAfterVote):
+                # The others passed the vote too and are on their way to the step's closing sum:
+                # meet them there with this rank's failure, then every rank ends.
+                self._after_vote = False
+                log.error("rank %d failed after the gradient vote: %s", self.rank, exc)
+                self._closing(0.0, failed=True)
+                # The text names the error's type only: an allocator's message would make this
+                # look like an out-of-memory error, which the OOM guard would re-plan and redo.
+                raise StepFailedAfterVote(self._after_vote_message(
+                    step, f"rank {self.rank} failed after the gradient vote: {type(exc).__name__}")) from exc
             if is_out_of_memory(exc) and not isinstance(exc, RankOutOfMemory):
                 if self.strategy in ("fsdp2", "deepspeed"):
                     at = f" in step {step}" if step is not None else ""
@@ -458,6 +507,7 @@ class DistContext:
         if not self.vote(True):
             raise RankOutOfMemory("CUDA out of memory on another rank in this step (this rank's step was fine); "
                                   "re-planning together")
+        self._after_vote = True          # from here on a failure cannot be redone by one rank alone
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         for p, g in zip(params, grads):
             if p.grad is None:

@@ -7,7 +7,8 @@ was loaded, and how often the memory plan was re-applied. A config whose file na
 "resume" trains 3 steps, then resumes to the end. One whose name contains "oom" makes rank 1's 5th
 forward/backward fail as the CUDA allocator does, and makes the planner answer the re-plan with a
 streaming + checkpointing plan (exact on CPU); "oomfull" (a full fine-tune) makes rank 1's 9th
-forward/backward fail the same way, with no planner. The results are written after every config,
+forward/backward fail the same way, with no planner; "optstep" makes rank 1's first optimizer step
+fail that way (after the gradient vote). The results are written after every config,
 so a config that ends the processes leaves those of the configs before it.
 
 The process group has NCCL's device restriction (tests/nccl_like.py): a host tensor handed to the
@@ -39,6 +40,7 @@ def main(out: str, *configs: str) -> None:
     from leantune.config import load_config
     from leantune.planner import search as planner_mod
     from leantune.models import flux_loading
+    from leantune.train import modes as modes_mod
     from leantune.train import trainer as trainer_mod
 
     counts = {"vae": 0, "text_encoders": 0, "replans": 0}
@@ -53,10 +55,26 @@ def main(out: str, *configs: str) -> None:
     flux_loading.load_text_encoders = counted("text_encoders", flux_loading.load_text_encoders)
     trainer_mod._replan = counted("replans", trainer_mod._replan)
     real_forward, real_plan = trainer_mod.forward_backward, planner_mod.Planner.plan
+    real_build_optimizer = modes_mod.build_optimizer
     results = {}
     for path in configs:
         calls = {"forward": 0, "plan": 0}
-        if "oomfull" in Path(path).name:
+        if "optstep" in Path(path).name:
+            # Rank 1's first optimizer step fails as AdamW's state allocation would, after the
+            # ranks agreed on the step's gradients.
+            def build_optimizer(params, tc):
+                opt = real_build_optimizer(params, tc)
+
+                def fail(optimizer, args, kwargs):
+                    calls["forward"] += 1
+                    if rank == 1 and calls["forward"] == 1:
+                        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+                opt.register_step_pre_hook(fail)
+                return opt
+
+            modes_mod.build_optimizer = build_optimizer
+            trainer_mod.forward_backward, planner_mod.Planner.plan = real_forward, real_plan
+        elif "oomfull" in Path(path).name:
             def forward(t, c, batch, scale=1.0):
                 calls["forward"] += 1
                 if rank == 1 and calls["forward"] == 9:

@@ -336,6 +336,25 @@ def test_two_processes_match_one_with_the_doubled_batch_plain_streamed_and_after
 
 
 @pytest.mark.slow
+def test_an_oom_after_the_gradient_vote_ends_the_run_on_every_rank_without_a_hang(tmp_path, tiny_flux_dir, images):
+    """Rank 1's first optimizer step runs out of memory (AdamW allocating its state), after both
+    ranks agreed on the step's gradients: rank 0 has stepped already, so redoing the step on rank 1
+    alone would diverge the weights, and its vote would meet rank 0's loss sum. Both ranks end
+    (no hang, no garbage vote) naming the step and the reason."""
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "optstep", 1, str(tmp_path / "optstep"),
+                       "[memory]\nvram_budget = \"8GiB\"\n")
+    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 3"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(cfg)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0, run.stderr[-4000:]
+    for r in (0, 1):
+        assert f"rank {r}: step 1 failed after the ranks agreed on its gradients" in run.stderr, run.stderr[-6000:]
+    assert "rank 1 failed after the gradient vote" in run.stderr
+    assert not (tmp_path / "rank0.json").exists() and not (tmp_path / "rank1.json").exists()
+
+
+@pytest.mark.slow
 def test_gpus_shortcut_resumes_exactly_after_kill_9_of_the_launcher(tmp_path, tiny_flux_dir, images, reference):
     """`leantune train --gpus 2` becomes torchrun; kill -9 of it ends the workers too; `--resume`
     on 2 processes finishes with the uninterrupted result; 1 process is refused with the reason."""

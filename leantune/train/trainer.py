@@ -271,7 +271,8 @@ def train_step(t: Trainee, cfg: RunConfig) -> float:
     t.transformer.train()
     loss = t.mode.step(t, lambda scale: forward_backward(t, cfg, next(t.batches), scale=scale))
     t.scheduler.step()
-    return t.dist.sum(loss)                   # every rank's weighted share: the global batch's loss
+    # Every rank's weighted share: the global batch's loss (and any rank's failure after the vote).
+    return t.dist.step_total(loss)
 
 
 def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> float:
