@@ -264,3 +264,55 @@ def test_host_steps_in_flight_stay_within_their_byte_limit():
     engine._drain()
     assert peak[0] <= limit and order == list(range(12)) and not engine.pending
     engine.close()
+
+
+def test_a_write_back_keeps_its_own_completion_event_when_the_slot_is_released_again(monkeypatch):
+    """CUDA's write-back path, driven on the CPU with recording stand-ins for streams and events:
+    the write-back's completion event (what `_drain` and the next fetch wait for before the host
+    copy is read) must stay recorded on the write-back stream. Handing the slot that same object
+    as its free event let the slot's next release re-record it on the compute stream, so a drain
+    would then wait for the compute stream, not for the copy into the host buffer."""
+    import contextlib
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def __init__(self):
+            self.recorded_on = []
+
+        def record(self, stream):
+            self.recorded_on.append(stream.name)
+
+    class Backend:
+        cuda = True
+        compute = Stream("compute")
+
+        def event(self, timing=False):
+            return Event()
+
+        def compute_stream(self):
+            return self.compute
+
+    plan = _host(Plan(streamed_blocks=tuple(_names()), checkpointing="blocks"))
+    _, _, handle, _, _ = run("sgd", plan, steps=1)
+    engine = handle.streaming.engine
+    real_backend = engine.backend
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    engine.backend, engine.writeback_stream = Backend(), Stream("writeback")
+    unit = engine.units[0]
+    slot = engine.slots[unit.slot]
+    engine.dirty.add(id(unit))
+    engine._write_back(unit, slot, poison=False)
+    done = engine.written[id(unit)]
+    assert done.recorded_on == ["writeback"]
+    engine.dirty.add(id(unit))                       # stepped again, its hold ends: the slot's release
+    engine._retire(unit, slot)
+    assert done.recorded_on == ["writeback"], "the write-back's event was re-recorded by the slot's release"
+    engine.written.clear()
+    engine.backend, engine.writeback_stream = real_backend, None
+    handle.remove()

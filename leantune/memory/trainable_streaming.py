@@ -254,7 +254,12 @@ class TrainableStreamingEngine(StreamingEngine):
                 slot.valid = False
             done = be.event()
             done.record(wb)
-        slot.free_event = done
+            # The slot gets an event of its own: its next release re-records its free event on the
+            # compute stream, which must not move this write-back's completion (what `_drain` and
+            # the next fetch wait for before the host copy is read).
+            free = be.event()
+            free.record(wb)
+        slot.free_event = free
         self.written[id(unit)] = done
 
     def _make_resident(self, unit: _Unit) -> None:
