@@ -135,6 +135,10 @@ def test_full_mode_on_several_processes_picks_fsdp2_and_refuses_streaming_by_key
         make_mode(cfg(memory={"streamed_blocks": 2}))
     with pytest.raises(ValueError, match=r"zero_stage = 3: leantune runs DeepSpeed ZeRO-2 only"):
         make_mode(cfg(distributed={"strategy": "deepspeed", "zero_stage": 3}))
+    sampled = {"every": 5, "prompts": ["a red square"]}
+    with pytest.raises(ValueError, match=r"\[sample\] every = 5 with \[train\] mode = \"full\" sharded by FSDP2"):
+        make_mode(cfg(sample=sampled))                                       # rank 0 alone would all-gather
+    assert type(make_mode(cfg(sample=sampled, distributed={"strategy": "deepspeed"}))).__name__ == "ZeroFullMode"
 
 
 def test_one_process_context_is_trivial_and_world_size_change_is_explained():

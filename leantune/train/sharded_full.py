@@ -274,6 +274,15 @@ def sharded_full_mode(cfg: RunConfig, dist=None):
                          "several processes: FSDP2 shards the weights and owns where they live; remove them (each "
                          "process then holds 1/N of the weights, gradients and optimizer states)")
     if strategy == "fsdp2":
+        if cfg.sample.every and cfg.sample.prompts:
+            # Sampling runs on rank 0 (it alone writes the images); under FSDP2 every block's
+            # forward is an all-gather of its shards, which the other ranks would not join (their
+            # next step's collectives would pair with rank 0's sampling ones: a hang, or mixed data).
+            raise ValueError(f"[sample] every = {cfg.sample.every} with [train] mode = \"full\" sharded by FSDP2 "
+                             f"on {world} processes: sampling runs on rank 0 alone, and FSDP2's all-gathers need "
+                             f"every rank; set [sample] every = 0 (sample the exported model afterwards with "
+                             f"`leantune sample`), or use [distributed] strategy = \"deepspeed\" (ZeRO-2 keeps "
+                             f"every weight whole on every rank)")
         return ShardedFullMode(cfg, dist)
     if strategy == "deepspeed":
         if cfg.distributed.zero_stage != 2 and cfg.distributed.deepspeed_config is None:
