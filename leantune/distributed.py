@@ -378,6 +378,26 @@ class DistContext:
         dist.all_gather_object(out, (int(peak), float(seconds), report), group=self._host_group)
         return max(o[0] for o in out), max(o[1] for o in out), out[0][2]
 
+    def agree_machine(self, machine):
+        """The machine every rank plans for (a leantune.planner.machine.Machine): rank 0's rates
+        with the smallest free and total VRAM and host RAM of all ranks. Each rank probes its own
+        GPU; planning from those would give each rank its own plan (`vram_budget = "auto"` reads
+        the free VRAM), which breaks the shared host copy and the ranks' common re-plans. With one
+        machine every rank's planner makes the same plan, fitting the tightest GPU."""
+        if not self.distributed:
+            return machine
+        import torch.distributed as dist
+
+        from .planner.machine import Machine
+
+        out = [None] * self.world_size
+        dist.all_gather_object(out, machine.to_dict(), group=self._host_group)
+        agreed = dict(out[0])
+        for key in ("vram_total", "vram_free", "host_ram_total", "host_ram_available"):
+            values = [o[key] for o in out if o[key] is not None]
+            agreed[key] = min(values) if values else None
+        return Machine(**agreed)
+
     def vote(self, ok: bool) -> bool:
         """True when every rank's `ok` is True (one all-reduce of one number)."""
         if not self.distributed:

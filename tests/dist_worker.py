@@ -8,7 +8,8 @@ was loaded, and how often the memory plan was re-applied. A config whose file na
 forward/backward fail as the CUDA allocator does, and makes the planner answer the re-plan with a
 streaming + checkpointing plan (exact on CPU); "oomfull" (a full fine-tune) makes rank 1's 9th
 forward/backward fail the same way, with no planner; "optstep" makes rank 1's first optimizer step
-fail that way (after the gradient vote). The results are written after every config,
+fail that way (after the gradient vote); "probe" makes the ranks' machine probes report different free
+VRAM and records the budgets and plans each rank chose. The results are written after every config,
 so a config that ends the processes leaves those of the configs before it.
 
 The process group has NCCL's device restriction (tests/nccl_like.py): a host tensor handed to the
@@ -38,7 +39,9 @@ def main(out: str, *configs: str) -> None:
     configs = configs[1:] if plain else configs
     init_group(plain=plain)
     from leantune.config import load_config
+    from leantune.planner import from_config as from_config_mod
     from leantune.planner import search as planner_mod
+    from leantune.planner.machine import assumed_machine
     from leantune.models import flux_loading
     from leantune.train import modes as modes_mod
     from leantune.train import trainer as trainer_mod
@@ -59,7 +62,22 @@ def main(out: str, *configs: str) -> None:
     results = {}
     for path in configs:
         calls = {"forward": 0, "plan": 0}
-        if "optstep" in Path(path).name:
+        if "probe" in Path(path).name:
+            # The ranks' GPUs report different free VRAM (another process on rank 1's GPU):
+            # [memory] vram_budget = "auto" must still give one plan, the same on every rank.
+            def probe(device=None, quick=True):
+                free = (10 if rank == 0 else 3) * 2**30
+                return replace(assumed_machine(), vram_total=12 * 2**30, vram_free=free)
+
+            def plan(self, budget):
+                calls["budgets"] = calls.get("budgets", []) + [budget.vram]
+                chosen = real_plan(self, budget)
+                calls["plans"] = calls.get("plans", []) + [chosen.describe()]
+                return chosen
+
+            from_config_mod.probe_machine = probe
+            trainer_mod.forward_backward, planner_mod.Planner.plan = real_forward, plan
+        elif "optstep" in Path(path).name:
             # Rank 1's first optimizer step fails as AdamW's state allocation would, after the
             # ranks agreed on the step's gradients.
             def build_optimizer(params, tc):
@@ -104,7 +122,8 @@ def main(out: str, *configs: str) -> None:
             result = trainer_mod.train(load_config(path), resume=True, progress=False)
         else:
             result = trainer_mod.train(load_config(path), progress=False)
-        results[Path(path).stem] = {"losses": result.losses, **counts,
+        results[Path(path).stem] = {"losses": result.losses, **counts, "budgets": calls.get("budgets"),
+                                    "plans": calls.get("plans"),
                                     "files": [str(f) for f in result.lora_files]}
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     # No rank tears the group down while another's last op is in flight (over a group that serves

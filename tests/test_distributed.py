@@ -359,6 +359,24 @@ def test_an_oom_after_the_gradient_vote_ends_the_run_on_every_rank_without_a_han
 
 
 @pytest.mark.slow
+def test_ranks_whose_gpus_report_different_free_vram_plan_once_and_alike(tmp_path, tiny_flux_dir, images):
+    """[memory] vram_budget = "auto" with rank 0's GPU showing 10 GiB free and rank 1's 3 GiB:
+    different plans would break the shared host copy and the ranks' common re-plans, so the run
+    decides one plan, for the tightest GPU, and every rank uses it."""
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "probe", 1, str(tmp_path / "probe"),
+                       "[memory]\nvram_budget = \"auto\"\n")
+    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 2"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(cfg)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["probe"] for r in range(2)]
+    assert ranks[0]["budgets"] and ranks[0]["budgets"] == ranks[1]["budgets"], [r["budgets"] for r in ranks]
+    assert ranks[0]["plans"] == ranks[1]["plans"]
+    assert max(ranks[0]["budgets"]) <= 3 * 2**30                   # the tightest GPU's free VRAM
+
+
+@pytest.mark.slow
 def test_gpus_shortcut_resumes_exactly_after_kill_9_of_the_launcher(tmp_path, tiny_flux_dir, images, reference):
     """`leantune train --gpus 2` becomes torchrun; kill -9 of it ends the workers too; `--resume`
     on 2 processes finishes with the uninterrupted result; 1 process is refused with the reason."""

@@ -321,11 +321,13 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
     mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **options))  # host RAM
 
+    machine = _agreed_machine(cfg, dist, device)
+
     def load(in_turn: bool, shared=None) -> tuple:
         transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
         log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
         params = mode.prepare(transformer, family.spec)
-        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared))
+        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared, machine))
 
     if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
@@ -350,8 +352,19 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     return t
 
 
+def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):
+    """Several processes planning for a budget: the one machine they all plan for, probed on every
+    rank before any loads and agreed (DistContext.agree_machine), so every rank makes the same
+    plan. None otherwise (the planner probes its own)."""
+    if cfg.memory.vram_budget is None or not dist.distributed:
+        return None
+    from ..planner import from_config
+
+    return dist.agree_machine(from_config.probe_machine(device))
+
+
 def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None, in_turn: bool = False,
-                  shared=None) -> tuple:
+                  shared=None, machine=None) -> tuple:
     """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
     `in_turn`: this process applies it in its loading turn (DistContext.local_turns) with the shared
     host buffers `shared`, without collectives; else every rank applies it together.
@@ -365,7 +378,7 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
     if cfg.memory.vram_budget is not None:
         from ..planner.from_config import choose_plan, planner_for_config
 
-        planner, budget = planner_for_config(cfg, spec, transformer)
+        planner, budget = planner_for_config(cfg, spec, transformer, machine)
         plan = choose_plan(planner, budget, cfg)
     else:
         plan = resolve_plan(cfg.memory, spec, transformer)
