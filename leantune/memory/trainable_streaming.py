@@ -296,10 +296,16 @@ class TrainableStreamingEngine(StreamingEngine):
             s.valid = False
 
     def close(self) -> None:
-        """The engine is torn down (streaming.remove/release, after draining): stop the worker."""
+        """The engine is torn down (streaming.remove/release, after draining): stop the worker and
+        drop the views of the host buffers. Teardown frees each unit's buffer right after copying
+        it out; a view kept here would keep every buffer's memory until the engine itself died,
+        so a re-plan would hold two copies of the streamed blocks."""
         if self.host_worker is not None:
             self.host_worker.shutdown(wait=True)
             self.host_worker = None
+        self.host_views.clear()
+        self._inflight.clear()
+        self._inflight_bytes = 0
 
     def report(self, wait: bool = False) -> dict:
         out = super().report(wait)
