@@ -165,6 +165,7 @@ class _Unit:
     adapter_params: list[nn.Parameter]
     unpin: object = None               # undoes the host buffer's pinning
     refs: int = 0
+    shared: bool = False               # the host buffer is a shared mapping (memory/shared_host.py)
 
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.adapter_params) or any(
@@ -879,7 +880,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
         # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
         direct = unpin is not None or (not backend.cuda and plan.pin_memory)
         units.append(_Unit(name, mods, entries, nbytes, host, direct, index % plan.ring_slots, ckpt, adapters,
-                           unpin=unpin))
+                           unpin=unpin, shared=bool(shared)))
 
     k = min(plan.ring_slots, len(units))
     slot_bytes = max((u.nbytes for u in units), default=0)
@@ -958,12 +959,15 @@ def _drop_host(unit: _Unit) -> None:
     unit.host = torch.empty(0, dtype=torch.uint8)
 
 
-def remove_streaming(handle: StreamingHandle, device: torch.device | str | None = None) -> None:
+def remove_streaming(handle: StreamingHandle, device: torch.device | str | None = None,
+                     keep_host: bool = False) -> None:
     """Put every streamed tensor back as an ordinary tensor on `device` (default: the compute
     device) and restore the modules' forwards. Checkpointing must be removed first.
 
     Unit by unit: a unit's tensors are copied out, then its host buffer is freed, so restoring to
-    the host needs one unit of extra RAM, not a second copy of the streamed blocks.
+    the host needs one unit of extra RAM, not a second copy of the streamed blocks. `keep_host`
+    (a re-plan): a unit whose host buffer is a shared mapping is not copied: its tensors become
+    views of the shared pages (unpinned), so N processes do not make N private copies of it.
     """
     device = torch.device(device) if device is not None else handle.engine.backend.device
     _check_unwrappable(handle)
@@ -975,6 +979,13 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
         done.synchronize()
     with torch.no_grad():
         for u in handle.units:
+            if keep_host and u.shared and device.type == "cpu":
+                for e in u.entries:
+                    _point(e, _view(u.host, e))           # the shared pages themselves
+                if u.unpin is not None:
+                    u.unpin()
+                    u.unpin = None
+                continue
             for e in u.entries:
                 t = torch.empty(e.shape, dtype=e.dtype, device=device)
                 t.copy_(_view(u.host, e))

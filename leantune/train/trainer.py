@@ -410,7 +410,9 @@ def _replan(t: Trainee, plan) -> None:
     t.mode.drop_partial_step(t)
     if t.memory is not None:
         handle, t.memory = t.memory, None       # if applying `plan` fails, the weights stay home
-        handle.remove(device="cpu")
+        # The frozen base stays as it is: fp8 weights e4m3 (no bf16 copy, no requantizing), shared
+        # host weights on the shared pages (no private copy per process).
+        handle.remove(device="cpu", keep_fp8=True, keep_host=True)
     t.plan = plan
     t.memory = _apply_engine(t.mode.cfg, t.transformer, plan, t.device, t.mode, t.dist)
     log.info("memory plan now: %s", plan.describe())
