@@ -302,8 +302,13 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
 
 
 def _autocast(cfg: RunConfig, device: torch.device):
+    """bf16 autocast without its cast cache: the cache keeps the bf16 cast of every fp32 leaf that
+    requires grad (every trained weight of a full fine-tune with [model] dtype = "fp32") until the
+    forward's autocast exits, which for streamed blocks is a bf16 copy of all of them on the device
+    (about 24 GB for Flux-dev), unpriced and defeating streaming. Each use casts afresh instead; a
+    weight is used once per forward, so nothing is cast twice."""
     if cfg.train.mixed_precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
     return torch.autocast(device_type=device.type, enabled=False)
 
 
