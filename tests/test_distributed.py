@@ -289,7 +289,7 @@ def test_every_collective_of_the_run_works_under_nccls_device_restriction(tmp_pa
     for r in ranks:
         assert r["sum"] == 4.0 and r["vote"] == [True, False] and r["gather"] == [0.0, 10.0]
         assert r["observation"] == [101, 2.0, {"r": 0}] and r["barrier"] == "ok"
-        assert r["sync_gradients"] == [[3.0, 3.0, 3.0], [0.0, 0.0]]
+        assert r["sync_gradients"] == [[3.0, 3.0, 3.0], [0.0, 0.0]] and r["step_total"] == 2.0
     assert ranks[0]["main_first"] == 0 and ranks[1]["main_first"] == 1
     assert ranks[0]["agreed_step"] == "RankOutOfMemory" and ranks[1]["agreed_step"] == "OutOfMemoryError"
 
