@@ -54,7 +54,7 @@ def build(a, weights: torch.dtype, half: bool = False):
     from leantune.models.family import get_family
     from leantune.train.modes import make_mode
     from leantune.train.optim import build_scheduler
-    from leantune.train.trainer import Trainee
+    from leantune.trainer import Trainee
 
     device = torch.device("cpu" if a.smoke else "cuda")
     if a.smoke:
@@ -124,7 +124,7 @@ def predicted_peak(t, cfg, spec, plan) -> int:
 
 
 def fp32_stream(a) -> dict:
-    from leantune.train.trainer import train_step
+    from leantune.trainer import train_step
 
     t, cfg, spec, plan = build(a, torch.float32)
     out = {"part": "fp32-stream", "blocks": a.blocks, "size": a.size}
@@ -151,7 +151,7 @@ def oom_step1(a) -> dict:
     from leantune.planner.machine import assumed_machine, probe_machine
     from leantune.planner.search import Planner
     from leantune.planner.workload import Budget
-    from leantune.train import trainer
+    from leantune import trainer
 
     t, cfg, spec, plan = build(a, torch.bfloat16, half=True)
     machine = replace(assumed_machine(), workspace=0) if a.smoke else probe_machine()
@@ -160,7 +160,6 @@ def oom_step1(a) -> dict:
     first = planner.estimate(plan).peak_vram
     budget = Budget(vram=first, ram=2**50, min_margin=0)
     budget = Budget(vram=budget.needed_for(first), ram=2**50, min_margin=0)
-    t.mode.cfg = cfg
     t.guard = OomGuard(planner, budget, plan, lambda new: trainer._replan(t, new))
     store = CalibrationStore(Path(os.environ.get("OUT", ".")) / "oom-step1-calibration.json")
     t.calibrator = PlanCalibrator(t.guard, store)

@@ -43,8 +43,8 @@ def main(out: str, *configs: str) -> None:
     from leantune.planner import search as planner_mod
     from leantune.planner.machine import assumed_machine
     from leantune.models import flux_loading
-    from leantune.train import modes as modes_mod
-    from leantune.train import trainer as trainer_mod
+    from leantune import trainer as trainer_mod
+    from leantune.train import lora_mode as modes_mod
 
     counts = {"vae": 0, "text_encoders": 0, "replans": 0}
 

@@ -15,14 +15,13 @@ from types import SimpleNamespace
 import torch
 from test_memory_helpers import block_names, lora_flux, make_batch
 
-from leantune.config import validate
 from leantune.distributed import DistContext
 from leantune.memory.engine import apply_memory
 from leantune.memory.fp8 import FP8_DTYPE, SCALE_ATTR, block_linears
 from leantune.memory.plan import Plan
 from leantune.memory.shared_host import SharedHostBuffers
 from leantune.models.flux import FLUX_SPEC, predict
-from leantune.train import trainer
+from leantune import trainer
 
 
 def _linears(model):
@@ -43,15 +42,14 @@ def test_a_forced_replan_keeps_the_fp8_base_as_it_is(monkeypatch):
     seen = []
     real_apply = trainer._apply_engine
 
-    def apply(cfg, transformer, plan, device, mode, dist):
+    def apply(share, spec, transformer, plan, device, mode, dist):
         seen.append({n: lin.weight.dtype for n, lin in _linears(transformer) if n in resident})
-        return real_apply(cfg, transformer, plan, device, mode, dist)
+        return real_apply(share, spec, transformer, plan, device, mode, dist)
 
     monkeypatch.setattr(trainer, "_apply_engine", apply)
-    cfg = validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]}}, "run.toml")
-    mode = SimpleNamespace(cfg=cfg, name="lora", drop_partial_step=lambda t: None, memory_options=lambda: {})
+    mode = SimpleNamespace(spec=FLUX_SPEC, name="lora", drop_partial_step=lambda t: None, memory_options=lambda: {})
     t = SimpleNamespace(mode=mode, memory=handle, transformer=model, device=torch.device("cpu"),
-                        dist=DistContext(), plan=first)
+                        dist=DistContext(), plan=first, share_host_weights=False)
     trainer._replan(t, Plan(streamed_blocks=tuple(blocks[1:4]), fp8=True, ring_slots=2, checkpointing="blocks"))
     # Between the two plans the resident blocks' weights stayed e4m3 (no bf16 copy on the host).
     assert seen and all(d == FP8_DTYPE for d in seen[0].values()), seen
