@@ -365,7 +365,7 @@ def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):
     plan. None otherwise (the planner probes its own)."""
     if cfg.memory.vram_budget is None or not dist.distributed:
         return None
-    from ..planner import from_config
+    from .planner import from_config
 
     return dist.agree_machine(from_config.probe_machine(device))
 
