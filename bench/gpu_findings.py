@@ -50,7 +50,7 @@ def build(a, weights: torch.dtype, half: bool = False):
     from leantune.config import validate
     from leantune.memory.engine import apply_memory
     from leantune.memory.plan import Plan
-    from leantune.memory.simulated_run import meta_model
+    from leantune.simulated_run import meta_model
     from leantune.models.family import get_family
     from leantune.train.modes import make_mode
     from leantune.train.optim import build_scheduler

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from leantune.config import validate
 from leantune.memory.simulated import DeviceMemoryTracker, enable, simulation
-from leantune.memory.simulated_run import fake_parameters
+from leantune.simulated_run import fake_parameters
 from leantune.trainer import _autocast
 
 WIDTH, LAYERS, TOKENS = 3072, 6, 256
