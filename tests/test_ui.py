@@ -290,14 +290,12 @@ def test_bound_beyond_localhost_the_page_needs_the_printed_token(tmp_path):
     assert "warning: leantune ui is bound to 0.0.0.0" in err
 
 
-def test_on_localhost_there_is_no_token(tmp_path):
-    from leantune.commands.ui import address
-
-    from leantune.commands.ui import is_local
+def test_addresses_and_which_hosts_are_local(tmp_path):
+    from leantune.commands.ui import address, is_local
 
     assert [h for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "0.0.0.0", "::", "192.168.1.5", "myhost")
             if is_local(h)] == ["127.0.0.1", "127.0.0.2", "localhost", "::1"]
-    assert address("127.0.0.1", 7860, None) == "http://127.0.0.1:7860/"
+    assert address("127.0.0.1", 7860, "t") == "http://127.0.0.1:7860/?token=t"
     assert address("::", 80, "t") == "http://[::]:80/?token=t"
 
 
@@ -378,7 +376,7 @@ def test_sample_form_negative_prompt_only_for_families_with_cfg(tmp_path):
     with pytest.raises(FormError, match="family: 'sdxl'"):
         sample_job.command({**fields, "model_path": str(sd3), "family": "sdxl"}, out)
 
-    routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs").routes if hasattr(r, "endpoint")}
+    routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs", "t").routes if hasattr(r, "endpoint")}
     assert routes["/api/choices"]()["cfg_families"] == ["sd3"]
     assert routes["/api/model-family"](str(sd3)) == {"family": "sd3"}
     assert routes["/api/model-family"](str(flux)) == {"family": "flux"}
@@ -454,7 +452,7 @@ def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monk
     def cannot(config, vram, ram=None):
         raise ValueError("the planner cannot build a probe copy of a newfam model")
     monkeypatch.setattr(plan_answer, "plan_json", declines)
-    plan = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
     answer = plan({**FIELDS, "mode": "full"})
     assert answer == {"fits": None, "planned": False, "message": "not planned: the planner does not plan this yet"}
     with pytest.raises(ConfigError, match="vram_budget"):        # a field the config refuses stays an error
@@ -469,7 +467,7 @@ def test_full_mode_plan_answer_is_the_planners_full_fine_tune_plan(tmp_path, tin
     as the planner's answer (naming the path), not raised."""
     from leantune.ui.app import create_app
 
-    plan = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
     fields = {**FIELDS, "model_path": str(tiny_flux_dir), "dataset": str(_images(tmp_path / "d")), "dtype": "fp32",
               "resolutions": "64", "max_text_length": "16", "vram_budget": "1GiB"}
     full, lora = plan({**fields, "mode": "full"}), plan(fields)
@@ -483,7 +481,7 @@ def test_full_mode_plan_answer_is_the_planners_full_fine_tune_plan(tmp_path, tin
 def test_a_refused_run_form_leaves_no_run_folder(tmp_path):
     from leantune.ui.app import create_app
 
-    start = _endpoint(create_app(tmp_path / "runs"), "/api/runs", "POST")
+    start = _endpoint(create_app(tmp_path / "runs", "t", [tmp_path]), "/api/runs", "POST")
     with pytest.raises(ConfigError):
-        start({**FIELDS, "vram_budget": "lots"})
+        start({**FIELDS, "dataset": str(_images(tmp_path / "d")), "vram_budget": "lots"})
     assert not (tmp_path / "runs" / "cats").exists()

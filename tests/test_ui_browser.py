@@ -47,27 +47,32 @@ def _free_port() -> int:
 
 
 def _serve(tmp_path: Path, token: str | None = None):
-    """`leantune ui` on a free localhost port; yields (url, runs dir). With `token`, the server asks
-    for it as it does when bound beyond localhost."""
+    """`leantune ui` on a free localhost port, datasets under tmp_path; yields (url, runs dir) with
+    url the address it prints (carrying the session secret). With `token`, that secret is given and
+    the url is the bare address (the test opens it without the secret first)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "leantune", "ui", "--port", str(port), "--runs",
-                             str(tmp_path / "runs")] + (["--token", token] if token else []),
+                             str(tmp_path / "runs"), "--data", str(tmp_path)] + (["--token", token] if token else []),
                             stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 120
     while True:
-        try:
-            urllib.request.urlopen(url + "api/runs" + (f"?token={token}" if token else ""), timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"leantune ui did not start: {(tmp_path / 'server.log').read_text()}")
-            time.sleep(0.3)
+        banner = (tmp_path / "server.log").read_text().split("\n")[0]
+        if "?token=" in banner:
+            secret = banner.split("?token=")[1].split()[0]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs?token={secret}", timeout=2)
+                break
+            except OSError:
+                pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"leantune ui did not start: {(tmp_path / 'server.log').read_text()}")
+        time.sleep(0.3)
+    url = f"http://127.0.0.1:{port}/"
     try:
-        yield url, tmp_path / "runs"
+        yield (url if token else f"{url}?token={secret}"), tmp_path / "runs"
     finally:
         proc.terminate()
         proc.wait(30)

@@ -2,15 +2,14 @@
 
 Imported only by `leantune ui` (FastAPI and uvicorn are optional: `pip install leantune[ui]`).
 Every /api route is a thin call into form.py, dataset_view.py, plan_answer.py, launcher.py,
-runs.py or sample_job.py; bad input comes back as HTTP 400 with the module's message. When a token
-is set (the server is bound beyond localhost), every request must carry it (?token=... once, then a
-cookie).
+runs.py or sample_job.py; bad input comes back as HTTP 400 with the module's message. Every request
+passes guard.py first (Host, Origin, the session secret); datasets are confined to the data roots
+chosen at start and runs to the runs folder.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import shutil
 import tempfile
@@ -19,31 +18,53 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
-from . import dataset_view, launcher, plan_answer, runs, sample_job
+from . import dataset_view, guard, launcher, plan_answer, runs, sample_job
 from .form import RunForm, choices, families
 
 STATIC = Path(__file__).parent / "static"
-COOKIE = "leantune_token"
 
 
-def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
+class TooLarge(ValueError):
+    """A request body over its limit (HTTP 413)."""
+
+
+def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
+               allowed_hosts: set[str] | None = None) -> FastAPI:
+    """The app. `token` is the session secret every request must carry; `data_roots` the folders
+    datasets may live under (default: the current folder); `allowed_hosts` the names (beyond IP
+    literals and localhost) a Host header may carry."""
+    if not token:
+        raise ValueError("leantune ui: a session secret is required")
     runs_dir = Path(runs_dir).resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
+    roots = [Path(r).expanduser().resolve() for r in (data_roots or [Path.cwd()])]
+    hosts = {h.lower() for h in (allowed_hosts or set())}
     app = FastAPI(title="leantune", docs_url=None, redoc_url=None, openapi_url=None)
     plans: dict[str, dict] = {}          # TOML text -> summary: the plan shown is the plan a run keeps
     family_names = families()            # imports the registry (and torch) now, not on the page's first call
     cfg_families = sample_job.cfg_families()     # the Sample form's negative prompt shows for these
 
     @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if token is None:
-            return await call_next(request)
-        given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
-        if not hmac.compare_digest(given, token):
-            return PlainTextResponse("leantune ui: open the address with ?token=... as printed at start", 403)
+    async def check_request(request: Request, call_next):
+        try:
+            cookies = request.cookies
+        except Exception:                  # an undecodable Cookie header: as if none were sent
+            cookies = {}
+        why = guard.refusal(request.method, request.headers, request.query_params, cookies, token, hosts)
+        if why:
+            return PlainTextResponse(why, 403)
         response = await call_next(request)
-        response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        if request.cookies.get(guard.COOKIE) != token:
+            response.set_cookie(guard.COOKIE, token, httponly=True, samesite="strict")
         return response
+
+    @app.exception_handler(TooLarge)
+    async def too_large(request: Request, exc: Exception):
+        return JSONResponse({"error": str(exc)}, status_code=413)
+
+    @app.exception_handler(dataset_view.OutsideRoots)
+    async def outside(request: Request, exc: Exception):
+        return JSONResponse({"error": str(exc)}, status_code=403)
 
     @app.exception_handler(ValueError)
     @app.exception_handler(OSError)
@@ -52,7 +73,9 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     def index():
-        return (STATIC / "index.html").read_text()
+        # the page's script sends the secret back in a header on every change (guard.py)
+        return (STATIC / "index.html").read_text().replace('name="leantune-token" content=""',
+                                                          f'name="leantune-token" content="{token}"')
 
     @app.get("/static/{name}")
     def static(name: str):
@@ -65,25 +88,28 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     def get_choices():
         return {"family": family_names, "cfg_families": cfg_families, "mode": choices("train", "mode"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
-                "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir)}
+                "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),
+                "data_roots": [str(r) for r in roots]}
 
     @app.get("/api/dataset")
     def get_dataset(path: str, min_resolution: int | None = None):
-        return {"folder": str(dataset_view.folder_of(path)), "images": dataset_view.scan(path, min_resolution)}
+        return {"folder": str(dataset_view.folder_of(path, roots)),
+                "images": dataset_view.scan(path, min_resolution, roots)}
 
     @app.get("/api/dataset/image")
     def get_image(path: str, name: str):
-        return FileResponse(dataset_view.image_path(path, name))
+        return FileResponse(dataset_view.image_path(path, name, roots))
 
     @app.put("/api/dataset/image")
     async def put_image(path: str, name: str, request: Request):
-        data = await request.body()
-        return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data))}
+        dataset_view.folder_of(path, roots)          # refuse before reading a byte of the body
+        data = await _body(request, dataset_view.MAX_UPLOAD_BYTES, name)
+        return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data, roots))}
 
     @app.post("/api/caption")
     def post_caption(body: dict):
         written = dataset_view.write_caption(str(body.get("path", "")), str(body.get("name", "")),
-                                             str(body.get("caption", "")))
+                                             str(body.get("caption", "")), roots)
         return {"written": str(written)}
 
     @app.post("/api/toml")
@@ -121,6 +147,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     @app.post("/api/runs")
     def post_run(body: dict):
         form = RunForm.from_fields(body)
+        dataset_view.folder_of(form.dataset, roots)       # the trainer reads only folders the page may use
         folder = runs.run_folder(runs_dir, form.name)
         if folder.exists():
             raise ValueError(f"a run named {form.name!r} exists in {runs_dir}: pick another name, or resume it")
@@ -203,6 +230,21 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     return app
 
 
+async def _body(request: Request, limit: int, name: str) -> bytes:
+    """The request body, refused (TooLarge) as soon as it passes `limit` bytes: a declared length
+    over it is refused before reading, and a body sent without one stops being read at the limit."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"{name}: {int(declared) / 2**20:.0f} MiB, more than the {limit // 2**20} MiB an upload may be")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"{name}: more than the {limit // 2**20} MiB an upload may be")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _file(folder: Path, name: str, download: bool):
     path = folder / Path(name).name
     if name != Path(name).name or not path.is_file():
@@ -210,7 +252,8 @@ def _file(folder: Path, name: str, download: bool):
     return FileResponse(path, filename=name if download else None)
 
 
-def serve(runs_dir: Path, host: str, port: int, token: str | None) -> None:
+def serve(runs_dir: Path, host: str, port: int, token: str, data_roots: list[Path] | None = None,
+          allowed_hosts: set[str] | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(runs_dir, token), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(runs_dir, token, data_roots, allowed_hosts), host=host, port=port, log_level="warning")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from . import launcher
@@ -90,7 +91,8 @@ def start(runs_dir: Path, fields: dict) -> dict:
     with open(out / "console.log", "wb") as console:
         proc = subprocess.Popen(cmd, cwd=out, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    (out / "pid").write_text(str(proc.pid))
+    launcher._write_process(out, {"pid": proc.pid, "proc_start": launcher.start_time(proc.pid), "exit_code": None})
+    threading.Thread(target=proc.wait, daemon=True).start()         # reaped, so it never lingers as a zombie
     return {"job": n, "pid": proc.pid}
 
 
@@ -101,8 +103,5 @@ def result(runs_dir: Path, job: int) -> dict:
         console = "\n".join((out / "console.log").read_text(errors="replace").splitlines()[-20:])
     except OSError:
         console = ""
-    try:
-        running = launcher.is_alive({"pid": int((out / "pid").read_text())})
-    except (OSError, ValueError):
-        running = False
+    running = launcher.is_alive(launcher.read_process(out))
     return {"job": job, "images": images, "console": console, "running": running}

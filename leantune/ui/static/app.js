@@ -4,9 +4,12 @@ const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision"
   "resolutions", "batch_size", "max_text_length", "steps", "learning_rate", "save_every", "log_every",
   "vram_budget", "ram_budget", "sample_every", "sample_steps", "sample_size", "sample_prompts"];
 let watching = null, events = null;
+// the session secret the server put in the page: every change carries it in a header, which no other
+// site's page can set (the server refuses changes without it)
+const TOKEN = document.querySelector('meta[name="leantune-token"]').content;
 
 async function api(method, url, body) {
-  const r = await fetch(url, {method, headers: {"Content-Type": "application/json"},
+  const r = await fetch(url, {method, headers: {"Content-Type": "application/json", "X-Leantune-Token": TOKEN},
                               body: body === undefined ? undefined : JSON.stringify(body)});
   const data = await r.json();
   if (!r.ok) throw new Error(data.error || r.statusText);
@@ -65,7 +68,7 @@ async function upload() {
   let added = 0;
   for (const f of $("upload").files) {
     const r = await fetch(`/api/dataset/image?path=${encodeURIComponent(folder)}&name=${encodeURIComponent(f.name)}`,
-                          {method: "PUT", body: f});
+                          {method: "PUT", body: f, headers: {"X-Leantune-Token": TOKEN}});
     if (r.ok) added++; else refused.push((await r.json()).error);
   }
   $("upload").value = "";
