@@ -446,10 +446,10 @@ def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monk
     """E.g. a mode the planner does not price yet: the page shows the planner's words as "not planned"."""
     from leantune.ui.app import create_app
 
-    def declines(config, vram, ram=None):
+    def declines(config, vram, ram=None, stock=None):
         raise ConfigError("the planner does not plan this yet")
 
-    def cannot(config, vram, ram=None):
+    def cannot(config, vram, ram=None, stock=None):
         raise ValueError("the planner cannot build a probe copy of a newfam model")
     monkeypatch.setattr(plan_answer, "plan_json", declines)
     plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
@@ -485,3 +485,59 @@ def test_a_refused_run_form_leaves_no_run_folder(tmp_path):
     with pytest.raises(ConfigError):
         start({**FIELDS, "dataset": str(_images(tmp_path / "d")), "vram_budget": "lots"})
     assert not (tmp_path / "runs" / "cats").exists()
+
+
+def _tiny_fields(tmp_path, tiny_flux_dir, **more):
+    return {**FIELDS, "model_path": str(tiny_flux_dir), "dataset": str(_images(tmp_path / "d")), "dtype": "fp32",
+            "resolutions": "64", "max_text_length": "16", "vram_budget": "1GiB", **more}
+
+
+@pytest.mark.slow
+def test_host_ram_auto_is_this_machines_ram_checked(tmp_path, tiny_flux_dir, monkeypatch):
+    """On a machine without a GPU the command leaves host RAM unchecked; the page trains here, so
+    "auto" is this machine's RAM: a small machine's plan does not fit, and says it is host RAM."""
+    from leantune.planner import machine
+    from leantune.ui.app import create_app
+
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
+    fields = _tiny_fields(tmp_path, tiny_flux_dir, ram_budget="auto")
+    monkeypatch.setattr(machine, "host_ram", lambda: (4 * 2**30, 2 * 2**30 + 200 * 2**20))    # 4 GiB, 2.2 free
+    small = plan(fields)
+    assert small["fits"] is False, small
+    assert "host RAM" in small["message"] and "this machine's" in small["ram"]
+    monkeypatch.setattr(machine, "host_ram", lambda: (512 * 2**30, 500 * 2**30))
+    big = plan(fields)
+    assert big["fits"] is True and "this machine's" in big["ram"]
+    assert plan({**fields, "ram_budget": "100MiB"})["fits"] is False     # a size given is that size
+
+
+@pytest.mark.slow
+def test_the_plan_is_said_in_words_and_offers_the_smallest_budget(tmp_path, tiny_flux_dir):
+    from leantune.ui.app import create_app
+
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
+    fields = _tiny_fields(tmp_path, tiny_flux_dir, ram_budget="64GiB", steps="1000")
+    fits = plan(fields)
+    assert fits["fits"] is True
+    assert fits["words"].startswith("the whole model stays on the GPU; about ") and "for 1000 steps on" in fits["words"]
+    tight = plan({**fields, "vram_budget": "1MiB"})
+    assert tight["fits"] is False and tight["smallest_budget"].endswith("MiB")
+    assert "--" not in tight["detail"] and "[memory]" not in tight["detail"]      # no advice naming a CLI flag
+    taken = plan({**fields, "vram_budget": tight["smallest_budget"]})            # the one click
+    assert taken["fits"] is True, taken
+    assert "stream from host RAM" in taken["words"] or "stays on the GPU" in taken["words"]
+
+
+@pytest.mark.slow
+def test_a_stock_model_is_planned_without_weights_and_cannot_start(tmp_path):
+    from leantune.ui.app import create_app
+
+    app = create_app(tmp_path / "runs", "t", [tmp_path])
+    plan = _endpoint(app, "/api/plan", "POST")
+    answer = plan({**FIELDS, "model_path": "flux-dev", "resolutions": "1024", "rank": "16", "max_text_length": "512",
+                   "vram_budget": "8GiB", "ram_budget": "128GiB", "steps": "1000"})
+    assert answer["fits"] is True, answer
+    assert "of 57 blocks stream from host RAM" in answer["words"] or "all 57 blocks" in answer["words"], answer
+    assert answer["total_blocks"] == 57 and 0 < answer["peak_vram_gib"] < 8
+    with pytest.raises(ValueError, match="stock architecture"):
+        _endpoint(app, "/api/runs", "POST")({**FIELDS, "model_path": "flux-dev", "dataset": str(_images(tmp_path / "d"))})

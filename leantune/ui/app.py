@@ -89,7 +89,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         return {"family": family_names, "cfg_families": cfg_families, "mode": choices("train", "mode"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),
-                "data_roots": [str(r) for r in roots]}
+                "data_roots": [str(r) for r in roots], "stock_models": plan_answer.stock_models(),
+                "max_upload_bytes": dataset_view.MAX_UPLOAD_BYTES}
 
     @app.get("/api/dataset")
     def get_dataset(path: str, min_resolution: int | None = None):
@@ -129,16 +130,23 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         no GPU here) is its answer, shown as such: {"fits": None, "planned": False, "message": ...}."""
 
         text = form.to_toml()
-        if text not in plans:
+        ram, ram_words = plan_answer.ram_argument(form.ram_budget)
+        key = (text, ram)
+        if key not in plans:
+            stock = None
+            if form.model_path.strip() in plan_answer.stock_models():
+                stock = {"model": form.model_path.strip(), "mode": form.mode, "rank": form.rank,
+                         "resolutions": form.resolutions, "text_length": form.max_text_length,
+                         "batch_size": form.batch_size}
             with tempfile.TemporaryDirectory() as tmp:
                 config = form.write(Path(tmp) / "config.toml")
-                ram = form.to_dict().get("memory", {}).get("ram_budget")
                 try:
-                    answer = plan_answer.plan_json(config, form.vram_budget.strip(), ram)
+                    answer = plan_answer.plan_json(None if stock else config, form.vram_budget.strip(), ram, stock)
                 except ValueError as e:        # ConfigError and the planner's refusals; the form passed
-                    return {"fits": None, "planned": False, "message": f"not planned: {e}"}
-                plans[text] = plan_answer.summarize(answer)
-        return plans[text]
+                    return {"fits": None, "planned": False,
+                            "message": "not planned: " + plan_answer.page_words(str(e).replace(tmp, "(the form)"))}
+                plans[key] = plan_answer.summarize(answer, form.steps, ram_words)
+        return plans[key]
 
     @app.get("/api/runs")
     def get_runs():
@@ -147,6 +155,9 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     @app.post("/api/runs")
     def post_run(body: dict):
         form = RunForm.from_fields(body)
+        if form.model_path.strip() in plan_answer.stock_models():
+            raise ValueError(f"model {form.model_path!r}: a stock architecture the page plans without weights; "
+                             f"give the model's folder or .safetensors file to train")
         dataset_view.folder_of(form.dataset, roots)       # the trainer reads only folders the page may use
         folder = runs.run_folder(runs_dir, form.name)
         if folder.exists():

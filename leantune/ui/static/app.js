@@ -105,8 +105,16 @@ function showPlan(p) {
   $("plan-message").textContent = p.message;
   const d = $("plan-detail");
   d.replaceChildren();
+  if (p.fits === false && p.smallest_budget) {
+    // one click takes the smallest budget that fits
+    const b = el("button", {id: "take-smallest", type: "button"}, `Use ${p.smallest_budget}`);
+    b.onclick = () => { $("vram_budget").value = p.smallest_budget; saveForm(); updatePlan(); };
+    d.append(b);
+  }
+  if (p.ram) d.append(el("p", {className: "muted", id: "plan-ram"}, p.ram));
   if (p.fits === false && p.detail) d.append(el("p", {className: "muted"}, p.detail));
   if (!p.fits) return;
+  d.prepend(el("p", {id: "plan-words"}, p.words));
   d.append(el("p", {}, `${p.workload} · streamed blocks ${p.streamed_blocks}/${p.total_blocks} · fp8 ${p.fp8 ? "on" : "off"} · ` +
     `checkpointing ${p.checkpointing} · predicted ${p.step_s.toPrecision(3)} s/step` + (p.assumed_machine ? ` (${p.machine}, assumed rates)` : "")));
   const table = el("table");
