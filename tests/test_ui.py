@@ -28,7 +28,7 @@ def test_form_writes_the_toml_train_loads(tmp_path):
     assert cfg.model.path == "/models/flux" and cfg.model.family == "flux"
     assert cfg.data.resolutions == [512, 768] and cfg.data.datasets[0].trigger_word == "ohwx"
     assert Path(cfg.data.datasets[0].path) == Path("/data/cats")
-    assert (cfg.lora.rank, cfg.lora.alpha) == (8, 8)
+    assert (cfg.lora.rank, cfg.lora.alpha) == (8, None)            # alpha unset: the config's default, = rank
     assert cfg.train.steps == 300 and cfg.train.learning_rate == pytest.approx(2e-4)
     assert cfg.memory.vram_budget == "8GiB" and cfg.memory.ram_budget is None
     assert cfg.sample.prompts == ["ohwx, a cat", "ohwx, a dog"] and cfg.sample.every == 100
@@ -541,3 +541,52 @@ def test_a_stock_model_is_planned_without_weights_and_cannot_start(tmp_path):
     assert answer["total_blocks"] == 57 and 0 < answer["peak_vram_gib"] < 8
     with pytest.raises(ValueError, match="stock architecture"):
         _endpoint(app, "/api/runs", "POST")({**FIELDS, "model_path": "flux-dev", "dataset": str(_images(tmp_path / "d"))})
+
+
+def test_every_config_key_is_reachable_through_the_extra_toml(tmp_path):
+    """The fields hold the common keys; the rest is TOML merged over them and validated as
+    `leantune train` validates it, errors naming the key."""
+    form = RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nmax_grad_norm = 0.5\nkeep_last = 5\n"
+                                                         "[lora]\ndropout = 0.1\n"})
+    cfg = load_config(form.write(tmp_path / "c.toml"))
+    assert cfg.train.max_grad_norm == 0.5 and cfg.train.keep_last == 5 and cfg.lora.dropout == 0.1
+    assert cfg.lora.rank == 8                                   # the fields' keys stay
+    with pytest.raises(ConfigError, match="bogus"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nbogus = 1\n"}).write(tmp_path / "c.toml")
+    with pytest.raises(ConfigError, match="max_grad_norm"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nmax_grad_norm = -1\n"}).write(tmp_path / "c.toml")
+    with pytest.raises(FormError, match="extra_toml: .*line 2"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nmax_grad_norm = = 1\n"})
+    with pytest.raises(FormError, match=r"\[output\] dir"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[output]\ndir = '/elsewhere'\n"}).to_dict()
+
+
+@pytest.mark.parametrize("preset", sorted(__import__("leantune.ui.form", fromlist=["presets"]).presets()))
+def test_a_preset_imported_into_the_form_is_the_same_config(tmp_path, preset):
+    """Import (fields + extra TOML), then save: the config `leantune train` loads is the preset's,
+    but for the paths the user gives and the output folder the page owns."""
+    import tomllib
+
+    from leantune.ui.form import presets
+
+    source = presets()[preset]
+    doc = tomllib.loads(source.read_text())
+    form, notes = RunForm.from_toml(source.read_text(), RunForm(model_path="/m", dataset="/d"))
+    assert form.model_path == "/m" and any("relative" in n for n in notes) or form.model_path.startswith("/")
+    doc["model"]["path"] = form.model_path
+    doc["data"]["datasets"][0]["path"] = form.dataset
+    doc.setdefault("output", {}).update(dir="run", name=form.name)
+    import tomli_w
+
+    (tmp_path / "want.toml").write_text(tomli_w.dumps(doc))
+    want = load_config(tmp_path / "want.toml").model_dump()
+    got = load_config(form.write(tmp_path / "got.toml")).model_dump()
+    assert got == want
+
+
+def test_a_runs_config_comes_back_as_the_form_clone(tmp_path):
+    form = RunForm.from_fields({**FIELDS, "lora_targets": "all_linear", "lr_scheduler": "cosine", "warmup_steps": "20",
+                                "timestep_sampling": "uniform", "caption_dropout": "0.05", "repeats": "3",
+                                "sample_guidance": "1.0", "sample_seed": "4", "extra_toml": "[train]\nkeep_last = 2\n"})
+    again, notes = RunForm.from_toml(form.to_toml())
+    assert again.as_fields() == form.as_fields() and notes == []

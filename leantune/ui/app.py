@@ -18,8 +18,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
+from ..config import ConfigError
 from . import dataset_view, guard, launcher, plan_answer, runs, sample_job
-from .form import RunForm, choices, families
+from .form import RunForm, choices, families, presets
 
 STATIC = Path(__file__).parent / "static"
 
@@ -87,6 +88,9 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     @app.get("/api/choices")
     def get_choices():
         return {"family": family_names, "cfg_families": cfg_families, "mode": choices("train", "mode"),
+                "lora_targets": choices("lora", "targets"), "optimizer": choices("train", "optimizer"),
+                "lr_scheduler": choices("train", "lr_scheduler"),
+                "timestep_sampling": choices("train", "timestep_sampling"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),
                 "data_roots": [str(r) for r in roots], "stock_models": plan_answer.stock_models(),
@@ -115,7 +119,38 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/toml")
     def post_toml(body: dict):
-        return {"toml": RunForm.from_fields(body).to_toml()}
+        form = RunForm.from_fields(body)
+        with tempfile.TemporaryDirectory() as tmp:           # checked as `leantune train` checks it
+            try:
+                form.write(Path(tmp) / "config.toml")
+            except ValueError as e:
+                return {"toml": form.to_toml(), "error": str(e).replace(str(Path(tmp) / "config.toml"), "the config")}
+        return {"toml": form.to_toml(), "error": None}
+
+    @app.get("/api/presets")
+    def get_presets():
+        return {"presets": sorted(presets())}
+
+    @app.post("/api/import")
+    def post_import(body: dict):
+        """A TOML (a preset by name, or text the user chose) as the form's fields, keeping the
+        current form's paths where the TOML's are relative to a file the page cannot see."""
+        keep = RunForm.from_fields(body.get("fields") or {}, complete=False)
+        if body.get("preset"):
+            found = presets().get(str(body["preset"]))
+            if found is None:
+                raise ValueError(f"no preset named {body['preset']!r}")
+            text = found.read_text()
+        else:
+            text = str(body.get("toml", ""))
+        form, notes = RunForm.from_toml(text, keep)
+        return {"fields": form.as_fields(), "notes": notes}
+
+    @app.get("/api/runs/{name}/form")
+    def get_run_form(name: str):
+        """A run's config as the form's fields: clone it."""
+        form, notes = RunForm.from_toml((_existing(name) / runs.CONFIG_FILE).read_text())
+        return {"fields": form.as_fields(), "notes": notes}
 
     @app.post("/api/plan")
     def post_plan(body: dict):
@@ -139,7 +174,10 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                          "resolutions": form.resolutions, "text_length": form.max_text_length,
                          "batch_size": form.batch_size}
             with tempfile.TemporaryDirectory() as tmp:
-                config = form.write(Path(tmp) / "config.toml")
+                try:
+                    config = form.write(Path(tmp) / "config.toml")
+                except ConfigError as e:       # a key the config check refuses: an error, named without the temp path
+                    raise ConfigError(str(e).replace(str(Path(tmp) / "config.toml"), "the config")) from None
                 try:
                     answer = plan_answer.plan_json(None if stock else config, form.vram_budget.strip(), ram, stock)
                 except ValueError as e:        # ConfigError and the planner's refusals; the form passed

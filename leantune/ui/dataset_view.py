@@ -117,7 +117,7 @@ def save_upload(folder: str, name: str, data: bytes, roots=None) -> Path:
     except DatasetViewError:
         raise
     except Exception as e:     # PIL raises many types
-        raise DatasetViewError(f"{name}: not a readable image ({type(e).__name__}: {e})") from None
+        raise DatasetViewError(f"{name}: not a readable image (the file does not decode as PNG, JPEG or WebP)") from None
     return atomic_write_bytes(target, data)
 
 
