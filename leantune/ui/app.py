@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..config import ConfigError
-from . import dataset_view, guard, launcher, plan_answer, runs, sample_job
+from . import dataset_view, guard, launcher, plan_answer, queue, runs, sample_job, system
 from .form import RunForm, choices, families, presets
 
 STATIC = Path(__file__).parent / "static"
@@ -210,7 +210,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
             from ..io import atomic_write_json
 
             atomic_write_json(folder / runs.PLAN_FILE, _plan(form))
-        return launcher.start(folder, config)
+        return queue.submit(runs_dir, folder, resume=False)
 
     def _existing(name: str) -> Path:
         folder = runs.run_folder(runs_dir, name)
@@ -224,8 +224,25 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/runs/{name}/resume")
     def post_resume(name: str):
+        return queue.submit(runs_dir, _existing(name), resume=True)
+
+    @app.delete("/api/runs/{name}")
+    def delete_run(name: str):
+        """Delete a run with its files (the page asks first); a running one must be stopped first."""
         folder = _existing(name)
-        return launcher.start(folder, folder / runs.CONFIG_FILE, resume=True)
+        with launcher.run_lock(folder):
+            if launcher.is_alive(launcher.read_process(folder)):
+                raise ValueError(f"{name}: running; stop it first")
+            shutil.rmtree(folder)
+        return {"deleted": name}
+
+    @app.get("/api/system")
+    def get_system():
+        return system.snapshot()
+
+    @app.on_event("startup")
+    def start_queue():
+        queue.keep_moving(runs_dir)
 
     @app.get("/api/runs/{name}")
     def get_run(name: str):
@@ -251,8 +268,13 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         return FileResponse(_existing(name) / runs.CONFIG_FILE, filename=f"{name}.toml", media_type="application/toml")
 
     @app.get("/api/runs/{name}/samples/{file}")
-    def get_sample(name: str, file: str):
-        return _file(_existing(name) / runs.RUN_DIR / "samples", file, download=False)
+    def get_sample(name: str, file: str, prompt: int | None = None):
+        """A sample grid, or with ?prompt=i the image of prompt i in it (the gallery's cells)."""
+        if prompt is None:
+            return _file(_existing(name) / runs.RUN_DIR / "samples", file, download=False)
+        from fastapi.responses import Response
+
+        return Response(runs.sample_tile(_existing(name), file, prompt), media_type="image/png")
 
     @app.get("/api/runs/{name}/weights/{file}")
     def get_weights(name: str, file: str):
@@ -261,6 +283,11 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     @app.post("/api/sample")
     def post_sample(body: dict):
         return sample_job.start(runs_dir, body)
+
+    @app.get("/api/runs/{name}/sample-fields")
+    def get_run_sample_fields(name: str):
+        """"Sample this run": the Sample form filled from the run's config and newest LoRA."""
+        return sample_job.run_fields(_existing(name))
 
     @app.get("/api/model-family")
     def get_model_family(path: str):
