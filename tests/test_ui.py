@@ -590,3 +590,26 @@ def test_a_runs_config_comes_back_as_the_form_clone(tmp_path):
                                 "sample_guidance": "1.0", "sample_seed": "4", "extra_toml": "[train]\nkeep_last = 2\n"})
     again, notes = RunForm.from_toml(form.to_toml())
     assert again.as_fields() == form.as_fields() and notes == []
+
+
+@pytest.mark.slow
+def test_captioning_with_a_local_image_to_text_model(tmp_path):
+    """A tiny random BLIP built offline captions the images without a caption; existing captions
+    stay unless asked; a folder that is not a model is refused with words, not a traceback."""
+    from tests.tiny_captioner import WORDS, save_tiny_blip
+
+    from leantune.ui import captioner
+
+    model = save_tiny_blip(tmp_path / "blip")
+    folder = _images(tmp_path / "d")
+    status = tmp_path / "status.json"
+    assert captioner.caption_folder(str(model), str(folder), status) == 0
+    written = (folder / "b.txt").read_text().strip()
+    assert written and set(written.split()) <= set(WORDS), written       # the model's own words
+    assert (folder / "a.txt").read_text() == "a red\nbox\n"                # had a caption: kept
+    assert json.loads(status.read_text())["done"] == 1
+    assert captioner.caption_folder(str(model), str(folder), status, overwrite=True) == 0
+    assert (folder / "a.txt").read_text().strip() != "a red box"
+    assert captioner.caption_folder(str(tmp_path / "d"), str(folder), status) == 2
+    error = json.loads(status.read_text())["error"]
+    assert "not a local image-to-text model" in error and "Traceback" not in error

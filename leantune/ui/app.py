@@ -117,6 +117,42 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                                              str(body.get("caption", "")), roots)
         return {"written": str(written)}
 
+    @app.post("/api/caption-job")
+    def post_caption_job(body: dict):
+        """Caption the folder's images with a local image-to-text model (its own process)."""
+        import subprocess
+        import sys
+
+        folder = dataset_view.folder_of(str(body.get("path", "")), roots)
+        model = Path(str(body.get("model", "")).strip()).expanduser()
+        if not str(body.get("model", "")).strip() or not model.is_dir():
+            raise ValueError(f"captioning model {str(model)!r}: give the folder of a local transformers "
+                             f"image-to-text model (BLIP, Florence-2, ...)")
+        job = runs_dir / "_captions"
+        job.mkdir(exist_ok=True)
+        status = job / "status.json"
+        if launcher.is_alive(launcher.read_process(job)):
+            raise ValueError("captioning is already running")
+        status.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "leantune.ui.captioner", str(model), str(folder), str(status)]
+        cmd += ["--all"] if body.get("overwrite") else []
+        cmd += ["--prompt", str(body["prompt"])] if str(body.get("prompt", "")).strip() else []
+        launcher.start(job, None, command=cmd)           # refuses a second one under the folder's lock
+        return {"started": True}
+
+    @app.get("/api/caption-job")
+    def get_caption_job():
+        job = runs_dir / "_captions"
+        try:
+            status = json.loads((job / "status.json").read_text())
+        except (OSError, ValueError):
+            status = {"done": 0, "total": None, "current": "starting", "error": None}
+        info = launcher.read_process(job) or {}
+        running = launcher.is_alive(info)
+        if not running and info.get("exit_code") not in (None, 0) and not status.get("error"):
+            status["error"] = f"captioning stopped (exit code {info.get('exit_code')}); see {job / launcher.CONSOLE_FILE}"
+        return {**status, "running": running}
+
     @app.post("/api/toml")
     def post_toml(body: dict):
         form = RunForm.from_fields(body)
