@@ -78,6 +78,10 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         return (STATIC / "index.html").read_text().replace('name="leantune-token" content=""',
                                                           f'name="leantune-token" content="{token}"')
 
+    @app.get("/favicon.ico")
+    def favicon():
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     @app.get("/static/{name}")
     def static(name: str):
         path = STATIC / Path(name).name
