@@ -613,3 +613,27 @@ def test_captioning_with_a_local_image_to_text_model(tmp_path):
     assert captioner.caption_folder(str(tmp_path / "d"), str(folder), status) == 2
     error = json.loads(status.read_text())["error"]
     assert "not a local image-to-text model" in error and "Traceback" not in error
+
+
+def test_a_second_start_waits_in_line_and_starts_when_the_first_ends(tmp_path, monkeypatch):
+    """One job at a time: a run submitted while another is alive is queued, and the line moves
+    when the machine is free (a stand-in trainer that exits when its folder holds a 'done' file)."""
+    from leantune.ui import queue
+
+    script = tmp_path / "fake.py"
+    script.write_text("import pathlib, time\nwhile not pathlib.Path('done').exists():\n    time.sleep(0.05)\n")
+    monkeypatch.setattr(launcher, "train_command", lambda config, resume=False: [sys.executable, str(script)])
+    runs_dir = tmp_path / "runs"
+    first, second = _run(runs_dir, "first"), _run(runs_dir, "second")
+    assert queue.submit(runs_dir, first, resume=False)["started"] is True
+    answer = queue.submit(runs_dir, second, resume=False)
+    assert answer == {"started": False, "queued": True, "position": 1, "running": ["first"]}
+    assert runs.state(second) == "queued" and queue.advance(runs_dir) is None        # first still runs
+    (first / "done").write_text("")
+    deadline = time.time() + 30
+    while launcher.is_alive(launcher.read_process(first)):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert queue.advance(runs_dir) == "second"
+    assert launcher.is_alive(launcher.read_process(second)) and runs.state(second) == "running"
+    (second / "done").write_text("")

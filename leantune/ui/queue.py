@@ -45,7 +45,7 @@ def submit(runs_dir: Path, folder: Path, resume: bool) -> dict:
         ahead = [f.name for f in waiting(runs_dir) if f != folder]
         if not busy and not ahead:
             info = launcher.start(folder, folder / runs.CONFIG_FILE, resume=resume)
-            return {"started": True, **info}
+            return {**info, "started": True}          # (info.started, the launch time, is in process.json)
         atomic_write_json(folder / runs.QUEUED_FILE, {"queued_at": time.time(), "resume": resume})
         return {"started": False, "queued": True, "position": len(ahead) + 1, "running": busy}
 
