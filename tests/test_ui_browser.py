@@ -53,7 +53,9 @@ def _serve(tmp_path: Path, token: str | None = None):
     url the address it prints (carrying the session secret). With `token`, that secret is given and
     the url is the bare address (the test opens it without the secret first)."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # one thread for the runs the page starts, as the demo trains (demo.one_thread: the tiny model's
+    # matrices are too small to share, and on a busy machine extra threads only wait on each other)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "leantune", "ui", "--port", str(port), "--runs",
                              str(tmp_path / "runs"), "--data", str(tmp_path)] + (["--token", token] if token else []),
@@ -312,6 +314,7 @@ def _finished_run(runs_dir: Path) -> Path:
     (folder / "run" / "samples").mkdir(parents=True)
     (folder / "config.toml").write_text("[train]\nsteps = 4\n")
     (folder / "plan.json").write_text(json.dumps({"peak_vram_gib": 5.5, "peak_host_gib": 12.0, "step_s": 1.4,
+                                                 "assumed_machine": False,
                                                  "message": "fits: predicted peak VRAM 5.50 GiB"}))
     (folder / "process.json").write_text(json.dumps({"pid": 1, "exit_code": 0}))
     (folder / "run" / "train.log").write_text("".join(

@@ -125,10 +125,10 @@ class RunForm:
     def to_dict(self) -> dict:
         """The config as a TOML document (nested dict); paths absolute, outputs beside the config."""
         cfg: dict = {
-            "model": {"path": str(Path(self.model_path).expanduser()), "family": self.family, "dtype": self.dtype},
+            "model": {"path": _absolute(self.model_path), "family": self.family, "dtype": self.dtype},
             "data": {"resolutions": list(self.resolutions), "batch_size": self.batch_size,
                      "max_text_length": self.max_text_length, "cache_dir": "cache",
-                     "datasets": [{"path": str(Path(self.dataset).expanduser()), "trigger_word": self.trigger_word,
+                     "datasets": [{"path": _absolute(self.dataset), "trigger_word": self.trigger_word,
                                    "repeats": self.repeats, "caption_dropout": self.caption_dropout}]},
             "lora": {"rank": self.rank, "targets": self.lora_targets},       # alpha: the config's default, = rank
             "train": {"mode": self.mode, "steps": self.steps, "learning_rate": self.learning_rate,
@@ -269,6 +269,17 @@ def presets() -> dict[str, Path]:
     found = {f"quickstart: {p.stem}": p for p in sorted((package / "resources").glob("quickstart*.toml"))}
     found.update({f"example: {p.stem}": p for p in sorted((package.parent / "examples").glob("*.toml"))})
     return found
+
+
+def _absolute(path: str) -> str:
+    """A path typed on the page, absolute (relative to where the page was started: the config lives
+    in the run's folder, where a relative path would point elsewhere); a stock model name (planned
+    without weights) stays a name."""
+    from ..commands.plan import MODELS
+
+    if not path.strip() or path.strip() in MODELS:
+        return path.strip()
+    return str(Path(path).expanduser().absolute())
 
 
 def merge(base: dict, extra: dict) -> dict:

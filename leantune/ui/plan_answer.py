@@ -107,6 +107,8 @@ def budget_text(n: int) -> str:
 
 
 def duration_text(seconds: float) -> str:
+    if seconds < 1:
+        return "under a second"
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
@@ -126,7 +128,7 @@ def words(plan: dict, machine: str, steps: int | None) -> str:
         where = f"all {total} blocks stream from host RAM"
     else:
         where = f"{n} of {total or '?'} blocks stream from host RAM"
-    assumed = not notes.get("machine_measured", False)
+    assumed = not notes.get("machine_measured", False) and "assumed" not in machine.lower()   # said once
     step_s = notes.get("predicted_step_s")
     if step_s and steps:
         when = f"about {duration_text(step_s * steps)} for {steps} steps on {machine}" + (" (assumed)" if assumed else "")

@@ -114,7 +114,7 @@ def predicted(folder: Path) -> dict:
         plan = json.loads((folder / PLAN_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {k: plan.get(k) for k in ("peak_vram_gib", "peak_host_gib", "step_s", "message")}
+    return {k: plan.get(k) for k in ("peak_vram_gib", "peak_host_gib", "step_s", "message", "assumed_machine")}
 
 
 def activity(log: str, console: str) -> str:

@@ -21,8 +21,11 @@ async function api(method, url, body) {
   return data;
 }
 // the form survives a reload: every change is kept in this browser's storage
+function resolutionsChosen() { return localStorage.getItem(STORE + "-resolutions") === "chosen"; }
+function chooseResolutions() { try { localStorage.setItem(STORE + "-resolutions", "chosen"); } catch (e) { /* private mode */ } }
 function saveForm() { try { localStorage.setItem(STORE, JSON.stringify(formFields())); } catch (e) { /* private mode */ } }
 function setFields(fields) {
+  if ("resolutions" in fields) chooseResolutions();
   for (const [k, v] of Object.entries(fields)) {
     if (!$(k) || v === null || v === undefined) continue;
     $(k).value = Array.isArray(v) ? (k === "sample_prompts" ? v.join("\n") : v.join(" ")) : v;
@@ -53,7 +56,9 @@ function el(tag, attrs = {}, text) {
 // -- 1. dataset -------------------------------------------------------------------------------------
 async function loadDataset() {
   const path = $("dataset").value;
-  const res = parseInt(($("resolutions").value.split(/[ ,]+/)[0]) || "0");
+  // the "smaller than the training resolution" warning only once the resolutions are the user's
+  // (typed, imported or kept from before), never from the default they have not chosen yet
+  const res = resolutionsChosen() ? Math.min(...$("resolutions").value.split(/[ ,]+/).filter(Boolean).map(Number)) || 0 : 0;
   try {
     const data = await api("GET", `/api/dataset?path=${encodeURIComponent(path)}` + (res ? `&min_resolution=${res}` : ""));
     const grid = $("grid");
@@ -135,6 +140,7 @@ function showPlan(p) {
   // config, e.g. a mode it does not price yet (its own words, amber) · a field the config refuses.
   $("plan").className = "plan " + (p.fits === true ? "fits" : p.fits === false ? "nofit" :
                                    p.planned === false ? "note" : p.error ? "error" : "");
+  $("plan-words").textContent = p.fits ? p.words : "";      // the plan in words first, then the numbers
   $("plan-message").textContent = p.message;
   const d = $("plan-detail");
   d.replaceChildren();
@@ -147,7 +153,6 @@ function showPlan(p) {
   if (p.ram) d.append(el("p", {className: "muted", id: "plan-ram"}, p.ram));
   if (p.fits === false && p.detail) d.append(el("p", {className: "muted"}, p.detail));
   if (!p.fits) return;
-  d.prepend(el("p", {id: "plan-words"}, p.words));
   d.append(el("p", {}, `${p.workload} · streamed blocks ${p.streamed_blocks}/${p.total_blocks} · fp8 ${p.fp8 ? "on" : "off"} · ` +
     `checkpointing ${p.checkpointing} · predicted ${p.step_s.toPrecision(3)} s/step` + (p.assumed_machine ? ` (${p.machine}, assumed rates)` : "")));
   const table = el("table");
@@ -239,7 +244,8 @@ function showProgress(p) {
   const steps = p.steps, last = steps[steps.length - 1];
   const maxX = p.total_steps || (last ? last.step : 1);
   $("speed").textContent = last ? `step ${last.step}/${p.total_steps ?? "?"} · loss ${last.loss.toFixed(4)} · ${last.s_it.toFixed(2)} s/it` +
-    (p.predicted.step_s ? ` (predicted ${p.predicted.step_s.toPrecision(3)} s/it on the planned GPU)` : "") : "waiting for the first step…";
+    // the predicted s/it only where it is a prediction for this machine (measured, not assumed rates)
+    (p.predicted.step_s && p.predicted.assumed_machine === false ? ` (predicted ${p.predicted.step_s.toPrecision(3)} s/it on this machine)` : "") : "waiting for the first step…";
   const timing = [p.elapsed_s !== null && p.elapsed_s !== undefined ? `elapsed ${fmtTime(p.elapsed_s)}` : "",
                   p.eta_s !== null && p.eta_s !== undefined ? `about ${fmtTime(p.eta_s)} left` : ""].filter(Boolean).join(" · ");
   $("progress").textContent = (p.state === "running" || p.state === "queued" ? `${p.state === "queued" ? "waiting in line" : p.activity}` : p.state) +
@@ -396,6 +402,7 @@ async function init() {
     $(k).addEventListener("input", () => { saveForm(); schedulePlan(); });
     $(k).addEventListener("change", () => { saveForm(); schedulePlan(); });
   }
+  $("resolutions").addEventListener("input", chooseResolutions);
   $("caption-run").onclick = captionImages;
   $("preset").onchange = () => { if ($("preset").value) importToml({preset: $("preset").value}); };
   $("import-toml").onchange = async () => {
