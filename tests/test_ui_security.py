@@ -53,7 +53,7 @@ class Page:
         if secret and self.token:
             h["X-Leantune-Token"] = self.token
         if cookie and self.token:
-            h["Cookie"] = f"leantune_token={self.token}"
+            h["Cookie"] = f"leantune_token_{self.port}={self.token}"
         conn.request(method, path, body=body, headers=h)
         r = conn.getresponse()
         data = r.read()
@@ -137,7 +137,7 @@ def test_the_printed_address_carries_a_secret_and_nothing_answers_without_it(pag
 
 def test_a_non_ascii_token_is_refused_not_a_server_error(page):
     assert page.request("GET", "/api/runs?token=" + quote("jeton-é"), secret=False)[0] == 403
-    assert page.request("GET", "/api/runs", secret=False, headers={"Cookie": "leantune_token=%C3%A9"})[0] == 403
+    assert page.request("GET", "/api/runs", secret=False, headers={"Cookie": f"leantune_token_{page.port}=%C3%A9"})[0] == 403
 
 
 def test_dns_rebinding_a_foreign_host_header_is_refused(page):

@@ -55,8 +55,9 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         if why:
             return PlainTextResponse(why, 403)
         response = await call_next(request)
-        if request.cookies.get(guard.COOKIE) != token:
-            response.set_cookie(guard.COOKIE, token, httponly=True, samesite="strict")
+        name = guard.cookie_name(request.headers.get("host", ""))
+        if cookies.get(name) != token:
+            response.set_cookie(name, token, httponly=True, samesite="strict")
         return response
 
     @app.exception_handler(TooLarge)

@@ -26,6 +26,13 @@ HEADER = "x-leantune-token"
 SAFE_METHODS = ("GET", "HEAD")
 
 
+def cookie_name(host_header: str) -> str:
+    """The secret's cookie, one per port: cookies ignore ports, so two pages on one machine would
+    otherwise overwrite each other's secret."""
+    port = host_header.rsplit(":", 1)[1] if ":" in host_header.rsplit("]", 1)[-1] else "80"
+    return f"{COOKIE}_{port}" if port.isdigit() else COOKIE
+
+
 def host_name(host_header: str) -> str:
     """The name part of a Host header ("127.0.0.1:7860" -> "127.0.0.1", "[::1]:80" -> "::1")."""
     host = host_header.strip().lower()
@@ -66,7 +73,7 @@ def refusal(method: str, headers, query: dict, cookies: dict, token: str, allowe
     if origin is not None and not origin_matches(origin, host):
         return "leantune ui: requests from another site are refused"
     if method.upper() in SAFE_METHODS:
-        given = query.get("token") or cookies.get(COOKIE) or headers.get(HEADER)
+        given = query.get("token") or cookies.get(cookie_name(host)) or headers.get(HEADER)
         if not same_secret(given, token):
             return "leantune ui: open the address printed at start (it carries the session's ?token=...)"
         return None
