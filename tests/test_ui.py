@@ -637,3 +637,30 @@ def test_a_second_start_waits_in_line_and_starts_when_the_first_ends(tmp_path, m
     assert queue.advance(runs_dir) == "second"
     assert launcher.is_alive(launcher.read_process(second)) and runs.state(second) == "running"
     (second / "done").write_text("")
+
+
+def test_the_machine_line_reads_host_ram_and_nvidia_smi(tmp_path, monkeypatch):
+    """Host RAM always; GPU memory and utilisation from nvidia-smi where there is one (a stand-in
+    script here), none without it."""
+    from leantune.ui import system
+
+    monkeypatch.setenv("PATH", str(tmp_path))                 # no nvidia-smi on this PATH
+    assert system.gpus() == []
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 1024, 81559, 37'\n")
+    fake.chmod(0o755)
+    assert system.gpus() == [{"name": "NVIDIA H100 80GB HBM3", "used": 1024 * 2**20, "total": 81559 * 2**20,
+                              "utilization": 37.0}]
+    host = system.host()
+    assert 0 < host["available"] <= host["total"]
+
+
+def test_the_toml_preview_names_the_refused_key_without_temp_paths(tmp_path):
+    import tempfile
+
+    from leantune.ui.app import create_app
+
+    preview = _endpoint(create_app(tmp_path / "runs", "t"), "/api/toml", "POST")
+    answer = preview({**FIELDS, "extra_toml": "[train]\nbogus = 1\n"})
+    assert "bogus" in answer["error"] and "[train]" in answer["error"] and tempfile.gettempdir() not in answer["error"]
+    assert preview(FIELDS)["error"] is None
