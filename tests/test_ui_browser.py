@@ -259,10 +259,10 @@ def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp
             cell = page.locator(f"#gallery img[data-step='{STEPS}'][data-prompt='{i}']")
             tile = page.request.get(cell.evaluate("img => img.src")).body()
             m = prompt_match(Image.open(io.BytesIO(tile)), prompt)
+            print(f"run sample at step {STEPS}: {prompt}: {m}")            # shown with -s
             assert m["shape"] > 0.5 and m["background"] > 0.6, (prompt, m)
         page.locator(f"#gallery img[data-step='{STEPS}'][data-prompt='0']").click()
         page.wait_for_function("document.querySelector('#enlarge').open")
-        _shot(page, "enlarged", tmp_path)
         page.click("#enlarge-close")
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "finished", tmp_path)
@@ -279,6 +279,7 @@ def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp
         assert imgs.count() == 3, page.inner_text("#sample-console")
         for i, prompt in enumerate(prompts):
             m = prompt_match(Image.open(io.BytesIO(page.request.get(imgs.nth(i).evaluate("img => img.src")).body())), prompt)
+            print(f"sample this run: {prompt}: {m}")
             assert m["shape"] > 0.5 and m["background"] > 0.6, (prompt, m)
         page.locator("#sample-section").scroll_into_view_if_needed()
         _shot(page, "sample", tmp_path)
