@@ -291,7 +291,7 @@ def test_bound_beyond_localhost_the_page_needs_the_printed_token(tmp_path):
 
 
 def test_addresses_and_which_hosts_are_local(tmp_path):
-    from leantune.commands.ui import address, is_local
+    from leantune.ui.command import address, is_local
 
     assert [h for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "0.0.0.0", "::", "192.168.1.5", "myhost")
             if is_local(h)] == ["127.0.0.1", "127.0.0.2", "localhost", "::1"]
@@ -496,7 +496,7 @@ def _tiny_fields(tmp_path, tiny_flux_dir, **more):
 def test_host_ram_auto_is_this_machines_ram_checked(tmp_path, tiny_flux_dir, monkeypatch):
     """On a machine without a GPU the command leaves host RAM unchecked; the page trains here, so
     "auto" is this machine's RAM: a small machine's plan does not fit, and says it is host RAM."""
-    from leantune.planner import machine
+    from leantune import host as machine
     from leantune.ui.app import create_app
 
     plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")

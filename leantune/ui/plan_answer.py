@@ -38,7 +38,7 @@ def stock_models() -> list[str]:
 def this_machine_ram() -> int:
     """Host RAM "auto": what a new trainer process here may use (available RAM minus the planner's
     margin, planner/workload.py default_ram_budget, without this server's own RSS)."""
-    from ..planner.machine import host_ram
+    from ..host import host_ram
 
     total, avail = host_ram()
     n = int(avail - max(2 * GiB, 0.1 * total))

@@ -8,7 +8,7 @@ import subprocess
 
 
 def host() -> dict:
-    from ..planner.machine import host_ram
+    from ..host import host_ram
 
     total, available = host_ram()
     return {"total": total, "available": available}
