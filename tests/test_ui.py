@@ -629,6 +629,9 @@ def test_a_second_start_waits_in_line_and_starts_when_the_first_ends(tmp_path, m
     answer = queue.submit(runs_dir, second, resume=False)
     assert answer == {"started": False, "queued": True, "position": 1, "running": ["first"]}
     assert runs.state(second) == "queued" and queue.advance(runs_dir) is None        # first still runs
+    third = _run(runs_dir, "third")
+    assert queue.submit(runs_dir, third, resume=True)["position"] == 2
+    assert queue.leave(third) and runs.state(third) == "new" and not queue.leave(third)   # Stop while waiting
     (first / "done").write_text("")
     deadline = time.time() + 30
     while launcher.is_alive(launcher.read_process(first)):

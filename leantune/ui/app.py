@@ -261,7 +261,11 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/runs/{name}/stop")
     def post_stop(name: str):
-        return launcher.stop(_existing(name))
+        """Stop a running run (it saves), or take a queued one out of the line."""
+        folder = _existing(name)
+        if queue.leave(folder):
+            return {"left_queue": name}
+        return launcher.stop(folder)
 
     @app.post("/api/runs/{name}/resume")
     def post_resume(name: str):

@@ -50,6 +50,16 @@ def submit(runs_dir: Path, folder: Path, resume: bool) -> dict:
         return {"started": False, "queued": True, "position": len(ahead) + 1, "running": busy}
 
 
+def leave(folder: Path) -> bool:
+    """Take a queued run out of the line (Stop on a run that waits); False if it was not queued."""
+    with _LOCK:
+        try:
+            (folder / runs.QUEUED_FILE).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+
 def advance(runs_dir: Path) -> str | None:
     """Start the oldest queued run if no run is alive; returns its name."""
     with _LOCK:
