@@ -239,7 +239,8 @@ function chart(svg, series, maxX) {
 function showProgress(p) {
   if (p.name !== watching) return;
   $("watch-state").textContent = p.state;
-  $("stop").disabled = p.state !== "running";
+  $("stop").disabled = !["running", "queued"].includes(p.state);      // a queued run's Stop leaves the line
+  $("stop").textContent = p.state === "queued" ? "Leave the queue" : "Stop (finish step, save)";
   $("resume").disabled = !(["stopped", "failed"].includes(p.state) && p.checkpoints.length);
   const steps = p.steps, last = steps[steps.length - 1];
   const maxX = p.total_steps || (last ? last.step : 1);
@@ -296,7 +297,12 @@ function gallery(name, g) {
   }
   return table;
 }
-async function stopRun() { await api("POST", `/api/runs/${watching}/stop`); status("stop asked: the run finishes its step and saves"); }
+async function stopRun() {
+  try {
+    const r = await api("POST", `/api/runs/${watching}/stop`);
+    status(r.left_queue ? `${r.left_queue} left the queue` : "stop asked: the run finishes its step and saves");
+  } catch (e) { status(e.message); }
+}
 async function resumeRun() {
   try {
     const r = await api("POST", `/api/runs/${watching}/resume`);
@@ -360,7 +366,7 @@ async function captionImages() {
   button.disabled = true;
   try {
     await api("POST", "/api/caption-job", {path: $("dataset").value, model: $("caption_model").value,
-                                           overwrite: $("caption_overwrite").checked});
+                                           overwrite: $("caption_overwrite").checked, prompt: $("caption_prompt").value});
     const poll = async () => {
       const r = await api("GET", "/api/caption-job");
       $("caption-status").textContent = r.error ? r.error :
