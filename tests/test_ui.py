@@ -667,3 +667,42 @@ def test_the_toml_preview_names_the_refused_key_without_temp_paths(tmp_path):
     answer = preview({**FIELDS, "extra_toml": "[train]\nbogus = 1\n"})
     assert "bogus" in answer["error"] and "[train]" in answer["error"] and tempfile.gettempdir() not in answer["error"]
     assert preview(FIELDS)["error"] is None
+
+
+def test_watching_says_what_the_trainer_does_before_step_1_then_elapsed_and_eta(tmp_path):
+    folder = _run(tmp_path, "w", steps=100)
+    (folder / launcher.CONSOLE_FILE).write_text("$ python -m leantune train config.toml\n"
+                                                "caching captions:  50%|#####     | 12/24\rcaching captions: 100%|##########| 24/24\n")
+    before = runs.progress(folder)
+    assert before["steps"] == [] and before["activity"] == "caching captions: 100%|##########| 24/24"
+    (folder / "run" / "train.log").write_text("2026-11-24 08:26:19,908 INFO model: Flux (tiny) from /m (fp32)\n")
+    assert runs.progress(folder)["activity"] == "model: Flux (tiny) from /m (fp32)"       # the log, no timestamp
+    (folder / "run" / "train.log").write_text(LOG)
+    (folder / launcher.PROCESS_FILE).write_text(json.dumps({"pid": os.getpid(), "proc_start": launcher.start_time(os.getpid()),
+                                                            "started": 1000.0, "exit_code": None}))
+    t = runs.timing(folder, runs.parse_log(LOG), 100, now=1060.0)
+    assert t["elapsed_s"] == 60.0 and t["eta_s"] == pytest.approx((100 - 3) * (1.52 + 1.30 + 1.30) / 3)
+
+
+def test_the_gallery_cuts_each_prompts_image_out_of_the_grids(tmp_path):
+    """A trainer's sample grid (3 prompts of 16 px, two to a row, its PNG metadata saying the size)
+    gives back prompt i's image at each step."""
+    from leantune.infer.images import make_grid, save_png
+
+    folder = _run(tmp_path, "g")
+    (folder / "config.toml").write_text("[train]\nsteps = 10\n[sample]\nprompts = ['red', 'green', 'blue']\n")
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+    (folder / "run" / "samples").mkdir()
+    for step in (5, 10):
+        grid = make_grid([Image.new("RGB", (16, 16), c) for c in colours])
+        save_png(grid, folder / "run" / "samples" / f"step-{step:06d}.png", {"width": 16, "height": 16, "prompt": []})
+    p = runs.progress(folder)
+    assert p["gallery"] == {"prompts": ["red", "green", "blue"], "steps": [
+        {"step": 5, "file": "step-000005.png"}, {"step": 10, "file": "step-000010.png"}]}
+    import io
+
+    for i, colour in enumerate(colours):
+        tile = Image.open(io.BytesIO(runs.sample_tile(folder, "step-000010.png", i)))
+        assert tile.size == (16, 16) and tile.getpixel((8, 8)) == colour
+    with pytest.raises(ValueError, match="no image 4"):
+        runs.sample_tile(folder, "step-000010.png", 4)

@@ -59,7 +59,7 @@ def scan(path: str, min_resolution: int | None = None, roots=None) -> list[dict]
         try:
             _, entry["width"], entry["height"] = inspect_image(image)
         except Exception as e:    # PIL raises many types; the trainer skips such files the same way
-            entry["warnings"].append(f"unreadable: {type(e).__name__}: {e}")
+            entry["warnings"].append("unreadable: the file does not decode as an image (the trainer skips it)")
         if not image.with_suffix(".txt").is_file():
             entry["warnings"].append("no caption (.txt): trains with the trigger word only")
         else:
