@@ -706,3 +706,14 @@ def test_the_gallery_cuts_each_prompts_image_out_of_the_grids(tmp_path):
         assert tile.size == (16, 16) and tile.getpixel((8, 8)) == colour
     with pytest.raises(ValueError, match="no image 4"):
         runs.sample_tile(folder, "step-000010.png", 4)
+
+
+def test_a_run_reads_only_a_dataset_under_the_pages_roots(tmp_path):
+    from leantune.ui.app import create_app
+
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir()
+    start = _endpoint(create_app(tmp_path / "runs", "t", [inside]), "/api/runs", "POST")
+    with pytest.raises(dataset_view.OutsideRoots, match="outside the folders this page may use"):
+        start({**FIELDS, "dataset": str(_images(outside))})
+    assert not (tmp_path / "runs" / "cats").exists()
