@@ -392,6 +392,7 @@ async function showSystem() {
   try {
     const s = await api("GET", "/api/system");
     const gpus = s.gpus.map((g) => `${g.name}: ${gib((g.used) / 2 ** 30)} of ${gib(g.total / 2 ** 30)} · ${g.utilization}%`);
+    $("fit-gpu").hidden = !s.gpus.length;        // "auto" is the free VRAM of a GPU here: only where there is one
     $("system").textContent = `host RAM ${gib((s.host.total - s.host.available) / 2 ** 30)} used of ${gib(s.host.total / 2 ** 30)}` +
       (gpus.length ? " · GPU " + gpus.join(" · ") : " · no GPU");
   } catch (e) { /* the next poll tries again */ }
@@ -417,6 +418,7 @@ async function init() {
     $("import-toml").value = "";
   };
   $("s_run").onchange = sampleRun;
+  $("fit-gpu").onclick = () => { $("vram_budget").value = "auto"; saveForm(); updatePlan(); };
   $("enlarge-close").onclick = () => $("enlarge").close();
   $("load-dataset").onclick = loadDataset;
   $("upload").onchange = upload;
