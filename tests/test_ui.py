@@ -519,7 +519,8 @@ def test_the_plan_is_said_in_words_and_offers_the_smallest_budget(tmp_path, tiny
     fields = _tiny_fields(tmp_path, tiny_flux_dir, ram_budget="64GiB", steps="1000")
     fits = plan(fields)
     assert fits["fits"] is True
-    assert fits["words"].startswith("the whole model stays on the GPU; about ") and "for 1000 steps on" in fits["words"]
+    assert fits["words"].startswith("the whole model stays on the GPU; ") and "for 1000 steps on" in fits["words"]
+    assert "about under" not in fits["words"]
     tight = plan({**fields, "vram_budget": "1MiB"})
     assert tight["fits"] is False and tight["smallest_budget"].endswith("MiB")
     assert "--" not in tight["detail"] and "[memory]" not in tight["detail"]      # no advice naming a CLI flag

@@ -131,7 +131,9 @@ def words(plan: dict, machine: str, steps: int | None) -> str:
     assumed = not notes.get("machine_measured", False) and "assumed" not in machine.lower()   # said once
     step_s = notes.get("predicted_step_s")
     if step_s and steps:
-        when = f"about {duration_text(step_s * steps)} for {steps} steps on {machine}" + (" (assumed)" if assumed else "")
+        took = duration_text(step_s * steps)
+        when = (f"{took if took.startswith('under') else 'about ' + took} for {steps} steps on {machine}"
+                + (" (assumed)" if assumed else ""))
     elif step_s:
         when = f"about {step_s:.3g} s a step on {machine}" + (" (assumed)" if assumed else "")
     else:
