@@ -1,0 +1,96 @@
+"""Inputs and events that used to lose work or end in a raw traceback: `convert` onto an existing
+file, `--gpus` beyond the machine, SIGTERM, `--overwrite` in a shared folder, non-finite weights
+and bit rot in checkpoints, a changed dataset on resume, full and read-only disks, oversized
+captions, an SD3.5 folder given as Flux, and the warnings for settings that train without effect."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_run_toml
+
+from leantune.cli import main
+from leantune.demo import draw_shapes
+
+REST = """
+[lora]
+rank = 2
+targets = "attention"
+
+[train]
+steps = 4
+learning_rate = 1e-3
+mixed_precision = "no"
+save_every = 2
+seed = 3
+
+[output]
+dir = "out"
+name = "t"
+formats = ["comfyui"]
+"""
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile_shapes") / "images"
+    draw_shapes(folder, count=2, size=64, seed=4)
+    return folder
+
+
+def _config(tmp_path, model, images, rest: str = REST) -> Path:
+    p = tmp_path / "run.toml"
+    p.write_text(tiny_run_toml(model, images, rest))
+    return p
+
+
+# -- convert -------------------------------------------------------------------------------------------
+
+def _lora_file(path, value=1.0):
+    from leantune.io import save_safetensors
+
+    save_safetensors({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((2, 32), value),
+                      "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 2)}, path)
+    return path
+
+
+def test_convert_refuses_to_replace_an_existing_file_without_overwrite(tmp_path, capsys):
+    src = _lora_file(tmp_path / "in.safetensors")
+    other = _lora_file(tmp_path / "other.safetensors", value=2.0)
+    before = other.read_bytes()
+    assert main(["convert", str(src), str(other), "--to", "comfyui"]) == 2
+    err = capsys.readouterr().err
+    assert str(other) in err and "already exists" in err and "--overwrite" in err
+    assert other.read_bytes() == before
+    assert main(["convert", str(src), str(other), "--to", "comfyui", "--overwrite"]) == 0
+    assert other.read_bytes() != before
+
+
+# -- --gpus ------------------------------------------------------------------------------------------
+
+def test_gpus_is_checked_against_the_machine(tmp_path, images, monkeypatch, capsys):
+    config = str(_config(tmp_path, "no-such-model", images))
+    assert main(["train", config, "--gpus", "-3"]) == 2
+    assert "--gpus must be at least 1" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["train", config, "--gpus", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus 64" in err and "no GPU" in err and 'device = "cpu"' in err
+    # Processes on the CPU (gloo) only when asked, and no more than it has cores.
+    many = (os.cpu_count() or 1) + 1
+    assert main(["train", config, "--gpus", str(many), "--set", "train.device=cpu"]) == 2
+    assert f"{os.cpu_count()} CPU core" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["train", config, "--gpus", "3"]) == 2
+    assert "this machine has 2 GPU(s)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
