@@ -94,3 +94,36 @@ def test_gpus_is_checked_against_the_machine(tmp_path, images, monkeypatch, caps
     assert main(["train", config, "--gpus", "3"]) == 2
     assert "this machine has 2 GPU(s)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# -- non-finite weights ----------------------------------------------------------------------------------
+
+def test_a_run_whose_weights_turn_nan_saves_nothing_and_keeps_the_last_save(tmp_path, tiny_flux_dir, images,
+                                                                           monkeypatch, capsys):
+    """Before: the final save wrote a LoRA whose every value was NaN and called the state intact
+    (the loss of the last step is computed before its update, so it is still finite)."""
+    from leantune.train import trainer
+    from leantune.train.state import list_checkpoints, load_checkpoint
+
+    real_step = trainer.train_step
+    calls = {"n": 0}
+
+    def diverging_step(t, cfg):
+        loss = real_step(t, cfg)
+        calls["n"] += 1
+        if calls["n"] == 4:                    # the update of the last step blows up
+            with torch.no_grad():
+                for p in t.params:
+                    p.fill_(float("nan"))
+        return loss
+
+    monkeypatch.setattr(trainer, "train_step", diverging_step)
+    config = _config(tmp_path, tiny_flux_dir, images)
+    assert main(["train", str(config), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "nothing was saved" in err and "step-000002" in err and "Traceback" not in err
+    out = tmp_path / "out"
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["step-000002"]
+    assert not (out / "t_comfyui.safetensors").exists()          # no final LoRA of NaN
+    _, state = load_checkpoint(out / "checkpoints" / "step-000002")
+    assert all(torch.isfinite(v).all() for v in state["trainable"].values())
