@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"leantune {args.verb}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if getattr(e, "signal_name", None) == "SIGTERM":       # train.trainer.Terminated
+            print(f"leantune {args.verb}: stopped by SIGTERM", file=sys.stderr)
+            return 143
         print(f"leantune {args.verb}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:

@@ -127,3 +127,55 @@ def test_a_run_whose_weights_turn_nan_saves_nothing_and_keeps_the_last_save(tmp_
     assert not (out / "t_comfyui.safetensors").exists()          # no final LoRA of NaN
     _, state = load_checkpoint(out / "checkpoints" / "step-000002")
     assert all(torch.isfinite(v).all() for v in state["trainable"].values())
+
+
+# -- SIGTERM -------------------------------------------------------------------------------------------
+
+def _env():
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+
+
+def test_sigterm_finishes_the_step_saves_a_resumable_state_and_releases_the_lock(tmp_path, tiny_flux_dir, images):
+    """docker stop, systemd, Slurm and `timeout` send SIGTERM first. Before: the process died at
+    once, with no log line, a stale lock and everything since the last save lost."""
+    from leantune.train.run_folder import LOCK_NAME
+    from leantune.train.state import latest_checkpoint, load_checkpoint
+
+    config = _config(tmp_path, tiny_flux_dir, images, REST.replace("steps = 4", "steps = 100000")
+                     .replace("save_every = 2", "save_every = 0"))
+    proc = subprocess.Popen([sys.executable, "-m", "leantune", "train", str(config), "--no-progress"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "out" / "train.log"
+    deadline = time.time() + 300
+    while not (log.exists() and "step 3 loss" in log.read_text()):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    text = log.read_text()
+    # Inside a step it finishes the step first; between steps (logging) it stops at once.
+    assert "SIGTERM: stopping" in text and "saving a resumable state" in text
+    step, state = load_checkpoint(latest_checkpoint(tmp_path / "out" / "checkpoints"))
+    assert step >= 3 and len(state["losses"]) == step
+    assert not (tmp_path / "out" / LOCK_NAME).exists()
+    assert "Traceback" not in err and "stopped by SIGTERM" in err
+
+
+def test_a_second_signal_during_a_step_aborts_it():
+    from leantune.train.trainer import StopRequest
+
+    stop = StopRequest()
+    with pytest.raises(KeyboardInterrupt):
+        with stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 10
+            while not stop.requested and time.time() < deadline:
+                time.sleep(0.01)
+            assert stop.requested                      # the first one only asks
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert stop.aborted_mid_step
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL      # the handler is put back
