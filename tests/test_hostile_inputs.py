@@ -179,3 +179,39 @@ def test_a_second_signal_during_a_step_aborts_it():
             time.sleep(5)
     assert stop.aborted_mid_step
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL      # the handler is put back
+
+
+# -- --overwrite ----------------------------------------------------------------------------------------
+
+def test_overwrite_deletes_only_what_the_run_wrote_and_refuses_foreign_files(tmp_path, tiny_flux_dir, images,
+                                                                               capsys):
+    """Before: with [output] dir = ".", --overwrite deleted the user's own samples/, checkpoints/
+    and a `<name>_*` document."""
+    project = tmp_path
+    (project / "samples").mkdir()
+    (project / "samples" / "mine.png").write_bytes(b"user's picture")
+    (project / "checkpoints").mkdir()
+    (project / "checkpoints" / "notes.txt").write_text("user's notes")
+    (project / "t_plan.docx").write_text("user's document")
+    config = _config(project, tiny_flux_dir, images, REST.replace('dir = "out"', 'dir = "."'))
+    assert main(["train", str(config), "--no-progress", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "not written by leantune" in err and "samples" in err and "t_plan.docx" in err
+    assert "checkpoints/" in err and "nothing was deleted" in err
+    assert (project / "samples" / "mine.png").exists() and (project / "checkpoints" / "notes.txt").exists()
+    assert (project / "t_plan.docx").exists()
+
+    # A run of its own: --overwrite replaces it; a file the user adds to it blocks that, named.
+    out_cfg = _config(project, tiny_flux_dir, images, REST.replace("steps = 4", "steps = 2"))
+    assert main(["train", str(out_cfg), "--no-progress"]) == 0
+    out = project / "out"
+    (out / "checkpoints" / "keep-me.txt").write_text("added by the user")
+    (out / "t_readme.txt").write_text("added by the user")
+    assert main(["train", str(out_cfg), "--no-progress", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "checkpoints/keep-me.txt" in err and "t_readme.txt" in err
+    assert (out / "t_comfyui.safetensors").exists()
+    (out / "checkpoints" / "keep-me.txt").unlink()
+    (out / "t_readme.txt").unlink()
+    assert main(["train", str(out_cfg), "--no-progress", "--overwrite", "--set", "train.steps=1"]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]

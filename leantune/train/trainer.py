@@ -26,7 +26,7 @@ from . import flow_matching as fm
 from .modes import make_mode
 from .optim import build_scheduler
 from .resume_config import apply_learning_rate, check_resume, resolved_config
-from .run_folder import RunFolder, restore_exports
+from .run_folder import RunFolder, record_written, restore_exports
 from .state import load_latest, rng_state, save_checkpoint, saved_config, set_rng_state
 
 log = logging.getLogger("leantune")
@@ -528,6 +528,7 @@ def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[f
                                            f"these files from it"):
         atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
         files = t.mode.export(t, paths, step, intermediate)
+        record_written(paths.root, files)         # what --overwrite may delete (run_folder.py)
     log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
     return files
 
