@@ -88,6 +88,9 @@ class DataConfig(Section):
     cache_dir: str = "cache"
     max_text_length: int = Field(512, ge=1, le=512)
     shuffle: bool = True
+    # --resume after images were added or removed: continue at the start of the next epoch (the
+    # saved batch order cannot continue); without it such a resume is refused with this advice.
+    allow_dataset_change: bool = False
 
     @field_validator("resolutions")
     @classmethod

@@ -215,3 +215,25 @@ def test_overwrite_deletes_only_what_the_run_wrote_and_refuses_foreign_files(tmp
     (out / "t_readme.txt").unlink()
     assert main(["train", str(out_cfg), "--no-progress", "--overwrite", "--set", "train.steps=1"]) == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+
+
+# -- resume after the dataset changed ---------------------------------------------------------------------
+
+def test_resume_after_images_were_added_offers_to_restart_the_epoch(tmp_path, tiny_flux_dir, images, capsys):
+    """Before: BatchOrder.load_state_dict raised a bare ValueError (a traceback)."""
+    import shutil
+
+    own = tmp_path / "images"
+    shutil.copytree(images, own)
+    config = _config(tmp_path, tiny_flux_dir, own, REST.replace("steps = 4", "steps = 2"))
+    assert main(["train", str(config), "--no-progress"]) == 0
+    draw_shapes(tmp_path / "more", count=1, size=64, seed=9)
+    for p in (tmp_path / "more").iterdir():
+        shutil.copy(p, own / f"added_{p.name}")
+    assert main(["train", str(config), "--no-progress", "--resume", "--set", "train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert "step-000002" in err and "images were added or removed" in err
+    assert "allow_dataset_change = true" in err and "Traceback" not in err
+    with pytest.warns(UserWarning, match="continuing at the start of epoch"):
+        assert main(["train", str(config), "--no-progress", "--resume", "--set", "train.steps=3",
+                     "--set", "data.allow_dataset_change=true"]) == 0

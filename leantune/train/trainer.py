@@ -507,7 +507,18 @@ def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[floa
     t.scheduler.load_state_dict(state["scheduler"])
     apply_learning_rate(changes, t.optimizer, t.scheduler)
     set_rng_state(state["rng"], t.generator)
-    t.batches.load_state_dict(state["data"], strict=exact and not changes.data_order_changed)
+    strict = exact and not changes.data_order_changed and not cfg.data.allow_dataset_change
+    try:
+        t.batches.load_state_dict(state["data"], strict=strict)
+    except ValueError as e:
+        from .state import CheckpointError
+
+        raise CheckpointError(
+            f"{ckpt}: {e} although the config did not change: images were added or removed in a dataset folder "
+            f"(or their sizes changed their buckets), so the saved batch order of this epoch cannot continue. Put the "
+            f"dataset back as it was, or set [data] allow_dataset_change = true (e.g. --set "
+            f"data.allow_dataset_change=true) to continue at the start of the next epoch (weights, optimizer and "
+            f"step count are kept; the rest of this epoch is skipped)") from None
     log.info("resumed from %s at step %d", ckpt, step)
     restore_exports(t, paths, cfg, step)
     return step, list(state["losses"])
