@@ -102,7 +102,27 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
 
     clean = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    return atomic_write(path, lambda tmp: save_file(clean, str(tmp), metadata=meta))
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(clean, str(tmp), metadata=meta)
+        except Exception as e:
+            raise _as_os_error(e, path) from None
+
+    return atomic_write(path, write)
+
+
+def _as_os_error(e: Exception, path: Path) -> Exception:
+    """safetensors reports a failed write (a full disk: "... (os error 28)") as its own
+    SafetensorError, not an OSError; give it back its errno so disk.disk_full_guard and callers
+    see what it is. Anything else is returned unchanged."""
+    import re
+
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    if type(e).__name__ != "SafetensorError" or not found:
+        return e
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",

@@ -237,3 +237,51 @@ def test_resume_after_images_were_added_offers_to_restart_the_epoch(tmp_path, ti
     with pytest.warns(UserWarning, match="continuing at the start of epoch"):
         assert main(["train", str(config), "--no-progress", "--resume", "--set", "train.steps=3",
                      "--set", "data.allow_dataset_change=true"]) == 0
+
+
+# -- full and read-only disks -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_taking_the_lock_on_a_full_or_read_only_disk_is_a_clear_error_leaving_no_lock(tmp_path, monkeypatch, code):
+    """Before: an OSError traceback, and on a full disk a 0-byte lock file left behind."""
+    from leantune.disk import DiskFullError
+    from leantune.train.run_folder import LOCK_NAME, RunFolderError, acquire_lock
+
+    root = tmp_path / "out"
+    root.mkdir()
+    real_open, real_fsync = os.open, os.fsync
+    if code == errno.ENOSPC:                   # the lock file is created, its contents do not fit
+        def fsync(fd):
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(os, "fsync", fsync)
+    else:                                      # the folder cannot take a new file
+        def open_(path, flags, *a, **k):
+            if str(path).endswith(LOCK_NAME):
+                raise OSError(code, os.strerror(code), str(path))
+            return real_open(path, flags, *a, **k)
+        monkeypatch.setattr(os, "open", open_)
+    with pytest.raises((DiskFullError, RunFolderError)) as e:
+        acquire_lock(root)
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    msg = str(e.value)
+    assert str(root / LOCK_NAME) in msg
+    assert ("disk full" in msg) if code == errno.ENOSPC else ("cannot create" in msg and "[output] dir" in msg)
+    assert not (root / LOCK_NAME).exists()
+
+
+def test_cache_folder_on_a_full_disk_is_a_clear_error(tmp_path, tiny_flux_dir, images, monkeypatch, capsys):
+    """safetensors reports ENOSPC as its own SafetensorError, not an OSError, so it escaped the
+    disk-full message as a traceback. The error here is the one safetensors raises (its class and
+    message format, as it reports any OS error while writing)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    config = _config(tmp_path, tiny_flux_dir, images)
+    assert main(["cache", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "disk full writing" in err and str(tmp_path / "cache" / "latents") in err and "Traceback" not in err

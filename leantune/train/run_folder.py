@@ -74,16 +74,40 @@ def _describe(holder: dict) -> str:
     return f"process {holder.get('pid')} on {holder.get('host')} ({holder.get('command', '?')}, since {started})"
 
 
+def _unwritable(root: Path, what: Path, e: OSError) -> RunFolderError:
+    return RunFolderError(f"{root}: cannot create {what} ({e.strerror or e}); the output folder must be writable: "
+                          f"check its permissions, or give the run another [output] dir")
+
+
 def acquire_lock(root: Path) -> Path:
-    """Create root/.leantune.lock for this process, or raise `RunFolderError` naming its holder."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Create root/.leantune.lock for this process, or raise `RunFolderError` naming its holder.
+
+    A folder that cannot be written (read-only, no permission) is a `RunFolderError`; a full disk
+    a `DiskFullError`; either way no lock file is left behind (an empty one would make the next
+    run wait for a holder that never was)."""
+    from ..disk import disk_full_guard, is_disk_full
+
     lock = root / LOCK_NAME
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if is_disk_full(e):
+            with disk_full_guard(root, None, "nothing was written"):
+                raise
+        raise _unwritable(root, root, e) from None
     me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv) or "python",
           "started": time.time()}
     for _ in range(3):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
+            fd = None
+        except OSError as e:
+            if is_disk_full(e):
+                with disk_full_guard(lock, None, "nothing was written"):
+                    raise
+            raise _unwritable(root, lock, e) from None
+        if fd is None:
             holder = _holder(lock)
             if holder is None:
                 # Being written by its creator right now, or a kill mid-write left it empty.
@@ -98,10 +122,14 @@ def acquire_lock(root: Path) -> Path:
             log.warning("%s: taking over the lock left by %s, which is no longer running", root, what)
             lock.unlink(missing_ok=True)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with disk_full_guard(lock, None, "nothing was written"), os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            lock.unlink(missing_ok=True)      # never an empty lock
+            raise
         return lock
     raise RunFolderError(f"{root}: could not take the lock file {lock}")
 
