@@ -285,3 +285,23 @@ def test_cache_folder_on_a_full_disk_is_a_clear_error(tmp_path, tiny_flux_dir, i
     assert main(["cache", str(config)]) == 1
     err = capsys.readouterr().err
     assert "disk full writing" in err and str(tmp_path / "cache" / "latents") in err and "Traceback" not in err
+
+
+# -- the wrong family -------------------------------------------------------------------------------------
+
+def test_an_sd35_folder_given_as_flux_says_it_is_sd35(tmp_path, tiny_sd3_dir, images, capsys):
+    """Before: "cannot load the T5 tokenizer" (the Flux loader read SD3's CLIP-G tokenizer_2)."""
+    config = _config(tmp_path, tiny_sd3_dir, images)
+    for verb in ("cache", "train"):
+        assert main([verb, str(config), *(["--no-progress"] if verb == "train" else [])]) == 1
+        err = capsys.readouterr().err
+        assert "Stable Diffusion 3" in err and 'family = "sd3"' in err and str(tiny_sd3_dir) in err, err
+        assert "tokenizer" not in err
+
+
+def test_a_flux_folder_given_as_sd3_says_it_is_flux(tmp_path, tiny_flux_dir, images, capsys):
+    config = _config(tmp_path, tiny_flux_dir, images)
+    config.write_text(config.read_text().replace('[model]\n', '[model]\nfamily = "sd3"\n', 1))
+    assert main(["cache", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "Flux.1" in err and 'family = "flux"' in err
