@@ -305,3 +305,27 @@ def test_a_flux_folder_given_as_sd3_says_it_is_flux(tmp_path, tiny_flux_dir, ima
     assert main(["cache", str(config)]) == 1
     err = capsys.readouterr().err
     assert "Flux.1" in err and 'family = "flux"' in err
+
+
+# -- limits ---------------------------------------------------------------------------------------------
+
+def test_dataset_scan_is_capped_and_says_how_many_files_it_found(tmp_path, monkeypatch):
+    """Before: a dataset path of / scanned (and decoded) the whole disk."""
+    from leantune.config import DatasetConfig
+    from leantune.data import dataset as dataset_mod
+
+    folder = tmp_path / "everything"
+    for i in range(6):
+        (folder / f"sub{i}").mkdir(parents=True)
+        for j in range(3):
+            (folder / f"sub{i}" / f"f{j}.txt").write_text("x")
+    draw_shapes(folder / "sub0", count=1, size=64, seed=1)
+    monkeypatch.setattr(dataset_mod, "MAX_SCAN_FILES", 10)
+    decoded = []
+    monkeypatch.setattr(dataset_mod, "inspect_image", lambda p: decoded.append(p) or ("0" * 64, 64, 64))
+    with pytest.raises(dataset_mod.DataError, match=r"#1: .*everything.*more than 10 files.*point"):
+        dataset_mod.scan_dataset(DatasetConfig(path=str(folder)), 0)
+    assert not decoded                               # refused before decoding anything
+    monkeypatch.setattr(dataset_mod, "MAX_SCAN_FILES", 100)
+    items, _ = dataset_mod.scan_dataset(DatasetConfig(path=str(folder)), 0)
+    assert len(items) == 1

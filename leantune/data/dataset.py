@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,16 +164,31 @@ def with_trigger(caption: str, trigger: str) -> str:
     return f"{trigger}, {caption}" if caption else trigger
 
 
+# A dataset path of / (or a home folder) would be walked and every image in it decoded; past this
+# many files the scan stops and says so. Training sets are far smaller (thousands).
+MAX_SCAN_FILES = 200_000
+
+
+class _TooManyFiles(Exception):
+    def __init__(self, seen: int, images: int):
+        self.seen, self.images = seen, images
+
+
 def _image_files(folder: Path, recursive: bool) -> list[Path]:
-    pattern = folder.rglob("*") if recursive else folder.glob("*")
-    files = []
-    for p in pattern:
-        rel = p.relative_to(folder)
-        # Hidden files and folders (".DS_Store", "._cat.jpg" resource forks, ".git") are never data.
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
-            files.append(p)
+    """The image files under `folder`, hidden files and folders left out (".DS_Store", "._cat.jpg"
+    resource forks, ".git" are never data); `_TooManyFiles` past MAX_SCAN_FILES entries."""
+    files, seen = [], 0
+    for top, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if recursive else []
+        for name in names:
+            seen += 1
+            if seen > MAX_SCAN_FILES:
+                raise _TooManyFiles(seen - 1, len(files))
+            if name.startswith("."):
+                continue
+            p = Path(top) / name
+            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
+                files.append(p)
     return sorted(files)
 
 
@@ -188,7 +204,13 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
         raise DataError(f"[[data.datasets]] #{index + 1}: path {folder} is not a folder")
     items: list[ImageItem] = []
     bad: list[tuple[Path, str]] = []
-    for path in _image_files(folder, cfg.recursive):
+    try:
+        paths = _image_files(folder, cfg.recursive)
+    except _TooManyFiles as e:
+        raise DataError(f"[[data.datasets]] #{index + 1}: path {folder} holds more than {MAX_SCAN_FILES} files "
+                        f"(stopped scanning after {e.seen}, {e.images} of them images); point path at the folder "
+                        f"of training images") from None
+    for path in paths:
         try:
             digest, w, h = inspect_image(path)
         except Exception as e:   # PIL raises many types (OSError, SyntaxError, DecompressionBombError...)
