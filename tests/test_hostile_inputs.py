@@ -329,3 +329,40 @@ def test_dataset_scan_is_capped_and_says_how_many_files_it_found(tmp_path, monke
     monkeypatch.setattr(dataset_mod, "MAX_SCAN_FILES", 100)
     items, _ = dataset_mod.scan_dataset(DatasetConfig(path=str(folder)), 0)
     assert len(items) == 1
+
+
+def test_huge_caption_with_control_characters_is_cut_cleaned_and_cached_with_a_small_header(
+        tmp_path, tiny_flux_dir, capsys):
+    """Before: a 10 MB caption was tokenized whole (80 s in T5) and written into the cache file's
+    header; NUL and escape characters went to the text encoders without a word."""
+    import json as json_mod
+
+    from leantune.config import load_config
+    from leantune.data.dataset import DataWarning, scan_datasets
+
+    folder = tmp_path / "imgs"
+    draw_shapes(folder, count=2, size=64, seed=3)
+    first, second = sorted(folder.glob("*.png"))
+    first.with_suffix(".txt").write_text("a red\x00 circle \x1b[31mbright " + "word " * 400_000)   # 2 MB
+    second.with_suffix(".txt").write_text("a blue square")
+    config = _config(tmp_path, tiny_flux_dir, folder)
+    cfg = load_config(config)
+    with pytest.warns(DataWarning) as caught:
+        items = scan_datasets(cfg.data, cfg.base_dir)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "control character" in messages and first.name in messages
+    assert "longer than the text encoders read" in messages
+    caption = next(it.caption for it in items if it.path == first)
+    assert "\x00" not in caption and "\x1b" not in caption and caption.startswith("a red circle [31mbright word")
+    assert len(caption) <= 64 * cfg.data.max_text_length
+
+    assert main(["cache", str(config)]) == 0
+    assert "text: 0 hits, 3 misses, 0 recomputed" in capsys.readouterr().out     # 2 captions and the empty one
+    for entry in (tmp_path / "cache" / "text").glob("*.safetensors"):
+        with open(entry, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json_mod.loads(f.read(size))
+        assert size < 4096, (entry, size)
+        assert len(header["__metadata__"].get("caption", "")) <= 256
+    assert main(["cache", str(config)]) == 0           # the small headers still identify the entries
+    assert "text: 3 hits, 0 misses, 0 recomputed" in capsys.readouterr().out
