@@ -366,3 +366,27 @@ def test_huge_caption_with_control_characters_is_cut_cleaned_and_cached_with_a_s
         assert len(header["__metadata__"].get("caption", "")) <= 256
     assert main(["cache", str(config)]) == 0           # the small headers still identify the entries
     assert "text: 3 hits, 0 misses, 0 recomputed" in capsys.readouterr().out
+
+
+# -- settings that train without effect -------------------------------------------------------------------
+
+def test_lora_rank_larger_than_the_layers_it_adapts_warns():
+    from leantune.config import LoraConfig
+    from leantune.models import tiny
+    from leantune.models.flux import FLUX_SPEC
+    from leantune.train.lora import LoraRankWarning, add_lora
+
+    with pytest.warns(LoraRankWarning, match=r"rank 48 .* larger than .* of \d+ adapted layer.*32"):
+        add_lora(tiny.flux_transformer(seed=0), FLUX_SPEC, LoraConfig(rank=48, targets="attention"))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoraRankWarning)
+        add_lora(tiny.flux_transformer(seed=0), FLUX_SPEC, LoraConfig(rank=32, targets="attention"))
+
+
+def test_batch_size_larger_than_the_dataset_warns(tmp_path, tiny_flux_dir, images, capsys):
+    from leantune.data.dataset import DataWarning
+
+    config = _config(tmp_path, tiny_flux_dir, images)
+    with pytest.warns(DataWarning, match=r"batch_size 8 is larger than the dataset \(2 samples"):
+        assert main(["cache", str(config), "--set", "data.batch_size=8"]) == 0

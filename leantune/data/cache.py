@@ -374,6 +374,12 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
             "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
                                load_text_encoders or family.load_text_encoders, family),
         }
+    if len(samples) < cfg.data.batch_size:
+        from .dataset import DataWarning
+
+        warnings.warn(f"[data] batch_size {cfg.data.batch_size} is larger than the dataset ({len(samples)} samples "
+                      f"with repeats, over all resolutions): every batch holds at most {len(samples)}; lower "
+                      f"batch_size or add images", DataWarning, stacklevel=2)
     data = CachedData(cache_dir, samples, text_keys, cfg.data.batch_size, cfg.data.shuffle, stats)
     log.info("cache: %s", data.summary())
     return data
