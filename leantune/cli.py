@@ -53,11 +53,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from leantune.disk import DiskFullError
     from leantune.train.run_folder import RunFolderError
     from leantune.train.state import CheckpointError
-    from leantune.distributed import ShardedOutOfMemory
+    from leantune.distributed import ShardedOutOfMemory, WorkerFailed
 
     return (ShardedOutOfMemory, DataError, CacheError, DemoFolderError, LoadError, UnsafeFileError, UnreadableFileError, LoraFormatError,
             InfeasibleBudget, NoPlanFits, CheckpointError, FileNotFoundError, FloatingPointError, RunFolderError,
-            DiskFullError)
+            DiskFullError, WorkerFailed)
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -503,17 +504,43 @@ def torchrun_command(gpus: int, argv: list[str]) -> list[str]:
             "-m", "leantune", *argv]
 
 
-def relaunch(gpus: int, argv: list[str]) -> int:
-    """Become torchrun (exec, so Ctrl-C and kill reach the launcher itself, and there is one
-    launcher process to stop); each worker then runs `leantune <argv>`."""
+class WorkerFailed(RuntimeError):
+    """A process of a `--gpus N` run failed or was killed; names the rank and the last save."""
+
+
+def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int:
+    """Run torchrun's launcher in this process (so Ctrl-C and kill reach the launcher itself, and
+    the workers, whose parent it is, die with it); each worker runs `leantune <argv>`. A worker
+    that fails ends the run with a `WorkerFailed` naming its rank, how it ended and the last save
+    in `checkpoints`, instead of torchrun's ChildFailedError report."""
     import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
     cmd = torchrun_command(gpus, argv)
     log.info("starting %d processes: %s", gpus, " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(cmd[0], cmd)
-    return 1        # not reached
+    try:
+        run(parse_args(cmd[3:]))          # the arguments after `python -m torch.distributed.run`
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise WorkerFailed(_failure_message(rank, failure, gpus, checkpoints)) from None
+    return 0
+
+
+def _failure_message(rank: int, failure, gpus: int, checkpoints: Path | None) -> str:
+    from .train.state import latest_checkpoint
+
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode} (its message is above)"
+    last = latest_checkpoint(checkpoints) if checkpoints is not None else None
+    saved = (f"the last save ({last}) is intact: run the same command with --resume to continue from it"
+             if last is not None else "no state had been saved yet")
+    return f"rank {rank} (pid {failure.pid}) {how}; the other {gpus - 1} process(es) were stopped; {saved}"
 
 
 def die_with_launcher() -> None:

@@ -644,7 +644,7 @@ def test_accelerate_launch_runs_two_processes(tmp_path, tiny_flux_dir, images):
 @pytest.mark.slow
 def test_a_rank_that_dies_ends_the_run_and_leaves_the_last_save_intact(tmp_path, tiny_flux_dir, images):
     """kill -9 of rank 1 mid-run: the launcher stops rank 0 too (no hang), exits non-zero naming the
-    rank and the signal, and the last checkpoint still loads."""
+    rank, the signal and the intact last save, without torchrun's raw report; that save loads."""
     from leantune.train.state import latest_checkpoint, load_checkpoint
 
     cfg = write_config(tmp_path, tiny_flux_dir, images, "die", 1, str(tmp_path / "out"))
@@ -663,6 +663,7 @@ def test_a_rank_that_dies_ends_the_run_and_leaves_the_last_save_intact(tmp_path,
     os.kill(rank1, signal.SIGKILL)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode != 0
-    assert "rank      : 1" in err and "Signal 9 (SIGKILL)" in err
+    assert f"rank 1 (pid {rank1}) was killed by SIGKILL" in err and "is intact" in err and "--resume" in err
+    assert "ChildFailedError" not in err and "Traceback" not in err
     step, state = load_checkpoint(latest_checkpoint(ckpts))
     assert step >= 5 and state["world_size"] == 2

@@ -390,3 +390,29 @@ def test_batch_size_larger_than_the_dataset_warns(tmp_path, tiny_flux_dir, image
     config = _config(tmp_path, tiny_flux_dir, images)
     with pytest.warns(DataWarning, match=r"batch_size 8 is larger than the dataset \(2 samples"):
         assert main(["cache", str(config), "--set", "data.batch_size=8"]) == 0
+
+
+# -- a process of a multi-process run dies ------------------------------------------------------------------
+
+def test_a_dead_rank_is_named_with_the_intact_save(tmp_path, images, monkeypatch, capsys):
+    """Before: torchrun's raw ChildFailedError report. The failure is torchrun's own exception,
+    as its launcher raises it when rank 1 is killed by SIGKILL (the real run is
+    test_distributed.py::test_a_rank_that_dies_ends_the_run_and_leaves_the_last_save_intact)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from leantune.train.state import save_checkpoint
+
+    def rank_1_killed(args):
+        assert args.nproc_per_node == "2" and args.module and args.training_script == "leantune"
+        raise ChildFailedError("leantune", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-9,
+                                                              error_file=str(tmp_path / "none.json"))})
+
+    monkeypatch.setattr(torchrun, "run", rank_1_killed)
+    config = _config(tmp_path, "unused-model", images, REST.replace("seed = 3", 'seed = 3\ndevice = "cpu"'))
+    save_checkpoint(tmp_path / "out" / "checkpoints", 6, {"w": torch.ones(1)})
+    assert main(["train", str(config), "--gpus", "2", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "rank 1 (pid 4242) was killed by SIGKILL" in err
+    assert "the last save" in err and "step-000006" in err and "is intact" in err and "--resume" in err
+    assert "Traceback" not in err and "ChildFailedError" not in err

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         from ..distributed import launch_env, relaunch
 
         if launch_env() is None:
-            return relaunch(args.gpus, _argv(args))
+            return relaunch(args.gpus, _argv(args), cfg.resolve(cfg.output.dir) / "checkpoints")
     result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if result.lora_files:                 # rank 0 writes them; other processes have nothing to say
         print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
