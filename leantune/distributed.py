@@ -530,6 +530,19 @@ def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int
     return 0
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "ProcessGroupGloo", "ProcessGroupNCCL", "Connection refused")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """A collective failed because another process of the run is gone (killed, crashed): the
+    launcher names it (relaunch); this process only needs to say so, not print a traceback."""
+    if launch_env() is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOST))
+
+
 def _failure_message(rank: int, failure, gpus: int, checkpoints: Path | None) -> str:
     from .train.state import latest_checkpoint
 

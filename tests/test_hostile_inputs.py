@@ -416,3 +416,23 @@ def test_a_dead_rank_is_named_with_the_intact_save(tmp_path, images, monkeypatch
     assert "rank 1 (pid 4242) was killed by SIGKILL" in err
     assert "the last save" in err and "step-000006" in err and "is intact" in err and "--resume" in err
     assert "Traceback" not in err and "ChildFailedError" not in err
+
+
+def test_a_worker_that_loses_its_peer_says_so_without_a_traceback(monkeypatch, capsys):
+    """Rank 0 blocked in a collective when rank 1 is killed gets gloo's error; it says it lost
+    contact (the launcher names the dead rank) instead of printing a traceback."""
+    from leantune.commands import cache as cache_cmd
+
+    def collective_fails(args):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:41236")
+
+    monkeypatch.setattr(cache_cmd, "run", collective_fails)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["cache", "unused.toml"]) == 1
+    err = capsys.readouterr().err
+    assert "[rank 0]: lost contact with another process of this run (" in err and "Connection closed by peer" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")                 # one process: a real fault keeps its traceback
+    with pytest.raises(RuntimeError):
+        main(["cache", "unused.toml"])
