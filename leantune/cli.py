@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -91,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"leantune {args.verb}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        from leantune.distributed import peer_lost
+
+        if peer_lost(e):
+            rank = os.environ.get("RANK", "?")
+            print(f"leantune {args.verb} [rank {rank}]: lost contact with another process of this run "
+                  f"({str(e).strip().splitlines()[0][:200]}); the launcher names which one stopped", file=sys.stderr)
+            return 1
         if not isinstance(e, user_errors()):
             raise
         print(f"leantune {args.verb}: {e}", file=sys.stderr)

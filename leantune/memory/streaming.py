@@ -55,7 +55,6 @@ not re-place every block per step, and streaming composes with activation checkp
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import threading
@@ -274,7 +273,7 @@ def _page_aligned(nbytes: int, device: torch.device | str = "cpu") -> tuple[torc
 
 
 def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
-                device: torch.device | str = "cpu", cuda_device: torch.device | None = None) -> tuple[torch.Tensor, object]:
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, object]:
     """A (nbytes,) uint8 host buffer, pinned if asked and the driver agrees.
 
     Pinned by registering a page-aligned allocation of our own (cudaHostRegister): torch's pinned
@@ -284,9 +283,7 @@ def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
     (cudaGetLastError) and the buffer stays pageable. Returns the buffer and, when pinned, a
     callable that undoes the registration (also called if the buffer is garbage-collected first).
     `t`: an existing buffer to pin instead (a shared-memory mapping, see memory/shared_host.py,
-    page-aligned by mmap). `cuda_device`: the GPU the buffer is pinned for; the unregistration runs
-    with it as the current device, whichever thread the buffer dies on (the autograd thread, a
-    worker), so it never opens a context on GPU 0 or unregisters in the wrong one.
+    page-aligned by mmap).
     """
     if t is None:
         if not pin:
@@ -299,7 +296,7 @@ def _alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
     rt = _cudart()
     rc = int(rt.cudaHostRegister(ptr, length, 0))
     if rc == 0:
-        return t, weakref.finalize(t.untyped_storage(), _unregister, ptr, cuda_device)
+        return t, weakref.finalize(t.untyped_storage(), _unregister, ptr)
     _clear_cuda_error(rt)                       # the refusal left a sticky error: clear it now
     log.warning("streaming: could not pin %.1f MB of host memory (cudaError %d); using a pageable buffer "
                 "copied through the staging pool", nbytes / 2**20, rc)
@@ -323,14 +320,12 @@ def _clear_cuda_error(rt) -> None:
     fn()
 
 
-def _unregister(ptr: int, cuda_device: torch.device | None = None) -> None:
-    """cudaHostUnregister, with the buffer's GPU current (see _alloc_host); a refusal would leave the
-    same sticky error a refused pin does (reported by the next kernel launch of this thread, e.g.
-    the autograd thread when a buffer dies there)."""
+def _unregister(ptr: int) -> None:
+    """cudaHostUnregister; a refusal would leave the same sticky error a refused pin does (reported
+    by the next kernel launch of this thread, e.g. the autograd thread when a buffer dies there)."""
     rt = _cudart()
-    with torch.cuda.device(cuda_device) if cuda_device is not None else contextlib.nullcontext():
-        if int(rt.cudaHostUnregister(ptr)) != 0:
-            _clear_cuda_error(rt)
+    if int(rt.cudaHostUnregister(ptr)) != 0:
+        _clear_cuda_error(rt)
 
 
 def _libc_trim():
@@ -879,8 +874,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     units: list[_Unit] = []
     for index, (name, mods, ckpt, entries, adapters, nbytes, _) in enumerate(layouts):
         shared = host_buffers.buffer(name, max(nbytes, ALIGN)) if host_buffers is not None else None
-        host, unpin = _alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None, host_device,
-                                  backend.device if backend.cuda else None)
+        host, unpin = _alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None, host_device)
         _pack(host, entries, copy=not (shared and shared[1]))
         # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
         direct = unpin is not None or (not backend.cuda and plan.pin_memory)

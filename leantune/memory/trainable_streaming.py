@@ -65,15 +65,6 @@ from .streaming import POISON_BYTE, StreamingEngine, _Slot, _Unit, _view
 _clock = time.perf_counter          # a seam: tests give a clock of their own
 
 
-def host_step_worker(device: torch.device) -> ThreadPoolExecutor:
-    """The one thread that runs host steps, with `device` as its current CUDA device. It makes CUDA
-    calls (an event's synchronize, freeing pinned gradients); a new thread's current device is
-    device 0, so on cuda:1 those calls would open a context on GPU 0 (hundreds of MB there) and act
-    in the wrong context. GPU-only in effect; bench/gpu_checks.sh checks it on two GPUs."""
-    return ThreadPoolExecutor(1, thread_name_prefix="leantune-host-step", initializer=torch.cuda.set_device,
-                              initargs=(device,))
-
-
 class TrainableStreamingEngine(StreamingEngine):
     trains_weights = True
 
@@ -101,7 +92,8 @@ class TrainableStreamingEngine(StreamingEngine):
         self.host_inflight_limit = 2 * max(grads.values(), default=0)
         self._inflight: deque[tuple[Future, int]] = deque()   # in submission order (one worker: FIFO)
         self._inflight_bytes = 0
-        self.host_worker = host_step_worker(be.device) if self.host_step and be.cuda else None
+        self.host_worker = ThreadPoolExecutor(1, thread_name_prefix="leantune-host-step") \
+            if self.host_step and be.cuda else None
 
     def mark_stepped(self, p: nn.Parameter) -> None:
         """`p` was updated in place (in its slot): its unit must be written back before reuse."""
