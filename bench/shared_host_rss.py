@@ -46,7 +46,7 @@ def worker(single: int, share: bool, out: str, turns: bool = False) -> None:
     from leantune.distributed import DistContext
     from leantune.memory.engine import apply_memory
     from leantune.memory.plan import Plan
-    from leantune.memory.streaming import return_freed_host_memory
+    from leantune.memory.host_buffers import return_freed_host_memory
     from leantune.models import tiny
     from leantune.models.flux import FLUX_SPEC
 
@@ -58,7 +58,7 @@ def worker(single: int, share: bool, out: str, turns: bool = False) -> None:
                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                       strategy="ddp", backend="gloo")
     cfg = SimpleNamespace(distributed=SimpleNamespace(share_host_weights=share))
-    shared = ctx.shared_host(cfg, "lora")
+    shared = ctx.shared_host(cfg.distributed.share_host_weights, "lora")
 
     def load():                       # "loading": the whole model in this process, then packed
         model = tiny.wide_flux_transformer(n_single=single)

@@ -102,7 +102,7 @@ def test_a_run_whose_weights_turn_nan_saves_nothing_and_keeps_the_last_save(tmp_
                                                                            monkeypatch, capsys):
     """Before: the final save wrote a LoRA whose every value was NaN and called the state intact
     (the loss of the last step is computed before its update, so it is still finite)."""
-    from leantune.train import trainer
+    from leantune import trainer
     from leantune.train.state import list_checkpoints, load_checkpoint
 
     real_step = trainer.train_step
@@ -165,7 +165,7 @@ def test_sigterm_finishes_the_step_saves_a_resumable_state_and_releases_the_lock
 
 
 def test_a_second_signal_during_a_step_aborts_it():
-    from leantune.train.trainer import StopRequest
+    from leantune.trainer import StopRequest
 
     stop = StopRequest()
     with pytest.raises(KeyboardInterrupt):

@@ -19,7 +19,7 @@ import torch
 
 from ..memory.fp8 import SCALE_ATTR
 from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
-from ..memory.streaming import ALIGN as STREAM_ALIGN
+from ..memory.streaming_units import ALIGN as STREAM_ALIGN
 from ..train.fused_optim import STATE_SUFFIX
 from .workload import Workload
 
@@ -203,7 +203,7 @@ def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = No
     """
     trains = None
     if workload is not None and workload.mode == "full":
-        from ..train.full_mode import trains_name
+        from ..train.trainable import trains_name
 
         def trains(qname: str) -> bool:
             return trains_name(qname, workload.full_train, workload.full_exclude)

@@ -17,36 +17,29 @@
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
 from pathlib import Path
 
 import torch
 
-from ..config import RunConfig
+from ..config import FullConfig, TrainConfig
+from ..memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
+from .full_export import export_full_model
+from .full_host_ram import check_host_ram
 from .fused_optim import FusedOptimizer, _owner
 from .in_backward import InBackwardStep
-from .modes import check_resumable
+from .mode_shared import check_resumable
+from .trainable import select_trainable
 
 log = logging.getLogger("leantune")
-
-
-def trains_name(name: str, train, exclude) -> bool:
-    """Whether `[full] train` / `exclude` select the parameter of this diffusers name."""
-    return any(fnmatch.fnmatchcase(name, pat) for pat in train) and not any(
-        fnmatch.fnmatchcase(name, pat) for pat in exclude)
-
-
-def select_trainable(model: torch.nn.Module, train: list[str], exclude: list[str]) -> dict[str, torch.nn.Parameter]:
-    """The parameters `[full] train` / `exclude` select, by diffusers name, in model order."""
-    return {name: p for name, p in model.named_parameters() if trains_name(name, train, exclude)}
 
 
 class FullMode:
     name = "full"
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, train: TrainConfig, full: FullConfig, formats: list[str], ram_budget: str | None = None):
+        """`formats`: [output] formats; `ram_budget`: [memory] ram_budget (None: available host RAM)."""
+        self.train, self.full, self.formats, self.ram_budget = train, full, list(formats), ram_budget
         self.model = None
         self.named: dict[str, torch.nn.Parameter] = {}
         self.optimizer: FusedOptimizer | None = None
@@ -55,7 +48,7 @@ class FullMode:
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
-        cfg, full = self.cfg, self.cfg.full
+        full = self.full
         named = select_trainable(transformer, full.train, full.exclude)
         if not named:
             raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight of the "
@@ -64,7 +57,7 @@ class FullMode:
         for p in named.values():
             p.requires_grad_(True)
         self.model, self.named, self.spec = transformer, named, spec
-        tc = cfg.train
+        tc = self.train
         self.optimizer = FusedOptimizer(transformer, named, tc.optimizer, lr=tc.learning_rate, betas=tc.betas,
                                         eps=tc.eps, weight_decay=tc.weight_decay, state_dtype=full.state_dtype,
                                         stochastic_rounding=full.stochastic_rounding,
@@ -83,14 +76,10 @@ class FullMode:
     def check_before_load(self, meta_model) -> None:
         """Host RAM for weights + optimizer state (+ masters, accumulators): refused with numbers
         and alternatives before any weight is read (train/full_host_ram.py)."""
-        from .full_host_ram import check_host_ram
-
-        parts = check_host_ram(self.cfg, meta_model())
+        parts = check_host_ram(self.train, self.full, self.ram_budget, meta_model())
         log.info("full fine-tune host RAM: %s", ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items() if v))
 
     def memory_options(self) -> dict:
-        from ..memory.trainable_streaming import TrainableStreamingEngine
-
         return {"streaming_engine": TrainableStreamingEngine}
 
     def build_optimizer(self, params) -> FusedOptimizer:
@@ -115,7 +104,7 @@ class FullMode:
     # -- the step ----------------------------------------------------------------------------------
     def step(self, t, micro_batch) -> float:
         self.memory = t.memory
-        accum = self.cfg.train.gradient_accumulation
+        accum = self.train.gradient_accumulation
         self.stepper.begin_step()
         total = 0.0
         for i in range(accum):
@@ -130,8 +119,6 @@ class FullMode:
 
     # -- resumable state -----------------------------------------------------------------------------
     def _access(self, t):
-        from ..memory.trainable_streaming import WeightAccess
-
         return WeightAccess(t.memory)
 
     def state(self, t) -> dict:
@@ -164,8 +151,6 @@ class FullMode:
 
     # -- exported files ----------------------------------------------------------------------------------
     def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
-        from .full_export import export_full_model
-
         return export_full_model(self, t, paths, step, intermediate)
 
     def close(self, t) -> None:
