@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"leantune {args.verb}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        if getattr(e, "signal_name", None) == "SIGTERM":       # trainer.Terminated
+        if getattr(e, "signal_name", None) == "SIGTERM":       # trainer.Terminated, distributed.LauncherStopped
             print(f"leantune {args.verb}: stopped by SIGTERM", file=sys.stderr)
             return 143
         print(f"leantune {args.verb}: interrupted", file=sys.stderr)

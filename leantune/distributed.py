@@ -505,6 +505,15 @@ class WorkerFailed(RuntimeError):
     """A process of a `--gpus N` run failed or was killed; names the rank and the last save."""
 
 
+class LauncherStopped(KeyboardInterrupt):
+    """The launcher of a `--gpus N` run got SIGTERM/SIGINT: its workers were stopped (each saves
+    its state at the end of its step, as one process does); the CLI reports it as a stop."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int:
     """Run torchrun's launcher in this process (so Ctrl-C and kill reach the launcher itself, and
     the workers, whose parent it is, die with it); each worker runs `leantune <argv>`. A worker
@@ -512,6 +521,7 @@ def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int
     in `checkpoints`, instead of torchrun's ChildFailedError report."""
     import sys
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -524,6 +534,10 @@ def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise WorkerFailed(_failure_message(rank, failure, gpus, checkpoints)) from None
+    except SignalException as e:
+        import signal
+
+        raise LauncherStopped(signal.Signals(e.sigval).name) from None
     return 0
 
 

@@ -436,3 +436,19 @@ def test_a_worker_that_loses_its_peer_says_so_without_a_traceback(monkeypatch, c
     monkeypatch.setenv("WORLD_SIZE", "1")                 # one process: a real fault keeps its traceback
     with pytest.raises(RuntimeError):
         main(["cache", "unused.toml"])
+
+
+def test_sigterm_to_the_launcher_of_a_multi_process_run_ends_it_with_a_line(tmp_path, images, monkeypatch, capsys):
+    """torchrun's agent turns SIGTERM into a SignalException after stopping its workers (which
+    save their state, as above); the launcher says so instead of printing a traceback."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def terminated(args):
+        raise SignalException(f"Process {os.getpid()} got signal: {signal.SIGTERM}", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun, "run", terminated)
+    config = _config(tmp_path, "unused-model", images, REST.replace("seed = 3", 'seed = 3\ndevice = "cpu"'))
+    assert main(["train", str(config), "--gpus", "2", "--no-progress"]) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
