@@ -391,15 +391,13 @@ class DistContext:
             return machine
         import torch.distributed as dist
 
-        from .planner.machine import Machine
-
         out = [None] * self.world_size
         dist.all_gather_object(out, machine.to_dict(), group=self._host_group)
         agreed = dict(out[0])
         for key in ("vram_total", "vram_free", "host_ram_total", "host_ram_available"):
             values = [o[key] for o in out if o[key] is not None]
             agreed[key] = min(values) if values else None
-        return Machine(**agreed)
+        return type(machine)(**agreed)      # the planner's Machine, rebuilt without importing the planner
 
     def vote(self, ok: bool) -> bool:
         """True when every rank's `ok` is True (one all-reduce of one number)."""
