@@ -12,8 +12,11 @@ treats the state like the weights it belongs to: a resident block's state is pla
 with it, a streamed block's state is packed into the block's host buffer and travels with the
 weights in the same copy (and back, updated). It never appears in the model's state_dict.
 
-The math: `adamw` and `sgd` on fp32 weights with fp32 state are torch's single-tensor AdamW / SGD
-operation for operation (so the fused loop is bitwise equal to `backward(); opt.step()` on CPU);
+The math: `sgd` on fp32 weights is torch's single-tensor SGD operation for operation; `adamw` on
+fp32 weights with fp32 state is torch's single-tensor AdamW on a device and torch's fused CPU
+kernel on the host (so the fused loop is bitwise equal to `backward(); opt.step()` with
+`AdamW(fused=True)` on CPU); every other host step runs the host kernels (`_host_step`,
+train/host_kernels.py: one pass per element, within stated tolerances of the torch-op path);
 `adafactor` is torch's Adafactor (factored second moment: a row and a column vector per matrix).
 bf16 weights are updated in fp32 and written back with stochastic rounding (an update smaller than
 bf16's spacing moves the weight with the right probability instead of vanishing); bf16 AdamW
