@@ -8,9 +8,10 @@ as torch ops those take a dozen passes with full-size fp32 temporaries and run 1
 fused kernel. host_kernels.c does each in one pass per element, no temporaries.
 
 How it is built: plain C, no torch headers, compiled with the system C compiler ($CC, else cc or
-gcc) into $LEANTUNE_CACHE_DIR (else ~/.cache/leantune)/host_kernels/ the first time a step needs it
-(about a second), never at import; the file name carries a hash of the source and the compiler, and
-it is written under a temporary name and renamed. Where no compiler exists, or the build fails, or
+gcc; -O3 -march=native) into $LEANTUNE_CACHE_DIR (else ~/.cache/leantune)/host_kernels/ the first
+time a step needs it (about a second), never at import; the file name carries a hash of the
+source, the compiler, the flags and the CPU's feature flags, and it is written under a temporary
+name and renamed. Where no compiler exists, or the build fails, or
 LEANTUNE_HOST_KERNELS=0, `library()` returns None and the optimizer keeps its torch-op path (same
 math, slower); `unavailable_reason()` says why.
 
@@ -56,12 +57,29 @@ def _compiler() -> str | None:
     return None
 
 
+def _cpu_identity() -> str:
+    """The CPU's architecture and feature flags (Linux: /proc/cpuinfo), else the platform's name."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return platform.machine() + line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
 def _build() -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler on PATH ($CC, cc, gcc)")
     flags = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC"]
-    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    # -march=native: the library is for this CPU, so its instruction sets are part of the key (a
+    # home directory shared with another machine never hands it a library it cannot run).
+    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()
+                         + _cpu_identity().encode()).hexdigest()[:16]
     out = cache_dir() / f"host_kernels-{key}.so"
     if out.is_file():
         return out
