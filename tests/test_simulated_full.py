@@ -75,7 +75,13 @@ def test_full_engine_places_and_moves_what_the_planner_counts(full_cases, name):
         # The host step's temporaries are priced per element from two measured sizes (exact for
         # AdamW; Adafactor's row/column statistics are not linear in the size): at most 1 % over.
         expected = r["host_predicted"] - host["process baseline"] - staging
-        assert 0 <= expected - r["host_simulated"] <= 0.01 * expected, (expected, r["host_simulated"])
+        # Without the staging the steady phase may fall below set-up's packing peak (the host
+        # kernels step with no temporaries the size of a tensor): then that phase is the peak.
+        packing = host.get("stored transformer + one unit while packing", 0)
+        if packing > expected:
+            assert r["host_simulated"] == packing
+        else:
+            assert 0 <= expected - r["host_simulated"] <= 0.01 * expected, (expected, r["host_simulated"])
     else:
         assert r["host_simulated"] == r["host_predicted"] - host["process baseline"]
     assert r["d2h_simulated"] == r["d2h_predicted"]

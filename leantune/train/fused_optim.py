@@ -70,6 +70,12 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None)
     return bits.view(torch.float32).to(torch.bfloat16)
 
 
+def _on_simulated_host(t: torch.Tensor) -> bool:
+    from ..memory.simulated import HOST
+
+    return t.device.type != "cpu" and str(t.device) == HOST
+
+
 class ParamState(nn.Module):
     """The optimizer state of one weight, as non-persistent buffers (see the module docstring)."""
 
@@ -201,6 +207,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         operations (bitwise torch's Adafactor)."""
         st = self.holders[name].tensors()
         master = self.masters.get(name)
+        if self.use_host_kernels and self.kind in ("adamw", "adafactor") and _on_simulated_host(data) \
+                and (host_kernels.library() is not None or self.kind == "adamw" and data.dtype == torch.float32
+                     and master is None and self.state_dtype == torch.float32):
+            # The host RAM of a simulated run (memory/simulated.py) holds storage-less tensors: no
+            # values to update, and the step a real host runs here (the kernels below) allocates
+            # nothing the size of the tensor, so the simulated step allocates nothing either.
+            return True
         if not self.use_host_kernels or self.kind not in ("adamw", "adafactor") or not host_kernels.handles(data, grad, master, *st.values()):
             return False
         if grad.shape != data.shape:
