@@ -25,7 +25,7 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    family: Literal["flux", "sd3"] = "flux"
+    family: Literal["flux", "sd3", "qwen-image"] = "flux"
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
     # (.safetensors: BFL / ComfyUI for Flux, Stability's sd3.5_*.safetensors for SD3).
     path: str

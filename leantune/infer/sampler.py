@@ -186,12 +186,12 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
             elif together:
                 t = family.sampling.timestep(sigmas[k], 2 * b, dtype, device)
                 v_neg, v_pos = family.predict(transformer, torch.cat([x, x]), t, both, (h, w), None).chunk(2)
-                v = v_neg + guidance * (v_pos - v_neg)
+                v = family.sampling.mix(v_neg, v_pos, guidance)
             else:
                 t = family.sampling.timestep(sigmas[k], b, dtype, device)
                 v_neg = family.predict(transformer, x, t, uncond, (h, w), None)
                 v_pos = family.predict(transformer, x, t, cond, (h, w), None)
-                v = v_neg + guidance * (v_pos - v_neg)
+                v = family.sampling.mix(v_neg, v_pos, guidance)
             x = euler_step(x, v, sigmas[k], sigmas[k + 1])
             done += 1
             if progress is not None:

@@ -83,6 +83,13 @@ class Sampling:
     variant: Callable
     schedule: Callable
     timestep: Callable
+    # cfg only: (v_neg, v_pos, scale) -> the guided velocity, where a family's pipeline mixes them
+    # otherwise than v_neg + scale * (v_pos - v_neg) (Qwen-Image rescales the mix to v_pos's norm)
+    combine: Callable | None = None
+
+    def mix(self, v_neg, v_pos, scale: float):
+        """The classifier-free guided velocity of the family's pipeline."""
+        return v_neg + scale * (v_pos - v_neg) if self.combine is None else self.combine(v_neg, v_pos, scale)
 
     def __post_init__(self):
         if self.guidance not in ("distilled", "cfg"):
@@ -128,7 +135,7 @@ class ModelFamily:
 
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
-_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3"}
+_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3", "qwen-image": "leantune.models.qwen_image"}
 
 
 def loader_options(memory_cfg) -> dict:
