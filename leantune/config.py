@@ -294,7 +294,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _lora_block_kinds(self):
         """[lora] blocks names the family's block lists (Flux: double, single; SD3: joint)."""
-        kinds = {"flux": ("double", "single"), "sd3": ("joint",)}[self.model.family]
+        kinds = {"flux": ("double", "single"), "sd3": ("joint",), "qwen-image": ("joint",)}[self.model.family]
         for kind in (self.lora.blocks or {}):
             if kind not in kinds:
                 raise ValueError(f"[lora] blocks: {kind!r} is not a block list of family = \"{self.model.family}\"; "
