@@ -88,7 +88,7 @@ def _embeds(model: nn.Module, batch: int, text_rows: int, dtype: torch.dtype) ->
     and the pooled vector (B, pooled_projection_dim); both families name the widths so."""
     cfg = model.config
     return PromptEmbeds(t5=torch.empty(batch, text_rows, cfg.joint_attention_dim, dtype=dtype),
-                        pooled=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype))
+                        pooled=torch.empty(batch, getattr(cfg, "pooled_projection_dim", 0), dtype=dtype))
 
 
 def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], batch_size: int, text_rows: int,
@@ -237,7 +237,7 @@ CASE_RAM_BUDGET = 64 * GiB     # host RAM the LoRA cases plan for: a typical GPU
 # The architectures a case can run: `leantune plan --model` names -> (family, config shipped in
 # models/configs/, T5 tokens it samples with).
 MODELS = {"flux-dev": ("flux", "flux1_dev", 512), "sd3.5-large": ("sd3", "sd35_large", 256),
-          "sd3.5-medium": ("sd3", "sd35_medium", 256)}
+          "sd3.5-medium": ("sd3", "sd35_medium", 256), "qwen-image": ("qwen-image", "qwen_image", 512)}
 
 
 def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) -> nn.Module:

@@ -27,9 +27,11 @@ from pathlib import Path
 # tokens it runs with (Flux dev 512, schnell 256; SD3.5: StableDiffusion3Pipeline's 256 T5 tokens,
 # after 77 CLIP rows: family.text_rows).
 MODELS = {"flux-dev": "flux1_dev", "flux-schnell": "flux1_schnell", "sd3.5-large": "sd35_large",
-          "sd3.5-medium": "sd35_medium"}
-MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3"}
-TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256}
+          "sd3.5-medium": "sd35_medium", "qwen-image": "qwen_image"}
+MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3",
+                "qwen-image": "qwen-image"}
+# Qwen-Image: QwenImagePipeline's max_sequence_length (a prompt's rows are at most that many).
+TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256, "qwen-image": 512}
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 
 
