@@ -25,7 +25,7 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    family: Literal["flux", "sd3", "qwen-image"] = "flux"
+    family: Literal["flux", "sd3", "qwen-image", "qwen-image-edit"] = "flux"
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
     # (.safetensors: BFL / ComfyUI for Flux, Stability's sd3.5_*.safetensors for SD3).
     path: str
@@ -294,7 +294,8 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _lora_block_kinds(self):
         """[lora] blocks names the family's block lists (Flux: double, single; SD3: joint)."""
-        kinds = {"flux": ("double", "single"), "sd3": ("joint",), "qwen-image": ("joint",)}[self.model.family]
+        kinds = {"flux": ("double", "single"), "sd3": ("joint",), "qwen-image": ("joint",),
+                 "qwen-image-edit": ("joint",)}[self.model.family]
         for kind in (self.lora.blocks or {}):
             if kind not in kinds:
                 raise ValueError(f"[lora] blocks: {kind!r} is not a block list of family = \"{self.model.family}\"; "

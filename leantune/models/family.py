@@ -97,6 +97,27 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class ReferenceConditioning:
+    """How a family is conditioned on reference images (an edit model: Qwen-Image-Edit; FLUX.2's
+    multi-reference). docs/reference-images.md describes the seam; in short:
+
+    - `size(ref_width, ref_height, bucket) -> (width, height)`: the pixel size a reference is
+      VAE-encoded at for training in `bucket` (width, height); the cache stores its latents like
+      a target's, keyed by the reference's content, size and the VAE;
+    - `text_sees_images`: the text encoder reads the references too (a VLM: its text entry is keyed
+      by the references' content, and `encode_prompts` gets `images=`, per prompt a list of PIL
+      images), else the caption alone is encoded;
+    - `most`: how many references one target may have.
+
+    The family's `predict` takes `references=`: a list of (B, C, h_r, w_r) latents, one tensor per
+    reference slot, and returns the target's prediction only."""
+
+    size: Callable
+    text_sees_images: bool = False
+    most: int = 1
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     spec: ModelSpec
@@ -131,11 +152,14 @@ class ModelFamily:
     text_rows: Callable[[int], int] = lambda max_length: max_length
     # training schedule: what [train] timestep_sampling = "auto" means
     timestep_sampling: str = "sigmoid"
+    # reference-image conditioning (ReferenceConditioning), None for a family without it
+    references: ReferenceConditioning | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
-_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3", "qwen-image": "leantune.models.qwen_image"}
+_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3", "qwen-image": "leantune.models.qwen_image",
+            "qwen-image-edit": "leantune.models.qwen_image_edit"}
 
 
 def loader_options(memory_cfg) -> dict:

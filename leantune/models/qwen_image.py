@@ -148,9 +148,11 @@ def encode_prompts(prompts: list[str], encoders, max_length: int = DEFAULT_TEXT_
                                 return_tensors="pt")
     encoder = encoders.text_encoder
     with _placement(encoders, device):
+        # the last hidden state (the pipeline's hidden_states[-1]), without keeping every layer's
+        # states or a KV cache
         out = encoder.model(input_ids=tokens.input_ids.to(device), attention_mask=tokens.attention_mask.to(device),
-                            output_hidden_states=True)
-    hidden = out.hidden_states[-1]                                             # (B, L_tok, D)
+                            use_cache=False)
+    hidden = out.last_hidden_state                                             # (B, L_tok, D)
     mask = tokens.attention_mask.to(hidden.device).bool()
     rows = [h[m][TEMPLATE_DROP:][:max_length] for h, m in zip(hidden, mask)]  # (n_i, D)
     longest = max(r.shape[0] for r in rows)

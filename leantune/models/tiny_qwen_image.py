@@ -145,13 +145,27 @@ def qwen_image_components(seed: int = 0, dtype: torch.dtype = torch.float32, **t
                 text_encoder=qwen_text_encoder(tok, seed + 1, dtype), tokenizer=tok, scheduler=qwen_scheduler())
 
 
-def qwen_processor(tokenizer=None):
-    """Qwen2-VL's processor (image processor + the tokenizer) for the Edit pipelines, built offline."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor
+def qwen_image_processor():
+    """Qwen2-VL's image processor (PIL backend), small pixel bounds for the tiny vision tower."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56 * 4)
-    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer or qwen_tokenizer(),
-                               chat_template=None)
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56 * 4)
+
+
+def qwen_processor(tokenizer=None):
+    """A Qwen2.5-VL processor for the Edit pipelines, built offline: images and text only (the real
+    one also holds a video processor, which needs torchvision)."""
+    from transformers import Qwen2_5_VLProcessor
+
+    class ImageTextProcessor(Qwen2_5_VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template)
+
+    return ImageTextProcessor(image_processor=qwen_image_processor(), tokenizer=tokenizer or qwen_tokenizer())
 
 
 def qwen_image_edit_components(seed: int = 0, dtype: torch.dtype = torch.float32, **transformer_overrides) -> dict:
