@@ -76,6 +76,10 @@ class DatasetConfig(Section):
     require_captions: bool = False       # an image without its own caption file (or an empty one) is an error
     # Skip (with a warning) images smaller than this fraction of their bucket's side; 0 keeps all.
     min_size: float = Field(0.5, ge=0.0, le=1.0)
+    # An edit dataset: a folder of reference images matched to the targets by file stem (`cat.png`
+    # -> `cat.*` there, or `cat_0.*`, `cat_1.*`, ... for several); families with reference
+    # conditioning only (qwen-image-edit). See docs/reference-images.md.
+    reference_path: str | None = None
 
 
 class DataConfig(Section):
