@@ -80,6 +80,11 @@ def fake_parameters(model: nn.Module, device: torch.device | str = HOST) -> nn.M
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = fake(b, False)
+        # Plain tensor attributes built in __init__ (Qwen-Image's rotary tables `pos_freqs`): they
+        # were made on meta too, and are read like buffers.
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.is_meta:
+                setattr(m, k, fake(v, False))
     return model
 
 

@@ -27,11 +27,12 @@ from pathlib import Path
 # tokens it runs with (Flux dev 512, schnell 256; SD3.5: StableDiffusion3Pipeline's 256 T5 tokens,
 # after 77 CLIP rows: family.text_rows).
 MODELS = {"flux-dev": "flux1_dev", "flux-schnell": "flux1_schnell", "sd3.5-large": "sd35_large",
-          "sd3.5-medium": "sd35_medium", "qwen-image": "qwen_image"}
+          "sd3.5-medium": "sd35_medium", "qwen-image": "qwen_image", "qwen-image-edit": "qwen_image"}
 MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3",
-                "qwen-image": "qwen-image"}
+                "qwen-image": "qwen-image", "qwen-image-edit": "qwen-image-edit"}
 # Qwen-Image: QwenImagePipeline's max_sequence_length (a prompt's rows are at most that many).
-TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256, "qwen-image": 512}
+TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256, "qwen-image": 512,
+               "qwen-image-edit": 512}
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 
 
@@ -174,14 +175,23 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
             failed += 1
             results.append((value, budget, None, e))
     ranks = _ranks(args, planner, results)
+    phase = _text_phase(spec, workload)
     if args.json:
         out = _as_json(workload, machine, results)
         for entry, numbers in zip(out["plans"], ranks):
             if numbers is not None:
                 entry["processes"] = {"count": args.gpus, **numbers}
+        if phase is not None:
+            out["text_encoding"] = phase
         print(json.dumps(out, indent=2, default=str))
     else:
         _print_text(results, format_plan, ranks, args)
+        if phase is not None:
+            fits = ", ".join(f"{'fits' if phase['device'] <= b.vram - b.margin_bytes else 'does NOT fit'} {v}"
+                             for v, b in zip(vram_values, budgets))
+            print(f"\ntext encoding (caching phase, once per caption; the text encoder streamed layer by layer): "
+                  f"{phase['device'] / 2**30:.2f} GiB on the GPU ({fits}), {phase['host'] / 2**30:.2f} GiB host RAM "
+                  f"while it runs (freed before training)")
     rc = 1 if failed else 0
     return (rc, machine) if with_machine else rc
 
@@ -355,6 +365,14 @@ def _as_json(workload, machine, results) -> dict:
             entry["needed_ram"] = error.needed_ram
         out.append(entry)
     return {"workload": workload.describe(), "machine": machine.to_dict(), "plans": out}
+
+
+def _text_phase(spec, workload) -> dict | None:
+    """The family's priced text-encoding phase (ModelFamily.text_phase), or None."""
+    from ..models.family import get_family
+
+    family = get_family(spec.family)
+    return None if family.text_phase is None else family.text_phase(workload.text_length)
 
 
 def _print_text(results, format_plan, ranks, args) -> None:

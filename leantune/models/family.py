@@ -154,6 +154,9 @@ class ModelFamily:
     timestep_sampling: str = "sigmoid"
     # reference-image conditioning (ReferenceConditioning), None for a family without it
     references: ReferenceConditioning | None = None
+    # (text rows) -> {"device": bytes, "host": bytes, ...}: the caching phase's text encoding, priced,
+    # for a family whose text encoder is large enough to need a plan of its own (Qwen-Image's 7B)
+    text_phase: Callable | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -167,6 +167,10 @@ def text_mask(seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     every row is real), as QwenImagePipeline.encode_prompt pads and masks a batch."""
     real = (seq != 0).any(dim=-1)                                              # (B, L)
     n = int(real.sum(dim=1).max()) if real.numel() else 0
+    if n == 0:
+        # No real row at all: a prompt always has some (the template's closing tokens), so these are
+        # rows without values (the simulated GPU's fake tensors, the planner's meta ones): keep them.
+        return seq, None
     seq, real = seq[:, :n], real[:, :n]
     return seq, (None if bool(real.all()) else real.to(torch.long))
 
@@ -256,7 +260,34 @@ def _register():
         text_modules=_text_modules,
         transformer_classes=("QwenImageTransformer2DModel",), recognizes_keys=_recognizes_keys,
         timestep_sampling="shift",
+        text_phase=lambda rows: text_encoding_phase(rows),
     ))
 
 
 QWEN_IMAGE = _register()
+
+
+# -- the text-encoding phase, priced (leantune plan) -------------------------------------------------------
+
+def text_encoding_phase(text_rows: int = DEFAULT_TEXT_LENGTH, batch: int = 8, dtype_bytes: int = 2) -> dict:
+    """Predicted bytes of the caching phase's text encoding with Qwen2.5-VL-7B streamed layer by layer
+    (encode_prompts on a device that does not hold it): on the device, the embedding table and final
+    norm resident, one decoder layer at a time and one layer's activations for `batch` prompts of
+    `text_rows` rows (plus the template's 34 + 5); in host RAM, the whole encoder (vision tower and LM
+    head included, as the folder holds them). `batch` is the cache's captions per encoder call."""
+    from .component_files import packaged_config
+
+    c = packaged_config("qwen25_vl_7b_text")
+    d, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head = d // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head
+    layer = (d * d + d) + 2 * (d * kv + kv) + d * d + 3 * d * i + 2 * d                # q, k, v, o, MLP, norms
+    tokens = batch * (text_rows + TEMPLATE_DROP + 5)
+    resident = (v * d + d) * dtype_bytes                                              # embed_tokens, final norm
+    # the MLP's three (T, I) tensors alive at once (act(gate), up, their product), and the
+    # hidden states, q/k/v and their rotary copies, attention output: about six (T, D)
+    activations = (3 * tokens * i + 6 * tokens * d) * dtype_bytes
+    device = resident + layer * dtype_bytes + activations
+    host = (v * d * 2 + d + c["num_hidden_layers"] * layer + c["vision_parameters"]) * dtype_bytes   # embed + LM head
+    return {"device": device, "resident": resident, "layer": layer * dtype_bytes, "activations": activations,
+            "host": host, "tokens": tokens}

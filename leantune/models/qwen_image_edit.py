@@ -169,6 +169,16 @@ def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds
     return out[:, :n]
 
 
+def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype) -> dict:
+    """The planner's probe inputs with one reference at the target's size: its tokens double the
+    image sequence (what an edit step at that bucket runs)."""
+    inputs = qi.probe_inputs(config, batch, latent_hw, text_length, dtype)
+    hs = inputs["hidden_states"]
+    inputs["hidden_states"] = torch.empty(hs.shape[0], 2 * hs.shape[1], hs.shape[2], device="meta", dtype=hs.dtype)
+    inputs["img_shapes"] = qi.img_shapes(batch, latent_hw, [latent_hw])
+    return inputs
+
+
 def _encoders_loader(sources, dtype=torch.bfloat16, device="cpu"):
     """Qwen-Image's text encoder and tokenizer, plus Qwen2-VL's image processor that reads the
     references (from the folder's processor/, else Qwen2-VL's defaults, which the Edit repositories
@@ -192,8 +202,9 @@ def _register():
     base = qi.QWEN_IMAGE
     return register(replace(
         base, name="qwen-image-edit", load_text_encoders=_encoders_loader, encode_prompts=encode_prompts,
-        predict=predict, text_rows=lambda max_length: max_length + EDIT_DROP + MAX_REFERENCES * ROWS_PER_REFERENCE,
-        transformer_classes=(),      # a loaded QwenImageTransformer2DModel is told "qwen-image"
+        predict=predict, probe_inputs=probe_inputs, text_rows=lambda max_length: max_length + EDIT_DROP + MAX_REFERENCES * ROWS_PER_REFERENCE,
+        # the same class: family_for_model tells a loaded one "qwen-image" (registered first)
+        transformer_classes=("QwenImageTransformer2DModel",),
         recognizes_keys=lambda keys: False,
         references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES),
     ))
