@@ -272,6 +272,21 @@ def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None =
     return meta_model("flux-dev", (num_layers, num_single_layers))
 
 
+def as_fp8_checkpoint(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    """The meta model as a loader gives it from an fp8 file (ComfyUI's `*_fp8_e4m3fn.safetensors`):
+    every block Linear weight e4m3 with its per-row scale, modulation included (what
+    load_into_empty does on the meta device; no file needed at full size)."""
+    from .models.component_loading import fp8_block_weights, keep_fp8_hooks
+
+    _, attach = keep_fp8_hooks(model, spec, True)
+    for name in sorted(fp8_block_weights(model, spec, True)):
+        module = model.get_submodule(name[: -len(".weight")])
+        w = module.weight
+        module.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="meta"), requires_grad=False)
+        attach(name, torch.empty(w.shape[0], 1, device="meta"))
+    return model
+
+
 def training_config(size: int, budget: int, rank: int = 16, family: str = "flux", *, mode: str = "lora",
                     optimizer: str = "adamw", state_dtype: str = "fp32"):
     """The RunConfig of a training run at one square resolution with a VRAM budget (defaults otherwise:
@@ -289,7 +304,7 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
                  plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
-                 state_dtype: str = "fp32") -> dict:
+                 state_dtype: str = "fp32", fp8_base: bool = False) -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
     ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
@@ -317,6 +332,8 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
 
     enable()
     model = meta_model(model_name, blocks)
+    if fp8_base:
+        as_fp8_checkpoint(model, get_family(MODELS[model_name][0]).spec)
     family = get_family(MODELS[model_name][0])
     spec = family.spec
     text_rows = family.text_rows(MODELS[model_name][2])

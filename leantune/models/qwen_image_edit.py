@@ -200,8 +200,11 @@ def _register():
     from .family import ReferenceConditioning, register
 
     base = qi.QWEN_IMAGE
+    # Its own spec object (the same blocks and LoRA names) so that code handed only the spec (the
+    # planner's probe: family_of_spec) finds this family's probe inputs, with the reference tokens.
+    spec = replace(base.spec, family="qwen-image-edit")
     return register(replace(
-        base, name="qwen-image-edit", load_text_encoders=_encoders_loader, encode_prompts=encode_prompts,
+        base, name="qwen-image-edit", spec=spec, load_text_encoders=_encoders_loader, encode_prompts=encode_prompts,
         predict=predict, probe_inputs=probe_inputs, text_rows=lambda max_length: max_length + EDIT_DROP + MAX_REFERENCES * ROWS_PER_REFERENCE,
         # the same class: family_for_model tells a loaded one "qwen-image" (registered first)
         transformer_classes=("QwenImageTransformer2DModel",),
