@@ -45,7 +45,10 @@ QWEN_IMAGE_LORA_KEYS = LoraKeyMap(
     swaps={},
     header={"ss_network_module": "networks.lora_qwen_image", "ss_base_model_version": "qwen_image"},
     header_hints=("qwen_image", "qwen-image"),
-    widths=(3072,),
+    # Qwen-Image is 3072 wide like Flux.1: the width cannot tell them apart, so it claims none (a
+    # header-less file of attention-only diffusers names stays Flux's, as before; names only
+    # Qwen-Image has, img_mlp / txt_mlp / img_mod / txt_mod, decide alone)
+    widths=(),
 )
 
 
