@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
             failed += 1
             results.append((value, budget, None, e))
     ranks = _ranks(args, planner, results)
-    phase = _text_phase(spec, workload)
+    phase = _text_phase(spec, workload, args)
     if args.json:
         out = _as_json(workload, machine, results)
         for entry, numbers in zip(out["plans"], ranks):
@@ -367,12 +367,20 @@ def _as_json(workload, machine, results) -> dict:
     return {"workload": workload.describe(), "machine": machine.to_dict(), "plans": out}
 
 
-def _text_phase(spec, workload) -> dict | None:
-    """The family's priced text-encoding phase (ModelFamily.text_phase), or None."""
+def _text_phase(spec, workload, args) -> dict | None:
+    """The family's priced text-encoding phase (ModelFamily.text_phase) for the config's text encoder,
+    or the packaged one with --model; None for a family without one."""
     from ..models.family import get_family
 
     family = get_family(spec.family)
-    return None if family.text_phase is None else family.text_phase(workload.text_length)
+    if family.text_phase is None:
+        return None
+    if args.config:
+        from ..config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        return family.text_phase(workload.text_length, model_cfg=cfg.model, base_dir=cfg.base_dir)
+    return family.text_phase(workload.text_length)
 
 
 def _print_text(results, format_plan, ranks, args) -> None:

@@ -260,7 +260,8 @@ def _register():
         text_modules=_text_modules,
         transformer_classes=("QwenImageTransformer2DModel",), recognizes_keys=_recognizes_keys,
         timestep_sampling="shift",
-        text_phase=lambda rows: text_encoding_phase(rows),
+        text_phase=lambda rows, model_cfg=None, base_dir=None: text_encoding_phase(rows, model_cfg=model_cfg,
+                                                                                    base_dir=base_dir),
     ))
 
 
@@ -269,25 +270,66 @@ QWEN_IMAGE = _register()
 
 # -- the text-encoding phase, priced (leantune plan) -------------------------------------------------------
 
-def text_encoding_phase(text_rows: int = DEFAULT_TEXT_LENGTH, batch: int = 8, dtype_bytes: int = 2) -> dict:
-    """Predicted bytes of the caching phase's text encoding with Qwen2.5-VL-7B streamed layer by layer
+def text_encoding_phase(text_rows: int = DEFAULT_TEXT_LENGTH, batch: int = 8, dtype_bytes: int = 2,
+                        model_cfg=None, base_dir=None) -> dict:
+    """Predicted bytes of the caching phase's text encoding with Qwen2.5-VL streamed layer by layer
     (encode_prompts on a device that does not hold it): on the device, the embedding table and final
     norm resident, one decoder layer at a time and one layer's activations for `batch` prompts of
     `text_rows` rows (plus the template's 34 + 5); in host RAM, the whole encoder (vision tower and LM
-    head included, as the folder holds them). `batch` is the cache's captions per encoder call."""
+    head included, as the folder holds them). `batch` is the cache's captions per encoder call.
+
+    The encoder is the one a [model] section names (its text_encoder/config.json, built on meta to
+    count its tensors), else Qwen-Image's Qwen2.5-VL-7B (models/configs/qwen25_vl_7b_text.json)."""
     from .component_files import packaged_config
 
-    c = packaged_config("qwen25_vl_7b_text")
-    d, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    head = d // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * head
-    layer = (d * d + d) + 2 * (d * kv + kv) + d * d + 3 * d * i + 2 * d                # q, k, v, o, MLP, norms
+    config = _encoder_config(model_cfg, base_dir)
+    if config is None:
+        c = packaged_config("qwen25_vl_7b_text")
+        config = {"text_config": {k: c[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                     "num_attention_heads", "num_key_value_heads", "vocab_size")}}
+        vision = c["vision_parameters"]
+    else:
+        vision = None
+    model = _meta_encoder(config)
+    lm = model.model.language_model
+    text = lm.config
+    d, i = text.hidden_size, text.intermediate_size
+
+    def count(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    layer = count(lm.layers[0])
+    resident = count(lm.embed_tokens) + count(lm.norm)
+    total = count(model) - count(model.model.visual) + (vision if vision is not None else count(model.model.visual))
     tokens = batch * (text_rows + TEMPLATE_DROP + 5)
-    resident = (v * d + d) * dtype_bytes                                              # embed_tokens, final norm
     # the MLP's three (T, I) tensors alive at once (act(gate), up, their product), and the
     # hidden states, q/k/v and their rotary copies, attention output: about six (T, D)
     activations = (3 * tokens * i + 6 * tokens * d) * dtype_bytes
-    device = resident + layer * dtype_bytes + activations
-    host = (v * d * 2 + d + c["num_hidden_layers"] * layer + c["vision_parameters"]) * dtype_bytes   # embed + LM head
-    return {"device": device, "resident": resident, "layer": layer * dtype_bytes, "activations": activations,
-            "host": host, "tokens": tokens}
+    return {"device": (resident + layer) * dtype_bytes + activations, "resident": resident * dtype_bytes,
+            "layer": layer * dtype_bytes, "activations": activations, "host": total * dtype_bytes, "tokens": tokens}
+
+
+def _encoder_config(model_cfg, base_dir) -> dict | None:
+    """The text encoder's config.json of a [model] section, or None (none given, or not a folder)."""
+    import json
+    from pathlib import Path
+
+    if model_cfg is None:
+        return None
+    try:
+        sources = qwen_image_loading.resolve_sources(model_cfg, Path(base_dir or "."))
+    except Exception:
+        return None
+    path = sources.text_encoder / "config.json" if sources.text_encoder is not None else None
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _meta_encoder(config: dict):
+    """Qwen2_5_VLForConditionalGeneration of `config` on the meta device (shapes only)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = Qwen2_5_VLConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
+    with torch.device("meta"):
+        return Qwen2_5_VLForConditionalGeneration(cfg)

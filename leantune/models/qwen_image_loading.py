@@ -60,6 +60,7 @@ class QwenImageTextEncoders:
     tokenizer: object
     text_encoder: torch.nn.Module         # Qwen2_5_VLForConditionalGeneration
     device: torch.device
+    image_processor: object = None        # Qwen2-VL's image processor: the Edit family's references
 
 
 def resolve_sources(model_cfg, base_dir: Path) -> QwenImageSources:
