@@ -172,3 +172,41 @@ def test_sampler_equals_pipeline_with_true_cfg_and_negative_prompt(comps):
     empty = encode_prompts_stage(_encoders(comps), [""], max_length=MAX_LEN, device="cpu", family=family)
     assert (latents(cfg=2.0) - lat).abs().max() > 1e-2 * lat.abs().max()
     assert (latents(negative=empty) - lat).abs().max() > 1e-2 * lat.abs().max()
+
+
+def test_run_sampling_from_the_folder_with_a_lora_and_streaming(tmp_path):
+    """`leantune sample`'s staged run on a Qwen-Image diffusers folder: the negative prompt, true CFG,
+    a ComfyUI-layout LoRA at 0.7, the published schedule from the folder; the pipeline's image
+    (within one level: stage 2 batches the CFG halves, the pipeline runs them one after the other).
+    Every block streamed with poisoned slots gives the same image."""
+    from diffusers import QwenImagePipeline
+    from PIL import Image
+
+    from leantune.infer.request import validate_request
+    from leantune.infer.run import run_sampling
+    from leantune.train.lora import lora_weights_from_model, save_lora
+    from test_qwen_image_lora import trained
+
+    folder = tq.save_qwen_image_folder(tmp_path / "qwen", seed=0)
+    w = lora_weights_from_model(trained())
+    comfy = save_lora(w, tmp_path / "l_comfy.safetensors", "comfyui")
+    diffusers_file = save_lora(w, tmp_path / "l_diffusers.safetensors", "diffusers")
+
+    def request(out, **kw):
+        data = {"model": {"path": str(folder), "family": "qwen-image", "dtype": "fp32"}, "prompts": [PROMPTS[0]],
+                "negative_prompt": NEGATIVE, "seed": 3, "steps": 3, "guidance": 4.0, "width": W, "height": H,
+                "max_text_length": MAX_LEN, "out": str(out), "lora": [{"path": str(comfy), "strength": 0.7}], **kw}
+        return validate_request(data, "test request")
+
+    result = run_sampling(request(tmp_path / "out"))
+    ours = np.asarray(Image.open(result.files[0]))
+    pipe = QwenImagePipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(diffusers_file), adapter_name="l")
+    pipe.set_adapters(["l"], [0.7])
+    ref = _u8(_reference(pipe, [PROMPTS[0]], [3]))[0]
+    assert np.abs(ours.astype(int) - ref.astype(int)).max() <= 1
+    stream = run_sampling(request(tmp_path / "stream", memory={"streamed_blocks": "all", "stream_non_blocks": True,
+                                                               "debug_poison": True}))
+    assert stream.stream_report["bytes_h2d"] > 0 and len(stream.plan.streamed_blocks) == 2
+    assert np.array_equal(np.asarray(Image.open(stream.files[0])), ours)
