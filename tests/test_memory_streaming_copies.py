@@ -5,13 +5,14 @@ staged and direct copies, and stall accounting of a staged copy compute waits fo
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
 import torch
 from test_memory_helpers import block_names, lora_flux
 
-from leantune.memory import streaming
+from leantune.memory import host_buffers
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC
@@ -38,20 +39,20 @@ class _FakeCudart:
 
 @pytest.mark.parametrize("nbytes", [1, 100, 4096, 5000, 3 * 4096 + 7])
 def test_pinned_range_is_page_aligned_and_owned(nbytes):
-    buf, start, length = streaming._page_aligned(nbytes)
+    buf, start, length = host_buffers.page_aligned(nbytes)
     assert buf.numel() == nbytes and buf.data_ptr() == start
-    assert start % streaming.PAGE == 0 and length % streaming.PAGE == 0 and length >= nbytes
+    assert start % host_buffers.PAGE == 0 and length % host_buffers.PAGE == 0 and length >= nbytes
     storage = buf.untyped_storage()
     assert storage.data_ptr() <= start and start + length <= storage.data_ptr() + storage.nbytes()
 
 
 def test_pinning_registers_whole_own_pages_and_unregisters_when_freed(monkeypatch):
     rt = _FakeCudart(rc=0)
-    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
-    a, undo_a = streaming._alloc_host(1000, pin=True)
-    b, undo_b = streaming._alloc_host(1000, pin=True)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    a, undo_a = host_buffers.alloc_host(1000, pin=True)
+    b, undo_b = host_buffers.alloc_host(1000, pin=True)
     (_, pa, na), (_, pb, nb) = rt.calls
-    assert (pa, pb) == (a.data_ptr(), b.data_ptr()) and na == nb == streaming.PAGE
+    assert (pa, pb) == (a.data_ptr(), b.data_ptr()) and na == nb == host_buffers.PAGE
     assert pa + na <= pb or pb + nb <= pa          # two small buffers never share a page
     undo_a()
     assert rt.calls[-1] == ("unregister", pa)
@@ -63,8 +64,8 @@ def test_pinning_registers_whole_own_pages_and_unregisters_when_freed(monkeypatc
 
 def test_refused_pin_clears_the_sticky_error_and_stays_pageable(monkeypatch, caplog):
     rt = _FakeCudart(rc=712)                       # cudaErrorHostMemoryAlreadyRegistered
-    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
-    buf, undo = streaming._alloc_host(1000, pin=True)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    buf, undo = host_buffers.alloc_host(1000, pin=True)
     assert undo is None and buf.numel() == 1000
     assert [c[0] for c in rt.calls] == ["register", "clear"]
     assert "could not pin" in caplog.text
@@ -72,19 +73,19 @@ def test_refused_pin_clears_the_sticky_error_and_stays_pageable(monkeypatch, cap
 
 def test_refused_unpin_clears_the_sticky_error_too(monkeypatch):
     rt = _FakeCudart(rc=0, unregister_rc=1)       # cudaErrorInvalidValue
-    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
-    _, undo = streaming._alloc_host(1000, pin=True)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    _, undo = host_buffers.alloc_host(1000, pin=True)
     undo()
     assert [c[0] for c in rt.calls] == ["register", "unregister", "clear"]
 
 
 def _slow_stager(monkeypatch, delay: float):
-    real = streaming._Stager._run
+    real = host_buffers.Stager._run
 
     def slow(self, src, dst, free_event):
         time.sleep(delay)
         return real(self, src, dst, free_event)
-    monkeypatch.setattr(streaming._Stager, "_run", slow)
+    monkeypatch.setattr(host_buffers.Stager, "_run", slow)
 
 
 @pytest.fixture
@@ -107,8 +108,8 @@ def test_copies_into_one_slot_land_in_order(pageable_engine, monkeypatch):
     slot = eng.slots[a.slot]
     eng._fetch(a, demand=True)
     eng._fetch(b, demand=True)
-    eng._wait_ready(slot)
-    eng.stager.pool.submit(lambda: None).result()  # every queued copy has run
+    eng.copies.wait_ready(slot)
+    eng.copies.stager.pool.submit(lambda: None).result()  # every queued copy has run
     assert slot.owner is b
     assert torch.equal(slot.buf[:b.nbytes], b.host[:b.nbytes])
 
@@ -119,7 +120,7 @@ def test_waiting_for_a_staged_copy_counts_as_stall(pageable_engine, monkeypatch)
     _slow_stager(monkeypatch, 0.3)
     unit = eng.units[0]
     eng._fetch(unit, demand=True)
-    eng._wait_ready(eng.slots[unit.slot])
+    eng.copies.wait_ready(eng.slots[unit.slot])
     rep = eng.report()
     assert rep["stall_s"] >= 0.25, rep
 
@@ -137,3 +138,64 @@ def test_small_blocks_pin_and_first_copies_wait_for_the_slots():
     assert all(s.free_event is not None for s in eng.slots)
     torch.cuda.synchronize()
     handle.remove(device="cpu")
+
+
+class _CurrentDevice:
+    """torch.cuda.device / set_device stand-in: records the device made current, and by which thread."""
+
+    def __init__(self):
+        self.current, self.log = None, []
+
+    def device(self, dev):
+        rec = self
+
+        class Guard:
+            def __enter__(self):
+                rec.current = dev
+                rec.log.append(("enter", str(dev), threading.current_thread().name))
+
+            def __exit__(self, *exc):
+                rec.current = None
+        return Guard()
+
+    def set_device(self, dev):
+        self.current = dev
+        self.log.append(("set", str(dev), threading.current_thread().name))
+
+
+def test_a_pinned_buffer_is_unregistered_with_its_gpu_current_on_whatever_thread_it_dies(monkeypatch):
+    """GPU-only in effect (one GPU on the CPU-free part of bench/gpu_checks.sh; its two-GPU check
+    needs two): a finalizer runs on the thread where the buffer dies (the autograd thread, a
+    worker), whose current device is GPU 0; cudaHostUnregister there would open a context on GPU 0
+    and unregister in the wrong one. Here: the recorded current device at the unregistration."""
+    rec = _CurrentDevice()
+    monkeypatch.setattr(torch.cuda, "device", rec.device)
+
+    class Rt(_FakeCudart):
+        def cudaHostUnregister(self, ptr):
+            self.calls.append(("unregister", ptr, str(rec.current)))
+            return 0
+
+    rt = Rt(rc=0)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    buf, _ = host_buffers.alloc_host(1000, pin=True, cuda_device=torch.device("cuda", 1))
+    ptr = buf.data_ptr()
+    box = [buf]
+    del buf
+    worker = threading.Thread(target=lambda: (box.clear(), gc.collect()), name="dies-here")
+    worker.start()
+    worker.join()
+    assert rt.calls[-1] == ("unregister", ptr, "cuda:1")
+
+
+def test_the_host_step_worker_runs_with_the_engines_gpu_current(monkeypatch):
+    """GPU-only in effect (see above): the host-step thread's CUDA calls (an event's synchronize,
+    freeing a pinned gradient) must run on the engine's GPU, not on GPU 0 (a new thread's default)."""
+    from leantune.memory.trainable_streaming import host_step_worker
+
+    rec = _CurrentDevice()
+    monkeypatch.setattr(torch.cuda, "set_device", rec.set_device)
+    pool = host_step_worker(torch.device("cuda", 1))
+    seen = pool.submit(lambda: (str(rec.current), threading.current_thread().name)).result()
+    pool.shutdown(wait=True)
+    assert seen[0] == "cuda:1" and seen[1].startswith("leantune-host-step")
