@@ -32,7 +32,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 def _browser_or_skip():
     if not Path(CHROMIUM).is_file():
-        pytest.skip(f"{CHROMIUM} is not installed (Debian package chromium; scripts/setup.sh installs it as root)")
+        pytest.skip(f"{CHROMIUM} is not installed (Debian package chromium; scripts/setup_test.sh installs it as root)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
