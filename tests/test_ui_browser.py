@@ -19,11 +19,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from progress_wait import file_size, logged_steps, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -56,16 +57,20 @@ def _serve(tmp_path: Path, token: str | None = None):
                              str(tmp_path / "runs")] + (["--token", token] if token else []),
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 120
-    while True:
+
+    def answers() -> bool:
         try:
             urllib.request.urlopen(url + "api/runs" + (f"?token={token}" if token else ""), timeout=2)
-            break
+            return True
         except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"leantune ui did not start: {(tmp_path / 'server.log').read_text()}")
-            time.sleep(0.3)
+            return False
+
+    try:   # as long as the server process lives (it imports torch: slow on a busy machine), up to the safety net
+        wait_until(answers, what="leantune ui to answer", alive=lambda: proc.poll() is None,
+                   detail=lambda: (tmp_path / "server.log").read_text(), poll_s=0.3)
+    except AssertionError as e:
+        proc.kill()
+        pytest.fail(f"leantune ui did not start: {e}")
     try:
         yield url, tmp_path / "runs"
     finally:
@@ -98,6 +103,27 @@ def token_server(tmp_path):
     yield from _serve(tmp_path, token="s3cret-token")
 
 
+def _page_wait(page, expression: str, progress, what: str, detail=lambda: "") -> None:
+    """page.wait_for_function(expression), for as long as `progress()` moves (progress_wait.py):
+    what a training run shows arrives after its steps, which a busy machine runs slower."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    def done() -> bool:
+        try:
+            page.wait_for_function(expression, timeout=1000)
+            return True
+        except PlaywrightTimeout:
+            return False
+
+    wait_until(done, progress, what=what, poll_s=0, detail=detail)
+
+
+def _run_progress(folder: Path):
+    """What moves while a run started from the page works: the steps its log reports and the size
+    of its console (model loading, caching and sampling write there without a step)."""
+    return lambda: (logged_steps(folder / "run" / "train.log"), file_size(folder / "console.log"))
+
+
 def _shot(page, name: str, tmp_path: Path) -> None:
     folder = Path(os.environ.get("LEANTUNE_UI_SCREENSHOTS") or tmp_path)
     if not folder.is_absolute():
@@ -117,7 +143,8 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.set_default_timeout(180_000)
+        # Safety net for each interaction; what waits on the run's steps follows them (_page_wait).
+        page.set_default_timeout(600_000)
         page.goto(url)
         page.wait_for_function("document.querySelectorAll('#family option').length > 0")
 
@@ -156,12 +183,16 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
 
         # 3-4. start, watch the loss curve and a sample grid appear, stop, resume (600 steps: a step
         # of this model takes ~10 ms here, and a run that ends before Stop is clicked cannot stop)
+        folder = runs_dir / "shapes"
+        moving = _run_progress(folder)
+        console = lambda: (folder / "console.log").read_text()[-2000:] if (folder / "console.log").exists() else ""
         page.click("#start")
         page.wait_for_function("document.querySelector('#watch-state').textContent === 'running'")
-        page.wait_for_function("document.querySelectorAll('#loss-chart polyline').length === 1 && "
-                               "document.querySelector('#loss-chart polyline').getAttribute('points').split(' ').length >= 2")
-        page.wait_for_selector("#samples img")
-        page.wait_for_function("document.querySelector('#samples img').naturalWidth > 0")
+        _page_wait(page, "document.querySelectorAll('#loss-chart polyline').length === 1 && "
+                   "document.querySelector('#loss-chart polyline').getAttribute('points').split(' ').length >= 2",
+                   moving, "the loss curve", console)
+        _page_wait(page, "document.querySelector('#samples img') && "
+                   "document.querySelector('#samples img').naturalWidth > 0", moving, "the first sample grid", console)
         # measured host RSS against the plan's predicted lines (no VRAM is measured on a CPU run)
         page.wait_for_function("document.querySelector('#mem-chart polyline[data-series=rss]')")
         for series in ("predicted-vram", "predicted-host"):
@@ -171,14 +202,15 @@ def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "watch", tmp_path)
         page.click("#stop")
-        page.wait_for_function("['stopped', 'failed'].includes(document.querySelector('#watch-state').textContent)")
-        folder = runs_dir / "shapes"
+        _page_wait(page, "['stopped', 'failed'].includes(document.querySelector('#watch-state').textContent)",
+                   moving, "the run to stop", console)
         assert page.inner_text("#watch-state") == "stopped", (folder / "console.log").read_text()[-2000:]
         assert (folder / "run" / "checkpoints").is_dir() and any((folder / "run" / "checkpoints").iterdir())
         stopped_at = max(int(p.name.split("-")[-1]) for p in (folder / "run" / "checkpoints").iterdir())
         assert 20 <= stopped_at < 600
         page.click("#resume")
-        page.wait_for_function("['finished', 'failed'].includes(document.querySelector('#watch-state').textContent)")
+        _page_wait(page, "['finished', 'failed'].includes(document.querySelector('#watch-state').textContent)",
+                   moving, "the resumed run to finish", console)
         assert page.inner_text("#watch-state") == "finished", (folder / "console.log").read_text()[-2000:]
         links = page.locator("#downloads a").all_inner_texts()
         assert "shapes_comfyui.safetensors" in links and "shapes_diffusers.safetensors" in links
