@@ -12,11 +12,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV (once)" >&2
   "$PY" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+# Whether a module is installed, without importing it (importing torch, diffusers and peft costs
+# several CPU-seconds, which every later ./scripts/demo.sh would pay again).
+have() { "$VENV/bin/python" -I -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$@" >/dev/null 2>&1; }
+if ! have torch; then
   echo "setup: installing torch==2.13.0 into $VENV (once; about 1-2 minutes, longer on a busy machine)" >&2
   "$VENV/bin/pip" install --quiet "torch==2.13.0"
 fi
-if ! "$VENV/bin/python" -c "import leantune, diffusers, peft" >/dev/null 2>&1 \
+if ! have leantune diffusers peft transformers accelerate safetensors \
     || [ pyproject.toml -nt "$VENV/.leantune-installed" ]; then
   echo "setup: installing leantune and its dependencies into $VENV (once; about a minute)" >&2
   "$VENV/bin/pip" install --quiet -e .

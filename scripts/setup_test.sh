@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 VENV=${LEANTUNE_VENV:-.venv}
-if ! "$VENV/bin/python" -c "import pytest, deepspeed, fastapi, playwright" >/dev/null 2>&1 \
+have() { "$VENV/bin/python" -I -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$@" >/dev/null 2>&1; }
+if ! have pytest deepspeed fastapi playwright ninja uvicorn tomli_w \
     || [ pyproject.toml -nt "$VENV/.leantune-test-installed" ]; then
   echo "setup (tests): installing the test dependencies into $VENV (once)" >&2
   "$VENV/bin/pip" install --quiet -e ".[test]"
@@ -16,7 +17,7 @@ fi
 # (deepspeed_shm_comm) at its first use, with ninja (a pip dependency), the C++ compiler (OpenMP)
 # and Python's headers: about 40 CPU-s, once per machine (~/.cache/torch_extensions). Done here,
 # so a missing piece shows now with its reason instead of inside a two-process test.
-if [ ! -e "$VENV/.deepspeed-ops-built" ] && "$VENV/bin/python" -c "import deepspeed" >/dev/null 2>&1; then
+if [ ! -e "$VENV/.deepspeed-ops-built" ] && have deepspeed; then
   echo "setup (tests): compiling DeepSpeed's CPU communication op (once per machine; about 40 CPU-s," \
        "5 minutes on a busy 2-core machine)" >&2
   if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
