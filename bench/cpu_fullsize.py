@@ -57,7 +57,7 @@ def rss() -> dict[str, int]:
 
 def write(path: Path, blocks: tuple[int, int] | None) -> None:
     from leantune.io import save_safetensors_streamed
-    from leantune.memory.simulated_run import meta_flux_dev
+    from leantune.simulated_run import meta_flux_dev
     from leantune.models import bfl_keys
 
     model = meta_flux_dev(*(blocks or (None, None)))
@@ -110,7 +110,7 @@ def load_child(path: Path, loader: str) -> None:
 
         from diffusers import FluxTransformer2DModel
 
-        from leantune.memory.simulated_run import meta_flux_dev
+        from leantune.simulated_run import meta_flux_dev
         from leantune.models.weights import read_header
 
         # Offline, diffusers needs the architecture config next to the file: Flux.1-dev's, with the
@@ -171,7 +171,7 @@ def sample(path: Path, vram_gib: float, size: int, text_length: int) -> dict:
     """Load with leantune, plan an inference step for a `vram_gib` budget, apply it on the CPU (the
     ring slots are host buffers there), run one denoising step of the sampler, report."""
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
     from leantune.memory.engine import apply_memory
     from leantune.models.flux import FLUX_SPEC, PromptEmbeds
     from leantune.models.flux_loading import FluxSources, load_transformer
@@ -225,7 +225,7 @@ def train_step_child(path: Path, vram_gib: float, size: int, text_length: int, r
     from leantune.planner.workload import Budget
     from leantune.train.modes import make_mode
     from leantune.train.optim import build_scheduler
-    from leantune.train.trainer import Trainee, train_step
+    from leantune.trainer import Trainee, train_step
 
     def cpu_s() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)

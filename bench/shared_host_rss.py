@@ -58,7 +58,7 @@ def worker(single: int, share: bool, out: str, turns: bool = False) -> None:
                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                       strategy="ddp", backend="gloo")
     cfg = SimpleNamespace(distributed=SimpleNamespace(share_host_weights=share))
-    shared = ctx.shared_host(cfg, "lora")
+    shared = ctx.shared_host(cfg.distributed.share_host_weights, "lora")
 
     def load():                       # "loading": the whole model in this process, then packed
         model = tiny.wide_flux_transformer(n_single=single)

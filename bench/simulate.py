@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except SimulatedDeviceUnavailable as e:
         print(f"simulate: the simulated device is unavailable here: {e}", file=sys.stderr)
         return 2
-    from leantune.memory.simulated_run import planned_case
+    from leantune.simulated_run import planned_case
 
     meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(sys.argv),
             "model": args.model, "device": "simulated GPU on CPU (fake tensors)", "mode": args.mode}

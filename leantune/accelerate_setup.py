@@ -39,11 +39,14 @@ from a DeepSpeed config file that lists it (ACCELERATE_CONFIG_DS_FIELDS).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+from .config import ConfigError
 
 log = logging.getLogger("leantune")
 
@@ -73,14 +76,10 @@ LAUNCH_SETTINGS = (
 def _parse(setting: LaunchSetting, raw: str):
     if setting.key == "mixed_precision":
         if raw not in ("no", "bf16"):
-            from .config import ConfigError
-
             raise ConfigError(f"accelerate launch: mixed_precision = {raw!r}: leantune trains in \"bf16\" or \"no\"")
         return raw
     if setting.key == "zero_stage":
         if raw not in ("2", "3"):
-            from .config import ConfigError
-
             raise ConfigError(f"accelerate launch: zero_stage = {raw}: leantune runs DeepSpeed ZeRO stage 2 (or 3 "
                               f"where the config allows it)")
         return int(raw)
@@ -90,8 +89,6 @@ def _parse(setting: LaunchSetting, raw: str):
         return float(raw)
     if setting.key == "offload_optimizer":
         if raw not in ("none", "cpu"):
-            from .config import ConfigError
-
             raise ConfigError(f"accelerate launch: offload_optimizer_device = {raw!r}: leantune offloads the "
                               f"optimizer to \"cpu\" or not at all (\"none\")")
         return raw == "cpu"
@@ -187,8 +184,6 @@ def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(
             backend=backend, timeout=datetime.timedelta(minutes=dcfg.timeout_minutes))]
     if deepspeed:
-        from .distributed import deepspeed_config
-
         _ninja_on_path()
 
         ds = deepspeed_config(cfg, world_size)
@@ -227,3 +222,36 @@ def release_accelerator(saved_env: dict[str, str]) -> None:
         if k not in saved_env:
             del os.environ[k]
     os.environ.update(saved_env)
+
+
+def deepspeed_config(cfg, world_size: int) -> dict:
+    """The DeepSpeed config a run means: `[distributed] deepspeed_config` as written, else the
+    keys of [distributed], [data] and [train] in DeepSpeed's terms (the usual accelerate setup:
+    ZeRO-2, no optimizer offload, bf16, the run's accumulation and clipping)."""
+    d, tc = cfg.distributed, cfg.train
+    if d.deepspeed_config is not None:
+        path = cfg.resolve(d.deepspeed_config)
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"[distributed] deepspeed_config = {d.deepspeed_config!r}: cannot read {path}: {e}") from None
+    zero = {"stage": d.zero_stage, "offload_optimizer": {"device": "cpu" if d.offload_optimizer else "none"},
+            "overlap_comm": False, "contiguous_gradients": True}
+    extra = {}
+    if d.offload_optimizer:
+        # The offloaded fp32 partitions are stepped on the CPU by the run's torch AdamW (DeepSpeed's
+        # CPUAdam would need its C++ op compiled on every machine); DeepSpeed refuses a client
+        # optimizer with offload unless told this is meant.
+        extra["zero_force_ds_cpu_optimizer"] = False
+    return {**extra,
+        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+        "gradient_accumulation_steps": tc.gradient_accumulation,
+        "train_batch_size": cfg.data.batch_size * tc.gradient_accumulation * world_size,
+        "gradient_clipping": tc.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": tc.mixed_precision == "bf16" and cfg.model.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+

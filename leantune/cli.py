@@ -1,4 +1,6 @@
-"""`leantune <verb>`: each verb lives in leantune/commands/<verb>.py with `configure(parser)` and `run(args)`.
+"""`leantune <verb>`: each verb lives in leantune/commands/<verb>.py with `configure(parser)` and `run(args)`,
+except `ui`, whose verb lives with the page it serves (leantune/ui/command.py): the page drives the
+other commands, so it sits above them and no command imports it.
 
 Commands are imported only when used, so `leantune plan` does not pay for importing diffusers.
 Bad input (a config, a dataset, a model or LoRA file, a checkpoint) ends in one paragraph that
@@ -24,6 +26,7 @@ VERBS = {
     "demo": "train a LoRA on a tiny Flux (or SD3.5) built offline (CPU, about a minute)",
     "ui": "a local web page to prepare a dataset, plan, train, watch and sample",
 }
+VERB_MODULES = {"ui": "leantune.ui.command"}    # the rest: leantune.commands.<verb>
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
     for verb, help_text in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
-        module = importlib.import_module(f"leantune.commands.{verb}")
+        module = importlib.import_module(VERB_MODULES.get(verb, f"leantune.commands.{verb}"))
         module.configure(p)
         p.set_defaults(_module=module)
     return parser

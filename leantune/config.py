@@ -358,10 +358,7 @@ class RunConfig(Section):
 
     def resolve(self, path: str | None) -> Path | None:
         """A path from the config, relative to the TOML file's folder."""
-        if path is None:
-            return None
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else Path(self.base_dir) / p
+        return resolve_path(self.base_dir, path)
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -471,6 +468,14 @@ def _override_step(node, part: str, before: list[str], item: str, source: str, l
         node[part] = value
         return None
     return node.setdefault(part, {})
+
+
+def resolve_path(base_dir: str | Path, path: str | None) -> Path | None:
+    """A path from a config file, relative to the file's folder `base_dir` (`~` expanded)."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else Path(base_dir) / p
 
 
 def validate_model(model: type[BaseModel], data: dict, source: str, base_dir: str | Path, title: str):

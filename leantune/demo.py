@@ -305,7 +305,7 @@ def one_thread():
 def run_demo(out: Path, steps: int | None = None, fresh: bool = True, progress: bool = True, mode: str = "lora",
              family: str = "flux"):
     from .config import load_config
-    from .train.trainer import train
+    from .trainer import train
 
     with one_thread():
         config = prepare(out, fresh=fresh, mode=mode, family=family)

@@ -37,6 +37,8 @@ from typing import Callable
 
 import torch
 
+from .errors import CheckpointError, is_out_of_memory
+
 log = logging.getLogger("leantune")
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -204,7 +206,7 @@ class DistContext:
 
         env = launch_env()
         world = env["WORLD_SIZE"] if env is not None else 1
-        strategy = resolve_strategy(cfg) if world > 1 else "none"
+        strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode) if world > 1 else "none"
         if world > 1:
             die_with_launcher()
         import torch.distributed as dist
@@ -327,12 +329,11 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() == 0.0
 
-    def shared_host(self, cfg, mode_name: str):
+    def shared_host(self, share_host_weights: bool, mode_name: str):
         """Shared host buffers for the streamed weights when several processes of this machine
         train a LoRA (frozen base) with [distributed] share_host_weights; else None. Collective:
         every rank calls it (rank 0 names the files)."""
-        if not (self.distributed and self.local_world_size > 1 and cfg.distributed.share_host_weights
-                and mode_name == "lora"):
+        if not (self.distributed and self.local_world_size > 1 and share_host_weights and mode_name == "lora"):
             return None
         import uuid
 
@@ -407,8 +408,6 @@ class DistContext:
         or the launcher stops them (torchrun), and the last save stays the resumable state."""
         if not self.distributed:
             return step_fn()
-        from .planner.feedback.oom import is_out_of_memory
-
         try:
             return step_fn()
         except Exception as exc:
@@ -467,8 +466,6 @@ class DistContext:
                 f"Each step's global batch is [data] batch_size x processes, so the batch order of the saved "
                 f"run cannot continue exactly")
         if not allow_change:
-            from .train.state import CheckpointError
-
             raise CheckpointError(f"{what}. Resume with {saved} process(es), or set [distributed] "
                                   f"allow_world_size_change = true to continue at the start of the next epoch "
                                   f"(weights, optimizer and step count are kept; the rest of this epoch is skipped).")
@@ -485,13 +482,13 @@ def launch_env() -> dict | None:
     return env
 
 
-def resolve_strategy(cfg) -> str:
-    """The strategy `[distributed] strategy = "auto"` means for this run: DDP for LoRA, FSDP2 for
-    a full fine-tune (it needs no extra package; DeepSpeed ZeRO-2 is `strategy = "deepspeed"`)."""
-    strategy = cfg.distributed.strategy
+def resolve_strategy(strategy: str, train_mode: str) -> str:
+    """The strategy `[distributed] strategy = "auto"` means for a run of `[train] mode`: DDP for
+    LoRA, FSDP2 for a full fine-tune (it needs no extra package; DeepSpeed ZeRO-2 is
+    `strategy = "deepspeed"`)."""
     if strategy != "auto":
         return strategy
-    return "fsdp2" if cfg.train.mode == "full" else "ddp"
+    return "fsdp2" if train_mode == "full" else "ddp"
 
 
 def torchrun_command(gpus: int, argv: list[str]) -> list[str]:
@@ -534,40 +531,3 @@ def die_with_launcher() -> None:
         return
     if os.getppid() == 1:         # the launcher is already gone
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def deepspeed_config(cfg, world_size: int) -> dict:
-    """The DeepSpeed config a run means: `[distributed] deepspeed_config` as written, else the
-    keys of [distributed], [data] and [train] in DeepSpeed's terms (the usual accelerate setup:
-    ZeRO-2, no optimizer offload, bf16, the run's accumulation and clipping)."""
-    import json
-
-    d, tc = cfg.distributed, cfg.train
-    if d.deepspeed_config is not None:
-        path = cfg.resolve(d.deepspeed_config)
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            from .config import ConfigError
-
-            raise ConfigError(f"[distributed] deepspeed_config = {d.deepspeed_config!r}: cannot read {path}: {e}") from None
-    zero = {"stage": d.zero_stage, "offload_optimizer": {"device": "cpu" if d.offload_optimizer else "none"},
-            "overlap_comm": False, "contiguous_gradients": True}
-    extra = {}
-    if d.offload_optimizer:
-        # The offloaded fp32 partitions are stepped on the CPU by the run's torch AdamW (DeepSpeed's
-        # CPUAdam would need its C++ op compiled on every machine); DeepSpeed refuses a client
-        # optimizer with offload unless told this is meant.
-        extra["zero_force_ds_cpu_optimizer"] = False
-    return {**extra,
-        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
-        "gradient_accumulation_steps": tc.gradient_accumulation,
-        "train_batch_size": cfg.data.batch_size * tc.gradient_accumulation * world_size,
-        "gradient_clipping": tc.max_grad_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": tc.mixed_precision == "bf16" and cfg.model.dtype == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-

@@ -29,7 +29,7 @@ def main(out: str, *configs: str) -> None:
     from leantune.config import load_config
     from leantune.planner import search as planner_mod
     from leantune.models import flux_loading
-    from leantune.train import trainer as trainer_mod
+    from leantune import trainer as trainer_mod
 
     counts = {"vae": 0, "text_encoders": 0, "replans": 0}
 

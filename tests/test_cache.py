@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from leantune.config import load_config, validate
-from leantune.data.cache import CacheWarning, prepare_caches
+from leantune.data.cache import CacheWarning, prepare_caches, sample_prompts
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.flux import encode_prompts
 
@@ -56,9 +56,10 @@ class Loaders:
     def prepare(self, cfg, **kw):
         return self.prepare_on("cpu", cfg, **kw)
 
-    def prepare_on(self, device, cfg, **kw):
-        return prepare_caches(cfg, device, DTYPE, load_vae=self.load_vae,
-                              load_text_encoders=self.load_text_encoders, **kw)
+    def prepare_on(self, device, cfg, extra_prompts=()):
+        return prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, DTYPE, load_vae=self.load_vae,
+                              load_text_encoders=self.load_text_encoders,
+                              extra_prompts=[*sample_prompts(cfg.sample), *extra_prompts])
 
 
 def _image(path: Path, size, seed: int) -> Path:
@@ -317,7 +318,7 @@ def test_cache_command_reports_counts(tmp_path, tiny_flux_dir, dataset, capsys):
 def test_default_loaders_fill_the_cache_like_the_injected_ones(tmp_path, tiny_flux_dir, dataset):
     """Without injected loaders the [model] components are loaded by flux_loading; same entries result."""
     cfg, _ = _cfg(tmp_path, tiny_flux_dir, dataset)
-    data = prepare_caches(cfg, "cpu", DTYPE)
+    data = prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", DTYPE, extra_prompts=sample_prompts(cfg.sample))
     assert vars(data.stats["latents"]) == {"hits": 0, "misses": 4, "recomputed": 0}
     assert vars(data.stats["text"]) == {"hits": 0, "misses": 6, "recomputed": 0}
     other = tmp_path / "other"

@@ -274,7 +274,7 @@ def _loss_gap(a: list[float], b: list[float], what: str) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_flux_dir, images):
     """One process, batch_size 2: what two processes with batch_size 1 must reproduce."""
-    from leantune.train.trainer import train
+    from leantune.trainer import train
 
     tmp = tmp_path_factory.mktemp("reference")
     cfg = load_config(write_config(tmp, tiny_flux_dir, images, "ref", 2, str(tmp / "out")))
@@ -458,7 +458,7 @@ def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process_and_
     from safetensors.torch import load_file
 
     from leantune.train.state import latest_checkpoint, load_checkpoint
-    from leantune.train.trainer import train
+    from leantune.trainer import train
 
     ref_cfg = load_config(write_full_config(tmp_path, tiny_flux_dir, images, "fullref", 2, str(tmp_path / "ref")))
     ref = train(ref_cfg, progress=False)
@@ -602,7 +602,7 @@ def test_deepspeed_config_from_the_run_matches_the_seed_report_setup(tmp_path):
     accumulation 2, clipping 1.0) in leantune's keys gives that DeepSpeed config; a JSON file
     named by [distributed] deepspeed_config is used as written."""
     from leantune.config import validate
-    from leantune.distributed import deepspeed_config
+    from leantune.accelerate_setup import deepspeed_config
 
     cfg = validate({"model": {"path": "m", "dtype": "bf16"}, "data": {"datasets": [{"path": "d"}], "batch_size": 1},
                     "train": {"mode": "full", "gradient_accumulation": 2, "max_grad_norm": 1.0,

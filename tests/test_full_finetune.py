@@ -27,7 +27,7 @@ from leantune.memory.plan import Plan
 from leantune.memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
 from leantune.models import tiny
 from leantune.models.flux import FLUX_SPEC, predict
-from leantune.train.full_mode import select_trainable
+from leantune.train.trainable import select_trainable
 from leantune.train.fused_optim import FusedOptimizer, _owner
 from leantune.train.in_backward import InBackwardStep
 

@@ -18,7 +18,7 @@ from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.memory.trainable_streaming import TrainableStreamingEngine
 from leantune.models.flux import FLUX_SPEC
-from leantune.train.full_mode import select_trainable
+from leantune.train.trainable import select_trainable
 from leantune.train.fused_optim import STATE_SUFFIX, FusedOptimizer, _owner
 from leantune.train.in_backward import InBackwardStep
 
@@ -169,7 +169,7 @@ def test_host_step_on_cuda_matches_the_device_step_and_never_synchronizes_the_de
 from test_full_train import _same_files, full_run, images, make_config  # noqa: E402,F401  (fixtures)
 
 from leantune.config import ConfigError  # noqa: E402
-from leantune.train.trainer import train  # noqa: E402
+from leantune.trainer import train  # noqa: E402
 
 
 def test_a_run_stepping_streamed_blocks_on_the_host_equals_the_device_step_and_resumes_exactly(

@@ -13,8 +13,8 @@ from test_memory_helpers import make_batch
 from leantune.config import load_config
 from leantune.demo import draw_shapes
 from leantune.models.flux import predict
-from leantune.train import trainer as trainer_mod
-from leantune.train.trainer import train
+from leantune import trainer as trainer_mod
+from leantune.trainer import train
 
 REST = """
 [train]

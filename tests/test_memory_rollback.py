@@ -19,7 +19,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 from leantune.memory import engine, simulated
 from leantune.memory.plan import Plan
-from leantune.memory.simulated_run import fake_parameters
+from leantune.simulated_run import fake_parameters
 from leantune.models.flux import FLUX_SPEC
 
 device = simulated.enable()

@@ -18,7 +18,8 @@ from leantune.config import ConfigError, LoraConfig
 from leantune.memory.plan import Plan
 from leantune.planner.corrections import CalibrationStore, architecture_key
 from leantune.planner.feedback.calibrate import PlanCalibrator
-from leantune.planner.feedback.oom import NoPlanFits, OomGuard, is_out_of_memory
+from leantune.errors import is_out_of_memory
+from leantune.planner.feedback.oom import NoPlanFits, OomGuard
 from leantune.planner.from_config import budget_from_config, parse_vram, plan_for_config
 from leantune.planner.host_model import HOST_BASELINE
 from leantune.planner.machine import assumed_machine, probe_machine
@@ -718,7 +719,7 @@ def test_calibration_and_the_memory_monitor_read_the_same_step_peak(monkeypatch,
     from leantune.distributed import DistContext
     from leantune.memory import monitor as monitor_mod
     from leantune.memory.monitor import MemoryMonitor
-    from leantune.train import trainer
+    from leantune import trainer
 
     stats = {"peak": 0}
     for name, fn in {"max_memory_allocated": lambda *a, **k: stats["peak"],

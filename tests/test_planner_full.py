@@ -20,7 +20,7 @@ from leantune.models.flux import FLUX_SPEC, predict
 from leantune.planner.meta import build_meta_flux
 from leantune.planner.search import Planner
 from leantune.planner.workload import Budget, InfeasibleBudget, Workload
-from leantune.train.full_mode import select_trainable
+from leantune.train.trainable import select_trainable
 from leantune.train.fused_optim import STATE_SUFFIX, FusedOptimizer
 from leantune.train.in_backward import InBackwardStep
 

@@ -19,7 +19,7 @@ from leantune.disk import DiskFullError
 from leantune.train import state as state_mod
 from leantune.train.run_folder import LOCK_NAME, RunFolder, RunFolderError, clean_leftovers
 from leantune.train.state import CheckpointError, list_checkpoints
-from leantune.train.trainer import train
+from leantune.trainer import train
 
 REST = """trigger_word = "lnt"
 
@@ -104,7 +104,7 @@ def test_changed_learning_rate_takes_effect_on_resume(tmp_path, tiny_flux_dir, i
     """The scheduler's base rate comes back from the state; a changed learning rate must still apply."""
     path = _toml(tmp_path, tiny_flux_dir, images, REST.replace("steps = 4", "steps = 6"))
     train(load_config(path), stop_after=2, progress=False)
-    from leantune.train import trainer as trainer_mod
+    from leantune import trainer as trainer_mod
 
     seen = {}
     real = trainer_mod.train_step
@@ -152,7 +152,7 @@ def test_leftovers_of_a_killed_save_are_cleaned_and_a_half_replaced_step_restore
 def test_kill_between_state_and_lora_save_rewrites_the_lora_on_resume(tmp_path, tiny_flux_dir, images, monkeypatch,
                                                                       caplog):
     path = _toml(tmp_path, tiny_flux_dir, images, REST.replace("steps = 4", "steps = 6"))
-    from leantune.train import modes
+    from leantune.train import lora_mode as modes
 
     calls = {"n": 0}
     real_export = modes.LoraMode.export

@@ -74,7 +74,7 @@ def _encoders(c):
 def _ours(c, prompts=PROMPTS, seeds=SEEDS, steps=4, guidance=3.5, transformer=None, **kw):
     from leantune.infer.encode import encode_prompts_stage
     from leantune.infer.sampler import sample_images
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
 
     embeds = encode_prompts_stage(_encoders(c), prompts, max_length=MAX_LEN, device="cpu")
     schedule = FlowSchedule.from_scheduler_config(dict(c["scheduler"].config),
@@ -96,7 +96,7 @@ def test_sigmas_equal_diffusers_scheduler(variant, steps, seq_len):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
 
     if variant == "dev":
         sched = tiny.flux_scheduler()
@@ -113,7 +113,7 @@ def test_sigmas_equal_diffusers_scheduler(variant, steps, seq_len):
 
 
 def test_schedule_rejects_unsupported_scheduler_settings(tmp_path):
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
 
     folder = tmp_path / "m"
     (folder / "scheduler").mkdir(parents=True)
@@ -139,7 +139,7 @@ def test_staged_sampler_equals_flux_pipeline_fp32(comps32):
     from leantune.infer.decode import decode_latents
     from leantune.infer.encode import encode_prompts_stage
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
 
     embeds = encode_prompts_stage(_encoders(comps32), PROMPTS, max_length=MAX_LEN)
     lat = denoise(comps32["transformer"], embeds, SEEDS, width=W, height=H, steps=4, guidance=3.5,
@@ -179,7 +179,7 @@ def test_batch_size_and_per_image_seeds_do_not_change_images(comps32):
 
 def test_size_must_be_multiple_of_16(comps32):
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
 
     e = PromptEmbeds(torch.zeros(1, 4, 32), torch.zeros(1, 32))
     with pytest.raises(ValueError, match="width = 72 must be a positive multiple of 16"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from leantune.infer.schedule import euler_step, model_timestep
+from leantune.models.schedule import euler_step, model_timestep
 
 aten = torch.ops.aten
 

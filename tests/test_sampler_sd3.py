@@ -82,7 +82,7 @@ def _u8(images: np.ndarray) -> np.ndarray:
 
 def test_sd3_schedule_equals_the_pipelines_timesteps():
     """SD3.5's scheduler (shift 3.0, no sigmas passed by the pipeline): the same sigmas and timesteps."""
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
     from leantune.models.family import get_family
 
     sched = tiny.sd3_scheduler()
@@ -107,7 +107,7 @@ def test_sd3_sampler_equals_pipeline_with_cfg_and_negative_prompt(comps):
     # (what a tight memory plan picks): the same up to float reassociation of a smaller batch.
     from leantune.infer.decode import decode_latents
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
 
     embeds, neg = _encode(comps)
     schedule = FlowSchedule.sd3()
@@ -383,7 +383,7 @@ def test_training_samples_use_cfg_with_the_configs_negative_prompt(tiny_sd3_dir,
     from leantune.infer.loras import apply_loras
     from leantune.infer.sampler import sample_images
     from leantune.models.family import PromptEmbeds
-    from leantune.train.trainer import train
+    from leantune.trainer import train
 
     draw_shapes(tmp_path / "images", count=2, size=64, seed=5)
     (tmp_path / "run.toml").write_text(SD3_RUN.format(model=tiny_sd3_dir, images=tmp_path / "images",
@@ -396,9 +396,9 @@ def test_training_samples_use_cfg_with_the_configs_negative_prompt(tiny_sd3_dir,
 
     # The same images from the standalone sampler: base model + the exported LoRA, with the text
     # embeddings the cache holds (the trainer never reloads the text encoders).
-    from leantune.data.cache import prepare_caches
+    from leantune.data.cache import prepare_caches, sample_prompts
 
-    data = prepare_caches(cfg, "cpu", torch.float32)
+    data = prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32, extra_prompts=sample_prompts(cfg.sample))
     embeds = data.prompt_embeds(cfg.sample.prompts)
     neg = data.prompt_embeds([NEGATIVE])
     model = tiny.sd3_components("large")["transformer"]
@@ -443,7 +443,7 @@ def test_cuda_sd3_sampling_streams_exactly_and_runs_cfg_halves_in_sequence(tiny_
 
     from leantune.infer.encode import encode_prompts_stage
     from leantune.infer.sampler import denoise
-    from leantune.infer.schedule import FlowSchedule
+    from leantune.models.schedule import FlowSchedule
     from leantune.models.family import get_family
 
     c = tiny.sd3_components("large")

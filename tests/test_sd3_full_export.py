@@ -20,7 +20,7 @@ from leantune.memory.trainable_streaming import TrainableStreamingEngine, Weight
 from leantune.models.family import PromptEmbeds, get_family
 from leantune.models.sd3 import SD3_SPEC, predict
 from leantune.train.full_export import export_files
-from leantune.train.trainer import RunPaths
+from leantune.trainer import RunPaths
 
 FAM = get_family("sd3")
 # Width 48 (3 heads of 16), 3 blocks: a first, a middle and the context-pre-only last one.
@@ -129,7 +129,7 @@ def test_full_fine_tune_run_writes_a_stability_file(tmp_path, tiny_sd3_dir):
     from test_train_sd3 import RUN, make_config
 
     from leantune.demo import draw_shapes
-    from leantune.train.trainer import train
+    from leantune.trainer import train
 
     images = tmp_path / "images"
     draw_shapes(images, count=4, size=64, seed=5)

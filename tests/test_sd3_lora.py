@@ -388,8 +388,8 @@ def test_lora_mode_exports_sd3_files_with_sd3_names(tmp_path):
     from types import SimpleNamespace
 
     from leantune.config import load_config
-    from leantune.train.modes import LoraMode
-    from leantune.train.trainer import RunPaths
+    from leantune.train.lora_mode import LoraMode
+    from leantune.trainer import RunPaths
 
     (tmp_path / "model").mkdir()
     (tmp_path / "images").mkdir()
@@ -425,7 +425,7 @@ def test_sd3_lora_run_writes_both_formats(tmp_path, tiny_sd3_dir):
     from test_train_sd3 import RUN, make_config
 
     from leantune.demo import draw_shapes
-    from leantune.train.trainer import train
+    from leantune.trainer import train
 
     images = tmp_path / "images"
     draw_shapes(images, count=4, size=64, seed=5)

@@ -134,7 +134,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def simulated_cases():
     _library_or_skip()
-    from leantune.memory.simulated_run import run_in_fresh_process
+    from leantune.simulated_run import run_in_fresh_process
 
     names = list(CASES)
     cases = [{"budget": 8 * GiB, **CASES[n], "blocks": BLOCKS} for n in names]

@@ -1,4 +1,4 @@
-"""Full fine-tuning on the simulated GPU (leantune/memory/simulated_run.py, [train] mode = "full"):
+"""Full fine-tuning on the simulated GPU (leantune/simulated_run.py, [train] mode = "full"):
 the trainer's FullMode prepares the faked model, the planner's plan is applied with the trainable
 streaming engine, and `train_step` runs the optimizer inside backward, against the planner.
 
@@ -40,7 +40,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def full_cases():
     _library_or_skip()
-    from leantune.memory.simulated_run import run_in_fresh_process
+    from leantune.simulated_run import run_in_fresh_process
 
     names = list(CASES)
     cases = [{"what": "full", "size": 512, "budget": 8 * GiB, "blocks": (1, 1), **CASES[n]} for n in names]
@@ -115,7 +115,7 @@ def test_planned_full_fine_tune_fits_its_budget(full_cases):
 def test_a_prepared_model_is_refused():
     """simulate_training prepares the faked model itself; a model still carrying the optimizer
     state of an earlier FullMode.prepare (on meta, for planning) would be counted twice in host RAM."""
-    from leantune.memory.simulated_run import meta_model, simulate_training, training_config
+    from leantune.simulated_run import meta_model, simulate_training, training_config
     from leantune.models.flux import FLUX_SPEC
     from leantune.train.modes import make_mode
 

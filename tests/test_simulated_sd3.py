@@ -1,4 +1,4 @@
-"""SD3.5 on the simulated GPU (leantune/memory/simulated_run.py through the sd3 family): the
+"""SD3.5 on the simulated GPU (leantune/simulated_run.py through the sd3 family): the
 trainer's step and the sampler's classifier-free-guidance step at full width, against the planner.
 
 Full width (Large: 38 heads of 64, T5 width 4096; Medium: 24 heads with the dual-attention blocks)
@@ -31,7 +31,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def sd3_cases():
     _library_or_skip()
-    from leantune.memory.simulated_run import run_in_fresh_process
+    from leantune.simulated_run import run_in_fresh_process
 
     names = list(CASES)
     cases = [{"budget": 8 * GiB, **CASES[n], "blocks": BLOCKS} for n in names]

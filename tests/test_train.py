@@ -11,8 +11,8 @@ from conftest import tiny_run_toml
 
 from leantune.config import load_config
 from leantune.demo import draw_shapes
-from leantune.train import trainer as trainer_mod
-from leantune.train.trainer import train
+from leantune import trainer as trainer_mod
+from leantune.trainer import train
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_flux_lora_20_steps.json"
 

@@ -16,7 +16,7 @@ from leantune.demo import draw_shapes
 from leantune.models import tiny
 from leantune.models.family import get_family
 from leantune.train import flow_matching as fm
-from leantune.train.trainer import train
+from leantune.trainer import train
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_sd3_lora_20_steps.json"
 
@@ -112,10 +112,11 @@ def test_caption_dropout_trains_on_the_pipelines_empty_prompt(reference_run):
     unconditional (negative) embedding: what classifier-free guidance subtracts at sampling."""
     from diffusers import StableDiffusion3Pipeline
 
-    from leantune.data.cache import prepare_caches
+    from leantune.data.cache import prepare_caches, sample_prompts
 
     cfg, _ = reference_run
-    empty = prepare_caches(cfg, torch.device("cpu"), torch.float32).prompt_embeds([""])   # all cache hits
+    empty = prepare_caches(cfg.data, cfg.model, cfg.base_dir, torch.device("cpu"), torch.float32,
+                           extra_prompts=sample_prompts(cfg.sample)).prompt_embeds([""])   # all cache hits
     pipe = StableDiffusion3Pipeline.from_pretrained(str(cfg.resolve(cfg.model.path)))
     with torch.no_grad():
         _, neg, _, neg_pooled = pipe.encode_prompt("x", None, None, do_classifier_free_guidance=True,

@@ -293,9 +293,9 @@ def test_bound_beyond_localhost_the_page_needs_the_printed_token(tmp_path):
 
 
 def test_on_localhost_there_is_no_token(tmp_path):
-    from leantune.commands.ui import address
+    from leantune.ui.command import address
 
-    from leantune.commands.ui import is_local
+    from leantune.ui.command import is_local
 
     assert [h for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "0.0.0.0", "::", "192.168.1.5", "myhost")
             if is_local(h)] == ["127.0.0.1", "127.0.0.2", "localhost", "::1"]

@@ -26,15 +26,16 @@ def _device(choice: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from leantune.config import load_config
-    from leantune.data.cache import CacheError, model_dtype, prepare_caches
+    from leantune.data.cache import CacheError, model_dtype, prepare_caches, sample_prompts
     from leantune.data.dataset import DataError
     from leantune.models.flux_loading import LoadError
 
     cfg = load_config(args.config, args.overrides)
     device = _device(cfg.train.device)
-    dtype = model_dtype(cfg)
+    dtype = model_dtype(cfg.model)
     try:
-        data = prepare_caches(cfg, device, dtype)
+        data = prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
+                              extra_prompts=sample_prompts(cfg.sample))
     except (DataError, CacheError, LoadError) as e:   # bad input: a message naming the file, no traceback
         print(f"leantune cache: {e}", file=sys.stderr)
         return 1

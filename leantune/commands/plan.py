@@ -30,7 +30,6 @@ MODELS = {"flux-dev": "flux1_dev", "flux-schnell": "flux1_schnell", "sd3.5-large
           "sd3.5-medium": "sd35_medium"}
 MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3"}
 TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256}
-UNLIMITED_RAM = 2**62   # host RAM not checked (reported, not limited)
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 
 
@@ -141,7 +140,7 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
     from ..planner.machine import probe_machine
     from ..planner.report import format_plan
     from ..planner.search import Planner
-    from ..planner.workload import Budget, InfeasibleBudget
+    from ..planner.workload import UNLIMITED_RAM, Budget, InfeasibleBudget
 
     if bool(args.config) == bool(args.model):
         raise ConfigError(f"give either a config file or --model {'|'.join(sorted(MODELS))}")

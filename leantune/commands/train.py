@@ -24,7 +24,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
-    from ..train.trainer import train
+    from ..trainer import train
 
     cfg = load_config(args.config, args.overrides)      # bad input is reported once, before any launch
     if args.gpus is not None and args.gpus > 1:

@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from leantune.config import resolve_path
 from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
 from leantune.data.dataset import ImageItem, load_rgb, scan_datasets, to_tensor
 from leantune.io import load_safetensors, save_safetensors
@@ -115,9 +116,9 @@ def text_key(caption: str, encoders_id: str, max_length: int, dtype: torch.dtype
 
 # -- model sources and loaders -------------------------------------------------------------------
 
-def model_dtype(cfg) -> torch.dtype:
+def model_dtype(model_cfg) -> torch.dtype:
     """The compute dtype [model] dtype names; part of every cache key, so `train` and `cache` must agree."""
-    return dtype_from_name(cfg.model.dtype)
+    return dtype_from_name(model_cfg.dtype)
 
 
 def _release(device) -> None:
@@ -312,30 +313,38 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
     return stats
 
 
-def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = None,
-                   load_text_encoders: Callable | None = None,
+def sample_prompts(sample_cfg) -> list[str]:
+    """The prompts a run samples with ([sample] negative_prompt and prompts), encoded with the
+    captions so that sampling during training never reloads the text encoders."""
+    return [sample_cfg.negative_prompt, *sample_cfg.prompts]
+
+
+def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
+                   load_vae: Callable | None = None, load_text_encoders: Callable | None = None,
                    extra_prompts: Sequence[str] | None = None) -> "CachedData":
     """Scan the datasets, fill the caches, free the encoders; return what the trainer reads.
 
-    `cfg` is a `RunConfig`. The loaders are called as `load_vae(sources, dtype, device)` and
+    `data_cfg` and `model_cfg` are the run's [data] and [model] sections, `base_dir` the folder their
+    relative paths start from. The loaders are called as `load_vae(sources, dtype, device)` and
     `load_text_encoders(sources, dtype, device)` (the [model] family's by default) and only when an
     entry of their kind is missing or corrupt. Besides the captions, the empty caption (caption
-    dropout, unconditional use), `cfg.sample.prompts`, its negative prompt and `extra_prompts` are encoded in the same
-    pass, so sampling during training never reloads the text encoders.
+    dropout, unconditional use) and `extra_prompts` (the callers pass [sample] prompts and its
+    negative prompt) are encoded in the same pass, so sampling during training never reloads the
+    text encoders.
     """
-    family = get_family(cfg.model.family)
-    items = scan_datasets(cfg.data, cfg.base_dir)
-    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    family = get_family(model_cfg.family)
+    items = scan_datasets(data_cfg, base_dir)
+    sources = family.resolve_sources(model_cfg, Path(base_dir))
     vae_id = component_identity(sources.vae)
     encoders_id = "+".join(component_identity(getattr(sources, n)) for n in family.text_sources)
-    max_length = cfg.data.max_text_length
-    cache_dir = cfg.resolve(cfg.data.cache_dir)
+    max_length = data_cfg.max_text_length
+    cache_dir = resolve_path(base_dir, data_cfg.cache_dir)
 
-    bucket_sets = {r: bucket_sizes(r) for r in cfg.data.resolutions}
+    bucket_sets = {r: bucket_sizes(r) for r in data_cfg.resolutions}
     samples: list[Sample] = []
     latent_jobs: dict[str, tuple[ImageItem, Bucket]] = {}
     for item in items:
-        for res in cfg.data.resolutions:
+        for res in data_cfg.resolutions:
             if res in item.too_small_for:       # would be upscaled past [[data.datasets]] min_size
                 continue
             bucket = nearest_bucket(item.width, item.height, bucket_sets[res])
@@ -343,8 +352,7 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
             latent_jobs[key] = (item, bucket)
             samples.extend([Sample(item, res, bucket, key)] * item.repeats)
 
-    prompts = [it.caption for it in items] + ["", cfg.sample.negative_prompt] + list(cfg.sample.prompts) + \
-        list(extra_prompts or ())
+    prompts = [it.caption for it in items] + [""] + list(extra_prompts or ())
     text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
     text_jobs = {k: p for p, k in text_keys.items()}
 
@@ -362,7 +370,7 @@ def prepare_caches(cfg, device, dtype: torch.dtype, load_vae: Callable | None = 
             "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
                                load_text_encoders or family.load_text_encoders, family),
         }
-    data = CachedData(cache_dir, samples, text_keys, cfg.data.batch_size, cfg.data.shuffle, stats)
+    data = CachedData(cache_dir, samples, text_keys, data_cfg.batch_size, data_cfg.shuffle, stats)
     log.info("cache: %s", data.summary())
     return data
 

@@ -6,7 +6,7 @@ the largest stage, never the sum:
 
 1. encode (infer/encode.py): CLIP-L + T5 encode every prompt of the request, then leave the GPU;
    T5 may run block by block.
-2. denoise (this module): the transformer walks the flow-matching Euler schedule (infer/schedule.py).
+2. denoise (this module): the transformer walks the flow-matching Euler schedule (models/schedule.py).
    The transformer is placed by the caller: fully resident, or through the memory engine whose
    forward-only mode keeps its resident set across the denoising steps, so only the streamed blocks
    travel per step.
@@ -49,7 +49,7 @@ from .decode import (
     vae_weight_bytes,
 )
 from .images import make_grid
-from .schedule import FlowSchedule, euler_step, model_timestep
+from ..models.schedule import FlowSchedule, euler_step, model_timestep
 
 log = logging.getLogger(__name__)
 

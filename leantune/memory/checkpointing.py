@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 
 MIN_OFFLOAD_BYTES = 64 * 1024     # smaller saved inputs stay on the device: not worth a copy
 

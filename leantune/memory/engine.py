@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..config import MemoryConfig
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 from .checkpointing import (
     MIN_OFFLOAD_BYTES,
     CheckpointHandle,

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 from .cpu_linear import linear, linear_input_grad, matmul_dtype
 from .fp8_matmul import scaled_mm_linear
 

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..models.spec import ModelSpec
+from ..spec import ModelSpec
 from .fp8 import adapter_module_ids
 from .plan import Plan
 

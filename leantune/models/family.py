@@ -47,7 +47,7 @@ from typing import Callable
 
 import torch
 
-from .spec import ModelSpec
+from ..spec import ModelSpec
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""Flux.1 family: spec, latent packing, text encoding and the transformer call.
+"""Flux.1 family: latent packing, text encoding, the transformer call, and its registration.
 
 We use diffusers' `FluxTransformer2DModel`, `AutoencoderKL`, transformers' CLIP-L and T5-XXL as
-they are; this module only knows how Flux wires them together (loading lives in flux_loading.py).
+they are; this module only knows how Flux wires them together (the spec lives in flux_spec.py,
+loading in flux_loading.py; this module imports both, neither imports it).
 Shapes: latents (B, 16, h, w) with h = H/8; packed latents (B, h/2 * w/2, 64); T5 sequence
 (B, L, 4096); CLIP pooled (B, 768); img_ids (h/2 * w/2, 3); txt_ids (L, 3).
 """
@@ -10,58 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from . import flux_loading
 from .family import PromptEmbeds
-from .flux_lora_keys import FLUX_LORA_KEYS
-from .spec import BlockList, ModelSpec, SingleFileLayout
-
-_DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-                r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out")
-_SINGLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"proj_out")
-_MLP = (r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2", r"proj_mlp")
-_MODULATION = (r"norm1\.linear", r"norm1_context\.linear", r"norm\.linear")
-
-
-def _unique(*groups: tuple[str, ...]) -> tuple[str, ...]:
-    seen: dict[str, None] = {}
-    for g in groups:
-        for item in g:
-            seen[item] = None
-    return tuple(seen)
-
-
-def _to_bfl(state: dict, model) -> dict:
-    from .bfl_keys import diffusers_to_bfl
-
-    return diffusers_to_bfl(state)
-
-
-def _bfl_metadata(model) -> dict:
-    """The rotary split, which BFL files do not show (so other widths load too)."""
-    import json
-
-    from .component_files import METADATA_CONFIG_KEY
-
-    return {METADATA_CONFIG_KEY: json.dumps({"axes_dims_rope": list(model.config.axes_dims_rope)})}
-
-
-FLUX_SPEC = ModelSpec(
-    family="flux",
-    block_lists=(
-        BlockList(attr="transformer_blocks", kind="double", kohya_prefix="double_blocks"),
-        BlockList(attr="single_transformer_blocks", kind="single", kohya_prefix="single_blocks"),
-    ),
-    fp8_skip=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$", r"(^|\.)norm\.linear$", r"(^|\.)norm"),
-    non_block_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder", "norm_out", "proj_out"),
-    lora_presets={
-        "attention": _unique(_DOUBLE_ATTN, _SINGLE_ATTN),
-        "attention_mlp": _unique(_DOUBLE_ATTN, _SINGLE_ATTN, _MLP),
-        "all": _unique(_DOUBLE_ATTN, _SINGLE_ATTN, _MLP, _MODULATION),
-    },
-    default_lora_preset="attention_mlp",
-    lora_keys=FLUX_LORA_KEYS,
-    modulation=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$", r"(^|\.)norm\.linear$"),
-    single_file=SingleFileLayout("BFL", "", _to_bfl, _bfl_metadata),
-)
+from .flux_spec import FLUX_SPEC
+from .schedule import FlowSchedule, model_timestep
 
 VAE_SCALE_FACTOR = 8      # pixels per latent
 LATENT_CHANNELS = 16
@@ -181,19 +134,15 @@ def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: in
 
 
 def _loader(name: str):
-    """flux_loading's `name`, imported on call (flux_loading imports this module for FLUX_SPEC)."""
+    """flux_loading's `name`, looked up on each call (so a test may replace it)."""
     def call(*args, **kwargs):
-        from . import flux_loading
-
         return getattr(flux_loading, name)(*args, **kwargs)
     call.__name__ = name
     return call
 
 
 def _describe(transformer) -> str:
-    from .flux_loading import detect_variant
-
-    return f"Flux.1-{detect_variant(transformer)}"
+    return f"Flux.1-{flux_loading.detect_variant(transformer)}"
 
 
 def _variant(transformer) -> str:
@@ -202,14 +151,10 @@ def _variant(transformer) -> str:
 
 
 def _schedule(variant: str, folder=None):
-    from ..infer.schedule import FlowSchedule
-
     return FlowSchedule.from_model_folder(folder, variant)
 
 
 def _timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
-    from ..infer.schedule import model_timestep
-
     return model_timestep(sigma, batch, dtype, device)
 
 

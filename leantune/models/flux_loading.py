@@ -36,7 +36,7 @@ from . import bfl_keys
 from . import component_files as cf
 from . import component_loading as cl
 from .component_loading import dtype_from_name, fingerprint
-from .flux import FLUX_SPEC
+from .flux_spec import FLUX_SPEC
 from .weights import LoadError, build_empty, copy_ops, load_into_empty
 
 __all__ = [

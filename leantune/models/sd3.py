@@ -1,5 +1,6 @@
 """Stable Diffusion 3.5 (Large: 38 MMDiT joint blocks; Medium: MMDiT-X, dual attention in its first
-blocks): the spec the engine, LoRA targeting and the planner read, and the transformer call.
+blocks): latents, text encoding, the transformer call and the family's registration (the spec the
+engine, LoRA targeting and the planner read is in sd3_spec.py).
 
 We use diffusers' `SD3Transformer2DModel` as it is. What differs from Flux: one block list
 (`transformer_blocks`, kohya prefix `joint_blocks`), latents enter unpacked (B, 16, h, w) (the
@@ -9,8 +10,8 @@ at the end of this module, the scheduler's own spacing with shift 3.0), and the 
 CLIP-L + CLIP-G penultimate states (padded to the T5 width) followed by the T5 sequence, with the
 two CLIP pooled outputs concatenated (B, 2048).
 
-Loading (diffusers folder, Stability single files) lives in sd3_loading.py, the Stability key
-mapping in sd3_keys.py. The family registers itself as `get_family("sd3")` at the end of this module.
+Loading (diffusers folder, Stability single files) lives in sd3_loading.py (which this module
+imports, never the reverse), the Stability key mapping in sd3_keys.py. The family registers itself as `get_family("sd3")` at the end of this module.
 
 Text sequence and trimming: SD3 attends to every text token (there is no attention mask), and T5's
 padding positions carry non-zero states, so dropping them changes the prediction (tests/
@@ -23,51 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from . import sd3_loading
 from .family import PromptEmbeds
-from .sd3_lora_keys import SD3_LORA_KEYS
-from .spec import BlockList, BlockVariant, ModelSpec, SingleFileLayout
-
-_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
-         r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
-         # MMDiT-X (Medium): the second, image-only attention of the dual-attention blocks
-         r"attn2\.to_q", r"attn2\.to_k", r"attn2\.to_v", r"attn2\.to_out\.0")
-_MLP = (r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_context\.net\.2")
-_MODULATION = (r"norm1\.linear", r"norm1_context\.linear")
-
-def _to_stability(state: dict, model) -> dict:
-    from .sd3_keys import diffusers_to_stability
-
-    return diffusers_to_stability(state, num_layers=model.config.num_layers)   # a group: tell the depth
-
-
-def _stability_metadata(model) -> dict:
-    """sample_size and the head size, which Stability files do not show (so other widths load too)."""
-    import json
-
-    from .component_files import METADATA_CONFIG_KEY
-
-    cfg = model.config
-    return {METADATA_CONFIG_KEY: json.dumps({"sample_size": cfg.sample_size, "attention_head_dim": cfg.attention_head_dim})}
-
-
-SD3_SPEC = ModelSpec(
-    family="sd3",
-    block_lists=(BlockList(attr="transformer_blocks", kind="joint", kohya_prefix="joint_blocks"),),
-    fp8_skip=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$", r"(^|\.)norm"),
-    non_block_modules=("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out"),
-    lora_presets={
-        "attention": _ATTN,
-        "attention_mlp": _ATTN + _MLP,
-        "all": _ATTN + _MLP + _MODULATION,
-    },
-    default_lora_preset="attention_mlp",
-    lora_keys=SD3_LORA_KEYS,
-    modulation=(r"(^|\.)norm1\.linear$", r"(^|\.)norm1_context\.linear$"),
-    single_file=SingleFileLayout("Stability", "model.diffusion_model.", _to_stability, _stability_metadata),
-    # MMDiT-X (Medium): the joint blocks with the second attention keep ~1.5x the activations of the
-    # others (1024 px, LoRA r16: 537 against 367 MiB) and do ~1.5x their FLOPs.
-    block_variants=(BlockVariant(attr="transformer_blocks", kind="joint_dual", config_key="dual_attention_layers"),),
-)
+from .schedule import FlowSchedule
+from .sd3_spec import SD3_SPEC
 
 VAE_SCALE_FACTOR = 8
 LATENT_CHANNELS = 16
@@ -162,10 +122,8 @@ def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: in
 # -- the family object: what trainer, cache, planner and sampler call (see family.py) -----------------
 
 def _loader(name: str):
-    """sd3_loading's `name`, imported on call (sd3_loading imports this module for SD3_SPEC)."""
+    """sd3_loading's `name`, looked up on each call (so a test may replace it)."""
     def call(*args, **kwargs):
-        from . import sd3_loading
-
         return getattr(sd3_loading, name)(*args, **kwargs)
     call.__name__ = name
     return call
@@ -182,8 +140,6 @@ def _variant(transformer) -> str:
 
 def _schedule(variant: str, folder=None):
     """SD3.5's schedule (shift 3.0, 28 steps, CFG 7.0 as StableDiffusion3Pipeline), or the folder's."""
-    from ..infer.schedule import FlowSchedule
-
     return FlowSchedule.from_model_folder(folder, FlowSchedule.sd3())
 
 

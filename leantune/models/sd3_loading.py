@@ -29,7 +29,7 @@ from ..io import save_safetensors
 from . import component_files as cf
 from . import component_loading as cl
 from . import sd3_keys
-from .sd3 import SD3_SPEC
+from .sd3_spec import SD3_SPEC
 from .weights import LoadError, build_empty, copy_ops, load_into_empty
 
 __all__ = ["SD3Sources", "SD3TextEncoders", "resolve_sources", "load_transformer", "load_text_encoders",

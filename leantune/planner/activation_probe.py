@@ -185,7 +185,7 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
     probe = short_copy(spec, model, workload.dtype)
     probe.requires_grad_(False)
     if workload.mode == "full":      # the run's [full] train / exclude, on the probe's names
-        from ..train.full_mode import select_trainable
+        from ..train.trainable import select_trainable
 
         for p in select_trainable(probe, list(workload.full_train), list(workload.full_exclude)).values():
             p.requires_grad_(True)

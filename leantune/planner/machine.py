@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..host import host_ram
+
 if TYPE_CHECKING:
     import torch
 
@@ -65,26 +67,6 @@ class Machine:
                 f"{self.h2d_pageable / 1e9:.1f} GB/s pageable, {self.flops / 1e12:.0f} TFLOP/s sustained, "
                 f"HBM {self.hbm / 1e12:.2f} TB/s, host RAM {self.host_ram_available / GiB:.1f}/"
                 f"{self.host_ram_total / GiB:.1f} GiB available [{src}]")
-
-
-def host_ram() -> tuple[int, int]:
-    """(total, available) host RAM in bytes from /proc/meminfo; MemAvailable counts reclaimable cache."""
-    total = avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key == "MemTotal":
-                    total = int(rest.split()[0]) * 1024
-                elif key == "MemAvailable":
-                    avail = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    if total is None:  # not Linux: fall back to POSIX sysconf
-        import os
-
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total, avail if avail is not None else total
 
 
 def assumed_machine(vram_total: int | None = None) -> Machine:

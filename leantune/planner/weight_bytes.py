@@ -203,7 +203,7 @@ def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = No
     """
     trains = None
     if workload is not None and workload.mode == "full":
-        from ..train.full_mode import trains_name
+        from ..train.trainable import trains_name
 
         def trains(qname: str) -> bool:
             return trains_name(qname, workload.full_train, workload.full_exclude)

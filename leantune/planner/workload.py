@@ -14,7 +14,8 @@ from typing import Literal
 
 import torch
 
-from .machine import GiB, Machine, host_ram
+from ..host import host_ram
+from .machine import GiB, Machine
 from ..memory.monitor import host_rss
 from ..memory.plan import Plan
 
@@ -80,6 +81,9 @@ class Workload:
         if self.master_weights:
             parts.append("fp32 masters on host")
         return "full fine-tune" + (f" ({'; '.join(parts)})" if parts else "")
+
+
+UNLIMITED_RAM = 2**62   # a host-RAM budget that is never binding: host RAM reported, not limited
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Formats ([output] formats in full mode):
   the one ComfyUI, leantune's loader and diffusers' `from_single_file` read: Flux in BFL's layout
   (fused qkv / linear1, swapped final adaLN), SD3.5 in Stability's (`model.diffusion_model.`
   keys, fused qkv, swapped adaLN halves of the final layer and the last joint block). The family's
-  `spec.single_file` (models/spec.SingleFileLayout) says how; the config a width needs beyond the
+  `spec.single_file` (leantune/spec.py, SingleFileLayout) says how; the config a width needs beyond the
   weights (Flux's rotary split, SD3's sample size and head size) goes into the metadata.
 - "diffusers": a `<name>_diffusers/` folder with config.json and diffusion_pytorch_model.safetensors.
 
@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from ..io import save_safetensors_streamed
+from ..memory.trainable_streaming import WeightAccess
 from ..models.component_loading import dequantized_state
-from ..models.spec import ModelSpec
-from .modes import prune_step_files
+from ..spec import ModelSpec
+from .mode_shared import prune_step_files
 
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -131,12 +132,10 @@ def export_files(model, spec: ModelSpec, access, cfg, paths, step: int, intermed
             files.append(write_diffusers_folder(model, spec, access, paths.root / f"{paths.name}{suffix}_diffusers",
                                                 dtype))
     if intermediate:
-        prune_step_files(paths, cfg, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
+        prune_step_files(paths, cfg.output.formats, cfg.train.keep_last, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
     return files
 
 
 def export_full_model(mode, t, paths, step: int, intermediate: bool) -> list[Path]:
     """The run's model files in every [output] format; per-step names while training."""
-    from ..memory.trainable_streaming import WeightAccess
-
     return export_files(t.transformer, mode.spec, WeightAccess(t.memory), mode.cfg, paths, step, intermediate)

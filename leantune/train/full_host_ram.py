@@ -13,7 +13,9 @@ that cannot hold them is refused in milliseconds, with what would fit instead.
 from __future__ import annotations
 
 from ..config import ConfigError, RunConfig, parse_size
+from ..host import host_ram
 from .fused_optim import state_bytes_per_param
+from .trainable import select_trainable
 
 GiB = 2**30
 MARGIN = 2 * GiB          # interpreter, caches and allocator slack kept free of the budget
@@ -30,8 +32,6 @@ def full_host_parts(weights: int, trained: int, state: int, *, masters: bool, ac
 
 def host_bytes(cfg: RunConfig, model) -> dict[str, int]:
     """Host RAM parts (bytes) of a full fine-tune of `model` (may be on the meta device)."""
-    from .full_mode import select_trainable
-
     trained = select_trainable(model, cfg.full.train, cfg.full.exclude)
     n = sum(p.numel() for p in trained.values())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -44,8 +44,6 @@ def host_bytes(cfg: RunConfig, model) -> dict[str, int]:
 def _budget(cfg: RunConfig) -> tuple[int, str]:
     if cfg.memory.ram_budget is not None:
         return parse_size(cfg.memory.ram_budget), "[memory] ram_budget"
-    from ..planner.machine import host_ram
-
     return max(0, host_ram()[1] - MARGIN), "available host RAM"
 
 

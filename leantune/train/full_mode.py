@@ -17,29 +17,21 @@
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
 from pathlib import Path
 
 import torch
 
 from ..config import RunConfig
+from ..memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
+from .full_export import export_full_model
+from .full_host_ram import check_host_ram
 from .fused_optim import FusedOptimizer, _owner
 from .in_backward import InBackwardStep
-from .modes import check_resumable
+from .mode_shared import check_resumable
+from .trainable import select_trainable
 
 log = logging.getLogger("leantune")
-
-
-def trains_name(name: str, train, exclude) -> bool:
-    """Whether `[full] train` / `exclude` select the parameter of this diffusers name."""
-    return any(fnmatch.fnmatchcase(name, pat) for pat in train) and not any(
-        fnmatch.fnmatchcase(name, pat) for pat in exclude)
-
-
-def select_trainable(model: torch.nn.Module, train: list[str], exclude: list[str]) -> dict[str, torch.nn.Parameter]:
-    """The parameters `[full] train` / `exclude` select, by diffusers name, in model order."""
-    return {name: p for name, p in model.named_parameters() if trains_name(name, train, exclude)}
 
 
 class FullMode:
@@ -83,14 +75,10 @@ class FullMode:
     def check_before_load(self, meta_model) -> None:
         """Host RAM for weights + optimizer state (+ masters, accumulators): refused with numbers
         and alternatives before any weight is read (train/full_host_ram.py)."""
-        from .full_host_ram import check_host_ram
-
         parts = check_host_ram(self.cfg, meta_model())
         log.info("full fine-tune host RAM: %s", ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items() if v))
 
     def memory_options(self) -> dict:
-        from ..memory.trainable_streaming import TrainableStreamingEngine
-
         return {"streaming_engine": TrainableStreamingEngine}
 
     def build_optimizer(self, params) -> FusedOptimizer:
@@ -130,8 +118,6 @@ class FullMode:
 
     # -- resumable state -----------------------------------------------------------------------------
     def _access(self, t):
-        from ..memory.trainable_streaming import WeightAccess
-
         return WeightAccess(t.memory)
 
     def state(self, t) -> dict:
@@ -164,8 +150,6 @@ class FullMode:
 
     # -- exported files ----------------------------------------------------------------------------------
     def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
-        from .full_export import export_full_model
-
         return export_full_model(self, t, paths, step, intermediate)
 
     def close(self, t) -> None:

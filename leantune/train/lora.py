@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from leantune.models.spec import ModelSpec
+from ..spec import ModelSpec
 
 from .lora_formats import (  # noqa: F401  (re-exported: the trainer and sampler import from here)
     IgnoredKeysWarning,

@@ -196,13 +196,13 @@ class RunFolder:
         return False
 
 
-def restore_exports(t, paths, cfg, step: int) -> list[Path]:
+def restore_exports(t, paths, step: int, last_step: int, formats: list[str]) -> list[Path]:
     """On resume: a kill between a step's state save and its LoRA export leaves the step without its
     files; write them from the resumed state (LoRA mode, intermediate steps; the final files are
     written at the end of every run anyway)."""
-    if getattr(t.mode, "name", None) != "lora" or step >= cfg.train.steps or not t.dist.is_main:
+    if getattr(t.mode, "name", None) != "lora" or step >= last_step or not t.dist.is_main:
         return []
-    if all(paths.lora_file(fmt, step).exists() for fmt in cfg.output.formats):
+    if all(paths.lora_file(fmt, step).exists() for fmt in formats):
         return []
     files = t.mode.export(t, paths, step, True)
     log.info("rewrote the LoRA files of step %d from its saved state: %s", step, ", ".join(str(f) for f in files))

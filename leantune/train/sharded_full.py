@@ -29,7 +29,11 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig
-from .modes import check_resumable
+from ..distributed import launch_env, resolve_strategy
+from ..models.family import get_family
+from .full_export import export_files
+from .mode_shared import check_resumable
+from .trainable import select_trainable
 
 log = logging.getLogger("leantune")
 
@@ -76,8 +80,6 @@ class ShardedFullMode:
 
     def _unfreeze(self, transformer: torch.nn.Module, strategy: str) -> dict[str, torch.nn.Parameter]:
         """The `[full] train` / `exclude` selection trains; everything else is frozen."""
-        from .full_mode import select_trainable
-
         cfg, full = self.cfg, self.cfg.full
         if cfg.train.optimizer != "adamw":
             raise ValueError(f"[train] optimizer = {cfg.train.optimizer!r} with [distributed] strategy = "
@@ -144,9 +146,6 @@ class ShardedFullMode:
     # -- exported files ----------------------------------------------------------------------------------
     def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
         """The whole model from the weights gathered by the last `state()` (rank 0)."""
-        from ..models.family import get_family
-        from .full_export import export_files
-
         access = _GatheredAccess(self.model, self._gathered or {})
         spec = get_family(self.cfg.model.family).spec
         return export_files(self.model, spec, access, self.cfg, paths, step, intermediate)
@@ -261,13 +260,11 @@ def sharded_full_mode(cfg: RunConfig, dist=None):
     """The mode for `[train] mode = "full"` on several processes, or None for one process.
     `dist` is the run's DistContext (its world size and Accelerator); without one the launcher's
     environment says how many processes there are."""
-    from ..distributed import launch_env, resolve_strategy
-
     env = launch_env()
     world = dist.world_size if dist is not None and dist.accelerator is not None else (env or {}).get("WORLD_SIZE", 1)
     if world <= 1:
         return None
-    strategy = resolve_strategy(cfg)
+    strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode)
     m = cfg.memory
     if m.streamed_blocks not in (0, [], "none") or m.stream_non_blocks or m.vram_budget is not None:
         raise ValueError("[memory] streamed_blocks / stream_non_blocks / vram_budget with [train] mode = \"full\" on "

@@ -25,15 +25,12 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from ..io import load_safetensors, save_safetensors_streamed
 
 PREFIX = "step-"
 CORRUPT_PREFIX = "corrupt-"
 log = logging.getLogger("leantune")
-
-
-class CheckpointError(ValueError):
-    """A saved training state that cannot be resumed (unreadable, or made with other settings)."""
 
 
 def _flatten(obj, tensors: dict[str, torch.Tensor], path: str):

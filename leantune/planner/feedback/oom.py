@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...errors import is_out_of_memory
 from ...memory.plan import Plan
 from ..workload import Budget, InfeasibleBudget, gib
 
@@ -29,14 +30,6 @@ log = logging.getLogger("leantune")
 
 class NoPlanFits(RuntimeError):
     """Out of memory and no tighter plan fits: the run must stop (after saving a resumable state)."""
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """A CUDA allocator failure (torch.OutOfMemoryError) or an out-of-memory from cuBLAS/cuDNN."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text)
 
 
 class OomGuard:

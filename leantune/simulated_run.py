@@ -23,10 +23,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..models.family import ModelFamily, PromptEmbeds, family_for_model, get_family
-from ..models.spec import ModelSpec
-from .plan import Plan
-from .simulated import HOST, DeviceMemoryTracker, enable, simulation
+from .models.family import ModelFamily, PromptEmbeds, family_for_model, get_family
+from .spec import ModelSpec
+from .memory.plan import Plan
+from .memory.simulated import HOST, DeviceMemoryTracker, enable, simulation
 
 
 @dataclass
@@ -119,12 +119,12 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
     from the start, but the first step still finds the ring slots empty: the last of `steps` is
     the steady state (slots kept valid from the step before), and its report is that step's copies.
     """
-    from ..train.modes import make_mode
-    from ..train.optim import build_scheduler
-    from ..train.trainer import Trainee, train_step
-    from .engine import apply_memory
+    from .train.modes import make_mode
+    from .train.optim import build_scheduler
+    from .trainer import Trainee, train_step
+    from .memory.engine import apply_memory
 
-    from ..train.fused_optim import STATE_SUFFIX
+    from .train.fused_optim import STATE_SUFFIX
 
     if any(name.endswith(STATE_SUFFIX) for name, _ in model.named_modules()):
         raise ValueError("simulate_training: the model carries optimizer-state modules from an earlier "
@@ -194,8 +194,8 @@ def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple
     (with classifier-free guidance, SD3.5, the negative and positive halves in one batch, or one
     after the other with `cfg_batched` False). `text_length` is in sequence rows; `family`
     defaults to the model's."""
-    from ..infer.sampler import default_schedule, denoise
-    from .engine import apply_memory
+    from .infer.sampler import default_schedule, denoise
+    from .memory.engine import apply_memory
 
     device = enable()
     family = family or family_for_model(model)
@@ -247,8 +247,8 @@ def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) ->
     last block the context-pre-only one)."""
     import diffusers
 
-    from ..models.component_files import packaged_config
-    from ..planner.meta import BLOCK_COUNT_KEYS, meta_from_config
+    from .models.component_files import packaged_config
+    from .planner.meta import BLOCK_COUNT_KEYS, meta_from_config
 
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
@@ -273,7 +273,7 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
     batch 1, the family's text tokens (Flux 512, SD3 256), bf16 autocast). `mode` "lora": attention+MLP
     targets of `rank`; "full": every weight trains ([full] defaults: bf16 weights with stochastic
     rounding, gradients clipped per parameter), `state_dtype` the AdamW moments' dtype."""
-    from ..config import validate
+    from .config import validate
 
     trains = {"full": {"state_dtype": state_dtype}} if mode == "full" else {"lora": {"rank": rank}}
     memory = {"vram_budget": f"{budget}B"} | ({} if mode == "full" else {"ram_budget": f"{CASE_RAM_BUDGET}B"})
@@ -303,12 +303,12 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     state modules exist); the simulation then prepares its faked model afresh (unprepare_full)
     and runs two steps, the second the steady state (simulate_training).
     """
-    from ..planner.corrections import Calibration
-    from ..planner.from_config import workload_from_config
-    from ..planner.machine import assumed_machine
-    from ..planner.search import Planner
-    from ..planner.workload import Budget, InfeasibleBudget, Workload
-    from ..train.modes import make_mode
+    from .planner.corrections import Calibration
+    from .planner.from_config import workload_from_config
+    from .planner.machine import assumed_machine
+    from .planner.search import Planner
+    from .planner.workload import UNLIMITED_RAM, Budget, InfeasibleBudget, Workload
+    from .train.modes import make_mode
 
     enable()
     model = meta_model(model_name, blocks)
@@ -316,7 +316,6 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     spec = family.spec
     text_rows = family.text_rows(MODELS[model_name][2])
     machine = assumed_machine(vram_total=budget)
-    from ..commands.plan import UNLIMITED_RAM
 
     budget_obj = Budget(vram=budget, ram=UNLIMITED_RAM if what == "full" else CASE_RAM_BUDGET)
     if what in ("train", "full"):

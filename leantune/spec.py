@@ -3,6 +3,10 @@
 Memory techniques (streaming, fp8, checkpointing), LoRA targeting and the planner read a spec
 instead of naming Flux modules themselves, so adding a family (SD3.5 next) means adding a spec,
 not editing techniques.
+
+It lives at the bottom of the package, below the memory engine and the families: it is the contract
+between them (a family fills one in, the engine and the planner read it), so neither has to import
+the other to share it.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from ..config import ConfigError
 
     try:
-        from ..ui.app import serve
+        from .app import serve
     except ImportError as e:
         raise ConfigError(f"leantune ui needs FastAPI and uvicorn ({e.name} is missing): "
                           f"pip install 'leantune[ui]'") from None

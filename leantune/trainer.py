@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig
-from ..distributed import DistContext, shard_of
-from ..models.family import get_family, loader_options
-from ..planner.feedback.oom import NoPlanFits
-from . import flow_matching as fm
-from .modes import make_mode
-from .optim import build_scheduler
-from .resume_config import apply_learning_rate, check_resume, resolved_config
-from .run_folder import RunFolder, restore_exports
-from .state import load_latest, rng_state, save_checkpoint, saved_config, set_rng_state
+from .config import RunConfig
+from .distributed import DistContext, shard_of
+from .models.family import get_family, loader_options
+from .planner.feedback.oom import NoPlanFits
+from .train import flow_matching as fm
+from .train.modes import make_mode
+from .train.optim import build_scheduler
+from .train.resume_config import apply_learning_rate, check_resume, resolved_config
+from .train.run_folder import RunFolder, restore_exports
+from .train.state import load_latest, rng_state, save_checkpoint, saved_config, set_rng_state
 
 log = logging.getLogger("leantune")
 
@@ -184,7 +184,7 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
 
     A folder holding another run needs `resume` or `overwrite`; the folder is locked while training
     (train/run_folder.py)."""
-    from ..accelerate_setup import apply_launch_settings
+    from .accelerate_setup import apply_launch_settings
 
     cfg, launch_notes = apply_launch_settings(cfg)   # `accelerate launch --config_file` settings the TOML leaves unset
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
@@ -309,12 +309,13 @@ def _autocast(cfg: RunConfig, device: torch.device):
 # -- set-up ----------------------------------------------------------------------------------------
 
 def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
-    from ..data.cache import model_dtype, prepare_caches
+    from .data.cache import model_dtype, prepare_caches, sample_prompts
     dist = dist or DistContext()
     family = get_family(cfg.model.family)
     device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
-    dtype = model_dtype(cfg)
-    data = dist.main_first(lambda: prepare_caches(cfg, device, dtype))    # filled once, then read by all
+    dtype = model_dtype(cfg.model)
+    data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
+                                                  extra_prompts=sample_prompts(cfg.sample)))  # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
@@ -328,7 +329,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
 
     if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
-        shared = dist.shared_host(cfg, mode.name)
+        shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
         loaded = dist.local_turns(lambda: load(True, shared), shared)
     else:
         loaded = load(False)
@@ -340,9 +341,9 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
                 sources, mode=mode, dist=dist)
     if planner is not None:
-        from ..planner.corrections import CalibrationStore
-        from ..planner.feedback.calibrate import PlanCalibrator
-        from ..planner.feedback.oom import OomGuard
+        from .planner.corrections import CalibrationStore
+        from .planner.feedback.calibrate import PlanCalibrator
+        from .planner.feedback.oom import OomGuard
 
         t.guard = OomGuard(planner, budget, plan, lambda new: _replan(t, new))   # owns the plan and budget
         t.calibrator = PlanCalibrator(t.guard, CalibrationStore())
@@ -357,12 +358,12 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
 
     Returns (plan, handle, planner, budget); planner and budget are None without a budget.
     """
-    from ..memory.engine import resolve_plan
+    from .memory.engine import resolve_plan
 
     planner = budget = None
     spec = get_family(cfg.model.family).spec
     if cfg.memory.vram_budget is not None:
-        from ..planner.from_config import choose_plan, planner_for_config
+        from .planner.from_config import choose_plan, planner_for_config
 
         planner, budget = planner_for_config(cfg, spec, transformer)
         plan = choose_plan(planner, budget, cfg)
@@ -372,7 +373,7 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
             plan = replace(plan, optimizer_on_host=True)
     log.info("memory plan: %s", plan.describe())
     if in_turn:
-        from ..memory.engine import apply_memory
+        from .memory.engine import apply_memory
 
         handle = apply_memory(transformer, spec, plan, device, host_buffers=shared, **mode.memory_options())
     else:
@@ -382,9 +383,9 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
 
 def _apply_engine(cfg: RunConfig, transformer, plan, device, mode, dist: DistContext):
     """apply_memory; several processes on one machine share one host copy of the streamed weights."""
-    from ..memory.engine import apply_memory
+    from .memory.engine import apply_memory
 
-    shared = dist.shared_host(cfg, mode.name)
+    shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
     spec = get_family(cfg.model.family).spec
     return dist.local_main_first(lambda: apply_memory(transformer, spec, plan, device, host_buffers=shared,
                                                       **mode.memory_options()), shared)
@@ -467,19 +468,19 @@ def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[floa
     set_rng_state(state["rng"], t.generator)
     t.batches.load_state_dict(state["data"], strict=exact and not changes.data_order_changed)
     log.info("resumed from %s at step %d", ckpt, step)
-    restore_exports(t, paths, cfg, step)
+    restore_exports(t, paths, step, cfg.train.steps, cfg.output.formats)
     return step, list(state["losses"])
 
 
 def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[float], intermediate: bool) -> list[Path]:
     """Resumable state (always) and the mode's files (per-step names while training, final at the
     end), written by rank 0 only (every rank holds the same trainable weights)."""
-    from ..io import atomic_write_json
+    from .io import atomic_write_json
 
     state = _training_state(t, losses)        # every rank: a sharded mode gathers the weights here
     if not t.dist.is_main:
         return []
-    from ..disk import disk_full_guard
+    from .disk import disk_full_guard
 
     save_checkpoint(paths.checkpoints, step, state, keep_last=cfg.train.keep_last, config=resolved_config(cfg))
     with disk_full_guard(paths.root, None, f"the resumable state of step {step} is saved; --resume writes "
@@ -499,7 +500,7 @@ def _tensorboard(paths: RunPaths):
 
 
 def _monitor(paths: RunPaths, t: Trainee):
-    from ..memory.monitor import MemoryMonitor
+    from .memory.monitor import MemoryMonitor
 
     predicted = (t.plan.notes or {}).get("predicted_peak_vram") if t.plan is not None else None
     return MemoryMonitor(paths.root, predicted_peak_bytes=predicted)
@@ -543,8 +544,8 @@ def _streaming_summary(report: dict) -> str:
 
 
 def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
-    from ..infer.images import save_png
-    from ..infer.sampler import sample_during_training
+    from .infer.images import save_png
+    from .infer.sampler import sample_during_training
 
     family = get_family(cfg.model.family)
     cfg_guidance = family.sampling.guidance == "cfg"
@@ -575,7 +576,7 @@ def plot_losses(losses: list[float], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..io import atomic_write
+    from .io import atomic_write
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     steps = list(range(1, len(losses) + 1))

@@ -1,0 +1,196 @@
+"""leantune's parts depend on each other in one direction (docs/architecture.md).
+
+The import graph is read from the source with `ast`, imports inside functions and under
+`TYPE_CHECKING` included (an import placed in a function hides a cycle from Python without removing
+it). Two rules:
+- no import cycle between any two modules of leantune;
+- every import between two parts (a top-level module, or a subpackage of leantune) goes from a
+  higher layer of LAYERS to a strictly lower one. A new part must be given a layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "leantune"
+
+# Bottom to top. A part imports only parts of lower layers (docs/architecture.md says why).
+LAYERS: list[tuple[str, ...]] = [
+    ("config", "io", "disk", "quiet", "spec", "errors", "host", "resources"),   # facts, formats, data files
+    ("memory",),                                   # the engine: streaming, fp8, checkpointing, plans
+    ("accelerate_setup",),                         # the Accelerator and DeepSpeed config of a run
+    ("distributed",),                              # process groups, collectives, launch
+    ("models",),                                   # families: spec data, loading, schedules, keys
+    ("data",),                                     # datasets, buckets, latent/text caches
+    ("train",),                                    # training techniques: modes, LoRA, optimizers, state
+    ("planner",),                                  # prices plans, using the modes' facts and probes
+    ("infer",),                                    # staged sampling on a plan
+    ("trainer", "demo_vae"),                       # the training loop; the demo's hand-set VAE
+    ("demo", "simulated_run"),                     # the demo run; the simulated-GPU harness
+    ("commands",),                                 # one module per CLI verb
+    ("ui",),                                       # the page over the commands
+    ("cli",),
+    ("__main__",),
+]
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in the file)."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    top = root.name
+
+    def resolve(current: str, node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            if node.level:
+                base = current.split(".")
+                if files[current].name != "__init__.py":
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = [f"{module}.{a.name}" if f"{module}.{a.name}" in files else module for a in node.names]
+        found = []
+        for name in names:
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name.split(".")[0] == top and name != current:
+                found.append(name)
+        return found
+
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets.update(resolve(name, node))
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+    return out
+
+
+def part_of(module: str) -> str:
+    """leantune.planner.feedback.oom -> planner; leantune.cli -> cli; leantune -> (the package)."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else ""
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[str]:
+    level = {part: i for i, parts in enumerate(layers) for part in parts}
+    problems = []
+    for module, targets in sorted(graph.items()):
+        a = part_of(module)
+        for target in sorted(targets):
+            b = part_of(target)
+            if a == b or "" in (a, b):
+                continue
+            if level[a] <= level[b]:
+                problems.append(f"{module} imports {target}: {a} (layer {level[a]}) must not import "
+                                f"{b} (layer {level[b]})")
+    return problems
+
+
+# -- the checks can fail: a small package with the faults they look for ----------------------------
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / "pkg" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "pkg"
+
+
+def test_a_cycle_hidden_in_a_function_is_found(tmp_path):
+    pkg = _write(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from .b import g\n\ndef f():\n    return g()\n",
+        "b.py": "def g():\n    from .sub.c import h\n    return h()\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "def h():\n    from ..a import f\n    return 1\n",
+    })
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def test_an_upward_import_between_parts_is_found(tmp_path):
+    pkg = _write(tmp_path, {
+        "__init__.py": "",
+        "low.py": "def f():\n    import pkg.high.mod\n",
+        "high/__init__.py": "",
+        "high/mod.py": "from ..low import f\n",
+    })
+    graph = import_graph(pkg)
+    assert cycles(graph) == [["pkg.high.mod", "pkg.low"]]
+    assert layer_violations(graph, [("low",), ("high",)]) == [
+        "pkg.low imports pkg.high.mod: low (layer 0) must not import high (layer 1)"]
+
+
+# -- leantune itself -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph(PACKAGE)
+
+
+def test_every_part_has_a_layer(graph):
+    placed = {part for parts in LAYERS for part in parts}
+    missing = sorted({part_of(m) for m in graph} - placed - {""})
+    assert not missing, f"give these parts a layer in LAYERS (and docs/architecture.md): {missing}"
+
+
+def test_no_import_cycle_between_modules(graph):
+    assert cycles(graph) == []
+
+
+def test_parts_import_only_lower_layers(graph):
+    assert layer_violations(graph, LAYERS) == []
