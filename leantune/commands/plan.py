@@ -130,8 +130,11 @@ def _replay(answer: dict, as_json: bool) -> int:
         stdout = json.dumps(out, indent=2, default=str) + "\n"
     else:
         stdout = stdout.replace(answer["machine"]["describe"], machine.describe())
+    from ..planner.answer_cache import describe_origin
+
     sys.stdout.write(stdout)
     sys.stderr.write(answer["stderr"])
+    print(describe_origin(answer), file=sys.stderr)
     return int(answer["rc"])
 
 
