@@ -90,8 +90,8 @@ def main() -> int:
     p.add_argument("--family", default="flux")
     p.add_argument("--no-setup", action="store_true", help="time the run alone, with .venv")
     p.add_argument("--load", type=int, default=0, metavar="N", help="busy processes to run meanwhile")
-    p.add_argument("--load-limit", type=float, default=1800.0, metavar="S",
-                   help="each busy process ends by itself after S seconds (default 1800)")
+    p.add_argument("--load-limit", type=float, default=3600.0, metavar="S",
+                   help="each busy process ends by itself after S seconds (default 3600)")
     p.add_argument("--keep-venv", action="store_true", help="leave the throwaway venv in place")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
