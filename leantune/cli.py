@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -56,11 +57,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from leantune.disk import DiskFullError
     from leantune.train.run_folder import RunFolderError
     from leantune.train.state import CheckpointError
-    from leantune.distributed import ShardedOutOfMemory
+    from leantune.distributed import ShardedOutOfMemory, WorkerFailed
 
     return (ShardedOutOfMemory, DataError, CacheError, DemoFolderError, LoadError, UnsafeFileError, UnreadableFileError, LoraFormatError,
             InfeasibleBudget, NoPlanFits, CheckpointError, FileNotFoundError, FloatingPointError, RunFolderError,
-            DiskFullError)
+            DiskFullError, WorkerFailed)
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:
@@ -87,10 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"leantune {args.verb}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if getattr(e, "signal_name", None) == "SIGTERM":       # trainer.Terminated, distributed.LauncherStopped
+            print(f"leantune {args.verb}: stopped by SIGTERM", file=sys.stderr)
+            return 143
         print(f"leantune {args.verb}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        from leantune.distributed import peer_lost
+
+        if peer_lost(e):
+            rank = os.environ.get("RANK", "?")
+            print(f"leantune {args.verb} [rank {rank}]: lost contact with another process of this run "
+                  f"({str(e).strip().splitlines()[0][:200]}); the launcher names which one stopped", file=sys.stderr)
+            return 1
         if not isinstance(e, user_errors()):
             raise
         print(f"leantune {args.verb}: {e}", file=sys.stderr)

@@ -78,6 +78,9 @@ class DatasetConfig(Section):
     min_size: float = Field(0.5, ge=0.0, le=1.0)
 
 
+MAX_RESOLUTION = 4096      # a typo like 100000 would allocate its buckets' latents until MemoryError
+
+
 class DataConfig(Section):
     datasets: list[DatasetConfig] = Field(min_length=1)
     resolutions: list[int] = [512]
@@ -85,6 +88,9 @@ class DataConfig(Section):
     cache_dir: str = "cache"
     max_text_length: int = Field(512, ge=1, le=512)
     shuffle: bool = True
+    # --resume after images were added or removed: continue at the start of the next epoch (the
+    # saved batch order cannot continue); without it such a resume is refused with this advice.
+    allow_dataset_change: bool = False
 
     @field_validator("resolutions")
     @classmethod
@@ -94,12 +100,16 @@ class DataConfig(Section):
         for r in v:
             if r < 64 or r % 16:
                 raise ValueError(f"{r} is not a multiple of 16 of at least 64")
+            if r > MAX_RESOLUTION:
+                raise ValueError(f"{r} is too large: resolutions are at most {MAX_RESOLUTION} (Flux.1 and SD3.5 "
+                                 f"train at 512 to 2048)")
         return v
 
 
 class LoraConfig(Section):
     rank: int = Field(16, ge=1)
-    alpha: float | None = None           # default: equal to rank
+    # default: equal to rank; 0 would train nothing, inf/NaN would make every weight NaN
+    alpha: float | None = Field(None, gt=0, allow_inf_nan=False)
     # all_linear: "all" plus the Linears outside the blocks (embedders, final layer)
     targets: Literal["attention", "attention_mlp", "all", "all_linear"] = "attention_mlp"
     # Optional block selection per block list, e.g. {double = [0, 1, 2], single = []} (Flux) or
@@ -116,12 +126,12 @@ class LoraConfig(Section):
 class TrainConfig(Section):
     mode: Literal["lora", "full"] = "lora"     # "full": every (not excluded) transformer weight trains
     steps: int = Field(1000, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
+    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False)    # inf would save a LoRA of NaN
     # adamw8bit (bitsandbytes, CUDA): full mode only
     optimizer: Literal["adamw", "adafactor", "adamw8bit"] = "adamw"
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[float, float] = (0.9, 0.999)     # each in [0, 1), as the optimizers require
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     gradient_accumulation: int = Field(1, ge=1)
@@ -137,6 +147,15 @@ class TrainConfig(Section):
     keep_last: int = Field(3, ge=1)
     log_every: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        """Checked here: the optimizers raise a bare ValueError only once the model is loaded."""
+        for b in v:
+            if not (0.0 <= b < 1.0):       # false for NaN too
+                raise ValueError(f"each beta must be in [0, 1); got {list(v)}")
+        return v
 
 
 class FullConfig(Section):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -500,17 +501,70 @@ def torchrun_command(gpus: int, argv: list[str]) -> list[str]:
             "-m", "leantune", *argv]
 
 
-def relaunch(gpus: int, argv: list[str]) -> int:
-    """Become torchrun (exec, so Ctrl-C and kill reach the launcher itself, and there is one
-    launcher process to stop); each worker then runs `leantune <argv>`."""
+class WorkerFailed(RuntimeError):
+    """A process of a `--gpus N` run failed or was killed; names the rank and the last save."""
+
+
+class LauncherStopped(KeyboardInterrupt):
+    """The launcher of a `--gpus N` run got SIGTERM/SIGINT: its workers were stopped (each saves
+    its state at the end of its step, as one process does); the CLI reports it as a stop."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int:
+    """Run torchrun's launcher in this process (so Ctrl-C and kill reach the launcher itself, and
+    the workers, whose parent it is, die with it); each worker runs `leantune <argv>`. A worker
+    that fails ends the run with a `WorkerFailed` naming its rank, how it ended and the last save
+    in `checkpoints`, instead of torchrun's ChildFailedError report."""
     import sys
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
     cmd = torchrun_command(gpus, argv)
     log.info("starting %d processes: %s", gpus, " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(cmd[0], cmd)
-    return 1        # not reached
+    try:
+        run(parse_args(cmd[3:]))          # the arguments after `python -m torch.distributed.run`
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise WorkerFailed(_failure_message(rank, failure, gpus, checkpoints)) from None
+    except SignalException as e:
+        import signal
+
+        raise LauncherStopped(signal.Signals(e.sigval).name) from None
+    return 0
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "ProcessGroupGloo", "ProcessGroupNCCL", "Connection refused")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """A collective failed because another process of the run is gone (killed, crashed): the
+    launcher names it (relaunch); this process only needs to say so, not print a traceback."""
+    if launch_env() is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOST))
+
+
+def _failure_message(rank: int, failure, gpus: int, checkpoints: Path | None) -> str:
+    from .train.state import latest_checkpoint
+
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode} (its message is above)"
+    last = latest_checkpoint(checkpoints) if checkpoints is not None else None
+    saved = (f"the last save ({last}) is intact: run the same command with --resume to continue from it"
+             if last is not None else "no state had been saved yet")
+    return f"rank {rank} (pid {failure.pid}) {how}; the other {gpus - 1} process(es) were stopped; {saved}"
 
 
 def die_with_launcher() -> None:

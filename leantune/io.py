@@ -102,7 +102,27 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
 
     clean = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    return atomic_write(path, lambda tmp: save_file(clean, str(tmp), metadata=meta))
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(clean, str(tmp), metadata=meta)
+        except Exception as e:
+            raise _as_os_error(e, path) from None
+
+    return atomic_write(path, write)
+
+
+def _as_os_error(e: Exception, path: Path) -> Exception:
+    """safetensors reports a failed write (a full disk: "... (os error 28)") as its own
+    SafetensorError, not an OSError; give it back its errno so disk.disk_full_guard and callers
+    see what it is. Anything else is returned unchanged."""
+    import re
+
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    if type(e).__name__ != "SafetensorError" or not found:
+        return e
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -111,11 +131,12 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 
 
 def save_safetensors_streamed(path: str | Path, layout: list[tuple[str, tuple[int, ...], torch.dtype]],
-                              chunks, metadata: dict[str, str] | None = None) -> Path:
+                              chunks, metadata: dict[str, str] | None = None, digest=None) -> Path:
     """Atomic safetensors save without holding the tensors in memory at once.
 
     `layout` lists (key, shape, dtype) in file order, so the header can be written first; `chunks`
-    then yields {key: tensor} dicts (a block at a time) covering the layout in that order. Each
+    then yields {key: tensor} dicts (a block at a time) covering the layout in that order. `digest`
+    (a hashlib object) is fed every byte written, a checksum with no second read of the file. Each
     tensor is written from its own memory (moved to CPU alone if it lives elsewhere), so host RAM
     holds at most one chunk beyond what the caller already has: safetensors' own `save_file`
     serializes every tensor to bytes first, a second copy of a whole model.
@@ -134,15 +155,20 @@ def save_safetensors_streamed(path: str | Path, layout: list[tuple[str, tuple[in
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
+            def put(data) -> None:
+                f.write(data)
+                if digest is not None:
+                    digest.update(data)
+
+            put(struct.pack("<Q", len(raw)))
+            put(raw)
             for chunk in chunks:
                 for key, t in chunk.items():
                     want, shape, dtype = next(expected)
                     if key != want or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                         raise ValueError(f"{path}: tensor {key!r} {tuple(t.shape)} {t.dtype} does not match the "
                                          f"header entry {want!r} {tuple(shape)} {dtype}")
-                    f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                    put(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
             if next(expected, None) is not None:
                 raise ValueError(f"{path}: fewer tensors were written than the header lists")
 
@@ -154,6 +180,17 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 24) -> str:
+    """The sha256 of a file's bytes, read in chunks (a checkpoint can be larger than RAM)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def load_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -26,7 +26,7 @@ from .train import flow_matching as fm
 from .train.modes import make_mode
 from .train.optim import build_scheduler
 from .train.resume_config import apply_learning_rate, check_resume, resolved_config
-from .train.run_folder import RunFolder, restore_exports
+from .train.run_folder import RunFolder, record_written, restore_exports
 from .train.state import load_latest, rng_state, save_checkpoint, saved_config, set_rng_state
 
 log = logging.getLogger("leantune")
@@ -102,6 +102,7 @@ class Trainee:
     last_bucket: tuple[int, int] | None = None
     mode: object = None            # leantune.train.modes: LoraMode or FullMode
     dist: DistContext = field(default_factory=DistContext)   # this process's rank (trivial: one process)
+    share_host_weights: bool = False   # [distributed] share_host_weights, for re-plans
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -144,37 +145,79 @@ def setup_logging(paths: RunPaths) -> None:
 
 # -- the loop ----------------------------------------------------------------------------------------
 
-class StopRequest:
-    """Ctrl-C during a step is deferred to the step's end, so the saved state is exact.
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (docker stop, systemd, Slurm, `timeout`), handled like Ctrl-C: the CLI exits 143."""
 
-    Used as a context manager around each step: a first SIGINT inside it only sets `requested`
-    (the loop saves and stops after the step); a second one aborts at once, and then nothing is
-    saved, since a half-done optimizer update must not become a resumable state. Outside a step
-    (saving, sampling) SIGINT behaves as usual. Only the main thread can own the handler.
+    signal_name = "SIGTERM"
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _interrupt(signum) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+class StopRequest:
+    """Ctrl-C or SIGTERM during a step is deferred to the step's end, so the saved state is exact.
+
+    Used as a context manager around each step: a first SIGINT/SIGTERM inside it only sets
+    `requested` (the loop saves and stops after the step); a second one aborts at once, and then
+    nothing is saved, since a half-done optimizer update must not become a resumable state. Outside
+    a step (saving, sampling) both interrupt at once (`terminate_as_interrupt`). Only the main
+    thread can own the handlers.
     """
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None
         self.aborted_mid_step = False
-        self._previous = None
+        self._previous: dict = {}
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("Ctrl-C: stopping after this step with a resumable state (press again to abort now)")
+            raise _interrupt(signum)
+        self.requested, self.signum = True, signum
+        what = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        log.warning("%s: stopping after this step with a resumable state (a second signal aborts now)", what)
+
+    def stop(self) -> KeyboardInterrupt:
+        """The exception that ends the loop after a requested stop."""
+        return _interrupt(self.signum)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in _STOP_SIGNALS}
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             self.aborted_mid_step = True      # however it was raised, the step did not finish
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
+        return False
+
+
+class terminate_as_interrupt:
+    """While training, SIGTERM raises `Terminated` (a KeyboardInterrupt) like Ctrl-C does, so the
+    run saves its state, logs a line and releases the folder lock; by default it would end the
+    process at once. Main thread only (elsewhere a no-op)."""
+
+    def __enter__(self):
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    @staticmethod
+    def _handle(signum, frame):
+        log.warning("SIGTERM: stopping now")
+        raise Terminated()
+
+    def __exit__(self, *exc):
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+            signal.signal(signal.SIGTERM, self._previous)
         return False
 
 
@@ -191,7 +234,7 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     dist = DistContext.from_config(cfg, pick_device(cfg))
     finished = False
     try:
-        with RunFolder(paths.root, paths.name, resume, overwrite, enabled=dist.is_main):
+        with terminate_as_interrupt(), RunFolder(paths.root, paths.name, resume, overwrite, enabled=dist.is_main):
             result = _train(cfg, paths, dist, resume, stop_after, progress, launch_notes)
         finished = True
         return result
@@ -224,7 +267,7 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
             t0 = time.perf_counter()
             with stop:
                 loss = _guarded_step(t, cfg, step + 1)
-            step += 1
+                step += 1          # inside: an interrupt after the update never saves it as the step before
             seconds = time.perf_counter() - t0
             report = t.memory.step_report() if t.memory is not None else {}   # counters since last step
             _calibrate(t, seconds, report)
@@ -235,7 +278,7 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
             if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0 and dist.is_main:
                 result.sample_files.append(_sample(t, cfg, paths, step))
             if stop.requested:
-                raise KeyboardInterrupt
+                raise stop.stop()
     except KeyboardInterrupt:
         result.interrupted = True
         if stop.aborted_mid_step:
@@ -339,7 +382,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     generator = torch.Generator().manual_seed(cfg.train.seed)
     batches = dist.shard_batches(data, cfg.train.seed, cfg.data.batch_size)
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
-                sources, mode=mode, dist=dist)
+                sources, mode=mode, dist=dist, share_host_weights=cfg.distributed.share_host_weights)
     if planner is not None:
         from .planner.corrections import CalibrationStore
         from .planner.feedback.calibrate import PlanCalibrator
@@ -377,16 +420,17 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
 
         handle = apply_memory(transformer, spec, plan, device, host_buffers=shared, **mode.memory_options())
     else:
-        handle = _apply_engine(cfg, transformer, plan, device, mode, dist or DistContext())
+        handle = _apply_engine(cfg.distributed.share_host_weights, spec, transformer, plan, device, mode,
+                               dist or DistContext())
     return plan, handle, planner, budget
 
 
-def _apply_engine(cfg: RunConfig, transformer, plan, device, mode, dist: DistContext):
-    """apply_memory; several processes on one machine share one host copy of the streamed weights."""
+def _apply_engine(share_host_weights: bool, spec, transformer, plan, device, mode, dist: DistContext):
+    """apply_memory; several processes on one machine share one host copy of the streamed weights
+    ([distributed] share_host_weights)."""
     from .memory.engine import apply_memory
 
-    shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
-    spec = get_family(cfg.model.family).spec
+    shared = dist.shared_host(share_host_weights, mode.name)
     return dist.local_main_first(lambda: apply_memory(transformer, spec, plan, device, host_buffers=shared,
                                                       **mode.memory_options()), shared)
 
@@ -399,7 +443,7 @@ def _replan(t: Trainee, plan) -> None:
         handle, t.memory = t.memory, None       # if applying `plan` fails, the weights stay home
         handle.remove(device="cpu")
     t.plan = plan
-    t.memory = _apply_engine(t.mode.cfg, t.transformer, plan, t.device, t.mode, t.dist)
+    t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist)
     log.info("memory plan now: %s", plan.describe())
 
 
@@ -466,7 +510,18 @@ def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[floa
     t.scheduler.load_state_dict(state["scheduler"])
     apply_learning_rate(changes, t.optimizer, t.scheduler)
     set_rng_state(state["rng"], t.generator)
-    t.batches.load_state_dict(state["data"], strict=exact and not changes.data_order_changed)
+    strict = exact and not changes.data_order_changed and not cfg.data.allow_dataset_change
+    try:
+        t.batches.load_state_dict(state["data"], strict=strict)
+    except ValueError as e:
+        from .errors import CheckpointError
+
+        raise CheckpointError(
+            f"{ckpt}: {e} although the config did not change: images were added or removed in a dataset folder "
+            f"(or their sizes changed their buckets), so the saved batch order of this epoch cannot continue. Put the "
+            f"dataset back as it was, or set [data] allow_dataset_change = true (e.g. --set "
+            f"data.allow_dataset_change=true) to continue at the start of the next epoch (weights, optimizer and "
+            f"step count are kept; the rest of this epoch is skipped)") from None
     log.info("resumed from %s at step %d", ckpt, step)
     restore_exports(t, paths, step, cfg.train.steps, cfg.output.formats)
     return step, list(state["losses"])
@@ -487,6 +542,7 @@ def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[f
                                            f"these files from it"):
         atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
         files = t.mode.export(t, paths, step, intermediate)
+        record_written(paths.root, files)         # what --overwrite may delete (run_folder.py)
     log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
     return files
 

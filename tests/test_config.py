@@ -162,3 +162,27 @@ def test_full_mode_defaults_to_the_single_file_export_and_allows_a_frozen_fp8_pa
                                        "[full]\nexclude = [\"single_transformer_blocks.*\"]\n[memory]\nfp8 = true\n"))
     assert cfg.output.formats == ["comfyui", "diffusers"] and cfg.memory.fp8
     assert load_config(write(tmp_path, MINIMAL)).output.formats == ["comfyui", "diffusers"]   # LoRA: unchanged
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("train", "learning_rate", "inf"), ("train", "learning_rate", "nan"), ("train", "learning_rate", "-1e-4"),
+    ("train", "eps", "0.0"), ("train", "eps", "-1e-8"), ("train", "eps", "inf"),
+    ("train", "betas", "[1.0, 0.999]"), ("train", "betas", "[0.9, -0.1]"), ("train", "betas", "[0.9, nan]"),
+    ("lora", "alpha", "0.0"), ("lora", "alpha", "-4.0"), ("lora", "alpha", "inf"), ("lora", "alpha", "nan"),
+    ("train", "weight_decay", "inf"),
+])
+def test_optimizer_and_lora_values_outside_their_domain_name_the_key(tmp_path, section, key, value):
+    """Before: learning_rate = inf passed and trained a LoRA of NaN; eps and betas failed later as
+    raw torch ValueErrors; alpha = 0 trained nothing and reported success."""
+    p = write(tmp_path, MINIMAL + f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"\[{section}\]: key '{key}'"):
+        load_config(p)
+
+
+def test_resolution_has_an_upper_bound(tmp_path):
+    """Before: 100000 passed, and the bucket pass died in a MemoryError."""
+    p = write(tmp_path, MINIMAL.replace("[[data", "[data]\nresolutions = [100000]\n[[data"))
+    with pytest.raises(ConfigError, match=r"\[data\]: key 'resolutions'.*at most 4096"):
+        load_config(p)
+    assert load_config(write(tmp_path, MINIMAL.replace("[[data", "[data]\nresolutions = [4096]\n[[data"))) \
+        .data.resolutions == [4096]

@@ -168,7 +168,7 @@ def test_pageable_host_buffers_through_the_staging_worker_match_the_plain_loop()
     plan = Plan(checkpointing="blocks", streamed_blocks=tuple(names), stream_non_blocks=True, debug_poison=True,
                 pin_memory=False)
     losses, got, handle, _, _ = fused_run("adamw", plan)
-    assert not any(u.pinned for u in handle.streaming.units) and handle.streaming.engine.stager is not None
+    assert not any(u.pinned for u in handle.streaming.units) and handle.streaming.engine.copies.stager is not None
     assert losses == want_losses
     assert_same(got, want)
 

@@ -234,11 +234,11 @@ def test_host_ram_refusal_names_the_numbers_and_what_fits(tmp_path, tiny_flux_di
 
     cfg = make_config(tmp_path, tiny_flux_dir, images, extra=["memory.ram_budget=48GiB"])
     flux = build_meta_flux("dev")
-    parts = host_bytes(cfg, flux)
+    parts = host_bytes(cfg.train, cfg.full, flux)
     assert 11.8e9 < parts["_trained"] < 12.0e9                              # Flux-dev: 11.9B parameters
     assert parts["optimizer state"] == 8 * parts["_trained"] and parts["gradient accumulators"] == 4 * parts["_trained"]
     with pytest.raises(ConfigError) as e:
-        check_host_ram(cfg, flux)
+        check_host_ram(cfg.train, cfg.full, cfg.memory.ram_budget, flux)
     msg = str(e.value)
     assert "needs 155" in msg and "ram_budget is 48.0 GiB" in msg
     assert "[train] optimizer = \"adafactor\"" in msg and "[full] state_dtype = \"bf16\"" in msg
@@ -246,7 +246,7 @@ def test_host_ram_refusal_names_the_numbers_and_what_fits(tmp_path, tiny_flux_di
     # bf16 weights with Adafactor, no accumulation: 22 GiB of weights + a small state fits
     ok = make_config(tmp_path, tiny_flux_dir, images, extra=["memory.ram_budget=48GiB", "train.optimizer=adafactor",
                                                               "train.gradient_accumulation=1"])
-    assert sum(check_host_ram(ok, flux).values()) < 48 * 2**30
+    assert sum(check_host_ram(ok.train, ok.full, ok.memory.ram_budget, flux).values()) < 48 * 2**30
 
 
 def test_demo_mode_full_writes_a_loadable_model_file(tmp_path, capsys):

@@ -208,7 +208,9 @@ def test_diffusers_export_loads_in_diffusers_pipeline_identically(parts, tmp_pat
     with open(path, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
     config = json.loads(header["lora_adapter_metadata"])
-    assert config["transformer.r"] == 4 and config["transformer.lora_alpha"] == 8
+    # alpha / rank is folded into lora_B (ComfyUI reads no alpha from the header); the trained alpha is kept aside.
+    assert config["transformer.r"] == 4 and config["transformer.lora_alpha"] == 4
+    assert set(json.loads(header["leantune_trained_alphas"]).values()) == {8.0}
     assert header["ss_training_started_at"] == "123"
 
     loaded = FluxPipeline(**parts, transformer=fresh())

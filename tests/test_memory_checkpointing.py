@@ -83,7 +83,7 @@ def test_checkpoint_wrapper_wraps_outside_streaming():
                           "cpu")
     outer = model.transformer_blocks[1].__dict__["forward"]
     assert type(outer).__name__ == "_CheckpointedForward"
-    assert type(outer.orig).__name__ == "_StreamedForward"
+    assert type(outer.orig).__name__ == "StreamedForward"
     assert type(model.transformer_blocks[0].__dict__["forward"].orig).__name__ == "method"   # resident block
     handle.remove()
 

@@ -20,7 +20,7 @@ from test_memory_helpers import (
     synchronizes_beyond_the_profiler,
 )
 
-from leantune.memory import streaming
+from leantune.memory import host_buffers
 from leantune.memory.engine import apply_memory, even_spread
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, predict
@@ -191,7 +191,7 @@ def test_release_frees_slots_and_pins_without_copies(pin_memory):
     rt = torch.cuda.cudart()
     for h in hosts:                                                  # 0 would mean it was still registered
         assert int(rt.cudaHostUnregister(h.data_ptr())) != 0
-        streaming._clear_cuda_error(rt)      # the refusal is deliberate: leave no error for later launches
+        host_buffers.clear_cuda_error(rt)    # the refusal is deliberate: leave no error for later launches
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert not any("forward" in m.__dict__ for m in model.modules())
 

@@ -15,7 +15,8 @@ from leantune.config import MemoryConfig
 from leantune.memory.checkpointing import remove_checkpointing
 from leantune.memory.engine import apply_memory, even_spread, resolve_plan
 from leantune.memory.plan import Plan
-from leantune.memory.streaming import ALIGN, remove_streaming
+from leantune.memory.streaming import remove_streaming
+from leantune.memory.streaming_units import ALIGN
 from leantune.models.flux import FLUX_SPEC, predict
 
 
@@ -108,7 +109,7 @@ def test_poison_turns_unguarded_saved_weights_nan(base, monkeypatch):
     model, handle = _all_streamed(base)
     eng = handle.streaming.engine
     monkeypatch.setattr(eng, "backward_begin", lambda unit, release_at_end: None)
-    monkeypatch.setattr(eng, "pack", lambda t: t)
+    monkeypatch.setattr(eng.saved_tensors, "pack", lambda t: t)
     rec = train(model, shapes=[(8, 8)])
     assert torch.isfinite(rec[0]["loss"])                                # the forward was fine
     assert any(torch.isnan(g).any() for g in rec[0]["grads"].values() if g is not None)

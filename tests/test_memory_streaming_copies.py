@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_memory_helpers import block_names, lora_flux
 
-from leantune.memory import streaming
+from leantune.memory import host_buffers
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC
@@ -38,20 +38,20 @@ class _FakeCudart:
 
 @pytest.mark.parametrize("nbytes", [1, 100, 4096, 5000, 3 * 4096 + 7])
 def test_pinned_range_is_page_aligned_and_owned(nbytes):
-    buf, start, length = streaming._page_aligned(nbytes)
+    buf, start, length = host_buffers.page_aligned(nbytes)
     assert buf.numel() == nbytes and buf.data_ptr() == start
-    assert start % streaming.PAGE == 0 and length % streaming.PAGE == 0 and length >= nbytes
+    assert start % host_buffers.PAGE == 0 and length % host_buffers.PAGE == 0 and length >= nbytes
     storage = buf.untyped_storage()
     assert storage.data_ptr() <= start and start + length <= storage.data_ptr() + storage.nbytes()
 
 
 def test_pinning_registers_whole_own_pages_and_unregisters_when_freed(monkeypatch):
     rt = _FakeCudart(rc=0)
-    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
-    a, undo_a = streaming._alloc_host(1000, pin=True)
-    b, undo_b = streaming._alloc_host(1000, pin=True)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    a, undo_a = host_buffers.alloc_host(1000, pin=True)
+    b, undo_b = host_buffers.alloc_host(1000, pin=True)
     (_, pa, na), (_, pb, nb) = rt.calls
-    assert (pa, pb) == (a.data_ptr(), b.data_ptr()) and na == nb == streaming.PAGE
+    assert (pa, pb) == (a.data_ptr(), b.data_ptr()) and na == nb == host_buffers.PAGE
     assert pa + na <= pb or pb + nb <= pa          # two small buffers never share a page
     undo_a()
     assert rt.calls[-1] == ("unregister", pa)
@@ -63,8 +63,8 @@ def test_pinning_registers_whole_own_pages_and_unregisters_when_freed(monkeypatc
 
 def test_refused_pin_clears_the_sticky_error_and_stays_pageable(monkeypatch, caplog):
     rt = _FakeCudart(rc=712)                       # cudaErrorHostMemoryAlreadyRegistered
-    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
-    buf, undo = streaming._alloc_host(1000, pin=True)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    buf, undo = host_buffers.alloc_host(1000, pin=True)
     assert undo is None and buf.numel() == 1000
     assert [c[0] for c in rt.calls] == ["register", "clear"]
     assert "could not pin" in caplog.text
@@ -72,19 +72,19 @@ def test_refused_pin_clears_the_sticky_error_and_stays_pageable(monkeypatch, cap
 
 def test_refused_unpin_clears_the_sticky_error_too(monkeypatch):
     rt = _FakeCudart(rc=0, unregister_rc=1)       # cudaErrorInvalidValue
-    monkeypatch.setattr(streaming, "_cudart", lambda: rt)
-    _, undo = streaming._alloc_host(1000, pin=True)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    _, undo = host_buffers.alloc_host(1000, pin=True)
     undo()
     assert [c[0] for c in rt.calls] == ["register", "unregister", "clear"]
 
 
 def _slow_stager(monkeypatch, delay: float):
-    real = streaming._Stager._run
+    real = host_buffers.Stager._run
 
     def slow(self, src, dst, free_event):
         time.sleep(delay)
         return real(self, src, dst, free_event)
-    monkeypatch.setattr(streaming._Stager, "_run", slow)
+    monkeypatch.setattr(host_buffers.Stager, "_run", slow)
 
 
 @pytest.fixture
@@ -107,8 +107,8 @@ def test_copies_into_one_slot_land_in_order(pageable_engine, monkeypatch):
     slot = eng.slots[a.slot]
     eng._fetch(a, demand=True)
     eng._fetch(b, demand=True)
-    eng._wait_ready(slot)
-    eng.stager.pool.submit(lambda: None).result()  # every queued copy has run
+    eng.copies.wait_ready(slot)
+    eng.copies.stager.pool.submit(lambda: None).result()  # every queued copy has run
     assert slot.owner is b
     assert torch.equal(slot.buf[:b.nbytes], b.host[:b.nbytes])
 
@@ -119,7 +119,7 @@ def test_waiting_for_a_staged_copy_counts_as_stall(pageable_engine, monkeypatch)
     _slow_stager(monkeypatch, 0.3)
     unit = eng.units[0]
     eng._fetch(unit, demand=True)
-    eng._wait_ready(eng.slots[unit.slot])
+    eng.copies.wait_ready(eng.slots[unit.slot])
     rep = eng.report()
     assert rep["stall_s"] >= 0.25, rep
 

@@ -28,7 +28,7 @@ from leantune.planner.report import format_plan
 from leantune.planner.search import Planner
 from leantune.planner.weight_bytes import measure_weights
 from leantune.planner.workload import Budget, InfeasibleBudget, Workload
-from leantune.memory.streaming import STAGING_CHUNK
+from leantune.memory.host_buffers import STAGING_CHUNK
 from leantune.models import tiny
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
 from leantune.train.lora import add_lora

@@ -165,7 +165,7 @@ def test_full_host_ram_matches_the_trainers_check_and_a_frozen_part_uses_fp8(flu
 
     cfg = validate({"model": {"path": "unused"}, "data": {"datasets": [{"path": "unused"}]},
                     "train": {"mode": "full"}})
-    parts = host_bytes(cfg, flux_dev)
+    parts = host_bytes(cfg.train, cfg.full, flux_dev)
     parts.pop("_trained")
     planner = _planner(flux_dev)
     plan = planner.plan(Budget(vram=24 * GiB, ram=2**62))

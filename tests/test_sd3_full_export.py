@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,9 +72,8 @@ def test_stability_file_and_folder_of_a_streamed_model(style, tmp_path):
     model.requires_grad_(True)
     handle = apply_memory(model, SD3_SPEC, Plan(streamed_blocks=("transformer_blocks.0", "transformer_blocks.2")),
                           "cpu", streaming_engine=TrainableStreamingEngine)
-    cfg = SimpleNamespace(full=SimpleNamespace(save_dtype="fp32"), output=SimpleNamespace(formats=["comfyui", "diffusers"]))
-    single, folder = export_files(model, SD3_SPEC, WeightAccess(handle), cfg, RunPaths(tmp_path, "ft"), step=9,
-                                  intermediate=False)
+    single, folder = export_files(model, SD3_SPEC, WeightAccess(handle), RunPaths(tmp_path, "ft"), step=9,
+                                  intermediate=False, formats=["comfyui", "diffusers"], save_dtype="fp32", keep_last=1)
     handle.remove()
     assert single.name == "ft_comfyui.safetensors" and folder.name == "ft_diffusers"
 
@@ -108,9 +106,8 @@ def test_last_block_adaln_halves_are_swapped_only_there(tmp_path):
     from leantune.models import sd3_keys
 
     model = _model(WIDE, seed=3)
-    cfg = SimpleNamespace(full=SimpleNamespace(save_dtype="fp32"), output=SimpleNamespace(formats=["comfyui"]))
-    (single,) = export_files(model, SD3_SPEC, WeightAccess(None), cfg, RunPaths(tmp_path, "m"), step=0,
-                             intermediate=False)
+    (single,) = export_files(model, SD3_SPEC, WeightAccess(None), RunPaths(tmp_path, "m"), step=0,
+                             intermediate=False, formats=["comfyui"], save_dtype="fp32", keep_last=1)
     tensors, _ = load_safetensors(single)
     whole = sd3_keys.diffusers_to_stability(model.state_dict())
     _same({k[len("model.diffusion_model."):]: v for k, v in tensors.items()}, whole)

@@ -124,7 +124,9 @@ def test_diffusers_export_loads_in_sd3_pipeline_identically(pipeline_parts, tmp_
     assert len(tensors) == 2 * len(w.modules)
     meta = header(path)
     assert meta["ss_base_model_version"] == "sd3" and meta["ss_network_module"] == "networks.lora_sd3"
-    assert json.loads(meta["lora_adapter_metadata"])["transformer.lora_alpha"] == 8
+    # alpha / rank is folded into lora_B (ComfyUI reads no alpha from the header); the trained alpha is kept aside.
+    assert json.loads(meta["lora_adapter_metadata"])["transformer.lora_alpha"] == 4
+    assert set(json.loads(meta["leantune_trained_alphas"]).values()) == {8.0}
 
     loaded = StableDiffusion3Pipeline(**pipeline_parts, transformer=fresh("large"))
     loaded.load_lora_weights(str(path), adapter_name="style")
@@ -397,7 +399,7 @@ def test_lora_mode_exports_sd3_files_with_sd3_names(tmp_path):
                                        '[lora]\nrank = 4\nalpha = 8\ntargets = "attention"\n\n'
                                        '[output]\ndir = "out"\nname = "s"\nformats = ["comfyui", "diffusers"]\n')
     cfg = load_config(tmp_path / "run.toml")
-    mode = LoraMode(cfg)
+    mode = LoraMode(cfg.lora, cfg.train, cfg.output.formats)
     model = fresh("medium")
     params = mode.prepare(model, SD3_SPEC)
     with torch.no_grad():

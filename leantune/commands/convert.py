@@ -26,11 +26,13 @@ def configure(parser) -> None:
                         help="tensor dtype of the output (default: as in the input)")
     parser.add_argument("--family", default=None, metavar="NAME",
                         help="model family the LoRA is for (flux, sd3); default: read from its keys and header")
+    parser.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
 
 
-def output_problem(source: str, target: str) -> str | None:
+def output_problem(source: str, target: str, overwrite: bool = False) -> str | None:
     """Why `target` cannot be written, or None: its folder must exist (a typo must not create
-    folders at /), it must be a .safetensors file, and never the input itself."""
+    folders at /), it must be a .safetensors file, never the input itself, and an existing file is
+    replaced only with `overwrite`."""
     from pathlib import Path
 
     src, out = Path(source).expanduser(), Path(target).expanduser()
@@ -43,11 +45,13 @@ def output_problem(source: str, target: str) -> str | None:
     same = out.exists() and src.exists() and out.samefile(src)
     if same or out.resolve() == src.resolve():
         return f"{target}: is the input file; write the converted LoRA to another file (the input stays as it is)"
+    if out.exists() and not overwrite:
+        return f"{target}: already exists; pass --overwrite to replace it, or give another name (nothing was written)"
     return None
 
 
 def run(args) -> int:
-    problem = output_problem(args.input, args.output)
+    problem = output_problem(args.input, args.output, getattr(args, "overwrite", False))
     if problem:
         print(f"leantune convert: {problem}", file=sys.stderr)
         return 2

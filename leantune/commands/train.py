@@ -27,15 +27,45 @@ def run(args: argparse.Namespace) -> int:
     from ..trainer import train
 
     cfg = load_config(args.config, args.overrides)      # bad input is reported once, before any launch
+    if args.gpus is not None:
+        check_gpus(args.gpus, cfg)
     if args.gpus is not None and args.gpus > 1:
         from ..distributed import launch_env, relaunch
 
         if launch_env() is None:
-            return relaunch(args.gpus, _argv(args))
+            return relaunch(args.gpus, _argv(args), cfg.resolve(cfg.output.dir) / "checkpoints")
     result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if result.lora_files:                 # rank 0 writes them; other processes have nothing to say
         print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
     return 0
+
+
+def check_gpus(gpus: int, cfg) -> None:
+    """`--gpus N` starts N processes, one per GPU: refuse what the machine cannot run (64 processes
+    on a 2-core machine without a GPU, or a negative count silently run as one)."""
+    import os
+
+    import torch
+
+    from ..config import ConfigError
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be at least 1 (got {gpus})")
+    if gpus == 1:
+        return
+    if cfg.train.device == "cpu":
+        cores = os.cpu_count() or 1
+        if gpus > cores:
+            raise ConfigError(f"--gpus {gpus} with [train] device = \"cpu\": this machine has {cores} CPU core(s); "
+                              f"give at most --gpus {cores}")
+        return
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found == 0:
+        raise ConfigError(f"--gpus {gpus}: this machine has no GPU (CUDA is not available), and --gpus starts one "
+                          f"process per GPU; leave --gpus out to train on the CPU, or set [train] device = \"cpu\" "
+                          f"to run {gpus} CPU processes anyway (for testing; slow)")
+    if gpus > found:
+        raise ConfigError(f"--gpus {gpus}: this machine has {found} GPU(s); give at most --gpus {found}")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -49,6 +79,4 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv.append("--overwrite")
     if args.no_progress:
         argv.append("--no-progress")
-    if getattr(args, "overwrite", False):
-        argv.append("--overwrite")
     return argv

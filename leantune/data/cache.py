@@ -202,7 +202,7 @@ def check_text_entry(path: Path, key: str, caption: str, max_length: int) -> tup
         return str(e), None
     if meta.get("key") != key:
         return f"header key {meta.get('key')!r} does not match the file name", None
-    if meta.get("caption") != caption:
+    if _caption_header(caption) != {k: meta.get(k) for k in _caption_header(caption)}:
         return "header caption does not match the caption it is keyed by", None
     t5, pooled = tensors.get("t5"), tensors.get("pooled")
     problem = _check_tensor("t5", t5, 2) or _check_tensor("pooled", pooled, 1)
@@ -216,6 +216,18 @@ def check_text_entry(path: Path, key: str, caption: str, max_length: int) -> tup
         return (f"tensor 't5' has {t5.shape[0]} tokens but the header says {meta.get('length')!r} "
                 f"(at most {max_length})"), None
     return None, (t5.shape[1], pooled.shape[0])
+
+
+HEADER_CAPTION_CHARS = 256     # longer captions are identified in a cache header by their sha256
+
+
+def _caption_header(caption: str) -> dict[str, str]:
+    """What a text entry's header says of its caption: the caption itself when short, else its
+    start and sha256, so headers stay small (they are read whole to check every entry)."""
+    if len(caption) <= HEADER_CAPTION_CHARS:
+        return {"caption": caption}
+    return {"caption_start": caption[:HEADER_CAPTION_CHARS],
+            "caption_sha256": hashlib.sha256(caption.encode()).hexdigest()}
 
 
 def _warn_corrupt(kind: str, bad: list[tuple[Path, str]]) -> None:
@@ -305,7 +317,7 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
                 save_safetensors({"t5": _trim(embeds.t5[i], n, side).to(STORE_DTYPE),        # (n, D_t5)
                                   "pooled": embeds.pooled[i].to(STORE_DTYPE)},                # (D_clip,)
                                  folder / f"{key}.safetensors",
-                                 {"format": FORMAT_VERSION, "kind": "text", "key": key, "caption": jobs[key],
+                                 {"format": FORMAT_VERSION, "kind": "text", "key": key, **_caption_header(jobs[key]),
                                   "length": str(n)})
     finally:
         del enc
@@ -370,6 +382,12 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
                                load_text_encoders or family.load_text_encoders, family),
         }
+    if len(samples) < data_cfg.batch_size:
+        from .dataset import DataWarning
+
+        warnings.warn(f"[data] batch_size {data_cfg.batch_size} is larger than the dataset ({len(samples)} samples "
+                      f"with repeats, over all resolutions): every batch holds at most {len(samples)}; lower "
+                      f"batch_size or add images", DataWarning, stacklevel=2)
     data = CachedData(cache_dir, samples, text_keys, data_cfg.batch_size, data_cfg.shuffle, stats)
     log.info("cache: %s", data.summary())
     return data

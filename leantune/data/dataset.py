@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +157,19 @@ def read_caption(image: Path, extension: str, default: str) -> str:
     return " ".join(text.split())
 
 
+# Control characters (NUL, escape, DEL, C1) that are not whitespace; whitespace is collapsed anyway.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# No token of the T5 or CLIP vocabularies spans more characters than this, so a caption cut to
+# this many characters per token the encoders read still gives them every token they would read.
+CHARS_PER_TOKEN_BOUND = 64
+
+
+def strip_control(text: str) -> tuple[str, bool]:
+    """The text without control characters, and whether it had any."""
+    clean = _CONTROL.sub("", text)
+    return clean, clean != text
+
+
 def with_trigger(caption: str, trigger: str) -> str:
     """'trigger, caption'; just the trigger when the caption is empty."""
     trigger = trigger.strip()
@@ -163,16 +178,31 @@ def with_trigger(caption: str, trigger: str) -> str:
     return f"{trigger}, {caption}" if caption else trigger
 
 
+# A dataset path of / (or a home folder) would be walked and every image in it decoded; past this
+# many files the scan stops and says so. Training sets are far smaller (thousands).
+MAX_SCAN_FILES = 200_000
+
+
+class _TooManyFiles(Exception):
+    def __init__(self, seen: int, images: int):
+        self.seen, self.images = seen, images
+
+
 def _image_files(folder: Path, recursive: bool) -> list[Path]:
-    pattern = folder.rglob("*") if recursive else folder.glob("*")
-    files = []
-    for p in pattern:
-        rel = p.relative_to(folder)
-        # Hidden files and folders (".DS_Store", "._cat.jpg" resource forks, ".git") are never data.
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
-            files.append(p)
+    """The image files under `folder`, hidden files and folders left out (".DS_Store", "._cat.jpg"
+    resource forks, ".git" are never data); `_TooManyFiles` past MAX_SCAN_FILES entries."""
+    files, seen = [], 0
+    for top, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if recursive else []
+        for name in names:
+            seen += 1
+            if seen > MAX_SCAN_FILES:
+                raise _TooManyFiles(seen - 1, len(files))
+            if name.startswith("."):
+                continue
+            p = Path(top) / name
+            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
+                files.append(p)
     return sorted(files)
 
 
@@ -188,7 +218,14 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
         raise DataError(f"[[data.datasets]] #{index + 1}: path {folder} is not a folder")
     items: list[ImageItem] = []
     bad: list[tuple[Path, str]] = []
-    for path in _image_files(folder, cfg.recursive):
+    controlled: list[Path] = []
+    try:
+        paths = _image_files(folder, cfg.recursive)
+    except _TooManyFiles as e:
+        raise DataError(f"[[data.datasets]] #{index + 1}: path {folder} holds more than {MAX_SCAN_FILES} files "
+                        f"(stopped scanning after {e.seen}, {e.images} of them images); point path at the folder "
+                        f"of training images") from None
+    for path in paths:
         try:
             digest, w, h = inspect_image(path)
         except Exception as e:   # PIL raises many types (OSError, SyntaxError, DecompressionBombError...)
@@ -199,9 +236,15 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
         except CaptionError as e:
             bad.append((path, str(e)))
             continue
+        text, had_control = strip_control(text)
+        if had_control:
+            controlled.append(path)
         items.append(ImageItem(path=path, caption=with_trigger(text, cfg.trigger_word), width=w, height=h,
                                sha256=digest, dataset=index, repeats=cfg.repeats,
                                caption_dropout=cfg.caption_dropout))
+    if controlled:
+        warnings.warn(f"removed control characters (NUL, escape, ...) from {len(controlled)} caption(s): "
+                      f"{listing(controlled)}", DataWarning, stacklevel=3)
     return items, bad
 
 
@@ -221,6 +264,18 @@ def _own_caption_missing(item: ImageItem, cfg) -> bool:
         return not path.is_file() or not read_caption(item.path, cfg.caption_extension, "")
     except CaptionError:
         return True
+
+
+def cut_long_captions(items: list[ImageItem], max_text_length: int) -> list[ImageItem]:
+    """Captions far longer than the text encoders read (`max_text_length` tokens) cut before they
+    are tokenized (a 10 MB caption took 80 s in T5 and sat in the cache header), with one warning."""
+    limit = CHARS_PER_TOKEN_BOUND * max_text_length
+    cut = [it.path for it in items if len(it.caption) > limit]
+    if not cut:
+        return items
+    warnings.warn(f"{len(cut)} caption(s) are longer than the text encoders read ({max_text_length} tokens) and "
+                  f"were cut to {limit} characters: {listing(cut)}", DataWarning, stacklevel=3)
+    return [replace(it, caption=it.caption[:limit]) if len(it.caption) > limit else it for it in items]
 
 
 def check_captions(items: list[ImageItem], datasets) -> None:
@@ -295,6 +350,7 @@ def scan_datasets(data_cfg, base_dir: str | Path = ".") -> list[ImageItem]:
     if empty:
         raise DataError("\n".join(empty))
     check_captions(items, data_cfg.datasets)
+    items = cut_long_captions(items, data_cfg.max_text_length)
     items = check_sizes(items, data_cfg.datasets, list(data_cfg.resolutions))
     if not items:
         raise DataError("every image is smaller than min_size of its bucket at every training resolution; "

@@ -51,6 +51,7 @@ from .checkpointing import (
 from .attention_kernels import guard_attention_kernels
 from .cpu_linear import CpuLinearHandle, apply_cpu_linears, remove_cpu_linears
 from .fp8 import Fp8Handle, apply_fp8_storage, has_prequantized, remove_fp8_storage
+from .host_buffers import return_freed_host_memory
 from .plan import Plan
 from .streaming import (
     RunMode,
@@ -58,7 +59,6 @@ from .streaming import (
     apply_streaming,
     release_streaming,
     remove_streaming,
-    return_freed_host_memory,
 )
 
 log = logging.getLogger("leantune.memory")

@@ -6,7 +6,7 @@ times the host RAM for identical bytes (12B Flux in bf16 is ~24 GB per copy). He
 are files in shared memory (/dev/shm): the machine's first process ("leader", local rank 0)
 creates and fills them, the others map the same files and point their weights at them without
 copying. Each process pins the mapping itself (cudaHostRegister on the shared pages, in
-memory/streaming.py), so copies to its GPU stay asynchronous.
+memory/host_buffers.py), so copies to its GPU stay asynchronous.
 
 Order. The leader applies its memory plan first; the followers wait behind a barrier, then map
 (`DistContext.local_main_first`). Once every process has mapped them, the files are unlinked:

@@ -1,7 +1,8 @@
 """Streaming of trainable weights (full fine-tuning): streamed blocks that also come back updated.
 
-Reuses streaming.py's machinery (packed host buffers, ring slots, copy stream, events, holds,
-poison) and adds what trainable weights need:
+Reuses the streaming engine (memory/streaming.py: the schedule and its holds; streaming_units.py,
+host_buffers.py, slot_ring.py: packed host buffers, ring slots, copy stream, events, poison) and adds
+what trainable weights need:
 
 - A streamed block's trainable weights *and their optimizer state* (the `ParamState` buffers that
   train/fused_optim.py registers under each weight's module) are packed into the block's host
@@ -30,8 +31,8 @@ poison) and adds what trainable weights need:
 - On CPU the same path runs with the CPU slot emulation (copies are synchronous), so CI tests it.
 
 The optimizer step on the host (Plan.optimizer_on_host): the streamed units' optimizer state is not
-packed (streaming.py leaves the ParamState modules in host RAM), so slots hold weights only and no
-state crosses the bus. A trained weight's gradient, when complete, is copied to the host and its
+packed (streaming_units.layout_unit leaves the ParamState modules in host RAM), so slots hold
+weights only and no state crosses the bus. A trained weight's gradient, when complete, is copied to the host and its
 update runs there on the weight's host-buffer view (`step_on_host`); the slot's copy is then out of
 date for the stepped weights, so the unit is marked stale and its slot invalidated when backward
 ends (or at once when the step runs after backward; nothing is written back). Within the backward
@@ -60,7 +61,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from .streaming import POISON_BYTE, StreamingEngine, _Slot, _Unit, _view
+from .slot_ring import POISON_BYTE, Slot
+from .streaming import StreamingEngine
+from .streaming_units import StreamedUnit, packed_view
 
 _clock = time.perf_counter          # a seam: tests give a clock of their own
 
@@ -68,13 +71,13 @@ _clock = time.perf_counter          # a seam: tests give a clock of their own
 class TrainableStreamingEngine(StreamingEngine):
     trains_weights = True
 
-    def __init__(self, units: list[_Unit], slots: list[_Slot], backend, plan, mode):
+    def __init__(self, units: list[StreamedUnit], slots: list[Slot], backend, plan, mode):
         super().__init__(units, slots, backend, plan, mode)
         be = self.backend
         self.writeback_stream = torch.cuda.Stream(be.device) if be.cuda else None
         self.dirty: set[int] = set()                  # id(unit) stepped since its last write-back
         self.written: dict[int, object] = {}         # id(unit) -> write-back completion event (CUDA)
-        self.unit_of: dict[int, _Unit] = {}          # id(trainable Parameter) -> its unit
+        self.unit_of: dict[int, StreamedUnit] = {}   # id(trainable Parameter) -> its unit
         self.host_views: dict[int, torch.Tensor] = {}   # id(trainable Parameter) -> its host-buffer view
         grads: dict[int, int] = {}                    # id(unit) -> bytes of its trained weights (= gradients)
         for u in self.units:
@@ -82,7 +85,7 @@ class TrainableStreamingEngine(StreamingEngine):
                 for m, kind, attr in e.owners:
                     if kind == "param" and m._parameters[attr].requires_grad:
                         self.unit_of[id(m._parameters[attr])] = u
-                        self.host_views[id(m._parameters[attr])] = _view(u.host, e)
+                        self.host_views[id(m._parameters[attr])] = packed_view(u.host, e)
                         grads[id(u)] = grads.get(id(u), 0) + e.nbytes
         self.bytes_d2h = 0
         # The optimizer step on the host (module docstring).
@@ -160,14 +163,14 @@ class TrainableStreamingEngine(StreamingEngine):
             self._inflight_bytes -= n
         self.stats.stall_s += _clock() - t0
 
-    def _submit(self, unit: _Unit, nbytes: int, fn) -> None:
+    def _submit(self, unit: StreamedUnit, nbytes: int, fn) -> None:
         """Queue a host step holding `nbytes` of pinned gradient (room made first: _make_room)."""
         fut = self.host_worker.submit(fn)
         self._inflight.append((fut, nbytes))
         self._inflight_bytes += nbytes
         self.pending.setdefault(id(unit), []).append(fut)
 
-    def _wait_host_steps(self, unit: _Unit | None = None) -> None:
+    def _wait_host_steps(self, unit: StreamedUnit | None = None) -> None:
         """Wait for the host steps of `unit` (all units: None); their errors surface here."""
         keys = list(self.pending) if unit is None else [id(unit)]
         t0 = _clock()
@@ -193,17 +196,13 @@ class TrainableStreamingEngine(StreamingEngine):
             self.release(unit)
 
     # -- hooks of StreamingEngine ------------------------------------------------------------------
-    def _retire(self, unit: _Unit, slot: _Slot) -> None:
+    def _retire(self, unit: StreamedUnit, slot: Slot) -> None:
         if id(unit) not in self.dirty:
             return super()._retire(unit, slot)
         # Written back when its slot is claimed (_fetch) or the engine drains; poisoned then.
-        stream = self.backend.compute_stream()
-        if stream is not None:
-            if slot.free_event is None:
-                slot.free_event = self.backend.event()
-            slot.free_event.record(stream)
+        self.copies.mark_free(slot)
 
-    def _fetch(self, unit: _Unit, demand: bool) -> None:
+    def _fetch(self, unit: StreamedUnit, demand: bool) -> None:
         slot = self.slots[unit.slot]
         owner = slot.owner
         if owner is not None and owner is not unit and id(owner) in self.dirty and slot.valid:
@@ -224,7 +223,7 @@ class TrainableStreamingEngine(StreamingEngine):
     def _backward_ended(self) -> None:
         self._invalidate_stale()
 
-    def _write_back(self, unit: _Unit, slot: _Slot, poison: bool) -> None:
+    def _write_back(self, unit: StreamedUnit, slot: Slot, poison: bool) -> None:
         """Copy a stepped unit's slot into its host buffer (then poison the slot if asked)."""
         self.dirty.discard(id(unit))
         n = unit.nbytes
@@ -255,7 +254,7 @@ class TrainableStreamingEngine(StreamingEngine):
         slot.free_event = done
         self.written[id(unit)] = done
 
-    def _make_resident(self, unit: _Unit) -> None:
+    def _make_resident(self, unit: StreamedUnit) -> None:
         # Kept (not popped) until _drain: the compute stream waiting for a write-back does not make
         # the host buffer safe to read, and a save reads it after draining.
         done = self.written.get(id(unit))
@@ -314,7 +313,7 @@ class WeightAccess:
             for u in streaming.units:
                 for e in u.entries:
                     for m, _, attr in e.owners:
-                        self.views[(id(m), attr)] = _view(u.host, e)
+                        self.views[(id(m), attr)] = packed_view(u.host, e)
         self.synced = False
 
     def _sync(self) -> None:

@@ -74,6 +74,7 @@ def resolve_components(model_cfg, base_dir: Path, components: tuple[str, ...],
     root = config_path(model_cfg.path, base_dir)
     if not root.exists():
         raise LoadError(f"[model] path: {root}: no such file or folder")
+    check_family(root, getattr(model_cfg, "family", None))
     found: dict[str, Path | None] = dict.fromkeys(components)
     if root.is_file():
         check_file(root, "path")
@@ -96,6 +97,37 @@ def resolve_components(model_cfg, base_dir: Path, components: tuple[str, ...],
         raise LoadError(f"[model] path: {root}: no transformer/ sub-folder; set [model] transformer "
                         f"to a transformer folder or a .safetensors file")
     return found
+
+
+# diffusers class names (pipeline or transformer) -> (family, what it is), to name a folder given
+# under the wrong [model] family before a loader fails on a component that has another meaning there
+# (SD3's tokenizer_2 is CLIP-G, Flux's is T5).
+_FAMILY_CLASSES = {
+    "FluxPipeline": ("flux", "Flux.1"), "FluxTransformer2DModel": ("flux", "Flux.1"),
+    "StableDiffusion3Pipeline": ("sd3", "Stable Diffusion 3 / 3.5"),
+    "SD3Transformer2DModel": ("sd3", "Stable Diffusion 3 / 3.5"),
+}
+
+
+def check_family(root: Path, family: str | None) -> None:
+    """A diffusers folder whose model_index.json (or transformer config) names another family's
+    classes is refused, saying which family it is."""
+    if family is None or not root.is_dir():
+        return
+    for config in (root / "model_index.json", root / "transformer" / "config.json", root / "config.json"):
+        if not config.is_file():
+            continue
+        try:
+            declared = json.loads(config.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError):
+            continue
+        known = _FAMILY_CLASSES.get(declared)
+        if known is None:
+            continue
+        if known[0] != family:
+            raise LoadError(f"[model] path: {root} is a {known[1]} model ({config.name}: {declared}), but "
+                            f"[model] family = \"{family}\"; set [model] family = \"{known[0]}\"")
+        return
 
 
 def require(source: Path | None, name: str, label: str) -> Path:

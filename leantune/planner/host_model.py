@@ -3,7 +3,7 @@ during the steps.
 
 What it trades: nothing at run time; it is what lets the planner refuse a plan before the loader
 fills RAM, and pick fp8 when the host is the tighter resource. It follows what the memory engine
-really allocates (engine.py, fp8.py, streaming.py), phase by phase:
+really allocates (engine.py, fp8.py, streaming.py, host_buffers.py), phase by phase:
 - loading: the transformer in its stored dtypes (block weights of an fp8 checkpoint stay e4m3);
 - fp8 conversion (plans with fp8): one Linear at a time, the e4m3 copy and its scales exist beside
   the original until it is freed, so the phase adds the largest converted weight (the arithmetic
@@ -42,11 +42,11 @@ from __future__ import annotations
 from .activations import ActivationProfile
 from .machine import GiB
 from ..memory.plan import Plan
-from ..memory.streaming import STAGING_CHUNK
+from ..memory.host_buffers import STAGING_CHUNK
 from .workload import Workload
 
 HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, before any weight
-STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (streaming.py)
+STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (host_buffers.py)
 
 
 def caching_host_size(n: int) -> int:

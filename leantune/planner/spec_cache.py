@@ -43,7 +43,7 @@ log = logging.getLogger("leantune")
 
 # The modules whose code decides the measured numbers (relative to the leantune package).
 _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "planner/activations.py",
-                   "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming.py",
+                   "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming_units.py",
                    "train/full_mode.py", "train/trainable.py",
                    "spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "models/flux_spec.py",
                    "models/sd3_spec.py", "train/lora.py")

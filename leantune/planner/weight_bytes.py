@@ -19,7 +19,7 @@ import torch
 
 from ..memory.fp8 import SCALE_ATTR
 from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
-from ..memory.streaming import ALIGN as STREAM_ALIGN
+from ..memory.streaming_units import ALIGN as STREAM_ALIGN
 from ..train.fused_optim import STATE_SUFFIX
 from .workload import Workload
 

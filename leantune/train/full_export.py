@@ -118,13 +118,15 @@ def write_diffusers_folder(model, spec: ModelSpec, access, folder: Path, dtype: 
     return folder
 
 
-def export_files(model, spec: ModelSpec, access, cfg, paths, step: int, intermediate: bool) -> list[Path]:
-    """The model files in every [output] format (per-step names while training), through `access`
-    (a WeightAccess: where each tensor lives now)."""
-    dtype = SAVE_DTYPES[cfg.full.save_dtype]
+def export_files(model, spec: ModelSpec, access, paths, step: int, intermediate: bool, *, formats: list[str],
+                 save_dtype: str, keep_last: int) -> list[Path]:
+    """The model files in every [output] format (`formats`; per-step names while training, the
+    newest `keep_last` kept), in [full] `save_dtype`, through `access` (a WeightAccess: where each
+    tensor lives now)."""
+    dtype = SAVE_DTYPES[save_dtype]
     suffix = f"-step{step:06d}" if intermediate else ""
     files = []
-    for fmt in cfg.output.formats:
+    for fmt in formats:
         if fmt == "comfyui":
             files.append(write_model_file(model, spec, access, paths.root / f"{paths.name}{suffix}_comfyui.safetensors",
                                           "comfyui", dtype, single_file_metadata(model, spec, step)))
@@ -132,10 +134,11 @@ def export_files(model, spec: ModelSpec, access, cfg, paths, step: int, intermed
             files.append(write_diffusers_folder(model, spec, access, paths.root / f"{paths.name}{suffix}_diffusers",
                                                 dtype))
     if intermediate:
-        prune_step_files(paths, cfg.output.formats, cfg.train.keep_last, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
+        prune_step_files(paths, formats, keep_last, lambda fmt: f"{paths.name}-step*_{fmt}" + (".safetensors" if fmt == "comfyui" else ""))
     return files
 
 
 def export_full_model(mode, t, paths, step: int, intermediate: bool) -> list[Path]:
     """The run's model files in every [output] format; per-step names while training."""
-    return export_files(t.transformer, mode.spec, WeightAccess(t.memory), mode.cfg, paths, step, intermediate)
+    return export_files(t.transformer, mode.spec, WeightAccess(t.memory), paths, step, intermediate,
+                        formats=mode.formats, save_dtype=mode.full.save_dtype, keep_last=mode.train.keep_last)

@@ -12,7 +12,7 @@ that cannot hold them is refused in milliseconds, with what would fit instead.
 
 from __future__ import annotations
 
-from ..config import ConfigError, RunConfig, parse_size
+from ..config import ConfigError, FullConfig, TrainConfig, parse_size
 from ..host import host_ram
 from .fused_optim import state_bytes_per_param
 from .trainable import select_trainable
@@ -30,39 +30,42 @@ def full_host_parts(weights: int, trained: int, state: int, *, masters: bool, ac
             "gradient accumulators": 4 * trained if accumulation > 1 else 0}
 
 
-def host_bytes(cfg: RunConfig, model) -> dict[str, int]:
-    """Host RAM parts (bytes) of a full fine-tune of `model` (may be on the meta device)."""
-    trained = select_trainable(model, cfg.full.train, cfg.full.exclude)
+def host_bytes(train: TrainConfig, full: FullConfig, model) -> dict[str, int]:
+    """Host RAM parts (bytes) of a full fine-tune of `model` (may be on the meta device) with the
+    run's [train] and [full] settings."""
+    trained = select_trainable(model, full.train, full.exclude)
     n = sum(p.numel() for p in trained.values())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     wide = any(p.element_size() < 4 for p in trained.values())
-    parts = full_host_parts(weights, n, n * state_bytes_per_param(cfg.train.optimizer, cfg.full.state_dtype),
-                            masters=cfg.full.master_weights and wide, accumulation=cfg.train.gradient_accumulation)
+    parts = full_host_parts(weights, n, n * state_bytes_per_param(train.optimizer, full.state_dtype),
+                            masters=full.master_weights and wide, accumulation=train.gradient_accumulation)
     return {**parts, "_trained": n}
 
 
-def _budget(cfg: RunConfig) -> tuple[int, str]:
-    if cfg.memory.ram_budget is not None:
-        return parse_size(cfg.memory.ram_budget), "[memory] ram_budget"
+def _budget(ram_budget: str | None) -> tuple[int, str]:
+    if ram_budget is not None:
+        return parse_size(ram_budget), "[memory] ram_budget"
     return max(0, host_ram()[1] - MARGIN), "available host RAM"
 
 
-def check_host_ram(cfg: RunConfig, model, budget: tuple[int, str] | None = None) -> dict[str, int]:
-    """Refuse a full fine-tune whose host RAM need exceeds the budget, naming the parts and the
-    alternatives that would fit; returns the parts otherwise."""
-    parts = host_bytes(cfg, model)
+def check_host_ram(train: TrainConfig, full: FullConfig, ram_budget: str | None, model,
+                   budget: tuple[int, str] | None = None) -> dict[str, int]:
+    """Refuse a full fine-tune whose host RAM need exceeds the budget ([memory] `ram_budget`, else
+    the available host RAM), naming the parts and the alternatives that would fit; returns the
+    parts otherwise."""
+    parts = host_bytes(train, full, model)
     n = parts.pop("_trained")
     need = sum(parts.values())
-    limit, where = budget or _budget(cfg)
+    limit, where = budget or _budget(ram_budget)
     if need <= limit:
         return parts
     lines = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts.items() if v)
     options = []
     base = need - parts["optimizer state"]
     for label, opt, dtype in (("[train] optimizer = \"adafactor\"", "adafactor", "fp32"),
-                              ("[full] state_dtype = \"bf16\"", cfg.train.optimizer, "bf16")):
+                              ("[full] state_dtype = \"bf16\"", train.optimizer, "bf16")):
         alt = base + int(n * state_bytes_per_param(opt, dtype))
-        if (opt, dtype) != (cfg.train.optimizer, cfg.full.state_dtype) and cfg.train.optimizer != "adafactor":
+        if (opt, dtype) != (train.optimizer, full.state_dtype) and train.optimizer != "adafactor":
             options.append(f"{label}: {alt / GiB:.1f} GiB{' (fits)' if alt <= limit else ''}")
     if parts["master weights"]:
         options.append(f"[full] master_weights = false: saves {parts['master weights'] / GiB:.1f} GiB")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig
+from ..config import FullConfig, TrainConfig
 from ..memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
 from .full_export import export_full_model
 from .full_host_ram import check_host_ram
@@ -37,8 +37,9 @@ log = logging.getLogger("leantune")
 class FullMode:
     name = "full"
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, train: TrainConfig, full: FullConfig, formats: list[str], ram_budget: str | None = None):
+        """`formats`: [output] formats; `ram_budget`: [memory] ram_budget (None: available host RAM)."""
+        self.train, self.full, self.formats, self.ram_budget = train, full, list(formats), ram_budget
         self.model = None
         self.named: dict[str, torch.nn.Parameter] = {}
         self.optimizer: FusedOptimizer | None = None
@@ -47,7 +48,7 @@ class FullMode:
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
-        cfg, full = self.cfg, self.cfg.full
+        full = self.full
         named = select_trainable(transformer, full.train, full.exclude)
         if not named:
             raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight of the "
@@ -56,7 +57,7 @@ class FullMode:
         for p in named.values():
             p.requires_grad_(True)
         self.model, self.named, self.spec = transformer, named, spec
-        tc = cfg.train
+        tc = self.train
         self.optimizer = FusedOptimizer(transformer, named, tc.optimizer, lr=tc.learning_rate, betas=tc.betas,
                                         eps=tc.eps, weight_decay=tc.weight_decay, state_dtype=full.state_dtype,
                                         stochastic_rounding=full.stochastic_rounding,
@@ -75,7 +76,7 @@ class FullMode:
     def check_before_load(self, meta_model) -> None:
         """Host RAM for weights + optimizer state (+ masters, accumulators): refused with numbers
         and alternatives before any weight is read (train/full_host_ram.py)."""
-        parts = check_host_ram(self.cfg, meta_model())
+        parts = check_host_ram(self.train, self.full, self.ram_budget, meta_model())
         log.info("full fine-tune host RAM: %s", ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items() if v))
 
     def memory_options(self) -> dict:
@@ -103,7 +104,7 @@ class FullMode:
     # -- the step ----------------------------------------------------------------------------------
     def step(self, t, micro_batch) -> float:
         self.memory = t.memory
-        accum = self.cfg.train.gradient_accumulation
+        accum = self.train.gradient_accumulation
         self.stepper.begin_step()
         total = 0.0
         for i in range(accum):

@@ -58,7 +58,7 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None)
 class ParamState(nn.Module):
     """The optimizer state of one weight, as non-persistent buffers (see the module docstring)."""
 
-    holds_optimizer_state = True        # memory/streaming.OPTIMIZER_STATE_ATTR: may stay on the host
+    holds_optimizer_state = True        # memory/streaming_units.OPTIMIZER_STATE_ATTR: may stay on the host
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         super().__init__()

@@ -93,6 +93,27 @@ def _check_block_selection(model: torch.nn.Module, spec: ModelSpec, blocks: dict
                              f"{kind} blocks (0..{count - 1})")
 
 
+class LoraRankWarning(UserWarning):
+    """[lora] rank exceeds the smaller side of adapted layers: the extra rank adds nothing there."""
+
+
+def _warn_rank_beyond_layers(transformer: torch.nn.Module, targets: list[str], rank: int) -> None:
+    """A LoRA of a Linear (out, in) has rank at most min(out, in); beyond it the extra rank only
+    costs memory and steps. One warning with the count and the smallest layer."""
+    over = []
+    for name in targets:
+        m = transformer.get_submodule(name)
+        linear = getattr(m, "base_layer", m)
+        side = min(linear.in_features, linear.out_features)
+        if rank > side:
+            over.append((side, name, linear.out_features, linear.in_features))
+    if over:
+        side, name, out, inn = min(over)
+        warnings.warn(f"[lora] rank {rank} is larger than the smaller side of {len(over)} of {len(targets)} adapted "
+                      f"layer(s) (e.g. {name}, {out} x {inn}: at most rank {side}); the extra rank adds nothing "
+                      f"there but memory and compute", LoraRankWarning, stacklevel=3)
+
+
 def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_name: str = "default",
              ) -> list[torch.nn.Parameter]:
     """Add the trainable adapter described by a [lora] section; return its parameters (fp32).
@@ -112,6 +133,7 @@ def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_na
     targets = [n for n, m in matched if isinstance(getattr(m, "base_layer", m), torch.nn.Linear)]   # peft wraps
     if not targets:
         raise ValueError(f"[lora] targets = {lora_cfg.targets!r} with blocks = {lora_cfg.blocks} selects no module")
+    _warn_rank_beyond_layers(transformer, targets, lora_cfg.rank)
     if len(targets) < len(matched):            # all_linear names whole top-level children: keep their Linears
         regex = "^(" + "|".join(re.escape(n) for n in targets) + ")$"
     config = PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.effective_alpha, lora_dropout=lora_cfg.dropout,

@@ -18,7 +18,11 @@ diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in
   exact too;
 * alpha: kohya stores `<module>.alpha`; diffusers stores the LoraConfig (r, lora_alpha,
   rank_pattern, alpha_pattern) as JSON in the `lora_adapter_metadata` header; ai-toolkit stores
-  none, meaning alpha = rank.
+  none, meaning alpha = rank. ComfyUI reads alpha only from `.alpha` tensors, so a diffusers file
+  relying on its header loads there at rank / alpha of its strength: leantune's diffusers files
+  fold alpha / rank into lora_B and say alpha = rank (every consumer applies the trained delta),
+  and keep the trained alphas in the `leantune_trained_alphas` header, from which leantune reads
+  them back (an `init_from` continues with the same scale).
 
 The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...). Some
 files fit several families (diffusers names such as `transformer_blocks.0.attn.to_q` exist in both):
@@ -51,9 +55,10 @@ from .lora_keys import FusedTarget, LoraKeyMap, all_key_maps
 LoraFileFormat = Literal["comfyui", "diffusers"]
 FORMATS = ("comfyui", "diffusers")
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"     # diffusers' header key for the LoraConfig JSON
+TRAINED_ALPHAS_KEY = "leantune_trained_alphas"      # {module: alpha} folded into lora_B of a diffusers file
 DIFFUSERS_PREFIX = "transformer."
 # Header keys that describe one file layout; they are rewritten, never passed through a conversion.
-_LAYOUT_KEYS = {ADAPTER_METADATA_KEY, "format", "leantune_format"}
+_LAYOUT_KEYS = {ADAPTER_METADATA_KEY, "format", "leantune_format", TRAINED_ALPHAS_KEY}
 
 
 class LoraFormatError(ValueError):
@@ -351,6 +356,38 @@ def diffusers_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None)
     return _unshared(out)
 
 
+def fold_alphas(weights: LoraWeights) -> tuple[LoraWeights, dict[str, float]]:
+    """The same deltas with alpha = rank (alpha / rank multiplied into each up matrix, in fp32),
+    and the trained alphas that were folded, for the header."""
+    modules, folded = {}, {}
+    for name, m in weights.modules.items():
+        if float(m.alpha) == float(m.rank):
+            modules[name] = m
+            continue
+        up = (m.up.float() * m.scale).to(m.up.dtype)
+        modules[name] = LoraModule(m.down, up, float(m.rank), m.key)
+        folded[name] = float(m.alpha)
+    return LoraWeights(modules=modules, metadata=weights.metadata, source=weights.source, format=weights.format,
+                       ignored=weights.ignored, keys=weights.keys), folded
+
+
+def _unfold_alphas(source: str, modules: dict[str, LoraModule], metadata: dict[str, str]) -> None:
+    """Undo fold_alphas for a leantune diffusers file: the trained alpha, the same delta."""
+    raw = metadata.get(TRAINED_ALPHAS_KEY)
+    if not raw:
+        return
+    try:
+        alphas = {str(k): float(v) for k, v in json.loads(raw).items()}
+    except (ValueError, TypeError, AttributeError):
+        raise LoraFormatError(f"{source}: header key {TRAINED_ALPHAS_KEY!r} is not a JSON object of numbers") from None
+    for name, alpha in alphas.items():
+        m = modules.get(name)
+        if m is None or not math.isfinite(alpha) or alpha == 0 or float(m.alpha) != float(m.rank):
+            continue             # a module renamed, or a file edited since: keep what the file applies
+        m.up = (m.up.float() * (m.rank / alpha)).to(m.up.dtype)
+        m.alpha = alpha
+
+
 def _header_value(v) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
@@ -408,7 +445,12 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
         except LoraFormatError:
             maps = []
         family_keys = maps[0] if len(maps) == 1 else None
-        tensors = diffusers_state_dict(weights, dtype)
+        written, folded = fold_alphas(weights)        # ComfyUI reads no alpha from the header
+        tensors = diffusers_state_dict(written, dtype)
+        header = file_metadata(written, fmt, path, metadata, family_keys)     # ss_network_alpha: what it applies
+        if folded:
+            header[TRAINED_ALPHAS_KEY] = json.dumps(folded, sort_keys=True)
+        return save_safetensors(tensors, path, header)
     return save_safetensors(tensors, path, file_metadata(weights, fmt, path, metadata, family_keys))
 
 
@@ -603,6 +645,8 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
                                   f"LoRA with different meanings; say which family it is for (leantune convert "
                                   f"--family)")
     fitting = _narrowed(fitting, metadata, modules)
+    if kinds == {"diffusers"}:
+        _unfold_alphas(source, modules, metadata)
     if ignored:
         warnings.warn(f"{source}: ignored {len(ignored)} text-encoder LoRA keys (only the transformer is "
                       f"supported), e.g. {ignored[0]!r}", IgnoredKeysWarning, stacklevel=3)

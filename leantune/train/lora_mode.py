@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig
+from ..config import LoraConfig, TrainConfig
 from .mode_shared import check_resumable, prune_step_files
 from .optim import build_optimizer
 
@@ -21,27 +21,31 @@ class LoraMode:
 
     name = "lora"
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, lora: LoraConfig, train: TrainConfig, formats: list[str], *,
+                 init_from: Path | None = None, run_notes: dict | None = None):
+        """`formats`: [output] formats; `init_from`: the resolved [lora] init_from; `run_notes`: the
+        run's settings written into each file's header (make_mode gathers them)."""
+        self.lora, self.train, self.formats = lora, train, list(formats)
+        self.init_from, self.run_notes = init_from, dict(run_notes or {})
         self.spec = None          # the family's spec, from prepare(): its LoRA names name the files
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
         from .lora import add_lora, load_lora_into_model, read_lora
 
-        cfg = self.cfg
+        lora = self.lora
         self.spec = spec
         transformer.requires_grad_(False)
-        params = add_lora(transformer, spec, cfg.lora)
-        if cfg.lora.init_from:
+        params = add_lora(transformer, spec, lora)
+        if self.init_from is not None:
             try:
-                weights = read_lora(cfg.resolve(cfg.lora.init_from), spec.lora_keys)
+                weights = read_lora(self.init_from, spec.lora_keys)
             except (ValueError, FileNotFoundError) as e:    # same type, with the key that named the file
                 raise type(e)(f"[lora] init_from: {e}") from None
             load_lora_into_model(transformer, weights, "default")
         n_params = sum(p.numel() for p in params)
-        log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", cfg.lora.rank,
-                 cfg.lora.effective_alpha, cfg.lora.targets, len(params), n_params / 1e6)
+        log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", lora.rank,
+                 lora.effective_alpha, lora.targets, len(params), n_params / 1e6)
         return params
 
     def check_before_load(self, meta_model) -> None:
@@ -51,18 +55,17 @@ class LoraMode:
         return {}
 
     def build_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return build_optimizer(params, self.cfg.train)
+        return build_optimizer(params, self.train)
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, t, micro_batch) -> float:
         """`gradient_accumulation` micro-batches, global-norm clipping, one optimizer step."""
-        cfg = self.cfg
         t.optimizer.zero_grad(set_to_none=True)
-        accum = cfg.train.gradient_accumulation
+        accum = self.train.gradient_accumulation
         total = sum(micro_batch(1.0 / accum) for _ in range(accum))
         t.dist.sync_gradients(t.params)        # several processes: sum the ranks' shares (no-op for one)
-        if cfg.train.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(t.params, cfg.train.max_grad_norm)
+        if self.train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(t.params, self.train.max_grad_norm)
         t.optimizer.step()
         return total / accum
 
@@ -88,37 +91,25 @@ class LoraMode:
         """The LoRA in every [output] format (per-step names while training, final names at the end)."""
         from .lora import lora_weights_from_model, save_lora
 
-        cfg = self.cfg
         weights = lora_weights_from_model(t.transformer)
         keys = self.spec.lora_keys if self.spec is not None else weights.keys
         files = []
-        for fmt in cfg.output.formats:
+        for fmt in self.formats:
             path = paths.lora_file(fmt, step if intermediate else None)
             save_lora(weights, path, fmt, metadata=self._metadata(step, keys), keys=keys)
             files.append(path)
         if intermediate:
-            prune_step_files(paths, cfg.output.formats, cfg.train.keep_last, lambda fmt: f"{paths.name}-step*_{fmt}.safetensors")
+            prune_step_files(paths, self.formats, self.train.keep_last, lambda fmt: f"{paths.name}-step*_{fmt}.safetensors")
         return files
 
     def _metadata(self, step: int, keys) -> dict:
         """Training notes for the header; the family's own notes (ss_network_module,
         ss_base_model_version) come from its LoRA names (`keys`, spec.lora_keys)."""
-        cfg = self.cfg
         return {
-            **(keys.header if keys is not None else {}), "ss_network_dim": cfg.lora.rank,
-            "ss_network_alpha": cfg.lora.effective_alpha,
-            "ss_output_name": cfg.output.name, "ss_steps": step, "ss_learning_rate": cfg.train.learning_rate,
-            "ss_optimizer": cfg.train.optimizer, "ss_lr_scheduler": cfg.train.lr_scheduler,
-            "ss_resolution": ",".join(str(r) for r in cfg.data.resolutions), "ss_seed": cfg.train.seed,
-            "ss_timestep_sampling": self._sampling(), "ss_guidance_scale": cfg.train.guidance,
-            "leantune_targets": cfg.lora.targets,
+            **(keys.header if keys is not None else {}), "ss_network_dim": self.lora.rank,
+            "ss_network_alpha": self.lora.effective_alpha, **self.run_notes, "ss_steps": step,
+            "leantune_targets": self.lora.targets,
         }
-
-    def _sampling(self) -> str:
-        from ..models.family import get_family
-        from .flow_matching import sampling_method
-
-        return sampling_method(self.cfg.train.timestep_sampling, get_family(self.cfg.model.family))
 
     def close(self, t) -> None:
         pass

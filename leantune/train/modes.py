@@ -20,17 +20,33 @@ the modes, and no mode imports it (what they share is in mode_shared.py).
 from __future__ import annotations
 
 from ..config import RunConfig
+from ..models.family import get_family
+from .flow_matching import sampling_method
 from .full_mode import FullMode
 from .lora_mode import LoraMode
 from .sharded_full import sharded_full_mode
 
 
 def make_mode(cfg: RunConfig, dist=None):
-    """The mode object for `[train] mode` (`dist`: the run's DistContext, for the sharded full modes)."""
+    """The mode object for `[train] mode` (`dist`: the run's DistContext, for the sharded full modes).
+    Part of the trainer's entry: the one place below it that reads the whole config, handing each
+    mode the sections it uses."""
     if cfg.train.mode == "full":
-        sharded = sharded_full_mode(cfg, dist)    # several processes: FSDP2 owns the weights
+        # several processes: FSDP2 / ZeRO-2 own the weights
+        sharded = sharded_full_mode(cfg.train, cfg.full, cfg.memory, cfg.distributed, cfg.output.formats, dist)
         if sharded is not None:
             return sharded
+        return FullMode(cfg.train, cfg.full, cfg.output.formats, cfg.memory.ram_budget)
+    return LoraMode(cfg.lora, cfg.train, cfg.output.formats, init_from=cfg.resolve(cfg.lora.init_from),
+                    run_notes=lora_run_notes(cfg))
 
-        return FullMode(cfg)
-    return LoraMode(cfg)
+
+def lora_run_notes(cfg: RunConfig) -> dict:
+    """The run's settings a LoRA file's header records (kohya's ss_* keys), besides rank and alpha."""
+    tc = cfg.train
+    return {
+        "ss_output_name": cfg.output.name, "ss_learning_rate": tc.learning_rate, "ss_optimizer": tc.optimizer,
+        "ss_lr_scheduler": tc.lr_scheduler, "ss_resolution": ",".join(str(r) for r in cfg.data.resolutions),
+        "ss_seed": tc.seed, "ss_guidance_scale": tc.guidance,
+        "ss_timestep_sampling": sampling_method(tc.timestep_sampling, get_family(cfg.model.family)),
+    }

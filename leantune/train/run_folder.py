@@ -8,6 +8,12 @@ A lock file `.leantune.lock` names the process that holds the folder (pid, host,
 time); a second run writing the same folder is refused with that name. A lock left by a killed
 process (its pid no longer runs on this host) is taken over, with a line saying so.
 
+`--overwrite` deletes only what the run folder's own record says leantune wrote: the manifest
+`.leantune-run.json` lists the top-level entries a run created (the folders and files it made, the
+exported files), added as they are made. Anything else that looks like a run's output (a `samples/`
+or `checkpoints/` folder that was there before, a `<name>_*` document, a file dropped into an owned
+folder) is foreign: the overwrite is refused, naming it, and nothing is deleted.
+
 Once the lock is held, leftovers of a killed save are cleaned: `.tmp-step-*` folders and the
 hidden temporary files of atomic writes. A `.old-step-*` folder whose `step-*` is missing is the
 only copy of that step (the kill fell between the two renames of a replacing save): it is put back.
@@ -27,7 +33,17 @@ from pathlib import Path
 log = logging.getLogger("leantune")
 
 LOCK_NAME = ".leantune.lock"
+MANIFEST_NAME = ".leantune-run.json"
 CHECKPOINT_PREFIX = "step-"
+FIXED_ENTRIES = ("checkpoints", "loss.json", "loss.png", "memory.png", "memory.json", "train.log", "samples",
+                 "tensorboard")
+# What leantune writes inside the folders it owns; anything else there is the user's.
+_OWNED_CONTENT = {
+    "checkpoints": (CHECKPOINT_PREFIX, f"corrupt-{CHECKPOINT_PREFIX}", f".tmp-{CHECKPOINT_PREFIX}",
+                    f".old-{CHECKPOINT_PREFIX}"),
+    "samples": (CHECKPOINT_PREFIX, "."),          # step-000010.png and atomic writes' .*.tmp
+    "tensorboard": ("events.out.tfevents.",),
+}
 
 
 class RunFolderError(ValueError):
@@ -58,16 +74,40 @@ def _describe(holder: dict) -> str:
     return f"process {holder.get('pid')} on {holder.get('host')} ({holder.get('command', '?')}, since {started})"
 
 
+def _unwritable(root: Path, what: Path, e: OSError) -> RunFolderError:
+    return RunFolderError(f"{root}: cannot create {what} ({e.strerror or e}); the output folder must be writable: "
+                          f"check its permissions, or give the run another [output] dir")
+
+
 def acquire_lock(root: Path) -> Path:
-    """Create root/.leantune.lock for this process, or raise `RunFolderError` naming its holder."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Create root/.leantune.lock for this process, or raise `RunFolderError` naming its holder.
+
+    A folder that cannot be written (read-only, no permission) is a `RunFolderError`; a full disk
+    a `DiskFullError`; either way no lock file is left behind (an empty one would make the next
+    run wait for a holder that never was)."""
+    from ..disk import disk_full_guard, is_disk_full
+
     lock = root / LOCK_NAME
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if is_disk_full(e):
+            with disk_full_guard(root, None, "nothing was written"):
+                raise
+        raise _unwritable(root, root, e) from None
     me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv) or "python",
           "started": time.time()}
     for _ in range(3):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
+            fd = None
+        except OSError as e:
+            if is_disk_full(e):
+                with disk_full_guard(lock, None, "nothing was written"):
+                    raise
+            raise _unwritable(root, lock, e) from None
+        if fd is None:
             holder = _holder(lock)
             if holder is None:
                 # Being written by its creator right now, or a kill mid-write left it empty.
@@ -82,10 +122,14 @@ def acquire_lock(root: Path) -> Path:
             log.warning("%s: taking over the lock left by %s, which is no longer running", root, what)
             lock.unlink(missing_ok=True)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with disk_full_guard(lock, None, "nothing was written"), os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            lock.unlink(missing_ok=True)      # never an empty lock
+            raise
         return lock
     raise RunFolderError(f"{root}: could not take the lock file {lock}")
 
@@ -102,8 +146,7 @@ def run_entries(root: Path, name: str) -> list[Path]:
     """What a run named `name` wrote into `root` (the paths of trainer.RunPaths, the exports)."""
     if not root.is_dir():
         return []
-    fixed = [root / n for n in ("checkpoints", "loss.json", "loss.png", "memory.png", "memory.json", "train.log",
-                                "samples", "tensorboard")]
+    fixed = [root / n for n in FIXED_ENTRIES]
     found = [p for p in fixed if p.exists()]
     exports = [p for p in root.iterdir() if p.name.startswith((f"{name}_", f"{name}-step"))]
     return found + sorted(exports)
@@ -121,6 +164,51 @@ def _holds_run(entries: list[Path]) -> bool:
     return False
 
 
+def _manifest(root: Path) -> set[str]:
+    try:
+        return set(json.loads((root / MANIFEST_NAME).read_text()).get("entries", []))
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, AttributeError):
+        log.warning("%s: unreadable; treating every entry of %s as not written by leantune", root / MANIFEST_NAME, root)
+        return set()
+
+
+def record_written(root: Path, paths) -> None:
+    """Add the top-level entries of `paths` (under `root`) to the run's manifest."""
+    from ..io import atomic_write_json
+
+    root = Path(root)
+    names = set()
+    for p in paths:
+        try:
+            names.add(Path(p).relative_to(root).parts[0])
+        except (ValueError, IndexError):
+            continue
+    known = _manifest(root)
+    if names - known:
+        atomic_write_json(root / MANIFEST_NAME, {"entries": sorted(known | names)})
+
+
+def claim_fixed_entries(root: Path) -> None:
+    """At the start of a run: the fixed entries that do not exist yet are this run's to make; one
+    that is already there and unrecorded stays the user's (the run writes into it, never claims it)."""
+    record_written(root, [root / n for n in FIXED_ENTRIES if not (root / n).exists()])
+
+
+def foreign_entries(root: Path, entries: list[Path]) -> list[str]:
+    """Of what a run's overwrite would delete, what the manifest does not say leantune wrote."""
+    owned = _manifest(root)
+    foreign = []
+    for p in entries:
+        if p.name not in owned:
+            foreign.append(p.name + ("/" if p.is_dir() else ""))
+        elif p.is_dir() and not p.is_symlink():
+            allowed = _OWNED_CONTENT.get(p.name, ())
+            foreign += sorted(f"{p.name}/{c.name}" for c in p.iterdir() if not c.name.startswith(allowed))
+    return foreign
+
+
 def check_folder(root: Path, name: str, resume: bool, overwrite: bool) -> None:
     """Refuse a folder that holds another run unless `resume` or `overwrite`; `overwrite` clears it."""
     if resume and overwrite:
@@ -133,11 +221,18 @@ def check_folder(root: Path, name: str, resume: bool, overwrite: bool) -> None:
         shown = ", ".join(p.name for p in entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise RunFolderError(f"{root}: the output folder holds another run ({shown}); pass --resume to continue "
                              f"it, or --overwrite to delete it and start again (nothing was changed)")
+    foreign = foreign_entries(root, entries)
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" (and {len(foreign) - 8} more)" if len(foreign) > 8 else "")
+        raise RunFolderError(f"{root}: --overwrite deletes only what leantune wrote, and these entries were not "
+                             f"written by leantune (its record {MANIFEST_NAME} does not list them): {shown}; move "
+                             f"them away or give the run another [output] dir (nothing was deleted)")
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
             p.unlink(missing_ok=True)
+    (root / MANIFEST_NAME).unlink(missing_ok=True)
     log.info("--overwrite: removed the earlier run in %s (%d entries)", root, len(entries))
 
 
@@ -185,6 +280,7 @@ class RunFolder:
         try:
             check_folder(self.root, self.name, self.resume, self.overwrite)
             clean_leftovers(self.root)
+            claim_fixed_entries(self.root)
         except BaseException:
             release_lock(self.lock)
             raise
@@ -205,5 +301,6 @@ def restore_exports(t, paths, step: int, last_step: int, formats: list[str]) -> 
     if all(paths.lora_file(fmt, step).exists() for fmt in formats):
         return []
     files = t.mode.export(t, paths, step, True)
+    record_written(paths.root, files)
     log.info("rewrote the LoRA files of step %d from its saved state: %s", step, ", ".join(str(f) for f in files))
     return files

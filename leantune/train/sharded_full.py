@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig
+from ..config import DistributedConfig, FullConfig, MemoryConfig, TrainConfig
 from ..distributed import launch_env, resolve_strategy
-from ..models.family import get_family
 from .full_export import export_files
 from .mode_shared import check_resumable
 from .trainable import select_trainable
@@ -41,8 +40,10 @@ log = logging.getLogger("leantune")
 class ShardedFullMode:
     name = "full"
 
-    def __init__(self, cfg: RunConfig, dist=None):
-        self.cfg = cfg
+    def __init__(self, train: TrainConfig, full: FullConfig, formats: list[str], *, fsdp_cpu_offload: bool = False,
+                 dist=None):
+        self.train, self.full, self.formats, self.fsdp_cpu_offload = train, full, list(formats), fsdp_cpu_offload
+        self.spec = None                          # the family's spec, from prepare()
         self.dist = dist                          # leantune.distributed.DistContext (its Accelerator)
         self.model = None
         self.named: dict[str, torch.nn.Parameter] = {}
@@ -56,16 +57,16 @@ class ShardedFullMode:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        cfg = self.cfg
+        self.spec = spec
         self._unfreeze(transformer, "fsdp2")
-        device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+        device = "cuda" if self.train.device != "cpu" and torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (self._world_size(),))
         options = {"mesh": mesh}
-        if cfg.distributed.fsdp_cpu_offload and device == "cpu":
+        if self.fsdp_cpu_offload and device == "cpu":
             raise ValueError("[distributed] fsdp_cpu_offload = true with CPU processes: the shards already live in host "
                              "RAM, and FSDP2's CPUOffloadPolicy needs a CUDA device (it fails with \"Cannot access "
                              "accelerator device when none is available\"); remove the key")
-        if cfg.distributed.fsdp_cpu_offload:
+        if self.fsdp_cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
         units = [block for _, block in spec.blocks(transformer)] + [transformer]
         for module in units:
@@ -80,9 +81,9 @@ class ShardedFullMode:
 
     def _unfreeze(self, transformer: torch.nn.Module, strategy: str) -> dict[str, torch.nn.Parameter]:
         """The `[full] train` / `exclude` selection trains; everything else is frozen."""
-        cfg, full = self.cfg, self.cfg.full
-        if cfg.train.optimizer != "adamw":
-            raise ValueError(f"[train] optimizer = {cfg.train.optimizer!r} with [distributed] strategy = "
+        full = self.full
+        if self.train.optimizer != "adamw":
+            raise ValueError(f"[train] optimizer = {self.train.optimizer!r} with [distributed] strategy = "
                              f"\"{strategy}\": full fine-tunes on several processes use \"adamw\"")
         named = select_trainable(transformer, full.train, full.exclude)
         if not named:
@@ -100,21 +101,20 @@ class ShardedFullMode:
         return {}
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
-        tc = self.cfg.train
+        tc = self.train
         return torch.optim.AdamW(params, lr=tc.learning_rate, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, t, micro_batch) -> float:
-        cfg = self.cfg
         t.optimizer.zero_grad(set_to_none=True)
-        accum = cfg.train.gradient_accumulation
+        accum = self.train.gradient_accumulation
         total = sum(micro_batch(1.0 / accum) for _ in range(accum))
         with torch.no_grad():             # reduce-scatter averaged the weighted shares: make it their sum
             for p in t.params:
                 if p.grad is not None:
                     p.grad.mul_(self.world_size)
-        if cfg.train.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(t.params, cfg.train.max_grad_norm)
+        if self.train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(t.params, self.train.max_grad_norm)
         t.optimizer.step()
         return total / accum
 
@@ -147,8 +147,8 @@ class ShardedFullMode:
     def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
         """The whole model from the weights gathered by the last `state()` (rank 0)."""
         access = _GatheredAccess(self.model, self._gathered or {})
-        spec = get_family(self.cfg.model.family).spec
-        return export_files(self.model, spec, access, self.cfg, paths, step, intermediate)
+        return export_files(self.model, self.spec, access, paths, step, intermediate, formats=self.formats,
+                            save_dtype=self.full.save_dtype, keep_last=self.train.keep_last)
 
     def close(self, t) -> None:
         self._gathered = None
@@ -167,7 +167,7 @@ class ZeroFullMode(ShardedFullMode):
 
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
         named = self._unfreeze(transformer, "deepspeed")
-        self.model, self.named = transformer, named
+        self.model, self.named, self.spec = transformer, named, spec
         self.world_size = self._world_size()
         return list(named.values())
 
@@ -194,7 +194,7 @@ class ZeroFullMode(ShardedFullMode):
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def step(self, t, micro_batch) -> float:
-        accum = self.cfg.train.gradient_accumulation
+        accum = self.train.gradient_accumulation
         total = 0.0
         for _ in range(accum):
             total += micro_batch(1.0 / accum)
@@ -256,7 +256,8 @@ class _GatheredAccess:
         return self.weights[f"{prefix}.{attr}" if prefix else attr]
 
 
-def sharded_full_mode(cfg: RunConfig, dist=None):
+def sharded_full_mode(train: TrainConfig, full: FullConfig, memory: MemoryConfig, distributed: DistributedConfig,
+                      formats: list[str], dist=None):
     """The mode for `[train] mode = "full"` on several processes, or None for one process.
     `dist` is the run's DistContext (its world size and Accelerator); without one the launcher's
     environment says how many processes there are."""
@@ -264,17 +265,17 @@ def sharded_full_mode(cfg: RunConfig, dist=None):
     world = dist.world_size if dist is not None and dist.accelerator is not None else (env or {}).get("WORLD_SIZE", 1)
     if world <= 1:
         return None
-    strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode)
-    m = cfg.memory
+    strategy = resolve_strategy(distributed.strategy, train.mode)
+    m = memory
     if m.streamed_blocks not in (0, [], "none") or m.stream_non_blocks or m.vram_budget is not None:
         raise ValueError("[memory] streamed_blocks / stream_non_blocks / vram_budget with [train] mode = \"full\" on "
                          "several processes: FSDP2 shards the weights and owns where they live; remove them (each "
                          "process then holds 1/N of the weights, gradients and optimizer states)")
     if strategy == "fsdp2":
-        return ShardedFullMode(cfg, dist)
+        return ShardedFullMode(train, full, formats, fsdp_cpu_offload=distributed.fsdp_cpu_offload, dist=dist)
     if strategy == "deepspeed":
-        if cfg.distributed.zero_stage != 2 and cfg.distributed.deepspeed_config is None:
+        if distributed.zero_stage != 2 and distributed.deepspeed_config is None:
             raise ValueError("[distributed] zero_stage = 3: leantune runs DeepSpeed ZeRO-2 only (stage 3 shards the "
                              "weights; use strategy = \"fsdp2\" for that)")
-        return ZeroFullMode(cfg, dist)
+        return ZeroFullMode(train, full, formats, dist=dist)
     raise ValueError(f"[distributed] strategy = {strategy!r} cannot run [train] mode = \"full\"")

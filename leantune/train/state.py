@@ -10,6 +10,12 @@ then renamed into place; `state.json` is written last and a folder without it is
 interrupted save never shadows the previous good checkpoint. Each checkpoint also stores the
 resolved run config (`config.json`), so a resume can say what changed (train/resume_config.py).
 
+Nothing non-finite is ever saved or resumed: a state holding NaN or inf (a diverged run) is
+refused before anything is written, so the previous save stays the resumable one. `state.json`
+records the sha256 of every tensor file, computed while it is written; a file whose bytes no longer
+match (bit rot, length unchanged, which safetensors itself would load without complaint) does not
+load, and neither does a checkpoint whose values are non-finite.
+
 `load_latest` falls back past a checkpoint that does not load: it is renamed `corrupt-step-*`
 (kept for inspection, never picked up again) and the previous one is used, with a warning.
 A full disk during a save is reported with the folder and the bytes needed (leantune/disk.py).
@@ -17,6 +23,7 @@ A full disk during a save is reported with the folder and the bytes needed (lean
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +38,26 @@ from ..io import load_safetensors, save_safetensors_streamed
 PREFIX = "step-"
 CORRUPT_PREFIX = "corrupt-"
 log = logging.getLogger("leantune")
+
+
+class NonFiniteStateError(FloatingPointError):
+    """A state to save holds NaN or inf; nothing was written and the previous save is kept."""
+
+
+TENSOR_FILE = "tensors.safetensors"
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """'key (NaN)' / 'key (inf)' for each floating tensor holding a non-finite value."""
+    bad = []
+    for key, t in tensors.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        if bool(torch.isfinite(t).all()):
+            continue
+        what = "NaN" if bool(torch.isnan(t).any()) else "inf"
+        bad.append(f"{key} ({what})")
+    return bad
 
 
 def _flatten(obj, tensors: dict[str, torch.Tensor], path: str):
@@ -87,6 +114,14 @@ def save_checkpoint(root: str | Path, step: int, state: dict, keep_last: int | N
     intact = f"the last save ({previous.name}) is intact" if previous else "no earlier save exists"
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(state, tensors, "")
+    bad = non_finite(tensors)
+    if bad:
+        kept = f"the last save ({previous}) is kept" if previous else "no earlier save exists"
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise NonFiniteStateError(
+            f"step {step}: the state to save holds non-finite values ({', '.join(bad[:3])}{more}): the training "
+            f"diverged; nothing was saved and {kept}. Lower [train] learning_rate (or raise max_grad_norm "
+            f"clipping) and resume from the last save, or start again")
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     with disk_full_guard(root, needed, intact):
         return _write_checkpoint(root, step, tensors, tree, keep_last, config)
@@ -101,13 +136,15 @@ def _write_checkpoint(root: Path, step: int, tensors: dict, tree, keep_last: int
     try:
         # Written tensor by tensor: safetensors' save_file would first serialize all of them to
         # bytes, a second copy of a full fine-tune's weights and optimizer state in host RAM.
-        save_safetensors_streamed(tmp / "tensors.safetensors", [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
-                                  ({k: v} for k, v in tensors.items()))
-        _fsync_path(tmp / "tensors.safetensors")
+        digest = hashlib.sha256()
+        save_safetensors_streamed(tmp / TENSOR_FILE, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
+                                  ({k: v} for k, v in tensors.items()), digest=digest)
+        _fsync_path(tmp / TENSOR_FILE)
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             _fsync_path(tmp / "config.json")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "state": tree}))
+        (tmp / "state.json").write_text(json.dumps({"step": step, "state": tree,
+                                                    "checksums": {TENSOR_FILE: f"sha256:{digest.hexdigest()}"}}))
         _fsync_path(tmp / "state.json")
         if final.exists():
             old = root / f".old-{final.name}-{os.getpid()}"
@@ -146,12 +183,34 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict]:
         meta = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / 'state.json'}: unreadable checkpoint state ({e})") from None
-    tensors, _ = load_safetensors(path / "tensors.safetensors")
+    _verify_checksums(path, meta.get("checksums"))
+    tensors, _ = load_safetensors(path / TENSOR_FILE)
+    bad = non_finite(tensors)
+    if bad:
+        raise CheckpointError(f"{path / TENSOR_FILE}: holds non-finite values ({', '.join(bad[:3])})")
     try:
         return int(meta["step"]), _unflatten(meta["state"], tensors)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: state.json does not match tensors.safetensors ({type(e).__name__}: {e})") \
             from None
+
+
+def _verify_checksums(path: Path, checksums: dict | None) -> None:
+    """Each tensor file's sha256 against the one recorded when it was written (checkpoints from
+    before checksums were stored have none: their values are still checked for NaN/inf)."""
+    from ..io import file_sha256
+
+    for name, recorded in (checksums or {}).items():
+        algorithm, _, want = str(recorded).partition(":")
+        if algorithm != "sha256":
+            raise CheckpointError(f"{path / 'state.json'}: unknown checksum {recorded!r} for {name}")
+        try:
+            got = file_sha256(path / name)
+        except OSError as e:
+            raise CheckpointError(f"{path / name}: unreadable ({e})") from None
+        if got != want:
+            raise CheckpointError(f"{path / name}: its bytes changed since it was saved (sha256 {got[:12]}..., "
+                                  f"saved as {want[:12]}...): damaged on disk")
 
 
 def saved_config(path: str | Path) -> dict | None:

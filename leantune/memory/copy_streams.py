@@ -1,0 +1,29 @@
+"""The device side of weight streaming's copies: the compute device, its dedicated copy stream,
+and events, or their absence on CPU.
+
+Why a dedicated copy stream: host->device copies issued there overlap the compute stream's work;
+ordering between the two is by events only (compute waits on a copy's event before using a unit, a
+slot is refilled only after the event recorded on the compute stream at its last use), never by a
+device- or stream-wide synchronize. On CPU the same schedule runs with no streams and no events
+(`cuda` is False, `event()` returns None), which lets CI test it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CopyBackend:
+    def __init__(self, device: torch.device | str):
+        dev = torch.device(device)
+        self.cuda = dev.type == "cuda"
+        if self.cuda and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.copy_stream = torch.cuda.Stream(dev) if self.cuda else None
+
+    def compute_stream(self):
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else None

@@ -1,0 +1,70 @@
+"""Saved-tensor hooks for streamed units run without checkpointing.
+
+Autograd saves some tensors in forward for backward, and inside a streamed unit some of them are
+its weights, that is views of a ring slot (memory/slot_ring.py). By backward the slot may hold
+another unit's bytes, so a saved view would silently read the wrong weights. Instead these hooks
+pack a view of a slot into a handle (unit, offset, shape, strides) and rebuild it from the slot in
+backward, after checking that the unit is held again (resident and valid); a unit that is not
+raises at once rather than compute with whatever the slot holds. Any other tensor passes through.
+
+With checkpointing these hooks are not installed: the recompute re-enters the streamed forward,
+which re-acquires the unit; checkpointing therefore wraps *outside* streaming (see engine.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .slot_ring import Slot
+from .streaming_units import StreamedUnit
+
+
+@dataclass(frozen=True)
+class SavedSlotView:
+    """A saved tensor that was a view of a streaming slot, rebuilt from the slot in backward."""
+
+    unit: StreamedUnit
+    dtype: torch.dtype
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage `t` views (the address of its StorageImpl), valid while it lives."""
+    return t.untyped_storage()._cdata
+
+
+class SlotSavedTensors:
+    """The pack/unpack pair for `torch.autograd.graph.saved_tensors_hooks` over the ring `slots`."""
+
+    def __init__(self, slots: list[Slot]):
+        self.slots = slots
+        # Keyed by storage identity, not data_ptr(): a fake or meta storage (the simulated device,
+        # memory/simulated.py) has data_ptr() 0, which would make every tensor look like a slot view.
+        self.by_storage = {storage_key(s.buf): s for s in slots}
+
+    def installed(self):
+        """The context in which a unit's forward runs: its saved slot views become handles."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        slot = self.by_storage.get(storage_key(t))
+        if slot is None:
+            return t
+        return SavedSlotView(slot.owner, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def unpack(self, h):
+        if not isinstance(h, SavedSlotView):
+            return h
+        slot = self.slots[h.unit.slot]
+        if h.unit.refs == 0 or slot.owner is not h.unit or not slot.valid:
+            raise RuntimeError(f"streaming: backward needs the weights of {h.unit.name} while they are not "
+                               f"resident; the streaming schedule missed this unit")
+        return slot.view_as_dtype(h.dtype).as_strided(h.size, h.stride, h.offset)
+
+    def clear(self) -> None:
+        """Forget the slots (teardown): no tensor is a slot view any more."""
+        self.by_storage.clear()

@@ -1,0 +1,141 @@
+"""Streamed units: which tensors a unit streams, how they are laid out in its one host buffer, and
+how their modules are re-pointed at that buffer (or at a device slot).
+
+A *unit* is one streamed block, or (optionally) all non-block modules as one group. All its frozen
+tensors (parameters and buffers, not adapter weights; with trainable streaming also its trained
+weights and their optimizer state) are packed into one contiguous host buffer of exactly the
+unit's size, each tensor at an `ALIGN`-byte boundary. A tensor shared by several modules is
+packed once and all its owners point at the one place.
+
+Host RAM while applying: units are packed one at a time, and each unit's tensors are re-pointed at
+their place in its buffer right after the copy (`pack_unit`), so the original storage is freed
+(and its pages handed back to the OS) before the next unit is packed. The peak is the model plus
+one unit, not the model plus every buffer; afterwards the host holds the streamed units once, as
+their buffers.
+
+The planner prices streamed blocks with this same layout (planner/weight_bytes.py reads `ALIGN`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .fp8 import adapter_module_ids
+from .host_buffers import return_freed_host_memory
+
+ALIGN = 512                  # byte alignment of each tensor inside a packed unit
+# Set (True) on a module holding a trained weight's optimizer state (train/fused_optim.ParamState):
+# under Plan.optimizer_on_host a streamed unit leaves such modules in host RAM.
+OPTIMIZER_STATE_ATTR = "holds_optimizer_state"
+
+
+@dataclass
+class PackedTensor:
+    """One tensor of a unit: where it sits in the packed buffer and who refers to it."""
+
+    owners: list[tuple[nn.Module, str, str]]   # (module, "param" | "buffer", attribute name)
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+
+@dataclass(eq=False)
+class StreamedUnit:
+    name: str
+    modules: list[nn.Module]
+    entries: list[PackedTensor]
+    nbytes: int
+    host: torch.Tensor                 # (nbytes,) uint8, pinned when possible
+    pinned: bool
+    slot: int
+    checkpointed: bool
+    adapter_params: list[nn.Parameter]
+    unpin: object = None               # undoes the host buffer's pinning
+    refs: int = 0
+
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.adapter_params) or any(
+            kind == "param" and m._parameters[attr].requires_grad for e in self.entries for m, kind, attr in e.owners)
+
+
+def layout_unit(modules: list[nn.Module], unit_name: str, trainable_ok: bool = False, state_on_host: bool = False
+                ) -> tuple[list[PackedTensor], list[nn.Parameter], int, list[nn.Module]]:
+    """The frozen tensors of a unit (and its trainable ones if `trainable_ok`), laid out in one
+    buffer; its adapter parameters; and, with `state_on_host`, the optimizer-state modules left out
+    of the buffer (they stay in host RAM: Plan.optimizer_on_host)."""
+    by_id: dict[int, PackedTensor] = {}
+    entries: list[PackedTensor] = []
+    adapters: list[nn.Parameter] = []
+    kept: list[nn.Module] = []
+    offset = 0
+    for top in modules:
+        skip = adapter_module_ids(top)
+        for mname, m in top.named_modules():
+            if id(m) in skip:
+                adapters.extend(p for p in m._parameters.values() if p is not None)
+                continue
+            if state_on_host and getattr(m, OPTIMIZER_STATE_ATTR, False):
+                kept.append(m)
+                continue
+            for kind, store in (("param", m._parameters), ("buffer", m._buffers)):
+                for attr, t in store.items():
+                    if t is None:
+                        continue
+                    if id(t) in by_id:
+                        by_id[id(t)].owners.append((m, kind, attr))
+                        continue
+                    if kind == "param" and t.requires_grad and not trainable_ok:
+                        raise ValueError(
+                            f"memory.streamed_blocks: {unit_name}.{mname + '.' if mname else ''}{attr} is trainable; "
+                            f"streaming moves frozen weights only (LoRA bases, sampling). Stream fewer blocks "
+                            f"or freeze the base model")
+                    nbytes = t.numel() * t.element_size()
+                    e = PackedTensor([(m, kind, attr)], offset, nbytes, t.dtype, t.shape)
+                    by_id[id(t)] = e
+                    entries.append(e)
+                    offset += -(-nbytes // ALIGN) * ALIGN
+    return entries, adapters, offset, kept
+
+
+def _tensor_of(entry: PackedTensor) -> torch.Tensor:
+    m, kind, attr = entry.owners[0]
+    return (m._parameters if kind == "param" else m._buffers)[attr]
+
+
+def point_owners(entry: PackedTensor, value: torch.Tensor) -> None:
+    """Make every owner of `entry` refer to `value` (a parameter's .data, or the buffer itself)."""
+    for m, kind, attr in entry.owners:
+        if kind == "param":
+            m._parameters[attr].data = value
+        else:
+            m._buffers[attr] = value
+
+
+def packed_view(buf: torch.Tensor, e: PackedTensor) -> torch.Tensor:
+    """`e`'s tensor inside a unit-layout byte buffer (the unit's host buffer or its slot)."""
+    return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+
+def pack_unit(host: torch.Tensor, entries: list[PackedTensor], copy: bool = True) -> None:
+    """Copy a unit's tensors into its host buffer and re-point their owners there at once, so each
+    original storage is freed now, unit by unit, rather than after the whole model was packed.
+    `copy=False`: the buffer already holds these bytes (shared with another process): only re-point."""
+    with torch.no_grad():
+        for e in entries:
+            place = packed_view(host, e)
+            if copy:
+                place.copy_(_tensor_of(e).detach())
+            point_owners(e, place)
+    return_freed_host_memory()
+
+
+def free_host_buffer(unit: StreamedUnit) -> None:
+    """Unpin (cudaHostUnregister) and free a unit's host buffer; nothing may view it any more."""
+    if unit.unpin is not None:
+        unit.unpin()
+        unit.unpin = None
+    unit.host = torch.empty(0, dtype=torch.uint8)
