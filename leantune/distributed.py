@@ -514,11 +514,12 @@ class LauncherStopped(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
-def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int:
+def relaunch(gpus: int, argv: list[str], last_save: Callable[[], Path | None] | None = None) -> int:
     """Run torchrun's launcher in this process (so Ctrl-C and kill reach the launcher itself, and
     the workers, whose parent it is, die with it); each worker runs `leantune <argv>`. A worker
     that fails ends the run with a `WorkerFailed` naming its rank, how it ended and the last save
-    in `checkpoints`, instead of torchrun's ChildFailedError report."""
+    (`last_save()`, the caller's: the checkpoint layout is the trainer's), instead of torchrun's
+    ChildFailedError report."""
     import sys
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -533,7 +534,7 @@ def relaunch(gpus: int, argv: list[str], checkpoints: Path | None = None) -> int
         run(parse_args(cmd[3:]))          # the arguments after `python -m torch.distributed.run`
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise WorkerFailed(_failure_message(rank, failure, gpus, checkpoints)) from None
+        raise WorkerFailed(_failure_message(rank, failure, gpus, last_save() if last_save else None)) from None
     except SignalException as e:
         import signal
 
@@ -554,14 +555,11 @@ def peer_lost(e: BaseException) -> bool:
     return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOST))
 
 
-def _failure_message(rank: int, failure, gpus: int, checkpoints: Path | None) -> str:
-    from .train.state import latest_checkpoint
-
+def _failure_message(rank: int, failure, gpus: int, last: Path | None) -> str:
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     else:
         how = f"exited with code {failure.exitcode} (its message is above)"
-    last = latest_checkpoint(checkpoints) if checkpoints is not None else None
     saved = (f"the last save ({last}) is intact: run the same command with --resume to continue from it"
              if last is not None else "no state had been saved yet")
     return f"rank {rank} (pid {failure.pid}) {how}; the other {gpus - 1} process(es) were stopped; {saved}"

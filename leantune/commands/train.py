@@ -31,9 +31,11 @@ def run(args: argparse.Namespace) -> int:
         check_gpus(args.gpus, cfg)
     if args.gpus is not None and args.gpus > 1:
         from ..distributed import launch_env, relaunch
+        from ..train.state import latest_checkpoint
 
         if launch_env() is None:
-            return relaunch(args.gpus, _argv(args), cfg.resolve(cfg.output.dir) / "checkpoints")
+            checkpoints = cfg.resolve(cfg.output.dir) / "checkpoints"
+            return relaunch(args.gpus, _argv(args), lambda: latest_checkpoint(checkpoints))
     result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if result.lora_files:                 # rank 0 writes them; other processes have nothing to say
         print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
