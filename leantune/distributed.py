@@ -50,6 +50,14 @@ class ShardedOutOfMemory(RuntimeError):
     the run ends on every rank instead of re-planning (see `DistContext.agreed_step`)."""
 
 
+class StepFailedAfterVote(RuntimeError):
+    """A rank failed after every rank had agreed on the step's gradients (in their reduction, the
+    clipping or the optimizer step: most likely AdamW allocating its state in step 1). The other
+    ranks have stepped, or are stepping, so redoing the step on the failed rank alone would leave
+    the ranks' weights different: the run ends on every rank, and the last save stays the resumable
+    state. Not an out-of-memory error, so no rank's OOM guard re-plans it."""
+
+
 class RankOutOfMemory(torch.OutOfMemoryError):
     """Raised on healthy ranks when another rank ran out of memory in the same step: every rank's
     OOM guard then re-plans and redoes the step together."""
@@ -178,6 +186,9 @@ class DistContext:
     accelerator: object = None      # the run's accelerate.Accelerator (None: a bare context for unit use)
     device: torch.device | None = None   # the accelerator's device for this process
     _saved_env: dict | None = None
+    _host_group: object = None       # a gloo group for host tensors when the default group has no CPU backend
+    _after_vote: bool = False        # this step's gradient vote passed (see `agreed_step`)
+    _step: int | None = None         # the step `agreed_step` runs
 
     @property
     def is_main(self) -> bool:
@@ -219,12 +230,13 @@ class DistContext:
         # accelerate names a CPU process's device "cpu:<local rank mod 1>"; CPU tensors say "cpu", and
         # the memory engine compares devices, so the plain name is used.
         device = accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
+        host_group = host_group_for_default() if distributed else None
         return cls(rank=accelerator.process_index, world_size=accelerator.num_processes,
                    local_rank=accelerator.local_process_index,
                    local_world_size=env["LOCAL_WORLD_SIZE"] if env is not None else 1,
                    strategy=strategy, backend=state.backend if distributed else None,
                    owns_group=dist.is_initialized() and not had_group, accelerator=accelerator,
-                   device=device, _saved_env=saved_env)
+                   device=device, _saved_env=saved_env, _host_group=host_group)
 
     def close(self, finished: bool = False) -> None:
         """Release the Accelerator's process-wide state, and the process group it created.
@@ -239,9 +251,12 @@ class DistContext:
 
             self.accelerator = None
             release_accelerator(self._saved_env or {})
-        if self.owns_group:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        if self._host_group is not None and not self.owns_group and dist.is_initialized():
+            dist.destroy_process_group(self._host_group)
+        self._host_group = None
+        if self.owns_group:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.owns_group = False
@@ -257,11 +272,29 @@ class DistContext:
         logger.addHandler(handler)
 
     # -- collectives ---------------------------------------------------------------------------------
+    # The step's small agreements (loss sum, votes, observations, object broadcasts) carry host
+    # tensors. NCCL serves CUDA tensors only ("No backend type associated with device type cpu"), so
+    # they go over `_host_group` (gloo) whenever the default group has no CPU backend; a GPU run then
+    # never copies a flag to the device and back (no synchronize) to agree on it.
+    @property
+    def host_group(self):
+        """The group for host tensors: None (the default group) when it serves the CPU."""
+        return self._host_group
+
+    def group_for(self, device: torch.device):
+        """The group whose backend serves tensors of `device` (None: the default group)."""
+        if device.type == "cpu":
+            return self._host_group
+        if not _serves(None, device.type):
+            raise RuntimeError(f"the process group has no backend for {device.type} tensors "
+                               f"({_backend_config(None)})")
+        return None
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=self._host_group)
 
     def main_first(self, fn: Callable):
         """Run `fn` on rank 0, then (behind a barrier) on the others: caches are filled once and
@@ -283,8 +316,36 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._host_group)
         return float(t.item())
+
+    def step_total(self, loss: float) -> float:
+        """The step's closing collective: the sum of every rank's weighted loss, and whether a rank
+        failed after the gradient vote (`agreed_step` sends that rank's failure here, in the same
+        shape, so no rank is left in a collective the others never enter)."""
+        if not self.distributed:
+            return loss
+        total, failed = self._closing(loss, failed=False)
+        if failed:
+            raise StepFailedAfterVote(self._after_vote_message(
+                self._step, f"rank(s) {', '.join(map(str, failed))} failed after the gradient vote"))
+        return total
+
+    def _closing(self, loss: float, failed: bool) -> tuple[float, list[int]]:
+        import torch.distributed as dist
+
+        flags = [0.0] * self.world_size
+        flags[self.rank] = 1.0 if failed else 0.0
+        t = torch.tensor([loss, *flags], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._host_group)
+        return float(t[0]), [r for r in range(self.world_size) if t[1 + r] > 0]
+
+    def _after_vote_message(self, step: int | None, why: str) -> str:
+        at = f"step {step}" if step is not None else "a step"
+        return (f"rank {self.rank}: {at} failed after the ranks agreed on its gradients ({why}): the other "
+                f"ranks' optimizer steps may have run, so the step cannot be redone on one rank without the "
+                f"ranks' weights drifting apart; the run ends on every rank and the last save is intact. "
+                f"Lower [memory] vram_budget or [data] batch_size, then resume with --resume.")
 
     def gather(self, value: float) -> list[float]:
         """`value` from every rank, in rank order (e.g. per-rank memory for rank 0's log)."""
@@ -293,7 +354,7 @@ class DistContext:
         import torch.distributed as dist
 
         out = [None] * self.world_size
-        dist.all_gather_object(out, float(value))
+        dist.all_gather_object(out, float(value), group=self._host_group)
         return [float(v) for v in out]
 
     def rank_memory(self, sample) -> str:
@@ -317,8 +378,26 @@ class DistContext:
         import torch.distributed as dist
 
         out = [None] * self.world_size
-        dist.all_gather_object(out, (int(peak), float(seconds), report))
+        dist.all_gather_object(out, (int(peak), float(seconds), report), group=self._host_group)
         return max(o[0] for o in out), max(o[1] for o in out), out[0][2]
+
+    def agree_machine(self, machine):
+        """The machine every rank plans for (a leantune.planner.machine.Machine): rank 0's rates
+        with the smallest free and total VRAM and host RAM of all ranks. Each rank probes its own
+        GPU; planning from those would give each rank its own plan (`vram_budget = "auto"` reads
+        the free VRAM), which breaks the shared host copy and the ranks' common re-plans. With one
+        machine every rank's planner makes the same plan, fitting the tightest GPU."""
+        if not self.distributed:
+            return machine
+        import torch.distributed as dist
+
+        out = [None] * self.world_size
+        dist.all_gather_object(out, machine.to_dict(), group=self._host_group)
+        agreed = dict(out[0])
+        for key in ("vram_total", "vram_free", "host_ram_total", "host_ram_available"):
+            values = [o[key] for o in out if o[key] is not None]
+            agreed[key] = min(values) if values else None
+        return type(machine)(**agreed)      # the planner's Machine, rebuilt without importing the planner
 
     def vote(self, ok: bool) -> bool:
         """True when every rank's `ok` is True (one all-reduce of one number)."""
@@ -327,7 +406,7 @@ class DistContext:
         import torch.distributed as dist
 
         t = torch.tensor([0.0 if ok else 1.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._host_group)
         return t.item() == 0.0
 
     def shared_host(self, share_host_weights: bool, mode_name: str):
@@ -343,7 +422,7 @@ class DistContext:
         from .memory.shared_host import SharedHostBuffers
 
         box = [uuid.uuid4().hex[:12] if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._host_group)
         return SharedHostBuffers(box[0], leader=self.is_local_main)
 
     def local_main_first(self, fn: Callable, shared=None):
@@ -409,9 +488,20 @@ class DistContext:
         or the launcher stops them (torchrun), and the last save stays the resumable state."""
         if not self.distributed:
             return step_fn()
+        self._after_vote, self._step = False, step
         try:
             return step_fn()
         except Exception as exc:
+            if self._after_vote and not isinstance(exc, StepFailedAfterVote):
+                # The others passed the vote too and are on their way to the step's closing sum:
+                # meet them there with this rank's failure, then every rank ends.
+                self._after_vote = False
+                log.error("rank %d failed after the gradient vote: %s", self.rank, exc)
+                self._closing(0.0, failed=True)
+                # The text names the error's type only: an allocator's message would make this
+                # look like an out-of-memory error, which the OOM guard would re-plan and redo.
+                raise StepFailedAfterVote(self._after_vote_message(
+                    step, f"rank {self.rank} failed after the gradient vote: {type(exc).__name__}")) from exc
             if is_out_of_memory(exc) and not isinstance(exc, RankOutOfMemory):
                 if self.strategy in ("fsdp2", "deepspeed"):
                     at = f" in step {step}" if step is not None else ""
@@ -435,6 +525,7 @@ class DistContext:
         if not self.vote(True):
             raise RankOutOfMemory("CUDA out of memory on another rank in this step (this rank's step was fine); "
                                   "re-planning together")
+        self._after_vote = True          # from here on a failure cannot be redone by one rank alone
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         for p, g in zip(params, grads):
             if p.grad is None:
@@ -442,9 +533,9 @@ class DistContext:
         by_device: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault((g.device, g.dtype), []).append(g)
-        for group in by_device.values():
+        for (device, _), group in by_device.items():
             flat = torch._utils._flatten_dense_tensors(group)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group_for(device))
             for g, reduced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 g.copy_(reduced)
 
@@ -472,6 +563,36 @@ class DistContext:
                                   f"(weights, optimizer and step count are kept; the rest of this epoch is skipped).")
         log.warning("%s: continuing at the start of the next epoch (allow_world_size_change = true)", what)
         return False
+
+
+def _backend_config(group) -> str:
+    from torch.distributed import distributed_c10d as c10d
+
+    return str(c10d._world.pg_backend_config.get(group or c10d._get_default_group(), "?"))
+
+
+def _serves(group, device_type: str) -> bool:
+    """Whether `group` (None: the default group) has a backend for tensors of `device_type`."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group or c10d._get_default_group()
+    types = getattr(pg, "_device_types", None)
+    if types is not None:
+        return any(d.type == device_type for d in types)
+    config = _backend_config(group)            # "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+    if ":" in config:
+        return any(part.split(":")[0] == device_type for part in config.split(","))
+    return (config == "gloo") if device_type == "cpu" else config in ("gloo", "nccl")
+
+
+def host_group_for_default():
+    """A gloo group beside a default group that has no CPU backend (NCCL), else None. Collective:
+    every rank calls it once, in the same order as its other group creations."""
+    import torch.distributed as dist
+
+    if _serves(None, "cpu"):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def launch_env() -> dict | None:

@@ -314,7 +314,8 @@ def train_step(t: Trainee, cfg: RunConfig) -> float:
     t.transformer.train()
     loss = t.mode.step(t, lambda scale: forward_backward(t, cfg, next(t.batches), scale=scale))
     t.scheduler.step()
-    return t.dist.sum(loss)                   # every rank's weighted share: the global batch's loss
+    # Every rank's weighted share: the global batch's loss (and any rank's failure after the vote).
+    return t.dist.step_total(loss)
 
 
 def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> float:
@@ -344,8 +345,13 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
 
 
 def _autocast(cfg: RunConfig, device: torch.device):
+    """bf16 autocast without its cast cache: the cache keeps the bf16 cast of every fp32 leaf that
+    requires grad (every trained weight of a full fine-tune with [model] dtype = "fp32") until the
+    forward's autocast exits, which for streamed blocks is a bf16 copy of all of them on the device
+    (about 24 GB for Flux-dev), unpriced and defeating streaming. Each use casts afresh instead; a
+    weight is used once per forward, so nothing is cast twice."""
     if cfg.train.mixed_precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
     return torch.autocast(device_type=device.type, enabled=False)
 
 
@@ -364,11 +370,13 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
     mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **options))  # host RAM
 
+    machine = _agreed_machine(cfg, dist, device)
+
     def load(in_turn: bool, shared=None) -> tuple:
         transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
         log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
         params = mode.prepare(transformer, family.spec)
-        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared))
+        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared, machine))
 
     if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
@@ -393,8 +401,19 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     return t
 
 
+def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):
+    """Several processes planning for a budget: the one machine they all plan for, probed on every
+    rank before any loads and agreed (DistContext.agree_machine), so every rank makes the same
+    plan. None otherwise (the planner probes its own)."""
+    if cfg.memory.vram_budget is None or not dist.distributed:
+        return None
+    from .planner import from_config
+
+    return dist.agree_machine(from_config.probe_machine(device))
+
+
 def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None, in_turn: bool = False,
-                  shared=None) -> tuple:
+                  shared=None, machine=None) -> tuple:
     """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
     `in_turn`: this process applies it in its loading turn (DistContext.local_turns) with the shared
     host buffers `shared`, without collectives; else every rank applies it together.
@@ -408,7 +427,7 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
     if cfg.memory.vram_budget is not None:
         from .planner.from_config import choose_plan, planner_for_config
 
-        planner, budget = planner_for_config(cfg, spec, transformer)
+        planner, budget = planner_for_config(cfg, spec, transformer, machine)
         plan = choose_plan(planner, budget, cfg)
     else:
         plan = resolve_plan(cfg.memory, spec, transformer)
@@ -441,7 +460,9 @@ def _replan(t: Trainee, plan) -> None:
     t.mode.drop_partial_step(t)
     if t.memory is not None:
         handle, t.memory = t.memory, None       # if applying `plan` fails, the weights stay home
-        handle.remove(device="cpu")
+        # The frozen base stays as it is: fp8 weights e4m3 (no bf16 copy, no requantizing), shared
+        # host weights on the shared pages (no private copy per process).
+        handle.remove(device="cpu", keep_fp8=True, keep_host=True)
     t.plan = plan
     t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist)
     log.info("memory plan now: %s", plan.describe())

@@ -7,8 +7,15 @@ was loaded, and how often the memory plan was re-applied. A config whose file na
 "resume" trains 3 steps, then resumes to the end. One whose name contains "oom" makes rank 1's 5th
 forward/backward fail as the CUDA allocator does, and makes the planner answer the re-plan with a
 streaming + checkpointing plan (exact on CPU); "oomfull" (a full fine-tune) makes rank 1's 9th
-forward/backward fail the same way, with no planner. The results are written after every config,
+forward/backward fail the same way, with no planner; "optstep" makes rank 1's first optimizer step
+fail that way (after the gradient vote); "probe" makes the ranks' machine probes report different free
+VRAM and records the budgets and plans each rank chose. The results are written after every config,
 so a config that ends the processes leaves those of the configs before it.
+
+The process group has NCCL's device restriction (tests/nccl_like.py): a host tensor handed to the
+default group fails as under NCCL. `--plain-gloo` (first argument after OUT) starts plain gloo for
+the FSDP2 / DeepSpeed runs, whose own collectives carry the model's tensors (CPU ones here; CUDA
+ones, served by NCCL, on a GPU: bench/gpu_checks.sh runs those under NCCL).
 """
 
 import json
@@ -20,16 +27,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nccl_like import init_group  # noqa: E402
+
 torch.set_num_threads(1)
 
 
 def main(out: str, *configs: str) -> None:
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
+    plain = configs[:1] == ("--plain-gloo",)
+    configs = configs[1:] if plain else configs
+    init_group(plain=plain)
     from leantune.config import load_config
+    from leantune.planner import from_config as from_config_mod
     from leantune.planner import search as planner_mod
+    from leantune.planner.machine import assumed_machine
     from leantune.models import flux_loading
     from leantune import trainer as trainer_mod
+    from leantune.train import lora_mode as modes_mod
 
     counts = {"vae": 0, "text_encoders": 0, "replans": 0}
 
@@ -43,10 +58,41 @@ def main(out: str, *configs: str) -> None:
     flux_loading.load_text_encoders = counted("text_encoders", flux_loading.load_text_encoders)
     trainer_mod._replan = counted("replans", trainer_mod._replan)
     real_forward, real_plan = trainer_mod.forward_backward, planner_mod.Planner.plan
+    real_build_optimizer = modes_mod.build_optimizer
     results = {}
     for path in configs:
         calls = {"forward": 0, "plan": 0}
-        if "oomfull" in Path(path).name:
+        if "probe" in Path(path).name:
+            # The ranks' GPUs report different free VRAM (another process on rank 1's GPU):
+            # [memory] vram_budget = "auto" must still give one plan, the same on every rank.
+            def probe(device=None, quick=True):
+                free = (10 if rank == 0 else 3) * 2**30
+                return replace(assumed_machine(), vram_total=12 * 2**30, vram_free=free)
+
+            def plan(self, budget):
+                calls["budgets"] = calls.get("budgets", []) + [budget.vram]
+                chosen = real_plan(self, budget)
+                calls["plans"] = calls.get("plans", []) + [chosen.describe()]
+                return chosen
+
+            from_config_mod.probe_machine = probe
+            trainer_mod.forward_backward, planner_mod.Planner.plan = real_forward, plan
+        elif "optstep" in Path(path).name:
+            # Rank 1's first optimizer step fails as AdamW's state allocation would, after the
+            # ranks agreed on the step's gradients.
+            def build_optimizer(params, tc):
+                opt = real_build_optimizer(params, tc)
+
+                def fail(optimizer, args, kwargs):
+                    calls["forward"] += 1
+                    if rank == 1 and calls["forward"] == 1:
+                        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+                opt.register_step_pre_hook(fail)
+                return opt
+
+            modes_mod.build_optimizer = build_optimizer
+            trainer_mod.forward_backward, planner_mod.Planner.plan = real_forward, real_plan
+        elif "oomfull" in Path(path).name:
             def forward(t, c, batch, scale=1.0):
                 calls["forward"] += 1
                 if rank == 1 and calls["forward"] == 9:
@@ -76,10 +122,13 @@ def main(out: str, *configs: str) -> None:
             result = trainer_mod.train(load_config(path), resume=True, progress=False)
         else:
             result = trainer_mod.train(load_config(path), progress=False)
-        results[Path(path).stem] = {"losses": result.losses, **counts,
+        results[Path(path).stem] = {"losses": result.losses, **counts, "budgets": calls.get("budgets"),
+                                    "plans": calls.get("plans"),
                                     "files": [str(f) for f in result.lora_files]}
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()                   # no rank tears the group down while another's last op is in flight
+    # No rank tears the group down while another's last op is in flight (over a group that serves
+    # host tensors: the default one may not).
+    dist.barrier(group=dist.new_group(backend="gloo"))
     dist.destroy_process_group()
 
 

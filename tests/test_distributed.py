@@ -136,6 +136,10 @@ def test_full_mode_on_several_processes_picks_fsdp2_and_refuses_streaming_by_key
         make_mode(cfg(memory={"streamed_blocks": 2}))
     with pytest.raises(ValueError, match=r"zero_stage = 3: leantune runs DeepSpeed ZeRO-2 only"):
         make_mode(cfg(distributed={"strategy": "deepspeed", "zero_stage": 3}))
+    sampled = {"every": 5, "prompts": ["a red square"]}
+    with pytest.raises(ValueError, match=r"\[sample\] every = 5 with \[train\] mode = \"full\" sharded by FSDP2"):
+        make_mode(cfg(sample=sampled))                                       # rank 0 alone would all-gather
+    assert type(make_mode(cfg(sample=sampled, distributed={"strategy": "deepspeed"}))).__name__ == "ZeroFullMode"
 
 
 def test_one_process_context_is_trivial_and_world_size_change_is_explained():
@@ -271,6 +275,26 @@ def _loss_gap(a: list[float], b: list[float], what: str) -> None:
     print(f"{what}: largest relative loss difference {rel:.2e}")
 
 
+def test_every_collective_of_the_run_works_under_nccls_device_restriction(tmp_path):
+    """Two processes on a group whose device map has no CPU backend (tests/nccl_like.py: NCCL's
+    restriction, NCCL's error): every collective the trainer calls (the step's loss sum, the
+    gradient vote, gather, the calibration's observation, barrier, the gradient all-reduce, an OOM
+    announced by rank 1) works and gives the agreed values on both ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_collectives_worker.py"), str(tmp_path)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    errors = {k: v["error"] for r in ranks for k, v in r.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    for r in ranks:
+        assert r["sum"] == 4.0 and r["vote"] == [True, False] and r["gather"] == [0.0, 10.0]
+        assert r["observation"] == [101, 2.0, {"r": 0}] and r["barrier"] == "ok"
+        assert r["sync_gradients"] == [[3.0, 3.0, 3.0], [0.0, 0.0]] and r["step_total"] == 2.0
+    assert ranks[0]["main_first"] == 0 and ranks[1]["main_first"] == 1
+    assert ranks[0]["agreed_step"] == "RankOutOfMemory" and ranks[1]["agreed_step"] == "OutOfMemoryError"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_flux_dir, images):
     """One process, batch_size 2: what two processes with batch_size 1 must reproduce."""
@@ -314,6 +338,43 @@ def test_two_processes_match_one_with_the_doubled_batch_plain_streamed_and_after
     assert "out of memory at step 3" in run.stderr and "[rank 1]" in run.stderr
     log = (tmp_path / "oom" / "train.log").read_text()
     assert "memory plan now: stream 1" in log and "per rank: rss" in log
+
+
+@pytest.mark.slow
+def test_an_oom_after_the_gradient_vote_ends_the_run_on_every_rank_without_a_hang(tmp_path, tiny_flux_dir, images):
+    """Rank 1's first optimizer step runs out of memory (AdamW allocating its state), after both
+    ranks agreed on the step's gradients: rank 0 has stepped already, so redoing the step on rank 1
+    alone would diverge the weights, and its vote would meet rank 0's loss sum. Both ranks end
+    (no hang, no garbage vote) naming the step and the reason."""
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "optstep", 1, str(tmp_path / "optstep"),
+                       "[memory]\nvram_budget = \"8GiB\"\n")
+    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 3"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(cfg)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0, run.stderr[-4000:]
+    for r in (0, 1):
+        assert f"rank {r}: step 1 failed after the ranks agreed on its gradients" in run.stderr, run.stderr[-6000:]
+    assert "rank 1 failed after the gradient vote" in run.stderr
+    assert not (tmp_path / "rank0.json").exists() and not (tmp_path / "rank1.json").exists()
+
+
+@pytest.mark.slow
+def test_ranks_whose_gpus_report_different_free_vram_plan_once_and_alike(tmp_path, tiny_flux_dir, images):
+    """[memory] vram_budget = "auto" with rank 0's GPU showing 10 GiB free and rank 1's 3 GiB:
+    different plans would break the shared host copy and the ranks' common re-plans, so the run
+    decides one plan, for the tightest GPU, and every rank uses it."""
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "probe", 1, str(tmp_path / "probe"),
+                       "[memory]\nvram_budget = \"auto\"\n")
+    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 2"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(cfg)]
+    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["probe"] for r in range(2)]
+    assert ranks[0]["budgets"] and ranks[0]["budgets"] == ranks[1]["budgets"], [r["budgets"] for r in ranks]
+    assert ranks[0]["plans"] == ranks[1]["plans"]
+    assert max(ranks[0]["budgets"]) <= 3 * 2**30                   # the tightest GPU's free VRAM
 
 
 @pytest.mark.slow
@@ -476,7 +537,8 @@ def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process_and_
     for p in (zero, offload, oom):
         p.write_text(p.read_text().replace(f"cache-{p.stem}", "cache-fsdp"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(fsdp), str(zero), str(offload), str(oom)]
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), "--plain-gloo", str(fsdp), str(zero), str(offload),
+           str(oom)]
     run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert run.returncode != 0, "rank 1's out-of-memory error must end the run"
     assert "rank 1: out of memory in step 5 of a full fine-tune on 2 processes (fsdp2)" in run.stderr, \

@@ -264,3 +264,74 @@ def test_host_steps_in_flight_stay_within_their_byte_limit():
     engine._drain()
     assert peak[0] <= limit and order == list(range(12)) and not engine.pending
     engine.close()
+
+
+def test_a_write_back_keeps_its_own_completion_event_when_the_slot_is_released_again(monkeypatch):
+    """CUDA's write-back path, driven on the CPU with recording stand-ins for streams and events:
+    the write-back's completion event (what `_drain` and the next fetch wait for before the host
+    copy is read) must stay recorded on the write-back stream. Handing the slot that same object
+    as its free event let the slot's next release re-record it on the compute stream, so a drain
+    would then wait for the compute stream, not for the copy into the host buffer."""
+    import contextlib
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def __init__(self):
+            self.recorded_on = []
+
+        def record(self, stream):
+            self.recorded_on.append(stream.name)
+
+    class Backend:
+        cuda = True
+        compute = Stream("compute")
+
+        def event(self, timing=False):
+            return Event()
+
+        def compute_stream(self):
+            return self.compute
+
+    plan = _host(Plan(streamed_blocks=tuple(_names()), checkpointing="blocks"))
+    _, _, handle, _, _ = run("sgd", plan, steps=1)
+    engine = handle.streaming.engine
+    real_backend = engine.backend
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    engine.backend, engine.writeback_stream = Backend(), Stream("writeback")
+    unit = engine.units[0]
+    slot = engine.slots[unit.slot]
+    engine.dirty.add(id(unit))
+    engine._write_back(unit, slot, poison=False)
+    done = engine.written[id(unit)]
+    assert done.recorded_on == ["writeback"]
+    engine.dirty.add(id(unit))                       # stepped again, its hold ends: the slot's release
+    engine._retire(unit, slot)
+    assert done.recorded_on == ["writeback"], "the write-back's event was re-recorded by the slot's release"
+    engine.written.clear()
+    engine.backend, engine.writeback_stream = real_backend, None
+    handle.remove()
+
+
+def test_removing_a_trainable_streaming_engine_frees_each_host_buffer_as_its_unit_goes_home():
+    """remove() copies a unit's weights out, then frees its host buffer, so a re-plan (after an OOM
+    or a calibration) holds one unit of extra host RAM, not a second copy of the streamed blocks
+    (about 240 GB for Flux-dev with fp32 moments). The engine's views of the host buffers (its host
+    step's weights) kept every buffer's memory alive until the engine itself died: once remove()
+    returns, nothing but this test may hold a buffer's storage."""
+    import gc
+
+    plan = _host(Plan(streamed_blocks=tuple(_names()), checkpointing="blocks"))
+    _, _, handle, model, _ = run("sgd", plan, steps=1)
+    engine = handle.streaming.engine
+    storages = [u.host.untyped_storage() for u in handle.streaming.units]   # this test's own handles
+    assert storages and all(torch._C._storage_Use_Count(s._cdata) > 1 for s in storages)
+    handle.remove(device="cpu")
+    gc.collect()
+    held = sum(torch._C._storage_Use_Count(s._cdata) > 1 for s in storages)
+    assert held == 0, f"{held} of {len(storages)} host buffers still referenced after remove() (engine alive: {engine is not None})"

@@ -103,6 +103,20 @@ def test_scaled_mm_path_is_off_without_fp8_tensor_cores():
     assert fp8_matmul.scaled_mm_linear(x, q, s, None, torch.bfloat16) is None
 
 
+def test_scaled_mm_path_is_off_unless_asked_for_as_per_token_inputs_lose_accuracy(monkeypatch):
+    """bench/fp8_accuracy.py (docs/benchmarks.md): with Flux's per-channel input outliers, the
+    _scaled_mm product (input quantized per token row) is off the bf16 product by 3.3-3.5 %, the
+    dequantized weight's product by 2.7 %: the more accurate path is the default even where fp8
+    tensor cores are."""
+    monkeypatch.setitem(fp8_matmul._state, "failed", set())
+    monkeypatch.setattr(fp8_matmul, "fp8_tensor_cores", lambda device: True)
+    q, s = quantize(torch.randn(48, 64), block=0)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    assert not fp8_matmul.usable(x, q, s, torch.bfloat16)
+    monkeypatch.setattr(fp8_matmul, "SCALED_MM", True)
+    assert fp8_matmul.usable(x, q, s, torch.bfloat16)
+
+
 def _contract_checked_scaled_mm(calls: list):
     """torch._scaled_mm (torch 2.13 has a CPU kernel) behind the checks its CUDA build makes for
     row-wise scaling, which the CPU kernel does not all make."""
@@ -131,6 +145,7 @@ def test_scaled_mm_call_keeps_torchs_contract_and_matches_the_dequantized_produc
     a token count that is no multiple of 16, bias dtype, and the result."""
     monkeypatch.setitem(fp8_matmul._state, "failed", set())
     monkeypatch.setattr(fp8_matmul, "fp8_tensor_cores", lambda device: True)
+    monkeypatch.setattr(fp8_matmul, "SCALED_MM", True)
     calls: list = []
     monkeypatch.setattr(torch, "_scaled_mm", _contract_checked_scaled_mm(calls))
     g = torch.Generator().manual_seed(5)
@@ -185,6 +200,7 @@ def test_the_scaled_mm_path_runs_no_op_that_cuda_autocast_would_recast(monkeypat
     from torch's own dispatch table for AutocastCUDA, so this holds without a GPU."""
     monkeypatch.setitem(fp8_matmul._state, "failed", set())
     monkeypatch.setattr(fp8_matmul, "fp8_tensor_cores", lambda device: True)
+    monkeypatch.setattr(fp8_matmul, "SCALED_MM", True)
     q, s = quantize(torch.randn(48, 64), block=0)
     x = torch.randn(37, 64).bfloat16()
     rec = _OpNames()
@@ -203,6 +219,7 @@ def test_a_refused_scaled_mm_falls_back_for_that_dtype_only_and_oom_propagates(m
     the OOM guard's to handle: it propagates and does not switch the path off."""
     monkeypatch.setitem(fp8_matmul._state, "failed", set())
     monkeypatch.setattr(fp8_matmul, "fp8_tensor_cores", lambda device: True)
+    monkeypatch.setattr(fp8_matmul, "SCALED_MM", True)
     real = torch._scaled_mm
     raised = {"oom": False}
 

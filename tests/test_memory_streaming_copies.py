@@ -5,6 +5,7 @@ staged and direct copies, and stall accounting of a staged copy compute waits fo
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
@@ -137,3 +138,64 @@ def test_small_blocks_pin_and_first_copies_wait_for_the_slots():
     assert all(s.free_event is not None for s in eng.slots)
     torch.cuda.synchronize()
     handle.remove(device="cpu")
+
+
+class _CurrentDevice:
+    """torch.cuda.device / set_device stand-in: records the device made current, and by which thread."""
+
+    def __init__(self):
+        self.current, self.log = None, []
+
+    def device(self, dev):
+        rec = self
+
+        class Guard:
+            def __enter__(self):
+                rec.current = dev
+                rec.log.append(("enter", str(dev), threading.current_thread().name))
+
+            def __exit__(self, *exc):
+                rec.current = None
+        return Guard()
+
+    def set_device(self, dev):
+        self.current = dev
+        self.log.append(("set", str(dev), threading.current_thread().name))
+
+
+def test_a_pinned_buffer_is_unregistered_with_its_gpu_current_on_whatever_thread_it_dies(monkeypatch):
+    """GPU-only in effect (one GPU on the CPU-free part of bench/gpu_checks.sh; its two-GPU check
+    needs two): a finalizer runs on the thread where the buffer dies (the autograd thread, a
+    worker), whose current device is GPU 0; cudaHostUnregister there would open a context on GPU 0
+    and unregister in the wrong one. Here: the recorded current device at the unregistration."""
+    rec = _CurrentDevice()
+    monkeypatch.setattr(torch.cuda, "device", rec.device)
+
+    class Rt(_FakeCudart):
+        def cudaHostUnregister(self, ptr):
+            self.calls.append(("unregister", ptr, str(rec.current)))
+            return 0
+
+    rt = Rt(rc=0)
+    monkeypatch.setattr(host_buffers, "_cudart", lambda: rt)
+    buf, _ = host_buffers.alloc_host(1000, pin=True, cuda_device=torch.device("cuda", 1))
+    ptr = buf.data_ptr()
+    box = [buf]
+    del buf
+    worker = threading.Thread(target=lambda: (box.clear(), gc.collect()), name="dies-here")
+    worker.start()
+    worker.join()
+    assert rt.calls[-1] == ("unregister", ptr, "cuda:1")
+
+
+def test_the_host_step_worker_runs_with_the_engines_gpu_current(monkeypatch):
+    """GPU-only in effect (see above): the host-step thread's CUDA calls (an event's synchronize,
+    freeing a pinned gradient) must run on the engine's GPU, not on GPU 0 (a new thread's default)."""
+    from leantune.memory.trainable_streaming import host_step_worker
+
+    rec = _CurrentDevice()
+    monkeypatch.setattr(torch.cuda, "set_device", rec.set_device)
+    pool = host_step_worker(torch.device("cuda", 1))
+    seen = pool.submit(lambda: (str(rec.current), threading.current_thread().name)).result()
+    pool.shutdown(wait=True)
+    assert seen[0] == "cuda:1" and seen[1].startswith("leantune-host-step")

@@ -664,6 +664,47 @@ def test_calibration_after_an_oom_works_from_the_plan_and_budget_in_use():
     assert new.notes["predicted_peak_vram"] <= tight.usable_vram and guard.budget == tight
 
 
+def test_oom_guard_frees_the_failed_step_after_its_handler_and_persists_no_calibration_from_it(
+        monkeypatch, tmp_path):
+    """While the `except` block runs, the traceback holds the failed step's frames and so its
+    tensors: freeing there (gc, empty_cache, the peak reset) frees nothing and starts the peak at the
+    near-OOM level. The guard must free after leaving the handler, when the failed step's tensors are
+    gone. And a calibration observed in a run that already ran out of memory is used for this run
+    but not stored: the next run starts from the uncorrected model, not from a near-OOM reading."""
+    import sys
+    import weakref
+
+    from leantune.planner.feedback import oom
+
+    planner, budget = _tight_tiny_planner()
+    first = planner.plan(budget)
+    held, seen = [], []
+
+    def free():
+        gc.collect()
+        seen.append((held[0]() is not None, sys.exc_info()[0] is not None))
+
+    monkeypatch.setattr(oom, "_free_memory", free)
+
+    def step():
+        if not held:
+            activations = torch.empty(1 << 20)            # what the failed step's graph holds
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return "done"
+
+    guard = OomGuard(planner, budget, first, lambda plan: None)
+    assert guard.run(step, step=1) == "done"
+    assert seen == [(False, False)], "freed while the failed step's tensors were still held"
+
+    store = CalibrationStore(tmp_path / "calibration.json")
+    calibrator = PlanCalibrator(guard, store)
+    tight = guard.budget
+    assert calibrator.observe((128, 128), tight.usable_vram + 2 * tight.margin_bytes) is not None   # used now
+    assert planner.calibration.activation_scale
+    assert store.get(planner.key) is None                           # not kept for later runs
+
+
 def test_out_of_memory_errors_are_recognised():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))

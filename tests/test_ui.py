@@ -28,7 +28,7 @@ def test_form_writes_the_toml_train_loads(tmp_path):
     assert cfg.model.path == "/models/flux" and cfg.model.family == "flux"
     assert cfg.data.resolutions == [512, 768] and cfg.data.datasets[0].trigger_word == "ohwx"
     assert Path(cfg.data.datasets[0].path) == Path("/data/cats")
-    assert (cfg.lora.rank, cfg.lora.alpha) == (8, 8)
+    assert (cfg.lora.rank, cfg.lora.alpha) == (8, None)            # alpha unset: the config's default, = rank
     assert cfg.train.steps == 300 and cfg.train.learning_rate == pytest.approx(2e-4)
     assert cfg.memory.vram_budget == "8GiB" and cfg.memory.ram_budget is None
     assert cfg.sample.prompts == ["ohwx, a cat", "ohwx, a dog"] and cfg.sample.every == 100
@@ -292,14 +292,12 @@ def test_bound_beyond_localhost_the_page_needs_the_printed_token(tmp_path):
     assert "warning: leantune ui is bound to 0.0.0.0" in err
 
 
-def test_on_localhost_there_is_no_token(tmp_path):
-    from leantune.ui.command import address
-
-    from leantune.ui.command import is_local
+def test_addresses_and_which_hosts_are_local(tmp_path):
+    from leantune.ui.command import address, is_local
 
     assert [h for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "0.0.0.0", "::", "192.168.1.5", "myhost")
             if is_local(h)] == ["127.0.0.1", "127.0.0.2", "localhost", "::1"]
-    assert address("127.0.0.1", 7860, None) == "http://127.0.0.1:7860/"
+    assert address("127.0.0.1", 7860, "t") == "http://127.0.0.1:7860/?token=t"
     assert address("::", 80, "t") == "http://[::]:80/?token=t"
 
 
@@ -380,7 +378,7 @@ def test_sample_form_negative_prompt_only_for_families_with_cfg(tmp_path):
     with pytest.raises(FormError, match="family: 'sdxl'"):
         sample_job.command({**fields, "model_path": str(sd3), "family": "sdxl"}, out)
 
-    routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs").routes if hasattr(r, "endpoint")}
+    routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs", "t").routes if hasattr(r, "endpoint")}
     assert routes["/api/choices"]()["cfg_families"] == ["sd3"]
     assert routes["/api/model-family"](str(sd3)) == {"family": "sd3"}
     assert routes["/api/model-family"](str(flux)) == {"family": "flux"}
@@ -450,13 +448,13 @@ def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monk
     """E.g. a mode the planner does not price yet: the page shows the planner's words as "not planned"."""
     from leantune.ui.app import create_app
 
-    def declines(config, vram, ram=None):
+    def declines(config, vram, ram=None, stock=None):
         raise ConfigError("the planner does not plan this yet")
 
-    def cannot(config, vram, ram=None):
+    def cannot(config, vram, ram=None, stock=None):
         raise ValueError("the planner cannot build a probe copy of a newfam model")
     monkeypatch.setattr(plan_answer, "plan_json", declines)
-    plan = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
     answer = plan({**FIELDS, "mode": "full"})
     assert answer == {"fits": None, "planned": False, "message": "not planned: the planner does not plan this yet"}
     with pytest.raises(ConfigError, match="vram_budget"):        # a field the config refuses stays an error
@@ -471,7 +469,7 @@ def test_full_mode_plan_answer_is_the_planners_full_fine_tune_plan(tmp_path, tin
     as the planner's answer (naming the path), not raised."""
     from leantune.ui.app import create_app
 
-    plan = _endpoint(create_app(tmp_path / "runs"), "/api/plan", "POST")
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
     fields = {**FIELDS, "model_path": str(tiny_flux_dir), "dataset": str(_images(tmp_path / "d")), "dtype": "fp32",
               "resolutions": "64", "max_text_length": "16", "vram_budget": "1GiB"}
     full, lora = plan({**fields, "mode": "full"}), plan(fields)
@@ -485,7 +483,240 @@ def test_full_mode_plan_answer_is_the_planners_full_fine_tune_plan(tmp_path, tin
 def test_a_refused_run_form_leaves_no_run_folder(tmp_path):
     from leantune.ui.app import create_app
 
-    start = _endpoint(create_app(tmp_path / "runs"), "/api/runs", "POST")
+    start = _endpoint(create_app(tmp_path / "runs", "t", [tmp_path]), "/api/runs", "POST")
     with pytest.raises(ConfigError):
-        start({**FIELDS, "vram_budget": "lots"})
+        start({**FIELDS, "dataset": str(_images(tmp_path / "d")), "vram_budget": "lots"})
+    assert not (tmp_path / "runs" / "cats").exists()
+
+
+def _tiny_fields(tmp_path, tiny_flux_dir, **more):
+    return {**FIELDS, "model_path": str(tiny_flux_dir), "dataset": str(_images(tmp_path / "d")), "dtype": "fp32",
+            "resolutions": "64", "max_text_length": "16", "vram_budget": "1GiB", **more}
+
+
+@pytest.mark.slow
+def test_host_ram_auto_is_this_machines_ram_checked(tmp_path, tiny_flux_dir, monkeypatch):
+    """On a machine without a GPU the command leaves host RAM unchecked; the page trains here, so
+    "auto" is this machine's RAM: a small machine's plan does not fit, and says it is host RAM."""
+    from leantune import host as machine
+    from leantune.ui.app import create_app
+
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
+    fields = _tiny_fields(tmp_path, tiny_flux_dir, ram_budget="auto")
+    monkeypatch.setattr(machine, "host_ram", lambda: (4 * 2**30, 2 * 2**30 + 200 * 2**20))    # 4 GiB, 2.2 free
+    small = plan(fields)
+    assert small["fits"] is False, small
+    assert "host RAM" in small["message"] and "this machine's" in small["ram"]
+    monkeypatch.setattr(machine, "host_ram", lambda: (512 * 2**30, 500 * 2**30))
+    big = plan(fields)
+    assert big["fits"] is True and "this machine's" in big["ram"]
+    assert plan({**fields, "ram_budget": "100MiB"})["fits"] is False     # a size given is that size
+
+
+@pytest.mark.slow
+def test_the_plan_is_said_in_words_and_offers_the_smallest_budget(tmp_path, tiny_flux_dir):
+    from leantune.ui.app import create_app
+
+    plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
+    fields = _tiny_fields(tmp_path, tiny_flux_dir, ram_budget="64GiB", steps="1000")
+    fits = plan(fields)
+    assert fits["fits"] is True
+    assert fits["words"].startswith("the whole model stays on the GPU; ") and "for 1000 steps on" in fits["words"]
+    assert "about under" not in fits["words"]
+    tight = plan({**fields, "vram_budget": "1MiB"})
+    assert tight["fits"] is False and tight["smallest_budget"].endswith("MiB")
+    assert "--" not in tight["detail"] and "[memory]" not in tight["detail"]      # no advice naming a CLI flag
+    taken = plan({**fields, "vram_budget": tight["smallest_budget"]})            # the one click
+    assert taken["fits"] is True, taken
+    assert "stream from host RAM" in taken["words"] or "stays on the GPU" in taken["words"]
+
+
+@pytest.mark.slow
+def test_a_stock_model_is_planned_without_weights_and_cannot_start(tmp_path):
+    from leantune.ui.app import create_app
+
+    app = create_app(tmp_path / "runs", "t", [tmp_path])
+    plan = _endpoint(app, "/api/plan", "POST")
+    answer = plan({**FIELDS, "model_path": "flux-dev", "resolutions": "1024", "rank": "16", "max_text_length": "512",
+                   "vram_budget": "8GiB", "ram_budget": "128GiB", "steps": "1000"})
+    assert answer["fits"] is True, answer
+    assert "of 57 blocks stream from host RAM" in answer["words"] or "all 57 blocks" in answer["words"], answer
+    assert answer["total_blocks"] == 57 and 0 < answer["peak_vram_gib"] < 8
+    with pytest.raises(ValueError, match="stock architecture"):
+        _endpoint(app, "/api/runs", "POST")({**FIELDS, "model_path": "flux-dev", "dataset": str(_images(tmp_path / "d"))})
+
+
+def test_every_config_key_is_reachable_through_the_extra_toml(tmp_path):
+    """The fields hold the common keys; the rest is TOML merged over them and validated as
+    `leantune train` validates it, errors naming the key."""
+    form = RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nmax_grad_norm = 0.5\nkeep_last = 5\n"
+                                                         "[lora]\ndropout = 0.1\n"})
+    cfg = load_config(form.write(tmp_path / "c.toml"))
+    assert cfg.train.max_grad_norm == 0.5 and cfg.train.keep_last == 5 and cfg.lora.dropout == 0.1
+    assert cfg.lora.rank == 8                                   # the fields' keys stay
+    with pytest.raises(ConfigError, match="bogus"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nbogus = 1\n"}).write(tmp_path / "c.toml")
+    with pytest.raises(ConfigError, match="max_grad_norm"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nmax_grad_norm = -1\n"}).write(tmp_path / "c.toml")
+    with pytest.raises(FormError, match="extra_toml: .*line 2"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[train]\nmax_grad_norm = = 1\n"})
+    with pytest.raises(FormError, match=r"\[output\] dir"):
+        RunForm.from_fields({**FIELDS, "extra_toml": "[output]\ndir = '/elsewhere'\n"}).to_dict()
+
+
+@pytest.mark.parametrize("preset", sorted(__import__("leantune.ui.form", fromlist=["presets"]).presets()))
+def test_a_preset_imported_into_the_form_is_the_same_config(tmp_path, preset):
+    """Import (fields + extra TOML), then save: the config `leantune train` loads is the preset's,
+    but for the paths the user gives and the output folder the page owns."""
+    import tomllib
+
+    from leantune.ui.form import presets
+
+    source = presets()[preset]
+    doc = tomllib.loads(source.read_text())
+    form, notes = RunForm.from_toml(source.read_text(), RunForm(model_path="/m", dataset="/d"))
+    assert form.model_path == "/m" and any("relative" in n for n in notes) or form.model_path.startswith("/")
+    doc["model"]["path"] = form.model_path
+    doc["data"]["datasets"][0]["path"] = form.dataset
+    doc.setdefault("output", {}).update(dir="run", name=form.name)
+    import tomli_w
+
+    (tmp_path / "want.toml").write_text(tomli_w.dumps(doc))
+    want = load_config(tmp_path / "want.toml").model_dump()
+    got = load_config(form.write(tmp_path / "got.toml")).model_dump()
+    assert got == want
+
+
+def test_a_runs_config_comes_back_as_the_form_clone(tmp_path):
+    form = RunForm.from_fields({**FIELDS, "lora_targets": "all_linear", "lr_scheduler": "cosine", "warmup_steps": "20",
+                                "timestep_sampling": "uniform", "caption_dropout": "0.05", "repeats": "3",
+                                "sample_guidance": "1.0", "sample_seed": "4", "extra_toml": "[train]\nkeep_last = 2\n"})
+    again, notes = RunForm.from_toml(form.to_toml())
+    assert again.as_fields() == form.as_fields() and notes == []
+
+
+@pytest.mark.slow
+def test_captioning_with_a_local_image_to_text_model(tmp_path):
+    """A tiny random BLIP built offline captions the images without a caption; existing captions
+    stay unless asked; a folder that is not a model is refused with words, not a traceback."""
+    from tests.tiny_captioner import WORDS, save_tiny_blip
+
+    from leantune.ui import captioner
+
+    model = save_tiny_blip(tmp_path / "blip")
+    folder = _images(tmp_path / "d")
+    status = tmp_path / "status.json"
+    assert captioner.caption_folder(str(model), str(folder), status) == 0
+    written = (folder / "b.txt").read_text().strip()
+    assert written and set(written.split()) <= set(WORDS), written       # the model's own words
+    assert (folder / "a.txt").read_text() == "a red\nbox\n"                # had a caption: kept
+    assert json.loads(status.read_text())["done"] == 1
+    assert captioner.caption_folder(str(model), str(folder), status, overwrite=True) == 0
+    assert (folder / "a.txt").read_text().strip() != "a red box"
+    assert captioner.caption_folder(str(tmp_path / "d"), str(folder), status) == 2
+    error = json.loads(status.read_text())["error"]
+    assert "not a local image-to-text model" in error and "Traceback" not in error
+
+
+def test_a_second_start_waits_in_line_and_starts_when_the_first_ends(tmp_path, monkeypatch):
+    """One job at a time: a run submitted while another is alive is queued, and the line moves
+    when the machine is free (a stand-in trainer that exits when its folder holds a 'done' file)."""
+    from leantune.ui import queue
+
+    script = tmp_path / "fake.py"
+    script.write_text("import pathlib, time\nwhile not pathlib.Path('done').exists():\n    time.sleep(0.05)\n")
+    monkeypatch.setattr(launcher, "train_command", lambda config, resume=False: [sys.executable, str(script)])
+    runs_dir = tmp_path / "runs"
+    first, second = _run(runs_dir, "first"), _run(runs_dir, "second")
+    assert queue.submit(runs_dir, first, resume=False)["started"] is True
+    answer = queue.submit(runs_dir, second, resume=False)
+    assert answer == {"started": False, "queued": True, "position": 1, "running": ["first"]}
+    assert runs.state(second) == "queued" and queue.advance(runs_dir) is None        # first still runs
+    third = _run(runs_dir, "third")
+    assert queue.submit(runs_dir, third, resume=True)["position"] == 2
+    assert queue.leave(third) and runs.state(third) == "new" and not queue.leave(third)   # Stop while waiting
+    (first / "done").write_text("")
+    deadline = time.time() + 30
+    while launcher.is_alive(launcher.read_process(first)):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert queue.advance(runs_dir) == "second"
+    assert launcher.is_alive(launcher.read_process(second)) and runs.state(second) == "running"
+    (second / "done").write_text("")
+
+
+def test_the_machine_line_reads_host_ram_and_nvidia_smi(tmp_path, monkeypatch):
+    """Host RAM always; GPU memory and utilisation from nvidia-smi where there is one (a stand-in
+    script here), none without it."""
+    from leantune.ui import system
+
+    monkeypatch.setenv("PATH", str(tmp_path))                 # no nvidia-smi on this PATH
+    assert system.gpus() == []
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 1024, 81559, 37'\n")
+    fake.chmod(0o755)
+    assert system.gpus() == [{"name": "NVIDIA H100 80GB HBM3", "used": 1024 * 2**20, "total": 81559 * 2**20,
+                              "utilization": 37.0}]
+    host = system.host()
+    assert 0 < host["available"] <= host["total"]
+
+
+def test_the_toml_preview_names_the_refused_key_without_temp_paths(tmp_path):
+    import tempfile
+
+    from leantune.ui.app import create_app
+
+    preview = _endpoint(create_app(tmp_path / "runs", "t"), "/api/toml", "POST")
+    answer = preview({**FIELDS, "extra_toml": "[train]\nbogus = 1\n"})
+    assert "bogus" in answer["error"] and "[train]" in answer["error"] and tempfile.gettempdir() not in answer["error"]
+    assert preview(FIELDS)["error"] is None
+
+
+def test_watching_says_what_the_trainer_does_before_step_1_then_elapsed_and_eta(tmp_path):
+    folder = _run(tmp_path, "w", steps=100)
+    (folder / launcher.CONSOLE_FILE).write_text("$ python -m leantune train config.toml\n"
+                                                "caching captions:  50%|#####     | 12/24\rcaching captions: 100%|##########| 24/24\n")
+    before = runs.progress(folder)
+    assert before["steps"] == [] and before["activity"] == "caching captions: 100%|##########| 24/24"
+    (folder / "run" / "train.log").write_text("2026-11-24 08:26:19,908 INFO model: Flux (tiny) from /m (fp32)\n")
+    assert runs.progress(folder)["activity"] == "model: Flux (tiny) from /m (fp32)"       # the log, no timestamp
+    (folder / "run" / "train.log").write_text(LOG)
+    (folder / launcher.PROCESS_FILE).write_text(json.dumps({"pid": os.getpid(), "proc_start": launcher.start_time(os.getpid()),
+                                                            "started": 1000.0, "exit_code": None}))
+    t = runs.timing(folder, runs.parse_log(LOG), 100, now=1060.0)
+    assert t["elapsed_s"] == 60.0 and t["eta_s"] == pytest.approx((100 - 3) * (1.52 + 1.30 + 1.30) / 3)
+
+
+def test_the_gallery_cuts_each_prompts_image_out_of_the_grids(tmp_path):
+    """A trainer's sample grid (3 prompts of 16 px, two to a row, its PNG metadata saying the size)
+    gives back prompt i's image at each step."""
+    from leantune.infer.images import make_grid, save_png
+
+    folder = _run(tmp_path, "g")
+    (folder / "config.toml").write_text("[train]\nsteps = 10\n[sample]\nprompts = ['red', 'green', 'blue']\n")
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+    (folder / "run" / "samples").mkdir()
+    for step in (5, 10):
+        grid = make_grid([Image.new("RGB", (16, 16), c) for c in colours])
+        save_png(grid, folder / "run" / "samples" / f"step-{step:06d}.png", {"width": 16, "height": 16, "prompt": []})
+    p = runs.progress(folder)
+    assert p["gallery"] == {"prompts": ["red", "green", "blue"], "steps": [
+        {"step": 5, "file": "step-000005.png"}, {"step": 10, "file": "step-000010.png"}]}
+    import io
+
+    for i, colour in enumerate(colours):
+        tile = Image.open(io.BytesIO(runs.sample_tile(folder, "step-000010.png", i)))
+        assert tile.size == (16, 16) and tile.getpixel((8, 8)) == colour
+    with pytest.raises(ValueError, match="no image 4"):
+        runs.sample_tile(folder, "step-000010.png", 4)
+
+
+def test_a_run_reads_only_a_dataset_under_the_pages_roots(tmp_path):
+    from leantune.ui.app import create_app
+
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir()
+    start = _endpoint(create_app(tmp_path / "runs", "t", [inside]), "/api/runs", "POST")
+    with pytest.raises(dataset_view.OutsideRoots, match="outside the folders this page may use"):
+        start({**FIELDS, "dataset": str(_images(outside))})
     assert not (tmp_path / "runs" / "cats").exists()

@@ -1,10 +1,12 @@
 """`leantune ui` end to end in a real headless Chromium (Debian's, driven by Playwright).
 
-One test walks the main screens as a user would: load the demo's dataset, edit a caption (the
-.txt changes on disk), set a budget below the smallest plan and see "does not fit", then one that
-fits, start a 20-step run of the tiny Flux, see the loss curve and a sample grid appear, stop it
-(the trainer saves at the step) and resume it to the end, with the LoRA files offered for download
-(one is fetched and compared byte for byte), then sample with that LoRA through the Sample form.
+One test walks the main screens as a user would: load the demo's dataset, caption the images
+without a caption with a local (tiny, random, built offline) image-to-text model and correct them
+by typing, take the quickstart preset, see a budget below the smallest plan refused and take the
+smallest that fits in one click, reload (the form stays), start the run, watch it (progress, ETA,
+loss, the gallery by step and prompt), stop and resume it to the end, and sample it with "sample
+this run": the samples draw the prompted colours as the demo measures them. Its waits follow the
+page's progress, not a wall-clock budget.
 A second, shorter test covers what that run cannot show on a CPU: the page behind a token,
 uploads (decoded, never overwriting), the family and mode choices with the planner's "not planned"
 answer, and the watch screen of a run with measured VRAM drawn against the plan's predicted lines,
@@ -19,12 +21,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-
-from progress_wait import file_size, logged_steps, wait_until
+from progress_wait import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -48,31 +50,40 @@ def _free_port() -> int:
 
 
 def _serve(tmp_path: Path, token: str | None = None):
-    """`leantune ui` on a free localhost port; yields (url, runs dir). With `token`, the server asks
-    for it as it does when bound beyond localhost."""
+    """`leantune ui` on a free localhost port, datasets under tmp_path; yields (url, runs dir) with
+    url the address it prints (carrying the session secret). With `token`, that secret is given and
+    the url is the bare address (the test opens it without the secret first)."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # one thread for the runs the page starts, as the demo trains (demo.one_thread: the tiny model's
+    # matrices are too small to share, and on a busy machine extra threads only wait on each other)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "leantune", "ui", "--port", str(port), "--runs",
-                             str(tmp_path / "runs")] + (["--token", token] if token else []),
+                             str(tmp_path / "runs"), "--data", str(tmp_path)] + (["--token", token] if token else []),
                             stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/"
+    found = {}
 
     def answers() -> bool:
+        banner = (tmp_path / "server.log").read_text().split("\n")[0]
+        if "?token=" not in banner:
+            return False
+        found["secret"] = banner.split("?token=")[1].split()[0]
         try:
-            urllib.request.urlopen(url + "api/runs" + (f"?token={token}" if token else ""), timeout=2)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs?token={found['secret']}", timeout=2)
             return True
         except OSError:
             return False
 
-    try:   # as long as the server process lives (it imports torch: slow on a busy machine), up to the safety net
+    try:   # as long as the server lives (it imports torch: slow on a busy machine), up to the safety net
         wait_until(answers, what="leantune ui to answer", alive=lambda: proc.poll() is None,
                    detail=lambda: (tmp_path / "server.log").read_text(), poll_s=0.3)
     except AssertionError as e:
         proc.kill()
         pytest.fail(f"leantune ui did not start: {e}")
+    secret = found["secret"]
+    url = f"http://127.0.0.1:{port}/"
     try:
-        yield url, tmp_path / "runs"
+        yield (url if token else f"{url}?token={secret}"), tmp_path / "runs"
     finally:
         proc.terminate()
         proc.wait(30)
@@ -103,27 +114,6 @@ def token_server(tmp_path):
     yield from _serve(tmp_path, token="s3cret-token")
 
 
-def _page_wait(page, expression: str, progress, what: str, detail=lambda: "") -> None:
-    """page.wait_for_function(expression), for as long as `progress()` moves (progress_wait.py):
-    what a training run shows arrives after its steps, which a busy machine runs slower."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    def done() -> bool:
-        try:
-            page.wait_for_function(expression, timeout=1000)
-            return True
-        except PlaywrightTimeout:
-            return False
-
-    wait_until(done, progress, what=what, poll_s=0, detail=detail)
-
-
-def _run_progress(folder: Path):
-    """What moves while a run started from the page works: the steps its log reports and the size
-    of its console (model loading, caching and sampling write there without a step)."""
-    return lambda: (logged_steps(folder / "run" / "train.log"), file_size(folder / "console.log"))
-
-
 def _shot(page, name: str, tmp_path: Path) -> None:
     folder = Path(os.environ.get("LEANTUNE_UI_SCREENSHOTS") or tmp_path)
     if not folder.is_absolute():
@@ -131,108 +121,182 @@ def _shot(page, name: str, tmp_path: Path) -> None:
     page.screenshot(path=str(folder / f"ui-{name}.png"), full_page=False)
 
 
+class Stalled(AssertionError):
+    """The page showed no progress for too long."""
+
+
+def _wait_on_progress(page, done_js: str, stall_s: float = 300.0, what: str = "") -> None:
+    """Wait until `done_js` is true on the page, for as long as the page shows progress: the
+    watched run's step, its state and activity line, the caption or sample status. Fails only when
+    nothing the page shows changed for `stall_s` (so a busy machine slows the test, never fails it)."""
+    probe = ("[document.querySelector('#speed')?.textContent, document.querySelector('#progress')?.textContent, "
+             "document.querySelector('#watch-state')?.textContent, document.querySelector('#caption-status')?.textContent, "
+             "document.querySelector('#sample-console')?.textContent].join('|')")
+    last, since = None, time.time()
+    while not page.evaluate(done_js):
+        seen = page.evaluate(probe)
+        if seen != last:
+            last, since = seen, time.time()
+        elif time.time() - since > stall_s:
+            raise Stalled(f"no progress for {stall_s:.0f} s waiting for {what or done_js}: {seen}")
+        page.wait_for_timeout(500)
+
+
+# The quickstart recipe as shipped (128 px, 1000 steps), which the demo's own test holds to its
+# prompts. At 64 px (4x4 tokens) it was not reliable: one run drew the green triangle with 73% of its
+# pixels in green, another (through the page, stopped and resumed) with 31%.
+STEPS = 1000
+
+
 @pytest.mark.slow
-def test_page_prepares_plans_trains_watches_stops_and_resumes(tmp_path, server):
+def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp_path, server):
+    """dataset -> caption -> plan -> run -> watch -> sample, on the demo's tiny model and images,
+    with the quickstart recipe from the presets: the run's samples, and the Sample form's "sample
+    this run", draw the prompted colours (demo.prompt_match, the demo's own measure)."""
     sync_playwright = _browser_or_skip()
-    from leantune.demo import prepare
+    from tests.tiny_captioner import WORDS, save_tiny_blip
+
+    import io
+
+    from PIL import Image
+
+    from leantune.demo import prepare, prompt_match
 
     demo = tmp_path / "demo"
     prepare(demo)
     images = demo / "images"
+    blip = save_tiny_blip(tmp_path / "blip")
+    uncaptioned = sorted(images.glob("*.png"))[:2]
+    truth = {p.name: p.with_suffix(".txt").read_text().strip() for p in uncaptioned}
+    for p in uncaptioned:
+        p.with_suffix(".txt").unlink()
     url, runs_dir = server
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        # Safety net for each interaction; what waits on the run's steps follows them (_page_wait).
-        page.set_default_timeout(600_000)
+        page.set_default_timeout(60_000)
         page.goto(url)
-        page.wait_for_function("document.querySelectorAll('#family option').length > 0")
+        page.wait_for_function("document.querySelectorAll('#family option').length > 0 && "
+                               "document.querySelectorAll('#preset option').length > 1")
 
-        # 1. dataset: load, edit a caption, the .txt changes
+        # 1. dataset: load it; the two images without a caption are flagged
         page.fill("#dataset", str(images))
-        page.fill("#trigger_word", "lnt")
         page.click("#load-dataset")
         page.wait_for_function("document.querySelectorAll('#grid .item').length === 24")
-        first = page.locator("#grid textarea.caption").first
-        name = first.get_attribute("data-name")
-        assert first.input_value() == (images / name).with_suffix(".txt").read_text().strip()
-        first.fill("a hand-edited caption of a shape")
-        first.press("Tab")                          # change fires on blur
-        page.locator("#grid .item .note.saved").first.wait_for()
-        assert (images / name).with_suffix(".txt").read_text() == "a hand-edited caption of a shape\n"
+        assert page.locator("#grid .item", has_text="no caption").count() == 2
+        assert page.locator("#grid img").first.get_attribute("alt")
+        assert page.locator("#grid textarea").first.get_attribute("aria-label").startswith("caption of ")
+
+        # 2. caption: the local model writes the missing captions (its own words), the others stay;
+        # then they are corrected by typing, saved when typing pauses (no blur)
+        page.fill("#caption_model", str(blip))
+        page.click("#caption-run")
+        _wait_on_progress(page, "document.querySelector('#caption-status').textContent.startsWith('captioned') || "
+                                "document.querySelector('#caption-status').textContent.includes('not a')", what="captions")
+        assert page.inner_text("#caption-status") == "captioned 2 image(s)"
+        for p in uncaptioned:
+            words = p.with_suffix(".txt").read_text().split()
+            assert words and set(words) <= set(WORDS), words
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 24")
+        for p in uncaptioned:
+            box = page.locator(f"#grid textarea[data-name='{p.name}']")
+            box.fill("")
+            box.type(truth[p.name], delay=5)
+            page.wait_for_function(f"document.querySelector(\"#grid .item[data-name='{p.name}'] .note\").textContent === 'saved'")
+            assert p.with_suffix(".txt").read_text() == truth[p.name] + "\n"
         _shot(page, "dataset", tmp_path)
 
-        # 2. model and budget: a budget below the smallest plan, then one that fits
-        for key, value in {"name": "shapes", "model_path": str(demo / "model"), "rank": "4", "resolutions": "64",
-                           "batch_size": "2", "max_text_length": "32", "steps": "600", "learning_rate": "0.002",
-                           "save_every": "0", "log_every": "1", "sample_every": "20", "sample_steps": "2",
-                           "sample_size": "64", "ram_budget": "16GiB",
-                           "sample_prompts": "lnt, a red circle on a white background"}.items():
+        # 3. plan: the quickstart preset (LoRA on every Linear, rank 32, cosine, uniform timesteps),
+        # at 64 px; a budget below the smallest plan, then the one click to the smallest that fits
+        page.select_option("#preset", "quickstart: quickstart")
+        page.wait_for_function("document.querySelector('#lora_targets').value === 'all_linear'")
+        assert "relative to its file" in page.inner_text("#import-notes")
+        assert page.input_value("#dataset") == str(images)            # kept: the preset's path is relative
+        assert page.input_value("#resolutions") == "128" and page.input_value("#sample_size") == "128"
+        for key, value in {"name": "shapes", "model_path": str(demo / "model"), "steps": str(STEPS),
+                           "sample_every": str(STEPS // 2),
+                           "save_every": str(STEPS // 2), "log_every": "5"}.items():
             page.fill(f"#{key}", value)
-        page.select_option("#dtype", "fp32")
-        page.select_option("#mixed_precision", "no")
+        assert page.input_value("#lr_scheduler") == "cosine" and page.input_value("#timestep_sampling") == "uniform"
+        assert "keep_last = 2" in page.input_value("#extra_toml")
         page.fill("#vram_budget", "1MiB")
         page.wait_for_function("document.querySelector('#plan-message').textContent.startsWith('does not fit')")
-        assert "the smallest budget is" in page.inner_text("#plan-message")
-        page.fill("#vram_budget", "1GiB")
+        assert "host RAM: this machine's" in page.inner_text("#plan-ram")
+        page.click("#take-smallest")
         page.wait_for_function("document.querySelector('#plan-message').textContent.startsWith('fits')")
-        assert "predicted peak VRAM" in page.inner_text("#plan-message")
-        assert 'vram_budget = "1GiB"' in page.locator("#toml").text_content()
+        words = page.inner_text("#plan-words")
+        assert "the whole model stays on the GPU" in words and f"for {STEPS} steps on" in words, words
+        assert "lr_scheduler = \"cosine\"" in page.text_content("#toml") and page.inner_text("#toml-error") == ""
+        page.reload()                                                   # the form survives a reload
+        page.wait_for_function("document.querySelectorAll('#family option').length > 0")
+        assert page.input_value("#name") == "shapes" and page.input_value("#lora_targets") == "all_linear"
+        assert page.input_value("#steps") == str(STEPS)
+        page.wait_for_function("document.querySelector('#plan-message').textContent.startsWith('fits')")
         page.locator("#plan").scroll_into_view_if_needed()
         _shot(page, "plan", tmp_path)
 
-        # 3-4. start, watch the loss curve and a sample grid appear, stop, resume (600 steps: a step
-        # of this model takes ~10 ms here, and a run that ends before Stop is clicked cannot stop)
-        folder = runs_dir / "shapes"
-        moving = _run_progress(folder)
-        console = lambda: (folder / "console.log").read_text()[-2000:] if (folder / "console.log").exists() else ""
+        # 4. run and watch: progress before step 1, then steps with elapsed time and ETA, the
+        # loss curve, the gallery by step and prompt; stop (it saves), resume to the end
         page.click("#start")
-        page.wait_for_function("document.querySelector('#watch-state').textContent === 'running'")
-        _page_wait(page, "document.querySelectorAll('#loss-chart polyline').length === 1 && "
-                   "document.querySelector('#loss-chart polyline').getAttribute('points').split(' ').length >= 2",
-                   moving, "the loss curve", console)
-        _page_wait(page, "document.querySelector('#samples img') && "
-                   "document.querySelector('#samples img').naturalWidth > 0", moving, "the first sample grid", console)
-        # measured host RSS against the plan's predicted lines (no VRAM is measured on a CPU run)
-        page.wait_for_function("document.querySelector('#mem-chart polyline[data-series=rss]')")
-        for series in ("predicted-vram", "predicted-host"):
-            assert float(page.get_attribute(f"#mem-chart polyline[data-series={series}]", "data-value")) > 0
-        assert "predicted VRAM" in page.inner_text("#mem-legend") and "RSS" in page.inner_text("#mem-legend")
-        assert " s/it" in page.inner_text("#speed") and " INFO step " in page.inner_text("#log")
+        page.wait_for_function("['running', 'finished'].includes(document.querySelector('#watch-state').textContent)")
+        assert page.inner_text("#progress")
+        _wait_on_progress(page, "document.querySelector('#speed').textContent.startsWith('step ')", what="step 1")
+        _wait_on_progress(page, "document.querySelectorAll('#gallery img').length >= 3", what="the first samples")
+        assert page.locator("#gallery th").all_inner_texts()[1:4] == [
+            "lnt, a red circle on a white background", "lnt, a blue square on a black background",
+            "lnt, a green triangle on a white background"]
+        progress = page.inner_text("#progress")
+        assert "elapsed " in progress and " left" in progress, progress
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "watch", tmp_path)
+        folder = runs_dir / "shapes"
         page.click("#stop")
-        _page_wait(page, "['stopped', 'failed'].includes(document.querySelector('#watch-state').textContent)",
-                   moving, "the run to stop", console)
+        _wait_on_progress(page, "['stopped', 'failed', 'finished'].includes(document.querySelector('#watch-state').textContent)",
+                          what="the stop")
         assert page.inner_text("#watch-state") == "stopped", (folder / "console.log").read_text()[-2000:]
-        assert (folder / "run" / "checkpoints").is_dir() and any((folder / "run" / "checkpoints").iterdir())
-        stopped_at = max(int(p.name.split("-")[-1]) for p in (folder / "run" / "checkpoints").iterdir())
-        assert 20 <= stopped_at < 600
         page.click("#resume")
-        _page_wait(page, "['finished', 'failed'].includes(document.querySelector('#watch-state').textContent)",
-                   moving, "the resumed run to finish", console)
+        _wait_on_progress(page, "['finished', 'failed'].includes(document.querySelector('#watch-state').textContent)",
+                          what="the end of the run")
         assert page.inner_text("#watch-state") == "finished", (folder / "console.log").read_text()[-2000:]
-        links = page.locator("#downloads a").all_inner_texts()
-        assert "shapes_comfyui.safetensors" in links and "shapes_diffusers.safetensors" in links
-        download = page.request.get(page.locator("#downloads a", has_text="shapes_comfyui.safetensors")
-                                    .evaluate("a => a.href"))
-        assert download.body() == (folder / "run" / "shapes_comfyui.safetensors").read_bytes()
         log = (folder / "run" / "train.log").read_text()
-        assert f"resumed from" in log and "step 600 loss" in log
+        assert "resumed from" in log and f"step {STEPS} loss" in log
+        page.wait_for_function(f"document.querySelectorAll('#gallery img[data-step=\"{STEPS}\"]').length === 3")
+        prompts = page.locator("#gallery th").all_inner_texts()[1:4]
+        for i, prompt in enumerate(prompts):                           # the run's own last samples learned
+            cell = page.locator(f"#gallery img[data-step='{STEPS}'][data-prompt='{i}']")
+            tile = page.request.get(cell.evaluate("img => img.src")).body()
+            m = prompt_match(Image.open(io.BytesIO(tile)), prompt)
+            print(f"run sample at step {STEPS}: {prompt}: {m}")            # shown with -s
+            assert m["shape"] > 0.5 and m["background"] > 0.6, (prompt, m)
+        page.locator(f"#gallery img[data-step='{STEPS}'][data-prompt='0']").click()
+        page.wait_for_function("document.querySelector('#enlarge').open")
+        page.click("#enlarge-close")
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "finished", tmp_path)
 
-        # 5. sample with the finished LoRA
-        page.fill("#s_model", str(demo / "model"))
-        page.fill("#s_prompts", "lnt, a blue square on a black background")
-        for key, value in {"s_steps": "2", "s_width": "64", "s_height": "64", "s_guidance": "3.5",
-                           "s_loras": f"{folder / 'run' / 'shapes_comfyui.safetensors'}:0.8"}.items():
-            page.fill(f"#{key}", value)
+        # 5. sample this run: the form takes the run's model, settings and LoRA; the button is busy
+        # while it samples; the images draw the prompted colours
+        page.select_option("#s_run", "shapes")
+        page.wait_for_function("document.querySelector('#s_loras').value.includes('shapes_comfyui.safetensors')")
+        assert page.input_value("#s_text_length") == "10" and page.input_value("#s_guidance") == "1"
         page.click("#sample")
-        page.wait_for_function("document.querySelector('#sample-images img') && "
-                               "document.querySelector('#sample-images img').naturalWidth === 64")
+        assert page.locator("#sample").is_disabled()
+        _wait_on_progress(page, "!document.querySelector('#sample').disabled", what="the sample")
+        imgs = page.locator("#sample-images img")
+        assert imgs.count() == 3, page.inner_text("#sample-console")
+        for i, prompt in enumerate(prompts):
+            m = prompt_match(Image.open(io.BytesIO(page.request.get(imgs.nth(i).evaluate("img => img.src")).body())), prompt)
+            print(f"sample this run: {prompt}: {m}")
+            assert m["shape"] > 0.5 and m["background"] > 0.6, (prompt, m)
         page.locator("#sample-section").scroll_into_view_if_needed()
         _shot(page, "sample", tmp_path)
+
+        # a phone: no sideways scrolling; the favicon is there
+        phone = browser.new_page(viewport={"width": 390, "height": 800})
+        phone.goto(url)
+        phone.wait_for_function("document.querySelectorAll('#family option').length > 0")
+        assert phone.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+        assert phone.request.get(url.split("?")[0] + "favicon.ico").ok
         browser.close()
 
 
@@ -251,6 +315,7 @@ def _finished_run(runs_dir: Path) -> Path:
     (folder / "run" / "samples").mkdir(parents=True)
     (folder / "config.toml").write_text("[train]\nsteps = 4\n")
     (folder / "plan.json").write_text(json.dumps({"peak_vram_gib": 5.5, "peak_host_gib": 12.0, "step_s": 1.4,
+                                                 "assumed_machine": False,
                                                  "message": "fits: predicted peak VRAM 5.50 GiB"}))
     (folder / "process.json").write_text(json.dumps({"pid": 1, "exit_code": 0}))
     (folder / "run" / "train.log").write_text("".join(
@@ -328,7 +393,7 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
 
         # watch a finished run: loss, s/it, VRAM and RSS against the predicted lines, log, samples, downloads
         page.wait_for_selector("#runs tbody tr")
-        page.locator("#runs tbody tr", has_text="watched").locator("button").click()
+        page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="watch").click()
         page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
         assert len(page.get_attribute("#loss-chart polyline[data-series=loss]", "points").split()) == 4
         chart = "#mem-chart polyline"
@@ -358,6 +423,19 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         download = page.request.get(links.nth(1).evaluate("a => a.href"))     # with the cookie
         assert download.ok and download.body() == (folder / "run" / "watched_comfyui.safetensors").read_bytes()
         assert "attachment" in download.headers["content-disposition"]
+
+        # clone into the form; delete, asked first (dismissed: kept; accepted: gone with its files)
+        page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="clone").click()
+        page.wait_for_function("document.querySelector('#name').value === 'watched-copy'")
+        assert page.input_value("#steps") == "4"
+        page.once("dialog", lambda d: d.dismiss())
+        page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="delete").click()
+        page.wait_for_timeout(300)
+        assert folder.is_dir()
+        page.once("dialog", lambda d: d.accept())
+        page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="delete").click()
+        page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 0")
+        assert not folder.exists()
         browser.close()
 
 

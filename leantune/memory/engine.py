@@ -148,9 +148,15 @@ class MemoryHandle:
             lines.append(self.streaming.describe())
         return lines or ["memory: nothing applied (all weights resident, no checkpointing)"]
 
-    def remove(self, device: torch.device | str | None = None) -> None:
+    def remove(self, device: torch.device | str | None = None, keep_fp8: bool = False,
+               keep_host: bool = False) -> None:
         """Restore the plain model: weights back as ordinary parameters on `device` (default: the
-        engine's device)."""
+        engine's device).
+
+        For a re-plan (the model is applied again right after): `keep_fp8` leaves fp8-stored
+        weights e4m3 with their scales (the next apply takes them as they are: no bf16 copy of the
+        model on the host, no requantizing); `keep_host` leaves shared host weights where they are
+        (views of the shared pages, not a private copy per process)."""
         if self.model.__dict__.get(_APPLIED_ATTR) == _RELEASED:
             raise RuntimeError("MemoryHandle.remove(): the engine was released; the streamed weights are gone "
                                "and cannot be restored")
@@ -158,13 +164,14 @@ class MemoryHandle:
             remove_checkpointing(self.checkpointing)
             self.checkpointing = None
         if self.streaming is not None:
-            remove_streaming(self.streaming, device or self.device)
+            remove_streaming(self.streaming, device or self.device, keep_host=keep_host)
             self.streaming = None
         if self.cpu_linears is not None:
             remove_cpu_linears(self.cpu_linears)
             self.cpu_linears = None
         if self.fp8 is not None:
-            remove_fp8_storage(self.fp8)
+            if not keep_fp8:
+                remove_fp8_storage(self.fp8)
             self.fp8 = None
         if device is not None:
             _place(self.model, torch.device(device))

@@ -78,12 +78,28 @@ def quantize(weight: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tens
     return q.reshape(out_f, in_f), scale
 
 
+DEQUANT_CHUNK = 16 * 2**20     # bytes of fp32 temporary while dequantizing to bf16/fp16, at most
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(out, in) e4m3 and (out, nb) scale -> (out, in) weight in `dtype` (one temporary)."""
+    """(out, in) e4m3 and (out, nb) scale -> (out, in) weight in `dtype`.
+
+    The product is formed in fp32 and rounded once: rounding the scale to bf16 first gave every
+    value of a block the same gain error (up to 2^-9 relative, a systematic bias, not noise). The
+    fp32 temporary is bounded to DEQUANT_CHUNK bytes of rows, so the result is the one full-size
+    allocation, as before."""
     out_f, in_f = q.shape
     nb = scale.shape[-1]
-    w = q.to(dtype)                                                        # exact: e4m3 fits bf16/fp16/fp32
-    w.view(out_f, nb, in_f // nb).mul_(scale.to(dtype)[..., None])
+    scale = scale.float()
+    if dtype == torch.float32:
+        w = q.to(dtype)                                                    # exact: e4m3 fits fp32
+        w.view(out_f, nb, in_f // nb).mul_(scale[..., None])
+        return w
+    w = torch.empty(out_f, in_f, dtype=dtype, device=q.device)
+    rows = max(1, DEQUANT_CHUNK // (4 * in_f))
+    for r in range(0, out_f, rows):
+        e = min(r + rows, out_f)
+        w[r:e] = (q[r:e].float().view(e - r, nb, in_f // nb) * scale[r:e, :, None]).view(e - r, in_f)
     return w
 
 

@@ -30,6 +30,12 @@ log = logging.getLogger("leantune.memory")
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
 _state: dict = {"failed": set()}     # output dtypes torch refused (see module docstring)
+# Off by default: quantizing the input per token row loses to Flux's per-channel outliers.
+# bench/fp8_accuracy.py (docs/benchmarks.md) on a real-width Flux MLP with outlier inputs: 3.3-3.5 %
+# output error against the bf16 product, where dequantizing the same per-row weight gives 2.7 %.
+# _scaled_mm scales the input per row only (no per-channel scale), so the dequantizing path is the
+# more accurate one and is kept; set True to trade that accuracy for the tensor-core speed.
+SCALED_MM = False
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
@@ -41,7 +47,7 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 def usable(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether scaled_mm_linear can take this call (see module docstring)."""
-    return (dtype not in _state["failed"] and hasattr(torch, "_scaled_mm") and q.dtype == _FP8
+    return (SCALED_MM and dtype not in _state["failed"] and hasattr(torch, "_scaled_mm") and q.dtype == _FP8
             and q.is_contiguous() and scale.dim() == 2 and scale.shape[1] == 1
             and dtype in (torch.bfloat16, torch.float16)
             and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0 and fp8_tensor_cores(x.device))

@@ -13,6 +13,7 @@ block-sized buffers); see `alloc_host` for how a refused pin is handled.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import time
@@ -52,7 +53,7 @@ def page_aligned(nbytes: int, device: torch.device | str = "cpu") -> tuple[torch
 
 
 def alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
-               device: torch.device | str = "cpu") -> tuple[torch.Tensor, object]:
+               device: torch.device | str = "cpu", cuda_device: torch.device | None = None) -> tuple[torch.Tensor, object]:
     """A (nbytes,) uint8 host buffer, pinned if asked and the driver agrees.
 
     Pinned by registering a page-aligned allocation of our own (cudaHostRegister): torch's pinned
@@ -62,7 +63,9 @@ def alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
     (cudaGetLastError) and the buffer stays pageable. Returns the buffer and, when pinned, a
     callable that undoes the registration (also called if the buffer is garbage-collected first).
     `t`: an existing buffer to pin instead (a shared-memory mapping, see memory/shared_host.py,
-    page-aligned by mmap).
+    page-aligned by mmap). `cuda_device`: the GPU the buffer is pinned for; the unregistration runs
+    with it as the current device, whichever thread the buffer dies on (the autograd thread, a
+    worker), so it never opens a context on GPU 0 or unregisters in the wrong one.
     """
     if t is None:
         if not pin:
@@ -75,7 +78,7 @@ def alloc_host(nbytes: int, pin: bool, t: torch.Tensor | None = None,
     rt = _cudart()
     rc = int(rt.cudaHostRegister(ptr, length, 0))
     if rc == 0:
-        return t, weakref.finalize(t.untyped_storage(), _unregister, ptr)
+        return t, weakref.finalize(t.untyped_storage(), _unregister, ptr, cuda_device)
     clear_cuda_error(rt)                        # the refusal left a sticky error: clear it now
     log.warning("streaming: could not pin %.1f MB of host memory (cudaError %d); using a pageable buffer "
                 "copied through the staging pool", nbytes / 2**20, rc)
@@ -99,12 +102,14 @@ def clear_cuda_error(rt) -> None:
     fn()
 
 
-def _unregister(ptr: int) -> None:
-    """cudaHostUnregister; a refusal would leave the same sticky error a refused pin does (reported
-    by the next kernel launch of this thread, e.g. the autograd thread when a buffer dies there)."""
+def _unregister(ptr: int, cuda_device: torch.device | None = None) -> None:
+    """cudaHostUnregister, with the buffer's GPU current (see alloc_host); a refusal would leave the
+    same sticky error a refused pin does (reported by the next kernel launch of this thread, e.g.
+    the autograd thread when a buffer dies there)."""
     rt = _cudart()
-    if int(rt.cudaHostUnregister(ptr)) != 0:
-        clear_cuda_error(rt)
+    with torch.cuda.device(cuda_device) if cuda_device is not None else contextlib.nullcontext():
+        if int(rt.cudaHostUnregister(ptr)) != 0:
+            clear_cuda_error(rt)
 
 
 def _libc_trim():

@@ -226,6 +226,43 @@ def _cast_tree(tree, dtype):
     return torch.utils._pytree.tree_map(cast, tree)
 
 
+# torch's autocast cache, as CUDA's autocast keeps it (aten/src/ATen/autocast_mode.cpp, cached_cast):
+# a cast to the lower precision of an fp32 leaf that requires grad (a trained weight; not a view)
+# is kept, while cache_enabled, until the outermost autocast exits (torch.clear_autocast_cache).
+# For a full fine-tune with fp32 weights that is a bf16 copy of every trained weight for the whole
+# forward, streamed ones included: the simulated device must hold it too, or its peak is low.
+_cast_cache: dict[int, tuple[object, torch.Tensor]] = {}
+
+
+def _cache_eligible(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (torch.is_autocast_cache_enabled() and dtype == torch.get_autocast_dtype(BACKEND)
+            and x.dtype == torch.float32 and x.requires_grad and x.is_leaf and not x._is_view()
+            and x.device.type == BACKEND)
+
+
+def _cached_cast_tree(tree, dtype):
+    def cast(x):
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype in _CASTABLE and x.dtype != dtype):
+            return x
+        if not _cache_eligible(x, dtype):
+            return x.to(dtype)
+        hit = _cast_cache.get(id(x))
+        if hit is not None and hit[0]() is x:
+            return hit[1]
+        out = x.to(dtype)
+        _cast_cache[id(x)] = (weakref.ref(x), out)
+        return out
+
+    return torch.utils._pytree.tree_map(cast, tree)
+
+
+def _clear_cast_cache(real_clear):
+    def clear():
+        _cast_cache.clear()
+        return real_clear()
+    return clear
+
+
 def _below_autocast(op, args, kwargs):
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)):
         return op(*args, **kwargs)
@@ -243,8 +280,10 @@ def _register_autocast() -> None:
     def lower(op):
         def kernel(*args, **kwargs):
             dtype = torch.get_autocast_dtype(BACKEND)
-            return _below_autocast(op, *_cast_tree((args, kwargs), dtype))
+            return _below_autocast(op, *_cached_cast_tree((args, kwargs), dtype))
         return kernel
+
+    torch.clear_autocast_cache = _clear_cast_cache(torch.clear_autocast_cache)
 
     def fp32(op):
         def kernel(*args, **kwargs):

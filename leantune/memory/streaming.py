@@ -339,12 +339,13 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     units: list[StreamedUnit] = []
     for index, (name, mods, ckpt, entries, adapters, nbytes, _) in enumerate(layouts):
         shared = host_buffers.buffer(name, max(nbytes, ALIGN)) if host_buffers is not None else None
-        host, unpin = alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None, host_device)
+        host, unpin = alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None, host_device,
+                                 backend.device if backend.cuda else None)
         pack_unit(host, entries, copy=not (shared and shared[1]))
         # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
         direct = unpin is not None or (not backend.cuda and plan.pin_memory)
         units.append(StreamedUnit(name, mods, entries, nbytes, host, direct, index % plan.ring_slots, ckpt,
-                                  adapters, unpin=unpin))
+                                  adapters, unpin=unpin, shared=bool(shared)))
 
     slot_bytes = max((u.nbytes for u in units), default=0)
     slot_bytes = -(-max(slot_bytes, ALIGN) // ALIGN) * ALIGN
@@ -398,12 +399,15 @@ def _check_unwrappable(handle: StreamingHandle) -> None:
                                f"remove checkpointing before streaming")
 
 
-def remove_streaming(handle: StreamingHandle, device: torch.device | str | None = None) -> None:
+def remove_streaming(handle: StreamingHandle, device: torch.device | str | None = None,
+                     keep_host: bool = False) -> None:
     """Put every streamed tensor back as an ordinary tensor on `device` (default: the compute
     device) and restore the modules' forwards. Checkpointing must be removed first.
 
     Unit by unit: a unit's tensors are copied out, then its host buffer is freed, so restoring to
-    the host needs one unit of extra RAM, not a second copy of the streamed blocks.
+    the host needs one unit of extra RAM, not a second copy of the streamed blocks. `keep_host`
+    (a re-plan): a unit whose host buffer is a shared mapping is not copied: its tensors become
+    views of the shared pages (unpinned), so N processes do not make N private copies of it.
     """
     device = torch.device(device) if device is not None else handle.engine.backend.device
     _check_unwrappable(handle)
@@ -415,6 +419,13 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
         done.synchronize()
     with torch.no_grad():
         for u in handle.units:
+            if keep_host and u.shared and device.type == "cpu":
+                for e in u.entries:
+                    point_owners(e, packed_view(u.host, e))   # the shared pages themselves
+                if u.unpin is not None:
+                    u.unpin()
+                    u.unpin = None
+                continue
             for e in u.entries:
                 t = torch.empty(e.shape, dtype=e.dtype, device=device)
                 t.copy_(packed_view(u.host, e))

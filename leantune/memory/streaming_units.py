@@ -56,6 +56,7 @@ class StreamedUnit:
     adapter_params: list[nn.Parameter]
     unpin: object = None               # undoes the host buffer's pinning
     refs: int = 0
+    shared: bool = False               # the host buffer is a shared mapping (memory/shared_host.py)
 
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.adapter_params) or any(

@@ -41,7 +41,8 @@ the unit (the non-block group's embedders after its final layer) is still curren
 compute stream; the device gradient is kept alive for that stream with record_stream) and one
 worker thread waits for that copy's event and steps: the CPU steps overlap the rest of backward.
 Pinned gradients in flight are bounded (`host_inflight_limit`: two of the largest unit's trained
-gradients); past it the thread waits for the oldest step (counted as stall). A unit is fetched
+gradients, each tensor's copy counted as the caching host allocator reserves it, rounded up to a
+power of two: the plan's "gradient staging (pinned)" line); past it the thread waits for the oldest step (counted as stall). A unit is fetched
 again only after its host steps finished (`_fetch` waits, counted as stall), and `_drain` waits for
 all of them, so checkpoints and exports read updated host weights. On a CPU (or simulated) compute
 device the copy and the step run synchronously. bitsandbytes' 8-bit AdamW cannot step on the host.
@@ -61,11 +62,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from .pinned_sizes import caching_host_size
 from .slot_ring import POISON_BYTE, Slot
 from .streaming import StreamingEngine
 from .streaming_units import StreamedUnit, packed_view
 
 _clock = time.perf_counter          # a seam: tests give a clock of their own
+
+
+def host_step_worker(device: torch.device) -> ThreadPoolExecutor:
+    """The one thread that runs host steps, with `device` as its current CUDA device. It makes CUDA
+    calls (an event's synchronize, freeing pinned gradients); a new thread's current device is
+    device 0, so on cuda:1 those calls would open a context on GPU 0 (hundreds of MB there) and act
+    in the wrong context. GPU-only in effect; bench/gpu_checks.sh checks it on two GPUs."""
+    return ThreadPoolExecutor(1, thread_name_prefix="leantune-host-step", initializer=torch.cuda.set_device,
+                              initargs=(device,))
 
 
 class TrainableStreamingEngine(StreamingEngine):
@@ -79,14 +90,14 @@ class TrainableStreamingEngine(StreamingEngine):
         self.written: dict[int, object] = {}         # id(unit) -> write-back completion event (CUDA)
         self.unit_of: dict[int, StreamedUnit] = {}   # id(trainable Parameter) -> its unit
         self.host_views: dict[int, torch.Tensor] = {}   # id(trainable Parameter) -> its host-buffer view
-        grads: dict[int, int] = {}                    # id(unit) -> bytes of its trained weights (= gradients)
+        grads: dict[int, int] = {}                    # id(unit) -> pinned bytes of its gradients' host copies
         for u in self.units:
             for e in u.entries:
                 for m, kind, attr in e.owners:
                     if kind == "param" and m._parameters[attr].requires_grad:
                         self.unit_of[id(m._parameters[attr])] = u
                         self.host_views[id(m._parameters[attr])] = packed_view(u.host, e)
-                        grads[id(u)] = grads.get(id(u), 0) + e.nbytes
+                        grads[id(u)] = grads.get(id(u), 0) + caching_host_size(e.nbytes)
         self.bytes_d2h = 0
         # The optimizer step on the host (module docstring).
         self.host_step = plan.optimizer_on_host
@@ -95,8 +106,7 @@ class TrainableStreamingEngine(StreamingEngine):
         self.host_inflight_limit = 2 * max(grads.values(), default=0)
         self._inflight: deque[tuple[Future, int]] = deque()   # in submission order (one worker: FIFO)
         self._inflight_bytes = 0
-        self.host_worker = ThreadPoolExecutor(1, thread_name_prefix="leantune-host-step") \
-            if self.host_step and be.cuda else None
+        self.host_worker = host_step_worker(be.device) if self.host_step and be.cuda else None
 
     def mark_stepped(self, p: nn.Parameter) -> None:
         """`p` was updated in place (in its slot): its unit must be written back before reuse."""
@@ -133,7 +143,7 @@ class TrainableStreamingEngine(StreamingEngine):
             self.stats.stall_s += _clock() - t0
             step(weight, host_grad)
             return
-        self._make_room(n)
+        self._make_room(caching_host_size(n))         # what the caching host allocator reserves for it
         used = be.event()
         used.record(be.compute_stream())              # the gradient is complete on the compute stream
         host_grad = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
@@ -149,7 +159,7 @@ class TrainableStreamingEngine(StreamingEngine):
             copied.synchronize()                      # this copy only, on the worker thread
             step(weight, host_grad)
 
-        self._submit(unit, n, run)
+        self._submit(unit, caching_host_size(n), run)
 
     def _make_room(self, nbytes: int) -> None:
         """Before a pinned gradient of `nbytes` is allocated: past the in-flight limit, wait for the
@@ -251,7 +261,12 @@ class TrainableStreamingEngine(StreamingEngine):
                 slot.valid = False
             done = be.event()
             done.record(wb)
-        slot.free_event = done
+            # The slot gets an event of its own: its next release re-records its free event on the
+            # compute stream, which must not move this write-back's completion (what `_drain` and
+            # the next fetch wait for before the host copy is read).
+            free = be.event()
+            free.record(wb)
+        slot.free_event = free
         self.written[id(unit)] = done
 
     def _make_resident(self, unit: StreamedUnit) -> None:
@@ -288,10 +303,16 @@ class TrainableStreamingEngine(StreamingEngine):
             s.valid = False
 
     def close(self) -> None:
-        """The engine is torn down (streaming.remove/release, after draining): stop the worker."""
+        """The engine is torn down (streaming.remove/release, after draining): stop the worker and
+        drop the views of the host buffers. Teardown frees each unit's buffer right after copying
+        it out; a view kept here would keep every buffer's memory until the engine itself died,
+        so a re-plan would hold two copies of the streamed blocks."""
         if self.host_worker is not None:
             self.host_worker.shutdown(wait=True)
             self.host_worker = None
+        self.host_views.clear()
+        self._inflight.clear()
+        self._inflight_bytes = 0
 
     def report(self, wait: bool = False) -> dict:
         out = super().report(wait)

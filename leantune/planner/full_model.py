@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory.pinned_sizes import caching_host_size
 from .weight_bytes import ModelWeights, ModuleWeights, align
 from .workload import Workload
 
@@ -198,6 +199,10 @@ class FullPricing:
     largest: tuple[int, ...] = ()         # per block: elements of its largest trained tensor
     nb_trained_numel: int = 0
     nb_largest: int = 0
+    # Per block, then the non-block group: the pinned bytes its gradients' host copies reserve
+    # (each tensor rounded up by the caching host allocator: memory/pinned_sizes.py).
+    pinned_grads: tuple[int, ...] = ()
+    nb_pinned_grads: int = 0
     step_fixed: int = 0         # the update's bytes whatever the tensor's size (norms, scalars)
     host_coef: float = 0.0      # the update's temporaries on the CPU, per element (no master copy)
     host_fixed: int = 0
@@ -245,6 +250,9 @@ class FullPricing:
             n = [math.prod(s) for s in m.trained]
             return sum(n), max(n, default=0)
 
+        def pinned(m: ModuleWeights) -> int:
+            return sum(caching_host_size(math.prod(s) * dtype_bytes) for s in m.trained)
+
         per_block = [sizes(b) for b in weights.blocks]
         nb_sizes = sizes(weights.non_blocks)
         device_always = sum(b[2] for b in blocks) + nb[2]
@@ -255,6 +263,7 @@ class FullPricing:
                    masters=w.master_weights and wide, trained_weight_bytes=trained * dtype_bytes,
                    trained_numel=tuple(b[0] for b in per_block), largest=tuple(b[1] for b in per_block),
                    nb_trained_numel=nb_sizes[0], nb_largest=nb_sizes[1], step_fixed=fixed,
+                   pinned_grads=tuple(pinned(b) for b in weights.blocks), nb_pinned_grads=pinned(weights.non_blocks),
                    host_coef=host_coef, host_fixed=host_fixed, dtype_bytes=dtype_bytes,
                    accumulation=w.gradient_accumulation, rate_key=key)
 

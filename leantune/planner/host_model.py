@@ -43,15 +43,13 @@ from .activations import ActivationProfile
 from .machine import GiB
 from ..memory.plan import Plan
 from ..memory.host_buffers import STAGING_CHUNK
+from ..memory.pinned_sizes import caching_host_size  # noqa: F401 - priced here, bounded by the engine
 from .workload import Workload
 
 HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, before any weight
 STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (host_buffers.py)
 
 
-def caching_host_size(n: int) -> int:
-    """What PyTorch's caching host allocator reserves for a pinned tensor of n bytes."""
-    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def packing_extra(units: list[tuple[int, int]]) -> int:

@@ -182,6 +182,13 @@ class MemoryModel:
         blocks = [(full.trained_numel[i], full.largest[i]) for i in sorted(self.indices(plan))]
         return [(full.nb_trained_numel, full.nb_largest), *blocks] if plan.stream_non_blocks else blocks
 
+    def streamed_pinned_grads(self, plan: Plan) -> list[int]:
+        """Pinned bytes each streamed unit's gradient copies reserve (caching host allocator
+        rounding), in the engine's unit order (full mode)."""
+        full = self.full
+        blocks = [full.pinned_grads[i] for i in sorted(self.indices(plan))]
+        return [full.nb_pinned_grads, *blocks] if plan.stream_non_blocks else blocks
+
     def resident_state(self, plan: Plan) -> int:
         """Device bytes of optimizer state outside the streamed units (full mode): the resident
         weights' state, and bitsandbytes' 8-bit state of every weight."""
@@ -267,7 +274,7 @@ class MemoryModel:
             host_step = {
                 "state": sum(state[i] for i in idx) + (nb_state if plan.stream_non_blocks else 0),
                 "step": full.host_step_of(max(m for _, m in sizes)),
-                "staging": 2 * max(n for n, _ in sizes) * full.dtype_bytes,
+                "staging": 2 * max(self.streamed_pinned_grads(plan)),
             }
         return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
                               self.workload.host_cache_bytes, full=parts, host_step=host_step)

@@ -7,9 +7,17 @@ parameter's AccumulateGrad node as soon as its gradient is ready (it has the hig
 the ready queue), before the rest of its block's backward finishes, which is also what keeps a
 streamed block resident until its own weights are stepped (see memory/trainable_streaming.py).
 
-Why in-place updates are safe here: a weight's AccumulateGrad runs only after every node that
-computes a gradient from that weight has run, and those nodes are the only ones that saved it;
-autograd's version counter would raise if anything later read the stale value.
+Why in-place updates are safe here: the order of the graph, not autograd's version counter. The
+update writes through `p.data` (or the streamed weight's slot or host copy), an alias with a
+version counter of its own, so a saved `p` read after the update would NOT raise: it would
+silently compute with the new value. What makes that impossible is that a weight's AccumulateGrad
+runs only after every node that contributes to its gradient, and every node that saved the weight
+for backward contributes to that gradient (it requires grad; the linear/attention backward
+computes the weight's and the input's gradients in one node). Two things would break this and are
+not done here: a forward that saves a weight without differentiating through it (a detached use),
+and activation checkpointing that re-runs a block's forward after one of its weights stepped (the
+recompute of block k runs before block k's gradients exist, so its weights have not stepped yet).
+tests/test_full_finetune.py compares the in-backward step with the plain optimizer step.
 
 Gradient accumulation over N micro-batches: the gradient of micro-batches 1..N-1 is added into an
 fp32 accumulator in host memory and freed on the device; on micro-batch N it is added back and the

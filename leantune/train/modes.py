@@ -33,7 +33,8 @@ def make_mode(cfg: RunConfig, dist=None):
     mode the sections it uses."""
     if cfg.train.mode == "full":
         # several processes: FSDP2 / ZeRO-2 own the weights
-        sharded = sharded_full_mode(cfg.train, cfg.full, cfg.memory, cfg.distributed, cfg.output.formats, dist)
+        sharded = sharded_full_mode(cfg.train, cfg.full, cfg.memory, cfg.distributed, cfg.output.formats, dist,
+                                    sample=cfg.sample)
         if sharded is not None:
             return sharded
         return FullMode(cfg.train, cfg.full, cfg.output.formats, cfg.memory.ram_budget)

@@ -257,10 +257,10 @@ class _GatheredAccess:
 
 
 def sharded_full_mode(train: TrainConfig, full: FullConfig, memory: MemoryConfig, distributed: DistributedConfig,
-                      formats: list[str], dist=None):
+                      formats: list[str], dist=None, sample=None):
     """The mode for `[train] mode = "full"` on several processes, or None for one process.
     `dist` is the run's DistContext (its world size and Accelerator); without one the launcher's
-    environment says how many processes there are."""
+    environment says how many processes there are. `sample`: the run's [sample] (refused with FSDP2)."""
     env = launch_env()
     world = dist.world_size if dist is not None and dist.accelerator is not None else (env or {}).get("WORLD_SIZE", 1)
     if world <= 1:
@@ -272,6 +272,15 @@ def sharded_full_mode(train: TrainConfig, full: FullConfig, memory: MemoryConfig
                          "several processes: FSDP2 shards the weights and owns where they live; remove them (each "
                          "process then holds 1/N of the weights, gradients and optimizer states)")
     if strategy == "fsdp2":
+        if sample is not None and sample.every and sample.prompts:
+            # Sampling runs on rank 0 (it alone writes the images); under FSDP2 every block's
+            # forward is an all-gather of its shards, which the other ranks would not join (their
+            # next step's collectives would pair with rank 0's sampling ones: a hang, or mixed data).
+            raise ValueError(f"[sample] every = {sample.every} with [train] mode = \"full\" sharded by FSDP2 "
+                             f"on {world} processes: sampling runs on rank 0 alone, and FSDP2's all-gathers need "
+                             f"every rank; set [sample] every = 0 (sample the exported model afterwards with "
+                             f"`leantune sample`), or use [distributed] strategy = \"deepspeed\" (ZeRO-2 keeps "
+                             f"every weight whole on every rank)")
         return ShardedFullMode(train, full, formats, fsdp_cpu_offload=distributed.fsdp_cpu_offload, dist=dist)
     if strategy == "deepspeed":
         if distributed.zero_stage != 2 and distributed.deepspeed_config is None:

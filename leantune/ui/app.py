@@ -2,15 +2,14 @@
 
 Imported only by `leantune ui` (FastAPI and uvicorn are optional: `pip install leantune[ui]`).
 Every /api route is a thin call into form.py, dataset_view.py, plan_answer.py, launcher.py,
-runs.py or sample_job.py; bad input comes back as HTTP 400 with the module's message. When a token
-is set (the server is bound beyond localhost), every request must carry it (?token=... once, then a
-cookie).
+runs.py or sample_job.py; bad input comes back as HTTP 400 with the module's message. Every request
+passes guard.py first (Host, Origin, the session secret); datasets are confined to the data roots
+chosen at start and runs to the runs folder.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import shutil
 import tempfile
@@ -19,31 +18,55 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
-from . import dataset_view, launcher, plan_answer, runs, sample_job
-from .form import RunForm, choices, families
+from ..config import ConfigError
+from . import dataset_view, guard, launcher, plan_answer, queue, runs, sample_job, system
+from .form import RunForm, choices, families, presets
 
 STATIC = Path(__file__).parent / "static"
-COOKIE = "leantune_token"
 
 
-def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
+class TooLarge(ValueError):
+    """A request body over its limit (HTTP 413)."""
+
+
+def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
+               allowed_hosts: set[str] | None = None) -> FastAPI:
+    """The app. `token` is the session secret every request must carry; `data_roots` the folders
+    datasets may live under (default: the current folder); `allowed_hosts` the names (beyond IP
+    literals and localhost) a Host header may carry."""
+    if not token:
+        raise ValueError("leantune ui: a session secret is required")
     runs_dir = Path(runs_dir).resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
+    roots = [Path(r).expanduser().resolve() for r in (data_roots or [Path.cwd()])]
+    hosts = {h.lower() for h in (allowed_hosts or set())}
     app = FastAPI(title="leantune", docs_url=None, redoc_url=None, openapi_url=None)
     plans: dict[str, dict] = {}          # TOML text -> summary: the plan shown is the plan a run keeps
     family_names = families()            # imports the registry (and torch) now, not on the page's first call
     cfg_families = sample_job.cfg_families()     # the Sample form's negative prompt shows for these
 
     @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if token is None:
-            return await call_next(request)
-        given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
-        if not hmac.compare_digest(given, token):
-            return PlainTextResponse("leantune ui: open the address with ?token=... as printed at start", 403)
+    async def check_request(request: Request, call_next):
+        try:
+            cookies = request.cookies
+        except Exception:                  # an undecodable Cookie header: as if none were sent
+            cookies = {}
+        why = guard.refusal(request.method, request.headers, request.query_params, cookies, token, hosts)
+        if why:
+            return PlainTextResponse(why, 403)
         response = await call_next(request)
-        response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        name = guard.cookie_name(request.headers.get("host", ""))
+        if cookies.get(name) != token:
+            response.set_cookie(name, token, httponly=True, samesite="strict")
         return response
+
+    @app.exception_handler(TooLarge)
+    async def too_large(request: Request, exc: Exception):
+        return JSONResponse({"error": str(exc)}, status_code=413)
+
+    @app.exception_handler(dataset_view.OutsideRoots)
+    async def outside(request: Request, exc: Exception):
+        return JSONResponse({"error": str(exc)}, status_code=403)
 
     @app.exception_handler(ValueError)
     @app.exception_handler(OSError)
@@ -52,7 +75,13 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     def index():
-        return (STATIC / "index.html").read_text()
+        # the page's script sends the secret back in a header on every change (guard.py)
+        return (STATIC / "index.html").read_text().replace('name="leantune-token" content=""',
+                                                          f'name="leantune-token" content="{token}"')
+
+    @app.get("/favicon.ico")
+    def favicon():
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
     @app.get("/static/{name}")
     def static(name: str):
@@ -64,31 +93,105 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     @app.get("/api/choices")
     def get_choices():
         return {"family": family_names, "cfg_families": cfg_families, "mode": choices("train", "mode"),
+                "lora_targets": choices("lora", "targets"), "optimizer": choices("train", "optimizer"),
+                "lr_scheduler": choices("train", "lr_scheduler"),
+                "timestep_sampling": choices("train", "timestep_sampling"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
-                "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir)}
+                "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),
+                "data_roots": [str(r) for r in roots], "stock_models": plan_answer.stock_models(),
+                "max_upload_bytes": dataset_view.MAX_UPLOAD_BYTES}
 
     @app.get("/api/dataset")
     def get_dataset(path: str, min_resolution: int | None = None):
-        return {"folder": str(dataset_view.folder_of(path)), "images": dataset_view.scan(path, min_resolution)}
+        return {"folder": str(dataset_view.folder_of(path, roots)),
+                "images": dataset_view.scan(path, min_resolution, roots)}
 
     @app.get("/api/dataset/image")
     def get_image(path: str, name: str):
-        return FileResponse(dataset_view.image_path(path, name))
+        return FileResponse(dataset_view.image_path(path, name, roots))
 
     @app.put("/api/dataset/image")
     async def put_image(path: str, name: str, request: Request):
-        data = await request.body()
-        return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data))}
+        dataset_view.folder_of(path, roots)          # refuse before reading a byte of the body
+        data = await _body(request, dataset_view.MAX_UPLOAD_BYTES, name)
+        return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data, roots))}
 
     @app.post("/api/caption")
     def post_caption(body: dict):
         written = dataset_view.write_caption(str(body.get("path", "")), str(body.get("name", "")),
-                                             str(body.get("caption", "")))
+                                             str(body.get("caption", "")), roots)
         return {"written": str(written)}
+
+    @app.post("/api/caption-job")
+    def post_caption_job(body: dict):
+        """Caption the folder's images with a local image-to-text model (its own process)."""
+        import subprocess
+        import sys
+
+        folder = dataset_view.folder_of(str(body.get("path", "")), roots)
+        model = Path(str(body.get("model", "")).strip()).expanduser()
+        if not str(body.get("model", "")).strip() or not model.is_dir():
+            raise ValueError(f"captioning model {str(model)!r}: give the folder of a local transformers "
+                             f"image-to-text model (BLIP, Florence-2, ...)")
+        job = runs_dir / "_captions"
+        job.mkdir(exist_ok=True)
+        status = job / "status.json"
+        if launcher.is_alive(launcher.read_process(job)):
+            raise ValueError("captioning is already running")
+        status.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "leantune.ui.captioner", str(model), str(folder), str(status)]
+        cmd += ["--all"] if body.get("overwrite") else []
+        cmd += ["--prompt", str(body["prompt"])] if str(body.get("prompt", "")).strip() else []
+        launcher.start(job, None, command=cmd)           # refuses a second one under the folder's lock
+        return {"started": True}
+
+    @app.get("/api/caption-job")
+    def get_caption_job():
+        job = runs_dir / "_captions"
+        try:
+            status = json.loads((job / "status.json").read_text())
+        except (OSError, ValueError):
+            status = {"done": 0, "total": None, "current": "starting", "error": None}
+        info = launcher.read_process(job) or {}
+        running = launcher.is_alive(info)
+        if not running and info.get("exit_code") not in (None, 0) and not status.get("error"):
+            status["error"] = f"captioning stopped (exit code {info.get('exit_code')}); see {job / launcher.CONSOLE_FILE}"
+        return {**status, "running": running}
 
     @app.post("/api/toml")
     def post_toml(body: dict):
-        return {"toml": RunForm.from_fields(body).to_toml()}
+        form = RunForm.from_fields(body)
+        with tempfile.TemporaryDirectory() as tmp:           # checked as `leantune train` checks it
+            try:
+                form.write(Path(tmp) / "config.toml")
+            except ValueError as e:
+                return {"toml": form.to_toml(), "error": str(e).replace(str(Path(tmp) / "config.toml"), "the config")}
+        return {"toml": form.to_toml(), "error": None}
+
+    @app.get("/api/presets")
+    def get_presets():
+        return {"presets": sorted(presets())}
+
+    @app.post("/api/import")
+    def post_import(body: dict):
+        """A TOML (a preset by name, or text the user chose) as the form's fields, keeping the
+        current form's paths where the TOML's are relative to a file the page cannot see."""
+        keep = RunForm.from_fields(body.get("fields") or {}, complete=False)
+        if body.get("preset"):
+            found = presets().get(str(body["preset"]))
+            if found is None:
+                raise ValueError(f"no preset named {body['preset']!r}")
+            text = found.read_text()
+        else:
+            text = str(body.get("toml", ""))
+        form, notes = RunForm.from_toml(text, keep)
+        return {"fields": form.as_fields(), "notes": notes}
+
+    @app.get("/api/runs/{name}/form")
+    def get_run_form(name: str):
+        """A run's config as the form's fields: clone it."""
+        form, notes = RunForm.from_toml((_existing(name) / runs.CONFIG_FILE).read_text())
+        return {"fields": form.as_fields(), "notes": notes}
 
     @app.post("/api/plan")
     def post_plan(body: dict):
@@ -103,16 +206,26 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
         no GPU here) is its answer, shown as such: {"fits": None, "planned": False, "message": ...}."""
 
         text = form.to_toml()
-        if text not in plans:
+        ram, ram_words = plan_answer.ram_argument(form.ram_budget)
+        key = (text, ram)
+        if key not in plans:
+            stock = None
+            if form.model_path.strip() in plan_answer.stock_models():
+                stock = {"model": form.model_path.strip(), "mode": form.mode, "rank": form.rank,
+                         "resolutions": form.resolutions, "text_length": form.max_text_length,
+                         "batch_size": form.batch_size}
             with tempfile.TemporaryDirectory() as tmp:
-                config = form.write(Path(tmp) / "config.toml")
-                ram = form.to_dict().get("memory", {}).get("ram_budget")
                 try:
-                    answer = plan_answer.plan_json(config, form.vram_budget.strip(), ram)
+                    config = form.write(Path(tmp) / "config.toml")
+                except ConfigError as e:       # a key the config check refuses: an error, named without the temp path
+                    raise ConfigError(str(e).replace(str(Path(tmp) / "config.toml"), "the config")) from None
+                try:
+                    answer = plan_answer.plan_json(None if stock else config, form.vram_budget.strip(), ram, stock)
                 except ValueError as e:        # ConfigError and the planner's refusals; the form passed
-                    return {"fits": None, "planned": False, "message": f"not planned: {e}"}
-                plans[text] = plan_answer.summarize(answer)
-        return plans[text]
+                    return {"fits": None, "planned": False,
+                            "message": "not planned: " + plan_answer.page_words(str(e).replace(tmp, "(the form)"))}
+                plans[key] = plan_answer.summarize(answer, form.steps, ram_words)
+        return plans[key]
 
     @app.get("/api/runs")
     def get_runs():
@@ -121,6 +234,10 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     @app.post("/api/runs")
     def post_run(body: dict):
         form = RunForm.from_fields(body)
+        if form.model_path.strip() in plan_answer.stock_models():
+            raise ValueError(f"model {form.model_path!r}: a stock architecture the page plans without weights; "
+                             f"give the model's folder or .safetensors file to train")
+        dataset_view.folder_of(form.dataset, roots)       # the trainer reads only folders the page may use
         folder = runs.run_folder(runs_dir, form.name)
         if folder.exists():
             raise ValueError(f"a run named {form.name!r} exists in {runs_dir}: pick another name, or resume it")
@@ -134,7 +251,7 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
             from ..io import atomic_write_json
 
             atomic_write_json(folder / runs.PLAN_FILE, _plan(form))
-        return launcher.start(folder, config)
+        return queue.submit(runs_dir, folder, resume=False)
 
     def _existing(name: str) -> Path:
         folder = runs.run_folder(runs_dir, name)
@@ -144,12 +261,33 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
 
     @app.post("/api/runs/{name}/stop")
     def post_stop(name: str):
-        return launcher.stop(_existing(name))
+        """Stop a running run (it saves), or take a queued one out of the line."""
+        folder = _existing(name)
+        if queue.leave(folder):
+            return {"left_queue": name}
+        return launcher.stop(folder)
 
     @app.post("/api/runs/{name}/resume")
     def post_resume(name: str):
+        return queue.submit(runs_dir, _existing(name), resume=True)
+
+    @app.delete("/api/runs/{name}")
+    def delete_run(name: str):
+        """Delete a run with its files (the page asks first); a running one must be stopped first."""
         folder = _existing(name)
-        return launcher.start(folder, folder / runs.CONFIG_FILE, resume=True)
+        with launcher.run_lock(folder):
+            if launcher.is_alive(launcher.read_process(folder)):
+                raise ValueError(f"{name}: running; stop it first")
+            shutil.rmtree(folder)
+        return {"deleted": name}
+
+    @app.get("/api/system")
+    def get_system():
+        return system.snapshot()
+
+    @app.on_event("startup")
+    def start_queue():
+        queue.keep_moving(runs_dir)
 
     @app.get("/api/runs/{name}")
     def get_run(name: str):
@@ -175,8 +313,13 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
         return FileResponse(_existing(name) / runs.CONFIG_FILE, filename=f"{name}.toml", media_type="application/toml")
 
     @app.get("/api/runs/{name}/samples/{file}")
-    def get_sample(name: str, file: str):
-        return _file(_existing(name) / runs.RUN_DIR / "samples", file, download=False)
+    def get_sample(name: str, file: str, prompt: int | None = None):
+        """A sample grid, or with ?prompt=i the image of prompt i in it (the gallery's cells)."""
+        if prompt is None:
+            return _file(_existing(name) / runs.RUN_DIR / "samples", file, download=False)
+        from fastapi.responses import Response
+
+        return Response(runs.sample_tile(_existing(name), file, prompt), media_type="image/png")
 
     @app.get("/api/runs/{name}/weights/{file}")
     def get_weights(name: str, file: str):
@@ -185,6 +328,11 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     @app.post("/api/sample")
     def post_sample(body: dict):
         return sample_job.start(runs_dir, body)
+
+    @app.get("/api/runs/{name}/sample-fields")
+    def get_run_sample_fields(name: str):
+        """"Sample this run": the Sample form filled from the run's config and newest LoRA."""
+        return sample_job.run_fields(_existing(name))
 
     @app.get("/api/model-family")
     def get_model_family(path: str):
@@ -203,6 +351,21 @@ def create_app(runs_dir: Path, token: str | None = None) -> FastAPI:
     return app
 
 
+async def _body(request: Request, limit: int, name: str) -> bytes:
+    """The request body, refused (TooLarge) as soon as it passes `limit` bytes: a declared length
+    over it is refused before reading, and a body sent without one stops being read at the limit."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"{name}: {int(declared) / 2**20:.0f} MiB, more than the {limit // 2**20} MiB an upload may be")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"{name}: more than the {limit // 2**20} MiB an upload may be")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _file(folder: Path, name: str, download: bool):
     path = folder / Path(name).name
     if name != Path(name).name or not path.is_file():
@@ -210,7 +373,8 @@ def _file(folder: Path, name: str, download: bool):
     return FileResponse(path, filename=name if download else None)
 
 
-def serve(runs_dir: Path, host: str, port: int, token: str | None) -> None:
+def serve(runs_dir: Path, host: str, port: int, token: str, data_roots: list[Path] | None = None,
+          allowed_hosts: set[str] | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(runs_dir, token), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(runs_dir, token, data_roots, allowed_hosts), host=host, port=port, log_level="warning")

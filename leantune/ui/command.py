@@ -1,8 +1,11 @@
-"""`leantune ui [--host 127.0.0.1] [--port 7860] [--runs DIR]`: the local web page.
+"""`leantune ui [--host 127.0.0.1] [--port 7860] [--runs DIR] [--data DIR ...]`: the local web page.
 
-Bound to localhost by default. Bound anywhere else, anyone who can reach the port could start
-processes and write captions, so the server then requires a random token (printed in the address)
-and says so with a warning. Needs the `ui` extra (FastAPI, uvicorn), imported only here.
+The page starts processes and writes files as the user, so it answers only whoever holds the
+address it prints: that address carries a random per-session secret, on localhost too (another
+user of a shared machine can reach 127.0.0.1). Datasets are confined to the --data folders (default:
+the folder the command runs in) and runs to --runs. Bound beyond localhost it also warns. Host and
+Origin checks (ui/guard.py) keep other web pages out. Needs the `ui` extra (FastAPI, uvicorn),
+imported only here.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     p.add_argument("--runs", default="leantune-runs", help="folder of the page's runs (default: leantune-runs)")
-    p.add_argument("--token", default=None, help="access token (default: none on localhost, random elsewhere)")
+    p.add_argument("--data", action="append", default=None, metavar="DIR",
+                   help="a folder datasets may be read from and written to (repeatable; default: the current folder)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name the page may be reached by, beyond IP addresses and localhost")
+    p.add_argument("--token", default=None, help="the session secret (default: a new random one each start)")
 
 
 def address(host: str, port: int, token: str | None) -> str:
@@ -44,11 +51,19 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ConfigError(f"leantune ui needs FastAPI and uvicorn ({e.name} is missing): "
                           f"pip install 'leantune[ui]'") from None
-    token = args.token
+    token = args.token or secrets.token_urlsafe(16)
+    data_roots = [Path(d).expanduser().resolve() for d in (args.data or [Path.cwd()])]
+    for root in data_roots:
+        if not root.is_dir():
+            raise ConfigError(f"--data {root}: not a folder")
+    allowed = set(args.allow_host)
     if not is_local(args.host):
-        token = token or secrets.token_urlsafe(16)
+        import socket
+
+        allowed |= {args.host, socket.gethostname(), socket.getfqdn()}
         print(f"warning: leantune ui is bound to {args.host}, reachable from other machines; anyone with the "
               f"address below can start runs and write files as this user", file=sys.stderr)
-    print(f"leantune ui: {address(args.host, args.port, token)}  (runs in {Path(args.runs).resolve()})", flush=True)
-    serve(Path(args.runs), args.host, args.port, token)
+    print(f"leantune ui: {address(args.host, args.port, token)}  (runs in {Path(args.runs).resolve()}; "
+          f"datasets under {', '.join(map(str, data_roots))})", flush=True)
+    serve(Path(args.runs), args.host, args.port, token, data_roots, allowed)
     return 0

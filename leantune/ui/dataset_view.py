@@ -4,6 +4,12 @@ Each image comes with its caption (the same-stem .txt) and the warnings the trai
 unreadable, no caption, smaller than the smallest training resolution. Captions are written
 atomically (write, fsync, rename), and only for an image that is in the folder: a name with a path
 in it is refused, so the page can never write outside the dataset.
+
+The page passes the data roots chosen at start (`leantune ui --data DIR`, default the folder it was
+started in): a folder is usable only when its real path (symlinks followed) lies under one of them,
+so no request can read or write a folder elsewhere on disk. Uploads are bounded twice: in bytes
+(the server stops reading past MAX_UPLOAD_BYTES) and in decoded pixels (checked from the header,
+before anything is decoded), since a small PNG can decode to gigabytes.
 """
 
 from __future__ import annotations
@@ -11,29 +17,49 @@ from __future__ import annotations
 from pathlib import Path
 
 
+MAX_UPLOAD_BYTES = 64 * 2**20
+MAX_PIXELS = 50_000_000          # 8K x 6K; a 16000 x 11000 image (176 MP, 704 MB as RGBA) is refused
+
+
 class DatasetViewError(ValueError):
     """The folder or image the page asked about is not usable; the message names it."""
 
 
-def folder_of(path: str) -> Path:
+class OutsideRoots(DatasetViewError):
+    """A folder outside the page's data roots."""
+
+
+def within(path: Path, roots) -> bool:
+    """Whether real path `path` is one of `roots` or below one (roots resolved by the caller)."""
+    return any(path == root or root in path.parents for root in roots)
+
+
+def folder_of(path: str, roots=None) -> Path:
+    """The real folder `path` names; with `roots`, only when it lies under one of them."""
     folder = Path(path).expanduser()
+    if not folder.is_absolute():          # relative to the first data root (where the page was started)
+        folder = (list(roots)[0] if roots else Path.cwd()) / folder
     if not folder.is_dir():
         raise DatasetViewError(f"{folder}: not a folder")
-    return folder.resolve()
+    real = folder.resolve()
+    if roots is not None and not within(real, roots):
+        raise OutsideRoots(f"{folder}: outside the folders this page may use ({', '.join(map(str, roots))}); "
+                           f"start `leantune ui --data DIR` to add one")
+    return real
 
 
-def scan(path: str, min_resolution: int | None = None) -> list[dict]:
+def scan(path: str, min_resolution: int | None = None, roots=None) -> list[dict]:
     """[{name, caption, width, height, warnings}] of every image in the folder (not recursive)."""
     from ..data.dataset import CaptionError, _image_files, inspect_image, read_caption
 
-    folder = folder_of(path)
+    folder = folder_of(path, roots)
     out = []
     for image in _image_files(folder, recursive=False):
         entry = {"name": image.name, "caption": "", "width": None, "height": None, "warnings": []}
         try:
             _, entry["width"], entry["height"] = inspect_image(image)
         except Exception as e:    # PIL raises many types; the trainer skips such files the same way
-            entry["warnings"].append(f"unreadable: {type(e).__name__}: {e}")
+            entry["warnings"].append("unreadable: the file does not decode as an image (the trainer skips it)")
         if not image.with_suffix(".txt").is_file():
             entry["warnings"].append("no caption (.txt): trains with the trigger word only")
         else:
@@ -47,23 +73,25 @@ def scan(path: str, min_resolution: int | None = None) -> list[dict]:
     return out
 
 
-def image_path(folder: str, name: str) -> Path:
+def image_path(folder: str, name: str, roots=None) -> Path:
     """The image `name` inside `folder`, refusing names that leave it."""
     from ..data.dataset import IMAGE_EXTENSIONS
 
-    base = folder_of(folder)
+    base = folder_of(folder, roots)
     if not name or Path(name).name != name or name.startswith("."):
         raise DatasetViewError(f"{name!r}: not a plain file name")
     image = base / name
     if image.suffix.lower() not in IMAGE_EXTENSIONS or not image.is_file():
         raise DatasetViewError(f"{image}: no such image")
+    if roots is not None and not within(image.resolve(), roots):      # a symlinked image
+        raise OutsideRoots(f"{image}: links outside the folders this page may use")
     return image
 
 
-def save_upload(folder: str, name: str, data: bytes) -> Path:
+def save_upload(folder: str, name: str, data: bytes, roots=None) -> Path:
     """Add an uploaded image to the dataset folder, atomically. The name must be a plain image
     file name that is not there yet (nothing of the user's is overwritten), and the bytes must
-    decode as an image, so a broken upload never lands in the dataset."""
+    decode as an image of at most MAX_PIXELS pixels, so a broken upload never lands in the dataset."""
     import io
 
     from PIL import Image
@@ -71,7 +99,10 @@ def save_upload(folder: str, name: str, data: bytes) -> Path:
     from ..data.dataset import IMAGE_EXTENSIONS
     from ..io import atomic_write_bytes
 
-    base = folder_of(folder)
+    base = folder_of(folder, roots)
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise DatasetViewError(f"{name}: {len(data) / 2**20:.0f} MiB, more than the {MAX_UPLOAD_BYTES // 2**20} MiB "
+                               f"an upload may be")
     if not name or Path(name).name != name or name.startswith(".") or Path(name).suffix.lower() not in IMAGE_EXTENSIONS:
         raise DatasetViewError(f"{name!r}: not an image file name ({', '.join(IMAGE_EXTENSIONS)})")
     target = base / name
@@ -79,15 +110,20 @@ def save_upload(folder: str, name: str, data: bytes) -> Path:
         raise DatasetViewError(f"{target}: exists already; rename the file to upload it")
     try:
         with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > MAX_PIXELS:
+                raise DatasetViewError(f"{name}: {img.width}x{img.height} pixels, more than the "
+                                       f"{MAX_PIXELS / 1e6:.0f} million an upload may decode to; downscale it first")
             img.load()
+    except DatasetViewError:
+        raise
     except Exception as e:     # PIL raises many types
-        raise DatasetViewError(f"{name}: not a readable image ({type(e).__name__}: {e})") from None
+        raise DatasetViewError(f"{name}: not a readable image (the file does not decode as PNG, JPEG or WebP)") from None
     return atomic_write_bytes(target, data)
 
 
-def write_caption(folder: str, name: str, caption: str) -> Path:
+def write_caption(folder: str, name: str, caption: str, roots=None) -> Path:
     """Write the caption of image `name` as its same-stem .txt, atomically; returns the .txt path."""
     from ..io import atomic_write_bytes
 
     text = " ".join(caption.split())
-    return atomic_write_bytes(image_path(folder, name).with_suffix(".txt"), (text + "\n").encode())
+    return atomic_write_bytes(image_path(folder, name, roots).with_suffix(".txt"), (text + "\n").encode())

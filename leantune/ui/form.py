@@ -6,6 +6,12 @@ checks it with the same validation `leantune train` applies, so a bad form never
 Choices are read from where they are defined: the families from the family registry
 (models/family.py), so a family the project gains appears here with nothing to edit; mode, dtype
 and mixed precision from the config schema, so the form offers what the trainer takes.
+
+The common keys are fields; every other key of the config is reachable through `extra_toml`, TOML
+text merged over what the fields write (tables merged key by key, other values replaced), then
+checked by the same validation `leantune train` applies, so an error names the section and key.
+An existing TOML (a user's file, examples/, the quickstart recipes) comes back as fields plus the
+rest as extra TOML (`from_toml`), so importing and saving again loses no key.
 """
 
 from __future__ import annotations
@@ -46,12 +52,20 @@ class RunForm:
     mode: str = "lora"
     dataset: str = ""
     trigger_word: str = ""
+    repeats: int = 1
+    caption_dropout: float = 0.0
     rank: int = 16
+    lora_targets: str = "attention_mlp"
     resolutions: list[int] = field(default_factory=lambda: [1024])
     batch_size: int = 1
     max_text_length: int = 512
     steps: int = 1000
     learning_rate: float = 1e-4
+    optimizer: str = "adamw"
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    timestep_sampling: str = "auto"
+    seed: int = 42
     mixed_precision: str = "bf16"
     vram_budget: str = ""          # "" = no budget (everything on the GPU), "auto", or a size
     ram_budget: str = "auto"       # "auto" or "" = the config's default (available host RAM), or a size
@@ -61,9 +75,14 @@ class RunForm:
     sample_prompts: list[str] = field(default_factory=list)
     sample_steps: int = 20
     sample_size: int = 1024
+    sample_guidance: float = 3.5
+    sample_seed: int = 0
+    extra_toml: str = ""           # every other key, as TOML merged over the fields
 
     @classmethod
-    def from_fields(cls, data: dict) -> "RunForm":
+    def from_fields(cls, data: dict, complete: bool = True) -> "RunForm":
+        """The form from the page's values; `complete=False` lets the model and dataset be empty (an
+        imported recipe whose paths the user still has to give)."""
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(data) - set(known))
         if unknown:
@@ -73,24 +92,31 @@ class RunForm:
             kind = known[key].type
             values[key] = _convert(key, raw, kind)
         form = cls(**values)
-        form.check()
+        form.check(complete)
         return form
 
-    def check(self) -> None:
+    def check(self, complete: bool = True) -> None:
         if not NAME.match(self.name):
             raise FormError(f"name {self.name!r}: letters, digits, '-', '_' or '.', starting with a letter or digit")
         for key, allowed in (("family", families()), ("mode", choices("train", "mode")),
                              ("dtype", choices("model", "dtype")),
-                             ("mixed_precision", choices("train", "mixed_precision"))):
+                             ("mixed_precision", choices("train", "mixed_precision")),
+                             ("lora_targets", choices("lora", "targets")), ("optimizer", choices("train", "optimizer")),
+                             ("lr_scheduler", choices("train", "lr_scheduler")),
+                             ("timestep_sampling", choices("train", "timestep_sampling"))):
             if getattr(self, key) not in allowed:
                 raise FormError(f"{key} {getattr(self, key)!r}: one of {', '.join(allowed)}")
-        if not self.model_path.strip():
+        if complete and not self.model_path.strip():
             raise FormError("model_path: give the model folder or single .safetensors file")
-        if not self.dataset.strip():
+        if complete and not self.dataset.strip():
             raise FormError("dataset: give the folder of images")
-        for key in ("rank", "batch_size", "max_text_length", "steps", "log_every", "sample_steps", "sample_size"):
+        for key in ("rank", "batch_size", "max_text_length", "steps", "log_every", "sample_steps", "sample_size",
+                    "repeats"):
             if getattr(self, key) < 1:
                 raise FormError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.caption_dropout <= 1:
+            raise FormError(f"caption_dropout: between 0 and 1, got {self.caption_dropout}")
+        self.extra()          # the extra TOML parses
         if not self.resolutions:
             raise FormError("resolutions: give at least one")
         if not self.learning_rate > 0:
@@ -99,13 +125,16 @@ class RunForm:
     def to_dict(self) -> dict:
         """The config as a TOML document (nested dict); paths absolute, outputs beside the config."""
         cfg: dict = {
-            "model": {"path": str(Path(self.model_path).expanduser()), "family": self.family, "dtype": self.dtype},
+            "model": {"path": _absolute(self.model_path), "family": self.family, "dtype": self.dtype},
             "data": {"resolutions": list(self.resolutions), "batch_size": self.batch_size,
                      "max_text_length": self.max_text_length, "cache_dir": "cache",
-                     "datasets": [{"path": str(Path(self.dataset).expanduser()), "trigger_word": self.trigger_word}]},
-            "lora": {"rank": self.rank, "alpha": self.rank},
+                     "datasets": [{"path": _absolute(self.dataset), "trigger_word": self.trigger_word,
+                                   "repeats": self.repeats, "caption_dropout": self.caption_dropout}]},
+            "lora": {"rank": self.rank, "targets": self.lora_targets},       # alpha: the config's default, = rank
             "train": {"mode": self.mode, "steps": self.steps, "learning_rate": self.learning_rate,
-                      "mixed_precision": self.mixed_precision, "save_every": self.save_every,
+                      "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
+                      "warmup_steps": self.warmup_steps, "timestep_sampling": self.timestep_sampling,
+                      "seed": self.seed, "mixed_precision": self.mixed_precision, "save_every": self.save_every,
                       "log_every": self.log_every},
             "memory": {},
             "output": {"dir": "run", "name": self.name},
@@ -120,8 +149,101 @@ class RunForm:
             del cfg["memory"]
         if self.sample_prompts and self.sample_every:
             cfg["sample"] = {"every": self.sample_every, "prompts": list(self.sample_prompts),
-                             "steps": self.sample_steps, "width": self.sample_size, "height": self.sample_size}
+                             "steps": self.sample_steps, "width": self.sample_size, "height": self.sample_size,
+                             "guidance": self.sample_guidance, "seed": self.sample_seed}
+        merge(cfg, self.extra())
+        for key in ("dir", "name"):            # the page finds its runs by these
+            if cfg["output"][key] != ("run" if key == "dir" else self.name):
+                raise FormError(f"extra_toml: [output] {key} is set by the page (the run's name and folder)")
         return cfg
+
+    def extra(self) -> dict:
+        """The extra TOML as a dict; a syntax error names the line."""
+        import tomllib
+
+        try:
+            return tomllib.loads(self.extra_toml)
+        except tomllib.TOMLDecodeError as e:
+            raise FormError(f"extra_toml: {e}") from None
+
+    @classmethod
+    def from_toml(cls, text: str, keep: "RunForm | None" = None) -> tuple["RunForm", list[str]]:
+        """A config's TOML as the form: known keys as fields, the rest as extra TOML. Paths that are
+        relative (to a file the page cannot see) keep `keep`'s values; the notes say which."""
+        import copy
+        import tomllib
+
+        import tomli_w
+
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise FormError(f"the TOML does not parse: {e}") from None
+        rest = copy.deepcopy(doc)
+        keep = keep or cls()
+        values, notes = {}, []
+
+        def take(section, key, field_name, convert=lambda v: v):
+            table = rest.get(section)
+            if isinstance(table, dict) and key in table:
+                values[field_name] = convert(table.pop(key))
+                if not table:
+                    del rest[section]
+        model = doc.get("model", {})
+        take("model", "family", "family")
+        take("model", "dtype", "dtype")
+        if "path" in model:
+            path = str(rest["model"].pop("path"))
+            if Path(path).expanduser().is_absolute():
+                values["model_path"] = path
+            else:
+                notes.append(f"[model] path = {path!r} is relative to its file: give the model's folder")
+        datasets = rest.get("data", {}).pop("datasets", None) if isinstance(rest.get("data"), dict) else None
+        if datasets:
+            first = dict(datasets[0])
+            path = str(first.pop("path", ""))
+            if Path(path).expanduser().is_absolute():
+                values["dataset"] = path
+            elif path:
+                notes.append(f"[[data.datasets]] path = {path!r} is relative to its file: give the image folder")
+            for key, field_name in (("trigger_word", "trigger_word"), ("repeats", "repeats"),
+                                    ("caption_dropout", "caption_dropout")):
+                if key in first:
+                    values[field_name] = first.pop(key)
+            if first or len(datasets) > 1:
+                notes.append("more dataset keys or datasets than the fields hold: kept as [[data.datasets]] in "
+                             "the extra TOML, which replaces the field's dataset")
+                rest.setdefault("data", {})["datasets"] = datasets
+        for key, field_name in (("resolutions", "resolutions"), ("batch_size", "batch_size"),
+                                ("max_text_length", "max_text_length")):
+            take("data", key, field_name)
+        if isinstance(rest.get("data"), dict) and rest["data"].get("cache_dir") == "cache":
+            take("data", "cache_dir", "_")             # what the form writes anyway
+        take("lora", "rank", "rank")
+        take("lora", "targets", "lora_targets")
+        for key in ("mode", "steps", "learning_rate", "optimizer", "lr_scheduler", "warmup_steps",
+                    "timestep_sampling", "seed", "mixed_precision", "save_every", "log_every"):
+            take("train", key, key)
+        take("memory", "vram_budget", "vram_budget")
+        take("memory", "ram_budget", "ram_budget")
+        for key, field_name in (("every", "sample_every"), ("prompts", "sample_prompts"), ("steps", "sample_steps"),
+                                ("guidance", "sample_guidance"), ("seed", "sample_seed")):
+            take("sample", key, field_name)
+        sample = rest.get("sample", {})
+        if isinstance(sample, dict) and "width" in sample and sample.get("width") == sample.get("height"):
+            values["sample_size"] = sample.pop("width")
+            sample.pop("height")
+            if not sample:
+                del rest["sample"]
+        take("output", "name", "name")
+        take("output", "dir", "_")
+        values.pop("_", None)
+        for section in [k for k, v in rest.items() if isinstance(v, dict) and not v]:
+            del rest[section]
+        fields_now = keep.as_fields()
+        fields_now.update(values)
+        fields_now["extra_toml"] = tomli_w.dumps(rest) if rest else ""
+        return cls.from_fields(fields_now, complete=False), notes
 
     def to_toml(self) -> str:
         import tomli_w
@@ -139,6 +261,35 @@ class RunForm:
 
     def as_fields(self) -> dict:
         return asdict(self)
+
+
+def presets() -> dict[str, Path]:
+    """The recipes the page offers: the package's quickstart*.toml and the repository's examples/."""
+    package = Path(__file__).resolve().parents[1]
+    found = {f"quickstart: {p.stem}": p for p in sorted((package / "resources").glob("quickstart*.toml"))}
+    found.update({f"example: {p.stem}": p for p in sorted((package.parent / "examples").glob("*.toml"))})
+    return found
+
+
+def _absolute(path: str) -> str:
+    """A path typed on the page, absolute (relative to where the page was started: the config lives
+    in the run's folder, where a relative path would point elsewhere); a stock model name (planned
+    without weights) stays a name."""
+    from ..commands.plan import MODELS
+
+    if not path.strip() or path.strip() in MODELS:
+        return path.strip()
+    return str(Path(path).expanduser().absolute())
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, in place: tables merged key by key, anything else replaced."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge(base[key], value)
+        else:
+            base[key] = value
+    return base
 
 
 def _convert(key: str, raw, kind):

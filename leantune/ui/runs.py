@@ -25,6 +25,10 @@ VRAM = re.compile(r"vram ([\d.]+)/([\d.]+) GiB \(peak ([\d.]+)\)")
 RSS = re.compile(r"rss ([\d.]+) GiB")
 
 
+QUEUED_FILE = "queued.json"
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \w+ ")
+
+
 def run_folders(runs_dir: Path) -> list[Path]:
     if not runs_dir.is_dir():
         return []
@@ -79,10 +83,12 @@ def outputs(folder: Path) -> dict:
 
 
 def state(folder: Path) -> str:
-    """running | finished | failed (the last process exited with an error) | stopped (resumable) | new."""
+    """running | queued | finished | failed (the last process exited with an error) | stopped (resumable) | new."""
     info = launcher.read_process(folder)
     if launcher.is_alive(info):
         return "running"
+    if (folder / QUEUED_FILE).is_file():
+        return "queued"
     out = outputs(folder)
     final = [w for w in out["weights"] if "-step" not in w]
     if final:
@@ -108,7 +114,76 @@ def predicted(folder: Path) -> dict:
         plan = json.loads((folder / PLAN_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {k: plan.get(k) for k in ("peak_vram_gib", "peak_host_gib", "step_s", "message")}
+    return {k: plan.get(k) for k in ("peak_vram_gib", "peak_host_gib", "step_s", "message", "assumed_machine")}
+
+
+def activity(log: str, console: str) -> str:
+    """What the trainer is doing now, in its own words: the last line of train.log (or, before the
+    log exists, of its console: loading, caching captions 12/24, ...), without the timestamp."""
+    for text in (log, console):
+        lines = [line for line in text.splitlines() if line.strip() and not line.startswith("$ ")]
+        if lines:
+            return TIMESTAMP.sub("", lines[-1].strip().split("\r")[-1])[:200]
+    return "starting the trainer"
+
+
+def timing(folder: Path, steps: list[dict], total: int | None, now: float | None = None) -> dict:
+    """Elapsed seconds of this process and the ETA from the measured s/it of the last steps."""
+    import time
+
+    info = launcher.read_process(folder) or {}
+    started = info.get("started")
+    end = info.get("ended") or (now if now is not None else time.time())
+    elapsed = end - started if started else None
+    eta = None
+    if steps and total and launcher.is_alive(info):
+        recent = [s["s_it"] for s in steps[-20:]]
+        eta = max(0, total - steps[-1]["step"]) * sum(recent) / len(recent)
+    return {"elapsed_s": elapsed, "eta_s": eta}
+
+
+def gallery(folder: Path, samples: list[str]) -> dict:
+    """The run's sample grids by step and prompt: {"prompts": [...], "steps": [{"step", "file"}]}."""
+    from ..config import read_toml
+
+    try:
+        prompts = list(read_toml(folder / CONFIG_FILE).get("sample", {}).get("prompts", []))
+    except Exception:
+        prompts = []
+    steps = []
+    for name in samples:
+        m = re.search(r"(\d+)", name)
+        steps.append({"step": int(m.group(1)) if m else 0, "file": name})
+    return {"prompts": prompts, "steps": sorted(steps, key=lambda s: s["step"])}
+
+
+def sample_tile(folder: Path, file: str, index: int) -> bytes:
+    """Image `index` (prompt `index`) of a sample grid, as PNG: the grid's metadata gives each
+    image's size, so the tile is cut where the sampler pasted it (row-major)."""
+    import io
+    import json as _json
+
+    from PIL import Image
+
+    path = folder / RUN_DIR / "samples" / Path(file).name
+    with Image.open(path) as grid:
+        meta = {}
+        for value in grid.info.values():
+            try:
+                found = _json.loads(value) if isinstance(value, str) and value.startswith("{") else None
+            except ValueError:
+                found = None
+            if isinstance(found, dict) and "width" in found:
+                meta = found
+        w, h = int(meta.get("width", grid.height)), int(meta.get("height", grid.height))
+        cols = max(1, grid.width // w)
+        r, c = divmod(int(index), cols)
+        if index < 0 or (r + 1) * h > grid.height:
+            raise ValueError(f"{file}: no image {index}")
+        tile = grid.crop((c * w, r * h, (c + 1) * w, (r + 1) * h))
+        buf = io.BytesIO()
+        tile.save(buf, format="PNG")
+        return buf.getvalue()
 
 
 def progress(folder: Path, log_lines: int = 40) -> dict:
@@ -116,10 +191,13 @@ def progress(folder: Path, log_lines: int = 40) -> dict:
     root = folder / RUN_DIR
     steps = parse_log(_tail(root / "train.log", 100000))
     info = launcher.read_process(folder) or {}
-    return {"name": folder.name, "state": state(folder), "steps": steps, "total_steps": total_steps(folder),
-            "predicted": predicted(folder), "log": _tail(root / "train.log", log_lines),
-            "console": _tail(folder / launcher.CONSOLE_FILE, log_lines), "exit_code": info.get("exit_code"),
-            **outputs(folder)}
+    log, console = _tail(root / "train.log", log_lines), _tail(folder / launcher.CONSOLE_FILE, log_lines)
+    total = total_steps(folder)
+    out = outputs(folder)
+    return {"name": folder.name, "state": state(folder), "steps": steps, "total_steps": total,
+            "predicted": predicted(folder), "log": log, "console": console, "exit_code": info.get("exit_code"),
+            "activity": activity(log, console), **timing(folder, steps, total), "gallery": gallery(folder, out["samples"]),
+            **out}
 
 
 def listing(runs_dir: Path) -> list[dict]:

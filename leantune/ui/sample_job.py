@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from . import launcher
@@ -77,7 +78,42 @@ def command(fields: dict, out: Path) -> list[str]:
             cmd += ["--lora", lora.strip()]
     if str(fields.get("vram", "")).strip():
         cmd += ["--vram", str(fields["vram"]).strip()]
+    text_length = str(fields.get("text_length", "") or "").strip()
+    if text_length:
+        if not text_length.isdigit() or not 1 <= int(text_length) <= 512:
+            raise FormError(f"text_length: {text_length!r} is not a token count from 1 to 512")
+        cmd += ["--set", f"max_text_length={int(text_length)}"]
+    dtype = str(fields.get("dtype", "") or "").strip()
+    if dtype:
+        from .form import choices
+
+        if dtype not in choices("model", "dtype"):
+            raise FormError(f"dtype: {dtype!r} is not one of {', '.join(choices('model', 'dtype'))}")
+        cmd += ["--set", f"model.dtype={dtype}"]
     return cmd
+
+
+def run_fields(folder: Path) -> dict:
+    """The Sample form for a run ("sample this run"): its model, family, dtype and text length,
+    its [sample] settings, and its newest LoRA (the final file, else the latest step's), so the
+    sample draws what the run's own samples draw."""
+    from ..config import load_config
+
+    from . import runs
+
+    cfg = load_config(folder / runs.CONFIG_FILE)
+    out = runs.outputs(folder)
+    loras = [w for w in out["weights"] if w.endswith("_comfyui.safetensors")] or out["weights"]
+    final = [w for w in loras if "-step" not in w]
+    newest = final[-1] if final else (loras[-1] if loras else None)
+    fields = {"model_path": str(cfg.resolve(cfg.model.path)), "family": cfg.model.family, "dtype": cfg.model.dtype,
+              "text_length": cfg.data.max_text_length, "prompts": "\n".join(cfg.sample.prompts),
+              "negative_prompt": cfg.sample.negative_prompt, "seed": cfg.sample.seed, "steps": cfg.sample.steps,
+              "guidance": cfg.sample.guidance, "width": cfg.sample.width, "height": cfg.sample.height,
+              "loras": f"{folder / runs.RUN_DIR / newest}:1.0" if newest and cfg.train.mode == "lora" else ""}
+    if cfg.train.mode == "full" and final:
+        fields["model_path"] = str(folder / runs.RUN_DIR / final[-1])      # a full fine-tune samples its own model
+    return fields
 
 
 def start(runs_dir: Path, fields: dict) -> dict:
@@ -90,7 +126,8 @@ def start(runs_dir: Path, fields: dict) -> dict:
     with open(out / "console.log", "wb") as console:
         proc = subprocess.Popen(cmd, cwd=out, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    (out / "pid").write_text(str(proc.pid))
+    launcher._write_process(out, {"pid": proc.pid, "proc_start": launcher.start_time(proc.pid), "exit_code": None})
+    threading.Thread(target=proc.wait, daemon=True).start()         # reaped, so it never lingers as a zombie
     return {"job": n, "pid": proc.pid}
 
 
@@ -101,8 +138,5 @@ def result(runs_dir: Path, job: int) -> dict:
         console = "\n".join((out / "console.log").read_text(errors="replace").splitlines()[-20:])
     except OSError:
         console = ""
-    try:
-        running = launcher.is_alive({"pid": int((out / "pid").read_text())})
-    except (OSError, ValueError):
-        running = False
+    running = launcher.is_alive(launcher.read_process(out))
     return {"job": job, "images": images, "console": console, "running": running}

@@ -30,8 +30,8 @@ class PlanCalibrator:
     trained, the step's peak allocated VRAM (torch.cuda.max_memory_allocated, reset once after setup
     and after each step's reading) and its seconds, plus the streaming engine's step_report
     (measured H2D rate and stall). When the measured peak differs from the prediction by more than
-    the budget's margin, the activation term is rescaled to match, the calibration is stored and,
-    once, the plan is searched again: a different plan is applied through the guard and returned,
+    the budget's margin, the activation term is rescaled to match, the calibration is stored (not
+    after an out-of-memory error in this run) and, once, the plan is searched again: a different plan is applied through the guard and returned,
     otherwise None. After an out-of-memory error a peak below the prediction corrects nothing: the
     device has shown that the prediction was not too high, and lowering it would plan back towards
     the plan that failed.
@@ -67,7 +67,9 @@ class PlanCalibrator:
             old = cal.activation_scale.get(key, 1.0)
             cal.activation_scale[key] = max(0.25, old * (act + error) / act)
             cal.activation_scale[f"{bucket_key(bucket)}:*"] = cal.activation_scale[key]
-        if self.store is not None:
+        if self.store is not None and not self.guard.replans:
+            # After an out-of-memory error this run's readings come from a fragmented, near-full
+            # device: they correct this run's plan, but are not kept for the next runs.
             self.store.put(planner.key, cal)
         if not off:
             return None

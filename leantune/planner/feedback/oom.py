@@ -74,9 +74,11 @@ class OomGuard:
                 if not is_out_of_memory(exc):
                     raise
                 first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                del exc
-                _free_memory()
-                pending = self._tighter(where, first_line, pending or self.plan)
+            # Freed here, out of the handler: inside it the traceback still holds the failed
+            # attempt's frames and their tensors (the step's graph), so nothing could be freed and
+            # the peak counter would restart at the near-OOM level the calibration then reads.
+            _free_memory()
+            pending = self._tighter(where, first_line, pending or self.plan)
 
     def _tighter(self, where: str, error: str, failed: Plan) -> Plan:
         while True:

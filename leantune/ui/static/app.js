@@ -1,16 +1,44 @@
 // The leantune page: plain DOM calls over the /api routes of leantune/ui/app.py.
 const $ = (id) => document.getElementById(id);
-const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "rank",
-  "resolutions", "batch_size", "max_text_length", "steps", "learning_rate", "save_every", "log_every",
-  "vram_budget", "ram_budget", "sample_every", "sample_steps", "sample_size", "sample_prompts"];
+const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
+  "caption_dropout", "rank", "lora_targets", "resolutions", "batch_size", "max_text_length", "steps", "learning_rate",
+  "optimizer", "lr_scheduler", "warmup_steps", "timestep_sampling", "seed", "save_every", "log_every",
+  "vram_budget", "ram_budget", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
+  "sample_prompts", "extra_toml"];
+const CHOICES = ["family", "mode", "dtype", "mixed_precision", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
+const STORE = "leantune-form";
 let watching = null, events = null;
+// the session secret the server put in the page: every change carries it in a header, which no other
+// site's page can set (the server refuses changes without it)
+const TOKEN = document.querySelector('meta[name="leantune-token"]').content;
 
 async function api(method, url, body) {
-  const r = await fetch(url, {method, headers: {"Content-Type": "application/json"},
+  const r = await fetch(url, {method, headers: {"Content-Type": "application/json", "X-Leantune-Token": TOKEN},
                               body: body === undefined ? undefined : JSON.stringify(body)});
-  const data = await r.json();
+  let data;
+  try { data = await r.json(); } catch (e) { throw new Error(`${r.status} ${r.statusText}`); }
   if (!r.ok) throw new Error(data.error || r.statusText);
   return data;
+}
+// the form survives a reload: every change is kept in this browser's storage
+function resolutionsChosen() { return localStorage.getItem(STORE + "-resolutions") === "chosen"; }
+function chooseResolutions() { try { localStorage.setItem(STORE + "-resolutions", "chosen"); } catch (e) { /* private mode */ } }
+function saveForm() { try { localStorage.setItem(STORE, JSON.stringify(formFields())); } catch (e) { /* private mode */ } }
+function setFields(fields) {
+  if ("resolutions" in fields) chooseResolutions();
+  for (const [k, v] of Object.entries(fields)) {
+    if (!$(k) || v === null || v === undefined) continue;
+    $(k).value = Array.isArray(v) ? (k === "sample_prompts" ? v.join("\n") : v.join(" ")) : v;
+  }
+  modeChanged();
+  saveForm();
+  schedulePlan();
+}
+function fmtTime(s) {
+  if (s === null || s === undefined) return "?";
+  s = Math.round(s);
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+  return h ? `${h} h ${m} min` : m ? `${m} min ${sec} s` : `${sec} s`;
 }
 function status(text) { $("status").textContent = text; }
 function formFields() {
@@ -28,7 +56,9 @@ function el(tag, attrs = {}, text) {
 // -- 1. dataset -------------------------------------------------------------------------------------
 async function loadDataset() {
   const path = $("dataset").value;
-  const res = parseInt(($("resolutions").value.split(/[ ,]+/)[0]) || "0");
+  // the "smaller than the training resolution" warning only once the resolutions are the user's
+  // (typed, imported or kept from before), never from the default they have not chosen yet
+  const res = resolutionsChosen() ? Math.min(...$("resolutions").value.split(/[ ,]+/).filter(Boolean).map(Number)) || 0 : 0;
   try {
     const data = await api("GET", `/api/dataset?path=${encodeURIComponent(path)}` + (res ? `&min_resolution=${res}` : ""));
     const grid = $("grid");
@@ -37,17 +67,26 @@ async function loadDataset() {
     for (const img of data.images) {
       const item = el("div", {className: "item"});
       item.dataset.name = img.name;
-      item.append(el("img", {src: `/api/dataset/image?path=${encodeURIComponent(data.folder)}&name=${encodeURIComponent(img.name)}`, loading: "lazy"}));
+      item.append(el("img", {src: `/api/dataset/image?path=${encodeURIComponent(data.folder)}&name=${encodeURIComponent(img.name)}`,
+                             loading: "lazy", alt: img.caption ? `${img.name}: ${img.caption}` : img.name}));
       item.append(el("div", {}, `${img.name} ${img.width ?? "?"}×${img.height ?? "?"}`));
       const caption = el("textarea", {className: "caption", rows: 3, value: img.caption});
       caption.dataset.name = img.name;
-      const note = el("div", {className: "note"});
-      caption.addEventListener("change", async () => {
+      caption.setAttribute("aria-label", `caption of ${img.name}`);
+      const note = el("div", {className: "note", role: "status"});
+      let saved = img.caption, timer = null;
+      const save = async () => {
+        clearTimeout(timer);
+        if (caption.value === saved) return;
+        const text = caption.value;
         try {
-          await api("POST", "/api/caption", {path: data.folder, name: img.name, caption: caption.value});
-          note.className = "note saved"; note.textContent = "saved";
+          await api("POST", "/api/caption", {path: data.folder, name: img.name, caption: text});
+          saved = text; note.className = "note saved"; note.textContent = "saved";
         } catch (e) { note.className = "note warn"; note.textContent = e.message; }
-      });
+      };
+      // saved when typing pauses (and on leaving the box), so a closed tab loses nothing typed
+      caption.addEventListener("input", () => { note.textContent = "…"; note.className = "note"; clearTimeout(timer); timer = setTimeout(save, 700); });
+      caption.addEventListener("change", save);
       item.append(caption, note);
       for (const w of img.warnings) { item.append(el("div", {className: "warn"}, "⚠ " + w)); }
       if (img.warnings.length) warned++;
@@ -64,9 +103,10 @@ async function upload() {
   const folder = $("dataset").value, refused = [];
   let added = 0;
   for (const f of $("upload").files) {
+    if (f.size > maxUpload) { refused.push(`${f.name}: ${(f.size / 2 ** 20).toFixed(0)} MiB, more than the ${maxUpload / 2 ** 20} MiB an upload may be`); continue; }
     const r = await fetch(`/api/dataset/image?path=${encodeURIComponent(folder)}&name=${encodeURIComponent(f.name)}`,
-                          {method: "PUT", body: f});
-    if (r.ok) added++; else refused.push((await r.json()).error);
+                          {method: "PUT", body: f, headers: {"X-Leantune-Token": TOKEN}});
+    if (r.ok) added++; else refused.push(await r.json().then((d) => d.error, () => `${f.name}: refused (${r.status})`));
   }
   $("upload").value = "";
   await loadDataset();
@@ -84,8 +124,9 @@ async function updatePlan() {
   try {
     const t = await api("POST", "/api/toml", fields);
     $("toml").textContent = t.toml;
+    $("toml-error").textContent = t.error || "";
     $("toml-download").href = URL.createObjectURL(new Blob([t.toml], {type: "application/toml"}));
-  } catch (e) { $("toml").textContent = e.message; }
+  } catch (e) { $("toml").textContent = ""; $("toml-error").textContent = e.message; }
   if (!fields.vram_budget.trim()) { showPlan({fits: null, message: "set a VRAM budget to see the plan"}); return; }
   $("plan-message").textContent = "planning…";
   try {
@@ -99,9 +140,17 @@ function showPlan(p) {
   // config, e.g. a mode it does not price yet (its own words, amber) · a field the config refuses.
   $("plan").className = "plan " + (p.fits === true ? "fits" : p.fits === false ? "nofit" :
                                    p.planned === false ? "note" : p.error ? "error" : "");
+  $("plan-words").textContent = p.fits ? p.words : "";      // the plan in words first, then the numbers
   $("plan-message").textContent = p.message;
   const d = $("plan-detail");
   d.replaceChildren();
+  if (p.fits === false && p.smallest_budget) {
+    // one click takes the smallest budget that fits
+    const b = el("button", {id: "take-smallest", type: "button"}, `Use ${p.smallest_budget}`);
+    b.onclick = () => { $("vram_budget").value = p.smallest_budget; saveForm(); updatePlan(); };
+    d.append(b);
+  }
+  if (p.ram) d.append(el("p", {className: "muted", id: "plan-ram"}, p.ram));
   if (p.fits === false && p.detail) d.append(el("p", {className: "muted"}, p.detail));
   if (!p.fits) return;
   d.append(el("p", {}, `${p.workload} · streamed blocks ${p.streamed_blocks}/${p.total_blocks} · fp8 ${p.fp8 ? "on" : "off"} · ` +
@@ -120,8 +169,9 @@ function showPlan(p) {
 async function startRun() {
   $("start-message").textContent = "starting…";
   try {
-    await api("POST", "/api/runs", formFields());
-    $("start-message").textContent = "started";
+    const r = await api("POST", "/api/runs", formFields());
+    $("start-message").textContent = r.started ? "started" :
+      `queued (#${r.position} in line; ${r.running.join(", ") || "another job"} is running: one job at a time)`;
     await refreshRuns();
     watch($("name").value);
   } catch (e) { $("start-message").textContent = e.message; }
@@ -133,10 +183,31 @@ async function refreshRuns() {
   for (const r of data.runs) {
     const tr = el("tr");
     tr.append(el("td", {}, r.name), el("td", {className: "state"}, r.state), el("td", {}, `${r.step}/${r.total_steps ?? "?"}`));
-    const b = el("button", {}, "watch"); b.onclick = () => watch(r.name);
-    const td = el("td"); td.append(b); tr.append(td);
+    const b = el("button", {type: "button"}, "watch"); b.onclick = () => watch(r.name);
+    const c = el("button", {type: "button", className: "clone"}, "clone"); c.onclick = () => cloneRun(r.name);
+    const d = el("button", {type: "button", className: "delete"}, "delete"); d.onclick = () => deleteRun(r.name);
+    d.disabled = r.state === "running";
+    const td = el("td"); td.append(b, " ", c, " ", d); tr.append(td);
     body.append(tr);
   }
+  const pick = $("s_run"), had = pick.value;
+  pick.replaceChildren(el("option", {value: ""}, "(choose a run)"), ...data.runs.map((r) => el("option", {value: r.name}, `${r.name} (${r.state})`)));
+  pick.value = data.runs.some((r) => r.name === had) ? had : "";
+}
+async function cloneRun(name) {
+  const r = await api("GET", `/api/runs/${encodeURIComponent(name)}/form`);
+  setFields({...r.fields, name: `${name}-copy`});
+  $("import-notes").textContent = `cloned from ${name}` + (r.notes.length ? ": " + r.notes.join("; ") : "");
+  $("model-section").scrollIntoView();
+}
+async function deleteRun(name) {
+  if (!confirm(`Delete the run ${name} and all its files (checkpoints, LoRAs, samples)?`)) return;
+  try {
+    await api("DELETE", `/api/runs/${encodeURIComponent(name)}`);
+    status(`deleted ${name}`);
+    if (watching === name) { $("watch-section").hidden = true; if (events) events.close(); watching = null; }
+  } catch (e) { status(e.message); }
+  refreshRuns();
 }
 
 // -- 4. watch -----------------------------------------------------------------------------------------
@@ -168,12 +239,18 @@ function chart(svg, series, maxX) {
 function showProgress(p) {
   if (p.name !== watching) return;
   $("watch-state").textContent = p.state;
-  $("stop").disabled = p.state !== "running";
+  $("stop").disabled = !["running", "queued"].includes(p.state);      // a queued run's Stop leaves the line
+  $("stop").textContent = p.state === "queued" ? "Leave the queue" : "Stop (finish step, save)";
   $("resume").disabled = !(["stopped", "failed"].includes(p.state) && p.checkpoints.length);
   const steps = p.steps, last = steps[steps.length - 1];
   const maxX = p.total_steps || (last ? last.step : 1);
   $("speed").textContent = last ? `step ${last.step}/${p.total_steps ?? "?"} · loss ${last.loss.toFixed(4)} · ${last.s_it.toFixed(2)} s/it` +
-    (p.predicted.step_s ? ` (predicted ${p.predicted.step_s.toPrecision(3)} s/it on the planned GPU)` : "") : "waiting for the first step…";
+    // the predicted s/it only where it is a prediction for this machine (measured, not assumed rates)
+    (p.predicted.step_s && p.predicted.assumed_machine === false ? ` (predicted ${p.predicted.step_s.toPrecision(3)} s/it on this machine)` : "") : "waiting for the first step…";
+  const timing = [p.elapsed_s !== null && p.elapsed_s !== undefined ? `elapsed ${fmtTime(p.elapsed_s)}` : "",
+                  p.eta_s !== null && p.eta_s !== undefined ? `about ${fmtTime(p.eta_s)} left` : ""].filter(Boolean).join(" · ");
+  $("progress").textContent = (p.state === "running" || p.state === "queued" ? `${p.state === "queued" ? "waiting in line" : p.activity}` : p.state) +
+    (timing ? " · " + timing : "");
   chart($("loss-chart"), [{name: "loss", points: steps.map((s) => [s.step, s.loss]), color: "#1f77b4"}], maxX);
   // measured (solid) against the plan's prediction (dashed): RSS vs host RAM, VRAM peak vs VRAM
   const mem = [{name: "rss", points: steps.filter((s) => s.rss !== null).map((s) => [s.step, s.rss]), color: "#1f77b4"},
@@ -188,7 +265,7 @@ function showProgress(p) {
   const samples = $("samples");
   if (samples.dataset.list !== p.samples.join()) {
     samples.dataset.list = p.samples.join();
-    samples.replaceChildren(...p.samples.slice(-4).map((f) => el("img", {src: `/api/runs/${p.name}/samples/${f}`, title: f})));
+    samples.replaceChildren(gallery(p.name, p.gallery));
   }
   const downloads = $("downloads");
   downloads.replaceChildren(el("li"));
@@ -201,13 +278,40 @@ function showProgress(p) {
   log.scrollTop = log.scrollHeight;
   refreshRuns();
 }
-async function stopRun() { await api("POST", `/api/runs/${watching}/stop`); status("stop asked: the run finishes its step and saves"); }
+function gallery(name, g) {
+  // rows: the steps a sample was drawn at; columns: the prompts; each cell the prompt's image at that step
+  const table = el("table", {id: "gallery"});
+  const prompts = g.prompts.length ? g.prompts : ["samples"];
+  const head = el("tr"); head.append(el("th", {}, "step"), ...prompts.map((q) => el("th", {}, q)));
+  table.append(head);
+  for (const s of g.steps) {
+    const tr = el("tr"); tr.append(el("th", {}, String(s.step)));
+    prompts.forEach((q, i) => {
+      const src = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}` + (g.prompts.length ? `?prompt=${i}` : "");
+      const img = el("img", {src, alt: `step ${s.step}: ${q}`, title: `step ${s.step}: ${q}`});
+      img.dataset.step = s.step; img.dataset.prompt = i;
+      img.onclick = () => { $("enlarged").src = src; $("enlarged").alt = img.alt; $("enlarged-caption").textContent = img.alt; $("enlarge").showModal(); };
+      const td = el("td"); td.append(img); tr.append(td);
+    });
+    table.append(tr);
+  }
+  return table;
+}
+async function stopRun() {
+  try {
+    const r = await api("POST", `/api/runs/${watching}/stop`);
+    status(r.left_queue ? `${r.left_queue} left the queue` : "stop asked: the run finishes its step and saves");
+  } catch (e) { status(e.message); }
+}
 async function resumeRun() {
-  try { await api("POST", `/api/runs/${watching}/resume`); status("resumed"); } catch (e) { status(e.message); }
+  try {
+    const r = await api("POST", `/api/runs/${watching}/resume`);
+    status(r.started ? "resumed" : `queued (#${r.position} in line: one job at a time)`);
+  } catch (e) { status(e.message); }
 }
 
 // -- 5. sample ----------------------------------------------------------------------------------------
-let cfgFamilies = [];
+let cfgFamilies = [], maxUpload = 64 * 2 ** 20;
 async function sampleFamilyChanged() {
   // the negative prompt belongs to classifier-free guidance (SD3.5): shown for those families only,
   // the family chosen or, "from the model", the one the model's metadata names
@@ -224,17 +328,74 @@ async function sample() {
   const body = {model_path: $("s_model").value, family: $("s_family").value, prompts: $("s_prompts").value,
     negative_prompt: $("s_negative_label").hidden ? "" : $("s_negative").value, seed: $("s_seed").value,
     steps: $("s_steps").value, guidance: $("s_guidance").value, width: $("s_width").value,
-    height: $("s_height").value, vram: $("s_vram").value, loras: $("s_loras").value};
+    height: $("s_height").value, vram: $("s_vram").value, loras: $("s_loras").value,
+    text_length: $("s_text_length").value, dtype: $("s_dtype").value};
+  const button = $("sample");
+  if (button.disabled) return;
+  button.disabled = true; button.textContent = "Sampling…"; button.setAttribute("aria-busy", "true");
+  const done = () => { button.disabled = false; button.textContent = "Sample"; button.removeAttribute("aria-busy"); };
   try {
     const job = await api("POST", "/api/sample", body);
     const poll = async () => {
-      const r = await api("GET", `/api/sample/${job.job}`);
-      $("sample-console").textContent = r.console;
-      $("sample-images").replaceChildren(...r.images.map((f) => el("img", {src: `/api/sample/${job.job}/${f}`})));
-      if (r.running) setTimeout(poll, 1500);
+      try {
+        const r = await api("GET", `/api/sample/${job.job}`);
+        $("sample-console").textContent = r.console;
+        $("sample-images").replaceChildren(...r.images.map((f) => el("img", {src: `/api/sample/${job.job}/${f}`, alt: `sample ${f}`})));
+        if (r.running) setTimeout(poll, 1000); else done();
+      } catch (e) { $("sample-console").textContent = e.message; done(); }
     };
     poll();
+  } catch (e) { $("sample-console").textContent = e.message; done(); }
+}
+async function sampleRun() {
+  const name = $("s_run").value;
+  if (!name) return;
+  try {
+    const f = await api("GET", `/api/runs/${encodeURIComponent(name)}/sample-fields`);
+    const map = {s_model: "model_path", s_family: "family", s_dtype: "dtype", s_text_length: "text_length",
+                 s_prompts: "prompts", s_negative: "negative_prompt", s_seed: "seed", s_steps: "steps",
+                 s_guidance: "guidance", s_width: "width", s_height: "height", s_loras: "loras"};
+    for (const [id, key] of Object.entries(map)) $(id).value = f[key] ?? "";
+    sampleFamilyChanged();
   } catch (e) { $("sample-console").textContent = e.message; }
+}
+
+// -- captioning with a local model --------------------------------------------------------------------
+async function captionImages() {
+  const button = $("caption-run");
+  button.disabled = true;
+  try {
+    await api("POST", "/api/caption-job", {path: $("dataset").value, model: $("caption_model").value,
+                                           overwrite: $("caption_overwrite").checked, prompt: $("caption_prompt").value});
+    const poll = async () => {
+      const r = await api("GET", "/api/caption-job");
+      $("caption-status").textContent = r.error ? r.error :
+        r.running ? `captioning ${r.done}/${r.total ?? "?"}` + (r.current ? ` (${r.current})` : "") : `captioned ${r.done} image(s)`;
+      if (r.running || (r.total === null && !r.error)) setTimeout(poll, 700);
+      else { button.disabled = false; if (!r.error) loadDataset(); }
+    };
+    poll();
+  } catch (e) { $("caption-status").textContent = e.message; button.disabled = false; }
+}
+
+// -- presets and imports ------------------------------------------------------------------------------
+async function importToml(body) {
+  try {
+    const r = await api("POST", "/api/import", {...body, fields: formFields()});
+    setFields(r.fields);
+    $("import-notes").textContent = r.notes.join("; ");
+  } catch (e) { $("import-notes").textContent = e.message; }
+}
+
+// -- the machine -------------------------------------------------------------------------------------
+async function showSystem() {
+  try {
+    const s = await api("GET", "/api/system");
+    const gpus = s.gpus.map((g) => `${g.name}: ${gib((g.used) / 2 ** 30)} of ${gib(g.total / 2 ** 30)} · ${g.utilization}%`);
+    $("fit-gpu").hidden = !s.gpus.length;        // "auto" is the free VRAM of a GPU here: only where there is one
+    $("system").textContent = `host RAM ${gib((s.host.total - s.host.available) / 2 ** 30)} used of ${gib(s.host.total / 2 ** 30)}` +
+      (gpus.length ? " · GPU " + gpus.join(" · ") : " · no GPU");
+  } catch (e) { /* the next poll tries again */ }
 }
 
 function modeChanged() {
@@ -244,7 +405,21 @@ function modeChanged() {
 
 async function init() {
   // handlers first: a click while the choices load is not lost
-  for (const k of FORM) { $(k).addEventListener("input", schedulePlan); $(k).addEventListener("change", schedulePlan); }
+  for (const k of FORM) {
+    $(k).addEventListener("input", () => { saveForm(); schedulePlan(); });
+    $(k).addEventListener("change", () => { saveForm(); schedulePlan(); });
+  }
+  $("resolutions").addEventListener("input", chooseResolutions);
+  $("caption-run").onclick = captionImages;
+  $("preset").onchange = () => { if ($("preset").value) importToml({preset: $("preset").value}); };
+  $("import-toml").onchange = async () => {
+    const f = $("import-toml").files[0];
+    if (f) await importToml({toml: await f.text()});
+    $("import-toml").value = "";
+  };
+  $("s_run").onchange = sampleRun;
+  $("fit-gpu").onclick = () => { $("vram_budget").value = "auto"; saveForm(); updatePlan(); };
+  $("enlarge-close").onclick = () => $("enlarge").close();
   $("load-dataset").onclick = loadDataset;
   $("upload").onchange = upload;
   $("start").onclick = startRun;
@@ -258,15 +433,26 @@ async function init() {
   $("s_family").addEventListener("change", sampleFamilyChanged);
   $("s_model").addEventListener("change", sampleFamilyChanged);
   const c = await api("GET", "/api/choices");
-  for (const k of ["family", "mode", "dtype", "mixed_precision"]) {
+  for (const k of CHOICES) {
     $(k).replaceChildren(...c[k].map((v) => el("option", {value: v}, v)));
   }
   cfgFamilies = c.cfg_families;
+  maxUpload = c.max_upload_bytes;
   $("s_family").append(...c.family.map((v) => el("option", {value: v}, v)));
-  for (const [k, v] of Object.entries(c.defaults)) {      // defaults fill what the user has not typed yet
-    if ($(k) && !$(k).value) $(k).value = Array.isArray(v) ? (k === "sample_prompts" ? v.join("\n") : v.join(" ")) : v;
+  $("s_dtype").append(...c.dtype.map((v) => el("option", {value: v}, v)));
+  $("stock-models").replaceChildren(...c.stock_models.map((v) => el("option", {value: v})));
+  let kept = {};
+  try { kept = JSON.parse(localStorage.getItem(STORE) || "{}"); } catch (e) { kept = {}; }
+  for (const [k, v] of Object.entries(c.defaults)) {      // what this browser kept, else the defaults
+    if (!$(k)) continue;
+    const value = k in kept ? kept[k] : v;
+    $(k).value = Array.isArray(value) ? (k === "sample_prompts" ? value.join("\n") : value.join(" ")) : value;
   }
-  status(`runs in ${c.runs_dir}`);
+  const presets = await api("GET", "/api/presets");
+  $("preset").append(...presets.presets.map((v) => el("option", {value: v}, v)));
+  status(`runs in ${c.runs_dir} · datasets under ${c.data_roots.join(", ")}`);
+  showSystem();
+  setInterval(showSystem, 5000);
   modeChanged();
   refreshRuns();
   schedulePlan();
