@@ -46,7 +46,8 @@ _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "pl
                    "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming_units.py",
                    "train/full_mode.py", "train/trainable.py",
                    "spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "models/flux_spec.py",
-                   "models/sd3_spec.py", "train/lora.py")
+                   "models/sd3_spec.py", "models/qwen_image.py", "models/qwen_image_edit.py",
+                   "models/qwen_image_spec.py", "train/lora.py")
 _PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
 
 
