@@ -1,13 +1,15 @@
 """How long `leantune plan --model flux-dev --vram 8GiB` takes from a fresh process, first and repeated.
 
-The first plan of an architecture and workload builds the meta model and traces the activation
-probes; the planner keeps what it measured (leantune/planner/spec_cache.py), and a repeated
+A first plan of a stock model at the default flags (512 or 1024 px) reads the package's shipped
+profile (leantune/planner/profiles/); a first plan of another workload (--new-resolution, default
+768 px) builds the meta model and traces the activation probes. The planner keeps what it
+measured (leantune/planner/spec_cache.py), and a repeated
 `--model` question on a machine without a GPU prints its kept answer without importing torch
 (leantune/planner/answer_cache.py). Each run is a fresh Python process with its
 own cache folder; wall seconds and the child's CPU seconds (user + system, less sensitive to other
 load on a shared machine) are reported, with `import torch` alone for reference.
 
-    python bench/plan_startup.py [--runs 3] [--resolution 1024] [--vram 8GiB]
+    python bench/plan_startup.py [--runs 3] [--model flux-dev] [--resolution 1024] [--vram 8GiB]
 """
 
 from __future__ import annotations
@@ -35,24 +37,34 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--new-resolution", type=int, default=768, help="a workload with no shipped profile")
     p.add_argument("--vram", default="8GiB")
+    p.add_argument("--model", default="flux-dev")
+    p.add_argument("--mode", default="lora")
     args = p.parse_args()
-    plan = [sys.executable, "-m", "leantune.cli", "plan", "--model", "flux-dev", "--resolution",
-            str(args.resolution), "--vram", args.vram]
+
+    def plan(res: int) -> list[str]:
+        return [sys.executable, "-m", "leantune.cli", "plan", "--model", args.model, "--mode", args.mode,
+                "--resolution", str(res), "--vram", args.vram]
+
     rows = []
+    loads = [os.getloadavg()[0]]
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "LEANTUNE_CACHE": cache, "HF_HUB_OFFLINE": "1"}
             rows.append(("import torch", *timed([sys.executable, "-c", "import torch"], env)))
-            rows.append(("plan, first (measures)", *timed(plan, env)))
-            rows.append(("plan, repeated (cached)", *timed(plan, env)))
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, {args.runs} runs, {args.resolution} px")
-    print(f"{'':26}{'wall s (min/median)':>22}{'CPU s (min/median)':>22}")
+            rows.append(("plan, first (shipped profile)", *timed(plan(args.resolution), env)))
+            rows.append(("plan, repeated (kept answer)", *timed(plan(args.resolution), env)))
+            rows.append((f"plan, first at {args.new_resolution} px (measures)", *timed(plan(args.new_resolution), env)))
+        loads.append(os.getloadavg()[0])
+    print(f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores, {args.runs} runs, "
+          f"{args.model} {args.mode} {args.resolution} px, command: {' '.join(sys.argv)}")
+    print(f"{'':36}{'wall s (min/median)':>22}{'CPU s (min/median)':>22}")
     for name in dict.fromkeys(r[0] for r in rows):
         walls = sorted(r[1] for r in rows if r[0] == name)
         cpus = sorted(r[2] for r in rows if r[0] == name)
         mid = len(walls) // 2
-        print(f"{name:26}{walls[0]:>11.2f}{walls[mid]:>11.2f}{cpus[0]:>11.2f}{cpus[mid]:>11.2f}")
+        print(f"{name:36}{walls[0]:>11.2f}{walls[mid]:>11.2f}{cpus[0]:>11.2f}{cpus[mid]:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from pathlib import Path
 
 GiB = 2**30
 CASES = {"train1024": ("train", 1024), "train512": ("train", 512), "sample1024": ("sample", 1024)}
-MODELS = ("flux-dev", "sd3.5-large", "sd3.5-medium")
+MODELS = ("flux-dev", "sd3.5-large", "sd3.5-medium", "qwen-image")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="training cases: a LoRA step, or a full fine-tuning step (sampling cases are the same)")
     p.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw", help="--mode full")
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="--mode full: AdamW moments")
+    p.add_argument("--fp8-base", action="store_true",
+                   help="the base loaded from an fp8 checkpoint (block Linears e4m3, as ComfyUI's fp8 files)")
     args = p.parse_args(argv)
 
     from leantune.memory.simulated import SimulatedDeviceUnavailable, enable
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     from leantune.simulated_run import planned_case
 
     meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(sys.argv),
-            "model": args.model, "device": "simulated GPU on CPU (fake tensors)", "mode": args.mode}
+            "model": args.model, "device": "simulated GPU on CPU (fake tensors)", "mode": args.mode,
+            "fp8_base": args.fp8_base}
     if args.mode == "full":
         meta.update(optimizer=args.optimizer, state_dtype=args.state_dtype)
     full = {"optimizer": args.optimizer, "state_dtype": args.state_dtype} if args.mode == "full" else {}
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             if what == "train" and args.mode == "full":
                 what = "full"
             t0 = time.perf_counter()
-            row = planned_case(what, size, int(budget * GiB), model_name=args.model,
+            row = planned_case(what, size, int(budget * GiB), model_name=args.model, fp8_base=args.fp8_base,
                                **(full if what == "full" else {}))
             row["case"], row["wall_s"] = case, time.perf_counter() - t0
             rows.append(row)

@@ -25,7 +25,7 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    family: Literal["flux", "sd3"] = "flux"
+    family: Literal["flux", "sd3", "qwen-image", "qwen-image-edit"] = "flux"
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
     # (.safetensors: BFL / ComfyUI for Flux, Stability's sd3.5_*.safetensors for SD3).
     path: str
@@ -76,6 +76,10 @@ class DatasetConfig(Section):
     require_captions: bool = False       # an image without its own caption file (or an empty one) is an error
     # Skip (with a warning) images smaller than this fraction of their bucket's side; 0 keeps all.
     min_size: float = Field(0.5, ge=0.0, le=1.0)
+    # An edit dataset: a folder of reference images matched to the targets by file stem (`cat.png`
+    # -> `cat.*` there, or `cat_0.*`, `cat_1.*`, ... for several); families with reference
+    # conditioning only (qwen-image-edit). See docs/reference-images.md.
+    reference_path: str | None = None
 
 
 MAX_RESOLUTION = 4096      # a typo like 100000 would allocate its buckets' latents until MemoryError
@@ -313,7 +317,8 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _lora_block_kinds(self):
         """[lora] blocks names the family's block lists (Flux: double, single; SD3: joint)."""
-        kinds = {"flux": ("double", "single"), "sd3": ("joint",)}[self.model.family]
+        kinds = {"flux": ("double", "single"), "sd3": ("joint",), "qwen-image": ("joint",),
+                 "qwen-image-edit": ("joint",)}[self.model.family]
         for kind in (self.lora.blocks or {}):
             if kind not in kinds:
                 raise ValueError(f"[lora] blocks: {kind!r} is not a block list of family = \"{self.model.family}\"; "

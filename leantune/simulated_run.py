@@ -80,6 +80,11 @@ def fake_parameters(model: nn.Module, device: torch.device | str = HOST) -> nn.M
         for k, b in m._buffers.items():
             if b is not None:
                 m._buffers[k] = fake(b, False)
+        # Plain tensor attributes built in __init__ (Qwen-Image's rotary tables `pos_freqs`): they
+        # were made on meta too, and are read like buffers.
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.is_meta:
+                setattr(m, k, fake(v, False))
     return model
 
 
@@ -88,7 +93,7 @@ def _embeds(model: nn.Module, batch: int, text_rows: int, dtype: torch.dtype) ->
     and the pooled vector (B, pooled_projection_dim); both families name the widths so."""
     cfg = model.config
     return PromptEmbeds(t5=torch.empty(batch, text_rows, cfg.joint_attention_dim, dtype=dtype),
-                        pooled=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype))
+                        pooled=torch.empty(batch, getattr(cfg, "pooled_projection_dim", 0), dtype=dtype))
 
 
 def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], batch_size: int, text_rows: int,
@@ -237,7 +242,7 @@ CASE_RAM_BUDGET = 64 * GiB     # host RAM the LoRA cases plan for: a typical GPU
 # The architectures a case can run: `leantune plan --model` names -> (family, config shipped in
 # models/configs/, T5 tokens it samples with).
 MODELS = {"flux-dev": ("flux", "flux1_dev", 512), "sd3.5-large": ("sd3", "sd35_large", 256),
-          "sd3.5-medium": ("sd3", "sd35_medium", 256)}
+          "sd3.5-medium": ("sd3", "sd35_medium", 256), "qwen-image": ("qwen-image", "qwen_image", 512)}
 
 
 def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) -> nn.Module:
@@ -267,6 +272,21 @@ def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None =
     return meta_model("flux-dev", (num_layers, num_single_layers))
 
 
+def as_fp8_checkpoint(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    """The meta model as a loader gives it from an fp8 file (ComfyUI's `*_fp8_e4m3fn.safetensors`):
+    every block Linear weight e4m3 with its per-row scale, modulation included (what
+    load_into_empty does on the meta device; no file needed at full size)."""
+    from .models.component_loading import fp8_block_weights, keep_fp8_hooks
+
+    _, attach = keep_fp8_hooks(model, spec, True)
+    for name in sorted(fp8_block_weights(model, spec, True)):
+        module = model.get_submodule(name[: -len(".weight")])
+        w = module.weight
+        module.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="meta"), requires_grad=False)
+        attach(name, torch.empty(w.shape[0], 1, device="meta"))
+    return model
+
+
 def training_config(size: int, budget: int, rank: int = 16, family: str = "flux", *, mode: str = "lora",
                     optimizer: str = "adamw", state_dtype: str = "fp32"):
     """The RunConfig of a training run at one square resolution with a VRAM budget (defaults otherwise:
@@ -284,7 +304,7 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
                  plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
-                 state_dtype: str = "fp32") -> dict:
+                 state_dtype: str = "fp32", fp8_base: bool = False) -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
     ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
@@ -312,6 +332,8 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
 
     enable()
     model = meta_model(model_name, blocks)
+    if fp8_base:
+        as_fp8_checkpoint(model, get_family(MODELS[model_name][0]).spec)
     family = get_family(MODELS[model_name][0])
     spec = family.spec
     text_rows = family.text_rows(MODELS[model_name][2])

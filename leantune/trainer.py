@@ -336,8 +336,10 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
     noisy = fm.add_noise(x0, noise, sigma)
     target = family.pack_latents(fm.velocity_target(x0, noise))     # the transformer's layout
     with _autocast(cfg, t.device):
+        refs = getattr(batch, "references", None)      # an edit dataset's reference latents (ModelFamily.references)
         pred = family.predict(t.transformer, family.pack_latents(noisy).to(t.dtype), sigma.to(t.device),
-                              batch.embeds, (h, w), cfg.train.guidance)
+                              batch.embeds, (h, w), cfg.train.guidance,
+                              **({"references": [r.to(t.device) for r in refs]} if refs else {}))
     loss = fm.flow_matching_loss(pred, target) * shard.weight
     backward = getattr(t.mode, "backward", None)      # an engine that owns backward (DeepSpeed)
     (backward or torch.Tensor.backward)(loss * scale)

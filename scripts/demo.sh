@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Trains a LoRA on a tiny Flux (--family sd3: SD3.5) built offline, on CPU, in about a minute (environment set up on first use).
+# Trains a LoRA on a tiny Flux (--family sd3: SD3.5) built offline, on CPU. The environment is set up
+# on first use by scripts/setup.sh, which installs only what the demo runs (not the test tools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/leantune demo "$@"
+exec "${LEANTUNE_VENV:-.venv}/bin/leantune" demo "$@"

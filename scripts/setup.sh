@@ -1,45 +1,27 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs leantune into it with its test dependencies.
-# torch is installed as torch==2.13.0 only when absent, so an existing CUDA build is kept.
+# Creates the venv (once) and installs what `leantune` itself runs: torch (torch==2.13.0, only when
+# absent, so an existing CUDA build is kept) and leantune with its runtime dependencies. Nothing
+# for the tests: scripts/setup_test.sh adds those (pytest, DeepSpeed and its compiled CPU op,
+# Playwright's Chromium), so the demo does not wait for them.
+# LEANTUNE_VENV picks the venv (default .venv; bench/demo_time.py times a fresh one under /tmp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV=${LEANTUNE_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV (once)" >&2
+  "$PY" -m venv "$VENV"
 fi
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  .venv/bin/pip install --quiet "torch==2.13.0"
+# Whether a module is installed, without importing it (importing torch, diffusers and peft costs
+# several CPU-seconds, which every later ./scripts/demo.sh would pay again).
+have() { "$VENV/bin/python" -I -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$@" >/dev/null 2>&1; }
+if ! have torch; then
+  echo "setup: installing torch==2.13.0 into $VENV (once; about 1-2 minutes, longer on a busy machine)" >&2
+  "$VENV/bin/pip" install --quiet "torch==2.13.0"
 fi
-if ! .venv/bin/python -c "import leantune, pytest" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.leantune-installed ]; then
-  .venv/bin/pip install --quiet -e ".[test]"
-  touch .venv/.leantune-installed
-fi
-# DeepSpeed on CPU processes (the distributed tests) compiles its shared-memory collective
-# (deepspeed_shm_comm) at its first use, with ninja (a pip dependency), the C++ compiler (OpenMP)
-# and Python's headers: about 40 s of CPU, once per machine (~/.cache/torch_extensions). Done here,
-# so a missing piece shows now with its reason instead of inside a two-process test.
-if [ ! -e .venv/.deepspeed-ops-built ] && .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
-  if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get install -y --no-install-recommends g++ >/dev/null 2>&1 \
-      || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends g++ >/dev/null 2>&1; } || true
-  fi
-  if PATH="$PWD/.venv/bin:$PATH" .venv/bin/python - >/dev/null 2>&1 <<'PY'
-from deepspeed.accelerator import get_accelerator
-import deepspeed.ops
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-    builder.load(verbose=False)
-PY
-  then
-    touch .venv/.deepspeed-ops-built
-  else
-    echo "setup.sh: DeepSpeed could not compile its CPU communication op (needs g++ with OpenMP, ninja and" \
-         "Python's headers); the DeepSpeed tests in tests/test_distributed.py will fail" >&2
-  fi
-fi
-# The browser test of `leantune ui` drives Debian's Chromium (never a downloaded browser).
-if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
-    || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; }) \
-    || echo "setup.sh: could not install chromium; the browser test of leantune ui will be skipped" >&2
+if ! have leantune diffusers peft transformers accelerate safetensors \
+    || [ pyproject.toml -nt "$VENV/.leantune-installed" ]; then
+  echo "setup: installing leantune and its dependencies into $VENV (once; about a minute)" >&2
+  "$VENV/bin/pip" install --quiet -e .
+  touch "$VENV/.leantune-installed"
 fi

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_run_toml
+from progress_wait import logged_steps, wait_until
 from test_train import RUN_REST as TRAIN_RUN_REST
 
 from leantune.config import ConfigError, load_config
@@ -386,11 +387,9 @@ def test_gpus_shortcut_resumes_exactly_after_kill_9_of_the_launcher(tmp_path, ti
     launcher = subprocess.Popen(base, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
     ckpts = tmp_path / "out" / "checkpoints"
-    deadline = time.time() + 600
-    while not (ckpts / "step-000010" / "state.json").exists():
-        assert launcher.poll() is None, launcher.stderr.read()[-4000:]
-        assert time.time() < deadline
-        time.sleep(0.2)
+    wait_until((ckpts / "step-000010" / "state.json").exists, lambda: logged_steps(tmp_path / "out" / "train.log"),
+               what="the save at step 10", alive=lambda: launcher.poll() is None,
+               detail=lambda: launcher.stderr.read()[-4000:] if launcher.poll() is not None else "")
     workers = _children(launcher.pid)
     assert len(workers) == 2
     os.kill(launcher.pid, signal.SIGKILL)
@@ -715,10 +714,8 @@ def test_a_rank_that_dies_ends_the_run_and_leaves_the_last_save_intact(tmp_path,
                                  *_cpu_unless_two_gpus()],
                                 env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ckpts = tmp_path / "out" / "checkpoints"
-    deadline = time.time() + 600
-    while not (ckpts / "step-000005" / "state.json").exists():
-        assert launcher.poll() is None and time.time() < deadline
-        time.sleep(0.2)
+    wait_until((ckpts / "step-000005" / "state.json").exists, lambda: logged_steps(tmp_path / "out" / "train.log"),
+               what="the save at step 5", alive=lambda: launcher.poll() is None)
     workers = sorted(_children(launcher.pid))
     assert len(workers) == 2
     rank1 = next(p for p in workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())

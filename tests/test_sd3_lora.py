@@ -285,7 +285,7 @@ def test_conv_and_unknown_keys_are_refused_naming_the_key(tmp_path):
             "lora_unet_x_embedder_proj.lora_up.weight": torch.randn(D, 4, 1, 1, generator=g)}
     save_file(conv, str(tmp_path / "conv.safetensors"))
     with pytest.raises(LoraFormatError, match=r"conv.safetensors: key 'lora_unet_x_embedder_proj.lora_down.weight' "
-                                              r"is not a Flux or SD3.5 transformer LoRA key"):
+                                              r"is not a Flux or SD3.5 or Qwen-Image transformer LoRA key"):
         read_lora(tmp_path / "conv.safetensors")
     bad = {"lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.randn(4, D, generator=g),
            "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.randn(3 * D + 1, 4, generator=g)}
@@ -333,14 +333,16 @@ def test_family_from_keys_header_or_flag(tmp_path, capsys):
     save_file(plain, str(tmp_path / "plain.safetensors"))
     r = read_lora(tmp_path / "plain.safetensors")
     assert r.keys is None and r.format == "diffusers"
-    assert [k.family for k in families_in_doubt(r)] == ["flux", "sd3"]
+    assert [k.family for k in families_in_doubt(r)] == ["flux", "sd3", "qwen-image"]
     # Converted without --family: the first family's names, as before SD3.5 existed, with a warning.
     assert _convert(tmp_path / "plain.safetensors", tmp_path / "x.safetensors", "--to", "comfyui") == 0
     err = capsys.readouterr().err
-    assert "warning" in err and "fit Flux and SD3.5 LoRAs" in err and "give --family sd3" in err
+    assert "warning" in err and "fit Flux and SD3.5 and Qwen-Image LoRAs" in err and "give --family sd3 or qwen-image" in err
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in load_file(tmp_path / "x.safetensors")
-    # The final layer alone is named alike in both: no doubt.
-    assert families_in_doubt(LoraWeights({"proj_out": LoraModule(torch.ones(2, D), torch.ones(64, 2), 2.0)})) == []
+    # The final layer alone is named alike in Flux and SD3.5 (final_layer.linear); Qwen-Image's
+    # reference names keep diffusers' proj_out, so that family is the one in doubt.
+    final = LoraWeights({"proj_out": LoraModule(torch.ones(2, D), torch.ones(64, 2), 2.0)})
+    assert [k.family for k in families_in_doubt(final)] == ["flux", "qwen-image"]
     assert _convert(tmp_path / "plain.safetensors", tmp_path / "sd3.safetensors", "--to", "comfyui",
                     "--family", "sd3") == 0
     assert "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight" in load_file(tmp_path / "sd3.safetensors")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
+from progress_wait import wait_until
 
 from leantune.config import ConfigError, load_config
 from leantune.ui import dataset_view, launcher, plan_answer, runs
@@ -176,12 +176,11 @@ def test_launcher_records_the_process_and_stop_sends_sigint(tmp_path):
     assert launcher.is_alive(launcher.read_process(folder))
     with pytest.raises(launcher.LaunchError, match="already running"):
         launcher.start(folder, folder / "config.toml")
-    deadline = time.time() + 10
-    while "started" not in (folder / launcher.CONSOLE_FILE).read_text() and time.time() < deadline:
-        time.sleep(0.1)
+    alive = lambda: launcher.is_alive(launcher.read_process(folder))
+    wait_until(lambda: "started" in (folder / launcher.CONSOLE_FILE).read_text(), what="the stand-in to start",
+               alive=alive)
     launcher.stop(folder)
-    while launcher.read_process(folder).get("exit_code") is None and time.time() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: launcher.read_process(folder).get("exit_code") is not None, what="the stand-in's exit code")
     record = launcher.read_process(folder)
     assert record["exit_code"] == 130 and record["pid"] == info["pid"]
     assert not launcher.is_alive(record)
@@ -266,17 +265,20 @@ def test_bound_beyond_localhost_the_page_needs_the_printed_token(tmp_path):
         assert "?token=" in banner, banner
         token = banner.split("?token=")[1].split()[0]
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
+        refusals = []
+
+        def refused() -> bool:
             try:
                 request.urlopen(f"{base}/api/runs", timeout=2)
                 pytest.fail("answered without the token")
             except urllib.error.HTTPError as e:
-                assert e.code == 403
-                break
+                refusals.append(e.code)
+                return True
             except OSError:
-                assert time.time() < deadline and proc.poll() is None
-                time.sleep(0.2)
+                return False
+
+        wait_until(refused, what="leantune ui to answer", alive=lambda: proc.poll() is None)
+        assert refusals == [403]
         with request.urlopen(f"{base}/api/runs?token={token}", timeout=5) as r:
             assert json.loads(r.read()) == {"runs": []}
             cookie = r.headers["set-cookie"].split(";")[0]
@@ -377,7 +379,7 @@ def test_sample_form_negative_prompt_only_for_families_with_cfg(tmp_path):
         sample_job.command({**fields, "model_path": str(sd3), "family": "sdxl"}, out)
 
     routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs", "t").routes if hasattr(r, "endpoint")}
-    assert routes["/api/choices"]()["cfg_families"] == ["sd3"]
+    assert routes["/api/choices"]()["cfg_families"] == ["qwen-image", "qwen-image-edit", "sd3"]
     assert routes["/api/model-family"](str(sd3)) == {"family": "sd3"}
     assert routes["/api/model-family"](str(flux)) == {"family": "flux"}
     assert routes["/api/model-family"](str(tmp_path / "missing")) == {"family": None}

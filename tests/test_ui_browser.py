@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from progress_wait import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -34,7 +35,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 def _browser_or_skip():
     if not Path(CHROMIUM).is_file():
-        pytest.skip(f"{CHROMIUM} is not installed (Debian package chromium; scripts/setup.sh installs it as root)")
+        pytest.skip(f"{CHROMIUM} is not installed (Debian package chromium; scripts/setup_test.sh installs it as root)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -60,20 +61,26 @@ def _serve(tmp_path: Path, token: str | None = None):
     proc = subprocess.Popen([sys.executable, "-m", "leantune", "ui", "--port", str(port), "--runs",
                              str(tmp_path / "runs"), "--data", str(tmp_path)] + (["--token", token] if token else []),
                             stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 120
-    while True:
+    found = {}
+
+    def answers() -> bool:
         banner = (tmp_path / "server.log").read_text().split("\n")[0]
-        if "?token=" in banner:
-            secret = banner.split("?token=")[1].split()[0]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs?token={secret}", timeout=2)
-                break
-            except OSError:
-                pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"leantune ui did not start: {(tmp_path / 'server.log').read_text()}")
-        time.sleep(0.3)
+        if "?token=" not in banner:
+            return False
+        found["secret"] = banner.split("?token=")[1].split()[0]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs?token={found['secret']}", timeout=2)
+            return True
+        except OSError:
+            return False
+
+    try:   # as long as the server lives (it imports torch: slow on a busy machine), up to the safety net
+        wait_until(answers, what="leantune ui to answer", alive=lambda: proc.poll() is None,
+                   detail=lambda: (tmp_path / "server.log").read_text(), poll_s=0.3)
+    except AssertionError as e:
+        proc.kill()
+        pytest.fail(f"leantune ui did not start: {e}")
+    secret = found["secret"]
     url = f"http://127.0.0.1:{port}/"
     try:
         yield (url if token else f"{url}?token={secret}"), tmp_path / "runs"

@@ -80,11 +80,11 @@ def run(args) -> int:
         if args.to == "comfyui" and keys is None and weights.keys is None:
             doubt = families_in_doubt(weights)
             if doubt:          # written with the first family's names, as save_lora does; say so
-                others = ", ".join(k.family for k in doubt[1:])
+                others = " or ".join(k.family for k in doubt[1:])
                 print(f"leantune convert: warning: {args.input}: its module names (e.g. {sorted(weights.modules)[0]!r}) "
-                      f"fit {doubt[0].display} and {', '.join(k.display for k in doubt[1:])} LoRAs, which kohya/ComfyUI "
+                      f"fit {doubt[0].display} and {' and '.join(k.display for k in doubt[1:])} LoRAs, which kohya/ComfyUI "
                       f"name differently, and neither its header nor its width says which; writing "
-                      f"{doubt[0].display} names (give --family {others} for the other)", file=sys.stderr)
+                      f"{doubt[0].display} names (give --family {others} for another)", file=sys.stderr)
         path = save_lora(weights, args.output, args.to, dtype=dtype, keys=keys)
     except (ValueError, FileNotFoundError) as e:   # LoraFormatError and unreadable files name the file
         print(f"leantune convert: {e}", file=sys.stderr)

@@ -27,9 +27,12 @@ from pathlib import Path
 # tokens it runs with (Flux dev 512, schnell 256; SD3.5: StableDiffusion3Pipeline's 256 T5 tokens,
 # after 77 CLIP rows: family.text_rows).
 MODELS = {"flux-dev": "flux1_dev", "flux-schnell": "flux1_schnell", "sd3.5-large": "sd35_large",
-          "sd3.5-medium": "sd35_medium"}
-MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3"}
-TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256}
+          "sd3.5-medium": "sd35_medium", "qwen-image": "qwen_image", "qwen-image-edit": "qwen_image"}
+MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3",
+                "qwen-image": "qwen-image", "qwen-image-edit": "qwen-image-edit"}
+# Qwen-Image: QwenImagePipeline's max_sequence_length (a prompt's rows are at most that many).
+TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256, "qwen-image": 512,
+               "qwen-image-edit": 512}
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 
 
@@ -130,8 +133,11 @@ def _replay(answer: dict, as_json: bool) -> int:
         stdout = json.dumps(out, indent=2, default=str) + "\n"
     else:
         stdout = stdout.replace(answer["machine"]["describe"], machine.describe())
+    from ..planner.answer_cache import describe_origin
+
     sys.stdout.write(stdout)
     sys.stderr.write(answer["stderr"])
+    print(describe_origin(answer), file=sys.stderr)
     return int(answer["rc"])
 
 
@@ -146,10 +152,10 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
         raise ConfigError(f"give either a config file or --model {'|'.join(sorted(MODELS))}")
     machine = probe_machine()
     if args.config:
-        spec, source, build, workload, vram_values, ram_value = _from_config(args)
+        spec, source, build, workload, vram_values, ram_value, config_sets = _from_config(args)
     else:
         spec, source, build, workload = _from_flags(args)
-        vram_values, ram_value = args.vram, args.ram
+        vram_values, ram_value, config_sets = args.vram, args.ram, set()
     if not vram_values:
         raise ConfigError("no VRAM budget: give --vram SIZE (or set [memory] vram_budget in the config)")
     ram = None
@@ -163,7 +169,8 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
         ram = UNLIMITED_RAM
     _check_ranks(args, workload)
     budgets = [Budget(vram=_vram_bytes(v, machine), ram=ram) for v in vram_values]
-    planner = Planner(spec, _measured(spec, source, build, workload), workload, machine)
+    measured = _measured(spec, source, build, workload)
+    planner = Planner(spec, measured, workload, machine)
     results, failed = [], 0
     for value, budget in zip(vram_values, budgets):
         try:
@@ -172,16 +179,47 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
             failed += 1
             results.append((value, budget, None, e))
     ranks = _ranks(args, planner, results)
+    phase = _text_phase(spec, workload, args)
+    better = _better(args, spec, measured, workload, machine, results, config_sets)
     if args.json:
         out = _as_json(workload, machine, results)
-        for entry, numbers in zip(out["plans"], ranks):
+        for entry, numbers, found in zip(out["plans"], ranks, better):
             if numbers is not None:
                 entry["processes"] = {"count": args.gpus, **numbers}
+            entry["better_choices"] = [{"key": b.choice.key, "flag": b.choice.flag, "why": b.why,
+                                        "trade_off": b.choice.trade_off, "plan": b.plan.to_dict()} for b in found]
+        if phase is not None:
+            out["text_encoding"] = phase
         print(json.dumps(out, indent=2, default=str))
     else:
-        _print_text(results, format_plan, ranks, args)
+        _print_text(results, format_plan, ranks, args, better)
+        if phase is not None:
+            fits = ", ".join(f"{'fits' if phase['device'] <= b.vram - b.margin_bytes else 'does NOT fit'} {v}"
+                             for v, b in zip(vram_values, budgets))
+            print(f"\ntext encoding (caching phase, once per caption; the text encoder streamed layer by layer): "
+                  f"{phase['device'] / 2**30:.2f} GiB on the GPU ({fits}), {phase['host'] / 2**30:.2f} GiB host RAM "
+                  f"while it runs (freed before training)")
     rc = 1 if failed else 0
     return (rc, machine) if with_machine else rc
+
+
+def _better(args, spec, measured, workload, machine, results, config_sets: set[str]) -> list[list]:
+    """Per budget, the settings the user did not choose that would make its plan several times
+    faster or smaller (planner/choices.py). One process only: --gpus N plans are not re-priced."""
+    from ..planner.choices import better_choices, chosen_fields
+    from ..planner.search import Planner
+
+    if args.gpus > 1:
+        return [[] for _ in results]
+    chosen = chosen_fields(vars(args), config_sets)
+    planners: dict = {}
+
+    def make(w):
+        if w not in planners:
+            planners[w] = Planner(spec, measured, w, machine)
+        return planners[w]
+
+    return [better_choices(make, workload, budget, plan, chosen) for _, budget, plan, _ in results]
 
 
 def _check_ranks(args, workload) -> None:
@@ -276,8 +314,10 @@ def _from_config(args):
     keep_mod = workload.fp8_modulation is not False
     source = source_key(_transformer_source(cfg), cfg.model.dtype + ("" if keep_mod else "|modulation upcast"))
     ram = args.ram if args.ram is not None else cfg.memory.ram_budget
+    config_sets = ({"optimizer"} & cfg.train.model_fields_set) | (
+        {"state_dtype", "streamed_step"} & cfg.full.model_fields_set)
     return (get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg, keep_mod), workload, vram,
-            ram)
+            ram, config_sets)
 
 
 def _full_flags(args) -> dict:
@@ -355,10 +395,26 @@ def _as_json(workload, machine, results) -> dict:
     return {"workload": workload.describe(), "machine": machine.to_dict(), "plans": out}
 
 
-def _print_text(results, format_plan, ranks, args) -> None:
+def _text_phase(spec, workload, args) -> dict | None:
+    """The family's priced text-encoding phase (ModelFamily.text_phase) for the config's text encoder,
+    or the packaged one with --model; None for a family without one."""
+    from ..models.family import get_family
+
+    family = get_family(spec.family)
+    if family.text_phase is None:
+        return None
+    if args.config:
+        from ..config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        return family.text_phase(workload.text_length, model_cfg=cfg.model, base_dir=cfg.base_dir)
+    return family.text_phase(workload.text_length)
+
+
+def _print_text(results, format_plan, ranks, args, better) -> None:
     from ..planner.ranks import format_ranks
 
-    for i, ((value, budget, plan, error), numbers) in enumerate(zip(results, ranks)):
+    for i, ((value, budget, plan, error), numbers, found) in enumerate(zip(results, ranks, better)):
         if i:
             print()
         print(f"== VRAM budget {value} ({budget.vram / 2**30:.2f} GiB) ==")
@@ -370,3 +426,5 @@ def _print_text(results, format_plan, ranks, args) -> None:
             print(f"infeasible: {error}", file=sys.stderr)
             print(f"infeasible: smallest working budget {error.needed_vram / 2**30:.2f} GiB"
                   if error.needed_vram else "infeasible: host RAM")
+        for b in found:
+            print(b.describe(plan.notes["predicted_step_s"] if plan is not None else None))

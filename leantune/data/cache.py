@@ -43,7 +43,7 @@ import torch
 
 from leantune.config import resolve_path
 from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
-from leantune.data.dataset import ImageItem, load_rgb, scan_datasets, to_tensor
+from leantune.data.dataset import ImageItem, listing, load_rgb, scan_datasets, to_tensor
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.family import ModelFamily, PromptEmbeds, get_family
 from leantune.models.flux_loading import dtype_from_name, fingerprint
@@ -82,6 +82,10 @@ class Sample:
     resolution: int
     bucket: Bucket
     latent_key: str
+    # reference images (an edit dataset): their latent entries, one per reference slot, and their
+    # content hashes when the family's text encoder sees them (the text entry's identity)
+    reference_keys: tuple[str, ...] = ()
+    text_refs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Batch:
     bucket: Bucket              # (width, height) in pixels
     captions: list[str]         # as trained: "" where caption dropout fired
     t5_lengths: torch.Tensor | None = None   # (B,) real T5 tokens per sample, end token included
+    references: list[torch.Tensor] | None = None   # per reference slot (B, C, h_r, w_r); None: no references
 
 
 # -- identities and keys -------------------------------------------------------------------------
@@ -274,6 +279,11 @@ def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sourc
     return stats
 
 
+def _caption(job) -> str:
+    """A text job's caption: the job itself, or (caption, reference image paths)."""
+    return job[0] if isinstance(job, tuple) else job
+
+
 def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_length: int,
                load_text_encoders: Callable, family: ModelFamily) -> CacheStats:
     stats, todo, bad = CacheStats(), [], []
@@ -284,7 +294,7 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
             stats.misses += 1
             todo.append(key)
             continue
-        problem, d = check_text_entry(path, key, caption, family.text_rows(max_length))
+        problem, d = check_text_entry(path, key, _caption(caption), family.text_rows(max_length))
         if problem:
             bad.append((path, problem))
             stats.recomputed += 1
@@ -310,14 +320,16 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
         side = family.padding_side(enc)
         for start in range(0, len(todo), TEXT_BATCH):
             keys = todo[start:start + TEXT_BATCH]
-            embeds, lengths = family.encode_prompts([jobs[k] for k in keys], enc, max_length=max_length,
-                                                    device=device)
+            captions = [_caption(jobs[k]) for k in keys]
+            images = {"images": [[load_rgb(p) for p in jobs[k][1]] if isinstance(jobs[k], tuple) else None
+                                 for k in keys]} if any(isinstance(jobs[k], tuple) for k in keys) else {}
+            embeds, lengths = family.encode_prompts(captions, enc, max_length=max_length, device=device, **images)
             for i, key in enumerate(keys):
                 n = int(lengths[i])
                 save_safetensors({"t5": _trim(embeds.t5[i], n, side).to(STORE_DTYPE),        # (n, D_t5)
                                   "pooled": embeds.pooled[i].to(STORE_DTYPE)},                # (D_clip,)
                                  folder / f"{key}.safetensors",
-                                 {"format": FORMAT_VERSION, "kind": "text", "key": key, **_caption_header(jobs[key]),
+                                 {"format": FORMAT_VERSION, "kind": "text", "key": key, **_caption_header(captions[i]),
                                   "length": str(n)})
     finally:
         del enc
@@ -329,6 +341,27 @@ def sample_prompts(sample_cfg) -> list[str]:
     """The prompts a run samples with ([sample] negative_prompt and prompts), encoded with the
     captions so that sampling during training never reloads the text encoders."""
     return [sample_cfg.negative_prompt, *sample_cfg.prompts]
+
+
+def _with_references(items: list[ImageItem], data_cfg, base_dir, family: ModelFamily) -> list[ImageItem]:
+    """The items with their reference images (data/references.py) when a dataset names a
+    reference_path; an error naming the key when the family takes no references."""
+    named = [i for i, d in enumerate(data_cfg.datasets) if getattr(d, "reference_path", None)]
+    if not named:
+        return items
+    if family.references is None:
+        raise ValueError(f"[[data.datasets]] #{named[0] + 1} reference_path: family = \"{family.name}\" takes no "
+                         f"reference images (an edit family does, e.g. qwen-image-edit); remove the key")
+    from leantune.data.references import attach_references
+
+    return attach_references(items, data_cfg.datasets, base_dir, family.references.most)
+
+
+def _text_refs(item: ImageItem, family: ModelFamily) -> tuple[str, ...]:
+    """The content hashes of the references the family's text encoder reads with this caption."""
+    if not item.references or family.references is None or not family.references.text_sees_images:
+        return ()
+    return tuple(r.sha256 for r in item.references)
 
 
 def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
@@ -345,7 +378,7 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     text encoders.
     """
     family = get_family(model_cfg.family)
-    items = scan_datasets(data_cfg, base_dir)
+    items = _with_references(scan_datasets(data_cfg, base_dir), data_cfg, base_dir, family)
     sources = family.resolve_sources(model_cfg, Path(base_dir))
     vae_id = component_identity(sources.vae)
     encoders_id = "+".join(component_identity(getattr(sources, n)) for n in family.text_sources)
@@ -362,11 +395,27 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             bucket = nearest_bucket(item.width, item.height, bucket_sets[res])
             key = latent_key(item.sha256, bucket, vae_id, dtype)
             latent_jobs[key] = (item, bucket)
-            samples.extend([Sample(item, res, bucket, key)] * item.repeats)
+            ref_keys = []
+            for ref in item.references:           # cached like targets, at the family's size for this bucket
+                ref_bucket = family.references.size(ref.width, ref.height, bucket)
+                ref_keys.append(latent_key(ref.sha256, ref_bucket, vae_id, dtype))
+                latent_jobs[ref_keys[-1]] = (ref, ref_bucket)
+            seen_refs = _text_refs(item, family)
+            samples.extend([Sample(item, res, bucket, key, tuple(ref_keys), seen_refs)] * item.repeats)
 
     prompts = [it.caption for it in items] + [""] + list(extra_prompts or ())
     text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
     text_jobs = {k: p for p, k in text_keys.items()}
+    # A text encoder that reads the references (an edit model's VLM): one entry per caption and
+    # references, the empty caption (dropout) included, keyed by their content too.
+    for it in items:
+        refs = _text_refs(it, family)
+        if refs:
+            paths = tuple(r.path for r in it.references)
+            for caption in (it.caption, ""):
+                k = text_key(caption, encoders_id + "|references:" + ",".join(refs), max_length, dtype)
+                text_keys[(caption, refs)] = k
+                text_jobs[k] = (caption, paths)
 
     from leantune.disk import disk_full_guard
 
@@ -440,12 +489,16 @@ class CachedData:
 
     def latent(self, sample: Sample) -> torch.Tensor:
         """(16, h, w) bf16 latents of one sample."""
-        path = self.cache_dir / "latents" / f"{sample.latent_key}.safetensors"
-        return _read(path)[0]["latent"]
+        return self.latent_entry(sample.latent_key)
 
-    def text_entry(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t5 (L, D_t5), pooled (D_clip,)) of a prompt encoded by `prepare_caches`."""
-        key = self.text_keys.get(prompt)
+    def latent_entry(self, key: str) -> torch.Tensor:
+        """(C, h, w) bf16 latents of one latent entry (a target's or a reference's)."""
+        return _read(self.cache_dir / "latents" / f"{key}.safetensors")[0]["latent"]
+
+    def text_entry(self, prompt: str, references: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t5 (L, D_t5), pooled (D_clip,)) of a prompt encoded by `prepare_caches` (with the
+        reference images of these content hashes, for a text encoder that reads them)."""
+        key = self.text_keys.get((prompt, references) if references else prompt)
         if key is None:
             raise KeyError(f"prompt {prompt!r} was not encoded by prepare_caches; pass it in [sample] prompts "
                            f"or extra_prompts")
@@ -477,11 +530,26 @@ class BatchIterator:
         samples = [self.data.samples[i] for i in slot.samples]
         captions = ["" if drop else s.item.caption for s, drop in zip(samples, slot.dropped)]
         latents = torch.stack([self.data.latent(s) for s in samples]).to(self.dtype)   # (B, 16, h, w)
-        rows = [self.data.text_entry(c) for c in captions]
+        rows = [self.data.text_entry(c, s.text_refs) for c, s in zip(captions, samples)]
         t5, lengths = _pad_t5([r[0] for r in rows], self.dtype)                        # (B, L, D_t5)
         pooled = torch.stack([r[1] for r in rows]).to(self.dtype)                       # (B, D_clip)
         return Batch(latents=latents, embeds=PromptEmbeds(t5=t5, pooled=pooled), bucket=slot.bucket,
-                     captions=captions, t5_lengths=lengths)
+                     captions=captions, t5_lengths=lengths, references=self._references(samples))
+
+    def _references(self, samples) -> list[torch.Tensor] | None:
+        """One (B, C, h_r, w_r) tensor per reference slot, or None for a batch without references."""
+        if not samples[0].reference_keys:
+            return None
+        out = []
+        for j in range(len(samples[0].reference_keys)):
+            lat = [self.data.latent_entry(s.reference_keys[j]) for s in samples]
+            if len({tuple(t.shape) for t in lat}) > 1:
+                raise ValueError(f"reference images {listing([s.item.references[j].path for s in samples])} of one "
+                                 f"batch are encoded at different sizes ({sorted({tuple(t.shape) for t in lat})}): "
+                                 f"their aspect ratios differ; use [data] batch_size = 1 or references of one "
+                                 f"aspect per bucket")
+            out.append(torch.stack(lat).to(self.dtype))
+        return out
 
     def state_dict(self) -> dict:
         return self.order.state_dict()

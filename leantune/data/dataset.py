@@ -57,6 +57,7 @@ class ImageItem:
     repeats: int
     caption_dropout: float
     too_small_for: frozenset = frozenset()   # training resolutions this image is skipped at (min_size)
+    references: tuple = ()   # its reference images (data/references.py ReferenceImage), an edit dataset's
 
 
 def _orientation(img: Image.Image) -> int:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..memory.blockwise import blockwise_offload
 from ..models.family import ModelFamily, PromptEmbeds, get_family
 
 
@@ -32,76 +33,15 @@ def module_bytes(module: nn.Module) -> int:
 
 
 def t5_blocks(text_encoder_2: nn.Module) -> nn.ModuleList:
-    """The repeated blocks of a transformers T5EncoderModel (`encoder.block`)."""
-    try:
-        return text_encoder_2.encoder.block
-    except AttributeError:
-        raise TypeError(f"{type(text_encoder_2).__name__} has no encoder.block list; expected a T5EncoderModel") from None
-
-
-@contextmanager
-def blockwise_offload(model: nn.Module, blocks: nn.ModuleList, device) -> Iterator[None]:
-    """Run `model` on `device` with its `blocks` resident only during their own forward.
-
-    Everything outside `blocks` moves to `device` for the duration. Each block's host tensors are
-    kept aside; a forward pre-hook copies them to `device`, a forward hook swaps in empty
-    placeholders again. On exit every tensor is back on the host, as it was.
-    """
-    device = torch.device(device)
-    in_blocks = {id(t) for b in blocks for t in list(b.parameters()) + list(b.buffers())}
-    # Host copies of every tensor we touch, restored on exit: (owner module, attribute, host tensor,
-    # is-parameter, identity). Tied weights (T5's shared embedding) appear twice with one identity.
-    saved: list[tuple[nn.Module, str, torch.Tensor, bool, int]] = []
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None:
-                saved.append((mod, name, p.data, True, id(p)))
-        for name, b in list(mod._buffers.items()):
-            if b is not None:
-                saved.append((mod, name, b, False, id(b)))
-
-    def _set(mod: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
-        if is_param:
-            mod._parameters[name].data = value
-        else:
-            mod._buffers[name] = value
-
-    block_slots: dict[int, list[tuple[nn.Module, str, torch.Tensor, bool, int]]] = {}
-    for block in blocks:
-        mods = {id(m) for m in block.modules()}
-        block_slots[id(block)] = [s for s in saved if id(s[0]) in mods]
-
-    def _empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(0, dtype=t.dtype, device=device)
-
-    def onload(block, *_):
-        for mod, name, host, is_param, _ in block_slots[id(block)]:
-            _set(mod, name, host.to(device), is_param)
-
-    def offload(block, *_):
-        for mod, name, host, is_param, _ in block_slots[id(block)]:
-            _set(mod, name, _empty(host), is_param)
-
-    handles = []
-    try:
-        # Outside the blocks: resident on the device (tied weights are moved once: same tensor id).
-        moved: dict[int, torch.Tensor] = {}
-        for mod, name, host, is_param, ident in saved:
-            if ident in in_blocks:
-                continue
-            if ident not in moved:
-                moved[ident] = host.to(device)
-            _set(mod, name, moved[ident], is_param)
-        for block in blocks:
-            offload(block)
-            handles.append(block.register_forward_pre_hook(onload))
-            handles.append(block.register_forward_hook(offload))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for mod, name, host, is_param, _ in saved:
-            _set(mod, name, host, is_param)
+    """The repeated blocks of the streamable text encoder: a transformers T5EncoderModel's
+    `encoder.block`, or a decoder-only text model's `layers` (Qwen-Image's Qwen2.5-VL)."""
+    for path in ("encoder.block", "layers"):
+        try:
+            return text_encoder_2.get_submodule(path)
+        except AttributeError:
+            continue
+    raise TypeError(f"{type(text_encoder_2).__name__} has neither an encoder.block nor a layers list; expected a "
+                    f"T5EncoderModel or a decoder-only text model")
 
 
 def _free_device_cache(device) -> None:
@@ -140,18 +80,15 @@ def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int =
     results = []
     with _eval_mode(*modules), _all_moved(whole, device), t5_ctx:
         for texts in lists:
-            pooled, seqs = [], []
+            # One (1, L, D) embedding per prompt; L is its encoder batch's (T5 pads every prompt to
+            # max_length; Qwen-Image pads to the batch's longest prompt).
+            items = []
             for i in range(0, len(texts), batch_size):
                 emb, _ = family.encode_prompts(texts[i:i + batch_size], text_encoders, max_length=max_length,
                                                device=torch.device(device))
-                pooled.append(emb.pooled.to("cpu"))   # (b, D_pooled)
-                seqs.append(emb.t5.to("cpu"))         # (b, L, D_text)
-            if texts:
-                pooled_all, seq_all = torch.cat(pooled), torch.cat(seqs)
-                results.append([PromptEmbeds(t5=seq_all[i:i + 1], pooled=pooled_all[i:i + 1])
-                                for i in range(len(texts))])
-            else:
-                results.append([])
+                pooled, seq = emb.pooled.to("cpu"), emb.t5.to("cpu")      # (b, D_pooled), (b, L, D_text)
+                items.extend(PromptEmbeds(t5=seq[j:j + 1], pooled=pooled[j:j + 1]) for j in range(seq.shape[0]))
+            results.append(items)
     _free_device_cache(device)
     return results[0] if negative_prompts is None else (results[0], results[1])
 

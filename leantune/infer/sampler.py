@@ -144,7 +144,8 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
             width: int, height: int, steps: int, guidance: float | None, schedule: FlowSchedule,
             device, dtype: torch.dtype | None = None, batch_size: int | None = None,
             progress: Progress | None = None, family: ModelFamily | None = None,
-            negative: PromptEmbeds | Sequence[PromptEmbeds] | None = None, cfg_batched: bool = True) -> torch.Tensor:
+            negative: PromptEmbeds | Sequence[PromptEmbeds] | None = None, cfg_batched: bool = True,
+            references: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Stage 2: Euler-sample latents for each (prompt embedding, seed) pair.
 
     The transformer must already be placed for `device` (resident, or under the memory engine).
@@ -154,9 +155,12 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
     (Sampling.guidance): the distilled input, or the classifier-free scale, which uses `negative`
     (one embedding shared by all images, or one per image) and runs both halves in one batch
     (`cfg_batched`, as the pipelines do) or one after the other (half the activations).
+    `references`: reference-image latents (1, C, h_r, w_r) every image is conditioned on, for a
+    family with reference conditioning (ModelFamily.references; docs/reference-images.md).
     """
     check_size(width, height)
     family = family or family_for_model(transformer)
+    ref = {} if not references else {"references": [r.to(device) for r in references]}
     items = as_embed_list(embeds)
     if len(items) != len(seeds):
         raise ValueError(f"{len(items)} prompt embeddings but {len(seeds)} seeds: give one seed per image")
@@ -182,16 +186,16 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
         for k in range(steps):
             if not cfg:
                 t = family.sampling.timestep(sigmas[k], b, dtype, device)    # (b,)
-                v = family.predict(transformer, x, t, cond, (h, w), distilled)
+                v = family.predict(transformer, x, t, cond, (h, w), distilled, **ref)
             elif together:
                 t = family.sampling.timestep(sigmas[k], 2 * b, dtype, device)
-                v_neg, v_pos = family.predict(transformer, torch.cat([x, x]), t, both, (h, w), None).chunk(2)
-                v = v_neg + guidance * (v_pos - v_neg)
+                v_neg, v_pos = family.predict(transformer, torch.cat([x, x]), t, both, (h, w), None, **ref).chunk(2)
+                v = family.sampling.mix(v_neg, v_pos, guidance)
             else:
                 t = family.sampling.timestep(sigmas[k], b, dtype, device)
-                v_neg = family.predict(transformer, x, t, uncond, (h, w), None)
-                v_pos = family.predict(transformer, x, t, cond, (h, w), None)
-                v = v_neg + guidance * (v_pos - v_neg)
+                v_neg = family.predict(transformer, x, t, uncond, (h, w), None, **ref)
+                v_pos = family.predict(transformer, x, t, cond, (h, w), None, **ref)
+                v = family.sampling.mix(v_neg, v_pos, guidance)
             x = euler_step(x, v, sigmas[k], sigmas[k + 1])
             done += 1
             if progress is not None:

@@ -83,10 +83,38 @@ class Sampling:
     variant: Callable
     schedule: Callable
     timestep: Callable
+    # cfg only: (v_neg, v_pos, scale) -> the guided velocity, where a family's pipeline mixes them
+    # otherwise than v_neg + scale * (v_pos - v_neg) (Qwen-Image rescales the mix to v_pos's norm)
+    combine: Callable | None = None
+
+    def mix(self, v_neg, v_pos, scale: float):
+        """The classifier-free guided velocity of the family's pipeline."""
+        return v_neg + scale * (v_pos - v_neg) if self.combine is None else self.combine(v_neg, v_pos, scale)
 
     def __post_init__(self):
         if self.guidance not in ("distilled", "cfg"):
             raise ValueError(f"Sampling.guidance must be 'distilled' or 'cfg', got {self.guidance!r}")
+
+
+@dataclass(frozen=True)
+class ReferenceConditioning:
+    """How a family is conditioned on reference images (an edit model: Qwen-Image-Edit; FLUX.2's
+    multi-reference). docs/reference-images.md describes the seam; in short:
+
+    - `size(ref_width, ref_height, bucket) -> (width, height)`: the pixel size a reference is
+      VAE-encoded at for training in `bucket` (width, height); the cache stores its latents like
+      a target's, keyed by the reference's content, size and the VAE;
+    - `text_sees_images`: the text encoder reads the references too (a VLM: its text entry is keyed
+      by the references' content, and `encode_prompts` gets `images=`, per prompt a list of PIL
+      images), else the caption alone is encoded;
+    - `most`: how many references one target may have.
+
+    The family's `predict` takes `references=`: a list of (B, C, h_r, w_r) latents, one tensor per
+    reference slot, and returns the target's prediction only."""
+
+    size: Callable
+    text_sees_images: bool = False
+    most: int = 1
 
 
 @dataclass(frozen=True)
@@ -124,11 +152,17 @@ class ModelFamily:
     text_rows: Callable[[int], int] = lambda max_length: max_length
     # training schedule: what [train] timestep_sampling = "auto" means
     timestep_sampling: str = "sigmoid"
+    # reference-image conditioning (ReferenceConditioning), None for a family without it
+    references: ReferenceConditioning | None = None
+    # (text rows) -> {"device": bytes, "host": bytes, ...}: the caching phase's text encoding, priced,
+    # for a family whose text encoder is large enough to need a plan of its own (Qwen-Image's 7B)
+    text_phase: Callable | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
-_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3"}
+_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3", "qwen-image": "leantune.models.qwen_image",
+            "qwen-image-edit": "leantune.models.qwen_image_edit"}
 
 
 def loader_options(memory_cfg) -> dict:

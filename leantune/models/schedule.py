@@ -48,6 +48,9 @@ class FlowSchedule:
     # True: linspace(1, 1/steps) as FluxPipeline passes it; False: the scheduler's own timesteps over
     # its training sigma range, as StableDiffusion3Pipeline (which passes none) gets them.
     pipeline_sigmas: bool = True
+    # Qwen-Image: after the shift, the sigmas are stretched so the last one equals this (the
+    # scheduler's `shift_terminal`, 0.02 there); 0: no stretch.
+    shift_terminal: float = 0.0
 
     @classmethod
     def for_variant(cls, variant: str) -> FlowSchedule:
@@ -66,14 +69,19 @@ class FlowSchedule:
                    pipeline_sigmas=False)
 
     @classmethod
+    def qwen_image(cls) -> FlowSchedule:
+        """Qwen-Image's scheduler_config.json (dynamic shift 0.5 at 256 tokens to 0.9 at 8192,
+        stretched to end at 0.02) and QwenImagePipeline's defaults: 50 steps, true CFG 4.0."""
+        return cls(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+                   max_image_seq_len=8192, shift_terminal=0.02, default_steps=50, default_guidance=4.0)
+
+    @classmethod
     def from_scheduler_config(cls, config: dict, variant: str | FlowSchedule) -> FlowSchedule:
         """Read a diffusers scheduler_config.json dict; values it lacks come from `variant`: a Flux
         variant name or a family's published schedule."""
         base = variant if isinstance(variant, FlowSchedule) else cls.for_variant(variant)
         unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                                    "invert_sigmas", "stochastic_sampling") if config.get(k)]
-        if config.get("shift_terminal"):
-            unsupported.append("shift_terminal")
         if config.get("time_shift_type", "exponential") != "exponential":
             unsupported.append("time_shift_type")
         if unsupported:
@@ -88,6 +96,7 @@ class FlowSchedule:
             default_steps=base.default_steps,
             default_guidance=base.default_guidance,
             pipeline_sigmas=base.pipeline_sigmas,
+            shift_terminal=float(config.get("shift_terminal") or base.shift_terminal),
         )
 
     @classmethod
@@ -127,6 +136,9 @@ class FlowSchedule:
             s = e / (e + (1.0 / s - 1.0))
         else:
             s = self.shift * s / (1 + (self.shift - 1) * s)
+        if self.shift_terminal:      # FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal
+            one_minus_z = 1 - s
+            s = 1 - (one_minus_z / (one_minus_z[-1] / (1 - self.shift_terminal)))
         out = torch.from_numpy(np.asarray(s)).to(torch.float32)
         return torch.cat([out, torch.zeros(1)])
 

@@ -16,6 +16,11 @@ node is visible (`machine.gpu_device_visible`); with a GPU the planner measures 
 The config form (`leantune plan my.toml`) is not kept here: its answer depends on files the
 config names, which only the family's loader can resolve (the measurement cache, spec_cache.py,
 still spares it the model build and the probes).
+
+Each answer records where it came from (`origin`: leantune's version, the checkout its code was
+read from, that checkout's commit when it is a git checkout, and when it was saved), and a replayed
+answer says so on stderr: with several checkouts of leantune sharing one cache folder (two clones,
+an installed copy and a working tree), an answer is traceable to the code that computed it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -78,12 +84,59 @@ def load_answer(question: dict) -> dict | None:
     return None
 
 
+def origin() -> dict:
+    """Which leantune computed an answer: version, checkout folder, commit (None outside git), time."""
+    from .. import __version__
+
+    root = Path(__file__).resolve().parent.parent.parent
+    return {"version": __version__, "checkout": str(root), "commit": _git_commit(root),
+            "saved": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _git_commit(root: Path) -> str | None:
+    """HEAD's commit of the checkout at `root`, read from its files (no git process), or None."""
+    git = root / ".git"
+    try:
+        if git.is_file():                                   # a worktree: "gitdir: <path>"
+            git = Path(git.read_text().split("gitdir:", 1)[1].strip())
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head[:12]
+        ref = head[4:].strip()
+        for gitdir in (git, _common_dir(git)):
+            ref_file = gitdir / ref
+            if ref_file.is_file():
+                return ref_file.read_text().strip()[:12]
+            packed = gitdir / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text().splitlines():
+                    if line.endswith(" " + ref):
+                        return line.split()[0][:12]
+    except (OSError, IndexError):
+        return None
+    return None
+
+
+def _common_dir(git: Path) -> Path:
+    common = git / "commondir"
+    return (git / common.read_text().strip()).resolve() if common.is_file() else git
+
+
+def describe_origin(answer: dict) -> str:
+    """The line a replayed answer prints on stderr."""
+    o = answer.get("origin") or {}
+    where = o.get("checkout", "an unknown checkout")
+    commit = f" at commit {o['commit']}" if o.get("commit") else ""
+    return (f"(kept answer from leantune {o.get('version', '?')}, {where}{commit}, saved {o.get('saved', '?')}; "
+            f"asked again with the same flags and code it is reused without planning)")
+
+
 def save_answer(question: dict, answer: dict) -> None:
-    """Keep `answer`; a cache that cannot be written only costs time next time."""
+    """Keep `answer`, with its origin; a cache that cannot be written only costs time next time."""
     from ..io import atomic_write_json
 
     path = answer_path(question)
     try:
-        atomic_write_json(path, answer)
+        atomic_write_json(path, {**answer, "origin": origin()})
     except OSError as e:
         log.warning("plan: cannot keep the answer in %s (%s)", path, e)

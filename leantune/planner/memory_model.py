@@ -72,6 +72,7 @@ class Estimate:
     # full mode, per step: the streamed units written back (weights and state), or, with the
     # optimizer step of streamed blocks on the host, their trained tensors' gradients
     d2h_bytes: int = 0
+    host_step_s: float = 0.0         # the step waiting on the CPU's optimizer step (timing.py), not in exposed_s
 
 
 class MemoryModel:
@@ -321,4 +322,5 @@ class MemoryModel:
                         exposed_s=sum(t.exposed_s for t in timing) / n,
                         overhead_s=sum(t.overhead_s for t in timing) / n,
                         h2d_bytes=int(sum(t.h2d_bytes for t in timing) / n), per_bucket=per_bucket,
-                        d2h_bytes=int(sum(t.d2h_bytes for t in timing) / n))
+                        d2h_bytes=int(sum(t.d2h_bytes for t in timing) / n),
+                        host_step_s=sum(t.host_step_s for t in timing) / n)

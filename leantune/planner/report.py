@@ -18,11 +18,9 @@ def format_plan(plan: Plan) -> str:
     if "workload" in n:
         lines.append(f"workload: {n['workload']}")
         lines.append(f"machine:  {n['machine']}")
-    kinds = n.get("streamed_by_kind", {})
-    by_kind = ", ".join(f"{v} {k}" for k, v in kinds.items())
-    lines.append(f"plan:     {plan.describe()}" + (f" ({by_kind} of {n.get('total_blocks')})" if by_kind else ""))
+    lines.append(f"plan:     {plan.describe()}")
     if plan.streamed_blocks:
-        lines.append(f"streamed: {_compact_names(plan.streamed_blocks)}")
+        lines.append(f"streamed: {_streamed_counts(plan, n)}: {_compact_names(plan.streamed_blocks)}")
     if n.get("stored_fp8"):
         mod = " (the modulation Linears too)" if n.get("stored_fp8_modulation") else ""
         lines.append(f"weights:  the block weights the checkpoint stores in fp8 (e4m3){mod} stay e4m3 in every plan; "
@@ -50,19 +48,33 @@ def format_plan(plan: Plan) -> str:
         else:
             lines.append("  (host RAM not checked: planning for another machine; give --ram to check it)")
         lines.append("")
+        cpu_step = n.get("host_step_s", 0.0)
         lines.append(f"step time: {n['predicted_step_s']:.3f} s = compute {n['compute_s']:.3f} s + exposed transfer "
-                     f"{n['exposed_transfer_s']:.3f} s + overhead {n['overhead_s']:.3f} s "
+                     f"{n['exposed_transfer_s']:.3f} s"
+                     + (f" + CPU optimizer step {cpu_step:.3f} s" if n.get("host_step_params") else "")
+                     + f" + overhead {n['overhead_s']:.3f} s "
                      f"({n['h2d_bytes_per_step'] / 1e9:.1f} GB host->GPU"
                      + (f", {n['d2h_bytes_per_step'] / 1e9:.1f} GB GPU->host" if n.get("d2h_bytes_per_step") else "")
                      + " per step)")
         if n.get("host_step_params"):
             rate = n["host_optimizer_rate"]
-            lines.append(f"host step: {n['host_step_params'] / 1e6:.0f} M streamed parameters stepped on the CPU at "
-                         f"{rate / 1e6:.1f} M/s (measured on this machine's CPU) = "
-                         f"{n['host_step_params'] / rate:.1f} s of CPU time per step")
+            lines.append(f"CPU optimizer step: {n['host_step_params'] / 1e6:.0f} M streamed parameters stepped on the "
+                         f"CPU at {rate / 1e6:.1f} M/s (measured on this machine's CPU) = "
+                         f"{n['host_step_params'] / rate:.1f} s of CPU time per step, {cpu_step:.1f} s of it not "
+                         f"hidden behind the GPU's backward")
         if not n.get("machine_measured", True):
             lines.append("(rates assumed, not measured: no GPU here)")
     return "\n".join(lines)
+
+
+def _streamed_counts(plan: Plan, notes: dict) -> str:
+    """'51 of 57 blocks (13 of 19 double, 38 of 38 single)': every count against its total, so the
+    streamed blocks read one way whatever the kinds."""
+    total, kinds, totals = notes.get("total_blocks"), notes.get("streamed_by_kind", {}), notes.get("total_by_kind", {})
+    head = f"{len(plan.streamed_blocks)} of {total} blocks" if total else f"{len(plan.streamed_blocks)} blocks"
+    parts = [f"{kinds.get(k, 0)} of {t} {k}" for k, t in totals.items()] if totals else \
+        [f"{v} {k}" for k, v in kinds.items()]
+    return head + (f" ({', '.join(parts)})" if len(parts) > 1 else "")
 
 
 def _compact_names(names) -> str:

@@ -12,10 +12,20 @@ architecture, or a checkpoint file's path, size and modification time) and the w
 key also covers the code that measures (the planner's and engine's modules that decide these
 numbers, and the torch/diffusers/peft versions), so a change to any of them measures again. An
 unreadable or stale file is ignored and rewritten.
+
+Shipped profiles: the package carries the measurements of the stock architectures (`leantune plan
+--model flux-dev | flux-schnell | sd3.5-large | sd3.5-medium`, LoRA / full / inference at the
+default flags, 512 and 1024 px) in planner/profiles/, each a gzipped file named by the same key,
+so a first plan of a stock model builds no meta model and traces nothing (the build and the probes
+are most of the 10-13 CPU-s a new question costs). The key includes the measuring code and the
+library versions: a profile the code no longer matches has another name and is not found, so it
+is measured afresh rather than used stale. scripts/make_plan_profiles.py writes them; a test
+checks that every shipped profile still matches the code (tests/test_plan_profiles.py).
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -34,8 +44,10 @@ log = logging.getLogger("leantune")
 # The modules whose code decides the measured numbers (relative to the leantune package).
 _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "planner/activations.py",
                    "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming_units.py",
-                   "train/full_mode.py",
-                   "models/spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "train/lora.py")
+                   "train/full_mode.py", "train/trainable.py",
+                   "spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "models/flux_spec.py",
+                   "models/sd3_spec.py", "models/qwen_image.py", "models/qwen_image_edit.py",
+                   "models/qwen_image_spec.py", "train/lora.py")
 _PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
 
 
@@ -165,25 +177,79 @@ def _workload_shape(workload: Workload) -> dict:
     return shape
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def measurement_key(source: str, workload: Workload) -> dict:
+    """What a measurement is the measurement of: the model source, the workload shape and the code
+    (with library versions) that measures."""
+    return json.loads(json.dumps({"source": source, "workload": _workload_shape(workload), "code": _code_fingerprint()},
+                                 sort_keys=True, default=str))
+
+
+def cache_name(source: str, workload: Workload) -> str:
+    blob = json.dumps(measurement_key(source, workload), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
 def cache_path(source: str, workload: Workload) -> Path:
-    blob = json.dumps({"source": source, "workload": _workload_shape(workload), "code": _code_fingerprint()},
-                      sort_keys=True, default=str)
-    name = hashlib.sha256(blob.encode()).hexdigest()[:24]
-    return default_calibration_path().parent / "planner" / f"{name}.json"
+    return default_calibration_path().parent / "planner" / f"{cache_name(source, workload)}.json"
+
+
+def shipped_path(source: str, workload: Workload) -> Path:
+    return SHIPPED_DIR / f"{cache_name(source, workload)}.json.gz"
 
 
 def load_measured(source: str, workload: Workload) -> MeasuredModel | None:
-    """The stored measurement of `source` for this workload shape, or None (none yet, or unreadable)."""
+    """The stored measurement of `source` for this workload shape (this machine's cache first, then
+    the package's shipped profiles), or None (none yet, or unreadable)."""
     path = cache_path(source, workload)
-    if not path.exists():
-        return None
-    try:
-        measured = MeasuredModel.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("planner: ignoring unreadable cached measurement %s (%s)", path, e)
+    measured = None
+    if path.exists():
+        try:
+            measured = MeasuredModel.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("planner: ignoring unreadable cached measurement %s (%s)", path, e)
+    if measured is None:
+        measured = load_shipped(source, workload)
+    if measured is None:
         return None
     needed = {(b, f) for f in probed_storages(workload, measured.weights) for b in workload.buckets}
     return measured if needed <= set(measured.profiles) else None
+
+
+def load_shipped(source: str, workload: Workload) -> MeasuredModel | None:
+    """The package's profile of `source` for this workload shape and this code, or None."""
+    path = shipped_path(source, workload)
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(gzip.decompress(path.read_bytes()))
+        if entry["key"] != measurement_key(source, workload):      # a name collision, or a hand-edited file
+            log.warning("planner: shipped profile %s is not the measurement of this question; measuring", path)
+            return None
+        return MeasuredModel.from_dict(entry["measured"])
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+        log.warning("planner: ignoring unreadable shipped profile %s (%s)", path, e)
+        return None
+
+
+def ship_measured(source: str, workload: Workload, measured: MeasuredModel, folder: Path = SHIPPED_DIR) -> Path:
+    """Write `measured` as a shipped profile (scripts/make_plan_profiles.py): gzipped compact JSON
+    with its key, written atomically."""
+    import os
+
+    path = folder / f"{cache_name(source, workload)}.json.gz"
+    blob = json.dumps({"key": measurement_key(source, workload), "measured": measured.to_dict()}, sort_keys=True,
+                      separators=(",", ":")).encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(gzip.compress(blob, 9, mtime=0))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
 
 
 def save_measured(source: str, workload: Workload, measured: MeasuredModel) -> None:

@@ -26,4 +26,5 @@ def all_key_maps() -> list[LoraKeyMap]:
     from leantune.models.family import get_family, known_families
 
     maps = [get_family(name).spec.lora_keys for name in known_families()]
-    return [m for m in maps if m is not None]
+    # families that share a transformer share its names (Qwen-Image and Qwen-Image-Edit): once each
+    return list({id(m): m for m in maps if m is not None}.values())

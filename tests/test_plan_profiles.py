@@ -1,0 +1,127 @@
+"""The planner's shipped profiles (planner/profiles/, spec_cache.py) and the kept answers' origin
+(answer_cache.py).
+
+A first `leantune plan` of a stock model reads the package's measurement instead of building the
+model on meta and tracing it. A shipped profile is found only under the key of the code that
+measures it now, so a stale one is never used: after a change to the measuring code the first
+test here fails until `python scripts/make_plan_profiles.py` is run, and meanwhile the planner
+measures afresh. One cheap case is measured here and compared with its shipped profile field by
+field.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from leantune.cli import main
+from leantune.planner import spec_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_plan_profiles", ROOT / "scripts" / "make_plan_profiles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "leantune-cache"))
+
+
+def test_every_stock_question_has_a_shipped_profile_of_the_current_code():
+    script = _script()
+    missing, names = [], set()
+    for flags in script.questions():
+        _, source, _, workload = script.question_of(flags)
+        path = spec_cache.shipped_path(source, workload)
+        names.add(path.name)
+        if not path.exists():
+            missing.append(" ".join(flags))
+    assert not missing, (f"no shipped profile of the current measuring code for {missing}: the code or the "
+                         f"torch/diffusers/peft versions changed; run python scripts/make_plan_profiles.py")
+    orphans = {p.name for p in spec_cache.SHIPPED_DIR.glob("*.json.gz")} - names
+    assert not orphans, f"shipped profiles no question uses (stale): {sorted(orphans)}"
+
+
+def _canonical(measured) -> dict:
+    return json.loads(json.dumps(measured.to_dict(), sort_keys=True))
+
+
+@pytest.mark.slow
+def test_a_fresh_measurement_equals_its_shipped_profile():
+    script = _script()
+    spec, source, build, workload = script.question_of(
+        ["--model", "flux-schnell", "--mode", "full", "--resolution", "512", "--vram", "8GiB"])
+    shipped = spec_cache.load_shipped(source, workload)
+    assert shipped is not None
+    spec_cache._PROBE_CACHE.clear()
+    assert _canonical(spec_cache.measure_model(spec, build(), workload)) == _canonical(shipped)
+
+
+def test_a_first_plan_of_a_stock_model_builds_and_traces_nothing(monkeypatch, capsys):
+    """With an empty cache, `leantune plan --model flux-dev --vram 8GiB` answers from the shipped
+    profile: building the meta model or tracing a probe would raise here."""
+    import leantune.planner.activation_probe as probe
+    import leantune.planner.meta as meta
+
+    def refuse(*a, **k):
+        raise AssertionError("measured instead of using the shipped profile")
+
+    monkeypatch.setattr(meta, "build_meta_packaged", refuse)
+    monkeypatch.setattr(probe, "probe_activations", refuse)
+    assert main(["plan", "--model", "flux-dev", "--vram", "8GiB"]) == 0
+    assert "plan:     stream" in capsys.readouterr().out
+
+
+def test_a_stale_or_foreign_profile_is_not_used(tmp_path, monkeypatch, caplog):
+    script = _script()
+    _, source, _, workload = script.question_of(["--model", "flux-dev", "--vram", "8GiB"])
+    shipped = spec_cache.shipped_path(source, workload)
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    shutil.copy(shipped, folder / shipped.name)
+    monkeypatch.setattr(spec_cache, "SHIPPED_DIR", folder)
+    assert spec_cache.load_measured(source, workload) is not None
+    # The measuring code changed: the profile's name is no longer the key's.
+    real = spec_cache._code_fingerprint
+    monkeypatch.setattr(spec_cache, "_code_fingerprint", lambda: real() + "-changed")
+    assert spec_cache.load_measured(source, workload) is None
+    # A file under the new name whose recorded key is another question's: refused, with a warning.
+    shutil.copy(shipped, spec_cache.shipped_path(source, workload))
+    assert spec_cache.load_measured(source, workload) is None
+    assert "is not the measurement of this question" in caplog.text
+
+
+def test_a_kept_answer_says_which_checkout_and_version_computed_it(capsys, monkeypatch):
+    from leantune import __version__
+    from leantune.planner import answer_cache
+
+    monkeypatch.setattr("leantune.planner.machine.gpu_device_visible", lambda: False)
+    args = ["plan", "--model", "flux-dev", "--vram", "8GiB"]
+    assert main(args) == 0
+    first = capsys.readouterr()
+    assert main(args) == 0
+    again = capsys.readouterr()
+    def without_free_ram(text: str) -> list[str]:     # the machine line is read afresh
+        return [line for line in text.splitlines() if not line.startswith("machine:")]
+
+    assert without_free_ram(again.out) == without_free_ram(first.out)
+    assert "kept answer" not in first.err
+    line = again.err.strip().splitlines()[-1]
+    assert line.startswith(f"(kept answer from leantune {__version__}, {ROOT}")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert f"at commit {head.stdout.strip()[:12]}" in line
+    files = list(answer_cache._cache_dir().glob("*.json"))
+    assert len(files) == 1
+    origin = json.loads(files[0].read_text())["origin"]
+    assert origin["version"] == __version__ and origin["checkout"] == str(ROOT)

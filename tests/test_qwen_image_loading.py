@@ -1,0 +1,156 @@
+"""Loading Qwen-Image: the diffusers folder, the official shards, ComfyUI's repackaged bf16 and fp8
+single files (fp8 kept fp8), architecture read from shapes (the full-size one too), and clear errors
+for another family's file and for a Qwen-Image file given to another family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from leantune.config import ModelConfig
+from leantune.io import load_safetensors, save_safetensors
+from leantune.models import tiny, tiny_qwen_image as tq
+from leantune.models.component_files import packaged_config
+from leantune.models.family import get_family, guess_family
+from leantune.models.qwen_image_loading import (
+    config_from_shapes,
+    fp8_block_weights,
+    resolve_sources,
+    save_comfy_transformer,
+)
+from leantune.models.weights import LoadError
+
+FAM = get_family("qwen-image")
+
+
+def _sources(path):
+    return resolve_sources(ModelConfig(path=str(path), family="qwen-image"), Path("/"))
+
+
+@torch.no_grad()
+def _out(model, dtype=torch.float32):
+    from leantune.models.family import PromptEmbeds
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 12, 64, generator=g).to(dtype)
+    e = PromptEmbeds(t5=torch.randn(1, 5, 32, generator=g).to(dtype), pooled=torch.zeros(1, 0))
+    return FAM.predict(model, x, torch.tensor([0.4]), e, (8, 6)).float()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tq.save_qwen_image_folder(tmp_path_factory.mktemp("qwen") / "qwen-tiny", seed=2)
+
+
+def test_folder_loads_every_component(folder):
+    src = _sources(folder)
+    ref = tq.qwen_image_transformer(seed=2)
+    tr = FAM.load_transformer(src, dtype=torch.float32)
+    assert FAM.describe(tr) == "Qwen-Image (2 blocks, width 32)"
+    assert all(torch.equal(a, b) for a, b in zip(tr.state_dict().values(), ref.state_dict().values()))
+    vae = FAM.load_vae(src, torch.float32, "cpu")
+    assert vae.config.scaling_factor == 1.0 and vae.config.z_dim == 16
+    enc = FAM.load_text_encoders(src, torch.float32, "cpu")
+    emb, lengths = FAM.encode_prompts(["a cat"], enc, max_length=64, device="cpu")
+    assert emb.t5.shape == (1, int(lengths[0]), 32)
+    assert guess_family(folder) == "qwen-image"
+    meta = FAM.load_transformer(src, dtype=torch.bfloat16, device="meta")
+    assert next(meta.parameters()).is_meta
+
+
+@pytest.mark.parametrize("prefix", ["model.diffusion_model.", ""])
+def test_comfy_single_file_loads_to_the_folder_model(prefix, tmp_path):
+    ref = tq.qwen_image_transformer(seed=4)
+    path = save_comfy_transformer(ref, tmp_path / "qwen_image_bf16.safetensors", prefix=prefix)
+    tr = FAM.load_transformer(_sources(path), dtype=torch.float32)
+    assert list(tr.config.axes_dims_rope) == [4, 6, 6]      # from the file's metadata (heads of 16)
+    assert torch.equal(_out(tr), _out(ref))
+    assert guess_family(path) == "qwen-image"
+
+
+def test_official_shards_load_together(tmp_path):
+    """One shard of the official transformer folder given as the file: its siblings load with it."""
+    ref = tq.qwen_image_transformer(seed=5)
+    state = ref.state_dict()
+    keys = sorted(state)
+    meta = {"leantune.config": json.dumps({"axes_dims_rope": [4, 6, 6]})}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:]), start=1):
+        save_safetensors({k: state[k] for k in part}, tmp_path / f"diffusion_pytorch_model-{i:05d}-of-00002.safetensors",
+                         meta)
+    tr = FAM.load_transformer(_sources(tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors"),
+                              dtype=torch.float32)
+    assert torch.equal(_out(tr), _out(ref))
+    (tmp_path / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(LoadError, match="missing.*00002-of-00002"):
+        FAM.load_transformer(_sources(tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors"))
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "scaled"])
+def test_fp8_file_stays_fp8(fp8, tmp_path):
+    ref = tq.qwen_image_transformer(seed=3)
+    path = save_comfy_transformer(ref, tmp_path / f"qwen_image_fp8_{fp8}.safetensors", fp8=fp8)
+    tensors, _ = load_safetensors(path)
+    assert tensors["model.diffusion_model.transformer_blocks.0.attn.to_q.weight"].dtype == torch.float8_e4m3fn
+    tr = FAM.load_transformer(_sources(path), dtype=torch.bfloat16)
+    state = tr.state_dict()
+    eligible = fp8_block_weights(tr)
+    assert "transformer_blocks.1.img_mlp.net.2.weight" in eligible and "transformer_blocks.0.img_mod.1.weight" in eligible
+    for name in eligible:
+        assert state[name].dtype == torch.float8_e4m3fn, name
+        assert state[name[: -len("weight")] + "weight_scale"].shape == (state[name].shape[0], 1)
+    assert state["img_in.weight"].dtype == torch.bfloat16 and state["txt_in.weight"].dtype == torch.bfloat16
+    no_mod = FAM.load_transformer(_sources(path), dtype=torch.bfloat16, fp8_modulation=False).state_dict()
+    assert no_mod["transformer_blocks.0.txt_mod.1.weight"].dtype == torch.bfloat16
+    assert no_mod["transformer_blocks.0.attn.add_k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(state["transformer_blocks.1.attn.to_k.weight"].view(torch.uint8),
+                       tensors["model.diffusion_model.transformer_blocks.1.attn.to_k.weight"].view(torch.uint8))
+    want = _out(ref)
+    rel = ((_out(tr, torch.bfloat16) - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.1, rel
+
+
+def test_full_size_architecture_from_shapes():
+    """The packaged Qwen-Image config is what the shapes of a full-size file say (60 blocks, 24
+    heads of 128, text width 3584, rotary axes 16/56/56)."""
+    from leantune.planner.meta import build_meta_packaged
+
+    config = packaged_config("qwen_image")
+    model = build_meta_packaged("qwen-image", "qwen_image")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    read = config_from_shapes(shapes, {}, "full-size")
+    for key in ("num_layers", "attention_head_dim", "num_attention_heads", "joint_attention_dim", "in_channels",
+                "out_channels", "patch_size"):
+        assert read[key] == config[key], key
+    assert tuple(read["axes_dims_rope"]) == tuple(config["axes_dims_rope"]) == (16, 56, 56)
+    params = sum(p.numel() for p in model.parameters())
+    assert 20.0e9 < params < 20.6e9, params
+
+
+def test_other_families_files_are_named(tmp_path):
+    from leantune.models.flux_loading import load_transformer as flux_load, resolve_sources as flux_sources
+    from leantune.models.flux_loading import save_bfl_transformer
+    from leantune.models.sd3_loading import save_stability_transformer
+
+    bfl = save_bfl_transformer(tiny.flux_transformer(), tmp_path / "flux.safetensors")
+    with pytest.raises(LoadError, match="not a Qwen-Image transformer.*it looks like a Flux transformer"):
+        FAM.load_transformer(_sources(bfl))
+    sd3 = save_stability_transformer(tiny.sd3_transformer(), tmp_path / "sd3.safetensors")
+    with pytest.raises(LoadError, match="not a Qwen-Image transformer.*SD3"):
+        FAM.load_transformer(_sources(sd3))
+    qwen = save_comfy_transformer(tq.qwen_image_transformer(), tmp_path / "qwen.safetensors")
+    with pytest.raises(LoadError, match="not a Flux transformer: it looks like a Qwen-Image transformer"):
+        flux_load(flux_sources(ModelConfig(path=str(qwen)), Path("/")))
+    # A missing tensor is named with the file's own key.
+    tensors, meta = load_safetensors(qwen)
+    del tensors["model.diffusion_model.transformer_blocks.1.txt_mod.1.weight"]
+    save_safetensors(tensors, tmp_path / "broken.safetensors", meta)
+    with pytest.raises(LoadError, match=r"broken\.safetensors: missing key.*model\.diffusion_model\.transformer_blocks\.1\.txt_mod\.1\.weight"):
+        FAM.load_transformer(_sources(tmp_path / "broken.safetensors"))
+    # Pickle is refused.
+    ckpt = tmp_path / "qwen_image.ckpt"
+    torch.save({"a": torch.zeros(1)}, ckpt)
+    with pytest.raises(LoadError, match="pickle"):
+        _sources(ckpt)
