@@ -216,8 +216,8 @@ def test_auto_keeps_device_plans_whenever_one_fits(flux_dev):
 
 
 def test_search_stays_monotone_with_host_step_plans(flux_dev):
-    """More budget never slows the step nor streams more, host-step plans in the mix; under "auto"
-    the host step only turns off along growing budgets, once."""
+    """More budget never streams more nor slows the step while the step's place stays; under
+    "auto" the host step only turns off along growing budgets, once."""
     budgets = (6, 8, 10, 12, 16, 24, 40)
     for step in ("host", "auto"):
         planner = _planner(flux_dev, streamed_step=step)
@@ -225,7 +225,14 @@ def test_search_stays_monotone_with_host_step_plans(flux_dev):
         times = [p.notes["predicted_step_s"] for p in plans]
         streamed = [len(p.streamed_blocks) for p in plans]
         on_host = [p.optimizer_on_host for p in plans]
-        assert times == sorted(times, reverse=True) and streamed == sorted(streamed, reverse=True)
+        assert streamed == sorted(streamed, reverse=True)
+        # Time falls with the budget while the step stays where it is. Under "auto" the rule, not
+        # the CPU rate, turns the host step off where a device-step plan fits; with the host
+        # kernels the host step can be the faster one (its state never crosses PCIe), so the step
+        # time may rise once, at that switch.
+        for place in (True, False):
+            seg = [t for t, p in zip(times, plans) if p.optimizer_on_host == place]
+            assert seg == sorted(seg, reverse=True)
         for gb, p in zip(budgets, plans):
             assert p.notes["predicted_peak_vram"] <= gb * GiB - p.notes["margin_vram"]
         if step == "host":
