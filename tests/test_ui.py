@@ -636,10 +636,7 @@ def test_a_second_start_waits_in_line_and_starts_when_the_first_ends(tmp_path, m
     assert queue.submit(runs_dir, third, resume=True)["position"] == 2
     assert queue.leave(third) and runs.state(third) == "new" and not queue.leave(third)   # Stop while waiting
     (first / "done").write_text("")
-    deadline = time.time() + 30
-    while launcher.is_alive(launcher.read_process(first)):
-        assert time.time() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: not launcher.is_alive(launcher.read_process(first)), what="the first run ending", poll_s=0.05)
     assert queue.advance(runs_dir) == "second"
     assert launcher.is_alive(launcher.read_process(second)) and runs.state(second) == "running"
     (second / "done").write_text("")
