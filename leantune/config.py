@@ -252,6 +252,9 @@ class SampleConfig(Section):
     steps: int = Field(20, ge=1)
     guidance: float = Field(3.5, ge=0)   # Flux dev: distilled guidance; SD3.5: classifier-free guidance scale
     negative_prompt: str = ""            # SD3.5 (classifier-free guidance) only
+    # An edit family (qwen-image-edit): reference images every sample is conditioned on; none given:
+    # the first dataset target's references
+    references: list[str] = []
     width: int = Field(512, ge=16)
     height: int = Field(512, ge=16)
 
