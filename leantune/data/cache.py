@@ -376,6 +376,11 @@ def sample_reference_images(paths: Sequence[str] | None, items: list[ImageItem],
             raise ValueError(f"[sample] references: family = \"{family.name}\" takes no reference images (an edit "
                              f"family does, e.g. qwen-image-edit); remove the key")
         return ()
+    if family.references.sampling_latents is None:      # the family samples without references as yet
+        if paths:
+            raise ValueError(f"[sample] references: family = \"{family.name}\" cannot sample with reference images "
+                             f"yet (its ReferenceConditioning has no sampling_latents); remove the key")
+        return ()
     if not paths:
         return next((it.references for it in items if it.references), ())
     if len(paths) > family.references.most:

@@ -28,9 +28,12 @@ def load_reference_images(paths: Sequence[Path], family: ModelFamily, key: str =
     if not paths:
         return []
     refs = family.references
-    if refs is None or refs.sampling_latents is None:
+    if refs is None:
         raise ConfigError(f"{key}: family = \"{family.name}\" takes no reference images (an edit family does, "
                           f"e.g. qwen-image-edit); remove them")
+    if refs.sampling_latents is None:
+        raise ConfigError(f"{key}: family = \"{family.name}\" cannot sample with reference images yet (its "
+                          f"ReferenceConditioning has no sampling_latents); remove them")
     if len(paths) > refs.most:
         raise ConfigError(f"{key}: {len(paths)} reference images, but {family.name} takes at most {refs.most}")
     from PIL import UnidentifiedImageError
