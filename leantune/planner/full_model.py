@@ -32,22 +32,23 @@ train/fused_optim.py, train/in_backward.py and memory/trainable_streaming.py:
   backward (as any streamed block) and goes back once, weights and state, on the write-back
   stream; masters and accumulators cross the bus from pageable memory inside the step.
 
-The host-step variant (Plan.optimizer_on_host, [full] streamed_step = "host", or "auto" when no
-device-step plan fits): the optimizer step of *streamed* blocks runs on the host CPU. Their state
+The host-step variant (Plan.optimizer_on_host, [full] streamed_step = "host", or "auto" when its
+best plan is faster than the best device-step plan: search.py): the optimizer step of *streamed* blocks runs on the host CPU. Their state
 never crosses PCIe: it stays in host RAM as ordinary tensors, so a streamed unit (its host buffer
 and its ring slot) holds the weights alone, and nothing is written back; instead each streamed
 trained tensor's gradient (in the weight's dtype) goes device->host once per optimizer step and the
 CPU updates the host copy of the weight. That is why it fits budgets the device step cannot (fp32
 AdamW moments of Flux-dev at 8 GiB: the slots shrink by the state they no longer carry); its cost
-is time: a CPU updates a few tens of millions of parameters per second, a GPU tens of billions.
+is time: a CPU updates a few hundred million to a billion parameters per second with the host
+kernels (two cores), a GPU tens of billions.
 Priced here: per block, the trained parameters (gradient bytes, host step time) and the largest
 trained tensor (the device keeps the temporaries of the largest *resident* one only; the host, one
 streamed tensor's gradient copy and its update temporaries, with the same measured coefficients
 less the master's device copy: on the CPU the master is used in place); and the host optimizer
 rate (`host_step_rate`), parameters per second of the fused update measured once per process and
 optimizer setting on *this* (the planning) machine's CPU. A plan made on one machine and run on
-another with a slower CPU under-predicts the host step; the search keeps host-step plans for when
-nothing else fits, so that rate rarely decides which plan is chosen.
+another with a slower CPU under-predicts the host step, and under "auto" may choose the host step
+where that machine's device step would be faster: plan on the machine that trains.
 """
 
 from __future__ import annotations
