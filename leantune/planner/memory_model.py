@@ -99,7 +99,9 @@ class MemoryModel:
         self.storages = storage_options(workload, self.weights)
         # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probed so.
         # The plainest storage is the reference of the dequantisation cost (timing.py).
-        self.profiles = {st: {b: self.measured.profile(b, effective_storage(st, self.weights)) for b in workload.buckets}
+        # A LoRA profile is priced at the run's rank from the adapters' share per rank (at_rank).
+        self.profiles = {st: {b: self.measured.profile(b, effective_storage(st, self.weights)).at_rank(workload.rank)
+                              for b in workload.buckets}
                          for st in {*self.storages, (False, False)}}
         self.kinds = [b.kind for b in self.weights.blocks]
         # Per-block numbers every candidate plan sums: computed once, so a search prices ~1000 plans fast.

@@ -169,10 +169,11 @@ def _code_fingerprint() -> str:
 
 
 def _workload_shape(workload: Workload) -> dict:
-    """The workload fields that decide what is measured (not the optimizer, accumulation or caches)."""
+    """The workload fields that decide what is measured (not the optimizer, accumulation or caches,
+    nor the LoRA rank: the probe keeps the adapters' share per rank, ActivationProfile.at_rank)."""
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
     for unmeasured in ("optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
-                       "stochastic_rounding", "clip_per_param"):
+                       "stochastic_rounding", "clip_per_param", "rank", "streamed_step"):
         shape.pop(unmeasured)
     return shape
 
