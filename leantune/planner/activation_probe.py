@@ -14,6 +14,13 @@ Two things are emulated because they depend on the GPU: bf16 autocast (CUDA's op
 bf16, norms/pow/softmax in fp32; autocast itself ignores meta tensors) and attention (flash/efficient
 kernels keep q, k, v, out and a (B, heads, L) fp32 logsumexp, never the L x L matrix).
 
+The LoRA rank is priced, not traced: the adapters are built at a trace rank (trace_rank: a prime
+no other dimension of the model or workload has), every tensor with that dimension is an adapter's,
+and the tracker keeps the adapters' share of each number per rank unit and each window's candidate
+peaks, so the profile at any rank follows exactly (ActivationProfile.at_rank; tests/
+test_planner_rank.py compares it with the probe built at that rank). `leantune plan --rank 100000`
+builds no rank-100000 adapter and reuses the measurement of any rank.
+
 The profiles and their composition over the whole stack are in activations.py.
 """
 

@@ -8,7 +8,8 @@ per bucket and storage (activations.py).
 
 `measure_model` measures a model (real or meta); `load_measured` / `save_measured` keep the result
 under a key the caller derives from where the model comes from (`source_key`: a packaged
-architecture, or a checkpoint file's path, size and modification time) and the workload shape. The
+architecture, or a checkpoint file's path, size and modification time) and the workload shape
+(not the LoRA rank: a profile prices any rank, ActivationProfile.at_rank). The
 key also covers the code that measures (the planner's and engine's modules that decide these
 numbers, and the torch/diffusers/peft versions), so a change to any of them measures again. An
 unreadable or stale file is ignored and rewritten.
