@@ -354,6 +354,10 @@ def trace_rank(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[i
     dims = {d for p in model.parameters() for d in p.shape}
     tokens = workload.image_tokens(bucket), workload.text_length, workload.image_tokens(bucket) + workload.text_length
     dims |= {n * m for n in tokens for m in (1, workload.batch_size)} | {workload.batch_size}
+    # The inputs' dimensions, and any two of them joined (image and text streams concatenated).
+    inputs = {d for t in tree_leaves(_probe_inputs(spec, model, workload, bucket)) if isinstance(t, torch.Tensor)
+              for d in t.shape}
+    dims |= inputs | {a + b for a in inputs for b in inputs}
     for candidate in _TRACE_RANKS:
         if candidate not in dims:
             return candidate
