@@ -17,7 +17,7 @@ from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkp
 from leantune.io import load_safetensors, save_safetensors
 from leantune.memory.fp8 import SCALE_ATTR, dequantize
 from leantune.models import flux2_keys
-from leantune.models.flux2_single_file import read_layout, save_single_file
+from leantune.models.flux2_single_file import load_single_file_transformer, read_layout, save_single_file
 from leantune.models.weights import CheckpointFiles, LoadError, build_empty
 
 COMFY = "model.diffusion_model."
@@ -42,23 +42,9 @@ def tiny_model(seed: int = 0, **over) -> Flux2Transformer2DModel:
 
 
 def _spec():
-    try:
-        from leantune.models.flux2_spec import SPECS
-    except ImportError:     # TEMPORARY until the family module lands on main
-        from leantune.spec import BlockList, ModelSpec
+    from leantune.models.flux2_spec import SPECS
 
-        return ModelSpec(family="flux2-dev", block_lists=(
-            BlockList("transformer_blocks", "double", "double_blocks"),
-            BlockList("single_transformer_blocks", "single", "single_blocks")),
-            fp8_skip=(r"(^|\.)norm",), non_block_modules=(), modulation=())
     return SPECS["flux2-dev"]
-
-
-def load_single_file_transformer(*args, **kwargs):
-    from leantune.models.flux2_single_file import load_single_file_transformer as load
-
-    kwargs.setdefault("spec", _spec())      # TEMPORARY until the family module lands on main
-    return load(*args, **kwargs)
 
 
 def _out(model, dtype=torch.float32) -> torch.Tensor:
@@ -107,7 +93,7 @@ def test_single_file_layout_group_by_group_equals_whole():
     from leantune.train.full_export import weight_groups
 
     model = tiny_model()
-    layout = flux2_keys.single_file_layout()
+    layout = _spec().single_file
     assert layout.prefix == "" and layout.name == "BFL"
     state = model.state_dict()
     whole = flux2_keys.diffusers_to_bfl(state)
@@ -343,3 +329,37 @@ def test_pickle_is_refused(tmp_path):
     path.write_bytes(b"\x80\x04K\x01.")
     with pytest.raises(LoadError, match="model.ckpt"):
         load_single_file_transformer(path)
+
+
+# -- the family ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", ["", COMFY])
+def test_guess_family_names_flux2_files_not_flux1(tmp_path, prefix):
+    """A FLUX.2 file uses Flux.1's block names (double_blocks, single_blocks): guess_family must
+    still say FLUX.2 (dev: guidance embedder), and a Flux.1 file stays Flux.1."""
+    from leantune.models import tiny
+    from leantune.models.family import guess_family
+    from leantune.models.flux_loading import save_bfl_transformer
+
+    dev = save_single_file(tiny_model(), tmp_path / "dev.safetensors", prefix=prefix)
+    assert guess_family(dev) == "flux2-dev"
+    klein = save_single_file(tiny_model(guidance_embeds=False, num_layers=5), tmp_path / "klein.safetensors",
+                             prefix=prefix)
+    assert guess_family(klein) == "flux2-klein-4b"
+    flux1 = save_bfl_transformer(tiny.flux_transformer(seed=0), tmp_path / "flux1.safetensors", prefix=prefix)
+    assert guess_family(flux1) == "flux"
+
+
+def test_family_loads_a_single_file_and_keeps_fp8(tmp_path):
+    """The registered family's load_transformer reads a ComfyUI fp8 file through this module:
+    fp8 kept (the family spec's block Linears), and keep_fp8=False upcasts."""
+    from leantune.models.family import get_family
+
+    family = get_family("flux2-dev")
+    assert family.spec.single_file is not None and family.spec.lora_keys is not None
+    path = save_single_file(tiny_model(seed=8), tmp_path / "fp8.safetensors", fp8="e4m3", prefix=COMFY)
+    sources = family.resolve_sources(type("M", (), {"path": str(path), "family": "flux2-dev"})(), tmp_path)
+    kept = family.load_transformer(sources, torch.float32)
+    assert kept.transformer_blocks[0].ff.linear_in.weight.dtype == torch.float8_e4m3fn
+    upcast = family.load_transformer(sources, torch.float32, keep_fp8=False)
+    assert all(p.dtype == torch.float32 for p in upcast.parameters())

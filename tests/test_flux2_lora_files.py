@@ -118,9 +118,7 @@ def test_kohya_file_family_is_read_from_shapes():
     """FLUX.2 and Flux.1 kohya names are the same; the shapes (linear1 9:1, SwiGLU MLP) say FLUX.2,
     and a Flux.1 file (linear1 7:1) is not read as FLUX.2."""
     sd = _kohya(True)
-    got = lora_from_state_dict(dict(sd), keys=None) if _registered() else None
-    if got is not None:
-        assert got.keys is FLUX2_LORA_KEYS
+    assert lora_from_state_dict(dict(sd)).keys is FLUX2_LORA_KEYS
     with pytest.raises(LoraFormatError, match=r"not a Flux LoRA: .* where a Flux (img_mlp\.0|linear1) has"):
         lora_from_state_dict(dict(sd), keys=FLUX_LORA_KEYS)
     flux1 = {"lora_unet_single_blocks_0_linear1.lora_down.weight": _r(4, D),
@@ -128,12 +126,6 @@ def test_kohya_file_family_is_read_from_shapes():
     with pytest.raises(LoraFormatError, match=r"not a FLUX\.2 LoRA: 224 outputs for 32 inputs.*9:1"):
         lora_from_state_dict(flux1, keys=FLUX2_LORA_KEYS)
     assert lora_from_state_dict(dict(flux1), keys=FLUX_LORA_KEYS).keys is FLUX_LORA_KEYS
-
-
-def _registered() -> bool:
-    from leantune.train.lora_keys import all_key_maps
-
-    return FLUX2_LORA_KEYS in all_key_maps()
 
 
 # -- ai-toolkit ------------------------------------------------------------------------------------------
@@ -360,5 +352,5 @@ def test_comfyui_export_names_and_header(tmp_path):
     assert tensors["lora_unet_single_blocks_1_linear1.lora_up.weight"].shape == (3 * D + 2 * HIDDEN, 4)
     assert "lora_unet_double_blocks_1_img_mlp_0.lora_down.weight" in tensors
     assert meta["ss_base_model_version"] == "flux2"
-    if _registered():     # all_key_maps knows FLUX.2 once its family is registered
-        assert lora_from_state_dict(tensors, meta).keys is FLUX2_LORA_KEYS
+    assert lora_from_state_dict(tensors, meta).keys is FLUX2_LORA_KEYS
+    assert lora_from_state_dict(tensors).keys is FLUX2_LORA_KEYS        # without the header: its shapes

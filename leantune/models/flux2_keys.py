@@ -319,10 +319,3 @@ def variant_of(config) -> str | None:
            int(get("num_single_layers")), int(get("joint_attention_dim")), bool(get("guidance_embeds")))
     return next((name for name, want in VARIANTS.items() if want == sig), None)
 
-
-def single_file_layout():
-    """The SingleFileLayout a FLUX.2 family spec hangs on `single_file`: BFL's names, no prefix
-    (the layout of flux2-dev.safetensors, which ComfyUI and diffusers' from_single_file read)."""
-    from ..spec import SingleFileLayout
-
-    return SingleFileLayout("BFL", "", to_native, native_metadata)
