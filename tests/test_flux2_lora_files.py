@@ -354,3 +354,37 @@ def test_comfyui_export_names_and_header(tmp_path):
     assert meta["ss_base_model_version"] == "flux2"
     assert lora_from_state_dict(tensors, meta).keys is FLUX2_LORA_KEYS
     assert lora_from_state_dict(tensors).keys is FLUX2_LORA_KEYS        # without the header: its shapes
+
+
+# -- leantune convert --------------------------------------------------------------------------------------
+
+def _convert(*args) -> int:
+    import argparse
+
+    from leantune.commands import convert
+
+    parser = argparse.ArgumentParser()
+    convert.configure(parser)
+    return convert.run(parser.parse_args([str(a) for a in args]))
+
+
+@pytest.mark.parametrize("source", ["lycoris", "lokr_bfl", "kohya", "ai_toolkit"])
+def test_convert_foreign_files_keeps_the_deltas(tmp_path, capsys, source):
+    """`leantune convert` reads each foreign FLUX.2 layout (family from its names and shapes) and
+    writes diffusers and ComfyUI files with the same deltas."""
+    sd = {"lycoris": _lycoris, "lokr_bfl": _lokr_bfl, "kohya": lambda: _kohya(False), "ai_toolkit": _ai_toolkit}[source]()
+    src = save_safetensors(sd, tmp_path / "in.safetensors")
+    want = _ours(read_lora(src, keys=FLUX2_LORA_KEYS))
+    for fmt in ("diffusers", "comfyui"):
+        assert _convert(src, tmp_path / f"{fmt}.safetensors", "--to", fmt) == 0
+        assert "of a FLUX.2 LoRA" in capsys.readouterr().out
+        got = read_lora(tmp_path / f"{fmt}.safetensors")
+        assert got.keys is FLUX2_LORA_KEYS
+        _close(_ours(got), want)
+
+
+def test_convert_family_flag_for_flux2(tmp_path, capsys):
+    src = save_safetensors(_ai_toolkit(), tmp_path / "in.safetensors")
+    assert _convert(src, tmp_path / "out.safetensors", "--to", "comfyui", "--family", "flux2-klein-9b") == 0
+    assert _convert(src, tmp_path / "bad.safetensors", "--to", "comfyui", "--family", "flux") == 2
+    assert "double_stream_modulation_txt.lin.lora_A.weight' is not a Flux transformer LoRA key" in capsys.readouterr().err

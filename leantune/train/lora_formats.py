@@ -24,7 +24,13 @@ diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in
   and keep the trained alphas in the `leantune_trained_alphas` header, from which leantune reads
   them back (an `init_from` continues with the same scale).
 
-The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...). Some
+LoKr files (LyCORIS' `lycoris_<diffusers path>` names, ai-toolkit's BFL names) hold delta =
+alpha / r * kron(w1, w2) per module, each factor whole or as a product a @ b; they are read as the
+LoRA with that delta exactly (kron(U1 D1, U2 D2) = kron(U1, U2) @ kron(D1, D2): up = kron(U1, U2),
+down = kron(D1, D2)), scaled as LyCORIS and diffusers' `_bake_lokr_alpha_` scale them.
+
+The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...) and,
+where names are shared (FLUX.2 uses Flux.1's BFL names), their shapes (`LoraKeyMap.ratios`). Some
 files fit several families (diffusers names such as `transformer_blocks.0.attn.to_q` exist in both):
 their modules are the same either way, and only writing kohya names needs the family; the file's
 header (`ss_base_model_version`), its width (3072: Flux.1; 2432 / 1536: SD3.5 Large / Medium) or
