@@ -363,3 +363,32 @@ def test_family_loads_a_single_file_and_keeps_fp8(tmp_path):
     assert kept.transformer_blocks[0].ff.linear_in.weight.dtype == torch.float8_e4m3fn
     upcast = family.load_transformer(sources, torch.float32, keep_fp8=False)
     assert all(p.dtype == torch.float32 for p in upcast.parameters())
+
+
+def test_full_finetune_comfyui_export_of_a_streamed_model_loads_back(tmp_path):
+    """train/full_export writes a FLUX.2 model (its blocks streamed from host buffers) group by group
+    in the spec's BFL layout; our loader reads it back bit for bit, and diffusers' converter reads
+    the same names."""
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
+    from leantune.train.full_export import single_file_metadata, write_model_file
+
+    model = tiny_model(seed=9)
+    want_state = {k: v.clone() for k, v in model.state_dict().items()}
+    want = _out(model)
+    spec = _spec()
+    model.requires_grad_(True)
+    handle = apply_memory(model, spec, Plan(streamed_blocks=tuple(n for n, _ in spec.blocks(model))), "cpu",
+                          streaming_engine=TrainableStreamingEngine)
+    path = write_model_file(model, spec, WeightAccess(handle), tmp_path / "ft_comfyui.safetensors", "comfyui",
+                            torch.float32, single_file_metadata(model, spec, 7))
+    handle.remove()
+    loaded = load_single_file_transformer(path, dtype=torch.float32)
+    got_state = loaded.state_dict()
+    assert got_state.keys() == want_state.keys() and all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    assert torch.equal(_out(loaded), want)
+    tensors, meta = load_safetensors(path)
+    assert meta["leantune.step"] == "7"
+    theirs = convert_flux2_transformer_checkpoint_to_diffusers(dict(tensors))
+    assert all(torch.equal(theirs[k], want_state[k]) for k in want_state)
