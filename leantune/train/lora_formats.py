@@ -739,6 +739,10 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
                                   f"LoRA with different meanings; say which family it is for (leantune convert "
                                   f"--family)")
     fitting = _narrowed(fitting, metadata, modules)
+    if len(fitting) > 1 and kinds & {"kohya", "native"}:
+        # Native names several families share (FLUX.2 kept Flux.1's), read the same by each (checked
+        # above), so written the same: the first family in the fixed order, as before they shared them.
+        fitting = fitting[:1]
     if kinds == {"diffusers"}:
         _unfold_alphas(source, modules, metadata)
     if ignored:
