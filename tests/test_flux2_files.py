@@ -392,3 +392,14 @@ def test_full_finetune_comfyui_export_of_a_streamed_model_loads_back(tmp_path):
     assert meta["leantune.step"] == "7"
     theirs = convert_flux2_transformer_checkpoint_to_diffusers(dict(tensors))
     assert all(torch.equal(theirs[k], want_state[k]) for k in want_state)
+
+
+def test_flux1_loader_names_a_flux2_file(tmp_path):
+    """[model] family = "flux" given a FLUX.2 file: the error says what the file is and which
+    family to set, rather than listing FLUX.2's keys as unexpected."""
+    from leantune.models.flux_loading import FluxSources, load_transformer
+
+    path = save_single_file(tiny_model(), tmp_path / "f2.safetensors", prefix=COMFY)
+    with pytest.raises(LoadError, match=r"f2\.safetensors: a FLUX\.2 transformer, not a Flux\.1 one; set "
+                                        r"\[model\] family = \"flux2-dev\""):
+        load_transformer(FluxSources(path, None, None, None, None, None))
