@@ -140,10 +140,12 @@ def test_the_shipped_step_bytes_are_of_the_current_code_and_equal_a_fresh_measur
     assert names - set(table) == set() and set(table) - names == set()
     import torch
 
-    for key in [("adamw", torch.bfloat16, "fp32", True, False, True, False),
-                ("adamw", torch.bfloat16, "bf16", True, True, True, False),
-                ("adafactor", torch.float32, "fp32", False, False, True, False),
-                ("adamw", torch.bfloat16, "fp32", True, False, True, True)]:
+    keys = [("adamw", torch.bfloat16, "fp32", True, False, True, False),
+            ("adamw", torch.bfloat16, "bf16", True, True, True, False),
+            ("adafactor", torch.float32, "fp32", False, False, True, False)]
+    if step_bytes._host_kernels_built():       # the shipped host numbers are the kernels' (step_bytes.ship)
+        keys.append(("adamw", torch.bfloat16, "fp32", True, False, True, True))
+    for key in keys:
         assert tuple(table[step_bytes._name(key)]) == step_bytes.measure(*key), key
 
 
@@ -151,7 +153,12 @@ def test_a_first_full_plan_runs_no_update_and_imports_no_dynamo(tmp_path):
     """A first `leantune plan --mode full` in a fresh process with an empty cache reads the shipped
     step bytes (measuring them would raise here) and never imports torch._dynamo (1.1-1.4 s of a
     4 s first plan before: the storage tracker, a dispatch mode, and torch's Optimizer.__init__
-    import it on first use)."""
+    import it on first use). Where the host kernels cannot be built the host step's bytes are
+    measured (the shipped ones are the kernels'), so this needs them."""
+    from leantune.train import host_kernels
+
+    if host_kernels.library() is None:
+        pytest.skip(f"host kernels not built here: {host_kernels.unavailable_reason()}")
     code = (
         "import sys\n"
         "import leantune.planner.step_bytes as sb\n"
