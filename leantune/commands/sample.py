@@ -16,12 +16,14 @@ import argparse
 import logging
 import sys
 
+from leantune.config import FAMILY_NAMES
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("request", nargs="?", help="a sample request TOML: prompts, seed, steps, guidance, width, height, out, "
                              "[model], [[lora]], [memory]; flags override its values")
     parser.add_argument("--model", help="a diffusers Flux / SD3.5 folder or a single .safetensors transformer file")
-    parser.add_argument("--family", choices=("flux", "sd3", "qwen-image", "qwen-image-edit"),
+    parser.add_argument("--family", choices=FAMILY_NAMES,
                         help="the model family (default: the request's [model] family, else what --model's "
                              "folder or file says it is, else flux)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
