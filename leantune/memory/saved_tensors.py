@@ -32,6 +32,13 @@ class SavedSlotView:
     stride: tuple
 
 
+def check_resident(unit: StreamedUnit, slot: Slot) -> None:
+    """Refuse to let backward read `unit`'s weights unless it is held and `slot` holds its bytes."""
+    if unit.refs == 0 or slot.owner is not unit or not slot.valid:
+        raise RuntimeError(f"streaming: backward needs the weights of {unit.name} while they are not "
+                           f"resident; the streaming schedule missed this unit")
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the storage `t` views (the address of its StorageImpl), valid while it lives."""
     return t.untyped_storage()._cdata
@@ -80,9 +87,7 @@ class SlotSavedTensors:
         if h.__class__ is not SavedSlotView:
             return h
         slot = self.slots[h.unit.slot]
-        if h.unit.refs == 0 or slot.owner is not h.unit or not slot.valid:
-            raise RuntimeError(f"streaming: backward needs the weights of {h.unit.name} while they are not "
-                               f"resident; the streaming schedule missed this unit")
+        check_resident(h.unit, slot)
         return slot.view_as_dtype(h.dtype).as_strided(h.size, h.stride, h.offset)
 
     def clear(self) -> None:

@@ -56,7 +56,7 @@ from ..spec import ModelSpec
 from .copy_streams import CopyBackend
 from .host_buffers import alloc_host, return_freed_host_memory
 from .plan import Plan
-from .saved_tensors import SlotSavedTensors
+from .saved_tensors import SlotSavedTensors, check_resident
 from .slot_ring import Slot, SlotCopies, allocate_ring
 from .streamed_forward import StreamedForward
 from .streaming_stats import StreamStats
@@ -97,6 +97,14 @@ class StreamingEngine:
     """
 
     trains_weights = False
+    # Whether a streamed unit's forward (without checkpointing) runs under the saved-tensor hooks
+    # that turn saved slot views into handles (saved_tensors.py). Frozen weights need none: each
+    # streamed tensor's owner has a version counter of its own (streaming_units.point_owners), so a
+    # saved weight is the weight itself, read from its slot in backward while the unit is held
+    # again, and its residency is checked once per block (`check_resident`, from _Leave) instead
+    # of once per saved tensor. Trained weights are stepped in place during backward, so they keep
+    # the handles.
+    saved_views_as_handles = False
 
     def __init__(self, units: list[StreamedUnit], slots: list[Slot], backend: CopyBackend, plan: Plan,
                  mode: RunMode):
@@ -195,6 +203,10 @@ class StreamingEngine:
         self.held -= 1
         self._retire(unit, self.slots[unit.slot])
         self._prefetch()
+
+    def check_resident(self, unit: StreamedUnit) -> None:
+        """Refuse a backward that would read `unit`'s weights while its slot does not hold them."""
+        check_resident(unit, self.slots[unit.slot])
 
     def _make_resident(self, unit: StreamedUnit) -> None:
         slot = self.slots[unit.slot]
