@@ -70,30 +70,40 @@ def _grad_tensors(tree, found: list) -> bool:
 
     Why not tree_flatten: it is the largest part of the per-block cost of the wrapper on a small
     model (a spec object per container, a namedtuple check per node), twice per streamed call."""
-    t = type(tree)
-    if t is tuple or t is list:
-        return all(_grad_tensors(x, found) for x in tree)
-    if t is dict:
-        return all(_grad_tensors(x, found) for x in tree.values())
     if isinstance(tree, torch.Tensor):
         if tree.requires_grad:
             found.append(tree)
+        return True
+    t = type(tree)
+    if t is tuple or t is list:
+        for x in tree:
+            if not _grad_tensors(x, found):
+                return False
+        return True
+    if t is dict:
+        for x in tree.values():
+            if not _grad_tensors(x, found):
+                return False
         return True
     return t in _ATOMS
 
 
 def _substitute(tree, routed):
     """`tree` with its grad-requiring tensors replaced, in order, by the items of iterator `routed`
-    (the same walk as _grad_tensors, which accepted `tree`)."""
+    (the same walk as _grad_tensors, which accepted `tree`); containers without one are kept."""
+    if isinstance(tree, torch.Tensor):
+        return next(routed) if tree.requires_grad else tree
     t = type(tree)
-    if t is tuple:
-        return tuple(_substitute(x, routed) for x in tree)
-    if t is list:
-        return [_substitute(x, routed) for x in tree]
+    if t is tuple or t is list:
+        items = [_substitute(x, routed) for x in tree]
+        if all(a is b for a, b in zip(items, tree)):
+            return tree
+        return tuple(items) if t is tuple else items
     if t is dict:
-        return {k: _substitute(x, routed) for k, x in tree.items()}
-    if isinstance(tree, torch.Tensor) and tree.requires_grad:
-        return next(routed)
+        items = {k: _substitute(x, routed) for k, x in tree.items()}
+        if all(items[k] is x for k, x in tree.items()):
+            return tree
+        return items
     return tree
 
 
