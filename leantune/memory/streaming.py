@@ -247,17 +247,20 @@ class StreamingEngine:
         # The unit under the cursor may be called again (a group's consecutive modules): keep it.
         window: list[StreamedUnit] = [order[self.cursor]] if 0 <= self.cursor < len(order) else []
         i = self.cursor + 1
-        while i < len(order) and len(window) < k:
+        n = len(order)
+        slots = self.slots
+        while i < n and len(window) < k:
             unit = order[i]
             i += 1
-            if any(unit is w for w in window):
+            if unit in window:                        # identity: units compare by identity (eq=False)
                 continue
             window.append(unit)
-            slot = self.slots[unit.slot]
-            if slot.owner is unit and slot.valid:
-                continue
+            slot = slots[unit.slot]
             owner = slot.owner
-            if owner is not None and owner is not unit and (owner.refs > 0 or any(owner is w for w in window)):
+            if owner is unit:
+                if slot.valid:
+                    continue
+            elif owner is not None and (owner.refs > 0 or owner in window):
                 break                                 # the slot's owner is in use or needed sooner
             self._fetch(unit, demand=False)
 
