@@ -19,7 +19,8 @@ How it works:
   host->device copy of this block's inputs and of the previous block's (the next to be recomputed),
   so they arrive before the recompute asks for them. Only inputs that require a gradient (the
   residual stream) are offloaded; shared, gradient-free inputs such as rotary embeddings and the
-  time embedding stay on the device, so they are not copied once per block.
+  time embedding stay on the device, so they are not copied once per block. A block none of whose
+  inputs would move (the first block of a LoRA run, small inputs) runs without the hooks.
 
 kohya's `cpu_offload_checkpointing` copies synchronously from pageable memory and refuses to run
 with block swap; here both compose.

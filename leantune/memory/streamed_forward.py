@@ -9,10 +9,11 @@ in the block, it has the lowest sequence number, so autograd's ready queue runs 
 other node of the block). A unit none of whose inputs needs a gradient (the first trainable block)
 is held until the end of backward (an engine callback), as FSDP2 does for the same reason.
 
-Without checkpointing, the tensors autograd saves inside the unit go through the saved-tensor
-hooks (memory/saved_tensors.py). With checkpointing, the recompute re-enters this forward, which
-re-acquires the unit; checkpointing therefore wraps *outside* streaming (see engine.py for the
-full order).
+Frozen weights are saved by autograd as themselves and read from the slot in backward, after
+`_Leave` took the hold and checked once that the unit is resident; trained weights without
+checkpointing go through the saved-tensor hooks (memory/saved_tensors.py). With checkpointing, the
+recompute re-enters this forward, which re-acquires the unit; checkpointing therefore wraps
+*outside* streaming (see engine.py for the full order).
 
 Under no_grad (sampling) the unit is only held around the call. A grad-enabled call in forward-only
 mode is refused rather than silently losing the streamed blocks' gradients.

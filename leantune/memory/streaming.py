@@ -16,7 +16,10 @@ parts it drives have one module each (each docstring says how and why):
   `poison` (debug) fills a released slot with NaN bytes.
 - streamed_forward.py: the per-block hook, a forward wrapper plus two autograd boundaries that call
   `acquire`/`release` around the forward and `backward_begin`/`backward_end` around the backward.
-- saved_tensors.py: without checkpointing, a saved slot view becomes a handle rebuilt in backward.
+- saved_tensors.py: trainable streaming without checkpointing: a saved slot view becomes a handle
+  rebuilt in backward. Frozen weights need no hook: a saved weight is the weight itself, read from
+  its slot while the unit is held again, and residency is checked once per block
+  (`saved_views_as_handles`, `check_resident`).
 - streaming_stats.py: bytes, copy and stall times, read by calibration.
 
 The schedule (StreamingEngine):
