@@ -212,7 +212,9 @@ def load_raw_vae(sources: QwenImageSources, dtype: torch.dtype = torch.bfloat16,
 def load_text_encoders(sources: QwenImageSources, dtype: torch.dtype = torch.bfloat16,
                        device="cpu") -> QwenImageTextEncoders:
     """The Qwen2 tokenizer and Qwen2.5-VL from their folders, on the host (encoding streams the
-    encoder's layers to `device`: 7B parameters, 15 GiB in bf16, never on the device at once)."""
+    encoder's layers to `device`: 7B parameters, 15 GiB in bf16, never on the device at once), or
+    left in its files when it does not fit the host-RAM budget (streamed_encoder.py)."""
+    from .streamed_encoder import load_text_model
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], Qwen2Tokenizer, _REPO)
@@ -221,7 +223,11 @@ def load_text_encoders(sources: QwenImageSources, dtype: torch.dtype = torch.bfl
         raise LoadError(f"[model] text_encoder: {src}: Qwen2.5-VL loads from a transformers folder (the "
                         f"text_encoder/ folder of {_REPO}), not a single file")
     try:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), dtype=dtype, local_files_only=True)
+        # loaded when it fits the host-RAM budget, else read from its files layer by layer
+        model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, dtype, module_path="model.language_model",
+                                blocks_path="layers", label=_LABEL["text_encoder"])
+    except LoadError:
+        raise
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
     return QwenImageTextEncoders(tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))

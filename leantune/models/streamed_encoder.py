@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -114,6 +115,11 @@ def file_backed(factory: Callable[[], nn.Module], paths: list[Path], module_path
     checked now from the headers; a missing or misshapen tensor is a LoadError naming the file
     and key (`label` names the component)."""
     model = build_empty(factory)
+    for name, p in model.named_parameters():      # meta placeholders in the dtypes the model computes in
+        if p.is_floating_point():
+            owner, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(owner) if owner else model
+            mod._parameters[leaf] = nn.Parameter(p.to(_target_dtype(model, name, dtype)), requires_grad=False)
     module = model.get_submodule(module_path) if module_path else model
     blocks = module.get_submodule(blocks_path)
     files = CheckpointFiles(paths)
@@ -143,6 +149,42 @@ def file_backed(factory: Callable[[], nn.Module], paths: list[Path], module_path
                             f"{files.shape(key)}, the {label} expects {shape}")
     setattr(module, SOURCE_ATTR, FileSource(files, prefix, dtype, module, aliases))
     return model
+
+
+_RAM_BUDGET: ContextVar[int | None] = ContextVar("text_encoder_ram_budget", default=None)
+
+
+@contextmanager
+def text_encoder_ram_budget(ram_budget: int | None) -> Iterator[None]:
+    """The host-RAM budget `load_text_model` decides against while a caching pass loads the
+    encoders (the run's [memory] ram_budget; None: the RAM available then). A context rather than
+    an argument so that every family's `load_text_encoders(sources, dtype, device)` keeps its
+    signature."""
+    token = _RAM_BUDGET.set(ram_budget)
+    try:
+        yield
+    finally:
+        _RAM_BUDGET.reset(token)
+
+
+def load_text_model(model_cls, folder: Path, dtype: torch.dtype, *, module_path: str, blocks_path: str,
+                    label: str) -> nn.Module:
+    """A transformers text encoder from its folder: loaded into host RAM when its weights fit the
+    host-RAM budget (`text_encoder_ram_budget`), else file-backed (read layer by layer when it runs)."""
+    folder = Path(folder)
+    paths = encoder_files(folder)
+    if not stream_from_files(file_bytes(paths) * _scale_to(dtype, paths), _RAM_BUDGET.get()):
+        return model_cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True).eval()
+    config = model_cls.config_class.from_pretrained(str(folder), local_files_only=True)
+    return file_backed(lambda: model_cls(config), paths, module_path, blocks_path, dtype, label).eval()
+
+
+def _scale_to(dtype: torch.dtype, paths: list[Path]) -> float:
+    """Bytes in `dtype` per stored byte (the files' first floating tensor decides: bf16 files
+    loaded in bf16 -> 1, fp8 files loaded in bf16 -> 2)."""
+    files = CheckpointFiles(paths)
+    stored = next((_DTYPES[i.dtype] for i in files.tensors.values() if i.floating), dtype)
+    return torch.empty(0, dtype=dtype).element_size() / stored.itemsize
 
 
 def is_file_backed(module: nn.Module) -> bool:

@@ -1,0 +1,77 @@
+"""The caching phase with a text encoder left in its files (models/streamed_encoder.py): when the
+encoder does not fit the host-RAM budget, the cache's text entries are the same as with the encoder
+loaded whole; a run whose entries are all present never loads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantune.config import load_config
+from leantune.data.cache import prepare_caches
+from leantune.demo import draw_shapes
+from leantune.models import tiny_qwen_image as tq
+
+RUN = """
+[model]
+family = "qwen-image"
+path = "{model}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "{cache}"
+max_text_length = 64
+
+[[data.datasets]]
+path = "{images}"
+trigger_word = "lnt"
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streamed")
+    model = tq.save_qwen_image_folder(root / "qwen-tiny")
+    draw_shapes(root / "images", count=4, size=64, seed=5)
+    return root, model
+
+
+def config(root, model, cache):
+    p = root / f"{cache}.toml"
+    p.write_text(RUN.format(model=model, images=root / "images", cache=cache))
+    return load_config(p, [])
+
+
+def entries(data, prompts):
+    return {p: data.text_entry(p) for p in prompts}
+
+
+def test_file_streamed_encoder_fills_the_cache_as_the_loaded_one(setup, monkeypatch):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    root, model = setup
+    prompts = ["", "a red circle, lnt", "two blue squares on a long grey table by a window"]
+    loaded = prepare_caches(*_args(config(root, model, "whole")), extra_prompts=prompts)
+
+    def refuse(*a, **k):
+        raise AssertionError("the encoder was loaded into host RAM despite a host-RAM budget it does not fit")
+
+    monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "from_pretrained", refuse)
+    cfg = config(root, model, "files")
+    streamed = prepare_caches(*_args(cfg), extra_prompts=prompts, ram_budget=1)   # 1 byte: nothing fits
+    assert streamed.stats["text"].misses == loaded.stats["text"].misses > 0
+    want, got = entries(loaded, prompts), entries(streamed, prompts)
+    for p in prompts:
+        assert torch.equal(got[p][0], want[p][0]) and torch.equal(got[p][1], want[p][1]), p
+
+    def no_encoder(*a, **k):
+        raise AssertionError("a cache hit loaded the text encoder")
+
+    again = prepare_caches(*_args(cfg), extra_prompts=prompts, ram_budget=1, load_text_encoders=no_encoder)
+    assert again.stats["text"].misses == 0 and again.stats["text"].hits == streamed.stats["text"].misses
+
+
+def _args(cfg):
+    return cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32
