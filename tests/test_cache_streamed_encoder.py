@@ -1,6 +1,7 @@
 """The caching phase with a text encoder left in its files (models/streamed_encoder.py): when the
 encoder does not fit the host-RAM budget, the cache's text entries are the same as with the encoder
-loaded whole; a run whose entries are all present never loads it."""
+loaded whole (Qwen-Image's Qwen2.5-VL, FLUX.2-dev's Mistral3, FLUX.2-klein's Qwen3); a run whose
+entries are all present never loads it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import torch
 from leantune.config import load_config
 from leantune.data.cache import prepare_caches
 from leantune.demo import draw_shapes
+from leantune.models import tiny_flux2 as tf
 from leantune.models import tiny_qwen_image as tq
 
 RUN = """
 [model]
-family = "qwen-image"
+family = "{family}"
 path = "{model}"
 dtype = "fp32"
 
@@ -30,17 +32,24 @@ trigger_word = "lnt"
 """
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+FAMILIES = {   # family -> (writes a tiny diffusers folder, the transformers class of its text encoder)
+    "qwen-image": (lambda p: tq.save_qwen_image_folder(p), "Qwen2_5_VLForConditionalGeneration"),
+    "flux2-dev": (lambda p: tf.save_flux2_folder(p, "dev"), "Mistral3ForConditionalGeneration"),
+    "flux2-klein-4b": (lambda p: tf.save_flux2_folder(p, "klein"), "Qwen3ForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def setup(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("streamed")
-    model = tq.save_qwen_image_folder(root / "qwen-tiny")
+    model = FAMILIES[request.param][0](root / "tiny")
     draw_shapes(root / "images", count=4, size=64, seed=5)
-    return root, model
+    return root, model, request.param
 
 
-def config(root, model, cache):
+def config(root, model, family, cache):
     p = root / f"{cache}.toml"
-    p.write_text(RUN.format(model=model, images=root / "images", cache=cache))
+    p.write_text(RUN.format(model=model, images=root / "images", cache=cache, family=family))
     return load_config(p, [])
 
 
@@ -49,17 +58,17 @@ def entries(data, prompts):
 
 
 def test_file_streamed_encoder_fills_the_cache_as_the_loaded_one(setup, monkeypatch):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
-    root, model = setup
+    root, model, family = setup
     prompts = ["", "a red circle, lnt", "two blue squares on a long grey table by a window"]
-    loaded = prepare_caches(*_args(config(root, model, "whole")), extra_prompts=prompts)
+    loaded = prepare_caches(*_args(config(root, model, family, "whole")), extra_prompts=prompts)
 
     def refuse(*a, **k):
         raise AssertionError("the encoder was loaded into host RAM despite a host-RAM budget it does not fit")
 
-    monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "from_pretrained", refuse)
-    cfg = config(root, model, "files")
+    monkeypatch.setattr(getattr(transformers, FAMILIES[family][1]), "from_pretrained", refuse)
+    cfg = config(root, model, family, "files")
     streamed = prepare_caches(*_args(cfg), extra_prompts=prompts, ram_budget=1)   # 1 byte: nothing fits
     assert streamed.stats["text"].misses == loaded.stats["text"].misses > 0
     want, got = entries(loaded, prompts), entries(streamed, prompts)
