@@ -47,7 +47,7 @@ _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "pl
                    "train/full_mode.py", "train/trainable.py",
                    "spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "models/flux_spec.py",
                    "models/sd3_spec.py", "models/qwen_image.py", "models/qwen_image_edit.py",
-                   "models/qwen_image_spec.py", "train/lora.py")
+                   "models/qwen_image_spec.py", "models/flux2.py", "models/flux2_spec.py", "train/lora.py")
 _PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
 
 
