@@ -228,3 +228,65 @@ def test_lora_loaded_samples_as_the_pipeline_with_the_same_lora(dev, tmp_path):
     ours = _sample(dev, "flux2-dev", PROMPTS[0], SEEDS[0], 4.0, transformer=model)
     assert np.abs(ours - ref).max() == 0.0
     assert np.abs(ref - _pipeline(dev, PROMPTS[0], SEEDS[0], 4.0)).max() > 1e-4
+
+
+def test_folder_loads_with_the_pipelines_weights_and_meta_builds_for_the_probe(tmp_path):
+    """The diffusers folder through the family's loaders: the transformer's and VAE's tensors equal
+    the saved pipeline's, the text encoders encode as the pipeline; device "meta" reads nothing and
+    the probe's inputs run the meta forward to the target's shape; a klein folder under flux2-dev is
+    refused naming the file and the class."""
+    from types import SimpleNamespace
+
+    from leantune.models.weights import LoadError
+
+    folder = tf.save_flux2_folder(tmp_path / "dev", "dev", seed=4)
+    pipe = tf.flux2_pipeline("dev", seed=4)
+    family = _family("flux2-dev")
+    cfg = SimpleNamespace(path=str(folder), family="flux2-dev", transformer=None, text_encoder=None, tokenizer=None,
+                          vae=None)
+    sources = family.resolve_sources(cfg, tmp_path)
+    model = family.load_transformer(sources, dtype=torch.float32)
+    ref = pipe.transformer.state_dict()
+    assert model.state_dict().keys() == ref.keys() and all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+    vae = family.load_vae(sources, dtype=torch.float32)
+    assert torch.equal(vae.vae.bn.running_var, pipe.vae.bn.running_var)
+    enc = family.load_text_encoders(sources, torch.float32)
+    ours, _ = family.encode_prompts(PROMPTS, enc, MAX_LEN, "cpu")
+    assert torch.equal(ours.t5, pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=MAX_LEN)[0])
+    assert family.describe(model) == "FLUX.2-dev (2 double + 2 single blocks, width 32)"
+
+    meta = family.load_transformer(sources, dtype=torch.bfloat16, device="meta")
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    out = meta(**family.probe_inputs(meta.config, 2, (4, 6), 40, torch.bfloat16))[0]
+    assert out.shape == (2, 24, 128)
+
+    klein = tf.save_flux2_folder(tmp_path / "klein", "klein", seed=4)
+    ksources = family.resolve_sources(SimpleNamespace(**{**vars(cfg), "path": str(klein)}), tmp_path)
+    with pytest.raises(LoadError, match=r"config\.json.*Qwen3ForCausalLM.*Mistral3ForConditionalGeneration"):
+        family.load_text_encoders(ksources, torch.float32)
+    kfam = _family("flux2-klein-4b")
+    kenc = kfam.load_text_encoders(ksources, torch.float32)
+    assert kenc.kind == "qwen3" and kfam.describe(kfam.load_transformer(ksources, torch.float32)).startswith(
+        "FLUX.2-klein")
+
+
+def test_single_file_names_tell_the_variant():
+    """guess_family's recognizer: dev has the guidance embedder; klein 4B 5 double blocks, 9B 8;
+    diffusers' and BFL's names alike, and a Flux.1 file is none of them."""
+    def keys(double, guidance, bfl=False):
+        mod = "double_stream_modulation_img.lin.weight" if bfl else "double_stream_modulation_img.linear.weight"
+        blocks = "double_blocks" if bfl else "transformer_blocks"
+        out = [mod] + [f"{blocks}.{i}.img_attn.qkv.weight" if bfl else f"{blocks}.{i}.attn.to_q.weight"
+                       for i in range(double)]
+        if guidance:
+            out.append("guidance_in.in_layer.weight" if bfl else "time_guidance_embed.guidance_embedder.linear_1.weight")
+        return out
+
+    def which(k):
+        return [n for n in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b") if _family(n).recognizes_keys(k)]
+
+    for bfl in (False, True):
+        assert which(keys(8, True, bfl)) == ["flux2-dev"]
+        assert which(keys(5, False, bfl)) == ["flux2-klein-4b"]
+        assert which(keys(8, False, bfl)) == ["flux2-klein-9b"]
+    assert which(["transformer_blocks.0.norm1.linear.weight", "time_text_embed.guidance_embedder.linear_1.weight"]) == []

@@ -306,8 +306,9 @@ def _double_indices(keys) -> set[int]:
 
 
 def _is_flux2(keys) -> bool:
-    return any(k.endswith(("double_stream_modulation_img.linear.weight", "double_stream_modulation_img.lin.weight"))
-               for k in keys)
+    from .flux2_keys import recognizes_keys
+
+    return recognizes_keys(keys)
 
 
 def _has_guidance(keys) -> bool:

@@ -89,7 +89,7 @@ def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16,
             raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
         from .flux2_single_file import load_single_file_transformer
 
-        return load_single_file_transformer(src, dtype, device, fp8_modulation=fp8_modulation)
+        return load_single_file_transformer(src, dtype, device, fp8_modulation=fp8_modulation, keep_fp8=keep_fp8)
     from diffusers import Flux2Transformer2DModel
 
     config, files, ops = cl.diffusers_folder(src, (TRANSFORMER_CLASS,), _LABEL["transformer"])

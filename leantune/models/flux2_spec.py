@@ -20,13 +20,14 @@ A block's Linears are all attention or MLP, so "all" equals "attention_mlp" insi
 single blocks' two fused Linears carry attention and MLP at once and are in every preset.
 `all_linear` (spec.ALL_LINEAR) adds the non-block Linears, the shared modulation among them.
 
-LoRA file names (`lora_keys`) and the BFL/ComfyUI single-file layout (`single_file`) are set by
-flux2_lora_keys.py and flux2_single_file.py.
+LoRA file names (`lora_keys`) come from flux2_lora_keys.py; the BFL/ComfyUI single-file layout
+(`single_file`) from flux2_keys.py (read by flux2_single_file.py).
 """
 
 from __future__ import annotations
 
-from ..spec import BlockList, ModelSpec
+from ..spec import BlockList, ModelSpec, SingleFileLayout
+from .flux2_lora_keys import FLUX2_LORA_KEYS
 
 # double blocks
 _DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
@@ -41,6 +42,18 @@ NON_BLOCK_MODULES = ("pos_embed", "time_guidance_embed") + MODULATION_MODULES + 
     "x_embedder", "context_embedder", "norm_out", "proj_out")
 
 BFL_DOUBLE, BFL_SINGLE = "double_blocks", "single_blocks"
+
+
+def _to_bfl(state: dict, model) -> dict:
+    from .flux2_keys import diffusers_to_bfl
+
+    return diffusers_to_bfl(state)
+
+
+def _bfl_metadata(model) -> dict:
+    from .flux2_keys import native_metadata
+
+    return native_metadata(model)
 
 
 def make_spec(family: str) -> ModelSpec:
@@ -60,7 +73,10 @@ def make_spec(family: str) -> ModelSpec:
             "all": _DOUBLE_ATTN + _DOUBLE_MLP + _SINGLE,
         },
         default_lora_preset="attention_mlp",
+        lora_keys=FLUX2_LORA_KEYS,
         modulation=(),
+        # BFL's flux2-dev.safetensors layout (flux2_keys.py), what a full fine-tune's comfyui export writes
+        single_file=SingleFileLayout("BFL", "", _to_bfl, _bfl_metadata),
     )
 
 

@@ -90,8 +90,7 @@ def mistral_tokenizer():
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
     tok = _bpe_tokenizer([SYSTEM_MESSAGE, *CORPUS], MISTRAL_SPECIAL, pad_token="<pad>", bos_token="<s>",
-                         eos_token="</s>", unk_token=None)
-    tok.padding_side = "left"
+                         eos_token="</s>", unk_token=None, padding_side="left")
     tok.chat_template = MISTRAL_TEMPLATE
     return tok
 
@@ -99,8 +98,7 @@ def mistral_tokenizer():
 def qwen3_tokenizer():
     """Klein's tokenizer: Qwen's special tokens and Qwen3's chat template, right padding."""
     tok = _bpe_tokenizer(["user\nassistant\n", *CORPUS], QWEN_SPECIAL, pad_token="<|endoftext|>",
-                         eos_token="<|im_end|>", unk_token=None)
-    tok.padding_side = "right"
+                         eos_token="<|im_end|>", unk_token=None, padding_side="right")
     tok.chat_template = QWEN3_TEMPLATE
     return tok
 
