@@ -84,3 +84,26 @@ def test_file_streamed_encoder_fills_the_cache_as_the_loaded_one(setup, monkeypa
 
 def _args(cfg):
     return cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32
+
+
+def test_sampling_encode_stage_reads_a_file_backed_encoder(setup):
+    """Sampling's encode stage (infer/encode.py) with the encoder left in its files gives the
+    embeddings of the loaded encoder, the stage placing nothing of it itself."""
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.models.family import get_family
+    from leantune.models.streamed_encoder import is_file_backed, text_encoder_ram_budget
+
+    root, model, family_name = setup
+    family = get_family(family_name)
+    cfg = config(root, model, family_name, "stage")
+    sources = family.resolve_sources(cfg.model, cfg.base_dir)
+    prompts = ["a red circle", ""]
+    loaded = family.load_text_encoders(sources, torch.float32, "cpu")
+    with text_encoder_ram_budget(1):
+        lazy = family.load_text_encoders(sources, torch.float32, "cpu")
+    _, module = family.text_modules(lazy)
+    assert is_file_backed(module)
+    want = encode_prompts_stage(loaded, prompts, max_length=64, family=family)
+    got = encode_prompts_stage(lazy, prompts, max_length=64, family=family, stream_t5=True)
+    for a, b in zip(want, got):
+        assert torch.equal(a.t5, b.t5) and torch.equal(a.pooled, b.pooled)
