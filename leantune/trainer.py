@@ -360,14 +360,17 @@ def _autocast(cfg: RunConfig, device: torch.device):
 # -- set-up ----------------------------------------------------------------------------------------
 
 def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
+    from .config import parse_size
     from .data.cache import model_dtype, prepare_caches, sample_prompts, sample_references
     dist = dist or DistContext()
     family = get_family(cfg.model.family)
     device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
     dtype = model_dtype(cfg.model)
+    ram_budget = parse_size(cfg.memory.ram_budget) if cfg.memory.ram_budget else None
     data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
                                                   extra_prompts=sample_prompts(cfg.sample),
-                                                  sample_references=sample_references(cfg.sample)))  # filled once, then read by all
+                                                  sample_references=sample_references(cfg.sample),
+                                                  ram_budget=ram_budget))  # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked

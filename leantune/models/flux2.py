@@ -331,6 +331,15 @@ def _recognizer(name: str):
     return recognizes
 
 
+def _text_phase(name: str):
+    """The family's priced text-encoding phase (flux2_text_phase.py), imported on use."""
+    def phase(rows, model_cfg=None, base_dir=None):
+        from .flux2_text_phase import text_encoding_phase
+
+        return text_encoding_phase(name, rows, model_cfg=model_cfg, base_dir=base_dir)
+    return phase
+
+
 def _register():
     from .family import ModelFamily, ReferenceConditioning, Sampling, register
 
@@ -347,15 +356,16 @@ def _register():
         text_modules=flux2_text.text_modules,
         transformer_classes=(flux2_loading.TRANSFORMER_CLASS,), recognizes_keys=_recognizer("flux2-dev"),
         text_rows=flux2_text.text_rows, timestep_sampling="flux_shift", references=references,
+        text_phase=_text_phase("flux2-dev"),
     )
     klein = replace(dev, load_text_encoders=_text_loader("qwen3"),
                     sampling=Sampling(guidance="cfg", variant=_variant, schedule=_schedule, timestep=_timestep))
     # one spec object per family (the same blocks and LoRA names): code handed only a spec finds its family
     return (register(dev),
             register(replace(klein, name="flux2-klein-4b", spec=SPECS["flux2-klein-4b"],
-                             recognizes_keys=_recognizer("flux2-klein-4b"))),
+                             recognizes_keys=_recognizer("flux2-klein-4b"), text_phase=_text_phase("flux2-klein-4b"))),
             register(replace(klein, name="flux2-klein-9b", spec=SPECS["flux2-klein-9b"],
-                             recognizes_keys=_recognizer("flux2-klein-9b"))))
+                             recognizes_keys=_recognizer("flux2-klein-9b"), text_phase=_text_phase("flux2-klein-9b"))))
 
 
 FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B = _register()

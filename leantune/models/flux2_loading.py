@@ -153,6 +153,8 @@ def load_text_encoders(sources: Flux2Sources, kind: str, dtype: torch.dtype = to
     folders, on the host (encoding places the model's layers on `device`)."""
     from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
+    from .streamed_encoder import load_text_model
+
     classes, repo = TEXT_ENCODERS[kind]
     src = _require(sources.text_encoder, "text_encoder")
     if not src.is_dir():
@@ -171,7 +173,12 @@ def load_text_encoders(sources: Flux2Sources, kind: str, dtype: torch.dtype = to
         tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], AutoTokenizer, repo)
         model_cls = Qwen3ForCausalLM
     try:
-        model = model_cls.from_pretrained(str(src), dtype=dtype, local_files_only=True)
+        # loaded when it fits the host-RAM budget, else left in its files and read layer by layer
+        # when it runs (dev's 24B Mistral is 48 GB in bf16: streamed_encoder.py)
+        model = load_text_model(model_cls, src, dtype, label=_LABEL["text_encoder"], blocks_path="layers",
+                                module_path="model.language_model" if kind == "mistral3" else "model")
+    except LoadError:
+        raise
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
     return Flux2TextEncoders(kind=kind, tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))

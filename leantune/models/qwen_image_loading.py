@@ -213,14 +213,20 @@ def load_text_encoders(sources: QwenImageSources, dtype: torch.dtype = torch.bfl
                        device="cpu", keep_fp8: bool = False) -> QwenImageTextEncoders:
     """The Qwen2 tokenizer and Qwen2.5-VL, on the host (encoding streams the encoder's layers to
     `device`: 7B parameters, 15 GiB in bf16, never on the device at once). The encoder comes from
-    a transformers folder or a single file (ComfyUI's qwen_2.5_vl_7b*.safetensors: load_text_encoder_file)."""
+    a transformers folder or a single file (ComfyUI's qwen_2.5_vl_7b*.safetensors: load_text_encoder_file);
+    a folder's encoder that does not fit the host-RAM budget is left in its files (streamed_encoder.py)."""
+    from .streamed_encoder import load_text_model
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], Qwen2Tokenizer, _REPO)
     src = _require(sources.text_encoder, "text_encoder")
     if src.is_dir():
         try:
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), dtype=dtype, local_files_only=True)
+            # loaded when it fits the host-RAM budget, else read from its files layer by layer
+            model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, dtype, module_path="model.language_model",
+                                    blocks_path="layers", label=_LABEL["text_encoder"])
+        except LoadError:
+            raise
         except Exception as e:
             raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
     else:
