@@ -13,7 +13,11 @@ reusable staging buffer, casting and dequantising (ComfyUI scaled fp8) chunk by 
 therefore holds the finished model plus a few MiB, never a second copy of the model nor a
 full-precision copy of a tensor, and a wrong file fails before a single weight is read. A caller
 may keep chosen e4m3 tensors in e4m3 (`keep_fp8`): their bytes are copied as stored, never
-converted, and their scales are handed to the caller instead of being multiplied in. Files are
+converted, and their scales are handed to the caller instead of being multiplied in. A run that
+stores block Linears in fp8 has them quantized as they are read (`quantize_fp8`): chunks of rows
+go from the file through the load dtype to block-scaled e4m3, so a bf16 or fp32 file never exists
+in host RAM in full precision, only what is kept. A tensor stored as the load dtype is read
+straight into its parameter. Files are
 read with plain reads, not mmap: mapped pages would count as resident memory while a file is open.
 """
 
@@ -143,6 +147,7 @@ class CheckpointFiles:
         self._handles: dict[Path, object] = {}
         self._stack: ExitStack | None = None
         self._staging: torch.Tensor | None = None
+        self._work: torch.Tensor | None = None          # one chunk of rows in the load dtype, to quantize
         self._scales: dict[str, torch.Tensor] = {}
 
     @property
@@ -168,7 +173,7 @@ class CheckpointFiles:
 
     def __exit__(self, *exc) -> None:
         self._handles.clear()
-        self._staging = None
+        self._staging = self._work = None
         self._scales.clear()
         if self._stack is not None:
             self._stack.close()
@@ -242,6 +247,10 @@ class CheckpointFiles:
         need = min(rows_per_chunk, row_end - row_start) * row_bytes
         if self._staging is None or self._staging.numel() < need:
             self._staging = torch.empty(max(need, STAGING_BYTES), dtype=torch.uint8)
+        if scale is None and out.dtype == src_dtype and out.device.type == "cpu" and out.is_contiguous():
+            nbytes = (row_end - row_start) * row_bytes          # as stored: straight into `out`, no staging
+            self._read_bytes(info, row_start * row_bytes, nbytes, out.view(torch.uint8))
+            return
         for r0 in range(row_start, row_end, rows_per_chunk):
             r1 = min(row_end, r0 + rows_per_chunk)
             nbytes = (r1 - r0) * row_bytes
@@ -252,6 +261,31 @@ class CheckpointFiles:
             else:
                 rows = scale if scale.shape[0] == 1 else scale[r0:r1]
                 dst.copy_((raw.view(r1 - r0, info.row_numel).to(torch.float32) * rows).view(-1))
+
+    def quantize_rows_into(self, key: str, segments: list[tuple[int, int]], dtype: torch.dtype,
+                           q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+        """Fill the (rows, in) e4m3 `q_out` and its (rows, nb) fp32 `scale_out` with the rows
+        `segments` of `key`, block-scaled as memory/fp8.quantize stores a weight: each chunk of
+        rows is read, made exactly what a load in `dtype` holds (cast, dequantised), and quantized
+        at once, so no full-precision copy of the tensor ever exists (a few MiB of chunk at most)."""
+        from ..memory.fp8 import quantize_into
+
+        info = self.tensors[key]
+        width = info.row_numel
+        itemsize = max(dtype.itemsize, _DTYPES[info.dtype].itemsize)
+        rows_per_chunk = max(1, STAGING_BYTES // max(width * itemsize, 1))
+        need = min(rows_per_chunk, sum(b - a for a, b in segments)) * width
+        if self._work is None or self._work.dtype != dtype or self._work.numel() < need:
+            self._work = torch.empty(need, dtype=dtype)
+        pos = 0
+        for a, b in segments:
+            for r0 in range(a, b, rows_per_chunk):
+                r1 = min(b, r0 + rows_per_chunk)
+                n = r1 - r0
+                chunk = self._work[:n * width]
+                self.read_rows_into(key, r0, r1, chunk)
+                quantize_into(chunk.view(n, width), q_out[pos:pos + n], scale_out[pos:pos + n])
+                pos += n
 
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A whole tensor: in `dtype` if floating (default: as stored; fp32 when it is scaled fp8)."""
@@ -393,6 +427,21 @@ def _listing(items: list[str]) -> str:
     return shown + (f" and {len(items) - 5} more" if len(items) > 5 else "")
 
 
+def _fill_quantized(model, files: CheckpointFiles, source: str, target: str, shape: tuple[int, ...],
+                    segs: list[tuple[int, int]], names: list[str], dtype: torch.dtype, where: str, device,
+                    on_fp8: Callable[[str, torch.Tensor], None]) -> None:
+    """One weight quantized to block-scaled e4m3 while it is read (load_into_empty's quantize_fp8)."""
+    from ..memory.fp8 import FP8_DTYPE, scale_blocks
+
+    rows, width = shape
+    q = torch.empty(rows, width, dtype=FP8_DTYPE, device=where)
+    scale = torch.empty(rows, scale_blocks(width), dtype=torch.float32, device=where)
+    if where != "meta":
+        files.quantize_rows_into(source, segs, dtype, q, scale)
+    _assign_group(model, names, q.to(device))
+    on_fp8(target, scale.to(device))
+
+
 def load_into_empty(
     model: torch.nn.Module,
     files: CheckpointFiles,
@@ -405,6 +454,7 @@ def load_into_empty(
     source_name: Callable[[str], str] = lambda target: target,
     keep_fp8: Callable[[str], bool] | None = None,
     on_fp8: Callable[[str, torch.Tensor], None] | None = None,
+    quantize_fp8: Callable[[str], bool] | None = None,
 ) -> torch.nn.Module:
     """Validate `ops` against the meta-built `model` from headers only, then fill it tensor by tensor.
 
@@ -416,11 +466,16 @@ def load_into_empty(
     so; they are filled with the stored bytes (no conversion, no scaling) and, once in place,
     `on_fp8(model_key, scale)` receives their fp32 dequantisation scale, one per row: (rows, 1).
 
+    `quantize_fp8(model_key)`: True for 2-D floating weights the run stores in fp8 (memory/fp8.py's
+    block-scaled e4m3): they are quantized chunk by chunk as they are read (`dtype` first, exactly
+    as a plain load holds them, so the bits equal quantizing that load) and handed to `on_fp8` with
+    their (rows, nb) scale; a file's e4m3 tensor that `keep_fp8` keeps is kept instead.
+
     On `device="meta"` nothing is read: every tensor gets the dtype and shape loading would give it
     (and fp8 weights their scale), which is what the planner prices a checkpoint by.
     """
-    if (keep_fp8 is None) != (on_fp8 is None):
-        raise ValueError("load_into_empty: keep_fp8 and on_fp8 go together")
+    if (keep_fp8 is None and quantize_fp8 is None) != (on_fp8 is None):
+        raise ValueError("load_into_empty: keep_fp8 / quantize_fp8 and on_fp8 go together")
     expected = model.state_dict(keep_vars=True)
     groups = _tie_groups(model)
 
@@ -462,6 +517,12 @@ def load_into_empty(
                 continue                              # tied to a tensor already loaded
             info = files.tensors[op.source]
             keep = keep_fp8 is not None and info.dtype == "F8_E4M3" and keep_fp8(target)
+            if (not keep and quantize_fp8 is not None and info.floating and len(tshape) == 2
+                    and info.row_numel == tshape[1] and quantize_fp8(target)):
+                _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
+                                _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
+                done.update(groups.get(target, [target]))
+                continue
             if keep:
                 to_dtype = torch.float8_e4m3fn
             else:
