@@ -84,19 +84,24 @@ def quantize(weight: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tens
     return q, scale
 
 
-def quantize_into(weight: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+def quantize_into(weight: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor,
+                  work: torch.Tensor | None = None) -> None:
     """quantize() of the (rows, in) float `weight` written into `q_out` (rows, in) e4m3 and
     `scale_out` (rows, nb) fp32. Rows are independent, so it runs over row chunks whose fp32
-    temporary stays under QUANT_CHUNK bytes: the loader quantizes a file's rows as it reads them,
-    and a whole weight never needs an fp32 copy. Torch ops throughout (vectorised, on torch's
-    intra-op threads); the same arithmetic per value as ever (fp32 division by the block scale,
-    clamp, round to e4m3), so the bits do not depend on the chunking."""
+    temporary stays under QUANT_CHUNK bytes (or in `work`, a reusable fp32 buffer: fresh pages
+    cost a fault each): the loader quantizes a file's rows as it reads them, and a whole weight
+    never needs an fp32 copy. Torch ops throughout (vectorised, on torch's intra-op threads); the
+    same arithmetic per value as ever (fp32 division by the block scale, clamp, round to e4m3),
+    so the bits do not depend on the chunking."""
     rows, in_f = weight.shape
     nb = scale_out.shape[1]
-    step = max(1, QUANT_CHUNK // (4 * max(in_f, 1)))
+    step = max(1, (work.numel() * 4 if work is not None else QUANT_CHUNK) // (4 * max(in_f, 1)))
+    if work is None:
+        work = torch.empty(min(rows, step) * in_f, dtype=torch.float32, device=weight.device)
     for r in range(0, rows, step):
         e = min(rows, r + step)
-        x = weight[r:e].to(torch.float32, copy=True).view(e - r, nb, in_f // nb)   # (rows, nb, in/nb)
+        x = work[:(e - r) * in_f].view(e - r, nb, in_f // nb)                 # (rows, nb, in/nb) fp32
+        x.copy_(weight[r:e].view(e - r, nb, in_f // nb))
         amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())        # the largest magnitude, exactly
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         x.div_(scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)

@@ -24,7 +24,9 @@ read with plain reads, not mmap: mapped pages would count as resident memory whi
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,7 @@ _AUX_KEYS = ("scaled_fp8",)
 
 _MAX_HEADER = 100 * 2**20      # a safetensors header larger than this is certainly not one
 STAGING_BYTES = 8 * 2**20      # file bytes read per chunk while filling a parameter
+MAX_WORKERS = 8                # quantizing workers at most (each holds a few chunks of STAGING_BYTES)
 
 
 def is_auxiliary_key(key: str) -> bool:
@@ -146,8 +149,8 @@ class CheckpointFiles:
                 self.tensors[key] = entry
         self._handles: dict[Path, object] = {}
         self._stack: ExitStack | None = None
-        self._staging: torch.Tensor | None = None
-        self._work: torch.Tensor | None = None          # one chunk of rows in the load dtype, to quantize
+        self._local = threading.local()                 # per-thread staging and quantize buffers
+        self._pool = None                               # quantizing workers, while the files are open
         self._scales: dict[str, torch.Tensor] = {}
 
     @property
@@ -173,11 +176,12 @@ class CheckpointFiles:
 
     def __exit__(self, *exc) -> None:
         self._handles.clear()
-        self._staging = self._work = None
+        self._local = threading.local()
         self._scales.clear()
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+        self._pool = None
 
     def _handle(self, path: Path):
         if self._stack is None:
@@ -215,13 +219,25 @@ class CheckpointFiles:
         return self._scales[skey]
 
     def _read_bytes(self, info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`nbytes` of `info`'s data from `offset`, into `out` (uint8). Positioned reads (pread), so
+        the quantizing workers read their own chunks at once from one handle."""
         buf = out if out is not None else torch.empty(nbytes, dtype=torch.uint8)
-        f = self._handle(info.file)
-        f.seek(info.start + offset)
-        got = f.readinto(memoryview(buf.numpy())) if nbytes else 0
-        if got != nbytes:
-            raise LoadError(f"{info.file}: file ends early (truncated)")
+        fd = self._handle(info.file).fileno()
+        view, done = memoryview(buf.numpy()), 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:nbytes]], info.start + offset + done)
+            if got <= 0:
+                raise LoadError(f"{info.file}: file ends early (truncated)")
+            done += got
         return buf
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable buffer of this thread (staging, quantize work), grown when too small."""
+        buf = getattr(self._local, name, None)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            setattr(self._local, name, buf)
+        return buf[:numel]
 
     def row_scales(self, key: str, segments: list[tuple[int, int]]) -> torch.Tensor:
         """The fp32 dequantisation scale of the rows `segments` of `key`, one per row: (rows, 1).
@@ -243,18 +259,16 @@ class CheckpointFiles:
         src_dtype = _DTYPES[info.dtype]
         row_bytes = info.row_numel * src_dtype.itemsize
         scale = self._scale(key) if dequantize else None
-        rows_per_chunk = max(1, STAGING_BYTES // max(row_bytes, 1))
-        need = min(rows_per_chunk, row_end - row_start) * row_bytes
-        if self._staging is None or self._staging.numel() < need:
-            self._staging = torch.empty(max(need, STAGING_BYTES), dtype=torch.uint8)
         if scale is None and out.dtype == src_dtype and out.device.type == "cpu" and out.is_contiguous():
             nbytes = (row_end - row_start) * row_bytes          # as stored: straight into `out`, no staging
             self._read_bytes(info, row_start * row_bytes, nbytes, out.view(torch.uint8))
             return
+        rows_per_chunk = max(1, STAGING_BYTES // max(row_bytes, 1))
+        staging = self._buffer("staging", max(min(rows_per_chunk, row_end - row_start) * row_bytes, 1), torch.uint8)
         for r0 in range(row_start, row_end, rows_per_chunk):
             r1 = min(row_end, r0 + rows_per_chunk)
             nbytes = (r1 - r0) * row_bytes
-            raw = self._read_bytes(info, r0 * row_bytes, nbytes, self._staging[:nbytes]).view(src_dtype)
+            raw = self._read_bytes(info, r0 * row_bytes, nbytes, staging[:nbytes]).view(src_dtype)
             dst = out[(r0 - row_start) * info.row_numel:(r1 - row_start) * info.row_numel]
             if scale is None:
                 dst.copy_(raw)                       # casts, e.g. fp32 / fp8 -> bf16
@@ -267,25 +281,54 @@ class CheckpointFiles:
         """Fill the (rows, in) e4m3 `q_out` and its (rows, nb) fp32 `scale_out` with the rows
         `segments` of `key`, block-scaled as memory/fp8.quantize stores a weight: each chunk of
         rows is read, made exactly what a load in `dtype` holds (cast, dequantised), and quantized
-        at once, so no full-precision copy of the tensor ever exists (a few MiB of chunk at most)."""
+        at once, so no full-precision copy of the tensor ever exists (a few MiB per worker).
+
+        Chunks go to torch.get_num_threads() workers (at most MAX_WORKERS), each running torch's
+        ops on one thread: on a busy machine one parallel region per op waits at every barrier
+        for its slowest thread, while independent chunks only wait for the CPU."""
         from ..memory.fp8 import quantize_into
 
         info = self.tensors[key]
         width = info.row_numel
-        itemsize = max(dtype.itemsize, _DTYPES[info.dtype].itemsize)
-        rows_per_chunk = max(1, STAGING_BYTES // max(width * itemsize, 1))
-        need = min(rows_per_chunk, sum(b - a for a, b in segments)) * width
-        if self._work is None or self._work.dtype != dtype or self._work.numel() < need:
-            self._work = torch.empty(need, dtype=dtype)
-        pos = 0
+        self._scale(key)                                  # read once, before the workers share it
+        self._handle(info.file)                           # opened here, not by racing workers
+        rows_per_chunk = max(1, STAGING_BYTES // max(4 * width, 1))     # fp32 temporary <= STAGING_BYTES
+        jobs, pos = [], 0
         for a, b in segments:
             for r0 in range(a, b, rows_per_chunk):
                 r1 = min(b, r0 + rows_per_chunk)
-                n = r1 - r0
-                chunk = self._work[:n * width]
-                self.read_rows_into(key, r0, r1, chunk)
-                quantize_into(chunk.view(n, width), q_out[pos:pos + n], scale_out[pos:pos + n])
-                pos += n
+                jobs.append((r0, r1, pos))
+                pos += r1 - r0
+
+        def job(j: tuple[int, int, int]) -> None:
+            r0, r1, p = j
+            n = r1 - r0
+            chunk = self._buffer("work", n * width, dtype)
+            self.read_rows_into(key, r0, r1, chunk)
+            quantize_into(chunk.view(n, width), q_out[p:p + n], scale_out[p:p + n],
+                          work=self._buffer("fp32", n * width, torch.float32))
+
+        self._map(job, jobs)
+
+    def _map(self, fn, jobs: list) -> None:
+        """fn over jobs on this load's workers (one torch thread each), or here when one would do."""
+        workers = min(torch.get_num_threads(), MAX_WORKERS, len(jobs))
+        if workers <= 1 or self._stack is None:
+            for j in jobs:
+                fn(j)
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(min(torch.get_num_threads(), MAX_WORKERS), "leantune-load")
+            self._stack.callback(self._pool.shutdown)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for f in [self._pool.submit(fn, j) for j in jobs]:
+                f.result()
+        finally:
+            torch.set_num_threads(threads)
 
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A whole tensor: in `dtype` if floating (default: as stored; fp32 when it is scaled fp8)."""
