@@ -21,7 +21,9 @@ Loaders, each in a fresh process, the file in the page cache (a first untimed re
 - `diffusers`: `FluxTransformer2DModel/SD3Transformer2DModel.from_single_file` (bf16) and then
   diffusers' own fp8 storage, `enable_layerwise_casting(storage_dtype=float8_e4m3fn)`.
 
-Reported per run: wall seconds of the load (imports excluded), peak anonymous memory above the
+Reported per run: wall and CPU seconds (all threads) of the load to what is kept (imports and the
+LoRA excluded: the peers' loaders add no adapter; leantune's add_lora is timed apart as lora_s),
+peak anonymous memory above the
 process's baseline (RssAnon polled every 2 ms), peak RSS above baseline (VmHWM, reset before the
 load; file-backed pages of an mmapped file count here), and the bytes kept (the model's tensors).
 Targets (issue 21): wall <= 1.2x sd-scripts'; anonymous peak <= 1.1x kept + one block.
@@ -157,14 +159,19 @@ def _leantune(path: Path, family: str, old: bool):
                else mod.SD3Sources(path, None, None, None, None, None, None, None))
     options = {} if old else fp8_load_options(MemoryConfig(fp8=True))
 
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel  # noqa: F401  imported before the clock
+    import peft  # noqa: F401
+
     def run():
         model = mod.load_transformer(sources, dtype=torch.bfloat16, **options)
         model.requires_grad_(False)
         apply_fp8_storage(model, spec)                      # the engine with plan.fp8 (nothing left to do when new)
-        add_lora(model, spec, LoraConfig(rank=16))
         return model
 
-    return run, spec
+    def after(model):
+        add_lora(model, spec, LoraConfig(rank=16))          # timed apart: the peers' loaders add no adapter
+
+    return run, spec, after
 
 
 def _sd_scripts(path: Path):
@@ -192,7 +199,7 @@ def _sd_scripts(path: Path):
             model.to(torch.float8_e4m3fn)                                   # flux_train_network: "Cast FLUX model to fp8"
         return model
 
-    return run, None
+    return run, None, None
 
 
 def _diffusers(path: Path, family: str):
@@ -206,27 +213,32 @@ def _diffusers(path: Path, family: str):
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         return model
 
-    return run, None
+    return run, None, None
 
 
 def child(loader: str, path: Path) -> dict:
     import ctypes
+    import resource
 
     family = "flux" if path.name.startswith("flux") else "sd3"
     if loader.startswith("leantune"):
-        run, spec = _leantune(path, family, loader == "leantune-old")
+        run, spec, after = _leantune(path, family, loader == "leantune-old")
     elif loader == "sd-scripts":
-        run, spec = _sd_scripts(path)
+        run, spec, after = _sd_scripts(path)
     else:
-        run, spec = _diffusers(path, family)
+        run, spec, after = _diffusers(path, family)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = _status()
     Path("/proc/self/clear_refs").write_text("5")                          # VmHWM from here
     poller = _Poller()
     poller.start()
-    t0 = time.perf_counter()
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     model = run()
-    wall = time.perf_counter() - t0
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    t1 = time.perf_counter()
+    if after is not None:
+        after(model)
+    after_s = time.perf_counter() - t1
     poller.stop.set()
     poller.join()
     end = _status()
@@ -238,7 +250,9 @@ def child(loader: str, path: Path) -> dict:
         block = _largest_block(model, spec)
     elif loader == "diffusers":
         block = _largest_block(model, FLUX_SPEC if family == "flux" else SD3_SPEC)
-    return {"loader": loader, "file": path.stem, "wall_s": round(wall, 2), "threads": torch.get_num_threads(),
+    cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return {"loader": loader, "file": path.stem, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+            "lora_s": round(after_s, 2) if after is not None else None, "threads": torch.get_num_threads(),
             "peak_anon": max(poller.peak_anon, end["RssAnon"]) - base["RssAnon"],
             "peak_rss": end["VmHWM"] - base["VmRSS"], "kept": _kept(model), "block": block,
             "file_bytes": path.stat().st_size}
@@ -284,7 +298,7 @@ def main() -> None:
                 r["load_average"] = os.getloadavg()[0]
                 results.append(r)
                 gb = lambda n: f"{n / 1e9:.2f}" if n is not None else "-"   # noqa: E731
-                print(f"{name:10s} {loader:13s} wall {r['wall_s']:6.2f} s  peak anon {gb(r['peak_anon'])} GB  "
+                print(f"{name:10s} {loader:13s} wall {r['wall_s']:6.2f} s  cpu {r['cpu_s']:6.2f} s  peak anon {gb(r['peak_anon'])} GB  "
                       f"peak rss {gb(r['peak_rss'])} GB  kept {gb(r['kept'])} GB  block {gb(r['block'])} GB  "
                       f"anon/(1.1 kept + block) {r['peak_anon'] / (1.1 * r['kept'] + (r['block'] or 0)):.2f}  "
                       f"load {r['load_average']:.1f}", flush=True)

@@ -8,22 +8,27 @@ file headers alone, and only then read.
 
 Every model tensor is a run of rows of one file tensor (a fused qkv splits into row ranges, BFL's
 final adaLN swaps two halves, a conv-shaped linear weight is the same bytes), so the loader
-allocates each parameter once, in its target dtype, and fills it from the file through one small
-reusable staging buffer, casting and dequantising (ComfyUI scaled fp8) chunk by chunk. Host RAM
-therefore holds the finished model plus a few MiB, never a second copy of the model nor a
-full-precision copy of a tensor, and a wrong file fails before a single weight is read. A caller
-may keep chosen e4m3 tensors in e4m3 (`keep_fp8`): their bytes are copied as stored, never
-converted, and their scales are handed to the caller instead of being multiplied in. A run that
-stores block Linears in fp8 has them quantized as they are read (`quantize_fp8`): chunks of rows
-go from the file through the load dtype to block-scaled e4m3, so a bf16 or fp32 file never exists
-in host RAM in full precision, only what is kept. A tensor stored as the load dtype is read
-straight into its parameter. Files are
-read with plain reads, not mmap: mapped pages would count as resident memory while a file is open.
+allocates each parameter once, in its target dtype, and fills it from the file's mapping, casting
+and dequantising (ComfyUI scaled fp8) chunk by chunk. Host RAM therefore holds the finished model
+plus a few MiB, never a second copy of the model nor a full-precision copy of a tensor, and a
+wrong file fails before a single weight is read. A caller may keep chosen e4m3 tensors in e4m3
+(`keep_fp8`): their bytes are copied as stored, never converted, and their scales are handed to
+the caller instead of being multiplied in. A run that stores block Linears in fp8 has them
+quantized as they are read (`quantize_fp8`): chunks of rows go from the file through the load
+dtype to block-scaled e4m3, so a bf16 or fp32 file never exists in host RAM in full precision,
+only what is kept.
+
+Files are mapped (mmap), not read: bytes come from the page cache without a copy into a staging
+buffer (the kernel's copy of every byte was most of a load's system time), and each tensor's pages
+are unmapped from the process once it is filled (`release`), so mapped pages never add more than a
+tensor to the resident memory. A file changed on disk while it loads can end the process (SIGBUS),
+as with any mmap-based loader; one truncated before is refused from its header.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import threading
@@ -148,6 +153,7 @@ class CheckpointFiles:
                     raise LoadError(f"{path}: key {key!r} is also in {self.tensors[key].file}")
                 self.tensors[key] = entry
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
         self._stack: ExitStack | None = None
         self._local = threading.local()                 # per-thread staging and quantize buffers
         self._pool = None                               # quantizing workers, while the files are open
@@ -176,6 +182,7 @@ class CheckpointFiles:
 
     def __exit__(self, *exc) -> None:
         self._handles.clear()
+        self._maps.clear()
         self._local = threading.local()
         self._scales.clear()
         if self._stack is not None:
@@ -189,6 +196,33 @@ class CheckpointFiles:
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(open(path, "rb"))
         return self._handles[path]
+
+    def _mapping(self, path: Path) -> mmap.mmap:
+        """The file mapped (private, never written: pages come from the page cache, uncopied)."""
+        if path not in self._maps:
+            self._maps[path] = self._stack.enter_context(mmap.mmap(self._handle(path).fileno(), 0,
+                                                                   access=mmap.ACCESS_COPY))
+        return self._maps[path]
+
+    def _source(self, info: TensorInfo, offset: int, nbytes: int, staging: str = "staging") -> torch.Tensor:
+        """`nbytes` of `info`'s data from `offset` as a flat tensor of its dtype: a view of the
+        mapped file (no copy; `release` drops its pages from this process afterwards), or, where
+        the offset does not suit the dtype's alignment, a read into this thread's staging buffer."""
+        dtype = _DTYPES[info.dtype]
+        at = info.start + offset
+        if nbytes and at % dtype.itemsize == 0:
+            return torch.frombuffer(self._mapping(info.file), dtype=torch.uint8, count=nbytes, offset=at).view(dtype)
+        return self._read_bytes(info, offset, nbytes, self._buffer(staging, nbytes, torch.uint8)).view(dtype)
+
+    def release(self, key: str) -> None:
+        """Unmap the pages of `key` from this process (they stay in the page cache), so a file read
+        through its mapping never adds more than a tensor to the resident memory."""
+        info = self.tensors[key]
+        m = self._maps.get(info.file)
+        if m is None or info.end <= info.start:
+            return
+        start = info.start - info.start % mmap.PAGESIZE
+        m.madvise(mmap.MADV_DONTNEED, start, info.end - start)
 
     def scale_key(self, key: str) -> str | None:
         """The ComfyUI scale key that dequantises `key` ("x.weight" -> "x.scale_weight"), if present."""
@@ -259,22 +293,19 @@ class CheckpointFiles:
         src_dtype = _DTYPES[info.dtype]
         row_bytes = info.row_numel * src_dtype.itemsize
         scale = self._scale(key) if dequantize else None
-        if scale is None and out.dtype == src_dtype and out.device.type == "cpu" and out.is_contiguous():
-            nbytes = (row_end - row_start) * row_bytes          # as stored: straight into `out`, no staging
-            self._read_bytes(info, row_start * row_bytes, nbytes, out.view(torch.uint8))
-            return
         rows_per_chunk = max(1, STAGING_BYTES // max(row_bytes, 1))
-        staging = self._buffer("staging", max(min(rows_per_chunk, row_end - row_start) * row_bytes, 1), torch.uint8)
+        if scale is None:                            # the mapped rows, copied once (cast, e.g. fp32 / fp8 -> bf16)
+            rows_per_chunk = max(rows_per_chunk, row_end - row_start)
         for r0 in range(row_start, row_end, rows_per_chunk):
             r1 = min(row_end, r0 + rows_per_chunk)
-            nbytes = (r1 - r0) * row_bytes
-            raw = self._read_bytes(info, r0 * row_bytes, nbytes, staging[:nbytes]).view(src_dtype)
+            raw = self._source(info, r0 * row_bytes, (r1 - r0) * row_bytes)
             dst = out[(r0 - row_start) * info.row_numel:(r1 - row_start) * info.row_numel]
             if scale is None:
-                dst.copy_(raw)                       # casts, e.g. fp32 / fp8 -> bf16
+                dst.copy_(raw)
             else:
                 rows = scale if scale.shape[0] == 1 else scale[r0:r1]
                 dst.copy_((raw.view(r1 - r0, info.row_numel).to(torch.float32) * rows).view(-1))
+            del raw                                  # no view of the mapping outlives its use
 
     def quantize_rows_into(self, key: str, segments: list[tuple[int, int]], dtype: torch.dtype,
                            q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
@@ -300,13 +331,20 @@ class CheckpointFiles:
                 jobs.append((r0, r1, pos))
                 pos += r1 - r0
 
+        as_stored = _DTYPES[info.dtype] == dtype and self._scale(key) is None
+        itemsize = _DTYPES[info.dtype].itemsize
+
         def job(j: tuple[int, int, int]) -> None:
             r0, r1, p = j
             n = r1 - r0
-            chunk = self._buffer("work", n * width, dtype)
-            self.read_rows_into(key, r0, r1, chunk)
+            if as_stored:                             # the mapped rows themselves: nothing to make first
+                chunk = self._source(info, r0 * width * itemsize, n * width * itemsize, "work")
+            else:
+                chunk = self._buffer("work", n * width, dtype)
+                self.read_rows_into(key, r0, r1, chunk)
             quantize_into(chunk.view(n, width), q_out[p:p + n], scale_out[p:p + n],
                           work=self._buffer("fp32", n * width, torch.float32))
+            del chunk
 
         self._map(job, jobs)
 
@@ -565,6 +603,8 @@ def load_into_empty(
                 _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
                                 _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
                 done.update(groups.get(target, [target]))
+                if not meta:
+                    files.release(op.source)
                 continue
             if keep:
                 to_dtype = torch.float8_e4m3fn
@@ -576,6 +616,8 @@ def load_into_empty(
                 n = (b - a) * info.row_numel
                 files.read_rows_into(op.source, a, b, flat[pos:pos + n], dequantize=not keep)
                 pos += n
+            if not meta:
+                files.release(op.source)
             names = groups.get(target, [target])
             _assign_group(model, names, out.to(device))
             done.update(names)
