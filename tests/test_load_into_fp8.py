@@ -211,3 +211,61 @@ def test_peak_is_the_bytes_kept_plus_one_block(tmp_path):
     limit = m["kept"] + m["block"] + slack
     assert path.stat().st_size > limit                      # the whole model in bf16 would fail
     assert m["peak"] <= limit, {k: round(v / 2**20, 1) for k, v in m.items()}
+
+
+# -- through the trainer ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    from leantune.demo import draw_shapes
+
+    folder = tmp_path_factory.mktemp("shapes") / "images"
+    draw_shapes(folder, count=6, size=64, seed=5)
+    return folder
+
+
+def test_an_fp8_lora_run_loads_quantized_and_trains_as_before(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """[memory] fp8 = true: the trainer loads the block Linears quantized, and the run trains as on
+    the old path (load in the run's dtype, the engine quantizes). The first loss is bitwise the
+    same (LoRA B starts at zero, so it is the base model's alone); later ones differ only through
+    the LoRA's initial A, which add_lora redraws in fp32 when peft made it in the base's fp8 dtype."""
+    from test_train import make_config
+
+    from leantune import trainer as trainer_mod
+
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    cfg = make_config(tmp_path / "new", tiny_flux_dir, images, extra=["memory.fp8=true"])
+    assert trainer_mod._fp8_load_options(cfg) == {"quantize_fp8": True}
+    seen = []
+    real = flux_loading.load_transformer
+
+    def spy(*args, **kwargs):
+        model = real(*args, **kwargs)
+        if kwargs.get("device") != "meta":
+            seen.append(sum(lin.weight.dtype == FP8_DTYPE for _, _, lin in block_linears(FLUX_SPEC, model)))
+        return model
+
+    monkeypatch.setattr(flux_loading, "load_transformer", spy)
+    new = trainer_mod.train(cfg, progress=False, stop_after=3)
+    assert seen and seen[0] > 0                                            # quantized while loading
+
+    monkeypatch.setattr(trainer_mod, "_fp8_load_options", lambda cfg: {})
+    old_cfg = make_config(tmp_path / "old", tiny_flux_dir, images, extra=["memory.fp8=true"])
+    old = trainer_mod.train(old_cfg, progress=False, stop_after=3)
+    assert seen[-1] == 0                                                    # the old path loaded it unquantized
+    assert new.losses[0] == old.losses[0]
+    assert new.losses == pytest.approx(old.losses, rel=1e-3)
+
+
+def test_full_mode_load_options_leave_trained_weights_alone():
+    from types import SimpleNamespace
+
+    from leantune import trainer as trainer_mod
+
+    cfg = SimpleNamespace(train=SimpleNamespace(mode="full"), memory=MemoryConfig(fp8=True),
+                          full=FullConfig(exclude=["single_transformer_blocks.*"]))
+    options = trainer_mod._fp8_load_options(cfg)
+    assert options["quantize_fp8"] is True
+    assert options["trained"]("transformer_blocks.0.attn.to_q.weight")
+    assert not options["trained"]("single_transformer_blocks.0.attn.to_q.weight")
