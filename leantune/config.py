@@ -25,7 +25,8 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    family: Literal["flux", "sd3", "qwen-image", "qwen-image-edit"] = "flux"
+    family: Literal["flux", "sd3", "qwen-image", "qwen-image-edit", "flux2-dev", "flux2-klein-4b",
+                    "flux2-klein-9b"] = "flux"
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
     # (.safetensors: BFL / ComfyUI for Flux, Stability's sd3.5_*.safetensors for SD3).
     path: str
@@ -309,7 +310,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _negative_prompt_family(self):
-        if self.sample.negative_prompt and self.model.family == "flux":
+        if self.sample.negative_prompt and self.model.family in ("flux", "flux2-dev"):
             raise ValueError("[sample] negative_prompt: Flux samples with distilled guidance (no classifier-free "
                              "guidance), so a negative prompt would have no effect; remove it")
         return self
@@ -318,7 +319,8 @@ class RunConfig(Section):
     def _lora_block_kinds(self):
         """[lora] blocks names the family's block lists (Flux: double, single; SD3: joint)."""
         kinds = {"flux": ("double", "single"), "sd3": ("joint",), "qwen-image": ("joint",),
-                 "qwen-image-edit": ("joint",)}[self.model.family]
+                 "qwen-image-edit": ("joint",), "flux2-dev": ("double", "single"),
+                 "flux2-klein-4b": ("double", "single"), "flux2-klein-9b": ("double", "single")}[self.model.family]
         for kind in (self.lora.blocks or {}):
             if kind not in kinds:
                 raise ValueError(f"[lora] blocks: {kind!r} is not a block list of family = \"{self.model.family}\"; "

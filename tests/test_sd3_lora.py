@@ -285,7 +285,7 @@ def test_conv_and_unknown_keys_are_refused_naming_the_key(tmp_path):
             "lora_unet_x_embedder_proj.lora_up.weight": torch.randn(D, 4, 1, 1, generator=g)}
     save_file(conv, str(tmp_path / "conv.safetensors"))
     with pytest.raises(LoraFormatError, match=r"conv.safetensors: key 'lora_unet_x_embedder_proj.lora_down.weight' "
-                                              r"is not a Flux or SD3.5 or Qwen-Image transformer LoRA key"):
+                                              r"is not a Flux or SD3.5 or Qwen-Image or FLUX.2 transformer LoRA key"):
         read_lora(tmp_path / "conv.safetensors")
     bad = {"lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.randn(4, D, generator=g),
            "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.randn(3 * D + 1, 4, generator=g)}

@@ -1,9 +1,11 @@
-"""`leantune convert in.safetensors out.safetensors --to comfyui|diffusers [--family flux|sd3]`.
+"""`leantune convert in.safetensors out.safetensors --to comfyui|diffusers [--family NAME]`.
 
-Reads any LoRA layout leantune understands (kohya / ComfyUI, diffusers, ai-toolkit, native BFL /
-Stability keys) for any family (Flux, SD3.5) and writes it in the chosen one, with the same weight
-deltas; the source header's training notes (ss_*) are carried over. The family comes from the keys
-(Flux `double_blocks` vs SD3 `joint_blocks`, ...), the header or the LoRA's width (3072: Flux.1);
+Reads any LoRA layout leantune understands (kohya / ComfyUI / musubi-tuner, diffusers, ai-toolkit,
+native BFL / Stability keys, LyCORIS names, and LoKr files, which become the LoRA of the same
+delta) for any family (Flux, SD3.5, Qwen-Image, FLUX.2) and writes it in the chosen one, with the
+same weight deltas; the source header's training notes (ss_*) are carried over. The family comes
+from the keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...), their shapes (FLUX.2 shares Flux.1's
+names, not its proportions), the header or the LoRA's width (3072: Flux.1);
 `--family` says it for files whose names fit several and that nothing else tells apart (diffusers
 names without a header, at another width, converted to kohya names: the first family's names are
 written then, with a warning). Heavy imports wait until the command runs.
@@ -25,7 +27,8 @@ def configure(parser) -> None:
     parser.add_argument("--dtype", default="keep", choices=tuple(_DTYPES),
                         help="tensor dtype of the output (default: as in the input)")
     parser.add_argument("--family", default=None, metavar="NAME",
-                        help="model family the LoRA is for (flux, sd3); default: read from its keys and header")
+                        help="model family the LoRA is for (flux, sd3, qwen-image, flux2-dev, ...); default: read from "
+                             "its keys, shapes and header")
     parser.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
 
 

@@ -71,6 +71,8 @@ def describe(keys) -> str:
         return "it looks like an SD3/SD3.5 transformer (original layout)"
     if has("pos_embed.proj.weight") and has("transformer_blocks.0.attn.to_q"):
         return "it looks like an SD3/SD3.5 transformer (diffusers layout)"
+    if has("stream_modulation.lin.weight") or has("stream_modulation.linear.weight"):
+        return "it looks like a FLUX.2 transformer"
     if has("img_mod.1.weight") and has("txt_in.weight"):
         return "it looks like a Qwen-Image transformer"
     if has("conditioner.embedders.1") or has("add_embedding.linear_1"):

@@ -162,7 +162,8 @@ class ModelFamily:
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
 _MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3", "qwen-image": "leantune.models.qwen_image",
-            "qwen-image-edit": "leantune.models.qwen_image_edit"}
+            "qwen-image-edit": "leantune.models.qwen_image_edit", "flux2-dev": "leantune.models.flux2",
+            "flux2-klein-4b": "leantune.models.flux2", "flux2-klein-9b": "leantune.models.flux2"}
 
 
 def loader_options(memory_cfg) -> dict:

@@ -164,8 +164,13 @@ def _text_modules(encoders):
 
 
 def _recognizes_keys(keys) -> bool:
-    """A BFL / ComfyUI or diffusers Flux transformer file (any prefix)."""
-    return any(".double_blocks." in f".{k}" or ".single_transformer_blocks." in f".{k}" for k in keys)
+    """A BFL / ComfyUI or diffusers Flux transformer file (any prefix); FLUX.2's files share the
+    block names but have its shared modulation (flux2_keys), and are not Flux.1's."""
+    from .flux2_keys import recognizes_keys as is_flux2
+
+    keys = list(keys)
+    return (any(".double_blocks." in f".{k}" or ".single_transformer_blocks." in f".{k}" for k in keys)
+            and not is_flux2(keys))
 
 
 def _register():

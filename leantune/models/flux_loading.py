@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..io import save_safetensors
-from . import bfl_keys
+from . import bfl_keys, flux2_keys
 from . import component_files as cf
 from . import component_loading as cl
 from .component_loading import dtype_from_name, fingerprint
@@ -124,6 +124,11 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
         config, files, ops = cl.diffusers_folder(src, ("FluxTransformer2DModel",), "Flux transformer")
     else:
         files, prefix, shapes, meta = cl.single_file(src, "transformer", "Flux transformer")
+        if flux2_keys.recognizes_keys(shapes):       # FLUX.2 kept Flux.1's block names
+            from .family import guess_family
+
+            raise LoadError(f"{src}: a FLUX.2 transformer, not a Flux.1 one; set [model] family = "
+                            f"\"{guess_family(src) or 'flux2-dev'}\"")
         if bfl_keys.is_bfl(shapes):
             ops, unknown = bfl_keys.bfl_to_diffusers_ops(shapes, prefix)
             if unknown:

@@ -58,7 +58,8 @@ class LoraKeyMap:
 
     def __init__(self, family: str, display: str, block_lists: tuple[tuple[str, str, BlockTable], ...],
                  top: dict[str, str], swaps: dict[str, str], header: dict[str, str],
-                 header_hints: tuple[str, ...], widths: tuple[int, ...] = ()):
+                 header_hints: tuple[str, ...], widths: tuple[int, ...] = (),
+                 ratios: dict[str, tuple[int, int]] | None = None):
         self.family = family                # "flux": the ModelFamily name
         self.display = display              # "Flux": in messages
         # (diffusers attribute, native prefix, in-block table): ("transformer_blocks", "double_blocks", {...})
@@ -72,6 +73,10 @@ class LoraKeyMap:
         # Transformer widths of the family's released checkpoints (Flux.1: 3072): the most common
         # LoRA input width of a file tells its family apart when names and header cannot.
         self.widths = widths
+        # (outputs, inputs) proportions of native Linears (names inside a block, or top level) whose
+        # shape tells this family from another with the same names (Flux.1's single-block linear1
+        # is 7:1, FLUX.2's 9:1): a LoRA of other proportions is not this family's.
+        self.ratios = dict(ratios or {})
 
     def __repr__(self) -> str:
         return f"LoraKeyMap({self.family!r})"
@@ -156,13 +161,59 @@ class LoraKeyMap:
         native_prefix = next(p for a, p, _ in self.block_lists if a == attr)
         return self.target_for_native(f"{native_prefix}.{int(index)}.{native_inner}"), part
 
+    def target_for_lycoris(self, name: str) -> tuple[FusedTarget, int] | None:
+        """(target, part) for a LyCORIS module name, diffusers' path with '_' for '.'
+        ('lycoris_transformer_blocks_0_attn_to_q'), or None."""
+        if not name.startswith("lycoris_"):
+            return None
+        rest = name[len("lycoris_"):]
+        if rest in self._lycoris_top:
+            return self.target_for_diffusers(self._lycoris_top[rest])
+        m = self._lycoris_block_re.fullmatch(rest)
+        if not m:
+            return None
+        attr, index, suffix = m.groups()
+        inner = self._lycoris_suffix[attr].get(suffix)
+        return None if inner is None else self.target_for_diffusers(f"{attr}.{int(index)}.{inner}")
+
+    @cached_property
+    def _lycoris_block_re(self) -> re.Pattern:
+        attrs = "|".join(re.escape(a) for a, _, _ in sorted(self.block_lists, key=lambda b: -len(b[0])))
+        return re.compile(rf"({attrs})_(\d+)_(.+)")
+
+    @cached_property
+    def _lycoris_suffix(self) -> dict[str, dict[str, str]]:
+        return {attr: {p.replace(".", "_"): p for parts, _ in table.values() for p in parts}
+                for attr, _, table in self.block_lists}
+
+    @cached_property
+    def _lycoris_top(self) -> dict[str, str]:
+        return {d.replace(".", "_"): d for d in self.top.values()}
+
+    def shape_problem(self, target: FusedTarget, out_features: int, in_features: int) -> str | None:
+        """Why a LoRA of shape (out, in) on `target` cannot be this family's, or None."""
+        m = self._native_block_re.fullmatch(target.native)
+        inner = m.group(3) if m else target.native
+        if inner not in self.ratios:
+            return None
+        a, b = self.ratios[inner]
+        if out_features * b != in_features * a:
+            return (f"{out_features} outputs for {in_features} inputs, where a {self.display} {inner} has "
+                    f"{a}:{b}")
+        return None
+
     def has_width(self, width: int) -> bool:
         return width in self.widths
 
     def hinted_by(self, metadata: dict[str, str]) -> bool:
         """Whether a file header names this family (kohya's ss_base_model_version, modelspec)."""
+        return self.hint_strength(metadata) > 0
+
+    def hint_strength(self, metadata: dict[str, str]) -> int:
+        """The length of the longest of this family's hints the header starts with (0: none), so that
+        a header naming "flux2" picks FLUX.2 over Flux.1, whose hint "flux" it also starts with."""
+        best = 0
         for key in ("ss_base_model_version", "modelspec.architecture"):
             value = str(metadata.get(key, "")).strip().lower()
-            if value and value.startswith(self.header_hints):
-                return True
-        return False
+            best = max([best] + [len(h) for h in self.header_hints if value and value.startswith(h)])
+        return best

@@ -51,6 +51,9 @@ class FlowSchedule:
     # Qwen-Image: after the shift, the sigmas are stretched so the last one equals this (the
     # scheduler's `shift_terminal`, 0.02 there); 0: no stretch.
     shift_terminal: float = 0.0
+    # FLUX.2: mu is BFL's empirical fit in the image tokens *and the step count* (empirical_mu below,
+    # the pipelines' compute_empirical_mu) instead of the line through base/max_shift.
+    empirical_mu: bool = False
 
     @classmethod
     def for_variant(cls, variant: str) -> FlowSchedule:
@@ -97,6 +100,7 @@ class FlowSchedule:
             default_guidance=base.default_guidance,
             pipeline_sigmas=base.pipeline_sigmas,
             shift_terminal=float(config.get("shift_terminal") or base.shift_terminal),
+            empirical_mu=base.empirical_mu,
         )
 
     @classmethod
@@ -132,7 +136,7 @@ class FlowSchedule:
             hi, lo = self._training_sigma_range()
             s = np.linspace(hi * NUM_TRAIN_TIMESTEPS, lo * NUM_TRAIN_TIMESTEPS, steps) / NUM_TRAIN_TIMESTEPS  # float64
         if self.use_dynamic_shifting:
-            e = math.exp(self.mu(image_seq_len))
+            e = math.exp(empirical_mu(image_seq_len, steps) if self.empirical_mu else self.mu(image_seq_len))
             s = e / (e + (1.0 / s - 1.0))
         else:
             s = self.shift * s / (1 + (self.shift - 1) * s)
@@ -150,6 +154,21 @@ class FlowSchedule:
         if not self.use_dynamic_shifting:
             s = self.shift * s / (1 + (self.shift - 1) * s)
         return s[0].item(), s[1].item()
+
+
+def empirical_mu(image_seq_len: int, num_steps: int) -> float:
+    """BFL's FLUX.2 shift exponent for `image_seq_len` tokens sampled in `num_steps` steps (diffusers'
+    compute_empirical_mu, the same arithmetic): linear in the tokens, and below 4300 tokens also in the
+    steps, between fits made at 10 and 200 steps."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    if image_seq_len > 4300:
+        return float(a2 * image_seq_len + b2)
+    m_200 = a2 * image_seq_len + b2
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    b = m_200 - 200.0 * a
+    return float(a * num_steps + b)
 
 
 def model_timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:

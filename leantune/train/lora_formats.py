@@ -24,7 +24,13 @@ diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in
   and keep the trained alphas in the `leantune_trained_alphas` header, from which leantune reads
   them back (an `init_from` continues with the same scale).
 
-The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...). Some
+LoKr files (LyCORIS' `lycoris_<diffusers path>` names, ai-toolkit's BFL names) hold delta =
+alpha / r * kron(w1, w2) per module, each factor whole or as a product a @ b; they are read as the
+LoRA with that delta exactly (kron(U1 D1, U2 D2) = kron(U1, U2) @ kron(D1, D2): up = kron(U1, U2),
+down = kron(D1, D2)), scaled as LyCORIS and diffusers' `_bake_lokr_alpha_` scale them.
+
+The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...) and,
+where names are shared (FLUX.2 uses Flux.1's BFL names), their shapes (`LoraKeyMap.ratios`). Some
 files fit several families (diffusers names such as `transformer_blocks.0.attn.to_q` exist in both):
 their modules are the same either way, and only writing kohya names needs the family; the file's
 header (`ss_base_model_version`), its width (3072: Flux.1; 2432 / 1536: SD3.5 Large / Medium) or
@@ -63,6 +69,10 @@ _LAYOUT_KEYS = {ADAPTER_METADATA_KEY, "format", "leantune_format", TRAINED_ALPHA
 
 class LoraFormatError(ValueError):
     """A LoRA file (or LoraWeights) that cannot be read, written or applied; names file and key."""
+
+
+class _ShapeMismatch(LoraFormatError):
+    """A file whose names fit a family but whose shapes do not (Flux.1's and FLUX.2's share names)."""
 
 
 class IgnoredKeysWarning(UserWarning):
@@ -289,12 +299,20 @@ def writing_keys(weights: LoraWeights, keys: LoraKeyMap | None = None) -> list[L
     return _narrowed(maps, weights.metadata, weights.modules)
 
 
+def _best_hinted(maps: list[LoraKeyMap], metadata: dict[str, str]) -> list[LoraKeyMap]:
+    """The families the header names most specifically ("flux2" names FLUX.2 and, by its prefix
+    "flux", Flux.1: FLUX.2's longer hint wins); empty when it names none."""
+    strength = {id(k): k.hint_strength(metadata) for k in maps}
+    best = max(strength.values(), default=0)
+    return [k for k in maps if best and strength[id(k)] == best]
+
+
 def _narrowed(maps: list[LoraKeyMap], metadata: dict[str, str], modules: dict[str, LoraModule]) -> list[LoraKeyMap]:
     """Of several families whose names fit, the one the header names, else the one whose released
     checkpoints have the LoRA's most common input width (3072: Flux.1); else all of them."""
     if len(maps) < 2:
         return maps
-    hinted = [k for k in maps if k.hinted_by(metadata)]
+    hinted = _best_hinted(maps, metadata)
     if len(hinted) == 1:
         return hinted
     if modules:
@@ -460,13 +478,17 @@ _ROLE_SUFFIXES = (
     (".lora_down.weight", "down"), (".lora_up.weight", "up"),
     (".lora_A.weight", "down"), (".lora_B.weight", "up"),
     (".alpha", "alpha"),
+    # LoKr (LyCORIS, ai-toolkit): delta = kron(w1, w2), each factor whole or as a product a @ b
+    (".lokr_w1", "w1"), (".lokr_w1_a", "w1_a"), (".lokr_w1_b", "w1_b"),
+    (".lokr_w2", "w2"), (".lokr_w2_a", "w2_a"), (".lokr_w2_b", "w2_b"),
 )
+_LOKR_ROLES = ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b")
 _TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
                           "text_encoder_3.")
 _NATIVE_PREFIXES = ("diffusion_model.", "model.diffusion_model.")
 _DIFFUSERS_PREFIXES = (DIFFUSERS_PREFIX, "base_model.model.", "")
 _UNSUPPORTED_HINTS = (   # (regex searched in the key, what it is) for a helpful error
-    (r"\.dora_scale$|lora_magnitude_vector", "DoRA"), (r"\.hada_", "LoHa"), (r"\.lokr_", "LoKr"),
+    (r"\.dora_scale$|lora_magnitude_vector", "DoRA"), (r"\.hada_", "LoHa"), (r"\.lokr_t\d", "LoKr with a Tucker core"),
     (r"\.diff(_b)?$", "a full weight difference"), (r"\.lora_(B|up)\.bias$", "a LoRA bias"),
     (r"\.lora_mid\.", "LoCon"),
 )
@@ -489,9 +511,14 @@ def _classify(stem: str, keys: LoraKeyMap) -> tuple[str, str, FusedTarget | None
     if stem.startswith("lora_unet_"):
         t = keys.target_for_kohya(stem)
         return ("kohya", t.native, t) if t else ("unknown", stem, None)
+    if stem.startswith("lycoris_"):       # LyCORIS: diffusers' module path with '_' for '.'
+        found = keys.target_for_lycoris(stem)
+        return ("lycoris", found[0].parts[found[1]], None) if found else ("unknown", stem, None)
     for prefix in _NATIVE_PREFIXES:
         if stem.startswith(prefix):
             t = keys.target_for_native(stem[len(prefix):])
+            if t is None and keys.target_for_diffusers(stem[len(prefix):]) is not None:
+                return "diffusers", stem[len(prefix):], None     # ai-toolkit's expanded diffusers names
             return ("native", t.native, t) if t else ("unknown", stem, None)
     for prefix in _DIFFUSERS_PREFIXES:
         if stem.startswith(prefix) and keys.target_for_diffusers(stem[len(prefix):]) is not None:
@@ -534,7 +561,59 @@ def _config_alpha(config: dict, name: str) -> tuple[float | None, bool]:
     return (None if alpha is None else float(alpha)), bool(config.get("use_rslora"))
 
 
+def _lokr_factor(source: str, entry: _Entry, n: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(U, D, key) with factor w<n> = U @ D: its a / b matrices, or the whole matrix beside an
+    identity on its shorter side (the rank of a Kronecker product is the product of the ranks)."""
+    whole, a, b = entry.tensors.get(f"w{n}"), entry.tensors.get(f"w{n}_a"), entry.tensors.get(f"w{n}_b")
+    if whole is not None and (a is not None or b is not None):
+        raise LoraFormatError(f"{source}: {entry.keys[f'w{n}']!r} and its _a/_b factors are both given")
+    if whole is None and (a is None or b is None):
+        have = ", ".join(sorted(entry.keys.values()))
+        raise LoraFormatError(f"{source}: LoKr module has no lokr_w{n} (nor lokr_w{n}_a and _b): found only {have}")
+    for t, role in ((whole, f"w{n}"), (a, f"w{n}_a"), (b, f"w{n}_b")):
+        if t is None:
+            continue
+        if t.dim() != 2 or not t.is_floating_point():
+            raise LoraFormatError(f"{source}: key {entry.keys[role]!r} should be a 2-D float matrix, got "
+                                  f"{t.dtype} {tuple(t.shape)} (convolution LoKr is not supported)")
+        if not torch.isfinite(t).all():
+            raise LoraFormatError(f"{source}: key {entry.keys[role]!r} contains NaN or infinite values")
+    if whole is not None:
+        rows, cols = whole.shape
+        eye = lambda n_: torch.eye(n_, dtype=whole.dtype)  # noqa: E731
+        return (whole, eye(cols), entry.keys[f"w{n}"]) if cols <= rows else (eye(rows), whole, entry.keys[f"w{n}"])
+    if a.shape[1] != b.shape[0]:
+        raise LoraFormatError(f"{source}: ranks disagree: {entry.keys[f'w{n}_a']!r} is {tuple(a.shape)} but "
+                              f"{entry.keys[f'w{n}_b']!r} is {tuple(b.shape)}")
+    return a, b, entry.keys[f"w{n}_a"]
+
+
+def _lokr_module(source: str, entry: _Entry) -> LoraModule:
+    """A LoKr module as the LoRA with the same delta, exactly: kron(U1 D1, U2 D2) =
+    kron(U1, U2) @ kron(D1, D2), so up = kron(U1, U2) and down = kron(D1, D2). The scale is
+    LyCORIS' (and diffusers' _bake_lokr_alpha_): alpha / r, r the rank of the decomposed w2 (else
+    w1), and 1 when both factors are whole matrices."""
+    u1, d1, k1 = _lokr_factor(source, entry, "1")
+    u2, d2, _ = _lokr_factor(source, entry, "2")
+    scale = 1.0
+    rank_of = entry.tensors.get("w2_b", entry.tensors.get("w1_b"))
+    if "alpha" in entry.tensors and rank_of is not None:
+        a = entry.tensors["alpha"]
+        if a.numel() != 1 or not torch.isfinite(a.float()).all():
+            raise LoraFormatError(f"{source}: key {entry.keys['alpha']!r} should be one finite number, got {tuple(a.shape)}")
+        scale = float(a.float().item()) / rank_of.shape[0]
+    dtype = torch.promote_types(torch.promote_types(u1.dtype, u2.dtype), torch.promote_types(d1.dtype, d2.dtype))
+    up = torch.kron(u1.to(dtype), u2.to(dtype))
+    down = torch.kron(d1.to(dtype), d2.to(dtype))
+    return LoraModule(down, up, scale * down.shape[0], k1.rsplit(".", 1)[0])
+
+
 def _checked_module(source: str, entry: _Entry, unit: str) -> LoraModule:
+    if any(role in entry.tensors for role in _LOKR_ROLES):
+        lora_roles = [entry.keys[r] for r in ("down", "up") if r in entry.tensors]
+        if lora_roles:
+            raise LoraFormatError(f"{source}: module {unit!r} has both LoKr and LoRA keys ({lora_roles[0]!r})")
+        return _lokr_module(source, entry)
     for role in ("down", "up"):
         if role not in entry.tensors:
             have = ", ".join(sorted(entry.keys.values()))
@@ -584,7 +663,7 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
     entries: dict[str, _Entry] = {}
     for key, role, stem in found:
         kind, unit, target = _classify(stem, keys)
-        entry = entries.setdefault(f"{kind}:{unit}", _Entry(kind, target, unit if kind == "diffusers" else ""))
+        entry = entries.setdefault(f"{kind}:{unit}", _Entry(kind, target, unit if kind in ("diffusers", "lycoris") else ""))
         if role in entry.tensors:
             raise LoraFormatError(f"{source}: keys {entry.keys[role]!r} and {key!r} give the same tensor twice")
         entry.tensors[role] = tensors[key]
@@ -597,7 +676,13 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
         unit = unit_id.split(":", 1)[1]
         module = _checked_module(source, entry, unit)
         kinds.add(entry.kind)
-        if entry.kind == "diffusers":
+        if entry.target is not None:
+            problem = keys.shape_problem(entry.target, module.up.shape[0], module.down.shape[1])
+            if problem:
+                raise _ShapeMismatch(f"{source}: module {module.key!r} is not a {keys.display} LoRA: {problem}")
+        if entry.kind == "lycoris":
+            split = {unit: module}
+        elif entry.kind == "diffusers":
             if "alpha" not in entry.tensors and config is not None:
                 alpha, rslora = _config_alpha(config, unit)
                 if alpha is not None:
@@ -605,7 +690,7 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
                     module.alpha = alpha * math.sqrt(module.rank) if rslora else alpha
             split = {unit: module}
         else:
-            split = split_fused(entry.target, module, f"{source}: {entry.keys['down']!r}")
+            split = split_fused(entry.target, module, f"{source}: {entry.keys.get('down', module.key)!r}")
         for name, m in split.items():
             if name in modules:
                 raise LoraFormatError(f"{source}: module {name!r} is given twice, by {origin[name]!r} and {m.key!r}")
@@ -635,16 +720,29 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
     if not fitting:
         closest = min(maps, key=lambda k: len(unknown[k]))
         raise _unknown(source, unknown[closest][0], maps)
-    hinted = [k for k in fitting if k.hinted_by(metadata)]
+    hinted = _best_hinted(fitting, metadata)
     if len(hinted) == 1:
         fitting = hinted
-    modules, kinds = _modules(source, tensors, found, fitting[0], config)
+    read, mismatch = {}, None
+    for k in fitting:            # names fit; shapes may not (Flux.1 and FLUX.2 share names)
+        try:
+            read[id(k)] = _modules(source, tensors, found, k, config)
+        except _ShapeMismatch as e:
+            mismatch = mismatch or e
+    if not read:
+        raise mismatch
+    fitting = [k for k in fitting if id(k) in read]
+    modules, kinds = read[id(fitting[0])]
     for other in fitting[1:]:
-        if not _same_modules(modules, _modules(source, tensors, found, other, config)[0]):
+        if not _same_modules(modules, read[id(other)][0]):
             raise LoraFormatError(f"{source}: its keys read as a {fitting[0].display} LoRA and as a {other.display} "
                                   f"LoRA with different meanings; say which family it is for (leantune convert "
                                   f"--family)")
     fitting = _narrowed(fitting, metadata, modules)
+    if len(fitting) > 1 and kinds & {"kohya", "native"}:
+        # Native names several families share (FLUX.2 kept Flux.1's), read the same by each (checked
+        # above), so written the same: the first family in the fixed order, as before they shared them.
+        fitting = fitting[:1]
     if kinds == {"diffusers"}:
         _unfold_alphas(source, modules, metadata)
     if ignored:
@@ -652,7 +750,8 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
                       f"supported), e.g. {ignored[0]!r}", IgnoredKeysWarning, stacklevel=3)
     if not modules:
         raise LoraFormatError(f"{source}: no {_displays(maps)} transformer LoRA keys found")
-    fmt = "mixed" if len(kinds) > 1 else {"kohya": "comfyui", "native": "bfl", "diffusers": "diffusers"}[kinds.pop()]
+    fmt = "mixed" if len(kinds) > 1 else {"kohya": "comfyui", "native": "bfl", "diffusers": "diffusers",
+                                                   "lycoris": "lycoris"}[kinds.pop()]
     return LoraWeights(modules=modules, metadata=metadata, source=source, format=fmt, ignored=ignored,
                        keys=fitting[0] if len(fitting) == 1 else None)
 

@@ -1,0 +1,321 @@
+"""Key layout of BFL / ComfyUI FLUX.2 transformer files, both ways, and the architecture from shapes.
+
+BFL's reference code (flux2-dev.safetensors, flux-2-klein-*.safetensors) names FLUX.2 as it named
+Flux.1 (`double_blocks`, `single_blocks`, `img_in`, `final_layer`), with three differences that make
+the Flux.1 tables (bfl_keys.py) wrong for it: the adaLN modulation is shared by all blocks of a kind
+(`double_stream_modulation_img.lin`, `double_stream_modulation_txt.lin`,
+`single_stream_modulation.lin`) instead of living in each block; the MLPs are SwiGLU
+(`img_mlp.0` emits gate and value, 2 x 3 x width); and diffusers keeps a single block's fused
+q/k/v/MLP-input projection fused (`attn.to_qkv_mlp_proj`), so only a double block's
+`img_attn.qkv` / `txt_attn.qkv` is split into q, k, v. The final adaLN stores (shift, scale) in
+BFL's files and (scale, shift) in diffusers, as for Flux.1. ComfyUI's repackaged files carry the
+same names under `model.diffusion_model.`.
+
+One table serves both directions, so `diffusers_to_bfl` (what a full fine-tune's export writes) is
+the exact inverse of `bfl_to_diffusers_ops` (what the loader reads lazily). `config_from_shapes`
+reads Flux2Transformer2DModel's config from diffusers key shapes; `variant_of` names the released
+architecture a config is (flux2-dev, flux2-klein-4b, flux2-klein-9b). Only the rotary split is not
+in the weights: FLUX.2's is four equal axes (32, 32, 32, 32) for heads of 128, and a file may
+state another in its `leantune.config` metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from .weights import KeyOp, apply_ops
+
+COMFY_PREFIX = "model.diffusion_model."
+
+# Linear layers: (BFL module, diffusers module(s)); .weight and .bias are both mapped. Several
+# diffusers modules: the BFL tensor is their concatenation along dim 0, in equal parts.
+_DOUBLE_LINEARS = (
+    ("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+    ("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+    ("img_attn.proj", ("attn.to_out.0",)),
+    ("txt_attn.proj", ("attn.to_add_out",)),
+    ("img_mlp.0", ("ff.linear_in",)),
+    ("img_mlp.2", ("ff.linear_out",)),
+    ("txt_mlp.0", ("ff_context.linear_in",)),
+    ("txt_mlp.2", ("ff_context.linear_out",)),
+)
+_DOUBLE_NORMS = (
+    ("img_attn.norm.query_norm.scale", "attn.norm_q.weight"),
+    ("img_attn.norm.key_norm.scale", "attn.norm_k.weight"),
+    ("txt_attn.norm.query_norm.scale", "attn.norm_added_q.weight"),
+    ("txt_attn.norm.key_norm.scale", "attn.norm_added_k.weight"),
+)
+_SINGLE_LINEARS = (
+    ("linear1", ("attn.to_qkv_mlp_proj",)),      # q, k, v and the SwiGLU input, kept fused by diffusers
+    ("linear2", ("attn.to_out",)),
+)
+_SINGLE_NORMS = (
+    ("norm.query_norm.scale", "attn.norm_q.weight"),
+    ("norm.key_norm.scale", "attn.norm_k.weight"),
+)
+_TOP_LINEARS = (
+    ("img_in", ("x_embedder",)),
+    ("txt_in", ("context_embedder",)),
+    ("time_in.in_layer", ("time_guidance_embed.timestep_embedder.linear_1",)),
+    ("time_in.out_layer", ("time_guidance_embed.timestep_embedder.linear_2",)),
+    ("guidance_in.in_layer", ("time_guidance_embed.guidance_embedder.linear_1",)),
+    ("guidance_in.out_layer", ("time_guidance_embed.guidance_embedder.linear_2",)),
+    ("double_stream_modulation_img.lin", ("double_stream_modulation_img.linear",)),
+    ("double_stream_modulation_txt.lin", ("double_stream_modulation_txt.linear",)),
+    ("single_stream_modulation.lin", ("single_stream_modulation.linear",)),
+    ("final_layer.linear", ("proj_out",)),
+    ("final_layer.adaLN_modulation.1", ("norm_out.linear",)),          # halves swapped
+)
+_SWAPPED = {"final_layer.adaLN_modulation.1"}
+_TABLES = {"double": (_DOUBLE_LINEARS, _DOUBLE_NORMS), "single": (_SINGLE_LINEARS, _SINGLE_NORMS),
+           "top": (_TOP_LINEARS, ())}
+
+_DIFFUSERS_BLOCK = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks"}
+_BFL_BLOCK = {v: k for k, v in _DIFFUSERS_BLOCK.items()}
+_BFL_BLOCK_RE = re.compile(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$")
+_DIFFUSERS_BLOCK_RE = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
+
+# Keys only FLUX.2 has (the shared modulation), without and with their layouts' names.
+BFL_MARKERS = ("single_stream_modulation.lin.weight", "double_stream_modulation_img.lin.weight")
+DIFFUSERS_MARKERS = ("single_stream_modulation.linear.weight", "double_stream_modulation_img.linear.weight")
+
+
+# -- recognising files ------------------------------------------------------------------------------
+
+def is_flux2_bfl(keys) -> bool:
+    """True if a key set (prefix removed) is a BFL-layout FLUX.2 transformer."""
+    keys = set(keys)
+    return any(m in keys for m in BFL_MARKERS)
+
+
+def is_diffusers_flux2(keys) -> bool:
+    keys = set(keys)
+    return any(m in keys for m in DIFFUSERS_MARKERS)
+
+
+def recognizes_keys(keys) -> bool:
+    """A FLUX.2 transformer file in BFL, ComfyUI or diffusers names, any prefix (guess_family)."""
+    markers = BFL_MARKERS + DIFFUSERS_MARKERS
+    return any(k == m or k.endswith("." + m) for k in keys for m in markers)
+
+
+def find_prefix(keys) -> str | None:
+    """The prefix FLUX.2's marker keys sit under ("", "model.diffusion_model.", ...), or None."""
+    for k in keys:
+        for m in BFL_MARKERS + DIFFUSERS_MARKERS:
+            if k == m or k.endswith("." + m):
+                return k[: len(k) - len(m)]
+    return None
+
+
+# -- BFL -> diffusers ---------------------------------------------------------------------------------
+
+def _split(kind: str, rest: str, block: str, rows: int) -> KeyOp | None:
+    linears, norms = _TABLES[kind]
+    for bfl, diff in norms:
+        if rest == bfl:
+            return KeyOp(rest, (block + diff,))
+    module, _, param = rest.rpartition(".")
+    if param not in ("weight", "bias"):
+        return None
+    for bfl, diffs in linears:
+        if module == bfl:
+            n = len(diffs)
+            split = None if n == 1 else tuple([rows // n] * (n - 1) + [rows - (n - 1) * (rows // n)])
+            return KeyOp(rest, tuple(f"{block}{d}.{param}" for d in diffs), split, swap_halves=bfl in _SWAPPED)
+    return None
+
+
+def bfl_to_diffusers_ops(shapes: dict[str, tuple[int, ...]], prefix: str = "") -> tuple[list[KeyOp], list[str]]:
+    """Ops turning BFL keys (given without `prefix`; the ops carry it) into diffusers keys.
+
+    Returns (ops, unknown keys). A double block's fused qkv is split in three equal row runs; an
+    uneven one fails the loader's shape check, naming the key.
+    """
+    ops: list[KeyOp] = []
+    unknown: list[str] = []
+    for key, shape in shapes.items():
+        m = _BFL_BLOCK_RE.match(key)
+        if m:
+            kind = "double" if m.group(1) == "double_blocks" else "single"
+            block, rest = f"{_DIFFUSERS_BLOCK[m.group(1)]}.{m.group(2)}.", m.group(3)
+        else:
+            kind, block, rest = "top", "", key
+        op = _split(kind, rest, block, shape[0] if shape else 1)
+        if op is None:
+            unknown.append(prefix + key)
+        else:
+            ops.append(KeyOp(prefix + key, op.targets, op.split, op.swap_halves))
+    return ops, unknown
+
+
+def convert_bfl_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole BFL state dict in diffusers keys, in memory (the loader applies the same ops lazily)."""
+    ops, unknown = bfl_to_diffusers_ops({k: tuple(v.shape) for k, v in state_dict.items()})
+    if unknown:
+        raise KeyError(f"not BFL FLUX.2 keys: {unknown[:5]}")
+    return apply_ops(ops, state_dict)
+
+
+def bfl_name(diffusers_key: str) -> str:
+    """The BFL key holding a diffusers key (for messages about missing keys)."""
+    m = _DIFFUSERS_BLOCK_RE.match(diffusers_key)
+    if m:
+        kind = "double" if m.group(1) == "transformer_blocks" else "single"
+        block, rest = f"{_BFL_BLOCK[m.group(1)]}.{m.group(2)}.", m.group(3)
+    else:
+        kind, block, rest = "top", "", diffusers_key
+    linears, norms = _TABLES[kind]
+    for bfl, diff in norms:
+        if rest == diff:
+            return block + bfl
+    module, _, param = rest.rpartition(".")
+    for bfl, diffs in linears:
+        if module in diffs:
+            return f"{block}{bfl}.{param}"
+    return diffusers_key
+
+
+# -- diffusers -> BFL ---------------------------------------------------------------------------------
+
+def diffusers_to_bfl(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers Flux2Transformer2DModel state dict, or one group of it (the non-block modules,
+    one block), in BFL keys: fused double-block qkv, swapped final adaLN halves. Every key must
+    have a BFL name (KeyError lists those that do not); a fused qkv needs all three parts."""
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    groups: dict[tuple[str, str, str], None] = {("top", "", ""): None}
+    for key in state_dict:
+        m = _DIFFUSERS_BLOCK_RE.match(key)
+        if m:
+            kind = "double" if m.group(1) == "transformer_blocks" else "single"
+            groups[(kind, f"{m.group(1)}.{m.group(2)}.", f"{_BFL_BLOCK[m.group(1)]}.{m.group(2)}.")] = None
+    for kind, dblock, bblock in groups:
+        linears, norms = _TABLES[kind]
+        for bfl, diff in norms:
+            if dblock + diff in state_dict:
+                out[bblock + bfl] = state_dict[dblock + diff]
+                used.add(dblock + diff)
+        for bfl, diffs in linears:
+            for param in ("weight", "bias"):
+                names = [f"{dblock}{d}.{param}" for d in diffs]
+                present = [n for n in names if n in state_dict]
+                if not present:
+                    continue
+                if len(present) != len(names):
+                    raise KeyError(f"{bblock}{bfl}.{param} fuses {names}, but only {present} are given")
+                t = torch.cat([state_dict[n] for n in names], dim=0) if len(names) > 1 else state_dict[names[0]]
+                if bfl in _SWAPPED:
+                    a, b = t.chunk(2, dim=0)
+                    t = torch.cat([b, a], dim=0)
+                out[f"{bblock}{bfl}.{param}"] = t
+                used.update(names)
+    left = [k for k in state_dict if k not in used]
+    if left:
+        raise KeyError(f"diffusers keys without a BFL FLUX.2 name: {left[:5]}")
+    return out
+
+
+def to_native(state: dict, model=None) -> dict:
+    """SingleFileLayout.to_native: one group of a diffusers state dict in BFL names."""
+    return diffusers_to_bfl(state)
+
+
+def native_metadata(model) -> dict:
+    """SingleFileLayout.metadata: the config a loader cannot read from the weights (the rotary
+    split, the rope base, the norm eps), so a fine-tune of any width loads back the same."""
+    from .component_files import METADATA_CONFIG_KEY
+
+    cfg = model.config
+    return {METADATA_CONFIG_KEY: json.dumps({"axes_dims_rope": [int(a) for a in cfg.axes_dims_rope],
+                                             "rope_theta": int(cfg.rope_theta), "eps": float(cfg.eps)})}
+
+
+# -- architecture from shapes -------------------------------------------------------------------------
+
+# The released architectures: name -> (width, double blocks, single blocks, text width, guidance embedder).
+VARIANTS = {
+    "flux2-dev": (6144, 8, 48, 15360, True),
+    "flux2-klein-4b": (3072, 5, 20, 7680, False),
+    "flux2-klein-9b": (4096, 8, 24, 12288, False),
+}
+
+
+def default_axes_dims_rope(head_dim: int) -> tuple[int, ...]:
+    """FLUX.2's rotary split: four equal even axes (time, height, width, reference index), (32, 32,
+    32, 32) for heads of 128."""
+    if head_dim % 8:
+        raise ValueError(f"head dim {head_dim} cannot be split into four equal even rotary axes; give "
+                         f"axes_dims_rope in the file's leantune.config metadata")
+    return (head_dim // 4,) * 4
+
+
+def _count(keys, prefix: str) -> int:
+    idx = {int(k[len(prefix):].split(".", 1)[0]) for k in keys if k.startswith(prefix)}
+    if idx and idx != set(range(max(idx) + 1)):
+        raise ValueError(f"blocks {prefix}N are not numbered 0..{max(idx)}: {sorted(idx)}")
+    return len(idx)
+
+
+def config_from_shapes(shapes: dict[str, tuple[int, ...]], meta: dict | None = None) -> dict:
+    """A Flux2Transformer2DModel config from diffusers key shapes (BFL files: after
+    `bfl_to_diffusers_ops`); `meta` (a file's leantune.config) fills what shapes cannot show.
+
+    Raises KeyError naming the first anchor key that is missing, ValueError for shapes that fit
+    no FLUX.2 transformer.
+    """
+    meta = dict(meta or {})
+
+    def need(key):
+        if key not in shapes:
+            raise KeyError(key)
+        return shapes[key]
+
+    inner, in_channels = need("x_embedder.weight")
+    double = _count(shapes, "transformer_blocks.")
+    single = _count(shapes, "single_transformer_blocks.")
+    where = "transformer_blocks.0" if double else "single_transformer_blocks.0"
+    head_dim = need(f"{where}.attn.norm_q.weight")[0]
+    if inner % head_dim:
+        raise ValueError(f"width {inner} is not a multiple of the head dim {head_dim} (from {where}.attn.norm_q)")
+    if double:
+        hidden = need("transformer_blocks.0.ff.linear_in.weight")[0] // 2
+    else:
+        hidden = (need("single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight")[0] - 3 * inner) // 2
+    mlp_ratio = hidden / inner
+    if hidden <= 0 or int(inner * mlp_ratio) != hidden:
+        raise ValueError(f"MLP width {hidden} is not a width ratio of {inner}")
+    axes = tuple(meta.get("axes_dims_rope") or default_axes_dims_rope(head_dim))
+    if sum(axes) != head_dim:
+        raise ValueError(f"axes_dims_rope {axes} does not sum to the head dim {head_dim}")
+    out_rows = need("proj_out.weight")[0]
+    config = dict(
+        patch_size=1,
+        in_channels=in_channels,
+        out_channels=None if out_rows == in_channels else out_rows,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=head_dim,
+        num_attention_heads=inner // head_dim,
+        joint_attention_dim=need("context_embedder.weight")[1],
+        timestep_guidance_channels=need("time_guidance_embed.timestep_embedder.linear_1.weight")[1],
+        mlp_ratio=mlp_ratio,
+        axes_dims_rope=list(axes),
+        guidance_embeds="time_guidance_embed.guidance_embedder.linear_1.weight" in shapes,
+    )
+    config.update({k: v for k, v in meta.items() if k in ("rope_theta", "eps")})
+    return config
+
+
+def variant_of(config) -> str | None:
+    """The released FLUX.2 architecture a config is ("flux2-dev", "flux2-klein-4b",
+    "flux2-klein-9b"), or None for any other (a tiny test model, a pruned one). Klein's base and
+    distilled checkpoints share an architecture, so they share a name."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    sig = (int(get("num_attention_heads")) * int(get("attention_head_dim")), int(get("num_layers")),
+           int(get("num_single_layers")), int(get("joint_attention_dim")), bool(get("guidance_embeds")))
+    return next((name for name, want in VARIANTS.items() if want == sig), None)
+

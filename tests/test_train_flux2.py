@@ -1,0 +1,246 @@
+"""End-to-end training on the tiny FLUX.2 (dev-like: Mistral3 text encoder, guidance input), by
+`[model] family = "flux2-dev"` alone: the caches (patchified batch-norm latents, the stacked hidden
+layers of every padded row), flow matching with the family's resolution-dependent shift, LoRA and
+full modes, exact resume, and the diffusers-layout LoRA file giving Flux2Pipeline the trained model's
+outputs."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leantune.config import load_config
+from leantune.demo import draw_shapes
+from leantune.models import tiny_flux2 as tf
+from leantune.models.family import get_family
+from leantune.train import flow_matching as fm
+from leantune.trainer import train
+
+MAX_LEN = 32
+RUN = """
+[model]
+family = "flux2-dev"
+path = "{model}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "cache"
+max_text_length = 32
+
+[[data.datasets]]
+path = "{images}"
+trigger_word = "lnt"
+
+[lora]
+rank = 4
+alpha = 8
+targets = "all"
+
+[train]
+steps = {steps}
+learning_rate = 1e-2
+mixed_precision = "no"
+save_every = 4
+keep_last = 5
+seed = 3
+guidance = 4.0
+
+[output]
+dir = "out"
+name = "t"
+formats = ["diffusers"]
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tf.save_flux2_folder(tmp_path_factory.mktemp("flux2") / "flux2-tiny", "dev", seed=0)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shapes") / "images"
+    draw_shapes(folder, count=4, size=64, seed=5)
+    return folder
+
+
+def make_config(tmp_path, model, images, extra=(), text=RUN, steps=8):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    p = tmp_path / "run.toml"
+    p.write_text(text.format(model=model, images=images, steps=steps))
+    return load_config(p, list(extra))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, model_dir, images):
+    cfg = make_config(tmp_path_factory.mktemp("reference"), model_dir, images)
+    return cfg, train(cfg, progress=False)
+
+
+def _fixed_loss(transformer, data, batches: int = 2) -> float:
+    """The flow-matching loss of `transformer` on the run's cached latents and captions, at fixed
+    noise and noise levels (the same numbers for every model measured)."""
+    family = get_family("flux2-dev")
+    g = torch.Generator().manual_seed(0)
+    it = data.batches(seed=0)
+    losses = []
+    with torch.no_grad():
+        for _ in range(batches):
+            batch = next(it)
+            x0 = batch.latents.float()
+            _, _, h, w = x0.shape
+            for sigma in (0.3, 0.6, 0.9):
+                noise = torch.randn(x0.shape, generator=g)
+                s = torch.full((x0.shape[0],), sigma)
+                pred = family.predict(transformer, family.pack_latents(fm.add_noise(x0, noise, s)), s,
+                                      batch.embeds, (h, w), 4.0)
+                losses.append(float(fm.flow_matching_loss(pred, family.pack_latents(fm.velocity_target(x0, noise)))))
+    return float(np.mean(losses))
+
+
+def _lora_model(cfg, lora: dict):
+    """The run's base transformer with the LoRA of a diffusers-layout state dict applied."""
+    from leantune.train.lora import apply_lora
+
+    family = get_family("flux2-dev")
+    model = family.load_transformer(family.resolve_sources(cfg.model, Path(cfg.base_dir)), dtype=torch.float32)
+    apply_lora(model, _weights({k: v.float() for k, v in lora.items()}), strength=1.0)
+    return model.eval()
+
+
+def _data(cfg):
+    from leantune.data.cache import prepare_caches
+    from leantune.models.component_loading import dtype_from_name
+
+    return prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", dtype_from_name(cfg.model.dtype))
+
+
+def test_schedule_default_is_the_resolution_dependent_shift():
+    assert fm.sampling_method("auto", get_family("flux2-dev")) == "flux_shift"
+    assert fm.sampling_method("auto", get_family("flux2-klein-9b")) == "flux_shift"
+
+
+def test_lora_run_trains_and_the_diffusers_file_loads_in_flux2pipeline(reference_run, model_dir, tmp_path):
+    """The run's losses are finite, the adapter on every preset target moved, the cached text equals
+    Flux2Pipeline.encode_prompt, and Flux2Pipeline.load_lora_weights of the written file samples what
+    our sampler samples with the trained adapter."""
+    from diffusers import Flux2Pipeline
+
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.sampler import denoise
+    from leantune.models.flux2 import Flux2VAE
+
+    cfg, result = reference_run
+    assert len(result.losses) == 8 and all(np.isfinite(result.losses))
+    path = result.paths.lora_file("diffusers")
+    lora = load_file(str(path))
+    assert any(k.endswith("single_transformer_blocks.1.attn.to_qkv_mlp_proj.lora_B.weight") for k in lora)
+    moved = [k for k, v in lora.items() if k.endswith("lora_B.weight") and torch.count_nonzero(v)]
+    assert len(moved) > 0.8 * sum(k.endswith("lora_B.weight") for k in lora)
+
+    data = _data(cfg)
+    assert data.stats["text"].hits > 0 and data.stats["text"].misses == 0
+    pipe = Flux2Pipeline.from_pretrained(str(model_dir), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    t5, pooled = data.text_entry("")
+    ref, _ = pipe.encode_prompt("", device="cpu", max_sequence_length=MAX_LEN)
+    assert pooled.numel() == 0 and torch.equal(t5.float(), ref[0].to(t5.dtype).float())
+
+    # ours: the base transformer with the trained adapter, sampled by leantune's sampler
+    family = get_family("flux2-dev")
+    model = _lora_model(cfg, lora)
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    prompt, seed = "lnt a red circle", 3
+    embeds, _ = family.encode_prompts([prompt], family.load_text_encoders(sources, torch.float32), MAX_LEN, "cpu")
+    vae = Flux2VAE(pipe.vae)
+    lat = denoise(model, embeds, [seed], width=64, height=64, steps=3, guidance=4.0,
+                  schedule=family.sampling.schedule("dev", model_dir), device="cpu", family=family)
+    ours = decode_latents(vae, lat, "cpu").permute(0, 2, 3, 1).numpy()
+    base = pipe(prompt=prompt, height=64, width=64, num_inference_steps=3, guidance_scale=4.0,
+                max_sequence_length=MAX_LEN, generator=torch.Generator().manual_seed(seed), output_type="np").images
+    pipe.load_lora_weights(str(path))
+    trained = pipe(prompt=prompt, height=64, width=64, num_inference_steps=3, guidance_scale=4.0,
+                   max_sequence_length=MAX_LEN, generator=torch.Generator().manual_seed(seed), output_type="np").images
+    assert np.abs(ours - trained).max() <= 1e-5         # peft in both; the images agree to float noise
+    assert np.abs(trained - base).max() > 1e-4
+    # the loss went down: the trained model fits the training data better than the base
+    base_model = family.load_transformer(sources, dtype=torch.float32).eval()
+    assert _fixed_loss(model, data) < 0.99 * _fixed_loss(base_model, data)
+
+
+def _weights(tensors):
+    """LoraWeights of a diffusers-layout state dict (module -> down, up), alpha = rank."""
+    from leantune.train.lora_formats import LoraModule, LoraWeights
+
+    names = sorted({k[len("transformer."):-len(".lora_A.weight")] for k in tensors if k.endswith(".lora_A.weight")})
+    modules = {}
+    for n in names:
+        down, up = tensors[f"transformer.{n}.lora_A.weight"], tensors[f"transformer.{n}.lora_B.weight"]
+        modules[n] = LoraModule(down=down, up=up, alpha=float(down.shape[0]))
+    return LoraWeights(modules=modules, source="test")
+
+
+@pytest.mark.slow
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, model_dir, images, reference_run):
+    _, full = reference_run
+    cfg = make_config(tmp_path, model_dir, images)
+    first = train(cfg, stop_after=4, progress=False)
+    assert first.final_step == 4
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed.final_step == 8
+    assert resumed.losses == full.losses
+    a = load_file(str(full.paths.lora_file("diffusers")))
+    b = load_file(str(resumed.paths.lora_file("diffusers")))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+FULL = RUN.split("[lora]")[0] + """
+[train]
+mode = "full"
+steps = {steps}
+learning_rate = 3e-4
+mixed_precision = "no"
+seed = 3
+guidance = 4.0
+save_every = 2
+
+[output]
+dir = "out"
+name = "f"
+formats = ["diffusers"]
+"""
+
+
+@pytest.mark.slow
+def test_full_fine_tune_trains_resumes_and_exports_a_loadable_folder(tmp_path, model_dir, images):
+    """[train] mode = "full": every block weight and the shared modulation train, the loss on the
+    training data goes down, a resumed run equals the uninterrupted one, and the exported diffusers
+    folder loads back through the FLUX.2 loader with the trained weights."""
+    from leantune.config import ModelConfig
+
+    cfg = make_config(tmp_path / "a", model_dir, images, text=FULL, steps=4)
+    result = train(cfg, progress=False)
+    assert len(result.losses) == 4 and all(np.isfinite(result.losses))
+    fam = get_family("flux2-dev")
+    before = fam.load_transformer(fam.resolve_sources(cfg.model, Path(cfg.base_dir)), dtype=torch.float32).eval()
+    folder = next(p for p in result.paths.root.iterdir() if p.name.endswith("_diffusers") and p.is_dir())
+    after = fam.load_transformer(fam.resolve_sources(ModelConfig(path=str(folder), family="flux2-dev"), Path("/")),
+                                 dtype=torch.float32).eval()
+    a, b = before.state_dict(), after.state_dict()
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    for k in ("transformer_blocks.0.attn.to_q.weight", "transformer_blocks.1.ff_context.linear_out.weight",
+              "single_transformer_blocks.1.attn.to_qkv_mlp_proj.weight", "double_stream_modulation_img.linear.weight",
+              "single_stream_modulation.linear.weight", "x_embedder.weight"):
+        assert k in changed
+    data = _data(cfg)
+    assert _fixed_loss(after, data) < 0.99 * _fixed_loss(before, data)
+    # exact resume in full mode
+    cfg2 = make_config(tmp_path / "b", model_dir, images, text=FULL, steps=4)
+    assert train(cfg2, stop_after=2, progress=False).final_step == 2
+    resumed = train(cfg2, resume=True, progress=False)
+    assert resumed.losses == result.losses
