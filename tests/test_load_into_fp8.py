@@ -269,3 +269,15 @@ def test_full_mode_load_options_leave_trained_weights_alone():
     assert options["quantize_fp8"] is True
     assert options["trained"]("transformer_blocks.0.attn.to_q.weight")
     assert not options["trained"]("single_transformer_blocks.0.attn.to_q.weight")
+
+
+def test_flux2_quantizing_load_equals_bf16_load_then_quantize(tmp_path):
+    from leantune.models import flux2_loading, flux2_single_file
+    from leantune.models.flux2_spec import FLUX2_DEV_SPEC
+    from leantune.models.tiny_flux2 import flux2_transformer
+
+    path = flux2_single_file.save_single_file(flux2_transformer(seed=8), tmp_path / "flux2.safetensors",
+                                              dtype=torch.bfloat16)
+    sources = flux2_loading.Flux2Sources(**{f: None for f in flux2_loading.Flux2Sources.__dataclass_fields__})
+    sources = type(sources)(**{**sources.__dict__, "transformer": Path(path)})
+    _assert_fp8_load_equals_bf16_then_quantize(flux2_loading.load_transformer, sources, FLUX2_DEV_SPEC)
