@@ -219,7 +219,7 @@ class CheckpointFiles:
         through its mapping never adds more than a tensor to the resident memory."""
         info = self.tensors[key]
         m = self._maps.get(info.file)
-        if m is None or info.end <= info.start:
+        if m is None or info.end <= info.start or not hasattr(mmap, "MADV_DONTNEED"):
             return
         start = info.start - info.start % mmap.PAGESIZE
         m.madvise(mmap.MADV_DONTNEED, start, info.end - start)
