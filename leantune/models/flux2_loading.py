@@ -78,18 +78,22 @@ def transformer_config(sources: Flux2Sources) -> dict:
 
 
 def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                     keep_fp8: bool = True, fp8_modulation: bool = True):
+                     keep_fp8: bool = True, fp8_modulation: bool = True, quantize_fp8: bool = False,
+                     quantize_modulation: bool = False, trained=None):
     """The Flux2Transformer2DModel of a diffusers folder or a single .safetensors file, in `dtype`
     on `device` (device "meta": shapes and dtypes only). e4m3 block weights stay e4m3 (`keep_fp8`);
     `fp8_modulation` is passed on to the single-file reader (FLUX.2's modulation is outside the
-    blocks, so a folder never keeps it fp8)."""
+    blocks, so a folder never keeps it fp8). `quantize_fp8` / `quantize_modulation` / `trained`:
+    the block Linears a run stores in fp8 are quantized as they are read (as flux_loading's)."""
     src = _require(sources.transformer, "transformer")
     if src.is_file():
         if src.suffix != ".safetensors":
             raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
         from .flux2_single_file import load_single_file_transformer
 
-        return load_single_file_transformer(src, dtype, device, fp8_modulation=fp8_modulation, keep_fp8=keep_fp8)
+        return load_single_file_transformer(src, dtype, device, fp8_modulation=fp8_modulation, keep_fp8=keep_fp8,
+                                            quantize_fp8=quantize_fp8, quantize_modulation=quantize_modulation,
+                                            trained=trained)
     from diffusers import Flux2Transformer2DModel
 
     config, files, ops = cl.diffusers_folder(src, (TRANSFORMER_CLASS,), _LABEL["transformer"])
@@ -97,9 +101,10 @@ def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16,
         model = build_empty(lambda: Flux2Transformer2DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a FLUX.2 transformer from its config ({e})") from None
-    keep, attach = cl.keep_fp8_hooks(model, FLUX2_DEV_SPEC, fp8_modulation) if keep_fp8 else (None, None)
+    fp8 = cl.fp8_hooks(model, FLUX2_DEV_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what="a FLUX.2 transformer of this architecture", dtype=dtype,
-                           device=device, keep_fp8=keep, on_fp8=attach)
+                           device=device, **fp8)
 
 
 def variant_of_config(config) -> str:

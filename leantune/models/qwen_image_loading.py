@@ -146,10 +146,15 @@ def transformer_config(sources: QwenImageSources) -> dict:
 
 
 def load_transformer(sources: QwenImageSources, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                     keep_fp8: bool = True, fp8_modulation: bool = True):
+                     keep_fp8: bool = True, fp8_modulation: bool = True, quantize_fp8: bool = False,
+                     quantize_modulation: bool = False, trained=None):
     """The QwenImageTransformer2DModel, built on meta and filled tensor by tensor in `dtype` on `device`
     (device="meta": shapes and dtypes only, for the planner). e4m3 block weights stay e4m3 with a
-    per-row scale (`keep_fp8`); `fp8_modulation=False` upcasts the img_mod / txt_mod Linears."""
+    per-row scale (`keep_fp8`); `fp8_modulation=False` upcasts the img_mod / txt_mod Linears.
+    `quantize_fp8`: the block Linears a run stores in fp8 ([memory] fp8) are quantized as they are
+    read, never held in `dtype` (`quantize_modulation`: the modulation Linears too; `trained(name)`:
+    weights a full fine-tune trains stay in `dtype`); family.fp8_load_options gives these.
+    """
     from diffusers import QwenImageTransformer2DModel
 
     src = _require(sources.transformer, "transformer")
@@ -158,9 +163,10 @@ def load_transformer(sources: QwenImageSources, dtype: torch.dtype = torch.bfloa
         model = build_empty(lambda: QwenImageTransformer2DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a Qwen-Image transformer from its config ({e})") from None
-    keep, attach = cl.keep_fp8_hooks(model, QWEN_IMAGE_SPEC, fp8_modulation) if keep_fp8 else (None, None)
+    fp8 = cl.fp8_hooks(model, QWEN_IMAGE_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what="a Qwen-Image transformer of this architecture", dtype=dtype,
-                           device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
+                           device=device, source_name=source_name, **fp8)
 
 
 def describe(transformer) -> str:
