@@ -1,8 +1,9 @@
 """End-to-end training on the tiny FLUX.2 (dev-like: Mistral3 text encoder, guidance input), by
 `[model] family = "flux2-dev"` alone: the caches (patchified batch-norm latents, the stacked hidden
 layers of every padded row), flow matching with the family's resolution-dependent shift, LoRA and
-full modes, exact resume, and the diffusers-layout LoRA file giving Flux2Pipeline the trained model's
-outputs."""
+full modes, exact resume, the diffusers-layout LoRA file giving Flux2Pipeline the trained model's
+outputs, and the default exports (ComfyUI beside diffusers) read back by `leantune sample --lora`,
+diffusers' FLUX.2 converter and `leantune convert`."""
 
 from pathlib import Path
 
@@ -52,7 +53,6 @@ guidance = 4.0
 [output]
 dir = "out"
 name = "t"
-formats = ["diffusers"]
 """
 
 
@@ -266,3 +266,77 @@ def test_full_fine_tune_trains_resumes_and_exports_a_loadable_folder(tmp_path, m
     assert train(cfg2, stop_after=2, progress=False).final_step == 2
     resumed = train(cfg2, resume=True, progress=False)
     assert resumed.losses == result.losses
+
+
+def _cli(command, *args) -> int:
+    import argparse
+    import importlib
+
+    module = importlib.import_module(f"leantune.commands.{command}")
+    parser = argparse.ArgumentParser()
+    module.configure(parser)
+    return module.run(parser.parse_args([str(a) for a in args]))
+
+
+def _deltas(weights) -> dict:
+    return {n: m.delta() for n, m in weights.modules.items()}
+
+
+def test_default_exports_read_back_in_sample_convert_and_diffusers(reference_run, model_dir, tmp_path, monkeypatch):
+    """The trainer's default formats write the ComfyUI layout (fused BFL modules, lora_down /
+    lora_up / alpha) beside the diffusers one. Both read back (read_lora) to the same deltas;
+    diffusers' own FLUX.2 kohya converter reads the ComfyUI file to those deltas; `leantune
+    convert` turns each into the other (diffusers -> ComfyUI gives the trainer's ComfyUI tensors);
+    `leantune sample --lora` draws the same image with either file (the family guessed from the
+    folder, or given by --family), and another image without it."""
+    from diffusers.loaders.lora_pipeline import Flux2LoraLoaderMixin
+    from PIL import Image
+
+    from leantune.io import load_safetensors
+    from leantune.models.flux2_lora_keys import FLUX2_LORA_KEYS
+    from leantune.train.lora_formats import read_lora
+
+    _, result = reference_run
+    comfy, diff = result.paths.lora_file("comfyui"), result.paths.lora_file("diffusers")
+    tensors, meta = load_safetensors(comfy)
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in tensors
+    assert "lora_unet_single_blocks_1_linear1.alpha" in tensors and meta["ss_base_model_version"] == "flux2"
+    a, b = read_lora(comfy), read_lora(diff)
+    assert a.keys is FLUX2_LORA_KEYS and b.keys is FLUX2_LORA_KEYS
+    ours, want = _deltas(a), _deltas(b)
+    assert ours.keys() == want.keys() and len(want) > 20
+    for n in want:
+        assert torch.equal(ours[n], want[n]), n
+
+    # diffusers' converter (Flux2LoraLoaderMixin.lora_state_dict -> _convert_kohya_flux2_lora_to_diffusers)
+    # bakes alpha / rank into the factors: 8 / 4 = 2 here (the fused qkv's 24 / 12), a power
+    # of two, so its deltas are ours exactly
+    theirs = Flux2LoraLoaderMixin.lora_state_dict(str(comfy))
+    theirs = {k[len("transformer."):-len(".lora_A.weight")]: theirs[k.replace("lora_A", "lora_B")].float() @ theirs[k].float()
+              for k in theirs if k.endswith(".lora_A.weight")}
+    assert theirs.keys() == want.keys()
+    for n in want:
+        assert torch.equal(theirs[n], want[n]), n
+
+    # leantune convert, both ways, on the trained files
+    assert _cli("convert", comfy, tmp_path / "c2d.safetensors", "--to", "diffusers") == 0
+    assert _cli("convert", diff, tmp_path / "d2c.safetensors", "--to", "comfyui") == 0
+    c2d = read_lora(tmp_path / "c2d.safetensors")
+    assert c2d.keys is FLUX2_LORA_KEYS and all(torch.equal(d, want[n]) for n, d in _deltas(c2d).items())
+    d2c, d2c_meta = load_safetensors(tmp_path / "d2c.safetensors")
+    assert d2c.keys() == tensors.keys() and all(torch.equal(d2c[k], tensors[k]) for k in tensors)
+    assert d2c_meta["ss_base_model_version"] == "flux2" and d2c_meta["ss_steps"] == meta["ss_steps"]
+
+    # leantune sample --lora
+    monkeypatch.chdir(tmp_path)
+    images = {}
+    for name, lora in (("comfy", comfy), ("diffusers", diff), ("none", None)):
+        family = ["--family", "flux2-dev"] if name == "diffusers" else []       # or said: any family name
+        args = [*family, "--model", model_dir, "--prompt", "lnt a red circle", "--steps", "2", "--width", "64", "--height", "64",
+                "--seed", "3", "--guidance", "4", "--device", "cpu", "--out", name, "--set", "max_text_length=32",
+                "--set", "model.dtype=fp32"]
+        assert _cli("sample", *args, *(["--lora", lora] if lora else [])) == 0
+        (png,) = sorted((tmp_path / name).glob("*.png"))
+        images[name] = np.asarray(Image.open(png))
+    assert np.array_equal(images["comfy"], images["diffusers"])
+    assert not np.array_equal(images["comfy"], images["none"])

@@ -19,10 +19,13 @@ import sys
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("request", nargs="?", help="a sample request TOML: prompts, seed, steps, guidance, width, height, out, "
                              "[model], [[lora]], [memory]; flags override its values")
-    parser.add_argument("--model", help="a diffusers Flux / SD3.5 folder or a single .safetensors transformer file")
-    parser.add_argument("--family", choices=("flux", "sd3", "qwen-image"),
-                        help="the model family (default: the request's [model] family, else what --model's "
-                             "folder or file says it is, else flux)")
+    parser.add_argument("--model", help="a diffusers folder (Flux.1, SD3.5, Qwen-Image, FLUX.2) or a single "
+                                        ".safetensors transformer file")
+    # no argparse choices: the request schema checks the name against every family ([model] family)
+    parser.add_argument("--family", metavar="NAME",
+                        help="the model family: flux, sd3, qwen-image, qwen-image-edit, flux2-dev, flux2-klein-4b, "
+                             "flux2-klein-9b (default: the request's [model] family, else what --model's folder or "
+                             "file says it is, else flux)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     parser.add_argument("--negative-prompt", metavar="TEXT",
                         help="what the image should not show (SD3.5's classifier-free guidance; default empty)")
