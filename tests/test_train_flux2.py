@@ -82,8 +82,9 @@ def reference_run(tmp_path_factory, model_dir, images):
 
 
 def _fixed_loss(transformer, data, batches: int = 2) -> float:
-    """The flow-matching loss of `transformer` on the run's cached latents and captions, at fixed
-    noise and noise levels (the same numbers for every model measured)."""
+    """The flow-matching loss of `transformer` on the run's cached latents and captions (and
+    reference latents, when the dataset has them), at fixed noise and noise levels (the same
+    numbers for every model measured)."""
     family = get_family("flux2-dev")
     g = torch.Generator().manual_seed(0)
     it = data.batches(seed=0)
@@ -96,8 +97,9 @@ def _fixed_loss(transformer, data, batches: int = 2) -> float:
             for sigma in (0.3, 0.6, 0.9):
                 noise = torch.randn(x0.shape, generator=g)
                 s = torch.full((x0.shape[0],), sigma)
+                refs = {"references": batch.references} if batch.references else {}
                 pred = family.predict(transformer, family.pack_latents(fm.add_noise(x0, noise, s)), s,
-                                      batch.embeds, (h, w), 4.0)
+                                      batch.embeds, (h, w), 4.0, **refs)
                 losses.append(float(fm.flow_matching_loss(pred, family.pack_latents(fm.velocity_target(x0, noise)))))
     return float(np.mean(losses))
 
@@ -340,3 +342,110 @@ def test_default_exports_read_back_in_sample_convert_and_diffusers(reference_run
         images[name] = np.asarray(Image.open(png))
     assert np.array_equal(images["comfy"], images["diffusers"])
     assert not np.array_equal(images["comfy"], images["none"])
+
+
+REFERENCES = RUN.replace('trigger_word = "lnt"', 'trigger_word = "lnt"\nreference_path = "{refs}"').replace(
+    'formats = ["diffusers"]\n', "").replace('name = "t"', 'name = "t"\nformats = ["diffusers"]')
+
+
+def _reference_dataset(root: Path) -> tuple[Path, Path]:
+    """Targets with captions, and one reference image per target (refs/<target stem>.png, no captions)."""
+    images, refs = root / "images", root / "refs"
+    draw_shapes(images, count=4, size=64, seed=5)
+    draw_shapes(refs, count=4, size=64, seed=9)
+    for p in refs.glob("*.txt"):
+        p.unlink()
+    for a, b in zip(sorted(refs.glob("*.png")), sorted(images.glob("*.png"))):
+        a.rename(refs / f"{b.stem}.png")
+    return images, refs
+
+
+def test_reference_images_train_and_sample_as_flux2pipeline_with_image(tmp_path, model_dir):
+    """FLUX.2's multi-reference conditioning through the dataset ([[data.datasets]] reference_path):
+    the references are cached as the pipeline encodes `image=` (to the cache's bf16), the trainer's
+    call `predict(references=...)` on a batch equals Flux2Pipeline's transformer call on the tokens
+    it assembles (its _pack_latents, _prepare_latent_ids, _prepare_image_ids) with the trained LoRA
+    loaded, the loss at fixed noise goes down, and a sample drawn with a reference equals
+    Flux2Pipeline(image=...) with the trained LoRA, bit for bit (fp32)."""
+    from diffusers import Flux2Pipeline
+    from PIL import Image
+
+    from leantune.data.cache import image_pixels
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.sampler import denoise
+    from leantune.models.flux2 import Flux2VAE, encode_reference_latents
+
+    images, refs = _reference_dataset(tmp_path)
+    cfg = load_config(_write(tmp_path, REFERENCES.format(model=model_dir, images=images, refs=refs, steps=8)), [])
+    result = train(cfg, progress=False)
+    assert len(result.losses) == 8 and all(np.isfinite(result.losses))
+    path = result.paths.lora_file("diffusers")
+    family = get_family("flux2-dev")
+    data = _data(cfg)
+    assert data.stats["latents"].misses == 0 and data.stats["latents"].hits == 8      # 4 targets + 4 references
+    batch = next(data.batches(seed=0))
+    assert batch.references is not None and len(batch.references) == 1
+    assert batch.references[0].shape == batch.latents.shape == (2, 128, 4, 4)
+
+    pipe = Flux2Pipeline.from_pretrained(str(model_dir), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    # The cache holds each reference as the pipeline encodes `image=`: the same pixels (its
+    # preprocess), then its VAE path (_encode_vae_image: the mode, 2x2 patches, batch-norm), in the
+    # cache's bf16. The pipeline's preprocess hands the VAE a channels-last-strided tensor (made from
+    # numpy), on which the CPU convolutions sum in another order than on the cache's contiguous one
+    # (3.3e-5 apart in fp32 here, a bf16 ulp on some entries), so its VAE is given the same pixels
+    # contiguous.
+    for sample in data.samples[:4]:
+        (ref,) = sample.item.references
+        img = Image.open(ref.path).convert("RGB")
+        pixels = pipe.image_processor.preprocess(img, height=img.height, width=img.width, resize_mode="crop")
+        assert torch.equal(image_pixels(ref, family.references.size(ref.width, ref.height, sample.bucket)), pixels[0])
+        with torch.no_grad():
+            want = pipe._encode_vae_image(pixels.contiguous(), generator=None)[0]
+        assert torch.equal(data.latent_entry(sample.reference_keys[0]), want.to(torch.bfloat16)), ref.path
+
+    model = _lora_model(cfg, load_file(str(path)))
+    pipe.load_lora_weights(str(path))
+    _own_storage(pipe.transformer)
+    x0 = batch.latents.float()
+    b, _, h, w = x0.shape
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.35, 0.8])
+    noisy = fm.add_noise(x0, noise, sigma)
+    with torch.no_grad():
+        ours = family.predict(model, family.pack_latents(noisy), sigma, batch.embeds, (h, w), 4.0,
+                              references=batch.references)
+        reference = batch.references[0].float()
+        tokens = torch.cat([pipe._pack_latents(noisy), pipe._pack_latents(reference)], dim=1)
+        ids = torch.cat([pipe._prepare_latent_ids(noisy), pipe._prepare_image_ids([reference[:1]]).expand(b, -1, -1)],
+                        dim=1)
+        text = batch.embeds.t5.float()
+        theirs = pipe.transformer(hidden_states=tokens, timestep=sigma, guidance=torch.full([b], 4.0),
+                                  encoder_hidden_states=text, txt_ids=pipe._prepare_text_ids(text), img_ids=ids,
+                                  return_dict=False)[0][:, : h * w]
+    assert torch.equal(ours, theirs)
+    base = family.load_transformer(family.resolve_sources(cfg.model, Path(cfg.base_dir)), dtype=torch.float32).eval()
+    assert _fixed_loss(model, data) < 0.99 * _fixed_loss(base, data)
+
+    # sampling with a reference image, as Flux2Pipeline(image=...) with the trained LoRA
+    prompt, seed = "lnt a red circle", 3
+    ref_img = Image.open(sorted(refs.glob("*.png"))[0]).convert("RGB")
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    embeds, _ = family.encode_prompts([prompt], family.load_text_encoders(sources, torch.float32), MAX_LEN, "cpu")
+    vae = Flux2VAE(pipe.vae)
+    lat = denoise(model, embeds, [seed], width=64, height=64, steps=3, guidance=4.0,
+                  schedule=family.sampling.schedule("dev", model_dir), device="cpu", family=family,
+                  references=encode_reference_latents(vae, [ref_img]))
+    mine = decode_latents(vae, lat, "cpu").permute(0, 2, 3, 1).numpy()
+    kw = dict(prompt=prompt, height=64, width=64, num_inference_steps=3, guidance_scale=4.0, max_sequence_length=MAX_LEN,
+              output_type="np")
+    want = pipe(image=[ref_img], generator=torch.Generator().manual_seed(seed), **kw).images
+    assert np.array_equal(mine, want)
+    unconditioned = pipe(generator=torch.Generator().manual_seed(seed), **kw).images
+    assert np.abs(want - unconditioned).max() > 1e-4          # the reference changes the image
+
+
+def _write(root: Path, text: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "run.toml").write_text(text)
+    return root / "run.toml"
