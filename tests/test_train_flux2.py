@@ -449,3 +449,66 @@ def _write(root: Path, text: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "run.toml").write_text(text)
     return root / "run.toml"
+
+
+def test_klein_lora_run_samples_as_flux2kleinpipeline(tmp_path, images, monkeypatch, caplog):
+    """A klein LoRA run (Qwen3 text encoder, no guidance embedder; a tiny klein is either size, so
+    [model] family = "flux2-klein-4b" takes it). Its diffusers file in Flux2KleinPipeline
+    (classifier-free guidance against the empty prompt) gives exactly the images leantune's sampler
+    gives with the trained adapter, the CFG halves one after the other as the pipeline runs them.
+    `leantune sample --lora` on the folder with no --family (guess_family reads its config: a klein,
+    not flux2-dev) draws that image too, to one level of 255: it batches the two CFG halves in one
+    forward when the memory plan allows (here it does), and a batched matmul rounds otherwise than
+    two single ones (float noise that moves some pixels by one level after rounding to 8 bits)."""
+    from diffusers import Flux2KleinPipeline
+    from PIL import Image
+
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.sampler import denoise
+    from leantune.models.family import guess_family
+    from leantune.models.flux2 import Flux2VAE
+    from leantune.train.lora import apply_lora
+    from leantune.train.lora_formats import read_lora
+
+    klein_dir = tf.save_flux2_folder(tmp_path / "klein-tiny", "klein", seed=1)
+    text = RUN.replace('family = "flux2-dev"', 'family = "flux2-klein-4b"').replace("guidance = 4.0\n", "").replace(
+        'name = "t"', 'name = "t"\nformats = ["diffusers"]')
+    cfg = make_config(tmp_path / "run", klein_dir, images, text=text, steps=4)
+    result = train(cfg, progress=False)
+    assert len(result.losses) == 4 and all(np.isfinite(result.losses))
+    path = result.paths.lora_file("diffusers")
+    assert guess_family(klein_dir) == "flux2-klein-9b"          # a tiny klein: the depth rule (not 5 double blocks)
+
+    prompt, seed = "lnt a red circle", 3
+    pipe = Flux2KleinPipeline.from_pretrained(str(klein_dir), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(path))
+    _own_storage(pipe.transformer)
+    kw = dict(prompt=prompt, height=64, width=64, num_inference_steps=2, guidance_scale=4.0, max_sequence_length=MAX_LEN)
+    want = pipe(generator=torch.Generator().manual_seed(seed), output_type="np", **kw).images
+
+    family = get_family("flux2-klein-4b")
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    model = family.load_transformer(sources, dtype=torch.float32).eval()
+    apply_lora(model, read_lora(path))
+    encoders = family.load_text_encoders(sources, torch.float32)
+    cond, _ = family.encode_prompts([prompt], encoders, MAX_LEN, "cpu")
+    neg, _ = family.encode_prompts([""], encoders, MAX_LEN, "cpu")
+    vae = Flux2VAE(pipe.vae)
+    lat = denoise(model, cond, [seed], width=64, height=64, steps=2, guidance=4.0,
+                  schedule=family.sampling.schedule("klein", klein_dir), device="cpu", family=family, negative=neg,
+                  cfg_batched=False)
+    assert np.array_equal(decode_latents(vae, lat, "cpu").permute(0, 2, 3, 1).numpy(), want)
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO")
+    assert _cli("sample", "--model", klein_dir, "--lora", path, "--prompt", prompt, "--steps", "2", "--width", "64",
+                "--height", "64", "--seed", seed, "--guidance", "4", "--device", "cpu", "--out", "klein",
+                "--set", "max_text_length=32", "--set", "model.dtype=fp32") == 0
+    assert "CFG 4, halves batched" in caplog.text
+    (png,) = sorted((tmp_path / "klein").glob("*.png"))
+    ours = np.asarray(Image.open(png)).astype(int)
+    pixels = (want[0] * 255).round().astype(int)
+    assert np.abs(ours - pixels).max() <= 1
+    plain = pipe(generator=torch.Generator().manual_seed(seed), output_type="np", **{**kw, "guidance_scale": 1.0}).images
+    assert np.abs((plain[0] * 255).round() - pixels).max() > 2          # the guidance shows
