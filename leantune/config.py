@@ -24,9 +24,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Every [model] family leantune trains and samples (models/family.py registers each on first use);
+# the CLI's --family choices read this too, so a new family is named in one place.
+FAMILY_NAMES = ("flux", "sd3", "qwen-image", "qwen-image-edit", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b")
+
+
 class ModelConfig(Section):
-    family: Literal["flux", "sd3", "qwen-image", "qwen-image-edit", "flux2-dev", "flux2-klein-4b",
-                    "flux2-klein-9b"] = "flux"
+    family: Literal[FAMILY_NAMES] = "flux"
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
     # (.safetensors: BFL / ComfyUI for Flux, Stability's sd3.5_*.safetensors for SD3).
     path: str
@@ -253,6 +257,9 @@ class SampleConfig(Section):
     steps: int = Field(20, ge=1)
     guidance: float = Field(3.5, ge=0)   # Flux dev: distilled guidance; SD3.5: classifier-free guidance scale
     negative_prompt: str = ""            # SD3.5 (classifier-free guidance) only
+    # An edit family (qwen-image-edit): reference images every sample is conditioned on; none given:
+    # the first dataset target's references
+    references: list[str] = []
     width: int = Field(512, ge=16)
     height: int = Field(512, ge=16)
 

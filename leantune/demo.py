@@ -189,12 +189,16 @@ DEMO_FLUX = {"num_attention_heads": 4}
 # them (SD3.5 Large is 1/3 apart at 64 patches across).
 DEMO_SD3 = {"num_attention_heads": 8, "caption_projection_dim": 64, "sample_size": 64, "pos_embed_max_size": 32}
 
+# The same for Qwen-Image: 4 heads of 16 (the tiny preset has 2), so the blocks are 64 wide like the
+# Flux demo's; the VAE is demo_vae.qwen_shape_vae.
+DEMO_QWEN = {"num_attention_heads": 4}
+
 # (mode, family) -> the shipped config the demo trains with
 CONFIGS = {("lora", "flux"): "quickstart.toml", ("full", "flux"): "quickstart_full.toml",
-           ("lora", "sd3"): "quickstart_sd3.toml"}
-FAMILIES = ("flux", "sd3")
+           ("lora", "sd3"): "quickstart_sd3.toml", ("lora", "qwen-image"): "quickstart_qwen.toml"}
+FAMILIES = ("flux", "sd3", "qwen-image")
 # Each family's model folder (the config's [model] path)
-MODEL_FOLDERS = {"flux": "model", "sd3": "model-sd3"}
+MODEL_FOLDERS = {"flux": "model", "sd3": "model-sd3", "qwen-image": "model-qwen"}
 
 
 def quickstart_text(mode: str = "lora", family: str = "flux") -> str:
@@ -205,8 +209,8 @@ def quickstart_text(mode: str = "lora", family: str = "flux") -> str:
 
 
 MARKER = ".leantune-demo"
-DEMO_ENTRIES = ("model", "model-sd3", "images", "cache", "cache-sd3", "run", "quickstart.toml",
-                "quickstart_full.toml", "quickstart_sd3.toml")
+DEMO_ENTRIES = ("model", "model-sd3", "model-qwen", "images", "cache", "cache-sd3", "cache-qwen", "run",
+                "quickstart.toml", "quickstart_full.toml", "quickstart_sd3.toml", "quickstart_qwen.toml")
 
 
 class DemoFolderError(ValueError):
@@ -251,7 +255,7 @@ def prepare(out: Path, fresh: bool = False, mode: str = "lora", family: str = "f
 
     `fresh` first removes what an earlier demo wrote into `out` (see `_clear`).
     """
-    from .demo_vae import save_shape_vae
+    from .demo_vae import save_qwen_shape_vae, save_shape_vae
 
     text = quickstart_text(mode, family)          # an unknown (mode, family) fails before any write
     _check_ours(out)
@@ -262,7 +266,8 @@ def prepare(out: Path, fresh: bool = False, mode: str = "lora", family: str = "f
     model = out / MODEL_FOLDERS[family]
     if not (model / "model_index.json").exists():
         _save_model(model, family)
-        save_shape_vae(model / "vae")                  # a VAE that reconstructs the shapes
+        # a VAE that reconstructs the shapes
+        (save_qwen_shape_vae if family == "qwen-image" else save_shape_vae)(model / "vae")
     if not any((out / "images").glob("*.png")):
         draw_shapes(out / "images", cycle=True, centred=True)
     config = out / CONFIGS[mode, family]
@@ -276,6 +281,14 @@ def _save_model(folder: Path, family: str) -> None:
 
     if family == "flux":
         tiny.save_flux_folder(folder, seed=0, **DEMO_FLUX)
+        return
+    if family == "qwen-image":
+        from diffusers import QwenImagePipeline
+
+        from .models import tiny_qwen_image as tq
+
+        parts = tq.qwen_image_components(seed=0, **DEMO_QWEN)
+        QwenImagePipeline(**parts).save_pretrained(folder, safe_serialization=True)
         return
     from diffusers import StableDiffusion3Pipeline
 

@@ -119,3 +119,110 @@ def save_shape_vae(folder, seed: int = 0):
     vae = shape_vae(seed)
     vae.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+# -- Qwen-Image's VAE (AutoencoderKLQwenImage, the Wan 2.1 design) ----------------------------------------
+#
+# The same idea in Qwen-Image's causal 3-D VAE, built for one frame. Its norms are RMS norms over the
+# channels of each pixel (not GroupNorm), which would keep only each pixel's colour direction; so one
+# channel carries a large constant K beside the colour pairs: the per-pixel norm is then K within
+# 1e-6, the normalisation a division by a known number, and the decoder's output gain is exact (no
+# typical RMS assumed). Residual branches are zeroed as above; the 3x3x3 causal convs act through
+# their current-frame centre tap (temporal index 2: the causal padding puts the two earlier frames
+# first); the decoder's upsampling convs halve the channels (16 -> 8), which still hold the three
+# pairs and the constant; its time convs, like the encoder's, are skipped for a first frame.
+
+QWEN_DEMO_VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+                     temperal_downsample=[False, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+_CONSTANT = 1000.0
+_K = 2 * COLOURS             # the channel holding the constant, after the three (v, -v) pairs
+
+
+def _tap3d(conv, weights: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """A causal 3-D conv acting as the matrix `weights` (out, in) on the current frame, centre pixel."""
+    conv.weight.zero_()
+    k = conv.weight.shape[2:]
+    conv.weight[:, :, k[0] - 1, k[1] // 2, k[2] // 2] = weights
+    conv.bias.zero_()
+    if bias is not None:
+        conv.bias.copy_(bias)
+
+
+def _qwen_identity_blocks(module: torch.nn.Module) -> None:
+    """Zero the residual branches (second conv of every residual block, attention output projection);
+    a channel-changing shortcut becomes the embedding of the first channels."""
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageAttentionBlock, QwenImageResidualBlock
+
+    for m in module.modules():
+        if isinstance(m, QwenImageResidualBlock):
+            m.conv2.weight.zero_()
+            m.conv2.bias.zero_()
+            if isinstance(m.conv_shortcut, torch.nn.Module) and hasattr(m.conv_shortcut, "weight"):
+                _tap3d(m.conv_shortcut, torch.eye(m.conv_shortcut.out_channels, m.conv_shortcut.in_channels))
+        elif isinstance(m, QwenImageAttentionBlock):
+            m.proj.weight.zero_()
+            m.proj.bias.zero_()
+
+
+def _with_constant(weights: torch.Tensor) -> torch.Tensor:
+    """`weights` (out, in) with the constant channel passed through."""
+    w = weights.clone()
+    w[_K, _K] = 1.0
+    return w
+
+
+@torch.no_grad()
+def qwen_shape_vae(seed: int = 0):
+    """The analytic AutoencoderKLQwenImage (QWEN_DEMO_VAE; latents_mean 0, latents_std 1): encode
+    gives each 8x8 block's mean colour mixed into 16 channels, decode gives it back, smoothed."""
+    from diffusers import AutoencoderKLQwenImage
+
+    vae = AutoencoderKLQwenImage(**QWEN_DEMO_VAE).eval()
+    enc, dec = vae.encoder, vae.decoder
+    width, latent = enc.conv_in.out_channels, vae.config.z_dim
+    m = mixing(latent, seed)                                              # (16, 3)
+    for part in (enc, dec):
+        _qwen_identity_blocks(part)
+        part.norm_out.gamma.fill_(1.0)
+    unpair = torch.zeros(COLOURS, width)                                  # silu(x) - silu(-x) = x
+    for c in range(COLOURS):
+        unpair[c, 2 * c], unpair[c, 2 * c + 1] = 1.0, -1.0
+    constant = torch.zeros(width)
+    constant[_K] = _CONSTANT
+
+    # Encoder: RGB -> pairs and the constant; 2x2 averages down to 1/8 (time convs unused for one
+    # frame); the RMS norm divides by K / sqrt(width); mix the colours into the 16 means.
+    _tap3d(enc.conv_in, _pairs(width, torch.eye(COLOURS)), constant)
+    for block in enc.down_blocks:
+        resample = getattr(block, "resample", None)
+        if resample is not None:
+            _per_channel(resample[1], torch.full((2, 2), 0.25))   # after ZeroPad2d (0, 1, 0, 1): rows 2i, 2i+1
+    gain = _CONSTANT / enc.norm_out.scale
+    out = torch.zeros(2 * latent, width)
+    out[:latent] = gain * (m @ unpair)
+    _tap3d(enc.conv_out, out, torch.cat([torch.zeros(latent), torch.full((latent,), -20.0)]))  # point posterior
+    _tap3d(vae.quant_conv, torch.eye(2 * latent))
+
+    # Decoder: un-mix to pairs beside the constant; smoothing 2x upsampling (the constant by the
+    # centre tap alone); the RMS norm's division undone exactly at the output.
+    _tap3d(vae.post_quant_conv, torch.eye(latent))
+    _tap3d(dec.conv_in, _pairs(width, m.T / (latent / COLOURS)), constant)
+    smooth = torch.outer(*(torch.tensor([0.25, 0.5, 0.25]),) * 2)
+    for block in dec.up_blocks:
+        for up in block.upsamplers or ():
+            conv = up.resample[1]
+            conv.weight.zero_()
+            conv.bias.zero_()
+            for c in range(2 * COLOURS):
+                conv.weight[c, c] = smooth
+            conv.weight[_K, _K, 1, 1] = 1.0
+    out_width = dec.norm_out.gamma.shape[0]
+    _tap3d(dec.conv_out, (_CONSTANT / dec.norm_out.scale) * unpair[:, :out_width])
+    return vae
+
+
+def save_qwen_shape_vae(folder, seed: int = 0):
+    """Write the analytic Qwen-Image VAE as a diffusers `vae/` folder (safetensors)."""
+    vae = qwen_shape_vae(seed)
+    vae.save_pretrained(folder, safe_serialization=True)
+    return folder

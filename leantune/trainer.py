@@ -360,13 +360,14 @@ def _autocast(cfg: RunConfig, device: torch.device):
 # -- set-up ----------------------------------------------------------------------------------------
 
 def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
-    from .data.cache import model_dtype, prepare_caches, sample_prompts
+    from .data.cache import model_dtype, prepare_caches, sample_prompts, sample_references
     dist = dist or DistContext()
     family = get_family(cfg.model.family)
     device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
     dtype = model_dtype(cfg.model)
     data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
-                                                  extra_prompts=sample_prompts(cfg.sample)))  # filled once, then read by all
+                                                  extra_prompts=sample_prompts(cfg.sample),
+                                                  sample_references=sample_references(cfg.sample)))  # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
@@ -632,18 +633,24 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
     # Prompts (and, for classifier-free guidance, the negative prompt) were encoded with the captions
     # (no text encoder reload); the VAE is loaded only for the decode and dropped again, so training
     # keeps its memory.
-    embeds = t.data.prompt_embeds(cfg.sample.prompts)
-    negative = t.data.prompt_embeds([cfg.sample.negative_prompt]) if cfg_guidance else None
+    # An edit family's samples are conditioned on the sample references (cached: their latents as
+    # the pipeline encodes them, the prompts encoded with them when the text encoder reads images).
+    refs = bool(t.data.sample_text_refs)
+    embeds = t.data.prompt_embeds(cfg.sample.prompts, references=refs)
+    negative = t.data.prompt_embeds([cfg.sample.negative_prompt], references=refs) if cfg_guidance else None
     grid = sample_during_training(t.transformer, lambda: family.load_vae(t.sources, t.dtype, "cpu"), embeds,
                                   cfg.sample, memory_handle=t.memory, device=t.device, dtype=t.dtype,
-                                  negative=negative)
+                                  negative=negative, references=t.data.sample_reference_latents() or None,
+                                  family=family)
     out = paths.samples / f"step-{step:06d}.png"
     # Image i of the grid (left to right) is prompt i with seed + i.
     save_png(grid, out, {"prompt": list(cfg.sample.prompts), "seed": cfg.sample.seed, "steps": cfg.sample.steps,
                          "guidance": cfg.sample.guidance, "width": cfg.sample.width, "height": cfg.sample.height,
                          "loras": f"{cfg.output.name} (training, step {step})", "model": str(t.sources.transformer),
                          "training_step": step,
-                         **({"negative_prompt": cfg.sample.negative_prompt} if cfg_guidance else {})})
+                         **({"negative_prompt": cfg.sample.negative_prompt} if cfg_guidance else {}),
+                         **({"references": ", ".join(str(r.path) for r in t.data.sample_references)}
+                            if t.data.sample_references else {})})
     log.info("samples: %s", out)
     return out
 

@@ -2,8 +2,9 @@
 
 Each profile is what `leantune plan --model M [--mode X] --resolution R` measures (the weights per
 block and the activation probes: planner/spec_cache.py) at the default flags, so a first plan of a
-stock model answers without building the model or tracing it. Run it after changing the measuring
-code (spec_cache._MEASURING_CODE) or the torch/diffusers/peft versions: tests/test_plan_profiles.py
+stock model answers without building the model or tracing it; and the optimizer update's
+temporaries per setting (planner/step_bytes.py), so a first full fine-tune plan runs no update. Run it after changing the measuring
+code (spec_cache._MEASURING_CODE, step_bytes._STEP_CODE) or the torch/diffusers/peft versions: tests/test_plan_profiles.py
 fails until then, and the planner meanwhile measures afresh instead of using a stale profile.
 Profiles of another code version are removed.
 
@@ -41,8 +42,13 @@ def question_of(flags: list[str]):
 
 
 def main() -> int:
+    from leantune.planner import step_bytes
     from leantune.planner.spec_cache import SHIPPED_DIR, measure_model, ship_measured
 
+    t0 = time.process_time()
+    path = step_bytes.ship()
+    print(f"optimizer step bytes, {len(step_bytes.every_setting())} settings: {path.name} "
+          f"({time.process_time() - t0:.1f} CPU-s)", flush=True)
     written = set()
     for flags in questions():
         spec, source, build, workload = question_of(flags)

@@ -62,6 +62,38 @@ def test_small_inputs_stay_on_device_by_default():
     handle.remove()
 
 
+def _saved_count(model, shape=(8, 8)) -> int:
+    """How many tensors an outer saved-tensor hook sees during a forward (inner hooks hide theirs)."""
+    x, sigma, embeds, hw, target = make_batch(*shape, seed=0, text_dim=32)
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0), target)
+    loss.backward()
+    return count
+
+
+def test_offload_hooks_skipped_when_no_input_would_move():
+    """A checkpointed block none of whose inputs would go to the host (tiny model: all under the
+    default 64 KiB) runs without the offloader's saved-tensor hooks: an outer hook sees exactly
+    what it sees with plain block checkpointing (with the hooks, the offloader's pack took the
+    block inputs that checkpoint saves). With a 0-byte threshold the hooks are installed."""
+    counts = {}
+    for mode, min_bytes in (("blocks", None), ("offload", None), ("offload", 0)):
+        model = lora_flux(seed=0)
+        kw = {} if min_bytes is None else {"offload_min_bytes": min_bytes}
+        handle = apply_memory(model, FLUX_SPEC, Plan(checkpointing=mode), "cpu", **kw)
+        counts[(mode, min_bytes)] = _saved_count(model)
+        handle.remove()
+    assert counts[("offload", None)] == counts[("blocks", None)]
+    assert counts[("offload", 0)] < counts[("blocks", None)]
+
+
 def test_no_grad_forward_is_not_checkpointed():
     base = lora_flux(seed=0)
     model = copy.deepcopy(base)

@@ -94,10 +94,13 @@ def test_poison_makes_released_weights_nan(base):
     assert torch.isfinite(model.single_transformer_blocks[0].proj_mlp.base_layer.weight).all()
 
 
-def test_broken_backward_schedule_is_caught(base, monkeypatch):
-    """If backward did not take its hold on a unit, the saved-weight handles refuse to rebuild a
-    view of a slot that is not resident..."""
-    model, handle = _all_streamed(base)
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_broken_backward_schedule_is_caught(base, monkeypatch, checkpointing):
+    """If backward did not take its hold on a unit, the block's backward refuses to start: its
+    weights are not resident. Checked once per block, as its backward begins, with or without
+    checkpointing (before, only the per-saved-tensor handles checked, so a checkpointed block
+    went on with NaN gradients)..."""
+    model, handle = _all_streamed(base, checkpointing=checkpointing)
     monkeypatch.setattr(handle.streaming.engine, "backward_begin", lambda unit, release_at_end: None)
     with pytest.raises(RuntimeError, match="not resident"):
         train(model, shapes=[(8, 8)])
@@ -105,11 +108,12 @@ def test_broken_backward_schedule_is_caught(base, monkeypatch):
 
 
 def test_poison_turns_unguarded_saved_weights_nan(base, monkeypatch):
-    """...and without those handles (saved slot views kept as they are), poison turns the gradients NaN."""
+    """...and without that check (saved weights read from whatever their slot holds), poison turns
+    the gradients NaN."""
     model, handle = _all_streamed(base)
     eng = handle.streaming.engine
     monkeypatch.setattr(eng, "backward_begin", lambda unit, release_at_end: None)
-    monkeypatch.setattr(eng.saved_tensors, "pack", lambda t: t)
+    monkeypatch.setattr(eng, "check_resident", lambda unit: None)
     rec = train(model, shapes=[(8, 8)])
     assert torch.isfinite(rec[0]["loss"])                                # the forward was fine
     assert any(torch.isnan(g).any() for g in rec[0]["grads"].values() if g is not None)
@@ -117,12 +121,72 @@ def test_poison_turns_unguarded_saved_weights_nan(base, monkeypatch):
 
 
 def test_poison_catches_missing_hold_under_checkpointing(base, monkeypatch):
-    """With checkpointing, the recompute fetches the block, but without the backward hold it is
-    released (and poisoned) before the block's backward runs: NaN gradients."""
+    """With checkpointing, the recompute fetches the block, but without the backward hold (and
+    without the check) it is released (and poisoned) before the block's backward runs: NaN
+    gradients."""
     model, handle = _all_streamed(base, checkpointing="blocks")
-    monkeypatch.setattr(handle.streaming.engine, "backward_begin", lambda unit, release_at_end: None)
+    eng = handle.streaming.engine
+    monkeypatch.setattr(eng, "backward_begin", lambda unit, release_at_end: None)
+    monkeypatch.setattr(eng, "check_resident", lambda unit: None)
     rec = train(model, shapes=[(8, 8)])
     assert any(torch.isnan(g).any() for g in rec[0]["grads"].values() if g is not None)
+    handle.remove()
+
+
+def _count_saved(model, step) -> int:
+    """How many tensors autograd saves during `step(model)`'s forward, as a saved-tensor hook
+    around the whole step sees them (a hook installed deeper, e.g. inside a block, hides the
+    tensors saved under it from this one)."""
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(model)
+    return count
+
+
+def test_frozen_streaming_installs_no_saved_tensor_hooks(base):
+    """A streamed LoRA block's forward runs under no saved-tensor hook of the engine's: an outer
+    hook sees every tensor the plain model saves, and the block's own weights are saved as
+    themselves or views of themselves (no handle per saved tensor). Gradients still equal the plain model's
+    (test_memory_parity.py)."""
+    plain = copy.deepcopy(base)
+    plain_handle = apply_memory(plain, FLUX_SPEC, Plan(), "cpu")         # the same Linears, nothing streamed
+    want = _count_saved(plain, lambda m: train(m, shapes=[(8, 8)]))
+    plain_handle.remove()
+    model, handle = _all_streamed(base)
+    seen: list = []
+
+    def pack(t):
+        seen.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        train(model, shapes=[(8, 8)])
+    assert len(seen) == want
+    weight = model.single_transformer_blocks[1].proj_mlp.base_layer.weight
+    assert any(t is weight or t._base is weight for t in seen)          # F.linear saves weight.t()
+    handle.remove()
+
+
+def test_streamed_buffer_keeps_its_own_version_counter(base):
+    """A streamed buffer (here an fp8 weight's scale) is an alias of its slot with a version counter
+    of its own: refilling the slot (a copy into the whole slot) does not make a saved scale look
+    modified in place, which autograd would refuse in backward."""
+    model = copy.deepcopy(base)
+    handle = apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(model)), fp8=True), "cpu")
+    lin = model.single_transformer_blocks[0].proj_mlp.base_layer
+    scale = lin.weight_scale
+    unit = next(u for u in handle.streaming.units if u.name == "single_transformer_blocks.0")
+    slot = handle.streaming.engine.slots[unit.slot]
+    assert scale.untyped_storage().data_ptr() == slot.buf.untyped_storage().data_ptr()
+    before = scale._version
+    slot.buf.fill_(0)
+    assert scale._version == before
     handle.remove()
 
 

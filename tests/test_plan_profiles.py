@@ -125,3 +125,53 @@ def test_a_kept_answer_says_which_checkout_and_version_computed_it(capsys, monke
     assert len(files) == 1
     origin = json.loads(files[0].read_text())["origin"]
     assert origin["version"] == __version__ and origin["checkout"] == str(ROOT)
+
+
+def test_the_shipped_step_bytes_are_of_the_current_code_and_equal_a_fresh_measurement():
+    """planner/profiles/step_bytes.json: found under the current code's fingerprint, covering every
+    setting, and equal to what the update allocates when measured now (a few settings)."""
+    from leantune.planner import step_bytes
+
+    step_bytes._shipped = None
+    table = step_bytes._shipped_table()
+    assert table, ("planner/profiles/step_bytes.json is missing or of other code (step_bytes._STEP_CODE or the "
+                   "torch version changed): run python scripts/make_plan_profiles.py")
+    names = {step_bytes._name(k) for k in step_bytes.every_setting()}
+    assert names - set(table) == set() and set(table) - names == set()
+    import torch
+
+    keys = [("adamw", torch.bfloat16, "fp32", True, False, True, False),
+            ("adamw", torch.bfloat16, "bf16", True, True, True, False),
+            ("adafactor", torch.float32, "fp32", False, False, True, False)]
+    if step_bytes._host_kernels_built():       # the shipped host numbers are the kernels' (step_bytes.ship)
+        keys.append(("adamw", torch.bfloat16, "fp32", True, False, True, True))
+    for key in keys:
+        assert tuple(table[step_bytes._name(key)]) == step_bytes.measure(*key), key
+
+
+def test_a_first_full_plan_runs_no_update_and_imports_no_dynamo(tmp_path):
+    """A first `leantune plan --mode full` in a fresh process with an empty cache reads the shipped
+    step bytes (measuring them would raise here) and never imports torch._dynamo (1.1-1.4 s of a
+    4 s first plan before: the storage tracker, a dispatch mode, and torch's Optimizer.__init__
+    import it on first use). Where the host kernels cannot be built the host step's bytes are
+    measured (the shipped ones are the kernels'), so this needs them."""
+    from leantune.train import host_kernels
+
+    if host_kernels.library() is None:
+        pytest.skip(f"host kernels not built here: {host_kernels.unavailable_reason()}")
+    code = (
+        "import sys\n"
+        "import leantune.planner.step_bytes as sb\n"
+        "def refuse(*a, **k):\n"
+        "    raise AssertionError('measured the step bytes instead of reading the shipped table')\n"
+        "sb.measure = refuse\n"
+        "from leantune.cli import main\n"
+        "rc = main(['plan', '--model', 'flux-dev', '--mode', 'full', '--vram', '8GiB'])\n"
+        "assert rc == 0, rc\n"
+        "print('DYNAMO', 'torch._dynamo' in sys.modules)\n")
+    env = {**__import__("os").environ, "LEANTUNE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CPU optimizer step" in out.stdout
+    assert "DYNAMO False" in out.stdout

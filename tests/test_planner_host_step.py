@@ -202,11 +202,10 @@ def test_fp32_adamw_fits_8gib_only_with_the_host_step(flux_dev):
         assert "on the host" in plan.describe()
 
 
-def test_auto_keeps_device_plans_whenever_one_fits(flux_dev, monkeypatch):
-    """bf16 moments fit 8 GiB on the device: "auto" keeps that plan; "host" makes the streaming plan
-    step on the host; a plan that streams nothing never does. The CPU rate is pinned to a slow
-    CPU's (40 M parameters/s): with the host kernels an idle fast CPU can make the host step the
-    quicker one, and which is quicker is this machine's fact, not the rule's."""
+def test_auto_keeps_the_device_step_where_it_is_faster(flux_dev, monkeypatch):
+    """bf16 moments fit 8 GiB on the device. With the CPU rate pinned to a slow CPU's (40 M
+    parameters/s) the device step is faster, so "auto" gives the "device" plan; "host" makes the
+    streaming plan step on the host, slower; a plan that streams nothing never does."""
     monkeypatch.setattr("leantune.planner.full_model.host_step_rate", lambda *key: 40e6)
     auto = _planner(flux_dev, state_dtype="bf16").plan(Budget(vram=8 * GiB, ram=2**62))
     assert auto.streamed_blocks and not auto.optimizer_on_host
@@ -218,9 +217,41 @@ def test_auto_keeps_device_plans_whenever_one_fits(flux_dev, monkeypatch):
     assert _planner(flux_dev, optimizer="adamw8bit").step_places() == (False,)
 
 
-def test_search_stays_monotone_with_host_step_plans(flux_dev):
-    """More budget never streams more nor slows the step while the step's place stays; under
-    "auto" the host step only turns off along growing budgets, once."""
+@pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
+def test_auto_takes_the_host_step_where_it_is_faster(flux_dev, monkeypatch, state_dtype):
+    """With a CPU rate pinned high (20 G parameters/s: the CPU step hides behind the GPU's
+    backward) the host-step plan of 12 GiB is faster than the device-step plan (whose state crosses
+    PCIe twice per step): "auto" takes it, and its plan is exactly the faster of the best plan of
+    each place ("device", and "host" less its plans that stream nothing). Before, "auto" used the
+    host step only where no device-step plan fitted."""
+    monkeypatch.setattr("leantune.planner.full_model.host_step_rate", lambda *key: 20e9)
+    budget = Budget(vram=12 * GiB, ram=2**62)
+    auto = _planner(flux_dev, state_dtype=state_dtype).plan(budget)
+    device = _planner(flux_dev, state_dtype=state_dtype, streamed_step="device").plan(budget)
+    host = _planner(flux_dev, state_dtype=state_dtype, streamed_step="host")
+    host_plan = host.plan(budget)
+    assert host_plan.optimizer_on_host
+    assert host_plan.notes["predicted_step_s"] < device.notes["predicted_step_s"]
+    assert auto.optimizer_on_host
+    assert auto.notes["predicted_step_s"] == host_plan.notes["predicted_step_s"]
+    assert auto.notes["predicted_step_s"] < device.notes["predicted_step_s"]
+
+
+def test_auto_keeps_the_device_step_on_a_tie(flux_dev, monkeypatch):
+    """Equal predicted step times (every plan priced at 1 s): "auto" keeps the device step, as
+    before, rather than the simpler-shaped host-step plan."""
+    from leantune.planner import search
+
+    monkeypatch.setattr(search.Planner, "_timed", lambda self, plan: search._Timed(1.0, 0))
+    plan = _planner(flux_dev, state_dtype="bf16").plan(Budget(vram=12 * GiB, ram=2**62))
+    assert plan.streamed_blocks and not plan.optimizer_on_host
+
+
+def test_search_stays_monotone_with_host_step_plans(flux_dev, monkeypatch):
+    """More budget never streams more nor slows the step while the step's place stays; with a slow
+    CPU (rate pinned at 40 M parameters/s) "auto" turns the host step off along growing budgets
+    once, where a device-step plan fits."""
+    monkeypatch.setattr("leantune.planner.full_model.host_step_rate", lambda *key: 40e6)
     budgets = (6, 8, 10, 12, 16, 24, 40)
     for step in ("host", "auto"):
         planner = _planner(flux_dev, streamed_step=step)
@@ -229,10 +260,8 @@ def test_search_stays_monotone_with_host_step_plans(flux_dev):
         streamed = [len(p.streamed_blocks) for p in plans]
         on_host = [p.optimizer_on_host for p in plans]
         assert streamed == sorted(streamed, reverse=True)
-        # Time falls with the budget while the step stays where it is. Under "auto" the rule, not
-        # the CPU rate, turns the host step off where a device-step plan fits; with the host
-        # kernels the host step can be the faster one (its state never crosses PCIe), so the step
-        # time may rise once, at that switch.
+        # Time falls with the budget while the step stays where it is; it may rise once, where
+        # the step's place changes.
         for place in (True, False):
             seg = [t for t, p in zip(times, plans) if p.optimizer_on_host == place]
             assert seg == sorted(seg, reverse=True)

@@ -90,3 +90,70 @@ def test_edit_sampling_equals_the_pipeline(comps, n):
                     schedule=family.sampling.schedule("qwen-image", None), device="cpu", negative=neg,
                     family=family, cfg_batched=False)
     assert (alone - lat).abs().max() > 1e-3
+
+
+def test_leantune_sample_with_a_reference_equals_the_pipeline(comps, tmp_path):
+    """`leantune sample --reference` on a tiny Qwen-Image-Edit-2509 folder: the prompt encoded with
+    the reference, its latents at the pipeline's VAE size, true CFG with a negative prompt; the PNG
+    equals QwenImageEditPlusPipeline's image (fp32, bit for bit)."""
+    from PIL import Image
+
+    from leantune.cli import main
+
+    folder = tq.save_qwen_image_folder(tmp_path / "edit", seed=0, edit=True)
+    ref_file = tmp_path / "before.png"
+    _refs(1)[0].save(ref_file)
+    rc = main(["sample", "--model", str(folder), "--prompt", "make it red", "--negative-prompt", "blurry",
+               "--reference", str(ref_file), "--guidance", "4.0", "--steps", "2", "--seed", "3",
+               "--width", str(W), "--height", str(H), "--out", str(tmp_path / "out"), "--set", "model.dtype=fp32"])
+    assert rc == 0
+    (png,) = sorted((tmp_path / "out").glob("*.png"))
+    ours = np.asarray(Image.open(png))
+    assert Image.open(png).text["references"] == str(ref_file)
+    ref = _pipe(comps)(image=[Image.open(ref_file).convert("RGB")], prompt="make it red", negative_prompt="blurry",
+                       true_cfg_scale=4.0, height=H, width=W, num_inference_steps=2,
+                       generator=torch.Generator().manual_seed(3), output_type="pil").images[0]
+    assert ours.shape == (H, W, 3) and np.array_equal(ours, np.asarray(ref))
+
+
+def test_references_refused_with_the_key_and_file(tmp_path, capsys):
+    """A family without references, too many references, a missing file: errors before any model
+    is read, naming the key and the file."""
+    from leantune.config import ConfigError
+    from leantune.infer.references import load_reference_images
+    from leantune.models.family import get_family
+
+    ref_file = tmp_path / "before.png"
+    _refs(1)[0].save(ref_file)
+    with pytest.raises(ConfigError, match=r"references: family = \"qwen-image\" takes no reference images"):
+        load_reference_images([ref_file], get_family("qwen-image"))
+    edit = get_family("qwen-image-edit")
+    with pytest.raises(ConfigError, match="5 reference images, but qwen-image-edit takes at most 4"):
+        load_reference_images([ref_file] * 5, edit)
+    with pytest.raises(ConfigError, match="missing.png: no such image file"):
+        load_reference_images([tmp_path / "missing.png"], edit)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(ConfigError, match="bad.png: not a readable image"):
+        load_reference_images([tmp_path / "bad.png"], edit)
+    assert len(load_reference_images([ref_file], edit)) == 1
+    # The command refuses them before reading any model (the folder here holds none).
+    from leantune.cli import main
+
+    capsys.readouterr()
+    rc = main(["sample", "--model", str(tmp_path), "--family", "qwen-image", "--prompt", "x", "--reference", str(ref_file)])
+    assert rc == 2 and 'references: family = "qwen-image" takes no reference images' in capsys.readouterr().err
+
+
+def test_guess_family_tells_an_edit_folder_from_qwen_image(tmp_path):
+    """Both folders hold a QwenImageTransformer2DModel; the pipeline class in model_index.json says
+    which family the folder is (an Edit folder was taken for Qwen-Image)."""
+    import json
+
+    from leantune.models.family import guess_family
+
+    for pipeline, family in (("QwenImageEditPlusPipeline", "qwen-image-edit"), ("QwenImagePipeline", "qwen-image")):
+        folder = tmp_path / pipeline
+        folder.mkdir()
+        (folder / "model_index.json").write_text(json.dumps(
+            {"_class_name": pipeline, "transformer": ["diffusers", "QwenImageTransformer2DModel"]}))
+        assert guess_family(folder) == family

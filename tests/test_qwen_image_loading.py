@@ -154,3 +154,61 @@ def test_other_families_files_are_named(tmp_path):
     torch.save({"a": torch.zeros(1)}, ckpt)
     with pytest.raises(LoadError, match="pickle"):
         _sources(ckpt)
+
+
+@pytest.mark.parametrize("fp8", [None, "scaled"])
+@pytest.mark.parametrize("prefix", ["", "text_encoders.qwen25_7b.transformer."])
+def test_text_encoder_single_file_round_trip(folder, tmp_path, fp8, prefix):
+    """Qwen2.5-VL written in ComfyUI's single-file layout (the original checkpoint's names:
+    model.layers.*, visual.*; bf16, or fp8 with per-tensor scale_weight) loads back as the same
+    model through [model] text_encoder = FILE: every tensor equal (fp8: its dequantized value, upcast
+    per tensor, or kept e4m3 with the scale), and the prompts encode as the folder's encoder does."""
+    from leantune.models.qwen_image_loading import load_text_encoder_file, save_text_encoder_file
+
+    enc = FAM.load_text_encoders(_sources(folder), torch.float32, "cpu")
+    original = enc.text_encoder
+    path = save_text_encoder_file(original, tmp_path / "qwen_2.5_vl_7b.safetensors", dtype=torch.bfloat16, fp8=fp8,
+                                  prefix=prefix)
+    keys = list(load_safetensors(path)[0])
+    assert f"{prefix}model.layers.0.self_attn.q_proj.weight" in keys and f"{prefix}visual.patch_embed.proj.weight" in keys
+    file_tensors = load_safetensors(path)[0]
+
+    def expected(legacy):                      # the file's value, dequantized when stored in fp8
+        t = file_tensors[prefix + legacy].float()
+        scale = file_tensors.get(prefix + legacy[: -len("weight")] + "scale_weight")
+        return t * scale.float() if scale is not None else t
+
+    loaded = load_text_encoder_file(path, torch.float32)
+    state = loaded.state_dict()
+    assert set(state) == set(original.state_dict())
+    for key, t in state.items():
+        legacy = key.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+        assert torch.equal(t, expected(legacy)), key
+    if fp8:
+        from leantune.models.component_loading import dequantized_state
+
+        kept = load_text_encoder_file(path, torch.float32, keep_fp8=True)
+        q = kept.model.language_model.layers[0].self_attn.q_proj.weight
+        assert q.dtype == torch.float8_e4m3fn
+        for key, t in dequantized_state(kept.state_dict()).items():
+            legacy = key.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+            assert torch.allclose(t.float(), expected(legacy), rtol=0, atol=1e-6), key
+
+    # Through the family: [model] text_encoder = FILE; the prompts encode as the folder's encoder does
+    # (bf16 file: within bf16 rounding of the fp32 folder).
+    cfg = ModelConfig(path=str(folder), family="qwen-image", text_encoder=str(path))
+    sources = resolve_sources(cfg, Path("/"))
+    from_file = FAM.load_text_encoders(sources, torch.float32, "cpu")
+    a, la = FAM.encode_prompts(["a photo of a dog"], enc, max_length=64, device="cpu")
+    b, lb = FAM.encode_prompts(["a photo of a dog"], from_file, max_length=64, device="cpu")
+    assert torch.equal(la, lb)
+    err = (a.t5 - b.t5).abs().max() / a.t5.abs().max()
+    assert err < (0.05 if fp8 else 0.01), err     # measured: 0.016 and 0.002
+
+
+def test_text_encoder_file_of_another_kind_is_named(folder, tmp_path):
+    bad = tmp_path / "t5.safetensors"
+    save_safetensors({"encoder.block.0.layer.0.SelfAttention.q.weight": torch.zeros(4, 4)}, bad)
+    cfg = ModelConfig(path=str(folder), family="qwen-image", text_encoder=str(bad))
+    with pytest.raises(LoadError, match=r"text_encoder: .*t5.safetensors: not a Qwen2.5-VL text encoder"):
+        FAM.load_text_encoders(resolve_sources(cfg, Path("/")), torch.float32, "cpu")

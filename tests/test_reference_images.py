@@ -141,3 +141,104 @@ def test_reference_errors_name_the_file_or_key(tmp_path, model_dir):
     # A family without reference conditioning refuses the key.
     with pytest.raises(ValueError, match=r"reference_path: family = \"qwen-image\" takes no reference images"):
         _caches(_config(tmp_path, model_dir, images, refs, family="qwen-image"))
+
+
+SAMPLE = """
+[sample]
+every = 1
+prompts = ["make it red"]
+negative_prompt = "blurry"
+guidance = 4.0
+steps = 2
+seed = 3
+width = 64
+height = 48
+{references}
+"""
+
+
+def _sampled(root, model_dir, references: str = ""):
+    """A one-step Edit run (learning rate 1e-12: the LoRA leaves the base as it is) that samples at its
+    step; the sample PNG and its pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from leantune.trainer import train
+
+    images, refs = _dataset(root)
+    cfg_path = root / "run.toml"
+    cfg_path.write_text(RUN.format(family="qwen-image-edit", model=model_dir, images=images, refs=refs, cache="cache")
+                        + SAMPLE.format(references=references))
+    cfg = load_config(cfg_path, ["train.steps=1", "train.learning_rate=1e-12"])
+    (png,) = train(cfg, progress=False).sample_files
+    return cfg, png, np.asarray(Image.open(png)).astype(int)
+
+
+def _base_sample(cfg, tmp_path, references):
+    """`leantune sample` on the base model with the same settings (fp32, reference latents live)."""
+    import numpy as np
+    from PIL import Image
+
+    from leantune.infer.request import validate_request
+    from leantune.infer.run import run_sampling
+
+    s = cfg.sample
+    req = validate_request({"model": {"path": cfg.model.path, "family": "qwen-image-edit", "dtype": "fp32"},
+                            "prompts": list(s.prompts), "negative_prompt": s.negative_prompt, "guidance": s.guidance,
+                            "steps": s.steps, "seed": s.seed, "width": s.width, "height": s.height,
+                            "references": [str(r) for r in references], "out": str(tmp_path)}, "test")
+    (f,) = run_sampling(req).files
+    return np.asarray(Image.open(f)).astype(int)
+
+
+def _closest(ours, same, other):
+    """`ours` is `same` up to the bf16 caches' rounding (a level here and there) and not `other`: the
+    tiny model's references change a sixth of the pixel values by a few levels (measured: 17 %
+    against 0.01 %)."""
+    near, far = abs(ours - same), abs(ours - other)
+    assert near.max() <= 2 and (near > 0).mean() < 0.01, (near.max(), (near > 0).mean())
+    assert (far > 0).mean() > 0.05, (far > 0).mean()
+
+
+def test_edit_training_samples_use_the_first_targets_references(tmp_path, model_dir):
+    """Without [sample] references the samples drawn during training are conditioned on the first
+    target's references: they are the base model's `leantune sample` with that reference (within
+    the bf16 caches' rounding), far from the image without a reference."""
+    from PIL import Image
+
+    cfg, png, ours = _sampled(tmp_path, model_dir)
+    first = sorted((tmp_path / "refs").glob("*.png"))[0]
+    assert Image.open(png).text["references"] == str(first)
+    with_ref = _base_sample(cfg, tmp_path / "with", [first])
+    without = _base_sample(cfg, tmp_path / "without", [])
+    _closest(ours, with_ref, without)
+
+
+def test_edit_training_samples_use_the_sample_references(tmp_path, model_dir):
+    """[sample] references (relative to the config) condition the samples instead of the dataset's
+    (here a wide white image: the tiny model tells images of one aspect apart by little)."""
+    from PIL import Image
+
+    (tmp_path / "mine").mkdir()
+    mine = tmp_path / "mine" / "white.png"
+    Image.new("RGB", (128, 48), "white").save(mine)
+    cfg, png, ours = _sampled(tmp_path, model_dir, f'references = ["mine/{mine.name}"]')
+    assert Image.open(png).text["references"] == str(mine)
+    with_mine = _base_sample(cfg, tmp_path / "with", [mine])
+    first = sorted((tmp_path / "refs").glob("*.png"))[0]
+    with_first = _base_sample(cfg, tmp_path / "first", [first])
+    _closest(ours, with_mine, with_first)
+
+
+def test_sample_references_refused_for_a_family_without_them(tmp_path, model_dir):
+    from leantune.data.cache import prepare_caches, sample_references
+
+    images, refs = _dataset(tmp_path)
+    p = tmp_path / "run.toml"
+    p.write_text(RUN.format(family="qwen-image", model=model_dir, images=images, refs=refs, cache="cache")
+                 .replace(f'reference_path = "{refs}"', "")
+                 + SAMPLE.format(references=f'references = ["{next(refs.glob("*.png"))}"]'))
+    cfg = load_config(p, [])
+    with pytest.raises(ValueError, match=r"\[sample\] references: family = \"qwen-image\" takes no reference images"):
+        prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32, extra_prompts=["make it red"],
+                       sample_references=sample_references(cfg.sample))

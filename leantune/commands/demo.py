@@ -1,5 +1,5 @@
-"""`leantune demo [--out DIR] [--steps N] [--mode lora|full] [--family flux|sd3]`: train a LoRA (or
-every weight) of a tiny Flux (or SD3.5) built offline, on CPU."""
+"""`leantune demo [--out DIR] [--steps N] [--mode lora|full] [--family flux|sd3|qwen-image]`: train a
+LoRA (or every weight) of a tiny Flux (or SD3.5, or Qwen-Image) built offline, on CPU."""
 
 from __future__ import annotations
 
@@ -25,15 +25,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep an existing demo folder instead of starting fresh")
     p.add_argument("--mode", choices=("lora", "full"), default="lora",
                    help="lora (default), or full: fine-tune every weight and export the whole model")
-    p.add_argument("--family", choices=("flux", "sd3"), default="flux",
-                   help="the tiny base model: flux (default) or sd3 (SD3.5 Large-style; lora mode)")
+    p.add_argument("--family", choices=("flux", "sd3", "qwen-image"), default="flux",
+                   help="the tiny base model: flux (default), sd3 (SD3.5 Large-style) or qwen-image (the last "
+                        "two in lora mode)")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
-    if args.family == "sd3" and args.mode == "full":
-        print("leantune demo: --family sd3 runs in lora mode only; drop --mode full", file=sys.stderr)
+    if args.family != "flux" and args.mode == "full":
+        print(f"leantune demo: --family {args.family} runs in lora mode only; drop --mode full", file=sys.stderr)
         return 2
     config, result = run_demo(Path(args.out), steps=args.steps, fresh=not args.keep, mode=args.mode,
                               family=args.family)

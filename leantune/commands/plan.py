@@ -56,7 +56,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streamed-step", choices=["auto", "device", "host"], default=None,
                    help="--mode full: where streamed blocks take their optimizer step: on the device (their state "
                         "travels with them), on the host (state stays in host RAM, the CPU steps: fits smaller "
-                        "budgets, much slower), or auto (the host only when no device plan fits; default: the "
+                        "budgets), or auto (the faster of the two plans that fit, the CPU timed here; default: the "
                         "config's [full] streamed_step, else auto)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--accumulation", type=int, default=None, help="gradient accumulation steps")

@@ -4,6 +4,7 @@
         --lora output/dog.safetensors:0.8 --vram 6GiB --out samples
     leantune sample --model /models/stable-diffusion-3.5-large --prompt "a photo of sks dog" \
         --negative-prompt "blurry" --guidance 4.5 --vram 8GiB
+    leantune sample --model /models/Qwen-Image-Edit-2509 --prompt "make the cat red" --reference cat.png
     leantune sample request.toml [--seed 7] [--set steps=20]
 
 Flags override the request file's values; both go through one strict schema (infer/request.py).
@@ -15,20 +16,23 @@ import argparse
 import logging
 import sys
 
+from leantune.config import FAMILY_NAMES
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("request", nargs="?", help="a sample request TOML: prompts, seed, steps, guidance, width, height, out, "
                              "[model], [[lora]], [memory]; flags override its values")
     parser.add_argument("--model", help="a diffusers folder (Flux.1, SD3.5, Qwen-Image, FLUX.2) or a single "
                                         ".safetensors transformer file")
-    # no argparse choices: the request schema checks the name against every family ([model] family)
-    parser.add_argument("--family", metavar="NAME",
-                        help="the model family: flux, sd3, qwen-image, qwen-image-edit, flux2-dev, flux2-klein-4b, "
-                             "flux2-klein-9b (default: the request's [model] family, else what --model's folder or "
-                             "file says it is, else flux)")
+    parser.add_argument("--family", choices=FAMILY_NAMES,
+                        help="the model family (default: the request's [model] family, else what --model's "
+                             "folder or file says it is, else flux)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     parser.add_argument("--negative-prompt", metavar="TEXT",
                         help="what the image should not show (SD3.5's classifier-free guidance; default empty)")
+    parser.add_argument("--reference", action="append", metavar="IMAGE",
+                        help="a reference image every prompt is conditioned on, for an edit model such as "
+                             "qwen-image-edit (repeat for several, up to the model's limit)")
     parser.add_argument("--lora", action="append", metavar="FILE[:STRENGTH]",
                         help="a LoRA file and its strength, default 1.0 (repeat for several)")
     parser.add_argument("--vram", metavar="SIZE", help="VRAM budget such as 6GiB, or 'auto' for the free memory")
@@ -72,6 +76,8 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
         data["prompts"] = list(args.prompt)
     if args.lora:
         data["lora"] = [{**d, "path": here(d["path"])} for d in map(parse_lora_arg, args.lora)]
+    if args.reference:
+        data["references"] = [here(p) for p in args.reference]
     if args.out is not None:
         data["out"] = here(args.out)
     if args.vram is not None:

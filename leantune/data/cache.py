@@ -357,6 +357,75 @@ def _with_references(items: list[ImageItem], data_cfg, base_dir, family: ModelFa
     return attach_references(items, data_cfg.datasets, base_dir, family.references.most)
 
 
+def sample_references(sample_cfg) -> list[str] | None:
+    """What `prepare_caches` is given as `sample_references` for a run's [sample] section: its
+    references (an empty list: the dataset's first), or None when it has no prompts to sample."""
+    return list(sample_cfg.references) if sample_cfg.prompts else None
+
+
+def sample_reference_images(paths: Sequence[str] | None, items: list[ImageItem], base_dir,
+                            family: ModelFamily) -> tuple:
+    """The reference images the run's samples are conditioned on (data/references.py ReferenceImage):
+    [sample] references when given, else the first target's references (so an edit LoRA's samples
+    show the edit it learns); () for a family without references or a run that does not sample
+    (`paths` None). Errors name [sample] references and the file."""
+    if paths is None:
+        return ()
+    if family.references is None:
+        if paths:
+            raise ValueError(f"[sample] references: family = \"{family.name}\" takes no reference images (an edit "
+                             f"family does, e.g. qwen-image-edit); remove the key")
+        return ()
+    if family.references.sampling_latents is None:      # the family samples without references as yet
+        if paths:
+            raise ValueError(f"[sample] references: family = \"{family.name}\" cannot sample with reference images "
+                             f"yet (its ReferenceConditioning has no sampling_latents); remove the key")
+        return ()
+    if not paths:
+        return next((it.references for it in items if it.references), ())
+    if len(paths) > family.references.most:
+        raise ValueError(f"[sample] references: {len(paths)} images, but {family.name} takes at most "
+                         f"{family.references.most}")
+    from .dataset import inspect_image
+    from .references import ReferenceImage
+
+    out = []
+    for value in paths:
+        path = resolve_path(base_dir, value)
+        if not path.is_file():
+            raise ValueError(f"[sample] references: {path}: no such image file")
+        try:
+            digest, w, h = inspect_image(path)
+        except Exception as e:
+            raise ValueError(f"[sample] references: {path} cannot be read: {type(e).__name__}: {e}") from None
+        out.append(ReferenceImage(path, digest, w, h))
+    return tuple(out)
+
+
+def _sampling_reference_key(ref, vae_id: str, dtype: torch.dtype) -> str:
+    """A sample reference's latent entry: encoded as the family's pipeline samples, not at a bucket."""
+    return _digest("sampling-reference", ref.sha256, vae_id, str(dtype))
+
+
+def _fill_sampling_references(refs: tuple, keys: list[str], folder: Path, sources, dtype, device,
+                              load_vae: Callable, family: ModelFamily) -> None:
+    """Encode the sample references the family's way (ReferenceConditioning.sampling_latents) once;
+    later runs read them from the cache."""
+    todo = [(r, k) for r, k in zip(refs, keys) if not (folder / f"{k}.safetensors").exists()]
+    if not todo:
+        return
+    log.info("cache: encoding %d sample reference image(s) with the VAE", len(todo))
+    vae = load_vae(sources, dtype, device)
+    try:
+        for ref, key in todo:
+            (latent,) = family.references.sampling_latents(vae, [load_rgb(ref.path)])       # (1, C, h, w)
+            save_safetensors({"latent": latent[0].to(STORE_DTYPE)}, folder / f"{key}.safetensors",
+                             {"format": FORMAT_VERSION, "kind": "latent", "key": key, "source": str(ref.path)})
+    finally:
+        del vae
+        _release(device)
+
+
 def _text_refs(item: ImageItem, family: ModelFamily) -> tuple[str, ...]:
     """The content hashes of the references the family's text encoder reads with this caption."""
     if not item.references or family.references is None or not family.references.text_sees_images:
@@ -366,7 +435,8 @@ def _text_refs(item: ImageItem, family: ModelFamily) -> tuple[str, ...]:
 
 def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
                    load_vae: Callable | None = None, load_text_encoders: Callable | None = None,
-                   extra_prompts: Sequence[str] | None = None) -> "CachedData":
+                   extra_prompts: Sequence[str] | None = None,
+                   sample_references: Sequence[str] | None = None) -> "CachedData":
     """Scan the datasets, fill the caches, free the encoders; return what the trainer reads.
 
     `data_cfg` and `model_cfg` are the run's [data] and [model] sections, `base_dir` the folder their
@@ -375,7 +445,10 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     entry of their kind is missing or corrupt. Besides the captions, the empty caption (caption
     dropout, unconditional use) and `extra_prompts` (the callers pass [sample] prompts and its
     negative prompt) are encoded in the same pass, so sampling during training never reloads the
-    text encoders.
+    text encoders. For an edit family, `sample_references` ([sample] references; an empty list: the
+    first target's references; None: the run does not sample) are VAE-encoded as the pipeline
+    samples, and `extra_prompts` are encoded with them when the text encoder reads images
+    (`CachedData.sample_references`, `prompt_embeds(..., references=True)`).
     """
     family = get_family(model_cfg.family)
     items = _with_references(scan_datasets(data_cfg, base_dir), data_cfg, base_dir, family)
@@ -417,6 +490,17 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                 text_keys[(caption, refs)] = k
                 text_jobs[k] = (caption, paths)
 
+    sample_refs = sample_reference_images(sample_references, items, base_dir, family)
+    sample_ref_keys = [_sampling_reference_key(r, vae_id, dtype) for r in sample_refs]
+    sample_text_refs = ()
+    if sample_refs and family.references.text_sees_images:
+        sample_text_refs = tuple(r.sha256 for r in sample_refs)
+        paths = tuple(r.path for r in sample_refs)
+        for prompt in extra_prompts or ():
+            k = text_key(prompt, encoders_id + "|references:" + ",".join(sample_text_refs), max_length, dtype)
+            text_keys[(prompt, sample_text_refs)] = k
+            text_jobs[k] = (prompt, paths)
+
     from leantune.disk import disk_full_guard
 
     def latent_bytes() -> int:     # what the latents need (bf16); the text entries come on top
@@ -431,6 +515,8 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
                                load_text_encoders or family.load_text_encoders, family),
         }
+        _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
+                                  load_vae or family.load_vae, family)
     if len(samples) < data_cfg.batch_size:
         from .dataset import DataWarning
 
@@ -438,6 +524,9 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                       f"with repeats, over all resolutions): every batch holds at most {len(samples)}; lower "
                       f"batch_size or add images", DataWarning, stacklevel=2)
     data = CachedData(cache_dir, samples, text_keys, data_cfg.batch_size, data_cfg.shuffle, stats)
+    data.sample_references = sample_refs
+    data.sample_reference_keys = sample_ref_keys
+    data.sample_text_refs = sample_text_refs
     log.info("cache: %s", data.summary())
     return data
 
@@ -466,6 +555,10 @@ class CachedData:
         self.stats = stats
         self.num_items = len(samples)         # per epoch: images x resolutions x repeats
         self.batches_per_epoch = BatchOrder([s.bucket for s in samples], batch_size, 0, shuffle).batches_per_epoch
+        # What the run's samples are conditioned on (an edit family; prepare_caches fills them)
+        self.sample_references: tuple = ()          # ReferenceImage, one per reference
+        self.sample_reference_keys: list[str] = []   # their latent entries, encoded as the pipeline samples
+        self.sample_text_refs: tuple[str, ...] = ()  # their hashes, when the text encoder reads them
 
     @property
     def buckets(self) -> dict[Bucket, int]:
@@ -505,11 +598,19 @@ class CachedData:
         tensors, _ = _read(self.cache_dir / "text" / f"{key}.safetensors")
         return tensors["t5"], tensors["pooled"]
 
-    def prompt_embeds(self, prompts: Sequence[str], dtype: torch.dtype = torch.float32) -> PromptEmbeds:
-        """Embeddings of cached prompts (e.g. the sample prompts): t5 (B, L, D) zero-padded, pooled (B, D)."""
-        rows = [self.text_entry(p) for p in prompts]
+    def prompt_embeds(self, prompts: Sequence[str], dtype: torch.dtype = torch.float32,
+                      references: bool = False) -> PromptEmbeds:
+        """Embeddings of cached prompts (e.g. the sample prompts): t5 (B, L, D) zero-padded, pooled (B, D).
+        `references`: as encoded with the sample references (an edit family whose text encoder reads them)."""
+        refs = self.sample_text_refs if references else ()
+        rows = [self.text_entry(p, refs) for p in prompts]
         t5, _ = _pad_t5([r[0] for r in rows], dtype)
         return PromptEmbeds(t5=t5, pooled=torch.stack([r[1] for r in rows]).to(dtype))
+
+
+    def sample_reference_latents(self) -> list[torch.Tensor]:
+        """The sample references' latents, one (1, C, h, w) bf16 tensor each ([] for none)."""
+        return [self.latent_entry(k)[None] for k in self.sample_reference_keys]
 
 
 class BatchIterator:

@@ -60,7 +60,7 @@ def text_encoder_bytes(text_encoders, family: ModelFamily) -> int:
 @torch.no_grad()
 def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int = 512, device="cpu",
                          stream_t5: bool = False, batch_size: int = 8, family: ModelFamily | None = None,
-                         negative_prompts: list[str] | None = None):
+                         negative_prompts: list[str] | None = None, images: list | None = None):
     """Encode `prompts` on `device`; return one (1, L, D) PromptEmbeds per prompt on the host.
 
     `text_encoders` is what the family's `load_text_encoders` returns, on the host; they are back
@@ -70,6 +70,9 @@ def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int =
 
     With `negative_prompts` (a list, possibly empty) the return value is a pair (prompt embeddings,
     negative embeddings), the negatives encoded as their own batches while the encoders are placed.
+
+    `images`: reference images (PIL) the text encoder reads with every prompt, negatives included
+    (an edit family whose encoder sees them, infer/references.py); None: the text alone.
     """
     family = family or get_family("flux")
     whole, t5 = family.text_modules(text_encoders)
@@ -84,8 +87,10 @@ def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int =
             # max_length; Qwen-Image pads to the batch's longest prompt).
             items = []
             for i in range(0, len(texts), batch_size):
-                emb, _ = family.encode_prompts(texts[i:i + batch_size], text_encoders, max_length=max_length,
-                                               device=torch.device(device))
+                batch = texts[i:i + batch_size]
+                extra = {} if images is None else {"images": [images] * len(batch)}
+                emb, _ = family.encode_prompts(batch, text_encoders, max_length=max_length,
+                                               device=torch.device(device), **extra)
                 pooled, seq = emb.pooled.to("cpu"), emb.t5.to("cpu")      # (b, D_pooled), (b, L, D_text)
                 items.extend(PromptEmbeds(t5=seq[j:j + 1], pooled=pooled[j:j + 1]) for j in range(seq.shape[0]))
             results.append(items)

@@ -12,6 +12,7 @@ one schema. Unknown keys are errors that name the file and the key.
     width = 1024
     height = 1024
     out = "samples"
+    references = ["before.png"]  # an edit family (qwen-image-edit): reference images every prompt sees
 
     [model]
     path = "/models/FLUX.1-dev"
@@ -76,6 +77,8 @@ class SampleRequest(_Strict):
     width: int = 1024
     height: int = 1024
     lora: list[LoraRef] = []
+    # Reference images (paths) every image is conditioned on, for an edit family (infer/references.py)
+    references: list[str] = []
     memory: MemoryConfig = MemoryConfig()
     max_text_length: int = Field(512, ge=1, le=512)
     batch_size: int | None = Field(None, ge=1)  # images per transformer forward; None: all at once

@@ -29,6 +29,7 @@ from ..models.family import get_family, loader_options
 from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
 from .encode import encode_prompts_stage, text_encoder_bytes
 from .images import format_loras, save_png
+from .references import load_reference_images, reference_latents, text_images
 from .request import SampleRequest
 from .sampler import denoise, free_device_bytes
 
@@ -206,6 +207,8 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             if sep and Path(head).is_file():     # 'file:abc': the file exists, the strength is no number
                 raise ConfigError(f"lora: {path}: strength {tail!r} is not a number (FILE:STRENGTH, e.g. {head}:0.8)")
             raise ConfigError(f"lora: {path}: no such LoRA file")
+    ref_paths = [request.resolve(p) for p in request.references]
+    ref_images = load_reference_images(ref_paths, family)      # checked before any model is read
     components = components or FolderComponents(request)
     result = SamplingResult(files=[])
 
@@ -220,10 +223,19 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
                                        # one copy per image, batched as the prompts: the pipeline's
                                        # rounding (a lone row can round its pooled output differently)
                                        negative_prompts=[request.negative_prompt] * len(prompts) if cfg_family
-                                       else None)
+                                       else None, images=text_images(ref_images, family))
         embeds, negative = encoded if cfg_family else (encoded, None)
         del encoders, encoded
         _release(device)
+
+    # Stage 1b (an edit family): the reference images' latents, the VAE loaded for them alone.
+    references = []
+    if ref_images:
+        with _Stage("references", device, result):
+            vae = components.vae(dtype, device)
+            references = reference_latents(vae, ref_images, family)
+            del vae
+            _release(device)
 
     # Stage 2: denoise; LoRAs first, then the engine places the model (adapters must exist before it).
     with _Stage("denoise", device, result):
@@ -249,7 +261,7 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             latents = denoise(transformer, embeds, seeds, width=request.width, height=request.height, steps=steps,
                               guidance=guidance, schedule=schedule, device=device, dtype=dtype,
                               batch_size=request.batch_size, progress=progress, family=family,
-                              negative=negative, cfg_batched=batched)
+                              negative=negative, cfg_batched=batched, references=references or None)
             result.stream_report = handle.step_report(wait=True)
         finally:
             # release(), not remove(): restoring would copy every streamed weight onto the device
@@ -281,6 +293,8 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
                 "model": request.model.path, "variant": variant}
         if cfg_family:
             meta["negative_prompt"] = request.negative_prompt
+        if ref_paths:
+            meta["references"] = ", ".join(str(p) for p in ref_paths)
         result.files.append(save_png(img, out_dir / f"{base + i:05d}-{seed}.png", meta))
     return result
 

@@ -247,7 +247,8 @@ _DECODE_MARGIN = 256 * 2**20   # allocator fragmentation and cuDNN workspaces
 def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[], nn.Module],
                            embeds: PromptEmbeds | Sequence[PromptEmbeds], sample_cfg, *, memory_handle=None,
                            device="cpu", dtype: torch.dtype | None = None, schedule: FlowSchedule | None = None,
-                           cols: int | None = None, negative: PromptEmbeds | None = None):
+                           cols: int | None = None, negative: PromptEmbeds | None = None,
+                           references: Sequence[torch.Tensor] | None = None, family: ModelFamily | None = None):
     """A grid of samples from the model being trained, without reloading or re-placing anything.
 
     `embeds` are the cache's pre-encoded prompts (text encoders stay unloaded); `sample_cfg` is the
@@ -257,6 +258,8 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
     engine is switched to forward-only for the duration (resident set kept across denoising steps)
     and back afterwards; the transformer runs in eval mode (no LoRA dropout) and returns to its
     previous mode. `vae` may be a loader called only now, whose VAE is dropped after decoding.
+    `references`: reference latents (1, C, h_r, w_r) every sample is conditioned on (an edit family);
+    `family`: the run's (default: the transformer's class's, which cannot tell an edit family).
     The VAE decodes in whatever VRAM the training state leaves, tiled if that is too little.
     """
     items = as_embed_list(embeds)
@@ -266,10 +269,10 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
         memory_handle.forward_only(True)
     transformer.eval()
     try:
-        schedule = schedule or default_schedule(transformer)
+        schedule = schedule or default_schedule(transformer, family)
         latents = denoise(transformer, items, seeds, width=sample_cfg.width, height=sample_cfg.height,
                           steps=sample_cfg.steps, guidance=sample_cfg.guidance, schedule=schedule,
-                          device=device, dtype=dtype, negative=negative)
+                          device=device, dtype=dtype, negative=negative, references=references, family=family)
     finally:
         transformer.train(was_training)
         if memory_handle is not None:

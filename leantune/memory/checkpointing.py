@@ -19,7 +19,8 @@ How it works:
   host->device copy of this block's inputs and of the previous block's (the next to be recomputed),
   so they arrive before the recompute asks for them. Only inputs that require a gradient (the
   residual stream) are offloaded; shared, gradient-free inputs such as rotary embeddings and the
-  time embedding stay on the device, so they are not copied once per block.
+  time embedding stay on the device, so they are not copied once per block. A block none of whose
+  inputs would move (the first block of a LoRA run, small inputs) runs without the hooks.
 
 kohya's `cpu_offload_checkpointing` copies synchronously from pageable memory and refuses to run
 with block swap; here both compose.
@@ -123,10 +124,21 @@ class ActivationOffloader:
         self._last = weakref.ref(g)
         return g
 
+    def offloads(self, t: torch.Tensor) -> bool:
+        """Whether a saved `t` goes to the host: it needs a gradient (the residual stream; shared
+        gradient-free inputs stay), is floating point and at least min_bytes."""
+        return t.requires_grad and t.is_floating_point() and t.numel() * t.element_size() >= self.min_bytes
+
+    def offloads_any(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether the hooks around a checkpoint of `inputs` could move anything: checkpoint saves
+        its inputs under them (everything inside goes to checkpoint's own hooks). With
+        min_bytes <= 0, some torch versions also save a 0-byte tensor that needs a gradient, which
+        pack would move: then always."""
+        return self.min_bytes <= 0 or any(self.offloads(t) for t in inputs)
+
     def hooks(self, group: _Group):
         def pack(t: torch.Tensor):
-            if (not t.requires_grad or not t.is_floating_point()
-                    or t.numel() * t.element_size() < self.min_bytes):
+            if not self.offloads(t):
                 return t
             h = _HostTensor(self, t)
             group.handles.append(h)
@@ -188,7 +200,10 @@ class _CheckpointedForward:
         if self.offloader is None:
             return checkpoint(run, *tensors, use_reentrant=False)
         group = self.offloader.new_group()
-        with self.offloader.hooks(group):
+        if self.offloader.offloads_any(tensors):
+            with self.offloader.hooks(group):
+                out = checkpoint(run, *tensors, use_reentrant=False)
+        else:                                          # every input stays: no hook per saved input
             out = checkpoint(run, *tensors, use_reentrant=False)
         del tensors
         oflat, ospec = tree_flatten(out)

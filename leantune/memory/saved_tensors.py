@@ -1,13 +1,24 @@
-"""Saved-tensor hooks for streamed units run without checkpointing.
+"""Saved-tensor hooks for trainable streamed units run without checkpointing, and the residency
+check every streamed unit's backward makes.
 
 Autograd saves some tensors in forward for backward, and inside a streamed unit some of them are
-its weights, that is views of a ring slot (memory/slot_ring.py). By backward the slot may hold
-another unit's bytes, so a saved view would silently read the wrong weights. Instead these hooks
-pack a view of a slot into a handle (unit, offset, shape, strides) and rebuild it from the slot in
-backward, after checking that the unit is held again (resident and valid); a unit that is not
-raises at once rather than compute with whatever the slot holds. Any other tensor passes through.
+its weights, that is views of a ring slot (memory/slot_ring.py). Between the unit's forward and its
+backward the slot holds other units' bytes; what matters is that the unit is held again (resident
+and valid) whenever backward reads them.
 
-With checkpointing these hooks are not installed: the recompute re-enters the streamed forward,
+- Frozen weights (LoRA, sampling): no hook. Each streamed tensor's owner has a version counter of
+  its own (streaming_units.point_owners), so autograd saves the weight itself and reads the slot in
+  backward, where the schedule holds the unit from its output gradients to its input gradients.
+  `check_resident` runs once per block as its backward begins (streamed_forward._Leave) and
+  raises, rather than let the block compute with whatever the slot holds. A hook here would run
+  once per saved tensor (about 60 per Flux block, most of them activations): it was the largest
+  part of the engine's per-block CPU time.
+- Trained weights (memory/trainable_streaming.py) are stepped in place during backward, so their
+  saved views go through these hooks: a view of a slot is packed into a handle (unit, offset,
+  shape, strides) and rebuilt from the slot in backward, after the same check. Any other tensor
+  passes through.
+
+With checkpointing no hook is installed either way: the recompute re-enters the streamed forward,
 which re-acquires the unit; checkpointing therefore wraps *outside* streaming (see engine.py).
 """
 
@@ -30,6 +41,13 @@ class SavedSlotView:
     offset: int
     size: tuple
     stride: tuple
+
+
+def check_resident(unit: StreamedUnit, slot: Slot) -> None:
+    """Refuse to let backward read `unit`'s weights unless it is held and `slot` holds its bytes."""
+    if unit.refs == 0 or slot.owner is not unit or not slot.valid:
+        raise RuntimeError(f"streaming: backward needs the weights of {unit.name} while they are not "
+                           f"resident; the streaming schedule missed this unit")
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -80,9 +98,7 @@ class SlotSavedTensors:
         if h.__class__ is not SavedSlotView:
             return h
         slot = self.slots[h.unit.slot]
-        if h.unit.refs == 0 or slot.owner is not h.unit or not slot.valid:
-            raise RuntimeError(f"streaming: backward needs the weights of {h.unit.name} while they are not "
-                               f"resident; the streaming schedule missed this unit")
+        check_resident(h.unit, slot)
         return slot.view_as_dtype(h.dtype).as_strided(h.size, h.stride, h.offset)
 
     def clear(self) -> None:

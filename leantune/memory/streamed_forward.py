@@ -9,10 +9,11 @@ in the block, it has the lowest sequence number, so autograd's ready queue runs 
 other node of the block). A unit none of whose inputs needs a gradient (the first trainable block)
 is held until the end of backward (an engine callback), as FSDP2 does for the same reason.
 
-Without checkpointing, the tensors autograd saves inside the unit go through the saved-tensor
-hooks (memory/saved_tensors.py). With checkpointing, the recompute re-enters this forward, which
-re-acquires the unit; checkpointing therefore wraps *outside* streaming (see engine.py for the
-full order).
+Frozen weights are saved by autograd as themselves and read from the slot in backward, after
+`_Leave` took the hold and checked once that the unit is resident; trained weights without
+checkpointing go through the saved-tensor hooks (memory/saved_tensors.py). With checkpointing, the
+recompute re-enters this forward, which re-acquires the unit; checkpointing therefore wraps
+*outside* streaming (see engine.py for the full order).
 
 Under no_grad (sampling) the unit is only held around the call. A grad-enabled call in forward-only
 mode is refused rather than silently losing the streamed blocks' gradients.
@@ -54,7 +55,73 @@ class _Leave(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.engine.backward_begin(ctx.unit, ctx.release_at_end)
+        ctx.engine.check_resident(ctx.unit)          # once per block, before any of its saved weights is read
         return (None, None, None, *grads)
+
+
+# Leaf types a block's arguments and outputs commonly carry besides tensors: pytree treats them as
+# leaves too. Any other type (a namedtuple, an OrderedDict, a registered pytree node, an unknown
+# object) sends the whole call to torch's pytree, so the tensors routed are always pytree's.
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device})
+
+
+def _grad_tensors(tree, found: list) -> bool:
+    """Append the grad-requiring tensors of `tree` (tuples, lists, dicts, tensors and atoms) to
+    `found`, in pytree's order; False if `tree` holds another type (then nothing is decided here).
+
+    Why not tree_flatten: it is the largest part of the per-block cost of the wrapper on a small
+    model (a spec object per container, a namedtuple check per node), twice per streamed call."""
+    if isinstance(tree, torch.Tensor):
+        if tree.requires_grad:
+            found.append(tree)
+        return True
+    t = type(tree)
+    if t is tuple or t is list:
+        for x in tree:
+            if not _grad_tensors(x, found):
+                return False
+        return True
+    if t is dict:
+        for x in tree.values():
+            if not _grad_tensors(x, found):
+                return False
+        return True
+    return t in _ATOMS
+
+
+def _substitute(tree, routed):
+    """`tree` with its grad-requiring tensors replaced, in order, by the items of iterator `routed`
+    (the same walk as _grad_tensors, which accepted `tree`); containers without one are kept."""
+    if isinstance(tree, torch.Tensor):
+        return next(routed) if tree.requires_grad else tree
+    t = type(tree)
+    if t is tuple or t is list:
+        items = [_substitute(x, routed) for x in tree]
+        if all(a is b for a, b in zip(items, tree)):
+            return tree
+        return tuple(items) if t is tuple else items
+    if t is dict:
+        items = {k: _substitute(x, routed) for k, x in tree.items()}
+        if all(items[k] is x for k, x in tree.items()):
+            return tree
+        return items
+    return tree
+
+
+def _route(tree, fn):
+    """(`tree` with its grad-requiring tensors passed through `fn(*tensors)`, whether any was)."""
+    found: list = []
+    if _grad_tensors(tree, found):
+        if not found:
+            return tree, False
+        return _substitute(tree, iter(fn(*found))), True
+    flat, spec = tree_flatten(tree)
+    idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return tree, False
+    for i, x in zip(idx, fn(*[flat[i] for i in idx]), strict=True):
+        flat[i] = x
+    return tree_unflatten(flat, spec), True
 
 
 class StreamedForward:
@@ -75,27 +142,16 @@ class StreamedForward:
                                "under torch.no_grad(), or call forward_only(False) before training")
         eng.acquire(unit)
         try:
-            flat, spec = tree_flatten((args, kwargs))
-            grad_in = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            (args, kwargs), grad_in = _route((args, kwargs), lambda *xs: _Enter.apply(eng, unit, *xs))
             if not grad_in and not unit.trainable():
                 return self.orig(*args, **kwargs)     # nothing here needs these weights in backward
-            if grad_in:
-                routed = _Enter.apply(eng, unit, *[flat[i] for i in grad_in])
-                for i, x in zip(grad_in, routed, strict=True):
-                    flat[i] = x
-                args, kwargs = tree_unflatten(flat, spec)
-            if unit.checkpointed:
+            if unit.checkpointed or not eng.saved_views_as_handles:
                 out = self.orig(*args, **kwargs)      # checkpoint's recompute re-enters this wrapper
             else:
                 with eng.saved_tensors.installed():
                     out = self.orig(*args, **kwargs)
-            oflat, ospec = tree_flatten(out)
-            grad_out = [i for i, x in enumerate(oflat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            out, grad_out = _route(out, lambda *xs: _Leave.apply(eng, unit, not grad_in, *xs))
             if grad_out:
-                routed = _Leave.apply(eng, unit, not grad_in, *[oflat[i] for i in grad_out])
-                for i, x in zip(grad_out, routed, strict=True):
-                    oflat[i] = x
-                out = tree_unflatten(oflat, ospec)
                 eng.note_tracked(unit)
             return out
         finally:

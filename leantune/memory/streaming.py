@@ -16,7 +16,10 @@ parts it drives have one module each (each docstring says how and why):
   `poison` (debug) fills a released slot with NaN bytes.
 - streamed_forward.py: the per-block hook, a forward wrapper plus two autograd boundaries that call
   `acquire`/`release` around the forward and `backward_begin`/`backward_end` around the backward.
-- saved_tensors.py: without checkpointing, a saved slot view becomes a handle rebuilt in backward.
+- saved_tensors.py: trainable streaming without checkpointing: a saved slot view becomes a handle
+  rebuilt in backward. Frozen weights need no hook: a saved weight is the weight itself, read from
+  its slot while the unit is held again, and residency is checked once per block
+  (`saved_views_as_handles`, `check_resident`).
 - streaming_stats.py: bytes, copy and stall times, read by calibration.
 
 The schedule (StreamingEngine):
@@ -56,7 +59,7 @@ from ..spec import ModelSpec
 from .copy_streams import CopyBackend
 from .host_buffers import alloc_host, return_freed_host_memory
 from .plan import Plan
-from .saved_tensors import SlotSavedTensors
+from .saved_tensors import SlotSavedTensors, check_resident
 from .slot_ring import Slot, SlotCopies, allocate_ring
 from .streamed_forward import StreamedForward
 from .streaming_stats import StreamStats
@@ -97,6 +100,14 @@ class StreamingEngine:
     """
 
     trains_weights = False
+    # Whether a streamed unit's forward (without checkpointing) runs under the saved-tensor hooks
+    # that turn saved slot views into handles (saved_tensors.py). Frozen weights need none: each
+    # streamed tensor's owner has a version counter of its own (streaming_units.point_owners), so a
+    # saved weight is the weight itself, read from its slot in backward while the unit is held
+    # again, and its residency is checked once per block (`check_resident`, from _Leave) instead
+    # of once per saved tensor. Trained weights are stepped in place during backward, so they keep
+    # the handles.
+    saved_views_as_handles = False
 
     def __init__(self, units: list[StreamedUnit], slots: list[Slot], backend: CopyBackend, plan: Plan,
                  mode: RunMode):
@@ -196,6 +207,10 @@ class StreamingEngine:
         self._retire(unit, self.slots[unit.slot])
         self._prefetch()
 
+    def check_resident(self, unit: StreamedUnit) -> None:
+        """Refuse a backward that would read `unit`'s weights while its slot does not hold them."""
+        check_resident(unit, self.slots[unit.slot])
+
     def _make_resident(self, unit: StreamedUnit) -> None:
         slot = self.slots[unit.slot]
         if not (slot.owner is unit and slot.valid):
@@ -235,17 +250,20 @@ class StreamingEngine:
         # The unit under the cursor may be called again (a group's consecutive modules): keep it.
         window: list[StreamedUnit] = [order[self.cursor]] if 0 <= self.cursor < len(order) else []
         i = self.cursor + 1
-        while i < len(order) and len(window) < k:
+        n = len(order)
+        slots = self.slots
+        while i < n and len(window) < k:
             unit = order[i]
             i += 1
-            if any(unit is w for w in window):
+            if unit in window:                        # identity: units compare by identity (eq=False)
                 continue
             window.append(unit)
-            slot = self.slots[unit.slot]
-            if slot.owner is unit and slot.valid:
-                continue
+            slot = slots[unit.slot]
             owner = slot.owner
-            if owner is not None and owner is not unit and (owner.refs > 0 or any(owner is w for w in window)):
+            if owner is unit:
+                if slot.valid:
+                    continue
+            elif owner is not None and (owner.refs > 0 or owner in window):
                 break                                 # the slot's owner is in use or needed sooner
             self._fetch(unit, demand=False)
 

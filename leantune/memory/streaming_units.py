@@ -18,7 +18,7 @@ The planner prices streamed blocks with this same layout (planner/weight_bytes.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -57,10 +57,20 @@ class StreamedUnit:
     unpin: object = None               # undoes the host buffer's pinning
     refs: int = 0
     shared: bool = False               # the host buffer is a shared mapping (memory/shared_host.py)
+    _packed_params: list | None = field(default=None, repr=False)   # see trainable()
 
     def trainable(self) -> bool:
-        return any(p.requires_grad for p in self.adapter_params) or any(
-            kind == "param" and m._parameters[attr].requires_grad for e in self.entries for m, kind, attr in e.owners)
+        """Whether any of the unit's parameters (adapters first) currently takes a gradient.
+
+        Asked on every call of a streamed module none of whose inputs needs a gradient, so the
+        packed parameters are listed once (the Parameter objects stay; streaming re-points their
+        .data) and only their requires_grad is read each time."""
+        if any(p.requires_grad for p in self.adapter_params):
+            return True
+        if self._packed_params is None:
+            self._packed_params = [m._parameters[attr] for e in self.entries for m, kind, attr in e.owners
+                                   if kind == "param"]
+        return any(p.requires_grad for p in self._packed_params)
 
 
 def layout_unit(modules: list[nn.Module], unit_name: str, trainable_ok: bool = False, state_on_host: bool = False
@@ -108,12 +118,23 @@ def _tensor_of(entry: PackedTensor) -> torch.Tensor:
 
 
 def point_owners(entry: PackedTensor, value: torch.Tensor) -> None:
-    """Make every owner of `entry` refer to `value` (a parameter's .data, or the buffer itself)."""
+    """Make every owner of `entry` refer to `value` (a parameter's .data, or for a buffer an alias
+    of `value`).
+
+    Either way the owner gets a version counter of its own, not the one of the buffer `value`
+    views: a slot is refilled by a copy into the whole slot, which bumps the slot's counter, and a
+    block's saved tensors (a Linear's weight, an fp8 weight's scale buffer) are checked against
+    their own counter when backward unpacks them. Sharing the slot's would make every saved
+    streamed buffer look modified in place once its slot had been refilled."""
+    alias = None
     for m, kind, attr in entry.owners:
         if kind == "param":
             m._parameters[attr].data = value
         else:
-            m._buffers[attr] = value
+            if alias is None:
+                alias = value.new_empty(0)
+                alias.data = value                    # same memory, own version counter (not a view)
+            m._buffers[attr] = alias
 
 
 def packed_view(buf: torch.Tensor, e: PackedTensor) -> torch.Tensor:

@@ -81,6 +81,7 @@ def host_step_worker(device: torch.device) -> ThreadPoolExecutor:
 
 class TrainableStreamingEngine(StreamingEngine):
     trains_weights = True
+    saved_views_as_handles = True                     # weights stepped in place in backward (streaming.py)
 
     def __init__(self, units: list[StreamedUnit], slots: list[Slot], backend, plan, mode):
         super().__init__(units, slots, backend, plan, mode)

@@ -107,7 +107,10 @@ class ReferenceConditioning:
     - `text_sees_images`: the text encoder reads the references too (a VLM: its text entry is keyed
       by the references' content, and `encode_prompts` gets `images=`, per prompt a list of PIL
       images), else the caption alone is encoded;
-    - `most`: how many references one target may have.
+    - `most`: how many references one target may have;
+    - `sampling_latents(vae, images) -> [(1, C, h, w), ...]`: each reference (PIL) resized and
+      VAE-encoded as the family's pipeline does when it samples (`leantune sample --reference`, the
+      samples drawn during training); `vae` is what the family's `load_vae` returns.
 
     The family's `predict` takes `references=`: a list of (B, C, h_r, w_r) latents, one tensor per
     reference slot, and returns the target's prediction only."""
@@ -115,6 +118,7 @@ class ReferenceConditioning:
     size: Callable
     text_sees_images: bool = False
     most: int = 1
+    sampling_latents: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,9 @@ class ModelFamily:
     text_modules: Callable
     # diffusers transformer classes of this family (family_for_model tells a loaded model's family)
     transformer_classes: tuple[str, ...] = ()
+    # diffusers pipeline classes (model_index.json's _class_name) that tell this family from another
+    # with the same transformer class (Qwen-Image-Edit's folder holds Qwen-Image's transformer)
+    pipeline_classes: tuple[str, ...] = ()
     # True for the tensor names of a single transformer file of this family, any prefix kept
     # (guess_family: `leantune sample --model FILE` without a family)
     recognizes_keys: Callable = lambda keys: False
@@ -223,28 +230,32 @@ def guess_family(path) -> str | None:
     """The family of a model path from its metadata alone, or None when nothing says.
 
     A diffusers folder names its transformer class (model_index.json, else transformer/config.json),
-    and where families share the class its transformer config or model_index.json tells them apart
-    (ModelFamily.recognizes_config); a single .safetensors file is matched by its tensor names
-    (header only, nothing loaded).
+    and where families share the class its transformer config or model_index.json
+    (ModelFamily.recognizes_config: FLUX.2's three) or its pipeline class (pipeline_classes:
+    Qwen-Image and its Edit) tell them apart; a single .safetensors file is matched by its tensor
+    names (header only, nothing loaded).
     """
     import json
     from pathlib import Path
 
     path = Path(path)
-    cls = None
+    cls = pipeline = None
     try:
         if path.is_dir():
             index_file, config_file = path / "model_index.json", path / "transformer" / "config.json"
             index = json.loads(index_file.read_text(encoding="utf-8")) if index_file.is_file() else None
             config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else None
             if index is not None:
-                entry = index.get("transformer")
+                entry, pipeline = index.get("transformer"), index.get("_class_name")
                 cls = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
             if cls is None and config is not None:
                 cls = config.get("_class_name")
             if cls is None:
                 return None
-            return next((n for n in _MODULES if _claims(get_family(n), cls, config, index)), None)
+            matches = [n for n in _MODULES if _claims(get_family(n), cls, config, index)]
+            # several families share a transformer class: the pipeline class tells them apart
+            by_pipeline = [n for n in matches if pipeline in get_family(n).pipeline_classes]
+            return (by_pipeline or matches or [None])[0]
         if path.is_file() and path.suffix == ".safetensors":
             from safetensors import SafetensorError, safe_open
 

@@ -181,17 +181,31 @@ def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: in
 
 def _encoders_loader(sources, dtype=torch.bfloat16, device="cpu"):
     """Qwen-Image's text encoder and tokenizer, plus Qwen2-VL's image processor that reads the
-    references (from the folder's processor/, else Qwen2-VL's defaults, which the Edit repositories
-    ship unchanged)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
+    references: from the folder's processor/ (preprocessor_config.json, as the published Edit
+    repositories have it, or processor_config.json's "image_processor" section, as newer
+    transformers write it), else Qwen2-VL's defaults, which the Edit repositories ship unchanged."""
     enc = qi.qwen_image_loading.load_text_encoders(sources, dtype, device)
     folder = sources.tokenizer.parent / "processor" if sources.tokenizer is not None else None
-    if folder is not None and (folder / "preprocessor_config.json").is_file():
-        enc.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder), local_files_only=True)
-    else:
-        enc.image_processor = Qwen2VLImageProcessorPil()
+    enc.image_processor = _image_processor_from(folder)
     return enc
+
+
+def _image_processor_from(folder):
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if folder is not None and (folder / "preprocessor_config.json").is_file():
+        return Qwen2VLImageProcessorPil.from_pretrained(str(folder), local_files_only=True)
+    combined = None if folder is None else folder / "processor_config.json"
+    if combined is not None and combined.is_file():
+        try:
+            section = json.loads(combined.read_text(encoding="utf-8")).get("image_processor")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{combined}: not a readable processor config ({e})") from None
+        if isinstance(section, dict):
+            return Qwen2VLImageProcessorPil.from_dict(section)
+    return Qwen2VLImageProcessorPil()
 
 
 def _register():
@@ -208,8 +222,11 @@ def _register():
         predict=predict, probe_inputs=probe_inputs, text_rows=lambda max_length: max_length + EDIT_DROP + MAX_REFERENCES * ROWS_PER_REFERENCE,
         # the same class: family_for_model tells a loaded one "qwen-image" (registered first)
         transformer_classes=("QwenImageTransformer2DModel",),
+        # guess_family: an Edit-2509/2511 folder (its model_index.json) is this family, not Qwen-Image
+        pipeline_classes=("QwenImageEditPlusPipeline",),
         recognizes_keys=lambda keys: False,
-        references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES),
+        references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES,
+                                        sampling_latents=encode_reference_latents),
     ))
 
 

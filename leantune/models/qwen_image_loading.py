@@ -210,18 +210,122 @@ def load_raw_vae(sources: QwenImageSources, dtype: torch.dtype = torch.bfloat16,
 # -- text encoder ---------------------------------------------------------------------------------------
 
 def load_text_encoders(sources: QwenImageSources, dtype: torch.dtype = torch.bfloat16,
-                       device="cpu") -> QwenImageTextEncoders:
-    """The Qwen2 tokenizer and Qwen2.5-VL from their folders, on the host (encoding streams the
-    encoder's layers to `device`: 7B parameters, 15 GiB in bf16, never on the device at once)."""
+                       device="cpu", keep_fp8: bool = False) -> QwenImageTextEncoders:
+    """The Qwen2 tokenizer and Qwen2.5-VL, on the host (encoding streams the encoder's layers to
+    `device`: 7B parameters, 15 GiB in bf16, never on the device at once). The encoder comes from
+    a transformers folder or a single file (ComfyUI's qwen_2.5_vl_7b*.safetensors: load_text_encoder_file)."""
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], Qwen2Tokenizer, _REPO)
     src = _require(sources.text_encoder, "text_encoder")
-    if not src.is_dir():
-        raise LoadError(f"[model] text_encoder: {src}: Qwen2.5-VL loads from a transformers folder (the "
-                        f"text_encoder/ folder of {_REPO}), not a single file")
-    try:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), dtype=dtype, local_files_only=True)
-    except Exception as e:
-        raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
+    if src.is_dir():
+        try:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), dtype=dtype, local_files_only=True)
+        except Exception as e:
+            raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
+    else:
+        model = load_text_encoder_file(src, dtype, "cpu", keep_fp8=keep_fp8)
     return QwenImageTextEncoders(tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))
+
+
+# -- the text encoder as a single file ------------------------------------------------------------------
+#
+# ComfyUI's split text encoder (qwen_2.5_vl_7b.safetensors, bf16; qwen_2.5_vl_7b_fp8_scaled.safetensors)
+# holds Qwen2.5-VL under the names of the original checkpoint (transformers before its 4.52 layout):
+# the language model as `model.layers.N...`, `model.embed_tokens`, `model.norm`; the vision tower as
+# `visual.*`; `lm_head.weight` where kept. An all-in-one checkpoint puts them under
+# `text_encoders.qwen25_7b.transformer.`. Today's transformers class names them
+# `model.language_model.*` and `model.visual.*`; both layouts are read. fp8 weights carry a
+# per-tensor scale (`.scale_weight`, or `.weight_scale` in ComfyUI's newer quantized files).
+
+TEXT_PREFIXES = ("text_encoders.qwen25_7b.transformer.", "text_encoders.qwen25_7b.", "")
+_TEXT_ANCHORS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
+def _text_target(key: str) -> str:
+    """A file key (prefix stripped) -> today's Qwen2_5_VLForConditionalGeneration name."""
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + key[len("model."):]
+    return key
+
+
+def _text_layout(src: Path):
+    """(config, files, prefix) of a single text-encoder file, from its header."""
+    files = CheckpointFiles([src])
+    keys = list(files.keys())
+    prefix = next((p for p in TEXT_PREFIXES if any(p + a in keys for a in _TEXT_ANCHORS)), None)
+    if prefix is None:
+        raise LoadError(f"[model] text_encoder: {src}: not a Qwen2.5-VL text encoder (no 'model.embed_tokens.weight' "
+                        f"under {[p for p in TEXT_PREFIXES if p]} or at the top): {cf.describe(keys)}")
+    names = {_text_target(k[len(prefix):]): k for k in keys if k.startswith(prefix)}
+    config = cf.packaged_config("qwen25_vl_7b")
+    config.pop("_comment", None)
+    meta = cf.metadata_config(files.metadata, str(src), "text_encoder")
+    for part in ("text_config", "vision_config"):            # a file's metadata overrides part by part
+        config[part] = {**config[part], **meta.pop(part, {})}
+    config.update(meta)
+    layers = {int(n.split(".")[3]) for n in names if n.startswith("model.language_model.layers.")}
+    blocks = {int(n.split(".")[3]) for n in names if n.startswith("model.visual.blocks.")}
+    if layers:
+        config["text_config"]["num_hidden_layers"] = max(layers) + 1
+    if blocks:
+        config["vision_config"]["depth"] = max(blocks) + 1
+    if "lm_head.weight" not in names:           # unused for encoding: tied to the embedding, nothing stored
+        config["tie_word_embeddings"] = True
+    return config, files, prefix, names
+
+
+def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = False):
+    """Qwen2_5_VLForConditionalGeneration from a single file, built on meta and filled tensor by tensor.
+
+    fp8 weights are upcast to `dtype` with their scale, tensor by tensor (the default), or, with
+    `keep_fp8`, the language model's layer Linears stay e4m3 with their scale (the engine's fp8
+    Linear computes in `dtype`): 7.6 GB instead of 15 GB of host RAM for the 7B."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config, files, prefix, names = _text_layout(src)
+    try:
+        cfg = Qwen2_5_VLConfig(**{k: v for k, v in config.items() if k != "model_type"})
+        model = build_empty(lambda: Qwen2_5_VLForConditionalGeneration(cfg))
+    except Exception as e:
+        raise LoadError(f"[model] text_encoder: {src}: cannot build Qwen2.5-VL from its config ({e})") from None
+    ops = copy_ops(list(names.values()), strip=prefix, rename=_text_target)
+    keep = attach = None
+    if keep_fp8:
+        from ..memory.fp8 import use_fp8_weight
+
+        def keep(target: str) -> bool:
+            return target.startswith("model.language_model.layers.") and ("_proj." in target)
+
+        def attach(target: str, scale: torch.Tensor) -> None:
+            use_fp8_weight(model.get_submodule(target[: -len(".weight")]), scale)
+    return load_into_empty(model, files, ops, what="a Qwen2.5-VL text encoder of this architecture", dtype=dtype,
+                           device=device, source_name=lambda t: names.get(t, t), keep_fp8=keep, on_fp8=attach)
+
+
+def save_text_encoder_file(model, path: str | Path, dtype: torch.dtype | None = None, fp8: str | None = None,
+                           prefix: str = "") -> Path:
+    """Write Qwen2.5-VL in ComfyUI's single-file layout (the original checkpoint's names; fp8 None /
+    "e4m3" / "scaled" for the language model's layer Linears), its config in the metadata, atomically."""
+    legacy = {}
+    for key, t in cl.dequantized_state(model.state_dict()).items():
+        if key.startswith("model.language_model."):
+            key = "model." + key[len("model.language_model."):]
+        elif key.startswith("model.visual."):
+            key = key[len("model."):]
+        legacy[key] = t
+    tensors = cl.file_tensors(legacy, dtype=dtype, fp8=fp8, prefix=prefix,
+                              in_block=lambda key: key.startswith("model.layers.") and "_proj." in key)
+    cfg = model.config.to_dict()
+    meta = {"text_config": _plain(cfg["text_config"]), "vision_config": _plain(cfg["vision_config"]),
+            **{k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}}
+    return save_safetensors(tensors, path, metadata={cf.METADATA_CONFIG_KEY: json.dumps(meta)})
+
+
+def _plain(section: dict) -> dict:
+    """A config section without transformers' bookkeeping keys (what a file's metadata states)."""
+    skip = {"_name_or_path", "architectures", "transformers_version", "model_type", "torch_dtype", "dtype",
+            "id2label", "label2id", "_attn_implementation_autoset", "layer_types"}
+    return {k: v for k, v in section.items() if k not in skip and not k.startswith("_")}

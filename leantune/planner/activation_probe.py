@@ -14,11 +14,19 @@ Two things are emulated because they depend on the GPU: bf16 autocast (CUDA's op
 bf16, norms/pow/softmax in fp32; autocast itself ignores meta tensors) and attention (flash/efficient
 kernels keep q, k, v, out and a (B, heads, L) fp32 logsumexp, never the L x L matrix).
 
+The LoRA rank is priced, not traced: the adapters are built at a trace rank (trace_rank: a prime
+no other dimension of the model or workload has), every tensor with that dimension is an adapter's,
+and the tracker keeps the adapters' share of each number per rank unit and each window's candidate
+peaks, so the profile at any rank follows exactly (ActivationProfile.at_rank; tests/
+test_planner_rank.py compares it with the probe built at that rank). `leantune plan --rank 100000`
+builds no rank-100000 adapter and reuses the measurement of any rank.
+
 The profiles and their composition over the whole stack are in activations.py.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -29,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import LoraConfig
 from ..memory.fp8 import apply_fp8_storage
-from ..train.lora import add_lora
+from ..train.lora import LoraRankWarning, add_lora
 from .activations import ActivationProfile, KindProfile
 from .meta import short_copy
 from .workload import Workload
@@ -43,67 +51,107 @@ class _Tracker(TorchDispatchMode):
     torch's flop counter knows. Both are attributed to the open "window" (a block's forward, ...).
     A window also counts the bytes released in it of storages created in the "fwd:pre" window (the
     embedders' outputs, the inputs of the block stack): `pre_freed`.
+
+    Every quantity is kept as a pair (bytes or FLOPs that do not depend on the LoRA rank, per rank
+    unit): with `rank_dim` (the rank the adapters were built at, a number no other dimension of the
+    trace has), a storage one of whose dimensions is `rank_dim` is the adapters' (a down-projection
+    output, an autocast copy of an adapter weight, their gradients) and counts `bytes / rank_dim`
+    per rank; so do the FLOPs of an op one of whose tensors has that dimension, and the traffic of
+    such tensors. A window keeps every moment that can be its peak at some rank (`points`: the
+    pairs of live bytes no other moment of the window beats at every rank), so the peak at any rank
+    is a maximum over them (LoRA adds only tensors proportional to the rank, and the same ops at
+    every rank).
     """
 
-    def __init__(self):
+    def __init__(self, rank_dim: int | None = None):
         super().__init__()
+        self.rank_dim = rank_dim
         self.live = 0
-        self._sizes: dict[int, tuple[int, bool]] = {}    # storage id -> (bytes, created in "fwd:pre")
+        self.live_r = 0           # of which the adapters' rank-proportional storages
+        # storage id -> (bytes, created in "fwd:pre", rank-proportional)
+        self._sizes: dict[int, tuple[int, bool, bool]] = {}
         self.windows: dict[str, dict] = {}
         self._open: dict | None = None
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
 
+    def pair(self) -> tuple[int, int]:
+        """Live bytes now as (not rank-dependent, per rank unit)."""
+        if self.rank_dim is None:
+            return (self.live, 0)
+        return (self.live - self.live_r, self.live_r // self.rank_dim)
+
+    def _ranked(self, t: torch.Tensor) -> bool:
+        return self.rank_dim is not None and self.rank_dim in t.shape
+
     def open(self, name: str) -> None:
         """Close the current window and start `name` (a window seen again keeps its first record)."""
         self.close()
-        self._open = {"name": name, "start": self.live, "peak": self.live, "flops": 0.0, "traffic": 0,
-                      "pre_freed": 0}
+        now = self.pair()
+        self._open = {"name": name, "start": now, "points": [now], "flops": (0.0, 0.0), "traffic": (0, 0),
+                      "pre_freed": (0, 0)}
 
     def close(self) -> None:
         if self._open is not None:
-            self._open["end"] = self.live
+            self._open["end"] = self.pair()
             self.windows.setdefault(self._open["name"], self._open)
             self._open = None
 
-    def add_flops(self, flops: float) -> None:
+    def add_flops(self, flops: float, ranked: bool = False) -> None:
         if self._open is not None:
-            self._open["flops"] += flops
+            a, b = self._open["flops"]
+            self._open["flops"] = (a, b + flops / self.rank_dim) if ranked else (a + flops, b)
+
+    def _add_point(self) -> None:
+        points = self._open["points"]
+        a, b = now = self.pair()
+        if any(pa >= a and pb >= b for pa, pb in points):
+            return
+        points[:] = [(pa, pb) for pa, pb in points if not (a >= pa and b >= pb)]
+        points.append(now)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         counter = self._flop_registry.get(func._overloadpacket)
         if counter is not None:
-            self.add_flops(float(counter(*args, **kwargs, out_val=out)))
-        in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self.add_flops(float(counter(*args, **kwargs, out_val=out)),
+                           ranked=any(self._ranked(t) for t in (*in_tensors, *out_tensors)))
         inputs = {id(t.untyped_storage()) for t in in_tensors}
-        created = 0
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
+        created = created_r = 0
+        for t in out_tensors:
             storage = t.untyped_storage()
             key = id(storage)
             if key in inputs or key in self._sizes:
                 continue
             n = storage.nbytes()
+            ranked = self._ranked(t)
             created += n
-            self._sizes[key] = (n, self._open is not None and self._open["name"] == "fwd:pre")
+            created_r += n if ranked else 0
+            self._sizes[key] = (n, self._open is not None and self._open["name"] == "fwd:pre", ranked)
             self.live += n
-            if self._open is not None and self.live > self._open["peak"]:
-                self._open["peak"] = self.live
+            self.live_r += n if ranked else 0
             weakref.finalize(storage, self._release, key)
+        if created and self._open is not None:
+            self._add_point()
         if created and counter is None and self._open is not None:
             # memory-bound op (cast, dequantisation, norm, activation): bytes read + written
-            self._open["traffic"] += created + sum(t.numel() * t.element_size() for t in in_tensors)
+            moved_r = created_r + sum(t.numel() * t.element_size() for t in in_tensors if self._ranked(t))
+            moved = created + sum(t.numel() * t.element_size() for t in in_tensors)
+            a, b = self._open["traffic"]
+            self._open["traffic"] = (a + moved - moved_r, b + (moved_r // self.rank_dim if moved_r else 0))
         return out
 
     def _release(self, key: int) -> None:
-        n, pre = self._sizes.pop(key, (0, False))
+        n, pre, ranked = self._sizes.pop(key, (0, False, False))
         self.live -= n
+        self.live_r -= n if ranked else 0
         if pre and self._open is not None:
-            self._open["pre_freed"] += n
+            a, b = self._open["pre_freed"]
+            self._open["pre_freed"] = (a, b + n // self.rank_dim) if ranked else (a + n, b)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -179,7 +227,7 @@ def _cast_all(tree, dtype, only_from=_CASTABLE):
 
 
 def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bool, fp8: bool,
-                 modulation: bool = False):
+                 modulation: bool = False, rank: int | None = None):
     """A copy of `model`'s architecture with two blocks of each kind, on meta, in the workload's dtype,
     with the run's adapters (the trainer's own add_lora) and fp8 storage (the engine's own)."""
     probe = short_copy(spec, model, workload.dtype)
@@ -197,9 +245,10 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
         # Created on meta: peft builds each adapter on the CPU (and draws its init) before moving it
         # to the base layer's device, which at a large rank (`leantune plan --rank 100000`) allocated
         # gigabytes and took minutes. On meta the adapters cost nothing, and the probe still sees
-        # their activations at the run's rank (their bytes are weight_bytes.AdapterShape's).
-        with torch.device("meta"):
-            add_lora(probe, spec, LoraConfig(rank=workload.rank, targets=workload.targets, blocks=blocks,
+        # their activations (their bytes are weight_bytes.AdapterShape's), at the trace rank.
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", LoraRankWarning)     # a trace rank beyond a tiny model's layers
+            add_lora(probe, spec, LoraConfig(rank=rank or workload.rank, targets=workload.targets, blocks=blocks,
                                              dropout=workload.lora_dropout))
     if fp8 or modulation:
         apply_fp8_storage(probe, spec, quantize_rest=fp8, modulation=modulation, compute_dtype=workload.dtype,
@@ -225,11 +274,12 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tracker, dict, dict]:
+def _run_probe(spec, probe, workload: Workload, bucket, grad: bool,
+               rank_dim: int | None = None) -> tuple[_Tracker, dict, dict]:
     """One forward (and backward when `grad`) of the probe model; returns the tracker's windows,
-    the live bytes after each block and the output bytes of each block."""
-    tracker = _Tracker()
-    after: dict[str, int] = {}
+    the live bytes after each block (pairs: _Tracker) and the output bytes of each block."""
+    tracker = _Tracker(rank_dim)
+    after: dict[str, tuple[int, int]] = {}
     outs: dict[str, int] = {}
     handles = []
     for name, block in _named_blocks(spec, probe):
@@ -237,7 +287,7 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool) -> tuple[_Tr
             tracker.open(f"fwd:{name}")
 
         def post(_m, _a, _k, output, name=name):
-            after[name] = tracker.live
+            after[name] = tracker.pair()
             outs[name] = _storage_bytes(tree_leaves(output))
             tracker.open(f"fwd:after:{name}")
             if grad:
@@ -296,39 +346,88 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
+def trace_rank(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[int, int]) -> int:
+    """The rank the probe builds its adapters at: a prime that is no dimension of the model's
+    parameters and no token count of the workload, so a tensor of the trace with that dimension is
+    an adapter's (see _Tracker). The activations of any other rank follow from it
+    (ActivationProfile.at_rank)."""
+    dims = {d for p in model.parameters() for d in p.shape}
+    tokens = workload.image_tokens(bucket), workload.text_length, workload.image_tokens(bucket) + workload.text_length
+    dims |= {n * m for n in tokens for m in (1, workload.batch_size)} | {workload.batch_size}
+    # The inputs' dimensions, and any two of them joined (image and text streams concatenated).
+    inputs = {d for t in tree_leaves(_probe_inputs(spec, model, workload, bucket)) if isinstance(t, torch.Tensor)
+              for d in t.shape}
+    dims |= inputs | {a + b for a in inputs for b in inputs}
+    for candidate in _TRACE_RANKS:
+        if candidate not in dims:
+            return candidate
+    raise ValueError(f"no trace rank among {_TRACE_RANKS} is free of the model's dimensions")
+
+
+# Primes above any head count, head size or small channel count of the families.
+_TRACE_RANKS = (257, 263, 269, 271, 277, 281, 283, 293, 307, 311, 313, 317, 331, 337, 347, 349)
+
+
 def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[int, int],
-                      fp8: bool = False, modulation: bool = False) -> ActivationProfile:
+                      fp8: bool = False, modulation: bool = False, rank: int | None = None) -> ActivationProfile:
     """Activation bytes and FLOPs of `model`'s architecture for one bucket, measured on meta.
 
     Each kind is characterised by its last block in the probe copy, whose input comes from a block
     of the same kind (or the kind before), as almost every block in the full model does. Its S is the
     growth of the live set over it and the gap before it, not counting the embedder outputs the model
     drops there: that happens once per step (after the first block), not once per block.
+
+    A LoRA workload's adapters are built at `rank` (default: trace_rank, a rank no other dimension
+    of the trace has) and their share of every number is kept per rank unit, so the profile is
+    given at the workload's rank and prices any other rank without tracing again
+    (ActivationProfile.at_rank). With `rank` given the probe builds its adapters at that rank
+    (the direct measurement the per-rank pricing is tested against).
     """
     with_lora = workload.mode == "lora" and (workload.lora_blocks is None or any(workload.lora_blocks.values()))
-    probe = _probe_model(spec, model, workload, with_lora, fp8, modulation)
+    dim = None
+    if with_lora:
+        dim = rank if rank is not None else trace_rank(spec, model, workload, bucket)
+    probe = _probe_model(spec, model, workload, with_lora, fp8, modulation, rank=dim)
+    ranked = with_lora and rank is None      # per-rank pricing: the trace rank is a unique dimension
+    at = workload.rank if ranked else 0      # the profile's rank (the probe's own when not ranked)
+    rank_dim = dim if ranked else None
+
+    def val(pair) -> int | float:
+        return pair[0] + at * pair[1]
+
+    def sub(x, y):
+        return (x[0] - y[0], x[1] - y[1])
+
+    def peaks(window, ref) -> list[list]:
+        """The window's candidate peaks above `ref` (a pair), as [bytes, bytes per rank] pairs."""
+        return [list(sub(p, ref)) for p in window["points"]]
+
+    def top(pts) -> int:
+        return max(0, max(a + at * b for a, b in pts))
+
     order = [name for name, _ in _named_blocks(spec, probe)]
     last = {name.split(".")[0]: name for name in order}          # kind -> its last block in the probe
     kinds = list(last)
     tokens = workload.image_tokens(bucket) + workload.text_length
 
-    ng, _, ng_outs = _run_probe(spec, probe, workload, bucket, grad=False)
-    nograd = {k: ng.windows[f"fwd:{last[k]}"]["peak"] - ng.windows[f"fwd:{last[k]}"]["start"] for k in kinds}
+    ng, _, ng_outs = _run_probe(spec, probe, workload, bucket, grad=False, rank_dim=rank_dim)
+    ng_win = {k: ng.windows[f"fwd:{last[k]}"] for k in kinds}
+    nograd = {k: peaks(ng_win[k], ng_win[k]["start"]) for k in kinds}
     ng_post = ng.windows[f"fwd:after:{order[-1]}"]
     nograd_pre = ng.windows["fwd:pre"]["end"]
-    nograd_post = max(0, ng_post["peak"] - ng_post["start"])
+    nograd_post = peaks(ng_post, ng_post["start"])
     if workload.mode == "inference":
-        profiles = {k: KindProfile(saved=0, out=ng_outs[last[k]], fwd_transient=nograd[k], bwd_transient=0,
-                                   nograd_transient=nograd[k], fwd_flops=ng.windows[f"fwd:{last[k]}"]["flops"],
-                                   bwd_flops=0.0, fwd_traffic=ng.windows[f"fwd:{last[k]}"]["traffic"])
+        profiles = {k: KindProfile(saved=0, out=ng_outs[last[k]], fwd_transient=top(nograd[k]), bwd_transient=0,
+                                   nograd_transient=top(nograd[k]), fwd_flops=val(ng_win[k]["flops"]),
+                                   bwd_flops=0.0, fwd_traffic=val(ng_win[k]["traffic"]))
                     for k in kinds}
-        return ActivationProfile(bucket, tokens, profiles, pre=nograd_pre, post=0, post_bwd_transient=0,
-                                 nb_fwd_flops=ng.windows["fwd:pre"]["flops"], nb_bwd_flops=0.0,
-                                 nograd_pre=nograd_pre, nograd_post_transient=nograd_post,
-                                 nb_post_flops=ng_post["flops"])
+        return ActivationProfile(bucket, tokens, profiles, pre=val(nograd_pre), post=0, post_bwd_transient=0,
+                                 nb_fwd_flops=val(ng.windows["fwd:pre"]["flops"]), nb_bwd_flops=0.0,
+                                 nograd_pre=val(nograd_pre), nograd_post_transient=top(nograd_post),
+                                 nb_post_flops=val(ng_post["flops"]))
 
-    tr, after, outs = _run_probe(spec, probe, workload, bucket, grad=True)
-    profiles = {}
+    tr, after, outs = _run_probe(spec, probe, workload, bucket, grad=True, rank_dim=rank_dim)
+    profiles, per_kind = {}, {}
     for k in kinds:
         name = last[k]
         idx = order.index(name)
@@ -336,18 +435,36 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
         fw, bw = tr.windows[f"fwd:{name}"], tr.windows.get(f"bwd:{name}")
         # The stack's inputs (embedder outputs) die after the first block when it does not keep them
         # (a LoRA step: they need no grad), once per step: not part of what each block adds.
-        released = fw["pre_freed"] + (tr.windows[f"fwd:after:{order[idx - 1]}"]["pre_freed"] if idx > 0 else 0)
+        released = fw["pre_freed"]
+        if idx > 0:
+            prev = tr.windows[f"fwd:after:{order[idx - 1]}"]["pre_freed"]
+            released = (released[0] + prev[0], released[1] + prev[1])
+        saved = sub(after[name], before)
+        saved = (saved[0] + released[0], saved[1] + released[1])
+        parts = {"saved": saved, "fwd_transient": peaks(fw, fw["end"]),
+                 "bwd_transient": peaks(bw, bw["start"]) if bw else [[0, 0]], "nograd_transient": nograd[k],
+                 "fwd_flops": fw["flops"], "bwd_flops": bw["flops"] if bw else (0.0, 0.0),
+                 "fwd_traffic": fw["traffic"], "bwd_traffic": bw["traffic"] if bw else (0, 0)}
         profiles[k] = KindProfile(
-            saved=after[name] - before + released, out=outs[name],
-            fwd_transient=max(0, fw["peak"] - fw["end"]),
-            bwd_transient=max(0, bw["peak"] - bw["start"]) if bw else 0,
-            nograd_transient=nograd[k], fwd_flops=fw["flops"], bwd_flops=bw["flops"] if bw else 0.0,
-            fwd_traffic=fw["traffic"], bwd_traffic=bw["traffic"] if bw else 0)
+            saved=val(saved), out=outs[name], fwd_transient=top(parts["fwd_transient"]),
+            bwd_transient=top(parts["bwd_transient"]), nograd_transient=top(nograd[k]),
+            fwd_flops=val(parts["fwd_flops"]), bwd_flops=val(parts["bwd_flops"]),
+            fwd_traffic=val(parts["fwd_traffic"]), bwd_traffic=val(parts["bwd_traffic"]))
+        per_kind[k] = {f: (v if f.endswith("transient") else v[1]) for f, v in parts.items()}
     post_fwd = tr.windows[f"fwd:after:{order[-1]}"]
     post_bwd = tr.windows["bwd:post"]
+    pre = tr.windows[f"fwd:{order[0]}"]["start"]
+    post = sub(tr.windows["fwd:post_end"]["start"], after[order[-1]])
+    post_bwd_peaks = peaks(post_bwd, post_bwd["start"])
+    per_rank = None
+    if ranked:
+        per_rank = {"rank": workload.rank, "kinds": per_kind, "pre": pre[1], "post": post[1],
+                    "post_bwd_transient": post_bwd_peaks, "nb_fwd_flops": tr.windows["fwd:pre"]["flops"][1],
+                    "nb_bwd_flops": post_bwd["flops"][1], "nograd_pre": nograd_pre[1],
+                    "nograd_post_transient": nograd_post, "nb_post_flops": post_fwd["flops"][1]}
     return ActivationProfile(
         bucket=bucket, tokens=tokens, kinds=profiles,
-        pre=tr.windows[f"fwd:{order[0]}"]["start"], post=tr.windows["fwd:post_end"]["start"] - after[order[-1]],
-        post_bwd_transient=max(0, post_bwd["peak"] - post_bwd["start"]),
-        nb_fwd_flops=tr.windows["fwd:pre"]["flops"], nb_bwd_flops=post_bwd["flops"],
-        nograd_pre=nograd_pre, nograd_post_transient=nograd_post, nb_post_flops=post_fwd["flops"])
+        pre=val(pre), post=val(post), post_bwd_transient=top(post_bwd_peaks),
+        nb_fwd_flops=val(tr.windows["fwd:pre"]["flops"]), nb_bwd_flops=val(post_bwd["flops"]),
+        nograd_pre=val(nograd_pre), nograd_post_transient=top(nograd_post), nb_post_flops=val(post_fwd["flops"]),
+        per_rank=per_rank)

@@ -20,7 +20,7 @@ transients.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,39 @@ class ActivationProfile:
     nograd_pre: int
     nograd_post_transient: int
     nb_post_flops: float = 0.0               # final norm, projection and loss (after the blocks)
+    # A LoRA profile's adapter share per rank unit (activation_probe._Tracker), so another rank is
+    # priced without tracing again: {"rank": the rank the fields above are at, "kinds": {kind: {field:
+    # per rank, or for a transient its candidate peaks [[bytes, bytes per rank], ...]}}, and the
+    # non-block fields likewise}. None: the numbers do not depend on a rank (full, inference).
+    per_rank: dict | None = None
+
+    def at_rank(self, rank: int) -> ActivationProfile:
+        """The profile at LoRA rank `rank`: every byte and FLOP the adapters add is proportional to
+        the rank (their tensors have it as a dimension), and a transient is the largest of its
+        candidate peaks at that rank."""
+        pr = self.per_rank
+        if pr is None or rank == pr["rank"]:
+            return self
+        d = rank - pr["rank"]
+
+        def top(points) -> int:
+            return max(0, max(int(a + rank * b) for a, b in points))
+
+        kinds = {}
+        for name, k in self.kinds.items():
+            r = pr["kinds"][name]
+            kinds[name] = replace(
+                k, saved=k.saved + d * r["saved"], fwd_transient=top(r["fwd_transient"]),
+                bwd_transient=top(r["bwd_transient"]), nograd_transient=top(r["nograd_transient"]),
+                fwd_flops=k.fwd_flops + d * r["fwd_flops"], bwd_flops=k.bwd_flops + d * r["bwd_flops"],
+                fwd_traffic=k.fwd_traffic + d * r["fwd_traffic"], bwd_traffic=k.bwd_traffic + d * r["bwd_traffic"])
+        return replace(self, kinds=kinds, pre=self.pre + d * pr["pre"], post=self.post + d * pr["post"],
+                       post_bwd_transient=top(pr["post_bwd_transient"]),
+                       nb_fwd_flops=self.nb_fwd_flops + d * pr["nb_fwd_flops"],
+                       nb_bwd_flops=self.nb_bwd_flops + d * pr["nb_bwd_flops"],
+                       nograd_pre=self.nograd_pre + d * pr["nograd_pre"],
+                       nograd_post_transient=top(pr["nograd_post_transient"]),
+                       nb_post_flops=self.nb_post_flops + d * pr["nb_post_flops"], per_rank={**pr, "rank": rank})
 
     def to_dict(self) -> dict:
         d = asdict(self)

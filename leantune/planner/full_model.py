@@ -1,7 +1,8 @@
 """Full fine-tuning in the memory model: what training every weight adds beyond the weights.
 
-What it trades: a few milliseconds at planner construction (one small optimizer step measured on
-the CPU per optimizer setting) for prices that follow what the trainer really allocates, read from
+What it trades: nothing at planner construction for the step's temporaries (measured once per
+code version and shipped: step_bytes.py), and a fraction of a second to time the host optimizer
+rate when a plan steps on the host, for prices that follow what the trainer really allocates, read from
 train/fused_optim.py, train/in_backward.py and memory/trainable_streaming.py:
 
 - Optimizer state per trained tensor, exactly as `fused_optim.initial_state` creates it (built on
@@ -20,7 +21,8 @@ train/fused_optim.py, train/in_backward.py and memory/trainable_streaming.py:
 - The step's temporaries (fp32 copies of a bf16 weight and gradient, AdamW's denominator,
   stochastic rounding's noise and bits, per-parameter clipping): measured by running
   `InBackwardStep`'s own update on a small real CPU tensor under a storage tracker, as bytes per
-  element of the stepped tensor, for the run's optimizer, dtypes, rounding and clipping. Two terms
+  element of the stepped tensor, for the run's optimizer, dtypes, rounding and clipping (shipped
+  per code and torch version in planner/profiles/step_bytes.json: step_bytes.py). Two terms
   a CPU run cannot show are added: the device copy of an fp32 master (on the CPU the master *is*
   the compute tensor) and, with gradient accumulation, the fp32 conversion of a gradient on its
   way to its host accumulator (4 bytes per element, an upper bound).
@@ -30,26 +32,28 @@ train/fused_optim.py, train/in_backward.py and memory/trainable_streaming.py:
   backward (as any streamed block) and goes back once, weights and state, on the write-back
   stream; masters and accumulators cross the bus from pageable memory inside the step.
 
-The host-step variant (Plan.optimizer_on_host, [full] streamed_step = "host", or "auto" when no
-device-step plan fits): the optimizer step of *streamed* blocks runs on the host CPU. Their state
+The host-step variant (Plan.optimizer_on_host, [full] streamed_step = "host", or "auto" when its
+best plan is faster than the best device-step plan: search.py): the optimizer step of *streamed* blocks runs on the host CPU. Their state
 never crosses PCIe: it stays in host RAM as ordinary tensors, so a streamed unit (its host buffer
 and its ring slot) holds the weights alone, and nothing is written back; instead each streamed
 trained tensor's gradient (in the weight's dtype) goes device->host once per optimizer step and the
 CPU updates the host copy of the weight. That is why it fits budgets the device step cannot (fp32
 AdamW moments of Flux-dev at 8 GiB: the slots shrink by the state they no longer carry); its cost
-is time: a CPU updates a few tens of millions of parameters per second, a GPU tens of billions.
+is time: a CPU updates a few hundred million to a billion parameters per second with the host
+kernels (two cores), a GPU tens of billions.
 Priced here: per block, the trained parameters (gradient bytes, host step time) and the largest
 trained tensor (the device keeps the temporaries of the largest *resident* one only; the host, one
 streamed tensor's gradient copy and its update temporaries, with the same measured coefficients
 less the master's device copy: on the CPU the master is used in place); and the host optimizer
 rate (`host_step_rate`), parameters per second of the fused update measured once per process and
 optimizer setting on *this* (the planning) machine's CPU. A plan made on one machine and run on
-another with a slower CPU under-predicts the host step; the search keeps host-step plans for when
-nothing else fits, so that rate rarely decides which plan is chosen.
+another with a slower CPU under-predicts the host step, and under "auto" may choose the host step
+where that machine's device step would be faster: plan on the machine that trains.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -62,7 +66,6 @@ from .workload import Workload
 BNB_BLOCK = 256          # values per absmax of bitsandbytes' blockwise 8-bit state
 BNB_MIN_8BIT = 4096      # smaller tensors keep fp32 moments (bitsandbytes' min_8bit_size)
 _STEP_COEF: dict = {}    # (optimizer, dtype, state dtype, rounding, master, clip) -> bytes per element
-_RAW_COEF: dict = {}     # the same key -> (bytes per element, fixed bytes) as measured on the CPU
 _HOST_RATE: dict = {}    # the same key -> parameters per second of the update on this machine's CPU
 # The tensor the host optimizer rate is timed on: 8.4M elements, past the CPU caches like the
 # weights it prices (Flux's are 5-57M). A 1M-element tensor stays cache-resident and stepped 2-3x
@@ -71,15 +74,17 @@ _HOST_RATE: dict = {}    # the same key -> parameters per second of the update o
 HOST_RATE_SHAPE = (2048, 4096)
 
 
-def state_tensor_bytes(optimizer: str, shape: tuple[int, ...], state_dtype: str) -> list[int]:
-    """Bytes of each ParamState buffer fused_optim creates for a trained tensor of `shape`."""
+@functools.lru_cache(maxsize=4096)
+def state_tensor_bytes(optimizer: str, shape: tuple[int, ...], state_dtype: str) -> tuple[int, ...]:
+    """Bytes of each ParamState buffer fused_optim creates for a trained tensor of `shape` (kept per
+    shape: a model repeats a few dozen shapes thousands of times)."""
     from ..train.fused_optim import initial_state
 
     if optimizer == "adamw8bit":
-        return []
+        return ()
     dtype = torch.bfloat16 if state_dtype == "bf16" else torch.float32
     st = initial_state(optimizer, torch.empty(shape, device="meta"), dtype)
-    return [v.numel() * v.element_size() for v in st.values()]
+    return tuple(v.numel() * v.element_size() for v in st.values())
 
 
 def bnb_state_bytes(numel: int) -> int:
@@ -87,17 +92,6 @@ def bnb_state_bytes(numel: int) -> int:
     if numel < BNB_MIN_8BIT:
         return 8 * numel
     return 2 * numel + 2 * 4 * math.ceil(numel / BNB_BLOCK)
-
-
-class _NoStep:
-    """An optimizer that changes nothing: isolates what clipping allocates (8-bit AdamW's own
-    step is bitsandbytes' fused in-place kernel)."""
-
-    def step_param(self, p, g, weight=None, lr=None, max_grad_norm=0.0) -> None:
-        from ..train.fused_optim import clip_in_place
-
-        if max_grad_norm > 0:
-            clip_in_place(g, max_grad_norm)
 
 
 def step_bytes(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_rounding: bool,
@@ -124,12 +118,11 @@ def host_step_bytes(optimizer: str, dtype: torch.dtype, state_dtype: str, stocha
 
 
 def _measured_coef(key: tuple, host: bool) -> tuple[float, int]:
-    """(bytes per element, fixed bytes) of one update, measured on CPU tensors of two sizes: with
-    the host kernels (`host`), or with the torch-op path a device step runs."""
-    if (key, host) not in _RAW_COEF:
-        small, large = (_measure_step(*key, rows=r, host=host) for r in (96, 192))
-        _RAW_COEF[key, host] = ((large - small) / (96 * 128), int(round(small - (large - small))))
-    return _RAW_COEF[key, host]
+    """(bytes per element, fixed bytes) of one update: with the host kernels (`host`), or with the
+    torch-op path a device step runs (step_bytes.py: shipped for this code, else measured)."""
+    from .step_bytes import coefficients
+
+    return coefficients(*key, host)
 
 
 def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_rounding: bool,
@@ -137,7 +130,7 @@ def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochas
     """Parameters per second the host step (InBackwardStep's update: clipping, then the fused
     optimizer's step) runs at on this machine's CPU: timed on a HOST_RATE_SHAPE tensor of the run's
     dtype, best of 3 after a first step that creates the state, once per process and setting
-    (about half a second; only plans stepping on the host are timed with it).
+    (a tenth of a second or two; only plans stepping on the host are timed with it).
     It is the planning machine's CPU: a run on another machine steps at that machine's rate."""
     import time
 
@@ -147,11 +140,14 @@ def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochas
     key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip)
     if key not in _HOST_RATE:
         rows, cols = HOST_RATE_SHAPE
-        lin = torch.nn.Linear(cols, rows, bias=False).to(dtype)
+        # Filled in place in the run's dtype (a Linear's init and randn in fp32 took twice as long
+        # as the timed steps); the values only need to be finite and of a weight's and a gradient's size.
+        lin = torch.nn.Linear(cols, rows, bias=False, device="meta", dtype=dtype)
+        lin.weight = torch.nn.Parameter(torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-0.02, 0.02))
         opt = FusedOptimizer(lin, {"weight": lin.weight}, optimizer, lr=1e-4, state_dtype=state_dtype,
-                             stochastic_rounding=stochastic_rounding, master_weights=master)
+                             stochastic_rounding=stochastic_rounding, master_weights=master, scheduled=False)
         stepper = InBackwardStep(opt, [], max_grad_norm=1.0 if clip else 0.0)
-        grad = (torch.randn(HOST_RATE_SHAPE) * 1e-3).to(dtype)
+        grad = torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-1e-3, 1e-3)
         with torch.no_grad():
             stepper._update(lin.weight, grad)      # state and generator created, as after a run's first step
             best = math.inf
@@ -161,30 +157,6 @@ def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochas
                 best = min(best, time.perf_counter() - t0)
         _HOST_RATE[key] = rows * cols / max(best, 1e-9)
     return _HOST_RATE[key]
-
-
-def _measure_step(optimizer, dtype, state_dtype, sr, master, clip, rows: int, host: bool) -> int:
-    from ..memory.simulated import DeviceMemoryTracker
-    from ..train.fused_optim import FusedOptimizer
-    from ..train.in_backward import InBackwardStep
-
-    shape = (rows, 128)
-    lin = torch.nn.Linear(shape[1], shape[0], bias=False).to(dtype)
-    if optimizer == "adamw8bit":
-        opt = _NoStep()
-    else:
-        opt = FusedOptimizer(lin, {"weight": lin.weight}, optimizer, lr=1e-3, state_dtype=state_dtype,
-                             stochastic_rounding=sr, master_weights=master, host_kernels=host)
-        opt._generator(lin.weight.device)
-    stepper = InBackwardStep(opt, [], max_grad_norm=1.0 if clip else 0.0)
-    peak = 0
-    for _ in range(2):                 # the second step: state and generator exist, as in a run
-        grad = torch.ones(shape, dtype=dtype)
-        tracker = DeviceMemoryTracker()
-        with tracker:
-            stepper._update(lin.weight, grad)
-        peak = max(tracker.peak.values(), default=0)
-    return peak
 
 
 @dataclass(frozen=True)

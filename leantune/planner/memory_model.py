@@ -99,7 +99,9 @@ class MemoryModel:
         self.storages = storage_options(workload, self.weights)
         # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probed so.
         # The plainest storage is the reference of the dequantisation cost (timing.py).
-        self.profiles = {st: {b: self.measured.profile(b, effective_storage(st, self.weights)) for b in workload.buckets}
+        # A LoRA profile is priced at the run's rank from the adapters' share per rank (at_rank).
+        self.profiles = {st: {b: self.measured.profile(b, effective_storage(st, self.weights)).at_rank(workload.rank)
+                              for b in workload.buckets}
                          for st in {*self.storages, (False, False)}}
         self.kinds = [b.kind for b in self.weights.blocks]
         # Per-block numbers every candidate plan sums: computed once, so a search prices ~1000 plans fast.
@@ -117,6 +119,9 @@ class MemoryModel:
         self._nb_unit_w = nb.unit_bytes(db)
         self._conversion = {s: max([b.largest_conversion(*s) for b in blocks], default=0) for s in every}
         self._composed: dict = {}      # (bucket, storage, checkpointing) -> activations before calibration
+        self._offloaded: dict = {}     # storage -> offloaded block inputs' pinned bytes
+        self._indices: dict = {}       # streamed block names -> (index set, sorted indices)
+        self._host_parts: dict = {}    # loaded bytes -> full_host_parts (full mode)
 
     # -- parts ---------------------------------------------------------------------------------------
     def activation_peak(self, bucket, fp8: bool, checkpointing: str, modulation: bool = False) -> int:
@@ -151,17 +156,30 @@ class MemoryModel:
         states = 8 * n if w.optimizer == "adamw" else 4 * n
         return 0, grads, states   # full: the trained weights are the model's, already counted as weights
 
-    def indices(self, plan: Plan) -> set[int]:
+    def indices(self, plan: Plan) -> frozenset[int]:
         """Execution-order indices of the plan's streamed blocks."""
-        unknown = [n for n in plan.streamed_blocks if n not in self._index]
-        if unknown:
-            raise ValueError(f"plan streams unknown blocks {unknown[:3]}")
-        return {self._index[n] for n in plan.streamed_blocks}
+        return self._streamed_indices(plan.streamed_blocks)[0]
+
+    def ordered(self, plan: Plan) -> tuple[int, ...]:
+        """The same indices in execution order."""
+        return self._streamed_indices(plan.streamed_blocks)[1]
+
+    def _streamed_indices(self, names: tuple[str, ...]) -> tuple[frozenset[int], tuple[int, ...]]:
+        """(set, sorted) indices of streamed block names, kept per name tuple: a search asks for
+        them a dozen times per candidate."""
+        found = self._indices.get(names)
+        if found is None:
+            unknown = [n for n in names if n not in self._index]
+            if unknown:
+                raise ValueError(f"plan streams unknown blocks {unknown[:3]}")
+            idx = frozenset(self._index[n] for n in names)
+            found = self._indices[names] = (idx, tuple(sorted(idx)))
+        return found
 
     def unit_weights(self, plan: Plan) -> list[ModuleWeights]:
         """The streamed units in the engine's order (non-block group first, then execution order)."""
         wt = self.weights
-        units = [wt.blocks[i] for i in sorted(self.indices(plan))]
+        units = [wt.blocks[i] for i in self.ordered(plan)]
         return [wt.non_blocks, *units] if plan.stream_non_blocks else units
 
     def host_step(self, plan: Plan) -> bool:
@@ -172,21 +190,21 @@ class MemoryModel:
     def units(self, plan: Plan) -> list[int]:
         """Packed bytes of each streamed unit, in the engine's unit order."""
         unit, nb_unit = (self._unit_w, self._nb_unit_w) if self.host_step(plan) else (self._unit, self._nb_unit)
-        blocks = [unit[plan.storage][i] for i in sorted(self.indices(plan))]
+        blocks = [unit[plan.storage][i] for i in self.ordered(plan)]
         return [nb_unit, *blocks] if plan.stream_non_blocks else blocks
 
     def streamed_trained(self, plan: Plan) -> list[tuple[int, int]]:
         """(trained parameters, largest trained tensor's elements) of each streamed unit, in the
         engine's unit order (full mode)."""
         full = self.full
-        blocks = [(full.trained_numel[i], full.largest[i]) for i in sorted(self.indices(plan))]
+        blocks = [(full.trained_numel[i], full.largest[i]) for i in self.ordered(plan)]
         return [(full.nb_trained_numel, full.nb_largest), *blocks] if plan.stream_non_blocks else blocks
 
     def streamed_pinned_grads(self, plan: Plan) -> list[int]:
         """Pinned bytes each streamed unit's gradient copies reserve (caching host allocator
         rounding), in the engine's unit order (full mode)."""
         full = self.full
-        blocks = [full.pinned_grads[i] for i in sorted(self.indices(plan))]
+        blocks = [full.pinned_grads[i] for i in self.ordered(plan)]
         return [full.nb_pinned_grads, *blocks] if plan.stream_non_blocks else blocks
 
     def resident_state(self, plan: Plan) -> int:
@@ -254,8 +272,10 @@ class MemoryModel:
         """Host RAM components of a plan (host_model.py)."""
         offload = 0
         if plan.checkpointing == "offload":
-            offload = offloaded_inputs(self.workload, self.profiles[plan.storage], self.kinds)
-        idx = sorted(self.indices(plan))
+            if plan.storage not in self._offloaded:
+                self._offloaded[plan.storage] = offloaded_inputs(self.workload, self.profiles[plan.storage], self.kinds)
+            offload = self._offloaded[plan.storage]
+        idx = self.ordered(plan)
         full = self.full
         on_host = self.host_step(plan)
         state = full.state if full else [0] * len(self._bytes[plan.storage])
@@ -267,7 +287,9 @@ class MemoryModel:
         unit_stored = [self._nb_bytes + (0 if on_host else nb_state), *kept] if plan.stream_non_blocks else kept
         loaded = sum(self._bytes[(False, False)]) + self._nb_bytes
         stored = sum(self._bytes[plan.storage]) + self._nb_bytes
-        parts = full.host_parts(loaded, self.workload.gradient_accumulation) if full else None
+        if full and loaded not in self._host_parts:
+            self._host_parts[loaded] = full.host_parts(loaded, self.workload.gradient_accumulation)
+        parts = self._host_parts[loaded] if full else None
         host_step = None
         if on_host:
             sizes = self.streamed_trained(plan)
@@ -285,7 +307,7 @@ class MemoryModel:
         prof, ref = self.profiles[plan.storage][bucket], self.profiles[(False, False)][bucket]
         if full is None:
             return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
-                                 sorted(self.indices(plan)), units, w.mode, sum(self.trainable_bytes()))
+                                 self.ordered(plan), units, w.mode, sum(self.trainable_bytes()))
         # The update reads and writes each trained weight and its state, reads its gradient, and
         # touches its temporaries; masters and accumulators cross the bus from pageable memory.
         # (timing.py counts `optimizer_bytes` read and written: the gradient and temporaries count half.)
@@ -295,7 +317,7 @@ class MemoryModel:
                              + (full.trained * self.dtype_bytes + full.step_coef * full.trained) / 2)
             pageable = (8 * full.trained if full.masters else 0) + accumulators
             return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
-                                 sorted(self.indices(plan)), units, w.mode, step_bytes, writeback=True,
+                                 self.ordered(plan), units, w.mode, step_bytes, writeback=True,
                                  inline_pageable=pageable)
         # Streamed tensors step on the host: on the device only the resident ones, whose state is
         # the device's; each streamed unit's gradients go to the host, where the CPU steps them at

@@ -35,14 +35,19 @@ of a run that freezes some ([full] exclude).
 
 - The optimizer step of streamed blocks on the host (Plan.optimizer_on_host, full_model.py): their
   state never crosses PCIe, so the slots carry weights only and fp32 AdamW fits budgets the device
-  step cannot (Flux-dev at 8 GiB); but the CPU steps far slower than the GPU. Under
+  step cannot (Flux-dev at 8 GiB); but the CPU steps slower than the GPU. Under
   `Workload.streamed_step` ([full] streamed_step) "device" no plan steps on the host; under "host"
   every plan that streams does (a plan that streams nothing steps on the device: nothing to move);
-  under "auto" it is held back like fp8 modulation: every streaming plan is tried both ways, and
-  host-step plans are used only when no device-step plan fits the VRAM and host-RAM budgets (after
-  fp8 modulation's own rule: accuracy before speed). The rule, not the measured CPU rate, decides,
-  so a config plans the same on machines with different CPUs; along growing budgets the host step
-  only turns off, once. bitsandbytes' 8-bit AdamW keeps its state on the device: never on the host.
+  under "auto" every streaming plan is tried both ways, the sweep below runs over the fitting
+  device-step plans and over the fitting host-step plans apart, and the faster of the two results
+  is the plan (after fp8 modulation's own rule: accuracy before speed); at equal predicted step
+  time (to the microsecond) the device step is kept. The host step changes no numerics beyond the
+  host kernels' stated tolerances, so speed alone decides: with the host kernels a fast CPU can
+  step the streamed blocks sooner than PCIe brings their state in and out. The host step is priced
+  at the CPU rate measured on the planning machine (full_model.host_step_rate), so the choice is
+  that machine's: plan on the machine that trains (or set "device" / "host"). Along growing
+  budgets the step's place changes where the other place's best plan becomes the faster one.
+  bitsandbytes' 8-bit AdamW keeps its state on the device: never on the host.
 
 Candidates: every combination of storage (fp8 and fp8 modulation where accuracy allows), checkpointing none/blocks/offload,
 the number of streamed blocks (block kinds with the most FLOPs per byte first: for Flux the single
@@ -168,9 +173,17 @@ class Planner(MemoryModel):
             raise self._infeasible(budget, ram_limit, smallest_vram)
         if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
             fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
-        if len(self.step_places()) > 1:                     # "auto": the host step only when needed
-            fits = [vp for vp in fits if not vp[1].optimizer_on_host] or fits
-        fits.sort(key=lambda vp: (vp[0], _shape(vp[1])))
+        if len(self.step_places()) > 1:       # "auto": the faster of the best plan of each step place
+            picks = [self._sweep([vp for vp in fits if vp[1].optimizer_on_host == on_host]) for on_host in (False, True)]
+            best = min((p for p in picks if p is not None), key=lambda p: (self._preference(p)[0], p.optimizer_on_host))
+        else:
+            best = self._sweep(fits)
+        return self._annotate(best, self.estimate(best), budget, ram_limit)
+
+    def _sweep(self, fits: list[tuple[int, Plan]]) -> Plan | None:
+        """The plan the sweep over `fits` ((peak VRAM, plan) that fit) ends with (module docstring);
+        None when nothing fits."""
+        fits = sorted(fits, key=lambda vp: (vp[0], _shape(vp[1])))
         current: dict[bool, Plan | None] = {False: None, True: None}    # per storage: bf16, fp8
         without_fp8 = False        # once the best bf16 plan beats the best fp8 one, fp8 stays off
         for _, plan in fits:
@@ -180,8 +193,7 @@ class Planner(MemoryModel):
             if current[False] is not None and (current[True] is None or
                                                self._preference(current[False]) <= self._preference(current[True])):
                 without_fp8 = True
-        best = current[False] if without_fp8 else current[True]
-        return self._annotate(best, self.estimate(best), budget, ram_limit)
+        return current[False] if without_fp8 else current[True]
 
     def _replaces(self, plan: Plan, current: Plan) -> bool:
         """Whether `plan` (same storage as `current`, fitting a larger budget) is chosen over it

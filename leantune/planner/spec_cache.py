@@ -8,7 +8,8 @@ per bucket and storage (activations.py).
 
 `measure_model` measures a model (real or meta); `load_measured` / `save_measured` keep the result
 under a key the caller derives from where the model comes from (`source_key`: a packaged
-architecture, or a checkpoint file's path, size and modification time) and the workload shape. The
+architecture, or a checkpoint file's path, size and modification time) and the workload shape
+(not the LoRA rank: a profile prices any rank, ActivationProfile.at_rank). The
 key also covers the code that measures (the planner's and engine's modules that decide these
 numbers, and the torch/diffusers/peft versions), so a change to any of them measures again. An
 unreadable or stale file is ignored and rewritten.
@@ -169,10 +170,11 @@ def _code_fingerprint() -> str:
 
 
 def _workload_shape(workload: Workload) -> dict:
-    """The workload fields that decide what is measured (not the optimizer, accumulation or caches)."""
+    """The workload fields that decide what is measured (not the optimizer, accumulation or caches,
+    nor the LoRA rank: the probe keeps the adapters' share per rank, ActivationProfile.at_rank)."""
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
     for unmeasured in ("optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
-                       "stochastic_rounding", "clip_per_param"):
+                       "stochastic_rounding", "clip_per_param", "rank", "streamed_step"):
         shape.pop(unmeasured)
     return shape
 

@@ -128,8 +128,16 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, named: dict[str, nn.Parameter], kind: str, *, lr: float,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, state_dtype: str = "fp32",
                  stochastic_rounding: bool = True, master_weights: bool = False, seed: int = 0,
-                 host_kernels: bool = True):
-        super().__init__(list(named.values()), {"lr": lr})
+                 host_kernels: bool = True, scheduled: bool = True):
+        if scheduled:
+            super().__init__(list(named.values()), {"lr": lr})
+        else:
+            # A measurement (planner/full_model.py) steps through step_param alone, which reads
+            # param_groups[0]["lr"] and nothing else of torch's Optimizer. torch's Optimizer.__init__
+            # imports torch._dynamo on first use (1.1-1.4 s on a 2-core machine), which a plan would
+            # pay for bookkeeping (LR-scheduler and state_dict hooks) it never uses.
+            self.defaults = {"lr": lr}
+            self.param_groups = [{"params": list(named.values()), "lr": lr}]
         self.use_host_kernels = host_kernels   # False: the torch-op path everywhere (what a device runs)
         self.kind, self.betas, self.eps, self.weight_decay = kind, tuple(betas), eps, weight_decay
         self.state_dtype = torch.bfloat16 if state_dtype == "bf16" else torch.float32

@@ -1,0 +1,72 @@
+"""Reference images for sampling an edit family (`leantune sample --reference`, [sample] references).
+
+An edit model (docs/reference-images.md) is conditioned on reference images twice: its text
+encoder may read them with the prompt (`ReferenceConditioning.text_sees_images`), and their VAE
+latents join the transformer's image sequence. This module turns the paths a user gives into what
+the two stages need: the images (PIL, RGB, as the dataset reads them) for the text encoder, and
+their latents, encoded as the family's pipeline encodes them when it samples
+(`ReferenceConditioning.sampling_latents`), for the transformer.
+
+Every check happens before any model is loaded, and every error names the key and the file: a
+family without reference conditioning, more references than the family takes, a missing or
+unreadable image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from ..models.family import ModelFamily
+
+
+def load_reference_images(paths: Sequence[Path], family: ModelFamily, key: str = "references") -> list:
+    """The images at `paths` (RGB PIL) for `family`; [] for none. `key` names the setting in errors."""
+    if not paths:
+        return []
+    refs = family.references
+    if refs is None:
+        raise ConfigError(f"{key}: family = \"{family.name}\" takes no reference images (an edit family does, "
+                          f"e.g. qwen-image-edit); remove them")
+    if refs.sampling_latents is None:
+        raise ConfigError(f"{key}: family = \"{family.name}\" cannot sample with reference images yet (its "
+                          f"ReferenceConditioning has no sampling_latents); remove them")
+    if len(paths) > refs.most:
+        raise ConfigError(f"{key}: {len(paths)} reference images, but {family.name} takes at most {refs.most}")
+    from PIL import UnidentifiedImageError
+
+    from ..data.dataset import load_rgb
+
+    images = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{key}: {path}: no such image file")
+        try:
+            images.append(load_rgb(path))
+        except (UnidentifiedImageError, OSError) as e:
+            raise ConfigError(f"{key}: {path}: not a readable image ({e})") from None
+    return images
+
+
+def text_images(images: list, family: ModelFamily) -> list | None:
+    """What the family's text encoder is handed with each prompt: the images when it reads them,
+    else None (the caption alone)."""
+    if not images or family.references is None or not family.references.text_sees_images:
+        return None
+    return images
+
+
+@torch.no_grad()
+def reference_latents(vae, images: list, family: ModelFamily) -> list[torch.Tensor]:
+    """One (1, C, h, w) latent tensor per reference, on the host, encoded as the family's pipeline
+    encodes references when it samples."""
+    if not images:
+        return []
+    return [lat.to("cpu") for lat in family.references.sampling_latents(vae, images)]
+
+
+__all__ = ["load_reference_images", "reference_latents", "text_images"]
