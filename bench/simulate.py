@@ -47,7 +47,7 @@ from pathlib import Path
 
 GiB = 2**30
 CASES = {"train1024": ("train", 1024), "train512": ("train", 512), "sample1024": ("sample", 1024)}
-MODELS = ("flux-dev", "sd3.5-large", "sd3.5-medium", "qwen-image")
+MODELS = ("flux-dev", "sd3.5-large", "sd3.5-medium", "qwen-image", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b")
 
 
 def main(argv: list[str] | None = None) -> int:

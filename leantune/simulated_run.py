@@ -242,7 +242,9 @@ CASE_RAM_BUDGET = 64 * GiB     # host RAM the LoRA cases plan for: a typical GPU
 # The architectures a case can run: `leantune plan --model` names -> (family, config shipped in
 # models/configs/, T5 tokens it samples with).
 MODELS = {"flux-dev": ("flux", "flux1_dev", 512), "sd3.5-large": ("sd3", "sd35_large", 256),
-          "sd3.5-medium": ("sd3", "sd35_medium", 256), "qwen-image": ("qwen-image", "qwen_image", 512)}
+          "sd3.5-medium": ("sd3", "sd35_medium", 256), "qwen-image": ("qwen-image", "qwen_image", 512),
+          "flux2-dev": ("flux2-dev", "flux2_dev", 512), "flux2-klein-4b": ("flux2-klein-4b", "flux2_klein_4b", 512),
+          "flux2-klein-9b": ("flux2-klein-9b", "flux2_klein_9b", 512)}
 
 
 def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) -> nn.Module:

@@ -20,7 +20,7 @@ import torch
 
 from .config import RunConfig
 from .distributed import DistContext, shard_of
-from .models.family import get_family, loader_options
+from .models.family import fp8_load_options, get_family, loader_options
 from .planner.feedback.oom import NoPlanFits
 from .train import flow_matching as fm
 from .train.modes import make_mode
@@ -360,18 +360,22 @@ def _autocast(cfg: RunConfig, device: torch.device):
 # -- set-up ----------------------------------------------------------------------------------------
 
 def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
+    from .config import parse_size
     from .data.cache import model_dtype, prepare_caches, sample_prompts, sample_references
     dist = dist or DistContext()
     family = get_family(cfg.model.family)
     device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
     dtype = model_dtype(cfg.model)
+    ram_budget = parse_size(cfg.memory.ram_budget) if cfg.memory.ram_budget else None
     data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
                                                   extra_prompts=sample_prompts(cfg.sample),
-                                                  sample_references=sample_references(cfg.sample)))  # filled once, then read by all
+                                                  sample_references=sample_references(cfg.sample),
+                                                  ram_budget=ram_budget))  # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
     mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **options))  # host RAM
+    options |= _fp8_load_options(cfg)             # block Linears bound for fp8 are quantized as they are read
 
     machine = _agreed_machine(cfg, dist, device)
 
@@ -402,6 +406,17 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
         t.guard = OomGuard(planner, budget, plan, lambda new: _replan(t, new))   # owns the plan and budget
         t.calibrator = PlanCalibrator(t.guard, CalibrationStore())
     return t
+
+
+def _fp8_load_options(cfg: RunConfig) -> dict:
+    """family.fp8_load_options for this run: a full fine-tune's trained weights are not quantized."""
+    from .train.trainable import trains_name
+
+    trained = None
+    if cfg.train.mode == "full":
+        full = cfg.full
+        trained = lambda name: trains_name(name, full.train, full.exclude)   # noqa: E731
+    return fp8_load_options(cfg.memory, trained)
 
 
 def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):

@@ -25,7 +25,7 @@ def _device(choice: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from leantune.config import load_config
+    from leantune.config import load_config, parse_size
     from leantune.data.cache import CacheError, model_dtype, prepare_caches, sample_prompts, sample_references
     from leantune.data.dataset import DataError
     from leantune.models.flux_loading import LoadError
@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
                               extra_prompts=sample_prompts(cfg.sample),
-                              sample_references=sample_references(cfg.sample))
+                              sample_references=sample_references(cfg.sample),
+                              ram_budget=parse_size(cfg.memory.ram_budget) if cfg.memory.ram_budget else None)
     except (DataError, CacheError, LoadError) as e:   # bad input: a message naming the file, no traceback
         print(f"leantune cache: {e}", file=sys.stderr)
         return 1

@@ -27,12 +27,15 @@ from pathlib import Path
 # tokens it runs with (Flux dev 512, schnell 256; SD3.5: StableDiffusion3Pipeline's 256 T5 tokens,
 # after 77 CLIP rows: family.text_rows).
 MODELS = {"flux-dev": "flux1_dev", "flux-schnell": "flux1_schnell", "sd3.5-large": "sd35_large",
-          "sd3.5-medium": "sd35_medium", "qwen-image": "qwen_image", "qwen-image-edit": "qwen_image"}
+          "sd3.5-medium": "sd35_medium", "qwen-image": "qwen_image", "qwen-image-edit": "qwen_image",
+          "flux2-dev": "flux2_dev", "flux2-klein-4b": "flux2_klein_4b", "flux2-klein-9b": "flux2_klein_9b"}
 MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3",
-                "qwen-image": "qwen-image", "qwen-image-edit": "qwen-image-edit"}
+                "qwen-image": "qwen-image", "qwen-image-edit": "qwen-image-edit", "flux2-dev": "flux2-dev",
+                "flux2-klein-4b": "flux2-klein-4b", "flux2-klein-9b": "flux2-klein-9b"}
 # Qwen-Image: QwenImagePipeline's max_sequence_length (a prompt's rows are at most that many).
+# FLUX.2: both pipelines' max_sequence_length (every prompt padded to it).
 TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256, "qwen-image": 512,
-               "qwen-image-edit": 512}
+               "qwen-image-edit": 512, "flux2-dev": 512, "flux2-klein-4b": 512, "flux2-klein-9b": 512}
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 
 
@@ -194,11 +197,7 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
     else:
         _print_text(results, format_plan, ranks, args, better)
         if phase is not None:
-            fits = ", ".join(f"{'fits' if phase['device'] <= b.vram - b.margin_bytes else 'does NOT fit'} {v}"
-                             for v, b in zip(vram_values, budgets))
-            print(f"\ntext encoding (caching phase, once per caption; the text encoder streamed layer by layer): "
-                  f"{phase['device'] / 2**30:.2f} GiB on the GPU ({fits}), {phase['host'] / 2**30:.2f} GiB host RAM "
-                  f"while it runs (freed before training)")
+            print("\n" + _text_phase_line(phase, vram_values, budgets, ram))
     rc = 1 if failed else 0
     return (rc, machine) if with_machine else rc
 
@@ -393,6 +392,31 @@ def _as_json(workload, machine, results) -> dict:
             entry["needed_ram"] = error.needed_ram
         out.append(entry)
     return {"workload": workload.describe(), "machine": machine.to_dict(), "plans": out}
+
+
+def _text_phase_line(phase: dict, vram_values, budgets, ram: int | None) -> str:
+    """What the caching phase's text encoding costs, in words: on the GPU per budget, and in host
+    RAM as the encoder will be loaded under the host-RAM budget (whole, or read from its files)."""
+    from ..host import host_ram
+    from ..models.streamed_encoder import HOST_MARGIN
+    from ..models.text_phase import from_files
+    from ..planner.workload import UNLIMITED_RAM
+
+    gib = 2**30
+    fits = ", ".join(f"{'fits' if phase['device'] <= b.vram - b.margin_bytes else 'does NOT fit'} {v}"
+                     for v, b in zip(vram_values, budgets))
+    line = (f"text encoding (caching phase, once per caption; the text encoder streamed layer by layer): "
+            f"{phase['device'] / gib:.2f} GiB on the GPU ({fits}), ")
+    if "host_streamed" not in phase:
+        return line + f"{phase['host'] / gib:.2f} GiB host RAM while it runs (freed before training)"
+    # the caching phase decides against [memory] ram_budget, else the RAM available then (this machine's)
+    budget = host_ram()[1] if ram is None else None if ram >= UNLIMITED_RAM else ram
+    whole, streamed = phase["host"] / gib, phase["host_streamed"] / gib
+    if from_files(phase, budget):
+        return line + (f"{streamed:.2f} GiB host RAM: the encoder ({whole:.2f} GiB) does not fit the host-RAM "
+                       f"budget, so each layer is read from its files when it runs")
+    return line + (f"{whole:.2f} GiB host RAM while it runs (freed before training); {streamed:.2f} GiB when "
+                   f"read from its files, as it is under a host-RAM budget below {whole / HOST_MARGIN:.1f} GiB")
 
 
 def _text_phase(spec, workload, args) -> dict | None:

@@ -47,6 +47,7 @@ from leantune.data.dataset import ImageItem, listing, load_rgb, scan_datasets, t
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.family import ModelFamily, PromptEmbeds, get_family
 from leantune.models.flux_loading import dtype_from_name, fingerprint
+from leantune.models.streamed_encoder import text_encoder_ram_budget
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ def _caption(job) -> str:
 
 
 def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_length: int,
-               load_text_encoders: Callable, family: ModelFamily) -> CacheStats:
+               load_text_encoders: Callable, family: ModelFamily, ram_budget: int | None = None) -> CacheStats:
     stats, todo, bad = CacheStats(), [], []
     dims: dict[str, tuple[int, int]] = {}
     for key, caption in jobs.items():
@@ -315,7 +316,8 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
     if not todo:
         return stats
     log.info("cache: encoding %d caption(s) with the text encoders", len(todo))
-    enc = load_text_encoders(sources, dtype, device)
+    with text_encoder_ram_budget(ram_budget):      # a larger encoder stays in its files (streamed_encoder.py)
+        enc = load_text_encoders(sources, dtype, device)
     try:
         side = family.padding_side(enc)
         for start in range(0, len(todo), TEXT_BATCH):
@@ -436,7 +438,7 @@ def _text_refs(item: ImageItem, family: ModelFamily) -> tuple[str, ...]:
 def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
                    load_vae: Callable | None = None, load_text_encoders: Callable | None = None,
                    extra_prompts: Sequence[str] | None = None,
-                   sample_references: Sequence[str] | None = None) -> "CachedData":
+                   sample_references: Sequence[str] | None = None, ram_budget: int | None = None) -> "CachedData":
     """Scan the datasets, fill the caches, free the encoders; return what the trainer reads.
 
     `data_cfg` and `model_cfg` are the run's [data] and [model] sections, `base_dir` the folder their
@@ -449,6 +451,8 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     first target's references; None: the run does not sample) are VAE-encoded as the pipeline
     samples, and `extra_prompts` are encoded with them when the text encoder reads images
     (`CachedData.sample_references`, `prompt_embeds(..., references=True)`).
+    `ram_budget` (bytes; the run's [memory] ram_budget, None: the RAM available) decides whether a
+    text encoder too large for it is read from its files layer by layer instead of loaded.
     """
     family = get_family(model_cfg.family)
     items = _with_references(scan_datasets(data_cfg, base_dir), data_cfg, base_dir, family)
@@ -513,7 +517,7 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             "latents": _fill_latents(latent_jobs, cache_dir / "latents", sources, dtype, device,
                                      load_vae or family.load_vae, family),
             "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
-                               load_text_encoders or family.load_text_encoders, family),
+                               load_text_encoders or family.load_text_encoders, family, ram_budget),
         }
         _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
                                   load_vae or family.load_vae, family)

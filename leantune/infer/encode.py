@@ -11,6 +11,10 @@ bf16), dropping it right after its forward. That costs one pass over the weights
 (≈0.4 s at 25 GB/s) and bounds the stage's peak at one block plus activations. The CLIPs (123 M
 and, for SD3.5, 695 M parameters) simply move to the GPU and back.
 
+An encoder too large for host RAM (FLUX.2-dev's 24B Mistral) is loaded file-backed
+(models/streamed_encoder.py): nothing of it is on the host, and the family's encode reads each
+layer from the files onto the device as it runs.
+
 While a block is not in use its parameters hold empty placeholders, not host copies, so any use of
 an offloaded weight fails loudly instead of silently computing on the host; the same code path runs
 on CPU, which is how the tests check the schedule.
@@ -26,6 +30,7 @@ from torch import nn
 
 from ..memory.blockwise import blockwise_offload
 from ..models.family import ModelFamily, PromptEmbeds, get_family
+from ..models.streamed_encoder import is_file_backed
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -77,8 +82,10 @@ def encode_prompts_stage(text_encoders, prompts: list[str], *, max_length: int =
     family = family or get_family("flux")
     whole, t5 = family.text_modules(text_encoders)
     modules = list(whole) + ([t5] if t5 is not None else [])
-    t5_ctx = _moved(t5, device) if t5 is not None and not stream_t5 else \
-        blockwise_offload(t5, t5_blocks(t5), device) if t5 is not None else _nothing()
+    if t5 is None or is_file_backed(t5):     # a file-backed encoder is placed by the family's encode
+        t5_ctx = _nothing()
+    else:
+        t5_ctx = _moved(t5, device) if not stream_t5 else blockwise_offload(t5, t5_blocks(t5), device)
     lists = [prompts] + ([negative_prompts] if negative_prompts is not None else [])
     results = []
     with _eval_mode(*modules), _all_moved(whole, device), t5_ctx:

@@ -62,6 +62,14 @@ SCALE_ATTR = "weight_scale"  # buffer name of the scale beside the fp8 weight
 
 # -- quantization math -----------------------------------------------------------------------------
 
+def scale_blocks(in_features: int, block: int = SCALE_BLOCK) -> int:
+    """Scales per row of a Linear with `in_features` inputs: one per `block` inputs, else one per row."""
+    return in_features // block if (block and in_features % block == 0) else 1
+
+
+QUANT_CHUNK = 8 * 2**20        # bytes of fp32 temporary while quantizing, at most
+
+
 def quantize(weight: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) float weight -> (q (out, in) e4m3, scale fp32 (out, in/block) or (out, 1)).
 
@@ -70,12 +78,35 @@ def quantize(weight: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tens
     if weight.dim() != 2:
         raise ValueError(f"fp8 quantize expects a 2-D Linear weight, got shape {tuple(weight.shape)}")
     out_f, in_f = weight.shape
-    nb = in_f // block if (block and in_f % block == 0) else 1
-    w = weight.detach().float().reshape(out_f, nb, in_f // nb)            # (out, nb, in/nb)
-    amax = w.abs().amax(dim=-1)                                            # (out, nb)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))   # (out, nb)
-    q = (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.reshape(out_f, in_f), scale
+    q = torch.empty(out_f, in_f, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(out_f, scale_blocks(in_f, block), dtype=torch.float32, device=weight.device)
+    quantize_into(weight.detach(), q, scale)
+    return q, scale
+
+
+def quantize_into(weight: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor,
+                  work: torch.Tensor | None = None) -> None:
+    """quantize() of the (rows, in) float `weight` written into `q_out` (rows, in) e4m3 and
+    `scale_out` (rows, nb) fp32. Rows are independent, so it runs over row chunks whose fp32
+    temporary stays under QUANT_CHUNK bytes (or in `work`, a reusable fp32 buffer: fresh pages
+    cost a fault each): the loader quantizes a file's rows as it reads them, and a whole weight
+    never needs an fp32 copy. Torch ops throughout (vectorised, on torch's intra-op threads); the
+    same arithmetic per value as ever (fp32 division by the block scale, clamp, round to e4m3),
+    so the bits do not depend on the chunking."""
+    rows, in_f = weight.shape
+    nb = scale_out.shape[1]
+    step = max(1, (work.numel() * 4 if work is not None else QUANT_CHUNK) // (4 * max(in_f, 1)))
+    if work is None:
+        work = torch.empty(min(rows, step) * in_f, dtype=torch.float32, device=weight.device)
+    for r in range(0, rows, step):
+        e = min(rows, r + step)
+        x = work[:(e - r) * in_f].view(e - r, nb, in_f // nb)                 # (rows, nb, in/nb) fp32
+        x.copy_(weight[r:e].view(e - r, nb, in_f // nb))
+        amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())        # the largest magnitude, exactly
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        x.div_(scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
+        q_out[r:e].view(e - r, nb, in_f // nb).copy_(x)
+        scale_out[r:e].copy_(scale)
 
 
 DEQUANT_CHUNK = 16 * 2**20     # bytes of fp32 temporary while dequantizing to bf16/fp16, at most
@@ -220,7 +251,7 @@ class Fp8Handle:
             return (f"fp8: {len(self.linears)} Linear weights{mod} in {nblocks} blocks kept in e4m3 as the checkpoint "
                     f"stores them ({_gb(self.bytes_after)} with scales); memory.fp8 = false leaves the other block "
                     f"Linears in their dtype")
-        own = f", {len(self.prequantized)} of them e4m3 in the checkpoint" if self.prequantized else ""
+        own = f", {len(self.prequantized)} of them e4m3 as loaded" if self.prequantized else ""
         return (f"fp8: {len(self.linears)} Linear weights{mod} in {nblocks} blocks stored as e4m3 "
                 f"(scales per row x {SCALE_BLOCK} inputs{own}), {_gb(self.bytes_before)} -> {_gb(self.bytes_after)}; "
                 f"{len(self.kept)} modulation/norm Linears kept in {dtype}"

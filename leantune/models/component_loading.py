@@ -227,9 +227,26 @@ def keep_fp8_hooks(model, spec, modulation: bool = True) -> tuple:
     eligible = fp8_block_weights(model, spec, modulation)
 
     def attach(target: str, scale: torch.Tensor) -> None:
-        use_fp8_weight(model.get_submodule(target[: -len(".weight")]), scale)   # scale: (out, 1) fp32
+        use_fp8_weight(model.get_submodule(target[: -len(".weight")]), scale)   # scale: (out, 1) or (out, nb) fp32
 
     return eligible.__contains__, attach
+
+
+def fp8_hooks(model, spec, *, keep: bool, keep_modulation: bool, quantize: bool, quantize_modulation: bool,
+              trained=None) -> dict:
+    """load_into_empty's fp8 keywords for a transformer load: `keep` a file's e4m3 block weights
+    (`keep_modulation`: its modulation Linears too), and `quantize` the block Linears the run stores
+    in fp8 as they are read (`quantize_modulation`: the modulation Linears too, Plan.fp8_modulation),
+    except weights `trained(name)` names (a full fine-tune's trained weights keep their dtype).
+    The quantized set is the one apply_fp8_storage would quantize, so the engine finds them done."""
+    if not keep and not quantize:
+        return {}
+    keep_fp8, attach = keep_fp8_hooks(model, spec, keep_modulation)
+    out = {"on_fp8": attach, "keep_fp8": keep_fp8 if keep else (lambda name: False)}
+    if quantize:
+        chosen = {n for n in fp8_block_weights(model, spec, quantize_modulation) if not (trained and trained(n))}
+        out["quantize_fp8"] = chosen.__contains__
+    return out
 
 
 # -- VAE -----------------------------------------------------------------------------------------------

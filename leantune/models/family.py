@@ -184,6 +184,22 @@ def loader_options(memory_cfg) -> dict:
     return {"fp8_modulation": False} if getattr(memory_cfg, "fp8_modulation", "auto") is False else {}
 
 
+def fp8_load_options(memory_cfg, trained: Callable[[str], bool] | None = None) -> dict:
+    """Keyword arguments of `load_transformer` that quantize while loading: when the run's plan is
+    the explicit [memory] one (no vram_budget) and stores the block Linears in fp8, they become
+    block-scaled e4m3 as they are read (the modulation Linears too with fp8_modulation = true), so
+    a bf16 file never sits in host RAM in bf16. `trained`: a full fine-tune's trained weights
+    (they keep their dtype). Under a vram_budget the planner decides fp8 after loading: none."""
+    if getattr(memory_cfg, "vram_budget", None) is not None or not getattr(memory_cfg, "fp8", False):
+        return {}
+    out = {"quantize_fp8": True}
+    if getattr(memory_cfg, "fp8_modulation", "auto") is True:
+        out["quantize_modulation"] = True
+    if trained is not None:
+        out["trained"] = trained
+    return out
+
+
 def register(family: ModelFamily) -> ModelFamily:
     _FAMILIES[family.name] = family
     return family

@@ -364,6 +364,15 @@ def _config_recognizer(name: str):
     return recognizes
 
 
+def _text_phase(name: str):
+    """The family's priced text-encoding phase (flux2_text_phase.py), imported on use."""
+    def phase(rows, model_cfg=None, base_dir=None):
+        from .flux2_text_phase import text_encoding_phase
+
+        return text_encoding_phase(name, rows, model_cfg=model_cfg, base_dir=base_dir)
+    return phase
+
+
 def _register():
     from .family import ModelFamily, ReferenceConditioning, Sampling, register
 
@@ -381,13 +390,15 @@ def _register():
         transformer_classes=(flux2_loading.TRANSFORMER_CLASS,), recognizes_keys=_recognizer("flux2-dev"),
         recognizes_config=_config_recognizer("flux2-dev"),
         text_rows=flux2_text.text_rows, timestep_sampling="flux_shift", references=references,
+        text_phase=_text_phase("flux2-dev"),
     )
     klein = replace(dev, load_text_encoders=_text_loader("qwen3"),
                     sampling=Sampling(guidance="cfg", variant=_variant, schedule=_schedule, timestep=_timestep))
     # one spec object per family (the same blocks and LoRA names): code handed only a spec finds its family
     return (register(dev),
             *(register(replace(klein, name=name, spec=SPECS[name], load_transformer=_transformer_loader(name),
-                               recognizes_keys=_recognizer(name), recognizes_config=_config_recognizer(name)))
+                               recognizes_keys=_recognizer(name), recognizes_config=_config_recognizer(name),
+                               text_phase=_text_phase(name)))
               for name in ("flux2-klein-4b", "flux2-klein-9b")))
 
 

@@ -79,13 +79,16 @@ def transformer_config(sources: Flux2Sources) -> dict:
 
 
 def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                     keep_fp8: bool = True, fp8_modulation: bool = True, expected: str = "auto"):
+                     keep_fp8: bool = True, fp8_modulation: bool = True, quantize_fp8: bool = False,
+                     quantize_modulation: bool = False, trained=None, expected: str = "auto"):
     """The Flux2Transformer2DModel of a diffusers folder or a single .safetensors file, in `dtype`
     on `device` (device "meta": shapes and dtypes only). e4m3 block weights stay e4m3 (`keep_fp8`);
     `fp8_modulation` is passed on to the single-file reader (FLUX.2's modulation is outside the
-    blocks, so a folder never keeps it fp8). `expected`: the [model] family asked for; weights of
-    another FLUX.2 (a klein file or folder under flux2-dev) are refused before a tensor is read,
-    naming the file and the family to set (flux2_single_file.check_variant)."""
+    blocks, so a folder never keeps it fp8). `quantize_fp8` / `quantize_modulation` / `trained`:
+    the block Linears a run stores in fp8 are quantized as they are read (as flux_loading's).
+    `expected`: the [model] family asked for; weights of another FLUX.2 (a klein file or folder
+    under flux2-dev) are refused before a tensor is read, naming the file and the family to set
+    (flux2_single_file.check_variant)."""
     from .flux2_single_file import check_variant, load_single_file_transformer
 
     src = _require(sources.transformer, "transformer")
@@ -93,7 +96,8 @@ def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16,
         if src.suffix != ".safetensors":
             raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
         return load_single_file_transformer(src, dtype, device, fp8_modulation=fp8_modulation, keep_fp8=keep_fp8,
-                                            expected=expected)
+                                            quantize_fp8=quantize_fp8, quantize_modulation=quantize_modulation,
+                                            trained=trained, expected=expected)
     from diffusers import Flux2Transformer2DModel
 
     config, files, ops = cl.diffusers_folder(src, (TRANSFORMER_CLASS,), _LABEL["transformer"])
@@ -102,9 +106,10 @@ def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16,
         model = build_empty(lambda: Flux2Transformer2DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a FLUX.2 transformer from its config ({e})") from None
-    keep, attach = cl.keep_fp8_hooks(model, FLUX2_DEV_SPEC, fp8_modulation) if keep_fp8 else (None, None)
+    fp8 = cl.fp8_hooks(model, FLUX2_DEV_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what="a FLUX.2 transformer of this architecture", dtype=dtype,
-                           device=device, keep_fp8=keep, on_fp8=attach)
+                           device=device, **fp8)
 
 
 _NAMES = {"flux2-dev": "FLUX.2-dev", "flux2-klein-4b": "FLUX.2-klein-4B", "flux2-klein-9b": "FLUX.2-klein-9B"}
@@ -158,6 +163,8 @@ def load_text_encoders(sources: Flux2Sources, kind: str, dtype: torch.dtype = to
     folders, on the host (encoding places the model's layers on `device`)."""
     from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
+    from .streamed_encoder import load_text_model
+
     classes, repo = TEXT_ENCODERS[kind]
     src = _require(sources.text_encoder, "text_encoder")
     if not src.is_dir():
@@ -176,7 +183,12 @@ def load_text_encoders(sources: Flux2Sources, kind: str, dtype: torch.dtype = to
         tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], AutoTokenizer, repo)
         model_cls = Qwen3ForCausalLM
     try:
-        model = model_cls.from_pretrained(str(src), dtype=dtype, local_files_only=True)
+        # loaded when it fits the host-RAM budget, else left in its files and read layer by layer
+        # when it runs (dev's 24B Mistral is 48 GB in bf16: streamed_encoder.py)
+        model = load_text_model(model_cls, src, dtype, label=_LABEL["text_encoder"], blocks_path="layers",
+                                module_path="model.language_model" if kind == "mistral3" else "model")
+    except LoadError:
+        raise
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
     return Flux2TextEncoders(kind=kind, tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))

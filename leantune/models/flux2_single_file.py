@@ -103,13 +103,15 @@ def check_variant(config, expected: str | None, source) -> str:
 
 def load_single_file_transformer(path: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu",
                                  fp8_modulation: bool = True, keep_fp8: bool = True, expected: str = "auto",
-                                 spec=None):
+                                 spec=None, quantize_fp8: bool = False, quantize_modulation: bool = False,
+                                 trained=None):
     """The Flux2Transformer2DModel of a BFL / ComfyUI / diffusers-named single file.
 
     `keep_fp8`: block Linear weights stored as e4m3 stay e4m3 with a `weight_scale` buffer; False
     upcasts them to `dtype`. `fp8_modulation=False` upcasts the modulation Linears the spec names
     ([memory] fp8_modulation = false). `expected`: the family the caller was asked for ("auto": any).
     `spec`: the family's ModelSpec (default FLUX.2's), which says which Linears may stay e4m3.
+    `quantize_fp8` / `quantize_modulation` / `trained`: as flux_loading.load_transformer's.
     """
     from diffusers import Flux2Transformer2DModel
 
@@ -120,15 +122,14 @@ def load_single_file_transformer(path: str | Path, dtype: torch.dtype = torch.bf
         model = build_empty(lambda: Flux2Transformer2DModel.from_config(config))
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{path}: cannot build a {LABEL} from its shapes ({e})") from None
-    keep = attach = None
-    if keep_fp8:
-        if spec is None:      # the three FLUX.2 specs share their blocks; any names the same Linears
-            from .flux2_spec import SPECS
+    if spec is None:          # the three FLUX.2 specs share their blocks; any names the same Linears
+        from .flux2_spec import SPECS
 
-            spec = SPECS.get(expected) or SPECS.get(found) or next(iter(SPECS.values()))
-        keep, attach = cl.keep_fp8_hooks(model, spec, fp8_modulation)
+        spec = SPECS.get(expected) or SPECS.get(found) or next(iter(SPECS.values()))
+    fp8 = cl.fp8_hooks(model, spec, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what=f"a {LABEL} of this architecture", dtype=dtype, device=device,
-                           source_name=source_name, keep_fp8=keep, on_fp8=attach)
+                           source_name=source_name, **fp8)
 
 
 def save_single_file(transformer, path: str | Path, dtype: torch.dtype | None = None, fp8: str | None = None,

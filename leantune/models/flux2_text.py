@@ -19,8 +19,6 @@ are streamed there one at a time (memory/blockwise.py).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from .family import PromptEmbeds
@@ -38,12 +36,10 @@ def text_model(encoders) -> torch.nn.Module:
 def _placement(encoders, device: torch.device):
     """The text model as it is when already on `device` (or for a host encode), else streamed layer
     by layer onto `device` (the caching phase)."""
-    lm = text_model(encoders)
-    if device.type == "cpu" or lm.embed_tokens.weight.device == device:
-        return nullcontext()
-    from ..memory.blockwise import blockwise_offload
+    from .streamed_encoder import placement
 
-    return blockwise_offload(lm, lm.layers, device)
+    lm = text_model(encoders)
+    return placement(lm, lm.layers, device)       # from its files when it was left there
 
 
 def _mistral_tokens(tokenizer, prompts: list[str], max_length: int):

@@ -101,12 +101,16 @@ def fp8_block_weights(transformer, modulation: bool = True) -> set[str]:
 
 
 def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True,
-                     fp8_modulation: bool = True):
+                     fp8_modulation: bool = True, quantize_fp8: bool = False,
+                     quantize_modulation: bool = False, trained=None):
     """The FluxTransformer2DModel, built on meta and loaded straight into `dtype` on `device`.
 
     `keep_fp8`: block Linear weights stored as float8_e4m3fn stay e4m3 with a `weight_scale`
     buffer (module docstring); False upcasts them to `dtype` like every other tensor.
     `fp8_modulation=False` upcasts the modulation Linears only ([memory] fp8_modulation = false).
+    `quantize_fp8`: the block Linears a run stores in fp8 ([memory] fp8) are quantized as they are
+    read, never held in `dtype` (`quantize_modulation`: the modulation Linears too; `trained(name)`:
+    weights a full fine-tune trains stay in `dtype`); family.fp8_load_options gives these.
     """
     from diffusers import FluxTransformer2DModel
 
@@ -147,9 +151,10 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{src}: cannot build a Flux transformer from its config ({e})") from None
     detect_variant(model, sources.variant, source=src)      # from the structure, before reading weights
-    keep, attach = cl.keep_fp8_hooks(model, FLUX_SPEC, fp8_modulation) if keep_fp8 else (None, None)
+    fp8 = cl.fp8_hooks(model, FLUX_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what="a Flux transformer of this architecture", dtype=dtype,
-                           device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
+                           device=device, source_name=source_name, **fp8)
 
 
 def detect_variant(transformer, expected: str = "auto", source=None) -> str:

@@ -30,7 +30,6 @@ We use diffusers' `QwenImageTransformer2DModel` and `AutoencoderKLQwenImage` and
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -127,13 +126,12 @@ def image_tokens(h: int, w: int) -> int:
 
 def _placement(encoders, device: torch.device):
     """Where Qwen2.5-VL's language model runs: as it is when already on `device` (or on the host for
-    a host encode), else streamed layer by layer (the caching phase)."""
-    lm = encoders.text_encoder.model.language_model
-    if device.type == "cpu" or lm.embed_tokens.weight.device == device:
-        return nullcontext()
-    from ..memory.blockwise import blockwise_offload
+    a host encode), else streamed layer by layer (the caching phase), from its files when it was
+    left there (streamed_encoder.py)."""
+    from .streamed_encoder import placement
 
-    return blockwise_offload(lm, lm.layers, device)
+    lm = encoders.text_encoder.model.language_model
+    return placement(lm, lm.layers, device)
 
 
 @torch.no_grad()

@@ -146,10 +146,15 @@ def transformer_config(sources: QwenImageSources) -> dict:
 
 
 def load_transformer(sources: QwenImageSources, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                     keep_fp8: bool = True, fp8_modulation: bool = True):
+                     keep_fp8: bool = True, fp8_modulation: bool = True, quantize_fp8: bool = False,
+                     quantize_modulation: bool = False, trained=None):
     """The QwenImageTransformer2DModel, built on meta and filled tensor by tensor in `dtype` on `device`
     (device="meta": shapes and dtypes only, for the planner). e4m3 block weights stay e4m3 with a
-    per-row scale (`keep_fp8`); `fp8_modulation=False` upcasts the img_mod / txt_mod Linears."""
+    per-row scale (`keep_fp8`); `fp8_modulation=False` upcasts the img_mod / txt_mod Linears.
+    `quantize_fp8`: the block Linears a run stores in fp8 ([memory] fp8) are quantized as they are
+    read, never held in `dtype` (`quantize_modulation`: the modulation Linears too; `trained(name)`:
+    weights a full fine-tune trains stay in `dtype`); family.fp8_load_options gives these.
+    """
     from diffusers import QwenImageTransformer2DModel
 
     src = _require(sources.transformer, "transformer")
@@ -158,9 +163,10 @@ def load_transformer(sources: QwenImageSources, dtype: torch.dtype = torch.bfloa
         model = build_empty(lambda: QwenImageTransformer2DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a Qwen-Image transformer from its config ({e})") from None
-    keep, attach = cl.keep_fp8_hooks(model, QWEN_IMAGE_SPEC, fp8_modulation) if keep_fp8 else (None, None)
+    fp8 = cl.fp8_hooks(model, QWEN_IMAGE_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what="a Qwen-Image transformer of this architecture", dtype=dtype,
-                           device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
+                           device=device, source_name=source_name, **fp8)
 
 
 def describe(transformer) -> str:
@@ -213,14 +219,20 @@ def load_text_encoders(sources: QwenImageSources, dtype: torch.dtype = torch.bfl
                        device="cpu", keep_fp8: bool = False) -> QwenImageTextEncoders:
     """The Qwen2 tokenizer and Qwen2.5-VL, on the host (encoding streams the encoder's layers to
     `device`: 7B parameters, 15 GiB in bf16, never on the device at once). The encoder comes from
-    a transformers folder or a single file (ComfyUI's qwen_2.5_vl_7b*.safetensors: load_text_encoder_file)."""
+    a transformers folder or a single file (ComfyUI's qwen_2.5_vl_7b*.safetensors: load_text_encoder_file);
+    a folder's encoder that does not fit the host-RAM budget is left in its files (streamed_encoder.py)."""
+    from .streamed_encoder import load_text_model
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], Qwen2Tokenizer, _REPO)
     src = _require(sources.text_encoder, "text_encoder")
     if src.is_dir():
         try:
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), dtype=dtype, local_files_only=True)
+            # loaded when it fits the host-RAM budget, else read from its files layer by layer
+            model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, dtype, module_path="model.language_model",
+                                    blocks_path="layers", label=_LABEL["text_encoder"])
+        except LoadError:
+            raise
         except Exception as e:
             raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
     else:

@@ -141,13 +141,17 @@ def transformer_config(sources: SD3Sources) -> dict:
 
 
 def load_transformer(sources: SD3Sources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True,
-                     fp8_modulation: bool = True):
+                     fp8_modulation: bool = True, quantize_fp8: bool = False,
+                     quantize_modulation: bool = False, trained=None):
     """The SD3Transformer2DModel, built on meta and loaded straight into `dtype` on `device`
     (device="meta": shapes and dtypes only, for the planner).
 
     `keep_fp8`: block Linear weights stored as float8_e4m3fn stay e4m3 with a `weight_scale`
     buffer (as flux_loading explains); False upcasts them to `dtype`. `fp8_modulation=False` upcasts
     the adaLN Linears only ([memory] fp8_modulation = false).
+    `quantize_fp8`: the block Linears a run stores in fp8 ([memory] fp8) are quantized as they are
+    read, never held in `dtype` (`quantize_modulation`: the modulation Linears too; `trained(name)`:
+    weights a full fine-tune trains stay in `dtype`); family.fp8_load_options gives these.
     """
     from diffusers import SD3Transformer2DModel
 
@@ -157,9 +161,10 @@ def load_transformer(sources: SD3Sources, dtype: torch.dtype = torch.bfloat16, d
         model = build_empty(lambda: SD3Transformer2DModel.from_config(config))
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{src}: cannot build an SD3 transformer from its config ({e})") from None
-    keep, attach = cl.keep_fp8_hooks(model, SD3_SPEC, fp8_modulation) if keep_fp8 else (None, None)
+    fp8 = cl.fp8_hooks(model, SD3_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what="an SD3 transformer of this architecture", dtype=dtype,
-                           device=device, source_name=source_name, keep_fp8=keep, on_fp8=attach)
+                           device=device, source_name=source_name, **fp8)
 
 
 def describe(transformer) -> str:

@@ -8,19 +8,30 @@ file headers alone, and only then read.
 
 Every model tensor is a run of rows of one file tensor (a fused qkv splits into row ranges, BFL's
 final adaLN swaps two halves, a conv-shaped linear weight is the same bytes), so the loader
-allocates each parameter once, in its target dtype, and fills it from the file through one small
-reusable staging buffer, casting and dequantising (ComfyUI scaled fp8) chunk by chunk. Host RAM
-therefore holds the finished model plus a few MiB, never a second copy of the model nor a
-full-precision copy of a tensor, and a wrong file fails before a single weight is read. A caller
-may keep chosen e4m3 tensors in e4m3 (`keep_fp8`): their bytes are copied as stored, never
-converted, and their scales are handed to the caller instead of being multiplied in. Files are
-read with plain reads, not mmap: mapped pages would count as resident memory while a file is open.
+allocates each parameter once, in its target dtype, and fills it from the file's mapping, casting
+and dequantising (ComfyUI scaled fp8) chunk by chunk. Host RAM therefore holds the finished model
+plus a few MiB, never a second copy of the model nor a full-precision copy of a tensor, and a
+wrong file fails before a single weight is read. A caller may keep chosen e4m3 tensors in e4m3
+(`keep_fp8`): their bytes are copied as stored, never converted, and their scales are handed to
+the caller instead of being multiplied in. A run that stores block Linears in fp8 has them
+quantized as they are read (`quantize_fp8`): chunks of rows go from the file through the load
+dtype to block-scaled e4m3, so a bf16 or fp32 file never exists in host RAM in full precision,
+only what is kept.
+
+Files are mapped (mmap), not read: bytes come from the page cache without a copy into a staging
+buffer (the kernel's copy of every byte was most of a load's system time), and each tensor's pages
+are unmapped from the process once it is filled (`release`), so mapped pages never add more than a
+tensor to the resident memory. A file changed on disk while it loads can end the process (SIGBUS),
+as with any mmap-based loader; one truncated before is refused from its header.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import struct
+import threading
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +62,7 @@ _AUX_KEYS = ("scaled_fp8",)
 
 _MAX_HEADER = 100 * 2**20      # a safetensors header larger than this is certainly not one
 STAGING_BYTES = 8 * 2**20      # file bytes read per chunk while filling a parameter
+MAX_WORKERS = 8                # quantizing workers at most (each holds a few chunks of STAGING_BYTES)
 
 
 def is_auxiliary_key(key: str) -> bool:
@@ -141,8 +153,10 @@ class CheckpointFiles:
                     raise LoadError(f"{path}: key {key!r} is also in {self.tensors[key].file}")
                 self.tensors[key] = entry
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
         self._stack: ExitStack | None = None
-        self._staging: torch.Tensor | None = None
+        self._local = threading.local()                 # per-thread staging and quantize buffers
+        self._pool = None                               # quantizing workers, while the files are open
         self._scales: dict[str, torch.Tensor] = {}
 
     @property
@@ -168,11 +182,13 @@ class CheckpointFiles:
 
     def __exit__(self, *exc) -> None:
         self._handles.clear()
-        self._staging = None
+        self._maps.clear()
+        self._local = threading.local()
         self._scales.clear()
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+        self._pool = None
 
     def _handle(self, path: Path):
         if self._stack is None:
@@ -180,6 +196,33 @@ class CheckpointFiles:
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(open(path, "rb"))
         return self._handles[path]
+
+    def _mapping(self, path: Path) -> mmap.mmap:
+        """The file mapped (private, never written: pages come from the page cache, uncopied)."""
+        if path not in self._maps:
+            self._maps[path] = self._stack.enter_context(mmap.mmap(self._handle(path).fileno(), 0,
+                                                                   access=mmap.ACCESS_COPY))
+        return self._maps[path]
+
+    def _source(self, info: TensorInfo, offset: int, nbytes: int, staging: str = "staging") -> torch.Tensor:
+        """`nbytes` of `info`'s data from `offset` as a flat tensor of its dtype: a view of the
+        mapped file (no copy; `release` drops its pages from this process afterwards), or, where
+        the offset does not suit the dtype's alignment, a read into this thread's staging buffer."""
+        dtype = _DTYPES[info.dtype]
+        at = info.start + offset
+        if nbytes and at % dtype.itemsize == 0:
+            return torch.frombuffer(self._mapping(info.file), dtype=torch.uint8, count=nbytes, offset=at).view(dtype)
+        return self._read_bytes(info, offset, nbytes, self._buffer(staging, nbytes, torch.uint8)).view(dtype)
+
+    def release(self, key: str) -> None:
+        """Unmap the pages of `key` from this process (they stay in the page cache), so a file read
+        through its mapping never adds more than a tensor to the resident memory."""
+        info = self.tensors[key]
+        m = self._maps.get(info.file)
+        if m is None or info.end <= info.start or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.start - info.start % mmap.PAGESIZE
+        m.madvise(mmap.MADV_DONTNEED, start, info.end - start)
 
     def scale_key(self, key: str) -> str | None:
         """The ComfyUI scale key that dequantises `key` ("x.weight" -> "x.scale_weight"), if present."""
@@ -210,13 +253,25 @@ class CheckpointFiles:
         return self._scales[skey]
 
     def _read_bytes(self, info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`nbytes` of `info`'s data from `offset`, into `out` (uint8). Positioned reads (pread), so
+        the quantizing workers read their own chunks at once from one handle."""
         buf = out if out is not None else torch.empty(nbytes, dtype=torch.uint8)
-        f = self._handle(info.file)
-        f.seek(info.start + offset)
-        got = f.readinto(memoryview(buf.numpy())) if nbytes else 0
-        if got != nbytes:
-            raise LoadError(f"{info.file}: file ends early (truncated)")
+        fd = self._handle(info.file).fileno()
+        view, done = memoryview(buf.numpy()), 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:nbytes]], info.start + offset + done)
+            if got <= 0:
+                raise LoadError(f"{info.file}: file ends early (truncated)")
+            done += got
         return buf
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable buffer of this thread (staging, quantize work), grown when too small."""
+        buf = getattr(self._local, name, None)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            setattr(self._local, name, buf)
+        return buf[:numel]
 
     def row_scales(self, key: str, segments: list[tuple[int, int]]) -> torch.Tensor:
         """The fp32 dequantisation scale of the rows `segments` of `key`, one per row: (rows, 1).
@@ -239,19 +294,79 @@ class CheckpointFiles:
         row_bytes = info.row_numel * src_dtype.itemsize
         scale = self._scale(key) if dequantize else None
         rows_per_chunk = max(1, STAGING_BYTES // max(row_bytes, 1))
-        need = min(rows_per_chunk, row_end - row_start) * row_bytes
-        if self._staging is None or self._staging.numel() < need:
-            self._staging = torch.empty(max(need, STAGING_BYTES), dtype=torch.uint8)
+        if scale is None:                            # the mapped rows, copied once (cast, e.g. fp32 / fp8 -> bf16)
+            rows_per_chunk = max(rows_per_chunk, row_end - row_start)
         for r0 in range(row_start, row_end, rows_per_chunk):
             r1 = min(row_end, r0 + rows_per_chunk)
-            nbytes = (r1 - r0) * row_bytes
-            raw = self._read_bytes(info, r0 * row_bytes, nbytes, self._staging[:nbytes]).view(src_dtype)
+            raw = self._source(info, r0 * row_bytes, (r1 - r0) * row_bytes)
             dst = out[(r0 - row_start) * info.row_numel:(r1 - row_start) * info.row_numel]
             if scale is None:
-                dst.copy_(raw)                       # casts, e.g. fp32 / fp8 -> bf16
+                dst.copy_(raw)
             else:
                 rows = scale if scale.shape[0] == 1 else scale[r0:r1]
                 dst.copy_((raw.view(r1 - r0, info.row_numel).to(torch.float32) * rows).view(-1))
+            del raw                                  # no view of the mapping outlives its use
+
+    def quantize_rows_into(self, key: str, segments: list[tuple[int, int]], dtype: torch.dtype,
+                           q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+        """Fill the (rows, in) e4m3 `q_out` and its (rows, nb) fp32 `scale_out` with the rows
+        `segments` of `key`, block-scaled as memory/fp8.quantize stores a weight: each chunk of
+        rows is read, made exactly what a load in `dtype` holds (cast, dequantised), and quantized
+        at once, so no full-precision copy of the tensor ever exists (a few MiB per worker).
+
+        Chunks go to torch.get_num_threads() workers (at most MAX_WORKERS), each running torch's
+        ops on one thread: on a busy machine one parallel region per op waits at every barrier
+        for its slowest thread, while independent chunks only wait for the CPU."""
+        from ..memory.fp8 import quantize_into
+
+        info = self.tensors[key]
+        width = info.row_numel
+        self._scale(key)                                  # read once, before the workers share it
+        self._handle(info.file)                           # opened here, not by racing workers
+        rows_per_chunk = max(1, STAGING_BYTES // max(4 * width, 1))     # fp32 temporary <= STAGING_BYTES
+        jobs, pos = [], 0
+        for a, b in segments:
+            for r0 in range(a, b, rows_per_chunk):
+                r1 = min(b, r0 + rows_per_chunk)
+                jobs.append((r0, r1, pos))
+                pos += r1 - r0
+
+        as_stored = _DTYPES[info.dtype] == dtype and self._scale(key) is None
+        itemsize = _DTYPES[info.dtype].itemsize
+
+        def job(j: tuple[int, int, int]) -> None:
+            r0, r1, p = j
+            n = r1 - r0
+            if as_stored:                             # the mapped rows themselves: nothing to make first
+                chunk = self._source(info, r0 * width * itemsize, n * width * itemsize, "work")
+            else:
+                chunk = self._buffer("work", n * width, dtype)
+                self.read_rows_into(key, r0, r1, chunk)
+            quantize_into(chunk.view(n, width), q_out[p:p + n], scale_out[p:p + n],
+                          work=self._buffer("fp32", n * width, torch.float32))
+            del chunk
+
+        self._map(job, jobs)
+
+    def _map(self, fn, jobs: list) -> None:
+        """fn over jobs on this load's workers (one torch thread each), or here when one would do."""
+        workers = min(torch.get_num_threads(), MAX_WORKERS, len(jobs))
+        if workers <= 1 or self._stack is None:
+            for j in jobs:
+                fn(j)
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(min(torch.get_num_threads(), MAX_WORKERS), "leantune-load")
+            self._stack.callback(self._pool.shutdown)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for f in [self._pool.submit(fn, j) for j in jobs]:
+                f.result()
+        finally:
+            torch.set_num_threads(threads)
 
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A whole tensor: in `dtype` if floating (default: as stored; fp32 when it is scaled fp8)."""
@@ -393,6 +508,21 @@ def _listing(items: list[str]) -> str:
     return shown + (f" and {len(items) - 5} more" if len(items) > 5 else "")
 
 
+def _fill_quantized(model, files: CheckpointFiles, source: str, target: str, shape: tuple[int, ...],
+                    segs: list[tuple[int, int]], names: list[str], dtype: torch.dtype, where: str, device,
+                    on_fp8: Callable[[str, torch.Tensor], None]) -> None:
+    """One weight quantized to block-scaled e4m3 while it is read (load_into_empty's quantize_fp8)."""
+    from ..memory.fp8 import FP8_DTYPE, scale_blocks
+
+    rows, width = shape
+    q = torch.empty(rows, width, dtype=FP8_DTYPE, device=where)
+    scale = torch.empty(rows, scale_blocks(width), dtype=torch.float32, device=where)
+    if where != "meta":
+        files.quantize_rows_into(source, segs, dtype, q, scale)
+    _assign_group(model, names, q.to(device))
+    on_fp8(target, scale.to(device))
+
+
 def load_into_empty(
     model: torch.nn.Module,
     files: CheckpointFiles,
@@ -405,6 +535,7 @@ def load_into_empty(
     source_name: Callable[[str], str] = lambda target: target,
     keep_fp8: Callable[[str], bool] | None = None,
     on_fp8: Callable[[str, torch.Tensor], None] | None = None,
+    quantize_fp8: Callable[[str], bool] | None = None,
 ) -> torch.nn.Module:
     """Validate `ops` against the meta-built `model` from headers only, then fill it tensor by tensor.
 
@@ -416,11 +547,16 @@ def load_into_empty(
     so; they are filled with the stored bytes (no conversion, no scaling) and, once in place,
     `on_fp8(model_key, scale)` receives their fp32 dequantisation scale, one per row: (rows, 1).
 
+    `quantize_fp8(model_key)`: True for 2-D floating weights the run stores in fp8 (memory/fp8.py's
+    block-scaled e4m3): they are quantized chunk by chunk as they are read (`dtype` first, exactly
+    as a plain load holds them, so the bits equal quantizing that load) and handed to `on_fp8` with
+    their (rows, nb) scale; a file's e4m3 tensor that `keep_fp8` keeps is kept instead.
+
     On `device="meta"` nothing is read: every tensor gets the dtype and shape loading would give it
     (and fp8 weights their scale), which is what the planner prices a checkpoint by.
     """
-    if (keep_fp8 is None) != (on_fp8 is None):
-        raise ValueError("load_into_empty: keep_fp8 and on_fp8 go together")
+    if (keep_fp8 is None and quantize_fp8 is None) != (on_fp8 is None):
+        raise ValueError("load_into_empty: keep_fp8 / quantize_fp8 and on_fp8 go together")
     expected = model.state_dict(keep_vars=True)
     groups = _tie_groups(model)
 
@@ -462,6 +598,14 @@ def load_into_empty(
                 continue                              # tied to a tensor already loaded
             info = files.tensors[op.source]
             keep = keep_fp8 is not None and info.dtype == "F8_E4M3" and keep_fp8(target)
+            if (not keep and quantize_fp8 is not None and info.floating and len(tshape) == 2
+                    and info.row_numel == tshape[1] and quantize_fp8(target)):
+                _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
+                                _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
+                done.update(groups.get(target, [target]))
+                if not meta:
+                    files.release(op.source)
+                continue
             if keep:
                 to_dtype = torch.float8_e4m3fn
             else:
@@ -472,6 +616,8 @@ def load_into_empty(
                 n = (b - a) * info.row_numel
                 files.read_rows_into(op.source, a, b, flat[pos:pos + n], dequantize=not keep)
                 pos += n
+            if not meta:
+                files.release(op.source)
             names = groups.get(target, [target])
             _assign_group(model, names, out.to(device))
             done.update(names)

@@ -13,7 +13,9 @@ import torch
 # Config keys holding the length of each block list, per family: the probe copy shortens them.
 BLOCK_COUNT_KEYS = {"flux": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
                     "sd3": {"transformer_blocks": "num_layers"}, "qwen-image": {"transformer_blocks": "num_layers"},
-                    "qwen-image-edit": {"transformer_blocks": "num_layers"}}
+                    "qwen-image-edit": {"transformer_blocks": "num_layers"},
+                    **{f: {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
+                       for f in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b")}}
 # Blocks at the end of a list built unlike the others (SD3's last joint block is "context pre-only":
 # no text-stream output projection or MLP). The probe copy is built with them and then cut off, so
 # the blocks it traces are the ones the rest of the stack is made of.
