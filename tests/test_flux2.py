@@ -214,6 +214,32 @@ def test_reference_images_condition_as_the_pipelines_image(dev, klein, n):
     assert np.abs(kours - kref).max() == 0.0
 
 
+def test_leantune_sample_with_a_reference_equals_the_pipeline(tmp_path):
+    """`leantune sample --reference` on a tiny FLUX.2-dev folder: the family's sampling_latents
+    prepare and encode the reference as Flux2Pipeline's `image=`; the PNG equals the pipeline's
+    image (fp32, bit for bit), and differs from the image drawn without the reference."""
+    from PIL import Image
+
+    from leantune.cli import main
+
+    folder = tf.save_flux2_folder(tmp_path / "dev", "dev", seed=2)
+    ref_file = tmp_path / "before.png"
+    _ref_images(1)[0].save(ref_file)
+    common = ["sample", "--model", str(folder), "--prompt", PROMPTS[0], "--guidance", "4.0", "--steps", "2",
+              "--seed", "3", "--width", str(W), "--height", str(H), "--set", "model.dtype=fp32",
+              "--set", f"max_text_length={MAX_LEN}"]
+    assert main(common + ["--reference", str(ref_file), "--out", str(tmp_path / "out")]) == 0
+    assert main(common + ["--out", str(tmp_path / "plain")]) == 0
+    (png,) = sorted((tmp_path / "out").glob("*.png"))
+    (plain,) = sorted((tmp_path / "plain").glob("*.png"))
+    ours = np.asarray(Image.open(png))
+    assert Image.open(png).text["references"] == str(ref_file)
+    pipe = tf.flux2_pipeline("dev", seed=2)
+    ref = _u8(_pipeline(pipe, PROMPTS[0], 3, 4.0, steps=2, references=[Image.open(ref_file).convert("RGB")]))[0]
+    assert ours.shape == (H, W, 3) and np.array_equal(ours, ref)
+    assert not np.array_equal(ours, np.asarray(Image.open(plain)))
+
+
 def test_reference_size_follows_the_pipeline():
     from leantune.models.flux2 import reference_size
 

@@ -376,7 +376,8 @@ def _text_phase(name: str):
 def _register():
     from .family import ModelFamily, ReferenceConditioning, Sampling, register
 
-    references = ReferenceConditioning(size=reference_size, text_sees_images=False, most=MAX_REFERENCES)
+    references = ReferenceConditioning(size=reference_size, text_sees_images=False, most=MAX_REFERENCES,
+                                      sampling_latents=encode_reference_latents)
     dev = ModelFamily(
         name="flux2-dev", spec=SPECS["flux2-dev"],
         resolve_sources=_loader("resolve_sources"), load_transformer=_transformer_loader("flux2-dev"),
