@@ -246,11 +246,117 @@ def test_released_variants_from_meta_shapes(name):
     assert flux2_keys.variant_of(model.config) == name
 
 
-def test_tiny_and_pruned_configs_are_no_released_variant():
-    assert flux2_keys.variant_of(tiny_config()) is None
+def test_tiny_and_pruned_configs_are_no_released_variant_but_have_a_family():
+    """Not a released architecture, still one family: dev by its guidance embedder, a klein by its
+    width where that is a released klein's (pruned), else by its depth (5 double blocks: 4B)."""
+    assert not flux2_keys.is_released(tiny_config())
+    assert flux2_keys.variant_of(tiny_config()) == "flux2-dev"
+    assert flux2_keys.variant_of(tiny_config(guidance_embeds=False)) == "flux2-klein-9b"
+    assert flux2_keys.variant_of(tiny_config(guidance_embeds=False, num_layers=5)) == "flux2-klein-4b"
     pruned = dict(num_layers=8, num_single_layers=40, num_attention_heads=48, attention_head_dim=128,
                   joint_attention_dim=15360, guidance_embeds=True)
-    assert flux2_keys.variant_of(pruned) is None
+    assert not flux2_keys.is_released(pruned) and flux2_keys.variant_of(pruned) == "flux2-dev"
+    pruned_4b = {**pruned, "num_layers": 4, "num_attention_heads": 24, "joint_attention_dim": 7680,
+                 "guidance_embeds": False}
+    assert not flux2_keys.is_released(pruned_4b) and flux2_keys.variant_of(pruned_4b) == "flux2-klein-4b"
+    for name, over in _FULL.items():
+        assert flux2_keys.is_released(dict(attention_head_dim=128, **over))
+
+
+def _full_meta(name: str) -> Flux2Transformer2DModel:
+    cfg = dict(patch_size=1, in_channels=128, attention_head_dim=128, timestep_guidance_channels=256, mlp_ratio=3.0,
+               axes_dims_rope=(32, 32, 32, 32), **_FULL[name])
+    return build_empty(lambda: Flux2Transformer2DModel(**cfg))
+
+
+def test_family_for_model_tells_the_three_flux2_families_apart():
+    """They share Flux2Transformer2DModel: the class alone said flux2-dev for every klein. The
+    config says: the released architectures (built on meta) by name, the tiny ones by layout, and
+    the sampler's variant follows (a klein samples with classifier-free guidance)."""
+    from leantune.infer.sampler import variant_of
+    from leantune.models.family import family_for_model
+
+    for name in _FULL:
+        model = _full_meta(name)
+        assert family_for_model(model).name == name
+        assert variant_of(model) == ("dev" if name == "flux2-dev" else "klein")
+    assert family_for_model(tiny_model()).name == "flux2-dev"
+    assert family_for_model(tiny_model(guidance_embeds=False)).name == "flux2-klein-9b"
+    assert family_for_model(tiny_model(guidance_embeds=False, num_layers=5)).name == "flux2-klein-4b"
+    assert variant_of(tiny_model(guidance_embeds=False)) == "klein"
+
+
+def _write_folder(path, config: dict | None, pipeline: str, encoder: str):
+    """A diffusers folder's metadata alone (model_index.json, transformer/config.json): what
+    guess_family reads."""
+    path.mkdir(parents=True)
+    index = {"_class_name": pipeline, "transformer": ["diffusers", "Flux2Transformer2DModel"],
+             "text_encoder": ["transformers", encoder], "vae": ["diffusers", "AutoencoderKLFlux2"]}
+    (path / "model_index.json").write_text(json.dumps(index))
+    if config is not None:
+        (path / "transformer").mkdir()
+        (path / "transformer" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel",
+                                                                      **config}))
+    return path
+
+
+def test_guess_family_reads_a_flux2_folders_config(tmp_path):
+    """A folder's transformer class is the same for the three: its transformer/config.json names
+    the family; without one, model_index.json's pipeline and text encoder tell dev from klein, and
+    a klein's size is left unsaid (None) rather than guessed."""
+    from leantune.models.family import guess_family
+
+    for name, over in _FULL.items():
+        dev = name == "flux2-dev"
+        cfg = dict(patch_size=1, in_channels=128, attention_head_dim=128, **over)
+        folder = _write_folder(tmp_path / name, cfg, "Flux2Pipeline" if dev else "Flux2KleinPipeline",
+                               "Mistral3ForConditionalGeneration" if dev else "Qwen3ForCausalLM")
+        assert guess_family(folder) == name
+    tiny_klein = tiny_config(guidance_embeds=False)
+    assert guess_family(_write_folder(tmp_path / "tiny", tiny_klein, "Flux2KleinPipeline", "Qwen3ForCausalLM")) \
+        == "flux2-klein-9b"
+    assert guess_family(_write_folder(tmp_path / "d", None, "Flux2Pipeline", "Mistral3ForConditionalGeneration")) \
+        == "flux2-dev"
+    assert guess_family(_write_folder(tmp_path / "k", None, "Flux2KleinPipeline", "Qwen3ForCausalLM")) is None
+
+
+def test_the_family_loader_refuses_another_flux2s_file_or_folder(tmp_path):
+    """[model] family = "flux2-dev" with a klein transformer file (or folder) is refused before a
+    tensor is read, naming the file and the family to set; the klein families load it (a tiny klein
+    is either size); released klein 4B weights under klein 9B are refused too."""
+    from types import SimpleNamespace
+
+    from leantune.models import tiny_flux2 as tf
+    from leantune.models.family import get_family
+    from leantune.models.flux2_single_file import check_variant
+
+    klein_file = save_single_file(tf.flux2_transformer("klein", seed=2), tmp_path / "klein.safetensors", prefix=COMFY)
+    dev = get_family("flux2-dev")
+
+    def sources(transformer):
+        return SimpleNamespace(transformer=transformer, text_encoder=None, tokenizer=None, vae=None)
+
+    with pytest.raises(LoadError, match=r"klein\.safetensors: the weights are flux2-klein-9b \(.*no guidance embedder\), "
+                                        r"not flux2-dev; set \[model\] family = \"flux2-klein-4b\" or \"flux2-klein-9b\""):
+        dev.load_transformer(sources(klein_file), dtype=torch.float32)
+    for name in ("flux2-klein-4b", "flux2-klein-9b"):
+        model = get_family(name).load_transformer(sources(klein_file), dtype=torch.float32)
+        assert not model.config.guidance_embeds
+    dev_file = save_single_file(tiny_model(seed=3), tmp_path / "dev.safetensors")
+    with pytest.raises(LoadError, match=r"dev\.safetensors: the weights are flux2-dev .* not flux2-klein-4b; "
+                                        r"set \[model\] family = \"flux2-dev\""):
+        get_family("flux2-klein-4b").load_transformer(sources(dev_file), dtype=torch.float32)
+
+    folder = tf.save_flux2_folder(tmp_path / "kfolder", "klein", seed=2)
+    with pytest.raises(LoadError, match=r"kfolder/transformer/config\.json: the weights are flux2-klein-9b .*not flux2-dev"):
+        dev.load_transformer(dev.resolve_sources(SimpleNamespace(path=str(folder), family="flux2-dev", transformer=None,
+                                                                 text_encoder=None, tokenizer=None, vae=None), tmp_path),
+                             dtype=torch.float32)
+    four_b = dict(_full_meta("flux2-klein-4b").config)
+    with pytest.raises(LoadError, match=r"w: the weights are flux2-klein-4b \(width 3072, 5 double \+ 20 single.*"
+                                        r"not flux2-klein-9b; set \[model\] family = \"flux2-klein-4b\""):
+        check_variant(four_b, "flux2-klein-9b", "w")
+    assert check_variant(four_b, "auto", "w") == "flux2-klein-4b"
 
 
 def test_wrong_variant_is_named(tmp_path, monkeypatch):

@@ -22,7 +22,8 @@ from leantune.config import FAMILY_NAMES
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("request", nargs="?", help="a sample request TOML: prompts, seed, steps, guidance, width, height, out, "
                              "[model], [[lora]], [memory]; flags override its values")
-    parser.add_argument("--model", help="a diffusers Flux / SD3.5 folder or a single .safetensors transformer file")
+    parser.add_argument("--model", help="a diffusers folder (Flux.1, SD3.5, Qwen-Image, FLUX.2) or a single "
+                                        ".safetensors transformer file")
     parser.add_argument("--family", choices=FAMILY_NAMES,
                         help="the model family (default: the request's [model] family, else what --model's "
                              "folder or file says it is, else flux)")

@@ -155,6 +155,10 @@ class ModelFamily:
     # True for the tensor names of a single transformer file of this family, any prefix kept
     # (guess_family: `leantune sample --model FILE` without a family)
     recognizes_keys: Callable = lambda keys: False
+    # (transformer config mapping or None, model_index.json dict or None) -> whether a model of a
+    # class several families share is this family's (FLUX.2's three share Flux2Transformer2DModel);
+    # None: every model of the class is (family_for_model, guess_family)
+    recognizes_config: Callable | None = None
     # sequence rows for [data] max_text_length tokens (the cache's bound, the planner's text length)
     text_rows: Callable[[int], int] = lambda max_length: max_length
     # training schedule: what [train] timestep_sampling = "auto" means
@@ -224,13 +228,22 @@ def known_families() -> list[str]:
     return list(_MODULES)
 
 
+def _claims(family: ModelFamily, cls: str, config, index=None) -> bool:
+    """Whether `family` claims a model of class `cls` with this config (and folder model_index)."""
+    if cls not in family.transformer_classes:
+        return False
+    return family.recognizes_config is None or bool(family.recognizes_config(config, index))
+
+
 def family_for_model(transformer) -> ModelFamily:
-    """The family of a loaded transformer, from its class (for code handed only the model, such as
-    the sampler called directly with a diffusers model)."""
+    """The family of a loaded transformer, from its class and, where families share a class, its
+    config (for code handed only the model, such as the sampler called directly with a diffusers
+    model)."""
     cls = type(transformer).__name__
+    config = getattr(transformer, "config", None)
     for name in _MODULES:
         family = get_family(name)
-        if cls in family.transformer_classes:
+        if _claims(family, cls, config):
             return family
     raise TypeError(f"{cls} belongs to no known model family ({sorted(_MODULES)})")
 
@@ -239,8 +252,10 @@ def guess_family(path) -> str | None:
     """The family of a model path from its metadata alone, or None when nothing says.
 
     A diffusers folder names its transformer class (model_index.json, else transformer/config.json),
-    and its pipeline class where two families share a transformer class (Qwen-Image and its Edit);
-    a single .safetensors file is matched by its tensor names (header only, nothing loaded).
+    and where families share the class its transformer config or model_index.json
+    (ModelFamily.recognizes_config: FLUX.2's three) or its pipeline class (pipeline_classes:
+    Qwen-Image and its Edit) tell them apart; a single .safetensors file is matched by its tensor
+    names (header only, nothing loaded).
     """
     import json
     from pathlib import Path
@@ -249,16 +264,17 @@ def guess_family(path) -> str | None:
     cls = pipeline = None
     try:
         if path.is_dir():
-            index, config = path / "model_index.json", path / "transformer" / "config.json"
-            if index.is_file():
-                data = json.loads(index.read_text(encoding="utf-8"))
-                entry, pipeline = data.get("transformer"), data.get("_class_name")
+            index_file, config_file = path / "model_index.json", path / "transformer" / "config.json"
+            index = json.loads(index_file.read_text(encoding="utf-8")) if index_file.is_file() else None
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else None
+            if index is not None:
+                entry, pipeline = index.get("transformer"), index.get("_class_name")
                 cls = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-            if cls is None and config.is_file():
-                cls = json.loads(config.read_text(encoding="utf-8")).get("_class_name")
+            if cls is None and config is not None:
+                cls = config.get("_class_name")
             if cls is None:
                 return None
-            matches = [n for n in _MODULES if cls in get_family(n).transformer_classes]
+            matches = [n for n in _MODULES if _claims(get_family(n), cls, config, index)]
             # several families share a transformer class: the pipeline class tells them apart
             by_pipeline = [n for n in matches if pipeline in get_family(n).pipeline_classes]
             return (by_pipeline or matches or [None])[0]

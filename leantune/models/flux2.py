@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import flux2_loading, flux2_text
+from .flux2_keys import variant_by_layout, variant_of
 from .flux2_spec import SPECS
 from .schedule import FlowSchedule, model_timestep
 
@@ -241,7 +242,8 @@ def _timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> to
 
 
 def _variant(transformer) -> str:
-    return flux2_loading.variant_of_config(transformer.config)
+    """The sampling variant: "dev" (distilled guidance) or "klein" (classifier-free guidance)."""
+    return "dev" if variant_of(transformer.config) == "flux2-dev" else "klein"
 
 
 # -- references --------------------------------------------------------------------------------------------
@@ -289,6 +291,16 @@ def _loader(name: str):
     return call
 
 
+def _transformer_loader(family: str):
+    """flux2_loading.load_transformer for `family`: weights of another FLUX.2 are refused naming the
+    file and the family to set (flux2_single_file.check_variant)."""
+    def call(*args, **kwargs):
+        kwargs.setdefault("expected", family)
+        return flux2_loading.load_transformer(*args, **kwargs)
+    call.__name__ = "load_transformer"
+    return call
+
+
 def _text_loader(kind: str):
     def call(sources, dtype=torch.bfloat16, device="cpu"):
         return flux2_loading.load_text_encoders(sources, kind, dtype, device)
@@ -316,18 +328,39 @@ def _has_guidance(keys) -> bool:
 
 
 def _recognizer(name: str):
-    """Tensor names of a single FLUX.2 file (diffusers' or BFL's, any prefix) -> this variant:
-    dev has the guidance embedder; klein 4B has 5 double blocks, 9B 8."""
+    """Tensor names of a single FLUX.2 file (diffusers' or BFL's, any prefix) -> this variant, by
+    flux2_keys.variant_by_layout (the names show the guidance embedder and the depth)."""
     def recognizes(keys) -> bool:
         keys = list(keys)
-        if not _is_flux2(keys):
-            return False
-        if name == "flux2-dev":
-            return _has_guidance(keys)
-        if _has_guidance(keys):
-            return False
-        depth = len(_double_indices(keys))
-        return depth == 5 if name == "flux2-klein-4b" else depth != 5
+        return _is_flux2(keys) and variant_by_layout(_has_guidance(keys), len(_double_indices(keys))) == name
+    return recognizes
+
+
+# model_index.json's text encoder class -> whether the pipeline is dev (Mistral) or klein (Qwen3)
+_DEV_TEXT_ENCODERS = flux2_loading.TEXT_ENCODERS["mistral3"][0]
+_KLEIN_TEXT_ENCODERS = flux2_loading.TEXT_ENCODERS["qwen3"][0]
+
+
+def _folder_variant(config: dict | None, index: dict | None) -> str | None:
+    """The family of a diffusers folder: its transformer config says (variant_of); without one,
+    model_index.json's pipeline and text encoder classes tell dev from klein, not klein's size."""
+    if config and "num_layers" in config:
+        return variant_of(config)
+    index = index or {}
+    encoder = index.get("text_encoder")
+    encoder = encoder[1] if isinstance(encoder, list) and len(encoder) == 2 else None
+    if index.get("_class_name") == "Flux2Pipeline" or encoder in _DEV_TEXT_ENCODERS:
+        return "flux2-dev"
+    if index.get("_class_name") == "Flux2KleinPipeline" or encoder in _KLEIN_TEXT_ENCODERS:
+        return "flux2-klein"        # 4B or 9B: only the transformer's config tells
+    return None
+
+
+def _config_recognizer(name: str):
+    """ModelFamily.recognizes_config: the three families share Flux2Transformer2DModel; the config
+    (or the folder's model_index.json) tells which a model is."""
+    def recognizes(config, index=None) -> bool:
+        return _folder_variant(dict(config) if config is not None else None, index) == name
     return recognizes
 
 
@@ -346,7 +379,7 @@ def _register():
     references = ReferenceConditioning(size=reference_size, text_sees_images=False, most=MAX_REFERENCES)
     dev = ModelFamily(
         name="flux2-dev", spec=SPECS["flux2-dev"],
-        resolve_sources=_loader("resolve_sources"), load_transformer=_loader("load_transformer"),
+        resolve_sources=_loader("resolve_sources"), load_transformer=_transformer_loader("flux2-dev"),
         load_text_encoders=_text_loader("mistral3"), load_vae=load_vae, text_sources=("text_encoder", "tokenizer"),
         encode_prompts=flux2_text.encode_prompts, padding_side=flux2_text.padding_side,
         latent_channels=LATENT_CHANNELS, vae_scale_factor=VAE_SCALE_FACTOR,
@@ -355,6 +388,7 @@ def _register():
         sampling=Sampling(guidance="distilled", variant=_variant, schedule=_schedule, timestep=_timestep),
         text_modules=flux2_text.text_modules,
         transformer_classes=(flux2_loading.TRANSFORMER_CLASS,), recognizes_keys=_recognizer("flux2-dev"),
+        recognizes_config=_config_recognizer("flux2-dev"),
         text_rows=flux2_text.text_rows, timestep_sampling="flux_shift", references=references,
         text_phase=_text_phase("flux2-dev"),
     )
@@ -362,10 +396,10 @@ def _register():
                     sampling=Sampling(guidance="cfg", variant=_variant, schedule=_schedule, timestep=_timestep))
     # one spec object per family (the same blocks and LoRA names): code handed only a spec finds its family
     return (register(dev),
-            register(replace(klein, name="flux2-klein-4b", spec=SPECS["flux2-klein-4b"],
-                             recognizes_keys=_recognizer("flux2-klein-4b"), text_phase=_text_phase("flux2-klein-4b"))),
-            register(replace(klein, name="flux2-klein-9b", spec=SPECS["flux2-klein-9b"],
-                             recognizes_keys=_recognizer("flux2-klein-9b"), text_phase=_text_phase("flux2-klein-9b"))))
+            *(register(replace(klein, name=name, spec=SPECS[name], load_transformer=_transformer_loader(name),
+                               recognizes_keys=_recognizer(name), recognizes_config=_config_recognizer(name),
+                               text_phase=_text_phase(name)))
+              for name in ("flux2-klein-4b", "flux2-klein-9b")))
 
 
 FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B = _register()

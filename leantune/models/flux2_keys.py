@@ -13,8 +13,9 @@ same names under `model.diffusion_model.`.
 
 One table serves both directions, so `diffusers_to_bfl` (what a full fine-tune's export writes) is
 the exact inverse of `bfl_to_diffusers_ops` (what the loader reads lazily). `config_from_shapes`
-reads Flux2Transformer2DModel's config from diffusers key shapes; `variant_of` names the released
-architecture a config is (flux2-dev, flux2-klein-4b, flux2-klein-9b). Only the rotary split is not
+reads Flux2Transformer2DModel's config from diffusers key shapes; `variant_of` names the family a
+config is (flux2-dev, flux2-klein-4b, flux2-klein-9b), `is_released` whether it is a released
+architecture exactly. Only the rotary split is not
 in the weights: FLUX.2's is four equal axes (32, 32, 32, 32) for heads of 128, and a file may
 state another in its `leantune.config` metadata.
 """
@@ -310,12 +311,44 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], meta: dict | None = N
     return config
 
 
-def variant_of(config) -> str | None:
-    """The released FLUX.2 architecture a config is ("flux2-dev", "flux2-klein-4b",
-    "flux2-klein-9b"), or None for any other (a tiny test model, a pruned one). Klein's base and
-    distilled checkpoints share an architecture, so they share a name."""
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    sig = (int(get("num_attention_heads")) * int(get("attention_head_dim")), int(get("num_layers")),
-           int(get("num_single_layers")), int(get("joint_attention_dim")), bool(get("guidance_embeds")))
-    return next((name for name, want in VARIANTS.items() if want == sig), None)
+def _get(config):
+    return config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
 
+
+def _signature(config) -> tuple:
+    get = _get(config)
+    return (int(get("num_attention_heads")) * int(get("attention_head_dim")), int(get("num_layers")),
+            int(get("num_single_layers")), int(get("joint_attention_dim")), bool(get("guidance_embeds")))
+
+
+def is_released(config) -> bool:
+    """True if a transformer config is one of the released architectures (VARIANTS) exactly; a tiny
+    test model or a pruned one is not."""
+    return _signature(config) in VARIANTS.values()
+
+
+def variant_by_layout(guidance: bool, double_blocks: int, width: int | None = None) -> str:
+    """The FLUX.2 family of a transformer that is not (or not known to be) a released architecture,
+    from what tells the three apart: dev alone has the guidance embedder; klein 4B is 3072 wide with
+    5 double blocks, 9B 4096 wide with 8. The width decides where it is known and is one of those
+    (a pruned klein keeps its width), else the depth does (a file's tensor names show the depth,
+    not the width)."""
+    if guidance:
+        return "flux2-dev"
+    if width == VARIANTS["flux2-klein-4b"][0]:
+        return "flux2-klein-4b"
+    if width == VARIANTS["flux2-klein-9b"][0]:
+        return "flux2-klein-9b"
+    return "flux2-klein-4b" if double_blocks == VARIANTS["flux2-klein-4b"][1] else "flux2-klein-9b"
+
+
+def variant_of(config) -> str:
+    """The FLUX.2 family a Flux2Transformer2DModel config (a dict or a model's config) belongs to:
+    "flux2-dev", "flux2-klein-4b" or "flux2-klein-9b". A released architecture is named exactly;
+    any other (a tiny test model, a pruned one) by `variant_by_layout`. Klein's base and distilled
+    checkpoints share an architecture, so they share a name (model_index.json's `is_distilled`
+    tells them apart for sampling). This is the one answer to "which FLUX.2 is this": the loaders'
+    checks, family_for_model, guess_family and the sampler's dev/klein all ask it."""
+    sig = _signature(config)
+    released = next((name for name, want in VARIANTS.items() if want == sig), None)
+    return released or variant_by_layout(sig[4], sig[1], sig[0])

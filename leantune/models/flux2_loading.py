@@ -22,6 +22,7 @@ import torch
 
 from . import component_files as cf
 from . import component_loading as cl
+from .flux2_keys import is_released, variant_of
 from .flux2_spec import FLUX2_DEV_SPEC
 from .weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
 
@@ -79,24 +80,28 @@ def transformer_config(sources: Flux2Sources) -> dict:
 
 def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16, device="cpu",
                      keep_fp8: bool = True, fp8_modulation: bool = True, quantize_fp8: bool = False,
-                     quantize_modulation: bool = False, trained=None):
+                     quantize_modulation: bool = False, trained=None, expected: str = "auto"):
     """The Flux2Transformer2DModel of a diffusers folder or a single .safetensors file, in `dtype`
     on `device` (device "meta": shapes and dtypes only). e4m3 block weights stay e4m3 (`keep_fp8`);
     `fp8_modulation` is passed on to the single-file reader (FLUX.2's modulation is outside the
     blocks, so a folder never keeps it fp8). `quantize_fp8` / `quantize_modulation` / `trained`:
-    the block Linears a run stores in fp8 are quantized as they are read (as flux_loading's)."""
+    the block Linears a run stores in fp8 are quantized as they are read (as flux_loading's).
+    `expected`: the [model] family asked for; weights of another FLUX.2 (a klein file or folder
+    under flux2-dev) are refused before a tensor is read, naming the file and the family to set
+    (flux2_single_file.check_variant)."""
+    from .flux2_single_file import check_variant, load_single_file_transformer
+
     src = _require(sources.transformer, "transformer")
     if src.is_file():
         if src.suffix != ".safetensors":
             raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
-        from .flux2_single_file import load_single_file_transformer
-
         return load_single_file_transformer(src, dtype, device, fp8_modulation=fp8_modulation, keep_fp8=keep_fp8,
                                             quantize_fp8=quantize_fp8, quantize_modulation=quantize_modulation,
-                                            trained=trained)
+                                            trained=trained, expected=expected)
     from diffusers import Flux2Transformer2DModel
 
     config, files, ops = cl.diffusers_folder(src, (TRANSFORMER_CLASS,), _LABEL["transformer"])
+    check_variant(config, expected, src / "config.json")
     try:
         model = build_empty(lambda: Flux2Transformer2DModel.from_config(config))
     except Exception as e:
@@ -107,16 +112,16 @@ def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16,
                            device=device, **fp8)
 
 
-def variant_of_config(config) -> str:
-    """"dev" (guidance-distilled: a guidance embedder) or "klein", from a transformer config."""
-    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    return "dev" if get("guidance_embeds", True) else "klein"
+_NAMES = {"flux2-dev": "FLUX.2-dev", "flux2-klein-4b": "FLUX.2-klein-4B", "flux2-klein-9b": "FLUX.2-klein-9B"}
 
 
 def describe(transformer) -> str:
+    """"FLUX.2-dev (8 double + 48 single blocks, width 6144)"; a klein that is not a released
+    architecture (tiny, pruned) is "FLUX.2-klein" (its size is not one of the released two)."""
     cfg = transformer.config
     width = cfg.num_attention_heads * cfg.attention_head_dim
-    name = "FLUX.2-dev" if variant_of_config(cfg) == "dev" else "FLUX.2-klein"
+    variant = variant_of(cfg)
+    name = _NAMES[variant] if variant == "flux2-dev" or is_released(cfg) else "FLUX.2-klein"
     return f"{name} ({cfg.num_layers} double + {cfg.num_single_layers} single blocks, width {width})"
 
 

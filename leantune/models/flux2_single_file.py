@@ -78,14 +78,26 @@ def read_layout(path: str | Path):
     return files, ops, config, source_name
 
 
-def check_variant(config, expected: str, source) -> str | None:
-    """The released architecture `config` is (flux2_keys.variant_of); an error when `expected`
-    (a family name such as "flux2-klein-4b", or "auto") names another released one."""
+def check_variant(config, expected: str | None, source) -> str:
+    """The FLUX.2 family `config` is (flux2_keys.variant_of); a LoadError naming `source` when
+    `expected` (the [model] family, or "auto"/None: any) is another one that matters: dev against
+    klein always (dev's guidance embedder and Mistral text encoder against klein's Qwen3 and
+    classifier-free guidance), klein 4B against 9B when the weights are a released architecture
+    (a tiny or pruned klein is either)."""
     found = keys.variant_of(config)
-    if expected not in ("auto", None) and found is not None and found != expected:
-        raise LoadError(f"{source}: the weights are {found} (width {config['num_attention_heads'] * config['attention_head_dim']}, "
-                        f"{config['num_layers']} double + {config['num_single_layers']} single blocks), not {expected}; "
-                        f"set [model] family = \"{found}\"")
+    if expected in (None, "auto") or found == expected:
+        return found
+    dev_differs = (found == "flux2-dev") != (expected == "flux2-dev")
+    if dev_differs or keys.is_released(config):
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        width = get("num_attention_heads") * get("attention_head_dim")
+        shape = (f"width {width}, {get('num_layers')} double + {get('num_single_layers')} single blocks, "
+                 f"{'a' if get('guidance_embeds') else 'no'} guidance embedder")
+        if keys.is_released(config) or found == "flux2-dev":
+            family = f'"{found}"'
+        else:
+            family = '"flux2-klein-4b" or "flux2-klein-9b"'
+        raise LoadError(f"{source}: the weights are {found} ({shape}), not {expected}; set [model] family = {family}")
     return found
 
 
