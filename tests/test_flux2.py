@@ -73,6 +73,31 @@ def test_encode_prompts_equals_the_pipelines_encode_prompt(variant, dev, klein):
     assert torch.equal(short.t5, pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=MAX_LEN - 8)[0])
 
 
+@pytest.mark.parametrize("variant", ["dev", "klein"])
+def test_encode_runs_only_the_layers_the_pipeline_reads(variant, dev, klein):
+    """The pipelines stack hidden states (10, 20, 30) / (9, 18, 27): the layers after the deepest
+    one never run (nor are read from files), and the result is still encode_prompt's, the final
+    norm's tie to the last hidden state included; the model is whole again afterwards."""
+    from leantune.models.flux2_text import HIDDEN_LAYERS, encode_prompts, text_model
+
+    pipe = dev if variant == "dev" else klein
+    enc = _encoders(pipe)
+    lm = text_model(enc)
+    layers, norm = list(lm.layers), lm.norm
+    deepest = max(HIDDEN_LAYERS[enc.kind])
+    assert len(layers) > deepest                  # the tiny model has layers past the deepest read
+    ran = []
+    hooks = [layer.register_forward_pre_hook(lambda m, *a, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    try:
+        ours, _ = encode_prompts(PROMPTS, enc, max_length=MAX_LEN, device="cpu")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(ran) == list(range(deepest)), ran
+    assert torch.equal(ours.t5, pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=MAX_LEN)[0])
+    assert list(lm.layers) == layers and lm.norm is norm
+
+
 def test_text_model_streamed_layer_by_layer_encodes_the_same(dev):
     from leantune.memory.blockwise import blockwise_offload
     from leantune.models.flux2_text import encode_prompts, text_model

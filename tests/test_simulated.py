@@ -215,3 +215,40 @@ def test_autocast_keeps_no_bf16_copy_of_checkpointed_fp32_trained_weights(autoca
         assert r["peak"] >= r["layers"] * r["bf16_weight"], r            # the simulation shows the cache
     else:
         assert r["peak"] <= 2 * r["bf16_weight"] + r["layers"] * r["activation"], r
+
+
+_FUSED_WORKER = """
+import json, torch
+from leantune.memory.simulated import DeviceMemoryTracker, enable, simulation
+device = enable()
+tracker = DeviceMemoryTracker()
+with simulation(tracker):
+    x = torch.empty(4096, 9216, dtype=torch.bfloat16, device=device, requires_grad=True)
+    y = torch.nn.functional.silu(x)
+    g = torch.empty_like(y)
+    tracker.reset_peak()
+    before = tracker.live[str(device)]
+    y.backward(g)
+    print(json.dumps({"above": tracker.peak[str(device)] - before, "tensor": x.numel() * x.element_size()}))
+"""
+
+
+def test_simulated_device_keeps_silu_backward_fused_as_cuda_does():
+    """SwiGLU's backward (FLUX.2's single blocks) is one fused `silu_backward` kernel on CUDA: it
+    allocates its output and nothing else. The simulated device once fell back to the op's
+    CompositeImplicitAutograd decomposition (sigmoid, 1 - sigmoid, products: five more full-size
+    temporaries), so a simulated FLUX.2 klein step peaked about one fused projection above a GPU's
+    and above the planner's prediction."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _library_or_skip()
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _FUSED_WORKER], env={**os.environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["above"] == r["tensor"], r          # x.grad only: no decomposed temporaries

@@ -405,7 +405,9 @@ def _text_phase_line(phase: dict, vram_values, budgets, ram: int | None) -> str:
     gib = 2**30
     fits = ", ".join(f"{'fits' if phase['device'] <= b.vram - b.margin_bytes else 'does NOT fit'} {v}"
                      for v, b in zip(vram_values, budgets))
-    line = (f"text encoding (caching phase, once per caption; the text encoder streamed layer by layer): "
+    cut = phase.get("layers_run", 0) < phase.get("layers", 0)
+    layers = f", {phase['layers_run']} of its {phase['layers']} layers" if cut else ""
+    line = (f"text encoding (caching phase, once per caption; the text encoder streamed layer by layer{layers}): "
             f"{phase['device'] / gib:.2f} GiB on the GPU ({fits}), ")
     if "host_streamed" not in phase:
         return line + f"{phase['host'] / gib:.2f} GiB host RAM while it runs (freed before training)"

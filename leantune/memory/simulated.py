@@ -180,9 +180,39 @@ def enable() -> torch.device:
             torch._register_device_module(BACKEND, _BackendModule())
             torch._C._acc.register_python_privateuseone_hook(_Hooks())
             _register_autocast()
+            _register_fused_kernels()
             _ready = True
         _check_autograd()
     return torch.device(GPU)
+
+
+_FUSED_LIBRARY = None
+
+
+def _register_fused_kernels() -> None:
+    """Keep fused ops fused on the simulated device, as on CUDA.
+
+    A few aten ops have a backend kernel (CPU, CUDA) and also a CompositeImplicitAutograd
+    decomposition that a backend without its own kernel falls back to: `silu_backward` (SwiGLU's
+    backward: FLUX.2's single blocks), `mish_backward`, `native_channel_shuffle`. On the simulated
+    device (PrivateUse1, no kernels) they were decomposed into five or six full-size temporaries
+    (sigmoid, 1 - sigmoid, ...) that a GPU never allocates, raising the simulated peak of a FLUX.2
+    klein step by about one fused projection output. Registering a PrivateUse1 kernel for each stops
+    the decomposition; the op then reaches the fake mode whole and gets its meta kernel's single
+    output. The kernel itself never runs on fake tensors.
+    """
+    global _FUSED_LIBRARY
+    names = [n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")
+             and torch._C._dispatch_has_kernel_for_dispatch_key(n, "CompositeImplicitAutograd")
+             and torch._C._dispatch_has_kernel_for_dispatch_key(n, "CPU")]
+    lib = torch.library.Library("aten", "IMPL")
+
+    def unreachable(*_args, **_kwargs):
+        raise RuntimeError("a fused op reached the simulated device outside the fake mode")
+
+    for name in names:
+        lib.impl(name, unreachable, "PrivateUse1")
+    _FUSED_LIBRARY = lib      # the registrations live as long as the library object
 
 
 def _check_autograd() -> None:

@@ -3,8 +3,10 @@
 from its files (text_phase.py says what each holds).
 
 Both pipelines pad every caption to `max_length` tokens and ask the text model for every hidden
-state (three of them are stacked), so a batch of captions costs batch x max_length token rows and
-(layers + 1) kept hidden states, whatever the captions' lengths.
+state (three of them are stacked), so a batch of captions costs batch x max_length token rows,
+whatever the captions' lengths. The encode runs only the layers up to the deepest stacked one
+(flux2_text.layers_run: dev 30 of 40, klein 27 of 36), so it keeps that many + 1 hidden states and
+reads that many layers.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ def text_encoding_phase(family: str, text_rows: int = 512, batch: int = 8, dtype
 
         model = meta_text_encoder(Qwen3ForCausalLM, Qwen3Config, config)
         text = model.model
-    phase = decoder_phase(model, text, tokens=batch * text_rows, hidden_states=len(text.layers) + 1,
-                          dtype_bytes=dtype_bytes)
+    from .flux2_text import layers_run
+
+    run = layers_run(kind, len(text.layers))
+    phase = decoder_phase(model, text, tokens=batch * text_rows, hidden_states=run + 1, dtype_bytes=dtype_bytes,
+                          layers_run=run)
     phase["encoder"] = "the config's text_encoder/config.json" if own else f"models/configs/{name}.json"
     return phase
 

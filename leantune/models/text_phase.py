@@ -42,12 +42,14 @@ def folder_config(path: Path | None) -> dict | None:
 
 
 def decoder_phase(model: torch.nn.Module, text_model: torch.nn.Module, *, tokens: int, hidden_states: int,
-                  dtype_bytes: int = 2) -> dict:
+                  dtype_bytes: int = 2, layers_run: int | None = None) -> dict:
     """Predicted bytes of encoding `tokens` token rows (a batch of captions, padding included) with
     `text_model` (the module holding `layers`, `embed_tokens` and `norm`) streamed layer by layer;
     `hidden_states` of (tokens, width) kept alive until the encode returns (the model's
     output_hidden_states: layers + 1; 1 when only the last is read). `model` is the whole encoder
-    as its folder stores it (what loading it whole puts in host RAM)."""
+    as its folder stores it (what loading it whole puts in host RAM). `layers_run`: the decoder
+    layers an encode runs when fewer than all (the later ones and the final norm are then neither
+    placed nor read); `reads` is what one encode copies to the GPU or reads from the files."""
     cfg = text_model.config
     d, i = cfg.hidden_size, cfg.intermediate_size
 
@@ -55,14 +57,17 @@ def decoder_phase(model: torch.nn.Module, text_model: torch.nn.Module, *, tokens
         return sum(p.numel() for p in module.parameters())
 
     layer = count(text_model.layers[0])
-    resident = count(text_model.embed_tokens) + count(text_model.norm)
+    total = len(text_model.layers)
+    run = total if layers_run is None else min(layers_run, total)
+    resident = count(text_model.embed_tokens) + (count(text_model.norm) if run == total else 0)
     largest = max(p.numel() for p in text_model.parameters())
     # the MLP's three (T, I) tensors alive at once (act(gate), up, their product) and the hidden
     # state, q/k/v and their rotary copies, attention output: about six (T, D); plus the kept states
     activations = (3 * tokens * i + 6 * tokens * d + hidden_states * tokens * d) * dtype_bytes
     return {"device": (resident + layer) * dtype_bytes + activations, "resident": resident * dtype_bytes,
             "layer": layer * dtype_bytes, "activations": activations, "tokens": tokens,
-            "host": count(model) * dtype_bytes, "host_streamed": largest * dtype_bytes}
+            "host": count(model) * dtype_bytes, "host_streamed": largest * dtype_bytes,
+            "layers": total, "layers_run": run, "reads": (resident + run * layer) * dtype_bytes}
 
 
 def from_files(phase: dict, ram_budget: int | None) -> bool:
