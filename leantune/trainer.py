@@ -373,17 +373,20 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
                                                   ram_budget=ram_budget))  # filled once, then read by all
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
-    options = loader_options(cfg.memory)          # a file's e4m3 modulation stays e4m3 unless asked
-    mode.check_before_load(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **options))  # host RAM
-    options |= _fp8_load_options(cfg)             # block Linears bound for fp8 are quantized as they are read
-
+    base_options = loader_options(cfg.memory)     # a file's e4m3 modulation stays e4m3 unless asked
+    meta_model = _once(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **base_options))
+    mode.check_before_load(meta_model)            # host RAM, before any weight is read
     machine = _agreed_machine(cfg, dist, device)
+    planned = _plan_before_load(cfg, family.spec, meta_model, machine)    # (plan, planner, budget) under a budget
+    # Block Linears the plan stores in fp8 are quantized as they are read.
+    options = base_options | _fp8_load_options(cfg, planned[0] if planned else None)
 
     def load(in_turn: bool, shared=None) -> tuple:
         transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
         log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
         params = mode.prepare(transformer, family.spec)
-        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared, machine))
+        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared, machine,
+                                                    planned))
 
     if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
@@ -408,15 +411,45 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     return t
 
 
-def _fp8_load_options(cfg: RunConfig) -> dict:
-    """family.fp8_load_options for this run: a full fine-tune's trained weights are not quantized."""
+def _fp8_load_options(cfg: RunConfig, plan=None) -> dict:
+    """family.fp8_load_options for this run (`plan`: the planner's, chosen before loading under a
+    vram_budget): a full fine-tune's trained weights are not quantized."""
     from .train.trainable import trains_name
 
     trained = None
     if cfg.train.mode == "full":
         full = cfg.full
         trained = lambda name: trains_name(name, full.train, full.exclude)   # noqa: E731
-    return fp8_load_options(cfg.memory, trained)
+    return fp8_load_options(cfg.memory, trained, plan)
+
+
+def _once(build):
+    """`build()` called on first use only (the meta model: the host-RAM check and the planner share it)."""
+    made = []
+
+    def get():
+        if not made:
+            made.append(build())
+        return made[0]
+    return get
+
+
+def _plan_before_load(cfg: RunConfig, spec, meta_model, machine) -> tuple | None:
+    """Under a vram_budget: (plan, planner, budget) chosen on the meta-built model, before any weight
+    is read, so the load can store what the plan keeps (fp8 block Linears quantized as they are
+    read) instead of loading in bf16 and quantizing afterwards. None without a budget.
+
+    The planner needs shapes and dtypes only, and they are the loaded model's: the meta build is
+    the same loader with the same options; the adapters mode.prepare adds and which weights it
+    marks trainable are not read from the model (the workload prices them), so this is the plan
+    the loaded model would get (tests/test_plan_before_load.py). Measuring the loaded model
+    instead would now see the quantized block weights as a checkpoint's own e4m3 weights."""
+    if cfg.memory.vram_budget is None:
+        return None
+    from .planner.from_config import choose_plan, planner_for_config
+
+    planner, budget = planner_for_config(cfg, spec, meta_model(), machine)
+    return choose_plan(planner, budget, cfg), planner, budget
 
 
 def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):
@@ -431,10 +464,11 @@ def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):
 
 
 def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None, in_turn: bool = False,
-                  shared=None, machine=None) -> tuple:
+                  shared=None, machine=None, planned: tuple | None = None) -> tuple:
     """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
     `in_turn`: this process applies it in its loading turn (DistContext.local_turns) with the shared
-    host buffers `shared`, without collectives; else every rank applies it together.
+    host buffers `shared`, without collectives; else every rank applies it together. `planned`:
+    (plan, planner, budget) already chosen before loading (_plan_before_load), used as they are.
 
     Returns (plan, handle, planner, budget); planner and budget are None without a budget.
     """
@@ -442,7 +476,9 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
 
     planner = budget = None
     spec = get_family(cfg.model.family).spec
-    if cfg.memory.vram_budget is not None:
+    if planned is not None:
+        plan, planner, budget = planned
+    elif cfg.memory.vram_budget is not None:
         from .planner.from_config import choose_plan, planner_for_config
 
         planner, budget = planner_for_config(cfg, spec, transformer, machine)

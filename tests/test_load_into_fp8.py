@@ -250,7 +250,7 @@ def test_an_fp8_lora_run_loads_quantized_and_trains_as_before(tmp_path, tiny_flu
     new = trainer_mod.train(cfg, progress=False, stop_after=3)
     assert seen and seen[0] > 0                                            # quantized while loading
 
-    monkeypatch.setattr(trainer_mod, "_fp8_load_options", lambda cfg: {})
+    monkeypatch.setattr(trainer_mod, "_fp8_load_options", lambda cfg, plan=None: {})
     old_cfg = make_config(tmp_path / "old", tiny_flux_dir, images, extra=["memory.fp8=true"])
     old = trainer_mod.train(old_cfg, progress=False, stop_after=3)
     assert seen[-1] == 0                                                    # the old path loaded it unquantized

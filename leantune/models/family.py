@@ -184,16 +184,22 @@ def loader_options(memory_cfg) -> dict:
     return {"fp8_modulation": False} if getattr(memory_cfg, "fp8_modulation", "auto") is False else {}
 
 
-def fp8_load_options(memory_cfg, trained: Callable[[str], bool] | None = None) -> dict:
-    """Keyword arguments of `load_transformer` that quantize while loading: when the run's plan is
-    the explicit [memory] one (no vram_budget) and stores the block Linears in fp8, they become
-    block-scaled e4m3 as they are read (the modulation Linears too with fp8_modulation = true), so
-    a bf16 file never sits in host RAM in bf16. `trained`: a full fine-tune's trained weights
-    (they keep their dtype). Under a vram_budget the planner decides fp8 after loading: none."""
-    if getattr(memory_cfg, "vram_budget", None) is not None or not getattr(memory_cfg, "fp8", False):
+def fp8_load_options(memory_cfg, trained: Callable[[str], bool] | None = None, plan=None) -> dict:
+    """Keyword arguments of `load_transformer` that quantize while loading: when the run's plan
+    stores the block Linears in fp8, they become block-scaled e4m3 as they are read (the modulation
+    Linears too when the plan quantizes them), so a bf16 file never sits in host RAM in bf16.
+    Without a vram_budget the plan is the explicit [memory] one (fp8, fp8_modulation = true); under
+    a vram_budget it is `plan` (memory.plan.Plan), which the planner chose on the meta-built model
+    before loading (none given: nothing is quantized while loading). `trained`: a full fine-tune's
+    trained weights (they keep their dtype)."""
+    if getattr(memory_cfg, "vram_budget", None) is not None:
+        fp8, modulation = (plan.fp8, plan.fp8_modulation) if plan is not None else (False, False)
+    else:
+        fp8, modulation = getattr(memory_cfg, "fp8", False), getattr(memory_cfg, "fp8_modulation", "auto") is True
+    if not fp8:
         return {}
     out = {"quantize_fp8": True}
-    if getattr(memory_cfg, "fp8_modulation", "auto") is True:
+    if modulation:
         out["quantize_modulation"] = True
     if trained is not None:
         out["trained"] = trained
