@@ -67,6 +67,7 @@ BNB_BLOCK = 256          # values per absmax of bitsandbytes' blockwise 8-bit st
 BNB_MIN_8BIT = 4096      # smaller tensors keep fp32 moments (bitsandbytes' min_8bit_size)
 _STEP_COEF: dict = {}    # (optimizer, dtype, state dtype, rounding, master, clip) -> bytes per element
 _HOST_RATE: dict = {}    # the same key -> parameters per second of the update on this machine's CPU
+_HOST_RATE_TENSORS: dict = {}   # dtype -> (weight, gradient) the rate is timed on, drawn once per process
 # The tensor the host optimizer rate is timed on: 8.4M elements, past the CPU caches like the
 # weights it prices (Flux's are 5-57M). A 1M-element tensor stays cache-resident and stepped 2-3x
 # faster per parameter than a 37.7M one (bf16 AdamW, this 2-core machine: 124-207 vs 67 M/s), while
@@ -142,12 +143,18 @@ def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochas
         rows, cols = HOST_RATE_SHAPE
         # Filled in place in the run's dtype (a Linear's init and randn in fp32 took twice as long
         # as the timed steps); the values only need to be finite and of a weight's and a gradient's size.
+        # Drawn once per dtype and copied for each setting: the random fill cost more than a
+        # setting's timed steps, and a plan times several settings.
+        if dtype not in _HOST_RATE_TENSORS:
+            _HOST_RATE_TENSORS[dtype] = (torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-0.02, 0.02),
+                                         torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-1e-3, 1e-3))
+        weight, grad = _HOST_RATE_TENSORS[dtype]
+        grad = grad.clone()          # clipping may scale it in place
         lin = torch.nn.Linear(cols, rows, bias=False, device="meta", dtype=dtype)
-        lin.weight = torch.nn.Parameter(torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-0.02, 0.02))
+        lin.weight = torch.nn.Parameter(weight.clone())
         opt = FusedOptimizer(lin, {"weight": lin.weight}, optimizer, lr=1e-4, state_dtype=state_dtype,
                              stochastic_rounding=stochastic_rounding, master_weights=master, scheduled=False)
         stepper = InBackwardStep(opt, [], max_grad_norm=1.0 if clip else 0.0)
-        grad = torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-1e-3, 1e-3)
         with torch.no_grad():
             stepper._update(lin.weight, grad)      # state and generator created, as after a run's first step
             best = math.inf
