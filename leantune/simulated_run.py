@@ -290,14 +290,15 @@ def as_fp8_checkpoint(model: nn.Module, spec: ModelSpec) -> nn.Module:
 
 
 def training_config(size: int, budget: int, rank: int = 16, family: str = "flux", *, mode: str = "lora",
-                    optimizer: str = "adamw", state_dtype: str = "fp32"):
+                    optimizer: str = "adamw", state_dtype: str = "fp32", streamed_step: str = "auto"):
     """The RunConfig of a training run at one square resolution with a VRAM budget (defaults otherwise:
     batch 1, the family's text tokens (Flux 512, SD3 256), bf16 autocast). `mode` "lora": attention+MLP
     targets of `rank`; "full": every weight trains ([full] defaults: bf16 weights with stochastic
     rounding, gradients clipped per parameter), `state_dtype` the AdamW moments' dtype."""
     from .config import validate
 
-    trains = {"full": {"state_dtype": state_dtype}} if mode == "full" else {"lora": {"rank": rank}}
+    trains = ({"full": {"state_dtype": state_dtype, "streamed_step": streamed_step}} if mode == "full"
+              else {"lora": {"rank": rank}})
     memory = {"vram_budget": f"{budget}B"} | ({} if mode == "full" else {"ram_budget": f"{CASE_RAM_BUDGET}B"})
     return validate({"model": {"path": "unused", "family": family},
                      "data": {"datasets": [{"path": "unused"}], "resolutions": [size]},
@@ -306,7 +307,7 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
                  plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
-                 state_dtype: str = "fp32", fp8_base: bool = False) -> dict:
+                 state_dtype: str = "fp32", fp8_base: bool = False, streamed_step: str = "auto") -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
     ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
@@ -344,7 +345,7 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     budget_obj = Budget(vram=budget, ram=UNLIMITED_RAM if what == "full" else CASE_RAM_BUDGET)
     if what in ("train", "full"):
         cfg = training_config(size, budget, family=family.name, mode="full" if what == "full" else "lora",
-                              optimizer=optimizer, state_dtype=state_dtype)
+                              optimizer=optimizer, state_dtype=state_dtype, streamed_step=streamed_step)
         mode = make_mode(cfg)
         mode.prepare(model, spec)
         workloads = [workload_from_config(cfg, model)]
