@@ -15,11 +15,7 @@ weights (see `default_axes_dims_rope`).
 
 from __future__ import annotations
 
-import re
-
-import torch
-
-from .weights import KeyOp, apply_ops
+from .bfl_layout import BflLayout, count_blocks
 
 # Linear layers: (BFL module, diffusers module(s)); both .weight and .bias are mapped.
 # Several diffusers modules for one BFL module = the BFL tensor is their concatenation along dim 0.
@@ -65,15 +61,8 @@ _TOP_LINEARS = (
 )
 _SWAPPED = {"final_layer.adaLN_modulation.1"}
 
-_BLOCK_RE = re.compile(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$")
-_DIFFUSERS_BLOCK = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks"}
-_BFL_BLOCK = {v: k for k, v in _DIFFUSERS_BLOCK.items()}
-
-
-def _table(kind: str):
-    """(linears, norms) of a block kind: "double", "single" or "top"."""
-    return {"double": (_DOUBLE_LINEARS, _DOUBLE_NORMS), "single": (_SINGLE_LINEARS, _SINGLE_NORMS),
-            "top": (_TOP_LINEARS, ())}[kind]
+FLUX1_LAYOUT = BflLayout("Flux", {"double": (_DOUBLE_LINEARS, _DOUBLE_NORMS), "single": (_SINGLE_LINEARS, _SINGLE_NORMS),
+                                   "top": (_TOP_LINEARS, ())}, frozenset(_SWAPPED), inner_key="img_in.weight")
 
 
 def is_bfl(keys) -> bool:
@@ -87,112 +76,12 @@ def is_diffusers_flux(keys) -> bool:
     return "x_embedder.weight" in keys and any(k.startswith("single_transformer_blocks.") for k in keys)
 
 
-def bfl_to_diffusers_ops(shapes: dict[str, tuple[int, ...]], prefix: str = "") -> tuple[list[KeyOp], list[str]]:
-    """Ops turning BFL keys (given without `prefix`; ops carry it) into diffusers keys.
-
-    Returns (ops, unknown keys). The inner width comes from `img_in.weight` (D, in_channels); a
-    single block's `linear1` is split (D, D, D, rest), the rest being the MLP width.
-    """
-    if "img_in.weight" not in shapes:
-        raise KeyError("img_in.weight")
-    inner = shapes["img_in.weight"][0]
-    ops: list[KeyOp] = []
-    unknown: list[str] = []
-    for key, shape in shapes.items():
-        m = _BLOCK_RE.match(key)
-        if m:
-            kind = "double" if m.group(1) == "double_blocks" else "single"
-            block = f"{_DIFFUSERS_BLOCK[m.group(1)]}.{m.group(2)}."
-            rest = m.group(3)
-        else:
-            kind, block, rest = "top", "", key
-        op = _op_for(kind, rest, block, shape, inner)
-        if op is None:
-            unknown.append(prefix + key)
-        else:
-            ops.append(KeyOp(prefix + key, op.targets, op.split, op.swap_halves))
-    return ops, unknown
-
-
-def _op_for(kind: str, rest: str, block: str, shape, inner: int) -> KeyOp | None:
-    linears, norms = _table(kind)
-    for bfl, diff in norms:
-        if rest == bfl:
-            return KeyOp(rest, (block + diff,))
-    module, _, param = rest.rpartition(".")
-    if param not in ("weight", "bias"):
-        return None
-    for bfl, diffs in linears:
-        if module != bfl:
-            continue
-        targets = tuple(f"{block}{d}.{param}" for d in diffs)
-        split = None
-        rows = shape[0] if shape else 1
-        if len(diffs) == 3:          # fused q, k, v of equal size (an odd remainder fails the shape check)
-            split = (rows // 3, rows // 3, rows - 2 * (rows // 3))
-        elif len(diffs) == 4:        # q, k, v (inner each) + MLP input
-            split = (inner, inner, inner, rows - 3 * inner)
-        return KeyOp(rest, targets, split, swap_halves=bfl in _SWAPPED)
-    return None
-
-
-def bfl_name(diffusers_key: str) -> str:
-    """The BFL key holding a diffusers key (for messages about missing keys)."""
-    m = re.match(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$", diffusers_key)
-    kind, block, rest = ("top", "", diffusers_key) if not m else (
-        "double" if m.group(1) == "transformer_blocks" else "single", f"{_BFL_BLOCK[m.group(1)]}.{m.group(2)}.",
-        m.group(3))
-    linears, norms = _table(kind)
-    for bfl, diff in norms:
-        if rest == diff:
-            return block + bfl
-    module, _, param = rest.rpartition(".")
-    for bfl, diffs in linears:
-        if module in diffs:
-            return f"{block}{bfl}.{param}"
-    return diffusers_key
-
-
-def convert_bfl_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A whole BFL state dict in diffusers keys (in memory; the loader uses the ops lazily instead)."""
-    ops, unknown = bfl_to_diffusers_ops({k: tuple(v.shape) for k, v in state_dict.items()})
-    if unknown:
-        raise KeyError(f"not BFL Flux keys: {unknown[:5]}")
-    return apply_ops(ops, state_dict)
-
-
-def diffusers_to_bfl(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A diffusers FluxTransformer2DModel state dict in BFL keys (fused qkv / linear1, swapped final adaLN)."""
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    blocks: dict[tuple[str, str], None] = {}
-    for key in state_dict:
-        m = re.match(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.", key)
-        if m:
-            blocks[(m.group(1), m.group(2))] = None
-    groups = [("top", "", "")] + [("double" if a == "transformer_blocks" else "single", f"{a}.{i}.",
-                                   f"{_BFL_BLOCK[a]}.{i}.") for a, i in blocks]
-    for kind, dblock, bblock in groups:
-        linears, norms = _table(kind)
-        for bfl, diff in norms:
-            if dblock + diff in state_dict:
-                out[bblock + bfl] = state_dict[dblock + diff]
-                used.add(dblock + diff)
-        for bfl, diffs in linears:
-            for param in ("weight", "bias"):
-                names = [f"{dblock}{d}.{param}" for d in diffs]
-                if not all(n in state_dict for n in names):
-                    continue
-                t = torch.cat([state_dict[n] for n in names], dim=0) if len(names) > 1 else state_dict[names[0]]
-                if bfl in _SWAPPED:
-                    a, b = t.chunk(2, dim=0)
-                    t = torch.cat([b, a], dim=0)
-                out[f"{bblock}{bfl}.{param}"] = t
-                used.update(names)
-    left = [k for k in state_dict if k not in used]
-    if left:
-        raise KeyError(f"diffusers keys without a BFL equivalent: {left[:5]}")
-    return out
+# The inner width comes from `img_in.weight` (D, in_channels): a single block's `linear1` is split
+# (D, D, D, rest), the rest being the MLP width.
+bfl_to_diffusers_ops = FLUX1_LAYOUT.to_diffusers_ops
+bfl_name = FLUX1_LAYOUT.bfl_name
+convert_bfl_state_dict = FLUX1_LAYOUT.convert_state_dict
+diffusers_to_bfl = FLUX1_LAYOUT.from_diffusers       # fused qkv / linear1, swapped final adaLN
 
 
 # -- architecture from shapes ------------------------------------------------------------------------
@@ -207,13 +96,6 @@ def default_axes_dims_rope(head_dim: int) -> tuple[int, int, int]:
         raise ValueError(f"head dim {head_dim} cannot be split into three even rotary axes")
     spatial = 2 * ((head_dim * 7) // 32)
     return (head_dim - 2 * spatial, spatial, spatial)
-
-
-def _count(keys, prefix: str) -> int:
-    idx = {int(k[len(prefix):].split(".", 1)[0]) for k in keys if k.startswith(prefix)}
-    if idx and idx != set(range(max(idx) + 1)):
-        raise ValueError(f"blocks {prefix}N are not numbered 0..{max(idx)}: {sorted(idx)}")
-    return len(idx)
 
 
 def flux_config_from_shapes(shapes: dict[str, tuple[int, ...]], axes_dims_rope=None) -> dict:
@@ -240,8 +122,8 @@ def flux_config_from_shapes(shapes: dict[str, tuple[int, ...]], axes_dims_rope=N
         patch_size=1,
         in_channels=in_channels,
         out_channels=None if out_channels == in_channels else out_channels,
-        num_layers=_count(shapes, "transformer_blocks."),
-        num_single_layers=_count(shapes, "single_transformer_blocks."),
+        num_layers=count_blocks(shapes, "transformer_blocks."),
+        num_single_layers=count_blocks(shapes, "single_transformer_blocks."),
         attention_head_dim=head_dim,
         num_attention_heads=inner // head_dim,
         joint_attention_dim=need("context_embedder.weight")[1],

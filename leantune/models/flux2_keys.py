@@ -23,11 +23,8 @@ state another in its `leantune.config` metadata.
 from __future__ import annotations
 
 import json
-import re
 
-import torch
-
-from .weights import KeyOp, apply_ops
+from .bfl_layout import BflLayout, count_blocks
 
 COMFY_PREFIX = "model.diffusion_model."
 
@@ -71,13 +68,8 @@ _TOP_LINEARS = (
     ("final_layer.adaLN_modulation.1", ("norm_out.linear",)),          # halves swapped
 )
 _SWAPPED = {"final_layer.adaLN_modulation.1"}
-_TABLES = {"double": (_DOUBLE_LINEARS, _DOUBLE_NORMS), "single": (_SINGLE_LINEARS, _SINGLE_NORMS),
-           "top": (_TOP_LINEARS, ())}
-
-_DIFFUSERS_BLOCK = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks"}
-_BFL_BLOCK = {v: k for k, v in _DIFFUSERS_BLOCK.items()}
-_BFL_BLOCK_RE = re.compile(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$")
-_DIFFUSERS_BLOCK_RE = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
+FLUX2_LAYOUT = BflLayout("FLUX.2", {"double": (_DOUBLE_LINEARS, _DOUBLE_NORMS), "single": (_SINGLE_LINEARS, _SINGLE_NORMS),
+                                    "top": (_TOP_LINEARS, ())}, frozenset(_SWAPPED))
 
 # Keys only FLUX.2 has (the shared modulation), without and with their layouts' names.
 BFL_MARKERS = ("single_stream_modulation.lin.weight", "double_stream_modulation_img.lin.weight")
@@ -112,112 +104,13 @@ def find_prefix(keys) -> str | None:
     return None
 
 
-# -- BFL -> diffusers ---------------------------------------------------------------------------------
+# -- both ways (bfl_layout.py): a double block's fused qkv splits in three equal row runs ----------------
 
-def _split(kind: str, rest: str, block: str, rows: int) -> KeyOp | None:
-    linears, norms = _TABLES[kind]
-    for bfl, diff in norms:
-        if rest == bfl:
-            return KeyOp(rest, (block + diff,))
-    module, _, param = rest.rpartition(".")
-    if param not in ("weight", "bias"):
-        return None
-    for bfl, diffs in linears:
-        if module == bfl:
-            n = len(diffs)
-            split = None if n == 1 else tuple([rows // n] * (n - 1) + [rows - (n - 1) * (rows // n)])
-            return KeyOp(rest, tuple(f"{block}{d}.{param}" for d in diffs), split, swap_halves=bfl in _SWAPPED)
-    return None
-
-
-def bfl_to_diffusers_ops(shapes: dict[str, tuple[int, ...]], prefix: str = "") -> tuple[list[KeyOp], list[str]]:
-    """Ops turning BFL keys (given without `prefix`; the ops carry it) into diffusers keys.
-
-    Returns (ops, unknown keys). A double block's fused qkv is split in three equal row runs; an
-    uneven one fails the loader's shape check, naming the key.
-    """
-    ops: list[KeyOp] = []
-    unknown: list[str] = []
-    for key, shape in shapes.items():
-        m = _BFL_BLOCK_RE.match(key)
-        if m:
-            kind = "double" if m.group(1) == "double_blocks" else "single"
-            block, rest = f"{_DIFFUSERS_BLOCK[m.group(1)]}.{m.group(2)}.", m.group(3)
-        else:
-            kind, block, rest = "top", "", key
-        op = _split(kind, rest, block, shape[0] if shape else 1)
-        if op is None:
-            unknown.append(prefix + key)
-        else:
-            ops.append(KeyOp(prefix + key, op.targets, op.split, op.swap_halves))
-    return ops, unknown
-
-
-def convert_bfl_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A whole BFL state dict in diffusers keys, in memory (the loader applies the same ops lazily)."""
-    ops, unknown = bfl_to_diffusers_ops({k: tuple(v.shape) for k, v in state_dict.items()})
-    if unknown:
-        raise KeyError(f"not BFL FLUX.2 keys: {unknown[:5]}")
-    return apply_ops(ops, state_dict)
-
-
-def bfl_name(diffusers_key: str) -> str:
-    """The BFL key holding a diffusers key (for messages about missing keys)."""
-    m = _DIFFUSERS_BLOCK_RE.match(diffusers_key)
-    if m:
-        kind = "double" if m.group(1) == "transformer_blocks" else "single"
-        block, rest = f"{_BFL_BLOCK[m.group(1)]}.{m.group(2)}.", m.group(3)
-    else:
-        kind, block, rest = "top", "", diffusers_key
-    linears, norms = _TABLES[kind]
-    for bfl, diff in norms:
-        if rest == diff:
-            return block + bfl
-    module, _, param = rest.rpartition(".")
-    for bfl, diffs in linears:
-        if module in diffs:
-            return f"{block}{bfl}.{param}"
-    return diffusers_key
-
-
-# -- diffusers -> BFL ---------------------------------------------------------------------------------
-
-def diffusers_to_bfl(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A diffusers Flux2Transformer2DModel state dict, or one group of it (the non-block modules,
-    one block), in BFL keys: fused double-block qkv, swapped final adaLN halves. Every key must
-    have a BFL name (KeyError lists those that do not); a fused qkv needs all three parts."""
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    groups: dict[tuple[str, str, str], None] = {("top", "", ""): None}
-    for key in state_dict:
-        m = _DIFFUSERS_BLOCK_RE.match(key)
-        if m:
-            kind = "double" if m.group(1) == "transformer_blocks" else "single"
-            groups[(kind, f"{m.group(1)}.{m.group(2)}.", f"{_BFL_BLOCK[m.group(1)]}.{m.group(2)}.")] = None
-    for kind, dblock, bblock in groups:
-        linears, norms = _TABLES[kind]
-        for bfl, diff in norms:
-            if dblock + diff in state_dict:
-                out[bblock + bfl] = state_dict[dblock + diff]
-                used.add(dblock + diff)
-        for bfl, diffs in linears:
-            for param in ("weight", "bias"):
-                names = [f"{dblock}{d}.{param}" for d in diffs]
-                present = [n for n in names if n in state_dict]
-                if not present:
-                    continue
-                if len(present) != len(names):
-                    raise KeyError(f"{bblock}{bfl}.{param} fuses {names}, but only {present} are given")
-                t = torch.cat([state_dict[n] for n in names], dim=0) if len(names) > 1 else state_dict[names[0]]
-                if bfl in _SWAPPED:
-                    a, b = t.chunk(2, dim=0)
-                    t = torch.cat([b, a], dim=0)
-                out[f"{bblock}{bfl}.{param}"] = t
-                used.update(names)
-    left = [k for k in state_dict if k not in used]
-    if left:
-        raise KeyError(f"diffusers keys without a BFL FLUX.2 name: {left[:5]}")
-    return out
+bfl_to_diffusers_ops = FLUX2_LAYOUT.to_diffusers_ops
+convert_bfl_state_dict = FLUX2_LAYOUT.convert_state_dict
+bfl_name = FLUX2_LAYOUT.bfl_name
+# fused double-block qkv, swapped final adaLN halves; works on one group (non-block modules, a block)
+diffusers_to_bfl = FLUX2_LAYOUT.from_diffusers
 
 
 def to_native(state: dict, model=None) -> dict:
@@ -254,13 +147,6 @@ def default_axes_dims_rope(head_dim: int) -> tuple[int, ...]:
     return (head_dim // 4,) * 4
 
 
-def _count(keys, prefix: str) -> int:
-    idx = {int(k[len(prefix):].split(".", 1)[0]) for k in keys if k.startswith(prefix)}
-    if idx and idx != set(range(max(idx) + 1)):
-        raise ValueError(f"blocks {prefix}N are not numbered 0..{max(idx)}: {sorted(idx)}")
-    return len(idx)
-
-
 def config_from_shapes(shapes: dict[str, tuple[int, ...]], meta: dict | None = None) -> dict:
     """A Flux2Transformer2DModel config from diffusers key shapes (BFL files: after
     `bfl_to_diffusers_ops`); `meta` (a file's leantune.config) fills what shapes cannot show.
@@ -276,8 +162,8 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], meta: dict | None = N
         return shapes[key]
 
     inner, in_channels = need("x_embedder.weight")
-    double = _count(shapes, "transformer_blocks.")
-    single = _count(shapes, "single_transformer_blocks.")
+    double = count_blocks(shapes, "transformer_blocks.")
+    single = count_blocks(shapes, "single_transformer_blocks.")
     where = "transformer_blocks.0" if double else "single_transformer_blocks.0"
     head_dim = need(f"{where}.attn.norm_q.weight")[0]
     if inner % head_dim:
