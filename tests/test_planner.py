@@ -22,6 +22,7 @@ from leantune.errors import is_out_of_memory
 from leantune.planner.feedback.oom import NoPlanFits, OomGuard
 from leantune.planner.from_config import budget_from_config, parse_vram, plan_for_config
 from leantune.planner.host_model import HOST_BASELINE
+from leantune.models.weights import QUANTIZING_WORK_BYTES
 from leantune.planner.machine import assumed_machine, probe_machine
 from leantune.planner.meta import build_meta_flux
 from leantune.planner.report import format_plan
@@ -467,6 +468,29 @@ def test_host_ram_picks_fp8_modulation_when_only_it_fits(flux_dev_planner):
     assert plan.storage == (True, True) and plan.notes["predicted_peak_host"] <= host[(True, False)]
     plan = pl.plan(replace(budget, ram=(host[(True, False)] + host[(False, False)]) // 2))
     assert plan.storage == (True, False)
+
+
+def test_a_quantizing_load_is_priced_at_what_it_keeps(flux_dev_planner):
+    """The trainer quantizes the block Linears an fp8 plan stores as it reads them
+    (Workload.quantizes_on_load), so its loading phase is the fp8 model plus the quantizing workers'
+    buffers, not the bf16 file: a 20 GiB RAM budget, less than Flux-dev's 23.8 GB of bf16 weights,
+    starts an fp8 LoRA run. The sampler loads as stored and converts afterwards: the same budget is
+    refused it, naming the loading phase."""
+
+    sampler_like = flux_dev_planner
+    trainer = Planner(FLUX_SPEC, build_meta_flux("dev"), replace(flux_dev_planner.workload, quantizes_on_load=True))
+    quantized, as_stored = trainer.memory(Plan(fp8=True))[1], sampler_like.memory(Plan(fp8=True))[1]
+    stored = quantized["stored transformer + one unit while packing"]          # nothing streams: the stored model
+    assert quantized["transformer while loading"] == stored + QUANTIZING_WORK_BYTES
+    assert quantized["transformer while converting to fp8"] == 0
+    assert as_stored["transformer while loading"] > 1.4 * stored      # bf16 first (the modulation stays bf16)
+    assert as_stored["transformer while converting to fp8"] > as_stored["transformer while loading"]
+    assert trainer.memory(Plan())[1] == sampler_like.memory(Plan())[1]            # nothing to quantize: the same
+    budget = Budget(vram=80 * GiB, ram=20 * GiB)
+    plan = trainer.plan(budget)
+    assert plan.fp8 and plan.notes["predicted_peak_host"] <= 20 * GiB
+    with pytest.raises(InfeasibleBudget, match="loading the transformer alone takes"):
+        sampler_like.plan(budget)
 
 
 def test_fp8_is_chosen_only_where_it_buys_a_tenth_of_the_step(flux_dev_planner, flux_dev_512_planner):
@@ -1005,7 +1029,8 @@ sources = resolve_sources(cfg.model, Path(sys.argv[1]).parent)
 gc.collect()
 start = rss()["VmRSS"]
 Path("/proc/self/clear_refs").write_text("5")
-model = load_transformer(sources, dtype=torch.bfloat16)
+quantize = {"quantize_fp8": True} if sys.argv[2:] == ["quantize"] else {}   # the trainer's load under an fp8 plan
+model = load_transformer(sources, dtype=torch.bfloat16, **quantize)
 held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 print(json.dumps({"measured": rss()["VmHWM"] - start, "held": held}))
 """
@@ -1044,6 +1069,18 @@ def test_the_predicted_load_phase_of_an_fp8_file_is_the_measured_load_peak(tmp_p
         assert abs(got["measured"] - predicted) <= 16 * 2**20, (fp8, got["measured"] / 2**20, predicted / 2**20)
         loads[fp8] = predicted
     assert loads["e4m3"] < 0.7 * loads[None]
+
+    # The trainer's load of the bf16 file under an fp8 plan quantizes as it reads: the planner prices
+    # what it keeps (as the e4m3 file) plus the workers' buffers, and the load stays within that.
+    quantizing = Planner(FLUX_SPEC, meta_model_for_config(load_config(tmp_path / "run-None.toml")),
+                         replace(workload, quantizes_on_load=True))
+    predicted = quantizing.memory(Plan(fp8=True))[1]["transformer while loading"]
+    run = subprocess.run([sys.executable, "-c", _MEASURE_LOAD, str(tmp_path / "run-None.toml"), "quantize"],
+                         capture_output=True, text=True, check=True)
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert predicted == got["held"] + QUANTIZING_WORK_BYTES
+    assert got["held"] <= got["measured"] <= predicted, (got, predicted)
+    assert got["held"] < 0.7 * loads[None]          # what it keeps: e4m3 block Linears and their scales
 
 
 def test_plan_for_config_is_what_the_trainer_gets(tmp_path, tiny_flux_dir):

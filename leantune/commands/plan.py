@@ -277,7 +277,7 @@ def _from_flags(args):
         gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
         text_length=family.text_rows(args.text_length or TEXT_TOKENS[args.model]), autocast=not args.no_autocast,
         allow_fp8=not args.no_fp8, fp8_modulation=_MODULATION_FLAG[args.fp8_modulation or "auto"],
-        **_full_flags(args))
+        quantizes_on_load=(args.mode or "lora") != "inference", **_full_flags(args))   # as the trainer loads
     _check_workload(workload)
     return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
             lambda: build_meta_packaged(family.name, config_name), workload)
@@ -307,6 +307,7 @@ def _from_config(args):
         changes["fp8_modulation"] = _MODULATION_FLAG[args.fp8_modulation]
     if args.no_autocast:
         changes["autocast"] = False
+    changes["quantizes_on_load"] = changes.get("mode", workload.mode) != "inference"   # the sampler loads as stored
     workload = replace(workload, **changes)
     _check_workload(workload)
     vram = args.vram or ([cfg.memory.vram_budget] if cfg.memory.vram_budget else None)

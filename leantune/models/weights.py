@@ -63,6 +63,10 @@ _AUX_KEYS = ("scaled_fp8",)
 _MAX_HEADER = 100 * 2**20      # a safetensors header larger than this is certainly not one
 STAGING_BYTES = 8 * 2**20      # file bytes read per chunk while filling a parameter
 MAX_WORKERS = 8                # quantizing workers at most (each holds a few chunks of STAGING_BYTES)
+# Host bytes a quantizing load holds beyond what it keeps (the planner prices its loading phase with
+# it): each worker's chunk in the load dtype, its fp32 work buffer and a dequantised source chunk,
+# each at most STAGING_BYTES, plus one chunk in flight.
+QUANTIZING_WORK_BYTES = MAX_WORKERS * 4 * STAGING_BYTES
 
 
 def is_auxiliary_key(key: str) -> bool:

@@ -49,7 +49,8 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     state_dtype=full.state_dtype, master_weights=full.master_weights,
                     streamed_step=full.streamed_step,
                     stochastic_rounding=full.stochastic_rounding,
-                    clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter")
+                    clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter",
+                    quantizes_on_load=True)      # the trainer's load (trainer._fp8_load_options)
 
 
 def fp8_modulation_choice(memory_cfg) -> bool | None:

@@ -5,9 +5,12 @@ What it trades: nothing at run time; it is what lets the planner refuse a plan b
 fills RAM, and pick fp8 when the host is the tighter resource. It follows what the memory engine
 really allocates (engine.py, fp8.py, streaming.py, host_buffers.py), phase by phase:
 - loading: the transformer in its stored dtypes (block weights of an fp8 checkpoint stay e4m3);
+  where the workload's loader quantizes as it reads (`Workload.quantizes_on_load`: the trainer)
+  and the plan stores fp8, what the plan stores plus the quantizing workers' buffers
+  (models/weights.QUANTIZING_WORK_BYTES), never the file's bf16;
 - fp8 conversion (plans with fp8): one Linear at a time, the e4m3 copy and its scales exist beside
   the original until it is freed, so the phase adds the largest converted weight (the arithmetic
-  runs on the GPU);
+  runs on the GPU); nothing where the load quantized already;
 - packing: each streamed unit is copied into a host buffer of exactly its packed size (pinned with
   cudaHostRegister on that size: no power-of-two rounding), its original storages freed before the
   next unit is packed. Packing unit i holds the stored model, the buffer of unit i and the
@@ -44,12 +47,11 @@ from .machine import GiB
 from ..memory.plan import Plan
 from ..memory.host_buffers import STAGING_CHUNK
 from ..memory.pinned_sizes import caching_host_size  # noqa: F401 - priced here, bounded by the engine
+from ..models.weights import QUANTIZING_WORK_BYTES
 from .workload import Workload
 
 HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, before any weight
 STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (host_buffers.py)
-
-
 
 
 def packing_extra(units: list[tuple[int, int]]) -> int:
@@ -83,7 +85,8 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
 
 def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,
                    largest_conversion: int, offload: int, cache_bytes: int,
-                   full: dict[str, int] | None = None, host_step: dict[str, int] | None = None) -> dict[str, int]:
+                   full: dict[str, int] | None = None, host_step: dict[str, int] | None = None,
+                   quantizing_load: bool = False) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
     `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
@@ -92,13 +95,19 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     offloaded inputs' pinned bytes. The phase totals (loading, converting, packing) and the steady
     components are listed; "peak" is the baseline plus the largest phase. `host_step` (a full
     fine-tune whose streamed blocks step on the host) gives their optimizer "state", the host
-    step's transient ("step") and the CUDA gradient "staging" (module docstring).
+    step's transient ("step") and the CUDA gradient "staging" (module docstring). `quantizing_load`:
+    the loader stores fp8 as it reads (module docstring), so a plan with fp8 loads `stored` plus
+    the workers' buffers and converts nothing afterwards.
     """
+    quantized_as_read = quantizing_load and plan.fp8 and stored < loaded
+    if quantized_as_read:
+        loaded = stored + QUANTIZING_WORK_BYTES
     state = full["optimizer state"] if full else 0
     masters = full["master weights"] if full else 0
     accumulators = full["gradient accumulators"] if full else 0
     setup = loaded + state + masters if full else 0
-    converting = loaded + state + masters + largest_conversion if (plan.fp8 or plan.fp8_modulation) else 0
+    converting = (loaded + state + masters + largest_conversion
+                  if (plan.fp8 or plan.fp8_modulation) and not quantized_as_read else 0)
     packing = stored + state + masters + packing_extra(list(zip(packed, unit_stored)))
     streamed = sum(packed)
     staging = STAGING_BUFFERS * STAGING_CHUNK if packed and not plan.pin_memory else 0

@@ -299,7 +299,8 @@ class MemoryModel:
                 "staging": 2 * max(self.streamed_pinned_grads(plan)),
             }
         return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
-                              self.workload.host_cache_bytes, full=parts, host_step=host_step)
+                              self.workload.host_cache_bytes, full=parts, host_step=host_step,
+                              quantizing_load=self.workload.quantizes_on_load)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""

@@ -44,6 +44,10 @@ class Workload:
     # without it fits; True: every plan; False: never ([memory] fp8_modulation "auto"/true/false).
     fp8_modulation: bool | None = None
     host_cache_bytes: int = 0       # caches held in host RAM during training
+    # The trainer quantizes the block Linears a plan stores in fp8 as it reads them (models/weights.py,
+    # `quantize_fp8`), so its loading phase holds what the plan stores plus the quantizing workers'
+    # buffers, never the file's bf16. The sampler loads as stored and converts afterwards: False.
+    quantizes_on_load: bool = False
     # Full fine-tuning ([full] section; mode = "full" only): what trains and how its state is kept.
     full_train: tuple[str, ...] = ("*",)       # fnmatch patterns on diffusers parameter names
     full_exclude: tuple[str, ...] = ()
