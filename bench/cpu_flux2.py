@@ -12,6 +12,15 @@ shared machine, and the planner's prediction for the same folder is what is comp
 The step (rank-16 LoRA on attention + MLP, AdamW, bf16 autocast, 64 px, 64 text rows) runs in a
 fresh process through the trainer's own `train_step` under the plan the planner makes for the
 `--vram` budget, applied on the CPU; it is stopped above --rss-cap GiB.
+
+On a lent GPU the same step runs on the device (`--device cuda`, bench/gpu_checks.sh's flux2-klein
+part): the plan is the planner's for the probed machine, `--steps` steps run (the first creates the
+optimizer state), and the device peak of the later ones (torch.cuda.max_memory_allocated /
+_reserved) is reported beside the predicted peak VRAM and the predicted step time:
+
+    python bench/cpu_flux2.py write /tmp/klein4b --model flux2-klein-4b
+    python bench/cpu_flux2.py train-step /tmp/klein4b --model flux2-klein-4b --vram 6 --size 1024 \
+        --text-length 512 --device cuda --steps 3 --rss-cap 60
 """
 
 from __future__ import annotations
@@ -75,7 +84,8 @@ def write(folder: Path, model_name: str, blocks: tuple[int, int] | None) -> None
     print(json.dumps({"folder": str(folder), "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0}))
 
 
-def train_step_child(folder: Path, model_name: str, vram_gib: float, size: int, text_length: int, rank: int) -> dict:
+def train_step_child(folder: Path, model_name: str, vram_gib: float, size: int, text_length: int, rank: int,
+                     device_name: str = "cpu", steps: int = 1) -> dict:
     from types import SimpleNamespace
 
     from leantune.config import validate
@@ -91,7 +101,7 @@ def train_step_child(folder: Path, model_name: str, vram_gib: float, size: int, 
     family = get_family(model_name)
     cfg = validate({"model": {"path": str(folder), "family": model_name},
                     "data": {"datasets": [{"path": "unused"}], "resolutions": [size], "max_text_length": text_length},
-                    "lora": {"rank": rank}, "train": {"device": "cpu"},
+                    "lora": {"rank": rank}, "train": {"device": device_name},
                     "memory": {"vram_budget": f"{vram_gib}GiB"}})
     t0 = time.perf_counter()
     model = family.load_transformer(family.resolve_sources(cfg.model, Path("/")), dtype=torch.bfloat16)
@@ -99,8 +109,15 @@ def train_step_child(folder: Path, model_name: str, vram_gib: float, size: int, 
     rss_loaded = rss()
     mode = make_mode(cfg)
     params = mode.prepare(model, family.spec)
-    plan = Planner(family.spec, model, workload_from_config(cfg, model)).plan(Budget(vram=int(vram_gib * GiB), ram=2**62))
-    handle = apply_memory(model, family.spec, plan, "cpu")
+    device = torch.device(device_name)
+    machine = None
+    if device.type == "cuda":
+        from leantune.planner.machine import probe_machine
+
+        machine = probe_machine(device)              # the rates the planner prices this GPU's step at
+    plan = Planner(family.spec, model, workload_from_config(cfg, model), machine=machine).plan(
+        Budget(vram=int(vram_gib * GiB), ram=2**62))
+    handle = apply_memory(model, family.spec, plan, device)
     rss_applied = rss()
     optimizer = mode.build_optimizer(params)
     c = model.config
@@ -112,19 +129,37 @@ def train_step_child(folder: Path, model_name: str, vram_gib: float, size: int, 
                             bucket=(size, size))
     t = Trainee(transformer=model, params=params, optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.train),
                 data=None, batches=iter(lambda: batch, None), generator=torch.Generator().manual_seed(0),
-                device=torch.device("cpu"), dtype=torch.bfloat16, memory=handle, plan=plan, mode=mode)
+                device=device, dtype=torch.bfloat16, memory=handle, plan=plan, mode=mode)
     handle.step_report()
-    t2 = time.perf_counter()
-    loss = train_step(t, cfg)
-    t_step = time.perf_counter() - t2
+    times, losses, device_peaks = [], [], []
+    for i in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t2 = time.perf_counter()
+        losses.append(train_step(t, cfg))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            device_peaks.append({"allocated": torch.cuda.max_memory_allocated(device),
+                                 "reserved": torch.cuda.max_memory_reserved(device)})
+        times.append(time.perf_counter() - t2)
+    t_step, loss = times[0], losses[-1]
     r = rss()
     notes = plan.notes
+    gpu = {}
+    if device_peaks:
+        later = device_peaks[1:] or device_peaks      # the first step creates the optimizer state
+        gpu = {"device": torch.cuda.get_device_name(device), "step_s": times, "losses": losses,
+               "peak_allocated": max(p["allocated"] for p in later), "peak_reserved": max(p["reserved"] for p in later),
+               "predicted_peak_vram": notes["predicted_peak_vram"], "predicted_step_s": notes.get("predicted_step_s"),
+               "allocated_over_predicted": max(p["allocated"] for p in later) / notes["predicted_peak_vram"],
+               "budget": int(vram_gib * GiB)}
     return {"folder": str(folder), "model": model_name, "blocks": [c.num_layers, c.num_single_layers],
             "plan": plan.describe(), "size": size, "text_length": text_length, "rank": rank, "load_s": t_load,
             "step_s": t_step, "loss": loss, "finite": bool(math.isfinite(loss)),
             "held_after_load": sum(x.numel() * x.element_size() for x in list(model.parameters()) + list(model.buffers())),
             "rss_after_load": rss_loaded["VmRSS"], "rss_after_apply": rss_applied["VmRSS"], "peak_rss": r["VmHWM"],
-            "predicted_peak_host": notes["predicted_peak_host"], "host_breakdown": notes["host_breakdown"]}
+            "predicted_peak_host": notes["predicted_peak_host"], "host_breakdown": notes["host_breakdown"], **gpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,16 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         tr.add_argument("--text-length", type=int, default=64)
         tr.add_argument("--rank", type=int, default=16)
         tr.add_argument("--rss-cap", type=float, default=12.0)
+        tr.add_argument("--device", default="cpu", help="cpu, or cuda on a lent GPU")
+        tr.add_argument("--steps", type=int, default=1, help="steps run (on a GPU the peak of those after the first)")
     args = p.parse_args(argv)
     if args.cmd == "write":
         write(args.folder, args.model, tuple(args.blocks) if args.blocks else None)
     elif args.cmd == "_train_child":
-        print(json.dumps(train_step_child(args.folder, args.model, args.vram, args.size, args.text_length, args.rank),
-                         default=str), flush=True)
+        print(json.dumps(train_step_child(args.folder, args.model, args.vram, args.size, args.text_length, args.rank,
+                                          args.device, args.steps), default=str), flush=True)
     else:
         cmd = [sys.executable, __file__, "_train_child", str(args.folder), "--model", args.model, "--vram",
                str(args.vram), "--size", str(args.size), "--text-length", str(args.text_length), "--rank",
-               str(args.rank)]
+               str(args.rank), "--device", args.device, "--steps", str(args.steps)]
         print(json.dumps(watched(cmd, args.rss_cap), default=str))
     return 0
 

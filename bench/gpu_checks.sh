@@ -1,56 +1,78 @@
 #!/bin/bash
-# Every GPU check in one command, for a GPU window of about 30 minutes: run it first, then record
-# the results in docs/benchmarks.md. From the repository root on a CUDA machine:
+# Every GPU check, in windows that each fit one device session: a session is lent 15 minutes of
+# device time (a machine's start, 1-2 minutes, included) and one command may run 10 minutes, so a
+# window is at most TOTAL_S = 510 s. Run the next window not yet recorded in docs/benchmarks.md
+# ("GPU status" lists what each window found), then record what it measured. From the repository
+# root on a CUDA machine:
 #
-#   OUT=/some/folder WHEELS=/folder/of/wheels bash bench/gpu_checks.sh     # the whole run
-#   bash bench/gpu_checks.sh --dry-run                                     # the parts and their budgets
-#   bash bench/gpu_checks.sh --only fp32-stream,oom-step1                  # some parts
+#   OUT=/some/folder WHEELS=/folder/of/wheels bash bench/gpu_checks.sh --window 1   # one window
+#   bash bench/gpu_checks.sh --dry-run                                              # every window's parts
+#   bash bench/gpu_checks.sh --only fp32-stream,oom-step1                           # some parts (no set-up)
+#
+# Window 1 re-runs the GPU findings' checks (NCCL collectives, the gpu-marked tests that failed or
+# changed since the H100 run, fp32 streaming, OOM in step 1); window 2 measures what the planner
+# and the engine promise (FLUX.2 klein-4B at 6 GiB, the file-read text encoder's copy rate, the
+# quantize-at-read load on a GPU host's CPUs, the planner at 8 GiB); window 3 the engine and
+# sampler benchmarks and, on two GPUs, the strategies.
 #
 # Parts run in order of value, each under its own time budget (`timeout`), each writing its raw
 # log to $OUT/<part>.log; $OUT/summary.txt gets one line per part (rc, seconds). A part is skipped
-# when the time left of TOTAL_S (default 1440 s: 24 minutes, set-up included) is less than its
-# budget, so the run ends inside the window even when a part hangs. WHEELS: a folder of wheels
-# installed first (no network on the GPU machines), with no dependencies resolved.
+# when the time left of TOTAL_S is less than its budget, so the run ends inside the window even
+# when a part hangs. WHEELS: a folder of wheels installed first (no network on the GPU machines),
+# with no dependencies resolved.
 set -o pipefail
 
-# name|budget seconds|what it checks|command
+# window|name|budget seconds|what it checks|command   (window 0: every window's set-up)
 PARTS=(
-  "setup|90|the machine and the packages: nvidia-smi, torch and the wheels|setup"
-  "nccl-collectives|60|issue 20 finding 1: every DistContext collective over a real NCCL group (host tensors on a gloo side group)|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_collectives_worker.py \$OUT/nccl --nccl"
-  "gpu-tests|360|the gpu-marked tests|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA --timeout 120"
-  "fp32-stream|120|finding 5: full fine-tune step, fp32 weights streamed, bf16 autocast: peak against the plan|python3 bench/gpu_findings.py fp32-stream --blocks 2 2 --size 512"
-  "oom-step1|120|findings 6 and 8: OOM injected in step 1 with streaming in full mode: host RSS, the redone step's peak, no stored calibration|python3 bench/gpu_findings.py oom-step1 --blocks 2 2 --size 512"
-  "strategies|180|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
-  "two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
-  "bench-planner|180|owed benchmark: the planner's plan at 8 GiB, 1024 px, against the measured step|python3 bench/bench_planner.py --budgets 8 --resolutions 1024 --sweep none --steps 2 --out \$OUT/bench-planner.md"
-  "bench-engine|150|owed benchmark: engine rows (resident and all streamed, fp8) at 1024 px|python3 bench/bench_engine.py --configs resident-fp8 stream-all-fp8 --offload no --resolutions 1024 --steps 2 --warmup 1 --results \$OUT/bench-engine.json --out \$OUT/bench-engine.md"
-  "bench-sampler|120|owed benchmark: sampling at 1024 px under an 8 GiB budget|python3 bench/bench_sampler.py --part sampling --size 1024 --steps 4 --budgets 8 --out \$OUT/bench-sampler.md"
+  "0|setup|60|the machine and the packages: nvidia-smi, torch and the wheels|setup"
+  "1|nccl-collectives|45|issue 20 finding 1: every DistContext collective over a real NCCL group (host tensors on a gloo side group)|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_collectives_worker.py \$OUT/nccl --nccl"
+  "1|gpu-tests|240|the gpu-marked tests (hook-free frozen streaming and the per-block residency check included)|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA --timeout 120"
+  "1|fp32-stream|75|finding 5: full fine-tune step, fp32 weights streamed, bf16 autocast: peak against the plan|python3 bench/gpu_findings.py fp32-stream --blocks 2 2 --size 512"
+  "1|oom-step1|75|findings 6 and 8: OOM injected in step 1 with streaming in full mode: host RSS, the redone step's peak, no stored calibration|python3 bench/gpu_findings.py oom-step1 --blocks 2 2 --size 512"
+  "2|flux2-klein4b|180|issue 23: FLUX.2 klein-4B (full size, random e4m3 weights) LoRA r16 at 1024 px under a 6 GiB plan: device peak and step time against the planner|flux2_klein"
+  "2|text-encoder-read|75|issue 23: klein-4B's Qwen3 read from its file layer by layer onto the GPU: read rate against the pinned H2D rate|python3 bench/text_encoder_read.py --device cuda --layers 12 --out \$OUT/text-encoder-read.json"
+  "2|load-gpu-host|75|issue 21: a bf16 Flux file loaded straight into fp8 on the GPU host's CPUs (leantune beside the old path and diffusers)|python3 bench/load.py --files flux-bf16 --loaders leantune leantune-old diffusers --out \$OUT/load.json"
+  "2|bench-planner|120|owed benchmark: the planner's plan at 8 GiB, 1024 px, against the measured step|python3 bench/bench_planner.py --budgets 8 --resolutions 1024 --sweep none --steps 2 --out \$OUT/bench-planner.md"
+  "3|bench-engine|150|owed benchmark: engine rows (resident and all streamed, fp8) at 1024 px|python3 bench/bench_engine.py --configs resident-fp8 stream-all-fp8 --offload no --resolutions 1024 --steps 2 --warmup 1 --results \$OUT/bench-engine.json --out \$OUT/bench-engine.md"
+  "3|bench-sampler|120|owed benchmark: sampling at 1024 px under an 8 GiB budget|python3 bench/bench_sampler.py --part sampling --size 1024 --steps 4 --budgets 8 --out \$OUT/bench-sampler.md"
+  "3|strategies|135|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
+  "3|two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
 )
 GPU_TEST_FILES="tests/test_cache.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_loading.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py"
-TOTAL_S=${TOTAL_S:-1440}
+TOTAL_S=${TOTAL_S:-510}
 
-dry=0; only=""
+dry=0; only=""; window=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --only) only=",$2,"; shift ;;
-    *) echo "usage: bash bench/gpu_checks.sh [--dry-run] [--only part,part]" >&2; exit 2 ;;
+    --window) window="$2"; shift ;;
+    *) echo "usage: bash bench/gpu_checks.sh [--dry-run] [--window N] [--only part,part]" >&2; exit 2 ;;
   esac
   shift
 done
 
+# A part runs when --only names it, else when it belongs to the window (set-up always).
+selected() {  # window name
+  if [ -n "$only" ]; then [[ "$only" == *",$2,"* ]]; else [ "$1" = 0 ] || [ "$1" = "$window" ]; fi
+}
+
 if [ $dry = 1 ]; then
-  total=0
-  printf "%-17s %7s  %s\n" part budget "what it checks"
-  for p in "${PARTS[@]}"; do
-    IFS='|' read -r name budget what cmd <<< "$p"
-    if [ -n "$only" ] && [[ "$only" != *",$name,"* ]]; then continue; fi
-    printf "%-17s %6ss  %s\n" "$name" "$budget" "$what"
-    total=$((total + budget))
+  status=0
+  windows="1 2 3"; [ -n "$only" ] && windows=only
+  for w in $windows; do
+    total=0; window=$w
+    printf "window %s\n%-18s %7s  %s\n" "$w" part budget "what it checks"
+    for p in "${PARTS[@]}"; do
+      IFS='|' read -r pw name budget what cmd <<< "$p"
+      selected "$pw" "$name" || continue
+      printf "%-18s %6ss  %s\n" "$name" "$budget" "$what"
+      total=$((total + budget))
+    done
+    printf "%-18s %6ss  (limit %ss: %s min)\n\n" total "$total" "$TOTAL_S" "$((TOTAL_S / 60))"
+    [ $total -le "$TOTAL_S" ] || { echo "window $w: the parts' budgets exceed TOTAL_S" >&2; status=1; }
   done
-  printf "%-17s %6ss  (limit %ss: %s min)\n" total "$total" "$TOTAL_S" "$((TOTAL_S / 60))"
-  [ $total -le "$TOTAL_S" ] || { echo "the parts' budgets exceed TOTAL_S" >&2; exit 1; }
-  exit 0
+  exit $status
 fi
 
 OUT=${OUT:-gpu-checks-out}
@@ -69,6 +91,13 @@ setup() {
   python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" || echo "deepspeed: not installed (the ZeRO-2 run is skipped)"
 }
 
+flux2_klein() {
+  # klein-4B at full size with random e4m3 block weights (about 4.5 GB on disk), then the LoRA step
+  python3 bench/cpu_flux2.py write /tmp/gpu-klein4b --model flux2-klein-4b || return 4
+  python3 bench/cpu_flux2.py train-step /tmp/gpu-klein4b --model flux2-klein-4b --vram 6 --size 1024 \
+    --text-length 512 --device cuda --steps 3 --rss-cap 60 | tee "$OUT/flux2-klein4b.json"
+}
+
 strategies() {
   if [ "$NGPU" -lt 2 ]; then
     echo "skipped: one GPU; a one-process run takes the one-process path (no process group), so the"
@@ -83,8 +112,8 @@ export PYTHONPATH=$PWD
 start=$(date +%s)
 : > "$OUT/summary.txt"
 for p in "${PARTS[@]}"; do
-  IFS='|' read -r name budget what cmd <<< "$p"
-  if [ -n "$only" ] && [[ "$only" != *",$name,"* ]]; then continue; fi
+  IFS='|' read -r pw name budget what cmd <<< "$p"
+  selected "$pw" "$name" || continue
   left=$((TOTAL_S - ($(date +%s) - start)))
   if [ "$left" -lt "$budget" ]; then
     echo "$name: skipped (${left}s left of ${TOTAL_S}s, budget ${budget}s)" | tee -a "$OUT/summary.txt"
@@ -93,11 +122,11 @@ for p in "${PARTS[@]}"; do
   t0=$(date +%s)
   echo "== $name (budget ${budget}s): $what"
   case "$cmd" in
-    setup|strategies) ( $cmd ) > "$OUT/$name.log" 2>&1 & ;;
+    setup|strategies|flux2_klein) ( $cmd ) > "$OUT/$name.log" 2>&1 & ;;
     *) eval "timeout --kill-after=10 $budget $cmd" > "$OUT/$name.log" 2>&1 & ;;
   esac
   pid=$!
-  # setup and strategies are shell functions: bounded here the same way
+  # the shell-function parts (setup, flux2_klein, strategies) are bounded here the same way
   ( sleep "$budget"; kill -TERM "$pid" 2>/dev/null ) & watchdog=$!
   wait "$pid"; rc=$?
   kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null

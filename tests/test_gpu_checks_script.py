@@ -8,22 +8,44 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_checks.sh"
-PARTS = ["setup", "nccl-collectives", "gpu-tests", "fp32-stream", "oom-step1", "strategies", "two-gpu-guard",
-         "bench-planner", "bench-engine", "bench-sampler"]
+WINDOWS = {1: ["setup", "nccl-collectives", "gpu-tests", "fp32-stream", "oom-step1"],
+           2: ["setup", "flux2-klein4b", "text-encoder-read", "load-gpu-host", "bench-planner"],
+           3: ["setup", "bench-engine", "bench-sampler", "strategies", "two-gpu-guard"]}
 
 
-def test_dry_run_lists_every_part_in_order_within_25_minutes():
+def _listing(out: str) -> dict:
+    """window -> [(part, budget)] and its stated total, from --dry-run's output."""
+    windows, current = {}, None
+    for line in out.splitlines():
+        if m := re.match(r"^window (\S+)$", line):
+            current = windows.setdefault(m.group(1), {"parts": [], "total": None})
+        elif m := re.match(r"^(\S+)\s+(\d+)s\s", line):
+            if m.group(1) == "total":
+                current["total"] = int(m.group(2))
+            else:
+                current["parts"].append((m.group(1), int(m.group(2))))
+    return windows
+
+
+def test_every_window_fits_one_device_session():
+    """A session is lent 15 minutes of device time, a machine's start (1-2 minutes) included, and
+    one command runs at most 10 minutes: each window's parts fit 510 s, set-up included, and every
+    check belongs to exactly one window."""
     out = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    rows = [line.split() for line in out.stdout.splitlines()[1:]]
-    names = [r[0] for r in rows[:-1]]
-    assert names == PARTS
-    budgets = [int(r[1].rstrip("s")) for r in rows[:-1]]
-    total = int(rows[-1][1].rstrip("s"))
-    assert rows[-1][0] == "total" and total == sum(budgets) <= 25 * 60
-    only = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--only", "oom-step1,fp32-stream"], capture_output=True,
+    windows = _listing(out.stdout)
+    assert {int(w): [p for p, _ in v["parts"]] for w, v in windows.items()} == WINDOWS
+    for w, v in windows.items():
+        assert v["total"] == sum(b for _, b in v["parts"]) <= 510, w
+    only = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--only", "oom-step1,flux2-klein4b"], capture_output=True,
                           text=True, timeout=30).stdout
-    assert re.findall(r"^(\S+)\s+\d+s", only, re.M) == ["fp32-stream", "oom-step1", "total"]
+    assert [p for p, _ in _listing(only)["only"]["parts"]] == ["oom-step1", "flux2-klein4b"]
+
+
+def test_budgets_over_the_window_fail_the_dry_run():
+    out = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=30,
+                         env={"PATH": "/usr/bin:/bin", "TOTAL_S": "400"})
+    assert out.returncode == 1 and "the parts' budgets exceed TOTAL_S" in out.stderr
 
 
 def test_a_part_runs_under_its_budget_with_its_own_log_and_a_summary_line(tmp_path):
