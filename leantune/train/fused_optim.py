@@ -227,7 +227,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if grad.shape != data.shape:
             return False
         fp32_exact = data.dtype == torch.float32 and master is None
-        if self.kind == "adafactor" and (fp32_exact or data.dim() != 2):
+        if self.kind == "adafactor" and data.dim() != 2:
             return False
         fused_adamw = self.kind == "adamw" and fp32_exact and grad.dtype == torch.float32 \
             and self.state_dtype == torch.float32
@@ -245,19 +245,19 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
                                 amsgrad=False, maximize=False, grad_scale=scale)
             return True
+        step = self.steps[name]
+        key = zlib.crc32(f"{self.seed}:{name}:{step}".encode())
+        decay = 1 - lr * self.weight_decay
+        if self.kind == "adafactor":          # clipping rides in its first pass (the row sums of g^2)
+            host_kernels.adafactor_matrix(
+                data, grad, st["row_var"], st["col_var"], max_grad_norm=max_grad_norm, one_minus_beta2_t=step ** -0.8,
+                rho_t=min(lr, 1 / (step ** 0.5)), decay=decay, eps1=torch.finfo(torch.float32).eps, eps2=1e-3,
+                sr_w=self.sr, key=key)
+            return True
         gscale = 1.0
         if max_grad_norm > 0:
             norm = host_kernels.sumsq(grad) ** 0.5
             gscale = min(max_grad_norm / (norm + 1e-6), 1.0)
-        step = self.steps[name]
-        key = zlib.crc32(f"{self.seed}:{name}:{step}".encode())
-        decay = 1 - lr * self.weight_decay
-        if self.kind == "adafactor":
-            host_kernels.adafactor_matrix(
-                data, grad, st["row_var"], st["col_var"], gscale=gscale, one_minus_beta2_t=step ** -0.8,
-                rho_t=min(lr, 1 / (step ** 0.5)), decay=decay, eps1=torch.finfo(torch.float32).eps, eps2=1e-3,
-                sr_w=self.sr, key=key)
-            return True
         beta1, beta2 = self.betas
         return host_kernels.adamw(
             data, master, grad, st["exp_avg"], st["exp_avg_sq"], gscale=gscale, decay=decay, beta1=beta1,
