@@ -4,7 +4,10 @@ The reference is `loss.backward(); opt.step()` with torch's SGD (single-tensor) 
 a CPU weight steps with torch's fused kernel, train/fused_optim.py) on a plain copy of the model. The fused loop steps every weight from its post-accumulate-grad
 hook, with none / some / all blocks (+ the non-block group) streamed in poison mode, with and
 without checkpointing and activation offload. Equality is bitwise for SGD and AdamW (same
-operations in the same order); Adafactor is torch's formula too and also compared bitwise.
+operations in the same order); Adafactor is torch's formula too and also compared bitwise, on the
+torch-op path (`host_kernels=False`): a CPU weight's Adafactor step otherwise runs the host kernels,
+within a stated tolerance of torch's Adafactor (tests/test_host_kernels.py), and what this matrix
+checks is the in-backward machinery, bit for bit.
 
 One thing streaming changes is the association of a sum: the time embedding `temb` feeds every
 block, and a streamed block routes its inputs through one identity node, so its two contributions
@@ -74,7 +77,7 @@ def fused_run(kind: str, plan: Plan | None = None, steps: int = 3, accumulation:
               probe=None, exclude=tuple(EXCLUDE), device="cpu"):
     model = _model(exclude)
     named = select_trainable(model, ["*"], list(exclude))
-    opt = FusedOptimizer(model, named, kind, lr=LR[kind], weight_decay=weight_decay)
+    opt = FusedOptimizer(model, named, kind, lr=LR[kind], weight_decay=weight_decay, host_kernels=kind != "adafactor")
     handle = None
     if plan is not None:
         handle = apply_memory(model, FLUX_SPEC, plan, device, offload_min_bytes=0,
@@ -439,14 +442,15 @@ def test_bf16_weights_and_bf16_adam_state_train_like_fp32():
 def test_adafactor_off_the_cpu_reads_nothing_on_the_host_and_matches_torch(monkeypatch):
     """Off the CPU, Adafactor's two norms per weight stay device tensors (a `.item()` inside backward
     would wait for every queued kernel, twice per weight). Run that path on the CPU with `.item()`
-    forbidden: it follows torch's Adafactor to float rounding (the CPU path is bitwise, above)."""
+    forbidden: it follows torch's Adafactor to float rounding (the CPU torch-op path is bitwise, above)."""
     from leantune.train import fused_optim
 
     g = torch.Generator().manual_seed(0)
     ref = torch.nn.Linear(32, 16)
     model = copy.deepcopy(ref)
     topt = torch.optim.Adafactor(ref.parameters(), lr=LR["adafactor"], weight_decay=0.1, foreach=False)
-    fopt = FusedOptimizer(model, dict(model.named_parameters()), "adafactor", lr=LR["adafactor"], weight_decay=0.1)
+    fopt = FusedOptimizer(model, dict(model.named_parameters()), "adafactor", lr=LR["adafactor"], weight_decay=0.1,
+                          host_kernels=False)         # the path a device runs
     grads = [{n: torch.randn(p.shape, generator=g) for n, p in ref.named_parameters()} for _ in range(4)]
     for step in grads:
         for n, p in ref.named_parameters():

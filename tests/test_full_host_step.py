@@ -32,7 +32,10 @@ def run(kind: str, plan: Plan, steps: int = 3, accumulation: int = 1, exclude=tu
     if dtype is not None:
         model.to(dtype)
     named = select_trainable(model, ["*"], list(exclude))
-    opt = FusedOptimizer(model, named, kind, lr=LR[kind], state_dtype=state_dtype, master_weights=master_weights)
+    # Adafactor: the torch-op path, bitwise torch's (the host kernels are within a tolerance of it,
+    # tests/test_host_kernels.py; this file checks the host-step machinery bit for bit).
+    opt = FusedOptimizer(model, named, kind, lr=LR[kind], state_dtype=state_dtype, master_weights=master_weights,
+                         host_kernels=kind != "adafactor")
     handle = apply_memory(model, FLUX_SPEC, plan, device, offload_min_bytes=0, streaming_engine=TrainableStreamingEngine)
     engine = handle.streaming.engine
     stepper = InBackwardStep(opt, list(named.values()), accumulation=accumulation, max_grad_norm=clip,

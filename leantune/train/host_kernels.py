@@ -5,7 +5,9 @@ billions of weights per optimizer step on the CPU. torch's fused CPU AdamW cover
 fp32 moments (train/fused_optim.py calls it there, bitwise torch's `AdamW(fused=True)`), but not
 bf16 weights with fp32 moments, fp32 masters beside bf16 weights, stochastic rounding, or Adafactor;
 as torch ops those take a dozen passes with full-size fp32 temporaries and run 10-25x below the
-fused kernel. host_kernels.c does each in one pass per element, no temporaries.
+fused kernel. host_kernels.c does each AdamW setting in one pass per element and Adafactor in three
+(clipping included), no temporaries the size of the tensor. Tolerances against the torch-op path
+and torch's Adafactor: tests/test_host_kernels.py.
 
 How it is built: plain C, no torch headers, compiled with the system C compiler ($CC, else cc or
 gcc; -O3 -march=native) into $LEANTUNE_CACHE_DIR (else ~/.cache/leantune)/host_kernels/ the first
@@ -17,7 +19,9 @@ math, slower); `unavailable_reason()` says why.
 
 Threads: a tensor is split into as many contiguous ranges as torch uses intra-op threads; each range
 is one C call on a worker thread (ctypes drops the GIL during the call). The random bits of
-stochastic rounding are a hash of (key, element index), so the result does not depend on the split.
+stochastic rounding are a hash of (key, element index), and the sums (the clipping norm, Adafactor's
+row and column sums) run over fixed blocks whose starts the ranges respect, so the result does not
+depend on the split.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("host_kernels.c")
 MIN_PER_THREAD = 1 << 16            # elements: below this a tensor is one call on the calling thread
+SUM_BLOCK = 4096                    # host_kernels.c: lt_sumsq's fp32 blocks
+ROW_BLOCK = 256                     # host_kernels.c: Adafactor's column sums, per block of rows
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -114,13 +120,13 @@ def library() -> ctypes.CDLL | None:
                                          _f32, _f32, _f32, _f32, _i32, _i32, _u32]
                 lib.lt_sumsq.restype = ctypes.c_double
                 lib.lt_sumsq.argtypes = [_i64, _i64, _p, _i32]
-                lib.lt_adafactor_rows.restype = ctypes.c_double
-                lib.lt_adafactor_rows.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _f32]
-                lib.lt_adafactor_cols.restype = None
-                lib.lt_adafactor_cols.argtypes = [_i64, _i64, _i64, _i64, _p, _i32, _f32, _p, _f32]
+                lib.lt_adafactor_sums.restype = ctypes.c_double
+                lib.lt_adafactor_sums.argtypes = [_i64, _i64, _i64, _p, _i32, _p, _i32, _p, _p]
+                lib.lt_adafactor_moments.restype = ctypes.c_double
+                lib.lt_adafactor_moments.argtypes = [_i64, _i64, _p, _p, _f32, _f32, _p, _p, _p, _p]
                 lib.lt_adafactor_update.restype = ctypes.c_double
-                lib.lt_adafactor_update.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p, _f32, _f32,
-                                                    _f32, _f32, _i32, _i32, _u32]
+                lib.lt_adafactor_update.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p, _p, _f32,
+                                                    _f32, _f32, _f32, _f32, _i32, _i32, _u32]
                 _lib = lib
             except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
                 _reason = f"host kernels not built: {e}"
@@ -169,9 +175,10 @@ def _bf(t: torch.Tensor | None) -> int:
 
 
 def sumsq(x: torch.Tensor) -> float:
-    """Sum of squares of x (fp32 arithmetic in short runs, double across them), threaded."""
+    """Sum of squares of x (fp32 arithmetic in blocks of SUM_BLOCK elements, double across them),
+    threaded; the ranges start at multiples of SUM_BLOCK, so the blocks do not depend on the split."""
     lib = library()
-    return sum(_parallel(lambda lo, hi: lib.lt_sumsq(lo, hi, _ptr(x), _bf(x)), _ranges(x.numel())))
+    return sum(_parallel(lambda lo, hi: lib.lt_sumsq(lo, hi, _ptr(x), _bf(x)), _ranges(x.numel(), SUM_BLOCK)))
 
 
 def adamw(w: torch.Tensor, master: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
@@ -188,25 +195,38 @@ def adamw(w: torch.Tensor, master: torch.Tensor | None, g: torch.Tensor, m: torc
 
 
 def adafactor_matrix(w: torch.Tensor, g: torch.Tensor, row_var: torch.Tensor, col_var: torch.Tensor, *,
-                     gscale: float, one_minus_beta2_t: float, rho_t: float, decay: float, eps1: float, eps2: float,
-                     sr_w: bool, key: int) -> None:
-    """torch's Adafactor update of a 2-D weight (factored second moment), in four passes over the
-    gradient and none over a temporary: (1a) the row moments and ||w||, split by rows; (1b) the
-    column moments, split by columns; (2) ||update||; (3) the update itself."""
+                     max_grad_norm: float, one_minus_beta2_t: float, rho_t: float, decay: float, eps1: float,
+                     eps2: float, sr_w: bool, key: int) -> None:
+    """torch's Adafactor update of a 2-D weight (factored second moment), in three passes over the
+    gradient and none over a temporary (host_kernels.c): (A) the row and column sums of g^2 and
+    ||w||, split by blocks of ROW_BLOCK rows; the per-parameter clipping scale (max_grad_norm > 0)
+    follows from the row sums and scales the sums, no pass of its own; the moments' lerps on one
+    thread; (B) ||update||; (C) the update itself. Scratch: a float per row, per column and per
+    column and block of ROW_BLOCK rows (under 2 % of the weight's elements for a Flux Linear)."""
     lib = library()
     rows, cols = w.shape
-    parts = len(_ranges(rows * cols))
-    row_ranges, col_ranges = _split(rows, parts), _split(cols, parts)
     rv, cv = row_var.view(rows), col_var.view(cols)
     if not (rv.is_contiguous() and cv.is_contiguous()):
         raise ValueError("adafactor_matrix: the row/column moments must be contiguous")
-    wsq = sum(_parallel(lambda r0, r1: lib.lt_adafactor_rows(
-        r0, r1, cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(rv), one_minus_beta2_t), row_ranges))
-    _parallel(lambda c0, c1: lib.lt_adafactor_cols(
-        c0, c1, rows, cols, _ptr(g), _bf(g), gscale, _ptr(cv), one_minus_beta2_t), col_ranges)
+    parts = len(_ranges(rows * cols))
+    blocks = -(-rows // ROW_BLOCK)
+    scratch = torch.empty(rows + blocks * cols + cols + 1, dtype=torch.float32)
+    rowsq, colpart = scratch[:rows], scratch[rows:rows + blocks * cols]
+    col_rs, col_min = scratch[rows + blocks * cols:-1], scratch[-1:]
+    block_ranges = [(lo * ROW_BLOCK, min(rows, hi * ROW_BLOCK)) for lo, hi in _split(blocks, parts)]
+    wsq = sum(_parallel(lambda r0, r1: lib.lt_adafactor_sums(
+        r0, r1, cols, _ptr(g), _bf(g), _ptr(w), _bf(w), _ptr(rowsq), _ptr(colpart)), block_ranges))
+    gscale = 1.0
+    if max_grad_norm > 0:      # clip_in_place's coefficient, from the same sum of squares
+        gscale = min(max_grad_norm / (float(rowsq.sum(dtype=torch.float64)) ** 0.5 + 1e-6), 1.0)
+    rsum = lib.lt_adafactor_moments(rows, cols, _ptr(rowsq), _ptr(colpart), gscale * gscale, one_minus_beta2_t,
+                                    _ptr(rv), _ptr(cv), _ptr(col_rs), _ptr(col_min))
     alpha = max(eps2, (wsq ** 0.5) / (w.numel() ** 0.5)) * rho_t
-    inv_rmean = 1.0 / max(float(rv.sum(dtype=torch.float64)) / rows, eps1)
-    common = (cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(rv), _ptr(cv), inv_rmean, eps1 * eps1, decay)
+    inv_rmean = 1.0 / max(rsum / rows, eps1)
+    cmin = float(col_min[0])
+    row_ranges = _split(rows, parts)
+    common = (cols, _ptr(g), _bf(g), gscale, _ptr(w), _bf(w), _ptr(rv), _ptr(cv), _ptr(col_rs), cmin, inv_rmean,
+              eps1 * eps1, decay)
     usq = sum(_parallel(lambda r0, r1: lib.lt_adafactor_update(r0, r1, *common, 0.0, 0, 0, 0), row_ranges))
     denom = max(1.0, (usq ** 0.5) / (w.numel() ** 0.5))
     sr = int(sr_w and w.dtype == torch.bfloat16)
@@ -214,7 +234,6 @@ def adafactor_matrix(w: torch.Tensor, g: torch.Tensor, row_var: torch.Tensor, co
               row_ranges)
 
 
-def _split(rows: int, parts: int) -> list[tuple[int, int]]:
-    step = -(-rows // max(1, parts))
-    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
-
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-n // max(1, parts))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
