@@ -8,7 +8,10 @@ meta device (no memory, milliseconds) under the workload's batch, tokens, LoRA a
 with a dispatch mode that tracks every tensor storage as it is created and freed. That gives, per
 block kind, what is kept for backward (S_k),
 the block output (O_k), and the transient peaks in forward (Tf_k), backward (Tb_k) and no-grad
-forward (Tn_k), plus the FLOPs of every op (the timing model's compute term).
+forward (Tn_k), plus the FLOPs of every op (the timing model's compute term). A full fine-tune's
+backward also records where each trained tensor's gradient completes (the post-accumulate-grad
+hook, where train/in_backward.py runs its update) and what is live then, above the start of the
+backward it happens in (KindProfile.step_points): the memory model prices each update there.
 
 Two things are emulated because they depend on the GPU: bf16 autocast (CUDA's op lists: matmuls in
 bf16, norms/pow/softmax in fp32; autocast itself ignores meta tensors) and attention (flash/efficient

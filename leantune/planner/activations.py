@@ -16,6 +16,12 @@ times B*L*D*2 bytes (~31 without autocast) and O = B*L*D*2, where L is the image
 (height/16 * width/16) plus the text tokens; the probe, not this summary, is the source. fp8 plans
 are probed with the engine's own fp8 storage applied, so its dequantised temporaries are in the
 transients.
+
+A full fine-tune updates each weight inside backward when its gradient completes; the update's
+temporaries are one more transient of the backward it runs in: `bwd_extra` (step_peak of the
+block's step points, each priced by the memory model) is taken into Tb_i's max, so an update is
+priced with what is live at its own moment (klein-4B's largest, 2.2 GiB of AdamW temporaries, at
+the end of its block's backward when most of the block's activations are gone), not with the peak.
 """
 
 from __future__ import annotations
