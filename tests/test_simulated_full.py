@@ -98,13 +98,14 @@ def test_full_step_peak_is_within_the_prediction(full_cases, name):
     its gradient completes, and the planner prices each update there, with the activations the
     probe saw live at that moment (the largest, a double block's modulation Linear, comes last in
     its block's backward, after most of the block's activations are gone). Pricing the largest
-    update on top of the whole activation peak instead was up to 15% over here (25% with the host
-    step, whose weight-only slots make the device peak small)."""
+    update on top of the whole activation peak instead was up to 13.6% over here. The host step
+    still prices it so (memory_model.py: per moment it under-predicted at full size), and its
+    weight-only slots make the device peak small, so the same term is a larger share: up to 25%."""
     r = full_cases[name]
     predicted = r["predicted"] - r["workspace"]
     step = r["breakdown"]["gradients"] + r["breakdown"]["optimizer step"]
     assert 0 <= predicted - r["simulated"] <= step, (name, predicted, r["simulated"], step)
-    assert 1.0 <= r["ratio"] <= 1.10, (name, r["ratio"])
+    assert 1.0 <= r["ratio"] <= (1.25 if "host" in name else 1.10), (name, r["ratio"])
 
 
 @pytest.mark.slow
