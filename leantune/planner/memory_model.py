@@ -44,7 +44,7 @@ conversion of the largest streamed gradient on its way to its host accumulator i
 both on top of the activation peak: the per-moment pricing above is not used for it. Priced per
 moment, a host-step plan came out 3.5-5 % *under* the simulated peak (Flux-dev, 1024 px, 4-8
 GiB): its peak is the activation peak (a checkpointed block's recompute), which the composed
-activations under-count by 0.2-0.3 GiB there, and which these two terms covered. The streamed
+activations under-count by about 0.3 GiB there, and which these two terms covered. The streamed
 weights' state, the host step's transient and the pinned gradient staging are host RAM
 (host_model.py); the gradients' device->host copies and the CPU step are time (timing.py).
 Host RAM comes from host_model.py, step time from timing.py.
