@@ -84,9 +84,11 @@ def test_host_step_plan_prices_weight_only_units_and_gradient_traffic(optimizer,
     resident = [b for n, b in blocks.items() if n not in streamed]
     assert vram["optimizer states"] == dvram["optimizer states"] == sum(
         t.numel() * t.element_size() for b in resident for n, t in b.named_buffers() if _is_state(n))
-    assert vram["gradients"] == dvram["gradients"] == max(p.numel() for p in named.values()) * 2
+    # The host step keeps the largest gradient and the largest resident update on top of the
+    # activation peak (memory_model.py); the device step prices each update where it runs.
+    assert vram["gradients"] == max(p.numel() for p in named.values()) * 2 and dvram["gradients"] == 0
     largest_resident = max(p.numel() for b in resident for p in b.parameters() if p.requires_grad)
-    assert vram["optimizer step"] == planner.full.step_of(largest_resident) <= dvram["optimizer step"]
+    assert vram["optimizer step"] == planner.full.step_of(largest_resident)
 
     # Host RAM: weight-only buffers, the streamed state on its own, the CPU step, the CUDA staging.
     assert hram["streamed blocks (pinned)"] == sum(weights_only)

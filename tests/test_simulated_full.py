@@ -94,18 +94,18 @@ def test_full_engine_places_and_moves_what_the_planner_counts(full_cases, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_full_step_peak_is_within_the_prediction(full_cases, name):
     """The planner's peak (without its workspace term) is an upper bound of the simulated one, and
-    over by less than its step term: it adds the largest trained tensor's gradient and update
-    temporaries to the activation peak, while the engine steps each weight when its gradient is
-    complete, after part of its block's activations are gone (the largest, a block's modulation
-    Linear, comes last in its block's backward). At 512 px with two blocks that is up to 14% of
-    the peak (Adafactor, offloaded checkpointing, where activations are smallest)."""
+    over by less than its step terms and by at most 10%: each weight steps inside backward when
+    its gradient completes, and the planner prices each update there, with the activations the
+    probe saw live at that moment (the largest, a double block's modulation Linear, comes last in
+    its block's backward, after most of the block's activations are gone). Pricing the largest
+    update on top of the whole activation peak instead was up to 13.6% over here. The host step
+    still prices it so (memory_model.py: per moment it under-predicted at full size), and its
+    weight-only slots make the device peak small, so the same term is a larger share: up to 25%."""
     r = full_cases[name]
     predicted = r["predicted"] - r["workspace"]
     step = r["breakdown"]["gradients"] + r["breakdown"]["optimizer step"]
     assert 0 <= predicted - r["simulated"] <= step, (name, predicted, r["simulated"], step)
-    # With the optimizer step of streamed blocks on the host the slots hold weights only, so the
-    # device peak is a quarter of the device-step plan's and the same step term a larger share.
-    assert 1.0 <= r["ratio"] <= (1.25 if "host" in name else 1.15), (name, r["ratio"])
+    assert 1.0 <= r["ratio"] <= (1.25 if "host" in name else 1.10), (name, r["ratio"])
 
 
 @pytest.mark.slow

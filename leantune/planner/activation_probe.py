@@ -8,7 +8,10 @@ meta device (no memory, milliseconds) under the workload's batch, tokens, LoRA a
 with a dispatch mode that tracks every tensor storage as it is created and freed. That gives, per
 block kind, what is kept for backward (S_k),
 the block output (O_k), and the transient peaks in forward (Tf_k), backward (Tb_k) and no-grad
-forward (Tn_k), plus the FLOPs of every op (the timing model's compute term).
+forward (Tn_k), plus the FLOPs of every op (the timing model's compute term). A full fine-tune's
+backward also records where each trained tensor's gradient completes (the post-accumulate-grad
+hook, where train/in_backward.py runs its update) and what is live then, above the start of the
+backward it happens in (KindProfile.step_points): the memory model prices each update there.
 
 Two things are emulated because they depend on the GPU: bf16 autocast (CUDA's op lists: matmuls in
 bf16, norms/pow/softmax in fp32; autocast itself ignores meta tensors) and attention (flash/efficient
@@ -38,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import LoraConfig
 from ..memory.fp8 import apply_fp8_storage
 from ..train.lora import LoraRankWarning, add_lora
-from .activations import ActivationProfile, KindProfile
+from .activations import ActivationProfile, KindProfile, frontier
 from .meta import short_copy
 from .workload import Workload
 
@@ -275,9 +278,12 @@ def _storage_bytes(tensors) -> int:
 
 
 def _run_probe(spec, probe, workload: Workload, bucket, grad: bool,
-               rank_dim: int | None = None) -> tuple[_Tracker, dict, dict]:
+               rank_dim: int | None = None, steps: list | None = None) -> tuple[_Tracker, dict, dict]:
     """One forward (and backward when `grad`) of the probe model; returns the tracker's windows,
-    the live bytes after each block (pairs: _Tracker) and the output bytes of each block."""
+    the live bytes after each block (pairs: _Tracker) and the output bytes of each block.
+    A full fine-tune's backward appends to `steps`, for each trained tensor as its gradient
+    completes, (the block owning it or None, the open window, live bytes then above the window's
+    start, its elements): where train/in_backward.py runs its update."""
     tracker = _Tracker(rank_dim)
     after: dict[str, tuple[int, int]] = {}
     outs: dict[str, int] = {}
@@ -307,9 +313,19 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool,
     if grad and workload.mode == "full":
         # The optimizer steps each weight inside backward and frees its gradient at once
         # (train/in_backward.py): a gradient lives only until its weight's AccumulateGrad ran.
+        # That moment is recorded (the gradient still live): the update's temporaries come on top there.
+        owner = {id(p): name for name, block in _named_blocks(spec, probe) for p in block.parameters()}
+
+        def on_step(p: torch.Tensor) -> None:
+            window = tracker._open
+            if steps is not None and window is not None:
+                live, start = tracker.pair(), window["start"]
+                steps.append((owner.get(id(p)), window["name"], live[0] - start[0], p.numel()))
+            p.grad = None
+
         for p in probe.parameters():
             if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
+                handles.append(p.register_post_accumulate_grad_hook(on_step))
     inputs = _probe_inputs(spec, probe, workload, bucket)
     _FlashAttention.tracker = tracker
     try:
@@ -340,10 +356,6 @@ def _named_blocks(spec, probe) -> list[tuple[str, torch.nn.Module]]:
     the kind it is priced as (spec.block_kinds: "double", "joint_dual", ...)."""
     kinds = spec.block_kinds(probe)
     return [(f"{kind}.{qname.rsplit('.', 1)[1]}", block) for kind, (qname, block) in zip(kinds, spec.blocks(probe))]
-
-
-def _drop_grad(p: torch.Tensor) -> None:
-    p.grad = None
 
 
 def trace_rank(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[int, int]) -> int:
@@ -426,7 +438,9 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
                                  nograd_pre=val(nograd_pre), nograd_post_transient=top(nograd_post),
                                  nb_post_flops=val(ng_post["flops"]))
 
-    tr, after, outs = _run_probe(spec, probe, workload, bucket, grad=True, rank_dim=rank_dim)
+    steps: list = []
+    tr, after, outs = _run_probe(spec, probe, workload, bucket, grad=True, rank_dim=rank_dim, steps=steps)
+    points, first_points, post_points, loose = _step_points(steps, order, last)
     profiles, per_kind = {}, {}
     for k in kinds:
         name = last[k]
@@ -449,7 +463,8 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
             saved=val(saved), out=outs[name], fwd_transient=top(parts["fwd_transient"]),
             bwd_transient=top(parts["bwd_transient"]), nograd_transient=top(nograd[k]),
             fwd_flops=val(parts["fwd_flops"]), bwd_flops=val(parts["bwd_flops"]),
-            fwd_traffic=val(parts["fwd_traffic"]), bwd_traffic=val(parts["bwd_traffic"]))
+            fwd_traffic=val(parts["fwd_traffic"]), bwd_traffic=val(parts["bwd_traffic"]),
+            step_points=points.get(k, ()), nb_first_step_points=first_points.get(k, ()))
         per_kind[k] = {f: (v if f.endswith("transient") else v[1]) for f, v in parts.items()}
     post_fwd = tr.windows[f"fwd:after:{order[-1]}"]
     post_bwd = tr.windows["bwd:post"]
@@ -467,4 +482,35 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
         pre=val(pre), post=val(post), post_bwd_transient=top(post_bwd_peaks),
         nb_fwd_flops=val(tr.windows["fwd:pre"]["flops"]), nb_bwd_flops=val(post_bwd["flops"]),
         nograd_pre=val(nograd_pre), nograd_post_transient=top(nograd_post), nb_post_flops=val(post_fwd["flops"]),
-        per_rank=per_rank)
+        per_rank=per_rank, post_step_points=post_points, loose_step_numel=loose)
+
+
+def _step_points(steps: list, order: list[str], last: dict[str, str]):
+    """Where each trained tensor of a full fine-tune steps (_run_probe's `steps`), as the memory
+    model composes it over the whole stack: (per kind: its last probe block's own tensors, every
+    block of the kind steps so; per kind: non-block tensors completing in the backward of the first
+    probe block of that kind, i.e. of the kind's first block in the model; the final layers'
+    backward; the largest tensor completing anywhere else). Each a frontier (activations.frontier).
+    A full fine-tune builds no adapters, so no point depends on a LoRA rank."""
+    first = {}
+    for name in order:
+        first.setdefault(name.split(".")[0], name)
+    by_window = {f"bwd:{name}": kind for kind, name in last.items()}
+    first_window = {f"bwd:{name}": kind for kind, name in first.items()}
+    points: dict[str, list] = {}
+    first_points: dict[str, list] = {}
+    post, loose = [], 0
+    for block, window, above, numel in steps:
+        kind = by_window.get(window)
+        if block is not None and kind is not None and window == f"bwd:{block}":
+            points.setdefault(kind, []).append((above, numel))     # a block's own tensor, in its backward
+        elif block is not None and block not in last.values() and window == f"bwd:{block}":
+            continue     # another probe block's own tensor: its kind is priced by the kind's last block
+        elif block is None and window == "bwd:post":
+            post.append((above, numel))
+        elif block is None and window in first_window:
+            first_points.setdefault(first_window[window], []).append((above, numel))
+        else:
+            loose = max(loose, numel)
+    return ({k: frontier(v) for k, v in points.items()}, {k: frontier(v) for k, v in first_points.items()},
+            frontier(post), loose)

@@ -16,6 +16,12 @@ times B*L*D*2 bytes (~31 without autocast) and O = B*L*D*2, where L is the image
 (height/16 * width/16) plus the text tokens; the probe, not this summary, is the source. fp8 plans
 are probed with the engine's own fp8 storage applied, so its dequantised temporaries are in the
 transients.
+
+A full fine-tune updates each weight inside backward when its gradient completes; the update's
+temporaries are one more transient of the backward it runs in: `bwd_extra` (step_peak of the
+block's step points, each priced by the memory model) is taken into Tb_i's max, so an update is
+priced with what is live at its own moment (klein-4B's largest, 2.2 GiB of AdamW temporaries, at
+the end of its block's backward when most of the block's activations are gone), not with the peak.
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ class KindProfile:
     bwd_flops: float
     fwd_traffic: int = 0  # bytes moved by memory-bound ops (casts, fp8 dequantisation, norms)
     bwd_traffic: int = 0
+    # Full fine-tuning (the optimizer steps each weight inside backward, train/in_backward.py): the
+    # moments the block's trained tensors' gradients complete, as (live bytes above the start of its
+    # backward then, its gradient included; elements of the tensor), the points no other beats in
+    # both (the update's temporaries grow with the elements): the step is priced there, not at the peak.
+    step_points: tuple[tuple[int, int], ...] = ()
+    # The same for non-block tensors (embedders, FLUX.2's shared modulation) whose gradient completes
+    # in the backward of the *first* block of this kind (they feed every block of the kind).
+    nb_first_step_points: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,12 @@ class ActivationProfile:
     nograd_pre: int
     nograd_post_transient: int
     nb_post_flops: float = 0.0               # final norm, projection and loss (after the blocks)
+    # Full fine-tuning: the step points (KindProfile.step_points) of the tensors whose gradient
+    # completes in the backward of the final layers, above that backward's start ...
+    post_step_points: tuple[tuple[int, int], ...] = ()
+    # ... and the largest tensor whose gradient completes anywhere else (no family has one): priced
+    # as before this was measured, its update on top of the whole activation peak.
+    loose_step_numel: int = 0
     # A LoRA profile's adapter share per rank unit (activation_probe._Tracker), so another rank is
     # priced without tracing again: {"rank": the rank the fields above are at, "kinds": {kind: {field:
     # per rank, or for a transient its candidate peaks [[bytes, bytes per rank], ...]}}, and the
@@ -96,34 +116,66 @@ class ActivationProfile:
     def from_dict(cls, d: dict) -> ActivationProfile:
         d = dict(d)
         d["bucket"] = tuple(d["bucket"])
-        d["kinds"] = {k: KindProfile(**v) for k, v in d["kinds"].items()}
+        d["kinds"] = {k: KindProfile(**{f: (_points(x) if f.endswith("step_points") else x) for f, x in v.items()})
+                      for k, v in d["kinds"].items()}
+        if "post_step_points" in d:
+            d["post_step_points"] = _points(d["post_step_points"])
         return cls(**d)
 
 
-def compose_activations(prof: ActivationProfile, seq: list[KindProfile], checkpointing: str, mode: str) -> int:
-    """Peak activation bytes of a whole step from per-kind probe values (formulas in the module docstring)."""
+def _points(pairs) -> tuple[tuple[int, int], ...]:
+    """Step points read back from JSON (lists) as the tuples the probe makes."""
+    return tuple((int(a), int(b)) for a, b in pairs)
+
+
+def frontier(points) -> tuple[tuple[int, int], ...]:
+    """The (bytes, elements) points no other point matches or beats in both, sorted: what a step
+    priced as bytes + f(elements), f increasing, can peak at."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(set(points), key=lambda p: (-p[0], -p[1])):
+        if not out or b > out[-1][1]:
+            out.append((a, b))
+    return tuple(sorted(out))
+
+
+def step_peak(points, price) -> int:
+    """The largest bytes above the reference of a set of step points, each point's update priced
+    by `price(elements)` (0 for no point)."""
+    return max((a + price(n) for a, n in points), default=0)
+
+
+def compose_activations(prof: ActivationProfile, seq: list[KindProfile], checkpointing: str, mode: str,
+                        bwd_extra: list[int] | None = None, post_extra: int = 0) -> int:
+    """Peak activation bytes of a whole step from per-kind probe values (formulas in the module docstring).
+
+    `bwd_extra[i]` (full fine-tuning): the largest bytes above the start of block i's backward at
+    the moment one of its updates runs (step_peak of its points), a transient of that backward
+    like Tb_i: Tb_i becomes max(Tb_i, bwd_extra[i]); `post_extra` likewise for the final layers'
+    backward. So each update is priced with the activations live when its gradient completes."""
     if mode == "inference":
         top = max(k.nograd_transient + k.out for k in seq)
         return prof.nograd_pre + max(top, prof.nograd_post_transient + seq[-1].out)
+    extra = bwd_extra or [0] * len(seq)
     pre = prof.pre
     peak = pre
+    post_bwd = max(prof.post_bwd_transient, post_extra)
     if checkpointing == "none":
         live = pre
         for k in seq:
             live += k.saved
             peak = max(peak, live + k.fwd_transient)
-        peak = max(peak, live + prof.post + prof.post_bwd_transient)
-        for k in reversed(seq):
-            peak = max(peak, live + k.out + k.bwd_transient)
+        peak = max(peak, live + prof.post + post_bwd)
+        for k, x in zip(reversed(seq), reversed(extra)):
+            peak = max(peak, live + k.out + max(k.bwd_transient, x))
             live -= k.saved
         return peak
     kept = pre
     for k in seq:                                    # no-grad forward, keeping each block's input
         peak = max(peak, kept + k.nograd_transient)
         kept = kept + k.out if checkpointing == "blocks" else pre + 2 * k.out
-    peak = max(peak, kept + prof.post + prof.post_bwd_transient)
-    for k in reversed(seq):                          # recompute, then backward, block by block
-        peak = max(peak, kept + k.out + k.saved + max(k.fwd_transient, k.bwd_transient))
+    peak = max(peak, kept + prof.post + post_bwd)
+    for k, x in zip(reversed(seq), reversed(extra)):  # recompute, then backward, block by block
+        peak = max(peak, kept + k.out + k.saved + max(k.fwd_transient, k.bwd_transient, x))
         if checkpointing == "blocks":
             kept -= k.out
     return peak

@@ -16,8 +16,10 @@ train/fused_optim.py, train/in_backward.py and memory/trainable_streaming.py:
   fp32 absmax per 256 values each; tensors under 4096 values keep fp32 moments (bitsandbytes'
   `min_8bit_size`). Priced from that layout, not measured (bitsandbytes needs CUDA).
 - Gradients: the step runs inside backward, one tensor at a time, and frees the gradient at once
-  (in_backward.py), so beyond the activations the device holds one weight's gradient, at most the
-  largest trained tensor's, never the model's.
+  (in_backward.py), so beyond the activations the device holds the gradients of the block whose
+  backward runs, never the model's. Where each one's update runs, and what is live then, the
+  activation probe records (memory_model.py composes `step_of` there); `gradient` and `step`
+  below are the largest tensor's, for the levers and the tests.
 - The step's temporaries (fp32 copies of a bf16 weight and gradient, AdamW's denominator,
   stochastic rounding's noise and bits, per-parameter clipping): measured by running
   `InBackwardStep`'s own update on a small real CPU tensor under a storage tracker, as bytes per
@@ -42,8 +44,8 @@ AdamW moments of Flux-dev at 8 GiB: the slots shrink by the state they no longer
 is time: a CPU updates a few hundred million to a billion parameters per second with the host
 kernels (two cores), a GPU tens of billions.
 Priced here: per block, the trained parameters (gradient bytes, host step time) and the largest
-trained tensor (the device keeps the temporaries of the largest *resident* one only; the host, one
-streamed tensor's gradient copy and its update temporaries, with the same measured coefficients
+trained tensor (the device runs the updates of the *resident* tensors only, memory_model.py; the
+host, one streamed tensor's gradient copy and its update temporaries, with the same measured coefficients
 less the master's device copy: on the CPU the master is used in place); and the host optimizer
 rate (`host_step_rate`), parameters per second of the fused update measured once per process and
 optimizer setting on *this* (the planning) machine's CPU. A plan made on one machine and run on

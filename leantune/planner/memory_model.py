@@ -21,16 +21,30 @@ A full fine-tune (full_model.py) steps each weight inside backward, so its compo
 - stream slots: a streamed block's unit carries its weights *and* their optimizer state;
 - optimizer states: the state of the resident trained weights (plus bitsandbytes' 8-bit state of
   every weight, which never moves);
-- gradients: one trained tensor's gradient (the largest), freed as soon as it is stepped;
-- optimizer step: that tensor's update temporaries, at the same moment as the backward's
-  activations (the update runs inside it): the peak is their sum.
+- optimizer step: what the updates add to the activation peak. Each trained tensor's update runs
+  inside backward the moment its gradient is complete (train/in_backward.py), and the probe
+  records that moment per tensor: the live bytes then above the start of its block's backward,
+  its gradient included (activation_probe.py, KindProfile.step_points). The update's temporaries
+  (full_model.FullPricing.step_of) are added there, composed over the stack like any other
+  transient of a block's backward (compose_activations' bwd_extra; the final layers' tensors in
+  their backward, the embedders' and FLUX.2's shared modulation in the first block's of the kind
+  they feed); the term is how far the highest of those moments rises above the activation peak.
+  The largest tensor (klein-4B's fused qkv+MLP projection, 2.2 GiB of AdamW temporaries) steps at
+  the end of its block's backward, when most of that block's activations are freed: pricing it
+  on top of the whole activation peak, as this model did first, over-predicted by 11-17 %.
+- gradients: 0; each gradient lives from its computation to its update, inside the probe's
+  numbers (the probe frees it where the update does).
 With the optimizer step of streamed blocks on the host (Plan.optimizer_on_host, full_model.py's
 host-step variant), a streamed unit carries its weights only, so the slots shrink by the state
 they no longer carry; the optimizer states are still the resident weights' own; the gradients
-term stays the largest trained tensor's (a streamed one waits on the device until it is copied
-to the host); the optimizer step term is the update temporaries of the largest *resident* trained
-tensor (0 if every trained tensor streams), or, with gradient accumulation, the fp32 conversion of
-the largest streamed gradient on its way to its host accumulator if that is larger. The streamed
+term is the largest trained tensor's (a streamed one stays on the device until its copy to the
+host has run) and the optimizer step term the update temporaries of the largest *resident*
+trained tensor (0 if every trained tensor streams), or, with gradient accumulation, the fp32
+conversion of the largest streamed gradient on its way to its host accumulator if that is larger,
+both on top of the activation peak: the per-moment pricing above is not used for it. Priced per
+moment, a host-step plan came out 3.5-5 % *under* the simulated peak (Flux-dev, 1024 px, 4-8
+GiB): its peak is the activation peak (a checkpointed block's recompute), which the composed
+activations under-count by about 0.3 GiB there, and which these two terms covered. The streamed
 weights' state, the host step's transient and the pinned gradient staging are host RAM
 (host_model.py); the gradients' device->host copies and the CPU step are time (timing.py).
 Host RAM comes from host_model.py, step time from timing.py.
@@ -42,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .activations import compose_activations
+from .activations import compose_activations, step_peak
 from .corrections import Calibration, bucket_key
 from .full_model import FullPricing
 from .host_model import host_breakdown, offloaded_inputs
@@ -119,20 +133,61 @@ class MemoryModel:
         self._nb_unit_w = nb.unit_bytes(db)
         self._conversion = {s: max([b.largest_conversion(*s) for b in blocks], default=0) for s in every}
         self._composed: dict = {}      # (bucket, storage, checkpointing) -> activations before calibration
+        self._stepped: dict = {}       # full mode: in_backward_step's terms per bucket and plan shape
         self._offloaded: dict = {}     # storage -> offloaded block inputs' pinned bytes
         self._indices: dict = {}       # streamed block names -> (index set, sorted indices)
         self._host_parts: dict = {}    # loaded bytes -> full_host_parts (full mode)
 
     # -- parts ---------------------------------------------------------------------------------------
     def activation_peak(self, bucket, fp8: bool, checkpointing: str, modulation: bool = False) -> int:
-        key = (bucket, (fp8, modulation), checkpointing)
-        if key not in self._composed:
-            prof = self.profiles[(fp8, modulation)][bucket]
-            seq = [prof.kinds[k] for k in self.kinds]
-            self._composed[key] = compose_activations(prof, seq, checkpointing, self.workload.mode)
+        composed = self._composed_activations(bucket, (fp8, modulation), checkpointing)
         scales = self.calibration.activation_scale   # measured for this mode, else for another mode
         scale = scales.get(f"{bucket_key(bucket)}:{checkpointing}", scales.get(f"{bucket_key(bucket)}:*", 1.0))
-        return int(self._composed[key] * scale)
+        return int(composed * scale)
+
+    def in_backward_step(self, plan: Plan, bucket) -> dict[str, int]:
+        """A full fine-tune's "gradients" and "optimizer step" terms: what its in-backward updates
+        add to the activation peak (module docstring). Each trained tensor's update is priced at the
+        probe's moment its gradient completes (activations.step_peak), composed over the stack like
+        the backward's transients (compose_activations' bwd_extra); the term is how far the highest
+        of those moments rises above the activation peak (0 when none does)."""
+        full, w = self.full, self.workload
+        on_host = self.host_step(plan)
+        if on_host:
+            # Not yet priced per moment (see the module docstring): the largest gradient and the
+            # largest resident tensor's update on top of the activation peak, as before.
+            step = full.step_of(self.resident_trained(plan)[1])
+            if w.gradient_accumulation > 1:            # a streamed gradient's fp32 copy to its accumulator
+                step = max(step, 4 * max((m for _, m in self.streamed_trained(plan)), default=0))
+            return {"gradients": full.gradient, "optimizer step": step}
+        key = (bucket, plan.storage, plan.checkpointing)
+        if key not in self._stepped:
+            prof = self.profiles[plan.storage][bucket]
+            seq = [prof.kinds[k] for k in self.kinds]
+            on_device = full.step_of
+            firsts = {k: i for i, k in reversed(list(enumerate(self.kinds)))}
+            extra = []
+            for i, k in enumerate(seq):
+                x = step_peak(k.step_points, on_device)
+                if firsts[self.kinds[i]] == i:          # embedders, shared modulation
+                    x = max(x, step_peak(k.nb_first_step_points, on_device))
+                extra.append(x)
+            stepped = compose_activations(prof, seq, plan.checkpointing, w.mode, extra,
+                                          step_peak(prof.post_step_points, on_device))
+            over = stepped - self._composed_activations(bucket, plan.storage, plan.checkpointing)
+            loose = prof.loose_step_numel
+            self._stepped[key] = {"gradients": 0,
+                                  "optimizer step": max(0, over, loose * self.dtype_bytes + on_device(loose))}
+        return self._stepped[key]
+
+    def _composed_activations(self, bucket, storage, checkpointing: str) -> int:
+        """The activation peak before calibration (compose_activations over the stack), kept."""
+        key = (bucket, storage, checkpointing)
+        if key not in self._composed:
+            prof = self.profiles[storage][bucket]
+            seq = [prof.kinds[k] for k in self.kinds]
+            self._composed[key] = compose_activations(prof, seq, checkpointing, self.workload.mode)
+        return self._composed[key]
 
     def trainable_bytes(self) -> tuple[int, int, int]:
         """(parameter bytes, gradient bytes, optimizer-state bytes) of what trains."""
@@ -241,11 +296,6 @@ class MemoryModel:
         if full is not None:          # states of resident weights; streamed ones travel in the slots
             states = self.resident_state(plan)
         opt_tmp = {"lora": 2 * params, "full": 0, "inference": 0}[w.mode]
-        step_tmp = full.step if full is not None else 0
-        if full is not None and self.host_step(plan):   # streamed tensors step on the host
-            step_tmp = full.step_of(self.resident_trained(plan)[1])
-            if w.gradient_accumulation > 1:            # a streamed gradient's fp32 copy to its accumulator
-                step_tmp = max(step_tmp, 4 * max((m for _, m in self.streamed_trained(plan)), default=0))
         keep_grads = w.gradient_accumulation > 1
         static = {"weights resident": resident, "stream slots": slots, "adapters": params,
                   "optimizer states": states, "workspace": self.machine.workspace}
@@ -253,8 +303,8 @@ class MemoryModel:
         worst = None
         for bucket in w.buckets:
             act = self.activation_peak(bucket, plan.fp8, plan.checkpointing, plan.fp8_modulation)
-            if full is not None:      # each weight steps inside backward: all at once, one tensor's worth
-                part = {"activations": act, "gradients": full.gradient, "optimizer step": step_tmp}
+            if full is not None:      # each weight steps inside backward, when its gradient completes
+                part = {"activations": act, **self.in_backward_step(plan, bucket)}
             else:
                 backward = {"activations": act, "gradients": grads if keep_grads else 0, "optimizer step": 0}
                 step = {"activations": 0, "gradients": grads, "optimizer step": opt_tmp}

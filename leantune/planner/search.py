@@ -359,8 +359,8 @@ def _full_levers(w, parts: dict[str, int], host_need: int | None = None, on_host
                     "streaming)" if w.optimizer == "adamw8bit" else ""))
     step = parts["gradients"] + parts["optimizer step"]
     if step:
-        out.append(f"stepping the largest weight inside backward takes {gib(step)} (its gradient and the "
-                   f"update's temporaries)")
+        out.append(f"stepping the weights inside backward adds {gib(step)} to the activations (the gradient and "
+                   f"update temporaries of the weight that rises highest, at the moment its gradient completes)")
     out.append("freeze a part with [full] exclude, or train a LoRA instead")
     return out
 
