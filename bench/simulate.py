@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # simulate this checkout's leantune
+
 GiB = 2**30
 CASES = {"train1024": ("train", 1024), "train512": ("train", 512), "sample1024": ("sample", 1024)}
 MODELS = ("flux-dev", "sd3.5-large", "sd3.5-medium", "qwen-image", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b")
