@@ -13,8 +13,8 @@ Loaders, each in a fresh process, the file in the page cache (a first untimed re
 - `leantune`: load_transformer with family.fp8_load_options([memory] fp8 = true), then what the
   engine does with plan.fp8 (apply_fp8_storage) and a rank-16 LoRA (add_lora): the trainable model.
 - `leantune-torch`: `leantune` as it was before the C quantizer (issue 21): the torch-op
-  quantization (LEANTUNE_HOST_KERNELS=0) into 4 KiB pages (no MADV_HUGEPAGE on the kept tensors),
-  so a before/after pair runs interleaved under the same machine load.
+  quantization (LEANTUNE_HOST_KERNELS=0), so a before/after pair runs interleaved under the same
+  machine load.
 - `leantune-old`: the path before loads quantized: the whole model loaded in bf16, then quantized.
 - `sd-scripts`: kohya-ss/sd-scripts' `flux_utils.load_flow_model` as its flux_train_network runs it
   with --fp8_base (dtype None: the file's own, mmapped; then `model.to(float8_e4m3fn)` for a bf16
@@ -226,9 +226,6 @@ def child(loader: str, path: Path) -> dict:
     family = "flux" if path.name.startswith("flux") else "sd3"
     if loader == "leantune-torch":
         os.environ["LEANTUNE_HOST_KERNELS"] = "0"                          # before any kernel is built
-        from leantune.models import weights
-
-        weights._madvise = False                                            # kept_empty: plain pages
     if loader.startswith("leantune"):
         run, spec, after = _leantune(path, family, loader == "leantune-old")
     elif loader == "sd-scripts":

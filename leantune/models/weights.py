@@ -508,49 +508,6 @@ def _listing(items: list[str]) -> str:
     return shown + (f" and {len(items) - 5} more" if len(items) > 5 else "")
 
 
-_HUGE_PAGE = 2 * 2**20
-_MADV_HUGEPAGE = 14            # linux/mman.h
-_madvise = None
-
-
-def _libc_madvise():
-    """libc's madvise through ctypes (Python's mmap.madvise takes only mmap objects), or False."""
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if hasattr(mmap, "MADV_HUGEPAGE"):            # Linux with transparent huge pages
-            import ctypes
-
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-                fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
-    return _madvise
-
-
-def kept_empty(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """torch.empty for a tensor the model keeps, its CPU pages asked to be huge (MADV_HUGEPAGE on
-    the 2 MiB-aligned inside of the allocation).
-
-    Why: a load writes every kept byte into fresh anonymous memory, and with 4 KiB pages the
-    kernel's fault per page (not the zeroing) was most of a load's system time: about 0.75 CPU-s
-    per GB measured here, against about 0.17 with 2 MiB pages (one fault per 512 pages). Where
-    transparent huge pages are off ("never") the advice is ignored and nothing changes; only
-    whole huge pages inside the tensor are advised, so RSS grows by no byte the tensor does not
-    hold."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    nbytes = t.numel() * t.element_size()
-    madvise = _libc_madvise() if t.device.type == "cpu" and nbytes >= 2 * _HUGE_PAGE else None
-    if madvise:
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            madvise(start, end - start, _MADV_HUGEPAGE)     # advice: a failure changes nothing
-    return t
-
-
 def _fill_quantized(model, files: CheckpointFiles, source: str, target: str, shape: tuple[int, ...],
                     segs: list[tuple[int, int]], names: list[str], dtype: torch.dtype, where: str, device,
                     on_fp8: Callable[[str, torch.Tensor], None]) -> None:
@@ -558,8 +515,8 @@ def _fill_quantized(model, files: CheckpointFiles, source: str, target: str, sha
     from ..memory.fp8 import FP8_DTYPE, scale_blocks
 
     rows, width = shape
-    q = kept_empty((rows, width), FP8_DTYPE, where)
-    scale = kept_empty((rows, scale_blocks(width)), torch.float32, where)
+    q = torch.empty(rows, width, dtype=FP8_DTYPE, device=where)
+    scale = torch.empty(rows, scale_blocks(width), dtype=torch.float32, device=where)
     if where != "meta":
         files.quantize_rows_into(source, segs, dtype, q, scale)
     _assign_group(model, names, q.to(device))
@@ -653,7 +610,7 @@ def load_into_empty(
                 to_dtype = torch.float8_e4m3fn
             else:
                 to_dtype = _target_dtype(model, target, dtype) if info.floating else _DTYPES[info.dtype]
-            out = kept_empty(tshape, to_dtype, "meta" if meta else "cpu")
+            out = torch.empty(tshape, dtype=to_dtype, device="meta" if meta else "cpu")
             flat, pos = out.view(-1), 0
             for a, b in segs if not meta else ():
                 n = (b - a) * info.row_numel
