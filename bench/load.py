@@ -12,6 +12,9 @@ Stability SD3.5 Large file (width 2432, 38 heads of 64) with 8 joint blocks.
 Loaders, each in a fresh process, the file in the page cache (a first untimed read warms it):
 - `leantune`: load_transformer with family.fp8_load_options([memory] fp8 = true), then what the
   engine does with plan.fp8 (apply_fp8_storage) and a rank-16 LoRA (add_lora): the trainable model.
+- `leantune-torch`: `leantune` as it was before the C quantizer (issue 21): the torch-op
+  quantization (LEANTUNE_HOST_KERNELS=0), so a before/after pair runs interleaved under the same
+  machine load.
 - `leantune-old`: the path before loads quantized: the whole model loaded in bf16, then quantized.
 - `sd-scripts`: kohya-ss/sd-scripts' `flux_utils.load_flow_model` as its flux_train_network runs it
   with --fp8_base (dtype None: the file's own, mmapped; then `model.to(float8_e4m3fn)` for a bf16
@@ -44,8 +47,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("flux-bf16", "flux-fp8", "sd3-bf16")
-LOADERS = {"flux": ("leantune", "leantune-old", "sd-scripts", "diffusers"),
-           "sd3": ("leantune", "leantune-old", "diffusers")}
+LOADERS = {"flux": ("leantune", "leantune-torch", "leantune-old", "sd-scripts", "diffusers"),
+           "sd3": ("leantune", "leantune-torch", "leantune-old", "diffusers")}
 FLUX_CONFIG = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=3, num_single_layers=8,
                    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
                    pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
@@ -221,6 +224,8 @@ def child(loader: str, path: Path) -> dict:
     import resource
 
     family = "flux" if path.name.startswith("flux") else "sd3"
+    if loader == "leantune-torch":
+        os.environ["LEANTUNE_HOST_KERNELS"] = "0"                          # before any kernel is built
     if loader.startswith("leantune"):
         run, spec, after = _leantune(path, family, loader == "leantune-old")
     elif loader == "sd-scripts":

@@ -87,12 +87,26 @@ def quantize(weight: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tens
 def quantize_into(weight: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor,
                   work: torch.Tensor | None = None) -> None:
     """quantize() of the (rows, in) float `weight` written into `q_out` (rows, in) e4m3 and
-    `scale_out` (rows, nb) fp32. Rows are independent, so it runs over row chunks whose fp32
-    temporary stays under QUANT_CHUNK bytes (or in `work`, a reusable fp32 buffer: fresh pages
-    cost a fault each): the loader quantizes a file's rows as it reads them, and a whole weight
-    never needs an fp32 copy. Torch ops throughout (vectorised, on torch's intra-op threads); the
-    same arithmetic per value as ever (fp32 division by the block scale, clamp, round to e4m3),
-    so the bits do not depend on the chunking."""
+    `scale_out` (rows, nb) fp32. Rows are independent: the loader quantizes a file's rows as it
+    reads them, and a whole weight never needs an fp32 copy.
+
+    On the CPU a bf16 or fp32 weight goes to the C kernel (fp8_kernels.py: one pass, threaded over
+    rows, bitwise this function's torch path); elsewhere, or where it is not built, torch ops."""
+    from . import fp8_kernels
+
+    if fp8_kernels.handles(weight, q_out, scale_out):
+        fp8_kernels.quantize_rows(weight, q_out, scale_out)
+        return
+    quantize_into_torch(weight, q_out, scale_out, work)
+
+
+def quantize_into_torch(weight: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor,
+                        work: torch.Tensor | None = None) -> None:
+    """quantize_into in torch ops, over row chunks whose fp32 temporary stays under QUANT_CHUNK
+    bytes (or in `work`, a reusable fp32 buffer: fresh pages cost a fault each). Vectorised, on
+    torch's intra-op threads; the same arithmetic per value as ever (fp32 division by the block
+    scale, clamp, round to e4m3), so the bits do not depend on the chunking. The definition the C
+    kernel is tested against."""
     rows, in_f = weight.shape
     nb = scale_out.shape[1]
     step = max(1, (work.numel() * 4 if work is not None else QUANT_CHUNK) // (4 * max(in_f, 1)))

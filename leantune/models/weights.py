@@ -318,9 +318,10 @@ class CheckpointFiles:
         rows is read, made exactly what a load in `dtype` holds (cast, dequantised), and quantized
         at once, so no full-precision copy of the tensor ever exists (a few MiB per worker).
 
-        Chunks go to torch.get_num_threads() workers (at most MAX_WORKERS), each running torch's
-        ops on one thread: on a busy machine one parallel region per op waits at every barrier
-        for its slowest thread, while independent chunks only wait for the CPU."""
+        Chunks go to torch.get_num_threads() workers (at most MAX_WORKERS), each quantizing on one
+        thread (memory/fp8_kernels.c where it is built, else torch's ops): on a busy machine one
+        parallel region per op waits at every barrier for its slowest thread, while independent
+        chunks only wait for the CPU."""
         from ..memory.fp8 import quantize_into
 
         info = self.tensors[key]

@@ -32,7 +32,7 @@ log = logging.getLogger("leantune")
 
 # The modules whose code decides the measured bytes (relative to the leantune package).
 _STEP_CODE = ("planner/step_bytes.py", "train/fused_optim.py", "train/in_backward.py", "train/host_kernels.py",
-              "train/host_kernels.c", "memory/simulated.py")
+              "train/host_kernels.c", "native.py", "memory/simulated.py")
 SHIPPED_PATH = Path(__file__).resolve().parent / "profiles" / "step_bytes.json"
 OPTIMIZERS = ("adamw", "adafactor", "sgd", "adamw8bit")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

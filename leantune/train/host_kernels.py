@@ -9,11 +9,9 @@ fused kernel. host_kernels.c does each AdamW setting in one pass per element and
 (clipping included), no temporaries the size of the tensor. Tolerances against the torch-op path
 and torch's Adafactor: tests/test_host_kernels.py.
 
-How it is built: plain C, no torch headers, compiled with the system C compiler ($CC, else cc or
-gcc; -O3 -march=native) into $LEANTUNE_CACHE_DIR (else ~/.cache/leantune)/host_kernels/ the first
-time a step needs it (about a second), never at import; the file name carries a hash of the
-source, the compiler, the flags and the CPU's feature flags, and it is written under a temporary
-name and renamed. Where no compiler exists, or the build fails, or
+How it is built: leantune/native.py (shared with the fp8 quantizer): plain C, no torch headers,
+compiled on first use with the system C compiler (-O3 -march=native) into a cache keyed by a hash
+of the source, compiler, flags and CPU. Where no compiler exists, or the build fails, or
 LEANTUNE_HOST_KERNELS=0, `library()` returns None and the optimizer keeps its torch-op path (same
 math, slower); `unavailable_reason()` says why.
 
@@ -27,116 +25,45 @@ depend on the split.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from ..native import NativeLibrary, parallel
 
 SOURCE = Path(__file__).with_name("host_kernels.c")
 MIN_PER_THREAD = 1 << 16            # elements: below this a tensor is one call on the calling thread
 SUM_BLOCK = 4096                    # host_kernels.c: lt_sumsq's fp32 blocks
 ROW_BLOCK = 256                     # host_kernels.c: Adafactor's column sums, per block of rows
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_reason = ""
-_pool: ThreadPoolExecutor | None = None
-
 _i64, _i32, _u32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("LEANTUNE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "leantune")
-    return Path(root) / "host_kernels"
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.lt_adamw.restype = _i32
+    lib.lt_adamw.argtypes = [_i64, _i64, _p, _i32, _p, _p, _i32, _p, _p, _i32, _f32, _f32, _f32, _f32,
+                             _f32, _f32, _f32, _f32, _i32, _i32, _u32]
+    lib.lt_sumsq.restype = ctypes.c_double
+    lib.lt_sumsq.argtypes = [_i64, _i64, _p, _i32]
+    lib.lt_adafactor_sums.restype = ctypes.c_double
+    lib.lt_adafactor_sums.argtypes = [_i64, _i64, _i64, _p, _i32, _p, _i32, _p, _p]
+    lib.lt_adafactor_moments.restype = ctypes.c_double
+    lib.lt_adafactor_moments.argtypes = [_i64, _i64, _p, _p, _f32, _f32, _p, _p, _p, _p]
+    lib.lt_adafactor_update.restype = ctypes.c_double
+    lib.lt_adafactor_update.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p, _p, _f32,
+                                        _f32, _f32, _f32, _f32, _i32, _i32, _u32]
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_identity() -> str:
-    """The CPU's architecture and feature flags (Linux: /proc/cpuinfo), else the platform's name."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return platform.machine() + line
-    except OSError:
-        pass
-    return platform.machine() + platform.processor()
-
-
-def _build() -> Path:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler on PATH ($CC, cc, gcc)")
-    flags = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC"]
-    # -march=native: the library is for this CPU, so its instruction sets are part of the key (a
-    # home directory shared with another machine never hands it a library it cannot run).
-    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()
-                         + _cpu_identity().encode()).hexdigest()[:16]
-    out = cache_dir() / f"host_kernels-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-1500:]}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+_LIBRARY = NativeLibrary(SOURCE, _declare)
 
 
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be had (see unavailable_reason)."""
-    global _lib, _tried, _reason
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        if os.environ.get("LEANTUNE_HOST_KERNELS", "1") == "0":
-            _reason = "LEANTUNE_HOST_KERNELS=0"
-        else:
-            try:
-                lib = ctypes.CDLL(str(_build()))
-                lib.lt_adamw.restype = _i32
-                lib.lt_adamw.argtypes = [_i64, _i64, _p, _i32, _p, _p, _i32, _p, _p, _i32, _f32, _f32, _f32, _f32,
-                                         _f32, _f32, _f32, _f32, _i32, _i32, _u32]
-                lib.lt_sumsq.restype = ctypes.c_double
-                lib.lt_sumsq.argtypes = [_i64, _i64, _p, _i32]
-                lib.lt_adafactor_sums.restype = ctypes.c_double
-                lib.lt_adafactor_sums.argtypes = [_i64, _i64, _i64, _p, _i32, _p, _i32, _p, _p]
-                lib.lt_adafactor_moments.restype = ctypes.c_double
-                lib.lt_adafactor_moments.argtypes = [_i64, _i64, _p, _p, _f32, _f32, _p, _p, _p, _p]
-                lib.lt_adafactor_update.restype = ctypes.c_double
-                lib.lt_adafactor_update.argtypes = [_i64, _i64, _i64, _p, _i32, _f32, _p, _i32, _p, _p, _p, _f32,
-                                                    _f32, _f32, _f32, _f32, _i32, _i32, _u32]
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-                _reason = f"host kernels not built: {e}"
-        _tried = True
-    return _lib
+    return _LIBRARY.get()
 
 
 def unavailable_reason() -> str:
-    library()
-    return _reason
+    return _LIBRARY.unavailable_reason()
 
 
 def handles(*tensors: torch.Tensor | None) -> bool:
@@ -152,18 +79,7 @@ def _ranges(n: int, align: int = 64) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
-def _parallel(fn, ranges: list[tuple[int, int]]) -> list:
-    """fn(lo, hi) over the ranges: the first on this thread, the rest on the pool."""
-    global _pool
-    if len(ranges) == 1:
-        return [fn(*ranges[0])]
-    if _pool is None:
-        with _lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="leantune-host-kernel")
-    futs = [_pool.submit(fn, lo, hi) for lo, hi in ranges[1:]]
-    first = fn(*ranges[0])
-    return [first] + [f.result() for f in futs]
+_parallel = parallel
 
 
 def _ptr(t: torch.Tensor | None):
