@@ -123,7 +123,15 @@ def test_host_step_plan_prices_weight_only_units_and_gradient_traffic(optimizer,
         peak = max(peak, max(tracker.peak.values(), default=0))
     line = hram["optimizer step on the host (one tensor)"]
     if optimizer == "adafactor":
-        assert line == pytest.approx(big.numel() * 2 + peak, rel=0.02)
+        # The kernel's scratch is a float per row, per column and per column and block of ROW_BLOCK
+        # rows (host_kernels.adafactor_matrix): O(rows + cols), priced from step_bytes' 128-column
+        # measurement, so a wider tensor's column scratch is off the line by at most its own size
+        # (this tiny model's 256 columns: 0.9 KB; under 2 % of the update at Flux's shapes).
+        from leantune.train.host_kernels import ROW_BLOCK
+
+        rows, cols = big.shape
+        scratch = 4 * (rows + -(-rows // ROW_BLOCK) * cols + cols + 1)
+        assert line == pytest.approx(big.numel() * 2 + peak, rel=0.02, abs=scratch)
     else:
         assert line == big.numel() * 2 + peak
 
