@@ -51,12 +51,7 @@ class BflLayout:
         ops: list[KeyOp] = []
         unknown: list[str] = []
         for key, shape in shapes.items():
-            m = _BFL_BLOCK_RE.match(key)
-            if m:
-                kind = "double" if m.group(1) == "double_blocks" else "single"
-                block, rest = f"{_DIFFUSERS_BLOCK[m.group(1)]}.{m.group(2)}.", m.group(3)
-            else:
-                kind, block, rest = "top", "", key
+            kind, block, rest = _parse(key, _BFL_BLOCK_RE, _DIFFUSERS_BLOCK)
             op = self._op_for(kind, rest, block, shape[0] if shape else 1, inner)
             if op is None:
                 unknown.append(prefix + key)
@@ -94,12 +89,7 @@ class BflLayout:
 
     def bfl_name(self, diffusers_key: str) -> str:
         """The BFL key holding a diffusers key (for messages about missing keys)."""
-        m = _DIFFUSERS_BLOCK_RE.match(diffusers_key)
-        if m:
-            kind = "double" if m.group(1) == "transformer_blocks" else "single"
-            block, rest = f"{_BFL_BLOCK[m.group(1)]}.{m.group(2)}.", m.group(3)
-        else:
-            kind, block, rest = "top", "", diffusers_key
+        kind, block, rest = _parse(diffusers_key, _DIFFUSERS_BLOCK_RE, _BFL_BLOCK)
         linears, norms = self.tables[kind]
         for bfl, diff in norms:
             if rest == diff:
@@ -120,10 +110,9 @@ class BflLayout:
         used: set[str] = set()
         groups: dict[tuple[str, str, str], None] = {("top", "", ""): None}
         for key in state_dict:
-            m = _DIFFUSERS_BLOCK_RE.match(key)
-            if m:
-                kind = "double" if m.group(1) == "transformer_blocks" else "single"
-                groups[(kind, f"{m.group(1)}.{m.group(2)}.", f"{_BFL_BLOCK[m.group(1)]}.{m.group(2)}.")] = None
+            kind, bblock, rest = _parse(key, _DIFFUSERS_BLOCK_RE, _BFL_BLOCK)
+            if kind != "top":
+                groups[(kind, key[:len(key) - len(rest)], bblock)] = None
         for kind, dblock, bblock in groups:
             linears, norms = self.tables[kind]
             for bfl, diff in norms:
@@ -148,6 +137,16 @@ class BflLayout:
         if left:
             raise KeyError(f"diffusers keys without a BFL {self.name} name: {left[:5]}")
         return out
+
+
+def _parse(key: str, pattern: re.Pattern, renamed: dict[str, str]) -> tuple[str, str, str]:
+    """(kind, the block's prefix in the other naming, the rest of the key) of a key matched by one
+    naming's block `pattern`: "double" / "single" for a block, ("top", "", key) outside them."""
+    m = pattern.match(key)
+    if not m:
+        return "top", "", key
+    kind = "double" if m.group(1) in ("double_blocks", "transformer_blocks") else "single"
+    return kind, f"{renamed[m.group(1)]}.{m.group(2)}.", m.group(3)
 
 
 def count_blocks(keys, prefix: str) -> int:
