@@ -16,6 +16,10 @@ Loaders, each in a fresh process, the file in the page cache (a first untimed re
   quantization (LEANTUNE_HOST_KERNELS=0), so a before/after pair runs interleaved under the same
   machine load.
 - `leantune-old`: the path before loads quantized: the whole model loaded in bf16, then quantized.
+- `leantune-fp8mod`: `leantune` with `[memory] fp8_modulation = true`: the modulation (adaLN)
+  Linears in e4m3 too, as sd-scripts' fp8_base keeps them, so the two keep the same precision and
+  nearly the same bytes (leantune adds its block scales). The default keeps those Linears in bf16
+  (38 % of what a Flux load keeps), a precision choice, not a loader cost.
 - `sd-scripts`: kohya-ss/sd-scripts' `flux_utils.load_flow_model` as its flux_train_network runs it
   with --fp8_base (dtype None: the file's own, mmapped; then `model.to(float8_e4m3fn)` for a bf16
   file), run from a checkout of its public repository (never copied here). Its library imports
@@ -47,8 +51,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("flux-bf16", "flux-fp8", "sd3-bf16")
-LOADERS = {"flux": ("leantune", "leantune-torch", "leantune-old", "sd-scripts", "diffusers"),
-           "sd3": ("leantune", "leantune-torch", "leantune-old", "diffusers")}
+LOADERS = {"flux": ("leantune", "leantune-fp8mod", "leantune-torch", "leantune-old", "sd-scripts", "diffusers"),
+           "sd3": ("leantune", "leantune-fp8mod", "leantune-torch", "leantune-old", "diffusers")}
 FLUX_CONFIG = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=3, num_single_layers=8,
                    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
                    pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
@@ -148,7 +152,7 @@ def _largest_block(model, spec) -> int:
     return max(sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in spec.blocks(model))
 
 
-def _leantune(path: Path, family: str, old: bool):
+def _leantune(path: Path, family: str, old: bool, modulation: bool = False):
     from leantune.config import LoraConfig, MemoryConfig
     from leantune.memory.fp8 import apply_fp8_storage
     from leantune.models import flux_loading, sd3_loading
@@ -160,7 +164,7 @@ def _leantune(path: Path, family: str, old: bool):
     mod, spec = (flux_loading, FLUX_SPEC) if family == "flux" else (sd3_loading, SD3_SPEC)
     sources = (mod.FluxSources(path, None, None, None, None, None) if family == "flux"
                else mod.SD3Sources(path, None, None, None, None, None, None, None))
-    options = {} if old else fp8_load_options(MemoryConfig(fp8=True))
+    options = {} if old else fp8_load_options(MemoryConfig(fp8=True, fp8_modulation=modulation))
 
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel  # noqa: F401  imported before the clock
     import peft  # noqa: F401
@@ -227,7 +231,7 @@ def child(loader: str, path: Path) -> dict:
     if loader == "leantune-torch":
         os.environ["LEANTUNE_HOST_KERNELS"] = "0"                          # before any kernel is built
     if loader.startswith("leantune"):
-        run, spec, after = _leantune(path, family, loader == "leantune-old")
+        run, spec, after = _leantune(path, family, loader == "leantune-old", loader == "leantune-fp8mod")
     elif loader == "sd-scripts":
         run, spec, after = _sd_scripts(path)
     else:

@@ -527,3 +527,35 @@ def test_loads_straight_onto_the_gpu(tmp_path):
     assert {p.device.type for p in gpu.parameters()} == {"cuda"}
     for k, v in cpu.state_dict().items():
         assert torch.equal(gpu.state_dict()[k].cpu(), v), k
+
+
+@pytest.mark.parametrize("fp8", [None, "scaled"])
+def test_tensors_kept_as_read_are_copied_by_the_workers_bitwise(fp8, tmp_path, monkeypatch):
+    """fill_rows_into splits a tensor kept in the load dtype (fp32 -> bf16 cast, or a scaled e4m3
+    weight dequantised) into chunks copied on the load's workers, each chunk unmapped after its copy:
+    with chunks of a few rows, on two workers, the model is bit for bit the one-chunk load."""
+    import threading
+
+    from leantune.models import weights
+
+    ref = tiny.flux_transformer(seed=3)
+    path = save_bfl_transformer(ref, tmp_path / "flux.safetensors", fp8=fp8)
+    whole = load_transformer(_sources(path), dtype=torch.bfloat16, keep_fp8=False)
+
+    threads: set[str] = set()
+    read = weights.CheckpointFiles.read_rows_into
+
+    def spy(self, key, r0, r1, out, dequantize=True):
+        threads.add(threading.current_thread().name)
+        return read(self, key, r0, r1, out, dequantize)
+
+    monkeypatch.setattr(weights.CheckpointFiles, "read_rows_into", spy)
+    monkeypatch.setattr(weights, "STAGING_BYTES", 512)            # a few rows per chunk
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        chunked = load_transformer(_sources(path), dtype=torch.bfloat16, keep_fp8=False)
+    finally:
+        torch.set_num_threads(n)
+    assert any(t.startswith("leantune-load") for t in threads), threads      # the workers copied
+    _assert_same_weights(chunked, whole)
