@@ -5,9 +5,14 @@
     python bench/host_step.py --compare                # beside torch's fused CPU AdamW (and DeepSpeed's
                                                        # CPU Adam where its op is already built)
 
-What it times: `InBackwardStep._update` (per-parameter clipping, then FusedOptimizer.step_param) on
-one weight held in host memory, as the host step runs it for each trained tensor of a streamed
-block, best of --repeat after a first step that creates the state. Reported per setting: seconds,
+What it times: the host step (per-parameter clipping to norm 1, then FusedOptimizer.step_param) on
+one weight held in host memory, as it runs for each trained tensor of a streamed block, best of
+--repeat after a first step that creates the state, in the two forms a run has:
+- the headline (`seconds`, `ratio_vs_torch_fused=`): a GPU run without gradient accumulation, where
+  the device takes the clipping norm before the gradient's copy (trainable_streaming.step_on_host)
+  and the host clips by it: here that norm is taken once, outside the timing;
+- `host norm` (`ratio_host_norm=`): the host takes the norm itself (gradient accumulation > 1, whose
+  host accumulator is added first; a CPU compute device): one more pass over the gradient. Reported per setting: seconds,
 parameters per second, and what that rate makes of one step of Flux-dev's 11.9 B weights. With
 --compare, each timing of leantune's step is interleaved with one of torch's `AdamW(fused=True)` step
 on fp32 tensors of the same size (the fused CPU kernel: fp32 weights, grads and moments; the machine
@@ -48,7 +53,8 @@ SETTINGS = [  # (label, weight dtype, optimizer, state dtype, master weights)
 
 
 def leantune_step(shape, dtype, optimizer, state_dtype, master):
-    """A callable running one host step (clipping + FusedOptimizer.step_param) on a host weight."""
+    """Two callables running one host step (clipping + FusedOptimizer.step_param) on a host weight:
+    with the clipping norm handed over (as from the device), and with the host taking it."""
     from leantune.train.fused_optim import FusedOptimizer
     from leantune.train.in_backward import InBackwardStep
 
@@ -57,9 +63,10 @@ def leantune_step(shape, dtype, optimizer, state_dtype, master):
                          stochastic_rounding=True, master_weights=master)
     stepper = InBackwardStep(opt, [], max_grad_norm=1.0)
     grad = (torch.randn(shape) * 1e-3).to(dtype)
+    norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))     # what the device hands over
     with torch.no_grad():
         stepper._update(lin.weight, grad)      # state created
-    return lambda: stepper._update(lin.weight, grad)
+    return (lambda: stepper._step(lin.weight, grad, grad_norm=norm)), (lambda: stepper._update(lin.weight, grad))
 
 
 def torch_fused_step(shape):
@@ -138,20 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     for label, dtype, optimizer, state_dtype, master in SETTINGS:
         if a.only not in label:
             continue
-        ours = leantune_step(shape, dtype, optimizer, state_dtype, master)
-        times = best_of([ours, *peers.values()], a.repeat)
-        secs = times[0]
-        planner = host_step_rate(optimizer, dtype, state_dtype, True, master, True)
+        ours, ours_host_norm = leantune_step(shape, dtype, optimizer, state_dtype, master)
+        times = best_of([ours, ours_host_norm, *peers.values()], a.repeat)
+        secs, secs_host = times[0], times[1]
+        planner = host_step_rate(optimizer, dtype, state_dtype, True, master, True, norm_from_device=True)
         row = {"setting": label, "seconds": secs, "params_per_s": n / secs, "planner_params_per_s": planner,
-               "flux_dev_step_s": FLUX_DEV_PARAMS / (n / secs)}
-        for (name, _), t in zip(peers.items(), times[1:]):
+               "seconds_host_norm": secs_host, "flux_dev_step_s": FLUX_DEV_PARAMS / (n / secs)}
+        for (name, _), t in zip(peers.items(), times[2:]):
             row[f"{name}_params_per_s"] = n / t
-        line = (f"{label:50s} {secs * 1e3:7.0f} ms  {n / secs / 1e6:6.1f} M/s  (planner's timing: "
-                f"{planner / 1e6:6.1f} M/s)  Flux-dev step {row['flux_dev_step_s']:6.0f} s")
+        line = (f"{label:50s} {secs * 1e3:7.0f} ms  {n / secs / 1e6:6.1f} M/s  (host norm {secs_host * 1e3:4.0f} ms; "
+                f"planner's timing: {planner / 1e6:6.1f} M/s)  Flux-dev step {row['flux_dev_step_s']:6.0f} s")
         if peers:
             row["ratio_vs_torch_fused"] = row["params_per_s"] / row["torch_fused_params_per_s"]
+            row["ratio_host_norm"] = n / secs_host / row["torch_fused_params_per_s"]
             line += "  " + "  ".join(f"{k}={row[f'{k}_params_per_s'] / 1e6:.1f} M/s" for k in peers)
-            line += f"  ratio_vs_torch_fused={row['ratio_vs_torch_fused']:.2f}"
+            line += f"  ratio_vs_torch_fused={row['ratio_vs_torch_fused']:.2f}  ratio_host_norm={row['ratio_host_norm']:.2f}"
         rows.append(row)
         print(line, flush=True)
     if a.out:

@@ -144,18 +144,20 @@ def test_remove_restores_a_plain_model_with_its_state_on_the_device_side():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+@pytest.mark.parametrize("kind,clip", [("adamw", 0.0), ("adafactor", 0.0), ("adamw", 0.05)])
 @pytest.mark.parametrize("checkpointing", ["none", "blocks"])
-def test_host_step_on_cuda_matches_the_device_step_and_never_synchronizes_the_device(kind, checkpointing):
+def test_host_step_on_cuda_matches_the_device_step_and_never_synchronizes_the_device(kind, clip, checkpointing):
     """On CUDA the gradients go to pinned buffers on the write-back stream and one worker thread
     steps the host copies while backward goes on; poisoned slots, every block streamed. The result
     equals the device-step run to float rounding (the device runs the same kernels in another
-    order of launches, the CPU its own), and no device- or stream-wide synchronize is issued."""
+    order of launches, the CPU its own), and no device- or stream-wide synchronize is issued.
+    With clipping (`clip`), the device takes each gradient's norm and its pinned copy travels with
+    the gradient (trainable_streaming.step_on_host): read on the worker after the copy's event."""
     plan = Plan(checkpointing=checkpointing, streamed_blocks=tuple(_names()), stream_non_blocks=True,
                 debug_poison=True)
-    want_losses, want, *_ = run(kind, plan, device="cuda")
+    want_losses, want, *_ = run(kind, plan, device="cuda", clip=clip)
     events: list = []
-    losses, got, handle, _, _ = run(kind, _host(plan), device="cuda", profile=events)
+    losses, got, handle, _, _ = run(kind, _host(plan), device="cuda", profile=events, clip=clip)
     # Only the last (steady) step is profiled: set-up and reading the weights back synchronize by
     # design. The worker thread waits on its copies' events (cudaEventSynchronize): only device-
     # and stream-wide waits are refused.

@@ -264,3 +264,41 @@ def test_without_the_kernels_the_step_falls_back_to_torch_ops(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "LEANTUNE_HOST_KERNELS=0" in done.stdout
+
+
+class _EngineGivingANorm:
+    """The host-step side of trainable_streaming.step_on_host on CUDA: it hands the step the norm
+    the device took (here a chosen one) beside the gradient's host copy, when asked for one."""
+
+    def __init__(self, weight: torch.Tensor, norm: float):
+        self.weight, self.norm, self.asked = weight, norm, []
+
+    def step_on_host(self, p, grad, step, norm=False):
+        self.asked.append(norm)
+        step(self.weight, None if grad is None else grad.clone(), self.norm if norm else None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-fused", "bf16-kernel"])
+def test_the_host_step_clips_by_the_norm_the_device_took(dtype):
+    """A host step asks the device for the clipping norm and clips by it with no pass of its own:
+    handed 4x the gradient's norm, the first moment is (1 - beta1) * max_norm / (4 |g|) * g, not the
+    clipping by |g|. With a host accumulator to add first, no norm is asked (the device's gradient
+    is not the whole gradient)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False).to(dtype)
+    opt = FusedOptimizer(lin, {"weight": lin.weight}, "adamw", lr=1e-3, weight_decay=0.0, stochastic_rounding=False)
+    stepper = InBackwardStep(opt, [], max_grad_norm=1e-3)
+    g = (torch.randn(SHAPE) * 1e-2).to(dtype)
+    true_norm = float(torch.linalg.vector_norm(g, dtype=torch.float32))
+    engine = _EngineGivingANorm(lin.weight.data, 4 * true_norm)
+    stepper.begin_step()
+    stepper._update_on_host(engine, lin.weight, g, None)
+    assert engine.asked == [True]
+    m = opt.holders["weight"].tensors()["exp_avg"].float()
+    want = 0.1 * g.float() * (1e-3 / (4 * true_norm + 1e-6))
+    torch.testing.assert_close(m, want, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-12)
+    assert float(m.norm()) == pytest.approx(0.1 * 1e-3 / 4, rel=1e-2)      # a quarter of the own-norm clip
+
+    stepper._update_on_host(engine, lin.weight, g, torch.zeros(SHAPE, dtype=dtype))
+    assert engine.asked == [True, False]

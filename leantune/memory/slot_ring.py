@@ -42,6 +42,15 @@ class Slot:
     ready: object = None               # None | CUDA event | Future of the staged copy
     free_event: object = None          # CUDA event recorded at the last release
     typed: dict = field(default_factory=dict)
+    heads: dict = field(default_factory=dict)     # nbytes -> buf[:nbytes], the destination of a fetch
+
+    def head(self, nbytes: int) -> torch.Tensor:
+        """The slot's first `nbytes`, as one view kept per size (a fetch per unit per step; a
+        fresh slice is a tensor allocation each time)."""
+        v = self.heads.get(nbytes)
+        if v is None:
+            v = self.heads[nbytes] = self.buf[:nbytes]
+        return v
 
     def view_as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
         v = self.typed.get(dtype)
@@ -80,13 +89,14 @@ class SlotCopies:
         pending staged one, the new copy is queued behind it on the same worker (FIFO); every
         issued copy is on the one copy stream, which orders the rest."""
         n = unit.nbytes
-        queued = isinstance(slot.ready, Future) and not slot.ready.done()
+        ready = slot.ready
+        queued = isinstance(ready, Future) and not ready.done()
         if unit.pinned and not queued:
-            slot.ready = self.copy_direct(unit.host, slot.buf[:n], slot.free_event)
+            slot.ready = self.copy_direct(unit.host, slot.head(n), slot.free_event)
         elif unit.pinned:
-            slot.ready = self.stager.pool.submit(self.copy_direct, unit.host, slot.buf[:n], slot.free_event, True)
+            slot.ready = self.stager.pool.submit(self.copy_direct, unit.host, slot.head(n), slot.free_event, True)
         else:
-            slot.ready = self.stager.submit(unit.host, slot.buf[:n], slot.free_event)
+            slot.ready = self.stager.submit(unit.host, slot.head(n), slot.free_event)
         slot.owner, slot.valid = unit, True
         self.stats.bytes += n
         self.stats.copies += 1

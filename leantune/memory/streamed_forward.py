@@ -59,6 +59,25 @@ class _Leave(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+def _direct_apply(cls):
+    """`cls.apply` without torch.autograd.Function.apply's Python wrapper (a setup_context check and
+    a walk of the arguments for dead functorch wrappers, a third of the cost of the two boundaries on
+    a small block). That walk matters only under functorch transforms (vmap, grad, jvp), where the
+    wrapper still runs."""
+    direct = super(torch.autograd.Function, cls).apply
+
+    def apply(*args):
+        if torch._C._are_functorch_transforms_active():
+            return cls.apply(*args)
+        return direct(*args)
+
+    return apply
+
+
+_enter = _direct_apply(_Enter)
+_leave = _direct_apply(_Leave)
+
+
 # Leaf types a block's arguments and outputs commonly carry besides tensors: pytree treats them as
 # leaves too. Any other type (a namedtuple, an OrderedDict, a registered pytree node, an unknown
 # object) sends the whole call to torch's pytree, so the tensors routed are always pytree's.
@@ -142,7 +161,7 @@ class StreamedForward:
                                "under torch.no_grad(), or call forward_only(False) before training")
         eng.acquire(unit)
         try:
-            (args, kwargs), grad_in = _route((args, kwargs), lambda *xs: _Enter.apply(eng, unit, *xs))
+            (args, kwargs), grad_in = _route((args, kwargs), lambda *xs: _enter(eng, unit, *xs))
             if not grad_in and not unit.trainable():
                 return self.orig(*args, **kwargs)     # nothing here needs these weights in backward
             if unit.checkpointed or not eng.saved_views_as_handles:
@@ -150,7 +169,7 @@ class StreamedForward:
             else:
                 with eng.saved_tensors.installed():
                     out = self.orig(*args, **kwargs)
-            out, grad_out = _route(out, lambda *xs: _Leave.apply(eng, unit, not grad_in, *xs))
+            out, grad_out = _route(out, lambda *xs: _leave(eng, unit, not grad_in, *xs))
             if grad_out:
                 eng.note_tracked(unit)
             return out

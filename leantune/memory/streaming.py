@@ -234,14 +234,16 @@ class StreamingEngine:
 
     # -- prefetch --------------------------------------------------------------------------------
     def _advance(self, unit: StreamedUnit) -> None:
+        """Move the cursor to `unit` in the expected order and prefetch from there. A unit already
+        under the cursor (a group's next module) moves nothing: every change since the last
+        prefetch that could start a copy (a release, a new order) prefetched itself."""
         order = self.order
         if 0 <= self.cursor < len(order) and order[self.cursor] is unit:
-            pass
-        else:
-            for i in range(self.cursor + 1, len(order)):
-                if order[i] is unit:
-                    self.cursor = i
-                    break
+            return
+        for i in range(self.cursor + 1, len(order)):
+            if order[i] is unit:
+                self.cursor = i
+                break
         self._prefetch()
 
     def _prefetch(self) -> None:

@@ -121,9 +121,15 @@ class TrainableStreamingEngine(StreamingEngine):
     def steps_on_host(self, p: nn.Parameter) -> bool:
         return self.host_step and id(p) in self.host_views
 
-    def step_on_host(self, p: nn.Parameter, grad: torch.Tensor | None, step) -> None:
-        """Run `step(host_weight, host_grad)` for streamed weight `p` on the host: `grad` is its
-        gradient on the compute device (None: the step needs no device gradient)."""
+    def step_on_host(self, p: nn.Parameter, grad: torch.Tensor | None, step, norm: bool = False) -> None:
+        """Run `step(host_weight, host_grad, grad_norm)` for streamed weight `p` on the host: `grad`
+        is its gradient on the compute device (None: the step needs no device gradient).
+
+        `norm`: the step clips by the gradient's norm. On a CUDA device the norm is taken there,
+        before the copy (a few microseconds of the device's bandwidth), and comes back beside the
+        gradient, so the host's pass over the gradient is the update's alone: the norm pass was a
+        third of the host step's time for fp32 weights (bench/host_step.py). On a CPU compute device
+        the host takes it (grad_norm None)."""
         unit = self.unit_of[id(p)]
         weight = self.host_views[id(p)]
         self.stale.add(id(unit))
@@ -132,9 +138,9 @@ class TrainableStreamingEngine(StreamingEngine):
         be = self.backend
         if grad is None:
             if self.host_worker is None:
-                step(weight, None)
+                step(weight, None, None)
             else:
-                self._submit(unit, 0, lambda: step(weight, None))
+                self._submit(unit, 0, lambda: step(weight, None, None))
             return
         n = grad.numel() * grad.element_size()
         self.bytes_d2h += n
@@ -142,23 +148,31 @@ class TrainableStreamingEngine(StreamingEngine):
             t0 = _clock()
             host_grad = grad.to(weight.device)
             self.stats.stall_s += _clock() - t0
-            step(weight, host_grad)
+            step(weight, host_grad, None)
             return
         self._make_room(caching_host_size(n))         # what the caching host allocator reserves for it
+        # fp32 arithmetic whatever the gradient's dtype, as clipping on the device takes it
+        # (train/fused_optim.clip_in_place); queued on the compute stream before the event below.
+        device_norm = torch.linalg.vector_norm(grad, dtype=torch.float32) if norm else None
         used = be.event()
         used.record(be.compute_stream())              # the gradient is complete on the compute stream
         host_grad = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        host_norm = torch.empty((), dtype=torch.float32, pin_memory=True) if norm else None
         wb = self.writeback_stream
         with torch.cuda.stream(wb):
             wb.wait_event(used)
             host_grad.copy_(grad, non_blocking=True)
+            if device_norm is not None:
+                host_norm.copy_(device_norm, non_blocking=True)
             copied = be.event()
             copied.record(wb)
         grad.record_stream(wb)                        # its memory is not reused before the copy ends
+        if device_norm is not None:
+            device_norm.record_stream(wb)
 
         def run() -> None:
             copied.synchronize()                      # this copy only, on the worker thread
-            step(weight, host_grad)
+            step(weight, host_grad, None if host_norm is None else float(host_norm))
 
         self._submit(unit, caching_host_size(n), run)
 

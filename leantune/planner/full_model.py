@@ -129,18 +129,21 @@ def _measured_coef(key: tuple, host: bool) -> tuple[float, int]:
 
 
 def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochastic_rounding: bool,
-                   master: bool, clip: bool) -> float:
+                   master: bool, clip: bool, norm_from_device: bool = False) -> float:
     """Parameters per second the host step (InBackwardStep's update: clipping, then the fused
     optimizer's step) runs at on this machine's CPU: timed on a HOST_RATE_SHAPE tensor of the run's
     dtype, best of 3 after a first step that creates the state, once per process and setting
     (a tenth of a second or two; only plans stepping on the host are timed with it).
-    It is the planning machine's CPU: a run on another machine steps at that machine's rate."""
+    It is the planning machine's CPU: a run on another machine steps at that machine's rate.
+    `norm_from_device`: the clipping norm comes with the gradient (a run without gradient
+    accumulation: the device takes it, trainable_streaming.step_on_host), so the host's step is
+    timed without a norm pass of its own."""
     import time
 
     from ..train.fused_optim import FusedOptimizer
     from ..train.in_backward import InBackwardStep
 
-    key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip)
+    key = (optimizer, dtype, state_dtype, stochastic_rounding, master, clip, norm_from_device)
     if key not in _HOST_RATE:
         rows, cols = HOST_RATE_SHAPE
         # Filled in place in the run's dtype (a Linear's init and randn in fp32 took twice as long
@@ -157,12 +160,17 @@ def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochas
         opt = FusedOptimizer(lin, {"weight": lin.weight}, optimizer, lr=1e-4, state_dtype=state_dtype,
                              stochastic_rounding=stochastic_rounding, master_weights=master, scheduled=False)
         stepper = InBackwardStep(opt, [], max_grad_norm=1.0 if clip else 0.0)
+        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) if clip and norm_from_device else None
+
+        def update() -> None:
+            stepper._step(lin.weight, grad, grad_norm=norm)
+
         with torch.no_grad():
-            stepper._update(lin.weight, grad)      # state and generator created, as after a run's first step
+            update()                               # state and generator created, as after a run's first step
             best = math.inf
             for _ in range(3):
                 t0 = time.perf_counter()
-                stepper._update(lin.weight, grad)
+                update()
                 best = min(best, time.perf_counter() - t0)
         _HOST_RATE[key] = rows * cols / max(best, 1e-9)
     return _HOST_RATE[key]
@@ -255,7 +263,8 @@ class FullPricing:
                    nb_trained_numel=nb_sizes[0], nb_largest=nb_sizes[1], step_fixed=fixed,
                    pinned_grads=tuple(pinned(b) for b in weights.blocks), nb_pinned_grads=pinned(weights.non_blocks),
                    host_coef=host_coef, host_fixed=host_fixed, dtype_bytes=dtype_bytes,
-                   accumulation=w.gradient_accumulation, rate_key=key)
+                   accumulation=w.gradient_accumulation,
+                   rate_key=key + (w.clip_per_param and w.gradient_accumulation == 1,))
 
     def host_parts(self, loaded: int, accumulation: int) -> dict[str, int]:
         """train/full_host_ram.py's parts, with this model's exact state (8-bit state is on the device)."""

@@ -164,17 +164,19 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- one parameter -------------------------------------------------------------------------------
     def step_param(self, p: nn.Parameter, grad: torch.Tensor, weight: torch.Tensor | None = None,
-                   lr: float | None = None, max_grad_norm: float = 0.0) -> None:
+                   lr: float | None = None, max_grad_norm: float = 0.0, grad_norm: float | None = None) -> None:
         """Update `p` with `grad`. `weight`: the tensor to update instead of `p.data` (the host copy
         of a streamed weight whose step runs on the host, memory/trainable_streaming.py); `lr`: the
         learning rate read when the step was issued (a host step may run after the scheduler moved);
         `max_grad_norm` > 0: clip this gradient to that norm first (the step owns `grad` and may
-        scale it in place)."""
+        scale it in place). `grad_norm`: its norm where the device already took it (a host step's
+        gradient, memory/trainable_streaming.step_on_host); the host kernels clip by it instead of
+        a pass of their own (the torch-op path, bitwise the device step's, takes its own)."""
         name = self.names[p]
         lr = self.param_groups[0]["lr"] if lr is None else lr
         self.steps[name] += 1
         data = p.data if weight is None else weight
-        if self.kind != "adamw8bit" and self._host_step(name, data, grad, lr, max_grad_norm):
+        if self.kind != "adamw8bit" and self._host_step(name, data, grad, lr, max_grad_norm, grad_norm):
             return
         if max_grad_norm > 0:
             grad = clip_in_place(grad, max_grad_norm)
@@ -203,7 +205,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 data.copy_(w)
 
     # -- the host step: library kernels (host_kernels.py module docstring) ------------------------------
-    def _host_step(self, name: str, data: torch.Tensor, grad: torch.Tensor, lr: float, max_grad_norm: float) -> bool:
+    def _host_step(self, name: str, data: torch.Tensor, grad: torch.Tensor, lr: float, max_grad_norm: float,
+                   grad_norm: float | None = None) -> bool:
         """The update of a weight held in host memory, at the fused-kernel rate; False where it does
         not apply (a device tensor, a layout or setting the kernels do not cover, no kernels built):
         the torch-op path below runs then.
@@ -244,10 +247,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not fused_adamw and host_kernels.library() is None:
             return False
         if fused_adamw:
-            # Clipping rides in the kernel: it divides the gradient by grad_scale as it reads it.
+            # Clipping rides in the kernel: it divides the gradient by grad_scale as it reads it. The
+            # norm comes from the kernels' sum of squares where they are built: half the time of
+            # torch's vector_norm here (8 against 16 ms for 37.7 M elements), and closer to the
+            # exact norm (fp32 blocks summed in double, where vector_norm accumulates in fp32).
             scale = None
             if max_grad_norm > 0:
-                coef = max_grad_norm / (float(torch.linalg.vector_norm(grad)) + 1e-6)
+                norm = grad_norm if grad_norm is not None else host_kernels.sumsq(grad) ** 0.5 \
+                    if host_kernels.library() is not None else float(torch.linalg.vector_norm(grad))
+                coef = max_grad_norm / (norm + 1e-6)
                 scale = torch.tensor(1.0 / coef) if coef < 1.0 else None
             beta1, beta2 = self.betas
             steps = torch.tensor(float(self.steps[name]))
@@ -266,7 +274,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return True
         gscale = 1.0
         if max_grad_norm > 0:
-            norm = host_kernels.sumsq(grad) ** 0.5
+            norm = grad_norm if grad_norm is not None else host_kernels.sumsq(grad) ** 0.5
             gscale = min(max_grad_norm / (norm + 1e-6), 1.0)
         beta1, beta2 = self.betas
         return host_kernels.adamw(

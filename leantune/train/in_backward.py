@@ -107,19 +107,24 @@ class InBackwardStep:
         gave a gradient) plus the host accumulator `acc`, in the order the plain loop sums them."""
         lr = self.optimizer.param_groups[0]["lr"]
 
-        def step(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
+        def step(weight: torch.Tensor, grad: torch.Tensor | None, grad_norm: float | None) -> None:
             if grad is None:
                 grad = acc.to(weight.dtype)
             elif acc is not None:
                 grad = grad + acc.to(grad.dtype)
-            self._step(p, grad, weight, lr)
+            self._step(p, grad, weight, lr, grad_norm)
 
-        engine.step_on_host(p, g, step)
+        # The device takes the clipping norm of a gradient that is the whole gradient (no host
+        # accumulator to add first): the host's pass over it is then the update's alone.
+        engine.step_on_host(p, g, step, norm=self.max_grad_norm > 0 and acc is None and g is not None)
         self._stepped(p)
 
     def _step(self, p: torch.nn.Parameter, g: torch.Tensor, weight: torch.Tensor | None = None,
-              lr: float | None = None) -> None:
-        self.optimizer.step_param(p, g, weight, lr, max_grad_norm=self.max_grad_norm)
+              lr: float | None = None, grad_norm: float | None = None) -> None:
+        if grad_norm is None:
+            self.optimizer.step_param(p, g, weight, lr, max_grad_norm=self.max_grad_norm)
+        else:
+            self.optimizer.step_param(p, g, weight, lr, max_grad_norm=self.max_grad_norm, grad_norm=grad_norm)
 
     # -- a step --------------------------------------------------------------------------------------
     def begin_step(self) -> None:
