@@ -12,8 +12,9 @@ one weight held in host memory, as it runs for each trained tensor of a streamed
   the device takes the clipping norm before the gradient's copy (trainable_streaming.step_on_host)
   and the host clips by it: here that norm is taken once, outside the timing;
 - `host norm` (`ratio_host_norm=`): the host takes the norm itself (gradient accumulation > 1, whose
-  host accumulator is added first; a CPU compute device): one more pass over the gradient. Reported per setting: seconds,
-parameters per second, and what that rate makes of one step of Flux-dev's 11.9 B weights. With
+  host accumulator is added first; a CPU compute device): one more pass over the gradient.
+Reported per setting: seconds, parameters per second, and what that rate makes of one step of
+Flux-dev's 11.9 B weights. With
 --compare, each timing of leantune's step is interleaved with one of torch's `AdamW(fused=True)` step
 on fp32 tensors of the same size (the fused CPU kernel: fp32 weights, grads and moments; the machine
 may be loaded by others, so A and B alternate and the best of each is kept), and

@@ -302,3 +302,9 @@ def test_the_host_step_clips_by_the_norm_the_device_took(dtype):
 
     stepper._update_on_host(engine, lin.weight, g, torch.zeros(SHAPE, dtype=dtype))
     assert engine.asked == [True, False]
+
+    # Adafactor takes its norm from its own first pass: the device is not asked for one.
+    ada = FusedOptimizer(lin, {"weight": lin.weight}, "adafactor", lr=1e-3)
+    ada_engine = _EngineGivingANorm(lin.weight.data, 4 * true_norm)
+    InBackwardStep(ada, [], max_grad_norm=1e-3)._update_on_host(ada_engine, lin.weight, g, None)
+    assert ada_engine.asked == [False]

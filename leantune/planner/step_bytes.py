@@ -44,7 +44,7 @@ class _NoStep:
     """An optimizer that changes nothing: isolates what clipping allocates (8-bit AdamW's own
     step is bitsandbytes' fused in-place kernel)."""
 
-    def step_param(self, p, g, weight=None, lr=None, max_grad_norm=0.0) -> None:
+    def step_param(self, p, g, weight=None, lr=None, max_grad_norm=0.0, grad_norm=None) -> None:
         from ..train.fused_optim import clip_in_place
 
         if max_grad_norm > 0:

@@ -115,16 +115,16 @@ class InBackwardStep:
             self._step(p, grad, weight, lr, grad_norm)
 
         # The device takes the clipping norm of a gradient that is the whole gradient (no host
-        # accumulator to add first): the host's pass over it is then the update's alone.
-        engine.step_on_host(p, g, step, norm=self.max_grad_norm > 0 and acc is None and g is not None)
+        # accumulator to add first), for an optimizer that clips by it: the host's pass over the
+        # gradient is then the update's alone.
+        norm = self.max_grad_norm > 0 and acc is None and g is not None \
+            and self.optimizer.clips_by_given_norm()
+        engine.step_on_host(p, g, step, norm=norm)
         self._stepped(p)
 
     def _step(self, p: torch.nn.Parameter, g: torch.Tensor, weight: torch.Tensor | None = None,
               lr: float | None = None, grad_norm: float | None = None) -> None:
-        if grad_norm is None:
-            self.optimizer.step_param(p, g, weight, lr, max_grad_norm=self.max_grad_norm)
-        else:
-            self.optimizer.step_param(p, g, weight, lr, max_grad_norm=self.max_grad_norm, grad_norm=grad_norm)
+        self.optimizer.step_param(p, g, weight, lr, max_grad_norm=self.max_grad_norm, grad_norm=grad_norm)
 
     # -- a step --------------------------------------------------------------------------------------
     def begin_step(self) -> None:
