@@ -101,7 +101,7 @@ def test_broken_backward_schedule_is_caught(base, monkeypatch, checkpointing):
     checkpointing (before, only the per-saved-tensor handles checked, so a checkpointed block
     went on with NaN gradients)..."""
     model, handle = _all_streamed(base, checkpointing=checkpointing)
-    monkeypatch.setattr(handle.streaming.engine, "backward_begin", lambda unit, release_at_end: None)
+    monkeypatch.setattr(handle.streaming.engine, "backward_begin", lambda unit: None)
     with pytest.raises(RuntimeError, match="not resident"):
         train(model, shapes=[(8, 8)])
     handle.remove()
@@ -112,7 +112,7 @@ def test_poison_turns_unguarded_saved_weights_nan(base, monkeypatch):
     the gradients NaN."""
     model, handle = _all_streamed(base)
     eng = handle.streaming.engine
-    monkeypatch.setattr(eng, "backward_begin", lambda unit, release_at_end: None)
+    monkeypatch.setattr(eng, "backward_begin", lambda unit: None)
     monkeypatch.setattr(eng, "check_resident", lambda unit: None)
     rec = train(model, shapes=[(8, 8)])
     assert torch.isfinite(rec[0]["loss"])                                # the forward was fine
@@ -126,7 +126,7 @@ def test_poison_catches_missing_hold_under_checkpointing(base, monkeypatch):
     gradients."""
     model, handle = _all_streamed(base, checkpointing="blocks")
     eng = handle.streaming.engine
-    monkeypatch.setattr(eng, "backward_begin", lambda unit, release_at_end: None)
+    monkeypatch.setattr(eng, "backward_begin", lambda unit: None)
     monkeypatch.setattr(eng, "check_resident", lambda unit: None)
     rec = train(model, shapes=[(8, 8)])
     assert any(torch.isnan(g).any() for g in rec[0]["grads"].values() if g is not None)

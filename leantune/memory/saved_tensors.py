@@ -8,8 +8,8 @@ and valid) whenever backward reads them.
 
 - Frozen weights (LoRA, sampling): no hook. Each streamed tensor's owner has a version counter of
   its own (streaming_units.point_owners), so autograd saves the weight itself and reads the slot in
-  backward, where the schedule holds the unit from its output gradients to its input gradients.
-  `check_resident` runs once per block as its backward begins (streamed_forward._Leave) and
+  backward, where the schedule holds the unit from its call's backward boundary to the next one.
+  `check_resident` runs once per block as its backward begins (streamed_forward.Boundary) and
   raises, rather than let the block compute with whatever the slot holds. A hook here would run
   once per saved tensor (about 60 per Flux block, most of them activations): it was the largest
   part of the engine's per-block CPU time.

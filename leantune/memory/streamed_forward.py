@@ -1,16 +1,30 @@
 """The per-block hook of weight streaming: the forward that replaces a streamed module's own, and
-the two autograd boundaries it puts around the unit, which tell the schedule (memory/streaming.py)
-when the unit's weights are needed.
+the one backward boundary it leaves on the call's outputs, which tells the schedule
+(memory/streaming.py) when the unit's weights are needed again.
 
-A unit is *held* while its weights are in use: during its forward; in backward from the moment its
-output gradients arrive (`_Leave`, an identity autograd Function on its outputs) until its input
-gradients are computed (`_Enter`, an identity Function on its grad-requiring inputs; created first
-in the block, it has the lowest sequence number, so autograd's ready queue runs it after every
-other node of the block). A unit none of whose inputs needs a gradient (the first trainable block)
-is held until the end of backward (an engine callback), as FSDP2 does for the same reason.
+A unit is *held* while its weights are in use: during its forward, and in backward from the moment
+the first of its output nodes is about to run until the boundary of an earlier call fires (or
+backward ends).
 
-Frozen weights are saved by autograd as themselves and read from the slot in backward, after
-`_Leave` took the hold and checked once that the unit is resident; trained weights without
+Why one boundary per call is enough: autograd creates nodes with increasing sequence numbers and,
+on one device's ready queue, always runs the ready node with the highest one. So when a node runs,
+every node reachable in this backward with a higher sequence number has already run: the backward
+visits a call's nodes strictly after those of every later call. The boundary of call k (a pre-hook
+on its output nodes, the last nodes the call created) therefore fires after the backward of every
+later call is complete and before any node of call k: it releases the holds taken since (their
+backward is done) and takes call k's. The earlier design needed two identity autograd Functions per
+call (one on the outputs to take the hold, one on the inputs to drop it): each is a Python node of
+its own, created in forward and run in backward, and the two were most of the engine's CPU time per
+block on a small model (bench/engine_overhead.py, docs/benchmarks.md). The first call whose
+outputs need a gradient has no earlier boundary to release it: the end of backward does (an engine
+callback), as FSDP2 does for the same reason.
+
+A node pre-hook needs the call's own output nodes. Where an output needing a gradient has none made
+by the call (a leaf, or an input passed through unchanged), an identity autograd Function on the
+outputs carries the same boundary instead; so it does under functorch transforms.
+
+Frozen weights are saved by autograd as themselves and read from the slot in backward, after the
+boundary took the hold and checked once that the unit is resident; trained weights without
 checkpointing go through the saved-tensor hooks (memory/saved_tensors.py). With checkpointing, the
 recompute re-enters this forward, which re-acquires the unit; checkpointing therefore wraps
 *outside* streaming (see engine.py for the full order).
@@ -28,59 +42,42 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .streaming_units import StreamedUnit
 
 
-class _Enter(torch.autograd.Function):
-    """Identity on a unit's grad-requiring inputs; its backward runs once the unit's backward is done."""
+_next_sequence_nr = torch.autograd._get_sequence_nr     # the sequence number the next node will get
+
+
+class Boundary:
+    """The backward boundary of one streamed call: fired once per backward, by the first of the
+    call's output nodes to run (or by _Routed), it hands the schedule the unit to hold."""
+
+    __slots__ = ("engine", "unit", "epoch")
+
+    def __init__(self, engine, unit: StreamedUnit):
+        self.engine, self.unit = engine, unit
+        self.epoch = -1                               # the backward it last fired in (engine.backward_epoch)
+
+    def __call__(self, grad_outputs):                # a node pre-hook: None leaves the gradients as they are
+        self.engine.backward_boundary(self)
+
+
+class _Routed(torch.autograd.Function):
+    """Identity on a call's outputs that carries its boundary, where the outputs have no node of the
+    call's own to hook (module docstring)."""
 
     @staticmethod
-    def forward(ctx, engine, unit, *xs):
-        ctx.engine, ctx.unit = engine, unit
+    def forward(ctx, boundary, *xs):
+        ctx.boundary = boundary
         ctx.set_materialize_grads(False)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine.backward_end(ctx.unit)
-        return (None, None, *grads)
-
-
-class _Leave(torch.autograd.Function):
-    """Identity on a unit's outputs; its backward runs just before the unit's backward starts."""
-
-    @staticmethod
-    def forward(ctx, engine, unit, release_at_end, *xs):
-        ctx.engine, ctx.unit, ctx.release_at_end = engine, unit, release_at_end
-        ctx.set_materialize_grads(False)
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine.backward_begin(ctx.unit, ctx.release_at_end)
-        ctx.engine.check_resident(ctx.unit)          # once per block, before any of its saved weights is read
-        return (None, None, None, *grads)
-
-
-def _direct_apply(cls):
-    """`cls.apply` without torch.autograd.Function.apply's Python wrapper (a setup_context check and
-    a walk of the arguments for dead functorch wrappers, a third of the cost of the two boundaries on
-    a small block). That walk matters only under functorch transforms (vmap, grad, jvp), where the
-    wrapper still runs."""
-    direct = super(torch.autograd.Function, cls).apply
-
-    def apply(*args):
-        if torch._C._are_functorch_transforms_active():
-            return cls.apply(*args)
-        return direct(*args)
-
-    return apply
-
-
-_enter = _direct_apply(_Enter)
-_leave = _direct_apply(_Leave)
+        ctx.boundary(grads)
+        return (None, *grads)
 
 
 # Leaf types a block's arguments and outputs commonly carry besides tensors: pytree treats them as
 # leaves too. Any other type (a namedtuple, an OrderedDict, a registered pytree node, an unknown
-# object) sends the whole call to torch's pytree, so the tensors routed are always pytree's.
+# object) sends the whole walk to torch's pytree, so the tensors found are always pytree's.
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device})
 
 
@@ -89,7 +86,8 @@ def _grad_tensors(tree, found: list) -> bool:
     `found`, in pytree's order; False if `tree` holds another type (then nothing is decided here).
 
     Why not tree_flatten: it is the largest part of the per-block cost of the wrapper on a small
-    model (a spec object per container, a namedtuple check per node), twice per streamed call."""
+    model (a spec object per container, a namedtuple check per node), and runs on every streamed
+    call's arguments and outputs."""
     if isinstance(tree, torch.Tensor):
         if tree.requires_grad:
             found.append(tree)
@@ -108,44 +106,51 @@ def _grad_tensors(tree, found: list) -> bool:
     return t in _ATOMS
 
 
-def _substitute(tree, routed):
-    """`tree` with its grad-requiring tensors replaced, in order, by the items of iterator `routed`
-    (the same walk as _grad_tensors, which accepted `tree`); containers without one are kept."""
-    if isinstance(tree, torch.Tensor):
-        return next(routed) if tree.requires_grad else tree
-    t = type(tree)
-    if t is tuple or t is list:
-        items = [_substitute(x, routed) for x in tree]
-        if all(a is b for a, b in zip(items, tree)):
-            return tree
-        return tuple(items) if t is tuple else items
-    if t is dict:
-        items = {k: _substitute(x, routed) for k, x in tree.items()}
-        if all(items[k] is x for k, x in tree.items()):
-            return tree
-        return items
-    return tree
-
-
-def _route(tree, fn):
-    """(`tree` with its grad-requiring tensors passed through `fn(*tensors)`, whether any was)."""
+def _grad_leaves(tree) -> list:
+    """The grad-requiring tensors of `tree`, in pytree's order."""
     found: list = []
     if _grad_tensors(tree, found):
-        if not found:
-            return tree, False
-        return _substitute(tree, iter(fn(*found))), True
+        return found
+    flat, _ = tree_flatten(tree)
+    return [x for x in flat if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def _mark_boundary(out, boundary: Boundary, start: int):
+    """(`out`, whether backward will need the call's weights): `boundary` put on the call's output
+    nodes as a pre-hook, or on an identity Function over `out`'s grad-requiring tensors where one
+    of them has no node made by the call (made before sequence number `start`, or a leaf)."""
+    found = _grad_leaves(out)
+    if not found:
+        return out, False
+    if torch._C._are_functorch_transforms_active():
+        return _route(out, boundary)
+    nodes: list = []
+    for t in found:
+        fn = t.grad_fn
+        if fn is None or fn._sequence_nr() < start:
+            return _route(out, boundary)
+        if not any(fn is n for n in nodes):
+            nodes.append(fn)
+    for fn in nodes:
+        fn.register_prehook(boundary)
+    return out, True
+
+
+def _route(tree, boundary: Boundary):
+    """(`tree` with its grad-requiring tensors passed through _Routed, whether any was)."""
     flat, spec = tree_flatten(tree)
     idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not idx:
         return tree, False
-    for i, x in zip(idx, fn(*[flat[i] for i in idx]), strict=True):
+    for i, x in zip(idx, _Routed.apply(boundary, *[flat[i] for i in idx]), strict=True):
         flat[i] = x
     return tree_unflatten(flat, spec), True
 
 
 class StreamedForward:
     """Instance-level forward of a streamed module: hold the unit around the original forward and
-    wire the backward holds. `engine`: the module's StreamingEngine (memory/streaming.py)."""
+    leave the backward boundary on its outputs. `engine`: the module's StreamingEngine
+    (memory/streaming.py)."""
 
     def __init__(self, engine, unit: StreamedUnit, module: nn.Module):
         self.engine, self.unit = engine, unit
@@ -161,16 +166,16 @@ class StreamedForward:
                                "under torch.no_grad(), or call forward_only(False) before training")
         eng.acquire(unit)
         try:
-            (args, kwargs), grad_in = _route((args, kwargs), lambda *xs: _enter(eng, unit, *xs))
-            if not grad_in and not unit.trainable():
+            if not unit.trainable() and not _grad_leaves((args, kwargs)):
                 return self.orig(*args, **kwargs)     # nothing here needs these weights in backward
+            start = _next_sequence_nr()
             if unit.checkpointed or not eng.saved_views_as_handles:
                 out = self.orig(*args, **kwargs)      # checkpoint's recompute re-enters this wrapper
             else:
                 with eng.saved_tensors.installed():
                     out = self.orig(*args, **kwargs)
-            out, grad_out = _route(out, lambda *xs: _leave(eng, unit, not grad_in, *xs))
-            if grad_out:
+            out, tracked = _mark_boundary(out, Boundary(eng, unit), start)
+            if tracked:
                 eng.note_tracked(unit)
             return out
         finally:

@@ -14,8 +14,8 @@ parts it drives have one module each (each docstring says how and why):
 - slot_ring.py, copy_streams.py: K device slots (a ring, K >= 2), unit i always in slot i mod K;
   copies on a dedicated copy stream, ordered by events only (no synchronize in the per-block path);
   `poison` (debug) fills a released slot with NaN bytes.
-- streamed_forward.py: the per-block hook, a forward wrapper plus two autograd boundaries that call
-  `acquire`/`release` around the forward and `backward_begin`/`backward_end` around the backward.
+- streamed_forward.py: the per-block hook, a forward wrapper that calls `acquire`/`release` around
+  the forward and leaves one backward boundary on the call's output nodes (`backward_boundary`).
 - saved_tensors.py: trainable streaming without checkpointing: a saved slot view becomes a handle
   rebuilt in backward. Frozen weights need no hook: a saved weight is the weight itself, read from
   its slot while the unit is held again, and residency is checked once per block
@@ -24,8 +24,8 @@ parts it drives have one module each (each docstring says how and why):
 
 The schedule (StreamingEngine):
 - A unit is held while its weights are in use: in forward around its call, in backward from its
-  output gradients to its input gradients (or to the end of backward when no input needs a
-  gradient). The first hold makes it resident (fetched on demand unless prefetched; compute waits
+  call's boundary (its output nodes are about to run) to the next boundary, an earlier call's (or
+  to the end of backward for the first call). The first hold makes it resident (fetched on demand unless prefetched; compute waits
   for its copy's event); the last release retires its slot (poison; the event the next copy into
   the slot waits for) and prefetches.
 - Prefetch follows the expected order: the forward order learned from the previous step, its
@@ -104,7 +104,7 @@ class StreamingEngine:
     # that turn saved slot views into handles (saved_tensors.py). Frozen weights need none: each
     # streamed tensor's owner has a version counter of its own (streaming_units.point_owners), so a
     # saved weight is the weight itself, read from its slot in backward while the unit is held
-    # again, and its residency is checked once per block (`check_resident`, from _Leave) instead
+    # again, and its residency is checked once per block (`check_resident`, from its boundary) instead
     # of once per saved tensor. Trained weights are stepped in place during backward, so they keep
     # the handles.
     saved_views_as_handles = False
@@ -123,8 +123,8 @@ class StreamingEngine:
         self.log: list[StreamedUnit] = []             # units acquired in this forward
         self.tracked: list[StreamedUnit] = []         # units whose weights backward will need
         self.bwd_holds: list[StreamedUnit] = []       # holds taken in backward, not yet released
-        self.end_holds: list[StreamedUnit] = []       # holds released at the end of backward
         self.callback_queued = False
+        self.backward_epoch = 0                       # counts backward passes (a retained graph's too)
         self.held = 0
 
     # -- phases (model-level hooks and autograd boundaries) -------------------------------------
@@ -133,7 +133,6 @@ class StreamingEngine:
             while u.refs:
                 self.release(u)
         self.bwd_holds.clear()
-        self.end_holds.clear()
         # An interrupted backward (an exception, e.g. out of memory) never ran the end-of-backward
         # callback it queued: without this the next backward would queue none and keep its
         # held-to-the-end units held past its end.
@@ -158,27 +157,43 @@ class StreamingEngine:
         if self.phase == "forward":
             self.tracked.append(unit)
 
-    def backward_begin(self, unit: StreamedUnit, release_at_end: bool) -> None:
+    def backward_boundary(self, boundary) -> None:
+        """A streamed call's backward boundary fired (streamed_forward.Boundary): the backward of
+        every later call is done, so their holds end; this call's unit is held from here until the
+        next boundary (an earlier call's) or the end of backward. A unit already held (the
+        non-block group's consecutive modules) keeps its hold rather than retire and refetch."""
         if not self.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self.callback_queued = True
+            self.backward_epoch += 1
             if self.phase != "backward":
                 self.phase, self.order, self.cursor = "backward", list(reversed(_dedupe(self.tracked))), -1
-        self.acquire(unit)
-        (self.end_holds if release_at_end else self.bwd_holds).append(unit)
+        if boundary.epoch == self.backward_epoch:
+            return                                    # another of the call's output nodes fired it
+        boundary.epoch = self.backward_epoch
+        unit, holds, kept = boundary.unit, self.bwd_holds, False
+        if holds:
+            for u in holds:
+                if u is unit and not kept:
+                    kept = True
+                else:
+                    self.release(u)
+            holds.clear()
+            if kept:
+                holds.append(unit)
+        if not kept:
+            self.backward_begin(unit)
+        self.check_resident(unit)                     # once per block, before any of its saved weights is read
 
-    def backward_end(self, unit: StreamedUnit) -> None:
-        for i, u in enumerate(self.bwd_holds):
-            if u is unit:
-                del self.bwd_holds[i]
-                self.release(unit)
-                return
+    def backward_begin(self, unit: StreamedUnit) -> None:
+        """Hold `unit` for its backward (released by the next boundary or the end of backward)."""
+        self.acquire(unit)
+        self.bwd_holds.append(unit)
 
     def _end_backward(self) -> None:
         self.callback_queued = False
-        for u in self.end_holds + self.bwd_holds:     # bwd_holds: input grads nobody asked for
+        for u in self.bwd_holds:                      # the first call's, or any no boundary reached
             self.release(u)
-        self.end_holds.clear()
         self.bwd_holds.clear()
         self.phase, self.order, self.cursor = "idle", self.fwd_order, -1
         self._backward_ended()
@@ -483,6 +498,5 @@ def release_streaming(handle: StreamingHandle) -> None:
     engine.saved_tensors.clear()
     engine.fwd_order, engine.order, engine.log, engine.tracked = [], [], [], []
     engine.bwd_holds.clear()
-    engine.end_holds.clear()
     handle.units.clear()
     return_freed_host_memory()
