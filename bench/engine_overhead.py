@@ -17,7 +17,12 @@ reported, and the copies are separated from the bookkeeping by their CPU time (o
 compute device a fetch is a synchronous memcpy on the calling thread; the bench adds up its process
 CPU time around each copy):
     copy_ms_per_block   = CPU time of the slot fills per step / streamed units
-    engine_ms_per_block = (median streamed step - median plain step) / streamed units - copy_ms_per_block
+    engine_ms_per_block = median over the pairs of (streamed step - the plain step before it)
+                          / streamed units - copy_ms_per_block
+The median of the paired differences is the headline because this machine's speed drifts within a
+run (the plain step took 20 ms and 32 ms of CPU in two runs minutes apart): a pair's two steps are
+milliseconds apart, so the drift cancels in each difference. The difference of the two medians
+(what earlier results in docs/benchmarks.md used) is printed beside it.
 At Flux width (3072 wide: 24 heads of 128, T5 width 4096, bf16) the compute is seconds per step, so
 the difference is within its noise; the spread of the per-pair differences is printed beside it.
 Target (issue 21): <= 0.3 ms per block per step on the tiny model, nothing beyond the copy at Flux width.
@@ -107,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpointing", default="none", choices=["none", "blocks"])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--width", default="tiny", choices=["tiny", "flux"])
+    ap.add_argument("--ring", type=int, default=2, help="ring slots; one more than the units moves nothing "
+                    "after the first step, which leaves the bookkeeping alone")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     plain, plain_params = make_model(a.width)
     plain_handle = apply_memory(plain, FLUX_SPEC, Plan(), "cpu")      # same Linears, nothing streamed
     streamed, streamed_params = make_model(a.width)
     names = [n for n, _ in FLUX_SPEC.blocks(streamed)]
-    plan = Plan(streamed_blocks=tuple(names), stream_non_blocks=True, checkpointing=a.checkpointing, ring_slots=2)
+    plan = Plan(streamed_blocks=tuple(names), stream_non_blocks=True, checkpointing=a.checkpointing, ring_slots=a.ring)
     handle = apply_memory(streamed, FLUX_SPEC, plan, "cpu", offload_min_bytes=0)
     units = len(handle.streaming.units)
     copy_cpu = _time_copies(handle.streaming.engine.copies)
@@ -132,11 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     q1, q3 = diffs[len(diffs) // 4], diffs[(3 * len(diffs)) // 4]
     copy_per_block = copy_s / units
     per_block = (s - p) / units - copy_per_block
+    paired = statistics.median(diffs) / units - copy_per_block
     print(f"{a.width} Flux, {units} streamed units ({len(names)} blocks + the non-block group), checkpointing "
-          f"{a.checkpointing}, {a.steps} interleaved steps, load {os.getloadavg()}")
+          f"{a.checkpointing}, {a.steps} interleaved steps, ring {a.ring}, load {os.getloadavg()}")
     print(f"plain step {p * 1e3:.2f} ms CPU, streamed step {s * 1e3:.2f} ms CPU, copies {copy_s * 1e3:.2f} ms per step; "
           f"streamed - plain per pair: quartiles {q1 * 1e3:.2f} .. {q3 * 1e3:.2f} ms")
-    print(f"copy_ms_per_block={copy_per_block * 1e3:.3f} engine_ms_per_block={per_block * 1e3:.3f}")
+    print(f"copy_ms_per_block={copy_per_block * 1e3:.3f} engine_ms_per_block={paired * 1e3:.3f} "
+          f"(difference of the medians: {per_block * 1e3:.3f})")
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()

@@ -26,7 +26,7 @@ set -o pipefail
 PARTS=(
   "0|setup|60|the machine and the packages: nvidia-smi, torch and the wheels|setup"
   "1|nccl-collectives|45|issue 20 finding 1: every DistContext collective over a real NCCL group (host tensors on a gloo side group)|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_collectives_worker.py \$OUT/nccl --nccl"
-  "1|gpu-tests|240|the gpu-marked tests (hook-free frozen streaming and the per-block residency check included)|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA --timeout 120"
+  "1|gpu-tests|240|the gpu-marked tests (hook-free frozen streaming, the per-block residency check and the one-pre-hook backward boundary included)|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA --timeout 120"
   "1|fp32-stream|75|finding 5: full fine-tune step, fp32 weights streamed, bf16 autocast: peak against the plan|python3 bench/gpu_findings.py fp32-stream --blocks 2 2 --size 512"
   "1|oom-step1|75|findings 6 and 8: OOM injected in step 1 with streaming in full mode: host RSS, the redone step's peak, no stored calibration|python3 bench/gpu_findings.py oom-step1 --blocks 2 2 --size 512"
   "2|flux2-klein4b|180|issue 23: FLUX.2 klein-4B (full size, random e4m3 weights) LoRA r16 at 1024 px under a 6 GiB plan: device peak and step time against the planner|flux2_klein"
@@ -38,7 +38,7 @@ PARTS=(
   "3|strategies|135|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
   "3|two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
 )
-GPU_TEST_FILES="tests/test_cache.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_loading.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py"
+GPU_TEST_FILES="tests/test_cache.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_loading.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py tests/test_streaming_boundaries.py"
 TOTAL_S=${TOTAL_S:-510}
 
 dry=0; only=""; window=1

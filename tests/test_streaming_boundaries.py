@@ -98,10 +98,12 @@ def _backward_twice(model, x):
     loss.backward()
 
 
-def _streamed(model):
+def _streamed(model, device="cpu"):
     names = tuple(n for n, _ in TOY_SPEC.blocks(model))
     plan = Plan(streamed_blocks=names, stream_non_blocks=True, ring_slots=2, debug_poison=True)
-    return apply_streaming(model, TOY_SPEC, plan, "cpu")
+    handle = apply_streaming(model, TOY_SPEC, plan, device)
+    model.to(device)                                  # the adapters: streaming moves only what it streams
+    return handle
 
 
 def _nodes(fn) -> list:
@@ -117,13 +119,16 @@ def _nodes(fn) -> list:
     return out
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("variant", ["chain", "skip", "passthrough", "inplace", "unused"])
 @pytest.mark.parametrize("loss_fn", [_backward, _backward_twice], ids=["backward", "retain_graph_twice"])
-def test_streamed_gradients_equal_the_plain_model(variant, loss_fn):
-    plain = _toy(variant)
-    streamed = copy.deepcopy(plain)
-    handle = _streamed(streamed)
-    x = torch.randn(3, 8, requires_grad=True)
+def test_streamed_gradients_equal_the_plain_model(variant, loss_fn, device):
+    """On CUDA the order the boundaries rely on is the device queue's (autograd's device thread):
+    GPU-only, in bench/gpu_checks.sh's window 1."""
+    plain = _toy(variant).to(device)
+    streamed = copy.deepcopy(plain).cpu()
+    handle = _streamed(streamed, device)
+    x = torch.randn(3, 8, device=device, requires_grad=True)
     want = _grads(plain, x.detach().requires_grad_(), loss_fn)
     for _ in range(2):                                # a second step: the learned order, prefetched
         got = _grads(streamed, x.detach().requires_grad_(), loss_fn)
