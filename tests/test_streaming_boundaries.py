@@ -36,8 +36,10 @@ class Block(nn.Module):
         self.lin = nn.Linear(8, 8)
         self.out = nn.Linear(8, 8)
 
-    def forward(self, h, passthrough=False):
+    def forward(self, h, passthrough=False, slices=False):
         y = self.out(torch.tanh(self.lin(h)))
+        if slices:                                    # as a single Flux block returns its text and image rows
+            return y[:, :3], y[:, 3:]
         return (y, h) if passthrough else (y, y * 0.5)
 
 
@@ -57,11 +59,13 @@ class Toy(nn.Module):
         first = None
         for i, b in enumerate(self.blocks):
             through = v == "passthrough" and i == 2
-            y, z = b(h, passthrough=through)
+            y, z = b(h, passthrough=through, slices=v == "slices")
             if v == "inplace":
                 y.mul_(1.5)                           # rebases y's grad_fn after the call
             first = y if first is None else first
-            if through:
+            if v == "slices":
+                y = h = torch.cat([y, z], dim=1)
+            elif through:
                 h = z       # block 2's own output is dropped; its input, block 1's output, goes on
             elif v == "passthrough" or (v == "unused" and i == 1):
                 h = y       # the block's second output is dropped
@@ -120,7 +124,7 @@ def _nodes(fn) -> list:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("variant", ["chain", "skip", "passthrough", "inplace", "unused"])
+@pytest.mark.parametrize("variant", ["chain", "skip", "passthrough", "inplace", "unused", "slices"])
 @pytest.mark.parametrize("loss_fn", [_backward, _backward_twice], ids=["backward", "retain_graph_twice"])
 def test_streamed_gradients_equal_the_plain_model(variant, loss_fn, device):
     """On CUDA the order the boundaries rely on is the device queue's (autograd's device thread):
@@ -151,6 +155,19 @@ def test_a_passed_through_input_falls_back_to_an_identity_function():
     out = model(torch.randn(3, 8, requires_grad=True))
     names = [type(n).__name__ for n in _nodes(out.grad_fn)]
     assert names.count("_RoutedBackward") == 1
+
+
+def test_outputs_that_are_slices_of_one_tensor_need_one_hook():
+    """A block returning two slices of one tensor: the pre-hook goes on the node the slices view
+    (made by the call), once; the slices' own nodes read no weight. Each call's boundary then fires
+    once per backward: 6 firings for 6 calls (4 blocks, embed, head), not 10."""
+    model = _toy("slices")
+    eng = _streamed(model).engine
+    fired = []
+    real = eng.backward_boundary
+    eng.backward_boundary = lambda b: (fired.append(b.unit.name), real(b))
+    model(torch.randn(3, 8, requires_grad=True)).square().sum().backward()
+    assert fired == ["non_blocks", "blocks.3", "blocks.2", "blocks.1", "blocks.0", "non_blocks"]
 
 
 def test_autograd_grad_of_part_of_the_graph():

@@ -11,8 +11,10 @@ on one device's ready queue, always runs the ready node with the highest one. So
 every node reachable in this backward with a higher sequence number has already run: the backward
 visits a call's nodes strictly after those of every later call. The boundary of call k (a pre-hook
 on its output nodes, the last nodes the call created) therefore fires after the backward of every
-later call is complete and before any node of call k: it releases the holds taken since (their
-backward is done) and takes call k's. The earlier design needed two identity autograd Functions per
+later call is complete and before any node of call k that reads a weight: it releases the holds
+taken since (their backward is done) and takes call k's. An output that is a view (a slice, a
+reshape) of a tensor the call made is hooked at that tensor's node, so a single block's two
+outputs, slices of one tensor, need one pre-hook: the views' own nodes read no weight. The earlier design needed two identity autograd Functions per
 call (one on the outputs to take the hold, one on the inputs to drop it): each is a Python node of
 its own, created in forward and run in backward, and the two were most of the engine's CPU time per
 block on a small model (bench/engine_overhead.py, docs/benchmarks.md). The first call whose
@@ -115,6 +117,31 @@ def _grad_leaves(tree) -> list:
     return [x for x in flat if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
+# Autograd nodes of ops that only select or reshape: one input, nothing saved but sizes, so no
+# weight is read in their backward. An output reached through them from a node the call made is
+# hooked at that node: a single block's two outputs (its text and image rows, slices of one tensor)
+# then need one pre-hook, not two. Their own nodes run before the hook fires, which is harmless.
+_VIEW_NODES = frozenset({"SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0",
+                         "ReshapeAliasBackward0", "TransposeBackward0", "PermuteBackward0", "SplitBackward0",
+                         "SplitWithSizesBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+                         "SqueezeBackward1", "AliasBackward0"})
+
+
+def _own_node(fn, start: int):
+    """The node to hook for an output whose node `fn` the call made: `fn`, or the node of the call's
+    that the output is a view of (through _VIEW_NODES only)."""
+    while type(fn).__name__ in _VIEW_NODES:
+        nxt = fn.next_functions
+        if len(nxt) != 1:
+            return fn
+        base = nxt[0][0]
+        # A leaf's AccumulateGrad has the largest sequence number of all: not the call's.
+        if base is None or base._sequence_nr() < start or type(base).__name__ == "AccumulateGrad":
+            return fn
+        fn = base
+    return fn
+
+
 def _mark_boundary(out, boundary: Boundary, start: int):
     """(`out`, whether backward will need the call's weights): `boundary` put on the call's output
     nodes as a pre-hook, or on an identity Function over `out`'s grad-requiring tensors where one
@@ -129,6 +156,7 @@ def _mark_boundary(out, boundary: Boundary, start: int):
         fn = t.grad_fn
         if fn is None or fn._sequence_nr() < start:
             return _route(out, boundary)
+        fn = _own_node(fn, start)
         if not any(fn is n for n in nodes):
             nodes.append(fn)
     for fn in nodes:
