@@ -14,10 +14,12 @@ on its output nodes, the last nodes the call created) therefore fires after the 
 later call is complete and before any node of call k that reads a weight: it releases the holds
 taken since (their backward is done) and takes call k's. An output that is a view (a slice, a
 reshape) of a tensor the call made is hooked at that tensor's node, so a single block's two
-outputs, slices of one tensor, need one pre-hook: the views' own nodes read no weight. The earlier design needed two identity autograd Functions per
-call (one on the outputs to take the hold, one on the inputs to drop it): each is a Python node of
-its own, created in forward and run in backward, and the two were most of the engine's CPU time per
-block on a small model (bench/engine_overhead.py, docs/benchmarks.md). The first call whose
+outputs, slices of one tensor, need one pre-hook: the views' own nodes read no weight.
+
+The earlier design needed two identity autograd Functions per call (one on the outputs to take the
+hold, one on the inputs to drop it): each is a Python node of its own, created in forward and run in
+backward, and the two were most of the engine's CPU time per block on a small model
+(bench/engine_overhead.py, docs/benchmarks.md). The first call whose
 outputs need a gradient has no earlier boundary to release it: the end of backward does (an engine
 callback), as FSDP2 does for the same reason.
 
@@ -127,18 +129,20 @@ _VIEW_NODES = frozenset({"SliceBackward0", "SelectBackward0", "ViewBackward0", "
                          "SqueezeBackward1", "AliasBackward0"})
 
 
+def _made_by_call(fn, start: int) -> bool:
+    """Whether autograd node `fn` was created by the call that began at sequence number `start`
+    (a leaf's AccumulateGrad has the largest sequence number of all, and is no call's)."""
+    return fn is not None and fn._sequence_nr() >= start and type(fn).__name__ != "AccumulateGrad"
+
+
 def _own_node(fn, start: int):
     """The node to hook for an output whose node `fn` the call made: `fn`, or the node of the call's
     that the output is a view of (through _VIEW_NODES only)."""
     while type(fn).__name__ in _VIEW_NODES:
         nxt = fn.next_functions
-        if len(nxt) != 1:
+        if len(nxt) != 1 or not _made_by_call(nxt[0][0], start):
             return fn
-        base = nxt[0][0]
-        # A leaf's AccumulateGrad has the largest sequence number of all: not the call's.
-        if base is None or base._sequence_nr() < start or type(base).__name__ == "AccumulateGrad":
-            return fn
-        fn = base
+        fn = nxt[0][0]
     return fn
 
 
@@ -153,10 +157,9 @@ def _mark_boundary(out, boundary: Boundary, start: int):
         return _route(out, boundary)
     nodes: list = []
     for t in found:
-        fn = t.grad_fn
-        if fn is None or fn._sequence_nr() < start:
+        if not _made_by_call(t.grad_fn, start):
             return _route(out, boundary)
-        fn = _own_node(fn, start)
+        fn = _own_node(t.grad_fn, start)
         if not any(fn is n for n in nodes):
             nodes.append(fn)
     for fn in nodes:

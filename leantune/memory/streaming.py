@@ -25,9 +25,9 @@ parts it drives have one module each (each docstring says how and why):
 The schedule (StreamingEngine):
 - A unit is held while its weights are in use: in forward around its call, in backward from its
   call's boundary (its output nodes are about to run) to the next boundary, an earlier call's (or
-  to the end of backward for the first call). The first hold makes it resident (fetched on demand unless prefetched; compute waits
-  for its copy's event); the last release retires its slot (poison; the event the next copy into
-  the slot waits for) and prefetches.
+  to the end of backward for the first call). The first hold makes it resident (fetched on demand
+  unless prefetched; compute waits for its copy's event); the last release retires its slot
+  (poison; the event the next copy into the slot waits for) and prefetches.
 - Prefetch follows the expected order: the forward order learned from the previous step, its
   reverse for backward, and at the end of backward (or of a no-grad forward) the start of the next
   forward. A fetch that was not prefetched still happens on demand; order affects speed only.
@@ -104,8 +104,8 @@ class StreamingEngine:
     # that turn saved slot views into handles (saved_tensors.py). Frozen weights need none: each
     # streamed tensor's owner has a version counter of its own (streaming_units.point_owners), so a
     # saved weight is the weight itself, read from its slot in backward while the unit is held
-    # again, and its residency is checked once per block (`check_resident`, from its boundary) instead
-    # of once per saved tensor. Trained weights are stepped in place during backward, so they keep
+    # again, and its residency is checked once per block (`check_resident`, from its boundary)
+    # instead of once per saved tensor. Trained weights are stepped in place during backward, so they keep
     # the handles.
     saved_views_as_handles = False
 
@@ -171,17 +171,16 @@ class StreamingEngine:
         if boundary.epoch == self.backward_epoch:
             return                                    # another of the call's output nodes fired it
         boundary.epoch = self.backward_epoch
-        unit, holds, kept = boundary.unit, self.bwd_holds, False
-        if holds:
-            for u in holds:
-                if u is unit and not kept:
-                    kept = True
-                else:
-                    self.release(u)
-            holds.clear()
-            if kept:
-                holds.append(unit)
-        if not kept:
+        unit, kept = boundary.unit, False
+        for u in self.bwd_holds:
+            if u is unit and not kept:
+                kept = True
+            else:
+                self.release(u)
+        self.bwd_holds.clear()
+        if kept:
+            self.bwd_holds.append(unit)
+        else:
             self.backward_begin(unit)
         self.check_resident(unit)                     # once per block, before any of its saved weights is read
 
