@@ -65,7 +65,7 @@ def build_model(smoke: bool, device: torch.device):
     from diffusers import FluxTransformer2DModel
 
     if smoke:
-        from leantune.models import tiny
+        from leantune import tiny
 
         model = tiny.flux_transformer(dtype=torch.bfloat16)
     else:

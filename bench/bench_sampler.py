@@ -92,7 +92,7 @@ class RandomFlux:
     copy it is given); encoders and VAE are rebuilt per request (a few seconds)."""
 
     def __init__(self, variant: str = "dev", smoke: bool = False):
-        from leantune.models import tiny
+        from leantune import tiny
 
         self.smoke, self.variant, self.schedule_folder = smoke, variant, None
         self.pool = _Pool(1 << 16 if smoke else 1 << 26)
@@ -102,7 +102,7 @@ class RandomFlux:
     def _build_transformer(self):
         from diffusers import FluxTransformer2DModel
 
-        from leantune.models import tiny
+        from leantune import tiny
         from leantune.models.component_files import packaged_config
 
         if self.smoke:
@@ -116,7 +116,7 @@ class RandomFlux:
     def text_encoders(self, dtype):
         from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-        from leantune.models import tiny
+        from leantune import tiny
         from leantune.models.component_files import packaged_config
 
         if self.smoke:
@@ -134,7 +134,7 @@ class RandomFlux:
     def vae(self, dtype, device):
         from diffusers import AutoencoderKL
 
-        from leantune.models import tiny
+        from leantune import tiny
         from leantune.models.component_files import packaged_config
 
         if self.smoke:

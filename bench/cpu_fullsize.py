@@ -58,7 +58,7 @@ def rss() -> dict[str, int]:
 def write(path: Path, blocks: tuple[int, int] | None) -> None:
     from leantune.io import save_safetensors_streamed
     from leantune.simulated_run import meta_flux_dev
-    from leantune.models import bfl_keys
+    from leantune.models.flux import keys as bfl_keys
 
     model = meta_flux_dev(*(blocks or (None, None)))
     meta_state = bfl_keys.diffusers_to_bfl(model.state_dict())          # meta tensors: shapes only
@@ -99,7 +99,7 @@ def load_child(path: Path, loader: str) -> None:
     from diffusers import FluxTransformer2DModel  # noqa: F401  (imports are not the load)
 
     import leantune.memory.fp8  # noqa: F401
-    from leantune.models.flux_loading import FluxSources, load_transformer
+    from leantune.models.flux.loading import FluxSources, load_transformer
 
     start = rss()["VmRSS"]
     t0 = time.perf_counter()
@@ -174,7 +174,7 @@ def sample(path: Path, vram_gib: float, size: int, text_length: int) -> dict:
     from leantune.models.schedule import FlowSchedule
     from leantune.memory.engine import apply_memory
     from leantune.models.flux import FLUX_SPEC, PromptEmbeds
-    from leantune.models.flux_loading import FluxSources, load_transformer
+    from leantune.models.flux.loading import FluxSources, load_transformer
     from leantune.planner.from_config import plan_memory
     from leantune.planner.workload import Budget, Workload
 
@@ -219,7 +219,7 @@ def train_step_child(path: Path, vram_gib: float, size: int, text_length: int, r
     from leantune.config import validate
     from leantune.memory.engine import apply_memory
     from leantune.models.flux import FLUX_SPEC, PromptEmbeds
-    from leantune.models.flux_loading import FluxSources, load_transformer
+    from leantune.models.flux.loading import FluxSources, load_transformer
     from leantune.planner.from_config import workload_from_config
     from leantune.planner.search import Planner
     from leantune.planner.workload import Budget

@@ -23,7 +23,7 @@ import torch
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
-from leantune.models.tiny import wide_flux_transformer
+from leantune.tiny import wide_flux_transformer
 
 MiB = 2**20
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from leantune.config import LoraConfig  # noqa: E402
 from leantune.memory.engine import apply_memory  # noqa: E402
 from leantune.memory.plan import Plan  # noqa: E402
-from leantune.models import tiny  # noqa: E402
+from leantune import tiny  # noqa: E402
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict  # noqa: E402
 from leantune.train.lora import add_lora  # noqa: E402
 

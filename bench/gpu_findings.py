@@ -58,7 +58,7 @@ def build(a, weights: torch.dtype, half: bool = False):
 
     device = torch.device("cpu" if a.smoke else "cuda")
     if a.smoke:
-        from leantune.models import tiny
+        from leantune import tiny
 
         model = tiny.flux_transformer(seed=0, dtype=weights)
         size = 64

@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     from leantune.demo import draw_shapes
-    from leantune.models import tiny
+    from leantune import tiny
 
     a.out.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="leantune-strategies-"))

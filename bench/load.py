@@ -87,7 +87,8 @@ def _write(path: Path, state: dict, fp8_key=lambda k: False, metadata: dict | No
 def make_files(folder: Path, names) -> None:
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-    from leantune.models import bfl_keys, sd3_keys
+    from leantune.models.flux import keys as bfl_keys
+    from leantune.models.sd3 import keys as sd3_keys
 
     folder.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -155,10 +156,11 @@ def _largest_block(model, spec) -> int:
 def _leantune(path: Path, family: str, old: bool, modulation: bool = False):
     from leantune.config import LoraConfig, MemoryConfig
     from leantune.memory.fp8 import apply_fp8_storage
-    from leantune.models import flux_loading, sd3_loading
+    from leantune.models.flux import loading as flux_loading
+    from leantune.models.sd3 import loading as sd3_loading
     from leantune.models.family import fp8_load_options
-    from leantune.models.flux_spec import FLUX_SPEC
-    from leantune.models.sd3_spec import SD3_SPEC
+    from leantune.models.flux.spec import FLUX_SPEC
+    from leantune.models.sd3.spec import SD3_SPEC
     from leantune.train.lora import add_lora
 
     mod, spec = (flux_loading, FLUX_SPEC) if family == "flux" else (sd3_loading, SD3_SPEC)
@@ -251,8 +253,8 @@ def child(loader: str, path: Path) -> dict:
     poller.stop.set()
     poller.join()
     end = _status()
-    from leantune.models.flux_spec import FLUX_SPEC
-    from leantune.models.sd3_spec import SD3_SPEC
+    from leantune.models.flux.spec import FLUX_SPEC
+    from leantune.models.sd3.spec import SD3_SPEC
 
     block = None
     if spec is not None:

@@ -47,7 +47,7 @@ def worker(single: int, share: bool, out: str, turns: bool = False) -> None:
     from leantune.memory.engine import apply_memory
     from leantune.memory.plan import Plan
     from leantune.memory.host_buffers import return_freed_host_memory
-    from leantune.models import tiny
+    from leantune import tiny
     from leantune.models.flux import FLUX_SPEC
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

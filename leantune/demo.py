@@ -276,8 +276,8 @@ def prepare(out: Path, fresh: bool = False, mode: str = "lora", family: str = "f
 
 
 def _save_model(folder: Path, family: str) -> None:
-    """The demo's random base as a diffusers folder: tiny.py's preset of the family, widened."""
-    from .models import tiny
+    """The demo's random base as a diffusers folder: tiny/__init__.py's preset of the family, widened."""
+    from . import tiny
 
     if family == "flux":
         tiny.save_flux_folder(folder, seed=0, **DEMO_FLUX)
@@ -285,7 +285,7 @@ def _save_model(folder: Path, family: str) -> None:
     if family == "qwen-image":
         from diffusers import QwenImagePipeline
 
-        from .models import tiny_qwen_image as tq
+        from .tiny import qwen_image as tq
 
         parts = tq.qwen_image_components(seed=0, **DEMO_QWEN)
         QwenImagePipeline(**parts).save_pretrained(folder, safe_serialization=True)

@@ -77,7 +77,7 @@ def shape_vae(seed: int = 0):
     """The analytic AutoencoderKL (tiny preset's config; scaling 1, shift 0: latents are unit RMS)."""
     from diffusers import AutoencoderKL
 
-    from .models.tiny import VAE_TINY
+    from .tiny import VAE_TINY
 
     vae = AutoencoderKL(**{**VAE_TINY, "scaling_factor": 1.0, "shift_factor": 0.0}).eval()
     enc, dec = vae.encoder, vae.decoder

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_flux_dir(tmp_path_factory):
     """A complete tiny Flux-dev model in the diffusers folder layout, written once per session."""
-    from leantune.models import tiny
+    from leantune import tiny
 
     return tiny.save_flux_folder(tmp_path_factory.mktemp("tiny_flux") / "flux-tiny")
 
@@ -55,6 +55,6 @@ def tiny_run_toml(model, images, rest: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_sd3_dir(tmp_path_factory):
     """A complete tiny SD3.5 (Large-style) model in the diffusers folder layout, written once per session."""
-    from leantune.models import tiny
+    from leantune import tiny
 
     return tiny.save_sd3_folder(tmp_path_factory.mktemp("tiny_sd3") / "sd3-tiny", style="large")

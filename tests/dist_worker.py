@@ -42,7 +42,7 @@ def main(out: str, *configs: str) -> None:
     from leantune.planner import from_config as from_config_mod
     from leantune.planner import search as planner_mod
     from leantune.planner.machine import assumed_machine
-    from leantune.models import flux_loading
+    from leantune.models.flux import loading as flux_loading
     from leantune import trainer as trainer_mod
     from leantune.train import lora_mode as modes_mod
 

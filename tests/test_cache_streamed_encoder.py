@@ -11,8 +11,8 @@ import torch
 from leantune.config import load_config
 from leantune.data.cache import prepare_caches
 from leantune.demo import draw_shapes
-from leantune.models import tiny_flux2 as tf
-from leantune.models import tiny_qwen_image as tq
+from leantune.tiny import flux2 as tf
+from leantune.tiny import qwen_image as tq
 
 RUN = """
 [model]

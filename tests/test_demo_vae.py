@@ -14,7 +14,7 @@ def _pixels(paths):
 
 
 def test_shape_vae_reconstructs_the_demo_images_and_a_random_one_does_not(tmp_path):
-    from leantune.models import tiny
+    from leantune import tiny
 
     x = _pixels(draw_shapes(tmp_path / "img", count=12, size=128, cycle=True))
     vae = shape_vae()

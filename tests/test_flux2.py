@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from leantune.models import tiny_flux2 as tf
+from leantune.tiny import flux2 as tf
 
 PROMPTS = ["a photo of a cat", "a red circle on a white background"]
 SEEDS = [3, 7]
@@ -49,7 +49,7 @@ def _family(name):
 
 
 def _encoders(pipe):
-    from leantune.models.flux2_loading import Flux2TextEncoders
+    from leantune.models.flux2.loading import Flux2TextEncoders
 
     kind = "mistral3" if type(pipe).__name__ == "Flux2Pipeline" else "qwen3"
     return Flux2TextEncoders(kind=kind, tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder,
@@ -59,7 +59,7 @@ def _encoders(pipe):
 @pytest.mark.parametrize("variant", ["dev", "klein"])
 def test_encode_prompts_equals_the_pipelines_encode_prompt(variant, dev, klein):
     """The stacked hidden layers, every row kept (the pipelines pass no text mask)."""
-    from leantune.models.flux2_text import encode_prompts
+    from leantune.models.flux2.text import encode_prompts
 
     pipe = dev if variant == "dev" else klein
     ref, ref_ids = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=MAX_LEN)
@@ -78,7 +78,7 @@ def test_encode_runs_only_the_layers_the_pipeline_reads(variant, dev, klein):
     """The pipelines stack hidden states (10, 20, 30) / (9, 18, 27): the layers after the deepest
     one never run (nor are read from files), and the result is still encode_prompt's, the final
     norm's tie to the last hidden state included; the model is whole again afterwards."""
-    from leantune.models.flux2_text import HIDDEN_LAYERS, encode_prompts, text_model
+    from leantune.models.flux2.text import HIDDEN_LAYERS, encode_prompts, text_model
 
     pipe = dev if variant == "dev" else klein
     enc = _encoders(pipe)
@@ -100,7 +100,7 @@ def test_encode_runs_only_the_layers_the_pipeline_reads(variant, dev, klein):
 
 def test_text_model_streamed_layer_by_layer_encodes_the_same(dev):
     from leantune.memory.blockwise import blockwise_offload
-    from leantune.models.flux2_text import encode_prompts, text_model
+    from leantune.models.flux2.text import encode_prompts, text_model
 
     enc = _encoders(dev)
     ref, _ = encode_prompts(PROMPTS, enc, max_length=MAX_LEN, device="cpu")
@@ -149,7 +149,7 @@ def _sample(pipe, family_name, prompt, seed, guidance, steps=3, references=None,
     from leantune.infer.decode import decode_latents
     from leantune.infer.sampler import denoise
     from leantune.models.flux2 import Flux2VAE, encode_reference_latents
-    from leantune.models.flux2_text import encode_prompts
+    from leantune.models.flux2.text import encode_prompts
 
     family = _family(family_name)
     enc = _encoders(pipe)
@@ -257,7 +257,7 @@ def test_lora_loaded_samples_as_the_pipeline_with_the_same_lora(dev, tmp_path):
 
     from diffusers import Flux2Pipeline
 
-    from leantune.models.flux2_spec import FLUX2_DEV_SPEC
+    from leantune.models.flux2.spec import FLUX2_DEV_SPEC
     from leantune.train.lora import add_lora, lora_weights_from_model, save_lora
 
     model = copy.deepcopy(dev.transformer)

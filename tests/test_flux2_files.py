@@ -16,8 +16,8 @@ from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkp
 
 from leantune.io import load_safetensors, save_safetensors
 from leantune.memory.fp8 import SCALE_ATTR, dequantize
-from leantune.models import flux2_keys
-from leantune.models.flux2_single_file import load_single_file_transformer, read_layout, save_single_file
+from leantune.models.flux2 import keys as flux2_keys
+from leantune.models.flux2.single_file import load_single_file_transformer, read_layout, save_single_file
 from leantune.models.weights import CheckpointFiles, LoadError, build_empty
 
 COMFY = "model.diffusion_model."
@@ -42,7 +42,7 @@ def tiny_model(seed: int = 0, **over) -> Flux2Transformer2DModel:
 
 
 def _spec():
-    from leantune.models.flux2_spec import SPECS
+    from leantune.models.flux2.spec import SPECS
 
     return SPECS["flux2-dev"]
 
@@ -326,9 +326,9 @@ def test_the_family_loader_refuses_another_flux2s_file_or_folder(tmp_path):
     is either size); released klein 4B weights under klein 9B are refused too."""
     from types import SimpleNamespace
 
-    from leantune.models import tiny_flux2 as tf
+    from leantune.tiny import flux2 as tf
     from leantune.models.family import get_family
-    from leantune.models.flux2_single_file import check_variant
+    from leantune.models.flux2.single_file import check_variant
 
     klein_file = save_single_file(tf.flux2_transformer("klein", seed=2), tmp_path / "klein.safetensors", prefix=COMFY)
     dev = get_family("flux2-dev")
@@ -360,7 +360,7 @@ def test_the_family_loader_refuses_another_flux2s_file_or_folder(tmp_path):
 
 
 def test_wrong_variant_is_named(tmp_path, monkeypatch):
-    from leantune.models import flux2_single_file
+    from leantune.models.flux2 import single_file as flux2_single_file
 
     path = save_single_file(tiny_model(seed=7), tmp_path / "t.safetensors")
     monkeypatch.setattr(flux2_keys, "variant_of", lambda config: "flux2-klein-4b")
@@ -373,8 +373,8 @@ def test_wrong_variant_is_named(tmp_path, monkeypatch):
 # -- bad files -------------------------------------------------------------------------------------------
 
 def test_flux1_file_is_refused_naming_it(tmp_path):
-    from leantune.models import tiny
-    from leantune.models.flux_loading import save_bfl_transformer
+    from leantune import tiny
+    from leantune.models.flux.loading import save_bfl_transformer
 
     path = save_bfl_transformer(tiny.flux_transformer(seed=0), tmp_path / "flux1.safetensors")
     with pytest.raises(LoadError, match=r"flux1\.safetensors: not a FLUX\.2 transformer.*single_stream_modulation"):
@@ -443,9 +443,9 @@ def test_pickle_is_refused(tmp_path):
 def test_guess_family_names_flux2_files_not_flux1(tmp_path, prefix):
     """A FLUX.2 file uses Flux.1's block names (double_blocks, single_blocks): guess_family must
     still say FLUX.2 (dev: guidance embedder), and a Flux.1 file stays Flux.1."""
-    from leantune.models import tiny
+    from leantune import tiny
     from leantune.models.family import guess_family
-    from leantune.models.flux_loading import save_bfl_transformer
+    from leantune.models.flux.loading import save_bfl_transformer
 
     dev = save_single_file(tiny_model(), tmp_path / "dev.safetensors", prefix=prefix)
     assert guess_family(dev) == "flux2-dev"
@@ -503,7 +503,7 @@ def test_full_finetune_comfyui_export_of_a_streamed_model_loads_back(tmp_path):
 def test_flux1_loader_names_a_flux2_file(tmp_path):
     """[model] family = "flux" given a FLUX.2 file: the error says what the file is and which
     family to set, rather than listing FLUX.2's keys as unexpected."""
-    from leantune.models.flux_loading import FluxSources, load_transformer
+    from leantune.models.flux.loading import FluxSources, load_transformer
 
     path = save_single_file(tiny_model(), tmp_path / "f2.safetensors", prefix=COMFY)
     with pytest.raises(LoadError, match=r"f2\.safetensors: a FLUX\.2 transformer, not a Flux\.1 one; set "

@@ -21,9 +21,9 @@ from diffusers.loaders.lora_pipeline import Flux2LoraLoaderMixin
 from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 
 from leantune.io import save_safetensors
-from leantune.models import flux2_keys
-from leantune.models.flux2_lora_keys import FLUX2_LORA_KEYS
-from leantune.models.flux_lora_keys import FLUX_LORA_KEYS
+from leantune.models.flux2 import keys as flux2_keys
+from leantune.models.flux2.lora_keys import FLUX2_LORA_KEYS
+from leantune.models.flux.lora_keys import FLUX_LORA_KEYS
 from leantune.train.lora_formats import (
     LoraFormatError,
     LoraModule,

@@ -20,9 +20,9 @@ from leantune.io import load_safetensors
 from leantune.memory.engine import apply_memory
 from leantune.memory.fp8 import SCALE_ATTR, _Fp8Forward, dequantize
 from leantune.memory.plan import Plan
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, predict
-from leantune.models.flux_loading import FluxSources, fp8_block_weights, load_transformer, save_bfl_transformer
+from leantune.models.flux.loading import FluxSources, fp8_block_weights, load_transformer, save_bfl_transformer
 from leantune.train.lora import add_lora
 
 E4M3 = torch.float8_e4m3fn

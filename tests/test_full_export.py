@@ -12,9 +12,9 @@ from test_memory_host import HAS_PROC, MiB, SLACK, _Peak
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC, predict
-from leantune.models.flux_loading import FluxSources, load_transformer
+from leantune.models.flux.loading import FluxSources, load_transformer
 from leantune.train.full_export import write_model_file
 
 

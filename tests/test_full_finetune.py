@@ -28,7 +28,7 @@ from test_memory_helpers import make_batch, synchronizes_beyond_the_profiler
 from leantune.memory.engine import apply_memory, even_spread
 from leantune.memory.plan import Plan
 from leantune.memory.trainable_streaming import TrainableStreamingEngine, WeightAccess
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC, predict
 from leantune.train.trainable import select_trainable
 from leantune.train.fused_optim import FusedOptimizer, _owner

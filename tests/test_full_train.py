@@ -79,7 +79,7 @@ def _same_files(a, b):
 def test_full_run_exports_files_that_load_and_give_the_trained_outputs(full_run, tiny_flux_dir):
     from diffusers import FluxTransformer2DModel
 
-    from leantune.models.flux_loading import FluxSources, load_transformer
+    from leantune.models.flux.loading import FluxSources, load_transformer
 
     cfg, result = full_run
     root = result.paths.root
@@ -251,7 +251,7 @@ def test_host_ram_refusal_names_the_numbers_and_what_fits(tmp_path, tiny_flux_di
 
 def test_demo_mode_full_writes_a_loadable_model_file(tmp_path, capsys):
     from leantune.cli import main
-    from leantune.models.flux_loading import FluxSources, load_transformer
+    from leantune.models.flux.loading import FluxSources, load_transformer
 
     out = tmp_path / "demo"
     assert main(["demo", "--mode", "full", "--out", str(out), "--steps", "4"]) == 0

@@ -372,7 +372,7 @@ def test_huge_caption_with_control_characters_is_cut_cleaned_and_cached_with_a_s
 
 def test_lora_rank_larger_than_the_layers_it_adapts_warns():
     from leantune.config import LoraConfig
-    from leantune.models import tiny
+    from leantune import tiny
     from leantune.models.flux import FLUX_SPEC
     from leantune.train.lora import LoraRankWarning, add_lora
 

@@ -2,10 +2,13 @@
 
 The import graph is read from the source with `ast`, imports inside functions and under
 `TYPE_CHECKING` included (an import placed in a function hides a cycle from Python without removing
-it). Two rules:
+it). Three rules:
 - no import cycle between any two modules of leantune;
 - every import between two parts (a top-level module, or a subpackage of leantune) goes from a
-  higher layer of LAYERS to a strictly lower one. A new part must be given a layer here.
+  higher layer of LAYERS to a strictly lower one. A new part must be given a layer here;
+- inside models/, a family folder (models/<family>/) imports only the shared modules of models/
+  and the layers below, never another family's folder: what two families share (BFL's key naming,
+  used by Flux.1 and FLUX.2) is a shared module.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("train",),                                    # training techniques: modes, LoRA, optimizers, state
     ("planner",),                                  # prices plans, using the modes' facts and probes
     ("infer",),                                    # staged sampling on a plan
+    ("tiny",),                                     # tiny presets of the real classes (demo, tests): no loader's
     ("trainer", "demo_vae"),                       # the training loop; the demo's hand-set VAE
     ("demo", "simulated_run"),                     # the demo run; the simulated-GPU harness
     ("commands",),                                 # one module per CLI verb
@@ -141,6 +145,38 @@ def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) 
     return problems
 
 
+def family_of(module: str, models: str) -> str | None:
+    """leantune.models.flux.loading -> "flux"; a shared module of models/ (or outside it) -> None."""
+    prefix = models + "."
+    if not module.startswith(prefix):
+        return None
+    rest = module[len(prefix):].split(".")
+    return rest[0] if len(rest) > 1 or _is_package(module) else None
+
+
+_PACKAGES: set[str] = set()
+
+
+def _is_package(module: str) -> bool:
+    return module in _PACKAGES
+
+
+def family_violations(graph: dict[str, set[str]], models: str) -> list[str]:
+    """Imports from one family folder into another's (shared modules of models/ are free to use)."""
+    problems = []
+    for module, targets in sorted(graph.items()):
+        mine = family_of(module, models)
+        if mine is None:
+            continue
+        for target in sorted(targets):
+            theirs = family_of(target, models)
+            if theirs is not None and theirs != mine:
+                problems.append(f"{module} imports {target}: family folder {mine}/ must not import "
+                                f"another family's folder ({theirs}/); move what both use to a shared "
+                                f"module of models/")
+    return problems
+
+
 # -- the checks can fail: a small package with the faults they look for ----------------------------
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -175,6 +211,23 @@ def test_an_upward_import_between_parts_is_found(tmp_path):
         "pkg.low imports pkg.high.mod: low (layer 0) must not import high (layer 1)"]
 
 
+def test_an_import_between_two_family_folders_is_found(tmp_path):
+    pkg = _write(tmp_path, {
+        "__init__.py": "",
+        "models/__init__.py": "",
+        "models/shared.py": "X = 1\n",
+        "models/a/__init__.py": "from ..shared import X\n",
+        "models/a/keys.py": "from ..b.keys import Y\n",
+        "models/b/__init__.py": "",
+        "models/b/keys.py": "from ..shared import X\nY = X\n",
+    })
+    graph = import_graph(pkg)
+    _PACKAGES.update(m for m in graph if (pkg.parent / m.replace(".", "/") / "__init__.py").is_file())
+    assert family_violations(graph, "pkg.models") == [
+        "pkg.models.a.keys imports pkg.models.b.keys: family folder a/ must not import another "
+        "family's folder (b/); move what both use to a shared module of models/"]
+
+
 # -- leantune itself -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -194,3 +247,26 @@ def test_no_import_cycle_between_modules(graph):
 
 def test_parts_import_only_lower_layers(graph):
     assert layer_violations(graph, LAYERS) == []
+
+
+def test_family_folders_import_no_other_family(graph):
+    _PACKAGES.update(m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").is_file())
+    assert family_violations(graph, "leantune.models") == []
+
+
+def test_no_loader_imports_the_tiny_presets(graph):
+    """The tiny presets are the demo's and the tests': models/, data/, train/, planner/ and infer/
+    never import them (LAYERS puts them above infer/; this names the rule on its own)."""
+    below = {"models", "data", "train", "planner", "infer", "memory"}
+    offenders = [f"{m} imports {t}" for m, ts in sorted(graph.items()) for t in sorted(ts)
+                 if part_of(t) == "tiny" and part_of(m) in below]
+    assert offenders == []
+
+
+def test_only_the_family_seam_is_used_outside_models(graph):
+    """The trainer, caches, planner, engine, sampler and commands never import a family's folder:
+    they ask models.family.get_family (docs/architecture.md)."""
+    _PACKAGES.update(m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").is_file())
+    offenders = [f"{m} imports {t}" for m, ts in sorted(graph.items()) for t in sorted(ts)
+                 if not m.startswith("leantune.models.") and family_of(t, "leantune.models") is not None]
+    assert offenders == []

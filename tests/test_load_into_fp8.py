@@ -17,12 +17,15 @@ import torch
 
 from leantune.config import FullConfig, MemoryConfig
 from leantune.memory.fp8 import FP8_DTYPE, FP8_MAX, SCALE_ATTR, apply_fp8_storage, block_linears
-from leantune.models import flux_loading, qwen_image_loading, sd3_loading, tiny
+from leantune.models.flux import loading as flux_loading
+from leantune.models.qwen_image import loading as qwen_image_loading
+from leantune.models.sd3 import loading as sd3_loading
+from leantune import tiny
 from leantune.models.family import fp8_load_options
-from leantune.models.flux_spec import FLUX_SPEC
-from leantune.models.qwen_image_spec import QWEN_IMAGE_SPEC
-from leantune.models.sd3_spec import SD3_SPEC
-from leantune.models.tiny_qwen_image import qwen_image_transformer
+from leantune.models.flux.spec import FLUX_SPEC
+from leantune.models.qwen_image.spec import QWEN_IMAGE_SPEC
+from leantune.models.sd3.spec import SD3_SPEC
+from leantune.tiny.qwen_image import qwen_image_transformer
 from leantune.train.trainable import trains_name
 
 WIDE_FLUX = dict(attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12, 12))   # width 128: block scales
@@ -173,7 +176,7 @@ from leantune.config import MemoryConfig
 from leantune.memory.fp8 import apply_fp8_storage
 from leantune.models import flux_loading, weights
 from leantune.models.family import fp8_load_options
-from leantune.models.flux_spec import FLUX_SPEC
+from leantune.models.flux.spec import FLUX_SPEC
 
 weights.STAGING_BYTES = 2**20                      # small chunks: a tight, meaningful slack
 path = Path(sys.argv[1])
@@ -272,9 +275,9 @@ def test_full_mode_load_options_leave_trained_weights_alone():
 
 
 def test_flux2_quantizing_load_equals_bf16_load_then_quantize(tmp_path):
-    from leantune.models import flux2_loading, flux2_single_file
-    from leantune.models.flux2_spec import FLUX2_DEV_SPEC
-    from leantune.models.tiny_flux2 import flux2_transformer
+    from leantune.models.flux2 import loading as flux2_loading, single_file as flux2_single_file
+    from leantune.models.flux2.spec import FLUX2_DEV_SPEC
+    from leantune.tiny.flux2 import flux2_transformer
 
     path = flux2_single_file.save_single_file(flux2_transformer(seed=8), tmp_path / "flux2.safetensors",
                                               dtype=torch.bfloat16)

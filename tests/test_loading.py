@@ -13,10 +13,11 @@ import torch
 
 from leantune.config import ModelConfig
 from leantune.io import load_safetensors, save_safetensors
-from leantune.models import bfl_keys, flux, tiny
+from leantune.models.flux import keys as bfl_keys
+from leantune.models import flux
+from leantune import tiny
 from leantune.models import component_files as cf
-from leantune.models.flux_loading import (FluxSources, LoadError, detect_variant, fingerprint, load_text_encoders,
-                                          load_transformer, load_vae, resolve_sources, save_bfl_transformer)
+from leantune.models.flux.loading import FluxSources, LoadError, detect_variant, fingerprint, load_text_encoders, load_transformer, load_vae, resolve_sources, save_bfl_transformer
 from leantune.models.weights import STAGING_BYTES
 
 PROMPTS = ["a photo of a cat", "sks person riding a horse"]

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from leantune.config import LoraConfig
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, predict
 from leantune.train import lora_formats
 from leantune.train.lora import (

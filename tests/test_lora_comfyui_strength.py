@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC
 from leantune.config import LoraConfig
 from leantune.train.lora import add_lora, lora_layers, lora_weights_from_model, read_lora, save_lora

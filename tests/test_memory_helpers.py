@@ -13,7 +13,7 @@ import torch
 
 from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
 
 SHAPES = ((8, 8), (8, 12))      # latent h, w: two buckets (16 and 24 image tokens)

@@ -18,9 +18,9 @@ from test_train import make_config
 from leantune import trainer as trainer_mod
 from leantune.config import LoraConfig
 from leantune.memory.fp8 import FP8_DTYPE, block_linears
-from leantune.models import flux_loading
+from leantune.models.flux import loading as flux_loading
 from leantune.models.family import fp8_load_options, get_family, loader_options
-from leantune.models.flux_spec import FLUX_SPEC
+from leantune.models.flux.spec import FLUX_SPEC
 from leantune.planner import search as planner_mod
 from leantune.planner.from_config import planner_for_config, workload_from_config
 from leantune.planner.machine import assumed_machine

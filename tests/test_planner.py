@@ -30,7 +30,7 @@ from leantune.planner.search import Planner
 from leantune.planner.weight_bytes import measure_weights
 from leantune.planner.workload import Budget, InfeasibleBudget, Workload
 from leantune.memory.host_buffers import STAGING_CHUNK
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC, PromptEmbeds, pack_latents, predict
 from leantune.train.lora import add_lora
 
@@ -894,7 +894,7 @@ vram_budget = "1GiB"
     assert rc == 2 and "either a config file or --model" in err
 
     # A BFL single file: the architecture comes from the header's shapes, no tensor is read.
-    from leantune.models.flux_loading import save_bfl_transformer
+    from leantune.models.flux.loading import save_bfl_transformer
 
     save_bfl_transformer(tiny.flux_transformer(num_layers=3, num_single_layers=1), tmp_path / "flux.safetensors",
                          dtype=torch.bfloat16)
@@ -938,7 +938,7 @@ def test_a_config_is_planned_from_the_dtypes_its_file_stores(capsys, tmp_path, f
     false upcasts them), a bf16 file's in bf16. The predicted load phase and resident weights equal
     the bytes the real loader holds, and the fp8 file is planned smaller."""
     from leantune.config import load_config
-    from leantune.models.flux_loading import load_transformer, resolve_sources, save_bfl_transformer
+    from leantune.models.flux.loading import load_transformer, resolve_sources, save_bfl_transformer
 
     source = tiny.flux_transformer(num_layers=2, num_single_layers=2)
     file = tmp_path / "flux.safetensors"
@@ -1015,7 +1015,7 @@ import gc, json, re, sys
 from pathlib import Path
 import torch
 from leantune.config import load_config
-from leantune.models.flux_loading import load_transformer, resolve_sources
+from leantune.models.flux.loading import load_transformer, resolve_sources
 
 def rss():
     text = Path("/proc/self/status").read_text()
@@ -1049,7 +1049,7 @@ def test_the_predicted_load_phase_of_an_fp8_file_is_the_measured_load_peak(tmp_p
 
     from leantune.commands.plan import meta_model_for_config
     from leantune.config import load_config
-    from leantune.models.flux_loading import save_bfl_transformer
+    from leantune.models.flux.loading import save_bfl_transformer
 
     model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=8,
                                    attention_head_dim=128, num_attention_heads=8, joint_attention_dim=64,

@@ -14,7 +14,7 @@ import torch
 
 from leantune.cli import main
 from leantune.memory.plan import Plan
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC
 from leantune.planner.search import Planner
 from leantune.planner.workload import Workload

@@ -15,7 +15,7 @@ from leantune.memory.engine import apply_memory
 from leantune.memory.plan import Plan
 from leantune.memory.simulated import DeviceMemoryTracker
 from leantune.memory.trainable_streaming import TrainableStreamingEngine
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC, predict
 from leantune.planner.meta import build_meta_flux
 from leantune.planner.search import Planner

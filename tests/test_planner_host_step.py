@@ -11,7 +11,7 @@ import torch
 
 from leantune.memory.plan import Plan
 from leantune.memory.simulated import DeviceMemoryTracker
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC
 from leantune.planner.meta import build_meta_flux
 from leantune.planner.search import Planner

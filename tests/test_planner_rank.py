@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import FLUX_SPEC
 from leantune.planner.activation_probe import probe_activations, trace_rank
 from leantune.planner.meta import build_meta_flux

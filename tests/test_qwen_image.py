@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from leantune.models import tiny_qwen_image as tq
+from leantune.tiny import qwen_image as tq
 
 PROMPTS = ["a photo of a cat", "sks person riding a horse in the style of lnt"]
 NEGATIVE = "a blue square"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from leantune.models import tiny_qwen_image as tq
+from leantune.tiny import qwen_image as tq
 
 W, H = 96, 64
 
@@ -49,7 +49,7 @@ def _pipe(c):
 
 
 def test_encode_with_references_equals_the_pipelines(comps):
-    from leantune.models.qwen_image_edit import condition_images, encode_prompts
+    from leantune.models.qwen_image.edit import condition_images, encode_prompts
 
     pipe = _pipe(comps)
     for n in (1, 2):
@@ -68,7 +68,7 @@ def test_edit_sampling_equals_the_pipeline(comps, n):
     from leantune.infer.sampler import denoise
     from leantune.models.family import get_family
     from leantune.models.qwen_image import QwenVAE
-    from leantune.models.qwen_image_edit import encode_prompts, encode_reference_latents
+    from leantune.models.qwen_image.edit import encode_prompts, encode_reference_latents
 
     refs = _refs(n)
     pipe = _pipe(comps)

@@ -12,15 +12,11 @@ import torch
 
 from leantune.config import ModelConfig
 from leantune.io import load_safetensors, save_safetensors
-from leantune.models import tiny, tiny_qwen_image as tq
+from leantune import tiny
+from leantune.tiny import qwen_image as tq
 from leantune.models.component_files import packaged_config
 from leantune.models.family import get_family, guess_family
-from leantune.models.qwen_image_loading import (
-    config_from_shapes,
-    fp8_block_weights,
-    resolve_sources,
-    save_comfy_transformer,
-)
+from leantune.models.qwen_image.loading import config_from_shapes, fp8_block_weights, resolve_sources, save_comfy_transformer
 from leantune.models.weights import LoadError
 
 FAM = get_family("qwen-image")
@@ -130,9 +126,9 @@ def test_full_size_architecture_from_shapes():
 
 
 def test_other_families_files_are_named(tmp_path):
-    from leantune.models.flux_loading import load_transformer as flux_load, resolve_sources as flux_sources
-    from leantune.models.flux_loading import save_bfl_transformer
-    from leantune.models.sd3_loading import save_stability_transformer
+    from leantune.models.flux.loading import load_transformer as flux_load, resolve_sources as flux_sources
+    from leantune.models.flux.loading import save_bfl_transformer
+    from leantune.models.sd3.loading import save_stability_transformer
 
     bfl = save_bfl_transformer(tiny.flux_transformer(), tmp_path / "flux.safetensors")
     with pytest.raises(LoadError, match="not a Qwen-Image transformer.*it looks like a Flux transformer"):
@@ -163,7 +159,7 @@ def test_text_encoder_single_file_round_trip(folder, tmp_path, fp8, prefix):
     model.layers.*, visual.*; bf16, or fp8 with per-tensor scale_weight) loads back as the same
     model through [model] text_encoder = FILE: every tensor equal (fp8: its dequantized value, upcast
     per tensor, or kept e4m3 with the scale), and the prompts encode as the folder's encoder does."""
-    from leantune.models.qwen_image_loading import load_text_encoder_file, save_text_encoder_file
+    from leantune.models.qwen_image.loading import load_text_encoder_file, save_text_encoder_file
 
     enc = FAM.load_text_encoders(_sources(folder), torch.float32, "cpu")
     original = enc.text_encoder

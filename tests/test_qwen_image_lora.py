@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from leantune.config import LoraConfig
-from leantune.models import tiny_qwen_image as tq
+from leantune.tiny import qwen_image as tq
 from leantune.models.family import PromptEmbeds
 from leantune.models.qwen_image import predict
-from leantune.models.qwen_image_spec import QWEN_IMAGE_SPEC
+from leantune.models.qwen_image.spec import QWEN_IMAGE_SPEC
 from leantune.train.lora import add_lora, apply_lora, lora_layers, lora_weights_from_model, read_lora, save_lora
 
 LATENT_HW = (8, 6)

@@ -14,7 +14,7 @@ import torch
 from leantune.config import load_config
 from leantune.data.dataset import DataError
 from leantune.demo import draw_shapes
-from leantune.models import tiny_qwen_image as tq
+from leantune.tiny import qwen_image as tq
 
 RUN = """
 [model]
@@ -80,7 +80,7 @@ def _caches(cfg):
 
 def test_references_are_matched_cached_and_batched(tmp_path, model_dir):
     from leantune.models.family import get_family
-    from leantune.models.qwen_image_edit import encode_prompts
+    from leantune.models.qwen_image.edit import encode_prompts
 
     images, refs = _dataset(tmp_path, numbered=True)
     cfg = _config(tmp_path, model_dir, images, refs)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.flux import PromptEmbeds
 
 PROMPTS = ["a photo of a cat", "a green triangle"]

@@ -60,7 +60,7 @@ def test_a_flux_transformer_call_copies_nothing_from_the_host():
     """predict builds its position ids and guidance on the device (a whole tiny Flux on meta)."""
     from test_memory_helpers import make_batch
 
-    from leantune.models import tiny
+    from leantune import tiny
     from leantune.models.flux import image_ids, predict
 
     model = tiny.flux_transformer(seed=0).to("meta")

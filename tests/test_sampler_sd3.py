@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from leantune.models import tiny
+from leantune import tiny
 
 PROMPTS = ["a photo of a cat", "a green triangle"]
 NEGATIVE = "blurry, low quality"
@@ -457,7 +457,7 @@ def test_cuda_sd3_sampling_streams_exactly_and_runs_cfg_halves_in_sequence(tiny_
 
 def test_family_guessed_from_folder_or_file(tiny_sd3_dir, tiny_flux_dir, tmp_path):
     from leantune.models.family import guess_family
-    from leantune.models.sd3_loading import save_stability_transformer
+    from leantune.models.sd3.loading import save_stability_transformer
 
     assert guess_family(tiny_sd3_dir) == "sd3" and guess_family(tiny_flux_dir) == "flux"
     weights = "transformer/diffusion_pytorch_model.safetensors"

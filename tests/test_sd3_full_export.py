@@ -103,7 +103,7 @@ def test_stability_file_and_folder_of_a_streamed_model(style, tmp_path):
 def test_last_block_adaln_halves_are_swapped_only_there(tmp_path):
     """Group by group, the converter must know the model's depth: only the last block's text adaLN
     (shift, scale) is stored swapped, exactly as a whole-model conversion stores it."""
-    from leantune.models import sd3_keys
+    from leantune.models.sd3 import keys as sd3_keys
 
     model = _model(WIDE, seed=3)
     (single,) = export_files(model, SD3_SPEC, WeightAccess(None), RunPaths(tmp_path, "m"), step=0,

@@ -11,9 +11,10 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 
 from leantune.config import ConfigError, ModelConfig, validate
-from leantune.models import sd3, tiny
+from leantune.models import sd3
+from leantune import tiny
 from leantune.models.family import PromptEmbeds, family_for_model, get_family
-from leantune.models.sd3_loading import LoadError, SD3TextEncoders
+from leantune.models.sd3.loading import LoadError, SD3TextEncoders
 
 PROMPTS = ["a photo of a cat", "a red circle on a white background next to a small orange ellipse and a cyan cross"]
 

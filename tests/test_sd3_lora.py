@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from leantune.config import LoraConfig
-from leantune.models import sd3_keys, tiny
+from leantune.models.sd3 import keys as sd3_keys
+from leantune import tiny
 from leantune.models.family import PromptEmbeds
 from leantune.models.sd3 import SD3_SPEC, predict
 from leantune.train.lora import (

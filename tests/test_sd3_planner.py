@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from leantune.config import LoraConfig, validate
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.family import PromptEmbeds
 from leantune.models.sd3 import SD3_SPEC, predict
 from leantune.planner.from_config import workload_from_config

@@ -14,9 +14,11 @@ import torch
 from leantune.config import ModelConfig
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models import component_files as cf
-from leantune.models import sd3, sd3_keys, tiny
+from leantune.models import sd3
+from leantune.models.sd3 import keys as sd3_keys
+from leantune import tiny
 from leantune.models.family import PromptEmbeds, get_family
-from leantune.models.sd3_loading import LoadError, fp8_block_weights, save_stability_transformer
+from leantune.models.sd3.loading import LoadError, fp8_block_weights, save_stability_transformer
 from leantune.planner.meta import meta_from_config
 
 FAM = get_family("sd3")
@@ -219,12 +221,12 @@ def test_bad_files_are_named(tmp_path, tiny_sd3_dir):
     with pytest.raises(LoadError, match="pickle"):
         _sources(ckpt)
     # Flux's loader names an SD3 file for what it is.
-    from leantune.models.flux_loading import load_transformer as flux_load, resolve_sources as flux_sources
+    from leantune.models.flux.loading import load_transformer as flux_load, resolve_sources as flux_sources
 
     with pytest.raises(LoadError, match="not a Flux transformer: it looks like an SD3/SD3.5 transformer"):
         flux_load(flux_sources(ModelConfig(path=str(good)), Path("/")))
     # ... and SD3's a Flux file.
-    from leantune.models.flux_loading import save_bfl_transformer
+    from leantune.models.flux.loading import save_bfl_transformer
 
     bfl = save_bfl_transformer(tiny.flux_transformer(), tmp_path / "flux.safetensors")
     with pytest.raises(LoadError, match="not an SD3 transformer: it looks like a Flux transformer"):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from leantune.config import load_config
 from leantune.demo import draw_shapes
-from leantune.models import tiny_flux2 as tf
+from leantune.tiny import flux2 as tf
 from leantune.models.family import get_family
 from leantune.train import flow_matching as fm
 from leantune.trainer import train
@@ -295,7 +295,7 @@ def test_default_exports_read_back_in_sample_convert_and_diffusers(reference_run
     from PIL import Image
 
     from leantune.io import load_safetensors
-    from leantune.models.flux2_lora_keys import FLUX2_LORA_KEYS
+    from leantune.models.flux2.lora_keys import FLUX2_LORA_KEYS
     from leantune.train.lora_formats import read_lora
 
     _, result = reference_run

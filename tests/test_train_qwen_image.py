@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from leantune.config import load_config
 from leantune.demo import draw_shapes
-from leantune.models import tiny_qwen_image as tq
+from leantune.tiny import qwen_image as tq
 from leantune.models.family import get_family
 from leantune.train import flow_matching as fm
 from leantune.trainer import train

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from leantune.config import load_config
 from leantune.demo import draw_shapes
-from leantune.models import tiny
+from leantune import tiny
 from leantune.models.family import get_family
 from leantune.train import flow_matching as fm
 from leantune.trainer import train

@@ -111,7 +111,7 @@ def test_lora_strength_must_be_finite_and_sane(strength):
 
 def test_non_finite_pixels_are_refused_not_clamped_to_black():
     from leantune.infer.decode import decode_latents
-    from leantune.models import tiny
+    from leantune import tiny
 
     vae = tiny.vae()
     good = decode_latents(vae, torch.zeros(1, 16, 4, 4), "cpu")

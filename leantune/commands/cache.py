@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from leantune.config import load_config, parse_size
     from leantune.data.cache import CacheError, model_dtype, prepare_caches, sample_prompts, sample_references
     from leantune.data.dataset import DataError
-    from leantune.models.flux_loading import LoadError
+    from leantune.models.weights import LoadError
 
     cfg = load_config(args.config, args.overrides)
     device = _device(cfg.train.device)

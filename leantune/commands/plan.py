@@ -366,7 +366,7 @@ def meta_model_for_config(cfg, fp8_modulation: bool | None = None):
     No tensor is read."""
     from ..config import ConfigError
     from ..models.family import get_family, loader_options
-    from ..models.flux_loading import dtype_from_name
+    from ..models.component_loading import dtype_from_name
     from ..models.weights import LoadError
 
     _transformer_source(cfg)

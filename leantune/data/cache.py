@@ -9,7 +9,7 @@ Keys. An entry's file name is a hash of everything that determines its content, 
 entries cannot be served:
   latent: image bytes (sha256) + bucket + VAE identity + compute dtype + cache format version
   text:   caption + identities of both encoders and tokenizers + max T5 length + dtype + version
-Identities come from `leantune.models.flux_loading.fingerprint` (a content-derived hash of the
+Identities come from `leantune.models.flux.loading.fingerprint` (a content-derived hash of the
 component's files), so a replaced VAE or encoder invalidates its entries without comparing
 weights. An edited caption or image simply hashes to a new key and is encoded on the next run.
 Old entries are left in place (another config may share the folder).
@@ -46,7 +46,7 @@ from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucke
 from leantune.data.dataset import ImageItem, listing, load_rgb, scan_datasets, to_tensor
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.family import ModelFamily, PromptEmbeds, get_family
-from leantune.models.flux_loading import dtype_from_name, fingerprint
+from leantune.models.component_loading import dtype_from_name, fingerprint
 from leantune.models.streamed_encoder import text_encoder_ram_budget
 
 log = logging.getLogger(__name__)

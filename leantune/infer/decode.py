@@ -21,7 +21,9 @@ from typing import Literal
 
 import torch
 
-from ..models.flux import VAE_SCALE_FACTOR
+# Pixels per latent of the VAE's own decoder (8 in every family's VAE: Flux.1's, SD3.5's, FLUX.2's, and
+# Qwen-Image's spatially); a family's packing of latents into tokens comes after and is not seen here.
+VAE_SCALE_FACTOR = 8
 
 Tiling = Literal["auto", "on", "off"]
 

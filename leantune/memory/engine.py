@@ -255,7 +255,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     streamed weights, which stay in host memory and visit the device in ring slots.
 
     Block Linear weights that are already e4m3 (an fp8 checkpoint loaded with keep_fp8, see
-    models/flux_loading.py) go through fp8 storage whatever plan.fp8 says, with their
+    models/flux/loading.py) go through fp8 storage whatever plan.fp8 says, with their
     `weight_scale` buffer as the scale. `fp8_scales`: scales for e4m3 weights that carry no such
     buffer, by qualified Linear name (see fp8.apply_fp8_storage).
     `offload_min_bytes`: with checkpointing = "offload", smaller saved block inputs stay on the device.

@@ -4,7 +4,7 @@ BFL's reference code names both generations alike: `double_blocks.N.` / `single_
 diffusers' `transformer_blocks.N.` / `single_transformer_blocks.N.`, top-level modules by their own
 names, and several diffusers Linears fused into one BFL tensor (q, k, v; a single block's q, k, v
 and MLP input). What differs between generations is the table (which BFL module holds which
-diffusers modules) — bfl_keys.py holds Flux.1's, flux2_keys.py FLUX.2's — so the algorithms live
+diffusers modules) — flux/keys.py holds Flux.1's, flux2/keys.py FLUX.2's — so the algorithms live
 here once, and `from_diffusers` (what a full fine-tune's export writes) is the exact inverse of
 `to_diffusers_ops` (what a loader applies lazily, tensor by tensor).
 
@@ -155,3 +155,28 @@ def count_blocks(keys, prefix: str) -> int:
     if idx and idx != set(range(max(idx) + 1)):
         raise ValueError(f"blocks {prefix}N are not numbered 0..{max(idx)}: {sorted(idx)}")
     return len(idx)
+
+
+# -- which generation a BFL-named file is ------------------------------------------------------------
+# FLUX.2 kept Flux.1's block names (double_blocks / single_blocks) but shares one modulation over all
+# blocks; these keys are FLUX.2's alone, without and with diffusers' names. Both families read them:
+# FLUX.2 to claim a file, Flux.1 to refuse one by name.
+FLUX2_BFL_MARKERS = ("single_stream_modulation.lin.weight", "double_stream_modulation_img.lin.weight")
+FLUX2_DIFFUSERS_MARKERS = ("single_stream_modulation.linear.weight", "double_stream_modulation_img.linear.weight")
+
+
+def is_flux2_bfl(keys) -> bool:
+    """True if a key set (prefix removed) is a BFL-layout FLUX.2 transformer."""
+    keys = set(keys)
+    return any(m in keys for m in FLUX2_BFL_MARKERS)
+
+
+def is_diffusers_flux2(keys) -> bool:
+    keys = set(keys)
+    return any(m in keys for m in FLUX2_DIFFUSERS_MARKERS)
+
+
+def is_flux2_file(keys) -> bool:
+    """A FLUX.2 transformer file in BFL, ComfyUI or diffusers names, any prefix (guess_family)."""
+    markers = FLUX2_BFL_MARKERS + FLUX2_DIFFUSERS_MARKERS
+    return any(k == m or k.endswith("." + m) for k in keys for m in markers)

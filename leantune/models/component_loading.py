@@ -1,7 +1,7 @@
 """Loading pieces every family shares: where components come from, diffusers/transformers folders,
 single-file components, tokenizers, CLIP and T5 encoders, fp8-kept block weights, file identity.
 
-A family's loader (flux_loading.py, sd3_loading.py) names its components and their labels and
+A family's loader (flux/loading.py, sd3/loading.py) names its components and their labels and
 calls these; the tensor-by-tensor fill itself lives in weights.py. Errors name the [model] key,
 the file and the tensor key. Only safetensors is read; pickle is refused.
 """

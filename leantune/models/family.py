@@ -2,7 +2,7 @@
 
 The trainer, the cache, the planner's probe, `leantune plan` and the sampler never import a
 family's module: they ask `get_family(cfg.model.family)` and call what it holds. A family module
-(models/flux.py, ...) builds one `ModelFamily` and registers it; adding a family means writing
+(models/flux/__init__.py, ...) builds one `ModelFamily` and registers it; adding a family means writing
 that module, not editing the callers.
 
 What a family provides, and the shapes callers rely on:
@@ -173,7 +173,7 @@ class ModelFamily:
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
 _MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3", "qwen-image": "leantune.models.qwen_image",
-            "qwen-image-edit": "leantune.models.qwen_image_edit", "flux2-dev": "leantune.models.flux2",
+            "qwen-image-edit": "leantune.models.qwen_image.edit", "flux2-dev": "leantune.models.flux2",
             "flux2-klein-4b": "leantune.models.flux2", "flux2-klein-9b": "leantune.models.flux2"}
 
 

@@ -35,7 +35,7 @@ def plan_memory(spec, model_or_meta: torch.nn.Module, workload: Workload, budget
 def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
     """The Workload a [data]/[lora]/[full]/[train]/[model] configuration trains."""
     from ..models.family import get_family
-    from ..models.flux_loading import dtype_from_name
+    from ..models.component_loading import dtype_from_name
 
     text_rows = get_family(cfg.model.family).text_rows(cfg.data.max_text_length)   # SD3: 77 CLIP + T5
     tc, full = cfg.train, cfg.full

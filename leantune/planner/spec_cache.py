@@ -42,13 +42,23 @@ from .workload import Workload
 
 log = logging.getLogger("leantune")
 
-# The modules whose code decides the measured numbers (relative to the leantune package).
+# The modules whose code decides the measured numbers (relative to the leantune package); every
+# family folder's family object and spec (models/<family>/__init__.py, spec.py, and an edit.py where
+# a second family shares the folder) are added by `_measuring_code`, so a new family is counted.
 _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "planner/activations.py",
                    "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming_units.py",
                    "train/full_mode.py", "train/trainable.py",
-                   "spec.py", "models/family.py", "models/flux.py", "models/sd3.py", "models/flux_spec.py",
-                   "models/sd3_spec.py", "models/qwen_image.py", "models/qwen_image_edit.py",
-                   "models/qwen_image_spec.py", "models/flux2.py", "models/flux2_spec.py", "train/lora.py")
+                   "spec.py", "models/family.py", "train/lora.py")
+_FAMILY_MEASURING_FILES = ("__init__.py", "spec.py", "edit.py")
+
+
+def _measuring_code(root: Path) -> list[str]:
+    """_MEASURING_CODE and each family folder's family object and spec, in a fixed order."""
+    families = sorted(p.parent.name for p in (root / "models").glob("*/__init__.py"))
+    return list(_MEASURING_CODE) + [f"models/{f}/{name}" for f in families for name in _FAMILY_MEASURING_FILES
+                                    if (root / "models" / f / name).exists()]
+
+
 _PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
 
 
@@ -157,7 +167,7 @@ def _files_of(path: Path) -> list[Path]:
 def _code_fingerprint() -> str:
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for rel in _MEASURING_CODE:
+    for rel in _measuring_code(root):
         path = root / rel
         h.update(rel.encode())
         h.update(path.read_bytes() if path.exists() else b"-")

@@ -1,7 +1,7 @@
 """Which family a LoRA's names belong to.
 
 Each family declares its LoRA names as data (`spec.lora_keys`, a models/lora_keymap.LoraKeyMap:
-Flux in models/flux_lora_keys.py, SD3.5 in models/sd3_lora_keys.py). This module only finds them:
+Flux in models/flux/lora_keys.py, SD3.5 in models/sd3/lora_keys.py). This module only finds them:
 every family's map, or the one of a family named by the caller, so the LoRA file code
 (lora_formats.py) never names a family itself.
 """

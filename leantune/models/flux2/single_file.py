@@ -5,7 +5,7 @@ prefix), ComfyUI's repackaged ones (the same names under `model.diffusion_model.
 e4m3 "fp8" files and "scaled fp8" files with per-tensor `scale_weight`), and a diffusers-named
 transformer saved as one file. The architecture (width, heads, double and single depth, input
 channels, text width, MLP ratio, guidance embedder) is read from the tensors' shapes, so no config
-file is needed; flux2_keys.py holds the names and the shape rules.
+file is needed; flux2/keys.py holds the names and the shape rules.
 
 Loading follows weights.py: the model is built on the meta device, every file key is mapped to its
 model key(s) and checked against the model's names and shapes from the header alone (a file of
@@ -13,7 +13,7 @@ another architecture, a truncated one or one missing a tensor fails before a wei
 the file and the key), then each parameter is allocated once in its final dtype and filled from
 the file in small chunks. There is never a second, full-precision copy of the model. Block Linear
 weights the file stores as e4m3 stay e4m3 with an fp32 `weight_scale` (the memory engine's fp8
-Linear), as Flux.1's do (flux_loading.py); which Linears may stay so is the family spec's
+Linear), as Flux.1's do (flux/loading.py); which Linears may stay so is the family spec's
 business (component_loading.keep_fp8_hooks). On device "meta" nothing is read.
 """
 
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..io import save_safetensors
-from . import component_files as cf
-from . import component_loading as cl
-from . import flux2_keys as keys
-from .weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
+from ...io import save_safetensors
+from .. import component_files as cf
+from .. import component_loading as cl
+from . import keys
+from ..weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
 
 __all__ = ["load_single_file_transformer", "read_layout", "save_single_file", "LoadError"]
 
@@ -123,7 +123,7 @@ def load_single_file_transformer(path: str | Path, dtype: torch.dtype = torch.bf
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{path}: cannot build a {LABEL} from its shapes ({e})") from None
     if spec is None:          # the three FLUX.2 specs share their blocks; any names the same Linears
-        from .flux2_spec import SPECS
+        from .spec import SPECS
 
         spec = SPECS.get(expected) or SPECS.get(found) or next(iter(SPECS.values()))
     fp8 = cl.fp8_hooks(model, spec, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,

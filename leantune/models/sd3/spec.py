@@ -1,13 +1,13 @@
 """The SD3.5 spec (Large and Medium): which modules are blocks, which stay in the compute dtype, LoRA
-presets, the Stability single-file layout. Data only, so that both the family module (sd3.py) and
-its loader (sd3_loading.py) read it without importing each other: sd3.py imports sd3_loading, never
+presets, the Stability single-file layout. Data only, so that both the family module (sd3/__init__.py) and
+its loader (sd3/loading.py) read it without importing each other: sd3/__init__.py imports sd3_loading, never
 the other way round.
 """
 
 from __future__ import annotations
 
-from ..spec import BlockList, BlockVariant, ModelSpec, SingleFileLayout
-from .sd3_lora_keys import SD3_LORA_KEYS
+from ...spec import BlockList, BlockVariant, ModelSpec, SingleFileLayout
+from .lora_keys import SD3_LORA_KEYS
 
 _ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
          r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out",
@@ -17,7 +17,7 @@ _MLP = (r"ff\.net\.0\.proj", r"ff\.net\.2", r"ff_context\.net\.0\.proj", r"ff_co
 _MODULATION = (r"norm1\.linear", r"norm1_context\.linear")
 
 def _to_stability(state: dict, model) -> dict:
-    from .sd3_keys import diffusers_to_stability
+    from .keys import diffusers_to_stability
 
     return diffusers_to_stability(state, num_layers=model.config.num_layers)   # a group: tell the depth
 
@@ -26,7 +26,7 @@ def _stability_metadata(model) -> dict:
     """sample_size and the head size, which Stability files do not show (so other widths load too)."""
     import json
 
-    from .component_files import METADATA_CONFIG_KEY
+    from ..component_files import METADATA_CONFIG_KEY
 
     cfg = model.config
     return {METADATA_CONFIG_KEY: json.dumps({"sample_size": cfg.sample_size, "attention_head_dim": cfg.attention_head_dim})}

@@ -1,8 +1,8 @@
 """Flux.1 family: latent packing, text encoding, the transformer call, and its registration.
 
 We use diffusers' `FluxTransformer2DModel`, `AutoencoderKL`, transformers' CLIP-L and T5-XXL as
-they are; this module only knows how Flux wires them together (the spec lives in flux_spec.py,
-loading in flux_loading.py; this module imports both, neither imports it).
+they are; this module only knows how Flux wires them together (the spec lives in flux/spec.py,
+loading in flux/loading.py; this module imports both, neither imports it).
 Shapes: latents (B, 16, h, w) with h = H/8; packed latents (B, h/2 * w/2, 64); T5 sequence
 (B, L, 4096); CLIP pooled (B, 768); img_ids (h/2 * w/2, 3); txt_ids (L, 3).
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from . import flux_loading
-from .family import PromptEmbeds
-from .flux_spec import FLUX_SPEC
-from .schedule import FlowSchedule, model_timestep
+from . import loading as flux_loading
+from ..family import PromptEmbeds
+from .spec import FLUX_SPEC
+from ..schedule import FlowSchedule, model_timestep
 
 VAE_SCALE_FACTOR = 8      # pixels per latent
 LATENT_CHANNELS = 16
@@ -165,8 +165,8 @@ def _text_modules(encoders):
 
 def _recognizes_keys(keys) -> bool:
     """A BFL / ComfyUI or diffusers Flux transformer file (any prefix); FLUX.2's files share the
-    block names but have its shared modulation (flux2_keys), and are not Flux.1's."""
-    from .flux2_keys import recognizes_keys as is_flux2
+    block names but have its shared modulation (bfl_layout.is_flux2_file), and are not Flux.1's."""
+    from ..bfl_layout import is_flux2_file as is_flux2
 
     keys = list(keys)
     return (any(".double_blocks." in f".{k}" or ".single_transformer_blocks." in f".{k}" for k in keys)
@@ -174,7 +174,7 @@ def _recognizes_keys(keys) -> bool:
 
 
 def _register():
-    from .family import ModelFamily, Sampling, register
+    from ..family import ModelFamily, Sampling, register
 
     return register(ModelFamily(
         name="flux", spec=FLUX_SPEC,

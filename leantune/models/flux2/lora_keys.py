@@ -18,7 +18,7 @@ nothing there.
 
 from __future__ import annotations
 
-from .lora_keymap import ALWAYS, LoraKeyMap
+from ..lora_keymap import ALWAYS, LoraKeyMap
 
 _DOUBLE = {
     "img_attn.qkv": (("attn.to_q", "attn.to_k", "attn.to_v"), (1, 1, 1)),

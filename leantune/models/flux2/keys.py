@@ -2,7 +2,7 @@
 
 BFL's reference code (flux2-dev.safetensors, flux-2-klein-*.safetensors) names FLUX.2 as it named
 Flux.1 (`double_blocks`, `single_blocks`, `img_in`, `final_layer`), with three differences that make
-the Flux.1 tables (bfl_keys.py) wrong for it: the adaLN modulation is shared by all blocks of a kind
+the Flux.1 tables (flux/keys.py) wrong for it: the adaLN modulation is shared by all blocks of a kind
 (`double_stream_modulation_img.lin`, `double_stream_modulation_txt.lin`,
 `single_stream_modulation.lin`) instead of living in each block; the MLPs are SwiGLU
 (`img_mlp.0` emits gate and value, 2 x 3 x width); and diffusers keeps a single block's fused
@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import json
 
-from .bfl_layout import BflLayout, count_blocks
+from ..bfl_layout import FLUX2_BFL_MARKERS as BFL_MARKERS
+from ..bfl_layout import FLUX2_DIFFUSERS_MARKERS as DIFFUSERS_MARKERS
+from ..bfl_layout import BflLayout, count_blocks, is_diffusers_flux2, is_flux2_bfl  # noqa: F401 (this family's names)
+from ..bfl_layout import is_flux2_file as recognizes_keys
 
 COMFY_PREFIX = "model.diffusion_model."
 
@@ -71,28 +74,8 @@ _SWAPPED = {"final_layer.adaLN_modulation.1"}
 FLUX2_LAYOUT = BflLayout("FLUX.2", {"double": (_DOUBLE_LINEARS, _DOUBLE_NORMS), "single": (_SINGLE_LINEARS, _SINGLE_NORMS),
                                     "top": (_TOP_LINEARS, ())}, frozenset(_SWAPPED))
 
-# Keys only FLUX.2 has (the shared modulation), without and with their layouts' names.
-BFL_MARKERS = ("single_stream_modulation.lin.weight", "double_stream_modulation_img.lin.weight")
-DIFFUSERS_MARKERS = ("single_stream_modulation.linear.weight", "double_stream_modulation_img.linear.weight")
-
-
-# -- recognising files ------------------------------------------------------------------------------
-
-def is_flux2_bfl(keys) -> bool:
-    """True if a key set (prefix removed) is a BFL-layout FLUX.2 transformer."""
-    keys = set(keys)
-    return any(m in keys for m in BFL_MARKERS)
-
-
-def is_diffusers_flux2(keys) -> bool:
-    keys = set(keys)
-    return any(m in keys for m in DIFFUSERS_MARKERS)
-
-
-def recognizes_keys(keys) -> bool:
-    """A FLUX.2 transformer file in BFL, ComfyUI or diffusers names, any prefix (guess_family)."""
-    markers = BFL_MARKERS + DIFFUSERS_MARKERS
-    return any(k == m or k.endswith("." + m) for k in keys for m in markers)
+# Keys only FLUX.2 has (the shared modulation): the markers live with the shared BFL layout, since
+# Flux.1's loader asks them too (to refuse a FLUX.2 file by name).
 
 
 def find_prefix(keys) -> str | None:
@@ -121,7 +104,7 @@ def to_native(state: dict, model=None) -> dict:
 def native_metadata(model) -> dict:
     """SingleFileLayout.metadata: the config a loader cannot read from the weights (the rotary
     split, the rope base, the norm eps), so a fine-tune of any width loads back the same."""
-    from .component_files import METADATA_CONFIG_KEY
+    from ..component_files import METADATA_CONFIG_KEY
 
     cfg = model.config
     return {METADATA_CONFIG_KEY: json.dumps({"axes_dims_rope": [int(a) for a in cfg.axes_dims_rope],

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .tiny import CORPUS, _randomize_zero_inits
-from .tiny_qwen_image import _bytes_to_unicode
+from . import CORPUS, _randomize_zero_inits
+from .qwen_image import _bytes_to_unicode
 
 TEXT_WIDTH = 16
 FLUX2_TINY = dict(patch_size=1, in_channels=128, num_layers=2, num_single_layers=2, attention_head_dim=16,

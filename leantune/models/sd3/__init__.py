@@ -1,6 +1,6 @@
 """Stable Diffusion 3.5 (Large: 38 MMDiT joint blocks; Medium: MMDiT-X, dual attention in its first
 blocks): latents, text encoding, the transformer call and the family's registration (the spec the
-engine, LoRA targeting and the planner read is in sd3_spec.py).
+engine, LoRA targeting and the planner read is in sd3/spec.py).
 
 We use diffusers' `SD3Transformer2DModel` as it is. What differs from Flux: one block list
 (`transformer_blocks`, kohya prefix `joint_blocks`), latents enter unpacked (B, 16, h, w) (the
@@ -10,8 +10,8 @@ at the end of this module, the scheduler's own spacing with shift 3.0), and the 
 CLIP-L + CLIP-G penultimate states (padded to the T5 width) followed by the T5 sequence, with the
 two CLIP pooled outputs concatenated (B, 2048).
 
-Loading (diffusers folder, Stability single files) lives in sd3_loading.py (which this module
-imports, never the reverse), the Stability key mapping in sd3_keys.py. The family registers itself as `get_family("sd3")` at the end of this module.
+Loading (diffusers folder, Stability single files) lives in sd3/loading.py (which this module
+imports, never the reverse), the Stability key mapping in sd3/keys.py. The family registers itself as `get_family("sd3")` at the end of this module.
 
 Text sequence and trimming: SD3 attends to every text token (there is no attention mask), and T5's
 padding positions carry non-zero states, so dropping them changes the prediction (tests/
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from . import sd3_loading
-from .family import PromptEmbeds
-from .schedule import FlowSchedule
-from .sd3_spec import SD3_SPEC
+from . import loading as sd3_loading
+from ..family import PromptEmbeds
+from ..schedule import FlowSchedule
+from .spec import SD3_SPEC
 
 VAE_SCALE_FACTOR = 8
 LATENT_CHANNELS = 16
@@ -162,7 +162,7 @@ def _recognizes_keys(keys) -> bool:
 
 
 def _register():
-    from .family import ModelFamily, Sampling, register
+    from ..family import ModelFamily, Sampling, register
 
     return register(ModelFamily(
         name="sd3", spec=SD3_SPEC,

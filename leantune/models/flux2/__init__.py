@@ -1,7 +1,7 @@
 """FLUX.2 (dev: 32B, 8 double + 48 single blocks, Mistral Small 3.x text encoder; klein 4B and 9B:
 Qwen3 text encoders): latents, the transformer call, sampling and the three families'
-registration (`flux2-dev`, `flux2-klein-4b`, `flux2-klein-9b`). The spec is in flux2_spec.py,
-loading in flux2_loading.py, text encoding in flux2_text.py; this module imports them, none imports it.
+registration (`flux2-dev`, `flux2-klein-4b`, `flux2-klein-9b`). The spec is in flux2/spec.py,
+loading in flux2/loading.py, text encoding in flux2/text.py; this module imports them, none imports it.
 
 Everything follows Flux2Pipeline / Flux2KleinPipeline (diffusers) exactly:
 
@@ -38,10 +38,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from . import flux2_loading, flux2_text
-from .flux2_keys import variant_by_layout, variant_of
-from .flux2_spec import SPECS
-from .schedule import FlowSchedule, model_timestep
+from . import loading as flux2_loading, text as flux2_text
+from .keys import variant_by_layout, variant_of
+from .spec import SPECS
+from ..schedule import FlowSchedule, model_timestep
 
 VAE_SCALE_FACTOR = 16           # pixels per latent cell after the 2x2 patchify
 LATENT_CHANNELS = 128           # 32 VAE channels x 2 x 2
@@ -318,7 +318,7 @@ def _double_indices(keys) -> set[int]:
 
 
 def _is_flux2(keys) -> bool:
-    from .flux2_keys import recognizes_keys
+    from .keys import recognizes_keys
 
     return recognizes_keys(keys)
 
@@ -365,16 +365,16 @@ def _config_recognizer(name: str):
 
 
 def _text_phase(name: str):
-    """The family's priced text-encoding phase (flux2_text_phase.py), imported on use."""
+    """The family's priced text-encoding phase (flux2/text_phase.py), imported on use."""
     def phase(rows, model_cfg=None, base_dir=None):
-        from .flux2_text_phase import text_encoding_phase
+        from ..text_phase import text_encoding_phase
 
         return text_encoding_phase(name, rows, model_cfg=model_cfg, base_dir=base_dir)
     return phase
 
 
 def _register():
-    from .family import ModelFamily, ReferenceConditioning, Sampling, register
+    from ..family import ModelFamily, ReferenceConditioning, Sampling, register
 
     references = ReferenceConditioning(size=reference_size, text_sees_images=False, most=MAX_REFERENCES,
                                       sampling_latents=encode_reference_latents)

@@ -1,6 +1,6 @@
 """Qwen-Image (20B MMDiT, 60 dual-stream blocks, Qwen2.5-VL-7B text encoder): latents, text encoding,
-the transformer call and the family's registration (the spec is in qwen_image_spec.py, loading in
-qwen_image_loading.py; this module imports both, neither imports it).
+the transformer call and the family's registration (the spec is in qwen_image/spec.py, loading in
+qwen_image/loading.py; this module imports both, neither imports it).
 
 We use diffusers' `QwenImageTransformer2DModel` and `AutoencoderKLQwenImage` and transformers'
 `Qwen2_5_VLForConditionalGeneration` as they are. What differs from Flux and SD3.5:
@@ -35,10 +35,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from . import qwen_image_loading
-from .family import PromptEmbeds
-from .qwen_image_spec import QWEN_IMAGE_SPEC
-from .schedule import FlowSchedule, model_timestep
+from . import loading as qwen_image_loading
+from ..family import PromptEmbeds
+from .spec import QWEN_IMAGE_SPEC
+from ..schedule import FlowSchedule, model_timestep
 
 VAE_SCALE_FACTOR = 8
 LATENT_CHANNELS = 16
@@ -128,7 +128,7 @@ def _placement(encoders, device: torch.device):
     """Where Qwen2.5-VL's language model runs: as it is when already on `device` (or on the host for
     a host encode), else streamed layer by layer (the caching phase), from its files when it was
     left there (streamed_encoder.py)."""
-    from .streamed_encoder import placement
+    from ..streamed_encoder import placement
 
     lm = encoders.text_encoder.model.language_model
     return placement(lm, lm.layers, device)
@@ -242,7 +242,7 @@ def _recognizes_keys(keys) -> bool:
 
 
 def _register():
-    from .family import ModelFamily, Sampling, register
+    from ..family import ModelFamily, Sampling, register
 
     return register(ModelFamily(
         name="qwen-image", spec=QWEN_IMAGE_SPEC,
@@ -278,7 +278,7 @@ def text_encoding_phase(text_rows: int = DEFAULT_TEXT_LENGTH, batch: int = 8, dt
 
     The encoder is the one a [model] section names (its text_encoder/config.json, built on meta to
     count its tensors), else Qwen-Image's Qwen2.5-VL-7B (models/configs/qwen25_vl_7b_text.json)."""
-    from .component_files import packaged_config
+    from ..component_files import packaged_config
 
     config = _encoder_config(model_cfg, base_dir)
     if config is None:

@@ -8,7 +8,7 @@ with `emb_dims` also the embedders and final layer (`lora_unet_context_embedder`
 Each stream's q, k and v are one `attn.qkv` there and three Linears in diffusers.
 
 Two modulation Linears emit (shift, scale) natively and (scale, shift) in diffusers (as in
-models/sd3_keys.py, which maps whole checkpoints): the final layer's, and the text stream's adaLN
+models/sd3/keys.py, which maps whole checkpoints): the final layer's, and the text stream's adaLN
 of the last joint block, which is "context pre-only" and emits just those two chunks (out = 2 *
 in; every other block's emits six, in the same order in both layouts).
 
@@ -18,7 +18,7 @@ the key), as leantune trains Linears only.
 
 from __future__ import annotations
 
-from .lora_keymap import ALWAYS, WHEN_TWO_CHUNKS, LoraKeyMap
+from ..lora_keymap import ALWAYS, WHEN_TWO_CHUNKS, LoraKeyMap
 
 _QKV = (1, 1, 1)
 _JOINT = {

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .weights import KeyOp, apply_ops
+from ..weights import KeyOp, apply_ops
 
 # Modules inside joint block i: (diffusers module, Stability module, part, parts). parts > 1: the
 # Stability tensor is the concatenation of `parts` equal row blocks along dim 0, this one is `part`.

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ..io import save_safetensors
-from . import component_files as cf
-from . import component_loading as cl
-from .qwen_image_spec import COMFY_PREFIX, QWEN_IMAGE_SPEC
-from .weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
+from ...io import save_safetensors
+from .. import component_files as cf
+from .. import component_loading as cl
+from .spec import COMFY_PREFIX, QWEN_IMAGE_SPEC
+from ..weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
 _LABEL = {"transformer": "Qwen-Image transformer", "text_encoder": "Qwen2.5-VL text encoder",
@@ -221,7 +221,7 @@ def load_text_encoders(sources: QwenImageSources, dtype: torch.dtype = torch.bfl
     `device`: 7B parameters, 15 GiB in bf16, never on the device at once). The encoder comes from
     a transformers folder or a single file (ComfyUI's qwen_2.5_vl_7b*.safetensors: load_text_encoder_file);
     a folder's encoder that does not fit the host-RAM budget is left in its files (streamed_encoder.py)."""
-    from .streamed_encoder import load_text_model
+    from ..streamed_encoder import load_text_model
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], Qwen2Tokenizer, _REPO)
@@ -306,7 +306,7 @@ def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16, devic
     ops = copy_ops(list(names.values()), strip=prefix, rename=_text_target)
     keep = attach = None
     if keep_fp8:
-        from ..memory.fp8 import use_fp8_weight
+        from ...memory.fp8 import use_fp8_weight
 
         def keep(target: str) -> bool:
             return target.startswith("model.language_model.layers.") and ("_proj." in target)

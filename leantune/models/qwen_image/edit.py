@@ -16,7 +16,7 @@ For sampling, references are resized to 1024x1024 pixels of area for the VAE (VA
 the pipeline does; for training the cache encodes them at the target's bucket area with their own
 aspect (`reference_size`), so a 1024 px run conditions exactly as the pipeline samples.
 
-Everything else (loading, latents, schedule, true CFG, LoRA names) is Qwen-Image's (qwen_image.py).
+Everything else (loading, latents, schedule, true CFG, LoRA names) is Qwen-Image's (qwen_image/__init__.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from . import qwen_image as qi
-from .family import PromptEmbeds
+from .. import qwen_image as qi
+from ..family import PromptEmbeds
 
 EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
                  "objects, background), then explain how the user's text instruction should alter or modify the "
@@ -211,7 +211,7 @@ def _image_processor_from(folder):
 def _register():
     from dataclasses import replace
 
-    from .family import ReferenceConditioning, register
+    from ..family import ReferenceConditioning, register
 
     base = qi.QWEN_IMAGE
     # Its own spec object (the same blocks and LoRA names) so that code handed only the spec (the

@@ -1,13 +1,13 @@
 """The Flux.1 spec: which modules are blocks, which stay in the compute dtype, LoRA presets, the BFL
-single-file layout. Data only, so that both the family module (flux.py) and its loader
-(flux_loading.py) read it without importing each other: flux.py imports flux_loading, never the
+single-file layout. Data only, so that both the family module (flux/__init__.py) and its loader
+(flux/loading.py) read it without importing each other: flux/__init__.py imports flux_loading, never the
 other way round.
 """
 
 from __future__ import annotations
 
-from ..spec import BlockList, ModelSpec, SingleFileLayout
-from .flux_lora_keys import FLUX_LORA_KEYS
+from ...spec import BlockList, ModelSpec, SingleFileLayout
+from .lora_keys import FLUX_LORA_KEYS
 
 _DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
                 r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out")
@@ -25,7 +25,7 @@ def _unique(*groups: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _to_bfl(state: dict, model) -> dict:
-    from .bfl_keys import diffusers_to_bfl
+    from .keys import diffusers_to_bfl
 
     return diffusers_to_bfl(state)
 
@@ -34,7 +34,7 @@ def _bfl_metadata(model) -> dict:
     """The rotary split, which BFL files do not show (so other widths load too)."""
     import json
 
-    from .component_files import METADATA_CONFIG_KEY
+    from ..component_files import METADATA_CONFIG_KEY
 
     return {METADATA_CONFIG_KEY: json.dumps({"axes_dims_rope": list(model.config.axes_dims_rope)})}
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .family import PromptEmbeds
+from ..family import PromptEmbeds
 
 DEFAULT_TEXT_LENGTH = 512                  # both pipelines' max_sequence_length
 HIDDEN_LAYERS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
@@ -64,7 +64,7 @@ def _first_layers(lm: torch.nn.Module, n: int):
 def _placement(encoders, device: torch.device):
     """The text model as it is when already on `device` (or for a host encode), else streamed layer
     by layer onto `device` (the caching phase)."""
-    from .streamed_encoder import placement
+    from ..streamed_encoder import placement
 
     lm = text_model(encoders)
     return placement(lm, lm.layers, device)       # from its files when it was left there

@@ -15,7 +15,7 @@ weights (see `default_axes_dims_rope`).
 
 from __future__ import annotations
 
-from .bfl_layout import BflLayout, count_blocks
+from ..bfl_layout import BflLayout, count_blocks
 
 # Linear layers: (BFL module, diffusers module(s)); both .weight and .bias are mapped.
 # Several diffusers modules for one BFL module = the BFL tensor is their concatenation along dim 0.

@@ -7,7 +7,7 @@ once. The final layer's adaLN emits (shift, scale) in BFL and (scale, shift) in 
 
 from __future__ import annotations
 
-from .lora_keymap import ALWAYS, LoraKeyMap
+from ..lora_keymap import ALWAYS, LoraKeyMap
 
 _DOUBLE = {
     "img_attn.qkv": (("attn.to_q", "attn.to_k", "attn.to_v"), (1, 1, 1)),
@@ -51,7 +51,7 @@ FLUX_LORA_KEYS = LoraKeyMap(
     header={"ss_network_module": "networks.lora_flux", "ss_base_model_version": "flux1"},
     header_hints=("flux",),
     widths=(3072,),          # Flux.1 dev / schnell
-    # (outputs, inputs) where FLUX.2 has other proportions under the same names (flux2_lora_keys.py)
+    # (outputs, inputs) where FLUX.2 has other proportions under the same names (flux2/lora_keys.py)
     ratios={"linear1": (7, 1), "linear2": (1, 5), "img_mlp.0": (4, 1), "img_mlp.2": (1, 4),
             "txt_mlp.0": (4, 1), "txt_mlp.2": (1, 4)},
 )

@@ -1,5 +1,5 @@
 """Loading FLUX.2 components (dev, klein 4B, klein 9B): the diffusers folders, and the single
-transformer files BFL and ComfyUI publish (read by flux2_single_file.py).
+transformer files BFL and ComfyUI publish (read by flux2/single_file.py).
 
 Sources: a diffusers folder in the black-forest-labs/FLUX.2-dev or FLUX.2-klein layout
 (transformer/ as Flux2Transformer2DModel, text_encoder/ in the transformers layout: Mistral Small
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from . import component_files as cf
-from . import component_loading as cl
-from .flux2_keys import is_released, variant_of
-from .flux2_spec import FLUX2_DEV_SPEC
-from .weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
+from .. import component_files as cf
+from .. import component_loading as cl
+from .keys import is_released, variant_of
+from .spec import FLUX2_DEV_SPEC
+from ..weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
 _LABEL = {"transformer": "FLUX.2 transformer", "text_encoder": "FLUX.2 text encoder", "tokenizer": "FLUX.2 tokenizer",
@@ -89,7 +89,7 @@ def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16,
     `expected`: the [model] family asked for; weights of another FLUX.2 (a klein file or folder
     under flux2-dev) are refused before a tensor is read, naming the file and the family to set
     (flux2_single_file.check_variant)."""
-    from .flux2_single_file import check_variant, load_single_file_transformer
+    from .single_file import check_variant, load_single_file_transformer
 
     src = _require(sources.transformer, "transformer")
     if src.is_file():
@@ -163,7 +163,7 @@ def load_text_encoders(sources: Flux2Sources, kind: str, dtype: torch.dtype = to
     folders, on the host (encoding places the model's layers on `device`)."""
     from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
-    from .streamed_encoder import load_text_model
+    from ..streamed_encoder import load_text_model
 
     classes, repo = TEXT_ENCODERS[kind]
     src = _require(sources.text_encoder, "text_encoder")

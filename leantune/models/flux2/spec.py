@@ -1,6 +1,6 @@
 """The FLUX.2 spec (dev, klein 4B, klein 9B share the transformer class): which modules are blocks,
-which stay in the compute dtype, LoRA presets. Data only, so that the family module (flux2.py), its
-loader (flux2_loading.py) and the single-file reader all read it without importing each other.
+which stay in the compute dtype, LoRA presets. Data only, so that the family module (flux2/__init__.py), its
+loader (flux2/loading.py) and the single-file reader all read it without importing each other.
 
 Flux2Transformer2DModel has two block lists, priced apart by the planner (their shapes and
 activations differ): `transformer_blocks`, double-stream (dev: 8; an image and a text stream, joint
@@ -20,14 +20,14 @@ A block's Linears are all attention or MLP, so "all" equals "attention_mlp" insi
 single blocks' two fused Linears carry attention and MLP at once and are in every preset.
 `all_linear` (spec.ALL_LINEAR) adds the non-block Linears, the shared modulation among them.
 
-LoRA file names (`lora_keys`) come from flux2_lora_keys.py; the BFL/ComfyUI single-file layout
-(`single_file`) from flux2_keys.py (read by flux2_single_file.py).
+LoRA file names (`lora_keys`) come from flux2/lora_keys.py; the BFL/ComfyUI single-file layout
+(`single_file`) from flux2/keys.py (read by flux2/single_file.py).
 """
 
 from __future__ import annotations
 
-from ..spec import BlockList, ModelSpec, SingleFileLayout
-from .flux2_lora_keys import FLUX2_LORA_KEYS
+from ...spec import BlockList, ModelSpec, SingleFileLayout
+from .lora_keys import FLUX2_LORA_KEYS
 
 # double blocks
 _DOUBLE_ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
@@ -45,13 +45,13 @@ BFL_DOUBLE, BFL_SINGLE = "double_blocks", "single_blocks"
 
 
 def _to_bfl(state: dict, model) -> dict:
-    from .flux2_keys import diffusers_to_bfl
+    from .keys import diffusers_to_bfl
 
     return diffusers_to_bfl(state)
 
 
 def _bfl_metadata(model) -> dict:
-    from .flux2_keys import native_metadata
+    from .keys import native_metadata
 
     return native_metadata(model)
 
@@ -75,7 +75,7 @@ def make_spec(family: str) -> ModelSpec:
         default_lora_preset="attention_mlp",
         lora_keys=FLUX2_LORA_KEYS,
         modulation=(),
-        # BFL's flux2-dev.safetensors layout (flux2_keys.py), what a full fine-tune's comfyui export writes
+        # BFL's flux2-dev.safetensors layout (flux2/keys.py), what a full fine-tune's comfyui export writes
         single_file=SingleFileLayout("BFL", "", _to_bfl, _bfl_metadata),
     )
 

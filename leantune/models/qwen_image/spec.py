@@ -1,6 +1,6 @@
 """The Qwen-Image spec (Qwen-Image and Qwen-Image-Edit share the transformer): which modules are
 blocks, which stay in the compute dtype, LoRA presets, LoRA file names, the ComfyUI single-file
-layout. Data only, so that the family module (qwen_image.py) and its loader (qwen_image_loading.py)
+layout. Data only, so that the family module (qwen_image/__init__.py) and its loader (qwen_image/loading.py)
 both read it without importing each other.
 
 QwenImageTransformer2DModel is one list of 60 dual-stream MMDiT blocks (`transformer_blocks`,
@@ -19,8 +19,8 @@ no fused q/k/v: `lora_unet_transformer_blocks_3_attn_to_q` is diffusers'
 
 from __future__ import annotations
 
-from ..spec import BlockList, ModelSpec, SingleFileLayout
-from .lora_keymap import LoraKeyMap
+from ...spec import BlockList, ModelSpec, SingleFileLayout
+from ..lora_keymap import LoraKeyMap
 
 _ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0",
          r"attn\.add_q_proj", r"attn\.add_k_proj", r"attn\.add_v_proj", r"attn\.to_add_out")

@@ -11,7 +11,7 @@ reads that many layers.
 
 from __future__ import annotations
 
-from .text_phase import decoder_phase, folder_config, meta_text_encoder
+from ..text_phase import decoder_phase, folder_config, meta_text_encoder
 
 # family -> (the packaged config of its text encoder, its kind)
 TEXT_ENCODER = {"flux2-dev": ("mistral_small_3_24b", "mistral3"), "flux2-klein-4b": ("qwen3_4b", "qwen3"),
@@ -23,7 +23,7 @@ def text_encoding_phase(family: str, text_rows: int = 512, batch: int = 8, dtype
     """Predicted bytes of the caching phase's text encoding for `family` (text_phase.decoder_phase),
     from the [model] section's text_encoder/config.json when there is one, else the packaged
     full-size config. `batch`: the cache's captions per encoder call."""
-    from .component_files import packaged_config
+    from ..component_files import packaged_config
 
     name, kind = TEXT_ENCODER[family]
     own = _config_of(model_cfg, base_dir)
@@ -38,7 +38,7 @@ def text_encoding_phase(family: str, text_rows: int = 512, batch: int = 8, dtype
 
         model = meta_text_encoder(Qwen3ForCausalLM, Qwen3Config, config)
         text = model.model
-    from .flux2_text import layers_run
+    from .text import layers_run
 
     run = layers_run(kind, len(text.layers))
     phase = decoder_phase(model, text, tokens=batch * text_rows, hidden_states=run + 1, dtype_bytes=dtype_bytes,
@@ -51,7 +51,7 @@ def _config_of(model_cfg, base_dir) -> dict | None:
     """The text encoder's config.json of a [model] section (None: none given, or not a folder)."""
     from pathlib import Path
 
-    from . import flux2_loading
+    from . import loading as flux2_loading
 
     if model_cfg is None:
         return None

@@ -14,7 +14,7 @@ then zeros of T5's shape, as StableDiffusion3Pipeline does when it has no text_e
 
 Shared mechanics (meta-device build, tensor-by-tensor fill, fp8 kept fp8, pickle refused, errors
 naming file and key) come from component_loading.py and weights.py; the Stability key mapping and
-the architecture read from shapes from sd3_keys.py. Everything here is what SD3 names differently.
+the architecture read from shapes from sd3/keys.py. Everything here is what SD3 names differently.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from ..io import save_safetensors
-from . import component_files as cf
-from . import component_loading as cl
-from . import sd3_keys
-from .sd3_spec import SD3_SPEC
-from .weights import LoadError, build_empty, copy_ops, load_into_empty
+from ...io import save_safetensors
+from .. import component_files as cf
+from .. import component_loading as cl
+from . import keys as sd3_keys
+from .spec import SD3_SPEC
+from ..weights import LoadError, build_empty, copy_ops, load_into_empty
 
 __all__ = ["SD3Sources", "SD3TextEncoders", "resolve_sources", "load_transformer", "load_text_encoders",
            "load_vae", "transformer_config", "fp8_block_weights", "save_stability_transformer", "LoadError"]

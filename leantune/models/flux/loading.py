@@ -19,7 +19,7 @@ false`) upcasts the modulation Linears instead. Everything else (non-block modul
 is upcast to the compute dtype one tensor at a time.
 
 Architectures come from the checkpoint itself (diffusers config.json, or the keys and shapes of a
-single file; bfl_keys.py / component_files.py), never from a hub. Only safetensors is read;
+single file; flux/keys.py / component_files.py), never from a hub. Only safetensors is read;
 pickle checkpoints are refused. Every error names the file and the key.
 """
 
@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
-from ..io import save_safetensors
-from . import bfl_keys, flux2_keys
-from . import component_files as cf
-from . import component_loading as cl
-from .component_loading import dtype_from_name, fingerprint
-from .flux_spec import FLUX_SPEC
-from .weights import LoadError, build_empty, copy_ops, load_into_empty
+from ...io import save_safetensors
+from . import keys as bfl_keys
+from .. import component_files as cf
+from ..bfl_layout import is_flux2_file
+from .. import component_loading as cl
+from ..component_loading import dtype_from_name, fingerprint
+from .spec import FLUX_SPEC
+from ..weights import LoadError, build_empty, copy_ops, load_into_empty
 
 __all__ = [
     "FluxSources", "TextEncoders", "LoadError", "resolve_sources", "load_transformer", "load_vae",
@@ -124,8 +125,8 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
         config, files, ops = cl.diffusers_folder(src, ("FluxTransformer2DModel",), "Flux transformer")
     else:
         files, prefix, shapes, meta = cl.single_file(src, "transformer", "Flux transformer")
-        if flux2_keys.recognizes_keys(shapes):       # FLUX.2 kept Flux.1's block names
-            from .family import guess_family
+        if is_flux2_file(shapes):       # FLUX.2 kept Flux.1's block names
+            from ..family import guess_family
 
             raise LoadError(f"{src}: a FLUX.2 transformer, not a Flux.1 one; set [model] family = "
                             f"\"{guess_family(src) or 'flux2-dev'}\"")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .tiny import CORPUS, _randomize_zero_inits
+from . import CORPUS, _randomize_zero_inits
 
 QWEN_IMAGE_TINY = dict(
     patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
