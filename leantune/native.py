@@ -7,10 +7,34 @@ and full-size temporaries. Each is a plain C file (no torch headers) next to its
 How a library is built: with the system C compiler ($CC, else cc or gcc; -O3 -march=native) into
 $LEANTUNE_CACHE_DIR (else ~/.cache/leantune)/host_kernels/ the first time it is needed (about a
 second), never at import; the file name carries a hash of the source, the compiler, the flags and
-the CPU's feature flags, and it is written under a temporary name and renamed, so concurrent
-processes never load a half-written file. Where no compiler exists, or the build fails, or
-LEANTUNE_HOST_KERNELS=0, `NativeLibrary.get()` returns None and the caller keeps its torch-op path;
-`unavailable_reason()` says why.
+the CPU's feature flags. The build writes the library and, beside it, `<name>.so.sha256` (the
+library's sha256, in `sha256sum` format), each under a temporary name and renamed, so concurrent
+processes never read a half-written file.
+
+What is loaded, and why so strict: a library's constructor runs with the rights of the process
+that loads it, and its file name is computed from public inputs, so anyone who can write into the
+folder could plant one for the next run (a team's cache on a shared disk, a folder another local
+user created with mode 0777). So:
+- the cache root and host_kernels/ must be owned by this user (or root) and not writable by group
+  or others; where missing they are created with mode 0700. A folder that breaks this is not used
+  at all: nothing is built or loaded in it.
+- the library and its digest file must be regular files (no symlink is followed), owned by this
+  user (or root), not writable by group or others; one that breaks this is refused, not replaced.
+- only bytes whose sha256 equals the digest the build recorded are loaded. The file is read into
+  memory, hashed, and those same bytes are written to a private copy (mkstemp: a random name,
+  mode 0600, in the 0700 folder) that is loaded and unlinked at once. Why a copy rather than
+  dlopen of /proc/self/fd/N of the checked file: it needs no /proc (absent in some containers and
+  sandboxes, and off Linux), and what the loader maps is exactly the bytes that were hashed, not
+  an inode that someone with write access could change after the check.
+- a file at the library's name that is no library the build recorded (its digest file missing,
+  as from a leantune before digests, or not matching; ctypes cannot load it; a function is
+  missing) is rebuilt once, in this process; only if the rebuild fails too is it unavailable.
+
+Where no compiler exists, a folder or file is refused, the build fails, or LEANTUNE_HOST_KERNELS=0,
+`NativeLibrary.get()` returns None and the caller keeps its torch-op path; `unavailable_reason()`
+is one sentence naming the path and the reason. It is logged once per library per process, as a
+warning with what the slower path means for results (`note`), or at info level for
+LEANTUNE_HOST_KERNELS=0 (the user's own choice, nothing to warn about).
 
 -ffp-contract=off: no fused multiply-adds the source does not spell, so results are those of the
 written IEEE operations (the fp8 quantizer is bitwise torch's; the optimizer's tolerances are
@@ -20,24 +44,43 @@ stated against a known operation order). No -ffast-math, for the same reason.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
+import logging
 import os
 import shutil
+import stat
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+log = logging.getLogger("leantune")
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC")
+FALLBACK = "the slower torch-op path is used"
+COMPILE_TIMEOUT_S = 120
+
+
+class Unavailable(Exception):
+    """Why a library is not used: one sentence naming the path (or source) and the reason."""
+
+
+class _Stale(Exception):
+    """A file at the library's name that is not a library this build recorded: rebuilt once."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LEANTUNE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "leantune"))
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LEANTUNE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "leantune")
-    return Path(root) / "host_kernels"
+    return cache_root() / "host_kernels"
 
 
 def compiler() -> str | None:
@@ -61,44 +104,135 @@ def cpu_identity() -> str:
     return platform.machine() + platform.processor()
 
 
-def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The shared library of `source`, compiled now unless the cache holds this exact build."""
-    flags = (*FLAGS, *extra_flags)
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler on PATH ($CC, cc, gcc)")
-    # -march=native: the library is for this CPU, so its instruction sets are part of the key (a
-    # home directory shared with another machine never hands it a library it cannot run).
-    key = hashlib.sha256(source.read_bytes() + cc.encode() + " ".join(flags).encode()
-                         + cpu_identity().encode()).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [cc, *flags, str(source), "-o", str(tmp), "-lm"]
+def _ownership_problem(st: os.stat_result) -> str | None:
+    """What lets another user change what this file or folder holds, as a phrase; None if nothing.
+
+    Root is trusted as an owner (it can replace anything anyway; a cache made under sudo stays
+    usable); the sticky bit is not an excuse, since the rule is simpler to state and to check."""
+    if not hasattr(os, "geteuid"):
+        return None
+    if st.st_uid not in (os.geteuid(), 0):
+        try:
+            import pwd
+
+            who = f"{pwd.getpwuid(st.st_uid).pw_name}, uid {st.st_uid}"
+        except (ImportError, KeyError):
+            who = f"uid {st.st_uid}"
+        return f"is owned by another user ({who})"
+    writable = st.st_mode & 0o022
+    if writable:
+        by = {0o020: "group", 0o002: "others", 0o022: "group and others"}[writable]
+        return f"is writable by {by} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _checked_folder(path: Path) -> None:
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise Unavailable(f"{path} is not a folder: not building libraries in it")
+    problem = _ownership_problem(st)
+    if problem:
+        fix = ("set LEANTUNE_CACHE_DIR to a folder of your own" if "owned" in problem
+               else f"chmod go-w {path}, or set LEANTUNE_CACHE_DIR to a folder only you can write")
+        raise Unavailable(f"{path} {problem}: not loading libraries from it ({fix})")
+
+
+def private_folder() -> Path:
+    """The host_kernels folder, checked (module docstring), created with mode 0700 where missing
+    (the cache root too; the folders above it are made as usual)."""
+    root, folder = cache_root(), cache_dir()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-1500:]}")
-        os.replace(tmp, out)
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        _checked_folder(root)
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        _checked_folder(folder)
+    except OSError as e:
+        raise Unavailable(f"{folder} cannot be made or read ({e.strerror or e})") from None
+    return folder
+
+
+def _read_private(path: Path) -> bytes:
+    """The bytes of a regular file only this user (or root) can write, read through one descriptor
+    that follows no symlink, so the checks and the bytes are of the same file. FileNotFoundError
+    if absent; Unavailable if another user could have written it; _Stale if it is no regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise _Stale(f"{path} is a symbolic link" if e.errno == errno.ELOOP
+                     else f"{path} cannot be read ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise _Stale(f"{path} is not a regular file")
+        problem = _ownership_problem(st)
+        if problem:
+            raise Unavailable(f"{path} {problem}: not loading it (remove it, and leantune builds its own)")
+        return f.read()
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """`data` at `path`, atomically: a mode-0600 temporary beside it, synced, then renamed."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
-    return out
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _load_bytes(data: bytes, folder: Path, name: str) -> ctypes.CDLL:
+    """ctypes' library of exactly these bytes, through a private copy loaded and unlinked at once
+    (module docstring: why a copy)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".load.so")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return ctypes.CDLL(tmp)
+    finally:
+        os.unlink(tmp)
+
+
+def _digest_path(out: Path) -> Path:
+    return out.with_name(out.name + ".sha256")
 
 
 class NativeLibrary:
     """One C file's library, built and loaded once per process on the first `get()`.
 
-    `declare(lib)` sets the functions' ctypes signatures; a missing symbol or a failed build leaves
-    `get()` None with the reason kept. `extra_flags` follow FLAGS on the compiler's command line."""
+    `declare(lib)` sets the functions' ctypes signatures (a missing function raises AttributeError
+    there). `extra_flags` follow FLAGS on the compiler's command line. `note` says what the torch-op
+    path means for results, for the one warning given when the library is not used."""
 
-    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], extra_flags: tuple[str, ...] = ()):
-        self.source, self.declare, self.extra_flags = source, declare, tuple(extra_flags)
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], extra_flags: tuple[str, ...] = (),
+                 note: str = ""):
+        self.source, self.declare, self.extra_flags, self.note = source, declare, tuple(extra_flags), note
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
         self._reason = ""
+
+    def flags(self) -> tuple[str, ...]:
+        return (*FLAGS, *self.extra_flags)
+
+    def library_path(self, cc: str | None = None) -> Path | None:
+        """Where the build keeps this library on this machine (None without a compiler)."""
+        cc = cc or compiler()
+        if cc is None:
+            return None
+        # -march=native: the library is for this CPU, so its instruction sets are part of the key (a
+        # home directory shared with another machine never hands it a library it cannot run).
+        key = hashlib.sha256(self.source.read_bytes() + cc.encode() + " ".join(self.flags()).encode()
+                             + cpu_identity().encode()).hexdigest()[:16]
+        return cache_dir() / f"{self.source.stem}-{key}.so"
 
     def get(self) -> ctypes.CDLL | None:
         if self._tried:
@@ -107,20 +241,98 @@ class NativeLibrary:
             if self._tried:
                 return self._lib
             if os.environ.get("LEANTUNE_HOST_KERNELS", "1") == "0":
-                self._reason = "LEANTUNE_HOST_KERNELS=0"
+                self._reason = f"LEANTUNE_HOST_KERNELS=0: {self.source.name} is not used; {FALLBACK}"
+                log.info("%s", self._reason)
             else:
                 try:
-                    lib = ctypes.CDLL(str(build(self.source, self.extra_flags)))
-                    self.declare(lib)
-                    self._lib = lib
-                except (OSError, AttributeError, RuntimeError, subprocess.TimeoutExpired) as e:
-                    self._reason = f"{self.source.name} not built: {e}"
+                    self._lib = self._load_or_build()
+                except Unavailable as e:
+                    self._reason = f"{e}; {FALLBACK}"
+                except OSError as e:        # anything the steps above did not name (the source unreadable, ...)
+                    self._reason = f"{self.source.name} could not be built or loaded ({e}); {FALLBACK}"
+                if self._reason:
+                    log.warning("%s%s", self._reason, f" ({self.note})" if self.note else "")
             self._tried = True
         return self._lib
 
     def unavailable_reason(self) -> str:
         self.get()
         return self._reason
+
+    def _load_or_build(self) -> ctypes.CDLL:
+        folder = private_folder()
+        cc = compiler()
+        if cc is None:
+            raise Unavailable(f"{self.source.name} cannot be built: no C compiler on PATH ($CC, cc, gcc)")
+        out = self.library_path(cc)
+        stale = ""
+        try:
+            return self._load_recorded(out)
+        except FileNotFoundError:
+            pass
+        except _Stale as e:
+            stale = str(e)
+            log.info("%s; rebuilding it", stale)
+        data = self._compile(cc, out)
+        try:
+            return self._declared(_load_bytes(data, folder, out.name))
+        except (OSError, AttributeError) as e:
+            raise Unavailable(f"{out} was just {'rebuilt' if stale else 'built'} and does not load ({e})") from None
+
+    def _declared(self, lib: ctypes.CDLL) -> ctypes.CDLL:
+        self.declare(lib)
+        return lib
+
+    def _load_recorded(self, out: Path) -> ctypes.CDLL:
+        """The library at `out` if it is the one its build recorded; _Stale if it is not."""
+        data = _read_private(out)
+        digest = _digest_path(out)
+        try:
+            recorded = _read_private(digest).split()[0].decode("ascii")
+        except FileNotFoundError:
+            raise _Stale(f"{out} has no recorded digest ({digest.name} is missing)") from None
+        except (IndexError, UnicodeDecodeError):
+            raise _Stale(f"{digest} holds no digest") from None
+        if hashlib.sha256(data).hexdigest() != recorded:
+            raise _Stale(f"{out} does not match the digest its build recorded in {digest.name}")
+        try:
+            lib = _load_bytes(data, out.parent, out.name)
+        except OSError as e:
+            raise _Stale(f"{out} does not load ({e})") from None
+        try:
+            return self._declared(lib)
+        except AttributeError as e:
+            raise _Stale(f"{out} lacks a function ({e})") from None
+
+    def _compile(self, cc: str, out: Path) -> bytes:
+        """Compile the source, record the library and its digest in the cache, return its bytes."""
+        tmp = ""
+        try:
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".build")
+            os.close(fd)
+            cmd = [cc, *self.flags(), str(self.source), "-o", tmp, "-lm"]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise Unavailable(f"{self.source.name} did not compile within {COMPILE_TIMEOUT_S} s ({cc})") from None
+            if done.returncode != 0:
+                log.info("%s failed:\n%s", " ".join(cmd), done.stderr[-1500:])
+                lines = [line.strip() for line in done.stderr.splitlines() if line.strip()] or ["no message"]
+                first = next((line for line in lines if "error" in line), lines[-1])
+                raise Unavailable(f"{self.source.name} did not compile with {cc} (exit {done.returncode}: {first})")
+            with open(tmp, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise Unavailable(f"{self.source.name} could not be compiled with {cc} ({e.strerror or e})") from None
+        finally:
+            if tmp and os.path.lexists(tmp):
+                os.unlink(tmp)
+        try:
+            _write_private(_digest_path(out), f"{hashlib.sha256(data).hexdigest()}  {out.name}\n".encode())
+            _write_private(out, data)
+        except OSError as e:
+            raise Unavailable(f"{out} cannot be written ({e.strerror or e})") from None
+        return data
 
 
 def parallel(fn, ranges: list[tuple[int, int]]) -> list:

@@ -4,9 +4,10 @@ bitwise, in one pass over the bytes.
 Why: a load that stores block Linears in fp8 (models/weights.py quantize_rows_into) quantizes
 every block weight of the file as it reads it; the torch-op path runs five passes over an fp32
 copy of each chunk, about 725 M values per CPU-second, while this kernel runs near memory speed.
-Built on first use by leantune/native.py (with the host optimizer kernels' machinery and cache);
-where it cannot be built, or LEANTUNE_HOST_KERNELS=0, `library()` is None and quantize_into keeps
-its torch ops, which give the same bits.
+Built on first use by leantune/native.py (with the host optimizer kernels' machinery, cache and
+its rules on what is loaded); where it cannot be built or is refused, or LEANTUNE_HOST_KERNELS=0,
+`library()` is None (said once, with the reason) and quantize_into keeps its torch ops, which give
+the same bits.
 
 Threads: rows are independent; `quantize_rows` splits them into as many ranges as torch uses
 intra-op threads (the loader's workers run with one each, and quantize chunks side by side).
@@ -34,7 +35,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # -fno-trapping-math: without it gcc keeps the per-value selects as branches (an FP compare
 # "might trap") and the loops stay scalar; it changes no result (no reassociation, no reciprocal).
-_LIBRARY = NativeLibrary(SOURCE, _declare, extra_flags=("-fno-trapping-math",))
+_LIBRARY = NativeLibrary(SOURCE, _declare, extra_flags=("-fno-trapping-math",),
+                         note="the torch-op quantizer gives the same bits, only slower")
 
 
 def library() -> ctypes.CDLL | None:

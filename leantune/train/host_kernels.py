@@ -11,9 +11,11 @@ and torch's Adafactor: tests/test_host_kernels.py.
 
 How it is built: leantune/native.py (shared with the fp8 quantizer): plain C, no torch headers,
 compiled on first use with the system C compiler (-O3 -march=native) into a cache keyed by a hash
-of the source, compiler, flags and CPU. Where no compiler exists, or the build fails, or
-LEANTUNE_HOST_KERNELS=0, `library()` returns None and the optimizer keeps its torch-op path (same
-math, slower); `unavailable_reason()` says why.
+of the source, compiler, flags and CPU, loaded only from a folder only the user can write and only
+as the bytes the build recorded (native.py says the rules). Where no compiler exists, a folder is
+refused, the build fails, or LEANTUNE_HOST_KERNELS=0, `library()` returns None and the optimizer
+keeps its torch-op path (same math in another operation order, slower); `unavailable_reason()`
+says why, and a warning says it once.
 
 Threads: a tensor is split into as many contiguous ranges as torch uses intra-op threads; each range
 is one C call on a worker thread (ctypes drops the GIL during the call). The random bits of
@@ -54,7 +56,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                                         _f32, _f32, _f32, _f32, _i32, _i32, _u32]
 
 
-_LIBRARY = NativeLibrary(SOURCE, _declare)
+# Said once, with the reason, where the kernels are not used: a user comparing runs should know.
+NOTE = ("the torch-op step's results differ from the kernels' by up to about 1.2e-4 per tensor, so runs with "
+        "and without the kernels are close, not bitwise equal")
+_LIBRARY = NativeLibrary(SOURCE, _declare, note=NOTE)
 
 
 def library() -> ctypes.CDLL | None:
