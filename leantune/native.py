@@ -132,7 +132,7 @@ def _checked_folder(path: Path) -> None:
         raise Unavailable(f"{path} is not a folder: not building libraries in it")
     problem = _ownership_problem(st)
     if problem:
-        fix = ("set LEANTUNE_CACHE_DIR to a folder of your own" if "owned" in problem
+        fix = ("set LEANTUNE_CACHE_DIR to a folder of your own" if problem.startswith("is owned")
                else f"chmod go-w {path}, or set LEANTUNE_CACHE_DIR to a folder only you can write")
         raise Unavailable(f"{path} {problem}: not loading libraries from it ({fix})")
 
@@ -192,7 +192,11 @@ def _write_private(path: Path, data: bytes) -> None:
 def _load_bytes(data: bytes, folder: Path, name: str) -> ctypes.CDLL:
     """ctypes' library of exactly these bytes, through a private copy loaded and unlinked at once
     (module docstring: why a copy)."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".load.so")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".load.so")
+    except OSError as e:
+        raise Unavailable(f"{folder} is not writable ({e.strerror or e}): the private copy a library is loaded "
+                          "from cannot be made there") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -190,6 +190,20 @@ def test_a_group_writable_library_file_is_refused(tmp_path, cache):
                                           "(remove it, and leantune builds its own); the slower torch-op path is used")
 
 
+@as_root
+@needs_cc
+def test_folders_and_files_owned_by_root_are_trusted_for_another_user(tmp_path, cache, monkeypatch):
+    """Root can replace anything anyway, and a cache made under sudo stays usable: the owner rule is
+    "this user or root". (The process is root here; it is told it is uid 1000.)"""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    lib = _tiny(tmp_path)
+    assert lib.get() is not None, lib.unavailable_reason()
+    assert lib.library_path().stat().st_uid == 0
+    monkeypatch.setattr(os, "geteuid", lambda: 1001)
+    again = native.NativeLibrary(lib.source, _declare)
+    assert again.get().lt_answer() == 7
+
+
 @needs_cc
 def test_a_fresh_build_is_private_and_records_its_digest(tmp_path, cache):
     lib = _tiny(tmp_path)
