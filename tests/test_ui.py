@@ -173,17 +173,17 @@ def test_launcher_records_the_process_and_stop_sends_sigint(tmp_path):
     script.write_text("import signal, sys, time\nprint('started', flush=True)\n"
                       "signal.signal(signal.SIGINT, lambda *a: sys.exit(130))\ntime.sleep(60)\n")
     info = launcher.start(folder, None, command=[sys.executable, str(script)])
-    assert launcher.is_alive(launcher.read_process(folder))
+    assert launcher.alive(folder)
     with pytest.raises(launcher.LaunchError, match="already running"):
         launcher.start(folder, folder / "config.toml")
-    alive = lambda: launcher.is_alive(launcher.read_process(folder))
+    alive = lambda: launcher.alive(folder)
     wait_until(lambda: "started" in (folder / launcher.CONSOLE_FILE).read_text(), what="the stand-in to start",
                alive=alive)
     launcher.stop(folder)
     wait_until(lambda: launcher.read_process(folder).get("exit_code") is not None, what="the stand-in's exit code")
     record = launcher.read_process(folder)
     assert record["exit_code"] == 130 and record["pid"] == info["pid"]
-    assert not launcher.is_alive(record)
+    assert not launcher.is_alive(record, folder)
     with pytest.raises(launcher.LaunchError, match="not running"):
         launcher.stop(folder)
 
@@ -636,9 +636,9 @@ def test_a_second_start_waits_in_line_and_starts_when_the_first_ends(tmp_path, m
     assert queue.submit(runs_dir, third, resume=True)["position"] == 2
     assert queue.leave(third) and runs.state(third) == "new" and not queue.leave(third)   # Stop while waiting
     (first / "done").write_text("")
-    wait_until(lambda: not launcher.is_alive(launcher.read_process(first)), what="the first run ending", poll_s=0.05)
+    wait_until(lambda: not launcher.alive(first), what="the first run ending", poll_s=0.05)
     assert queue.advance(runs_dir) == "second"
-    assert launcher.is_alive(launcher.read_process(second)) and runs.state(second) == "running"
+    assert launcher.alive(second) and runs.state(second) == "running"
     (second / "done").write_text("")
 
 
@@ -678,9 +678,12 @@ def test_watching_says_what_the_trainer_does_before_step_1_then_elapsed_and_eta(
     (folder / "run" / "train.log").write_text("2026-11-24 08:26:19,908 INFO model: Flux (tiny) from /m (fp32)\n")
     assert runs.progress(folder)["activity"] == "model: Flux (tiny) from /m (fp32)"       # the log, no timestamp
     (folder / "run" / "train.log").write_text(LOG)
-    (folder / launcher.PROCESS_FILE).write_text(json.dumps({"pid": os.getpid(), "proc_start": launcher.start_time(os.getpid()),
-                                                            "started": 1000.0, "exit_code": None}))
-    t = runs.timing(folder, runs.parse_log(LOG), 100, now=1060.0)
+    info = launcher.start(folder, None, command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    try:           # the run alive (its own process, in its folder), launched at t=1000 s
+        (folder / launcher.PROCESS_FILE).write_text(json.dumps({**info, "started": 1000.0}))
+        t = runs.timing(folder, runs.parse_log(LOG), 100, now=1060.0)
+    finally:
+        os.kill(info["pid"], 9)
     assert t["elapsed_s"] == 60.0 and t["eta_s"] == pytest.approx((100 - 3) * (1.52 + 1.30 + 1.30) / 3)
 
 

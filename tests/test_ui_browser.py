@@ -100,7 +100,7 @@ def _kill_runs(runs_dir: Path) -> None:
 
     for folder in runs_dir.glob("*"):
         info = launcher.read_process(folder) if folder.is_dir() else None
-        if launcher.is_alive(info) and info.get("command", [""])[0] == sys.executable:
+        if launcher.is_alive(info, folder) and info.get("command", [""])[0] == sys.executable:
             os.killpg(info["pid"], signal.SIGKILL)
 
 

@@ -4,7 +4,10 @@ The server is started as a user starts it (`leantune ui --port P --runs DIR`, in
 user works in, which is the page's dataset root unless `--data` says otherwise) and driven with
 raw HTTP requests, so a request can carry any Host, Origin or body a hostile web page or a local
 user could send. Each test also makes the legitimate request, so a server that refused everything
-would fail it.
+would fail it. Every hostile request carries the valid session secret unless the secret is what
+the test is about, and each refusal is checked for the words of the check that made it (the guard's
+"leantune ui: ..." line, or a route's JSON error), so no test passes only because a request lacked
+the secret.
 """
 
 from __future__ import annotations
@@ -99,6 +102,19 @@ def page(tmp_path_factory):
             pass
 
 
+def route_refusal(status: int, body: bytes) -> str:
+    """The error a route gave (JSON), asserting the guard (plain text 'leantune ui: ...') let the
+    request through: a refusal for a missing secret would test nothing about the route's check."""
+    assert status in (400, 403), (status, body)
+    assert not body.startswith(b"leantune ui:"), f"refused by the guard, not the route: {body!r}"
+    return json.loads(body)["error"]
+
+
+def guard_refusal(status: int, body: bytes, words: bytes) -> None:
+    """A refusal by the guard's check whose message holds `words` (not by another of its checks)."""
+    assert status == 403 and body.startswith(b"leantune ui:") and words in body, (status, body)
+
+
 def _dataset(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", (32, 32), (200, 0, 0)).save(folder / "a.png")
@@ -127,17 +143,18 @@ def _run_folder(page: Page, name: str) -> Path:
 def test_the_printed_address_carries_a_secret_and_nothing_answers_without_it(page):
     """A local user of a shared machine who finds the port gets nothing."""
     assert page.token, "the printed address has no ?token= on 127.0.0.1"
-    assert page.request("GET", "/api/runs", secret=False)[0] == 403
-    assert page.request("GET", "/", secret=False)[0] == 403
-    assert page.request("GET", f"/api/runs?token={page.token}x", secret=False)[0] == 403
+    for path in ("/api/runs", "/", f"/api/runs?token={page.token}x"):
+        guard_refusal(*page.request("GET", path, secret=False), b"?token=")
     status, body = page.request("GET", f"/?token={page.token}", secret=False)
     assert status == 200 and b"<html" in body
     assert page.request("GET", "/api/runs", secret=False, cookie=True)[0] == 200
 
 
 def test_a_non_ascii_token_is_refused_not_a_server_error(page):
-    assert page.request("GET", "/api/runs?token=" + quote("jeton-é"), secret=False)[0] == 403
-    assert page.request("GET", "/api/runs", secret=False, headers={"Cookie": f"leantune_token_{page.port}=%C3%A9"})[0] == 403
+    guard_refusal(*page.request("GET", "/api/runs?token=" + quote("jeton-é"), secret=False), b"?token=")
+    guard_refusal(*page.request("GET", "/api/runs", secret=False, headers={"Cookie": f"leantune_token_{page.port}=%C3%A9"}),
+                  b"?token=")
+    assert page.request("GET", "/api/runs")[0] == 200
 
 
 def test_dns_rebinding_a_foreign_host_header_is_refused(page):
@@ -145,25 +162,28 @@ def test_dns_rebinding_a_foreign_host_header_is_refused(page):
     only the Host header tells the difference."""
     _dataset(page.root / "rebind")
     for path in ("/", "/api/runs", f"/api/dataset?path={quote(str(page.root / 'rebind'))}"):
-        assert page.request("GET", path, host=f"attacker.example:{page.port}", cookie=True)[0] == 403, path
+        guard_refusal(*page.request("GET", path, host=f"attacker.example:{page.port}", cookie=True),
+                      b"is not this page's address")
         assert page.request("GET", path, host=f"localhost:{page.port}")[0] == 200, path
     assert page.request("GET", "/api/runs", host=f"[::1]:{page.port}")[0] == 200
 
 
 def test_a_cross_site_form_post_cannot_stop_a_run(page):
     """A plain HTML form on any page (no custom header possible) posts to Stop; the browser attaches
-    the same-site cookie. The run must keep running."""
+    the same-site cookie. The run must keep running. A foreign Origin is refused even with the
+    secret's header (so the Origin check is what is tested); a post without an Origin carries only
+    the cookie, and the header check refuses it."""
     folder = _run_folder(page, "victim")
     from leantune.ui import launcher
 
     info = launcher.start(folder, None, command=[sys.executable, "-c", "import time; time.sleep(120)"])
+    form = {"body": b"", "headers": {"Content-Type": "application/x-www-form-urlencoded"}, "cookie": True}
     try:
-        for origin in ("http://attacker.example", f"http://127.0.0.1:{page.port + 1}", None):
-            status, _ = page.request("POST", "/api/runs/victim/stop", origin=origin, secret=False, cookie=True,
-                                     body=b"", headers={"Content-Type": "application/x-www-form-urlencoded"})
-            assert status == 403, origin
+        for origin in ("http://attacker.example", f"http://127.0.0.1:{page.port + 1}"):
+            guard_refusal(*page.request("POST", "/api/runs/victim/stop", origin=origin, **form), b"another site")
+        guard_refusal(*page.request("POST", "/api/runs/victim/stop", secret=False, **form), b"X-Leantune-Token")
         time.sleep(0.3)
-        assert launcher.is_alive(launcher.read_process(folder))
+        assert launcher.alive(folder)
         status, body = page.request("POST", "/api/runs/victim/stop", origin=page.origin)
         assert status == 200, body
     finally:
@@ -173,7 +193,8 @@ def test_a_cross_site_form_post_cannot_stop_a_run(page):
 def test_a_json_caption_post_from_a_foreign_origin_is_refused(page):
     folder = _dataset(page.root / "captions")
     body = {"path": str(folder), "name": "a.png", "caption": "pwned"}
-    assert page.json("POST", "/api/caption", body, origin="http://attacker.example", cookie=True)[0] == 403
+    guard_refusal(*page.json("POST", "/api/caption", body, origin="http://attacker.example", cookie=True),
+                  b"another site")
     assert (folder / "a.txt").read_text() == "a red square\n"
     assert page.json("POST", "/api/caption", {**body, "caption": "a red box"})[0] == 200
     assert (folder / "a.txt").read_text() == "a red box\n"
@@ -183,18 +204,21 @@ def test_datasets_are_confined_to_the_roots_chosen_at_start(tmp_path, page):
     """path= reaches only folders under the page's data roots (here its working folder)."""
     outside = _dataset(tmp_path / "elsewhere")
     inside = _dataset(page.root / "inside")
+    outside_words = "outside the folders this page may use"
     for route in ("/api/dataset?path={}", "/api/dataset/image?path={}&name=a.png"):
-        assert page.request("GET", route.format(quote(str(outside))))[0] in (400, 403)
-        assert page.request("GET", route.format(quote(str(inside / ".." / ".." / outside.parent.name / outside.name))))[0] in (400, 403)
+        assert outside_words in route_refusal(*page.request("GET", route.format(quote(str(outside)))))
+        climbing = inside / ".." / ".." / outside.parent.name / outside.name
+        assert outside_words in route_refusal(*page.request("GET", route.format(quote(str(climbing)))))
         assert page.request("GET", route.format(quote(str(inside))))[0] == 200
-    assert page.json("POST", "/api/caption", {"path": str(outside), "name": "a.png", "caption": "x"})[0] in (400, 403)
+    caption = {"path": str(outside), "name": "a.png", "caption": "x"}
+    assert outside_words in route_refusal(*page.json("POST", "/api/caption", caption))
     assert (outside / "a.txt").read_text() == "a red square\n"
-    status, _ = page.request("PUT", f"/api/dataset/image?path={quote(str(outside))}&name=new.png", body=_png((8, 8)),
-                             origin=page.origin)
-    assert status in (400, 403) and not (outside / "new.png").exists()
+    put = page.request("PUT", f"/api/dataset/image?path={quote(str(outside))}&name=new.png", body=_png((8, 8)),
+                       origin=page.origin)
+    assert outside_words in route_refusal(*put) and not (outside / "new.png").exists()
     link = page.root / "link-out"
     link.symlink_to(outside)
-    assert page.request("GET", f"/api/dataset?path={quote(str(link))}")[0] in (400, 403)
+    assert outside_words in route_refusal(*page.request("GET", f"/api/dataset?path={quote(str(link))}"))
 
 
 def test_uploads_have_a_size_limit(page):
@@ -222,6 +246,9 @@ def test_an_upload_that_decodes_to_too_many_pixels_is_refused(page):
 def test_concurrent_resumes_start_one_trainer(page):
     """Three Resume clicks at once: one process starts, the others are told it runs."""
     folder = _run_folder(page, "raced")
+    # a config resume accepts (it is loaded and its paths checked before a trainer starts)
+    (folder / "config.toml").write_text(f"[model]\npath = '/models/none'\n[[data.datasets]]\n"
+                                        f"path = '{_dataset(page.root / 'raced-data')}'\n[output]\ndir = 'run'\n")
     (folder / "run" / "checkpoints" / "step-000005").mkdir(parents=True)
     results = []
 
@@ -247,7 +274,8 @@ def test_stop_never_signals_a_process_the_page_did_not_start(page):
                                                          "started": time.time() - 3600}))
         status, body = page.request("GET", "/api/runs/reused")
         assert status == 200 and json.loads(body)["state"] != "running"
-        assert page.request("POST", "/api/runs/reused/stop", origin=page.origin)[0] == 400
+        error = route_refusal(*page.request("POST", "/api/runs/reused/stop", origin=page.origin))
+        assert f"names process {other.pid}" in error and "not signalled" in error, error
         time.sleep(0.3)
         assert other.poll() is None, "the unrelated process was signalled"
     finally:

@@ -4,7 +4,8 @@ Imported only by `leantune ui` (FastAPI and uvicorn are optional: `pip install l
 Every /api route is a thin call into form.py, dataset_view.py, plan_answer.py, launcher.py,
 runs.py or sample_job.py; bad input comes back as HTTP 400 with the module's message. Every request
 passes guard.py first (Host, Origin, the session secret); datasets are confined to the data roots
-chosen at start and runs to the runs folder.
+chosen at start and runs to the runs folder, and every path of a run's merged config to the roots
+its key may use (confine.py) before the run starts or resumes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..config import ConfigError
-from . import dataset_view, guard, launcher, plan_answer, queue, runs, sample_job, system
+from . import confine, dataset_view, guard, launcher, plan_answer, queue, runs, sample_job, system
 from .form import RunForm, choices, families, presets
 
 STATIC = Path(__file__).parent / "static"
@@ -136,7 +137,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         job = runs_dir / "_captions"
         job.mkdir(exist_ok=True)
         status = job / "status.json"
-        if launcher.is_alive(launcher.read_process(job)):
+        if launcher.alive(job):
             raise ValueError("captioning is already running")
         status.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "leantune.ui.captioner", str(model), str(folder), str(status)]
@@ -153,7 +154,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         except (OSError, ValueError):
             status = {"done": 0, "total": None, "current": "starting", "error": None}
         info = launcher.read_process(job) or {}
-        running = launcher.is_alive(info)
+        running = launcher.is_alive(info, job)
         if not running and info.get("exit_code") not in (None, 0) and not status.get("error"):
             status["error"] = f"captioning stopped (exit code {info.get('exit_code')}); see {job / launcher.CONSOLE_FILE}"
         return {**status, "running": running}
@@ -244,6 +245,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         folder.mkdir(parents=True)
         try:
             config = form.write(folder / runs.CONFIG_FILE)
+            _confined(folder)                # every path of the merged config, not only the form's dataset
         except Exception:
             shutil.rmtree(folder)           # a refused form leaves no half-made run behind
             raise
@@ -252,6 +254,12 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
             atomic_write_json(folder / runs.PLAN_FILE, _plan(form))
         return queue.submit(runs_dir, folder, resume=False)
+
+    def _confined(folder: Path) -> None:
+        """The run's config as `leantune train` loads it, every path under the roots its key may use."""
+        from ..config import load_config
+
+        confine.check(load_config(folder / runs.CONFIG_FILE), roots, folder, runs_dir)
 
     def _existing(name: str) -> Path:
         folder = runs.run_folder(runs_dir, name)
@@ -269,14 +277,16 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/runs/{name}/resume")
     def post_resume(name: str):
-        return queue.submit(runs_dir, _existing(name), resume=True)
+        folder = _existing(name)
+        _confined(folder)                    # a config written by hand, or by a page before this check
+        return queue.submit(runs_dir, folder, resume=True)
 
     @app.delete("/api/runs/{name}")
     def delete_run(name: str):
         """Delete a run with its files (the page asks first); a running one must be stopped first."""
         folder = _existing(name)
         with launcher.run_lock(folder):
-            if launcher.is_alive(launcher.read_process(folder)):
+            if launcher.alive(folder):
                 raise ValueError(f"{name}: running; stop it first")
             shutil.rmtree(folder)
         return {"deleted": name}

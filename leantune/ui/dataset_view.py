@@ -7,7 +7,8 @@ in it is refused, so the page can never write outside the dataset.
 
 The page passes the data roots chosen at start (`leantune ui --data DIR`, default the folder it was
 started in): a folder is usable only when its real path (symlinks followed) lies under one of them,
-so no request can read or write a folder elsewhere on disk. Uploads are bounded twice: in bytes
+so no request can read or write a folder elsewhere on disk; a file of the folder (an image, a
+caption) that is a symlink out of the roots is not read either, only named in a warning. Uploads are bounded twice: in bytes
 (the server stops reading past MAX_UPLOAD_BYTES) and in decoded pixels (checked from the header,
 before anything is decoded), since a small PNG can decode to gigabytes.
 """
@@ -54,23 +55,40 @@ def scan(path: str, min_resolution: int | None = None, roots=None) -> list[dict]
 
     folder = folder_of(path, roots)
     out = []
-    for image in _image_files(folder, recursive=False):
+    found = _image_files(folder, recursive=False)
+    # data/ returns a scan record (its .files, and the links it followed) or, before that, the list
+    for image in getattr(found, "files", found):
         entry = {"name": image.name, "caption": "", "width": None, "height": None, "warnings": []}
-        try:
-            _, entry["width"], entry["height"] = inspect_image(image)
-        except Exception as e:    # PIL raises many types; the trainer skips such files the same way
-            entry["warnings"].append("unreadable: the file does not decode as an image (the trainer skips it)")
-        if not image.with_suffix(".txt").is_file():
-            entry["warnings"].append("no caption (.txt): trains with the trigger word only")
+        real = _inside(image, roots)
+        if real is None:
+            entry["warnings"].append(f"{image.name} links outside the folders this page may use: not read")
         else:
             try:
-                entry["caption"] = read_caption(image, ".txt", "")
+                _, entry["width"], entry["height"] = inspect_image(real)
+            except Exception as e:    # PIL raises many types; the trainer skips such files the same way
+                entry["warnings"].append("unreadable: the file does not decode as an image (the trainer skips it)")
+        caption = image.with_suffix(".txt")
+        if not caption.is_file():
+            entry["warnings"].append("no caption (.txt): trains with the trigger word only")
+        elif (real := _inside(caption, roots)) is None:
+            entry["warnings"].append(f"{caption.name} links outside the folders this page may use: not shown")
+        else:
+            try:
+                # the trainer's own reader, given the checked file itself (its suffix: the same path)
+                entry["caption"] = read_caption(real, real.suffix, "")
             except CaptionError as e:
                 entry["warnings"].append(str(e))
         if min_resolution and entry["width"] and min(entry["width"], entry["height"]) < min_resolution:
             entry["warnings"].append(f"smaller than {min_resolution} px, the smallest training resolution")
         out.append(entry)
     return out
+
+
+def _inside(path: Path, roots) -> Path | None:
+    """The real path of a file of the folder (symlinks followed), or None when it lies outside
+    `roots`: the file read is then the one checked, not a link that could be swapped after."""
+    real = path.resolve()
+    return real if roots is None or within(real, roots) else None
 
 
 def image_path(folder: str, name: str, roots=None) -> Path:

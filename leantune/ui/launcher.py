@@ -6,9 +6,12 @@ step, saves a resumable state and exits. Resume starts `leantune train --resume`
 config. The process id, its start time and exit code are kept in the run's folder (process.json),
 so a restarted page still knows which runs are alive.
 
-A bare pid is not an identity: pids are reused, and process.json is a file anyone could edit. A
-process counts as the run's only when its start time in /proc (clock ticks since boot) matches the
-one recorded at launch, so Stop never signals an unrelated process. Start, stop and resume of one
+A bare pid is not an identity: pids are reused, and process.json is a file anyone could edit, even
+to name another process with its real start time. A process counts as the run's only when /proc
+says it is what the page started there: its start time (clock ticks since boot) is the one
+recorded, its command line is the argv recorded, and its working folder is the run's folder (the
+page starts every process there, and leantune never changes folder). Stop signals nothing else and
+says why. Start, stop and resume of one
 run hold an exclusive lock on the run folder (flock, so it holds across threads and across two
 pages on the same folder): two Resume clicks at once start one trainer, and the other is told it
 runs.
@@ -67,21 +70,46 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def is_alive(info: dict | None) -> bool:
-    """Whether the process `info` names still runs, is the one launched (same start time), and is
-    not a zombie of ours. A record without a start time is not trusted."""
+def _cmdline(pid: int) -> list[str] | None:
+    try:
+        return [os.fsdecode(a) for a in Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")[:-1]]
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def _cwd(pid: int) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{int(pid)}/cwd"))
+    except (OSError, TypeError, ValueError):     # gone, or another user's process
+        return None
+
+
+def is_alive(info: dict | None, folder: Path) -> bool:
+    """Whether the process `info` (the record found in `folder`) still runs and is the one the page
+    launched there: same start time, same command line, working folder `folder`; a zombie of ours
+    is not alive. A record without a start time or a command is not trusted."""
     if not info or info.get("exit_code") is not None or info.get("proc_start") is None:
+        return False
+    if not isinstance(info.get("command"), list):
         return False
     fields = _proc_stat(info.get("pid"))
     if fields is None or fields[0] == "Z":
         return False
-    return start_time(info["pid"]) == info["proc_start"]
+    return (start_time(info["pid"]) == info["proc_start"] and _cmdline(info["pid"]) == info["command"]
+            and _cwd(info["pid"]) == Path(folder).resolve())
+
+
+def alive(folder: Path) -> bool:
+    """Whether the process recorded in `folder` is alive and the one the page launched there."""
+    return is_alive(read_process(folder), folder)
 
 
 @contextlib.contextmanager
-def run_lock(folder: Path):
-    """Exclusive hold on a run folder while its process is checked and started or signalled."""
-    with open(folder / LOCK_FILE, "a") as f:
+def run_lock(folder: Path, name: str = LOCK_FILE):
+    """Exclusive hold on a run folder while its process is checked and started or signalled (a
+    lock file of another `name`: another decision on the folder, the queue's on the runs folder).
+    flock on a file opened here: it holds across threads and processes alike."""
+    with open(folder / name, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -97,9 +125,9 @@ def train_command(config: Path, resume: bool = False) -> list[str]:
 def start(folder: Path, config: Path | None, resume: bool = False, command: list[str] | None = None) -> dict:
     """Start `leantune train config [--resume]` (or `command`) with its output in folder/console.log."""
     with run_lock(folder):
-        if is_alive(read_process(folder)):
+        if alive(folder):
             raise LaunchError(f"{folder.name}: already running")
-        cmd = command or train_command(config, resume)
+        cmd = [str(a) for a in (command or train_command(config, resume))]
         with open(folder / CONSOLE_FILE, "ab") as console:
             console.write(f"$ {' '.join(cmd)}\n".encode())
             console.flush()
@@ -124,7 +152,12 @@ def stop(folder: Path) -> dict:
     """Ask the run to stop after its step and save (SIGINT, as Ctrl-C)."""
     with run_lock(folder):
         info = read_process(folder)
-        if not is_alive(info):
+        if not is_alive(info, folder):
+            pid = (info or {}).get("pid")
+            if info and info.get("exit_code") is None and _proc_stat(pid) is not None and _proc_stat(pid)[0] != "Z":
+                raise LaunchError(f"{folder.name}: {PROCESS_FILE} names process {pid}, which is not the run this "
+                                  f"page started in {folder} (its start time, command line or folder differ); "
+                                  f"not signalled")
             raise LaunchError(f"{folder.name}: not running")
         os.kill(info["pid"], signal.SIGINT)
     return info

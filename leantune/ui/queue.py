@@ -5,11 +5,14 @@ each assumed it had the machine. So Start and Resume while another run is alive 
 line (queued.json in its folder, with the time it was queued and whether it resumes), and the
 page's server starts the oldest one as soon as no run is alive. The line is files, so a restarted
 page keeps it; a run can leave the line by being deleted. Decisions hold one lock, so two clicks
-cannot both find the machine free.
+cannot both find the machine free: a file lock on the runs folder (flock on LOCK_FILE), not a lock
+of this process, because two page servers started on one runs folder share its line too, and each
+would otherwise start a trainer in the moment between the other's check and its process record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -17,11 +20,19 @@ from pathlib import Path
 
 from . import launcher, runs
 
-_LOCK = threading.Lock()
+LOCK_FILE = ".queue.lock"
+
+
+@contextlib.contextmanager
+def _line(runs_dir: Path):
+    """The runs folder's line, held by this thread against every other thread and process."""
+    Path(runs_dir).mkdir(parents=True, exist_ok=True)
+    with launcher.run_lock(Path(runs_dir), LOCK_FILE):
+        yield
 
 
 def alive(runs_dir: Path) -> list[str]:
-    return [f.name for f in runs.run_folders(runs_dir) if launcher.is_alive(launcher.read_process(f))]
+    return [f.name for f in runs.run_folders(runs_dir) if launcher.alive(f)]
 
 
 def waiting(runs_dir: Path) -> list[Path]:
@@ -38,8 +49,8 @@ def submit(runs_dir: Path, folder: Path, resume: bool) -> dict:
     """Start the run now when the machine is free and nobody waits, else put it in line."""
     from ..io import atomic_write_json
 
-    with _LOCK:
-        if launcher.is_alive(launcher.read_process(folder)):
+    with _line(runs_dir):
+        if launcher.alive(folder):
             raise launcher.LaunchError(f"{folder.name}: already running")
         busy = alive(runs_dir)
         ahead = [f.name for f in waiting(runs_dir) if f != folder]
@@ -52,7 +63,7 @@ def submit(runs_dir: Path, folder: Path, resume: bool) -> dict:
 
 def leave(folder: Path) -> bool:
     """Take a queued run out of the line (Stop on a run that waits); False if it was not queued."""
-    with _LOCK:
+    with _line(folder.parent):
         try:
             (folder / runs.QUEUED_FILE).unlink()
             return True
@@ -62,7 +73,7 @@ def leave(folder: Path) -> bool:
 
 def advance(runs_dir: Path) -> str | None:
     """Start the oldest queued run if no run is alive; returns its name."""
-    with _LOCK:
+    with _line(runs_dir):
         if alive(runs_dir):
             return None
         line = waiting(runs_dir)

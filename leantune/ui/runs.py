@@ -85,7 +85,7 @@ def outputs(folder: Path) -> dict:
 def state(folder: Path) -> str:
     """running | queued | finished | failed (the last process exited with an error) | stopped (resumable) | new."""
     info = launcher.read_process(folder)
-    if launcher.is_alive(info):
+    if launcher.is_alive(info, folder):
         return "running"
     if (folder / QUEUED_FILE).is_file():
         return "queued"
@@ -136,7 +136,7 @@ def timing(folder: Path, steps: list[dict], total: int | None, now: float | None
     end = info.get("ended") or (now if now is not None else time.time())
     elapsed = end - started if started else None
     eta = None
-    if steps and total and launcher.is_alive(info):
+    if steps and total and launcher.is_alive(info, folder):
         recent = [s["s_it"] for s in steps[-20:]]
         eta = max(0, total - steps[-1]["step"]) * sum(recent) / len(recent)
     return {"elapsed_s": elapsed, "eta_s": eta}

@@ -126,7 +126,8 @@ def start(runs_dir: Path, fields: dict) -> dict:
     with open(out / "console.log", "wb") as console:
         proc = subprocess.Popen(cmd, cwd=out, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    launcher._write_process(out, {"pid": proc.pid, "proc_start": launcher.start_time(proc.pid), "exit_code": None})
+    launcher._write_process(out, {"pid": proc.pid, "proc_start": launcher.start_time(proc.pid), "command": cmd,
+                                  "exit_code": None})
     threading.Thread(target=proc.wait, daemon=True).start()         # reaped, so it never lingers as a zombie
     return {"job": n, "pid": proc.pid}
 
@@ -138,5 +139,5 @@ def result(runs_dir: Path, job: int) -> dict:
         console = "\n".join((out / "console.log").read_text(errors="replace").splitlines()[-20:])
     except OSError:
         console = ""
-    running = launcher.is_alive(launcher.read_process(out))
+    running = launcher.alive(out)
     return {"job": job, "images": images, "console": console, "running": running}
