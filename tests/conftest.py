@@ -9,7 +9,9 @@ os.environ.setdefault("LEANTUNE_CACHE", tempfile.mkdtemp(prefix="leantune-test-c
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# One pytest worker per core (scripts/test.sh runs pytest-xdist): each worker computes on one thread,
+# so two workers on two cores never oversubscribe them; a run in one process keeps two threads.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,6 +30,10 @@ from leantune.train.state import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist these tests share one worker: their launches run two processes each (the cores
+# are the other worker's meanwhile) and `accelerate launch` takes its default rendezvous port.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 # test_train's run (rank-4 LoRA, 20 steps, accumulation 2, caption dropout), saving every 5 steps.
 RUN_REST = TRAIN_RUN_REST.split("[output]")[0].replace("save_every = 10", "save_every = 5")
 
