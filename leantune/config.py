@@ -9,7 +9,7 @@ config is never mutated; derived values (the memory plan) live elsewhere.
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any, Literal
 
 import tomllib
@@ -20,8 +20,23 @@ class ConfigError(ValueError):
     """A configuration problem, with the file and key it concerns in the message."""
 
 
+# Every schema of a leantune file: unknown keys are errors, and no float key takes inf or NaN (one
+# rule for every float, tuples and lists included: inf or NaN anywhere ends a run in "loss is nan").
+STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
+
+
+def file_name_part(value: str, what: str) -> str:
+    """`value` if it is one non-empty path component: a name joined to a folder must stay in it
+    (`../victim` or `/etc/x` would write outside the output folder, "" a file named `_comfyui...`)."""
+    if not value.strip():
+        raise ValueError(f"{what} is empty; give a file name such as \"lora\"")
+    if "/" in value or "\\" in value or "\0" in value or value in (".", "..") or PureWindowsPath(value).drive:
+        raise ValueError(f"{what} {value!r} is not a plain file name: no '/', '\\', NUL, drive, '.' or '..'")
+    return value
 
 
 # Every [model] family leantune trains and samples (models/family.py registers each on first use);
@@ -86,8 +101,25 @@ class DatasetConfig(Section):
     # conditioning only (qwen-image-edit). See docs/reference-images.md.
     reference_path: str | None = None
 
+    @field_validator("caption_extension")
+    @classmethod
+    def _suffix(cls, v: str) -> str:
+        """A suffix the image's name takes (`cat.png` -> `cat.txt`): checked here, not at caching time."""
+        if not v.startswith(".") or len(v) < 2:
+            raise ValueError(f"{v!r} is not a file suffix: it starts with '.', as \".txt\" or \".caption\"")
+        return file_name_part(v, "the suffix")
 
-MAX_RESOLUTION = 4096      # a typo like 100000 would allocate its buckets' latents until MemoryError
+
+# The largest side leantune trains or samples at (every family publishes sizes up to 2048): a typo like
+# 100000 would allocate its buckets' latents until MemoryError, or overflow the sampling schedule.
+MAX_RESOLUTION = 4096
+
+
+def check_side(v: int) -> int:
+    """An image side (px) at most MAX_RESOLUTION: the one upper bound of [sample] and `leantune sample`."""
+    if v > MAX_RESOLUTION:
+        raise ValueError(f"{v} is too large: image sides are at most {MAX_RESOLUTION} px")
+    return v
 
 
 class DataConfig(Section):
@@ -118,7 +150,7 @@ class DataConfig(Section):
 class LoraConfig(Section):
     rank: int = Field(16, ge=1)
     # default: equal to rank; 0 would train nothing, inf/NaN would make every weight NaN
-    alpha: float | None = Field(None, gt=0, allow_inf_nan=False)
+    alpha: float | None = Field(None, gt=0)
     # all_linear: "all" plus the Linears outside the blocks (embedders, final layer)
     targets: Literal["attention", "attention_mlp", "all", "all_linear"] = "attention_mlp"
     # Optional block selection per block list, e.g. {double = [0, 1, 2], single = []} (Flux) or
@@ -135,12 +167,12 @@ class LoraConfig(Section):
 class TrainConfig(Section):
     mode: Literal["lora", "full"] = "lora"     # "full": every (not excluded) transformer weight trains
     steps: int = Field(1000, ge=1)
-    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False)    # inf would save a LoRA of NaN
+    learning_rate: float = Field(1e-4, gt=0)    # inf would save a LoRA of NaN (STRICT refuses it)
     # adamw8bit (bitsandbytes, CUDA): full mode only
     optimizer: Literal["adamw", "adafactor", "adamw8bit"] = "adamw"
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)     # each in [0, 1), as the optimizers require
-    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
+    eps: float = Field(1e-8, gt=0)
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     gradient_accumulation: int = Field(1, ge=1)
@@ -149,9 +181,11 @@ class TrainConfig(Section):
     mixed_precision: Literal["bf16", "no"] = "bf16"
     # "auto": the family's default (Flux: sigmoid; SD3: shift, with `shift` = 3.0); see flow_matching.py
     timestep_sampling: Literal["auto", "sigmoid", "shift", "flux_shift", "uniform"] = "auto"
-    sigmoid_scale: float = Field(1.0, gt=0)
-    shift: float = Field(3.0, gt=0)
-    guidance: float = Field(1.0, ge=0)         # distilled guidance input for dev; unused for schnell
+    # Bounds no recipe reaches (scale 1, shift 3, guidance 1-3.5), far below where the noise levels or
+    # the guidance embedding overflow (sigmoid_scale = 1e308 trained on NaN from step 1).
+    sigmoid_scale: float = Field(1.0, gt=0, le=100)
+    shift: float = Field(3.0, gt=0, le=100)
+    guidance: float = Field(1.0, ge=0, le=100)  # distilled guidance input for dev; unused for schnell
     save_every: int = Field(250, ge=0)         # 0: only at the end
     keep_last: int = Field(3, ge=1)
     log_every: int = Field(1, ge=1)
@@ -255,7 +289,7 @@ class SampleConfig(Section):
     prompts: list[str] = []
     seed: int = 0
     steps: int = Field(20, ge=1)
-    guidance: float = Field(3.5, ge=0)   # Flux dev: distilled guidance; SD3.5: classifier-free guidance scale
+    guidance: float = Field(3.5, ge=0, le=100)   # Flux dev: distilled guidance; SD3.5: classifier-free guidance scale
     negative_prompt: str = ""            # SD3.5 (classifier-free guidance) only
     # An edit family (qwen-image-edit): reference images every sample is conditioned on; none given:
     # the first dataset target's references
@@ -268,13 +302,27 @@ class SampleConfig(Section):
     def _multiple_of_16(cls, v: int) -> int:
         if v % 16:
             raise ValueError(f"{v} must be a multiple of 16")
-        return v
+        return check_side(v)
+
+
+# A run's files are `<name>-step000123_diffusers.safetensors`: the name leaves room for that suffix
+# within the 255 bytes a file name may have, so the last save cannot fail on a long name.
+MAX_NAME_BYTES = 200
 
 
 class OutputConfig(Section):
     dir: str = "output"
-    name: str = "lora"
+    name: str = "lora"          # the first part of every file name the run writes in `dir`
     formats: list[Literal["comfyui", "diffusers"]] = ["comfyui", "diffusers"]
+
+    @field_validator("name")
+    @classmethod
+    def _one_file_name(cls, v: str) -> str:
+        file_name_part(v, "the name")
+        if len(v.encode()) > MAX_NAME_BYTES:
+            raise ValueError(f"the name is {len(v.encode())} bytes long; at most {MAX_NAME_BYTES} (the files add "
+                             f"'-step000123_diffusers.safetensors' to it, and file names have at most 255 bytes)")
+        return v
 
 
 class RunConfig(Section):
@@ -438,6 +486,9 @@ def error_messages(err: ValidationError, source: str, root: type[BaseModel] | No
         loc = tuple(e["loc"])
         # Drop pydantic's union branch tags ("int", "list[str]", "literal[...]") from locations.
         loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))))
+        item = ""
+        if len(loc) >= 2 and isinstance(loc[-1], int):        # ('train', 'betas', 1): the key, its item 2
+            item, loc = f" item {loc[-1] + 1}", loc[:-1]
         section, key = _format_loc(loc)
         if e["type"] == "extra_forbidden":
             owner = _section_model(loc, root)
@@ -452,7 +503,7 @@ def error_messages(err: ValidationError, source: str, root: type[BaseModel] | No
         elif e["type"] == "missing":
             out.append(f"{source}: {section}: missing required key '{key}'")
         else:
-            where = f"{section}: key '{key}'" if key else section
+            where = f"{section}: key '{key}'{item}" if key else section
             out.append(f"{source}: {where}: {e['msg']} (got {e.get('input')!r})")
     return sorted(set(out), key=out.index)
 

@@ -30,19 +30,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from ..config import (
+    STRICT,
+    ConfigError,
     MemoryConfig,
     ModelConfig,
     apply_overrides,
+    check_side,
     read_toml,
     validate_model,
 )
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT          # the run config's rules: unknown keys and inf / NaN refused
 
 
 # LoRAs are trained for strengths around 1; beyond this the outputs overflow to black or noise.
@@ -51,7 +54,7 @@ MAX_LORA_STRENGTH = 10.0
 
 class LoraRef(_Strict):
     path: str
-    strength: float = 1.0
+    strength: float = Field(1.0, allow_inf_nan=True)    # refused below, in words about LoRA strengths
 
     @field_validator("strength")
     @classmethod
@@ -72,7 +75,7 @@ class SampleRequest(_Strict):
     seed: int = 0                              # image i of the request uses seed + i
     images_per_prompt: int = Field(1, ge=1)
     steps: int | None = Field(None, ge=1)      # None: the variant's default
-    guidance: float | None = Field(None, ge=0)  # None: the family's default (Flux dev 3.5, SD3.5 CFG 7.0)
+    guidance: float | None = Field(None, ge=0, le=100)  # None: the family's default (Flux dev 3.5, SD3.5 CFG 7.0)
     negative_prompt: str = ""                   # classifier-free guidance (SD3.5); one for every image
     width: int = 1024
     height: int = 1024
@@ -102,7 +105,7 @@ class SampleRequest(_Strict):
     def _size(cls, v: int, info) -> int:
         if v < 16 or v % 16:
             raise ValueError(f"{info.field_name} = {v} must be a positive multiple of 16")
-        return v
+        return check_side(v)      # 100000 overflowed the schedule's shift (math.exp) before any model loaded
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()
@@ -135,12 +138,25 @@ def load_request(path: str | Path, overrides: list[str] | None = None) -> Sample
 def parse_lora_arg(text: str) -> dict:
     """'file.safetensors:0.8' -> {'path': 'file.safetensors', 'strength': 0.8}; no suffix means 1.0.
 
-    Only a trailing number counts as a strength, so 'C:\\loras\\a.safetensors' stays a path.
+    Only a trailing number counts as a strength, so 'C:\\loras\\a.safetensors' stays a path. A
+    strength after another ('a.safetensors:1:2') is a ConfigError, unless that path is a file.
     """
     path, sep, tail = text.rpartition(":")
     if sep:
         try:
-            return {"path": path, "strength": float(tail)}
+            strength = float(tail)
         except ValueError:
-            pass
+            return {"path": text, "strength": 1.0}
+        head, inner, middle = path.rpartition(":")
+        if inner and _is_number(middle) and not Path(path).expanduser().is_file():
+            raise ConfigError(f"--lora {text!r}: too many ':' parts; give FILE or FILE:STRENGTH (e.g. {head}:0.8)")
+        return {"path": path, "strength": strength}
     return {"path": text, "strength": 1.0}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

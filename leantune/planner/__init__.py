@@ -19,6 +19,8 @@ Prediction (nothing here knows about a running trainer):
   activations.py       ActivationProfile and its composition over the whole stack (light)
   spec_cache.py        MeasuredModel: what the planner measures of a model, kept on disk per source
                        and workload shape, so the next plan builds nothing and traces nothing
+  kept_files.py        the kept answers, measurements and calibrations read as untrusted input:
+                       a file of the wrong shape is ignored (and said), never a traceback
   host_model.py        host RAM while loading, while memory is applied, and during the steps
   timing.py            step time: compute plus the copies the ring cannot hide
   corrections.py       Calibration (measured corrections the model applies) and its CalibrationStore

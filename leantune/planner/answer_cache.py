@@ -21,6 +21,9 @@ Each answer records where it came from (`origin`: leantune's version, the checko
 read from, that checkout's commit when it is a git checkout, and when it was saved), and a replayed
 answer says so on stderr: with several checkouts of leantune sharing one cache folder (two clones,
 an installed copy and a working tree), an answer is traceable to the code that computed it.
+
+A kept file that is not such an answer (hand-edited, half-written, another program's) is ignored
+with one warning naming it, and the question is planned again, which replaces it.
 """
 
 from __future__ import annotations
@@ -72,16 +75,41 @@ def answer_path(question: dict) -> Path:
 
 def load_answer(question: dict) -> dict | None:
     """The kept answer ({"stdout", "stderr", "rc", "machine"}) or None (none yet, or unreadable)."""
+    from .kept_files import read_json
+
     path = answer_path(question)
     try:
-        answer = json.loads(path.read_text())
-        if {"stdout", "stderr", "rc", "machine"} <= set(answer):
-            return answer
+        return _checked(read_json(path), bool(question.get("json")))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        log.warning("plan: ignoring unreadable kept answer %s (%s)", path, e)
+    except (OSError, ValueError) as e:          # kept_files.BadKeptFile is a ValueError
+        log.warning("plan: ignoring the kept answer %s (%s); planning again", path, e)
     return None
+
+
+def _checked(answer, as_json: bool) -> dict:
+    """`answer` if it has the shape `save_answer` writes and the replay reads, else BadKeptFile."""
+    from .kept_files import BadKeptFile, loads
+
+    if not isinstance(answer, dict):
+        raise BadKeptFile(f"a JSON {type(answer).__name__}, not an answer's table")
+    for key, kind in (("stdout", str), ("stderr", str), ("rc", int), ("machine", dict)):
+        if not isinstance(answer.get(key), kind) or isinstance(answer.get(key), bool):
+            raise BadKeptFile(f"'{key}' is {answer.get(key)!r}, not a {kind.__name__}")
+    if not isinstance(answer["machine"].get("describe"), str):
+        raise BadKeptFile("'machine' has no 'describe' text")
+    if not isinstance(answer.get("origin", {}), dict):
+        raise BadKeptFile(f"'origin' is {answer['origin']!r}, not a table")
+    if as_json:                                   # the replay puts this machine into the JSON it printed
+        try:
+            out = loads(answer["stdout"])
+        except ValueError:
+            out = None
+        plans = out.get("plans", []) if isinstance(out, dict) else None
+        if not isinstance(plans, list) or not all(isinstance(e, dict) and isinstance(e.get("plan", {}), dict)
+                                                  for e in plans):
+            raise BadKeptFile("'stdout' is not the JSON of a --json plan")
+    return answer
 
 
 def origin() -> dict:

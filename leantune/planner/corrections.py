@@ -6,7 +6,9 @@ prediction never imports the feedback.
 
 Corrections are stored in one JSON file (`CalibrationStore`, written atomically) keyed by
 `architecture_key`: the architecture config and the workload's shape, not the weight values, so
-every checkpoint of one architecture at one batch/text length shares its calibration.
+every checkpoint of one architecture at one batch/text length shares its calibration. An entry
+that is not a calibration (a NaN scale: "cannot convert float NaN to integer" in the memory model)
+is ignored with a warning naming the file and key, and the plan starts uncalibrated.
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ class Calibration:
     def from_dict(cls, d: dict | None) -> Calibration:
         d = d or {}
         return cls(dict(d.get("activation_scale", {})), float(d.get("flops_scale", 1.0)), d.get("h2d_pinned"))
+
+    @classmethod
+    def from_kept(cls, d) -> Calibration:
+        """A stored entry read as untrusted: every scale and rate a positive finite number, else
+        kept_files.BadKeptFile (a ValueError) naming it."""
+        from .kept_files import BadKeptFile, is_number
+
+        if not isinstance(d, dict) or not isinstance(d.get("activation_scale", {}), dict):
+            raise BadKeptFile("not a calibration's table")
+        numbers = {f"activation_scale[{k!r}]": v for k, v in d.get("activation_scale", {}).items()}
+        numbers["flops_scale"] = d.get("flops_scale", 1.0)
+        if d.get("h2d_pinned") is not None:
+            numbers["h2d_pinned"] = d["h2d_pinned"]
+        for name, v in numbers.items():
+            if not (is_number(v) and v > 0):
+                raise BadKeptFile(f"{name} is {v!r}, not a positive number")
+        return cls.from_dict(d)
 
 
 def bucket_key(bucket: tuple[int, int]) -> str:
@@ -89,7 +108,13 @@ class CalibrationStore:
 
     def get(self, key: str) -> Calibration | None:
         entry = self._read().get(key)
-        return Calibration.from_dict(entry) if entry else None
+        if not entry:
+            return None
+        try:
+            return Calibration.from_kept(entry)
+        except ValueError as e:
+            log.warning("planner: ignoring calibration %s in %s (%s); planning uncalibrated", key, self.path, e)
+            return None
 
     def put(self, key: str, calibration: Calibration) -> None:
         data = self._read()

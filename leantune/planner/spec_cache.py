@@ -12,7 +12,8 @@ architecture, or a checkpoint file's path, size and modification time) and the w
 (not the LoRA rank: a profile prices any rank, ActivationProfile.at_rank). The
 key also covers the code that measures (the planner's and engine's modules that decide these
 numbers, and the torch/diffusers/peft versions), so a change to any of them measures again. An
-unreadable or stale file is ignored and rewritten.
+unreadable, stale or ill-shaped file (a NaN byte count, a string for a number: kept_files.py) is
+ignored with one warning naming it, and rewritten.
 
 Shipped profiles: the package carries the measurements of the stock architectures (`leantune plan
 --model flux-dev | flux-schnell | sd3.5-large | sd3.5-medium`, LoRA / full / inference at the
@@ -37,6 +38,7 @@ from pathlib import Path
 from ..io import atomic_write_json
 from .activations import ActivationProfile
 from .corrections import architecture_key, default_calibration_path
+from .kept_files import BadKeptFile, check_fields, loads, read_json
 from .weight_bytes import AdapterShape, ModelWeights, ModuleWeights, measure_weights
 from .workload import Workload
 
@@ -95,6 +97,25 @@ class MeasuredModel:
 
 
 Storage = tuple[bool, bool]     # (fp8, fp8_modulation), as Plan.storage
+# What a kept measurement that does not validate raises on reading (the file is then measured again).
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, ArithmeticError)
+
+
+def _valid(measured: MeasuredModel) -> MeasuredModel:
+    """`measured` if each field is what the planner computes with (a number where it takes one) and
+    another LoRA rank can be priced from it; else BadKeptFile naming the field."""
+    check_fields(measured.weights, ModelWeights, "weights")
+    check_fields(measured.key, str, "key")
+    for (bucket, _), profile in measured.profiles.items():
+        where = f"profile {bucket[0]}x{bucket[1]}"
+        check_fields(profile, ActivationProfile, where)
+        if profile.per_rank is not None:
+            try:
+                other = profile.at_rank(profile.per_rank["rank"] + 1)
+            except (KeyError, TypeError, AttributeError, ValueError, ArithmeticError) as e:
+                raise BadKeptFile(f"{where}: its per-rank share does not price another rank ({e!r})") from None
+            check_fields(other, ActivationProfile, where)
+    return measured
 
 
 def storage_options(workload: Workload, weights: ModelWeights) -> list[Storage]:
@@ -216,14 +237,17 @@ def load_measured(source: str, workload: Workload) -> MeasuredModel | None:
     """The stored measurement of `source` for this workload shape (this machine's cache first, then
     the package's shipped profiles), or None (none yet, or unreadable)."""
     path = cache_path(source, workload)
-    measured = None
+    measured, bad = None, False
     if path.exists():
         try:
-            measured = MeasuredModel.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            measured = _valid(MeasuredModel.from_dict(read_json(path)))
+        except _UNREADABLE as e:
             log.warning("planner: ignoring unreadable cached measurement %s (%s)", path, e)
+            bad = True
     if measured is None:
         measured = load_shipped(source, workload)
+        if measured is not None and bad:
+            save_measured(source, workload, measured)       # replaced, so it is said once
     if measured is None:
         return None
     needed = {(b, f) for f in probed_storages(workload, measured.weights) for b in workload.buckets}
@@ -236,12 +260,12 @@ def load_shipped(source: str, workload: Workload) -> MeasuredModel | None:
     if not path.exists():
         return None
     try:
-        entry = json.loads(gzip.decompress(path.read_bytes()))
+        entry = loads(gzip.decompress(path.read_bytes()))
         if entry["key"] != measurement_key(source, workload):      # a name collision, or a hand-edited file
             log.warning("planner: shipped profile %s is not the measurement of this question; measuring", path)
             return None
-        return MeasuredModel.from_dict(entry["measured"])
-    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+        return _valid(MeasuredModel.from_dict(entry["measured"]))
+    except _UNREADABLE as e:
         log.warning("planner: ignoring unreadable shipped profile %s (%s)", path, e)
         return None
 
