@@ -4,23 +4,32 @@
     python bench/host_step.py --out bench/results/host_step.json
     python bench/host_step.py --compare                # beside torch's fused CPU AdamW (and DeepSpeed's
                                                        # CPU Adam where its op is already built)
+    python bench/host_step.py --compare --rows 1024 --cols 1024 --repeat 9   # a quick check that it runs
 
 What it times: the host step (per-parameter clipping to norm 1, then FusedOptimizer.step_param) on
-one weight held in host memory, as it runs for each trained tensor of a streamed block, best of
---repeat after a first step that creates the state, in the two forms a run has:
+one weight held in host memory, as it runs for each trained tensor of a streamed block, --repeat
+times after a first step that creates the state and one untimed round of every optimizer, in the
+two forms a run has:
 - the headline (`seconds`, `ratio_vs_torch_fused=`): a GPU run without gradient accumulation, where
   the device takes the clipping norm before the gradient's copy (trainable_streaming.step_on_host)
   and the host clips by it: here that norm is taken once, outside the timing;
 - `host norm` (`ratio_host_norm=`): the host takes the norm itself (gradient accumulation > 1, whose
   host accumulator is added first; a CPU compute device): one more pass over the gradient.
+With --compare the peers are torch's `AdamW(fused=True)` step on fp32 tensors of the same size (the
+fused CPU kernel: fp32 weights, grads and moments) and DeepSpeed's CPU Adam (bf16 or fp32 params,
+fp32 moments) when its op is already built (it is never built here: minutes of compiling).
+
+How (the machine may be loaded by others): within a setting, each repetition times every
+optimizer once, in turn (leantune, leantune with the host norm, then each peer), the order rotated
+by one per repetition so that none always goes first; each ratio is taken per repetition, between
+timings a few milliseconds apart, and the report gives the median of the per-repetition values
+with their range (min-max). Seconds and parameters per second are medians too (the best time is
+kept as `seconds_min`). Before, each row kept each optimizer's best of --repeat and divided the
+bests, so one lucky timing of either side under load moved a ratio by 2x or more.
 Reported per setting: seconds, parameters per second, and what that rate makes of one step of
-Flux-dev's 11.9 B weights. With
---compare, each timing of leantune's step is interleaved with one of torch's `AdamW(fused=True)` step
-on fp32 tensors of the same size (the fused CPU kernel: fp32 weights, grads and moments; the machine
-may be loaded by others, so A and B alternate and the best of each is kept), and
-`ratio_vs_torch_fused=` is leantune's rate over torch's. DeepSpeed's CPU Adam (bf16 or fp32 params,
-fp32 moments) is timed too when its op is already built (it is never built here: minutes of compiling).
-The
+Flux-dev's 11.9 B weights; the host's instruction set (the CPU flags avx2 / avx512f / avx512bw /
+avx512_bf16 / amx_bf16) heads the output and the JSON: rates depend on it (DeepSpeed's CPU Adam
+steps bf16 parameters with AVX-512 only, on an AVX2 host it falls back to a scalar loop). The
 planner times the same update on a smaller tensor (planner/full_model.host_step_rate), printed
 beside it, so a plan's predicted host-step time can be checked against this.
 """
@@ -32,6 +41,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -104,16 +114,38 @@ def _built(builder) -> bool:
     return bool(glob.glob(os.path.join(d, "*.so")))
 
 
-def best_of(fns: list, repeat: int) -> list[float]:
-    """Best seconds of each callable, calls interleaved (A, B, A, B, ...)."""
-    best = [math.inf] * len(fns)
+def host_isa() -> str:
+    """The instruction-set flags that decide these rates, from /proc/cpuinfo ("unknown" elsewhere)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    have = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16") if f in flags]
+    return " ".join(have) if have else "none of avx2/avx512f/avx512bw/avx512_bf16/amx_bf16"
+
+
+def interleaved(fns: list, repeat: int) -> list[list[float]]:
+    """Seconds of each callable in each repetition: repetition r calls every callable once, in
+    turn, starting at callable r % len(fns) (rotating order), after one untimed round of them all
+    (the first call after another setting's allocations pays for cold pages and caches).
+    Returns times[callable][repetition]."""
+    k = len(fns)
+    times = [[0.0] * repeat for _ in fns]
     with torch.no_grad():
-        for _ in range(repeat):
-            for i, fn in enumerate(fns):
+        for fn in fns:
+            fn()
+        for r in range(repeat):
+            for j in range(k):
+                i = (r + j) % k
                 t0 = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best
+                fns[i]()
+                times[i][r] = time.perf_counter() - t0
+    return times
+
+
+def spread(values: list[float]) -> dict:
+    """Median and range of per-repetition values."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     shape = (a.rows, a.cols)
     n = a.rows * a.cols
-    print(f"shape {shape}, {torch.get_num_threads()} threads, load {os.getloadavg()}, host kernels: "
+    isa = host_isa()
+    load_start = os.getloadavg()
+    print(f"shape {shape}, {torch.get_num_threads()} threads, load {load_start}, ISA: {isa}, host kernels: "
           f"{'built' if host_kernels.library() else host_kernels.unavailable_reason()}", flush=True)
     peers = {}
     if a.compare:
@@ -142,25 +176,37 @@ def main(argv: list[str] | None = None) -> int:
                 peers[label] = ds
         if len(peers) == 1:
             print("DeepSpeed CPU Adam: not timed (its op is not built on this machine)", flush=True)
+    print(f"each value: the median of {a.repeat} interleaved repetitions (rotating order); ratios per "
+          f"repetition, median (min-max)", flush=True)
     rows = []
     for label, dtype, optimizer, state_dtype, master in SETTINGS:
         if a.only not in label:
             continue
         ours, ours_host_norm = leantune_step(shape, dtype, optimizer, state_dtype, master)
-        times = best_of([ours, ours_host_norm, *peers.values()], a.repeat)
-        secs, secs_host = times[0], times[1]
+        times = interleaved([ours, ours_host_norm, *peers.values()], a.repeat)
+        secs, secs_host = statistics.median(times[0]), statistics.median(times[1])
         planner = host_step_rate(optimizer, dtype, state_dtype, True, master, True, norm_from_device=True)
-        row = {"setting": label, "seconds": secs, "params_per_s": n / secs, "planner_params_per_s": planner,
-               "seconds_host_norm": secs_host, "flux_dev_step_s": FLUX_DEV_PARAMS / (n / secs)}
+        row = {"setting": label, "seconds": secs, "seconds_min": min(times[0]), "params_per_s": n / secs,
+               "planner_params_per_s": planner, "seconds_host_norm": secs_host,
+               "flux_dev_step_s": FLUX_DEV_PARAMS / (n / secs), "seconds_per_repetition": times[0],
+               "seconds_host_norm_per_repetition": times[1]}
         for (name, _), t in zip(peers.items(), times[2:]):
-            row[f"{name}_params_per_s"] = n / t
-        line = (f"{label:50s} {secs * 1e3:7.0f} ms  {n / secs / 1e6:6.1f} M/s  (host norm {secs_host * 1e3:4.0f} ms; "
+            row[f"{name}_params_per_s"] = n / statistics.median(t)
+            row[f"{name}_seconds_per_repetition"] = t
+        line = (f"{label:50s} {secs * 1e3:7.1f} ms  {n / secs / 1e6:6.1f} M/s  (host norm {secs_host * 1e3:6.1f} ms; "
                 f"planner's timing: {planner / 1e6:6.1f} M/s)  Flux-dev step {row['flux_dev_step_s']:6.0f} s")
         if peers:
-            row["ratio_vs_torch_fused"] = row["params_per_s"] / row["torch_fused_params_per_s"]
-            row["ratio_host_norm"] = n / secs_host / row["torch_fused_params_per_s"]
+            fused = times[2]
+            ratios = {"ratio_vs_torch_fused": spread([f / o for f, o in zip(fused, times[0])]),
+                      "ratio_host_norm": spread([f / o for f, o in zip(fused, times[1])])}
+            for (name, _), t in list(zip(peers.items(), times[2:]))[1:]:      # DeepSpeed against torch's
+                ratios[f"{name}_vs_torch_fused"] = spread([f / d for f, d in zip(fused, t)])
+            for key, r in ratios.items():
+                row[key] = r["median"]
+                row[f"{key}_range"] = [r["min"], r["max"]]
             line += "  " + "  ".join(f"{k}={row[f'{k}_params_per_s'] / 1e6:.1f} M/s" for k in peers)
-            line += f"  ratio_vs_torch_fused={row['ratio_vs_torch_fused']:.2f}  ratio_host_norm={row['ratio_host_norm']:.2f}"
+            line += "  " + "  ".join(f"{k}={r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+                                     for k, r in ratios.items())
         rows.append(row)
         print(line, flush=True)
     if a.out:
@@ -168,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                                 cwd=Path(__file__).parent).stdout.strip()
         meta = {"date": datetime.date.today().isoformat(), "commit": commit, "command": " ".join(sys.argv),
                 "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load": os.getloadavg(),
-                "shape": list(shape)}
+                "load_start": load_start, "isa": isa, "shape": list(shape), "repeat": a.repeat,
+                "estimator": "median of interleaved repetitions (rotating order); ratios per repetition, "
+                             "median and range"}
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return 0

@@ -34,6 +34,17 @@ peak anonymous memory above the
 process's baseline (RssAnon polled every 2 ms), peak RSS above baseline (VmHWM, reset before the
 load; file-backed pages of an mmapped file count here), and the bytes kept (the model's tensors).
 Targets (issue 21): wall <= 1.2x sd-scripts'; anonymous peak <= 1.1x kept + one block.
+
+The headline (wall_s) is the load alone; a run has not started training when it ends. With
+--first-step, each leantune loader goes on to what a LoRA run does before its first step, every
+phase timed apart (wall and CPU seconds): `lora_s` add_lora (rank 16, the bench's adapter, as
+before), `memory_s` apply_memory with the plan of `[memory] fp8 = true` (fp8_modulation = true for
+`leantune-fp8mod`) on the CPU (fp8 storage of the Linears already e4m3, the CPU's fp32 Linears,
+placement; nothing streamed, no checkpointing), and `step_s` one forward + backward of the
+smallest input (--step-size px, 64: Flux 16 image tokens, SD3 8 x 8 latents; --step-text tokens of
+random text embeddings, 16; bf16 autocast as the trainer runs it; loss = mean squared
+prediction); `to_first_step_s` is their sum with the load. The peers' loaders report none of these
+(they add no adapter here). `peak_anon_first_step` is the anonymous peak up to the end of the step.
 """
 
 from __future__ import annotations
@@ -183,6 +194,36 @@ def _leantune(path: Path, family: str, old: bool, modulation: bool = False):
     return run, spec, after
 
 
+def _first_step(family: str, modulation: bool, size: int, text_length: int):
+    """(apply_memory, one forward + backward) for a leantune model with its adapters: the two
+    phases a LoRA run goes through after the load and before its first optimizer step."""
+    from leantune.config import MemoryConfig
+    from leantune.memory.engine import apply_memory, resolve_plan
+    from leantune.models.family import PromptEmbeds, get_family
+
+    fam = get_family(family)
+
+    def memory(model):
+        plan = resolve_plan(MemoryConfig(fp8=True, fp8_modulation=True if modulation else "auto"), fam.spec, model)
+        return apply_memory(model, fam.spec, plan, "cpu")
+
+    def step(model):
+        c = model.config
+        g = torch.Generator().manual_seed(0)
+        h = w = size // fam.vae_scale_factor
+        noisy = fam.pack_latents(torch.randn(1, fam.latent_channels, h, w, generator=g))
+        embeds = PromptEmbeds(t5=torch.randn(1, text_length, c.joint_attention_dim, generator=g),
+                              pooled=torch.randn(1, c.pooled_projection_dim, generator=g))
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            pred = fam.predict(model, noisy.to(torch.bfloat16), torch.full((1,), 0.5), embeds, (h, w), 3.5)
+        loss = pred.float().pow(2).mean()
+        loss.backward()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        return bool(loss.isfinite()) and all(p.grad is not None and bool(p.grad.isfinite().all()) for p in trained)
+
+    return memory, step
+
+
 def _sd_scripts(path: Path):
     import importlib.machinery
     import types
@@ -225,9 +266,15 @@ def _diffusers(path: Path, family: str):
     return run, None, None
 
 
-def child(loader: str, path: Path) -> dict:
+def child(loader: str, path: Path, first_step: tuple[int, int] | None = None) -> dict:
+    """One load in this process; `first_step` (size px, text tokens): then apply_memory and one
+    forward + backward as well (leantune loaders only)."""
     import ctypes
     import resource
+
+    def cpu_s() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
 
     family = "flux" if path.name.startswith("flux") else "sd3"
     if loader == "leantune-torch":
@@ -238,6 +285,9 @@ def child(loader: str, path: Path) -> dict:
         run, spec, after = _sd_scripts(path)
     else:
         run, spec, after = _diffusers(path, family)
+    phases = None
+    if first_step is not None and loader.startswith("leantune"):
+        phases = _first_step(family, loader == "leantune-fp8mod", *first_step)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = _status()
     Path("/proc/self/clear_refs").write_text("5")                          # VmHWM from here
@@ -246,13 +296,30 @@ def child(loader: str, path: Path) -> dict:
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     model = run()
     wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), cpu_s()
     if after is not None:
         after(model)
-    after_s = time.perf_counter() - t1
+    after_s, after_cpu = time.perf_counter() - t1, cpu_s() - c1
+    end = _status()
+    peak_anon = max(poller.peak_anon, end["RssAnon"])          # the load's (and the adapters') peak
+    first = {}
+    if phases is not None:
+        memory, step = phases
+        t2, c2 = time.perf_counter(), cpu_s()
+        memory(model)
+        t3, c3 = time.perf_counter(), cpu_s()
+        finite = step(model)
+        t4, c4 = time.perf_counter(), cpu_s()
+        first = {"lora_cpu_s": round(after_cpu, 2), "memory_s": round(t3 - t2, 2), "memory_cpu_s": round(c3 - c2, 2),
+                 "step_s": round(t4 - t3, 2), "step_cpu_s": round(c4 - c3, 2), "step_finite": finite,
+                 "step_size": first_step[0], "step_text": first_step[1],
+                 "to_first_step_s": round(wall + after_s + (t4 - t2), 2),
+                 "to_first_step_cpu_s": round((r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+                                              + after_cpu + (c4 - c2), 2)}
     poller.stop.set()
     poller.join()
-    end = _status()
+    if phases is not None:
+        first["peak_anon_first_step"] = max(poller.peak_anon, _status()["RssAnon"]) - base["RssAnon"]
     from leantune.models.flux.spec import FLUX_SPEC
     from leantune.models.sd3.spec import SD3_SPEC
 
@@ -264,9 +331,9 @@ def child(loader: str, path: Path) -> dict:
     cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
     return {"loader": loader, "file": path.stem, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
             "lora_s": round(after_s, 2) if after is not None else None, "threads": torch.get_num_threads(),
-            "peak_anon": max(poller.peak_anon, end["RssAnon"]) - base["RssAnon"],
+            "peak_anon": peak_anon - base["RssAnon"],
             "peak_rss": end["VmHWM"] - base["VmRSS"], "kept": _kept(model), "block": block,
-            "file_bytes": path.stat().st_size}
+            "file_bytes": path.stat().st_size, **first}
 
 
 # -- the parent -----------------------------------------------------------------------------------------
@@ -284,23 +351,30 @@ def main() -> None:
     ap.add_argument("--loaders", nargs="*", default=None)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--first-step", action="store_true",
+                    help="leantune loaders: then apply_memory and one forward + backward, each timed (to_first_step_s)")
+    ap.add_argument("--step-size", type=int, default=64, help="--first-step: image size in px (64: the smallest)")
+    ap.add_argument("--step-text", type=int, default=16, help="--first-step: text tokens")
     ap.add_argument("--child", nargs=2, metavar=("LOADER", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    first_step = (args.step_size, args.step_text) if args.first_step else None
     if args.child:
-        print(json.dumps(child(args.child[0], Path(args.child[1]))), flush=True)
+        print(json.dumps(child(args.child[0], Path(args.child[1]), first_step)), flush=True)
         return
     make_files(args.dir, args.files)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     results = []
-    print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}", flush=True)
+    print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}, ISA: {_isa()}", flush=True)
+    step_flags = (["--first-step", "--step-size", str(args.step_size), "--step-text", str(args.step_text)]
+                  if first_step else [])
     for name in args.files:
         path = args.dir / f"{name}.safetensors"
         loaders = [lo for lo in LOADERS[name.split("-")[0]] if args.loaders is None or lo in args.loaders]
         for _ in range(args.repeat):
             for loader in loaders:                                          # interleaved across repeats
                 _warm(path)
-                out = subprocess.run([sys.executable, __file__, "--child", loader, str(path)], env=env,
+                out = subprocess.run([sys.executable, __file__, "--child", loader, str(path), *step_flags], env=env,
                                      capture_output=True, text=True)
                 if out.returncode:
                     print(f"{name} {loader}: failed\n{out.stderr[-2000:]}", flush=True)
@@ -313,9 +387,27 @@ def main() -> None:
                       f"peak rss {gb(r['peak_rss'])} GB  kept {gb(r['kept'])} GB  block {gb(r['block'])} GB  "
                       f"anon/(1.1 kept + block) {r['peak_anon'] / (1.1 * r['kept'] + (r['block'] or 0)):.2f}  "
                       f"load {r['load_average']:.1f}", flush=True)
+                if "to_first_step_s" in r:
+                    print(f"{'':10s} {'':13s} to first step {r['to_first_step_s']:6.2f} s wall, "
+                          f"{r['to_first_step_cpu_s']:6.2f} CPU s: load {r['wall_s']:.2f} + adapters {r['lora_s']:.2f} "
+                          f"+ apply_memory {r['memory_s']:.2f} + forward/backward {r['step_s']:.2f} s "
+                          f"({r['step_size']} px, {r['step_text']} text tokens; finite {r['step_finite']}); "
+                          f"peak anon to the step {gb(r['peak_anon_first_step'])} GB", flush=True)
     if args.out:
+        for r in results:
+            r["isa"] = _isa()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def _isa() -> str:
+    """The instruction-set flags load rates depend on (the C quantizer is built -march=native)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    return " ".join(f for f in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16") if f in flags) or "none"
+
 
 
 if __name__ == "__main__":
