@@ -59,7 +59,7 @@ class LoraKeyMap:
     def __init__(self, family: str, display: str, block_lists: tuple[tuple[str, str, BlockTable], ...],
                  top: dict[str, str], swaps: dict[str, str], header: dict[str, str],
                  header_hints: tuple[str, ...], widths: tuple[int, ...] = (),
-                 ratios: dict[str, tuple[int, int]] | None = None):
+                 ratios: dict[str, tuple[int, int]] | None = None, comfyui_unnamed: tuple[str, ...] = ()):
         self.family = family                # "flux": the ModelFamily name
         self.display = display              # "Flux": in messages
         # (diffusers attribute, native prefix, in-block table): ("transformer_blocks", "double_blocks", {...})
@@ -77,6 +77,10 @@ class LoraKeyMap:
         # shape tells this family from another with the same names (Flux.1's single-block linear1
         # is 7:1, FLUX.2's 9:1): a LoRA of other proportions is not this family's.
         self.ratios = dict(ratios or {})
+        # diffusers module names ComfyUI's LoRA key map has no diffusers-layout name for (it knows
+        # those modules only by their native names): a diffusers file's keys for them are skipped
+        # there, so a diffusers export that has them says so (lora_formats.save_lora)
+        self.comfyui_unnamed = frozenset(comfyui_unnamed)
 
     def __repr__(self) -> str:
         return f"LoraKeyMap({self.family!r})"

@@ -28,6 +28,7 @@ from ..spec import ModelSpec
 
 from .lora_formats import (  # noqa: F401  (re-exported: the trainer and sampler import from here)
     IgnoredKeysWarning,
+    LoraCompatibilityWarning,
     LoraFormatError,
     LoraModule,
     LoraWeights,

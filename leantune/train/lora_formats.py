@@ -79,6 +79,10 @@ class IgnoredKeysWarning(UserWarning):
     """Keys of a LoRA file that were skipped on purpose (text-encoder LoRA)."""
 
 
+class LoraCompatibilityWarning(UserWarning):
+    """A LoRA file another common loader reads only in part (it has no name for some modules)."""
+
+
 @dataclass
 class LoraModule:
     """One Linear's LoRA: delta W (out, in) = alpha / rank * up @ down."""
@@ -427,6 +431,11 @@ def file_metadata(weights: LoraWeights, fmt: LoraFileFormat, path: Path, extra: 
     meta["ss_output_name"] = path.stem
     meta.update({k: v for k, v in weights.metadata.items() if k not in _LAYOUT_KEYS})
     meta.update({k: _header_value(v) for k, v in (extra or {}).items()})
+    # What the tensors apply, whatever the caller or the source file's header said (kohya's scale
+    # is ss_network_alpha / ss_network_dim): a diffusers file's alphas are folded into lora_B, so
+    # it says alpha = rank, not the trained alpha (that is in leantune_trained_alphas).
+    meta["ss_network_dim"] = str(_most_common(ranks))
+    meta["ss_network_alpha"] = _header_value(_most_common(alphas))
     meta["leantune_format"] = fmt
     if fmt == "diffusers":
         meta["format"] = "pt"
@@ -434,6 +443,25 @@ def file_metadata(weights: LoraWeights, fmt: LoraFileFormat, path: Path, extra: 
         # The pipelines' save_lora_weights prefix the config keys with the component name.
         meta[ADAPTER_METADATA_KEY] = json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
     return meta
+
+
+def _warn_comfyui_unnamed(weights: LoraWeights, maps: list[LoraKeyMap]) -> None:
+    """Say which modules of a diffusers-layout file ComfyUI cannot load (LoraKeyMap.comfyui_unnamed:
+    FLUX.2's time/guidance embedders and shared modulation). No name in such a file loads them in
+    both ComfyUI and diffusers, so the file stays right for diffusers and the warning points
+    ComfyUI users at the comfyui layout, which names every module."""
+    for keys in maps:
+        missing = sorted(n for n in weights.modules if n in keys.comfyui_unnamed)
+        if not missing:
+            continue
+        warnings.warn(
+            f"the diffusers-layout file of this {keys.display} LoRA has {len(missing)} module(s) ComfyUI's LoRA "
+            f"loader has no diffusers name for ({', '.join(missing)}): ComfyUI skips their keys ('lora key not "
+            f"loaded') and applies the rest, so the LoRA acts there only in part. No naming in a diffusers-layout "
+            f"file loads them in both ComfyUI and diffusers; in ComfyUI use the comfyui-layout file ([output] "
+            f"formats, or leantune convert --to comfyui), which names every module. diffusers and peft load "
+            f"this file whole.", LoraCompatibilityWarning, stacklevel=3)
+        return
 
 
 def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
@@ -447,7 +475,9 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
     so the header's alpha is read). Limits lie in diffusers, not in the files: its kohya Flux
     converter drops top-level layers (embedders, final layer) and splits single-block linear1 only
     at width 3072, and it has no kohya SD3 converter (0.42 loads a kohya SD3 file as no LoRA at
-    all, with only a warning); use the diffusers format there.
+    all, with only a warning); use the diffusers format there. ComfyUI in turn has no diffusers
+    name for FLUX.2's time/guidance embedders and shared modulation: a diffusers file that has them
+    warns (LoraCompatibilityWarning), as no naming of a diffusers file loads them in both tools.
     """
     if fmt not in FORMATS:
         raise LoraFormatError(f"{path}: unknown LoRA file format {fmt!r}; choose one of {FORMATS}")
@@ -463,6 +493,7 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
         except LoraFormatError:
             maps = []
         family_keys = maps[0] if len(maps) == 1 else None
+        _warn_comfyui_unnamed(weights, maps)
         written, folded = fold_alphas(weights)        # ComfyUI reads no alpha from the header
         tensors = diffusers_state_dict(written, dtype)
         header = file_metadata(written, fmt, path, metadata, family_keys)     # ss_network_alpha: what it applies

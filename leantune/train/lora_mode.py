@@ -104,11 +104,13 @@ class LoraMode:
 
     def _metadata(self, step: int, keys) -> dict:
         """Training notes for the header; the family's own notes (ss_network_module,
-        ss_base_model_version) come from its LoRA names (`keys`, spec.lora_keys)."""
+        ss_base_model_version) come from its LoRA names (`keys`, spec.lora_keys). ss_network_dim
+        and ss_network_alpha are what each file's tensors apply (save_lora writes them; a diffusers
+        file folds alpha into lora_B and says alpha = rank), so the [lora] settings are noted apart."""
         return {
-            **(keys.header if keys is not None else {}), "ss_network_dim": self.lora.rank,
-            "ss_network_alpha": self.lora.effective_alpha, **self.run_notes, "ss_steps": step,
-            "leantune_targets": self.lora.targets,
+            **(keys.header if keys is not None else {}), **self.run_notes, "ss_steps": step,
+            "leantune_targets": self.lora.targets, "leantune_lora_rank": self.lora.rank,
+            "leantune_lora_alpha": self.lora.effective_alpha,
         }
 
     def close(self, t) -> None:

@@ -50,6 +50,19 @@ _TOP = {
     "final_layer.adaLN_modulation.1": "norm_out.linear",
 }
 
+# FLUX.2's own top-level diffusers names. ComfyUI's LoRA key map gives a Flux-class model (FLUX.2's
+# Flux2 is one) diffusers names only from comfy.utils.flux_to_diffusers, which has Flux.1's top level
+# (time_text_embed.*) and no shared modulation: it loads these modules from BFL names only
+# (lora_unet_time_in_in_layer, diffusion_model.double_stream_modulation_img.lin, ...). diffusers in
+# turn reads a file in one layout only (transformer.* names, or kohya's, or ai-toolkit's
+# diffusion_model.*: a mixed file fails there), so no name in a diffusers-layout file loads them in
+# both. (A whole file in ai-toolkit's BFL names loads in both, but diffusers' converter reads its
+# final adaLN in diffusers' half order where ComfyUI reads BFL's: no layout is right in both.)
+_COMFYUI_UNNAMED = ("time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
+                    "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
+                    "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear",
+                    "single_stream_modulation.linear")
+
 FLUX2_LORA_KEYS = LoraKeyMap(
     family="flux2", display="FLUX.2",
     block_lists=(("transformer_blocks", "double_blocks", _DOUBLE),
@@ -65,4 +78,5 @@ FLUX2_LORA_KEYS = LoraKeyMap(
     # SwiGLU MLPs 3x wide (linear_in emits gate and value), linear1 = q, k, v + 2 x 3x MLP input
     ratios={"linear1": (9, 1), "linear2": (1, 4), "img_mlp.0": (6, 1), "img_mlp.2": (1, 3),
             "txt_mlp.0": (6, 1), "txt_mlp.2": (1, 3)},
+    comfyui_unnamed=_COMFYUI_UNNAMED,
 )
