@@ -182,6 +182,12 @@ def test_the_pages_forms_go_through_the_same_bound(tmp_path, capsys):
     assert "key 'width'" in capsys.readouterr().err
 
 
+def test_plan_resolution_has_the_same_bound(capsys):
+    """Before: `leantune plan --resolution 100000` priced a run that `leantune train` refuses."""
+    assert main(["plan", "--model", "flux-dev", "--resolution", "4112", "--vram", "8GiB"]) == 2
+    assert "--resolution 4112: at most 4096, as [data] resolutions" in capsys.readouterr().err
+
+
 def test_the_schedule_holds_at_the_largest_side():
     """Why the bound is where it is: every family's schedule is finite at 4096 px per side (the most
     image tokens any family makes of it), where 100000 px overflowed math.exp."""

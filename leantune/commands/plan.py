@@ -328,7 +328,7 @@ def _full_flags(args) -> dict:
 
 
 def _check_workload(w) -> None:
-    from ..config import ConfigError
+    from ..config import MAX_RESOLUTION, ConfigError
 
     if w.mode != "full" and (w.state_dtype != "fp32" or w.master_weights or w.full_exclude
                              or w.streamed_step != "auto"):
@@ -338,6 +338,8 @@ def _check_workload(w) -> None:
     for h, wd in w.buckets:
         if h < 64 or h % 16 or wd < 64 or wd % 16:
             raise ConfigError(f"--resolution {h}: must be a multiple of 16 of at least 64")
+        if max(h, wd) > MAX_RESOLUTION:      # a run refuses it too ([data] resolutions): no plan is for it
+            raise ConfigError(f"--resolution {max(h, wd)}: at most {MAX_RESOLUTION}, as [data] resolutions")
     for name, value in (("rank", w.rank), ("batch size", w.batch_size), ("accumulation", w.gradient_accumulation),
                         ("text length", w.text_length)):
         if value < 1:
