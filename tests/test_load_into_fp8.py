@@ -174,7 +174,8 @@ from pathlib import Path
 import torch
 from leantune.config import MemoryConfig
 from leantune.memory.fp8 import apply_fp8_storage
-from leantune.models import flux_loading, weights
+from leantune.models import weights
+from leantune.models.flux import loading as flux_loading
 from leantune.models.family import fp8_load_options
 from leantune.models.flux.spec import FLUX_SPEC
 

@@ -149,7 +149,7 @@ def test_disk_full_while_caching_names_the_path_and_bytes(tmp_path, tiny_flux_di
 def test_third_party_chatter_is_silenced():
     script = ("import sys; sys.argv = ['leantune']\n"
               "from leantune.quiet import quiet_third_party; quiet_third_party()\n"
-              "import torch\nfrom diffusers import FluxPipeline\nfrom leantune.models import tiny\n"
+              "import torch\nfrom diffusers import FluxPipeline\nfrom leantune import tiny\n"
               "tiny.flux_transformer().to(torch.bfloat16)\n")
     set_by_quiet = ("TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
                     "TRANSFORMERS_NO_ADVISORY_WARNINGS", "LEANTUNE_VERBOSE")    # main() in this process set them
