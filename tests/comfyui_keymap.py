@@ -35,7 +35,9 @@ at 09708eae, comfy/weight_adapter/lora.py at 6f98b150), not copied from it:
 Where the model is an approximation it says so: `mmdit_to_diffusers` slices q/k/v at 64 * depth
 with depth = width // 64 (ComfyUI's model detection), which is the width for every released SD3.x;
 the tiny test models are narrower than 64, which ComfyUI could not build at all, so the width is
-used. LoKr/LoHa keys and ComfyUI's two-names-one-weight overwrite are refused, not modelled.
+used. A delta of another shape than its rows is reported skipped (ComfyUI logs an error when the
+element counts differ, and would reshape one whose counts agree). LoKr/LoHa keys and ComfyUI's
+two-names-one-weight overwrite are refused, not modelled.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def _export(mode, model, tmp_path):
     and the warnings the export gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        comfy, diffusers = mode.export(SimpleNamespace(transformer=model), _Paths(tmp_path), step=10, intermediate=False)
+        comfy, diffusers = mode.export(SimpleNamespace(transformer=model), _Paths(tmp_path), step=10,
+                                       intermediate=False)
     return comfy, diffusers, [w for w in caught if issubclass(w.category, LoraCompatibilityWarning)]
 
 
@@ -169,7 +170,8 @@ def test_each_files_header_states_the_alpha_its_tensors_apply(all_linear):
             applied = tensors[alpha_key].item() / tensors[module + down].shape[0] if alpha_key in tensors else 1.0
             assert applied == scale, (path.name, module, applied, scale)
     tensors = load_file(all_linear.diffusers)          # the kohya file's deltas: the ComfyUI test above
-    scale = float(_header(all_linear.diffusers)["ss_network_alpha"]) / int(_header(all_linear.diffusers)["ss_network_dim"])
+    header = _header(all_linear.diffusers)
+    scale = float(header["ss_network_alpha"]) / int(header["ss_network_dim"])
     for name, delta in all_linear.deltas.items():
         got = scale * tensors[f"transformer.{name}.lora_B.weight"] @ tensors[f"transformer.{name}.lora_A.weight"]
         torch.testing.assert_close(got, delta, rtol=1e-5, atol=1e-6, msg=name)
