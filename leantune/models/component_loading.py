@@ -99,35 +99,61 @@ def resolve_components(model_cfg, base_dir: Path, components: tuple[str, ...],
     return found
 
 
-# diffusers class names (pipeline or transformer) -> (family, what it is), to name a folder given
-# under the wrong [model] family before a loader fails on a component that has another meaning there
-# (SD3's tokenizer_2 is CLIP-G, Flux's is T5).
-_FAMILY_CLASSES = {
-    "FluxPipeline": ("flux", "Flux.1"), "FluxTransformer2DModel": ("flux", "Flux.1"),
-    "StableDiffusion3Pipeline": ("sd3", "Stable Diffusion 3 / 3.5"),
-    "SD3Transformer2DModel": ("sd3", "Stable Diffusion 3 / 3.5"),
+# diffusers class names (pipeline or transformer) -> what it is, for the sentence that names a folder
+# given under the wrong [model] family; a class not listed is named by its class name.
+_CLASS_LABELS = {
+    "FluxPipeline": "Flux.1", "FluxTransformer2DModel": "Flux.1",
+    "StableDiffusion3Pipeline": "Stable Diffusion 3 / 3.5", "SD3Transformer2DModel": "Stable Diffusion 3 / 3.5",
+    "QwenImagePipeline": "Qwen-Image", "QwenImageEditPlusPipeline": "Qwen-Image-Edit",
+    "QwenImageEditPipeline": "Qwen-Image-Edit", "QwenImageTransformer2DModel": "Qwen-Image",
+    "Flux2Pipeline": "FLUX.2 [dev]", "Flux2KleinPipeline": "FLUX.2 [klein]", "Flux2Transformer2DModel": "FLUX.2",
 }
 
 
+def _declared_classes(root: Path) -> tuple[str | None, str | None, str | None]:
+    """(pipeline class, transformer class, the file that said it) of a diffusers folder, from its
+    model_index.json, else its transformer/config.json or config.json; Nones when nothing says."""
+    index = root / "model_index.json"
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+            entry = data.get("transformer")
+            cls = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+            return data.get("_class_name"), cls, index.name
+        except (OSError, ValueError, AttributeError):
+            pass
+    for config in (root / "transformer" / "config.json", root / "config.json"):
+        if config.is_file():
+            try:
+                return None, json.loads(config.read_text(encoding="utf-8")).get("_class_name"), config.name
+            except (OSError, ValueError, AttributeError):
+                continue
+    return None, None, None
+
+
 def check_family(root: Path, family: str | None) -> None:
-    """A diffusers folder whose model_index.json (or transformer config) names another family's
-    classes is refused, saying which family it is."""
+    """A diffusers folder whose model_index.json (or transformer config) names a transformer class
+    that `family` does not load is refused before anything is read, saying which family it is
+    (asked of every registered family: models/family.guess_family). Families that share a class
+    (FLUX.2's three, Qwen-Image and its Edit) tell their folders apart in their own loaders."""
     if family is None or not root.is_dir():
         return
-    for config in (root / "model_index.json", root / "transformer" / "config.json", root / "config.json"):
-        if not config.is_file():
-            continue
-        try:
-            declared = json.loads(config.read_text()).get("_class_name")
-        except (OSError, ValueError, AttributeError):
-            continue
-        known = _FAMILY_CLASSES.get(declared)
-        if known is None:
-            continue
-        if known[0] != family:
-            raise LoadError(f"[model] path: {root} is a {known[1]} model ({config.name}: {declared}), but "
-                            f"[model] family = \"{family}\"; set [model] family = \"{known[0]}\"")
+    from .family import get_family, guess_family
+
+    try:
+        wanted = get_family(family)
+    except KeyError:
+        return                         # an unknown family is the config's error, named there
+    pipeline, cls, said_by = _declared_classes(root)
+    if cls is None or cls in wanted.transformer_classes:
         return
+    other = guess_family(root)
+    if other is None or other == family:
+        return
+    declared = pipeline or cls
+    label = _CLASS_LABELS.get(declared) or _CLASS_LABELS.get(cls) or declared
+    raise LoadError(f"[model] path: {root} is a {label} model ({said_by}: {declared}), but "
+                    f"[model] family = \"{family}\"; set [model] family = \"{other}\"")
 
 
 def require(source: Path | None, name: str, label: str) -> Path:
