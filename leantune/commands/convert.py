@@ -88,7 +88,11 @@ def run(args) -> int:
                       f"fit {doubt[0].display} and {' and '.join(k.display for k in doubt[1:])} LoRAs, which kohya/ComfyUI "
                       f"name differently, and neither its header nor its width says which; writing "
                       f"{doubt[0].display} names (give --family {others} for another)", file=sys.stderr)
-        path = save_lora(weights, args.output, args.to, dtype=dtype, keys=keys)
+        with warnings.catch_warnings(record=True) as caught:     # e.g. modules ComfyUI has no name for
+            warnings.simplefilter("always")
+            path = save_lora(weights, args.output, args.to, dtype=dtype, keys=keys)
+        for w in caught:
+            print(f"leantune convert: warning: {w.message}", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:   # LoraFormatError and unreadable files name the file
         print(f"leantune convert: {e}", file=sys.stderr)
         return 2
