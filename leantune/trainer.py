@@ -3,15 +3,16 @@
 `train()` reads top to bottom: set up (caches, model, adapters, memory plan, optimizer), resume,
 loop, save, sample, log. Everything a resume needs (adapter weights, optimizer, scheduler, RNG,
 data position) goes through `_training_state()` so an interrupted run continues exactly.
+SIGTERM and Ctrl-C stop within a named bound (train/stopping.py); a sample that fails while
+training is reported and skipped, never the end of the run (its steps would be lost).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,8 +27,10 @@ from .train import flow_matching as fm
 from .train.modes import make_mode
 from .train.optim import build_scheduler
 from .train.resume_config import apply_learning_rate, check_resume, resolved_config
-from .train.run_folder import RunFolder, record_written, restore_exports
+from .train import stopping
+from .train.run_folder import LOCK_NAME, RunFolder, record_written, release_lock, restore_exports
 from .train.state import load_latest, rng_state, save_checkpoint, saved_config, set_rng_state
+from .train.stopping import StopRequest, Terminated, terminate_as_interrupt  # noqa: F401 (the trainer's names)
 
 log = logging.getLogger("leantune")
 
@@ -145,82 +148,6 @@ def setup_logging(paths: RunPaths) -> None:
 
 # -- the loop ----------------------------------------------------------------------------------------
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (docker stop, systemd, Slurm, `timeout`), handled like Ctrl-C: the CLI exits 143."""
-
-    signal_name = "SIGTERM"
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _interrupt(signum) -> KeyboardInterrupt:
-    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-class StopRequest:
-    """Ctrl-C or SIGTERM during a step is deferred to the step's end, so the saved state is exact.
-
-    Used as a context manager around each step: a first SIGINT/SIGTERM inside it only sets
-    `requested` (the loop saves and stops after the step); a second one aborts at once, and then
-    nothing is saved, since a half-done optimizer update must not become a resumable state. Outside
-    a step (saving, sampling) both interrupt at once (`terminate_as_interrupt`). Only the main
-    thread can own the handlers.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self.signum: int | None = None
-        self.aborted_mid_step = False
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise _interrupt(signum)
-        self.requested, self.signum = True, signum
-        what = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        log.warning("%s: stopping after this step with a resumable state (a second signal aborts now)", what)
-
-    def stop(self) -> KeyboardInterrupt:
-        """The exception that ends the loop after a requested stop."""
-        return _interrupt(self.signum)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in _STOP_SIGNALS}
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-            self.aborted_mid_step = True      # however it was raised, the step did not finish
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-        self._previous = {}
-        return False
-
-
-class terminate_as_interrupt:
-    """While training, SIGTERM raises `Terminated` (a KeyboardInterrupt) like Ctrl-C does, so the
-    run saves its state, logs a line and releases the folder lock; by default it would end the
-    process at once. Main thread only (elsewhere a no-op)."""
-
-    def __enter__(self):
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    @staticmethod
-    def _handle(signum, frame):
-        log.warning("SIGTERM: stopping now")
-        raise Terminated()
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-        return False
-
-
 def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True,
           overwrite: bool = False) -> TrainResult:
     """Train as `cfg` says (a LoRA, or the whole model with [train] mode = "full"). `stop_after` ends early after that many optimizer steps (tests).
@@ -233,8 +160,11 @@ def train(cfg: RunConfig, resume: bool = False, stop_after: int | None = None, p
     paths = RunPaths(cfg.resolve(cfg.output.dir), cfg.output.name)
     dist = DistContext.from_config(cfg, pick_device(cfg))
     finished = False
+    # A stop the watchdog has to force still leaves the folder unlocked (release_lock: only our own lock).
+    unlock = (lambda: release_lock(paths.root / LOCK_NAME)) if dist.is_main else None
     try:
-        with terminate_as_interrupt(), RunFolder(paths.root, paths.name, resume, overwrite, enabled=dist.is_main):
+        with terminate_as_interrupt(on_exit=unlock), RunFolder(paths.root, paths.name, resume, overwrite,
+                                                               enabled=dist.is_main):
             result = _train(cfg, paths, dist, resume, stop_after, progress, launch_notes)
         finished = True
         return result
@@ -251,6 +181,7 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
     for level, note in launch_notes:
         log.log(level, note)
     torch.manual_seed(cfg.train.seed)
+    stopping.set_phase("setting up the caches, model and memory plan")
     t = _build(cfg, dist)
     start, losses = 0, []
     if resume:
@@ -265,6 +196,7 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
     try:
         while step < cfg.train.steps and (stop_after is None or step - start < stop_after):
             t0 = time.perf_counter()
+            stopping.set_phase(f"running step {step + 1}")
             with stop:
                 loss = _guarded_step(t, cfg, step + 1)
                 step += 1          # inside: an interrupt after the update never saves it as the step before
@@ -273,12 +205,12 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
             _calibrate(t, seconds, report)
             losses.append(loss)
             _log_step(cfg, step, loss, t, writer, monitor, bar, seconds, report)
+            if stop.requested:
+                raise stop.stop()     # saved below; no sample first: the stop's bound runs (train/stopping.py)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 _save(t, cfg, paths, step, losses, intermediate=True)
             if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0 and dist.is_main:
-                result.sample_files.append(_sample(t, cfg, paths, step))
-            if stop.requested:
-                raise stop.stop()
+                result.sample_files.extend(_sample_or_report(t, cfg, paths, step))
     except KeyboardInterrupt:
         result.interrupted = True
         if stop.aborted_mid_step:
@@ -607,17 +539,19 @@ def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[f
     end), written by rank 0 only (every rank holds the same trainable weights)."""
     from .io import atomic_write_json
 
-    state = _training_state(t, losses)        # every rank: a sharded mode gathers the weights here
-    if not t.dist.is_main:
-        return []
-    from .disk import disk_full_guard
+    stopping.set_phase(f"saving step {step}")
+    with stopping.saving():                   # a first stop signal waits for the save (train/stopping.py)
+        state = _training_state(t, losses)    # every rank: a sharded mode gathers the weights here
+        if not t.dist.is_main:
+            return []
+        from .disk import disk_full_guard
 
-    save_checkpoint(paths.checkpoints, step, state, keep_last=cfg.train.keep_last, config=resolved_config(cfg))
-    with disk_full_guard(paths.root, None, f"the resumable state of step {step} is saved; --resume writes "
-                                           f"these files from it"):
-        atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
-        files = t.mode.export(t, paths, step, intermediate)
-        record_written(paths.root, files)         # what --overwrite may delete (run_folder.py)
+        save_checkpoint(paths.checkpoints, step, state, keep_last=cfg.train.keep_last, config=resolved_config(cfg))
+        with disk_full_guard(paths.root, None, f"the resumable state of step {step} is saved; --resume writes "
+                                               f"these files from it"):
+            atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
+            files = t.mode.export(t, paths, step, intermediate)
+            record_written(paths.root, files)         # what --overwrite may delete (run_folder.py)
     log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
     return files
 
@@ -672,6 +606,24 @@ def _streaming_summary(report: dict) -> str:
         return ""
     return (f", streamed {report['bytes_h2d'] / 1e9:.2f} GB in {report['copy_s']:.3f} s "
             f"(stall {report['stall_s']:.3f} s, {report['demand_fetches']} on demand), {report['slots']} slots")
+
+
+def _sample_or_report(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> list[Path]:
+    """The step's samples ([path]), or [] with one error line when drawing them fails: a sample is
+    a view of the training, and its fault (a size the memory cannot hold, a decode that fails)
+    must not end the run and lose the steps since the last save. Training goes on; the next
+    sample step tries again. A stop signal (KeyboardInterrupt) is not a fault and passes."""
+    stopping.set_phase(f"sampling at step {step}")
+    try:
+        return [_sample(t, cfg, paths, step)]
+    except Exception as e:
+        problem = str(e).strip().splitlines()[0][:300] if str(e).strip() else "no message"
+        log.error("step %d: the in-training sample failed (%s: %s); training goes on without it, the [sample] "
+                  "settings are worth a look", step, type(e).__name__, problem)
+    gc.collect()                              # the failed sample's tensors (its traceback is gone now)
+    if t.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return []
 
 
 def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:

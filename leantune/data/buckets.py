@@ -116,10 +116,14 @@ class BatchOrder:
     `buckets[i]` is sample i's bucket and `dropout[i]` its caption dropout probability. The order
     of an epoch depends only on (seed, epoch); the caption dropout draws come from one generator
     that advances by one draw per sample produced, and its state is saved with the position.
+    `groups[i]` (default: the bucket) is what a batch must share beyond its bucket: an edit
+    dataset's reference sizes, since a batch stacks one reference tensor per slot. Groups that
+    split no bucket leave the order, and the layout a saved position is checked against, as they
+    were without them.
     """
 
     def __init__(self, buckets: Sequence[Bucket], batch_size: int, seed: int, shuffle: bool = True,
-                 dropout: Sequence[float] | None = None):
+                 dropout: Sequence[float] | None = None, groups: Sequence | None = None):
         if not buckets:
             raise ValueError("cannot batch an empty sample list")
         if batch_size < 1:
@@ -128,11 +132,17 @@ class BatchOrder:
         self.dropout = list(dropout) if dropout is not None else [0.0] * len(self.buckets)
         if len(self.dropout) != len(self.buckets):
             raise ValueError("dropout needs one probability per sample")
+        if groups is not None and len(groups) != len(self.buckets):
+            raise ValueError("groups needs one key per sample")
+        self.groups = [(b, g) for b, g in zip(self.buckets, groups)] if groups is not None else self.buckets
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
         # Identity of the sample list, so a position saved for another dataset is noticed on resume.
-        digest = hashlib.sha256(repr((self.buckets, self.dropout, batch_size, shuffle)).encode()).hexdigest()
+        identity = (self.buckets, self.dropout, batch_size, shuffle)
+        if self.splits_buckets:
+            identity += (self.groups,)
+        digest = hashlib.sha256(repr(identity).encode()).hexdigest()
         self.layout = digest[:16]
         self.epoch = 0
         self.index = 0
@@ -143,13 +153,14 @@ class BatchOrder:
     def _epoch_batches(self, epoch: int) -> list[tuple[Bucket, tuple[int, ...]]]:
         if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
             return self._epoch_cache[1]
-        by_bucket: dict[Bucket, list[int]] = {}
-        for i, b in enumerate(self.buckets):
-            by_bucket.setdefault(b, []).append(i)
+        by_bucket: dict = {}
+        for i, g in enumerate(self.groups):
+            by_bucket.setdefault(g, []).append(i)
         # A string seed is hashed with SHA-512 by `random`, so the order is the same in every process.
         rng = random.Random(f"order:{self.seed}:{epoch}")
         batches: list[tuple[Bucket, tuple[int, ...]]] = []
-        for bucket, members in by_bucket.items():      # buckets in order of first appearance
+        for members in by_bucket.values():      # buckets (groups) in order of first appearance
+            bucket = self.buckets[members[0]]
             if self.shuffle:
                 rng.shuffle(members)
             # A bucket's last batch may be short: dropping it would starve rare aspect ratios.
@@ -159,6 +170,11 @@ class BatchOrder:
             rng.shuffle(batches)
         self._epoch_cache = (epoch, batches)
         return batches
+
+    @property
+    def splits_buckets(self) -> bool:
+        """Whether `groups` part some bucket's samples into separate batches."""
+        return len(set(self.groups)) > len(set(self.buckets))
 
     def __iter__(self) -> Iterator[BatchSlot]:
         return self

@@ -43,7 +43,7 @@ import torch
 
 from leantune.config import resolve_path
 from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
-from leantune.data.dataset import ImageItem, listing, load_rgb, scan_datasets, to_tensor
+from leantune.data.dataset import DataWarning, ImageItem, listing, load_rgb, scan_datasets, to_tensor
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.family import ModelFamily, PromptEmbeds, get_family
 from leantune.models.component_loading import dtype_from_name, fingerprint
@@ -87,6 +87,7 @@ class Sample:
     # content hashes when the family's text encoder sees them (the text entry's identity)
     reference_keys: tuple[str, ...] = ()
     text_refs: tuple[str, ...] = ()
+    reference_sizes: tuple[Bucket, ...] = ()   # (width, height) each reference is encoded at
 
 
 @dataclass
@@ -345,18 +346,24 @@ def sample_prompts(sample_cfg) -> list[str]:
     return [sample_cfg.negative_prompt, *sample_cfg.prompts]
 
 
-def _with_references(items: list[ImageItem], data_cfg, base_dir, family: ModelFamily) -> list[ImageItem]:
-    """The items with their reference images (data/references.py) when a dataset names a
-    reference_path; an error naming the key when the family takes no references."""
-    named = [i for i, d in enumerate(data_cfg.datasets) if getattr(d, "reference_path", None)]
-    if not named:
-        return items
-    if family.references is None:
-        raise ValueError(f"[[data.datasets]] #{named[0] + 1} reference_path: family = \"{family.name}\" takes no "
-                         f"reference images (an edit family does, e.g. qwen-image-edit); remove the key")
-    from leantune.data.references import attach_references
+def _scan_with_references(data_cfg, base_dir, family: ModelFamily) -> list[ImageItem]:
+    """The datasets' items, with their reference images (data/references.py) when a dataset names
+    a reference_path. The reference keys are checked before any image is decoded (a family that
+    takes none, the dataset's own folder as references), the references' encoded sizes before the
+    model's files are looked at: each a `DataError` naming the file or key."""
+    from leantune.data.references import attach_references, check_reference_keys, encoded_size
 
-    return attach_references(items, data_cfg.datasets, base_dir, family.references.most)
+    check_reference_keys(data_cfg.datasets, base_dir, family)
+    items = scan_datasets(data_cfg, base_dir)
+    if not any(getattr(d, "reference_path", None) for d in data_cfg.datasets):
+        return items
+    items = attach_references(items, data_cfg.datasets, base_dir, family.references.most)
+    bucket_sets = {r: bucket_sizes(r) for r in data_cfg.resolutions}
+    for it in items:                   # a size the family cannot encode is told before its sources are read
+        for r in set(data_cfg.resolutions) - it.too_small_for:
+            for ref in it.references:
+                encoded_size(ref, it.path, nearest_bucket(it.width, it.height, bucket_sets[r]), family, it.dataset)
+    return items
 
 
 def sample_references(sample_cfg) -> list[str] | None:
@@ -371,36 +378,37 @@ def sample_reference_images(paths: Sequence[str] | None, items: list[ImageItem],
     [sample] references when given, else the first target's references (so an edit LoRA's samples
     show the edit it learns); () for a family without references or a run that does not sample
     (`paths` None). Errors name [sample] references and the file."""
+    from .dataset import DataError, inspect_image
+    from .references import ReferenceImage, check_aspect
+
     if paths is None:
         return ()
     if family.references is None:
         if paths:
-            raise ValueError(f"[sample] references: family = \"{family.name}\" takes no reference images (an edit "
-                             f"family does, e.g. qwen-image-edit); remove the key")
+            raise DataError(f"[sample] references: family = \"{family.name}\" takes no reference images (an edit "
+                            f"family does, e.g. qwen-image-edit); remove the key")
         return ()
     if family.references.sampling_latents is None:      # the family samples without references as yet
         if paths:
-            raise ValueError(f"[sample] references: family = \"{family.name}\" cannot sample with reference images "
-                             f"yet (its ReferenceConditioning has no sampling_latents); remove the key")
+            raise DataError(f"[sample] references: family = \"{family.name}\" cannot sample with reference images "
+                            f"yet (its ReferenceConditioning has no sampling_latents); remove the key")
         return ()
     if not paths:
         return next((it.references for it in items if it.references), ())
     if len(paths) > family.references.most:
-        raise ValueError(f"[sample] references: {len(paths)} images, but {family.name} takes at most "
-                         f"{family.references.most}")
-    from .dataset import inspect_image
-    from .references import ReferenceImage
-
+        raise DataError(f"[sample] references: {len(paths)} images, but {family.name} takes at most "
+                        f"{family.references.most}")
     out = []
     for value in paths:
         path = resolve_path(base_dir, value)
         if not path.is_file():
-            raise ValueError(f"[sample] references: {path}: no such image file")
+            raise DataError(f"[sample] references: {path}: no such image file")
         try:
             digest, w, h = inspect_image(path)
         except Exception as e:
-            raise ValueError(f"[sample] references: {path} cannot be read: {type(e).__name__}: {e}") from None
+            raise DataError(f"[sample] references: {path} cannot be read: {type(e).__name__}: {e}") from None
         out.append(ReferenceImage(path, digest, w, h))
+        check_aspect(out[-1], f"[sample] references: {path}")
     return tuple(out)
 
 
@@ -435,6 +443,27 @@ def _text_refs(item: ImageItem, family: ModelFamily) -> tuple[str, ...]:
     return tuple(r.sha256 for r in item.references)
 
 
+def _warn_split_batches(data: "CachedData") -> None:
+    """Targets of one bucket whose references are encoded at different sizes train in separate
+    batches (like targets of different buckets): say so when that leaves batches short of
+    [data] batch_size, since the user asked for that many per step."""
+    order = data._order(data.batch_size, 0)
+    if data.batch_size == 1 or not order.splits_buckets:
+        return
+    plain = BatchOrder([s.bucket for s in data.samples], data.batch_size, 0, data.shuffle).batches_per_epoch
+    if order.batches_per_epoch == plain:
+        return
+    first = {}
+    for s in data.samples:
+        first.setdefault((s.bucket, s.reference_sizes), s.item.references[0].path)
+    shown = [f"{p} ({'+'.join(f'{w}x{h}' for w, h in refs)})" for (_, refs), p in first.items()]
+    warnings.warn(f"targets of one bucket whose references are encoded at different sizes train in separate batches "
+                  f"(a batch stacks references of one size): {order.batches_per_epoch} batches per epoch instead of "
+                  f"{plain} at [data] batch_size {data.batch_size}, some of them short; references such as "
+                  f"{listing(shown, 3)}; give each bucket's references one size for full batches",
+                  DataWarning, stacklevel=3)
+
+
 def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
                    load_vae: Callable | None = None, load_text_encoders: Callable | None = None,
                    extra_prompts: Sequence[str] | None = None,
@@ -454,8 +483,10 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     `ram_budget` (bytes; the run's [memory] ram_budget, None: the RAM available) decides whether a
     text encoder too large for it is read from its files layer by layer instead of loaded.
     """
+    from leantune.data.references import encoded_size
+
     family = get_family(model_cfg.family)
-    items = _with_references(scan_datasets(data_cfg, base_dir), data_cfg, base_dir, family)
+    items = _scan_with_references(data_cfg, base_dir, family)
     sources = family.resolve_sources(model_cfg, Path(base_dir))
     vae_id = component_identity(sources.vae)
     encoders_id = "+".join(component_identity(getattr(sources, n)) for n in family.text_sources)
@@ -472,13 +503,14 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             bucket = nearest_bucket(item.width, item.height, bucket_sets[res])
             key = latent_key(item.sha256, bucket, vae_id, dtype)
             latent_jobs[key] = (item, bucket)
-            ref_keys = []
+            ref_keys, ref_sizes = [], []
             for ref in item.references:           # cached like targets, at the family's size for this bucket
-                ref_bucket = family.references.size(ref.width, ref.height, bucket)
-                ref_keys.append(latent_key(ref.sha256, ref_bucket, vae_id, dtype))
-                latent_jobs[ref_keys[-1]] = (ref, ref_bucket)
+                ref_sizes.append(encoded_size(ref, item.path, bucket, family, item.dataset))
+                ref_keys.append(latent_key(ref.sha256, ref_sizes[-1], vae_id, dtype))
+                latent_jobs[ref_keys[-1]] = (ref, ref_sizes[-1])
             seen_refs = _text_refs(item, family)
-            samples.extend([Sample(item, res, bucket, key, tuple(ref_keys), seen_refs)] * item.repeats)
+            samples.extend([Sample(item, res, bucket, key, tuple(ref_keys), seen_refs, tuple(ref_sizes))]
+                           * item.repeats)
 
     prompts = [it.caption for it in items] + [""] + list(extra_prompts or ())
     text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
@@ -522,12 +554,11 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
         _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
                                   load_vae or family.load_vae, family)
     if len(samples) < data_cfg.batch_size:
-        from .dataset import DataWarning
-
         warnings.warn(f"[data] batch_size {data_cfg.batch_size} is larger than the dataset ({len(samples)} samples "
                       f"with repeats, over all resolutions): every batch holds at most {len(samples)}; lower "
                       f"batch_size or add images", DataWarning, stacklevel=2)
     data = CachedData(cache_dir, samples, text_keys, data_cfg.batch_size, data_cfg.shuffle, stats)
+    _warn_split_batches(data)
     data.sample_references = sample_refs
     data.sample_reference_keys = sample_ref_keys
     data.sample_text_refs = sample_text_refs
@@ -558,7 +589,7 @@ class CachedData:
         self.shuffle = shuffle
         self.stats = stats
         self.num_items = len(samples)         # per epoch: images x resolutions x repeats
-        self.batches_per_epoch = BatchOrder([s.bucket for s in samples], batch_size, 0, shuffle).batches_per_epoch
+        self.batches_per_epoch = self._order(batch_size, 0).batches_per_epoch
         # What the run's samples are conditioned on (an edit family; prepare_caches fills them)
         self.sample_references: tuple = ()          # ReferenceImage, one per reference
         self.sample_reference_keys: list[str] = []   # their latent entries, encoded as the pipeline samples
@@ -577,12 +608,18 @@ class CachedData:
                 batch_size: int | None = None) -> "BatchIterator":
         """An endless iterator of batches in the seeded order; `state` resumes a saved position.
         `batch_size` overrides [data] batch_size (several processes draw one global batch)."""
-        order = BatchOrder([s.bucket for s in self.samples], batch_size or self.batch_size, seed, self.shuffle,
-                           dropout=[s.item.caption_dropout for s in self.samples])
+        order = self._order(batch_size or self.batch_size, seed)
         it = BatchIterator(self, order, dtype)
         if state is not None:
             it.load_state_dict(state)
         return it
+
+    def _order(self, batch_size: int, seed: int) -> BatchOrder:
+        """The batch order; a batch holds samples of one bucket whose references are encoded at
+        the same sizes (a batch stacks one tensor per reference slot)."""
+        groups = [s.reference_sizes for s in self.samples] if any(s.reference_sizes for s in self.samples) else None
+        return BatchOrder([s.bucket for s in self.samples], batch_size, seed, self.shuffle,
+                          dropout=[s.item.caption_dropout for s in self.samples], groups=groups)
 
     def latent(self, sample: Sample) -> torch.Tensor:
         """(16, h, w) bf16 latents of one sample."""
@@ -642,19 +679,12 @@ class BatchIterator:
                      captions=captions, t5_lengths=lengths, references=self._references(samples))
 
     def _references(self, samples) -> list[torch.Tensor] | None:
-        """One (B, C, h_r, w_r) tensor per reference slot, or None for a batch without references."""
+        """One (B, C, h_r, w_r) tensor per reference slot, or None for a batch without references
+        (the batch order puts only references of one size per slot in a batch)."""
         if not samples[0].reference_keys:
             return None
-        out = []
-        for j in range(len(samples[0].reference_keys)):
-            lat = [self.data.latent_entry(s.reference_keys[j]) for s in samples]
-            if len({tuple(t.shape) for t in lat}) > 1:
-                raise ValueError(f"reference images {listing([s.item.references[j].path for s in samples])} of one "
-                                 f"batch are encoded at different sizes ({sorted({tuple(t.shape) for t in lat})}): "
-                                 f"their aspect ratios differ; use [data] batch_size = 1 or references of one "
-                                 f"aspect per bucket")
-            out.append(torch.stack(lat).to(self.dtype))
-        return out
+        return [torch.stack([self.data.latent_entry(s.reference_keys[j]) for s in samples]).to(self.dtype)
+                for j in range(len(samples[0].reference_keys))]
 
     def state_dict(self) -> dict:
         return self.order.state_dict()

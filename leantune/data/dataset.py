@@ -189,22 +189,86 @@ class _TooManyFiles(Exception):
         self.seen, self.images = seen, images
 
 
-def _image_files(folder: Path, recursive: bool) -> list[Path]:
+def _resolves(path: Path) -> Path | None:
+    """Where a path really is (every symlink followed), or None for a broken link or a link loop."""
+    try:
+        return path.resolve(strict=True)
+    except (OSError, RuntimeError):     # ELOOP / ENOENT; RuntimeError: a loop on older Pythons
+        return None
+
+
+@dataclass
+class _Walk:
+    """What one folder scan found: image paths, and the links it followed or could not (reported)."""
+
+    files: list[Path]
+    followed: list[str]          # "sub -> /real/folder": symlinked folders whose images are included
+    repeated: list[str]          # folders reached a second time (a link loop, two links to one folder)
+    dangling: list[Path]         # symlinks that resolve nowhere (broken, or a loop of links)
+
+
+def _image_files(folder: Path, recursive: bool) -> _Walk:
     """The image files under `folder`, hidden files and folders left out (".DS_Store", "._cat.jpg"
-    resource forks, ".git" are never data); `_TooManyFiles` past MAX_SCAN_FILES entries."""
-    files, seen = [], 0
-    for top, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if recursive else []
+    resource forks, ".git" are never data); `_TooManyFiles` past MAX_SCAN_FILES entries.
+
+    Symlinked sub-folders are followed: linking a folder of images into a dataset instead of
+    copying it is common, and leaving it out without a word trained on half the images. Each real
+    folder is scanned once, by its resolved path, so a link back up the tree or two links to one
+    folder neither loop nor count images twice; the scan says which links it followed and which
+    folders it skipped as already scanned. A symlink that resolves nowhere (a broken link, or
+    `a.png -> b.png -> a.png`) is returned in `dangling`, never dropped silently."""
+    walk = _Walk([], [], [], [])
+    scanned = {_resolves(folder) or folder: folder}
+    seen = 0
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        kept = []
+        for d in (sorted(d for d in dirs if not d.startswith(".")) if recursive else []):
+            sub = Path(top) / d
+            real = _resolves(sub)
+            if real is None:
+                walk.dangling.append(sub)
+            elif real in scanned:
+                walk.repeated.append(f"{sub} -> {real} (already scanned as {scanned[real]})")
+            else:
+                scanned[real] = sub
+                kept.append(d)
+                if sub.is_symlink():
+                    walk.followed.append(f"{sub} -> {real}")
+        dirs[:] = kept
         for name in names:
             seen += 1
             if seen > MAX_SCAN_FILES:
-                raise _TooManyFiles(seen - 1, len(files))
+                raise _TooManyFiles(seen - 1, len(walk.files))
             if name.startswith("."):
                 continue
             p = Path(top) / name
-            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
-                files.append(p)
-    return sorted(files)
+            if p.is_symlink() and _resolves(p) is None:
+                walk.dangling.append(p)      # os.walk lists a looping or broken link as a file
+            elif p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
+                walk.files.append(p)
+    walk.files.sort()
+    return walk
+
+
+def _report_links(walk: _Walk, bad: list[tuple[Path, str]]) -> None:
+    """The links a scan followed or skipped, one warning per kind; a dangling image link joins the
+    unreadable images (`bad`), a dangling folder link (or other name) is warned about."""
+    if walk.followed:
+        warnings.warn(f"followed {len(walk.followed)} symlinked folder(s) into the dataset: "
+                      f"{listing(walk.followed)}", DataWarning, stacklevel=4)
+    if walk.repeated:
+        warnings.warn(f"skipped {len(walk.repeated)} folder(s) reached a second time (a symlink loop, or two "
+                      f"links to one folder; each folder's images are used once): {listing(walk.repeated)}",
+                      DataWarning, stacklevel=4)
+    other = []
+    for p in walk.dangling:
+        if p.suffix.lower() in IMAGE_EXTENSIONS:
+            bad.append((p, "a symlink that resolves nowhere (broken, or a loop of links)"))
+        else:
+            other.append(p)
+    if other:
+        warnings.warn(f"skipped {len(other)} symlink(s) that resolve nowhere (broken, or a loop of links): "
+                      f"{listing(other)}", DataWarning, stacklevel=4)
 
 
 def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[ImageItem], list[tuple[Path, str]]]:
@@ -221,12 +285,13 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
     bad: list[tuple[Path, str]] = []
     controlled: list[Path] = []
     try:
-        paths = _image_files(folder, cfg.recursive)
+        walk = _image_files(folder, cfg.recursive)
     except _TooManyFiles as e:
         raise DataError(f"[[data.datasets]] #{index + 1}: path {folder} holds more than {MAX_SCAN_FILES} files "
                         f"(stopped scanning after {e.seen}, {e.images} of them images); point path at the folder "
                         f"of training images") from None
-    for path in paths:
+    _report_links(walk, bad)
+    for path in walk.files:
         try:
             digest, w, h = inspect_image(path)
         except Exception as e:   # PIL raises many types (OSError, SyntaxError, DecompressionBombError...)
