@@ -8,6 +8,8 @@ checkpoint offload must treat the host as a device of its own.
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from test_memory_helpers import lora_flux, lora_params, make_batch
@@ -105,11 +107,15 @@ def _library_or_skip():
 
 
 def test_library_is_built_once(monkeypatch, tmp_path):
+    """The real guard library (one build, 3-6 s): kept with its digest beside it (native.py's rules;
+    tests/test_native_security.py has the planted, damaged and private-copy cases)."""
     monkeypatch.setenv("LEANTUNE_CACHE_DIR", str(tmp_path))
     first = _library_or_skip()
     stamp = first.stat().st_mtime_ns
     assert simulated.build_library() == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in first.parent.iterdir()] == [first.name]      # no temporary left behind
+    digest = first.with_name(first.name + ".sha256")
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, digest.name]   # no temporary left behind
+    assert digest.read_text().split()[0] == hashlib.sha256(first.read_bytes()).hexdigest()
 
 
 # Full width (3072, 24 heads, T5 4096) with one double and one single block: every tensor of a

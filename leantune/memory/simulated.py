@@ -10,7 +10,11 @@ How:
 - torch's PrivateUse1 backend is renamed to "fakegpu" and given a device guard
   (c10's `FakeGuardImpl`, from the C++ file next to this one, compiled with g++ against the headers
   in the torch wheel at first use and cached). A guard written in Python is not enough: autograd's
-  device threads call into it from C++.
+  device threads call into it from C++. The library is built and loaded by leantune/native.py's
+  rules, as the host kernels are: into $LEANTUNE_CACHE_DIR/simulated_device/, a folder only this
+  user can write, with its sha256 recorded beside it; only those bytes are loaded, from a private
+  copy; a damaged or stale one is rebuilt once; where it cannot be had, SimulatedDeviceUnavailable
+  says why in one sentence naming the path.
 - Every tensor is a `FakeTensor` (torch's FakeTensorMode): "fakegpu:0" is the GPU and "fakegpu:1"
   is host RAM. Host RAM is a second index of the same backend, not "cpu", because a parameter's
   `.data` may be swapped only between tensors of compatible types (the engine re-points streamed
@@ -35,10 +39,9 @@ GPU picks. Keep the planner's allocator margin and workspace term apart when com
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import ctypes
 import os
 import shutil
-import subprocess
 import threading
 import weakref
 from pathlib import Path
@@ -48,6 +51,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .. import native
 
 BACKEND = "fakegpu"
 GPU = f"{BACKEND}:0"                 # the simulated GPU (a device string: valid once enable() ran)
@@ -64,8 +69,7 @@ class SimulatedDeviceUnavailable(RuntimeError):
 
 def cache_dir() -> Path:
     """Where the compiled guard library is kept: $LEANTUNE_CACHE_DIR, else ~/.cache/leantune."""
-    root = os.environ.get("LEANTUNE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "leantune")
-    return Path(root) / "simulated_device"
+    return native.cache_root() / _GuardLibrary.folder
 
 
 def find_compiler() -> str | None:
@@ -73,43 +77,63 @@ def find_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
-def build_library() -> Path:
-    """The compiled guard library for this torch, building it (about 2 s) on first use.
+class _GuardLibrary(native.NativeLibrary):
+    """The device guard's library (native.py builds, records, checks and loads it). Its file name
+    carries a hash of the source, the torch version and the compiler, so a new torch builds a new
+    library; torch loads it (the guard registers itself as it loads)."""
 
-    The file name carries a hash of the source, the torch version and the compiler, so a new torch
-    builds a new library. Written under a temporary name and renamed, so a failed or concurrent
-    build never leaves a broken library behind.
-    """
-    compiler = find_compiler()
-    if compiler is None:
-        raise SimulatedDeviceUnavailable(
-            f"the simulated device needs a C++ compiler to build {SOURCE.name} against torch's headers, and "
-            f"{os.environ.get('CXX') or 'g++'} is not on PATH: install g++ (Debian/Ubuntu: apt-get install g++) "
-            f"or set CXX")
-    torch_dir = Path(torch.__file__).parent
-    include, libdir = torch_dir / "include", torch_dir / "lib"
-    if not (include / "c10" / "core" / "impl" / "FakeGuardImpl.h").is_file():
-        raise SimulatedDeviceUnavailable(f"torch {torch.__version__} has no C++ headers under {include} "
-                                         f"(c10/core/impl/FakeGuardImpl.h); the simulated device needs them")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + compiler.encode()).hexdigest()[:16]
-    out = cache_dir() / f"simulated_device-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    cmd = [compiler, "-shared", "-fPIC", "-O1", "-std=c++17",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", f"-I{include}", str(SOURCE),
-           f"-L{libdir}", "-lc10", f"-Wl,-rpath,{libdir}", "-o", str(tmp)]
+    folder = "simulated_device"
+
+    def __init__(self, source: Path):
+        super().__init__(source, lambda lib: None)
+
+    def find_compiler(self) -> str | None:
+        return find_compiler()
+
+    def no_compiler(self) -> str:
+        return (f"{self.source.name} cannot be built against torch's headers: the C++ compiler "
+                f"{os.environ.get('CXX') or 'g++'} is not on PATH (install g++, on Debian/Ubuntu apt-get install g++, "
+                f"or set CXX)")
+
+    def key(self, cc: str) -> bytes:
+        return self.source.read_bytes() + torch.__version__.encode() + cc.encode()
+
+    def command(self, cc: str, out: str) -> list[str]:
+        torch_dir = Path(torch.__file__).parent
+        include, libdir = torch_dir / "include", torch_dir / "lib"
+        return [cc, "-shared", "-fPIC", "-O1", "-std=c++17",
+                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", f"-I{include}", str(self.source),
+                f"-L{libdir}", "-lc10", f"-Wl,-rpath,{libdir}", "-o", out]
+
+    def check_buildable(self) -> None:
+        include = Path(torch.__file__).parent / "include"
+        if not (include / "c10" / "core" / "impl" / "FakeGuardImpl.h").is_file():
+            raise native.Unavailable(f"{self.source.name} cannot be built: torch {torch.__version__} has no C++ "
+                                     f"headers under {include} (c10/core/impl/FakeGuardImpl.h)")
+
+    def open(self, path: str):
+        torch.ops.load_library(path)
+        return ctypes.CDLL(path)           # the same handle, for a caller that looks a symbol up
+
+
+def build_library() -> Path:
+    """The compiled guard library for this torch, building it (about 3 s) on first use, or
+    rebuilding it once where the file at its name is not the library the build recorded; not
+    loaded (enable() loads it). SimulatedDeviceUnavailable, one sentence, where it cannot be had."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise SimulatedDeviceUnavailable(f"building the simulated device failed ({' '.join(cmd)}):\n"
-                                             f"{done.stderr[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+        return _GuardLibrary(SOURCE).build()
+    except native.Unavailable as e:
+        raise SimulatedDeviceUnavailable(f"{e}; {_UNAVAILABLE}") from None
+
+
+def _load_library() -> None:
+    try:
+        _GuardLibrary(SOURCE).load()
+    except native.Unavailable as e:
+        raise SimulatedDeviceUnavailable(f"{e}; {_UNAVAILABLE}") from None
+
+
+_UNAVAILABLE = "the simulated device cannot be set up"
 
 
 # -- the backend --------------------------------------------------------------------------------------
@@ -174,7 +198,7 @@ def enable() -> torch.device:
             if name != "privateuseone":
                 raise SimulatedDeviceUnavailable(f"torch's PrivateUse1 backend is already registered as {name!r} in "
                                                  f"this process; the simulated device needs it")
-            torch.ops.load_library(str(build_library()))
+            _load_library()
             torch.utils.rename_privateuse1_backend(BACKEND)
             torch.utils.generate_methods_for_privateuse1_backend()
             torch._register_device_module(BACKEND, _BackendModule())

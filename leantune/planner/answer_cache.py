@@ -162,9 +162,11 @@ def describe_origin(answer: dict) -> str:
 def save_answer(question: dict, answer: dict) -> None:
     """Keep `answer`, with its origin; a cache that cannot be written only costs time next time."""
     from ..io import atomic_write_json
+    from ..native import make_private_folders
 
     path = answer_path(question)
     try:
+        make_private_folders(path.parent)           # the cache's folders only this user can write (native.py)
         atomic_write_json(path, {**answer, "origin": origin()})
     except OSError as e:
         log.warning("plan: cannot keep the answer in %s (%s)", path, e)

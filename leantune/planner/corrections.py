@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..io import atomic_write_json
+from ..native import make_private_folders
 
 if TYPE_CHECKING:
     import torch
@@ -119,4 +120,5 @@ class CalibrationStore:
     def put(self, key: str, calibration: Calibration) -> None:
         data = self._read()
         data[key] = calibration.to_dict()
+        make_private_folders(self.path.parent)      # the cache's folders only this user can write (native.py)
         atomic_write_json(self.path, data)

@@ -36,6 +36,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..io import atomic_write_json
+from ..native import make_private_folders
 from .activations import ActivationProfile
 from .corrections import architecture_key, default_calibration_path
 from .kept_files import BadKeptFile, check_fields, loads, read_json
@@ -292,6 +293,7 @@ def save_measured(source: str, workload: Workload, measured: MeasuredModel) -> N
     """Keep `measured` for the next plan of `source`; a cache that cannot be written only costs time."""
     path = cache_path(source, workload)
     try:
+        make_private_folders(path.parent)           # the cache's folders only this user can write (native.py)
         atomic_write_json(path, measured.to_dict())
     except OSError as e:
         log.warning("planner: cannot keep the measurement in %s (%s)", path, e)
