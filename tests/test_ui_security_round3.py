@@ -298,6 +298,9 @@ def test_over_http_the_dataset_view_does_not_show_a_caption_linked_from_outside(
     entries = {e["name"]: e for e in json.loads(body)["images"]}
     assert entries["a.png"]["caption"] == "a red square"
     assert b"the secret" not in body and any("links outside" in w for w in entries["b.png"]["warnings"])
+    image = f"/api/dataset/image?path={quote(str(folder))}&name="
+    assert "links outside" in route_refusal(*page.request("GET", image + "c.png"))      # the image linked out
+    assert page.request("GET", image + "a.png")[0] == 200
 
 
 # -- Stop signals only the page's own process -----------------------------------------------------

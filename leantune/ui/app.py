@@ -109,7 +109,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.get("/api/dataset/image")
     def get_image(path: str, name: str):
-        return FileResponse(dataset_view.image_path(path, name, roots))
+        return FileResponse(dataset_view.image_path(path, name, roots, real=True))
 
     @app.put("/api/dataset/image")
     async def put_image(path: str, name: str, request: Request):

@@ -82,7 +82,7 @@ def _values(value, loc: tuple, key: tuple) -> typing.Iterator[tuple[tuple, str, 
     """(location, dotted key, value) of every string or path in a validated config value."""
     if isinstance(value, BaseModel):
         for name, field in type(value).model_fields.items():
-            if not field.exclude:
+            if not field.exclude and any(True for _ in _keys(field.annotation, (name,))):     # not a Literal
                 yield from _values(getattr(value, name), loc + (name,), key + (name,))
     elif isinstance(value, (str, PurePath)):
         yield loc, ".".join(key), str(value)

@@ -91,8 +91,10 @@ def _inside(path: Path, roots) -> Path | None:
     return real if roots is None or within(real, roots) else None
 
 
-def image_path(folder: str, name: str, roots=None) -> Path:
-    """The image `name` inside `folder`, refusing names that leave it."""
+def image_path(folder: str, name: str, roots=None, real: bool = False) -> Path:
+    """The image `name` inside `folder`, refusing names that leave it; with `real`, the file it is
+    (links followed), as checked: what a reader should open, so a link swapped after the check
+    is not followed again."""
     from ..data.dataset import IMAGE_EXTENSIONS
 
     base = folder_of(folder, roots)
@@ -101,9 +103,10 @@ def image_path(folder: str, name: str, roots=None) -> Path:
     image = base / name
     if image.suffix.lower() not in IMAGE_EXTENSIONS or not image.is_file():
         raise DatasetViewError(f"{image}: no such image")
-    if roots is not None and not within(image.resolve(), roots):      # a symlinked image
+    checked = _inside(image, roots)
+    if checked is None:                                                # a symlinked image
         raise OutsideRoots(f"{image}: links outside the folders this page may use")
-    return image
+    return checked if real else image
 
 
 def save_upload(folder: str, name: str, data: bytes, roots=None) -> Path:

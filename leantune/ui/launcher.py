@@ -152,12 +152,29 @@ def stop(folder: Path) -> dict:
     """Ask the run to stop after its step and save (SIGINT, as Ctrl-C)."""
     with run_lock(folder):
         info = read_process(folder)
-        if not is_alive(info, folder):
-            pid = (info or {}).get("pid")
-            if info and info.get("exit_code") is None and _proc_stat(pid) is not None and _proc_stat(pid)[0] != "Z":
-                raise LaunchError(f"{folder.name}: {PROCESS_FILE} names process {pid}, which is not the run this "
-                                  f"page started in {folder} (its start time, command line or folder differ); "
-                                  f"not signalled")
-            raise LaunchError(f"{folder.name}: not running")
-        os.kill(info["pid"], signal.SIGINT)
+        handle = _pidfd((info or {}).get("pid"))      # held from before the check: the pid cannot be reused
+        try:
+            if not is_alive(info, folder):
+                pid = (info or {}).get("pid")
+                stat = _proc_stat(pid) if info and info.get("exit_code") is None else None
+                if stat is not None and stat[0] != "Z":
+                    raise LaunchError(f"{folder.name}: {PROCESS_FILE} names process {pid}, which is not the run "
+                                      f"this page started in {folder} (its start time, command line or folder "
+                                      f"differ); not signalled")
+                raise LaunchError(f"{folder.name}: not running")
+            if handle is not None:
+                signal.pidfd_send_signal(handle, signal.SIGINT)
+            else:
+                os.kill(info["pid"], signal.SIGINT)
+        finally:
+            if handle is not None:
+                os.close(handle)
     return info
+
+
+def _pidfd(pid) -> int | None:
+    """A pidfd of `pid` (Linux 5.3+), or None (gone, or no pidfds here: then os.kill by pid)."""
+    try:
+        return os.pidfd_open(int(pid)) if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal") else None
+    except (OSError, TypeError, ValueError):
+        return None
