@@ -7,7 +7,9 @@ later inside the cache pass. The same read gives the bytes' hash (the identity o
 latent cache), so each file is read exactly once at startup.
 
 Unreadable files are skipped and reported together in one warning; a dataset left with no image
-is an error naming its folder, never a silent empty epoch.
+is an error naming its folder, never a silent empty epoch. Symlinked sub-folders are followed,
+each real folder once (a link loop or a second link to one folder is skipped and named), and a
+link that resolves nowhere is reported like an unreadable image (`_image_files`).
 
 Nothing trains wrong without a word: every PIL mode is converted to 8-bit RGB by its real range
 (a 16-bit grayscale PNG is not clipped to white), captions with a byte-order mark decode (UTF-8

@@ -8,16 +8,19 @@ must stop in that grace period with its state intact. Two rules:
   loading, planning, sampling, saving) a signal stops at once (`terminate_as_interrupt`).
 - Python runs a signal handler only between bytecodes of the main thread, so one long native
   operation (a VAE encode of a 4096 px image: one attention call of minutes on a CPU) kept the
-  process alive, "stopping" but not stopped, until it returned. `StopWatchdog` hears each signal
-  at once (CPython writes its number to `signal.set_wakeup_fd` from the C handler) and ends the
-  process with a line when it is still running `STOP_BOUND_S` seconds later. (It needs the GIL
-  for that: torch's operators and PIL's decoders release it while they run.)
+  process alive, "stopping" but not stopped, until it returned (153 s, measured). `StopWatchdog`
+  hears each signal at once (CPython writes its number to `signal.set_wakeup_fd` from the C
+  handler) and ends the process with a line when the run is still going `STOP_BOUND_S` seconds
+  after a SIGTERM. (It needs the GIL for that: torch's operators and PIL's decoders release it.)
 
-The bound: the process ends within STOP_BOUND_S seconds of a stop signal, plus the time it takes to
-write the resumable state it saves on the way out (a save is never cut short by the first signal);
-a signal inside a step ends it at the step's end, then the same. A second signal ends it within
-STOP_BOUND_S in every phase, saves included. Saves are atomic, so a process ended this way leaves
-the last saved state intact; its run-folder lock is released on the way.
+The bound: a SIGTERM ends the run within STOP_BOUND_S seconds, plus the time it takes to write the
+resumable state it saves on the way out (a save is never cut short by the first signal); a SIGTERM
+inside a step ends it at the step's end, then the same. A second signal (SIGTERM after SIGTERM or
+Ctrl-C) ends it within STOP_BOUND_S in every phase, saves included. Saves are atomic, so a process
+ended this way leaves the last saved state intact; its run-folder lock is released on the way.
+Ctrl-C alone is never forced: the session it interrupts may be an interactive one (a notebook's
+kernel) that must live on. The watch ends with `train()`: the CLI's exit after it has nothing
+long left to wait for (the loaders' thread pools are shut down inside the run).
 """
 
 from __future__ import annotations
@@ -33,9 +36,8 @@ from typing import Callable
 
 log = logging.getLogger("leantune")
 
-STOP_BOUND_S = 5.0          # the most a stop signal waits for the process to end by itself
+STOP_BOUND_S = 5.0          # the most a SIGTERM waits for the run to end by itself
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
 
 
 class Terminated(KeyboardInterrupt):
@@ -49,14 +51,14 @@ def _interrupt(signum) -> KeyboardInterrupt:
 
 
 class StopWatchdog:
-    """A thread that hears stop signals as they arrive and ends the process when it is still
-    running STOP_BOUND_S seconds later (module docstring). One per training process, while
+    """A thread that hears stop signals as they arrive and ends the process when the run is still
+    going STOP_BOUND_S seconds after a SIGTERM (module docstring). One per training run, while
     `terminate_as_interrupt` is entered; main thread only.
 
-    It arms on a signal, except for the first one inside a step (that one waits for the step's
+    A SIGTERM arms it, except the first stop signal inside a step (that one waits for the step's
     end: `leave_step` arms it then); `saving()` holds the clock while a resumable state is written,
-    unless a second signal came. Once armed it stays armed until the process ends: a run stopped by
-    a signal does not outlive the bound, even in the interpreter's exit (thread pools joined there).
+    unless a second signal came. Ctrl-C alone never arms it. `close()` (the run returned or
+    raised) disarms it: a caller that goes on after the interrupt is not ended.
     """
 
     def __init__(self, bound: float = STOP_BOUND_S, on_exit: Callable[[], None] | None = None):
@@ -64,8 +66,8 @@ class StopWatchdog:
         self.phase = "setting up"        # what the run is doing, for the line (set_phase)
         self._lock = threading.Lock()
         self._deadline: float | None = None
-        self._signum: int | None = None
-        self._signals = 0              # stop signals heard since the first one
+        self._signals = 0              # stop signals heard (SIGINT and SIGTERM)
+        self._term = False             # a SIGTERM among them: only that arms the clock
         self._hard = False             # a second signal: saves do not hold the clock
         self._in_step = False
         self._step_signals = 0
@@ -84,14 +86,12 @@ class StopWatchdog:
         return self
 
     def close(self) -> None:
-        """Stop listening (the run ended); an armed watchdog keeps its deadline until the process ends."""
+        """The run returned or raised: stop listening and disarm (the thread ends)."""
         if signal.set_wakeup_fd(self._previous_fd, warn_on_full_buffer=False) != self._write:
             signal.set_wakeup_fd(-1)               # someone replaced ours meanwhile: leave theirs alone
         with self._lock:
-            self._closed = True
-            armed = self._deadline is not None
-        if not armed:
-            os.close(self._write)                  # end of file: the thread reads what is left and ends
+            self._closed, self._deadline = True, None
+        os.close(self._write)                      # end of file: the thread reads what is left and ends
 
     def enter_step(self) -> None:
         with self._lock:
@@ -101,7 +101,7 @@ class StopWatchdog:
         """The step ended; a stop asked for inside it is carried out now: the clock starts."""
         with self._lock:
             self._in_step = False
-            if self._step_signals:
+            if self._step_signals and self._term:
                 self._arm(time.monotonic())
         self._poke()
 
@@ -118,41 +118,35 @@ class StopWatchdog:
             pass
 
     def _arm(self, now: float) -> None:
-        if self._deadline is None:
+        if self._deadline is None and not self._closed:
             self._deadline = now + self.bound
 
     def _heard(self, signum: int) -> None:
         now = time.monotonic()
         with self._lock:
-            self._signum = self._signum or signum
             self._signals += 1
+            self._term = self._term or signum == signal.SIGTERM
             if self._in_step:
                 self._step_signals += 1
-                if self._step_signals == 1 and self._signals == 1:
-                    return                         # deferred to the step's end (StopRequest)
-            if self._signals > 1:
+            if not self._term or (self._in_step and self._step_signals == 1 and self._signals == 1):
+                return            # Ctrl-C alone, or a first signal inside a step: deferred to its end (StopRequest)
+            if self._signals > 1 and not self._closed:
                 self._hard = True
                 self._deadline = min(self._deadline or now + self.bound, now + self.bound)
             self._arm(now)
 
     def _run(self) -> None:
-        listening = True
         while True:
             with self._lock:
                 deadline = self._deadline
                 held = self._saving_since is not None and not self._hard
-            if deadline is None and not listening:
-                return
             timeout = None if deadline is None else (0.2 if held else max(0.0, deadline - time.monotonic()))
-            if listening:
-                ready, _, _ = select.select([self._read], [], [], timeout)
-            else:
-                ready = time.sleep(min(timeout, 0.2)) or ()
+            ready, _, _ = select.select([self._read], [], [], timeout)
             if ready:
                 data = os.read(self._read, 64)
                 if not data:                                  # close(): the run ended
-                    listening = False
                     os.close(self._read)
+                    return
                 for byte in data:
                     if self._previous_fd >= 0 and byte:
                         try:
@@ -169,17 +163,15 @@ class StopWatchdog:
                 self._end()
 
     def _end(self) -> None:
-        signum = self._signum or signal.SIGTERM
-        message = (f"leantune: still running {self.bound:g} s after {_NAMES.get(signum, signum)}, while {self.phase} (one "
-                   f"long operation kept Python from stopping); ending the process now, the last saved state is "
-                   f"intact\n")
+        message = (f"leantune: still running {self.bound:g} s after SIGTERM, while {self.phase} (one long operation "
+                   f"kept Python from stopping); ending the process now, the last saved state is intact\n")
         try:
             os.write(2, message.encode())
             _log_without_waiting(message.strip())
             if self.on_exit is not None:
                 self.on_exit()
         finally:
-            os._exit(128 + signum)
+            os._exit(128 + signal.SIGTERM)
 
 
 class _Saving:
