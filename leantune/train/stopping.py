@@ -247,8 +247,9 @@ class StopRequest:
             raise _interrupt(signum)
         self.requested, self.signum = True, signum
         what = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        log.warning("%s: stopping after this step with a resumable state (a second signal aborts now; the process "
-                    "ends within %g s of either, plus the save)", what, STOP_BOUND_S)
+        bound = (f"; the process ends within {STOP_BOUND_S:g} s of the step's end, plus the save"
+                 if signum == signal.SIGTERM else "")
+        log.warning("%s: stopping after this step with a resumable state (a second signal aborts now%s)", what, bound)
 
     def stop(self) -> KeyboardInterrupt:
         """The exception that ends the loop after a requested stop."""
