@@ -98,7 +98,7 @@ class DatasetConfig(Section):
     min_size: float = Field(0.5, ge=0.0, le=1.0)
     # An edit dataset: a folder of reference images matched to the targets by file stem (`cat.png`
     # -> `cat.*` there, or `cat_0.*`, `cat_1.*`, ... for several); families with reference
-    # conditioning only (qwen-image-edit). See docs/reference-images.md.
+    # conditioning only (qwen-image-edit, flux2-dev, flux2-klein-4b/9b). See docs/reference-images.md.
     reference_path: str | None = None
 
     @field_validator("caption_extension")
