@@ -58,7 +58,16 @@ def _to_comfy(state: dict, model) -> dict:
 
 
 def _comfy_metadata(model) -> dict:
-    return {}
+    """The rotary split where the weights cannot show it (heads other than Qwen-Image's 128), as
+    loading.save_comfy_transformer writes it: a full fine-tune's export of such a model loads back."""
+    import json
+
+    from ..component_files import METADATA_CONFIG_KEY
+
+    cfg = model.config
+    if cfg.attention_head_dim == 128:
+        return {}
+    return {METADATA_CONFIG_KEY: json.dumps({"axes_dims_rope": list(cfg.axes_dims_rope)})}
 
 
 QWEN_IMAGE_SPEC = ModelSpec(

@@ -1,0 +1,89 @@
+"""The families the conformance suite checks: one declarative entry per family and variant.
+
+Each `Case` says how to build its tiny transformer and tiny diffusers folder (the tiny presets in
+leantune/tiny/, seed 0: the folder holds the transformer's weights), which diffusers pipeline
+samples it, and the few knobs where families differ (text length, how the pipeline takes the
+guidance scale and the negative prompt). Everything else comes from the registered family itself
+(`get_family(case.family)`): its spec's single-file layout, LoRA key names, block lists, loaders.
+
+Adding a family: register it (leantune/models/family.py) and add one `Case` to CASES: 8 lines for a
+family like Flux.1 or FLUX.2-dev (id and family, transformer, folder, pipeline and text length,
+sampling knobs, closing parenthesis), up to 10 with the optional knobs (files its loader takes by
+design, a pipeline component from_pretrained cannot build). test_conformance.py then checks every
+promise for it; `test_every_registered_family_has_a_case` fails until the entry exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from leantune import tiny
+from leantune.tiny import flux2 as tf
+from leantune.tiny import qwen_image as tq
+
+
+@dataclass(frozen=True)
+class Sample:
+    """How the case is sampled, ours and the pipeline's alike."""
+
+    guidance: float                     # the scale: a transformer input (distilled) or CFG's (cfg)
+    negative: str | None = None         # CFG's negative prompt; None for a distilled family
+    negative_arg: str | None = None     # the pipeline's keyword for it (None: the pipeline uses "" itself)
+    scale_arg: str = "guidance_scale"   # the pipeline's keyword for the scale
+    cfg_batched: bool = True            # the pipeline runs CFG's two halves in one batch
+    references: int = 0                 # reference images every sample is conditioned on (an edit model)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str                                   # test id
+    family: str                               # the registered family name ([model] family)
+    transformer: Callable[[], torch.nn.Module]   # the tiny transformer (seed 0)
+    folder: Callable[[Path], Path]            # writes the tiny diffusers folder (seed 0: the same transformer)
+    pipeline: str                             # the diffusers pipeline class of the folder, which samples it
+    text_length: int                          # text tokens ([data] max_text_length, max_sequence_length)
+    sample: Sample
+    pipeline_parts: Callable[[], dict] = dict   # components DiffusionPipeline.from_pretrained cannot build
+                                                # (loaded as None, then registered)
+    accepts: tuple[str, ...] = ()             # other families whose files its loader takes by design
+    file_family: str | None = None            # the family its transformer or file alone is told as, if not `family`
+
+
+def _klein_4b_folder(path: Path) -> Path:
+    tf.flux2_pipeline("klein", seed=0, num_layers=5).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+CASES = [
+    Case("flux-dev", "flux", lambda: tiny.flux_transformer(0), lambda p: tiny.save_flux_folder(p),
+         "FluxPipeline", tiny.T5_TINY_MAX_LENGTH, Sample(guidance=3.5)),
+    Case("flux-schnell", "flux", lambda: tiny.flux_transformer(0, guidance_embeds=False),
+         lambda p: tiny.save_flux_folder(p, guidance_embeds=False), "FluxPipeline", tiny.T5_TINY_MAX_LENGTH,
+         Sample(guidance=0.0)),
+    Case("sd3.5-large", "sd3", lambda: tiny.sd3_transformer("large", 0), lambda p: tiny.save_sd3_folder(p, "large"),
+         "StableDiffusion3Pipeline", 16, Sample(guidance=7.0, negative="blurry", negative_arg="negative_prompt")),
+    Case("sd3.5-medium", "sd3", lambda: tiny.sd3_transformer("medium", 0), lambda p: tiny.save_sd3_folder(p, "medium"),
+         "StableDiffusion3Pipeline", 16, Sample(guidance=7.0, negative="blurry", negative_arg="negative_prompt")),
+    Case("qwen-image", "qwen-image", lambda: tq.qwen_image_transformer(0), lambda p: tq.save_qwen_image_folder(p),
+         "QwenImagePipeline", 64, Sample(guidance=4.0, negative="a blue square", negative_arg="negative_prompt",
+                                         scale_arg="true_cfg_scale", cfg_batched=False),
+         accepts=("qwen-image-edit",)),
+    Case("qwen-image-edit", "qwen-image-edit", lambda: tq.qwen_image_transformer(0),
+         lambda p: tq.save_qwen_image_folder(p, edit=True), "QwenImageEditPlusPipeline", 64,
+         Sample(guidance=4.0, negative="a blue square", negative_arg="negative_prompt", scale_arg="true_cfg_scale",
+                cfg_batched=False, references=1),
+         pipeline_parts=lambda: {"processor": tq.qwen_processor()}, accepts=("qwen-image",), file_family="qwen-image"),
+    Case("flux2-dev", "flux2-dev", lambda: tf.flux2_transformer("dev", 0), lambda p: tf.save_flux2_folder(p, "dev"),
+         "Flux2Pipeline", 32, Sample(guidance=4.0)),
+    # The tiny klein is either size (the loaders take it under both); 5 double blocks say 4B, 2 say 9B.
+    Case("flux2-klein-4b", "flux2-klein-4b", lambda: tf.flux2_transformer("klein", 0, num_layers=5), _klein_4b_folder,
+         "Flux2KleinPipeline", 32, Sample(guidance=4.0, negative="", cfg_batched=False),
+         accepts=("flux2-klein-9b",)),
+    Case("flux2-klein-9b", "flux2-klein-9b", lambda: tf.flux2_transformer("klein", 0),
+         lambda p: tf.save_flux2_folder(p, "klein"), "Flux2KleinPipeline", 32,
+         Sample(guidance=4.0, negative="", cfg_batched=False), accepts=("flux2-klein-4b",)),
+]
