@@ -4,6 +4,8 @@ and the legitimate one beside it, so a page that refused everything would fail t
 - Confinement over the merged config: the extra TOML can add datasets, references, a cache or an
   output folder anywhere, so every path of the validated config is checked against the page's
   roots (ui/confine.py), and a key the config gains later is checked as a path until it is listed.
+- The links a dataset's scan follows (a sub-folder, an image, a caption, a reference) stay in the
+  data roots: a run whose datasets link out is refused before it starts (ui/links.py).
 - A caption (or image) of a dataset that is a symlink out of the data roots is not read.
 - Stop signals only the process the page started in that folder (command line and working folder,
   not only the pid and start time a hand-edited process.json can name).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -248,6 +251,88 @@ def test_over_http_an_outside_dataset_in_the_extra_toml_is_refused_by_the_route(
         assert page.request("POST", "/api/runs/r3-extra/stop", origin=page.origin)[0] == 200     # leaves the line
     finally:
         os.killpg(info["pid"], signal.SIGKILL)
+
+
+# -- the links a dataset's scan follows stay inside the data roots --------------------------------
+
+def _links_out(data: Path, outside: Path, kind: str) -> tuple[Path, Path]:
+    """data/dogs, a dataset of the page's, holding one link of `kind` that points out of the data
+    roots (the folder, image or caption the trainer's scan would follow); (the link, its target)."""
+    dogs = _dataset(data / "dogs")
+    if kind == "folder":
+        target = _dataset(outside / "secret-images")
+        link = dogs / "more"
+    elif kind == "image":
+        target = outside / "far.png"
+        Image.new("RGB", (32, 32)).save(target)
+        link = dogs / "c.png"
+    else:
+        target = outside / "secret.txt"
+        target.write_text("the secret of another folder\n")
+        Image.new("RGB", (32, 32)).save(dogs / "b.png")
+        link = dogs / "b.txt"                                           # b's caption
+    link.symlink_to(target)
+    return link, target
+
+
+@pytest.mark.parametrize("kind", ["folder", "image", "caption"])
+def test_a_dataset_whose_scan_follows_a_link_out_of_data_is_refused_and_leaves_no_folder(tmp_path, monkeypatch, kind):
+    """Every path of the config lies inside --data, but the scan the trainer runs follows a
+    symlinked sub-folder, image or caption inside the dataset to a file outside: refused naming
+    the dataset's key, the link and where it points."""
+    from leantune.ui.app import create_app
+
+    _fake_trainer(monkeypatch, tmp_path)
+    data, runs_dir, _, outside = _roots(tmp_path)
+    cats = _dataset(data / "cats")
+    link, target = _links_out(data, outside, kind)
+    start = _endpoint(create_app(runs_dir, "t", [data]), "/api/runs", "POST")
+    extra = f"[[data.datasets]]\npath = '{cats}'\n\n[[data.datasets]]\npath = '{data / 'dogs'}'\n"
+    with pytest.raises(dataset_view.OutsideRoots) as e:
+        start({**FIELDS, "name": "tabby", "dataset": str(cats), "extra_toml": extra})
+    message = str(e.value)
+    assert message.startswith("[[data.datasets]] #2 path") and str(link) in message and str(target) in message, message
+    assert "secret" not in message.replace(str(outside / "secret"), "")      # the file's name, never its text
+    assert not (runs_dir / "tabby").exists()
+
+
+def test_links_that_stay_inside_data_are_followed_and_the_run_starts(tmp_path, monkeypatch):
+    """A symlinked sub-folder (and caption) pointing at another folder under --data is the common
+    way to reuse images: accepted."""
+    from leantune.ui.app import create_app
+
+    _fake_trainer(monkeypatch, tmp_path)
+    data, runs_dir, _, outside = _roots(tmp_path)
+    cats, dogs = _dataset(data / "cats"), _dataset(data / "dogs")
+    (cats / "more").symlink_to(dogs)
+    Image.new("RGB", (32, 32)).save(cats / "b.png")
+    (cats / "b.txt").symlink_to(dogs / "a.txt")
+    start = _endpoint(create_app(runs_dir, "t", [data]), "/api/runs", "POST")
+    assert start({**FIELDS, "name": "tabby", "dataset": str(cats), "extra_toml": ""})["started"] is True
+
+
+def test_resume_refuses_a_reference_file_that_links_out_of_data(tmp_path, monkeypatch):
+    """The reference folder is scanned too (the trainer's index of it), and Resume checks as Start does."""
+    from leantune.ui.app import create_app
+
+    _fake_trainer(monkeypatch, tmp_path)
+    data, runs_dir, run, outside = _roots(tmp_path)
+    refs = data / "refs"
+    refs.mkdir()
+    Image.new("RGB", (32, 32)).save(outside / "far.png")
+    (refs / "a.png").symlink_to(outside / "far.png")
+    (run / "config.toml").write_text(f"[model]\npath = '/models/qwen'\nfamily = 'qwen-image-edit'\n[[data.datasets]]\n"
+                                     f"path = '{_dataset(data / 'y')}'\nreference_path = '{refs}'\n"
+                                     f"[output]\ndir = 'run'\nname = 'cats'\n")
+    resume = _endpoint(create_app(runs_dir, "t", [data]), "/api/runs/{name}/resume", "POST")
+    with pytest.raises(dataset_view.OutsideRoots,
+                       match=rf"^\[\[data.datasets\]\] #1 reference_path.*{re.escape(str(refs / 'a.png'))}"
+                             rf".*{re.escape(str(outside / 'far.png'))}"):
+        resume("cats")
+    assert launcher.read_process(run) is None
+    (refs / "a.png").unlink()
+    Image.new("RGB", (32, 32)).save(refs / "a.png")
+    assert resume("cats")["started"] is True
 
 
 # -- the dataset view reads nothing through a link out of the roots ------------------------------

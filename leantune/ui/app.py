@@ -5,7 +5,8 @@ Every /api route is a thin call into form.py, dataset_view.py, plan_answer.py, l
 runs.py or sample_job.py; bad input comes back as HTTP 400 with the module's message. Every request
 passes guard.py first (Host, Origin, the session secret); datasets are confined to the data roots
 chosen at start and runs to the runs folder, and every path of a run's merged config to the roots
-its key may use (confine.py) before the run starts or resumes.
+its key may use (confine.py), and every link its datasets' scan follows to the data roots (links.py),
+before the run starts or resumes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..config import ConfigError
-from . import confine, dataset_view, guard, launcher, plan_answer, queue, runs, sample_job, system
+from . import confine, dataset_view, guard, launcher, links, plan_answer, queue, runs, sample_job, system
 from .form import RunForm, choices, families, presets
 
 STATIC = Path(__file__).parent / "static"
@@ -256,10 +257,13 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         return queue.submit(runs_dir, folder, resume=False)
 
     def _confined(folder: Path) -> None:
-        """The run's config as `leantune train` loads it, every path under the roots its key may use."""
+        """The run's config as `leantune train` loads it, every path under the roots its key may use,
+        and every link its datasets' scan follows under the data roots (links.py)."""
         from ..config import load_config
 
-        confine.check(load_config(folder / runs.CONFIG_FILE), roots, folder, runs_dir)
+        cfg = load_config(folder / runs.CONFIG_FILE)
+        confine.check(cfg, roots, folder, runs_dir)
+        links.check(cfg, roots)
 
     def _existing(name: str) -> Path:
         folder = runs.run_folder(runs_dir, name)
