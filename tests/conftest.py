@@ -1,5 +1,7 @@
+import json
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -14,13 +16,72 @@ import torch
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
+# -- the fast tier ---------------------------------------------------------------------------------
+# `./scripts/test.sh --fast` (pytest --fast) runs the tests that are neither marked slow nor gpu and
+# whose recorded time (tests/durations.json, written by a whole run with --record-durations) is at
+# most FAST_LIMIT_S; a test missing from the file counts as fast until the file is written again.
+# tests/test_fast_tier.py checks that the tier still imports and exercises every module of leantune.
+DURATIONS_FILE = Path(__file__).parent / "durations.json"
+FAST_LIMIT_S = 1.5
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier: no slow or gpu test, none recorded over FAST_LIMIT_S (tests/durations.json)")
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each test's setup + call + teardown seconds to tests/durations.json at the end")
+
+
+def recorded_durations() -> dict[str, float]:
+    try:
+        return json.loads(DURATIONS_FILE.read_text())["seconds"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def fast_tier(items, durations: dict[str, float]):
+    """(kept, deselected): the items of the fast tier, and the others."""
+    kept, dropped = [], []
+    for item in items:
+        slow = "slow" in item.keywords or "gpu" in item.keywords or durations.get(item.nodeid, 0.0) > FAST_LIMIT_S
+        (dropped if slow else kept).append(item)
+    return kept, dropped
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--fast"):
+        kept, dropped = fast_tier(items, recorded_durations())
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run with -m gpu on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # Under pytest-xdist the controller gets every worker's reports too, so this sees the whole run.
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not session.config.getoption("--record-durations") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import platform
+    import time
+
+    payload = {"recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+               "cores": len(os.sched_getaffinity(0)), "load_average": list(os.getloadavg()),
+               "seconds": {k: round(v, 3) for k, v in sorted(_SECONDS.items())}}
+    tmp = DURATIONS_FILE.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=0) + "\n")
+    os.replace(tmp, DURATIONS_FILE)
 
 
 @pytest.fixture(scope="session")
