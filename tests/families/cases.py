@@ -6,11 +6,13 @@ samples it, and the few knobs where families differ (text length, how the pipeli
 guidance scale and the negative prompt). Everything else comes from the registered family itself
 (`get_family(case.family)`): its spec's single-file layout, LoRA key names, block lists, loaders.
 
-Adding a family: register it (leantune/models/family.py) and add one `Case` to CASES: 8 lines for a
-family like Flux.1 or FLUX.2-dev (id and family, transformer, folder, pipeline and text length,
-sampling knobs, closing parenthesis), up to 10 with the optional knobs (files its loader takes by
-design, a pipeline component from_pretrained cannot build). test_conformance.py then checks every
-promise for it; `test_every_registered_family_has_a_case` fails until the entry exists.
+Adding a family: register it (leantune/models/family.py) and add one `Case` to CASES: 2 lines for a
+family like FLUX.2-dev (id and family name, the tiny transformer and folder, the pipeline class, the
+text length, the guidance scale), 4 for one with classifier-free guidance (the negative prompt and
+the pipeline's keywords for it), 5 with every optional knob (Qwen-Image-Edit: files its loader takes
+by design, a pipeline component from_pretrained cannot build, reference images). test_conformance.py
+then checks all 11 promises for it; `test_every_registered_family_has_a_case` fails until the entry
+exists.
 """
 
 from __future__ import annotations
