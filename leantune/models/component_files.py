@@ -59,8 +59,18 @@ def find_prefix(keys, component: str) -> str | None:
 
 
 def describe(keys) -> str:
-    """A guess of what a checkpoint is, for 'this is not a Flux transformer' messages."""
+    """A guess of what a checkpoint is, for 'this is not a Flux transformer' messages; where a
+    registered family claims the keys (models/family.family_of_keys), the sentence ends by naming
+    the [model] family to set."""
     keys = list(keys)
+    what = _looks_like(keys)
+    from .family import family_of_keys
+
+    family = family_of_keys(keys)
+    return what if family is None else f'{what}; set [model] family = "{family}"'
+
+
+def _looks_like(keys: list[str]) -> str:
 
     def has(fragment: str) -> bool:
         return any(fragment in k for k in keys)

@@ -286,9 +286,23 @@ def guess_family(path) -> str | None:
                     keys = list(f.keys())
             except SafetensorError:
                 return None
-            return next((n for n in _MODULES if get_family(n).recognizes_keys(keys)), None)
+            return family_of_keys(keys)
     except (OSError, ValueError, AttributeError, TypeError):
         return None     # unreadable: the family's loader reports it with the file's name
+    return None
+
+
+def family_of_keys(keys) -> str | None:
+    """The first registered family (in known_families' order) whose recognizes_keys claims a file's
+    tensor names, or None. Families that share names (FLUX.2's three) are told apart by shapes in
+    their own loaders; this names the first."""
+    keys = list(keys)
+    for name in _MODULES:
+        try:
+            if get_family(name).recognizes_keys(keys):
+                return name
+        except (TypeError, ValueError, KeyError):
+            continue
     return None
 
 

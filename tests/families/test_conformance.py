@@ -49,12 +49,9 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")      # the 
 _FLUX2_COMFYUI = ("ComfyUI's key map has no diffusers names for FLUX.2's time/guidance embedders and shared "
                   "modulation: a diffusers-layout file of an all_linear LoRA loses those keys in ComfyUI "
                   "(the export warns, LoraCompatibilityWarning; the kohya file loads whole)")
-_NAMES_NO_FAMILY = ("the loader says what the file looks like (component_files.describe) but not which "
-                    "[model] family to set, but for FLUX.2 files")
 # (promise, case id) -> (the exception the check fails with today, why): strict xfails.
 FINDINGS = {
     **{("comfyui", c): (AssertionError, _FLUX2_COMFYUI) for c in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b")},
-    **{("refused", c.id): (AssertionError, _NAMES_NO_FAMILY) for c in CASES},
     ("planner", "sd3.5-medium"): (KeyError, "the tiny Medium-style model (a dual-attention block, then the last, "
                                             "context-pre-only one) has no plain joint block outside the trailing "
                                             "one: the planner's probe copy drops it and pricing fails (KeyError "
