@@ -96,21 +96,54 @@ def _embeds(model: nn.Module, batch: int, text_rows: int, dtype: torch.dtype) ->
                         pooled=torch.empty(batch, getattr(cfg, "pooled_projection_dim", 0), dtype=dtype))
 
 
+def training_references(family: ModelFamily, config, bucket: tuple[int, int], batch_size: int, dtype: torch.dtype,
+                        count: int | None = None) -> list[torch.Tensor] | None:
+    """An edit family's reference latents as the trainer's batch holds them (data/cache.py Batch
+    .references: per reference slot (B, C, h, w), host RAM), each at the target's size, as a
+    reference of the target's aspect is encoded (ReferenceConditioning.size: the bucket's area at
+    the reference's aspect). `count` of them; by default as many as the planner prices a step of
+    this family with (probed_references: Qwen-Image-Edit's probe inputs carry one, FLUX.2's none).
+    None: no references (the batch of a dataset without them)."""
+    count = probed_references(family, config, bucket) if count is None else count
+    if count and family.references is None:
+        raise ValueError(f"simulate_training: family {family.name!r} takes no reference images")
+    if count and count > family.references.most:
+        raise ValueError(f"simulate_training: {count} references, but {family.name} takes at most "
+                         f"{family.references.most}")
+    h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
+    return [torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype) for _ in range(count)] or None
+
+
+def probed_references(family: ModelFamily, config, bucket: tuple[int, int]) -> int:
+    """How many references of the target's size the planner's activation probe feeds a step of
+    `family` (its probe_inputs, on meta): the image tokens beyond the target's, in targets."""
+    if family.references is None:
+        return 0
+    h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
+    hidden = family.probe_inputs(config, 1, (h, w), 8, torch.bfloat16)["hidden_states"]
+    target = family.image_tokens(h, w)
+    return (hidden.shape[1] - target) // target if hidden.dim() == 3 else 0
+
+
 def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], batch_size: int, text_rows: int,
-                dtype: torch.dtype):
-    """A cached batch as the trainer's data loader yields it: latents (B, C, H/f, W/f) and prompt
-    embeddings in host RAM."""
+                dtype: torch.dtype, references: int | None = None):
+    """A cached batch as the trainer's data loader yields it: latents (B, C, H/f, W/f), prompt
+    embeddings and an edit family's reference latents (training_references) in host RAM."""
     h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
     return SimpleNamespace(latents=torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype),
-                           embeds=_embeds(model, batch_size, text_rows, dtype), bucket=bucket)
+                           embeds=_embeds(model, batch_size, text_rows, dtype), bucket=bucket,
+                           references=training_references(family, model.config, bucket, batch_size, dtype,
+                                                          references))
 
 
 def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket: tuple[int, int], *,
-                      text_length: int | None = None, steps: int = 1) -> SimulatedStep:
+                      text_length: int | None = None, steps: int = 1, references: int | None = None) -> SimulatedStep:
     """`steps` training steps of `model` (meta-built) under `plan` on the simulated GPU, as the
     trainer runs them for `cfg` (a RunConfig: [train] mode, optimizer, clipping, mixed precision,
     timestep sampling; [full]; [data] batch size and text length; [model] family).
     `text_length` is in sequence rows (default: the family's rows for [data] max_text_length).
+    An edit family's step is fed `references` reference latents of the target's size, as its
+    dataset's batches are (default: as many as the planner prices its step with, training_references).
 
     LoRA ([train] mode = "lora"): `model` comes with its adapters (peft adds them on meta), base
     frozen. The optimizer's states exist before the first measured step (one optimizer step on
@@ -155,7 +188,7 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
         optimizer = mode.build_optimizer(params)
         if mode.name != "full":
             _create_optimizer_states(optimizer, params)
-        batch = _host_batch(model, family, bucket, cfg.data.batch_size, text_length, dtype)
+        batch = _host_batch(model, family, bucket, cfg.data.batch_size, text_length, dtype, references)
         t = Trainee(transformer=model, params=params, optimizer=optimizer,
                     scheduler=build_scheduler(optimizer, cfg.train), data=None, batches=iter(lambda: batch, None),
                     generator=torch.Generator().manual_seed(0), device=device, dtype=dtype, memory=handle,

@@ -7,6 +7,9 @@ the search try every candidate plan and lets re-planning after an OOM be cheap.
 VRAM components at the peak (`memory`), all in bytes:
 - weights resident: the blocks that do not stream (and the non-block group unless it streams),
   in the compute dtype or fp8, modulation Linears included or not (weight_bytes.py);
+- device tables: tensors the model holds outside its parameters and buffers and copies to the
+  device itself at its first forward, keeping the copy (Qwen-Image's rotary tables, 4 MB;
+  weight_bytes.device_tables): in every plan, streamed or not; listed only when there are any;
 - stream slots: a ring of K slots, each the size of the largest streamed unit, 512-byte aligned;
 - adapters: r * (in + out) fp32 parameters per targeted Linear; gradients the same; AdamW keeps
   two fp32 states per parameter, Adafactor one fp32 value per row and per column of each matrix;
@@ -299,6 +302,8 @@ class MemoryModel:
         keep_grads = w.gradient_accumulation > 1
         static = {"weights resident": resident, "stream slots": slots, "adapters": params,
                   "optimizer states": states, "workspace": self.machine.workspace}
+        if self.weights.device_tables:     # the model's own device copies (Qwen-Image's rotary tables)
+            static["device tables"] = self.weights.device_tables
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:
@@ -314,9 +319,9 @@ class MemoryModel:
             if worst is None or top > worst[0]:
                 worst = (top, part)
         vram = {**static, **worst[1]}
-        order = ["weights resident", "stream slots", "adapters", "gradients", "optimizer states",
+        order = ["weights resident", "device tables", "stream slots", "adapters", "gradients", "optimizer states",
                  "optimizer step", "activations", "workspace"]
-        return {k: vram[k] for k in order}, self.host(plan), per_bucket
+        return {k: vram[k] for k in order if k in vram}, self.host(plan), per_bucket
 
     def host(self, plan: Plan) -> dict[str, int]:
         """Host RAM components of a plan (host_model.py)."""

@@ -66,6 +66,9 @@ def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list
     Medium's 13 dual-attention joint blocks, then 11 plain ones) keeps up to `blocks_per_list` of
     each, in the order the kinds first appear, so each kind's last block in the copy takes its
     input from a block of its own kind, as almost every block of that kind in the full model does.
+    A kind that only a trailing block is priced as (a tiny or pruned Medium whose plain joint block
+    is the last, context-pre-only one) is given `blocks_per_list` plain blocks of its own after the
+    others, so every kind the stack is priced with is traced.
     """
     keys = BLOCK_COUNT_KEYS.get(spec.family)
     if keys is None or not hasattr(model, "config"):
@@ -76,10 +79,17 @@ def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list
         n = len(getattr(model, attr))
         extra = trailing.get(attr, 0)
         bl = next(b for b in spec.block_lists if b.attr == attr)
-        body = spec.list_kinds(model, bl)[:max(n - extra, 1)]
+        kinds = spec.list_kinds(model, bl)
+        body = kinds[:max(n - extra, 1)]
         layout: list[str] = []                      # the copy's kinds in order, `blocks_per_list` at most of each
         for kind in dict.fromkeys(body):
             layout += [kind] * min(blocks_per_list, body.count(kind))
+        # A kind only the trailing blocks have (a pruned SD3.5 Medium: dual-attention blocks, then the
+        # last, context-pre-only one): the stack still prices those blocks as that kind, so the copy
+        # gets `blocks_per_list` plain blocks of it (the ones a longer stack of that kind would have).
+        for kind in dict.fromkeys(kinds[len(body):]):
+            if kind not in layout:
+                layout += [kind] * blocks_per_list
         cfg[key] = len(layout) + extra
         for v in spec.block_variants:
             if v.attr == attr:

@@ -113,6 +113,9 @@ class ModelWeights:
     blocks: tuple[ModuleWeights, ...]        # execution order
     non_blocks: ModuleWeights
     adapters: tuple[AdapterShape, ...]       # for the workload's rank/targets/blocks
+    # Tensors the model keeps as plain attributes (no parameter, no buffer) and moves to the device
+    # itself at its first forward, keeping the copy: Qwen-Image's rotary tables (device_tables).
+    device_tables: int = 0
 
     def total(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
         return sum(b.bytes(dtype_bytes, fp8, modulation) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
@@ -228,4 +231,20 @@ def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = No
                 base = _base_name(mname)
                 if regex.fullmatch(base):
                     adapters.append(AdapterShape(base, m.in_features, m.out_features))
-    return ModelWeights(tuple(blocks), non_blocks, tuple(adapters))
+    return ModelWeights(tuple(blocks), non_blocks, tuple(adapters), device_tables(model))
+
+
+def device_tables(model: torch.nn.Module) -> int:
+    """Bytes of the tensors `model`'s modules hold as plain attributes, neither parameters nor
+    buffers: Qwen-Image's rotary tables (QwenEmbedRope's pos_freqs / neg_freqs, complex64, 4 MB;
+    diffusers keeps them out of the buffers so that a dtype cast cannot drop their imaginary part).
+    `named_buffers` does not list them and `model.to(device)` (the engine's placement) leaves them
+    on the host, but the module's forward copies them to the device (`_get_device_freqs`, an
+    lru_cache per device) and that copy stays there for the run: device bytes in every plan.
+    Any device: a meta build may hold them on meta or on the CPU."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                seen[id(v)] = v.numel() * v.element_size()
+    return sum(seen.values())

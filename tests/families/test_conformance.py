@@ -52,17 +52,6 @@ _FLUX2_COMFYUI = ("ComfyUI's key map has no diffusers names for FLUX.2's time/gu
 # (promise, case id) -> (the exception the check fails with today, why): strict xfails.
 FINDINGS = {
     **{("comfyui", c): (AssertionError, _FLUX2_COMFYUI) for c in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b")},
-    ("planner", "sd3.5-medium"): (KeyError, "the tiny Medium-style model (a dual-attention block, then the last, "
-                                            "context-pre-only one) has no plain joint block outside the trailing "
-                                            "one: the planner's probe copy drops it and pricing fails (KeyError "
-                                            "'joint')"),
-    ("planner", "qwen-image"): (AssertionError, "the planner leaves out Qwen-Image's rotary tables (pos_freqs/"
-                                                "neg_freqs, moved to the device at each forward): 0.5 MB on the "
-                                                "tiny model, the peak predicted at 0.54 of the simulated one"),
-    ("planner", "qwen-image-edit"): (AssertionError, "the planner prices a reference image of the target's size "
-                                                     "(the family's probe inputs), but the simulated step "
-                                                     "(simulate_training) feeds no reference latents: no like-with-"
-                                                     "like comparison (and the rotary tables, as for qwen-image)"),
 }
 
 
@@ -452,7 +441,7 @@ def test_planner_prices_it_without_weights_as_the_simulated_device_measures(case
     from leantune.planner.machine import assumed_machine
     from leantune.planner.meta import meta_from_config
     from leantune.planner.search import Planner
-    from leantune.simulated_run import simulate_training
+    from leantune.simulated_run import simulate_training, training_references
     from leantune.train.lora import add_lora
 
     try:
@@ -467,11 +456,13 @@ def test_planner_prices_it_without_weights_as_the_simulated_device_measures(case
     meta = b.family.load_transformer(b.sources(), dtype=torch.bfloat16, device="meta")
     assert all(p.is_meta for p in meta.parameters())
     add_lora(meta, b.spec, cfg.lora)
-    # Like with like: the step simulate_training runs feeds the target's image tokens only (no
-    # reference latents), so the planner must price those.
+    # Like with like: the planner prices the image tokens the step simulate_training runs feeds (the
+    # target's, and an edit family's reference latents: training_references).
     h = w = 64 // b.family.vae_scale_factor
     hidden = b.family.probe_inputs(meta.config, 1, (h, w), 7, torch.bfloat16)["hidden_states"]
-    assert hidden.dim() != 3 or hidden.shape[1] == b.family.image_tokens(h, w), (hidden.shape, b.family.image_tokens(h, w))
+    fed = b.family.image_tokens(h, w) + sum(b.family.image_tokens(*r.shape[-2:]) for r in
+                                            training_references(b.family, meta.config, (64, 64), 1, torch.bfloat16) or ())
+    assert hidden.dim() != 3 or hidden.shape[1] == fed, (hidden.shape, fed)
     plan = Plan(streamed_blocks=tuple(n for n, _ in b.spec.blocks(meta)), checkpointing="blocks", ring_slots=2)
     est = Planner(b.spec, meta, workload_from_config(cfg, meta), assumed_machine(8 * 2**30), Calibration()).estimate(plan)
     # The simulation's copy: the same architecture with every tensor on meta (fake_parameters fakes
