@@ -322,6 +322,9 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
 
     if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
+        # The meta build first, on every rank at once: it imports the loader's modules (seconds
+        # of CPU per process), which inside the turns each rank would pay while the others wait.
+        meta_model()
         shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
         loaded = dist.local_turns(lambda: load(True, shared), shared)
     else:

@@ -1,6 +1,6 @@
 """Run on every process by `torchrun` in tests/test_distributed.py (not a test module itself).
 
-`python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT RUN.toml [RUN.toml ...]`
+`python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT [--plain-gloo] RUN.toml [RUN.toml ...]`
 trains each config in turn on this rank (one process group for all of them, so the imports are
 paid once) and writes what this rank saw to OUT/rank<r>.json: the losses, how often each encoder
 was loaded, and how often the memory plan was re-applied. A config whose file name contains
@@ -16,6 +16,9 @@ The process group has NCCL's device restriction (tests/nccl_like.py): a host ten
 default group fails as under NCCL. `--plain-gloo` (first argument after OUT) starts plain gloo for
 the FSDP2 / DeepSpeed runs, whose own collectives carry the model's tensors (CPU ones here; CUDA
 ones, served by NCCL, on a GPU: bench/gpu_checks.sh runs those under NCCL).
+
+Every patch a config makes (the probe, the optimizer, forward_backward, the planner) is undone
+before the next config, so a config's behaviour does not depend on the configs before it.
 """
 
 import json
@@ -37,6 +40,12 @@ def main(out: str, *configs: str) -> None:
     rank = int(os.environ["RANK"])
     plain = configs[:1] == ("--plain-gloo",)
     configs = configs[1:] if plain else configs
+    # The transformer's loading path (diffusers' model classes, peft, and the transformers and
+    # torch._dynamo modules they pull in: seconds of CPU) imported here, on every rank at once:
+    # inside the first run, rank 1 would import it only after rank 0 has filled the caches, and
+    # rank 0 would wait for it.
+    from diffusers import FluxTransformer2DModel  # noqa: F401
+    from peft.tuners import lora  # noqa: F401
     init_group(plain=plain)
     from leantune.config import load_config
     from leantune.planner import from_config as from_config_mod
@@ -58,10 +67,11 @@ def main(out: str, *configs: str) -> None:
     flux_loading.load_text_encoders = counted("text_encoders", flux_loading.load_text_encoders)
     trainer_mod._replan = counted("replans", trainer_mod._replan)
     real_forward, real_plan = trainer_mod.forward_backward, planner_mod.Planner.plan
-    real_build_optimizer = modes_mod.build_optimizer
+    real_build_optimizer, real_probe = modes_mod.build_optimizer, from_config_mod.probe_machine
     results = {}
     for path in configs:
         calls = {"forward": 0, "plan": 0}
+        modes_mod.build_optimizer, from_config_mod.probe_machine = real_build_optimizer, real_probe
         if "probe" in Path(path).name:
             # The ranks' GPUs report different free VRAM (another process on rank 1's GPU):
             # [memory] vram_budget = "auto" must still give one plan, the same on every rank.

@@ -13,8 +13,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -307,114 +307,102 @@ def reference(tmp_path_factory, tiny_flux_dir, images):
     tmp = tmp_path_factory.mktemp("reference")
     cfg = load_config(write_config(tmp, tiny_flux_dir, images, "ref", 2, str(tmp / "out")))
     result = train(cfg, progress=False)
-    return result.losses, _lora(tmp / "out")
+    return SimpleNamespace(losses=result.losses, lora=_lora(tmp / "out"), cache=tmp / "cache-ref")
+
+
+def _use_cache(config: Path, cache: Path) -> None:
+    """Point a config at a cache another run filled (the entries are keyed by their inputs, so a
+    run whose claim is not about caching skips the encoders' loading: seconds in each launch)."""
+    text, n = re.subn(r'^cache_dir = ".*"$', f'cache_dir = "{cache}"', config.read_text(), flags=re.M)
+    assert n == 1
+    config.write_text(text)
+
+
+def _tail(run) -> str:
+    return run.stdout[-3000:] + run.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def lora_launch(tmp_path_factory, tiny_flux_dir, images):
+    """One torchrun launch (2 ranks, gloo with NCCL's device restriction) of tests/dist_worker.py
+    whose outputs three tests read, in turn: the LoRA runs "plain", "streamed" (2 streamed blocks per
+    rank) and "oom" (rank 1 out of memory in step 3), 20 steps each; "probe" (the ranks' GPUs
+    report different free VRAM, 2 steps); and "optstep" (rank 1's first optimizer step out of
+    memory, after the gradient vote), which ends the processes and so comes last. One launch pays
+    the processes' start, imports and caches once instead of three times; dist_worker undoes each
+    config's patches before the next, and records each config's results when it ends."""
+    tmp = tmp_path_factory.mktemp("lora_launch")
+    plain = write_config(tmp, tiny_flux_dir, images, "plain", 1, str(tmp / "plain"))
+    streamed = write_config(tmp, tiny_flux_dir, images, "streamed", 1, str(tmp / "streamed"),
+                            "[memory]\nstreamed_blocks = 2\ndebug_poison = true\n")
+    oom = write_config(tmp, tiny_flux_dir, images, "oom", 1, str(tmp / "oom"), "[memory]\nvram_budget = \"8GiB\"\n")
+    probe = write_config(tmp, tiny_flux_dir, images, "probe", 1, str(tmp / "probe"),
+                         "[memory]\nvram_budget = \"auto\"\n")
+    optstep = write_config(tmp, tiny_flux_dir, images, "optstep", 1, str(tmp / "optstep"),
+                           "[memory]\nvram_budget = \"8GiB\"\n")
+    for p, steps in ((probe, 2), (optstep, 3)):
+        p.write_text(p.read_text().replace("steps = 20", f"steps = {steps}"))
+    for p in (streamed, oom, probe, optstep):           # share the cache filled by the first run
+        p.write_text(p.read_text().replace(f"cache-{p.stem}", "cache-plain"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), str(tmp), *map(str, (plain, streamed, oom, probe, optstep))]
+    run = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=900)
+    files = [tmp / f"rank{r}.json" for r in range(2)]
+    ranks = [json.loads(f.read_text()) if f.exists() else {} for f in files]
+    return SimpleNamespace(folder=tmp, run=run, ranks=ranks)
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_with_the_doubled_batch_plain_streamed_and_after_an_oom(
-        tmp_path, tiny_flux_dir, images, reference):
+def test_two_processes_match_one_with_the_doubled_batch_plain_streamed_and_after_an_oom(lora_launch, reference):
     """torchrun, 2 ranks, gloo: plain DDP LoRA, the same with 2 streamed blocks per rank, and a run
     where rank 1 runs out of memory in step 3: all equal the one-process run; the caches are filled
-    by rank 0 alone; after the OOM both ranks re-plan and redo the step."""
-    ref_losses, ref_lora = reference
-    plain = write_config(tmp_path, tiny_flux_dir, images, "plain", 1, str(tmp_path / "plain"))
-    streamed = write_config(tmp_path, tiny_flux_dir, images, "streamed", 1, str(tmp_path / "streamed"),
-                            "[memory]\nstreamed_blocks = 2\ndebug_poison = true\n")
-    oom = write_config(tmp_path, tiny_flux_dir, images, "oom", 1, str(tmp_path / "oom"),
-                       "[memory]\nvram_budget = \"8GiB\"\n")
-    for p in (streamed, oom):           # share the cache filled by the first run
-        p.write_text(p.read_text().replace(f"cache-{p.stem}", "cache-plain"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(plain), str(streamed), str(oom)]
-    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    by rank 0 alone; after the OOM both ranks re-plan and redo the step. (The launch's last config,
+    test_an_oom_after_the_gradient_vote..., ends it non-zero: these runs and the probe's finished on
+    both ranks when each rank wrote its results.)"""
+    ref_losses, ref_lora = reference.losses, reference.lora
+    run, ranks, tmp = lora_launch.run, lora_launch.ranks, lora_launch.folder
+    for r in ranks:
+        assert {"plain", "streamed", "oom", "probe"} <= set(r), _tail(run)
     for name in ("plain", "streamed", "oom"):
         for r in ranks:
             assert r[name]["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), name
         _loss_gap(ranks[0][name]["losses"], ref_losses, name)
-        _assert_same_lora(_lora(tmp_path / name), ref_lora, what=name)
+        _assert_same_lora(_lora(tmp / name), ref_lora, what=name)
     # Counters are cumulative over the three runs: rank 0 encoded once, rank 1 never loaded an encoder.
     assert ranks[0]["oom"]["vae"] == 1 and ranks[0]["oom"]["text_encoders"] == 1
     assert ranks[1]["oom"]["vae"] == 0 and ranks[1]["oom"]["text_encoders"] == 0
     assert ranks[0]["plain"]["files"] and not ranks[1]["plain"]["files"]      # rank 0 saves
     assert ranks[0]["oom"]["replans"] == ranks[1]["oom"]["replans"] == 1
     assert "out of memory at step 3" in run.stderr and "[rank 1]" in run.stderr
-    log = (tmp_path / "oom" / "train.log").read_text()
+    log = (tmp / "oom" / "train.log").read_text()
     assert "memory plan now: stream 1" in log and "per rank: rss" in log
 
 
 @pytest.mark.slow
-def test_an_oom_after_the_gradient_vote_ends_the_run_on_every_rank_without_a_hang(tmp_path, tiny_flux_dir, images):
+def test_an_oom_after_the_gradient_vote_ends_the_run_on_every_rank_without_a_hang(lora_launch):
     """Rank 1's first optimizer step runs out of memory (AdamW allocating its state), after both
     ranks agreed on the step's gradients: rank 0 has stepped already, so redoing the step on rank 1
     alone would diverge the weights, and its vote would meet rank 0's loss sum. Both ranks end
-    (no hang, no garbage vote) naming the step and the reason."""
-    cfg = write_config(tmp_path, tiny_flux_dir, images, "optstep", 1, str(tmp_path / "optstep"),
-                       "[memory]\nvram_budget = \"8GiB\"\n")
-    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 3"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(cfg)]
-    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert run.returncode != 0, run.stderr[-4000:]
+    (no hang, no garbage vote) naming the step and the reason. (The last config of lora_launch: the
+    configs before it finished on both ranks; this one on neither.)"""
+    run, ranks = lora_launch.run, lora_launch.ranks
+    assert run.returncode != 0, _tail(run)
     for r in (0, 1):
         assert f"rank {r}: step 1 failed after the ranks agreed on its gradients" in run.stderr, run.stderr[-6000:]
     assert "rank 1 failed after the gradient vote" in run.stderr
-    assert not (tmp_path / "rank0.json").exists() and not (tmp_path / "rank1.json").exists()
+    assert all("probe" in r and "optstep" not in r for r in ranks), [sorted(r) for r in ranks]
 
 
 @pytest.mark.slow
-def test_ranks_whose_gpus_report_different_free_vram_plan_once_and_alike(tmp_path, tiny_flux_dir, images):
+def test_ranks_whose_gpus_report_different_free_vram_plan_once_and_alike(lora_launch):
     """[memory] vram_budget = "auto" with rank 0's GPU showing 10 GiB free and rank 1's 3 GiB:
     different plans would break the shared host copy and the ranks' common re-plans, so the run
-    decides one plan, for the tightest GPU, and every rank uses it."""
-    cfg = write_config(tmp_path, tiny_flux_dir, images, "probe", 1, str(tmp_path / "probe"),
-                       "[memory]\nvram_budget = \"auto\"\n")
-    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 2"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), str(cfg)]
-    run = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-6000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["probe"] for r in range(2)]
+    decides one plan, for the tightest GPU, and every rank uses it. (A config of lora_launch.)"""
+    assert all("probe" in r for r in lora_launch.ranks), _tail(lora_launch.run)
+    ranks = [r["probe"] for r in lora_launch.ranks]
     assert ranks[0]["budgets"] and ranks[0]["budgets"] == ranks[1]["budgets"], [r["budgets"] for r in ranks]
     assert ranks[0]["plans"] == ranks[1]["plans"]
     assert max(ranks[0]["budgets"]) <= 3 * 2**30                   # the tightest GPU's free VRAM
-
-
-@pytest.mark.slow
-def test_gpus_shortcut_resumes_exactly_after_kill_9_of_the_launcher(tmp_path, tiny_flux_dir, images, reference):
-    """`leantune train --gpus 2` becomes torchrun; kill -9 of it ends the workers too; `--resume`
-    on 2 processes finishes with the uninterrupted result; 1 process is refused with the reason."""
-    ref_losses, ref_lora = reference
-    cfg = write_config(tmp_path, tiny_flux_dir, images, "run", 1, str(tmp_path / "out"))
-    base = [sys.executable, "-m", "leantune", "train", str(cfg), "--gpus", "2", "--no-progress", *_cpu_unless_two_gpus()]
-    launcher = subprocess.Popen(base, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-    ckpts = tmp_path / "out" / "checkpoints"
-    wait_until((ckpts / "step-000010" / "state.json").exists, lambda: logged_steps(tmp_path / "out" / "train.log"),
-               what="the save at step 10", alive=lambda: launcher.poll() is None,
-               detail=lambda: launcher.stderr.read()[-4000:] if launcher.poll() is not None else "")
-    workers = _children(launcher.pid)
-    assert len(workers) == 2
-    os.kill(launcher.pid, signal.SIGKILL)
-    launcher.wait()
-    for _ in range(100):                     # the workers die with their launcher
-        if not any(Path(f"/proc/{p}").exists() and _state(p) != "Z" for p in workers):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"workers {workers} outlived their launcher")
-    assert not (tmp_path / "out" / "t_diffusers.safetensors").exists()
-    resumed = subprocess.run(base + ["--resume"], env=_env(tmp_path), capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    history = json.loads((tmp_path / "out" / "loss.json").read_text())
-    assert history["step"] == 20 and history["loss"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
-    _loss_gap(history["loss"], ref_losses, "killed and resumed")
-    _assert_same_lora(_lora(tmp_path / "out"), ref_lora, what="killed and resumed")
-    one = subprocess.run([sys.executable, "-m", "leantune", "train", str(cfg), "--resume", "--no-progress"],
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert one.returncode == 1
-    assert "saved by a run on 2 process(es); this run has 1" in one.stderr
 
 
 def _cpu_unless_two_gpus() -> list[str]:
@@ -432,6 +420,134 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     except OSError:
         return "gone"
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "gone")
+
+
+def _until_saved(launcher, ckpts: Path, step: int) -> None:
+    wait_until((ckpts / f"step-{step:06d}" / "state.json").exists,
+               lambda: logged_steps(ckpts.parent / "train.log"), what=f"the save at step {step}",
+               alive=lambda: launcher.poll() is None,
+               detail=lambda: launcher.stderr.read()[-4000:] if launcher.poll() is not None else "")
+
+
+@pytest.fixture(scope="module")
+def gpus_launches(tmp_path_factory, tiny_flux_dir, images, reference):
+    """The reference's run (20 steps, saves every 5) on 2 processes, stopped twice and finished by
+    a third launch; three tests read what each launch did:
+      1. `leantune train --gpus 2` (torchrun), rank 1 killed (kill -9) after the step-5 save;
+      2. `--gpus 2 --resume`, the launcher killed (kill -9) after the step-10 save;
+      3. `accelerate launch --multi_gpu --num_processes 2 -m leantune train --resume` to step 20.
+    Three launches where the tests had four (and a fifth that only ran 2 steps): each stop is the
+    end of a launch, and every resume continues the run the reference must equal. The reference's
+    cache serves them (rank 0 filling the cache for the other ranks is lora_launch's check)."""
+    from leantune.train.state import latest_checkpoint, load_checkpoint
+
+    tmp = tmp_path_factory.mktemp("gpus")
+    cfg = write_config(tmp, tiny_flux_dir, images, "run", 1, str(tmp / "out"))
+    _use_cache(cfg, reference.cache)
+    env, ckpts, log = _env(tmp), tmp / "out" / "checkpoints", tmp / "out" / "train.log"
+    base = [sys.executable, "-m", "leantune", "train", str(cfg), "--gpus", "2", "--no-progress", *_cpu_unless_two_gpus()]
+    got = SimpleNamespace(cfg=cfg, out=tmp / "out", env=env)
+    launcher = None
+    try:
+        # 1. kill -9 of rank 1 mid-run
+        launcher = subprocess.Popen(base, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _until_saved(launcher, ckpts, 5)
+        got.died_workers = sorted(_children(launcher.pid))
+        got.rank1 = next(p for p in got.died_workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+        os.kill(got.rank1, signal.SIGKILL)
+        _, got.died_err = launcher.communicate(timeout=120)
+        got.died_rc = launcher.returncode
+        step, state = load_checkpoint(latest_checkpoint(ckpts))
+        got.died_last_save = (step, state["world_size"])
+        # 2. `--resume` on `--gpus 2`, then kill -9 of the launcher
+        launcher = subprocess.Popen(base + ["--resume"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+        _until_saved(launcher, ckpts, 10)
+        got.killed_workers = _children(launcher.pid)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        try:                                            # the workers die with their launcher
+            wait_until(lambda: not any(_alive(p) for p in got.killed_workers), what="the workers' end",
+                       limit_s=30, poll_s=0.1)
+            got.outlived = []
+        except AssertionError:
+            got.outlived = [p for p in got.killed_workers if _alive(p)]
+            for p in got.outlived:
+                os.kill(p, signal.SIGKILL)
+        got.final_after_kill = (tmp / "out" / "t_diffusers.safetensors").exists()
+        # 3. `accelerate launch` resumes to the end
+        got.log_before = len(log.read_text()) if log.exists() else 0
+        accelerate = Path(sys.executable).with_name("accelerate")
+        got.resumed = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "-m",
+                                      "leantune", "train", str(cfg), "--resume", "--no-progress",
+                                      *_cpu_unless_two_gpus()], env=env, capture_output=True, text=True, timeout=900)
+        got.accelerate_log = log.read_text()[got.log_before:]
+    finally:
+        if launcher is not None and launcher.poll() is None:
+            for p in _children(launcher.pid):
+                os.kill(p, signal.SIGKILL)
+            launcher.kill()
+            launcher.wait()
+    return got
+
+
+@pytest.mark.slow
+def test_gpus_shortcut_resumes_exactly_after_kill_9_of_the_launcher(gpus_launches, reference, monkeypatch, capsys):
+    """`leantune train --gpus 2` becomes torchrun; kill -9 of it ends the workers too; `--resume`
+    on 2 processes finishes with the uninterrupted result; 1 process is refused with the reason.
+    (gpus_launches 2 and 3: the `--gpus 2 --resume` launch that is killed continues from the save
+    left by launch 1, the `accelerate launch` resume from its step-10 save: the result at step 20
+    shows both resumed exactly.)"""
+    from leantune.cli import main
+
+    ref_losses, ref_lora = reference.losses, reference.lora
+    got = gpus_launches
+    assert len(got.killed_workers) == 2
+    assert not got.outlived, f"workers {got.outlived} outlived their launcher"
+    assert not got.final_after_kill
+    assert got.resumed.returncode == 0, got.resumed.stderr[-4000:]
+    history = json.loads((got.out / "loss.json").read_text())
+    assert history["step"] == 20 and history["loss"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
+    _loss_gap(history["loss"], ref_losses, "killed and resumed")
+    _assert_same_lora(_lora(got.out), ref_lora, what="killed and resumed")
+    # One process: `python -m leantune` is `sys.exit(main())`, and its launches are the ones above.
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LEANTUNE_CACHE", got.env["LEANTUNE_CACHE"])
+    capsys.readouterr()
+    assert main(["train", str(got.cfg), "--resume", "--no-progress"]) == 1
+    assert "saved by a run on 2 process(es); this run has 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_two_processes(gpus_launches):
+    """`accelerate launch --multi_gpu --num_processes 2 -m leantune train` (gloo on this CPU machine):
+    two ranks train, rank 0 writes the log with both ranks' memory and the LoRA files. (gpus_launches
+    3: it resumes steps 11-20; its part of the log is read.)"""
+    run = gpus_launches.resumed
+    assert run.returncode == 0, run.stderr[-4000:]
+    log = gpus_launches.accelerate_log
+    assert "step 20 loss" in log and re.search(r"per rank: rss \d+\.\d+ \d+\.\d+ GiB", log)
+    assert run.stdout.count("LoRA files:") == 1 and (gpus_launches.out / "t_diffusers.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_run_and_leaves_the_last_save_intact(gpus_launches):
+    """kill -9 of rank 1 mid-run: the launcher stops rank 0 too (no hang), exits non-zero naming the
+    rank, the signal and the intact last save, without torchrun's raw report; that save loads.
+    (gpus_launches 1.)"""
+    got = gpus_launches
+    assert len(got.died_workers) == 2
+    err = got.died_err
+    assert got.died_rc != 0
+    assert f"rank 1 (pid {got.rank1}) was killed by SIGKILL" in err and "is intact" in err and "--resume" in err
+    assert "ChildFailedError" not in err and "Traceback" not in err, err
+    step, world_size = got.died_last_save
+    assert step >= 5 and world_size == 2
 
 
 # -- one host copy of the streamed weights -------------------------------------------------------------
@@ -538,8 +654,8 @@ def test_fsdp2_and_zero2_full_fine_tunes_on_two_processes_match_one_process_and_
     offload = write_full_config(tmp_path, tiny_flux_dir, images, "zero2offload", 1, str(tmp_path / "zero2offload"),
                                 '\n[distributed]\nstrategy = "deepspeed"\noffload_optimizer = true\n')
     oom = write_full_config(tmp_path, tiny_flux_dir, images, "oomfull", 1, str(tmp_path / "oomfull"))
-    for p in (zero, offload, oom):
-        p.write_text(p.read_text().replace(f"cache-{p.stem}", "cache-fsdp"))
+    for p in (fsdp, zero, offload, oom):          # the cache the one-process run filled
+        _use_cache(p, tmp_path / "cache-fullref")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), "--plain-gloo", str(fsdp), str(zero), str(offload),
            str(oom)]
@@ -602,6 +718,7 @@ def test_zero2_full_fine_tune_from_the_seed_accelerate_config_as_written(tmp_pat
     pytest.importorskip("deepspeed")
     from safetensors.torch import load_file
 
+    from leantune.cli import main
     from leantune.train.state import latest_checkpoint, load_checkpoint
 
     seed = tmp_path / "accelerate_config.yaml"
@@ -611,6 +728,7 @@ def test_zero2_full_fine_tune_from_the_seed_accelerate_config_as_written(tmp_pat
     text = text.replace('cache_dir = "cache"', f'cache_dir = "{tmp_path}/cache"')
     cfg = tmp_path / "seed.toml"
     cfg.write_text(text + f'\n[output]\ndir = "{tmp_path / "out"}"\nname = "m"\n')
+    assert main(["cache", str(cfg)]) == 0          # filled here: the launch's rank 0 loads no encoder
     accelerate = Path(sys.executable).with_name("accelerate")
     run = subprocess.run([str(accelerate), "launch", "--config_file", str(seed), "--num_processes", "2", "-m",
                           "leantune", "train", str(cfg), "--no-progress"], env=_env(tmp_path), capture_output=True,
@@ -689,44 +807,3 @@ def test_deepspeed_config_from_the_run_matches_the_seed_report_setup(tmp_path):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "train_batch_size": 8}')
     own = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"deepspeed_config": "ds.json"})})
     assert deepspeed_config(own, 2) == {"zero_optimization": {"stage": 2}, "train_batch_size": 8}
-
-
-@pytest.mark.slow
-def test_accelerate_launch_runs_two_processes(tmp_path, tiny_flux_dir, images):
-    """`accelerate launch --multi_gpu --num_processes 2 -m leantune train` (gloo on this CPU machine):
-    two ranks train, rank 0 writes the log with both ranks' memory and the LoRA files."""
-    cfg = write_config(tmp_path, tiny_flux_dir, images, "acc", 1, str(tmp_path / "out"))
-    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 2"))
-    accelerate = Path(sys.executable).with_name("accelerate")
-    run = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "-m", "leantune", "train",
-                          str(cfg), "--no-progress"], env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    log = (tmp_path / "out" / "train.log").read_text()
-    assert "step 2 loss" in log and re.search(r"per rank: rss \d+\.\d+ \d+\.\d+ GiB", log)
-    assert run.stdout.count("LoRA files:") == 1 and (tmp_path / "out" / "t_diffusers.safetensors").exists()
-
-
-@pytest.mark.slow
-def test_a_rank_that_dies_ends_the_run_and_leaves_the_last_save_intact(tmp_path, tiny_flux_dir, images):
-    """kill -9 of rank 1 mid-run: the launcher stops rank 0 too (no hang), exits non-zero naming the
-    rank, the signal and the intact last save, without torchrun's raw report; that save loads."""
-    from leantune.train.state import latest_checkpoint, load_checkpoint
-
-    cfg = write_config(tmp_path, tiny_flux_dir, images, "die", 1, str(tmp_path / "out"))
-    cfg.write_text(cfg.read_text().replace("steps = 20", "steps = 200"))
-    launcher = subprocess.Popen([sys.executable, "-m", "leantune", "train", str(cfg), "--gpus", "2", "--no-progress",
-                                 *_cpu_unless_two_gpus()],
-                                env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ckpts = tmp_path / "out" / "checkpoints"
-    wait_until((ckpts / "step-000005" / "state.json").exists, lambda: logged_steps(tmp_path / "out" / "train.log"),
-               what="the save at step 5", alive=lambda: launcher.poll() is None)
-    workers = sorted(_children(launcher.pid))
-    assert len(workers) == 2
-    rank1 = next(p for p in workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
-    os.kill(rank1, signal.SIGKILL)
-    _, err = launcher.communicate(timeout=120)
-    assert launcher.returncode != 0
-    assert f"rank 1 (pid {rank1}) was killed by SIGKILL" in err and "is intact" in err and "--resume" in err
-    assert "ChildFailedError" not in err and "Traceback" not in err, err
-    step, state = load_checkpoint(latest_checkpoint(ckpts))
-    assert step >= 5 and state["world_size"] == 2

@@ -2,7 +2,9 @@
 The GPU parts themselves need a GPU; here the listing and the runner (budget, log per part,
 summary) are checked on the CPU."""
 
+import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -49,11 +51,37 @@ def test_budgets_over_the_window_fail_the_dry_run():
 
 
 def test_a_part_runs_under_its_budget_with_its_own_log_and_a_summary_line(tmp_path):
-    """The runner on a part that needs no GPU here (two-gpu-guard skips itself with fewer than two)."""
+    """The runner on a part that needs no GPU here (two-gpu-guard skips itself with fewer than two).
+
+    Its output goes to a file, not a pipe: the part's watchdog (`sleep <budget>`, left behind when
+    the part ends first) would hold a pipe open for the whole budget; it is ended with the runner's
+    process group. A machine too busy to run the part's Python within its 45 s budget shows the
+    runner's other promise instead: the part is stopped at its budget and its summary line says so
+    (rc 124 from `timeout`, 143 from the watchdog's SIGTERM, whichever comes first, 137 after
+    timeout's --kill-after); the part's own output is then read from a run of its command without
+    the runner."""
     env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "OUT": str(tmp_path), "HOME": str(tmp_path)}
-    out = subprocess.run(["bash", str(SCRIPT), "--only", "two-gpu-guard"], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
+    with open(tmp_path / "runner.out", "w") as out:
+        runner = subprocess.Popen(["bash", str(SCRIPT), "--only", "two-gpu-guard"], stdout=out,
+                                  stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        try:
+            rc = runner.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(runner.pid, signal.SIGKILL)        # the watchdog's sleep, and anything left
+            except ProcessLookupError:
+                pass
+            runner.wait()
+    said = (tmp_path / "runner.out").read_text()
+    assert rc == 0, said
+    summary = (tmp_path / "summary.txt").read_text()
+    line = re.fullmatch(r"two-gpu-guard: rc=(\d+) (\d+)s \(budget 45s\)\n", summary)
+    assert line, summary
     log = (tmp_path / "two-gpu-guard.log").read_text()
-    assert '"skipped": "needs 2 GPUs' in log
-    assert re.fullmatch(r"two-gpu-guard: rc=0 \d+s \(budget 45s\)\n", (tmp_path / "summary.txt").read_text())
+    if line.group(1) == "0":
+        assert '"skipped": "needs 2 GPUs' in log
+    else:                                   # stopped at its budget on a busy machine
+        assert line.group(1) in ("124", "137", "143") and int(line.group(2)) >= 45, (summary, log)
+        alone = subprocess.run([str(ROOT / ".venv" / "bin" / "python3"), "bench/gpu_findings.py", "two-gpu-guard"],
+                               capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert alone.returncode == 0 and '"skipped": "needs 2 GPUs' in alone.stdout, alone.stdout + alone.stderr

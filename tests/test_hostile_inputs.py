@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_run_toml
+from progress_wait import file_size, logged_steps, wait_until
 
 from leantune.cli import main
 from leantune.demo import draw_shapes
@@ -144,14 +145,20 @@ def test_sigterm_finishes_the_step_saves_a_resumable_state_and_releases_the_lock
 
     config = _config(tmp_path, tiny_flux_dir, images, REST.replace("steps = 4", "steps = 100000")
                      .replace("save_every = 2", "save_every = 0"))
+    # The cache filled here first: the process signalled loads no encoder (seconds of imports).
+    assert main(["cache", str(config)]) == 0
     proc = subprocess.Popen([sys.executable, "-m", "leantune", "train", str(config), "--no-progress"],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "out" / "train.log"
-    deadline = time.time() + 300
-    while not (log.exists() and "step 3 loss" in log.read_text()):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline
-        time.sleep(0.1)
+    try:
+        wait_until(lambda: log.exists() and "step 3 loss" in log.read_text(), lambda: (logged_steps(log), file_size(log)),
+                   what="step 3's log line",
+                   alive=lambda: proc.poll() is None,
+                   detail=lambda: proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err[-3000:]

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -55,12 +56,26 @@ def _toml(tmp_path, tiny_flux_dir, images, rest=REST):
     return p
 
 
+@pytest.fixture(scope="module")
+def finished_once(tmp_path_factory, tiny_flux_dir, images):
+    """The 4-step run, trained once per module: `finished` copies it for each test."""
+    folder = tmp_path_factory.mktemp("finished")
+    train(load_config(_toml(folder, tiny_flux_dir, images)), progress=False)
+    return folder
+
+
 @pytest.fixture
-def finished(tmp_path, tiny_flux_dir, images):
-    """A config whose 4-step run has finished in tmp_path/out (checkpoints at 2 and 4)."""
-    path = _toml(tmp_path, tiny_flux_dir, images)
-    train(load_config(path), progress=False)
-    return path
+def finished(tmp_path, finished_once):
+    """A config whose 4-step run has finished in tmp_path/out (checkpoints at 2 and 4): a copy of
+    the module's one run (config, cache and output folder). Its config names the cache and output
+    folders relative to the TOML, and nothing the run saved holds the folder's path (checked), so
+    the copy is that run as if it had been made here."""
+    for name in ("run.toml", "cache", "out"):
+        src = finished_once / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp_path / name)
+    saved = [f for f in (tmp_path / "out").rglob("*") if f.suffix in (".json", ".toml")] + [tmp_path / "run.toml"]
+    assert not [f for f in saved if str(finished_once) in f.read_text()]
+    return tmp_path / "run.toml"
 
 
 def test_second_run_in_a_finished_folder_is_refused_unless_resume_or_overwrite(finished, capsys):
@@ -100,10 +115,10 @@ def test_resume_lists_changes_accepts_more_steps_refuses_rank(finished, caplog):
     assert saved["train"]["steps"] == 6 and saved["lora"]["rank"] == 2
 
 
-def test_changed_learning_rate_takes_effect_on_resume(tmp_path, tiny_flux_dir, images):
-    """The scheduler's base rate comes back from the state; a changed learning rate must still apply."""
-    path = _toml(tmp_path, tiny_flux_dir, images, REST.replace("steps = 4", "steps = 6"))
-    train(load_config(path), stop_after=2, progress=False)
+def test_changed_learning_rate_takes_effect_on_resume(finished):
+    """The scheduler's base rate comes back from the state; a changed learning rate must still apply.
+    (The finished run resumed from its step 4 with 2 more steps: the same path as resuming a run
+    cut short, apply_learning_rate after the scheduler's and optimizer's saved states load.)"""
     from leantune import trainer as trainer_mod
 
     seen = {}
@@ -115,7 +130,8 @@ def test_changed_learning_rate_takes_effect_on_resume(tmp_path, tiny_flux_dir, i
 
     trainer_mod.train_step = spy
     try:
-        train(load_config(path, ["train.learning_rate=1e-4"]), resume=True, stop_after=1, progress=False)
+        train(load_config(finished, ["train.steps=6", "train.learning_rate=1e-4"]), resume=True, stop_after=1,
+              progress=False)
     finally:
         trainer_mod.train_step = real
     assert seen["lr"] and all(lr == pytest.approx(1e-4) for lr in seen["lr"])   # constant schedule

@@ -146,7 +146,7 @@ def test_disk_full_while_caching_names_the_path_and_bytes(tmp_path, tiny_flux_di
     assert "every entry already written is intact" in err and "Traceback" not in err
 
 
-def test_third_party_chatter_is_silenced():
+def test_third_party_chatter_is_silenced(tmp_path):
     script = ("import sys; sys.argv = ['leantune']\n"
               "from leantune.quiet import quiet_third_party; quiet_third_party()\n"
               "import torch\nfrom diffusers import FluxPipeline\nfrom leantune import tiny\n"
@@ -155,9 +155,13 @@ def test_third_party_chatter_is_silenced():
                     "TRANSFORMERS_NO_ADVISORY_WARNINGS", "LEANTUNE_VERBOSE")    # main() in this process set them
     env = {k: v for k, v in os.environ.items() if k not in set_by_quiet}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    loud = subprocess.run([sys.executable, "-c", script], env={**env, "LEANTUNE_VERBOSE": "1"},
-                          capture_output=True, text=True, timeout=300)
-    quiet = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert loud.returncode == quiet.returncode == 0
-    assert "kept in float32" in loud.stderr                 # the library does say it
-    assert "kept in float32" not in quiet.stderr and "torchvision" not in quiet.stderr
+    # Both at once (each is one process's imports; neither waits for the other), their stderr in files.
+    runs = {}
+    for name, e in (("loud", {**env, "LEANTUNE_VERBOSE": "1"}), ("quiet", env)):
+        with open(tmp_path / f"{name}.err", "w") as err:
+            runs[name] = subprocess.Popen([sys.executable, "-c", script], env=e, stdout=subprocess.DEVNULL, stderr=err)
+    codes = {name: p.wait(timeout=300) for name, p in runs.items()}
+    loud, quiet = ((tmp_path / f"{name}.err").read_text() for name in ("loud", "quiet"))
+    assert codes == {"loud": 0, "quiet": 0}, loud[-3000:] + quiet[-3000:]
+    assert "kept in float32" in loud                        # the library does say it
+    assert "kept in float32" not in quiet and "torchvision" not in quiet
