@@ -322,6 +322,36 @@ def _tail(run) -> str:
     return run.stdout[-3000:] + run.stderr[-6000:]
 
 
+def _once_per_run(tmp_path_factory, name: str, make) -> tuple[Path, dict]:
+    """(folder, result): `make(folder)` run once per test run and its JSON result shared by every
+    pytest-xdist worker that asks (one that finds it being made waits for it), so a launch several
+    tests read is made once even when those tests land on different workers."""
+    import fcntl
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
+    folder, result = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            folder.mkdir(exist_ok=True)
+            result.write_text(json.dumps(make(folder)))
+    return folder, json.loads(result.read_text())
+
+
+def _ran(run) -> dict:
+    return {"returncode": run.returncode, "stdout": run.stdout, "stderr": run.stderr}
+
+
+def _free_port() -> int:
+    """A port for `accelerate launch` (its default, 29500, would collide with another launch)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def lora_launch(tmp_path_factory, tiny_flux_dir, images):
     """One torchrun launch (2 ranks, gloo with NCCL's device restriction) of tests/dist_worker.py
@@ -331,7 +361,11 @@ def lora_launch(tmp_path_factory, tiny_flux_dir, images):
     memory, after the gradient vote), which ends the processes and so comes last. One launch pays
     the processes' start, imports and caches once instead of three times; dist_worker undoes each
     config's patches before the next, and records each config's results when it ends."""
-    tmp = tmp_path_factory.mktemp("lora_launch")
+    tmp, got = _once_per_run(tmp_path_factory, "lora_launch", lambda tmp: _lora_launch(tmp, tiny_flux_dir, images))
+    return SimpleNamespace(folder=tmp, run=SimpleNamespace(**got["run"]), ranks=got["ranks"])
+
+
+def _lora_launch(tmp: Path, tiny_flux_dir, images) -> dict:
     plain = write_config(tmp, tiny_flux_dir, images, "plain", 1, str(tmp / "plain"))
     streamed = write_config(tmp, tiny_flux_dir, images, "streamed", 1, str(tmp / "streamed"),
                             "[memory]\nstreamed_blocks = 2\ndebug_poison = true\n")
@@ -348,8 +382,7 @@ def lora_launch(tmp_path_factory, tiny_flux_dir, images):
            str(ROOT / "tests" / "dist_worker.py"), str(tmp), *map(str, (plain, streamed, oom, probe, optstep))]
     run = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=900)
     files = [tmp / f"rank{r}.json" for r in range(2)]
-    ranks = [json.loads(f.read_text()) if f.exists() else {} for f in files]
-    return SimpleNamespace(folder=tmp, run=run, ranks=ranks)
+    return {"run": _ran(run), "ranks": [json.loads(f.read_text()) if f.exists() else {} for f in files]}
 
 
 @pytest.mark.slow
@@ -443,49 +476,55 @@ def gpus_launches(tmp_path_factory, tiny_flux_dir, images, reference):
     Three launches where the tests had four (and a fifth that only ran 2 steps): each stop is the
     end of a launch, and every resume continues the run the reference must equal. The reference's
     cache serves them (rank 0 filling the cache for the other ranks is lora_launch's check)."""
+    tmp, got = _once_per_run(tmp_path_factory, "gpus", lambda tmp: _gpus_launches(tmp, tiny_flux_dir, images,
+                                                                               reference.cache))
+    return SimpleNamespace(**{**got, "resumed": SimpleNamespace(**got["resumed"]), "cfg": tmp / "run.toml",
+                              "out": tmp / "out"})
+
+
+def _gpus_launches(tmp: Path, tiny_flux_dir, images, cache: Path) -> dict:
     from leantune.train.state import latest_checkpoint, load_checkpoint
 
-    tmp = tmp_path_factory.mktemp("gpus")
     cfg = write_config(tmp, tiny_flux_dir, images, "run", 1, str(tmp / "out"))
-    _use_cache(cfg, reference.cache)
+    _use_cache(cfg, cache)
     env, ckpts, log = _env(tmp), tmp / "out" / "checkpoints", tmp / "out" / "train.log"
     base = [sys.executable, "-m", "leantune", "train", str(cfg), "--gpus", "2", "--no-progress", *_cpu_unless_two_gpus()]
-    got = SimpleNamespace(cfg=cfg, out=tmp / "out", env=env)
+    got = {"calibration": env["LEANTUNE_CACHE"]}
     launcher = None
     try:
         # 1. kill -9 of rank 1 mid-run
         launcher = subprocess.Popen(base, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _until_saved(launcher, ckpts, 5)
-        got.died_workers = sorted(_children(launcher.pid))
-        got.rank1 = next(p for p in got.died_workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
-        os.kill(got.rank1, signal.SIGKILL)
-        _, got.died_err = launcher.communicate(timeout=120)
-        got.died_rc = launcher.returncode
+        got["died_workers"] = workers = sorted(_children(launcher.pid))
+        got["rank1"] = rank1 = next(p for p in workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+        os.kill(rank1, signal.SIGKILL)
+        got["died_err"] = launcher.communicate(timeout=120)[1]
+        got["died_rc"] = launcher.returncode
         step, state = load_checkpoint(latest_checkpoint(ckpts))
-        got.died_last_save = (step, state["world_size"])
+        got["died_last_save"] = [step, state["world_size"]]
         # 2. `--resume` on `--gpus 2`, then kill -9 of the launcher
         launcher = subprocess.Popen(base + ["--resume"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True)
         _until_saved(launcher, ckpts, 10)
-        got.killed_workers = _children(launcher.pid)
+        got["killed_workers"] = workers = _children(launcher.pid)
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         try:                                            # the workers die with their launcher
-            wait_until(lambda: not any(_alive(p) for p in got.killed_workers), what="the workers' end",
-                       limit_s=30, poll_s=0.1)
-            got.outlived = []
+            wait_until(lambda: not any(_alive(p) for p in workers), what="the workers' end", limit_s=30, poll_s=0.1)
+            got["outlived"] = []
         except AssertionError:
-            got.outlived = [p for p in got.killed_workers if _alive(p)]
-            for p in got.outlived:
+            got["outlived"] = [p for p in workers if _alive(p)]
+            for p in got["outlived"]:
                 os.kill(p, signal.SIGKILL)
-        got.final_after_kill = (tmp / "out" / "t_diffusers.safetensors").exists()
+        got["final_after_kill"] = (tmp / "out" / "t_diffusers.safetensors").exists()
         # 3. `accelerate launch` resumes to the end
-        got.log_before = len(log.read_text()) if log.exists() else 0
+        before = len(log.read_text()) if log.exists() else 0
         accelerate = Path(sys.executable).with_name("accelerate")
-        got.resumed = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "-m",
-                                      "leantune", "train", str(cfg), "--resume", "--no-progress",
-                                      *_cpu_unless_two_gpus()], env=env, capture_output=True, text=True, timeout=900)
-        got.accelerate_log = log.read_text()[got.log_before:]
+        got["resumed"] = _ran(subprocess.run(
+            [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port()),
+             "-m", "leantune", "train", str(cfg), "--resume", "--no-progress", *_cpu_unless_two_gpus()],
+            env=env, capture_output=True, text=True, timeout=900))
+        got["accelerate_log"] = log.read_text()[before:]
     finally:
         if launcher is not None and launcher.poll() is None:
             for p in _children(launcher.pid):
@@ -517,7 +556,7 @@ def test_gpus_shortcut_resumes_exactly_after_kill_9_of_the_launcher(gpus_launche
     # One process: `python -m leantune` is `sys.exit(main())`, and its launches are the ones above.
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("LEANTUNE_CACHE", got.env["LEANTUNE_CACHE"])
+    monkeypatch.setenv("LEANTUNE_CACHE", got.calibration)
     capsys.readouterr()
     assert main(["train", str(got.cfg), "--resume", "--no-progress"]) == 1
     assert "saved by a run on 2 process(es); this run has 1" in capsys.readouterr().err
@@ -730,9 +769,9 @@ def test_zero2_full_fine_tune_from_the_seed_accelerate_config_as_written(tmp_pat
     cfg.write_text(text + f'\n[output]\ndir = "{tmp_path / "out"}"\nname = "m"\n')
     assert main(["cache", str(cfg)]) == 0          # filled here: the launch's rank 0 loads no encoder
     accelerate = Path(sys.executable).with_name("accelerate")
-    run = subprocess.run([str(accelerate), "launch", "--config_file", str(seed), "--num_processes", "2", "-m",
-                          "leantune", "train", str(cfg), "--no-progress"], env=_env(tmp_path), capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([str(accelerate), "launch", "--config_file", str(seed), "--num_processes", "2",
+                          "--main_process_port", str(_free_port()), "-m", "leantune", "train", str(cfg), "--no-progress"],
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-6000:]
     log = (tmp_path / "out" / "train.log").read_text()
     assert 'from the accelerate launch config: [distributed] strategy = "deepspeed", [train] gradient_accumulation = 2' \
