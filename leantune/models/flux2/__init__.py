@@ -367,7 +367,7 @@ def _config_recognizer(name: str):
 def _text_phase(name: str):
     """The family's priced text-encoding phase (flux2/text_phase.py), imported on use."""
     def phase(rows, model_cfg=None, base_dir=None):
-        from ..text_phase import text_encoding_phase
+        from .text_phase import text_encoding_phase
 
         return text_encoding_phase(name, rows, model_cfg=model_cfg, base_dir=base_dir)
     return phase
