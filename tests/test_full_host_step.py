@@ -171,12 +171,13 @@ def test_host_step_on_cuda_matches_the_device_step_and_never_synchronizes_the_de
 
 # -- through the trainer -----------------------------------------------------------------------------
 
-from test_full_train import _same_files, full_run, images, make_config  # noqa: E402,F401  (fixtures)
+from test_full_train import FULL_RUN, _same_files, full_run, images, make_config  # noqa: E402,F401  (fixtures)
 
 from leantune.config import ConfigError  # noqa: E402
 from leantune.trainer import train  # noqa: E402
 
 
+@pytest.mark.xdist_group(FULL_RUN)
 def test_a_run_stepping_streamed_blocks_on_the_host_equals_the_device_step_and_resumes_exactly(
         tmp_path, tiny_flux_dir, images, full_run):  # noqa: F811
     """[full] streamed_step = "host" with the full-mode run of tests/test_full_train.py (two

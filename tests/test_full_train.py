@@ -43,24 +43,42 @@ formats = ["comfyui", "diffusers"]
 """
 
 
-@pytest.fixture(scope="module")
+# The images and the uninterrupted run are shared with tests/test_full_host_step.py, which imports
+# these fixtures. An imported fixture gets an instance of its own in each module that holds it (pytest
+# keeps one per defining module, whatever its scope), so the values are kept in _SHARED, once per test
+# process; the tests that read the run carry xdist_group(FULL_RUN) so that one worker trains it.
+_SHARED: dict = {}
+FULL_RUN = "full_run"
+
+
+@pytest.fixture(scope="session")
 def images(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shapes") / "images"
-    draw_shapes(folder, count=6, size=64, seed=5)
-    return folder
+    if "images" not in _SHARED:
+        folder = tmp_path_factory.mktemp("shapes") / "images"
+        draw_shapes(folder, count=6, size=64, seed=5)
+        _SHARED["images"] = folder
+    return _SHARED["images"]
 
 
 def make_config(tmp_path, tiny_flux_dir, images, out="out", extra=()):
+    """The run's config in `tmp_path`. Every run of these images shares one latent and text cache
+    (beside the images): the first run (the uninterrupted one, `full_run`) fills it and the others
+    read it, as a resumed run reads its own (about 1 CPU-s less per run than loading the encoders
+    again); what these tests check is the training itself, and the entries are the same bytes."""
     p = tmp_path / "run.toml"
     p.write_text(tiny_run_toml(tiny_flux_dir, images, REST.replace("{out}", out)))
-    return load_config(p, list(extra))
+    return load_config(p, [f'data.cache_dir="{images.parent / "cache"}"', *extra])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def full_run(tmp_path_factory, tiny_flux_dir, images):
-    tmp = tmp_path_factory.mktemp("full")
-    cfg = make_config(tmp, tiny_flux_dir, images)
-    return cfg, train(cfg, progress=False)
+    """The uninterrupted 6-step run every resumed, interrupted and re-planned run is compared with
+    (read only: its files are the reference)."""
+    if "full_run" not in _SHARED:
+        tmp = tmp_path_factory.mktemp("full")
+        cfg = make_config(tmp, tiny_flux_dir, images)
+        _SHARED["full_run"] = (cfg, train(cfg, progress=False))
+    return _SHARED["full_run"]
 
 
 def _tensors(path):
@@ -76,6 +94,7 @@ def _same_files(a, b):
         assert torch.equal(ta[k], tb[k]), k
 
 
+@pytest.mark.xdist_group(FULL_RUN)
 def test_full_run_exports_files_that_load_and_give_the_trained_outputs(full_run, tiny_flux_dir):
     from diffusers import FluxTransformer2DModel
 
@@ -109,6 +128,7 @@ def test_full_run_exports_files_that_load_and_give_the_trained_outputs(full_run,
     assert all(torch.equal(state["trainable"][n], sd[n]) for n in state["trainable"])
 
 
+@pytest.mark.xdist_group(FULL_RUN)
 def test_full_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_flux_dir, images, full_run):
     _, full = full_run
     cfg = make_config(tmp_path, tiny_flux_dir, images)
@@ -120,6 +140,7 @@ def test_full_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_flux_dir, i
     _same_files(full.paths.root / "t_comfyui.safetensors", resumed.paths.root / "t_comfyui.safetensors")
 
 
+@pytest.mark.xdist_group(FULL_RUN)
 def test_full_ctrl_c_finishes_the_step_and_resumes_exactly(tmp_path, tiny_flux_dir, images, full_run, monkeypatch):
     _, full = full_run
     cfg = make_config(tmp_path, tiny_flux_dir, images)
@@ -163,6 +184,7 @@ def _replanning(monkeypatch, tmp_path):
     monkeypatch.setattr(planner_mod.Planner, "plan", plan)
 
 
+@pytest.mark.xdist_group(FULL_RUN)
 def test_full_oom_between_micro_batches_replans_and_stays_exact(tmp_path, tiny_flux_dir, images, full_run,
                                                                 monkeypatch):
     _, full = full_run
@@ -190,6 +212,7 @@ def test_full_oom_between_micro_batches_replans_and_stays_exact(tmp_path, tiny_f
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
 
+@pytest.mark.xdist_group(FULL_RUN)
 @pytest.mark.slow
 def test_full_oom_inside_backward_steps_every_weight_once(tmp_path, tiny_flux_dir, images, full_run, monkeypatch):
     """An OOM after some weights were already updated in backward: the redone step skips them, so

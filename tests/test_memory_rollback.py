@@ -1,64 +1,73 @@
 """A plan that fails while being applied (an out-of-memory during a re-plan) rolls the model back
 to the host, never onto the compute device. Run on the simulated GPU (memory/simulated.py), where
 the GPU ("fakegpu:0") and host RAM ("fakegpu:1") are two devices, in a fresh process (the
-simulated device must be set up before any backward in a process)."""
+simulated device must be set up before any backward in a process): the one of
+tests/simulated_cases.py, which the simulated test modules share."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from simulated_cases import GROUP, Call, register, results
 
 from leantune.memory import simulated
 
-CHILD = r'''
-import torch
-from diffusers import FluxTransformer2DModel
-from leantune.memory import engine, simulated
-from leantune.memory.plan import Plan
-from leantune.simulated_run import fake_parameters
-from leantune.models.flux import FLUX_SPEC
 
-device = simulated.enable()
-with torch.device("meta"):
-    model = FluxTransformer2DModel(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-                                   joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
-model.requires_grad_(False)
-names = tuple(n for n, _ in FLUX_SPEC.blocks(model))
+def _failed_apply() -> dict:
+    """In the fresh process: apply_memory of a streaming + checkpointing plan whose checkpointing
+    step runs out of memory; where the model's tensors are then, whether a wrapper was left on a
+    module, and whether a second plan then applies and is removed."""
+    import torch
+    from diffusers import FluxTransformer2DModel
 
-def out_of_memory(*a, **k):
-    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    from leantune.memory import engine
+    from leantune.memory.plan import Plan
+    from leantune.models.flux import FLUX_SPEC
+    from leantune.simulated_run import fake_parameters
 
-with simulated.simulation():
-    fake_parameters(model)
-    real = engine.apply_checkpointing
-    engine.apply_checkpointing = out_of_memory
-    try:
-        engine.apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=names[:2], checkpointing="blocks"), device,
-                            host_device=simulated.HOST)
-        raise SystemExit("apply_memory did not raise")
-    except torch.OutOfMemoryError:
-        pass
-    engine.apply_checkpointing = real
-    where = sorted({str(t.device) for t in list(model.parameters()) + list(model.buffers())})
-    print("DEVICES", where)
-    assert where == [simulated.HOST], where
-    assert not any("forward" in m.__dict__ for m in model.modules())
-    handle = engine.apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=names[:2]), device, host_device=simulated.HOST)
-    handle.remove(device=simulated.HOST)
-print("OK")
-'''
+    device = simulated.enable()
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                                       joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+    model.requires_grad_(False)
+    names = tuple(n for n, _ in FLUX_SPEC.blocks(model))
+
+    def out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with simulated.simulation():
+        fake_parameters(model)
+        real = engine.apply_checkpointing
+        engine.apply_checkpointing = out_of_memory
+        raised = False
+        try:
+            engine.apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=names[:2], checkpointing="blocks"), device,
+                                host_device=simulated.HOST)
+        except torch.OutOfMemoryError:
+            raised = True
+        finally:
+            engine.apply_checkpointing = real
+        where = sorted({str(t.device) for t in list(model.parameters()) + list(model.buffers())})
+        wrapped = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+        handle = engine.apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=names[:2]), device,
+                                     host_device=simulated.HOST)
+        handle.remove(device=simulated.HOST)
+    return {"raised": raised, "devices": where, "wrapped": wrapped}
 
 
-def test_failed_apply_rolls_back_to_the_host():
+register("rollback", {"failed_apply": Call("test_memory_rollback", "_failed_apply")})
+
+
+@pytest.fixture(scope="module")
+def rollback(request):
     try:
         simulated.build_library()
     except simulated.SimulatedDeviceUnavailable as e:
         pytest.skip(str(e))
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
+    return results(request, "rollback")["failed_apply"]
+
+
+@pytest.mark.xdist_group(GROUP)
+def test_failed_apply_rolls_back_to_the_host(rollback):
+    assert rollback["raised"], "apply_memory did not raise"
+    assert rollback["devices"] == [simulated.HOST], rollback
+    assert not rollback["wrapped"], rollback      # no module keeps a wrapper of the failed plan

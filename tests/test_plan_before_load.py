@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_planner import one_thread  # noqa: F401  (fixture)
 from test_train import make_config
 
 from leantune import trainer as trainer_mod
@@ -87,6 +88,10 @@ def test_the_plan_from_the_meta_build_is_the_plan_of_the_loaded_model(tmp_path, 
     machine = assumed_machine()
     from_meta, budget = planner_for_config(cfg, family.spec, meta, machine)
     from_real, _ = planner_for_config(cfg, family.spec, real, machine)
+    # The host-RAM limit read once for both: left to each plan() (no ram_budget), it is this
+    # process's resident set plus the RAM available, and the first planner's caches can grow the
+    # resident set by a page before the second plans: a difference of the process, not of the model.
+    budget = replace(budget, ram=budget.ram_limit(machine))
     assert from_meta.key == from_real.key and _priced(from_meta.weights) == _priced(from_real.weights)
     fits = 0
     for vram in (0.26, 0.27, 0.3, 0.5, 1.0, 4.0):
@@ -166,7 +171,7 @@ def _spy_loads(monkeypatch) -> list:
 
 
 def test_a_budget_run_whose_plan_picks_fp8_loads_quantized_and_trains_as_before(tmp_path, tiny_flux_dir, images,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, one_thread):
     """vram_budget with a plan that stores fp8: the loader hands back every block Linear already
     e4m3 (none held in the run's dtype in between), the plan applied is the one chosen before
     loading, and the run trains as on the old path (load in the run's dtype, plan on the loaded
@@ -183,16 +188,20 @@ def test_a_budget_run_whose_plan_picks_fp8_loads_quantized_and_trains_as_before(
     assert len(seen) == 1 and seen[0] and all(d == FP8_DTYPE for d in seen[0]), seen
     assert "fp8=on" in new.paths.log_file.read_text()
 
-    # The old path: plan on the loaded model, load unquantized, the engine quantizes.
+    # The old path: plan on the loaded model, load unquantized, the engine quantizes. It reads the
+    # latents and text embeddings the new path cached (keyed by content, encoder and dtype: the same
+    # entries it would compute), so it loads no VAE or text encoder again.
     monkeypatch.setattr(trainer_mod, "_plan_before_load", lambda *a, **k: None)
-    old_cfg = make_config(tmp_path / "old", tiny_flux_dir, images, extra=extra)
+    old_cfg = make_config(tmp_path / "old", tiny_flux_dir, images,
+                          extra=[*extra, f'data.cache_dir="{tmp_path / "new" / "cache"}"'])
     old = trainer_mod.train(old_cfg, progress=False, stop_after=3)
     assert all(d == torch.bfloat16 for d in seen[-1])                       # loaded unquantized
     assert new.losses[0] == old.losses[0]
     assert new.losses == pytest.approx(old.losses, rel=1e-3)
 
 
-def test_an_oom_replan_after_a_quantizing_load_keeps_training(tmp_path, tiny_flux_dir, images, monkeypatch):
+def test_an_oom_replan_after_a_quantizing_load_keeps_training(tmp_path, tiny_flux_dir, images, monkeypatch,
+                                                              one_thread):
     """An out-of-memory error in a run that loaded fp8 weights: the guard re-plans with the planner
     chosen before loading (stream more, checkpoint) and the run finishes its steps, the base still e4m3."""
     from test_train import _oom_on_call

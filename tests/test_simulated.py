@@ -12,6 +12,7 @@ import hashlib
 
 import pytest
 import torch
+from simulated_cases import GROUP, Call, register, results
 from test_memory_helpers import lora_flux, lora_params, make_batch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -119,7 +120,8 @@ def test_library_is_built_once(monkeypatch, tmp_path):
 
 
 # Full width (3072, 24 heads, T5 4096) with one double and one single block: every tensor of a
-# full-size block, in seconds. Run in a fresh process (see simulated.enable).
+# full-size block, in seconds. Run in a fresh process (see simulated.enable), the one of
+# tests/simulated_cases.py, which every simulated test module's jobs share.
 BLOCKS = (1, 1)
 DOUBLE, SINGLE = "transformer_blocks.0", "single_transformer_blocks.0"
 GiB = 2**30
@@ -137,14 +139,13 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def simulated_cases():
-    _library_or_skip()
-    from leantune.simulated_run import run_in_fresh_process
+register("simulated_cases", {n: {"budget": 8 * GiB, **CASES[n], "blocks": BLOCKS} for n in CASES})
 
-    names = list(CASES)
-    cases = [{"budget": 8 * GiB, **CASES[n], "blocks": BLOCKS} for n in names]
-    return dict(zip(names, run_in_fresh_process(cases), strict=True))
+
+@pytest.fixture(scope="module")
+def simulated_cases(request):
+    _library_or_skip()
+    return results(request, "simulated_cases")
 
 
 def _static(r: dict) -> int:
@@ -152,6 +153,7 @@ def _static(r: dict) -> int:
     return b["weights resident"] + b["stream slots"] + b["adapters"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["resident", "streamed_checkpointed", "streamed_offloaded", "sample_fp8_streamed"])
 def test_engine_places_what_the_planner_counts(simulated_cases, name):
@@ -163,6 +165,7 @@ def test_engine_places_what_the_planner_counts(simulated_cases, name):
     assert 0.97 <= r["ratio"] <= 1.03, r
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 def test_streaming_and_checkpointing_lower_the_simulated_peak(simulated_cases):
     resident, ckpt = simulated_cases["resident"], simulated_cases["streamed_checkpointed"]
@@ -174,6 +177,7 @@ def test_streaming_and_checkpointing_lower_the_simulated_peak(simulated_cases):
     assert ckpt["simulated"] - ckpt["after_setup"] < resident["simulated"] - resident["after_setup"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 def test_planned_budget_holds_on_the_simulated_device(simulated_cases):
     """The plan the planner chooses for a 1.75 GiB budget stays under that budget on the simulated
@@ -184,6 +188,7 @@ def test_planned_budget_holds_on_the_simulated_device(simulated_cases):
     assert r["simulated"] + r["workspace"] <= r["budget"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 def test_fp8_training_step_matches_the_prediction(simulated_cases):
     """Prediction within 10% of the simulation for fp8 training plans, given and planned; and the
@@ -196,65 +201,84 @@ def test_fp8_training_step_matches_the_prediction(simulated_cases):
     assert planned["simulated"] + planned["workspace"] <= planned["budget"] - planned["margin"]
 
 
-@pytest.mark.parametrize("autocast", ["trainer", "cached"])
-def test_autocast_keeps_no_bf16_copy_of_checkpointed_fp32_trained_weights(autocast):
-    """Six fp32 trained Linears of Flux's width, checkpointed as streamed blocks are, forward under
-    bf16 autocast on the simulated GPU (tests/simulated_autocast_worker.py, a fresh process). The
-    simulated device keeps torch's autocast cast cache as CUDA's autocast does: with the cache on,
-    the bf16 cast of every fp32 leaf that requires grad lives until autocast exits, so the forward
-    holds all six copies (for Flux-dev streamed in fp32: about 24 GB). The trainer's autocast
-    turns the cache off: one copy at a time."""
+def _autocast_peak(cached: bool) -> dict:
+    """In the fresh process (tests/simulated_cases.py): tests/simulated_autocast_worker.py's
+    measurement, run as its command line runs it (`cached` its argument), its JSON line parsed."""
+    import contextlib
+    import io
     import json
-    import os
-    import subprocess
     import sys
-    from pathlib import Path
 
+    import simulated_autocast_worker
+
+    argv, printed = sys.argv, io.StringIO()
+    sys.argv = ["simulated_autocast_worker.py", *(["cached"] if cached else [])]
+    try:
+        with contextlib.redirect_stdout(printed):
+            simulated_autocast_worker.main()
+    finally:
+        sys.argv = argv
+    return json.loads(printed.getvalue().strip().splitlines()[-1])
+
+
+register("autocast_peaks", {mode: Call("test_simulated", "_autocast_peak", {"cached": mode == "cached"})
+                            for mode in ("trainer", "cached")})
+
+
+@pytest.fixture(scope="module")
+def autocast_peaks(request):
     _library_or_skip()
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "tests" / "simulated_autocast_worker.py"),
-                          *([] if autocast == "trainer" else ["cached"])],
-                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return results(request, "autocast_peaks")
+
+
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.parametrize("autocast", ["trainer", "cached"])
+def test_autocast_keeps_no_bf16_copy_of_checkpointed_fp32_trained_weights(autocast_peaks, autocast):
+    """Six fp32 trained Linears of Flux's width, checkpointed as streamed blocks are, forward under
+    bf16 autocast on the simulated GPU (tests/simulated_autocast_worker.py, run in the fresh process
+    of tests/simulated_cases.py). The simulated device keeps torch's autocast cast cache as CUDA's
+    autocast does: with the cache on, the bf16 cast of every fp32 leaf that requires grad lives
+    until autocast exits, so the forward holds all six copies (for Flux-dev streamed in fp32: about
+    24 GB). The trainer's autocast turns the cache off: one copy at a time."""
+    r = autocast_peaks[autocast]
     if autocast == "cached":
         assert r["peak"] >= r["layers"] * r["bf16_weight"], r            # the simulation shows the cache
     else:
         assert r["peak"] <= 2 * r["bf16_weight"] + r["layers"] * r["activation"], r
 
 
-_FUSED_WORKER = """
-import json, torch
-from leantune.memory.simulated import DeviceMemoryTracker, enable, simulation
-device = enable()
-tracker = DeviceMemoryTracker()
-with simulation(tracker):
-    x = torch.empty(4096, 9216, dtype=torch.bfloat16, device=device, requires_grad=True)
-    y = torch.nn.functional.silu(x)
-    g = torch.empty_like(y)
-    tracker.reset_peak()
-    before = tracker.live[str(device)]
-    y.backward(g)
-    print(json.dumps({"above": tracker.peak[str(device)] - before, "tensor": x.numel() * x.element_size()}))
-"""
+def _silu_backward() -> dict:
+    """In the fresh process (tests/simulated_cases.py): the bytes silu's backward allocates above
+    what was live, and the size of its input."""
+    from leantune.memory.simulated import DeviceMemoryTracker, enable, simulation
+
+    device = enable()
+    tracker = DeviceMemoryTracker()
+    with simulation(tracker):
+        x = torch.empty(4096, 9216, dtype=torch.bfloat16, device=device, requires_grad=True)
+        y = torch.nn.functional.silu(x)
+        g = torch.empty_like(y)
+        tracker.reset_peak()
+        before = tracker.live[str(device)]
+        y.backward(g)
+        return {"above": tracker.peak[str(device)] - before, "tensor": x.numel() * x.element_size()}
 
 
-def test_simulated_device_keeps_silu_backward_fused_as_cuda_does():
+register("silu_backward", {"silu": Call("test_simulated", "_silu_backward")})
+
+
+@pytest.fixture(scope="module")
+def silu_backward(request):
+    _library_or_skip()
+    return results(request, "silu_backward")
+
+
+@pytest.mark.xdist_group(GROUP)
+def test_simulated_device_keeps_silu_backward_fused_as_cuda_does(silu_backward):
     """SwiGLU's backward (FLUX.2's single blocks) is one fused `silu_backward` kernel on CUDA: it
     allocates its output and nothing else. The simulated device once fell back to the op's
     CompositeImplicitAutograd decomposition (sigmoid, 1 - sigmoid, products: five more full-size
     temporaries), so a simulated FLUX.2 klein step peaked about one fused projection above a GPU's
     and above the planner's prediction."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    _library_or_skip()
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", _FUSED_WORKER], env={**os.environ, "PYTHONPATH": str(root)},
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = silu_backward["silu"]
     assert r["above"] == r["tensor"], r          # x.grad only: no decomposed temporaries

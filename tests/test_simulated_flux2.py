@@ -3,13 +3,15 @@ LoRA step at full width, planned for a budget, against the planner.
 
 Full width (dev: 48 heads of 128, Mistral context 15360; klein-4B: 24 heads, Qwen3-4B context 7680)
 with a few blocks of each list, double and single: every tensor of a full-size block, in under a
-minute each. Run in a fresh process (see simulated.enable). The full-size tables are in
+minute each. Run in a fresh process (see simulated.enable): the one of tests/simulated_cases.py,
+shared with the other simulated test modules. The full-size tables are in
 docs/benchmarks.md (bench/simulate.py --model flux2-...).
 """
 
 from __future__ import annotations
 
 import pytest
+from simulated_cases import GROUP, register, results
 from test_simulated import _library_or_skip
 
 from leantune.memory.plan import Plan
@@ -30,13 +32,13 @@ LORA = [n for n in CASES if CASES[n]["what"] == "train"]
 FULL = [n for n in CASES if CASES[n]["what"] == "full"]
 
 
-@pytest.fixture(scope="module")
-def flux2_cases():
-    _library_or_skip()
-    from leantune.simulated_run import run_in_fresh_process
+register("flux2_cases", {n: dict(CASES[n]) for n in CASES})
 
-    names = list(CASES)
-    return dict(zip(names, run_in_fresh_process([dict(CASES[n]) for n in names]), strict=True))
+
+@pytest.fixture(scope="module")
+def flux2_cases(request):
+    _library_or_skip()
+    return results(request, "flux2_cases")
 
 
 def _static(r: dict) -> int:
@@ -44,6 +46,7 @@ def _static(r: dict) -> int:
     return b["weights resident"] + b["stream slots"] + b["adapters"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LORA)
 def test_flux2_engine_places_what_the_planner_counts_and_the_peak_matches(flux2_cases, name):
@@ -58,6 +61,7 @@ def test_flux2_engine_places_what_the_planner_counts_and_the_peak_matches(flux2_
     assert r["simulated"] + r["workspace"] <= r["budget"], r
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FULL)
 def test_flux2_full_fine_tune_peak_is_priced_where_each_weight_steps(flux2_cases, name):

@@ -5,12 +5,14 @@ streaming engine, and `train_step` runs the optimizer inside backward, against t
 Full width (3072, 24 heads, T5 4096) with one double and one single block (two of each for the
 planned case): every tensor of a full-size block, in seconds. bf16 weights with stochastic
 rounding (the [full] default), so the rounding's random draw runs on the simulated device too.
-Run in a fresh process (see simulated.enable).
+Run in a fresh process (see simulated.enable): the one of tests/simulated_cases.py, shared with the
+other simulated test modules.
 """
 
 from __future__ import annotations
 
 import pytest
+from simulated_cases import GROUP, register, results
 from test_simulated import _library_or_skip
 
 from leantune.memory.plan import Plan
@@ -39,14 +41,14 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def full_cases():
-    _library_or_skip()
-    from leantune.simulated_run import run_in_fresh_process
+register("full_cases", {n: {"what": "full", "size": 512, "budget": 8 * GiB, "blocks": (1, 1), **CASES[n]}
+                        for n in CASES})
 
-    names = list(CASES)
-    cases = [{"what": "full", "size": 512, "budget": 8 * GiB, "blocks": (1, 1), **CASES[n]} for n in names]
-    return dict(zip(names, run_in_fresh_process(cases), strict=True))
+
+@pytest.fixture(scope="module")
+def full_cases(request):
+    _library_or_skip()
+    return results(request, "full_cases")
 
 
 def _static(r: dict) -> int:
@@ -54,6 +56,7 @@ def _static(r: dict) -> int:
     return b["weights resident"] + b["stream slots"] + b["optimizer states"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_full_engine_places_and_moves_what_the_planner_counts(full_cases, name):
@@ -90,6 +93,7 @@ def test_full_engine_places_and_moves_what_the_planner_counts(full_cases, name):
     assert r["h2d_simulated"] == r["h2d_predicted"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_full_step_peak_is_within_the_prediction(full_cases, name):
@@ -108,6 +112,7 @@ def test_full_step_peak_is_within_the_prediction(full_cases, name):
     assert 1.0 <= r["ratio"] <= (1.25 if "host" in name else 1.10), (name, r["ratio"])
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 def test_planned_full_fine_tune_fits_its_budget(full_cases):
     """The planner's plan for 7 GiB streams the blocks with their optimizer state, writes every

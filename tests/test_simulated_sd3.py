@@ -3,12 +3,14 @@ trainer's step and the sampler's classifier-free-guidance step at full width, ag
 
 Full width (Large: 38 heads of 64, T5 width 4096; Medium: 24 heads with the dual-attention blocks)
 with two joint blocks, the second the context-pre-only one every SD3 stack ends with: every tensor
-of a full-size block, in seconds. Run in a fresh process (see simulated.enable).
+of a full-size block, in seconds. Run in a fresh process (see simulated.enable): the one of
+tests/simulated_cases.py, shared with the other simulated test modules.
 """
 
 from __future__ import annotations
 
 import pytest
+from simulated_cases import GROUP, register, results
 from test_simulated import _library_or_skip
 
 from leantune.memory.plan import Plan
@@ -28,14 +30,13 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sd3_cases():
-    _library_or_skip()
-    from leantune.simulated_run import run_in_fresh_process
+register("sd3_cases", {n: {"budget": 8 * GiB, **CASES[n], "blocks": BLOCKS} for n in CASES})
 
-    names = list(CASES)
-    cases = [{"budget": 8 * GiB, **CASES[n], "blocks": BLOCKS} for n in names]
-    return dict(zip(names, run_in_fresh_process(cases), strict=True))
+
+@pytest.fixture(scope="module")
+def sd3_cases(request):
+    _library_or_skip()
+    return results(request, "sd3_cases")
 
 
 def _static(r: dict) -> int:
@@ -43,6 +44,7 @@ def _static(r: dict) -> int:
     return b["weights resident"] + b["stream slots"] + b["adapters"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_sd3_engine_places_what_the_planner_counts_and_the_peak_matches(sd3_cases, name):
@@ -56,6 +58,7 @@ def test_sd3_engine_places_what_the_planner_counts_and_the_peak_matches(sd3_case
     assert 0.90 <= r["ratio"] <= 1.10, (name, r["ratio"])
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in CASES if "planned" in n])
 def test_sd3_planned_budget_holds_on_the_simulated_device(sd3_cases, name):
@@ -69,6 +72,7 @@ def test_sd3_planned_budget_holds_on_the_simulated_device(sd3_cases, name):
     assert used <= r["budget"] - 0.9 * r["margin"], (name, used - (r["budget"] - r["margin"]))
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 def test_sd3_sampling_runs_cfg_doubled_or_halved_as_planned(sd3_cases):
     """Classifier-free guidance: at 1.5 GiB the Large's doubled batch (negative and positive halves
@@ -80,6 +84,7 @@ def test_sd3_sampling_runs_cfg_doubled_or_halved_as_planned(sd3_cases):
     assert batched["report"]["streamed_units"] == batched["streamed"]
 
 
+@pytest.mark.xdist_group(GROUP)
 @pytest.mark.slow
 def test_sd3_streaming_and_checkpointing_lower_the_simulated_peak(sd3_cases):
     streamed, planned = sd3_cases["large_streamed_checkpointed"], sd3_cases["large_planned_1.2GiB"]

@@ -92,12 +92,20 @@ class Planner(MemoryModel):
         self._peaks: dict = {}
         self._times: dict = {}
         self._moved: dict = {}
+        self._prefs: dict = {}
+        # What depends on the model and workload alone, built once (a budget sweep plans hundreds of
+        # times), here rather than in the first plan(): a plan's host-RAM limit reads this process's
+        # resident set, which building them would grow.
+        self._sets: dict[int, tuple[int, ...]] = {}
+        self._candidates: dict[tuple[bool, ...], tuple[Plan, ...]] = {}
+        self.candidates()
 
     def forget_estimates(self) -> None:
         """Drop cached peaks and times: the calibration changed, so every plan is priced again."""
         self._peaks.clear()
         self._times.clear()
         self._moved.clear()
+        self._prefs.clear()
 
     def _streaming_order(self) -> list[str]:
         """Block kinds in the order they start streaming: most forward FLOPs per byte first (their
@@ -117,12 +125,14 @@ class Planner(MemoryModel):
     def streamed_set(self, n: int) -> list[int]:
         """Block indices (execution order) of the n blocks to stream: kinds in streaming order, each
         kind's share spread evenly through its list so resident blocks sit between streamed ones."""
-        chosen: list[int] = []
-        for kind in self.order:
-            idx = [i for i, k in enumerate(self.kinds) if k == kind]
-            take = min(n - len(chosen), len(idx))
-            chosen.extend(even_spread(idx, take))
-        return sorted(chosen)
+        if n not in self._sets:
+            chosen: list[int] = []
+            for kind in self.order:
+                idx = [i for i, k in enumerate(self.kinds) if k == kind]
+                take = min(n - len(chosen), len(idx))
+                chosen.extend(even_spread(idx, take))
+            self._sets[n] = tuple(sorted(chosen))
+        return list(self._sets[n])
 
     # -- the search ---------------------------------------------------------------------------------
     def step_places(self) -> tuple[bool, ...]:
@@ -133,15 +143,21 @@ class Planner(MemoryModel):
         return (True,) if w.streamed_step == "host" else (False, True)
 
     def candidates(self, places: tuple[bool, ...] | None = None):
+        places = tuple(places or self.step_places())
+        if places not in self._candidates:           # the same plans every time: built once per planner
+            self._candidates[places] = tuple(self._candidate_plans(places))
+        return iter(self._candidates[places])
+
+    def _candidate_plans(self, places: tuple[bool, ...]):
         w = self.workload
         n_blocks = len(self.weights.blocks)
         ckpts = ("none",) if w.mode == "inference" else CHECKPOINTING
         counts = range(n_blocks + 1)
-        places = places or self.step_places()
+        names_of = [tuple(self.weights.blocks[i].name for i in self.streamed_set(n)) for n in counts]
         for fp8, mod in self.storages:
             for ckpt in ckpts:
                 for n in counts:
-                    names = tuple(self.weights.blocks[i].name for i in self.streamed_set(n))
+                    names = names_of[n]
                     if n == 0:
                         yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt)
                         continue
@@ -159,6 +175,7 @@ class Planner(MemoryModel):
         """The plan for `budget` (VRAM and host RAM): the sweep described in the module docstring
         over every candidate whose predicted peak plus the margin fits."""
         ram_limit = budget.ram_limit(self.machine)
+        usable = budget.usable_vram
         fits: list[tuple[int, Plan]] = []
         smallest_vram = None                       # over plans that fit host RAM
         for plan in self.candidates():
@@ -167,7 +184,7 @@ class Planner(MemoryModel):
                 continue
             if smallest_vram is None or vram < smallest_vram[0]:
                 smallest_vram = (vram, plan)
-            if vram <= budget.usable_vram:
+            if vram <= usable:
                 fits.append((vram, plan))
         if not fits:
             raise self._infeasible(budget, ram_limit, smallest_vram)
@@ -206,8 +223,11 @@ class Planner(MemoryModel):
         """Smaller is better: the step time, fp8 priced at FP8_MIN_GAIN, compared to the
         microsecond (plans whose copies are fully hidden tie), then the simpler plan: no fp8, less
         checkpointing, fewer streamed blocks, the smaller ring."""
-        t = self._timed(plan).step_s * (1.0 + FP8_MIN_GAIN if plan.fp8 else 1.0)
-        return (round(t, 6), *_shape(plan))
+        key = _plan_key(plan)
+        if key not in self._prefs:
+            t = self._timed(plan).step_s * (1.0 + FP8_MIN_GAIN if plan.fp8 else 1.0)
+            self._prefs[key] = (round(t, 6), *_shape(plan))
+        return self._prefs[key]
 
     def _streamed(self, plan: Plan) -> tuple[int, int]:
         """(streamed parameters, host->GPU bytes) per step: what more budget must never increase."""
