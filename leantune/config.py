@@ -15,6 +15,10 @@ from typing import Any, Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
+# Every [model] family leantune trains and samples, and the block lists each may name in [lora]
+# blocks (models/registry.py: torch-free, one entry per family; the CLI's --family choices read it too).
+from .models.registry import FAMILIES, FAMILY_NAMES
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the file and key it concerns in the message."""
@@ -37,11 +41,6 @@ def file_name_part(value: str, what: str) -> str:
     if "/" in value or "\\" in value or "\0" in value or value in (".", "..") or PureWindowsPath(value).drive:
         raise ValueError(f"{what} {value!r} is not a plain file name: no '/', '\\', NUL, drive, '.' or '..'")
     return value
-
-
-# Every [model] family leantune trains and samples (models/family.py registers each on first use);
-# the CLI's --family choices read this too, so a new family is named in one place.
-FAMILY_NAMES = ("flux", "sd3", "qwen-image", "qwen-image-edit", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b")
 
 
 class ModelConfig(Section):
@@ -373,9 +372,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _lora_block_kinds(self):
         """[lora] blocks names the family's block lists (Flux: double, single; SD3: joint)."""
-        kinds = {"flux": ("double", "single"), "sd3": ("joint",), "qwen-image": ("joint",),
-                 "qwen-image-edit": ("joint",), "flux2-dev": ("double", "single"),
-                 "flux2-klein-4b": ("double", "single"), "flux2-klein-9b": ("double", "single")}[self.model.family]
+        kinds = FAMILIES[self.model.family].lora_blocks
         for kind in (self.lora.blocks or {}):
             if kind not in kinds:
                 raise ValueError(f"[lora] blocks: {kind!r} is not a block list of family = \"{self.model.family}\"; "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .models.family import ModelFamily, PromptEmbeds, family_for_model, get_family
+from .models.registry import stock_models
 from .spec import ModelSpec
 from .memory.plan import Plan
 from .memory.simulated import HOST, DeviceMemoryTracker, enable, simulation
@@ -273,11 +274,8 @@ CASE_RAM_BUDGET = 64 * GiB     # host RAM the LoRA cases plan for: a typical GPU
 
 
 # The architectures a case can run: `leantune plan --model` names -> (family, config shipped in
-# models/configs/, T5 tokens it samples with).
-MODELS = {"flux-dev": ("flux", "flux1_dev", 512), "sd3.5-large": ("sd3", "sd35_large", 256),
-          "sd3.5-medium": ("sd3", "sd35_medium", 256), "qwen-image": ("qwen-image", "qwen_image", 512),
-          "flux2-dev": ("flux2-dev", "flux2_dev", 512), "flux2-klein-4b": ("flux2-klein-4b", "flux2_klein_4b", 512),
-          "flux2-klein-9b": ("flux2-klein-9b", "flux2_klein_9b", 512)}
+# models/configs/, text tokens it samples with), every family's stock models (models/registry.py).
+MODELS = {name: (family, model.config, model.text_tokens) for name, (family, model) in stock_models().items()}
 
 
 def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) -> nn.Module:

@@ -23,19 +23,14 @@ import json
 import sys
 from pathlib import Path
 
+from ..models.registry import stock_models
+
 # --model name -> the architecture shipped in models/configs/, its [model] family, and the text
-# tokens it runs with (Flux dev 512, schnell 256; SD3.5: StableDiffusion3Pipeline's 256 T5 tokens,
-# after 77 CLIP rows: family.text_rows).
-MODELS = {"flux-dev": "flux1_dev", "flux-schnell": "flux1_schnell", "sd3.5-large": "sd35_large",
-          "sd3.5-medium": "sd35_medium", "qwen-image": "qwen_image", "qwen-image-edit": "qwen_image",
-          "flux2-dev": "flux2_dev", "flux2-klein-4b": "flux2_klein_4b", "flux2-klein-9b": "flux2_klein_9b"}
-MODEL_FAMILY = {"flux-dev": "flux", "flux-schnell": "flux", "sd3.5-large": "sd3", "sd3.5-medium": "sd3",
-                "qwen-image": "qwen-image", "qwen-image-edit": "qwen-image-edit", "flux2-dev": "flux2-dev",
-                "flux2-klein-4b": "flux2-klein-4b", "flux2-klein-9b": "flux2-klein-9b"}
-# Qwen-Image: QwenImagePipeline's max_sequence_length (a prompt's rows are at most that many).
-# FLUX.2: both pipelines' max_sequence_length (every prompt padded to it).
-TEXT_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "sd3.5-large": 256, "sd3.5-medium": 256, "qwen-image": 512,
-               "qwen-image-edit": 512, "flux2-dev": 512, "flux2-klein-4b": 512, "flux2-klein-9b": 512}
+# tokens it runs with: every family's stock models (models/registry.py).
+_STOCK = stock_models()
+MODELS = {name: model.config for name, (_, model) in _STOCK.items()}
+MODEL_FAMILY = {name: family for name, (family, _) in _STOCK.items()}
+TEXT_TOKENS = {name: model.text_tokens for name, (_, model) in _STOCK.items()}
 _MODULATION_FLAG = {"auto": None, "on": True, "off": False}   # --fp8-modulation -> Workload.fp8_modulation
 
 

@@ -48,6 +48,7 @@ from typing import Callable
 import torch
 
 from ..spec import ModelSpec
+from .registry import FAMILIES
 
 
 @dataclass
@@ -172,9 +173,8 @@ class ModelFamily:
 
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
-_MODULES = {"flux": "leantune.models.flux", "sd3": "leantune.models.sd3", "qwen-image": "leantune.models.qwen_image",
-            "qwen-image-edit": "leantune.models.qwen_image.edit", "flux2-dev": "leantune.models.flux2",
-            "flux2-klein-4b": "leantune.models.flux2", "flux2-klein-9b": "leantune.models.flux2"}
+# (models/registry.py: one entry per family, the only table a new family adds itself to.)
+_MODULES = {name: entry.module for name, entry in FAMILIES.items()}
 
 
 def loader_options(memory_cfg) -> dict:

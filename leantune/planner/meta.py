@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import torch
 
-# Config keys holding the length of each block list, per family: the probe copy shortens them.
-BLOCK_COUNT_KEYS = {"flux": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
-                    "sd3": {"transformer_blocks": "num_layers"}, "qwen-image": {"transformer_blocks": "num_layers"},
-                    "qwen-image-edit": {"transformer_blocks": "num_layers"},
-                    **{f: {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
-                       for f in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b")}}
-# Blocks at the end of a list built unlike the others (SD3's last joint block is "context pre-only":
-# no text-stream output projection or MLP). The probe copy is built with them and then cut off, so
-# the blocks it traces are the ones the rest of the stack is made of.
-TRAILING_SPECIAL = {"sd3": {"transformer_blocks": 1}}
+from ..models.registry import FAMILIES
+
+# Config keys holding the length of each block list, per family: the probe copy shortens them. And
+# blocks at the end of a list built unlike the others (SD3's last joint block is "context pre-only":
+# no text-stream output projection or MLP): the probe copy is built with them and then cut off, so
+# the blocks it traces are the ones the rest of the stack is made of. Both from models/registry.py.
+BLOCK_COUNT_KEYS = {name: dict(entry.block_counts) for name, entry in FAMILIES.items()}
+TRAILING_SPECIAL = {name: dict(entry.trailing_special) for name, entry in FAMILIES.items() if entry.trailing_special}
 # T5 tokens each Flux.1 variant is run with (schnell was distilled at 256).
 TEXT_LENGTH = {"dev": 512, "schnell": 256}
 

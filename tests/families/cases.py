@@ -6,7 +6,9 @@ samples it, and the few knobs where families differ (text length, how the pipeli
 guidance scale and the negative prompt). Everything else comes from the registered family itself
 (`get_family(case.family)`): its spec's single-file layout, LoRA key names, block lists, loaders.
 
-Adding a family: register it (leantune/models/family.py) and add one `Case` to CASES: 2 lines for a
+Adding a family: its folder (leantune/models/<family>/), one `FamilyEntry` in
+leantune/models/registry.py (2-4 lines: the module, its block lists, its stock architectures for
+`leantune plan --model`), a tiny preset in leantune/tiny/, and one `Case` to CASES: 2 lines for a
 family like FLUX.2-dev (id and family name, the tiny transformer and folder, the pipeline class, the
 text length, the guidance scale), 4 for one with classifier-free guidance (the negative prompt and
 the pipeline's keywords for it), 5 with every optional knob (Qwen-Image-Edit: files its loader takes

@@ -1,0 +1,66 @@
+"""Every family leantune has, in one table that imports nothing (not even torch).
+
+Adding a family is its folder (models/<family>/, whose `__init__` builds and registers the
+`ModelFamily`) plus one `FamilyEntry` here. What the rest of leantune needs to know about a family
+before its module is imported reads this table: the names `[model] family` accepts (config.py), the
+block lists `[lora] blocks` may name, the config keys the planner's probe copy shortens
+(planner/meta.py), and the full-size architectures `leantune plan --model`, the simulated GPU and
+the shipped plan profiles know (commands/plan.py, simulated_run.py, scripts/make_plan_profiles.py).
+`leantune plan --model` answers from a shipped profile without importing torch, so this table stays
+free of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StockModel:
+    """A full-size architecture shipped as a config in models/configs/ (no weights)."""
+
+    config: str               # models/configs/<config>.json
+    text_tokens: int          # the text tokens it runs with (its pipeline's max_sequence_length)
+
+
+@dataclass(frozen=True)
+class FamilyEntry:
+    module: str                                   # the module that registers the family on import
+    block_counts: dict[str, str]                  # block list attribute -> the config key of its length,
+                                                  # in the spec's block-list order ([lora] blocks kinds follow it)
+    lora_blocks: tuple[str, ...]                  # the block-list kinds [lora] blocks may name
+    stock: dict[str, StockModel] = field(default_factory=dict)   # `leantune plan --model` name -> architecture
+    trailing_special: dict[str, int] = field(default_factory=dict)   # blocks at a list's end built unlike the rest
+
+
+_DOUBLE_SINGLE = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
+_JOINT = {"transformer_blocks": "num_layers"}
+
+# Flux dev 512 T5 tokens, schnell 256 (distilled at 256); SD3.5: StableDiffusion3Pipeline's 256 T5
+# tokens (after 77 CLIP rows: family.text_rows); Qwen-Image: QwenImagePipeline's max_sequence_length
+# (a prompt's rows are at most that many); FLUX.2: both pipelines' max_sequence_length (every prompt
+# padded to it).
+FAMILIES: dict[str, FamilyEntry] = {
+    "flux": FamilyEntry("leantune.models.flux", _DOUBLE_SINGLE, ("double", "single"),
+                        {"flux-dev": StockModel("flux1_dev", 512), "flux-schnell": StockModel("flux1_schnell", 256)}),
+    "sd3": FamilyEntry("leantune.models.sd3", _JOINT, ("joint",),
+                       {"sd3.5-large": StockModel("sd35_large", 256), "sd3.5-medium": StockModel("sd35_medium", 256)},
+                       trailing_special={"transformer_blocks": 1}),   # the last joint block is context-pre-only
+    "qwen-image": FamilyEntry("leantune.models.qwen_image", _JOINT, ("joint",),
+                              {"qwen-image": StockModel("qwen_image", 512)}),
+    "qwen-image-edit": FamilyEntry("leantune.models.qwen_image.edit", _JOINT, ("joint",),
+                                   {"qwen-image-edit": StockModel("qwen_image", 512)}),
+    "flux2-dev": FamilyEntry("leantune.models.flux2", _DOUBLE_SINGLE, ("double", "single"),
+                             {"flux2-dev": StockModel("flux2_dev", 512)}),
+    "flux2-klein-4b": FamilyEntry("leantune.models.flux2", _DOUBLE_SINGLE, ("double", "single"),
+                                  {"flux2-klein-4b": StockModel("flux2_klein_4b", 512)}),
+    "flux2-klein-9b": FamilyEntry("leantune.models.flux2", _DOUBLE_SINGLE, ("double", "single"),
+                                  {"flux2-klein-9b": StockModel("flux2_klein_9b", 512)}),
+}
+
+FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
+
+
+def stock_models() -> dict[str, tuple[str, StockModel]]:
+    """`leantune plan --model` name -> (its family, its architecture), over every family."""
+    return {name: (family, model) for family, entry in FAMILIES.items() for name, model in entry.stock.items()}
