@@ -47,11 +47,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # simulate this checkout's leantune
 
-from leantune.models.registry import stock_models  # noqa: E402  (this checkout's, above)
+from leantune.family_registry import stock_models  # noqa: E402  (this checkout's, above)
 
 GiB = 2**30
 CASES = {"train1024": ("train", 1024), "train512": ("train", 512), "sample1024": ("sample", 1024)}
-# Every stock architecture (models/registry.py) but the variants that share another's transformer
+# Every stock architecture (family_registry.py) but the variants that share another's transformer
 # (Flux.1-schnell is Flux.1-dev without the guidance input, Qwen-Image-Edit is Qwen-Image).
 MODELS = tuple(name for name in stock_models()
                if name not in ("flux-schnell", "qwen-image-edit"))

@@ -16,8 +16,8 @@ import tomllib
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 # Every [model] family leantune trains and samples, and the block lists each may name in [lora]
-# blocks (models/registry.py: torch-free, one entry per family; the CLI's --family choices read it too).
-from .models.registry import FAMILIES, FAMILY_NAMES
+# blocks (family_registry.py: torch-free, one entry per family; the CLI's --family choices read it too).
+from .family_registry import FAMILIES, FAMILY_NAMES
 
 
 class ConfigError(ValueError):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .models.family import ModelFamily, PromptEmbeds, family_for_model, get_family
-from .models.registry import stock_models
+from .family_registry import stock_models
 from .spec import ModelSpec
 from .memory.plan import Plan
 from .memory.simulated import HOST, DeviceMemoryTracker, enable, simulation
@@ -274,7 +274,7 @@ CASE_RAM_BUDGET = 64 * GiB     # host RAM the LoRA cases plan for: a typical GPU
 
 
 # The architectures a case can run: `leantune plan --model` names -> (family, config shipped in
-# models/configs/, text tokens it samples with), every family's stock models (models/registry.py).
+# models/configs/, text tokens it samples with), every family's stock models (family_registry.py).
 MODELS = {name: (family, model.config, model.text_tokens) for name, (family, model) in stock_models().items()}
 
 

@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "leantune"
 
 # Bottom to top. A part imports only parts of lower layers (docs/architecture.md says why).
 LAYERS: list[tuple[str, ...]] = [
+    ("family_registry",),                          # every family by name (config reads it): imports nothing
     ("config", "io", "disk", "quiet", "spec", "errors", "host", "native", "resources"),   # facts, formats, data files, the C build
     ("memory",),                                   # the engine: streaming, fp8, checkpointing, plans
     ("accelerate_setup",),                         # the Accelerator and DeepSpeed config of a run

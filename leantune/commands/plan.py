@@ -23,10 +23,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..models.registry import stock_models
+from ..family_registry import stock_models
 
 # --model name -> the architecture shipped in models/configs/, its [model] family, and the text
-# tokens it runs with: every family's stock models (models/registry.py).
+# tokens it runs with: every family's stock models (family_registry.py).
 _STOCK = stock_models()
 MODELS = {name: model.config for name, (_, model) in _STOCK.items()}
 MODEL_FAMILY = {name: family for name, (family, _) in _STOCK.items()}

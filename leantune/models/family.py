@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 
 from ..spec import ModelSpec
-from .registry import FAMILIES
+from ..family_registry import FAMILIES
 
 
 @dataclass
@@ -173,7 +173,7 @@ class ModelFamily:
 
 _FAMILIES: dict[str, ModelFamily] = {}
 # Family name -> module that registers it on import (imported lazily: loading diffusers is slow).
-# (models/registry.py: one entry per family, the only table a new family adds itself to.)
+# (family_registry.py: one entry per family, the only table a new family adds itself to.)
 _MODULES = {name: entry.module for name, entry in FAMILIES.items()}
 
 

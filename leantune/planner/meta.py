@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..models.registry import FAMILIES
+from ..family_registry import FAMILIES
 
 # Config keys holding the length of each block list, per family: the probe copy shortens them. And
 # blocks at the end of a list built unlike the others (SD3's last joint block is "context pre-only":
 # no text-stream output projection or MLP): the probe copy is built with them and then cut off, so
-# the blocks it traces are the ones the rest of the stack is made of. Both from models/registry.py.
+# the blocks it traces are the ones the rest of the stack is made of. Both from family_registry.py.
 BLOCK_COUNT_KEYS = {name: dict(entry.block_counts) for name, entry in FAMILIES.items()}
 TRAILING_SPECIAL = {name: dict(entry.trailing_special) for name, entry in FAMILIES.items() if entry.trailing_special}
 # T5 tokens each Flux.1 variant is run with (schnell was distilled at 256).

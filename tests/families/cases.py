@@ -7,7 +7,7 @@ guidance scale and the negative prompt). Everything else comes from the register
 (`get_family(case.family)`): its spec's single-file layout, LoRA key names, block lists, loaders.
 
 Adding a family: its folder (leantune/models/<family>/), one `FamilyEntry` in
-leantune/models/registry.py (2-4 lines: the module, its block lists, its stock architectures for
+leantune/family_registry.py (2-4 lines: the module, its block lists, its stock architectures for
 `leantune plan --model`), a tiny preset in leantune/tiny/, and one `Case` to CASES: 2 lines for a
 family like FLUX.2-dev (id and family name, the tiny transformer and folder, the pipeline class, the
 text length, the guidance scale), 4 for one with classifier-free guidance (the negative prompt and

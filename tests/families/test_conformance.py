@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 
 from leantune.memory.plan import Plan
 from leantune.models.family import PromptEmbeds, family_for_model, guess_family, known_families
-from leantune.models.registry import FAMILIES
+from leantune.family_registry import FAMILIES
 
 from .cases import CASES
 from .conftest import frozen
@@ -142,7 +142,7 @@ def test_builds_from_its_tiny_preset(case, built):
     assert family_for_model(b.tiny).name == (case.file_family or case.family)
     assert guess_family(b.folder) == case.family
     assert isinstance(b.family.describe(model), str) and b.family.describe(model)
-    # Its models/registry.py entry (read before the family module is imported) agrees with the spec:
+    # Its family_registry.py entry (read before the family module is imported) agrees with the spec:
     # the block lists in order, the kinds [lora] blocks may name, the config keys of their lengths.
     entry = FAMILIES[case.family]
     assert [bl.attr for bl in b.family.spec.block_lists] == list(entry.block_counts)
