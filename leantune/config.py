@@ -43,6 +43,27 @@ def file_name_part(value: str, what: str) -> str:
     return value
 
 
+# LoRAs are trained for strengths around 1; beyond this the outputs overflow to black or noise.
+MAX_ADAPTER_STRENGTH = 10.0
+
+
+class AdapterRef(Section):
+    """A frozen LoRA file applied to the base at a strength ([model] / [sample] base_adapters):
+    a training adapter that de-distills a turbo base, or a turbo LoRA for previews
+    (train/base_adapters.py). Any LoRA layout leantune reads for the family."""
+
+    path: str
+    strength: float = 1.0
+
+    @field_validator("strength")
+    @classmethod
+    def _sane_strength(cls, v: float) -> float:
+        if abs(v) > MAX_ADAPTER_STRENGTH:
+            raise ValueError(f"strength {v:g} is outside -{MAX_ADAPTER_STRENGTH:g}..{MAX_ADAPTER_STRENGTH:g}; "
+                             f"LoRAs are made for strengths around 1")
+        return v
+
+
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = "flux"
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
@@ -63,6 +84,9 @@ class ModelConfig(Section):
     # SD3: false leaves T5-XXL out (zeros in its place, as StableDiffusion3Pipeline without
     # text_encoder_3). Flux cannot run without T5: false is refused there.
     t5: bool = True
+    # Frozen LoRAs applied to the base before training, kept out of the trained LoRA's files
+    # (a turbo base's training adapter); train/base_adapters.py.
+    base_adapters: list[AdapterRef] = []
 
     @model_validator(mode="after")
     def _family_keys(self):
@@ -295,6 +319,12 @@ class SampleConfig(Section):
     references: list[str] = []
     width: int = Field(512, ge=16)
     height: int = Field(512, ge=16)
+    # The frozen LoRAs previews use instead of [model] base_adapters (None: the same; []: none, e.g.
+    # train Z-Image Turbo through its training adapter and preview without it)
+    base_adapters: list[AdapterRef] | None = None
+    # Another base checkpoint of the same family to preview with (train on Krea 2 Raw, preview with
+    # Turbo): a diffusers folder or a single transformer file, loaded for each preview
+    base: str | None = None
 
     @field_validator("width", "height")
     @classmethod
@@ -391,6 +421,15 @@ class RunConfig(Section):
                              "decides fp8)")
         mode = self.train.mode
         if mode == "full":
+            if self.model.base_adapters:
+                raise ValueError("[model] base_adapters: set, but [train] mode = \"full\" trains the base weights "
+                                 "themselves; base adapters are frozen LoRAs under a trained LoRA ([train] mode = "
+                                 "\"lora\"), or merge the LoRA into the checkpoint first")
+            for key in ("base_adapters", "base"):
+                if getattr(self.sample, key) is not None:
+                    raise ValueError(f"[sample] {key}: set, but [train] mode = \"full\" previews the weights it "
+                                     f"trains; another base or adapter stack for previews is for [train] mode = "
+                                     f"\"lora\"; remove the key")
             if self.distributed.strategy == "ddp":
                 raise ValueError("[distributed] strategy = \"ddp\" with [train] mode = \"full\": a full fine-tune "
                                  "steps each weight inside backward, before gradients could be summed across "

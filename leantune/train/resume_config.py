@@ -20,7 +20,8 @@ log = logging.getLogger("leantune")
 # Dotted key prefixes whose change the saved state cannot follow.
 # The optimizer's own settings (betas, eps, weight decay) come back from its saved state, so a
 # change there would be silently ignored: refused too.
-REFUSED = ("model.family", "model.path", "model.variant", "model.transformer", "lora.rank", "lora.alpha",
+REFUSED = ("model.family", "model.path", "model.variant", "model.transformer", "model.base_adapters",
+           "lora.rank", "lora.alpha",
            "lora.targets", "lora.blocks", "train.mode", "train.optimizer", "train.betas", "train.eps",
            "train.weight_decay", "full.train", "full.exclude")
 # Changes that alter the sample list: the saved batch position cannot be resumed exactly.
@@ -68,6 +69,8 @@ def compare(saved: dict, current: dict) -> ConfigChanges:
     a, b = flat(saved), flat(current)
     changes = ConfigChanges()
     for key in sorted(set(a) | set(b)):
+        if key not in a and b[key] in ([], None):
+            continue          # a key added to leantune since the save, at its empty default: no change
         if a.get(key) != b.get(key):
             changes.changed[key] = (a.get(key), b.get(key))
     return changes
