@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .models.family import ModelFamily, PromptEmbeds, family_for_model, get_family
+from .models.family import ModelFamily, PromptEmbeds, family_for_model, get_family, text_width
 from .family_registry import stock_models
 from .spec import ModelSpec
 from .memory.plan import Plan
@@ -89,11 +89,13 @@ def fake_parameters(model: nn.Module, device: torch.device | str = HOST) -> nn.M
     return model
 
 
-def _embeds(model: nn.Module, batch: int, text_rows: int, dtype: torch.dtype) -> PromptEmbeds:
-    """Prompt embeddings as the cache holds them: the text sequence (B, rows, joint_attention_dim)
-    and the pooled vector (B, pooled_projection_dim); both families name the widths so."""
+def _embeds(model: nn.Module, batch: int, text_rows: int, dtype: torch.dtype,
+            family: ModelFamily | None = None) -> PromptEmbeds:
+    """Prompt embeddings as the cache holds them: the text sequence (B, rows, the family's text
+    width: models/family.text_width) and the pooled vector (B, pooled_projection_dim)."""
     cfg = model.config
-    return PromptEmbeds(t5=torch.empty(batch, text_rows, cfg.joint_attention_dim, dtype=dtype),
+    width = text_width(family or family_for_model(model), cfg)
+    return PromptEmbeds(t5=torch.empty(batch, text_rows, width, dtype=dtype),
                         pooled=torch.empty(batch, getattr(cfg, "pooled_projection_dim", 0), dtype=dtype))
 
 
@@ -132,7 +134,7 @@ def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], 
     embeddings and an edit family's reference latents (training_references) in host RAM."""
     h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
     return SimpleNamespace(latents=torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype),
-                           embeds=_embeds(model, batch_size, text_rows, dtype), bucket=bucket,
+                           embeds=_embeds(model, batch_size, text_rows, dtype, family), bucket=bucket,
                            references=training_references(family, model.config, bucket, batch_size, dtype,
                                                           references))
 
@@ -248,7 +250,7 @@ def simulate_sampling(model: nn.Module, spec: ModelSpec, plan: Plan, size: tuple
         handle = apply_memory(model, spec, plan, device, host_device=HOST)
         handle.forward_only(True)
         after_setup = tracker.live.get(str(device), 0)
-        embeds = _embeds(model, 1, text_length, dtype)
+        embeds = _embeds(model, 1, text_length, dtype, family)
         schedule = default_schedule(model, family)
         report = {}
         for _ in range(steps):

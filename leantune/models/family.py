@@ -169,6 +169,15 @@ class ModelFamily:
     # (text rows) -> {"device": bytes, "host": bytes, ...}: the caching phase's text encoding, priced,
     # for a family whose text encoder is large enough to need a plan of its own (Qwen-Image's 7B)
     text_phase: Callable | None = None
+    # (transformer config) -> the width of one row of PromptEmbeds.t5 that `predict` takes, for code
+    # that makes embeddings without an encoder (the simulated device, tests); None: the config's
+    # joint_attention_dim (Flux, SD3, Qwen-Image, FLUX.2 name it so; Krea 2 stacks layers per row)
+    text_width: Callable | None = None
+
+
+def text_width(family: ModelFamily, config) -> int:
+    """The width of one text row `family.predict` takes for a transformer of `config`."""
+    return int(family.text_width(config)) if family.text_width is not None else int(config.joint_attention_dim)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

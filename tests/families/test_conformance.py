@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from leantune.memory.plan import Plan
-from leantune.models.family import PromptEmbeds, family_for_model, guess_family, known_families
+from leantune.models.family import PromptEmbeds, family_for_model, guess_family, known_families, text_width
 from leantune.family_registry import FAMILIES
 
 from .cases import CASES
@@ -76,7 +76,7 @@ def transformer_inputs(model, batch: int = 2, hw=LATENT_HW, seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
     x = family.pack_latents(torch.randn(batch, family.latent_channels, *hw, generator=g))
-    text = torch.randn(batch, 7, cfg.joint_attention_dim, generator=g)
+    text = torch.randn(batch, 7, text_width(family, cfg), generator=g)
     if batch > 1:
         text[0, 5:] = 0
     embeds = PromptEmbeds(text, torch.randn(batch, getattr(cfg, "pooled_projection_dim", None) or 0, generator=g))
