@@ -14,6 +14,7 @@ import logging
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -106,6 +107,7 @@ class Trainee:
     mode: object = None            # leantune.train.modes: LoraMode or FullMode
     dist: DistContext = field(default_factory=DistContext)   # this process's rank (trivial: one process)
     share_host_weights: bool = False   # [distributed] share_host_weights, for re-plans
+    base_adapters: object | None = None   # train/base_adapters.BaseAdapterStack: frozen LoRAs under the trained one
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -298,6 +300,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     family = get_family(cfg.model.family)
     device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
     dtype = model_dtype(cfg.model)
+    adapters = _read_base_adapters(cfg, family)   # read and checked before the caches are filled
     ram_budget = parse_size(cfg.memory.ram_budget) if cfg.memory.ram_budget else None
     data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
                                                   extra_prompts=sample_prompts(cfg.sample),
@@ -317,8 +320,9 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
         transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
         log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
         params = mode.prepare(transformer, family.spec)
-        return (transformer, params, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared, machine,
-                                                    planned))
+        stack = _attach_base_adapters(transformer, adapters)     # frozen, before the engine places the model
+        return (transformer, params, stack, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared,
+                                                           machine, planned))
 
     if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
@@ -329,13 +333,14 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
         loaded = dist.local_turns(lambda: load(True, shared), shared)
     else:
         loaded = load(False)
-    transformer, params, plan, memory, planner, budget = loaded
+    transformer, params, stack, plan, memory, planner, budget = loaded
     optimizer = mode.build_optimizer(params)
     scheduler = build_scheduler(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
     batches = dist.shard_batches(data, cfg.train.seed, cfg.data.batch_size)
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
-                sources, mode=mode, dist=dist, share_host_weights=cfg.distributed.share_host_weights)
+                sources, mode=mode, dist=dist, share_host_weights=cfg.distributed.share_host_weights,
+                base_adapters=stack)
     if planner is not None:
         from .planner.corrections import CalibrationStore
         from .planner.feedback.calibrate import PlanCalibrator
@@ -344,6 +349,30 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
         t.guard = OomGuard(planner, budget, plan, lambda new: _replan(t, new))   # owns the plan and budget
         t.calibrator = PlanCalibrator(t.guard, CalibrationStore())
     return t
+
+
+def _read_base_adapters(cfg: RunConfig, family) -> tuple | None:
+    """[model] and [sample] base_adapters read as the family's LoRAs, and a [sample] base checked to
+    be of the run's family: a bad file is an error now, naming its key, not at the first preview.
+    None when the run has neither."""
+    if cfg.sample.base is not None:
+        from .models.other_base import check_other_base
+
+        check_other_base(cfg.model, cfg.resolve(cfg.sample.base), "[sample] base")
+    if not cfg.model.base_adapters and cfg.sample.base_adapters is None:
+        return None
+    from .train.base_adapters import read_run_adapters
+
+    return read_run_adapters(cfg.model, cfg.sample, cfg.resolve, family.spec.lora_keys)
+
+
+def _attach_base_adapters(transformer, adapters: tuple | None):
+    """The run's BaseAdapterStack on `transformer` (train/base_adapters.py), or None without one."""
+    if adapters is None:
+        return None
+    from .train.base_adapters import BaseAdapterStack
+
+    return BaseAdapterStack(transformer, *adapters)
 
 
 def _fp8_load_options(cfg: RunConfig, plan=None) -> dict:
@@ -644,21 +673,50 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
     refs = bool(t.data.sample_text_refs)
     embeds = t.data.prompt_embeds(cfg.sample.prompts, references=refs)
     negative = t.data.prompt_embeds([cfg.sample.negative_prompt], references=refs) if cfg_guidance else None
-    grid = sample_during_training(t.transformer, lambda: family.load_vae(t.sources, t.dtype, "cpu"), embeds,
-                                  cfg.sample, memory_handle=t.memory, device=t.device, dtype=t.dtype,
-                                  negative=negative, references=t.data.sample_reference_latents() or None,
-                                  family=family)
+    vae = lambda: family.load_vae(t.sources, t.dtype, "cpu")      # noqa: E731
+    references = t.data.sample_reference_latents() or None
+    stack = t.base_adapters
+    if cfg.sample.base is not None:            # another base of the family (infer/preview_base.py)
+        grid = _sample_on_other_base(t, cfg, family, embeds, vae, negative, references)
+    else:
+        with stack.for_sampling() if stack is not None else nullcontext():   # [sample] base_adapters
+            grid = sample_during_training(t.transformer, vae, embeds, cfg.sample, memory_handle=t.memory,
+                                          device=t.device, dtype=t.dtype, negative=negative, references=references,
+                                          family=family)
     out = paths.samples / f"step-{step:06d}.png"
+    model = str(cfg.resolve(cfg.sample.base)) if cfg.sample.base is not None else str(t.sources.transformer)
+    adapters = stack.describe("sampling") if stack is not None else ""
     # Image i of the grid (left to right) is prompt i with seed + i.
     save_png(grid, out, {"prompt": list(cfg.sample.prompts), "seed": cfg.sample.seed, "steps": cfg.sample.steps,
                          "guidance": cfg.sample.guidance, "width": cfg.sample.width, "height": cfg.sample.height,
-                         "loras": f"{cfg.output.name} (training, step {step})", "model": str(t.sources.transformer),
-                         "training_step": step,
+                         "loras": f"{cfg.output.name} (training, step {step})", "model": model,
+                         "training_step": step, **({"base_adapters": adapters} if adapters else {}),
                          **({"negative_prompt": cfg.sample.negative_prompt} if cfg_guidance else {}),
                          **({"references": ", ".join(str(r.path) for r in t.data.sample_references)}
                             if t.data.sample_references else {})})
     log.info("samples: %s", out)
     return out
+
+
+def _sample_on_other_base(t: Trainee, cfg: RunConfig, family, embeds, vae, negative, references):
+    """The preview grid on [sample] base, loaded for this preview and dropped after it."""
+    from .infer.preview_base import sample_on_other_base
+    from .models.other_base import load_other_base
+
+    path = cfg.resolve(cfg.sample.base)
+    stack = t.base_adapters
+    adapters = stack.sampling if stack is not None else []
+    t0 = time.perf_counter()
+
+    def load():
+        model = load_other_base(cfg.model, path, Path(cfg.base_dir), t.dtype, "cpu", **loader_options(cfg.memory))
+        log.info("samples: %s loaded for the preview in %.1f s", path, time.perf_counter() - t0)
+        return model
+
+    fp8 = bool(t.plan is not None and t.plan.fp8)
+    return sample_on_other_base(t.transformer, load, adapters, embeds, cfg.sample, family=family, vae=vae,
+                                device=t.device, dtype=t.dtype, base_path=path, fp8=fp8, negative=negative,
+                                references=references)
 
 
 def plot_losses(losses: list[float], path: Path) -> Path:

@@ -1,0 +1,184 @@
+"""Base adapters: frozen LoRAs under the trained one ([model] base_adapters, [sample] base_adapters).
+
+A distilled "turbo" base (Z-Image Turbo, Krea 2 Turbo) loses its distillation when a plain LoRA
+trains on it. The recipe other engines use is a frozen LoRA applied to the base while the new LoRA
+trains and left out afterwards: ostris' de-distilling training adapter for Z-Image Turbo
+(ai-toolkit's "assistant LoRA"), musubi-tuner's `--base_weights`. The trained LoRA then learns only
+what the frozen one does not already do, and the exported file holds the trained adapter alone.
+
+Design: separate, frozen, unmerged adapters, not a merge into the base weights.
+- Each file becomes its own peft adapter beside the trained one (train/lora.apply_lora, as the
+  sampler stacks LoRAs), attached after the trained adapter and before the memory engine. Its
+  weights are frozen (no gradient, no optimizer state, not in the resumable state) and it is not
+  exported: `lora_weights_from_model(transformer, "default")` reads the trained adapter only.
+- Previews without it are exact: switching an adapter off removes its term from each wrapped
+  Linear's sum, so `[sample] base_adapters = []` samples exactly the base plus the trained LoRA,
+  and `[sample] base_adapters = [other]` another stack, while training goes on with [model]'s. A
+  merge would rewrite the base weights (before fp8 quantization and streaming, so in e4m3 where
+  the plan stores fp8): previews without the adapter would then need an unmerged copy of the
+  whole base, and the fp8 rounding of the merged weights would differ from the base's own.
+- The cost is the adapters' own bytes, in fp32 as apply_lora stores them, on the device: the
+  memory engine keeps every adapter weight resident (memory/streaming_units.layout_unit packs a
+  block's base tensors only; the trained adapter lives there too), so a streamed block's base
+  adapters do not travel. The planner prices exactly those bytes (`priced_bytes`, the "base
+  adapters" VRAM term of planner/memory_model.py). A frozen adapter saves nothing for backward
+  (both its Linears are frozen: only their weights are needed to pass the gradient through), so
+  its activations are the (tokens, rank) intermediates of the wrapped Linears, transient and left
+  unpriced; its FLOPs (2 * rank * (in + out) per token) are small beside the Linear's own.
+- Every adapter a phase uses is attached once, at the start: [model]'s and [sample]'s (a file in
+  both is attached once and takes each phase's strength). Attaching one later, to a model whose
+  blocks already stream, would wrap Linears the engine has re-pointed at its slots.
+
+`BaseAdapterStack.for_sampling()` switches to the preview's stack and back; the active set of the
+trained adapter and every parameter's requires_grad are kept across the switch (peft's set_adapter
+toggles requires_grad).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .lora import LoraFormatError, LoraWeights, apply_lora, check_fits, lora_layers, read_lora
+
+log = logging.getLogger("leantune")
+
+PREFIX = "base_adapter_"      # peft adapter names of the frozen stack (the trained one is "default")
+
+
+@dataclass(frozen=True)
+class BaseAdapter:
+    """One frozen LoRA of a stack: its file, its strength in that stack, and its weights."""
+
+    path: Path
+    strength: float
+    weights: LoraWeights
+
+
+def read_adapters(refs: Sequence, resolve: Callable[[str], Path], keys, where: str) -> list[BaseAdapter]:
+    """Read every file of a base_adapters list (config.AdapterRef: path, strength) as a LoRA of the
+    family (`keys`: its spec.lora_keys), in any layout leantune reads. `where` names the list in
+    errors ("[model] base_adapters"); each error also names the file and, for a bad file, the key."""
+    out = []
+    for i, ref in enumerate(refs):
+        path = resolve(ref.path)
+        entry = f"{where} #{i + 1}"
+        if not path.is_file():
+            raise FileNotFoundError(f"{entry}: {path}: no such LoRA file")
+        try:
+            weights = read_lora(path, keys)
+        except (LoraFormatError, ValueError, OSError) as e:    # the message names the file and key
+            raise LoraFormatError(f"{entry}: {e}") from None
+        if not weights.modules:
+            raise LoraFormatError(f"{entry}: {path}: holds no LoRA weights for this model's family")
+        out.append(BaseAdapter(path, float(ref.strength), weights))
+    return out
+
+
+def read_run_adapters(model_cfg, sample_cfg, resolve: Callable[[str], Path], keys
+                      ) -> tuple[list[BaseAdapter], list[BaseAdapter] | None]:
+    """([model] base_adapters, [sample] base_adapters or None when previews use [model]'s), read."""
+    training = read_adapters(model_cfg.base_adapters, resolve, keys, "[model] base_adapters")
+    sampling = None
+    if sample_cfg is not None and sample_cfg.base_adapters is not None:
+        sampling = read_adapters(sample_cfg.base_adapters, resolve, keys, "[sample] base_adapters")
+    return training, sampling
+
+
+def adapter_bytes(adapters: Sequence[BaseAdapter]) -> int:
+    """Device bytes the distinct files of `adapters` hold once attached: fp32 down and up matrices."""
+    distinct = {a.path: a.weights for a in adapters}
+    return sum(4 * (m.down.numel() + m.up.numel()) for w in distinct.values() for m in w.modules.values())
+
+
+def priced_bytes(training: Sequence[BaseAdapter], sampling: Sequence[BaseAdapter] | None) -> int:
+    """What a run's stack holds on the device (every adapter of either phase, each file once)."""
+    return adapter_bytes([*training, *(sampling or ())])
+
+
+class BaseAdapterStack:
+    """The frozen adapters attached to one transformer, and which of them each phase uses."""
+
+    def __init__(self, transformer: torch.nn.Module, training: Sequence[BaseAdapter],
+                 sampling: Sequence[BaseAdapter] | None = None):
+        """Attach every distinct file of `training` and `sampling` (None: previews use `training`)
+        as a frozen, unmerged adapter, and switch to the training stack. Call after the trained
+        adapter is added and before the memory engine is applied. Every file is checked against the
+        model before the first is attached, so a LoRA for another model is never half applied."""
+        self.transformer = transformer
+        self.training = list(training)
+        self.sampling = list(training if sampling is None else sampling)
+        self.names: dict[Path, str] = {}
+        attach: list[BaseAdapter] = []
+        for a in [*self.training, *self.sampling]:
+            if a.path not in self.names:
+                self.names[a.path] = f"{PREFIX}{len(self.names)}"
+                attach.append(a)
+        for a in attach:
+            try:
+                check_fits(transformer, a.weights)
+            except LoraFormatError as e:
+                raise LoraFormatError(f"base adapter {a.path}: {e}") from None
+        for a in attach:
+            apply_lora(transformer, a.weights, strength=a.strength, adapter_name=self.names[a.path])
+        self.use(self.training)
+        if attach:
+            log.info("base adapters: %s (frozen, not exported)%s", ", ".join(
+                f"{a.path.name} x{a.strength:g}" for a in self.training) or "none while training",
+                "" if sampling is None else "; previews: " + (", ".join(
+                    f"{a.path.name} x{a.strength:g}" for a in self.sampling) or "none"))
+
+    @property
+    def all_names(self) -> set[str]:
+        return set(self.names.values())
+
+    def device_bytes(self) -> int:
+        """Bytes the stack's adapter weights hold (where the model lives: the device under the engine)."""
+        total = 0
+        for name in self.all_names:
+            for layer in lora_layers(self.transformer, name).values():
+                for p in (layer.lora_A[name].weight, layer.lora_B[name].weight):
+                    total += p.numel() * p.element_size()
+        return total
+
+    def use(self, adapters: Sequence[BaseAdapter]) -> None:
+        """Make exactly `adapters` (at their strengths) the active base adapters; every other adapter
+        (the trained one) keeps its active state, every parameter its requires_grad."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        wanted = {self.names[a.path]: a.strength for a in adapters}
+        mine = self.all_names
+        grads = {p: p.requires_grad for p in self.transformer.parameters()}
+        try:
+            for module in self.transformer.modules():
+                if not isinstance(module, BaseTunerLayer):
+                    continue
+                present = set(module.lora_A.keys())
+                active = [n for n in module.active_adapters if n not in mine]
+                active += [n for n in wanted if n in present]
+                module.set_adapter(active)
+                for n, strength in wanted.items():
+                    if n in present:
+                        module.set_scale(n, strength)
+        finally:
+            for p, g in grads.items():
+                p.requires_grad_(g)
+
+    @contextmanager
+    def for_sampling(self):
+        """The preview's stack ([sample] base_adapters) inside, the training stack again after."""
+        self.use(self.sampling)
+        try:
+            yield
+        finally:
+            self.use(self.training)
+
+    def describe(self, phase: str = "sampling") -> str:
+        """'a.safetensors:1, b.safetensors:0.5' (a PNG's parameters), or '' for none."""
+        adapters = self.sampling if phase == "sampling" else self.training
+        return ", ".join(f"{a.path}:{a.strength:g}" for a in adapters)

