@@ -41,8 +41,9 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        subprocess.run([py, "-m", "coverage", "run", f"--data-file={tmp}/imp", "--source=leantune", "-c", IMPORT_ALL],
-                       cwd=ROOT, env=env, check=True)
+        (tmp / "import_all.py").write_text(IMPORT_ALL)       # `coverage run` takes a file, not -c
+        subprocess.run([py, "-m", "coverage", "run", f"--data-file={tmp}/imp", "--source=leantune",
+                        str(tmp / "import_all.py")], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, check=True)
         subprocess.run([py, "-m", "coverage", "json", f"--data-file={tmp}/imp", "-o", str(tmp / "imp.json"), "-q"],
                        cwd=ROOT, env=env, check=True)
         tier = [] if args.all else ["--fast"]
