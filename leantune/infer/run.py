@@ -245,7 +245,7 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         schedule = family.sampling.schedule(variant, components.schedule_folder)
         steps = request.steps or schedule.default_steps
         guidance = schedule.default_guidance if request.guidance is None else request.guidance
-        cfg = cfg_family and guidance > 1          # as the pipeline: a scale of 1 or less is no guidance
+        cfg = cfg_family and family.sampling.guides(guidance)   # as the pipeline (most: a scale of 1 or less is none)
         if loras:
             apply_loras(transformer, loras)
         result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),

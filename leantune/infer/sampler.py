@@ -164,7 +164,7 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
     items = as_embed_list(embeds)
     if len(items) != len(seeds):
         raise ValueError(f"{len(items)} prompt embeddings but {len(seeds)} seeds: give one seed per image")
-    cfg = family.sampling.guidance == "cfg" and guidance is not None and guidance > 1
+    cfg = family.sampling.guides(guidance)
     negatives = _negatives(negative, len(items)) if cfg else None
     distilled = guidance if family.sampling.guidance == "distilled" else None
     dtype = dtype or compute_dtype(transformer, family)

@@ -87,6 +87,13 @@ class Sampling:
     # cfg only: (v_neg, v_pos, scale) -> the guided velocity, where a family's pipeline mixes them
     # otherwise than v_neg + scale * (v_pos - v_neg) (Qwen-Image rescales the mix to v_pos's norm)
     combine: Callable | None = None
+    # cfg only: guidance runs for scales above this (1: the pipelines whose mix at 1 is v_pos
+    # itself; Z-Image's pipeline guides for any scale above 0, its mix being v_pos + s (v_pos - v_neg))
+    cfg_above: float = 1.0
+
+    def guides(self, scale) -> bool:
+        """Whether sampling at `scale` runs classifier-free guidance (both halves per step)."""
+        return self.guidance == "cfg" and scale is not None and scale > self.cfg_above
 
     def mix(self, v_neg, v_pos, scale: float):
         """The classifier-free guided velocity of the family's pipeline."""
