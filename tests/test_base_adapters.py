@@ -204,3 +204,101 @@ def test_previews_without_the_base_adapter_and_on_another_base(family, request, 
     call, lora = recorded["other"]
     assert (reference(folder / "transformer", call, lora) - call[2]).abs().max() > 1e-3
     assert deltas
+
+
+def test_a_run_with_base_adapters_resumes_exactly(tiny_flux_dir, tmp_path, images):
+    """Stopped after step 2 of 4 and resumed: the losses and the LoRA file are the uninterrupted
+    run's, bit for bit (the adapters are re-read from their files, not saved in the state)."""
+    from safetensors.torch import load_file
+
+    adapter = tmp_path / "adapter.safetensors"
+    _adapter_file("flux", tiny_flux_dir, adapter, "comfyui")
+    extra = [f"model.base_adapters={_adapters(adapter, 0.7)}", f'data.cache_dir="{tmp_path / "cache"}"']
+    full = train(_config(tmp_path / "full", "flux", tiny_flux_dir, images, steps=4, save_every=2, extra=extra),
+                 progress=False)
+    cfg = _config(tmp_path / "parts", "flux", tiny_flux_dir, images, steps=4, save_every=2, extra=extra)
+    assert train(cfg, stop_after=2, progress=False).final_step == 2
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed.final_step == 4 and resumed.losses == full.losses
+    a, r = load_file(str(full.paths.lora_file("comfyui"))), load_file(str(resumed.paths.lora_file("comfyui")))
+    assert a.keys() == r.keys() and a and all(torch.equal(a[k], r[k]) for k in a)
+    # another adapter stack under the same checkpoint is refused, naming the key
+    from leantune.errors import CheckpointError
+
+    other = _config(tmp_path / "parts", "flux", tiny_flux_dir, images, steps=6, save_every=2,
+                    extra=[f"model.base_adapters={_adapters(adapter, 0.5)}", extra[1]])
+    with pytest.raises(CheckpointError, match="model.base_adapters"):
+        train(other, resume=True, progress=False)
+
+
+def _inputs(model, family, hw, seed):
+    from leantune.models.family import PromptEmbeds
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    x = family.pack_latents(torch.randn(2, family.latent_channels, *hw, generator=g))
+    text = torch.randn(2, 7, cfg.joint_attention_dim, generator=g)
+    pooled = torch.randn(2, cfg.pooled_projection_dim, generator=g)
+    return x, torch.rand(2, generator=g), PromptEmbeds(text, pooled)
+
+
+def _two_steps(model, family):
+    """Two SGD steps on two latent shapes: per step the output, loss, trained gradients and values."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD(list(params.values()), lr=0.1)
+    records = []
+    for step, hw in enumerate(((4, 6), (6, 4))):
+        x, sigma, embeds = _inputs(model, family, hw, step)
+        target = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + step))
+        opt.zero_grad(set_to_none=True)
+        out = family.predict(model, x, sigma, embeds, hw, 3.5)
+        loss = torch.nn.functional.mse_loss(out.float(), target)
+        loss.backward()
+        records.append({"out": out.detach().clone(), "loss": loss.detach().clone(),
+                        "grads": {n: p.grad.clone() for n, p in params.items()}})
+        opt.step()
+        records[-1]["values"] = {n: p.detach().clone() for n, p in params.items()}
+    return records
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_with_base_adapters_trains_as_the_plain_model_in_poison_mode(family, request, tmp_path):
+    """Every block and the non-block group streamed through two slots, checkpointed, in poison mode
+    (a released slot is NaN): with a base adapter under the trained one, outputs, losses, gradients
+    and updated LoRA values equal the plain model's bit for bit; the base adapter gets no gradient
+    and stays as read."""
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.train.base_adapters import BaseAdapterStack, read_adapters
+    from leantune.config import AdapterRef
+
+    folder = request.getfixturevalue(FAMILIES[family])
+    fam = get_family(family)
+    adapter = tmp_path / "adapter.safetensors"
+    _adapter_file(family, folder, adapter, "comfyui")
+    model = _load(family, folder)
+    add_lora(model, fam.spec, LoraConfig(rank=2, targets="attention_mlp"))
+    with torch.no_grad():                      # B != 0, so the trained adapter's gradients reach A
+        for layer in lora_layers(model, "default").values():
+            layer.lora_B["default"].weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    adapters = read_adapters([AdapterRef(path=str(adapter), strength=0.7)], Path, fam.spec.lora_keys, "test")
+    stack = BaseAdapterStack(model, adapters)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "base_adapter_" in n}
+    assert frozen and not any(p.requires_grad for n, p in model.named_parameters() if "base_adapter_" in n)
+    plain = _two_steps(copy.deepcopy(model), fam)
+    blocks = tuple(n for n, _ in fam.spec.blocks(model))
+    plan = Plan(streamed_blocks=blocks, stream_non_blocks=True, debug_poison=True, checkpointing="blocks", ring_slots=2)
+    handle = apply_memory(model, fam.spec, plan, "cpu", offload_min_bytes=0)
+    streamed = _two_steps(model, fam)
+    report = handle.step_report()
+    handle.remove()
+    assert report["bytes_h2d"] > 0
+    for step, (got, want) in enumerate(zip(streamed, plain, strict=True)):
+        assert torch.equal(got["out"], want["out"]) and torch.equal(got["loss"], want["loss"]), step
+        for name, g in want["grads"].items():
+            assert torch.equal(got["grads"][name], g), (step, name)
+            assert torch.equal(got["values"][name], want["values"][name]), (step, name)
+    assert not any("base_adapter_" in n for n in plain[0]["grads"])
+    after = {n: p.detach() for n, p in model.named_parameters() if "base_adapter_" in n}
+    assert after.keys() == frozen.keys() and all(torch.equal(after[n], frozen[n]) for n in frozen)
+    assert stack.device_bytes() == sum(v.numel() * 4 for v in frozen.values())
