@@ -56,6 +56,12 @@ FAMILIES: dict[str, FamilyEntry] = {
                                   {"flux2-klein-4b": StockModel("flux2_klein_4b", 512)}),
     "flux2-klein-9b": FamilyEntry("leantune.models.flux2", _DOUBLE_SINGLE, ("double", "single"),
                                   {"flux2-klein-9b": StockModel("flux2_klein_9b", 512)}),
+    # Z-Image (Turbo and base: one architecture, models/configs/Z_IMAGE_SOURCES.md): ZImagePipeline's
+    # max_sequence_length 512 (a prompt's rows are at most that many)
+    "z-image": FamilyEntry("leantune.models.z_image",
+                           {"noise_refiner": "n_refiner_layers", "context_refiner": "n_refiner_layers",
+                            "layers": "n_layers"}, ("noise_refiner", "context_refiner", "main"),
+                           {"z-image-turbo": StockModel("z_image_turbo", 512), "z-image": StockModel("z_image", 512)}),
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

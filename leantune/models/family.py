@@ -180,11 +180,21 @@ class ModelFamily:
     # that makes embeddings without an encoder (the simulated device, tests); None: the config's
     # joint_attention_dim (Flux, SD3, Qwen-Image, FLUX.2 name it so; Krea 2 stacks layers per row)
     text_width: Callable | None = None
+    # (what the transformer returns for probe_inputs) -> the prediction tensor (B, ...), which the
+    # planner's activation probe backpropagates a loss through; None: the output's first element
+    # (every diffusers transformer with return_dict=False but Z-Image's, which returns one tensor
+    # per image: its family stacks them, as its predict does)
+    probe_output: Callable | None = None
 
 
 def text_width(family: ModelFamily, config) -> int:
     """The width of one text row `family.predict` takes for a transformer of `config`."""
     return int(family.text_width(config)) if family.text_width is not None else int(config.joint_attention_dim)
+
+
+def probe_output(family: ModelFamily, out):
+    """The prediction tensor of a forward call on `family.probe_inputs` (ModelFamily.probe_output)."""
+    return family.probe_output(out) if family.probe_output is not None else out[0]
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -332,7 +332,7 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool,
         semantics = _GpuSemantics(workload.autocast)
         with semantics, tracker, torch.set_grad_enabled(grad):
             tracker.open("fwd:pre")
-            pred = probe(**inputs)[0]                                      # (B, N_img, 64)
+            pred = probe_output(family_of_spec(spec), probe(**inputs))    # (B, N_img, 64)
             if grad:
                 target = torch.empty(pred.shape, device="meta", dtype=torch.float32)
                 loss = ((pred.float() - target) ** 2).mean()

@@ -28,6 +28,7 @@ import torch
 from leantune import tiny
 from leantune.tiny import flux2 as tf
 from leantune.tiny import qwen_image as tq
+from leantune.tiny import z_image as tz
 
 
 @dataclass(frozen=True)
@@ -90,4 +91,7 @@ CASES = [
     Case("flux2-klein-9b", "flux2-klein-9b", lambda: tf.flux2_transformer("klein", 0),
          lambda p: tf.save_flux2_folder(p, "klein"), "Flux2KleinPipeline", 32,
          Sample(guidance=4.0, negative="", cfg_batched=False), accepts=("flux2-klein-4b",)),
+    # ZImagePipeline guides for any scale above 0 (v_pos + s (v_pos - v_neg)), the empty negative by default
+    Case("z-image", "z-image", lambda: tz.z_image_transformer(0), lambda p: tz.save_z_image_folder(p),
+         "ZImagePipeline", 32, Sample(guidance=4.0, negative="")),
 ]

@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import load_file
 
 from leantune.memory.plan import Plan
-from leantune.models.family import PromptEmbeds, family_for_model, guess_family, known_families, text_width
+from leantune.models.family import (PromptEmbeds, family_for_model, guess_family, known_families, probe_output,
+                                    text_width)
 from leantune.family_registry import FAMILIES
 
 from .cases import CASES
@@ -155,7 +156,7 @@ def test_builds_from_its_tiny_preset(case, built):
     real = b.family.load_transformer(b.sources(), dtype=torch.bfloat16).state_dict()
     assert {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()} == {k: (v.shape, v.dtype) for k, v in real.items()}
     with torch.no_grad():
-        probe = meta(**b.family.probe_inputs(meta.config, 2, LATENT_HW, 7, torch.bfloat16))[0]
+        probe = probe_output(b.family, meta(**b.family.probe_inputs(meta.config, 2, LATENT_HW, 7, torch.bfloat16)))
     if b.family.references is None:
         assert probe.shape == out.shape
     else:        # the probe may price reference tokens too; predict returns the target's
@@ -467,10 +468,11 @@ def test_planner_prices_it_without_weights_as_the_simulated_device_measures(case
     # Like with like: the planner prices the image tokens the step simulate_training runs feeds (the
     # target's, and an edit family's reference latents: training_references).
     h = w = 64 // b.family.vae_scale_factor
-    hidden = b.family.probe_inputs(meta.config, 1, (h, w), 7, torch.bfloat16)["hidden_states"]
+    # (a family whose transformer takes its latents per image, Z-Image, has no hidden_states tensor)
+    hidden = b.family.probe_inputs(meta.config, 1, (h, w), 7, torch.bfloat16).get("hidden_states")
     fed = b.family.image_tokens(h, w) + sum(b.family.image_tokens(*r.shape[-2:]) for r in
                                             training_references(b.family, meta.config, (64, 64), 1, torch.bfloat16) or ())
-    assert hidden.dim() != 3 or hidden.shape[1] == fed, (hidden.shape, fed)
+    assert hidden is None or hidden.dim() != 3 or hidden.shape[1] == fed, (hidden.shape, fed)
     plan = Plan(streamed_blocks=tuple(n for n, _ in b.spec.blocks(meta)), checkpointing="blocks", ring_slots=2)
     est = Planner(b.spec, meta, workload_from_config(cfg, meta), assumed_machine(8 * 2**30), Calibration()).estimate(plan)
     # The simulation's copy: the same architecture with every tensor on meta (fake_parameters fakes
