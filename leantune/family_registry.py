@@ -62,6 +62,10 @@ FAMILIES: dict[str, FamilyEntry] = {
                            {"noise_refiner": "n_refiner_layers", "context_refiner": "n_refiner_layers",
                             "layers": "n_layers"}, ("noise_refiner", "context_refiner", "main"),
                            {"z-image-turbo": StockModel("z_image_turbo", 512), "z-image": StockModel("z_image", 512)}),
+    # Krea 2 (Raw and Turbo: one architecture, models/configs/KREA2_SOURCES.md): Krea2Pipeline's
+    # max_sequence_length 512 (a prompt's rows, its template suffix included, are at most that many)
+    "krea2": FamilyEntry("leantune.models.krea2", _JOINT, ("single",),
+                         {"krea2": StockModel("krea2", 512), "krea2-turbo": StockModel("krea2", 512)}),
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

@@ -27,6 +27,7 @@ import torch
 
 from leantune import tiny
 from leantune.tiny import flux2 as tf
+from leantune.tiny import krea2 as tk
 from leantune.tiny import qwen_image as tq
 from leantune.tiny import z_image as tz
 
@@ -94,4 +95,8 @@ CASES = [
     # ZImagePipeline guides for any scale above 0 (v_pos + s (v_pos - v_neg)), the empty negative by default
     Case("z-image", "z-image", lambda: tz.z_image_transformer(0), lambda p: tz.save_z_image_folder(p),
          "ZImagePipeline", 32, Sample(guidance=4.0, negative="")),
+    # Krea 2's guidance is on for any scale > 0 (cond + s (cond - uncond)); its pipeline runs the two
+    # halves one after the other and defaults the negative prompt to ""
+    Case("krea2", "krea2", lambda: tk.krea2_transformer(0), lambda p: tk.save_krea2_folder(p), "Krea2Pipeline", 32,
+         Sample(guidance=4.5, negative="", cfg_batched=False)),
 ]
