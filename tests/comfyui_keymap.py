@@ -19,6 +19,14 @@ at 09708eae, comfy/weight_adapter/lora.py at 6f98b150), not copied from it:
     `base_model.model.k`, `lora_transformer_<k_>`, `lycoris_<k_>`;
   - `QwenImage`: every model weight W as `W`, `transformer.W`, `lycoris_<W_>` (ComfyUI's Qwen-Image
     model has diffusers' names).
+  - `Krea2` (comfy/lora.py at 17358c8f; its model has krea-ai's names, `blocks.N.attn.wq`, `first`): every
+    diffusers weight name `k` of `comfy.utils.krea2_to_diffusers` as `diffusion_model.k`,
+    `transformer.k`, `lycoris_<k_>` and `k`. That table maps each block's and each text-fusion
+    block's `attn.to_q/to_k/to_v/to_gate/to_out.0` (and `attn.to_out`) and `ff.gate/up/down` to
+    `attn.wq/wk/wv/gate/wo` and `mlp.gate/up/down` (2 layerwise + 2 refiner fusion blocks, fixed),
+    and the top level `img_in` -> `first`, `time_embed.linear_1/2` -> `tmlp.0/2`, `time_mod_proj`
+    -> `tproj.1`, `txt_in.linear_1/2` -> `txtmlp.1/3`, `text_fusion.projector` ->
+    `txtfusion.projector`, `final_layer.linear` -> `last.linear`; nothing fused, nothing swapped.
 * `flux_to_diffusers` (the only diffusers names a Flux or FLUX.2 model gets): Flux.1's diffusers
   names, FLUX.2's in-block ones (`ff.linear_in/out`, `attn.to_qkv_mlp_proj`, single `attn.to_out`)
   and Flux.1's top level (`x_embedder`, `context_embedder`, `time_text_embed.*`, `proj_out`,
@@ -81,7 +89,8 @@ def comfyui_class(family: str) -> str:
     """ComfyUI's model class (comfy/model_base.py) for a leantune family name."""
     if family.startswith("flux2"):
         return "Flux2"
-    classes = {"flux": "Flux", "sd3": "SD3", "qwen-image": "QwenImage", "qwen-image-edit": "QwenImage"}
+    classes = {"flux": "Flux", "sd3": "SD3", "qwen-image": "QwenImage", "qwen-image-edit": "QwenImage",
+               "krea2": "Krea2"}
     if family not in classes:
         raise KeyError(f"no ComfyUI key map modelled for family {family!r}")
     return classes[family]
@@ -177,6 +186,26 @@ def _mmdit_to_diffusers(shapes: Mapping) -> dict[str, Target]:
     return out
 
 
+def _krea2_to_diffusers(shapes: Mapping) -> dict[str, Target]:
+    """{diffusers weight name: Target} as comfy.utils.krea2_to_diffusers has them (its block count
+    is the model's `layers`; the text fusion's 2 + 2 blocks are fixed there)."""
+    block = (("attn.to_q", "attn.wq"), ("attn.to_k", "attn.wk"), ("attn.to_v", "attn.wv"),
+             ("attn.to_gate", "attn.gate"), ("attn.to_out.0", "attn.wo"), ("attn.to_out", "attn.wo"),
+             ("ff.gate", "mlp.gate"), ("ff.up", "mlp.up"), ("ff.down", "mlp.down"))
+    out: dict[str, Target] = {}
+    groups = [(f"transformer_blocks.{i}", f"blocks.{i}") for i in range(_count(shapes, r"blocks\.(\d+)\."))]
+    groups += [(f"text_fusion.{kind}.{i}", f"txtfusion.{kind}.{i}")
+               for kind in ("layerwise_blocks", "refiner_blocks") for i in range(2)]
+    for d, n in groups:
+        for diff, nat in block:
+            out[f"{d}.{diff}"] = Target(f"{n}.{nat}.weight")
+    for diff, nat in (("img_in", "first"), ("time_embed.linear_1", "tmlp.0"), ("time_embed.linear_2", "tmlp.2"),
+                      ("time_mod_proj", "tproj.1"), ("txt_in.linear_1", "txtmlp.1"), ("txt_in.linear_2", "txtmlp.3"),
+                      ("text_fusion.projector", "txtfusion.projector"), ("final_layer.linear", "last.linear")):
+        out[diff] = Target(f"{nat}.weight")
+    return out
+
+
 def diffusers_names(family: str, shapes: Mapping) -> dict[str, Target]:
     """The diffusers module names ComfyUI's model class knows and where they go (for QwenImage the
     model's own names)."""
@@ -185,6 +214,8 @@ def diffusers_names(family: str, shapes: Mapping) -> dict[str, Target]:
         return _flux_to_diffusers(shapes)
     if cls == "SD3":
         return _mmdit_to_diffusers(shapes)
+    if cls == "Krea2":
+        return _krea2_to_diffusers(shapes)
     return {k[:-len(".weight")]: Target(k) for k in shapes if k.endswith(".weight")}
 
 
@@ -214,6 +245,10 @@ def comfyui_key_map(family: str, model_keys: Mapping) -> dict[str, Target]:
         for k in weights:
             if ".linear1." in k:
                 key_map[f"diffusion_model.{k.replace('.linear1.weight', '.linear1_qkv')}"] = Target(k, (0, 3 * h))
+    if cls == "Krea2":
+        for k, t in _krea2_to_diffusers(model_keys).items():
+            for name in (f"diffusion_model.{k}", f"transformer.{k}", f"lycoris_{k.replace('.', '_')}", k):
+                key_map[name] = t
     if cls == "QwenImage":
         for k in weights:
             w = k[:-len(".weight")]
