@@ -5,6 +5,14 @@ batch-norm latents and 2x2 patches, 4-axis position ids, LoRAs and reference ima
 in fp32. (Plain sampling against both pipelines, for every variant: tests/families/test_conformance.py.)
 """
 
+# Checks moved to the conformance suite (issue 33):
+# - test_folder_loads_with_the_pipelines_weights_and_meta_builds_for_the_probe, trimmed to the FLUX.2
+#   specifics and renamed test_folder_encodes_as_the_pipeline_and_a_klein_folder_is_refused_under_dev: the
+#   transformer's weights and the meta build whose probe forward gives the target's shape moved to
+#   tests/families/test_conformance.py::test_builds_from_its_tiny_preset[flux2-dev], the VAE's tensors (the
+#   batch-norm statistics among them) to
+#   tests/families/test_conformance.py::test_loads_its_diffusers_folder_as_diffusers_does[flux2-dev]
+
 from __future__ import annotations
 
 import numpy as np
@@ -259,11 +267,11 @@ def test_lora_loaded_samples_as_the_pipeline_with_the_same_lora(dev, tmp_path):
     assert np.abs(ref - _pipeline(dev, PROMPTS[0], SEEDS[0], 4.0)).max() > 1e-4
 
 
-def test_folder_loads_with_the_pipelines_weights_and_meta_builds_for_the_probe(tmp_path):
-    """The diffusers folder through the family's loaders: the transformer's and VAE's tensors equal
-    the saved pipeline's, the text encoders encode as the pipeline; device "meta" reads nothing and
-    the probe's inputs run the meta forward to the target's shape; a klein folder under flux2-dev is
-    refused naming the file and the class."""
+def test_folder_encodes_as_the_pipeline_and_a_klein_folder_is_refused_under_dev(tmp_path):
+    """The diffusers folder through the family's loaders: the text encoders encode as the pipeline
+    (the stacked hidden layers), and the model is described as FLUX.2-dev; a klein folder under
+    flux2-dev is refused naming the file and the class, and loads as klein. (The weights and the meta
+    build: tests/families, see the top of this file.)"""
     from types import SimpleNamespace
 
     from leantune.models.weights import LoadError
@@ -275,19 +283,10 @@ def test_folder_loads_with_the_pipelines_weights_and_meta_builds_for_the_probe(t
                           vae=None)
     sources = family.resolve_sources(cfg, tmp_path)
     model = family.load_transformer(sources, dtype=torch.float32)
-    ref = pipe.transformer.state_dict()
-    assert model.state_dict().keys() == ref.keys() and all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
-    vae = family.load_vae(sources, dtype=torch.float32)
-    assert torch.equal(vae.vae.bn.running_var, pipe.vae.bn.running_var)
     enc = family.load_text_encoders(sources, torch.float32)
     ours, _ = family.encode_prompts(PROMPTS, enc, MAX_LEN, "cpu")
     assert torch.equal(ours.t5, pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=MAX_LEN)[0])
     assert family.describe(model) == "FLUX.2-dev (2 double + 2 single blocks, width 32)"
-
-    meta = family.load_transformer(sources, dtype=torch.bfloat16, device="meta")
-    assert all(p.device.type == "meta" for p in meta.parameters())
-    out = meta(**family.probe_inputs(meta.config, 2, (4, 6), 40, torch.bfloat16))[0]
-    assert out.shape == (2, 24, 128)
 
     klein = tf.save_flux2_folder(tmp_path / "klein", "klein", seed=4)
     ksources = family.resolve_sources(SimpleNamespace(**{**vars(cfg), "path": str(klein)}), tmp_path)

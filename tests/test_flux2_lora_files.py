@@ -4,6 +4,12 @@ shares, and our ComfyUI and diffusers exports loaded by diffusers (its converter
 the outputs of the LoRA we wrote.
 """
 
+# Checks moved to the conformance suite (issue 33):
+# - test_our_comfyui_export_loads_in_diffusers_with_the_same_outputs, trimmed to diffusers' kohya FLUX.2
+#   converter: "our reader reads the ComfyUI file back to the written deltas" moved to
+#   tests/families/test_conformance.py::test_lora_files_read_back_exactly[flux2-dev] (the family told from
+#   the file alone, the deltas bit for bit; here it was with FLUX2_LORA_KEYS given, within 1e-5)
+
 from __future__ import annotations
 
 import copy
@@ -340,8 +346,7 @@ def test_our_comfyui_export_loads_in_diffusers_with_the_same_outputs(tmp_path):
     weights = _trained()
     path = save_lora(weights, tmp_path / f"{fmt}.safetensors", fmt)
     _check_diffusers_outputs(path, weights)
-    back = read_lora(path, keys=FLUX2_LORA_KEYS)
-    _close(_ours(back), _ours(weights))
+    # (Our reader reads it back: tests/families, see the top of this file.)
 
 
 def test_comfyui_export_names_and_header(tmp_path):

@@ -2,6 +2,12 @@
 per-component overrides, errors that name the file and key, and loading straight into the target
 dtype without a second copy in host RAM."""
 
+# Checks moved to the conformance suite (issue 33):
+# - test_diffusers_folder_matches_the_original_tiny_model, trimmed to the Flux specifics (sources, the
+#   variant, the VAE's decode, tokenizers, encoding, T5's tied embedding): the transformer's weights and
+#   outputs moved to tests/families/test_conformance.py::test_builds_from_its_tiny_preset[flux-dev], the
+#   VAE's weights to tests/families/test_conformance.py::test_loads_its_diffusers_folder_as_diffusers_does[flux-dev]
+
 from __future__ import annotations
 
 import json
@@ -97,13 +103,11 @@ def test_diffusers_folder_matches_the_original_tiny_model(tiny_flux_dir, refs):
     assert sources.transformer == tiny_flux_dir / "transformer" and sources.vae == tiny_flux_dir / "vae"
     assert sources.tokenizer_2 == tiny_flux_dir / "tokenizer_2"
 
+    # (The transformer's weights and outputs, the VAE's weights: tests/families, see the top of this file.)
     tr = load_transformer(sources, dtype=torch.float32)
-    _assert_same_weights(tr, refs["transformer"])
-    assert torch.equal(_flux_out(tr), _flux_out(refs["transformer"]))
     assert detect_variant(tr) == "dev"
 
     vae = load_vae(sources, dtype=torch.float32)
-    _assert_same_weights(vae, refs["vae"])
     z = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(vae.decode(z).sample, refs["vae"].decode(z).sample)

@@ -5,6 +5,13 @@ converter at the real 3072 width) and against models whose Linear weights were m
 from the raw file tensors, so the expected values never come from the code under test.
 """
 
+# Checks moved to the conformance suite (issue 33):
+# - test_diffusers_export_loads_in_diffusers_pipeline_identically, trimmed to the file's Flux names and
+#   header and the whole pipeline's images: "load_lora_weights adapts exactly the file's modules, to the
+#   trained deltas, and the transformer gives the trained output" moved to
+#   tests/families/test_conformance.py::test_diffusers_load_lora_weights_gives_the_trained_output[flux-dev]
+#   (there bit for bit, here it was within 1e-6 / 1e-5)
+
 from __future__ import annotations
 
 import argparse
@@ -215,12 +222,7 @@ def test_diffusers_export_loads_in_diffusers_pipeline_identically(parts, tmp_pat
 
     loaded = FluxPipeline(**parts, transformer=fresh())
     loaded.load_lora_weights(str(path), adapter_name="style")
-    layers = lora_layers(loaded.transformer, "style")
-    assert set(layers) == set(w.modules)
-    for name, layer in layers.items():
-        close(peft_delta(layer, "style").detach(), w.modules[name].delta(), 1e-6)
-    close(run(loaded.transformer), run(tr))
-
+    # (Its modules, deltas and transformer output: tests/families, see the top of this file.)
     # Whole pipeline: the same images.
     trained_pipe = FluxPipeline(**parts, transformer=tr)
     kw = {"prompt": "a red circle", "height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 3.5,

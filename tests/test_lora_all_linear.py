@@ -1,21 +1,37 @@
 """[lora] targets = "all_linear": the "all" preset plus every Linear outside the blocks (embedders,
 final layer), for bases whose own input and output layers are no help (the demo's random one).
 
-The adapter must wrap exactly those Linears, count the same in the planner, and survive both file
-formats: read back into a fresh model it reproduces the trained model's output, and diffusers'
-own loader gives the same deltas."""
+The adapter must wrap exactly those Linears, count the same in the planner, be named in the ComfyUI
+file, and get gradients. (That both file formats read back to the trained model's output, that
+diffusers' own loader gives the same deltas, and that it trains streamed as unstreamed: on the tiny
+Flux.1-dev in tests/families/test_conformance.py.)"""
+
+# Checks moved to the conformance suite (issue 33), all on the same tiny Flux.1-dev with an all_linear
+# LoRA of rank 4, alpha 8:
+# - test_all_linear_file_loads_in_diffusers_with_the_same_deltas (removed): moved to
+#   tests/families/test_conformance.py::test_diffusers_load_lora_weights_gives_the_trained_output[flux-dev]
+#   (every module's delta bit for bit, the top-level ones among them; here within 1e-6)
+# - test_all_linear_lora_round_trips_through_both_formats[diffusers] and [comfyui] (removed; the ComfyUI
+#   file's top-level names kept as test_all_linear_comfyui_file_names_the_layers_outside_the_blocks): moved
+#   to tests/families/test_conformance.py::test_lora_files_read_back_exactly[flux-dev] (both layouts: the
+#   same modules, deltas and output bit for bit; here within 1e-5)
+# - test_all_linear_trains_the_same_with_every_block_and_the_non_block_group_streamed, trimmed to the
+#   non-vacuity it needs (every layer outside the blocks gets a gradient) and renamed
+#   test_all_linear_gives_the_layers_outside_the_blocks_gradients: "streamed with the non-block group,
+#   poisoned slots and checkpointing it trains as the plain model" moved to
+#   tests/families/test_conformance.py::test_streamed_trains_as_the_plain_model_in_poison_mode[flux-dev]
+#   (losses, gradients and updated values bit for bit; here within 1e-5 after the first loss)
 
 from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 
 from leantune.config import LoraConfig
 from leantune import tiny
-from leantune.models.flux import FLUX_SPEC, PromptEmbeds, predict
-from leantune.train.lora import add_lora, apply_lora, lora_layers, lora_weights_from_model, read_lora, save_lora
+from leantune.models.flux import FLUX_SPEC
+from leantune.train.lora import add_lora, lora_layers, lora_weights_from_model, save_lora
 
 TOP = {"x_embedder", "context_embedder", "proj_out", "norm_out.linear",
        *(f"time_text_embed.{e}.linear_{i}" for e in ("timestep_embedder", "text_embedder", "guidance_embedder")
@@ -30,14 +46,6 @@ def _trained(seed: int = 5):
         for p in params:
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     return tr
-
-
-@torch.no_grad()
-def _out(tr):
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 16, 64, generator=g)                                          # (B, N, 64)
-    embeds = PromptEmbeds(t5=torch.randn(1, 8, 32, generator=g), pooled=torch.randn(1, 32, generator=g))
-    return predict(tr, x, torch.tensor([0.6]), embeds, (8, 8), guidance=3.5)
 
 
 def test_all_linear_wraps_the_all_preset_and_every_linear_outside_the_blocks():
@@ -57,69 +65,27 @@ def test_all_linear_wraps_the_all_preset_and_every_linear_outside_the_blocks():
     assert counted == wrapped
 
 
-@pytest.mark.parametrize("fmt", ["comfyui", "diffusers"])
-def test_all_linear_lora_round_trips_through_both_formats(tmp_path, fmt):
-    tr = _trained()
-    path = save_lora(lora_weights_from_model(tr), tmp_path / f"l_{fmt}.safetensors", fmt)
-    if fmt == "comfyui":
-        from safetensors.torch import load_file
+def test_all_linear_comfyui_file_names_the_layers_outside_the_blocks(tmp_path):
+    from safetensors.torch import load_file
 
-        names = {k.split(".")[0] for k in load_file(path)}
-        assert {"lora_unet_img_in", "lora_unet_txt_in", "lora_unet_final_layer_linear",
-                "lora_unet_final_layer_adaLN_modulation_1", "lora_unet_time_in_in_layer"} <= names
-    fresh = tiny.flux_transformer(seed=0)
-    apply_lora(fresh, read_lora(path), adapter_name="back")
-    assert set(lora_layers(fresh, "back")) == set(lora_layers(tr, "default"))
-    base = _out(tiny.flux_transformer(seed=0))
-    trained = _out(tr)
-    assert (trained - base).abs().max() > 1e-2                      # the LoRA does change the output
-    torch.testing.assert_close(_out(fresh), trained, atol=1e-5, rtol=1e-5)
+    path = save_lora(lora_weights_from_model(_trained()), tmp_path / "l_comfyui.safetensors", "comfyui")
+    names = {k.split(".")[0] for k in load_file(path)}
+    assert {"lora_unet_img_in", "lora_unet_txt_in", "lora_unet_final_layer_linear",
+            "lora_unet_final_layer_adaLN_modulation_1", "lora_unet_time_in_in_layer"} <= names
 
 
-def test_all_linear_file_loads_in_diffusers_with_the_same_deltas(tmp_path):
-    from diffusers import FluxPipeline
-
-    tr = _trained()
-    w = lora_weights_from_model(tr)
-    path = save_lora(w, tmp_path / "l.safetensors", "diffusers")
-    comps = tiny.flux_components(seed=0)
-    pipe = FluxPipeline(**comps)
-    pipe.load_lora_weights(str(path), adapter_name="d")
-    layers = lora_layers(pipe.transformer, "d")
-    assert set(layers) == set(w.modules)
-    for name in TOP:
-        layer = layers[name]
-        delta = layer.scaling["d"] * (layer.lora_B["d"].weight @ layer.lora_A["d"].weight)
-        torch.testing.assert_close(delta.detach(), w.modules[name].delta(), atol=1e-6, rtol=1e-6)
-
-
-def test_all_linear_trains_the_same_with_every_block_and_the_non_block_group_streamed():
-    """The embedders and final layer carry adapters now: streamed as the non-block group (with
-    poisoned slots and checkpointing), the loss, every LoRA gradient and the
-    updated LoRA weights match the unstreamed run's.
-
-    Not bitwise: every block's modulation sends a gradient into the timestep embedding, and the
-    streamed backward adds them up in another order, which moves the timestep embedder's LoRA
-    gradient by float32 rounding (~1e-9 on values ~1e-3). The first step's loss (forward only) is
-    bitwise equal."""
-    from test_memory_helpers import block_names, run_plan
+def test_all_linear_gives_the_layers_outside_the_blocks_gradients():
+    """The embedders and final layer carry adapters, and a training step reaches them: every LoRA
+    layer outside the blocks gets a nonzero gradient (what makes the streamed-equals-plain check of
+    tests/families non-vacuous for them)."""
+    from test_memory_helpers import run_plan
 
     from leantune.memory.plan import Plan
 
-    base = _trained()
-    want, handle, _ = run_plan(base, Plan())
+    want, handle, _ = run_plan(_trained(), Plan())
     handle.remove()
-    top = [n for n in want[0]["grads"] if n.startswith(("x_embedder.", "proj_out.", "norm_out."))]
-    assert top and all(want[0]["grads"][n].abs().max() > 0 for n in top)
-    plan = Plan(streamed_blocks=tuple(block_names(base)), stream_non_blocks=True, debug_poison=True,
-                checkpointing="blocks")
-    got, handle, _ = run_plan(base, plan)
-    assert handle.step_report()["bytes_h2d"] > 0
-    handle.remove()
-    assert torch.equal(got[0]["loss"], want[0]["loss"])
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-6, atol=0)
-        assert g["grads"].keys() == w["grads"].keys()
-        for name in w["grads"]:
-            torch.testing.assert_close(g["grads"][name], w["grads"][name], rtol=1e-5, atol=1e-8)
-            torch.testing.assert_close(g["values"][name], w["values"][name], rtol=1e-5, atol=1e-8)
+    top = [n for n in want[0]["grads"] if n.startswith(("x_embedder.", "context_embedder.", "proj_out.", "norm_out.",
+                                                        "time_text_embed."))]
+    assert {n.split(".lora_")[0] for n in top} == TOP
+    assert all(want[0]["grads"][n] is not None and want[0]["grads"][n].abs().max() > 0 for n in top), \
+        [n for n in top if want[0]["grads"][n] is None or not want[0]["grads"][n].abs().max() > 0]

@@ -6,6 +6,12 @@ ai-toolkit style files read in `leantune convert`; sampling with a LoRA at stren
 equals the pipeline with that LoRA at the same scale.
 """
 
+# Checks moved to the conformance suite (issue 33):
+# - test_comfyui_export_loads_in_qwen_image_pipeline_identically, trimmed to the file's names and
+#   diffusers' own converter: "leantune's own reader applies the ComfyUI file as trained" moved to
+#   tests/families/test_conformance.py::test_lora_files_read_back_exactly[qwen-image] (the same all_linear
+#   LoRA, rank 4, alpha 8; there bit for bit, here it was within 1e-5)
+
 from __future__ import annotations
 
 import argparse
@@ -96,10 +102,7 @@ def test_comfyui_export_loads_in_qwen_image_pipeline_identically(tmp_path):
     for name, layer in layers.items():
         close(peft_delta(layer, "style").detach(), w.modules[name].delta(), 1e-6)
     close(run(pipe.transformer), run(tr))
-    # leantune's own reader applies it the same way
-    ours = fresh()
-    apply_lora(ours, read_lora(path))
-    close(run(ours), run(tr))
+    # (leantune's own reader applies it the same way: tests/families, see the top of this file.)
 
 
 def _musubi_style(w, prefix="lora_unet_", alpha=True):

@@ -1,8 +1,8 @@
 """SD3.5 LoRA files on tiny real SD3Transformer2DModel (Large-style; Medium-style with a dual-attention
 block), checked against tools other than the code under test:
 
-- diffusers layout: StableDiffusion3Pipeline.load_lora_weights loads our file to the same deltas
-  and the same images as leantune's adapter;
+- diffusers layout: StableDiffusion3Pipeline.load_lora_weights loads our file to the same images as
+  leantune's adapter (to the same deltas: tests/families/test_conformance.py);
 - kohya / ComfyUI layout: diffusers has no kohya SD3 LoRA converter, so the names are checked the
   way ComfyUI and sd-scripts apply them: each `lora_unet_<path with underscores>` delta is added to
   the Stability-layout weight of that path, and the merged checkpoint is converted by diffusers' own
@@ -10,6 +10,13 @@ block), checked against tools other than the code under test:
   adapter (this checks names, q/k/v fusing order and the swapped adaLN halves);
 - our kohya files round-trip exactly through the reader and `leantune convert`.
 """
+
+# Checks moved to the conformance suite (issue 33):
+# - test_diffusers_export_loads_in_sd3_pipeline_identically, trimmed to the file's SD3 names and header
+#   and the whole pipeline's images: "load_lora_weights adapts exactly the file's modules, to the trained
+#   deltas, and the transformer gives the trained output" moved to
+#   tests/families/test_conformance.py::test_diffusers_load_lora_weights_gives_the_trained_output[sd3.5-large]
+#   (there bit for bit, here it was within 1e-6 / 1e-5)
 
 from __future__ import annotations
 
@@ -73,10 +80,6 @@ def close(a, b, tol=1e-5):
     assert err <= tol * max(1.0, b.abs().max().item()), err
 
 
-def peft_delta(layer, adapter):
-    return layer.scaling[adapter] * (layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight)
-
-
 def header(path) -> dict:
     with open(path, "rb") as f:
         return json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
@@ -131,12 +134,7 @@ def test_diffusers_export_loads_in_sd3_pipeline_identically(pipeline_parts, tmp_
 
     loaded = StableDiffusion3Pipeline(**pipeline_parts, transformer=fresh("large"))
     loaded.load_lora_weights(str(path), adapter_name="style")
-    layers = lora_layers(loaded.transformer, "style")
-    assert set(layers) == set(w.modules)
-    for name, layer in layers.items():
-        close(peft_delta(layer, "style").detach(), w.modules[name].delta(), 1e-6)
-    close(run(loaded.transformer), run(tr))
-
+    # (Its modules, deltas and transformer output: tests/families, see the top of this file.)
     # The whole pipeline, with classifier-free guidance and a negative prompt: the same images.
     ours = StableDiffusion3Pipeline(**pipeline_parts, transformer=tr)
     kw = dict(prompt="a red circle", negative_prompt="a blue square", height=64, width=64, num_inference_steps=2,
