@@ -55,6 +55,16 @@ formats = ["comfyui", "diffusers"]
 FAMILIES = {"flux": "tiny_flux_dir", "sd3": "tiny_sd3_dir"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run a few microseconds per op: a second intra-op thread only adds waits on the
+    shared machine (as tests/test_sampler.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shapes") / "images"
@@ -302,3 +312,127 @@ def test_streamed_with_base_adapters_trains_as_the_plain_model_in_poison_mode(fa
     after = {n: p.detach() for n, p in model.named_parameters() if "base_adapter_" in n}
     assert after.keys() == frozen.keys() and all(torch.equal(after[n], frozen[n]) for n in frozen)
     assert stack.device_bytes() == sum(v.numel() * 4 for v in frozen.values())
+
+
+def test_the_planner_prices_what_the_engine_holds(tiny_flux_dir, tmp_path, images):
+    """Predicted peak VRAM with base adapters minus without is the bytes the engine holds for them
+    (resident, beside the trained adapter); a [sample] base adds its transformer's bytes to host RAM
+    while previewing and its ring to VRAM, each what the engine and the loader really hold."""
+    from dataclasses import replace
+
+    from leantune import tiny
+    from leantune.config import AdapterRef
+    from leantune.infer.preview_base import preview_plan
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.models.other_base import load_other_base
+    from leantune.planner.from_config import workload_from_config
+    from leantune.planner.host_model import HOST_BASELINE
+    from leantune.planner.memory_model import MemoryModel
+    from leantune.train.base_adapters import BaseAdapterStack, priced_bytes, read_adapters
+
+    fam = get_family("flux")
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    _adapter_file("flux", tiny_flux_dir, one, "comfyui", seed=1)
+    _adapter_file("flux", tiny_flux_dir, two, "diffusers", seed=2)
+    other = tiny.save_flux_folder(tmp_path / "other", seed=1)
+    cfg = _config(tmp_path / "run", "flux", tiny_flux_dir, images, every=1, extra=[
+        f"model.base_adapters={_adapters(one, 0.7)}",
+        f'sample.base_adapters=[{{path = "{one}", strength = 0.2}}, {{path = "{two}"}}]', f'sample.base="{other}"'])
+    w = workload_from_config(cfg)
+
+    model = _load("flux", tiny_flux_dir)
+    add_lora(model, fam.spec, LoraConfig(rank=2, targets="attention_mlp"))
+    read = lambda refs: read_adapters(refs, Path, fam.spec.lora_keys, "test")   # noqa: E731
+    training = read([AdapterRef(path=str(one), strength=0.7)])
+    sampling = read([AdapterRef(path=str(one), strength=0.2), AdapterRef(path=str(two))])
+    stack = BaseAdapterStack(model, training, sampling)
+    plan = Plan(streamed_blocks=tuple(n for n, _ in fam.spec.blocks(model))[:2], ring_slots=2)
+    handle = apply_memory(model, fam.spec, plan, "cpu")
+    held = stack.device_bytes()
+    streamed = {id(p) for u in handle.streaming.units for p in u.adapter_params}
+    assert held and any(id(p) in streamed for n, p in model.named_parameters() if "base_adapter_" in n)  # resident
+    handle.release()
+    assert w.frozen_adapter_bytes == priced_bytes(training, sampling) == held       # `one` once, `two` once
+
+    meta = fam.load_transformer(fam.resolve_sources(_model_cfg("flux", tiny_flux_dir), tiny_flux_dir),
+                                dtype=torch.float32, device="meta")
+    bare = replace(w, frozen_adapter_bytes=0, preview_base_bytes=0)
+    m0 = MemoryModel(fam.spec, meta, bare)
+    e0 = m0.estimate(plan)
+    e1 = MemoryModel(fam.spec, m0.measured, replace(bare, frozen_adapter_bytes=held)).estimate(plan)
+    assert e1.peak_vram - e0.peak_vram == held == e1.vram["base adapters"]
+
+    loaded = load_other_base(cfg.model, other, tmp_path, torch.float32)
+    loaded_bytes = sum(t.numel() * t.element_size() for t in [*loaded.parameters(), *loaded.buffers()])
+    assert w.preview_base_bytes == loaded_bytes
+    e2 = MemoryModel(fam.spec, m0.measured, replace(bare, preview_base_bytes=loaded_bytes)).estimate(plan)
+    assert e2.host["another base for previews"] == loaded_bytes
+    steady = e0.host["streamed blocks (pinned)"] + e0.host["staging buffers"] + e0.host["offloaded activations"]
+    assert e2.host["steps + another base while previewing"] == steady + loaded_bytes
+    assert e2.peak_host == HOST_BASELINE + max(e0.peak_host - HOST_BASELINE, steady + loaded_bytes)
+    ring = m0.preview_ring(plan)
+    preview = apply_memory(loaded.requires_grad_(False), fam.spec, preview_plan(fam.spec, loaded), "cpu")
+    assert ring == sum(s.buf.numel() for s in preview.streaming.engine.slots)
+    preview.release()
+    assert e2.peak_vram - e0.peak_vram == e2.vram["another base for previews"] > 0
+
+
+def _sample_cli(argv: list[str]):
+    """`leantune sample` as the CLI runs it: its flags -> the request -> run_sampling."""
+    import argparse
+
+    from leantune.commands import sample as sample_cmd
+    from leantune.infer.request import validate_request
+    from leantune.infer.run import run_sampling
+
+    parser = argparse.ArgumentParser()
+    sample_cmd.configure(parser)
+    data, source = sample_cmd.request_data(parser.parse_args(argv))
+    return run_sampling(validate_request(data, source, Path.cwd()))
+
+
+def test_leantune_sample_takes_base_adapters_and_another_base(tiny_flux_dir, tmp_path):
+    """`--base-adapter` and `--base` equal diffusers' FluxPipeline with that LoRA loaded under the
+    other (load_lora_weights, set_adapters) and with the other base's transformer."""
+    import numpy as np
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from PIL import Image
+
+    from leantune import tiny
+    from leantune.infer.images import read_png_metadata
+
+    adapter, lora = tmp_path / "turbo.safetensors", tmp_path / "trained.safetensors"
+    _adapter_file("flux", tiny_flux_dir, adapter, "diffusers", seed=4)
+    _adapter_file("flux", tiny_flux_dir, lora, "diffusers", seed=5)
+    other = tiny.save_flux_folder(tmp_path / "other", seed=1)
+    common = ["--model", str(tiny_flux_dir), "--prompt", "a cat", "--seed", "3", "--steps", "3", "--width", "32",
+              "--height", "32", "--lora", f"{lora}:1", "--set", 'model.dtype="fp32"',
+              "--set", f"max_text_length={tiny.T5_TINY_MAX_LENGTH}"]
+    stacked = _sample_cli([*common, "--base-adapter", f"{adapter}:0.7", "--out", str(tmp_path / "a")])
+    on_other = _sample_cli([*common, "--base", str(other), "--out", str(tmp_path / "b")])
+    assert read_png_metadata(stacked.files[0])["base_adapters"] == f"{adapter}:0.7"
+    assert read_png_metadata(on_other.files[0])["base"] == str(other)
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, torch_dtype=torch.float32)
+    other_tf = FluxTransformer2DModel.from_pretrained(other / "transformer", torch_dtype=torch.float32)
+    on_other_pipe = FluxPipeline(**{**pipe.components, "transformer": other_tf})
+    pipe.load_lora_weights(str(adapter), adapter_name="turbo")
+    for p in (pipe, on_other_pipe):
+        p.load_lora_weights(str(lora), adapter_name="trained")
+        p.set_progress_bar_config(disable=True)
+
+    def sample(p, names, strengths):
+        p.set_adapters(names, strengths)
+        images = p("a cat", height=32, width=32, num_inference_steps=3, guidance_scale=3.5,
+                   max_sequence_length=tiny.T5_TINY_MAX_LENGTH, generator=[torch.Generator().manual_seed(3)],
+                   output_type="np").images
+        return (images[0] * 255).round().astype(np.int16)
+
+    want_stacked = sample(pipe, ["turbo", "trained"], [0.7, 1.0])
+    plain = sample(pipe, ["trained"], [1.0])
+    want_other = sample(on_other_pipe, ["trained"], [1.0])
+    for result, want in ((stacked, want_stacked), (on_other, want_other)):
+        got = np.asarray(Image.open(result.files[0])).astype(np.int16)
+        assert np.abs(got - want).max() <= 1                      # u8 rounding of equal floats
+        assert np.abs(got - plain).max() > 8                      # the adapter / the other base shows

@@ -35,6 +35,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "qwen-image-edit (repeat for several, up to the model's limit)")
     parser.add_argument("--lora", action="append", metavar="FILE[:STRENGTH]",
                         help="a LoRA file and its strength, default 1.0 (repeat for several)")
+    parser.add_argument("--base-adapter", action="append", metavar="FILE[:STRENGTH]",
+                        help="a frozen LoRA under the --lora ones, as [model] base_adapters in training (e.g. a "
+                             "turbo LoRA over a Raw base); strength default 1.0 (repeat for several)")
+    parser.add_argument("--base", metavar="PATH",
+                        help="another transformer checkpoint of the model's family to sample on (a diffusers "
+                             "folder or a single file), with --model's text encoders and VAE; as [sample] base")
     parser.add_argument("--vram", metavar="SIZE", help="VRAM budget such as 6GiB, or 'auto' for the free memory")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--guidance", type=float,
@@ -76,6 +82,11 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
         data["prompts"] = list(args.prompt)
     if args.lora:
         data["lora"] = [{**d, "path": here(d["path"])} for d in map(parse_lora_arg, args.lora)]
+    if args.base_adapter:
+        data.setdefault("model", {})["base_adapters"] = [{**d, "path": here(d["path"])}
+                                                         for d in map(parse_lora_arg, args.base_adapter)]
+    if args.base is not None:
+        data["base"] = here(args.base)
     if args.reference:
         data["references"] = [here(p) for p in args.reference]
     if args.out is not None:

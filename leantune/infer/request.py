@@ -17,6 +17,10 @@ one schema. Unknown keys are errors that name the file and the key.
     [model]
     path = "/models/FLUX.1-dev"
 
+    [[model.base_adapters]]      # frozen LoRAs under the [[lora]] ones (a turbo base's adapter)
+    path = "turbo-lora.safetensors"
+    strength = 1.0
+
     [[lora]]
     path = "output/my-lora.safetensors"
     strength = 0.8
@@ -80,6 +84,9 @@ class SampleRequest(_Strict):
     width: int = 1024
     height: int = 1024
     lora: list[LoraRef] = []
+    # Another transformer checkpoint of [model]'s family to sample on, with [model]'s text encoders
+    # and VAE (as [sample] base in a training run: models/other_base.py)
+    base: str | None = None
     # Reference images (paths) every image is conditioned on, for an edit family (infer/references.py)
     references: list[str] = []
     memory: MemoryConfig = MemoryConfig()

@@ -166,7 +166,14 @@ class FolderComponents:
     def __init__(self, request: SampleRequest):
         self._fl = fl = get_family(request.model.family)
         self._options = loader_options(request.memory)     # a file's e4m3 modulation stays e4m3 unless asked
-        self.sources = fl.resolve_sources(request.model, Path(request.base_dir))
+        model_cfg = request.model
+        if request.base is not None:          # another checkpoint of the family (models/other_base.py)
+            from ..models.other_base import check_other_base, other_base_config
+
+            base = request.resolve(request.base)
+            check_other_base(request.model, base, "base")
+            model_cfg = other_base_config(request.model, base)
+        self.sources = fl.resolve_sources(model_cfg, Path(request.base_dir))
         folder = request.resolve(request.model.path)
         self.schedule_folder = folder if folder.is_dir() else None   # scheduler/scheduler_config.json
 
@@ -207,6 +214,12 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             if sep and Path(head).is_file():     # 'file:abc': the file exists, the strength is no number
                 raise ConfigError(f"lora: {path}: strength {tail!r} is not a number (FILE:STRENGTH, e.g. {head}:0.8)")
             raise ConfigError(f"lora: {path}: no such LoRA file")
+    base_adapters = []
+    if request.model.base_adapters:           # read and checked before any model is read
+        from ..train.base_adapters import read_adapters
+
+        base_adapters = read_adapters(request.model.base_adapters, request.resolve, family.spec.lora_keys,
+                                      "[model] base_adapters")
     ref_paths = [request.resolve(p) for p in request.references]
     ref_images = load_reference_images(ref_paths, family)      # checked before any model is read
     components = components or FolderComponents(request)
@@ -246,6 +259,10 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         steps = request.steps or schedule.default_steps
         guidance = schedule.default_guidance if request.guidance is None else request.guidance
         cfg = cfg_family and family.sampling.guides(guidance)   # as the pipeline (most: a scale of 1 or less is none)
+        if base_adapters:                      # frozen, under the LoRAs (train/base_adapters.py)
+            from ..train.base_adapters import BaseAdapterStack
+
+            BaseAdapterStack(transformer, base_adapters)
         if loras:
             apply_loras(transformer, loras)
         result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),
@@ -291,6 +308,10 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         meta = {"prompt": prompt, "seed": str(seed), "steps": str(steps), "guidance": f"{guidance:g}",
                 "width": str(request.width), "height": str(request.height), "loras": lora_text,
                 "model": request.model.path, "variant": variant}
+        if request.base is not None:
+            meta["base"] = str(request.resolve(request.base))
+        if base_adapters:
+            meta["base_adapters"] = format_loras([(str(a.path), a.strength) for a in base_adapters])
         if cfg_family:
             meta["negative_prompt"] = request.negative_prompt
         if ref_paths:

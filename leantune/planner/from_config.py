@@ -50,7 +50,32 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     streamed_step=full.streamed_step,
                     stochastic_rounding=full.stochastic_rounding,
                     clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter",
-                    quantizes_on_load=True)      # the trainer's load (trainer._fp8_load_options)
+                    quantizes_on_load=True,      # the trainer's load (trainer._fp8_load_options)
+                    **preview_terms(cfg))
+
+
+def preview_terms(cfg) -> dict:
+    """The Workload's terms for [model] / [sample] base_adapters (their device bytes, each file
+    once: train/base_adapters.priced_bytes) and a [sample] base (its transformer's bytes as loaded,
+    built on meta: models/other_base.other_base_bytes); none when the run has neither."""
+    from pathlib import Path
+
+    from ..models.family import get_family, loader_options
+    from ..models.component_loading import dtype_from_name
+
+    terms = {}
+    family = get_family(cfg.model.family)
+    if cfg.model.base_adapters or cfg.sample.base_adapters:
+        from ..train.base_adapters import priced_bytes, read_run_adapters
+
+        terms["frozen_adapter_bytes"] = priced_bytes(*read_run_adapters(cfg.model, cfg.sample, cfg.resolve,
+                                                                        family.spec.lora_keys))
+    if cfg.sample.base is not None and cfg.sample.every and cfg.sample.prompts:
+        from ..models.other_base import other_base_bytes
+
+        terms["preview_base_bytes"] = other_base_bytes(cfg.model, cfg.resolve(cfg.sample.base), Path(cfg.base_dir),
+                                                       dtype_from_name(cfg.model.dtype), **loader_options(cfg.memory))
+    return terms
 
 
 def fp8_modulation_choice(memory_cfg) -> bool | None:

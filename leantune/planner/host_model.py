@@ -18,6 +18,8 @@ really allocates (engine.py, fp8.py, streaming.py, host_buffers.py), phase by ph
 - steps: the streamed units' buffers (resident weights live in VRAM), a staging pool of two
   32 MiB pinned buffers if any unit is pageable, the offloaded block inputs (pinned through
   PyTorch's caching host allocator, which rounds each to a power of two) and caches held in RAM.
+- previews on another base ([sample] base, infer/preview_base.py): the steps' holdings plus that
+  whole transformer as loaded, while a preview runs.
 The peak is a process baseline plus the largest phase. Pinning costs no more host RAM than
 pageable memory, so a pageable plan only adds the staging pool and slower copies.
 
@@ -86,7 +88,7 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
 def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,
                    largest_conversion: int, offload: int, cache_bytes: int,
                    full: dict[str, int] | None = None, host_step: dict[str, int] | None = None,
-                   quantizing_load: bool = False) -> dict[str, int]:
+                   quantizing_load: bool = False, preview_base: int = 0) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
     `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
@@ -97,7 +99,8 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     fine-tune whose streamed blocks step on the host) gives their optimizer "state", the host
     step's transient ("step") and the CUDA gradient "staging" (module docstring). `quantizing_load`:
     the loader stores fp8 as it reads (module docstring), so a plan with fp8 loads `stored` plus
-    the workers' buffers and converts nothing afterwards.
+    the workers' buffers and converts nothing afterwards. `preview_base`: the bytes of another base
+    loaded beside the steps' holdings for each preview (0: none).
     """
     quantized_as_read = quantizing_load and plan.fp8 and stored < loaded
     if quantized_as_read:
@@ -128,5 +131,9 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
         out["optimizer state of streamed blocks (host)"] = host_step["state"]
         out["optimizer step on the host (one tensor)"] = host_step["step"]
         out["gradient staging (pinned)"] = host_step["staging"]
-    out["peak"] = HOST_BASELINE + max(loaded, setup, converting, packing, steady)
+    previewing = steady + preview_base if preview_base else 0
+    if preview_base:
+        out["another base for previews"] = preview_base
+        out["steps + another base while previewing"] = previewing
+    out["peak"] = HOST_BASELINE + max(loaded, setup, converting, packing, steady, previewing)
     return out

@@ -13,6 +13,12 @@ VRAM components at the peak (`memory`), all in bytes:
 - stream slots: a ring of K slots, each the size of the largest streamed unit, 512-byte aligned;
 - adapters: r * (in + out) fp32 parameters per targeted Linear; gradients the same; AdamW keeps
   two fp32 states per parameter, Adafactor one fp32 value per row and per column of each matrix;
+- base adapters: frozen LoRAs under the trained one (Workload.frozen_adapter_bytes, their fp32
+  weights, resident as every adapter weight is: train/base_adapters.py); listed only when there are any;
+- another base for previews: with [sample] base, a preview streams that other transformer through
+  two slots of its largest unit (infer/preview_base.py) and holds a copy of the trained adapter,
+  beside the training state; its activations are taken as at most the training step's, so the
+  term is what that phase adds above the step's peak; listed only with a [sample] base;
 - activations: the probe's per-kind values composed over the whole stack (activation_probe.py),
   times the calibrated correction for the bucket;
 - workspace: cuBLAS/cuDNN workspaces (`Machine.workspace`).
@@ -304,6 +310,8 @@ class MemoryModel:
                   "optimizer states": states, "workspace": self.machine.workspace}
         if self.weights.device_tables:     # the model's own device copies (Qwen-Image's rotary tables)
             static["device tables"] = self.weights.device_tables
+        if w.frozen_adapter_bytes:          # [model] / [sample] base_adapters
+            static["base adapters"] = w.frozen_adapter_bytes
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:
@@ -314,14 +322,24 @@ class MemoryModel:
                 backward = {"activations": act, "gradients": grads if keep_grads else 0, "optimizer step": 0}
                 step = {"activations": 0, "gradients": grads, "optimizer step": opt_tmp}
                 part = backward if sum(backward.values()) >= sum(step.values()) else step
+            if w.preview_base_bytes:     # a preview on another base: its ring and the trained adapter's copy
+                part = {**part, "another base for previews": max(0, self.preview_ring(plan) + params
+                                                                  + act - sum(part.values()))}
             top = sum(static.values()) + sum(part.values())
             per_bucket[bucket_key(bucket)] = {"peak_vram": top, "activations": act}
             if worst is None or top > worst[0]:
                 worst = (top, part)
         vram = {**static, **worst[1]}
-        order = ["weights resident", "device tables", "stream slots", "adapters", "gradients", "optimizer states",
-                 "optimizer step", "activations", "workspace"]
+        order = ["weights resident", "device tables", "stream slots", "adapters", "base adapters", "gradients",
+                 "optimizer states", "optimizer step", "activations", "another base for previews", "workspace"]
         return {k: vram[k] for k in order if k in vram}, self.host(plan), per_bucket
+
+    def preview_ring(self, plan: Plan) -> int:
+        """Device bytes of a preview on another base (infer/preview_base.preview_plan): every unit
+        of the same architecture streamed through two slots of the largest, in the plan's fp8."""
+        storage = (plan.fp8, False)
+        units = [self._nb_unit_w, *self._unit_w[storage]]
+        return min(2, len(units)) * align(max(units))
 
     def host(self, plan: Plan) -> dict[str, int]:
         """Host RAM components of a plan (host_model.py)."""
@@ -355,7 +373,8 @@ class MemoryModel:
             }
         return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
                               self.workload.host_cache_bytes, full=parts, host_step=host_step,
-                              quantizing_load=self.workload.quantizes_on_load)
+                              quantizing_load=self.workload.quantizes_on_load,
+                              preview_base=self.workload.preview_base_bytes)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""

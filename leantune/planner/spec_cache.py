@@ -206,7 +206,8 @@ def _workload_shape(workload: Workload) -> dict:
     nor the LoRA rank: the probe keeps the adapters' share per rank, ActivationProfile.at_rank)."""
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
     for unmeasured in ("optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
-                       "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load"):
+                       "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load",
+                       "frozen_adapter_bytes", "preview_base_bytes"):
         shape.pop(unmeasured)
     return shape
 

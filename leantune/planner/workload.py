@@ -44,6 +44,12 @@ class Workload:
     # without it fits; True: every plan; False: never ([memory] fp8_modulation "auto"/true/false).
     fp8_modulation: bool | None = None
     host_cache_bytes: int = 0       # caches held in host RAM during training
+    # Frozen adapters under the trained one ([model] / [sample] base_adapters, train/base_adapters.py):
+    # their fp32 weights, resident on the device beside the trained adapter's
+    frozen_adapter_bytes: int = 0
+    # Another base the previews sample on ([sample] base, infer/preview_base.py): the transformer's
+    # bytes as loaded, in host RAM beside the training model while a preview runs (0: none)
+    preview_base_bytes: int = 0
     # The trainer quantizes the block Linears a plan stores in fp8 as it reads them (models/weights.py,
     # `quantize_fp8`), so its loading phase holds what the plan stores plus the quantizing workers'
     # buffers, never the file's bf16. The sampler loads as stored and converts afterwards: False.
