@@ -127,6 +127,11 @@ def _negatives(negative: PromptEmbeds | Sequence[PromptEmbeds] | None, n: int) -
     return items
 
 
+def _pad_rows(seq: torch.Tensor, rows: int) -> torch.Tensor:
+    """(b, L, D) -> (b, rows, D), zero rows appended (Sampling.pads_text)."""
+    return seq if seq.shape[1] == rows else torch.cat([seq, seq.new_zeros(seq.shape[0], rows - seq.shape[1], seq.shape[2])], 1)
+
+
 def _batches(embeds: list[PromptEmbeds], batch_size: int | None) -> list[list[int]]:
     """Group consecutive images into batches of equal text length (T5 sequences concatenate)."""
     groups: list[list[int]] = []
@@ -178,9 +183,11 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
         cond = _cat([items[i] for i in idx]).to(device=device, dtype=dtype)         # (b, L, D_t5), (b, D_pool)
         if cfg:
             uncond = _cat([negatives[i] for i in idx]).to(device=device, dtype=dtype)
-            together = cfg_batched and uncond.t5.shape[1] == cond.t5.shape[1]
+            together = cfg_batched and (uncond.t5.shape[1] == cond.t5.shape[1] or family.sampling.pads_text)
             if together:      # negatives first, as StableDiffusion3Pipeline concatenates them
-                both = PromptEmbeds(torch.cat([uncond.t5, cond.t5]), torch.cat([uncond.pooled, cond.pooled]))
+                rows = max(uncond.t5.shape[1], cond.t5.shape[1])
+                both = PromptEmbeds(torch.cat([_pad_rows(uncond.t5, rows), _pad_rows(cond.t5, rows)]),
+                                    torch.cat([uncond.pooled, cond.pooled]))
         noise = initial_noise([seeds[i] for i in idx], h, w, dtype, family.latent_channels)
         x = family.pack_latents(noise).to(device)                           # Flux: (b, N, 64); SD3: (b, 16, h, w)
         for k in range(steps):

@@ -357,6 +357,10 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     if plan.stream_non_blocks:
         mods = [getattr(model, n) for n in spec.non_block_modules
                 if hasattr(model, n) and any(True for _ in getattr(model, n).parameters())]
+        # a ModuleDict / ModuleList is never called itself, its entries are (Z-Image's per-patch-size
+        # all_x_embedder / all_final_layer): the hooks go on them
+        mods = [c for m in mods for c in (m.values() if isinstance(m, nn.ModuleDict) else
+                                          m if isinstance(m, nn.ModuleList) else (m,))]
         if mods:
             groups.append(("non_blocks", mods, False))
     wanted = set(plan.streamed_blocks)

@@ -90,6 +90,10 @@ class Sampling:
     # cfg only: guidance runs for scales above this (1: the pipelines whose mix at 1 is v_pos
     # itself; Z-Image's pipeline guides for any scale above 0, its mix being v_pos + s (v_pos - v_neg))
     cfg_above: float = 1.0
+    # cfg only: the two halves of a batched step may hold texts of different lengths, the shorter
+    # zero-padded (the family's predict reads each prompt's rows back from the zero rows, as
+    # ZImagePipeline batches its per-prompt lists); False: halves of different lengths run apart
+    pads_text: bool = False
 
     def guides(self, scale) -> bool:
         """Whether sampling at `scale` runs classifier-free guidance (both halves per step)."""

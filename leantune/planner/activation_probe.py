@@ -326,6 +326,8 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool,
         for p in probe.parameters():
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(on_step))
+    from ..models.family import family_of_spec, probe_output
+
     inputs = _probe_inputs(spec, probe, workload, bucket)
     _FlashAttention.tracker = tracker
     try:

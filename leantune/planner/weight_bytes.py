@@ -222,6 +222,13 @@ def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = No
             tensors.extend(w.tensors)
             trained.extend(w.trained)
             native += w.native_bytes
+    # Tensors the model holds itself, in no child module (Z-Image's x_pad_token / cap_pad_token):
+    # priced with the non-block group (a few kB; the engine keeps them resident either way).
+    for pname, t in list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False)):
+        tensors.append((t.numel(), 0, False, False))
+        native += t.numel() * t.element_size()
+        if trains is not None and isinstance(t, torch.nn.Parameter) and trains(pname):
+            trained.append(tuple(t.shape))
     non_blocks = ModuleWeights("non_blocks", "non_block", tuple(tensors), native, tuple(trained))
     adapters: list[AdapterShape] = []
     if workload is not None and workload.mode == "lora":

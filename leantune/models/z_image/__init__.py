@@ -156,7 +156,7 @@ def _register():
         pack_latents=pack_latents, unpack_latents=unpack_latents, image_tokens=image_tokens,
         predict=predict, probe_inputs=probe_inputs, describe=_loader("describe"),
         sampling=Sampling(guidance="cfg", variant=lambda transformer: "z-image", schedule=_schedule,
-                          timestep=_timestep, combine=cfg_combine, cfg_above=0.0),
+                          timestep=_timestep, combine=cfg_combine, cfg_above=0.0, pads_text=True),
         text_modules=z_image_text.text_modules,
         transformer_classes=(z_image_loading.TRANSFORMER_CLASS,), recognizes_keys=recognizes_keys,
         text_rows=z_image_text.text_rows, timestep_sampling="shift", text_phase=_text_phase,
