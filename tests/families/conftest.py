@@ -89,8 +89,16 @@ class Built:
         return pipe
 
     def pipeline_with(self, **parts):
-        """A pipeline of the folder's components, `parts` (transformer=..., ...) replaced."""
-        return type(self.pipeline)(**{**self.pipeline.components, **parts})
+        """A pipeline of the folder's components, `parts` (transformer=..., ...) replaced, with the
+        folder's pipeline settings (model_index.json values its constructor takes besides the
+        components: Krea2Pipeline's text_encoder_select_layers, a distilled pipeline's is_distilled)."""
+        import inspect
+
+        pipe = self.pipeline
+        cls = type(pipe)
+        settings = {k: pipe.config[k] for k in inspect.signature(cls.__init__).parameters
+                    if k != "self" and k not in pipe.components and k in pipe.config}
+        return cls(**{**pipe.components, **settings, **parts})
 
     @cached_property
     def single_files(self) -> dict[str, Path]:

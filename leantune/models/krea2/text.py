@@ -22,15 +22,15 @@ rotary positions are all zero, so the padding's values and count change nothing 
 the pipeline's length (a sample at max_length rows) the inputs are the pipeline's exactly, up to
 the padded rows' values, which are masked.
 
-Only Qwen3-VL's language model runs (the vision tower is not used for text), and only up to the
-deepest tapped layer (35 of 36: the last one changes no number the pipeline keeps, so it and the
-final norm are left out). When the encoder is on the host and encoding runs on a device, its
-decoder layers are streamed there one at a time (streamed_encoder.py).
+Only Qwen3-VL's language model runs (the vision tower is not used for text), all its layers: the
+last one (of 36; the deepest tap is 35) changes no number the pipeline keeps, but transformers 5
+collects hidden states through hooks it installs once, on the layers present at the first call, so
+cutting the layer list for a call would leave a model that reports fewer states afterwards (1/36 of
+the encoding, paid in the caching phase only). When the encoder is on the host and encoding runs
+on a device, its decoder layers are streamed there one at a time (streamed_encoder.py).
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -48,21 +48,6 @@ SUFFIX_TOKENS = 5                    # prompt_template_encode_num_suffix_tokens
 def text_model(encoders) -> nn.Module:
     """Qwen3-VL's language model (it holds `layers`)."""
     return encoders.text_encoder.language_model
-
-
-@contextmanager
-def _first_layers(lm: nn.Module, n: int):
-    """`lm` with only its first `n` decoder layers for the duration (the final norm left out with
-    them: hidden_states[n] is then layer n's own output, as in the whole model's run)."""
-    layers, norm = lm.layers, lm.norm
-    if n >= len(layers):
-        yield
-        return
-    lm.layers, lm.norm = nn.ModuleList(list(layers)[:n]), nn.Identity()
-    try:
-        yield
-    finally:
-        lm.layers, lm.norm = layers, norm
 
 
 def _placement(encoders, device: torch.device):
@@ -91,7 +76,7 @@ def pipeline_hidden_states(prompts: list[str], encoders, max_length: int = DEFAU
     input_ids, mask, position_ids = tokens(encoders.tokenizer, list(prompts), max_length)
     lm = text_model(encoders)
     select = tuple(encoders.select_layers)
-    with _first_layers(lm, max(select)), _placement(encoders, device):
+    with _placement(encoders, device):
         out = lm(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device),
                  output_hidden_states=True, use_cache=False)
     stacked = torch.stack([out.hidden_states[i] for i in select], dim=2)         # (B, L_tok, N, D)

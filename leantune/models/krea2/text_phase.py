@@ -5,7 +5,7 @@ language model run layer by layer in the caching phase, loaded whole or read fro
 Krea2Pipeline pads every caption to `max_length` tokens after the 34-token system template (the
 template's 5-token suffix after the padding) and asks for every hidden state, so a batch of
 captions costs batch x (text_rows + 34) token rows whatever the captions' lengths; the encode runs
-the layers up to the deepest tapped one (35 of 36) and keeps that many + 1 hidden states.
+every layer (krea2/text.py says why) and keeps every hidden state.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def text_encoding_phase(text_rows: int = 512, batch: int = 8, dtype_bytes: int =
     model = meta_text_encoder(Qwen3VLModel, Qwen3VLConfig, config)
     text = model.language_model
     select = sources.select_layers if sources is not None else DEFAULT_SELECT_LAYERS
-    run = min(len(text.layers), max(select))
-    phase = decoder_phase(model, text, tokens=batch * (text_rows + TEMPLATE_DROP), hidden_states=run + 1,
-                          dtype_bytes=dtype_bytes, layers_run=run)
+    if max(select) > len(text.layers):
+        raise ValueError(f"the text encoder has {len(text.layers)} layers, the pipeline taps hidden state {max(select)}")
+    phase = decoder_phase(model, text, tokens=batch * (text_rows + TEMPLATE_DROP),
+                          hidden_states=len(text.layers) + 1, dtype_bytes=dtype_bytes)
     phase["encoder"] = "the config's text_encoder/config.json" if own else f"models/configs/{PACKAGED}.json"
     return phase
 
