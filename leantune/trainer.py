@@ -361,9 +361,13 @@ def _read_base_adapters(cfg: RunConfig, family) -> tuple | None:
         check_other_base(cfg.model, cfg.resolve(cfg.sample.base), "[sample] base")
     if not cfg.model.base_adapters and cfg.sample.base_adapters is None:
         return None
-    from .train.base_adapters import read_run_adapters
+    from .train.base_adapters import check_adapters, read_run_adapters
 
-    return read_run_adapters(cfg.model, cfg.sample, cfg.resolve, family.spec.lora_keys)
+    training, sampling = read_run_adapters(cfg.model, cfg.sample, cfg.resolve, family.spec.lora_keys)
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    meta = family.load_transformer(sources, dtype=torch.float32, device="meta", **loader_options(cfg.memory))
+    check_adapters(meta, [*training, *(sampling or ())])     # shapes only: a LoRA of another model is named now
+    return training, sampling
 
 
 def _attach_base_adapters(transformer, adapters: tuple | None):

@@ -86,7 +86,10 @@ def _model_cfg(family: str, folder: Path):
 def _adapter_file(family: str, folder: Path, path: Path, fmt: str, seed: int = 11) -> dict[str, torch.Tensor]:
     """A random rank-2 LoRA of the model's attention (a stand-in for a training adapter), written in
     `fmt`; returns its weight deltas by module name."""
-    model = _load(family, folder)
+    return _lora_of(_load(family, folder), family, path, fmt, seed)
+
+
+def _lora_of(model, family: str, path: Path, fmt: str, seed: int = 11) -> dict[str, torch.Tensor]:
     spec = get_family(family).spec
     add_lora(model, spec, LoraConfig(rank=2, alpha=3, targets="attention"))
     g = torch.Generator().manual_seed(seed)
@@ -436,3 +439,50 @@ def test_leantune_sample_takes_base_adapters_and_another_base(tiny_flux_dir, tmp
         got = np.asarray(Image.open(result.files[0])).astype(np.int16)
         assert np.abs(got - want).max() <= 1                      # u8 rounding of equal floats
         assert np.abs(got - plain).max() > 8                      # the adapter / the other base shows
+
+
+def test_bad_base_adapters_and_bases_are_refused_naming_the_key_and_the_file(tiny_flux_dir, tiny_sd3_dir, tmp_path,
+                                                                              images):
+    """Refused before the caches fill or a weight loads: nothing of the run is written but its log."""
+    from leantune.config import ConfigError
+    from leantune.models.weights import LoadError
+    from leantune.train.lora import LoraFormatError
+
+    def run(name, *extra):
+        cfg = _config(tmp_path / name, "flux", tiny_flux_dir, images, extra=list(extra))
+        try:
+            train(cfg, progress=False)
+        finally:
+            assert not (tmp_path / name / "cache").exists() and not (tmp_path / name / "out" / "checkpoints").exists()
+
+    missing = tmp_path / "missing.safetensors"
+    with pytest.raises(FileNotFoundError, match=rf"\[model\] base_adapters #1: {missing}: no such LoRA file"):
+        run("missing", f"model.base_adapters={_adapters(missing, 1.0)}")
+    with pytest.raises(ConfigError, match=r"model.base_adapters.*#1.*strength.*outside -10..10"):
+        _config(tmp_path / "strong", "flux", tiny_flux_dir, images, extra=[f"model.base_adapters={_adapters(missing, 50)}"])
+    with pytest.raises(ConfigError, match=r"sample.base_adapters.*#1.*strength"):
+        _config(tmp_path / "nan", "flux", tiny_flux_dir, images, extra=[f"sample.base_adapters={_adapters(missing, 'nan')}"])
+
+    from leantune import tiny
+
+    wide = tmp_path / "wide.safetensors"                     # a LoRA of a wider Flux: its names, other shapes
+    _lora_of(tiny.flux_transformer(0, num_attention_heads=3), "flux", wide, "diffusers")
+    fits = _flux_adapter(tiny_flux_dir, tmp_path)
+    with pytest.raises(LoraFormatError, match=rf"\[sample\] base_adapters #2: {wide}: LoRA key '[^']+' has down"):
+        run("other_model", f'sample.base_adapters=[{{path = "{fits}"}}, {{path = "{wide}"}}]')
+    not_lora = tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors"
+    with pytest.raises(LoraFormatError, match=rf"\[model\] base_adapters #1: {not_lora}"):
+        run("not_lora", f"model.base_adapters={_adapters(not_lora, 1.0)}")
+
+    with pytest.raises(LoadError, match=rf"\[sample\] base: {tiny_sd3_dir} is a sd3 model, but the run's \[model\] "
+                                        rf"family is \"flux\""):
+        run("sd3_base", f'sample.base="{tiny_sd3_dir}"')
+    with pytest.raises(LoadError, match=r"\[sample\] base: .*nowhere: no such file or folder"):
+        run("no_base", f'sample.base="{tmp_path / "nowhere"}"')
+
+
+def _flux_adapter(folder: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "flux_adapter.safetensors"
+    if not path.exists():
+        _adapter_file("flux", folder, path, "comfyui")
+    return path

@@ -58,6 +58,7 @@ class BaseAdapter:
     path: Path
     strength: float
     weights: LoraWeights
+    entry: str = "base adapter"       # where it was named ("[model] base_adapters #1"), for errors
 
 
 def read_adapters(refs: Sequence, resolve: Callable[[str], Path], keys, where: str) -> list[BaseAdapter]:
@@ -76,8 +77,18 @@ def read_adapters(refs: Sequence, resolve: Callable[[str], Path], keys, where: s
             raise LoraFormatError(f"{entry}: {e}") from None
         if not weights.modules:
             raise LoraFormatError(f"{entry}: {path}: holds no LoRA weights for this model's family")
-        out.append(BaseAdapter(path, float(ref.strength), weights))
+        out.append(BaseAdapter(path, float(ref.strength), weights, entry))
     return out
+
+
+def check_adapters(model: torch.nn.Module, adapters: Sequence[BaseAdapter]) -> None:
+    """Every adapter fits `model`'s Linears (a meta build will do: only shapes are read); the error
+    names the config entry, the file and the key that does not fit."""
+    for a in adapters:
+        try:
+            check_fits(model, a.weights)
+        except LoraFormatError as e:
+            raise LoraFormatError(f"{a.entry}: {e}") from None
 
 
 def read_run_adapters(model_cfg, sample_cfg, resolve: Callable[[str], Path], keys
@@ -119,11 +130,7 @@ class BaseAdapterStack:
             if a.path not in self.names:
                 self.names[a.path] = f"{PREFIX}{len(self.names)}"
                 attach.append(a)
-        for a in attach:
-            try:
-                check_fits(transformer, a.weights)
-            except LoraFormatError as e:
-                raise LoraFormatError(f"base adapter {a.path}: {e}") from None
+        check_adapters(transformer, attach)
         for a in attach:
             apply_lora(transformer, a.weights, strength=a.strength, adapter_name=self.names[a.path])
         self.use(self.training)
