@@ -203,7 +203,7 @@ class TrainConfig(Section):
     seed: int = 42
     mixed_precision: Literal["bf16", "no"] = "bf16"
     # "auto": the family's default (Flux: sigmoid; SD3: shift, with `shift` = 3.0); see flow_matching.py
-    timestep_sampling: Literal["auto", "sigmoid", "shift", "flux_shift", "uniform"] = "auto"
+    timestep_sampling: Literal["auto", "sigmoid", "shift", "flux_shift", "krea2_shift", "uniform"] = "auto"
     # Bounds no recipe reaches (scale 1, shift 3, guidance 1-3.5), far below where the noise levels or
     # the guidance embedding overflow (sigmoid_scale = 1e308 trained on NaN from step 1).
     sigmoid_scale: float = Field(1.0, gt=0, le=100)

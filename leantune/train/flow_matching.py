@@ -12,6 +12,9 @@ Timestep (sigma) sampling decides which noise levels the LoRA sees most:
   pushing toward high noise (s > 1), which matters more at high resolution.
 - `flux_shift`: as `shift`, with the resolution-dependent shift BFL's schedule uses:
   mu linear in the image token count (256 -> 0.5, 4096 -> 1.15), sigma' = e^mu / (e^mu + 1/sigma - 1).
+- `krea2_shift`: as `flux_shift` on Krea 2's line, which its sampler follows (krea-ai/krea-2
+  sampling.py `timesteps`: 256 -> 0.5, 6400 -> 1.15 tokens, i.e. 256 to 1280 px at 16 px a token);
+  musubi-tuner's `--timestep_sampling krea2_shift` draws the same.
 - `auto` (the default): the model family's choice (`sampling_method`): `sigmoid` for Flux, `shift`
   with s = 3.0 for SD3.5 — SD3's scheduler shift, which diffusers' SD3 training script applies to its
   logit-normal draws the same way.
@@ -24,12 +27,14 @@ import math
 import torch
 
 BASE_SEQ_LEN, MAX_SEQ_LEN = 256, 4096
+KREA2_MAX_SEQ_LEN = 6400
 BASE_SHIFT, MAX_SHIFT = 0.5, 1.15
 
 
-def flux_mu(image_seq_len: int) -> float:
-    """BFL's resolution-dependent shift exponent (same line as diffusers' calculate_shift)."""
-    m = (MAX_SHIFT - BASE_SHIFT) / (MAX_SEQ_LEN - BASE_SEQ_LEN)
+def flux_mu(image_seq_len: int, max_seq_len: int = MAX_SEQ_LEN) -> float:
+    """BFL's resolution-dependent shift exponent (same line as diffusers' calculate_shift); Krea 2's
+    line ends at `max_seq_len` = 6400 instead."""
+    m = (MAX_SHIFT - BASE_SHIFT) / (max_seq_len - BASE_SEQ_LEN)
     return image_seq_len * m + (BASE_SHIFT - m * BASE_SEQ_LEN)
 
 
@@ -54,6 +59,8 @@ def sample_sigmas(batch: int, method: str, generator: torch.Generator, *, sigmoi
             sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
         elif method == "flux_shift":
             sigma = time_shift(flux_mu(image_seq_len), sigma)
+        elif method == "krea2_shift":
+            sigma = time_shift(flux_mu(image_seq_len, KREA2_MAX_SEQ_LEN), sigma)
         elif method != "sigmoid":
             raise ValueError(f"unknown timestep sampling {method!r}")
     # Keep away from the exact ends, where the target is pure data or pure noise.

@@ -17,8 +17,8 @@ Everything follows Krea2Pipeline (diffusers 0.42.1) and krea-ai/krea-2's samplin
   `is_distilled`) pins mu = 1.15. Guidance is Krea 2's own convention: v = v_pos + s (v_pos - v_neg),
   on for every s > 0 (the usual formula's 1 + s), with the empty negative prompt by default; the
   pipeline's defaults are 28 steps at 4.5 (Raw) and 8 steps at 0 (Turbo).
-- Training noise levels: `flux_shift`, the logit-normal time-shifted by the resolution-dependent mu,
-  as the sampler shifts its steps (see timestep_sampling below).
+- Training noise levels: `krea2_shift`, the logit-normal time-shifted by the resolution-dependent mu
+  of the sampler's line (256 -> 0.5, 6400 -> 1.15), as musubi-tuner's krea2_shift.
 """
 
 from __future__ import annotations
@@ -174,9 +174,7 @@ def _register():
         text_modules=krea2_text.text_modules,
         transformer_classes=(krea2_loading.TRANSFORMER_CLASS,), pipeline_classes=("Krea2Pipeline",),
         recognizes_keys=recognizes_keys, text_rows=krea2_text.text_rows,
-        # The resolution-dependent shift the sampler's steps follow (Flux's line; Krea 2's sampler
-        # reaches 1.15 at 6400 tokens instead of 4096: at 1024 px, 4096 tokens, the two differ by 0.18)
-        timestep_sampling="flux_shift",
+        timestep_sampling="krea2_shift",
         text_phase=_text_phase, text_width=text_width,
     ))
 
