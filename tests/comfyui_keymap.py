@@ -27,6 +27,16 @@ at 09708eae, comfy/weight_adapter/lora.py at 6f98b150), not copied from it:
     and the top level `img_in` -> `first`, `time_embed.linear_1/2` -> `tmlp.0/2`, `time_mod_proj`
     -> `tproj.1`, `txt_in.linear_1/2` -> `txtmlp.1/3`, `text_fusion.projector` ->
     `txtfusion.projector`, `final_layer.linear` -> `last.linear`; nothing fused, nothing swapped.
+  - `Lumina2` (ComfyUI's class for Z-Image): every diffusers weight name `k` of
+    `comfy.utils.z_image_to_diffusers` as `diffusion_model.k`, `transformer.k`, `lycoris_<k_>` and
+    `k`. That table (`_z_image_to_diffusers` here) maps diffusers' `attention.to_q/to_k/to_v` of
+    every `layers.N`, `noise_refiner.N`, `context_refiner.N` to rows 0, dim, 2 dim of the native
+    `attention.qkv`, `attention.to_out.0` to `attention.out`, the norms and MLP to themselves, and
+    `all_x_embedder.2-1` / `all_final_layer.2-1.*` to `x_embedder` / `final_layer.*`; the refiner
+    count is `n_refiner_layers` of the model's unet_config, which comfy/model_detection.py's
+    `detect_unet_config` never sets, so the default 2 (Z-Image's) is used. (Read from the code
+    search index's copies of comfy/lora.py, comfy/utils.py and comfy/model_detection.py: ComfyUI's
+    repository was too large to fetch whole for the Z-Image work.)
 * `flux_to_diffusers` (the only diffusers names a Flux or FLUX.2 model gets): Flux.1's diffusers
   names, FLUX.2's in-block ones (`ff.linear_in/out`, `attn.to_qkv_mlp_proj`, single `attn.to_out`)
   and Flux.1's top level (`x_embedder`, `context_embedder`, `time_text_embed.*`, `proj_out`,
@@ -90,7 +100,7 @@ def comfyui_class(family: str) -> str:
     if family.startswith("flux2"):
         return "Flux2"
     classes = {"flux": "Flux", "sd3": "SD3", "qwen-image": "QwenImage", "qwen-image-edit": "QwenImage",
-               "krea2": "Krea2"}
+               "krea2": "Krea2", "z-image": "Lumina2"}
     if family not in classes:
         raise KeyError(f"no ComfyUI key map modelled for family {family!r}")
     return classes[family]
@@ -206,6 +216,32 @@ def _krea2_to_diffusers(shapes: Mapping) -> dict[str, Target]:
     return out
 
 
+def _z_image_to_diffusers(shapes: Mapping, n_refiner_layers: int = 2) -> dict[str, Target]:
+    """{diffusers weight name: Target} as comfy.utils.z_image_to_diffusers has them (weights only;
+    `n_refiner_layers`: the unet_config's, which ComfyUI's detection leaves at the default 2)."""
+    dim = _shape(shapes["cap_embedder.1.weight"])[0]          # unet_config["dim"] (detect_unet_config)
+    out: dict[str, Target] = {}
+    blocks = [f"layers.{i}" for i in range(_count(shapes, r"layers\.(\d+)\."))]
+    blocks += [f"{lst}.{i}" for lst in ("context_refiner", "noise_refiner") for i in range(n_refiner_layers)]
+    for b in blocks:
+        for proj, start in (("to_q", 0), ("to_k", dim), ("to_v", 2 * dim)):
+            out[f"{b}.attention.{proj}"] = Target(f"{b}.attention.qkv.weight", (start, dim))
+        for diff, nat in (("attention.norm_q", "attention.q_norm"), ("attention.norm_k", "attention.k_norm"),
+                          ("attention.to_out.0", "attention.out"), ("attention_norm1", "attention_norm1"),
+                          ("attention_norm2", "attention_norm2"), ("feed_forward.w1", "feed_forward.w1"),
+                          ("feed_forward.w2", "feed_forward.w2"), ("feed_forward.w3", "feed_forward.w3"),
+                          ("ffn_norm1", "ffn_norm1"), ("ffn_norm2", "ffn_norm2"),
+                          ("adaLN_modulation.0", "adaLN_modulation.0")):
+            out[f"{b}.{diff}"] = Target(f"{b}.{nat}.weight")
+    for diff, nat in (("all_final_layer.2-1.linear", "final_layer.linear"),
+                      ("all_final_layer.2-1.adaLN_modulation.1", "final_layer.adaLN_modulation.1"),
+                      ("all_x_embedder.2-1", "x_embedder"), ("cap_embedder.0", "cap_embedder.0"),
+                      ("cap_embedder.1", "cap_embedder.1"), ("t_embedder.mlp.0", "t_embedder.mlp.0"),
+                      ("t_embedder.mlp.2", "t_embedder.mlp.2")):
+        out[diff] = Target(f"{nat}.weight")
+    return out
+
+
 def diffusers_names(family: str, shapes: Mapping) -> dict[str, Target]:
     """The diffusers module names ComfyUI's model class knows and where they go (for QwenImage the
     model's own names)."""
@@ -216,6 +252,8 @@ def diffusers_names(family: str, shapes: Mapping) -> dict[str, Target]:
         return _mmdit_to_diffusers(shapes)
     if cls == "Krea2":
         return _krea2_to_diffusers(shapes)
+    if cls == "Lumina2":
+        return _z_image_to_diffusers(shapes)
     return {k[:-len(".weight")]: Target(k) for k in shapes if k.endswith(".weight")}
 
 
@@ -247,6 +285,10 @@ def comfyui_key_map(family: str, model_keys: Mapping) -> dict[str, Target]:
                 key_map[f"diffusion_model.{k.replace('.linear1.weight', '.linear1_qkv')}"] = Target(k, (0, 3 * h))
     if cls == "Krea2":
         for k, t in _krea2_to_diffusers(model_keys).items():
+            for name in (f"diffusion_model.{k}", f"transformer.{k}", f"lycoris_{k.replace('.', '_')}", k):
+                key_map[name] = t
+    if cls == "Lumina2":
+        for k, t in _z_image_to_diffusers(model_keys).items():
             for name in (f"diffusion_model.{k}", f"transformer.{k}", f"lycoris_{k.replace('.', '_')}", k):
                 key_map[name] = t
     if cls == "QwenImage":
