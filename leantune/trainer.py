@@ -720,7 +720,7 @@ def _sample_on_other_base(t: Trainee, cfg: RunConfig, family, embeds, vae, negat
     fp8 = bool(t.plan is not None and t.plan.fp8)
     return sample_on_other_base(t.transformer, load, adapters, embeds, cfg.sample, family=family, vae=vae,
                                 device=t.device, dtype=t.dtype, base_path=path, fp8=fp8, negative=negative,
-                                references=references)
+                                references=references, schedule_folder=path if path.is_dir() else None)
 
 
 def plot_losses(losses: list[float], path: Path) -> Path:

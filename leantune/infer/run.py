@@ -167,14 +167,14 @@ class FolderComponents:
         self._fl = fl = get_family(request.model.family)
         self._options = loader_options(request.memory)     # a file's e4m3 modulation stays e4m3 unless asked
         model_cfg = request.model
+        folder = request.resolve(request.model.path)
         if request.base is not None:          # another checkpoint of the family (models/other_base.py)
             from ..models.other_base import check_other_base, other_base_config
 
-            base = request.resolve(request.base)
-            check_other_base(request.model, base, "base")
-            model_cfg = other_base_config(request.model, base)
+            folder = request.resolve(request.base)       # its scheduler config, where it is a folder
+            check_other_base(request.model, folder, "base")
+            model_cfg = other_base_config(request.model, folder)
         self.sources = fl.resolve_sources(model_cfg, Path(request.base_dir))
-        folder = request.resolve(request.model.path)
         self.schedule_folder = folder if folder.is_dir() else None   # scheduler/scheduler_config.json
 
     def text_encoders(self, dtype: torch.dtype):
