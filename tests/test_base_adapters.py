@@ -13,6 +13,7 @@ moves by exactly the bytes the engine holds for them; bad files are refused nami
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -486,3 +487,40 @@ def _flux_adapter(folder: Path, tmp_path: Path) -> Path:
     if not path.exists():
         _adapter_file("flux", folder, path, "comfyui")
     return path
+
+
+def test_krea2_recipe_train_on_raw_preview_on_turbo(tmp_path, images, monkeypatch):
+    """Krea 2's recipe on its tiny preset: a LoRA trained on Raw previews on a Turbo checkpoint
+    ([sample] base, Turbo's few steps, no guidance) with Turbo's schedule (told by its folder) and
+    equals sampling that Turbo + the trained LoRA; Raw's own schedule would give other latents."""
+    from diffusers import Krea2Pipeline
+
+    import leantune.infer.sampler as sampler
+    from leantune.infer.loras import apply_loras
+    from leantune.tiny import krea2 as tk
+
+    raw = tk.save_krea2_folder(tmp_path / "raw", seed=0)
+    turbo = tmp_path / "turbo"               # Raw's encoder and VAE, its own transformer, Turbo's model_index
+    shutil.copytree(raw, turbo)
+    shutil.rmtree(turbo / "transformer")
+    tk.krea2_transformer(1).save_pretrained(turbo / "transformer", safe_serialization=True)
+    index = json.loads((turbo / "model_index.json").read_text())
+    (turbo / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    assert Krea2Pipeline.load_config(turbo)["is_distilled"]          # as the pipeline reads it
+    rec = _Recorder(sampler.denoise)
+    monkeypatch.setattr(sampler, "denoise", rec)
+    cfg = _config(tmp_path / "run", "krea2", raw, images, steps=2, every=2,
+                  extra=[f'sample.base="{turbo}"', "sample.steps=3", "sample.guidance=0.0", "data.max_text_length=32"])
+    result = train(cfg, progress=False)
+    monkeypatch.setattr(sampler, "denoise", rec.real)
+    assert len(rec.calls) == 1 and result.sample_files
+    args, kwargs, latents = rec.calls[0]
+    fam = get_family("krea2")
+    assert kwargs["schedule"] == fam.sampling.schedule("krea2", turbo) != fam.sampling.schedule("krea2", raw)
+
+    lora = next(f for f in result.lora_files if "diffusers" in f.name)
+    model = _load("krea2", turbo / "transformer")
+    apply_loras(model, [(lora, 1.0)])
+    torch.testing.assert_close(latents, _resample(model, rec.calls[0]), rtol=1e-4, atol=1e-5)
+    wrong = dict(kwargs, schedule=fam.sampling.schedule("krea2", raw))
+    assert (_resample(model, (args, wrong, None)) - latents).abs().max() > 1e-3
