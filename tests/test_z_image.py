@@ -1,0 +1,315 @@
+"""Z-Image beyond the conformance suite (tests/families): parity with Tongyi-MAI's published forward
+(tests/z_image_reference.py, an independent model of it) on a seeded tiny model in the official
+single-file layout, read by leantune's loader and by diffusers' own single-file conversion; fp8
+files kept e4m3; text encoding equal to ZImagePipeline.encode_prompt, loaded and read from its
+files layer by layer; samples with a LoRA at strength 1 and 0.5 equal the pipeline's bit for bit;
+a full fine-tune's exports load back to the trained weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from z_image_reference import reference_forward
+
+from leantune.config import ModelConfig
+from leantune.models.component_files import METADATA_CONFIG_KEY
+from leantune.models.family import PromptEmbeds, get_family
+from leantune.models.z_image import model_time, predict
+from leantune.models.z_image.loading import save_single_file
+from leantune.tiny.z_image import Z_IMAGE_TINY, save_z_image_folder, z_image_transformer
+
+FAM = get_family("z-image")
+COMFY = "model.diffusion_model."
+UNSEEN = {k: Z_IMAGE_TINY[k] for k in ("axes_dims", "axes_lens", "rope_theta", "norm_eps", "t_scale")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_z_image_folder(tmp_path_factory.mktemp("z_image") / "folder")
+
+
+def _sources(path, root):
+    return FAM.resolve_sources(ModelConfig(path=str(path), family="z-image"), root)
+
+
+def _official_state(seed: int = 5) -> dict:
+    """Seeded random tensors in the official source's module names (src/zimage/transformer.py names
+    its modules as diffusers does), on the tiny architecture's shapes."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {k: v.shape for k, v in z_image_transformer(0).state_dict().items()}
+    return {k: torch.randn(s, generator=g) * (0.5 if len(s) > 1 else 0.2) + (1.0 if "norm" in k else 0.0)
+            for k, s in sorted(shapes.items())}
+
+
+def _original_layout(sd: dict) -> dict:
+    """The original checkpoint's names, written here by hand (not with leantune's table): fused
+    attention.qkv (q, k, v rows), attention.out, q_norm / k_norm, x_embedder, final_layer."""
+    out = {}
+    for k, v in sd.items():
+        if ".attention.to_k." in k or ".attention.to_v." in k:
+            continue
+        if ".attention.to_q." in k:
+            out[k.replace("to_q", "qkv")] = torch.cat([v, sd[k.replace("to_q", "to_k")], sd[k.replace("to_q", "to_v")]])
+            continue
+        k = (k.replace("attention.to_out.0", "attention.out").replace("attention.norm_q", "attention.q_norm")
+             .replace("attention.norm_k", "attention.k_norm").replace("all_x_embedder.2-1", "x_embedder")
+             .replace("all_final_layer.2-1", "final_layer"))
+        out[k] = v
+    return out
+
+
+def _inputs(seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    images = [torch.randn(16, 1, 6, 8, generator=g), torch.randn(16, 1, 6, 8, generator=g)]
+    caps = [torch.randn(13, 16, generator=g), torch.randn(40, 16, generator=g)]     # 1 and 2 blocks of 32 rows
+    return images, torch.tensor([0.3, 0.85]), caps
+
+
+# -- parity with the official forward ------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", ["", COMFY])
+def test_official_single_file_loads_to_the_official_forward(prefix, tmp_path):
+    """A seeded tiny model in the official single-file layout (bare, as Tongyi-MAI's; under
+    ComfyUI's prefix): leantune's loaded model gives the official forward's outputs bit for bit
+    (tests/z_image_reference.py), its weights are what diffusers' own single-file conversion makes of
+    the file, and predict is the pipeline's convention of it (time 1 - sigma, output negated)."""
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    sd = _official_state()
+    path = tmp_path / "z_image.safetensors"
+    save_file({prefix + k: v for k, v in _original_layout(sd).items()}, str(path),
+              metadata={METADATA_CONFIG_KEY: json.dumps(UNSEEN)})      # the tiny head size's rotary split
+    model = FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32).eval().requires_grad_(False)
+    for k, v in Z_IMAGE_TINY.items():
+        assert list(model.config[k]) == list(v) if isinstance(v, (list, tuple)) else model.config[k] == v, k
+    converted = convert_z_image_transformer_checkpoint_to_diffusers(load_file(str(path)))
+    got = model.state_dict()
+    assert converted.keys() == got.keys() == sd.keys()
+    assert all(torch.equal(converted[k], got[k]) and torch.equal(sd[k], got[k]) for k in sd)
+    images, t, caps = _inputs()
+    want = reference_forward(sd, dict(Z_IMAGE_TINY), images, t, caps)
+    with torch.no_grad():
+        out = model(list(images), t, list(caps), return_dict=False)[0]
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    # predict at sigma feeds time (1000 - 1000 sigma) / 1000 and returns the negated velocity
+    sigma = torch.tensor([0.7, 0.15])
+    padded = torch.zeros(2, 40, 16)
+    padded[0, :13], padded[1] = caps[0], caps[1]
+    with torch.no_grad():
+        v = predict(model, torch.stack(images).squeeze(2), sigma, PromptEmbeds(padded, torch.zeros(2, 0)), (6, 8))
+    want = reference_forward(sd, dict(Z_IMAGE_TINY), images, model_time(sigma), caps)
+    assert torch.equal(v, -torch.stack(want).squeeze(2))
+    torch.testing.assert_close(model_time(sigma), 1 - sigma)
+
+
+def test_fp8_files_keep_their_block_weights_e4m3(tmp_path):
+    """ComfyUI's fp8 layouts (plain e4m3 and "scaled" with scale_weight) of the original names load
+    with every block Linear e4m3 (the adaLN too unless fp8_modulation = false), the rest in the
+    compute dtype, and outputs within e4m3's rounding of the bf16 model's."""
+    tiny = z_image_transformer(0).requires_grad_(False)
+    images, t, caps = _inputs()
+    with torch.no_grad():
+        want = torch.stack(tiny(list(images), t, list(caps), return_dict=False)[0])
+    for fp8 in ("e4m3", "scaled"):
+        path = save_single_file(tiny, tmp_path / f"{fp8}.safetensors", dtype=torch.bfloat16, fp8=fp8, prefix=COMFY)
+        raw = load_file(str(path))
+        assert raw[COMFY + "layers.0.attention.qkv.weight"].dtype == torch.float8_e4m3fn
+        src = _sources(path, tmp_path)
+        model = FAM.load_transformer(src, dtype=torch.bfloat16)
+        state = model.state_dict()
+        for name in ("layers.1.attention.to_k", "noise_refiner.0.feed_forward.w2", "context_refiner.0.attention.to_out.0",
+                     "layers.0.adaLN_modulation.0"):
+            assert state[f"{name}.weight"].dtype == torch.float8_e4m3fn, (fp8, name)
+        assert state["all_x_embedder.2-1.weight"].dtype == torch.bfloat16
+        assert state["layers.0.attention_norm1.weight"].dtype == torch.bfloat16
+        upcast = FAM.load_transformer(src, dtype=torch.bfloat16, fp8_modulation=False).state_dict()
+        assert upcast["layers.0.adaLN_modulation.0.weight"].dtype == torch.bfloat16
+        assert upcast["layers.0.attention.to_q.weight"].dtype == torch.float8_e4m3fn
+        with torch.no_grad():
+            got = torch.stack(model([i.bfloat16() for i in images], t, [c.bfloat16() for c in caps],
+                                    return_dict=False)[0]).float()
+        err = (got - want).norm() / want.norm()
+        assert 0 < err < 0.08, (fp8, float(err))
+
+
+def test_a_file_of_another_architecture_is_refused_naming_the_key(tmp_path):
+    sd = _original_layout(_official_state())
+    sd["layers.1.attention.qkv.weight"] = sd["layers.1.attention.qkv.weight"][:-1]      # not 3 equal parts
+    path = tmp_path / "bad.safetensors"
+    save_file(sd, str(path), metadata={METADATA_CONFIG_KEY: json.dumps(UNSEEN)})
+    from leantune.models.weights import LoadError
+
+    with pytest.raises(LoadError, match=r"bad\.safetensors.*layers\.1\.attention\.qkv\.weight"):
+        FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
+    del sd["layers.1.attention.qkv.weight"]
+    save_file(sd, str(path), metadata={METADATA_CONFIG_KEY: json.dumps(UNSEEN)})
+    with pytest.raises(LoadError, match=r"bad\.safetensors.*layers\.1\.attention\.qkv\.weight"):
+        FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
+
+
+# -- text encoding -------------------------------------------------------------------------------------
+
+PROMPTS = ["a photo of a cat", "a small orange ellipse next to a large purple square, two shapes, a circle and a square",
+           ""]
+
+
+def test_text_encoding_equals_the_pipelines_encode_prompt(folder, tmp_path):
+    """Prompts of different lengths, one cut at max_length, the empty one: encode_prompts' rows up to
+    `lengths` are ZImagePipeline.encode_prompt's tensors bit for bit and the rest zero, with the
+    encoder loaded and with it read from its files layer by layer (a host-RAM budget it does not
+    fit); the encoder is whole again after each encode."""
+    from diffusers import ZImagePipeline
+
+    from leantune.models.streamed_encoder import is_file_backed, text_encoder_ram_budget
+
+    pipe = ZImagePipeline.from_pretrained(str(folder), local_files_only=True)
+    want, _ = pipe.encode_prompt(list(PROMPTS), device="cpu", do_classifier_free_guidance=False, max_sequence_length=24)
+    assert max(len(w) for w in want) == 24 and min(len(w) for w in want) < 24        # one truncated
+    for budget in (None, 1):
+        with text_encoder_ram_budget(budget):
+            encoders = FAM.load_text_encoders(_sources(folder, tmp_path), torch.float32, "cpu")
+        assert is_file_backed(encoders.text_encoder) == (budget is not None)
+        embeds, lengths = FAM.encode_prompts(list(PROMPTS), encoders, 24, "cpu")
+        assert lengths.tolist() == [len(w) for w in want]
+        for row, n, w in zip(embeds.t5, lengths, want):
+            assert torch.equal(row[:n], w), budget
+            assert not row[n:].any()
+        assert len(encoders.text_encoder.layers) == 3 and not isinstance(encoders.text_encoder.norm, torch.nn.Identity)
+
+
+# -- samples with a LoRA -------------------------------------------------------------------------------
+
+def _trained_lora(model, root: Path):
+    from leantune.train.lora import add_lora, lora_weights_from_model, save_lora
+
+    trained = copy.deepcopy(model)
+    params = add_lora(trained, FAM.spec, SimpleNamespace(rank=4, effective_alpha=8.0, alpha=8.0, dropout=0.0,
+                                                        targets="all_linear", blocks=None))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    weights = lora_weights_from_model(trained)
+    return {fmt: save_lora(weights, root / f"lora_{fmt}.safetensors", fmt) for fmt in ("diffusers", "comfyui")}
+
+
+def test_samples_with_a_lora_at_strength_1_and_half_equal_the_pipelines(folder, tmp_path):
+    """fp32, CFG 4 with the empty negative prompt, 2 steps: our staged sampler with a trained LoRA
+    (either of its files) applied at strength 1 and 0.5 gives ZImagePipeline's images bit for bit,
+    the pipeline loading the diffusers file with its own load_lora_weights / set_adapters."""
+    import numpy as np
+    from diffusers import ZImagePipeline
+
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.infer.loras import apply_loras
+    from leantune.infer.sampler import denoise
+
+    src = _sources(folder, tmp_path)
+    encoders = FAM.load_text_encoders(src, torch.float32, "cpu")
+    vae = FAM.load_vae(src, torch.float32, "cpu").eval().requires_grad_(False)
+    base = FAM.load_transformer(src, torch.float32).eval().requires_grad_(False)
+    files = _trained_lora(base, tmp_path)
+    embeds, negative = encode_prompts_stage(encoders, ["a photo of a cat"], max_length=32, device="cpu", family=FAM,
+                                            negative_prompts=[""])
+    schedule = FAM.sampling.schedule("z-image", folder)
+    parts = ZImagePipeline.from_pretrained(str(folder), local_files_only=True).components
+    images = {}
+    for strength in (1.0, 0.5):
+        pipe = ZImagePipeline(**{**parts, "transformer": copy.deepcopy(base), "vae": vae})
+        pipe.set_progress_bar_config(disable=True)
+        pipe.load_lora_weights(str(files["diffusers"]), adapter_name="x")
+        pipe.set_adapters(["x"], [strength])
+        pipe.transformer.requires_grad_(False)
+        want = pipe(prompt="a photo of a cat", height=48, width=64, num_inference_steps=2, guidance_scale=4.0,
+                    max_sequence_length=32, generator=torch.Generator().manual_seed(3), output_type="np").images
+        for fmt, path in files.items():
+            model = copy.deepcopy(base)
+            apply_loras(model, [(path, strength)])
+            model.requires_grad_(False)
+            latents = denoise(model, embeds, [3], width=64, height=48, steps=2, guidance=4.0, schedule=schedule,
+                              device="cpu", family=FAM, negative=negative)
+            ours = decode_latents(vae, latents, "cpu").permute(0, 2, 3, 1).numpy()
+            assert np.abs(ours - want).max() == 0.0, (fmt, strength)
+        images[strength] = want
+    assert np.abs(images[1.0] - images[0.5]).max() > 1e-4
+
+
+# -- full fine-tune ------------------------------------------------------------------------------------
+
+FULL = """
+[model]
+family = "z-image"
+path = "{model}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 1
+cache_dir = "{cache}"
+max_text_length = 32
+
+[[data.datasets]]
+path = "{images}"
+
+[train]
+mode = "full"
+steps = 2
+learning_rate = 1e-3
+mixed_precision = "no"
+seed = 3
+
+[full]
+save_dtype = "fp32"
+
+[memory]
+streamed_blocks = 2
+stream_non_blocks = true
+debug_poison = true
+checkpointing = "blocks"
+
+[output]
+dir = "out"
+name = "t"
+formats = ["comfyui", "diffusers"]
+"""
+
+
+def test_full_fine_tune_exports_files_that_load_to_the_trained_weights(folder, tmp_path):
+    """Two full fine-tune steps with blocks and the non-block modules streamed (poison mode): the
+    original-layout single file and the diffusers folder it exports load, through leantune's loader
+    and diffusers' own from_pretrained, to the same weights, which moved from the base."""
+    from diffusers import ZImageTransformer2DModel
+
+    from leantune.config import load_config
+    from leantune.demo import draw_shapes
+    from leantune.trainer import train
+
+    draw_shapes(tmp_path / "images", count=2, size=64, seed=5)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.toml").write_text(FULL.format(model=folder, cache=tmp_path / "cache",
+                                                           images=tmp_path / "images"))
+    result = train(load_config(tmp_path / "run" / "run.toml", []), progress=False)
+    assert result.final_step == 2 and all(torch.isfinite(torch.tensor(result.losses)))
+    single, diffusers_dir = result.lora_files
+    assert set(load_file(str(single))) >= {"layers.0.attention.qkv.weight", "x_embedder.weight"}
+    from_file = FAM.load_transformer(_sources(single, tmp_path), torch.float32).state_dict()
+    from_folder = ZImageTransformer2DModel.from_pretrained(str(diffusers_dir)).state_dict()
+    base = FAM.load_transformer(_sources(folder, tmp_path), torch.float32).state_dict()
+    assert from_file.keys() == from_folder.keys() == base.keys()
+    assert all(torch.equal(from_file[k], from_folder[k]) for k in base)
+    assert sum(not torch.equal(from_file[k], base[k]) for k in base) > len(base) // 2
