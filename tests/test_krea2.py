@@ -1,0 +1,284 @@
+"""Krea 2 beyond the conformance suite (tests/families): text encoding against Krea2Pipeline's own
+(a batch of prompts of different lengths, the encoder in host RAM and read from its files), the
+Turbo folder's schedule and samples, a LoRA's samples at strength 0.5, a full fine-tune's exports,
+and the training noise levels on Krea 2's line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leantune.config import ModelConfig
+from leantune.models.family import get_family
+from leantune.tiny import krea2 as tk
+
+PROMPTS = ["a photo of a cat", "a small orange ellipse next to a large purple square two shapes, a circle and a square"]
+TEXT_LENGTH = 32
+
+
+@pytest.fixture(scope="module")
+def family():
+    return get_family("krea2")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tk.save_krea2_folder(tmp_path_factory.mktemp("krea2") / "raw")
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    from diffusers import Krea2Pipeline
+
+    p = Krea2Pipeline.from_pretrained(str(folder), local_files_only=True)
+    p.set_progress_bar_config(disable=True)
+    for m in p.components.values():
+        if isinstance(m, torch.nn.Module):
+            m.eval().requires_grad_(False)
+    return p
+
+
+def sources(family, path, **model):
+    return family.resolve_sources(ModelConfig(path=str(path), family="krea2", **model), Path("."))
+
+
+@pytest.fixture(scope="module")
+def loaded(family, folder):
+    """The folder's text encoders, VAE and transformer as the family's loaders give them (read only)."""
+    from types import SimpleNamespace
+
+    src = sources(family, folder)
+    return SimpleNamespace(encoders=family.load_text_encoders(src, torch.float32, "cpu"),
+                           vae=family.load_vae(src, torch.float32, "cpu"),
+                           transformer=family.load_transformer(src, torch.float32).eval().requires_grad_(False))
+
+
+# -- text ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("from_files", [False, True], ids=["loaded", "file_backed"])
+def test_encoding_equals_the_pipelines(family, folder, pipe, from_files):
+    """Prompts of different lengths: the stacked hidden states and mask Krea2Pipeline.encode_prompt
+    gives, bit for bit, with the encoder loaded or left in its files (read layer by layer); our rows
+    are each prompt's real rows, fed back in the pipeline's layout with its mask."""
+    from leantune.models.krea2 import text as krea2_text
+    from leantune.models.streamed_encoder import is_file_backed, text_encoder_ram_budget
+
+    with text_encoder_ram_budget(1 if from_files else None):
+        encoders = family.load_text_encoders(sources(family, folder), torch.float32, "cpu")
+    assert is_file_backed(encoders.text_encoder.language_model) == from_files
+    assert encoders.select_layers == tk.SELECT_LAYERS
+    want, mask = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=TEXT_LENGTH)
+    assert not bool(mask.all()) and mask.sum(1).tolist()[0] < mask.sum(1).tolist()[1]
+    embeds, lengths = family.encode_prompts(PROMPTS, encoders, max_length=TEXT_LENGTH, device="cpu")
+    assert embeds.t5.shape == (2, TEXT_LENGTH, want.shape[2] * want.shape[3]) and embeds.pooled.shape == (2, 0)
+    assert lengths.tolist() == mask.sum(1).tolist()
+    for i, n in enumerate(lengths.tolist()):
+        assert torch.equal(embeds.t5[i, :n].view(n, *want.shape[2:]), want[i][mask[i]])
+        assert not embeds.t5[i, n:].any()
+    rows, got_mask = krea2_text.transformer_text(embeds.t5, want.shape[2])
+    assert torch.equal(got_mask, mask)
+    assert torch.equal(rows[mask], want[mask])
+
+
+def test_the_cache_trimmed_rows_give_the_pipelines_prediction(family, loaded, pipe):
+    """A batch padded only to its longest prompt (as the cache batches trimmed entries) predicts
+    what the pipeline's transformer predicts on its max_sequence_length rows, up to rounding."""
+    embeds, lengths = family.encode_prompts(PROMPTS, loaded.encoders, max_length=TEXT_LENGTH, device="cpu")
+    trimmed = type(embeds)(embeds.t5[:, : int(lengths.max())], embeds.pooled)
+    want, mask = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=TEXT_LENGTH)
+    g = torch.Generator().manual_seed(0)
+    x, sigma = torch.randn(2, 6, 64, generator=g), torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        ref = pipe.transformer(hidden_states=x, encoder_hidden_states=want, timestep=sigma,
+                               position_ids=pipe.prepare_position_ids(TEXT_LENGTH, 2, 3, "cpu"),
+                               encoder_attention_mask=mask, return_dict=False)[0]
+        full = family.predict(pipe.transformer, x, sigma, embeds, (4, 6))
+        short = family.predict(pipe.transformer, x, sigma, trimmed, (4, 6))
+    assert torch.equal(full, ref)
+    torch.testing.assert_close(short, ref, rtol=1e-5, atol=1e-6)
+
+
+# -- sampling --------------------------------------------------------------------------------------------
+
+def _our_images(family, folder, transformer, vae, encoders, guidance, steps=2, negative=""):
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.infer.sampler import denoise
+
+    cfg = family.sampling.guides(guidance)
+    encoded = encode_prompts_stage(encoders, [PROMPTS[0]], max_length=TEXT_LENGTH, device="cpu", family=family,
+                                   negative_prompts=[negative] if cfg else None)
+    embeds, neg = encoded if cfg else (encoded, None)
+    schedule = family.sampling.schedule(family.sampling.variant(transformer), folder)
+    latents = denoise(transformer, embeds, [3], width=64, height=48, steps=steps, guidance=guidance, schedule=schedule,
+                      device="cpu", family=family, negative=neg, cfg_batched=False)
+    return decode_latents(vae, latents, "cpu").permute(0, 2, 3, 1).numpy()
+
+
+def _pipeline_images(pipe, guidance, steps=2):
+    return pipe(prompt=PROMPTS[0], height=48, width=64, num_inference_steps=steps, guidance_scale=guidance,
+                max_sequence_length=TEXT_LENGTH, generator=torch.Generator().manual_seed(3), output_type="np").images
+
+
+def test_turbo_folder_samples_as_the_distilled_pipeline(family, tmp_path):
+    """A folder whose model_index.json says is_distilled: the pipeline pins mu = 1.15 and samples
+    without guidance at 0; ours follows it (the schedule's sigmas are the scheduler's), bit for bit."""
+    from diffusers import Krea2Pipeline
+
+    folder = tk.save_krea2_folder(tmp_path / "turbo", distilled=True)
+    src = sources(family, folder)
+    assert src.distilled
+    schedule = family.sampling.schedule(family.sampling.variant(None), folder)
+    assert (schedule.default_steps, schedule.default_guidance) == (8, 0.0)
+    pipe = Krea2Pipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    image_tokens = family.image_tokens(48 // 8, 64 // 8)
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4), mu=1.15)
+    assert torch.equal(schedule.sigmas(4, image_tokens)[:-1], pipe.scheduler.sigmas[:-1].to(torch.float32))
+    vae = family.load_vae(src, torch.float32, "cpu")
+    transformer = family.load_transformer(src, torch.float32).eval().requires_grad_(False)
+    encoders = family.load_text_encoders(src, torch.float32, "cpu")
+    pipe = Krea2Pipeline(**{**pipe.components, "transformer": transformer, "vae": vae.vae},
+                         text_encoder_select_layers=tk.SELECT_LAYERS, is_distilled=True)
+    pipe.set_progress_bar_config(disable=True)
+    for m in pipe.components.values():
+        if isinstance(m, torch.nn.Module):
+            m.eval().requires_grad_(False)
+    ours = _our_images(family, folder, transformer, vae, encoders, 0.0)
+    assert np.abs(ours - _pipeline_images(pipe, 0.0)).max() == 0.0
+
+
+def test_a_lora_samples_as_the_pipelines_load_lora_weights_at_strength_half(family, folder, pipe, loaded, tmp_path):
+    """A trained all_linear LoRA (our diffusers file) at strengths 1 and 0.5: our model with the LoRA
+    applied at the strength predicts what Krea2Pipeline's transformer predicts after
+    load_lora_weights + set_adapters(weight), bit for bit; and our sampler on that transformer gives
+    the pipeline's images, bit for bit in fp32 (one transformer object for both: CPU kernels round
+    1e-7 apart on equal weights elsewhere in memory); the two strengths' images differ."""
+    import copy
+    from types import SimpleNamespace
+
+    from leantune.models.family import PromptEmbeds
+    from leantune.train.lora import add_lora, apply_lora, lora_weights_from_model, read_lora, save_lora
+
+    base, vae, encoders = loaded.transformer, loaded.vae, loaded.encoders
+    model = copy.deepcopy(base)
+    cfg = SimpleNamespace(rank=4, effective_alpha=8.0, alpha=8.0, dropout=0.0, targets="all_linear", blocks=None)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in add_lora(model, family.spec, cfg):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    path = save_lora(lora_weights_from_model(model), tmp_path / "lora_diffusers.safetensors", "diffusers")
+    x, sigma = torch.randn(2, 6, 64, generator=g), torch.tensor([0.4, 0.9])
+    text = torch.randn(2, 9, 96, generator=g)
+    text[0, 6:] = 0
+    embeds = PromptEmbeds(text, torch.zeros(2, 0))
+    images = {}
+    for strength in (1.0, 0.5):
+        ours = copy.deepcopy(base)
+        apply_lora(ours, read_lora(path), strength=strength)
+        ours.eval().requires_grad_(False)
+        theirs = copy.deepcopy(base)
+        p = type(pipe)(**{**pipe.components, "transformer": theirs, "vae": vae.vae},
+                       text_encoder_select_layers=tk.SELECT_LAYERS)
+        p.set_progress_bar_config(disable=True)
+        p.load_lora_weights(str(path), adapter_name="x")
+        p.set_adapters(["x"], adapter_weights=[strength])
+        theirs.eval().requires_grad_(False)
+        with torch.no_grad():
+            assert torch.equal(family.predict(ours, x, sigma, embeds, (4, 6)),
+                               family.predict(theirs, x, sigma, embeds, (4, 6))), strength
+        images[strength] = _our_images(family, folder, theirs, vae, encoders, 4.5)
+        assert np.abs(images[strength] - _pipeline_images(p, 4.5)).max() == 0.0, strength
+    assert np.abs(images[1.0] - images[0.5]).max() > 1e-4
+
+
+# -- training --------------------------------------------------------------------------------------------
+
+def test_training_noise_levels_follow_krea2s_line(family):
+    """auto is krea2_shift: the logit-normal draw time-shifted by mu on the sampler's line
+    (0.5 at 256 tokens, 1.15 at 6400; musubi-tuner's krea2_shift): at 1024 px (4096 tokens)
+    mu = 0.90625, and the median draw 0.5 lands on e^mu / (e^mu + 1)."""
+    from leantune.train import flow_matching as fm
+
+    assert fm.sampling_method("auto", family) == "krea2_shift"
+    assert fm.flux_mu(4096, fm.KREA2_MAX_SEQ_LEN) == pytest.approx(0.90625)
+    assert fm.flux_mu(6400, fm.KREA2_MAX_SEQ_LEN) == pytest.approx(1.15)
+    a = fm.sample_sigmas(64, "krea2_shift", torch.Generator().manual_seed(0), image_seq_len=4096)
+    base = fm.sample_sigmas(64, "sigmoid", torch.Generator().manual_seed(0))
+    e = math.exp(0.90625)
+    torch.testing.assert_close(a, (e / (e + 1 / base - 1)).clamp(1e-4, 1 - 1e-4))
+
+
+FULL = """
+[model]
+family = "krea2"
+path = "{model}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 1
+cache_dir = "{cache}"
+max_text_length = 32
+
+[[data.datasets]]
+path = "{images}"
+
+[train]
+mode = "full"
+steps = 2
+learning_rate = 1e-3
+mixed_precision = "no"
+seed = 3
+
+[full]
+save_dtype = "fp32"
+
+[memory]
+streamed_blocks = 2
+stream_non_blocks = true
+debug_poison = true
+checkpointing = "blocks"
+
+[output]
+dir = "out"
+name = "t"
+formats = ["comfyui", "diffusers"]
+"""
+
+
+def test_full_finetune_exports_krea_ai_and_diffusers_files_with_the_trained_weights(family, folder, tmp_path):
+    """A full fine-tune (every block streamed in poison mode, checkpointed) exports krea-ai's single
+    file (official names, block modulation flattened) and a diffusers folder: our loader reads the
+    single file's architecture from its shapes, both hold the same trained weights, and those are
+    not the base's."""
+    from diffusers import Krea2Transformer2DModel
+
+    from leantune.config import load_config
+    from leantune.demo import draw_shapes
+    from leantune.trainer import train
+
+    images = tmp_path / "images"
+    draw_shapes(images, count=2, size=64, seed=5)
+    (tmp_path / "run.toml").write_text(FULL.format(model=folder, cache=tmp_path / "cache", images=images))
+    result = train(load_config(tmp_path / "run.toml", []), progress=False)
+    assert len(result.losses) == 2 and all(math.isfinite(v) for v in result.losses)
+    root = result.paths.root
+    single = root / "t_comfyui.safetensors"
+    keys = load_file(str(single)).keys()
+    assert "blocks.0.attn.wq.weight" in keys and "txtfusion.projector.weight" in keys
+    assert load_file(str(single))["blocks.0.mod.lin"].dim() == 1
+    ours = family.load_transformer(sources(family, single, text_encoder=str(folder / "text_encoder"),
+                                           tokenizer=str(folder / "tokenizer"), vae=str(folder / "vae")),
+                                   dtype=torch.float32)
+    theirs = Krea2Transformer2DModel.from_pretrained(str(root / "t_diffusers"), torch_dtype=torch.float32)
+    base = Krea2Transformer2DModel.from_pretrained(str(folder / "transformer"), torch_dtype=torch.float32)
+    a, b, c = ours.state_dict(), theirs.state_dict(), base.state_dict()
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("transformer_blocks."))
