@@ -282,3 +282,45 @@ def test_full_finetune_exports_krea_ai_and_diffusers_files_with_the_trained_weig
     assert a.keys() == b.keys() == c.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("transformer_blocks."))
+
+
+# -- the planner --------------------------------------------------------------------------------------------
+
+def test_plan_model_krea2_prices_the_stock_architecture_without_weights(capsys, tmp_path, monkeypatch):
+    """`leantune plan --model krea2 | krea2-turbo`: the packaged architecture (krea-ai's 28 blocks
+    of 6144; the planner over a 12.9B meta model, ~10 s), a LoRA plan within 16 GiB over the one
+    block list, and the caching phase's Qwen3-VL-4B priced from the packaged config: the embedding
+    table resident, 36 layers of the encoder's own shapes counted here by hand, all run."""
+    from test_planner import _run_plan
+
+    from leantune.models.component_files import packaged_config
+
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "leantune-cache"))
+    from leantune.planner.meta import build_meta_packaged
+
+    meta = build_meta_packaged("krea2", "krea2")
+    d, f, kv = 6144, 16384, 12 * 128
+    block = 3 * d * d + 2 * d * kv + 3 * d * f + 6 * d + 2 * 128 + 2 * d     # q, gate, o; k, v; MLP; table; norms
+    assert len(meta.transformer_blocks) == packaged_config("krea2")["num_layers"] == 28
+    assert sum(p.numel() for p in meta.transformer_blocks[0].parameters()) == block
+    assert 12.8e9 < sum(p.numel() for p in meta.parameters()) < 13.0e9       # "12.9B"
+    docs = {}
+    for model in ("krea2", "krea2-turbo"):
+        rc, out, err = _run_plan(capsys, "--model", model, "--resolution", "1024", "--vram", "16GiB", "--ram",
+                                 "64GiB", "--json")
+        assert rc == 0, err
+        docs[model] = __import__("json").loads(out)
+    doc = docs["krea2"]
+    entry = doc["plans"][0]
+    notes = entry["plan"]["notes"]
+    assert notes["predicted_peak_vram"] <= entry["budget_bytes"] - notes["margin_vram"]
+    assert set(entry["plan"]["streamed_blocks"]) <= {f"transformer_blocks.{i}" for i in range(28)}
+    phase = doc["text_encoding"]
+    t = packaged_config("qwen3_vl_4b")["text_config"]
+    h, i, hd = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    layer = (h * t["num_attention_heads"] * hd * 2 + h * t["num_key_value_heads"] * hd * 2 + 3 * h * i
+             + 2 * hd + 2 * h) * 2
+    assert phase["resident"] == t["vocab_size"] * h * 2 + h * 2             # embedding + final norm (all run)
+    assert phase["layer"] == layer and (phase["layers"], phase["layers_run"]) == (36, 36)
+    assert phase["tokens"] == 8 * (512 + 34)
+    assert docs["krea2-turbo"]["text_encoding"] == phase
