@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -266,8 +267,12 @@ def test_conv_and_unknown_keys_are_refused_naming_the_key(tmp_path):
     conv = {"lora_unet_x_embedder_proj.lora_down.weight": torch.randn(4, 16, 2, 2, generator=g),
             "lora_unet_x_embedder_proj.lora_up.weight": torch.randn(D, 4, 1, 1, generator=g)}
     save_file(conv, str(tmp_path / "conv.safetensors"))
+    from leantune.train.lora_keys import all_key_maps
+
+    every = " or ".join(re.escape(k.display) for k in all_key_maps())      # Flux or SD3.5 or ... (each family)
+    assert every.startswith(r"Flux or SD3\.5 or Qwen\-Image or FLUX\.2")
     with pytest.raises(LoraFormatError, match=r"conv.safetensors: key 'lora_unet_x_embedder_proj.lora_down.weight' "
-                                              r"is not a Flux or SD3.5 or Qwen-Image or FLUX.2 transformer LoRA key"):
+                                              rf"is not a {every} transformer LoRA key"):
         read_lora(tmp_path / "conv.safetensors")
     bad = {"lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.randn(4, D, generator=g),
            "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.randn(3 * D + 1, 4, generator=g)}

@@ -313,3 +313,99 @@ def test_full_fine_tune_exports_files_that_load_to_the_trained_weights(folder, t
     assert from_file.keys() == from_folder.keys() == base.keys()
     assert all(torch.equal(from_file[k], from_folder[k]) for k in base)
     assert sum(not torch.equal(from_file[k], base[k]) for k in base) > len(base) // 2
+
+
+# -- leantune convert from other trainers' layouts ---------------------------------------------------------
+
+def _random_lora(names, shapes, rank, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(rank, shapes[n][1], generator=g) * 0.1, torch.randn(shapes[n][0], rank, generator=g) * 0.1)
+            for n in names}
+
+
+def _musubi_file(shapes, path):
+    """musubi-tuner's networks/lora_zimage.py: kohya names (lora_unet_ + the module path, '.' -> '_') of
+    its model, which keeps diffusers' module names; the main layers only (refiners and modulation
+    excluded by its default patterns); alpha tensors (here 2 for rank 4: scale 0.5)."""
+    names = [n for n in shapes if n.startswith("layers.") and "adaLN" not in n]
+    lora = _random_lora(names, shapes, 4, 21)
+    tensors = {}
+    for n, (down, up) in lora.items():
+        k = "lora_unet_" + n.replace(".", "_")
+        tensors.update({f"{k}.lora_down.weight": down, f"{k}.lora_up.weight": up, f"{k}.alpha": torch.tensor(2.0)})
+    save_file(tensors, str(path), metadata={"ss_network_module": "networks.lora_zimage"})
+    return {n: 0.5 * up @ down for n, (down, up) in lora.items()}
+
+
+def _ai_toolkit_file(shapes, path):
+    """ai-toolkit (extensions_built_in/diffusion_models/z_image): peft-format names of the diffusers
+    model's every Linear with `diffusion_model.` for `transformer.` (convert_lora_weights_before_save),
+    no alpha (scale 1)."""
+    lora = _random_lora(list(shapes), shapes, 4, 22)
+    tensors = {}
+    for n, (down, up) in lora.items():
+        tensors.update({f"diffusion_model.{n}.lora_A.weight": down, f"diffusion_model.{n}.lora_B.weight": up})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return {n: up @ down for n, (down, up) in lora.items()}
+
+
+def _diffusion_pipe_file(shapes, path):
+    """diffusion-pipe (models/z_image.py, ComfyUI's Lumina model; models/base.py save_adapter): peft
+    over ComfyUI's native module names of every JointTransformerBlock (refiners included), a fused
+    attention.qkv LoRA among them, `diffusion_model.` prefix, no alpha."""
+    from leantune.models.z_image.keys import native_name
+
+    native_shapes = {}
+    for n, s in shapes.items():
+        if not n.startswith(("layers.", "noise_refiner.", "context_refiner.")):
+            continue
+        nat = native_name(n + ".weight")[: -len(".weight")]
+        rows = native_shapes.get(nat, (0, s[1]))[0]
+        native_shapes[nat] = (rows + s[0], s[1])
+    lora = _random_lora(list(native_shapes), native_shapes, 4, 23)
+    tensors = {}
+    for n, (down, up) in lora.items():
+        tensors.update({f"diffusion_model.{n}.lora_A.weight": down, f"diffusion_model.{n}.lora_B.weight": up})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    deltas = {}
+    for n, (down, up) in lora.items():
+        if n.endswith("attention.qkv"):
+            for i, part in enumerate(up.chunk(3)):
+                deltas[n.replace("qkv", "to_" + "qkv"[i])] = part @ down
+        else:
+            deltas[n.replace("attention.out", "attention.to_out.0")] = up @ down
+    return deltas
+
+
+@pytest.mark.parametrize("layout", ["musubi-tuner", "ai-toolkit", "diffusion-pipe"])
+def test_convert_reads_other_trainers_z_image_loras(layout, tmp_path):
+    """`leantune convert` reads a Z-Image LoRA in musubi-tuner's, ai-toolkit's and diffusion-pipe's
+    layouts (each written here as that tool writes it), tells the family from the names alone, and
+    writes comfyui and diffusers files whose deltas are the source's; the comfyui file loads whole in
+    ComfyUI's key map (tests/comfyui_keymap.py) to the same merged weights."""
+    from comfyui_keymap import comfyui_load, comfyui_native_state
+
+    from leantune.cli import main
+    from leantune.train.lora import read_lora
+
+    tiny = z_image_transformer(0)
+    shapes = {n: (m.out_features, m.in_features) for n, m in tiny.named_modules() if isinstance(m, torch.nn.Linear)}
+    writer = {"musubi-tuner": _musubi_file, "ai-toolkit": _ai_toolkit_file, "diffusion-pipe": _diffusion_pipe_file}
+    src = tmp_path / "in.safetensors"
+    deltas = writer[layout](shapes, src)
+    for fmt in ("comfyui", "diffusers"):
+        out = tmp_path / f"{fmt}.safetensors"
+        assert main(["convert", str(src), str(out), "--to", fmt]) == 0
+        back = read_lora(out)
+        assert back.keys is FAM.spec.lora_keys and set(back.modules) == set(deltas), fmt
+        for n, d in deltas.items():
+            torch.testing.assert_close(back.modules[n].delta(), d, rtol=1e-5, atol=1e-7, msg=f"{fmt} {n}")
+    native = comfyui_native_state("z-image", tiny)
+    merged = {k: v.clone() for k, v in tiny.state_dict().items()}
+    for n, d in deltas.items():
+        merged[f"{n}.weight"] += d
+    want = comfyui_native_state("z-image", tiny, merged)
+    load = comfyui_load("z-image", native, load_file(str(tmp_path / "comfyui.safetensors")))
+    assert not load.skipped
+    for k in native:
+        torch.testing.assert_close(native[k] + load.deltas.get(k, 0), want[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -541,7 +541,12 @@ def _classify(stem: str, keys: LoraKeyMap) -> tuple[str, str, FusedTarget | None
     'unknown' if that family has no such module."""
     if stem.startswith("lora_unet_"):
         t = keys.target_for_kohya(stem)
-        return ("kohya", t.native, t) if t else ("unknown", stem, None)
+        if t:
+            return "kohya", t.native, t
+        # kohya names of diffusers' module paths: musubi-tuner's Z-Image model keeps diffusers' names
+        # (lora_unet_layers_0_attention_to_q, where the native name is the fused attention_qkv)
+        found = keys.target_for_lycoris("lycoris_" + stem[len("lora_unet_"):])
+        return ("kohya_diffusers", found[0].parts[found[1]], None) if found else ("unknown", stem, None)
     if stem.startswith("lycoris_"):       # LyCORIS: diffusers' module path with '_' for '.'
         found = keys.target_for_lycoris(stem)
         return ("lycoris", found[0].parts[found[1]], None) if found else ("unknown", stem, None)
@@ -694,7 +699,7 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
     entries: dict[str, _Entry] = {}
     for key, role, stem in found:
         kind, unit, target = _classify(stem, keys)
-        entry = entries.setdefault(f"{kind}:{unit}", _Entry(kind, target, unit if kind in ("diffusers", "lycoris") else ""))
+        entry = entries.setdefault(f"{kind}:{unit}", _Entry(kind, target, unit if target is None else ""))
         if role in entry.tensors:
             raise LoraFormatError(f"{source}: keys {entry.keys[role]!r} and {key!r} give the same tensor twice")
         entry.tensors[role] = tensors[key]
@@ -711,7 +716,7 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
             problem = keys.shape_problem(entry.target, module.up.shape[0], module.down.shape[1])
             if problem:
                 raise _ShapeMismatch(f"{source}: module {module.key!r} is not a {keys.display} LoRA: {problem}")
-        if entry.kind == "lycoris":
+        if entry.kind in ("lycoris", "kohya_diffusers"):
             split = {unit: module}
         elif entry.kind == "diffusers":
             if "alpha" not in entry.tensors and config is not None:
@@ -782,7 +787,7 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
     if not modules:
         raise LoraFormatError(f"{source}: no {_displays(maps)} transformer LoRA keys found")
     fmt = "mixed" if len(kinds) > 1 else {"kohya": "comfyui", "native": "bfl", "diffusers": "diffusers",
-                                                   "lycoris": "lycoris"}[kinds.pop()]
+                                                   "lycoris": "lycoris", "kohya_diffusers": "kohya (diffusers names)"}[kinds.pop()]
     return LoraWeights(modules=modules, metadata=metadata, source=source, format=fmt, ignored=ignored,
                        keys=fitting[0] if len(fitting) == 1 else None)
 
