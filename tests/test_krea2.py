@@ -324,3 +324,97 @@ def test_plan_model_krea2_prices_the_stock_architecture_without_weights(capsys, 
     assert phase["layer"] == layer and (phase["layers"], phase["layers_run"]) == (36, 36)
     assert phase["tokens"] == 8 * (512 + 34)
     assert docs["krea2-turbo"]["text_encoding"] == phase
+
+
+# -- parity with krea-ai's own model -------------------------------------------------------------------------
+
+def _official_inputs(cfg, seed: int = 5):
+    """Inputs of krea-ai's forward (B = 2; 4 x 6 latents; 9 text rows, the first prompt with 6 real
+    ones laid out as the pipeline lays them, [1 prompt row | 3 padding | 5 suffix], its padding
+    random, not zero) and the same conditioning as our PromptEmbeds (real rows first, zeros after)."""
+    from leantune.models.family import PromptEmbeds
+    from leantune.models.krea2 import position_ids
+
+    g = torch.Generator().manual_seed(seed)
+    n_layers, d = cfg.num_text_layers, cfg.text_hidden_dim
+    img = torch.randn(2, 6, cfg.in_channels, generator=g)
+    context = torch.randn(2, 9, n_layers, d, generator=g)
+    text_mask = torch.ones(2, 9, dtype=torch.bool)
+    text_mask[0, 1:4] = False
+    t = torch.tensor([0.35, 0.8])
+    pos = position_ids(9, 2, 3)[None].expand(2, -1, -1)
+    mask = torch.cat([text_mask, torch.ones(2, 6, dtype=torch.bool)], dim=1)
+    rows = torch.zeros(2, 9, n_layers * d)
+    for i in range(2):
+        real = context[i][text_mask[i]]
+        rows[i, : real.shape[0]] = real.reshape(real.shape[0], -1)
+    return img, context, t, pos, mask, PromptEmbeds(rows, torch.zeros(2, 0))
+
+
+def _reference(sd, cfg, img, context, t, pos, mask):
+    from krea2_reference import reference_forward
+
+    return reference_forward(sd, img, context, t, pos, mask, heads=cfg.num_attention_heads,
+                             kv_heads=cfg.num_key_value_heads, text_heads=cfg.text_num_attention_heads,
+                             text_kv_heads=cfg.text_num_key_value_heads, theta=cfg.rope_theta)
+
+
+def test_loaded_official_file_forward_and_gradients_equal_krea_ais_model(family, tmp_path):
+    """A seeded tiny model in krea-ai's layout (the official file's names, no prefix): leantune's
+    loader reads it (architecture from the shapes) and its forward through `predict` equals krea-ai's
+    model (tests/krea2_reference.py, an independent model of mmdit.py) on the official inputs, the
+    padded text rows included, and so do the gradients of every weight, mapped by name."""
+    from leantune.models.krea2 import keys as krea2_keys
+    from leantune.models.krea2.loading import save_single_file
+
+    path = save_single_file(tk.krea2_transformer(0), tmp_path / "krea2-tiny.safetensors")
+    sd = {k: v.clone().requires_grad_(True) for k, v in load_file(str(path)).items()}
+    assert "blocks.0.mod.lin" in sd and sd["blocks.0.mod.lin"].dim() == 1
+    model = family.load_transformer(sources(family, path), dtype=torch.float32).train()
+    cfg = model.config
+    img, context, t, pos, mask, embeds = _official_inputs(cfg)
+    w = torch.randn(2, 6, cfg.in_channels, generator=torch.Generator().manual_seed(9))
+    want = _reference(sd, cfg, img, context, t, pos, mask)
+    got = family.predict(model, img, t, embeds, (4, 6))
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    (want * w).sum().backward()
+    (got * w).sum().backward()
+    params = dict(model.named_parameters())
+    assert len(params) == len(sd)
+    for native, ref in sd.items():
+        p = params[krea2_keys.to_diffusers(native)]
+        torch.testing.assert_close(p.grad.reshape(ref.shape), ref.grad, rtol=1e-4, atol=1e-6, msg=native)
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "scaled"])
+def test_comfyui_fp8_files_keep_fp8_and_compute_as_krea_ai_on_their_values(family, tmp_path, fp8):
+    """ComfyUI's repackaged fp8 files (model.diffusion_model. prefix; plain e4m3, or scaled with a
+    per-tensor scale_weight): the block Linears stay float8_e4m3fn in the loaded model, the rest
+    loads in the compute dtype, and the forward equals krea-ai's model on the file's dequantized
+    values; the output stays near the bf16 source's."""
+    from leantune.models.krea2.keys import COMFY_PREFIX
+    from leantune.models.krea2.loading import save_single_file
+
+    tiny = tk.krea2_transformer(0)
+    path = save_single_file(tiny, tmp_path / f"krea2_{fp8}.safetensors", fp8=fp8, prefix=COMFY_PREFIX)
+    raw = load_file(str(path))
+    sd = {}
+    for key, v in raw.items():
+        if key.endswith(("scale_weight", "scaled_fp8")):
+            continue
+        name = key[len(COMFY_PREFIX):]
+        scale = raw.get(key[: -len("weight")] + "scale_weight") if key.endswith(".weight") else None
+        sd[name] = v.float() * (scale.float() if scale is not None else 1.0) if v.dtype == torch.float8_e4m3fn else v
+    model = family.load_transformer(sources(family, path), dtype=torch.float32)
+    assert model.transformer_blocks[0].attn.to_q.weight.dtype == torch.float8_e4m3fn
+    assert model.transformer_blocks[1].ff.down.weight.dtype == torch.float8_e4m3fn
+    assert model.img_in.weight.dtype == torch.float32 and model.transformer_blocks[0].scale_shift_table.dtype == torch.float32
+    cfg = model.config
+    img, context, t, pos, mask, embeds = _official_inputs(cfg)
+    with torch.no_grad():
+        got = family.predict(model, img, t, embeds, (4, 6))
+        want = _reference(sd, cfg, img, context, t, pos, mask)
+        exact = family.predict(tiny, img, t, embeds, (4, 6))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    assert (got - exact).abs().max() < 0.1 * exact.abs().max()
