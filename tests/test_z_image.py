@@ -409,3 +409,34 @@ def test_convert_reads_other_trainers_z_image_loras(layout, tmp_path):
     assert not load.skipped
     for k in native:
         torch.testing.assert_close(native[k] + load.deltas.get(k, 0), want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_leantune_sample_guides_at_scale_1_as_the_pipeline(folder, tmp_path):
+    """`leantune sample` (run_sampling: loaders, plan, engine, PNGs) on the tiny folder at guidance 1
+    and 0: ZImagePipeline guides for any scale above 0, so 1 runs classifier-free guidance there
+    (v_pos + (v_pos - v_neg)) and here; the PNGs equal the pipeline's images, and 0 (the Turbo's
+    default, no guidance) gives another image."""
+    import numpy as np
+    from diffusers import ZImagePipeline
+    from PIL import Image
+
+    from leantune.infer.images import read_png_metadata
+    from leantune.infer.request import validate_request
+    from leantune.infer.run import run_sampling
+
+    pipe = ZImagePipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    got = {}
+    for guidance in (1.0, 0.0):
+        request = validate_request({"model": {"path": str(folder), "family": "z-image", "dtype": "fp32"},
+                                    "prompts": ["a photo of a cat"], "seed": 3, "steps": 2, "width": 64, "height": 48,
+                                    "max_text_length": 32, "guidance": guidance, "out": str(tmp_path / "out")}, "test")
+        result = run_sampling(request)
+        assert (result.cfg_batched is not None) == (guidance > 0)
+        assert read_png_metadata(result.files[0])["guidance"] == f"{guidance:g}"
+        ours = np.asarray(Image.open(result.files[0]))
+        want = pipe(prompt="a photo of a cat", height=48, width=64, num_inference_steps=2, guidance_scale=guidance,
+                    max_sequence_length=32, generator=torch.Generator().manual_seed(3), output_type="np").images[0]
+        assert np.array_equal(ours, (want * 255).round().astype(np.uint8)), guidance
+        got[guidance] = ours
+    assert not np.array_equal(got[1.0], got[0.0])
