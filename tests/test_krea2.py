@@ -418,3 +418,97 @@ def test_comfyui_fp8_files_keep_fp8_and_compute_as_krea_ai_on_their_values(famil
         exact = family.predict(tiny, img, t, embeds, (4, 6))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     assert (got - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+# -- leantune convert: other trainers' Krea 2 LoRAs -------------------------------------------------------------
+#
+# Each trainer's file layout, modelled from its code (not copied):
+# - musubi-tuner (kohya-ss/musubi-tuner 30c658c, networks/lora_krea2.py + networks/lora.py): every Linear
+#   of krea-ai's model (target modules None), `lora_unet_<module path with _>.lora_down.weight`,
+#   `.lora_up.weight`, `.alpha` (delta = alpha / rank * up @ down);
+# - ai-toolkit (ostris/ai-toolkit 27a03a91, extensions_built_in/diffusion_models/krea2/krea2.py
+#   convert_lora_weights_before_save + toolkit/network_mixins.py peft_format): krea-ai's module paths,
+#   `diffusion_model.<path>.lora_A.weight` / `.lora_B.weight`, no alpha (alpha = rank);
+# - diffusion-pipe (tdrussell/diffusion-pipe 8f83dbf, models/krea2.py get_target_modules +
+#   models/base.py ComfyPipeline.save_adapter): the Linears of the blocks, the text fusion and txtmlp
+#   (not first / last / tmlp / tproj), peft's `diffusion_model.<path>.lora_A.weight` / `.lora_B.weight`,
+#   metadata {"format": "pt"}, alpha = rank.
+
+def _native_linears(model) -> dict[str, tuple[int, int]]:
+    """krea-ai module path -> (out, in) of every Linear of a tiny Krea 2."""
+    from leantune.models.krea2.keys import to_native
+
+    return {to_native(f"{n}.weight")[: -len(".weight")]: tuple(m.weight.shape)
+            for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _trainer_file(layout: str, linears: dict, rank: int = 4):
+    """(tensors, metadata, {module path: delta}) of a random LoRA in `layout`."""
+    g = torch.Generator().manual_seed(21)
+    tensors, deltas = {}, {}
+    for path, (out, inp) in linears.items():
+        if layout == "diffusion-pipe" and path.split(".")[0] in ("first", "last", "tmlp", "tproj"):
+            continue
+        r = min(rank, out, inp)
+        down, up = torch.randn(r, inp, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1
+        if layout == "musubi-tuner":
+            alpha = 2.0
+            stem = "lora_unet_" + path.replace(".", "_")
+            tensors.update({f"{stem}.lora_down.weight": down, f"{stem}.lora_up.weight": up,
+                            f"{stem}.alpha": torch.tensor(alpha)})
+            deltas[path] = alpha / r * up @ down
+        else:
+            tensors.update({f"diffusion_model.{path}.lora_A.weight": down, f"diffusion_model.{path}.lora_B.weight": up})
+            deltas[path] = up @ down
+    metadata = {"format": "pt"} if layout == "diffusion-pipe" else {}
+    return tensors, metadata, deltas
+
+
+@pytest.mark.parametrize("layout", ["musubi-tuner", "ai-toolkit", "diffusion-pipe"])
+def test_convert_reads_other_trainers_krea2_loras(family, folder, pipe, tmp_path, layout):
+    """`leantune convert` on a musubi-tuner / ai-toolkit / diffusion-pipe Krea 2 LoRA (the family told
+    from its names alone) writes a ComfyUI file whose every key ComfyUI's Krea2 key map loads with the
+    source's deltas, and a diffusers file whose deltas Krea2Pipeline.load_lora_weights applies; where
+    diffusers reads the source itself (its Krea 2 converter takes the diffusion_model. layouts), our
+    diffusers file gives its output."""
+    import copy
+
+    from comfyui_keymap import comfyui_load, comfyui_native_state
+
+    from leantune.cli import main
+    from leantune.io import save_safetensors
+    from leantune.models.krea2.keys import to_diffusers
+    from leantune.train.lora import lora_layers, read_lora
+
+    tiny = tk.krea2_transformer(0).eval().requires_grad_(False)
+    tensors, metadata, deltas = _trainer_file(layout, _native_linears(tiny))
+    src = save_safetensors(tensors, tmp_path / f"{layout}.safetensors", metadata=metadata)
+    assert read_lora(src).keys is family.spec.lora_keys
+    comfy, diff = tmp_path / "comfyui.safetensors", tmp_path / "diffusers.safetensors"
+    assert main(["convert", str(src), str(comfy), "--to", "comfyui"]) == 0
+    assert main(["convert", str(src), str(diff), "--to", "diffusers"]) == 0
+    # ComfyUI: every key loads, onto the native weights, with the source's deltas
+    native = comfyui_native_state("krea2", tiny)
+    load = comfyui_load("krea2", native, load_file(str(comfy)))
+    assert not load.skipped and load.loaded == set(load_file(str(comfy)))
+    assert set(load.deltas) == {f"{p}.weight" for p in deltas}
+    for path, delta in deltas.items():
+        torch.testing.assert_close(load.deltas[f"{path}.weight"], delta, rtol=1e-5, atol=1e-7, msg=path)
+    # diffusers: load_lora_weights gives the deltas on diffusers' module names
+    ours = type(pipe)(**{**pipe.components, "transformer": copy.deepcopy(tiny)},
+                      text_encoder_select_layers=tk.SELECT_LAYERS)
+    ours.load_lora_weights(str(diff), adapter_name="x")
+    layers = lora_layers(ours.transformer, "x")
+    assert set(layers) == {to_diffusers(f"{p}.weight")[: -len(".weight")] for p in deltas}
+    for path, delta in deltas.items():
+        got = layers[to_diffusers(f"{path}.weight")[: -len(".weight")]].get_delta_weight("x")
+        torch.testing.assert_close(got, delta, rtol=1e-5, atol=1e-7, msg=path)
+    if layout != "musubi-tuner":          # diffusers' converter reads the diffusion_model. layouts itself
+        theirs = type(pipe)(**{**pipe.components, "transformer": copy.deepcopy(tiny)},
+                            text_encoder_select_layers=tk.SELECT_LAYERS)
+        theirs.load_lora_weights(str(src), adapter_name="x")
+        img, _, t, _, _, embeds = _official_inputs(tiny.config)
+        with torch.no_grad():
+            a = family.predict(ours.transformer.eval(), img, t, embeds, (4, 6))
+            b = family.predict(theirs.transformer.eval(), img, t, embeds, (4, 6))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
