@@ -440,3 +440,83 @@ def test_leantune_sample_guides_at_scale_1_as_the_pipeline(folder, tmp_path):
         assert np.array_equal(ours, (want * 255).round().astype(np.uint8)), guidance
         got[guidance] = ours
     assert not np.array_equal(got[1.0], got[0.0])
+
+
+# -- the Turbo recipe: training through a training adapter ---------------------------------------------
+
+RECIPE = """
+[model]
+family = "z-image"
+path = "{model}"
+dtype = "fp32"
+{adapters}
+
+[data]
+resolutions = [64]
+batch_size = 1
+cache_dir = "{cache}"
+max_text_length = 32
+
+[[data.datasets]]
+path = "{images}"
+
+[lora]
+rank = 2
+alpha = 2
+targets = "attention_mlp"
+
+[train]
+steps = 3
+learning_rate = 1e-3
+mixed_precision = "no"
+seed = 3
+
+[output]
+dir = "out"
+name = "t"
+formats = ["comfyui", "diffusers"]
+"""
+
+
+def test_turbo_recipe_trains_through_an_ai_toolkit_training_adapter(folder, tmp_path):
+    """README's Z-Image Turbo recipe on the tiny model: a de-distilling training adapter as ai-toolkit
+    writes it (its `diffusion_model.` peft names over every Linear, no alpha: how ostris'
+    zimage_turbo_training_adapter is made) as [model] base_adapters trains the LoRA as training on
+    the base with the adapter merged in by hand does (losses, trained weights), unlike training on
+    the plain base, and the exports hold the trained LoRA alone."""
+    import shutil
+
+    from leantune.config import load_config
+    from leantune.demo import draw_shapes
+    from leantune.train.lora import read_lora
+    from leantune.trainer import train
+
+    draw_shapes(tmp_path / "images", count=2, size=64, seed=5)
+    tiny = FAM.load_transformer(_sources(folder, tmp_path), torch.float32)
+    shapes = {n: (m.out_features, m.in_features) for n, m in tiny.named_modules() if isinstance(m, torch.nn.Linear)}
+    deltas = _ai_toolkit_file(shapes, tmp_path / "adapter.safetensors")
+    merged = tmp_path / "merged"
+    shutil.copytree(folder, merged)
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            tiny.get_submodule(name).weight += delta
+    shutil.rmtree(merged / "transformer")
+    tiny.save_pretrained(merged / "transformer", safe_serialization=True)
+
+    def run(name, model, adapters=""):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.toml").write_text(RECIPE.format(model=model, adapters=adapters, cache=tmp_path / name / "c",
+                                                                images=tmp_path / "images"))
+        return train(load_config(tmp_path / name / "run.toml", []), progress=False)
+
+    through = run("through", folder, f'base_adapters = [{{ path = "{tmp_path / "adapter.safetensors"}", strength = 1.0 }}]')
+    on_merged = run("on_merged", merged)
+    plain = run("plain", folder)
+    assert through.losses == pytest.approx(on_merged.losses, rel=1e-5, abs=1e-7)
+    assert through.losses != pytest.approx(plain.losses, rel=1e-3)
+    for fmt in ("comfyui", "diffusers"):
+        got, want, bare = (read_lora(next(f for f in r.lora_files if f.name.endswith(f"_{fmt}.safetensors"))).modules
+                           for r in (through, on_merged, plain))
+        assert got.keys() == want.keys() == bare.keys()
+        for name, m in want.items():
+            torch.testing.assert_close(got[name].delta(), m.delta(), rtol=1e-4, atol=1e-6, msg=f"{fmt} {name}")
