@@ -520,3 +520,48 @@ def test_turbo_recipe_trains_through_an_ai_toolkit_training_adapter(folder, tmp_
         assert got.keys() == want.keys() == bare.keys()
         for name, m in want.items():
             torch.testing.assert_close(got[name].delta(), m.delta(), rtol=1e-4, atol=1e-6, msg=f"{fmt} {name}")
+
+
+# -- the planner ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_plan_model_z_image_prices_the_stock_architecture_without_weights(capsys, tmp_path, monkeypatch):
+    """`leantune plan --model z-image-turbo`: the packaged architecture (30 main + 2 + 2 refiner
+    blocks of 3840, counted here by hand from the block's shapes: 6.15B; the planner over the meta
+    model, ~10 s: marked slow), a LoRA plan within 12 GiB over the three block lists, and the caching
+    phase's Qwen3-4B priced from the packaged config (35 of 36 layers run: hidden_states[-2]).
+    `z-image` (the base) is the same architecture."""
+    from test_planner import _run_plan
+
+    from leantune.family_registry import FAMILIES
+    from leantune.models.component_files import packaged_config
+    from leantune.planner.meta import build_meta_packaged
+
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "leantune-cache"))
+    stock = FAMILIES["z-image"].stock
+    assert packaged_config(stock["z-image"].config) == packaged_config(stock["z-image-turbo"].config)
+    meta = build_meta_packaged("z-image", "z_image_turbo")
+    d, f, a = 3840, int(3840 / 3 * 8), 256
+    plain = 4 * d * d + 2 * 128 + 3 * d * f + 4 * d                 # q, k, v, out; q/k norms; SwiGLU; 4 RMSNorms
+    modulated = plain + a * 4 * d + 4 * d                            # + adaLN Linear
+    assert (len(meta.layers), len(meta.noise_refiner), len(meta.context_refiner)) == (30, 2, 2)
+    assert sum(p.numel() for p in meta.layers[0].parameters()) == modulated
+    assert sum(p.numel() for p in meta.context_refiner[0].parameters()) == plain
+    top = (a * 1024 + 1024 + 1024 * a + a) + (2560 + 2560 * d + d) + (64 * d + d) + (d * 64 + 64) + (a * d + d) + 2 * d
+    assert sum(p.numel() for p in meta.parameters()) == 32 * modulated + 2 * plain + top == 6_154_908_736
+    rc, out, err = _run_plan(capsys, "--model", "z-image-turbo", "--resolution", "1024", "--vram", "12GiB",
+                             "--ram", "64GiB", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    entry = doc["plans"][0]
+    notes = entry["plan"]["notes"]
+    assert notes["predicted_peak_vram"] <= entry["budget_bytes"] - notes["margin_vram"]
+    names = {f"{lst}.{i}" for lst, n in (("noise_refiner", 2), ("context_refiner", 2), ("layers", 30)) for i in range(n)}
+    assert set(entry["plan"]["streamed_blocks"]) <= names
+    phase = doc["text_encoding"]
+    t = packaged_config("qwen3_4b")
+    h, i, hd = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    layer = (h * t["num_attention_heads"] * hd * 2 + h * t["num_key_value_heads"] * hd * 2 + 3 * h * i + 2 * hd + 2 * h) * 2
+    assert phase["resident"] == t["vocab_size"] * h * 2                      # the embedding (the final norm is not run)
+    assert phase["layer"] == layer and (phase["layers"], phase["layers_run"]) == (36, 35)
+    assert phase["tokens"] == 8 * 512
