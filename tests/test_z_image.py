@@ -565,3 +565,21 @@ def test_plan_model_z_image_prices_the_stock_architecture_without_weights(capsys
     assert phase["resident"] == t["vocab_size"] * h * 2                      # the embedding (the final norm is not run)
     assert phase["layer"] == layer and (phase["layers"], phase["layers_run"]) == (36, 35)
     assert phase["tokens"] == 8 * 512
+
+
+# -- quantizing while loading ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("modulation", [False, True])
+def test_quantizing_load_equals_bf16_load_then_quantize(modulation, tmp_path):
+    """[memory] fp8 on an fp32 original-layout file (fused qkv split as it is read): every block Linear
+    quantized as it is read equals loading in bf16 and quantizing after (tests/test_load_into_fp8.py's
+    check: fp8 values and scales bitwise), the adaLN Linears only with fp8 modulation."""
+    from test_load_into_fp8 import _assert_fp8_load_equals_bf16_then_quantize
+
+    from leantune.models.z_image import loading
+    from leantune.models.z_image.spec import Z_IMAGE_SPEC
+
+    model = z_image_transformer(seed=7, dim=128, n_heads=4, n_kv_heads=4, axes_dims=[8, 12, 12])    # 64-wide scale blocks
+    path = save_single_file(model, tmp_path / "z.safetensors", dtype=torch.float32)
+    _assert_fp8_load_equals_bf16_then_quantize(loading.load_transformer, loading.ZImageSources(path, None, None, None),
+                                               Z_IMAGE_SPEC, modulation=modulation)
