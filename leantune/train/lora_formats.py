@@ -6,7 +6,8 @@ diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in
 * names: kohya / ComfyUI use the reference implementation's module paths (Flux:
   `lora_unet_double_blocks_0_img_attn_qkv`; SD3.5: `lora_unet_joint_blocks_0_x_block_attn_qkv`),
   diffusers / ai-toolkit use diffusers paths with a `transformer.` prefix, some tools use native
-  paths with a `diffusion_model.` prefix. Which names exist is the family's data
+  paths with a `diffusion_model.` prefix, musubi-tuner's Z-Image files kohya names of diffusers'
+  paths (`lora_unet_layers_0_attention_to_q`). Which names exist is the family's data
   (`spec.lora_keys`, models/lora_keymap.py); this module never names a family's modules;
 * fusing: the native q, k, v (and, in Flux single blocks, the MLP input) are one Linear, so a
   kohya file holds one LoRA for what diffusers trains as three or four. We fuse exactly: down =
