@@ -1,14 +1,15 @@
 """`leantune convert in.safetensors out.safetensors --to comfyui|diffusers [--family NAME]`.
 
 Reads any LoRA layout leantune understands (kohya / ComfyUI / musubi-tuner, diffusers, ai-toolkit,
-native BFL / Stability keys, LyCORIS names, and LoKr files, which become the LoRA of the same
-delta) for any family (Flux, SD3.5, Qwen-Image, FLUX.2, Z-Image: musubi-tuner's, ai-toolkit's and
+native BFL / Stability keys, LyCORIS names, and LoKr files, which become the LoRA of the same delta)
+for any family (Flux, SD3.5, Qwen-Image, FLUX.2, Z-Image: musubi-tuner's, ai-toolkit's and
 diffusion-pipe's files too) and writes it in the chosen one, with the same weight deltas; the source
-header's training notes (ss_*) are carried over. The family comes from the keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...), their shapes (FLUX.2 shares Flux.1's
-names, not its proportions), the header or the LoRA's width (3072: Flux.1);
-`--family` says it for files whose names fit several and that nothing else tells apart (diffusers
-names without a header, at another width, converted to kohya names: the first family's names are
-written then, with a warning). Heavy imports wait until the command runs.
+header's training notes (ss_*) are carried over. The family comes from the keys (Flux
+`double_blocks` vs SD3 `joint_blocks`, ...), their shapes (FLUX.2 shares Flux.1's names, not its
+proportions), the header or the LoRA's width (3072: Flux.1); `--family` says it for files whose
+names fit several and that nothing else tells apart (diffusers names without a header, at another
+width, converted to kohya names: the first family's names are written then, with a warning). Heavy
+imports wait until the command runs.
 """
 
 from __future__ import annotations
