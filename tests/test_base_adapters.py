@@ -524,3 +524,35 @@ def test_krea2_recipe_train_on_raw_preview_on_turbo(tmp_path, images, monkeypatc
     torch.testing.assert_close(latents, _resample(model, rec.calls[0]), rtol=1e-4, atol=1e-5)
     wrong = dict(kwargs, schedule=fam.sampling.schedule("krea2", raw))
     assert (_resample(model, (args, wrong, None)) - latents).abs().max() > 1e-3
+
+
+def test_z_image_recipe_train_through_the_adapter_preview_without_it(tmp_path, images, monkeypatch):
+    """Z-Image Turbo's recipe on its tiny preset: trained through a training adapter, the preview
+    with `[sample] base_adapters = []` (Turbo's few steps, no guidance) equals sampling the plain
+    base + the trained LoRA, and the exported LoRA holds the trained adapter alone."""
+    import leantune.infer.sampler as sampler
+    from leantune.infer.loras import apply_loras
+    from leantune.tiny import z_image as tz
+
+    folder = tz.save_z_image_folder(tmp_path / "z-image")
+    adapter = tmp_path / "training_adapter.safetensors"
+    _adapter_file("z-image", folder, adapter, "comfyui")
+    rec = _Recorder(sampler.denoise)
+    monkeypatch.setattr(sampler, "denoise", rec)
+    cfg = _config(tmp_path / "run", "z-image", folder, images, steps=2, every=2,
+                  extra=[f"model.base_adapters={_adapters(adapter, 1.0)}", "sample.base_adapters=[]",
+                         "sample.steps=3", "sample.guidance=0.0", "data.max_text_length=32"])
+    result = train(cfg, progress=False)
+    monkeypatch.setattr(sampler, "denoise", rec.real)
+    assert len(rec.calls) == 1
+    lora = next(f for f in result.lora_files if "diffusers" in f.name)
+    trained = read_lora(lora).modules
+    fresh = _load("z-image", folder)
+    add_lora(fresh, get_family("z-image").spec, LoraConfig(rank=2, targets="attention_mlp"))
+    assert set(trained) == set(lora_layers(fresh, "default"))          # the [lora] targets, one adapter each
+    plain = _load("z-image", folder / "transformer")
+    apply_loras(plain, [(lora, 1.0)])
+    torch.testing.assert_close(rec.calls[0][2], _resample(plain, rec.calls[0]), rtol=1e-4, atol=1e-5)
+    with_adapter = _load("z-image", folder / "transformer")
+    apply_loras(with_adapter, [(adapter, 1.0), (lora, 1.0)])
+    assert (_resample(with_adapter, rec.calls[0]) - rec.calls[0][2]).abs().max() > 1e-3
