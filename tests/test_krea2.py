@@ -387,17 +387,18 @@ def test_loaded_official_file_forward_and_gradients_equal_krea_ais_model(family,
         torch.testing.assert_close(p.grad.reshape(ref.shape), ref.grad, rtol=1e-4, atol=1e-6, msg=native)
 
 
-@pytest.mark.parametrize("fp8", ["e4m3", "scaled"])
-def test_comfyui_fp8_files_keep_fp8_and_compute_as_krea_ai_on_their_values(family, tmp_path, fp8):
-    """ComfyUI's repackaged fp8 files (model.diffusion_model. prefix; plain e4m3, or scaled with a
-    per-tensor scale_weight): the block Linears stay float8_e4m3fn in the loaded model, the rest
-    loads in the compute dtype, and the forward equals krea-ai's model on the file's dequantized
-    values; the output stays near the bf16 source's."""
+@pytest.mark.parametrize("fp8", [None, "e4m3", "scaled"], ids=["bf16", "e4m3", "scaled"])
+def test_comfyui_files_bf16_and_fp8_compute_as_krea_ai_on_their_values(family, tmp_path, fp8):
+    """ComfyUI's repackaged files (model.diffusion_model. prefix): bf16, or fp8 plain e4m3 or scaled
+    with a per-tensor scale_weight. fp8 block Linears stay float8_e4m3fn in the loaded model, the
+    rest loads in the compute dtype, and the forward equals krea-ai's model on the file's
+    (dequantized) values; the output stays near the fp32 source's."""
     from leantune.models.krea2.keys import COMFY_PREFIX
     from leantune.models.krea2.loading import save_single_file
 
     tiny = tk.krea2_transformer(0)
-    path = save_single_file(tiny, tmp_path / f"krea2_{fp8}.safetensors", fp8=fp8, prefix=COMFY_PREFIX)
+    path = save_single_file(tiny, tmp_path / f"krea2_{fp8}.safetensors", fp8=fp8, prefix=COMFY_PREFIX,
+                            dtype=torch.bfloat16)
     raw = load_file(str(path))
     sd = {}
     for key, v in raw.items():
@@ -405,10 +406,11 @@ def test_comfyui_fp8_files_keep_fp8_and_compute_as_krea_ai_on_their_values(famil
             continue
         name = key[len(COMFY_PREFIX):]
         scale = raw.get(key[: -len("weight")] + "scale_weight") if key.endswith(".weight") else None
-        sd[name] = v.float() * (scale.float() if scale is not None else 1.0) if v.dtype == torch.float8_e4m3fn else v
+        sd[name] = v.float() * (scale.float() if scale is not None else 1.0) if v.dtype == torch.float8_e4m3fn else v.float()
     model = family.load_transformer(sources(family, path), dtype=torch.float32)
-    assert model.transformer_blocks[0].attn.to_q.weight.dtype == torch.float8_e4m3fn
-    assert model.transformer_blocks[1].ff.down.weight.dtype == torch.float8_e4m3fn
+    block_dtype = torch.float32 if fp8 is None else torch.float8_e4m3fn
+    assert model.transformer_blocks[0].attn.to_q.weight.dtype == block_dtype
+    assert model.transformer_blocks[1].ff.down.weight.dtype == block_dtype
     assert model.img_in.weight.dtype == torch.float32 and model.transformer_blocks[0].scale_shift_table.dtype == torch.float32
     cfg = model.config
     img, context, t, pos, mask, embeds = _official_inputs(cfg)
@@ -512,3 +514,16 @@ def test_convert_reads_other_trainers_krea2_loras(family, folder, pipe, tmp_path
             a = family.predict(ours.transformer.eval(), img, t, embeds, (4, 6))
             b = family.predict(theirs.transformer.eval(), img, t, embeds, (4, 6))
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_folders_under_the_wrong_family_are_refused_naming_the_family(family, folder, tmp_path):
+    """A Krea 2 folder under [model] family = "qwen-image" is refused before anything is read, naming
+    krea2; a Qwen-Image folder under krea2 names qwen-image."""
+    from leantune.models.weights import LoadError
+    from leantune.tiny.qwen_image import save_qwen_image_folder
+
+    with pytest.raises(LoadError, match='Krea 2 model.*set \\[model\\] family = "krea2"'):
+        get_family("qwen-image").resolve_sources(ModelConfig(path=str(folder), family="qwen-image"), Path("."))
+    qwen = save_qwen_image_folder(tmp_path / "qwen")
+    with pytest.raises(LoadError, match='set \\[model\\] family = "qwen-image"'):
+        sources(family, qwen)
