@@ -38,6 +38,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "model.text_encoder_3": MODEL, "model.tokenizer": MODEL, "model.tokenizer_2": MODEL,
     "model.tokenizer_3": MODEL, "model.vae": MODEL,
     "lora.init_from": MODEL,                          # a LoRA file read as weights, like the model's
+    "model.base_adapters.path": MODEL,                # frozen LoRA files, read as weights (train/base_adapters.py)
+    "sample.base_adapters.path": MODEL,
+    "sample.base": MODEL,                             # another checkpoint of the family, read as weights
     "data.datasets.path": (DATA,),
     "data.datasets.reference_path": (DATA,),
     "sample.references": (DATA,),
