@@ -104,8 +104,14 @@ def test_every_float_key_refuses_inf_and_nan(config):
     for key, value in keys:
         section, _, name = key.rpartition(".")
         where = ("[[data.datasets]] #1" if section == "data.datasets.0" else f"[{section}]") + f": key '{name}'"
-        assert "finite number" in _refused(config, f"{key}={value}", where)
-        assert "finite number" in _refused(config, f"{key}={value.replace('inf', 'nan')}", where)
+        override = lambda v: f"{key}={v}"           # noqa: E731
+        if section.endswith(".0") and section != "data.datasets.0":
+            # a list of tables the minimal config leaves empty ([model] base_adapters): one entry with the value
+            table = section[:-2]
+            where = f"[[{table}]] #1: key '{name}'"
+            override = lambda v: f'{table}=[{{path = "a.safetensors", {name} = {v}}}]'   # noqa: E731
+        assert "finite number" in _refused(config, override(value), where)
+        assert "finite number" in _refused(config, override(value.replace('inf', 'nan')), where)
 
 
 @pytest.mark.parametrize("key,value,bound", [
