@@ -19,6 +19,7 @@ def folders(tmp_path_factory):
     from leantune import tiny
     from leantune.tiny import flux2 as tf
     from leantune.tiny import qwen_image as tq
+    from leantune.tiny import z_image as tz
 
     root = tmp_path_factory.mktemp("families")
     return {
@@ -26,12 +27,14 @@ def folders(tmp_path_factory):
         "sd3": tiny.save_sd3_folder(root / "sd3"),
         "qwen-image": tq.save_qwen_image_folder(root / "qwen"),
         "flux2-dev": tf.save_flux2_folder(root / "flux2", variant="dev"),
+        "z-image": tz.save_z_image_folder(root / "z_image"),
     }
 
 
 CASES = [("flux2-dev", "flux"), ("qwen-image", "flux"), ("sd3", "flux"), ("flux", "sd3"), ("flux2-dev", "sd3"),
          ("qwen-image", "sd3"), ("flux", "qwen-image"), ("sd3", "qwen-image"), ("flux2-dev", "qwen-image"),
-         ("flux", "flux2-dev"), ("qwen-image", "flux2-dev"), ("sd3", "flux2-dev")]
+         ("flux", "flux2-dev"), ("qwen-image", "flux2-dev"), ("sd3", "flux2-dev"),
+         ("z-image", "flux"), ("z-image", "qwen-image"), ("flux", "z-image"), ("flux2-dev", "z-image")]
 
 
 @pytest.mark.parametrize("actual,configured", CASES)
@@ -45,7 +48,7 @@ def test_a_folder_of_another_family_is_refused_naming_the_family_to_set(folders,
     assert f'set [model] family = "{actual}"' in text, text
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2-dev"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2-dev", "z-image"])
 def test_a_folder_of_the_configured_family_resolves(folders, family, tmp_path):
     sources = get_family(family).resolve_sources(ModelConfig(path=str(folders[family]), family=family), tmp_path)
     assert sources.transformer is not None and sources.vae is not None

@@ -108,6 +108,7 @@ _CLASS_LABELS = {
     "QwenImageEditPipeline": "Qwen-Image-Edit", "QwenImageTransformer2DModel": "Qwen-Image",
     "Flux2Pipeline": "FLUX.2 [dev]", "Flux2KleinPipeline": "FLUX.2 [klein]", "Flux2Transformer2DModel": "FLUX.2",
     "Krea2Pipeline": "Krea 2", "Krea2Transformer2DModel": "Krea 2",
+    "ZImagePipeline": "Z-Image", "ZImageTransformer2DModel": "Z-Image",
 }
 
 
