@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="training cases: a LoRA step, or a full fine-tuning step (sampling cases are the same)")
     p.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw", help="--mode full")
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="--mode full: AdamW moments")
+    p.add_argument("--rank", type=int, default=16, help="--mode lora: the LoRA rank")
     p.add_argument("--fp8-base", action="store_true",
                    help="the base loaded from an fp8 checkpoint (block Linears e4m3, as ComfyUI's fp8 files)")
     args = p.parse_args(argv)
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             "fp8_base": args.fp8_base}
     if args.mode == "full":
         meta.update(optimizer=args.optimizer, state_dtype=args.state_dtype)
+    else:
+        meta.update(rank=args.rank)
     full = {"optimizer": args.optimizer, "state_dtype": args.state_dtype} if args.mode == "full" else {}
     rows = []
     for case in args.cases:
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 what = "full"
             t0 = time.perf_counter()
             row = planned_case(what, size, int(budget * GiB), model_name=args.model, fp8_base=args.fp8_base,
-                               **(full if what == "full" else {}))
+                               **(full if what == "full" else {"rank": args.rank} if what == "train" else {}))
             row["case"], row["wall_s"] = case, time.perf_counter() - t0
             rows.append(row)
             print(_line(row), flush=True)

@@ -340,7 +340,8 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
                  plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
-                 state_dtype: str = "fp32", fp8_base: bool = False, streamed_step: str = "auto") -> dict:
+                 state_dtype: str = "fp32", fp8_base: bool = False, streamed_step: str = "auto",
+                 rank: int = 16) -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
     ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
@@ -377,7 +378,7 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
 
     budget_obj = Budget(vram=budget, ram=UNLIMITED_RAM if what == "full" else CASE_RAM_BUDGET)
     if what in ("train", "full"):
-        cfg = training_config(size, budget, family=family.name, mode="full" if what == "full" else "lora",
+        cfg = training_config(size, budget, rank=rank, family=family.name, mode="full" if what == "full" else "lora",
                               optimizer=optimizer, state_dtype=state_dtype, streamed_step=streamed_step)
         mode = make_mode(cfg)
         mode.prepare(model, spec)
