@@ -107,9 +107,9 @@ def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: in
 # -- sampling ----------------------------------------------------------------------------------------------
 
 def published_schedule() -> FlowSchedule:
-    """Z-Image-Turbo's: static shift 3.0, the pipeline's linspace sigmas, 9 steps (8 forwards with a
-    non-zero step, as its model card uses it) without guidance. A folder's scheduler_config.json
-    (the base model's shift 6.0) takes precedence."""
+    """Z-Image-Turbo's: static shift 3.0, the pipeline's linspace sigmas, 9 steps without guidance (its
+    model card's settings). A folder's scheduler_config.json (the base model's shift 6.0) takes
+    precedence."""
     return FlowSchedule(use_dynamic_shifting=False, shift=3.0, default_steps=9, default_guidance=0.0)
 
 
