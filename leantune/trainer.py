@@ -367,7 +367,8 @@ def _read_base_adapters(cfg: RunConfig, family) -> tuple | None:
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     meta = family.load_transformer(sources, dtype=torch.float32, device="meta", **loader_options(cfg.memory))
     check_adapters(meta, [*training, *(sampling or ())])     # shapes only: a LoRA of another model is named now
-    return training, sampling
+    previews = bool(cfg.sample.every and cfg.sample.prompts)
+    return training, sampling if previews else None          # no previews: [sample]'s checked, not attached
 
 
 def _attach_base_adapters(transformer, adapters: tuple | None):

@@ -65,12 +65,13 @@ def preview_terms(cfg) -> dict:
 
     terms = {}
     family = get_family(cfg.model.family)
-    if cfg.model.base_adapters or cfg.sample.base_adapters:
+    previews = bool(cfg.sample.every and cfg.sample.prompts)     # the trainer attaches [sample]'s only then
+    if cfg.model.base_adapters or (cfg.sample.base_adapters and previews):
         from ..train.base_adapters import priced_bytes, read_run_adapters
 
-        terms["frozen_adapter_bytes"] = priced_bytes(*read_run_adapters(cfg.model, cfg.sample, cfg.resolve,
-                                                                        family.spec.lora_keys))
-    if cfg.sample.base is not None and cfg.sample.every and cfg.sample.prompts:
+        training, sampling = read_run_adapters(cfg.model, cfg.sample, cfg.resolve, family.spec.lora_keys)
+        terms["frozen_adapter_bytes"] = priced_bytes(training, sampling if previews else None)
+    if cfg.sample.base is not None and previews:
         from ..models.other_base import other_base_bytes
 
         terms["preview_base_bytes"] = other_base_bytes(cfg.model, cfg.resolve(cfg.sample.base), Path(cfg.base_dir),
