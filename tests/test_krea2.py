@@ -85,6 +85,30 @@ def test_encoding_equals_the_pipelines(family, folder, pipe, from_files):
     assert torch.equal(rows[mask], want[mask])
 
 
+@pytest.mark.parametrize("from_files", [False, True], ids=["loaded", "file_backed"])
+def test_comfyui_single_file_text_encoder_encodes_as_the_folder(family, folder, loaded, tmp_path, from_files):
+    """Qwen3-VL as one file in ComfyUI's layout (bare `model.` language model, `visual.` tower, as
+    Comfy-Org's qwen3vl_4b_bf16.safetensors and musubi-tuner read it; the tiny config in the
+    metadata): [model] text_encoder = the file encodes exactly as the folder's encoder, loaded or
+    read from the file layer by layer."""
+    from leantune.models.krea2.loading import save_text_encoder_file
+    from leantune.models.streamed_encoder import is_file_backed, text_encoder_ram_budget
+
+    path = save_text_encoder_file(loaded.encoders.text_encoder, tmp_path / "qwen3vl_tiny.safetensors")
+    names = load_file(str(path)).keys()
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "visual.blocks.0.attn.qkv.weight" in names
+    with text_encoder_ram_budget(1 if from_files else None):
+        encoders = family.load_text_encoders(sources(family, folder, text_encoder=str(path)), torch.float32, "cpu")
+    assert is_file_backed(encoders.text_encoder.language_model) == from_files
+    if not from_files:
+        want_state = loaded.encoders.text_encoder.state_dict()
+        got_state = encoders.text_encoder.state_dict()
+        assert got_state.keys() == want_state.keys() and all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    got, n = family.encode_prompts(PROMPTS, encoders, max_length=TEXT_LENGTH, device="cpu")
+    want, m = family.encode_prompts(PROMPTS, loaded.encoders, max_length=TEXT_LENGTH, device="cpu")
+    assert torch.equal(n, m) and torch.equal(got.t5, want.t5)
+
+
 def test_the_cache_trimmed_rows_give_the_pipelines_prediction(family, loaded, pipe):
     """A batch padded only to its longest prompt (as the cache batches trimmed entries) predicts
     what the pipeline's transformer predicts on its max_sequence_length rows, up to rounding."""

@@ -9,7 +9,8 @@ any component overridden by a [model] key; or a single transformer file: krea-ai
 (Krea-2-Raw / Krea-2-Turbo .safetensors, official names, no prefix), ComfyUI's repackaged ones (the
 same names under `model.diffusion_model.`; bf16, plain e4m3 and "scaled" e4m3 with `scale_weight`),
 or a diffusers-named transformer saved as one file. The architecture is read from the shapes
-(krea2/keys.py); block weights a file stores in e4m3 stay e4m3 (the engine's fp8 Linear).
+(krea2/keys.py); block weights a file stores in e4m3 stay e4m3 (the engine's fp8 Linear). The
+text encoder comes from a transformers folder or a single file (ComfyUI's Qwen3-VL layout, below).
 
 Raw and Turbo are the same architecture with other weights: no tensor name or shape tells them
 apart, so a single file is sampled with Raw's schedule unless [sample] says otherwise; a diffusers
@@ -234,9 +235,10 @@ def load_raw_vae(sources: Krea2Sources, dtype: torch.dtype = torch.bfloat16, dev
 # -- text encoder ---------------------------------------------------------------------------------------
 
 def load_text_encoders(sources: Krea2Sources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Krea2TextEncoders:
-    """The Qwen2 tokenizer and Qwen3VLModel from their folders, on the host (encoding streams the
-    language model's layers to `device`); an encoder that does not fit the host-RAM budget is left
-    in its files and read layer by layer (streamed_encoder.py)."""
+    """The Qwen2 tokenizer and Qwen3VLModel, on the host (encoding streams the language model's
+    layers to `device`), from a transformers folder or a single file (ComfyUI's
+    qwen3vl_4b_bf16.safetensors: load_text_encoder_file); an encoder that does not fit the
+    host-RAM budget is left in its file(s) and read layer by layer (streamed_encoder.py)."""
     from transformers import AutoTokenizer, Qwen3VLModel
 
     from ..streamed_encoder import load_text_model
@@ -244,8 +246,8 @@ def load_text_encoders(sources: Krea2Sources, dtype: torch.dtype = torch.bfloat1
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], AutoTokenizer, _REPO)
     src = _require(sources.text_encoder, "text_encoder")
     if not src.is_dir():
-        raise LoadError(f"[model] text_encoder: {src}: the Qwen3-VL text encoder loads from a transformers folder "
-                        f"(the text_encoder/ folder of a Krea 2 diffusers repository), not a single file")
+        model = load_text_encoder_file(src, dtype)
+        return _checked_encoders(sources, tokenizer, model, src, device)
     declared = (cl.read_json(src / "config.json").get("architectures") or [None])[0]
     if declared not in (None, "Qwen3VLModel", "Qwen3VLForConditionalGeneration"):
         raise LoadError(f"[model] text_encoder: {src / 'config.json'}: architectures = {declared!r}, but Krea 2's "
@@ -257,6 +259,10 @@ def load_text_encoders(sources: Krea2Sources, dtype: torch.dtype = torch.bfloat1
         raise
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
+    return _checked_encoders(sources, tokenizer, model, src, device)
+
+
+def _checked_encoders(sources: Krea2Sources, tokenizer, model, src: Path, device) -> Krea2TextEncoders:
     layers = model.config.text_config.num_hidden_layers
     if max(sources.select_layers) > layers:
         raise LoadError(f"[model] text_encoder: {src}: the pipeline taps hidden state {max(sources.select_layers)} "
@@ -277,3 +283,95 @@ def folder_distilled(folder) -> bool:
         return bool(json.loads(config.read_text(encoding="utf-8")).get("is_distilled", False))
     except (OSError, ValueError, AttributeError):
         return False
+
+
+# -- the text encoder as a single file ------------------------------------------------------------------
+#
+# ComfyUI's Qwen3-VL file (Comfy-Org/Qwen3-VL text_encoders/qwen3vl_4b_bf16.safetensors, which
+# musubi-tuner's Krea 2 trainer also reads) names the language model as the original checkpoint
+# did, `model.layers.N...`, `model.embed_tokens`, `model.norm`, and the vision tower `visual.*`
+# (musubi-tuner krea2_encoder.py `_convert_comfyui_qwen3vl_state_dict` maps the same); today's
+# transformers names them `model.language_model.*` / `model.visual.*` (Qwen3VLForConditionalGeneration)
+# or `language_model.*` / `visual.*` (Qwen3VLModel). All are read; `lm_head.weight` (tied to the
+# embedding in the 4B) is not used for encoding. The architecture is the packaged
+# Qwen3-VL-4B-Instruct config (models/configs/qwen3_vl_4b.json) with the depths read from the keys
+# and, part by part, what the file's `leantune.config` metadata says.
+
+_TEXT_ANCHORS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                 "language_model.embed_tokens.weight")
+
+
+def text_target(key: str) -> str:
+    """A text-encoder file key (prefix stripped) -> its Qwen3VLModel name."""
+    if key.startswith(("model.language_model.", "model.visual.")):
+        return key[len("model."):]
+    if key.startswith(("language_model.", "visual.")):
+        return key
+    if key.startswith("model."):
+        return "language_model." + key[len("model."):]
+    return key
+
+
+def _text_layout(src: Path):
+    """(config, files, prefix, {Qwen3VLModel name: file key}) of a single text-encoder file."""
+    cl.check_file(src, "text_encoder")
+    files = CheckpointFiles([src])
+    keys_ = list(files.keys())
+    prefix = next((k[: -len(a)] for k in keys_ for a in _TEXT_ANCHORS if k.endswith(a)), None)
+    if prefix is None:
+        raise LoadError(f"[model] text_encoder: {src}: not a Qwen3-VL text encoder (no "
+                        f"'model.embed_tokens.weight' or 'model.language_model.embed_tokens.weight'): "
+                        f"{cf.describe(keys_)}")
+    names = {text_target(k[len(prefix):]): k for k in keys_ if k.startswith(prefix)}
+    config = cf.packaged_config("qwen3_vl_4b")
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k != "architectures"}
+    meta = cf.metadata_config(files.metadata, str(src), "text_encoder")
+    for part in ("text_config", "vision_config"):
+        config[part] = {**config[part], **meta.pop(part, {})}
+    config.update(meta)
+    layers = {int(n.split(".")[2]) for n in names if n.startswith("language_model.layers.")}
+    blocks = {int(n.split(".")[2]) for n in names if n.startswith("visual.blocks.")}
+    if layers:
+        config["text_config"]["num_hidden_layers"] = max(layers) + 1
+    if blocks:
+        config["vision_config"]["depth"] = max(blocks) + 1
+    return config, files, prefix, names
+
+
+def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16):
+    """Qwen3VLModel from a single file, built on meta and filled tensor by tensor (fp8 weights
+    upcast with their scale), or left in the file and read layer by layer when it does not fit the
+    host-RAM budget (streamed_encoder.text_encoder_ram_budget)."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from ..streamed_encoder import file_backed, file_bytes, ram_budget, stream_from_files
+
+    config, files, prefix, names = _text_layout(src)
+    try:
+        cfg = Qwen3VLConfig(**config)
+    except Exception as e:
+        raise LoadError(f"[model] text_encoder: {src}: cannot build Qwen3-VL from its config ({e})") from None
+    if stream_from_files(file_bytes([src]), ram_budget()):
+        return file_backed(lambda: Qwen3VLModel(cfg), [src], "language_model", "layers", dtype,
+                           _LABEL["text_encoder"]).eval()
+    model = build_empty(lambda: Qwen3VLModel(cfg))
+    ops = copy_ops([k for n, k in names.items() if n != "lm_head.weight"], strip=prefix, rename=text_target)
+    return load_into_empty(model, files, ops, what="a Qwen3-VL text encoder of this architecture", dtype=dtype,
+                           device="cpu", source_name=lambda t: names.get(t, prefix + t)).eval()
+
+
+def save_text_encoder_file(model, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write a Qwen3VLModel in ComfyUI's single-file layout (bare `model.` language model, `visual.`
+    vision tower), its text and vision configs in the metadata, atomically."""
+    tensors = {}
+    for key, t in model.state_dict().items():
+        if key.startswith("language_model."):
+            key = "model." + key[len("language_model."):]
+        tensors[key] = t if dtype is None else t.to(dtype)
+    cfg = model.config.to_dict()
+    skip = {"_name_or_path", "architectures", "transformers_version", "model_type", "torch_dtype", "dtype",
+            "id2label", "label2id", "layer_types"}
+    meta = {part: {k: v for k, v in cfg[part].items() if k not in skip and not k.startswith("_")}
+            for part in ("text_config", "vision_config")}
+    meta.update({k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")})
+    return save_safetensors(tensors, path, metadata={cf.METADATA_CONFIG_KEY: json.dumps(meta)})
