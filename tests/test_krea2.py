@@ -551,3 +551,26 @@ def test_folders_under_the_wrong_family_are_refused_naming_the_family(family, fo
     qwen = save_qwen_image_folder(tmp_path / "qwen")
     with pytest.raises(LoadError, match='set \\[model\\] family = "qwen-image"'):
         sources(family, qwen)
+
+
+def test_fp8_storage_quantizes_the_block_linears_while_loading(family, folder, loaded):
+    """[memory] fp8 (family.fp8_load_options): every block Linear of the bf16 folder becomes
+    block-scaled e4m3 as it is read, nothing outside the blocks and no block modulation table does,
+    and the output stays within fp8's error of the plain load."""
+    from types import SimpleNamespace
+
+    from leantune.models.family import fp8_load_options
+
+    opts = fp8_load_options(SimpleNamespace(fp8=True, fp8_modulation="auto", vram_budget=None))
+    model = family.load_transformer(sources(family, folder), dtype=torch.float32, **opts)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    in_blocks = {n for n in linears if n.startswith("transformer_blocks.")}
+    assert in_blocks and all(linears[n].weight.dtype == torch.float8_e4m3fn for n in in_blocks)
+    assert all(linears[n].weight.dtype == torch.float32 for n in set(linears) - in_blocks)
+    assert model.transformer_blocks[0].scale_shift_table.dtype == torch.float32
+    img, _, t, _, _, embeds = _official_inputs(model.config)
+    with torch.no_grad():
+        got = family.predict(model, img, t, embeds, (4, 6))
+        want = family.predict(loaded.transformer, img, t, embeds, (4, 6))
+    err = ((got - want).norm() / want.norm()).item()
+    assert 0 < err < 0.05, err
