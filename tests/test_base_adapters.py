@@ -417,6 +417,14 @@ def test_leantune_sample_takes_base_adapters_and_another_base(tiny_flux_dir, tmp
     on_other = _sample_cli([*common, "--base", str(other), "--out", str(tmp_path / "b")])
     assert read_png_metadata(stacked.files[0])["base_adapters"] == f"{adapter}:0.7"
     assert read_png_metadata(on_other.files[0])["base"] == str(other)
+    # under a budget the planner prices the attached adapters (the base adapter and the LoRA), resident
+    from leantune.config import AdapterRef
+    from leantune.train.base_adapters import adapter_bytes, read_adapters
+
+    budgeted = _sample_cli([*common, "--base-adapter", f"{adapter}:0.7", "--vram", "1GiB", "--out", str(tmp_path / "c")])
+    files = read_adapters([AdapterRef(path=str(adapter)), AdapterRef(path=str(lora))], Path,
+                          get_family("flux").spec.lora_keys, "test")
+    assert budgeted.plan.notes["vram_breakdown"]["base adapters"] == adapter_bytes(files) > 0
 
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir, torch_dtype=torch.float32)
     other_tf = FluxTransformer2DModel.from_pretrained(other / "transformer", torch_dtype=torch.float32)

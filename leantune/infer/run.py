@@ -104,20 +104,21 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def inference_workload(request: SampleRequest, batch: int, text_len: int):
+def inference_workload(request: SampleRequest, batch: int, text_len: int, adapter_bytes: int = 0):
     """The planner's workload for the denoising stage: `batch` images per transformer forward
     (with classifier-free guidance batched, negatives included), in the weights' dtype without
-    autocast; fp8 storage is the planner's call."""
+    autocast; fp8 storage is the planner's call. `adapter_bytes`: the frozen adapters attached
+    (base adapters and LoRAs), resident on the device beside the plan's weights."""
     from ..planner.from_config import fp8_modulation_choice
     from ..planner.workload import Workload
 
     return Workload(mode="inference", batch_size=batch, buckets=((request.height, request.width),),
                     text_length=text_len, autocast=False, dtype=_DTYPES[request.model.dtype],
-                    fp8_modulation=fp8_modulation_choice(request.memory))
+                    fp8_modulation=fp8_modulation_choice(request.memory), frozen_adapter_bytes=adapter_bytes)
 
 
 def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
-                     text_len: int, cfg: bool = False):
+                     text_len: int, cfg: bool = False, adapter_bytes: int = 0):
     """The memory Plan for the denoising stage, and whether CFG's two halves share a forward.
 
     Under a budget it is the planner's, for an inference workload of the images per forward
@@ -138,7 +139,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
             raise ConfigError(f"memory.ram_budget: {e}") from None
         error = None
         for factor in ((2, 1) if cfg else (1,)):
-            workload = inference_workload(request, factor * images, text_len)
+            workload = inference_workload(request, factor * images, text_len, adapter_bytes)
             try:
                 return plan_memory(spec, transformer, workload, Budget(vram=budget, ram=ram)), factor == 2
             except InfeasibleBudget as e:
@@ -265,8 +266,9 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             BaseAdapterStack(transformer, base_adapters)
         if loras:
             apply_loras(transformer, loras)
+        adapters = sum(p.numel() * p.element_size() for n, p in transformer.named_parameters() if ".lora_" in n)
         result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),
-                                                embeds[0].t5.shape[1], cfg=cfg)
+                                                embeds[0].t5.shape[1], cfg=cfg, adapter_bytes=adapters)
         result.cfg_batched = batched if cfg else None
         log.info("sample: %s%s", result.plan.describe(),
                  "" if not cfg else f"; CFG {guidance:g}, halves {'batched' if batched else 'one after the other'}")

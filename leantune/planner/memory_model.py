@@ -14,7 +14,8 @@ VRAM components at the peak (`memory`), all in bytes:
 - adapters: r * (in + out) fp32 parameters per targeted Linear; gradients the same; AdamW keeps
   two fp32 states per parameter, Adafactor one fp32 value per row and per column of each matrix;
 - base adapters: frozen LoRAs under the trained one (Workload.frozen_adapter_bytes, their fp32
-  weights, resident as every adapter weight is: train/base_adapters.py); listed only when there are any;
+  weights, resident as every adapter weight is: train/base_adapters.py; for `leantune sample`, every
+  LoRA it attaches); listed only when there are any;
 - another base for previews: with [sample] base, a preview streams that other transformer through
   two slots of its largest unit (infer/preview_base.py) and holds a copy of the trained adapter,
   beside the training state; its activations are taken as at most the training step's, so the
