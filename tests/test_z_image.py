@@ -191,6 +191,41 @@ def test_text_encoding_equals_the_pipelines_encode_prompt(folder, tmp_path):
         assert len(encoders.text_encoder.layers) == 3 and not isinstance(encoders.text_encoder.norm, torch.nn.Identity)
 
 
+def test_text_encoder_single_file_encodes_as_the_pipeline(folder, tmp_path):
+    """The tiny Qwen3 as ComfyUI's qwen_3_4b.safetensors holds it (transformers' names under `model.`,
+    an lm_head beside; the rope base and norm eps its leantune.config metadata states, Qwen3-4B's
+    otherwise): the architecture is read from the shapes, and the encoder, loaded or read from the
+    file layer by layer, encodes as ZImagePipeline.encode_prompt; a file without the embedding is
+    refused naming the file and the key."""
+    from diffusers import ZImagePipeline
+
+    from leantune.models.streamed_encoder import is_file_backed, text_encoder_ram_budget
+    from leantune.models.weights import LoadError
+
+    pipe = ZImagePipeline.from_pretrained(str(folder), local_files_only=True)
+    cfg = pipe.text_encoder.config
+    state = {f"model.{k}": v for k, v in pipe.text_encoder.state_dict().items()}
+    state["lm_head.weight"] = torch.zeros(8, 16)
+    path = tmp_path / "qwen_3_4b.safetensors"
+    save_file(state, str(path), metadata={METADATA_CONFIG_KEY: json.dumps(
+        {"rope_parameters": dict(cfg.rope_parameters), "rms_norm_eps": cfg.rms_norm_eps})})
+    want, _ = pipe.encode_prompt(list(PROMPTS), device="cpu", do_classifier_free_guidance=False, max_sequence_length=24)
+    for budget in (None, 1):
+        with text_encoder_ram_budget(budget):
+            encoders = FAM.load_text_encoders(FAM.resolve_sources(
+                ModelConfig(path=str(folder), family="z-image", text_encoder=str(path)), tmp_path), torch.float32, "cpu")
+        assert is_file_backed(encoders.text_encoder) == (budget is not None)
+        assert encoders.text_encoder.config.num_hidden_layers == 3 and encoders.text_encoder.config.head_dim == 8
+        embeds, lengths = FAM.encode_prompts(list(PROMPTS), encoders, 24, "cpu")
+        for row, n, w in zip(embeds.t5, lengths, want):
+            assert torch.equal(row[:n], w), budget
+    del state["model.embed_tokens.weight"]
+    save_file(state, str(path))
+    with pytest.raises(LoadError, match=r"qwen_3_4b\.safetensors.*embed_tokens"):
+        FAM.load_text_encoders(FAM.resolve_sources(ModelConfig(path=str(folder), family="z-image",
+                                                               text_encoder=str(path)), tmp_path), torch.float32)
+
+
 # -- samples with a LoRA -------------------------------------------------------------------------------
 
 def _trained_lora(model, root: Path):

@@ -184,6 +184,12 @@ def load_text_model(model_cls, folder: Path, dtype: torch.dtype, *, module_path:
     return file_backed(lambda: model_cls(config), paths, module_path, blocks_path, dtype, label).eval()
 
 
+def fits_host(paths: list[Path], dtype: torch.dtype) -> bool:
+    """Whether an encoder stored in `paths` is loaded into host RAM in `dtype` (else read from its
+    files layer by layer), as load_text_model decides: for loaders of single-file encoders."""
+    return not stream_from_files(file_bytes(paths) * _scale_to(dtype, paths), _RAM_BUDGET.get())
+
+
 def _scale_to(dtype: torch.dtype, paths: list[Path]) -> float:
     """Bytes in `dtype` per stored byte (the files' first floating tensor decides: bf16 files
     loaded in bf16 -> 1, fp8 files loaded in bf16 -> 2)."""

@@ -8,6 +8,8 @@ Qwen3's chat template, vae/ the Flux.1 AutoencoderKL, scheduler/), any component
 `attention.qkv`, `x_embedder`, `final_layer`: z_image/keys.py), bare (Tongyi-MAI's, ComfyUI's
 repackaged z_image_turbo_bf16.safetensors) or under `model.diffusion_model.`, in bf16 or fp8 e4m3
 (plain, or ComfyUI's "scaled" with a per-tensor `scale_weight`); or diffusers' names in one file.
+The text encoder comes from its transformers folder or from one file (ComfyUI's qwen_3_4b.safetensors:
+load_text_encoder_file).
 
 Every model is built on the meta device and filled tensor by tensor in its target dtype
 (weights.py): no second, full-precision copy. Block Linear weights a file stores in e4m3 stay e4m3
@@ -190,18 +192,20 @@ def load_vae(sources: ZImageSources, dtype: torch.dtype = torch.bfloat16, device
 # -- text encoder ------------------------------------------------------------------------------------
 
 def load_text_encoders(sources: ZImageSources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> ZImageTextEncoders:
-    """The Qwen3 tokenizer and Qwen3Model (Qwen3-4B) from their folders, on the host: loaded when it
-    fits the host-RAM budget, else left in its files and read layer by layer when it runs
-    (streamed_encoder.py). A Qwen3ForCausalLM folder (the hub's config) loads as its base model."""
+    """The Qwen3 tokenizer (a folder) and Qwen3Model (Qwen3-4B: a transformers folder or a single file),
+    on the host: loaded when it fits the host-RAM budget, else left in its files and read layer by
+    layer when it runs (streamed_encoder.py). A Qwen3ForCausalLM folder (the hub's config) loads as
+    its base model."""
     from transformers import AutoTokenizer, Qwen3Model
 
     from ..streamed_encoder import load_text_model
 
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], AutoTokenizer, _REPO)
     src = _require(sources.text_encoder, "text_encoder")
-    if not src.is_dir():
-        raise LoadError(f"[model] text_encoder: {src}: the Qwen3 text encoder loads from a transformers folder "
-                        f"(the text_encoder/ folder of {_REPO}), not a single file")
+    if src.is_file():
+        cl.check_file(src, "text_encoder")
+        model = load_text_encoder_file(src, dtype)
+        return ZImageTextEncoders(tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))
     declared = (cl.read_json(src / "config.json").get("architectures") or [None])[0]
     if declared is not None and declared not in TEXT_ENCODER_CLASSES:
         raise LoadError(f"[model] text_encoder: {src / 'config.json'}: architectures = {declared!r}, but Z-Image's "
@@ -214,3 +218,65 @@ def load_text_encoders(sources: ZImageSources, dtype: torch.dtype = torch.bfloat
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
     return ZImageTextEncoders(tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))
+
+
+# -- the text encoder as a single file ------------------------------------------------------------------
+#
+# ComfyUI's text_encoders/qwen_3_4b.safetensors (its Z-Image and FLUX.2 klein 4B workflows) holds
+# Qwen3-4B under transformers' own names below `model.` (comfy/text_encoders/llama.py names its
+# Qwen3 so: model.embed_tokens, model.layers.N.self_attn.q_proj / q_norm, mlp.gate_proj, model.norm),
+# an `lm_head.weight` where kept (unused here). The architecture is read from the shapes; what they
+# cannot show (rope base, norm eps, positions) is Qwen3-4B's (models/configs/qwen3_4b.json) unless the
+# file's `leantune.config` metadata says otherwise.
+
+TEXT_PREFIXES = ("model.", "text_encoders.qwen3_4b.transformer.model.", "")
+_TEXT_ANCHOR = "embed_tokens.weight"
+
+
+def text_encoder_file_config(src: Path, files: CheckpointFiles) -> tuple[dict, str]:
+    """(Qwen3Config kwargs, key prefix) of a single text-encoder file, from its header."""
+    keys = list(files.keys())
+    prefix = next((p for p in TEXT_PREFIXES if p + _TEXT_ANCHOR in keys), None)
+    if prefix is None:
+        raise LoadError(f"[model] text_encoder: {src}: not a Qwen3 text encoder (no 'model.embed_tokens.weight'): "
+                        f"{cf.describe(keys)}")
+
+    def shape(key: str) -> tuple[int, ...]:
+        if prefix + key not in keys:
+            raise LoadError(f"[model] text_encoder: {src}: missing key {prefix + key!r} of a Qwen3 text encoder")
+        return files.shape(prefix + key)
+
+    vocab, hidden = shape("embed_tokens.weight")
+    layers = {int(k[len(prefix) + len("layers."):].split(".", 1)[0]) for k in keys if k.startswith(prefix + "layers.")}
+    if not layers or layers != set(range(max(layers) + 1)):
+        raise LoadError(f"[model] text_encoder: {src}: decoder layers {sorted(layers)[:5]} are not numbered 0..N-1")
+    head_dim = shape("layers.0.self_attn.q_norm.weight")[0]
+    config = {k: v for k, v in cf.packaged_config("qwen3_4b").items() if not k.startswith("_") and k != "architectures"}
+    config.update(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=max(layers) + 1, head_dim=head_dim,
+                  intermediate_size=shape("layers.0.mlp.gate_proj.weight")[0],
+                  num_attention_heads=shape("layers.0.self_attn.q_proj.weight")[0] // head_dim,
+                  num_key_value_heads=shape("layers.0.self_attn.k_proj.weight")[0] // head_dim)
+    config.update(cf.metadata_config(files.metadata, str(src), "text_encoder"))
+    return config, prefix
+
+
+def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16):
+    """Qwen3Model from a single file, on the host: built on meta and filled tensor by tensor (fp8
+    weights upcast with their scale) when it fits the host-RAM budget, else left in the file and
+    read layer by layer when it runs (streamed_encoder.py)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from ..streamed_encoder import file_backed, fits_host
+
+    files = CheckpointFiles([src])
+    config, prefix = text_encoder_file_config(src, files)
+    try:
+        cfg = Qwen3Config(**config)
+    except Exception as e:
+        raise LoadError(f"[model] text_encoder: {src}: cannot build Qwen3 from its config ({e})") from None
+    if not fits_host([src], dtype):
+        return file_backed(lambda: Qwen3Model(cfg), [src], "", "layers", dtype, _LABEL["text_encoder"]).eval()
+    model = build_empty(lambda: Qwen3Model(cfg))
+    names = [k for k in files.keys() if k.startswith(prefix) and not k.startswith("lm_head.")]
+    return load_into_empty(model, files, copy_ops(names, strip=prefix), what="a Qwen3 text encoder of this architecture",
+                           dtype=dtype, device="cpu").eval()
