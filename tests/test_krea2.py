@@ -574,3 +574,18 @@ def test_fp8_storage_quantizes_the_block_linears_while_loading(family, folder, l
         want = family.predict(loaded.transformer, img, t, embeds, (4, 6))
     err = ((got - want).norm() / want.norm()).item()
     assert 0 < err < 0.05, err
+
+
+def test_bf16_load_keeps_the_norms_in_fp32_as_diffusers_does(family, folder):
+    """In bf16 the RMSNorm scales (1 + weight) stay float32, as Krea2Transformer2DModel.from_pretrained
+    (torch_dtype=bfloat16) keeps its _keep_in_fp32_modules: every tensor has diffusers' dtype and value."""
+    from diffusers import Krea2Transformer2DModel
+
+    ours = family.load_transformer(sources(family, folder), dtype=torch.bfloat16).state_dict()
+    theirs = Krea2Transformer2DModel.from_pretrained(str(folder / "transformer"), torch_dtype=torch.bfloat16,
+                                                     local_files_only=True).state_dict()
+    assert ours.keys() == theirs.keys()
+    assert ours["transformer_blocks.0.attn.norm_q.weight"].dtype == torch.float32
+    assert ours["transformer_blocks.0.attn.to_q.weight"].dtype == torch.bfloat16
+    for k in theirs:
+        assert ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]), k

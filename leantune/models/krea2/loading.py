@@ -182,6 +182,10 @@ def load_transformer(sources: Krea2Sources, dtype: torch.dtype = torch.bfloat16,
         model = build_empty(lambda: Krea2Transformer2DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a {_LABEL['transformer']} from its config ({e})") from None
+    # The RMSNorm scales (norm, norm1, norm2, norm_q, norm_k) stay float32 whatever `dtype` is, as
+    # diffusers' from_pretrained keeps a model's _keep_in_fp32_modules: the norms compute with
+    # 1 + weight, which bf16 would round (weights.py reads the strict list for every low dtype).
+    model._keep_in_fp32_modules_strict = list(model._keep_in_fp32_modules or ())
     fp8 = cl.fp8_hooks(model, KREA2_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
                        quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what=f"a {_LABEL['transformer']} of this architecture", dtype=dtype,
