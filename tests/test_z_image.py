@@ -326,8 +326,9 @@ formats = ["comfyui", "diffusers"]
 
 def test_full_fine_tune_exports_files_that_load_to_the_trained_weights(folder, tmp_path):
     """Two full fine-tune steps with blocks and the non-block modules streamed (poison mode): the
-    original-layout single file and the diffusers folder it exports load, through leantune's loader
-    and diffusers' own from_pretrained, to the same weights, which moved from the base."""
+    original-layout single file and the diffusers folder it exports load, through leantune's loader,
+    diffusers' own single-file conversion and from_pretrained, to the same weights, which moved from
+    the base."""
     from diffusers import ZImageTransformer2DModel
 
     from leantune.config import load_config
@@ -342,11 +343,14 @@ def test_full_fine_tune_exports_files_that_load_to_the_trained_weights(folder, t
     assert result.final_step == 2 and all(torch.isfinite(torch.tensor(result.losses)))
     single, diffusers_dir = result.lora_files
     assert set(load_file(str(single))) >= {"layers.0.attention.qkv.weight", "x_embedder.weight"}
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
     from_file = FAM.load_transformer(_sources(single, tmp_path), torch.float32).state_dict()
     from_folder = ZImageTransformer2DModel.from_pretrained(str(diffusers_dir)).state_dict()
+    by_diffusers = convert_z_image_transformer_checkpoint_to_diffusers(load_file(str(single)))   # diffusers' own reading
     base = FAM.load_transformer(_sources(folder, tmp_path), torch.float32).state_dict()
-    assert from_file.keys() == from_folder.keys() == base.keys()
-    assert all(torch.equal(from_file[k], from_folder[k]) for k in base)
+    assert from_file.keys() == from_folder.keys() == by_diffusers.keys() == base.keys()
+    assert all(torch.equal(from_file[k], from_folder[k]) and torch.equal(by_diffusers[k], from_folder[k]) for k in base)
     assert sum(not torch.equal(from_file[k], base[k]) for k in base) > len(base) // 2
 
 
