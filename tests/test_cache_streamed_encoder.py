@@ -1,6 +1,7 @@
 """The caching phase with a text encoder left in its files (models/streamed_encoder.py): when the
 encoder does not fit the host-RAM budget, the cache's text entries are the same as with the encoder
-loaded whole (Qwen-Image's Qwen2.5-VL, FLUX.2-dev's Mistral3, FLUX.2-klein's Qwen3); a run whose
+loaded whole (Qwen-Image's Qwen2.5-VL, FLUX.2-dev's Mistral3, FLUX.2-klein's Qwen3, Krea 2's
+Qwen3-VL); a run whose
 entries are all present never loads it."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from leantune.config import load_config
 from leantune.data.cache import prepare_caches
 from leantune.demo import draw_shapes
 from leantune.tiny import flux2 as tf
+from leantune.tiny import krea2 as tk
 from leantune.tiny import qwen_image as tq
 
 RUN = """
@@ -36,6 +38,7 @@ FAMILIES = {   # family -> (writes a tiny diffusers folder, the transformers cla
     "qwen-image": (lambda p: tq.save_qwen_image_folder(p), "Qwen2_5_VLForConditionalGeneration"),
     "flux2-dev": (lambda p: tf.save_flux2_folder(p, "dev"), "Mistral3ForConditionalGeneration"),
     "flux2-klein-4b": (lambda p: tf.save_flux2_folder(p, "klein"), "Qwen3ForCausalLM"),
+    "krea2": (lambda p: tk.save_krea2_folder(p), "Qwen3VLModel"),
 }
 
 
