@@ -8,6 +8,10 @@ by hand (losses and trained weights), and its files hold the trained adapter onl
 `[sample] base` equals sampling that other base plus the trained LoRA; a run with base adapters
 resumes exactly; streamed in poison mode it trains as the plain model; the planner's prediction
 moves by exactly the bytes the engine holds for them; bad files are refused naming key and file.
+The recipes of the two turbo families run on their tiny presets (z-image, krea2).
+
+Why some take seconds: each comparison is between whole training runs of a few steps (2-4 s per
+run on the shared 2-core machine, the tiny folders written once); the runs share one cache.
 """
 
 from __future__ import annotations
@@ -116,10 +120,13 @@ def _merged_folder(family: str, folder: Path, out: Path, deltas: dict, strength:
 
 
 def _config(tmp: Path, family: str, folder: Path, images: Path, steps=3, every=0, save_every=0, extra=()):
+    """A run of the tiny model; every run of the module shares one cache (entries are keyed by what
+    encodes them, so runs on the same encoders hit and load no encoder)."""
     tmp.mkdir(parents=True, exist_ok=True)
     p = tmp / "run.toml"
     p.write_text(tiny_run_toml(folder, images, REST.format(steps=steps, every=every, save_every=save_every)))
-    return load_config(p, [f'model.family="{family}"', "data.max_text_length=16", *extra])
+    return load_config(p, [f'model.family="{family}"', "data.max_text_length=16",
+                           f'data.cache_dir="{images.parent / "cache"}"', *extra])
 
 
 def _adapters(path: Path, strength: float) -> str:
@@ -458,7 +465,8 @@ def test_bad_base_adapters_and_bases_are_refused_naming_the_key_and_the_file(tin
     from leantune.train.lora import LoraFormatError
 
     def run(name, *extra):
-        cfg = _config(tmp_path / name, "flux", tiny_flux_dir, images, extra=list(extra))
+        cfg = _config(tmp_path / name, "flux", tiny_flux_dir, images,
+                      extra=[*extra, f'data.cache_dir="{tmp_path / name / "cache"}"'])
         try:
             train(cfg, progress=False)
         finally:
