@@ -622,3 +622,23 @@ def test_quantizing_load_equals_bf16_load_then_quantize(modulation, tmp_path):
     path = save_single_file(model, tmp_path / "z.safetensors", dtype=torch.float32)
     _assert_fp8_load_equals_bf16_then_quantize(loading.load_transformer, loading.ZImageSources(path, None, None, None),
                                                Z_IMAGE_SPEC, modulation=modulation)
+
+
+def test_the_released_architecture_is_read_from_the_original_names_alone():
+    """At full size (Z-Image-Turbo's packaged architecture on meta, its tensors renamed to the
+    original single file's and fused as that file stores them): the config read from the shapes,
+    with no metadata, is the released one, and the original names map back to every model key."""
+    from leantune.models.component_files import packaged_config
+    from leantune.models.z_image import keys
+    from leantune.planner.meta import build_meta_packaged
+
+    meta = build_meta_packaged("z-image", "z_image_turbo")
+    native = keys.diffusers_to_native({k: v for k, v in meta.state_dict().items()})
+    assert native["layers.29.attention.qkv.weight"].shape == (3 * 3840, 3840) and "x_embedder.weight" in native
+    ops = keys.to_diffusers_ops({k: tuple(v.shape) for k, v in native.items()})
+    shapes = {t: s for op in ops for t, s in zip(op.targets, op.target_shapes(tuple(native[op.source].shape)))}
+    assert shapes == {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    released = packaged_config("z_image_turbo")
+    got = keys.config_from_shapes(shapes, released)
+    assert {k: list(v) if isinstance(v, tuple) else v for k, v in got.items()} == \
+        {k: v for k, v in released.items() if not k.startswith("_")}
