@@ -487,6 +487,9 @@ def test_bad_base_adapters_and_bases_are_refused_naming_the_key_and_the_file(tin
     fits = _flux_adapter(tiny_flux_dir, tmp_path)
     with pytest.raises(LoraFormatError, match=rf"\[sample\] base_adapters #2: {wide}: LoRA key '[^']+' has down"):
         run("other_model", f'sample.base_adapters=[{{path = "{fits}"}}, {{path = "{wide}"}}]')
+    with pytest.raises(LoraFormatError, match=r"\[model\] base_adapters #2: .* is listed already \(\[model\] "
+                                              r"base_adapters #1\)"):
+        run("twice", f'model.base_adapters=[{{path = "{fits}"}}, {{path = "{fits}", strength = 0.5}}]')
     not_lora = tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors"
     with pytest.raises(LoraFormatError, match=rf"\[model\] base_adapters #1: {not_lora}"):
         run("not_lora", f"model.base_adapters={_adapters(not_lora, 1.0)}")

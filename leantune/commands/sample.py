@@ -5,6 +5,10 @@
     leantune sample --model /models/stable-diffusion-3.5-large --prompt "a photo of sks dog" \
         --negative-prompt "blurry" --guidance 4.5 --vram 8GiB
     leantune sample --model /models/Qwen-Image-Edit-2509 --prompt "make the cat red" --reference cat.png
+    leantune sample --model /models/krea-2-raw --base-adapter krea2-turbo-lora.safetensors \
+        --prompt "a photo of sks dog" --lora output/dog.safetensors --steps 8 --guidance 0   # a LoRA under --lora's
+    leantune sample --model /models/krea-2-raw --base /models/krea-2-turbo --prompt "a photo of sks dog" \
+        --lora output/dog.safetensors --steps 8 --guidance 0     # another checkpoint of the family
     leantune sample request.toml [--seed 7] [--set steps=20]
 
 Flags override the request file's values; both go through one strict schema (infer/request.py).

@@ -71,6 +71,10 @@ def read_adapters(refs: Sequence, resolve: Callable[[str], Path], keys, where: s
         entry = f"{where} #{i + 1}"
         if not path.is_file():
             raise FileNotFoundError(f"{entry}: {path}: no such LoRA file")
+        twice = [a.entry for a in out if a.path == path]
+        if twice:       # one adapter per file: a second entry would not add its strength
+            raise LoraFormatError(f"{entry}: {path} is listed already ({twice[0]}); give it once, with the "
+                                  f"strength wanted")
         try:
             weights = read_lora(path, keys)
         except (LoraFormatError, ValueError, OSError) as e:    # the message names the file and key
