@@ -575,3 +575,42 @@ def test_z_image_recipe_train_through_the_adapter_preview_without_it(tmp_path, i
     with_adapter = _load("z-image", folder / "transformer")
     apply_loras(with_adapter, [(adapter, 1.0), (lora, 1.0)])
     assert (_resample(with_adapter, rec.calls[0]) - rec.calls[0][2]).abs().max() > 1e-3
+
+
+def test_switching_to_the_preview_stack_and_back_is_exact(tiny_flux_dir, tmp_path):
+    """for_sampling() with [sample] base_adapters = [b at 0.5] (a is [model]'s): inside, the output is
+    the one of a model holding only b at 0.5 beside the trained adapter; after, the training output
+    and every requires_grad come back exactly."""
+    from leantune.config import AdapterRef
+    from leantune.train.base_adapters import BaseAdapterStack, read_adapters
+
+    fam = get_family("flux")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _adapter_file("flux", tiny_flux_dir, a, "comfyui", seed=1)
+    _adapter_file("flux", tiny_flux_dir, b, "diffusers", seed=2)
+    read = lambda *refs: read_adapters(list(refs), Path, fam.spec.lora_keys, "test")    # noqa: E731
+
+    def model_with(training, sampling=None):
+        model = _load("flux", tiny_flux_dir)
+        torch.manual_seed(7)                      # the trained adapter's A init draws from it
+        add_lora(model, fam.spec, LoraConfig(rank=2, targets="attention_mlp"))
+        with torch.no_grad():
+            for layer in lora_layers(model, "default").values():
+                layer.lora_B["default"].weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        return model, BaseAdapterStack(model, training, sampling)
+
+    def out(model):
+        with torch.no_grad():
+            return fam.predict(model, *_inputs(model, fam, (4, 6), 0), (4, 6), 3.5)
+
+    model, stack = model_with(read(AdapterRef(path=str(a))), read(AdapterRef(path=str(b), strength=0.5)))
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    training = out(model)
+    with stack.for_sampling():
+        previewed = out(model)
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    assert torch.equal(out(model), training)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    only_b, _ = model_with(read(AdapterRef(path=str(b), strength=0.5)))
+    assert torch.equal(previewed, out(only_b))
+    assert not torch.allclose(previewed, training, atol=1e-4)
