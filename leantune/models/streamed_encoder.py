@@ -154,11 +154,6 @@ def file_backed(factory: Callable[[], nn.Module], paths: list[Path], module_path
 _RAM_BUDGET: ContextVar[int | None] = ContextVar("text_encoder_ram_budget", default=None)
 
 
-def ram_budget() -> int | None:
-    """The host-RAM budget a caching pass set (text_encoder_ram_budget), None outside one."""
-    return _RAM_BUDGET.get()
-
-
 @contextmanager
 def text_encoder_ram_budget(ram_budget: int | None) -> Iterator[None]:
     """The host-RAM budget `load_text_model` decides against while a caching pass loads the

@@ -348,14 +348,14 @@ def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16):
     host-RAM budget (streamed_encoder.text_encoder_ram_budget)."""
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    from ..streamed_encoder import file_backed, file_bytes, ram_budget, stream_from_files
+    from ..streamed_encoder import file_backed, fits_host
 
     config, files, prefix, names = _text_layout(src)
     try:
         cfg = Qwen3VLConfig(**config)
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot build Qwen3-VL from its config ({e})") from None
-    if stream_from_files(file_bytes([src]), ram_budget()):
+    if not fits_host([src], dtype):
         return file_backed(lambda: Qwen3VLModel(cfg), [src], "language_model", "layers", dtype,
                            _LABEL["text_encoder"]).eval()
     model = build_empty(lambda: Qwen3VLModel(cfg))
