@@ -137,6 +137,7 @@ class MemoryModel:
         self._bytes = {s: [b.bytes(db, *s) for b in blocks] for s in every}
         self._unit = {s: [b.unit_bytes(db, *s) + st[i] for i, b in enumerate(blocks)] for s in every}
         self._nb_bytes = nb.bytes(db)
+        self._own_bytes = self.weights.own_numel * db       # the model's own tensors: resident in every plan
         self._nb_unit = nb.unit_bytes(db) + (self.full.nb_state_packed if self.full else 0)
         # Units without their optimizer state: a plan whose streamed blocks step on the host.
         self._unit_w = {s: [b.unit_bytes(db, *s) for b in blocks] for s in every}
@@ -299,7 +300,7 @@ class MemoryModel:
         streamed = self.indices(plan)
         units = self.units(plan)
         resident = sum(b for i, b in enumerate(self._bytes[plan.storage]) if i not in streamed)
-        resident += 0 if plan.stream_non_blocks else self._nb_bytes
+        resident += (0 if plan.stream_non_blocks else self._nb_bytes) + self._own_bytes
         slots = min(plan.ring_slots, len(units)) * align(max(units)) if units else 0
         params, grads, states = self.trainable_bytes()
         full = self.full

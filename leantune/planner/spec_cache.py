@@ -91,7 +91,8 @@ class MeasuredModel:
                                  tuple(tuple(s) for s in m.get("trained", ())))
 
         weights = ModelWeights(tuple(module(b) for b in w["blocks"]), module(w["non_blocks"]),
-                               tuple(AdapterShape(**a) for a in w["adapters"]), w.get("device_tables", 0))
+                               tuple(AdapterShape(**a) for a in w["adapters"]), w.get("device_tables", 0),
+                               w.get("own_numel", 0))
         profiles = {(tuple(e["bucket"]), (bool(e["fp8"]), bool(e["modulation"]))):
                     ActivationProfile.from_dict(e["profile"]) for e in d["profiles"]}
         return cls(weights, d["key"], profiles)

@@ -116,9 +116,14 @@ class ModelWeights:
     # Tensors the model keeps as plain attributes (no parameter, no buffer) and moves to the device
     # itself at its first forward, keeping the copy: Qwen-Image's rotary tables (device_tables).
     device_tables: int = 0
+    # Elements of the parameters and buffers the model holds itself, in no child module (Z-Image's
+    # x_pad_token / cap_pad_token): no block or non-block unit holds them, so the engine leaves them
+    # on the device in every plan, streamed or not; priced with the resident weights.
+    own_numel: int = 0
 
     def total(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
-        return sum(b.bytes(dtype_bytes, fp8, modulation) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
+        return (sum(b.bytes(dtype_bytes, fp8, modulation) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
+                + self.own_numel * dtype_bytes)
 
     @property
     def native_bytes(self) -> int:
@@ -126,7 +131,7 @@ class ModelWeights:
 
     @property
     def numel(self) -> int:
-        return sum(b.numel for b in self.blocks) + self.non_blocks.numel
+        return sum(b.numel for b in self.blocks) + self.non_blocks.numel + self.own_numel
 
     @property
     def prequantized(self) -> bool:
@@ -222,13 +227,6 @@ def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = No
             tensors.extend(w.tensors)
             trained.extend(w.trained)
             native += w.native_bytes
-    # Tensors the model holds itself, in no child module (Z-Image's x_pad_token / cap_pad_token):
-    # priced with the non-block group (a few kB; the engine keeps them resident either way).
-    for pname, t in list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False)):
-        tensors.append((t.numel(), 0, False, False))
-        native += t.numel() * t.element_size()
-        if trains is not None and isinstance(t, torch.nn.Parameter) and trains(pname):
-            trained.append(tuple(t.shape))
     non_blocks = ModuleWeights("non_blocks", "non_block", tuple(tensors), native, tuple(trained))
     adapters: list[AdapterShape] = []
     if workload is not None and workload.mode == "lora":
@@ -238,7 +236,8 @@ def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = No
                 base = _base_name(mname)
                 if regex.fullmatch(base):
                     adapters.append(AdapterShape(base, m.in_features, m.out_features))
-    return ModelWeights(tuple(blocks), non_blocks, tuple(adapters), device_tables(model))
+    own = sum(t.numel() for t in list(model.parameters(recurse=False)) + list(model.buffers(recurse=False)))
+    return ModelWeights(tuple(blocks), non_blocks, tuple(adapters), device_tables(model), own)
 
 
 def device_tables(model: torch.nn.Module) -> int:
