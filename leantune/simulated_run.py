@@ -307,18 +307,22 @@ def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None =
     return meta_model("flux-dev", (num_layers, num_single_layers))
 
 
-def as_fp8_checkpoint(model: nn.Module, spec: ModelSpec) -> nn.Module:
-    """The meta model as a loader gives it from an fp8 file (ComfyUI's `*_fp8_e4m3fn.safetensors`):
-    every block Linear weight e4m3 with its per-row scale, modulation included (what
-    load_into_empty does on the meta device; no file needed at full size)."""
+def as_fp8_checkpoint(model: nn.Module, spec: ModelSpec, modulation: bool = True,
+                      quantized_on_load: bool = False) -> nn.Module:
+    """The meta model as a loader gives it from an fp8 file (ComfyUI's `*_fp8_e4m3fn.safetensors`:
+    every block Linear weight e4m3 with its per-row scale, modulation included), or, with
+    `quantized_on_load`, from a bf16 file it quantizes while reading (memory/fp8.py's block-scaled
+    e4m3: a scale per SCALE_BLOCK input features; the modulation Linears only with `modulation`).
+    What load_into_empty does on the meta device; no file needed at full size."""
+    from .memory.fp8 import scale_blocks
     from .models.component_loading import fp8_block_weights, keep_fp8_hooks
 
-    _, attach = keep_fp8_hooks(model, spec, True)
-    for name in sorted(fp8_block_weights(model, spec, True)):
+    _, attach = keep_fp8_hooks(model, spec, modulation)
+    for name in sorted(fp8_block_weights(model, spec, modulation)):
         module = model.get_submodule(name[: -len(".weight")])
         w = module.weight
         module.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="meta"), requires_grad=False)
-        attach(name, torch.empty(w.shape[0], 1, device="meta"))
+        attach(name, torch.empty(w.shape[0], scale_blocks(w.shape[1]) if quantized_on_load else 1, device="meta"))
     return model
 
 
@@ -405,6 +409,15 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
         return infeasible
     batched = workload.batch_size == 2
     est = planner.estimate(chosen)
+    if what == "train" and plan is None and chosen.fp8 and not fp8_base and workload.quantizes_on_load:
+        # The trainer reads a bf16 file straight into e4m3 when the plan it chose before loading
+        # stores fp8 (models/family.fp8_load_options), and the planner prices that load: the engine
+        # gets the model such a load gives, built afresh (the LoRA attached after the load, as the
+        # trainer attaches it).
+        model = as_fp8_checkpoint(meta_model(model_name, blocks), spec, modulation=chosen.fp8_modulation,
+                                  quantized_on_load=True)
+        mode = make_mode(cfg)
+        mode.prepare(model, spec)
     if what == "train":
         sim = simulate_training(model, spec, cfg, chosen, (size, size))
     elif what == "full":
