@@ -1,0 +1,132 @@
+"""Qwen-Image-2.1's prompt (and reference) encoding: what QwenImage21Pipeline.encode_prompt gives.
+
+The pipeline (diffusers 0.42.1 pipelines/qwenimage21/pipeline_qwenimage21.py `_get_qwen_prompt_embeds`)
+writes a raw chat string, not a chat-template call: a fixed system message, then the user turn,
+with one `<imageN><|vision_start|><|image_pad|><|vision_end|>` per reference before the prompt
+(separated by a space), then `<|im_start|>assistant\\n`. Qwen3-VL's processor expands each
+`<|image_pad|>` to one token per 2x2 group of 16-pixel patches of that image, and marks image
+tokens in `mm_token_type_ids` (Qwen3-VL's 3-D rotary positions read it). References in RGBA are
+composited over white for the vision tower only (the VAE reads all four channels). A batch is left
+padded. The encoder's output is the last decoder layer's, *before* the final RMSNorm (the
+checkpoint was trained on that; transformers 5 returns the normed one as hidden_states[-1], which
+is why the pipeline hooks the norm): here the norm's input is captured by a forward pre-hook, and
+the lm_head is never run. Each prompt keeps its unpadded rows minus the system message's tokens
+(`drop_count`, derived from the template as the pipeline does), with a mask of which rows are image
+slots: the transformer substitutes the references' latent tokens there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+
+
+@dataclass
+class PromptEncoding:
+    """One prompt's encoding: `embeds` (rows, width) and `image_slots` (rows,) bool."""
+
+    embeds: torch.Tensor
+    image_slots: torch.Tensor
+
+
+def prompt_text(prompt: str, n_images: int = 0) -> str:
+    """The raw template string the pipeline hands its processor."""
+    prompt = prompt or " "                # Qwen has no bos token: an empty prompt leaves nothing to read
+    vision = " ".join(f"<image{i}><|vision_start|>{IMAGE_PAD}<|vision_end|>" for i in range(1, n_images + 1))
+    return (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{vision}{prompt}<|im_end|>\n"
+            f"<|im_start|>assistant\n")
+
+
+def drop_count(tokenizer) -> int:
+    """How many leading tokens the system message is: the chat template applied to it alone."""
+    message = [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]}]
+    text = tokenizer.apply_chat_template(message, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def flatten_alpha(image):
+    """A PIL image as the vision tower sees it: RGBA composited over white, anything else as is."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(image)
+    if image.mode == "RGBA":
+        white = Image.new("RGB", image.size, (255, 255, 255))
+        white.paste(image, mask=image.getchannel("A"))
+        return white
+    return image
+
+
+def processor_inputs(prompts: list[str], images: list | None, tokenizer, image_processor) -> dict:
+    """What Qwen3-VL's processor returns for these prompts, each with the same references."""
+    images = list(images or [])
+    texts = [prompt_text(p, len(images)) for p in prompts]
+    out = {}
+    if images:
+        flat = [flatten_alpha(im) for _ in prompts for im in images]
+        vision = image_processor(images=flat, return_tensors="pt")
+        merge = image_processor.merge_size ** 2
+        counts = [int(g.prod()) // merge for g in vision["image_grid_thw"]]
+        expanded = []
+        for i, text in enumerate(texts):
+            pieces = text.split(IMAGE_PAD)
+            own = counts[i * len(images):(i + 1) * len(images)]
+            expanded.append(pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(own, pieces[1:])))
+        texts = expanded
+        out.update(pixel_values=vision["pixel_values"], image_grid_thw=vision["image_grid_thw"])
+    tokens = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
+    ids = tokens.input_ids
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    video_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+    out.update(input_ids=ids, attention_mask=tokens.attention_mask,
+               mm_token_type_ids=(ids == image_id).long() + 2 * (ids == video_id).long())
+    return out
+
+
+def _language_model(text_encoder):
+    inner = getattr(text_encoder, "model", text_encoder)
+    return getattr(inner, "language_model", inner), inner
+
+
+@torch.no_grad()
+def encode_prompts(prompts: list[str], encoders, images: list | None = None) -> list[PromptEncoding]:
+    """Each prompt's rows (system message dropped) and image-slot mask, on the host in the
+    encoder's dtype. `images`: the references (PIL, already at the size they are encoded at),
+    the same for every prompt as in the pipeline."""
+    tokenizer, model = encoders.tokenizer, encoders.text_encoder
+    inputs = processor_inputs(list(prompts), images, tokenizer, encoders.image_processor)
+    device = encoders.device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    language_model, inner = _language_model(model)
+    captured = []
+    handle = language_model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        inner(**inputs)
+    finally:
+        handle.remove()
+    hidden = captured[-1]
+    drop = drop_count(tokenizer)
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    out = []
+    for row, mask, ids in zip(hidden, inputs["attention_mask"].bool(), inputs["input_ids"]):
+        out.append(PromptEncoding(embeds=row[mask][drop:].cpu(), image_slots=(ids[mask] == image_id)[drop:].cpu()))
+    return out
+
+
+def pipeline_layout(encodings: list[PromptEncoding]):
+    """(prompt_embeds, prompt_embeds_mask or None, image_pad_mask) stacked as encode_prompt returns
+    them: rows zero-padded at the end, the mask None when nothing is padded."""
+    longest = max(e.embeds.shape[0] for e in encodings)
+    embeds = torch.stack([torch.cat([e.embeds, e.embeds.new_zeros(longest - e.embeds.shape[0], e.embeds.shape[1])])
+                          for e in encodings])
+    mask = torch.stack([torch.arange(longest) < e.embeds.shape[0] for e in encodings]).long()
+    slots = torch.stack([torch.cat([e.image_slots, e.image_slots.new_zeros(longest - e.image_slots.shape[0])])
+                         for e in encodings])
+    return embeds, (None if bool(mask.all()) else mask), slots

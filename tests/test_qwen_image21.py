@@ -1,0 +1,185 @@
+"""Qwen-Image-2.1 (issue 35), the first part: the tiny preset, loading of the diffusers folder and
+of the single files, and text encoding, each against diffusers' / the pipeline's own.
+
+The family is not registered yet (no FamilyEntry, no conformance Case): these tests call its
+modules (leantune/models/qwen_image21/) directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from leantune.models.qwen_image21 import keys, loading, text
+from leantune.models.weights import LoadError
+from leantune.tiny import qwen_image21 as tq
+
+RES = tq.TINY_RESOLUTION
+PROMPTS = ["a photo of a cat", "a small orange ellipse next to a large purple square two shapes"]
+
+
+def _rgba(seed: int, size=(RES, RES)) -> Image.Image:
+    """A reference with a real alpha channel (half transparent, half opaque)."""
+    rng = np.random.RandomState(seed)
+    pixels = (rng.rand(size[1], size[0], 4) * 255).astype(np.uint8)
+    pixels[:, : size[0] // 2, 3] = 0
+    pixels[:, size[0] // 2:, 3] = 255
+    return Image.fromarray(pixels, "RGBA")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tq.save_qwen_image21_folder(tmp_path_factory.mktemp("qwen_image21") / "model")
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    p = tq.load_qwen_image21_pipeline(folder)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def _sources(path, **override):
+    cfg = SimpleNamespace(path=str(path), family=None, transformer=None, text_encoder=None, processor=None, vae=None)
+    for k, v in override.items():
+        setattr(cfg, k, v)
+    return loading.resolve_sources(cfg, Path("."))
+
+
+def _sample(p, image=None, **kw):
+    return p("a red cube on a table", image=image, num_inference_steps=2, output_resolution=RES, output_type="np",
+             generator=torch.Generator().manual_seed(0), **kw).images
+
+
+# -- (1) the tiny preset ---------------------------------------------------------------------------------
+
+def test_the_tiny_folder_loads_in_diffusers_and_samples_as_the_pipeline_it_was_saved_from(folder, pipe):
+    """The folder holds every component in the published layout (model_index names transformers'
+    Qwen3VLProcessor); QwenImage21Pipeline.from_pretrained reads it, and its samples equal those
+    of the in-memory pipeline it was written from, bit for bit, for text to image and for an
+    edit with one RGBA reference, which the pipeline decodes to RGBA."""
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImage21Pipeline" and index["processor"] == ["transformers", "Qwen3VLProcessor"]
+    assert {p.name for p in folder.iterdir()} >= {"transformer", "text_encoder", "processor", "vae", "scheduler"}
+    built = tq.qwen_image21_pipeline()
+    built.set_progress_bar_config(disable=True)
+    for name in ("transformer", "vae", "text_encoder"):
+        want = getattr(built, name).state_dict()
+        got = getattr(pipe, name).state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+    t2i, edit = _sample(pipe), _sample(pipe, image=[_rgba(1)])
+    assert t2i.shape == (1, RES, RES, 4) and edit.shape == (1, RES, RES, 4)
+    assert np.array_equal(t2i, _sample(built)) and np.array_equal(edit, _sample(built, image=[_rgba(1)]))
+    assert np.abs(t2i - edit).max() > 1e-3          # the reference conditions the sample
+    # The system message is dropped by its own token count, derived from the folder's chat template.
+    assert pipe._drop_idx == text.drop_count(pipe.processor.tokenizer) > 5
+
+
+def test_the_tiny_transformer_is_block_causal_as_released(pipe):
+    """causal_condition is on (the released config), so the pipeline's prefix KV cache is used;
+    with it and without it the fp32 samples agree, as the pipeline documents."""
+    assert pipe.transformer.config.causal_condition
+    cached, uncached = _sample(pipe, image=[_rgba(2)]), _sample(pipe, image=[_rgba(2)], use_kv_cache=False)
+    np.testing.assert_allclose(cached, uncached, atol=1e-4)
+
+
+# -- (2) the diffusers folder ----------------------------------------------------------------------------
+
+def _inputs(transformer, n_refs: int, seed: int = 0):
+    """Transformer inputs laid out as the pipeline lays them: text rows with `n_refs` runs of image
+    slots, the references' latent tokens, then the target's; img_mask with the target's slots."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = transformer.config
+    side = RES // 16
+    ref_tokens, slots = side * side, (side // 2) ** 2
+    text_rows = 6 + n_refs * slots
+    slot_mask = torch.zeros(1, text_rows, dtype=torch.bool)
+    for r in range(n_refs):
+        slot_mask[0, 3 + r * slots: 3 + (r + 1) * slots] = True
+    img_mask = torch.cat([slot_mask, torch.ones(1, slots, dtype=torch.bool)], dim=1)
+    return dict(hidden_states=torch.randn(1, ref_tokens * (n_refs + 1), cfg.in_channels, generator=g),
+                encoder_hidden_states=torch.randn(1, text_rows, cfg.context_in_dim, generator=g),
+                timestep=torch.tensor([0.7]), img_shapes=[[(1, side, side)] * (n_refs + 1)], img_mask=img_mask,
+                return_dict=False)
+
+
+def _forward_and_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)[0]
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_folders_transformer_equals_diffusers_own_load(folder):
+    """load_transformer builds on meta and fills tensor by tensor; every weight equals
+    QwenImage21Transformer2DModel.from_pretrained's, and so do the forward (one reference, the
+    block-causal mask) and every parameter's gradient, exactly."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    want = QwenImage21Transformer2DModel.from_pretrained(folder / "transformer", dtype=torch.float32)
+    got = loading.load_transformer(_sources(folder), torch.float32)
+    def arch(m):
+        return {k: v for k, v in dict(m.config).items() if not k.startswith("_")}
+
+    assert arch(got) == arch(want)
+    sw, sg = want.state_dict(), got.state_dict()
+    assert sw.keys() == sg.keys() and all(torch.equal(sw[k], sg[k]) for k in sw)
+    inputs = _inputs(want, n_refs=1)
+    out_w, grads_w = _forward_and_grads(want.train(), inputs)
+    out_g, grads_g = _forward_and_grads(got.train(), inputs)
+    # The joint sequence: text rows with each reference's slots replaced by its 4x as many latent
+    # tokens, then the target's tokens.
+    rows = inputs["encoder_hidden_states"].shape[1]
+    joint = rows - int(inputs["img_mask"][0, :rows].sum()) + inputs["hidden_states"].shape[1]
+    assert torch.equal(out_w, out_g) and out_w.shape == (1, joint, 64)
+    assert grads_w.keys() == grads_g.keys() and all(torch.equal(grads_w[k], grads_g[k]) for k in grads_w)
+    assert all(bool(g.abs().sum() > 0) for g in grads_w.values())
+
+
+def test_meta_build_and_bf16(folder):
+    """device="meta" reads no weight and gives the shapes; bf16 loads every tensor in bf16 equal
+    to the fp32 weights rounded."""
+    fp32 = loading.load_transformer(_sources(folder), torch.float32).state_dict()
+    meta = loading.load_transformer(_sources(folder), torch.bfloat16, device="meta").state_dict()
+    bf16 = loading.load_transformer(_sources(folder), torch.bfloat16).state_dict()
+    assert all(meta[k].is_meta and meta[k].shape == fp32[k].shape for k in fp32)
+    assert all(bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32)
+    assert loading.describe(loading.load_transformer(_sources(folder), device="meta")) == \
+        "Qwen-Image-2.1 (2 single-stream blocks, width 32)"
+
+
+def test_the_folders_vae_equals_diffusers_own_load_and_keeps_alpha(folder, pipe):
+    """The RGBA VAE from vae/ equals AutoencoderKLQwenImage21.from_pretrained's: its encoding of a
+    four-channel image, and the alpha channel changes the latents."""
+    vae = loading.load_vae(_sources(folder), torch.float32)
+    ref = pipe.image_processor.preprocess(_rgba(3), width=RES, height=RES).unsqueeze(2)
+    assert ref.shape[1] == 4
+    want = pipe.vae.encode(ref).latent_dist.mode()
+    assert torch.equal(vae.encode(ref).latent_dist.mode(), want) and want.shape[1] == 64
+    opaque = ref.clone()
+    opaque[:, 3] = 1.0
+    assert not torch.allclose(vae.encode(opaque).latent_dist.mode(), want)
+
+
+def test_a_folder_with_a_missing_or_misshapen_weight_is_named(folder, tmp_path):
+    import shutil
+
+    bad = tmp_path / "transformer"
+    shutil.copytree(folder / "transformer", bad)
+    weights = bad / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    del state["transformer_blocks.1.attn.to_k.weight"]
+    save_file(state, weights)
+    with pytest.raises(LoadError, match=r"transformer_blocks\.1\.attn\.to_k\.weight"):
+        loading.load_transformer(_sources(folder, transformer=str(bad)), torch.float32)
+    state["transformer_blocks.1.attn.to_k.weight"] = torch.zeros(5, 32)
+    save_file(state, weights)
+    with pytest.raises(LoadError, match=r"transformer_blocks\.1\.attn\.to_k\.weight"):
+        loading.load_transformer(_sources(folder, transformer=str(bad)), torch.float32)
