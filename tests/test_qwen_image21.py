@@ -183,3 +183,66 @@ def test_a_folder_with_a_missing_or_misshapen_weight_is_named(folder, tmp_path):
     save_file(state, weights)
     with pytest.raises(LoadError, match=r"transformer_blocks\.1\.attn\.to_k\.weight"):
         loading.load_transformer(_sources(folder, transformer=str(bad)), torch.float32)
+
+
+# -- (3) text encoding -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def encoders(folder):
+    return loading.load_text_encoders(_sources(folder), torch.float32, "cpu")
+
+
+def _resized(p, image):
+    """A reference at the size the pipeline encodes it (its __call__ resizes before encode_prompt)."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    w, h, _ = calculate_dimensions(RES * RES, image.size[0] / image.size[1])
+    return p.image_processor.resize(image, width=w, height=h)
+
+
+@pytest.mark.parametrize("n_refs", [0, 1, 3])
+def test_encoding_equals_the_pipelines_encode_prompt(pipe, encoders, n_refs):
+    """Two prompts of different lengths (left padded in one batch), with no reference, one, and
+    three of different sizes in RGBA: our rows, image-slot masks and padding mask, stacked as the
+    pipeline stacks them, equal QwenImage21Pipeline.encode_prompt's bit for bit; each reference
+    takes one slot per 32x32 pixels; the hidden states are the last layer's before the final norm."""
+    refs = [_resized(pipe, _rgba(10 + i, size=(RES + 32 * i, RES))) for i in range(n_refs)]
+    want, want_mask, want_slots = pipe.encode_prompt(PROMPTS, image=refs or None, device="cpu")
+    got = text.encode_prompts(PROMPTS, encoders, images=refs)
+    embeds, mask, slots = text.pipeline_layout(got)
+    assert torch.equal(embeds, want) and torch.equal(slots, want_slots)
+    assert mask is not None and want_mask is not None and torch.equal(mask, want_mask.long())
+    per_image = [(r.size[0] // 32) * (r.size[1] // 32) for r in refs]
+    assert [int(e.image_slots.sum()) for e in got] == [sum(per_image)] * 2
+    assert got[0].embeds.shape[0] < got[1].embeds.shape[0]
+    # Not the normed output: the final RMSNorm applied to our rows differs from them.
+    norm = encoders.text_encoder.model.language_model.norm
+    assert not torch.allclose(norm(got[0].embeds), got[0].embeds, atol=1e-3)
+
+
+def test_the_language_model_left_in_its_files_encodes_the_same(folder, pipe, encoders):
+    """Over the host-RAM budget Qwen3-VL's language model stays in its files and its decoder layers
+    are read one at a time (streamed_encoder.py): a text encoding equals the loaded one's bit for
+    bit. The vision tower is not streamed yet, so a reference is refused with that reason."""
+    from leantune.models.streamed_encoder import is_file_backed, text_encoder_ram_budget
+
+    with text_encoder_ram_budget(1):
+        backed = loading.load_text_encoders(_sources(folder), torch.float32, "cpu")
+    assert is_file_backed(backed.text_encoder.model.language_model)
+    for a, b in zip(text.encode_prompts(PROMPTS, backed), text.encode_prompts(PROMPTS, encoders)):
+        assert torch.equal(a.embeds, b.embeds) and torch.equal(a.image_slots, b.image_slots)
+    with pytest.raises(ValueError, match="vision tower was left in its files"):
+        text.encode_prompts(PROMPTS, backed, images=[_resized(pipe, _rgba(30))])
+
+
+def test_the_alpha_is_flattened_over_white_for_the_encoder_only(pipe, encoders):
+    """An RGBA reference encodes as the same image composited over white in RGB (the pipeline's
+    rule); a different background would change the encoding."""
+    ref = _resized(pipe, _rgba(20))
+    white = Image.new("RGB", ref.size, (255, 255, 255))
+    white.paste(ref, mask=ref.getchannel("A"))
+    black = Image.new("RGB", ref.size, (0, 0, 0))
+    black.paste(ref, mask=ref.getchannel("A"))
+    rgba, over_white, over_black = (text.encode_prompts(PROMPTS[:1], encoders, images=[im])[0].embeds
+                                    for im in (ref, white, black))
+    assert torch.equal(rgba, over_white) and not torch.allclose(rgba, over_black)

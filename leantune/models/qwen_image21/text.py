@@ -88,6 +88,10 @@ def processor_inputs(prompts: list[str], images: list | None, tokenizer, image_p
     return out
 
 
+def _on_meta(module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
 def _language_model(text_encoder):
     inner = getattr(text_encoder, "model", text_encoder)
     return getattr(inner, "language_model", inner), inner
@@ -97,7 +101,8 @@ def _language_model(text_encoder):
 def encode_prompts(prompts: list[str], encoders, images: list | None = None) -> list[PromptEncoding]:
     """Each prompt's rows (system message dropped) and image-slot mask, on the host in the
     encoder's dtype. `images`: the references (PIL, already at the size they are encoded at),
-    the same for every prompt as in the pipeline."""
+    the same for every prompt as in the pipeline. The language model runs where `encoders.device`
+    says, streamed there layer by layer from host RAM or from its files (streamed_encoder.py)."""
     tokenizer, model = encoders.tokenizer, encoders.text_encoder
     inputs = processor_inputs(list(prompts), images, tokenizer, encoders.image_processor)
     device = encoders.device
@@ -105,10 +110,16 @@ def encode_prompts(prompts: list[str], encoders, images: list | None = None) -> 
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     language_model, inner = _language_model(model)
+    if "pixel_values" in inputs and _on_meta(inner.visual):
+        raise ValueError("the Qwen3-VL vision tower was left in its files (over the host-RAM budget): encoding "
+                         "references then needs the vision tower loaded, which is not done yet")
+    from ..streamed_encoder import placement
+
     captured = []
     handle = language_model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     try:
-        inner(**inputs)
+        with placement(language_model, language_model.layers, device):
+            inner(**inputs)
     finally:
         handle.remove()
     hidden = captured[-1]
