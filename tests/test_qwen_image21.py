@@ -246,3 +246,102 @@ def test_the_alpha_is_flattened_over_white_for_the_encoder_only(pipe, encoders):
     rgba, over_white, over_black = (text.encode_prompts(PROMPTS[:1], encoders, images=[im])[0].embeds
                                     for im in (ref, white, black))
     assert torch.equal(rgba, over_white) and not torch.allclose(rgba, over_black)
+
+
+# -- (4) single files --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folder_transformer(folder):
+    return loading.load_transformer(_sources(folder), torch.float32)
+
+
+def _diffusers_single_file(path, folder):
+    """diffusers' own reader of these layouts (from_single_file with the folder's config)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    return QwenImage21Transformer2DModel.from_single_file(str(path), config=str(folder), subfolder="transformer",
+                                                          torch_dtype=torch.float32, local_files_only=True)
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k].to(sa[k].dtype)) for k in sa)
+
+
+@pytest.mark.parametrize("layout", ["official", "comfyui"])
+def test_single_files_load_as_diffusers_reads_them(folder, folder_transformer, tmp_path, layout):
+    """The official layout (diffusers names, no prefix) and ComfyUI's (model.diffusion_model., each
+    block's gate and up fused, gate rows first): written by save_single_file, read back by our
+    loader with the architecture from the shapes (the tiny rotary split from the metadata), and by
+    diffusers' from_single_file (its convert_qwen_image21_transformer_checkpoint_to_diffusers):
+    both give the folder's weights exactly."""
+    path = loading.save_single_file(folder_transformer, tmp_path / f"{layout}.safetensors", layout=layout)
+    stored = load_file(path)
+    fused = [k for k in stored if k.endswith(keys.FUSED)]
+    if layout == "comfyui":
+        assert all(k.startswith(keys.COMFY_PREFIX) for k in stored) and len(fused) == 2
+        assert not any("gate_layer" in k or "img_mlp.proj" in k for k in stored)
+        assert stored[keys.COMFY_PREFIX + "transformer_blocks.0." + keys.FUSED].shape == (192, 32)
+    else:
+        assert set(stored) == set(folder_transformer.state_dict()) and not fused
+    ours = loading.load_transformer(_sources(path), torch.float32)
+    assert {k: v for k, v in dict(ours.config).items() if not k.startswith("_")} == \
+        {k: v for k, v in dict(folder_transformer.config).items() if not k.startswith("_")}
+    assert _same_weights(ours, folder_transformer)
+    assert _same_weights(_diffusers_single_file(path, folder), folder_transformer)
+
+
+def test_a_comfyui_scaled_fp8_file_keeps_its_block_weights_e4m3(folder_transformer, tmp_path):
+    """ComfyUI's scaled fp8 (per-tensor scale_weight, the fused gate_up included): the block
+    Linears stay e4m3 with their scale, split along with the fused weight; the norms and every
+    weight outside the blocks load in the compute dtype; the forward matches the dequantized
+    weights'."""
+    path = loading.save_single_file(folder_transformer, tmp_path / "fp8.safetensors", fp8="scaled", layout="comfyui")
+    model = loading.load_transformer(_sources(path), torch.float32)
+    state = model.state_dict()
+    block = "transformer_blocks.0."
+    for name in ("attn.to_q", "attn.to_out.0", "img_mlp.gate_layer", "img_mlp.proj", "img_mlp.out"):
+        assert state[f"{block}{name}.weight"].dtype == torch.float8_e4m3fn, name
+    assert state[f"{block}attn.norm_q.weight"].dtype == torch.float32
+    assert state["img_in.weight"].dtype == torch.float32 and state["modulation.1.weight"].dtype == torch.float32
+    from leantune.models.component_loading import dequantized_state
+
+    plain = dequantized_state(state)
+    for name in ("img_mlp.gate_layer", "img_mlp.proj"):
+        w = plain[f"{block}{name}.weight"]
+        ref = folder_transformer.state_dict()[f"{block}{name}.weight"]
+        assert (w - ref).abs().max() <= ref.abs().max() / 8       # e4m3 rounding, not the other half's rows
+    inputs = _inputs(folder_transformer, n_refs=1)
+    with torch.no_grad():
+        out = model(**inputs)[0]
+        want = folder_transformer(**inputs)[0]
+    assert torch.allclose(out, want, atol=0.15) and not torch.equal(out, want)
+
+
+def test_other_families_files_and_foreign_keys_are_refused_by_name(folder_transformer, tmp_path):
+    """A Krea 2 or Qwen-Image transformer file is not read as Qwen-Image-2.1 (the message names the
+    file and what it lacks); a Qwen-Image-2.1 file with a stray key names that key; a missing key
+    is named in the file's own layout (the fused name for ComfyUI's)."""
+    from leantune.tiny.krea2 import krea2_transformer
+    from leantune.tiny.qwen_image import qwen_image_transformer
+
+    for name, model in (("krea2", krea2_transformer()), ("qwen_image", qwen_image_transformer())):
+        path = tmp_path / f"{name}.safetensors"
+        save_file({keys.COMFY_PREFIX + k: v.contiguous() for k, v in model.state_dict().items()}, path)
+        with pytest.raises(LoadError, match=rf"{path.name}: not a Qwen-Image-2.1 transformer"):
+            loading.load_transformer(_sources(path), torch.float32)
+    from safetensors import safe_open
+
+    path = loading.save_single_file(folder_transformer, tmp_path / "c.safetensors", layout="comfyui")
+    state = load_file(path)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()            # the tiny rotary split
+    stray = dict(state, **{keys.COMFY_PREFIX + "extra_head.weight": torch.zeros(2, 2)})
+    save_file(stray, tmp_path / "stray.safetensors", metadata=meta)
+    with pytest.raises(LoadError, match=r"stray\.safetensors.*extra_head\.weight"):
+        loading.load_transformer(_sources(tmp_path / "stray.safetensors"), torch.float32)
+    fused = keys.COMFY_PREFIX + "transformer_blocks.1." + keys.FUSED
+    del state[fused]
+    save_file(state, tmp_path / "missing.safetensors", metadata=meta)
+    with pytest.raises(LoadError, match=rf"missing\.safetensors.*{fused.replace('.', '[.]')}"):
+        loading.load_transformer(_sources(tmp_path / "missing.safetensors"), torch.float32)

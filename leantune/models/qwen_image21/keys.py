@@ -92,7 +92,8 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], meta: dict, where: st
                   context_in_dim=shapes["txt_in.in_layer.weight"][1], mlp_ratio=hidden // inner,
                   eps=float(meta.get("eps", 1e-6)), causal_condition=bool(meta.get("causal_condition", True)))
     axes = meta.get("axes_dims_rope")
-    config["axes_dims_rope"] = tuple(int(a) for a in axes) if axes is not None else rope_axes(head, where)
+    # a list, as a diffusers config.json gives it
+    config["axes_dims_rope"] = [int(a) for a in (axes if axes is not None else rope_axes(head, where))]
     if sum(config["axes_dims_rope"]) != head:
         raise ValueError(f"{where}: axes_dims_rope {config['axes_dims_rope']} do not add up to the head size {head}")
     return config
