@@ -345,3 +345,21 @@ def test_other_families_files_and_foreign_keys_are_refused_by_name(folder_transf
     save_file(state, tmp_path / "missing.safetensors", metadata=meta)
     with pytest.raises(LoadError, match=rf"missing\.safetensors.*{fused.replace('.', '[.]')}"):
         loading.load_transformer(_sources(tmp_path / "missing.safetensors"), torch.float32)
+
+
+def test_the_packaged_full_size_config_is_the_7b_and_reads_back_from_its_shapes():
+    """models/configs/qwen_image21.json builds on meta to about 7B parameters (issue 35: a 7B DiT of
+    32 blocks), and config_from_shapes gives it back from the shapes alone (no metadata: the
+    released rotary split, epsilon and block-causal conditioning are the defaults)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    from leantune.models.component_files import packaged_config
+    from leantune.models.weights import build_empty
+
+    config = packaged_config("qwen_image21")
+    model = build_empty(lambda: QwenImage21Transformer2DModel.from_config(config))
+    assert 6.5e9 < sum(p.numel() for p in model.parameters()) < 7.5e9 and len(model.transformer_blocks) == 32
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    arch = {k: v for k, v in config.items() if not k.startswith("_")}
+    assert keys.config_from_shapes(shapes, {}, "x") == arch
+    assert keys.metadata(model) == {}
