@@ -193,12 +193,18 @@ DEMO_SD3 = {"num_attention_heads": 8, "caption_projection_dim": 64, "sample_size
 # Flux demo's; the VAE is demo_vae.qwen_shape_vae.
 DEMO_QWEN = {"num_attention_heads": 4}
 
+# The same for Z-Image: 64 wide in 4 heads of 16 (the tiny preset is 32 wide in 2), the rotary axes
+# (4 + 6 + 6) unchanged; its VAE is the Flux demo's (demo_vae.shape_vae: Z-Image uses the Flux.1
+# AutoencoderKL, 16 channels, and reads the folder's scaling 1 and shift 0 as the Flux loader does).
+DEMO_Z_IMAGE = {"dim": 64, "n_heads": 4, "n_kv_heads": 4}
+
 # (mode, family) -> the shipped config the demo trains with
 CONFIGS = {("lora", "flux"): "quickstart.toml", ("full", "flux"): "quickstart_full.toml",
-           ("lora", "sd3"): "quickstart_sd3.toml", ("lora", "qwen-image"): "quickstart_qwen.toml"}
-FAMILIES = ("flux", "sd3", "qwen-image")
+           ("lora", "sd3"): "quickstart_sd3.toml", ("lora", "qwen-image"): "quickstart_qwen.toml",
+           ("lora", "z-image"): "quickstart_zimage.toml"}
+FAMILIES = ("flux", "sd3", "qwen-image", "z-image")
 # Each family's model folder (the config's [model] path)
-MODEL_FOLDERS = {"flux": "model", "sd3": "model-sd3", "qwen-image": "model-qwen"}
+MODEL_FOLDERS = {"flux": "model", "sd3": "model-sd3", "qwen-image": "model-qwen", "z-image": "model-zimage"}
 
 
 def quickstart_text(mode: str = "lora", family: str = "flux") -> str:
@@ -209,8 +215,9 @@ def quickstart_text(mode: str = "lora", family: str = "flux") -> str:
 
 
 MARKER = ".leantune-demo"
-DEMO_ENTRIES = ("model", "model-sd3", "model-qwen", "images", "cache", "cache-sd3", "cache-qwen", "run",
-                "quickstart.toml", "quickstart_full.toml", "quickstart_sd3.toml", "quickstart_qwen.toml")
+DEMO_ENTRIES = ("model", "model-sd3", "model-qwen", "model-zimage", "images", "cache", "cache-sd3", "cache-qwen",
+                "cache-zimage", "run", "quickstart.toml", "quickstart_full.toml", "quickstart_sd3.toml",
+                "quickstart_qwen.toml", "quickstart_zimage.toml")
 
 
 class DemoFolderError(ValueError):
@@ -289,6 +296,13 @@ def _save_model(folder: Path, family: str) -> None:
 
         parts = tq.qwen_image_components(seed=0, **DEMO_QWEN)
         QwenImagePipeline(**parts).save_pretrained(folder, safe_serialization=True)
+        return
+    if family == "z-image":
+        from diffusers import ZImagePipeline
+
+        from .tiny import z_image as tz
+
+        ZImagePipeline(**tz.z_image_components(seed=0, **DEMO_Z_IMAGE)).save_pretrained(folder, safe_serialization=True)
         return
     from diffusers import StableDiffusion3Pipeline
 

@@ -1,5 +1,5 @@
-"""`leantune demo [--out DIR] [--steps N] [--mode lora|full] [--family flux|sd3|qwen-image]`: train a
-LoRA (or every weight) of a tiny Flux (or SD3.5, or Qwen-Image) built offline, on CPU."""
+"""`leantune demo [--out DIR] [--steps N] [--mode lora|full] [--family flux|sd3|qwen-image|z-image]`:
+train a LoRA (or every weight) of a tiny Flux (or SD3.5, Qwen-Image, Z-Image) built offline, on CPU."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep an existing demo folder instead of starting fresh")
     p.add_argument("--mode", choices=("lora", "full"), default="lora",
                    help="lora (default), or full: fine-tune every weight and export the whole model")
-    p.add_argument("--family", choices=("flux", "sd3", "qwen-image"), default="flux",
-                   help="the tiny base model: flux (default), sd3 (SD3.5 Large-style) or qwen-image (the last "
-                        "two in lora mode)")
+    p.add_argument("--family", choices=("flux", "sd3", "qwen-image", "z-image"), default="flux",
+                   help="the tiny base model: flux (default), sd3 (SD3.5 Large-style), qwen-image or z-image "
+                        "(the last three in lora mode)")
 
 
 def run(args: argparse.Namespace) -> int:
