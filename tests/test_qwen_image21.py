@@ -363,3 +363,84 @@ def test_the_packaged_full_size_config_is_the_7b_and_reads_back_from_its_shapes(
     arch = {k: v for k, v in config.items() if not k.startswith("_")}
     assert keys.config_from_shapes(shapes, {}, "x") == arch
     assert keys.metadata(model) == {}
+
+
+# -- latents and the transformer call ------------------------------------------------------------------
+
+def test_latents_round_trip_and_equal_the_pipelines_encoding(pipe, folder):
+    """pack/unpack are inverse and equal the pipeline's _pack_latents/_unpack_latents; encode equals
+    the pipeline's _encode_vae_image (mode, normalized) on an RGBA reference."""
+    from leantune.models.qwen_image21 import latents as lat
+
+    x = torch.randn(2, 64, 4, 6)
+    packed = lat.pack_latents(x)
+    assert torch.equal(packed, pipe._pack_latents(x, 2, 64, 4, 6))
+    assert torch.equal(lat.unpack_latents(packed, 4, 6), x)
+    assert torch.equal(pipe._unpack_latents(packed, 4 * 16, 6 * 16, 16)[:, :, 0], x)
+    vae = loading.load_vae(_sources(folder), torch.float32)
+    pixels = pipe.image_processor.preprocess(_rgba(40), width=RES, height=RES)
+    want = pipe._encode_vae_image(pixels.unsqueeze(2), None)[:, :, 0]
+    assert torch.equal(lat.encode(vae, pixels), want)
+    with pytest.raises(ValueError, match="RGBA"):
+        lat.encode(vae, pixels[:, :3])
+
+
+def _our_sample(pipe, transformer, encoders, vae, prompt, image, steps, noise):
+    """An Euler loop over our text encoding, reference latents and predict (KV cache as the
+    pipeline uses it), with the pipeline's scheduler settings."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+    from leantune.models.qwen_image21 import forward
+    from leantune.models.qwen_image21 import latents as lat
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    refs = [_resized(pipe, image)] if image is not None else []
+    embeds, mask, slots = text.pipeline_layout(text.encode_prompts([prompt], encoders, images=refs))
+    ref_latents = [lat.encode(vae, pipe.image_processor.preprocess(r, width=r.size[0], height=r.size[1]))
+                   for r in refs]
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    c = scheduler.config
+    mu = calculate_shift(noise.shape[1], c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    scheduler.set_begin_index(0)
+    cache = QwenImage21KVCache(len(transformer.transformer_blocks))
+    x = noise
+    side = RES // 16
+    for i, t in enumerate(scheduler.timesteps):
+        v = forward.predict(transformer, x, t.expand(1).to(x.dtype) / 1000, embeds, mask, slots, (side, side),
+                            references=ref_latents, kv_cache=cache, kv_mode="extract" if i == 0 else "cached")
+        x = scheduler.step(v, t, x, return_dict=False)[0]
+    return x
+
+
+@pytest.mark.parametrize("with_reference", [False, True], ids=["t2i", "edit"])
+def test_our_call_samples_equal_the_pipelines_bit_for_bit(pipe, folder, folder_transformer, encoders, with_reference):
+    """Three Euler steps from the same noise: our encoding, reference latents and transformer call
+    (prefix KV cache reused after the first step) give QwenImage21Pipeline's latents exactly, for
+    text to image and for an edit with one RGBA reference; the reference's slots moved by one row
+    change the prediction (the layout is read, not ignored)."""
+    vae = loading.load_vae(_sources(folder), torch.float32)
+    side = RES // 16
+    noise = torch.randn(1, side * side, 64, generator=torch.Generator().manual_seed(5))
+    image = _rgba(50) if with_reference else None
+    want = pipe("a red cube on a table", image=[image] if image is not None else None, num_inference_steps=3,
+                output_resolution=RES, latents=noise.clone(), output_type="latent").images
+    with torch.no_grad():
+        got = _our_sample(pipe, folder_transformer, encoders, vae, "a red cube on a table", image, 3, noise.clone())
+    assert got.shape == want.shape == noise.shape and torch.equal(got, want)
+    assert not torch.allclose(got, noise, atol=1e-2)
+    if with_reference:
+        # The reference's slots one row early: the tokens land elsewhere and the prediction changes.
+        from leantune.models.qwen_image21 import forward
+        from leantune.models.qwen_image21 import latents as lat
+
+        ref = _resized(pipe, image)
+        embeds, mask, slots = text.pipeline_layout(text.encode_prompts(["a red cube on a table"], encoders,
+                                                                       images=[ref]))
+        ref_latents = [lat.encode(vae, pipe.image_processor.preprocess(ref, width=RES, height=RES))]
+        shifted = torch.roll(slots, -1, dims=1)
+        sigma = torch.tensor([0.5])
+        with torch.no_grad():
+            right, wrong = (forward.predict(folder_transformer, noise, sigma, embeds, mask, m, (side, side),
+                                            references=ref_latents) for m in (slots, shifted))
+        assert not torch.allclose(right, wrong, atol=1e-4)
