@@ -444,3 +444,46 @@ def test_our_call_samples_equal_the_pipelines_bit_for_bit(pipe, folder, folder_t
             right, wrong = (forward.predict(folder_transformer, noise, sigma, embeds, mask, m, (side, side),
                                             references=ref_latents) for m in (slots, shifted))
         assert not torch.allclose(right, wrong, atol=1e-4)
+
+
+def test_references_are_prepared_as_the_pipeline_prepares_them(pipe, folder, folder_transformer, encoders):
+    """Three references (RGBA, RGB, another aspect) resized to the pipeline's sizes and encoded to
+    its latents; with them, our encoding and a three-step Euler loop give the pipeline's latents
+    bit for bit (3 references: issue 35's edit case)."""
+    from leantune.models.qwen_image21 import forward, references
+    from leantune.models.qwen_image21 import latents as lat
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions, calculate_shift
+
+    images = [_rgba(60), _rgba(61, size=(RES + 32, RES)).convert("RGB"), _rgba(62, size=(RES, 2 * RES))]
+    resized, pixels = references.prepare(images, RES)
+    for img, r, x in zip(images, resized, pixels):
+        w, h, _ = calculate_dimensions(RES * RES, img.size[0] / img.size[1])
+        assert r.size == (w, h) and r.mode == "RGBA" and x.shape == (1, 4, h, w)
+        assert torch.equal(x, pipe.image_processor.preprocess(img.convert("RGBA"), width=w, height=h))
+    vae = loading.load_vae(_sources(folder), torch.float32)
+    ref_latents = references.sampling_latents(vae, images, RES)
+    tw, th = references.target_size(images, RES)
+    hl, wl = th // 16, tw // 16
+    noise = torch.randn(1, hl * wl, 64, generator=torch.Generator().manual_seed(7))
+    prompt = "put the cube on the table"
+    want = pipe(prompt, image=images, num_inference_steps=3, output_resolution=RES, latents=noise.clone(),
+                output_type="latent").images
+    embeds, mask, slots = text.pipeline_layout(text.encode_prompts([prompt], encoders, images=resized))
+    assert int(slots.sum()) == sum(lat.slots(r.shape[2], r.shape[3]) for r in ref_latents)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    c = scheduler.config
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 3, 3),
+                            mu=calculate_shift(hl * wl, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
+                                               c.max_shift))
+    scheduler.set_begin_index(0)
+    transformer = folder_transformer
+    cache = QwenImage21KVCache(len(transformer.transformer_blocks))
+    x = noise.clone()
+    with torch.no_grad():
+        for i, t in enumerate(scheduler.timesteps):
+            v = forward.predict(transformer, x, t.expand(1).to(x.dtype) / 1000, embeds, mask, slots, (hl, wl),
+                                references=ref_latents, kv_cache=cache, kv_mode="extract" if i == 0 else "cached")
+            x = scheduler.step(v, t, x, return_dict=False)[0]
+    assert torch.equal(x, want)
