@@ -222,17 +222,19 @@ def test_encoding_equals_the_pipelines_encode_prompt(pipe, encoders, n_refs):
 
 def test_the_language_model_left_in_its_files_encodes_the_same(folder, pipe, encoders):
     """Over the host-RAM budget Qwen3-VL's language model stays in its files and its decoder layers
-    are read one at a time (streamed_encoder.py): a text encoding equals the loaded one's bit for
-    bit. The vision tower is not streamed yet, so a reference is refused with that reason."""
+    are read one at a time (streamed_encoder.py), while the vision tower is read into host RAM:
+    encodings with no reference and with two equal the loaded encoder's bit for bit."""
     from leantune.models.streamed_encoder import is_file_backed, text_encoder_ram_budget
 
     with text_encoder_ram_budget(1):
         backed = loading.load_text_encoders(_sources(folder), torch.float32, "cpu")
     assert is_file_backed(backed.text_encoder.model.language_model)
-    for a, b in zip(text.encode_prompts(PROMPTS, backed), text.encode_prompts(PROMPTS, encoders)):
-        assert torch.equal(a.embeds, b.embeds) and torch.equal(a.image_slots, b.image_slots)
-    with pytest.raises(ValueError, match="vision tower was left in its files"):
-        text.encode_prompts(PROMPTS, backed, images=[_resized(pipe, _rgba(30))])
+    assert not any(p.is_meta for p in backed.text_encoder.model.visual.parameters())
+    for refs in ([], [_resized(pipe, _rgba(30)), _resized(pipe, _rgba(31))]):
+        for a, b in zip(text.encode_prompts(PROMPTS, backed, images=refs),
+                        text.encode_prompts(PROMPTS, encoders, images=refs)):
+            assert torch.equal(a.embeds, b.embeds) and torch.equal(a.image_slots, b.image_slots)
+    assert int(a.image_slots.sum()) == 2 * (RES // 32) ** 2
 
 
 def test_the_alpha_is_flattened_over_white_for_the_encoder_only(pipe, encoders):

@@ -7,7 +7,8 @@ equal to QwenImage21Pipeline.encode_prompt (text.py), latents (latents.py), the 
 with references and the prefix KV cache (forward.py) and the references' preparation at sampling
 (references.py), each tested against the pipeline (tests/test_qwen_image21.py). Not yet: the
 ModelFamily object and its registration (so `get_family("qwen_image21")` does not exist yet), LoRA
-key maps, the text phase and its pricing, the vision tower streamed, training-time reference
+key maps, the text phase and its pricing, the vision tower streamed block by block (it is
+read whole into host RAM when the language model stays in its files), training-time reference
 sizes; the family is added to leantune/family_registry.py and tests/families/cases.py only once
 the conformance suite passes for it.
 """

@@ -226,5 +226,27 @@ def load_text_encoders(sources: QwenImage21Sources, dtype: torch.dtype = torch.b
         raise
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
+    _fill_vision_tower(model, src, dtype)
     return QwenImage21TextEncoders(tokenizer=tokenizer, image_processor=image_processor, text_encoder=model.eval(),
                                    device=torch.device(device))
+
+
+def _fill_vision_tower(model, src: Path, dtype: torch.dtype) -> None:
+    """When the language model was left in its files (over the host-RAM budget), the vision tower
+    is read into host RAM whole (about 0.6B parameters of the 8B): references need it, and it
+    runs once per reference. Streaming it block by block is not done yet."""
+    from ..streamed_encoder import encoder_files
+    from ..weights import copy_ops
+
+    visual = model.model.visual
+    if not any(p.is_meta for p in visual.parameters()):
+        return
+    files = CheckpointFiles(encoder_files(src))
+    names = list(files.keys())
+    prefix = next((p for p in ("model.visual.", "visual.") if any(k.startswith(p) for k in names)), None)
+    if prefix is None:
+        raise LoadError(f"[model] text_encoder: {src}: no vision tower ('model.visual.*' keys) in "
+                        f"{files.name}: Qwen-Image-2.1 encodes references with it")
+    ops = copy_ops([k for k in names if k.startswith(prefix)], strip=prefix)
+    load_into_empty(visual, files, ops, what="the Qwen3-VL vision tower", dtype=dtype, device="cpu",
+                    source_name=lambda target: prefix + target)

@@ -111,8 +111,8 @@ def encode_prompts(prompts: list[str], encoders, images: list | None = None) -> 
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     language_model, inner = _language_model(model)
     if "pixel_values" in inputs and _on_meta(inner.visual):
-        raise ValueError("the Qwen3-VL vision tower was left in its files (over the host-RAM budget): encoding "
-                         "references then needs the vision tower loaded, which is not done yet")
+        raise ValueError("the Qwen3-VL vision tower has no weights (it is on meta): references need it; "
+                         "loading.load_text_encoders reads it into host RAM")
     from ..streamed_encoder import placement
 
     captured = []
