@@ -269,33 +269,51 @@ sys.exit(main(["train", sys.argv[1], "--no-progress"]))
 def test_sigterm_during_a_long_cache_encode_ends_the_process_within_the_bound(tmp_path, tiny_flux_dir):
     """Before: the process said "SIGTERM: stopping now" only when the encode returned (minutes); a
     container's grace period ends long before. Now it ends STOP_BOUND_S after the signal, naming
-    what it was doing, with exit 143 and the run folder unlocked."""
+    what it was doing, with exit 143 and the run folder unlocked.
+
+    The stuck encode is simulated by a sleep with the stop signals blocked in its thread. Under
+    pytest-xdist beside other tests the signal was seen to reach Python's handler anyway, about 2 s
+    after it was sent (2 of 3 whole-suite runs, 1 of 2 runs of this file beside
+    test_hostile_inputs.py; never alone, loaded or not; cause not found): the simulation did not
+    hold, and that run says nothing about the watchdog. Such a run must still end in the bound with
+    exit 143 and the folder unlocked; the scenario is then tried afresh, up to five times, and the
+    watchdog's own ending must be seen at least once."""
     from leantune.train.run_folder import LOCK_NAME
     from leantune.train.stopping import STOP_BOUND_S
 
     draw_shapes(tmp_path / "images", count=1, size=64, seed=6)
-    config = _config(tmp_path, tiny_flux_dir, tmp_path / "images")
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(config)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline() == "encoding\n", proc.communicate(timeout=60)[1][-3000:]
-        assert (tmp_path / "out" / LOCK_NAME).exists()
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=STOP_BOUND_S + 15)     # old code: the encode's 300 s
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 143, (proc.returncode, took, err[-3000:])      # how it ended, before how long it took
-    assert STOP_BOUND_S - 0.5 < took < STOP_BOUND_S + 5, (took, err[-3000:])
-    assert (f"leantune: still running {STOP_BOUND_S:g} s after SIGTERM, while setting up the caches, model and "
-            f"memory plan (one long operation kept Python from stopping); ending the process now, the last saved "
-            f"state is intact") in err
-    assert not (tmp_path / "out" / LOCK_NAME).exists()
+    watchdog_line = (f"leantune: still running {STOP_BOUND_S:g} s after SIGTERM, while setting up the caches, model "
+                     f"and memory plan (one long operation kept Python from stopping); ending the process now, the "
+                     f"last saved state is intact")
+    tries = []
+    for attempt in range(5):
+        run = tmp_path / f"try{attempt}"
+        run.mkdir()
+        config = _config(run, tiny_flux_dir, tmp_path / "images")
+        proc = subprocess.Popen([sys.executable, "-c", STUCK, str(config)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "encoding\n", proc.communicate(timeout=60)[1][-3000:]
+            assert (run / "out" / LOCK_NAME).exists()
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=STOP_BOUND_S + 15)     # old code: the encode's 300 s
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 143, (proc.returncode, took, err[-3000:])   # how it ended, before how long it took
+        assert took < STOP_BOUND_S + 5, (took, err[-3000:])
+        assert not (run / "out" / LOCK_NAME).exists()
+        tries.append((round(took, 2), watchdog_line in err))
+        if watchdog_line in err:
+            assert STOP_BOUND_S - 0.5 < took, (took, err[-3000:])        # the watchdog waited the bound
+            break
+        assert "stopped by SIGTERM" in err, err[-3000:]                  # the handler's own, orderly ending
+    assert tries[-1][1], f"the watchdog never had to end the process: {tries}"
 
 
 def test_the_stop_watchdog_waits_for_the_step_and_the_save_but_not_after_a_second_signal():
