@@ -93,7 +93,7 @@ def test_a_stale_or_foreign_profile_is_not_used(tmp_path, monkeypatch, caplog):
     assert spec_cache.load_measured(source, workload) is not None
     # The measuring code changed: the profile's name is no longer the key's.
     real = spec_cache._code_fingerprint
-    monkeypatch.setattr(spec_cache, "_code_fingerprint", lambda: real() + "-changed")
+    monkeypatch.setattr(spec_cache, "_code_fingerprint", lambda *a: real(*a) + "-changed")
     assert spec_cache.load_measured(source, workload) is None
     # A file under the new name whose recorded key is another question's: refused, with a warning.
     shutil.copy(shipped, spec_cache.shipped_path(source, workload))
@@ -175,3 +175,25 @@ def test_a_first_full_plan_runs_no_update_and_imports_no_dynamo(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CPU optimizer step" in out.stdout
     assert "DYNAMO False" in out.stdout
+
+
+def test_a_stock_profile_depends_on_its_own_family_folder_only(tmp_path):
+    """Adding or editing one family's folder leaves the other families' shipped profiles valid: a
+    packaged architecture's measurement key hashes the shared measuring code and the folder of the
+    families that ship its config; a checkpoint's key (its family unknown to the key) every folder."""
+    from leantune.family_registry import FAMILIES, stock_models
+
+    for name, (family, model) in stock_models().items():
+        folders = spec_cache._family_folders_of(spec_cache.source_key(f"packaged:{model.config}", "bf16"))
+        assert folders == [FAMILIES[family].module.split(".")[2]], (name, folders)
+    for folder in ("a", "b"):                    # a tree with two family folders
+        (tmp_path / "models" / folder).mkdir(parents=True)
+        (tmp_path / "models" / folder / "__init__.py").write_text("")
+        (tmp_path / "models" / folder / "spec.py").write_text("")
+    mine = spec_cache._measuring_code(tmp_path, ["a"])
+    assert "models/a/spec.py" in mine and not any(rel.startswith("models/b/") for rel in mine)
+    assert {"models/a/spec.py", "models/b/spec.py"} <= set(spec_cache._measuring_code(tmp_path))
+    assert spec_cache._family_folders_of(str(tmp_path / "model.safetensors") + "|bf16") is None
+    # The key of a packaged source names its own folder's code: a change there is a new key.
+    key = spec_cache._code_fingerprint(spec_cache.source_key("packaged:flux1_dev", "bf16"))
+    assert key != spec_cache._code_fingerprint(spec_cache.source_key("packaged:sd35_large", "bf16"))

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from pathlib import Path
 
+from ..family_registry import FAMILIES
 from ..io import atomic_write_json
 from ..native import make_private_folders
 from .activations import ActivationProfile
@@ -55,11 +56,26 @@ _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "pl
 _FAMILY_MEASURING_FILES = ("__init__.py", "spec.py", "edit.py")
 
 
-def _measuring_code(root: Path) -> list[str]:
-    """_MEASURING_CODE and each family folder's family object and spec, in a fixed order."""
-    families = sorted(p.parent.name for p in (root / "models").glob("*/__init__.py"))
+def _measuring_code(root: Path, folders: list[str] | None = None) -> list[str]:
+    """_MEASURING_CODE and the family object and spec of each family folder in `folders` (None:
+    every folder under models/), in a fixed order."""
+    families = folders if folders is not None else sorted(p.parent.name for p in (root / "models").glob("*/__init__.py"))
     return list(_MEASURING_CODE) + [f"models/{f}/{name}" for f in families for name in _FAMILY_MEASURING_FILES
                                     if (root / "models" / f / name).exists()]
+
+
+def _family_folders_of(source: str) -> list[str] | None:
+    """The family folders a measurement of `source` depends on: for a packaged architecture
+    ("packaged:<config>|dtype"), the folders of the families whose stock models ship that config
+    (family_registry.py), so that adding or editing another family's folder leaves its shipped
+    profiles valid; None (every folder) for a checkpoint, whose family the key does not say."""
+    text = str(source).split("|", 1)[0]
+    if not text.startswith("packaged:"):
+        return None
+    config = text[len("packaged:"):]
+    folders = sorted({entry.module.split(".")[2] for entry in FAMILIES.values()
+                      if any(model.config == config for model in entry.stock.values())})
+    return folders or None
 
 
 _PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
@@ -187,10 +203,11 @@ def _files_of(path: Path) -> list[Path]:
     return [path]
 
 
-def _code_fingerprint() -> str:
+def _code_fingerprint(source: str | None = None) -> str:
+    """The measuring code (and library versions) a measurement of `source` depends on."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for rel in _measuring_code(root):
+    for rel in _measuring_code(root, _family_folders_of(source) if source is not None else None):
         path = root / rel
         h.update(rel.encode())
         h.update(path.read_bytes() if path.exists() else b"-")
@@ -219,7 +236,8 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"
 def measurement_key(source: str, workload: Workload) -> dict:
     """What a measurement is the measurement of: the model source, the workload shape and the code
     (with library versions) that measures."""
-    return json.loads(json.dumps({"source": source, "workload": _workload_shape(workload), "code": _code_fingerprint()},
+    return json.loads(json.dumps({"source": source, "workload": _workload_shape(workload),
+                                  "code": _code_fingerprint(source)},
                                  sort_keys=True, default=str))
 
 
