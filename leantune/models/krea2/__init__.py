@@ -6,7 +6,7 @@ in krea2/text.py; this module imports them, none imports it.
 Everything follows Krea2Pipeline (diffusers 0.42.1) and krea-ai/krea-2's sampling.py:
 
 - Latents: the Qwen-Image VAE's 16 channels at 1/8 of the pixels, normalised with its latent mean
-  and std (krea2/vae.py), packed into 2x2 patches: (B, h/2 * w/2, 64).
+  and std (models/qwen_vae.py), packed into 2x2 patches: (B, h/2 * w/2, 64).
 - Positions: (t, h, w) rotary coordinates, text rows all zero, image token (i, j) at (0, i, j).
 - Text: a stack of 12 Qwen3-VL hidden states per token, fused by the transformer itself
   (krea2/text.py says how the rows are kept and fed back with the pipeline's mask).
@@ -30,7 +30,7 @@ import torch
 from . import loading as krea2_loading, text as krea2_text
 from .keys import recognizes_keys
 from .spec import KREA2_SPEC
-from .vae import Krea2VAE
+from ..qwen_vae import QwenVAE
 from ..schedule import NUM_TRAIN_TIMESTEPS, FlowSchedule
 
 VAE_SCALE_FACTOR = 8
@@ -41,8 +41,8 @@ TURBO_MU = 1.15                # Krea2Pipeline with is_distilled; krea-ai/krea-2
 
 # -- latents -------------------------------------------------------------------------------------------
 
-def load_vae(sources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Krea2VAE:
-    return Krea2VAE(krea2_loading.load_raw_vae(sources, dtype, device))
+def load_vae(sources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> QwenVAE:
+    return QwenVAE(krea2_loading.load_raw_vae(sources, dtype, device))
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

@@ -30,13 +30,11 @@ We use diffusers' `QwenImageTransformer2DModel` and `AutoencoderKLQwenImage` and
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
-from torch import nn
 
 from . import loading as qwen_image_loading
 from ..family import PromptEmbeds
+from ..qwen_vae import QwenVAE  # noqa: F401  (its VAE; tests and the Edit family use the name here)
 from .spec import QWEN_IMAGE_SPEC
 from ..schedule import FlowSchedule, model_timestep
 
@@ -51,53 +49,6 @@ TEMPLATE_DROP = 34             # the pipeline's prompt_template_encode_start_idx
 
 
 # -- latents -------------------------------------------------------------------------------------------
-
-class QwenVAE(nn.Module):
-    """AutoencoderKLQwenImage seen as an image VAE with normalised 4-D latents (module docstring)."""
-
-    def __init__(self, vae: nn.Module):
-        super().__init__()
-        self.vae = vae
-        self.config = SimpleNamespace(scaling_factor=1.0, shift_factor=0.0, z_dim=vae.config.z_dim,
-                                      latents_mean=list(vae.config.latents_mean),
-                                      latents_std=list(vae.config.latents_std),
-                                      # the decoder's widths per stage, for the decode planner's
-                                      # activation estimate (infer/decode.py), as AutoencoderKL names them
-                                      block_out_channels=[vae.config.base_dim * m for m in vae.config.dim_mult])
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.vae.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.vae.parameters()).dtype
-
-    def _stats(self, like: torch.Tensor):
-        shape = (1, self.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(self.config.latents_mean).view(shape).to(like.device, like.dtype)
-        std = torch.tensor(self.config.latents_std).view(shape).to(like.device, like.dtype)
-        return mean, std
-
-    def encode(self, x: torch.Tensor):
-        """(B, 3, H, W) in [-1, 1] -> .latent_dist.mean: normalised latents (B, 16, H/8, W/8)."""
-        mean = self.vae.encode(x.unsqueeze(2)).latent_dist.mode()            # (B, 16, 1, h, w)
-        m, s = self._stats(mean)
-        return SimpleNamespace(latent_dist=SimpleNamespace(mean=((mean - m) / s)[:, :, 0]))
-
-    def decode(self, z: torch.Tensor, return_dict: bool = False):
-        """Normalised latents (B, 16, h, w) -> ((B, 3, H, W) in [-1, 1],), as QwenImagePipeline decodes."""
-        z = z.unsqueeze(2)                                                     # (B, 16, 1, h, w)
-        m, s = self._stats(z)
-        x = self.vae.decode(z / (1.0 / s) + m, return_dict=False)[0][:, :, 0]
-        return (x,)
-
-    def tiled_decode(self, z: torch.Tensor, return_dict: bool = False):
-        self.vae.enable_tiling()
-        try:
-            return self.decode(z)
-        finally:
-            self.vae.disable_tiling()
 
 
 def load_vae(sources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> QwenVAE:

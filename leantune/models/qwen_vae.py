@@ -1,11 +1,11 @@
-"""The Qwen-Image VAE as Krea 2 uses it, seen as an image VAE with normalised 4-D latents.
+"""The Qwen-Image VAE (AutoencoderKLQwenImage) seen as an image VAE with normalised 4-D latents.
 
-AutoencoderKLQwenImage is a video VAE (B, C, T, H, W) with per-channel latent mean and std. Krea2Pipeline
-decodes `z / (1 / std) + mean` and drops the frame axis; training latents are the encoder's mode
-normalised the inverse way, ((mode - mean) / std), so a trained model's outputs decode as the
-pipeline decodes them. The wrapper's config says scaling 1, shift 0, so the shared code's own
-latent scaling is the identity. (Qwen-Image's family wraps the same VAE the same way; families do
-not import each other, so Krea 2 has its own copy of these few lines.)
+Qwen-Image and Krea 2 both use it. AutoencoderKLQwenImage is a video VAE (B, C, T, H, W) with a
+per-channel latent mean and std. Both pipelines decode `z / (1 / std) + mean` and drop the frame
+axis; training latents are the encoder's mode normalised the inverse way, ((mode - mean) / std), so a
+trained model's outputs decode as the pipelines decode them. The wrapper's config says scaling 1,
+shift 0, so the shared code's own latent scaling is the identity. A shared part of models/: family
+folders do not import each other.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 
-class Krea2VAE(nn.Module):
+class QwenVAE(nn.Module):
     def __init__(self, vae: nn.Module):
         super().__init__()
         self.vae = vae
         self.config = SimpleNamespace(scaling_factor=1.0, shift_factor=0.0, z_dim=vae.config.z_dim,
                                       latents_mean=list(vae.config.latents_mean),
                                       latents_std=list(vae.config.latents_std),
-                                      # per-stage decoder widths, for the decode planner (infer/decode.py)
+                                      # the decoder's widths per stage, for the decode planner's
+                                      # activation estimate (infer/decode.py), as AutoencoderKL names them
                                       block_out_channels=[vae.config.base_dim * m for m in vae.config.dim_mult])
 
     @property
@@ -47,7 +48,7 @@ class Krea2VAE(nn.Module):
         return SimpleNamespace(latent_dist=SimpleNamespace(mean=((mode - m) / s)[:, :, 0]))
 
     def decode(self, z: torch.Tensor, return_dict: bool = False):
-        """Normalised latents (B, 16, h, w) -> ((B, 3, H, W) in [-1, 1],), as Krea2Pipeline decodes."""
+        """Normalised latents (B, 16, h, w) -> ((B, 3, H, W) in [-1, 1],), as the pipelines decode them."""
         z = z.unsqueeze(2)                                                     # (B, 16, 1, h, w)
         m, s = self._stats(z)
         return (self.vae.decode(z / (1.0 / s) + m, return_dict=False)[0][:, :, 0],)
