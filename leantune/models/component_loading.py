@@ -207,6 +207,19 @@ def check_class(config: dict, path: Path, expected: tuple[str, ...], label: str)
         raise LoadError(f"{path}: describes a {declared}, not a {label} ({'/'.join(expected)})")
 
 
+def transformer_layout(src: Path, classes: tuple[str, ...], label: str, read_single_file):
+    """(config, files, ops, source_name) of a transformer from headers only: a diffusers folder
+    (names as they are), or a single .safetensors file read by the family's `read_single_file(src)`
+    -> (files, ops, config, source_name), source_name mapping a model key to the file's own name."""
+    if src.is_dir():
+        config, files, ops = diffusers_folder(src, classes, label)
+        return config, files, ops, (lambda target: target)
+    if src.suffix != ".safetensors":
+        raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
+    files, ops, config, source_name = read_single_file(src)
+    return config, files, ops, source_name
+
+
 def diffusers_folder(src: Path, classes: tuple[str, ...], what: str):
     """A diffusers model folder: its checked config, weight files and identity key mapping."""
     config = read_json(src / "config.json")

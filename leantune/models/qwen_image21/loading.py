@@ -96,13 +96,7 @@ def read_layout(path: Path):
 
 def _transformer_layout(src: Path):
     """(config, files, ops, source_name) of a transformer folder or single file, from headers only."""
-    if src.is_dir():
-        config, files, ops = cl.diffusers_folder(src, (TRANSFORMER_CLASS,), _LABEL["transformer"])
-        return config, files, ops, (lambda target: target)
-    if src.suffix != ".safetensors":
-        raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
-    files, ops, config, source_name = read_layout(src)
-    return config, files, ops, source_name
+    return cl.transformer_layout(src, (TRANSFORMER_CLASS,), _LABEL["transformer"], read_layout)
 
 
 def transformer_config(sources: QwenImage21Sources) -> dict:
