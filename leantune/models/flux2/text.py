@@ -54,11 +54,25 @@ def _first_layers(lm: torch.nn.Module, n: int):
     if n >= len(layers):
         yield
         return
+    _capture_hooks_on_every_layer(lm)
     lm.layers, lm.norm = nn.ModuleList(list(layers)[:n]), nn.Identity()
     try:
         yield
     finally:
         lm.layers, lm.norm = layers, norm
+
+
+def _capture_hooks_on_every_layer(lm: torch.nn.Module) -> None:
+    """transformers installs the hooks that collect `hidden_states` once per model, on the layers
+    present at its first call with outputs requested, and never again: were that first call made
+    while `lm.layers` is cut, a later whole-model run (the pipeline's own encode, a reference check)
+    would miss the hidden states of the layers left out. Installing them here, on the whole stack,
+    before any cut makes the result independent of which encode ran first."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:         # a transformers without output capturing hooks has nothing to install
+        return
+    maybe_install_capturing_hooks(lm)
 
 
 def _placement(encoders, device: torch.device):
