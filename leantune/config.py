@@ -123,6 +123,29 @@ class DatasetConfig(Section):
     # -> `cat.*` there, or `cat_0.*`, `cat_1.*`, ... for several); families with reference
     # conditioning only (qwen-image-edit, flux2-dev, flux2-klein-4b/9b). See docs/reference-images.md.
     reference_path: str | None = None
+    # Masked loss (data/masks.py): a grayscale mask per image, white where the loss counts, black
+    # where it does not; `mask_path` a folder of masks matched by file stem (`cat.png` -> `cat.*`),
+    # or `mask_suffix` a mask beside each image (`cat.png` -> `cat_mask.png` for "_mask"; such files
+    # are masks, not training images). `mask_floor`: the loss weight where a mask is black.
+    mask_path: str | None = None
+    mask_suffix: str | None = None
+    mask_floor: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @field_validator("mask_suffix")
+    @classmethod
+    def _mask_suffix(cls, v: str | None) -> str | None:
+        """Part of a file name joined to the image's stem: it must stay one name in the folder."""
+        return None if v is None else file_name_part(v, "the mask suffix")
+
+    @model_validator(mode="after")
+    def _one_mask_source(self):
+        if self.mask_path is not None and self.mask_suffix is not None:
+            raise ValueError("mask_path and mask_suffix: set both, but a dataset's masks come from one place; "
+                             "keep mask_path (a folder of masks) or mask_suffix (a mask beside each image)")
+        if "mask_floor" in self.model_fields_set and self.mask_path is None and self.mask_suffix is None:
+            raise ValueError("mask_floor: set, but the dataset has no masks; set mask_path or mask_suffix "
+                             "(or remove mask_floor)")
+        return self
 
     @field_validator("caption_extension")
     @classmethod

@@ -274,10 +274,19 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
         pred = family.predict(t.transformer, family.pack_latents(noisy).to(t.dtype), sigma.to(t.device),
                               batch.embeds, (h, w), cfg.train.guidance,
                               **({"references": [r.to(t.device) for r in refs]} if refs else {}))
-    loss = fm.flow_matching_loss(pred, target) * shard.weight
+    loss = _loss(family, pred, target, getattr(batch, "loss_weights", None), x0) * shard.weight
     backward = getattr(t.mode, "backward", None)      # an engine that owns backward (DeepSpeed)
     (backward or torch.Tensor.backward)(loss * scale)
     return float(loss.detach())
+
+
+def _loss(family, pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None, x0: torch.Tensor):
+    """The flow-matching loss; with a masked batch, each latent cell weighted by its mask (the
+    (B, 1, h, w) weights broadcast over the channels and packed as the latents are)."""
+    if weights is None:
+        return fm.flow_matching_loss(pred, target)
+    packed = family.pack_latents(weights.to(x0.device).expand_as(x0).contiguous())
+    return fm.masked_flow_matching_loss(pred, target, packed)
 
 
 def _autocast(cfg: RunConfig, device: torch.device):

@@ -88,6 +88,9 @@ CASES = {
     "data.datasets.reference_path": (lambda doc, place: _edit({**doc, "data": {"datasets": [
         {**doc["data"]["datasets"][0], "reference_path": str(_dataset(place / "refs"))}]}}),
         "[[data.datasets]] #1 reference_path"),
+    "data.datasets.mask_path": (lambda doc, place: {**doc, "data": {"datasets": [
+        {**doc["data"]["datasets"][0], "mask_path": str(_dataset(place / "masks"))}]}},
+        "[[data.datasets]] #1 mask_path"),
     "sample.references": (lambda doc, place: _edit({**doc, "sample": {"references": [_image(place / "r.png")]}}),
                           "[sample] references #1"),
     "data.cache_dir": (lambda doc, place: {**doc, "data": {**doc["data"], "cache_dir": str(place / "cache")}},

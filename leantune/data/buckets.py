@@ -89,12 +89,18 @@ def fit_to_bucket(img: Image.Image, bucket: Bucket) -> Image.Image:
     PIL's `resize(box=...)` crops and scales together, so the image is filtered once (Lanczos)
     rather than cropped, then resized with a second rounding of the crop edges.
     """
+    return img.resize(bucket, Image.Resampling.LANCZOS, box=bucket_crop(img.size, bucket))
+
+
+def bucket_crop(size: tuple[int, int], bucket: Bucket) -> tuple[float, float, float, float]:
+    """The (left, top, right, bottom) source box `fit_to_bucket` maps onto the bucket: the centred
+    crop of the bucket's aspect ratio. A mask resized with the same box covers the same pixels."""
     bw, bh = bucket
-    w, h = img.size
+    w, h = size
     scale = max(bw / w, bh / h)               # cover the bucket, then crop the overflow
     crop_w, crop_h = bw / scale, bh / scale   # source pixels that map onto the bucket
     left, top = (w - crop_w) / 2, (h - crop_h) / 2
-    return img.resize((bw, bh), Image.Resampling.LANCZOS, box=(left, top, left + crop_w, top + crop_h))
+    return (left, top, left + crop_w, top + crop_h)
 
 
 # -- batch order ---------------------------------------------------------------------------------

@@ -88,6 +88,8 @@ class Sample:
     reference_keys: tuple[str, ...] = ()
     text_refs: tuple[str, ...] = ()
     reference_sizes: tuple[Bucket, ...] = ()   # (width, height) each reference is encoded at
+    mask_key: str | None = None   # its loss mask's entry (a masked dataset's; data/masks.py)
+    mask_floor: float = 0.0       # the loss weight where that mask is black
 
 
 @dataclass
@@ -100,6 +102,8 @@ class Batch:
     captions: list[str]         # as trained: "" where caption dropout fired
     t5_lengths: torch.Tensor | None = None   # (B,) real T5 tokens per sample, end token included
     references: list[torch.Tensor] | None = None   # per reference slot (B, C, h_r, w_r); None: no references
+    # (B, 1, h, w) float32 loss weight per latent cell (data/masks.py); None: no sample of the batch is masked
+    loss_weights: torch.Tensor | None = None
 
 
 # -- identities and keys -------------------------------------------------------------------------
@@ -119,6 +123,10 @@ def latent_key(image_sha256: str, bucket: Bucket, vae_id: str, dtype: torch.dtyp
 
 def text_key(caption: str, encoders_id: str, max_length: int, dtype: torch.dtype) -> str:
     return _digest("text", caption, encoders_id, max_length, str(dtype))
+
+
+def mask_key(mask_sha256: str, bucket: Bucket, vae_scale_factor: int) -> str:
+    return _digest("mask", mask_sha256, list(bucket), vae_scale_factor)
 
 
 # -- model sources and loaders -------------------------------------------------------------------
@@ -197,6 +205,25 @@ def check_latent_entry(path: Path, key: str, bucket: Bucket, family: ModelFamily
     expected = (family.latent_channels, bucket[1] // f, bucket[0] // f)
     if tuple(lat.shape) != expected:
         return f"tensor 'latent' has shape {tuple(lat.shape)}, expected {expected} for bucket {bucket[0]}x{bucket[1]}"
+    return None
+
+
+def check_mask_entry(path: Path, key: str, bucket: Bucket, vae_scale_factor: int) -> str | None:
+    """None if the mask entry at `path` is sound for `key` and `bucket`, else what is wrong."""
+    try:
+        tensors, meta = _read(path)
+    except CacheError as e:
+        return str(e)
+    if meta.get("key") != key:
+        return f"header key {meta.get('key')!r} does not match the file name"
+    grid = tensors.get("mask")
+    expected = (1, bucket[1] // vae_scale_factor, bucket[0] // vae_scale_factor)
+    if grid is None:
+        return "missing tensor 'mask'"
+    if grid.dtype != torch.float32 or tuple(grid.shape) != expected:
+        return f"tensor 'mask' is {grid.dtype} {tuple(grid.shape)}, expected float32 {expected}"
+    if not torch.isfinite(grid).all() or grid.min() < 0 or grid.max() > 1:
+        return "tensor 'mask' holds values outside [0, 1]"
     return None
 
 
@@ -281,6 +308,29 @@ def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sourc
     return stats
 
 
+def _fill_masks(jobs: dict[str, tuple], folder: Path, vae_scale_factor: int) -> CacheStats:
+    """The masks' latent-grid entries (no model: a resize of each mask)."""
+    from leantune.data.masks import mask_grid
+
+    stats, bad = CacheStats(), []
+    for key, (mask, bucket) in jobs.items():
+        path = folder / f"{key}.safetensors"
+        if path.exists():
+            problem = check_mask_entry(path, key, bucket, vae_scale_factor)
+            if problem is None:
+                stats.hits += 1
+                continue
+            bad.append((path, problem))
+            stats.recomputed += 1
+        else:
+            stats.misses += 1
+        save_safetensors({"mask": mask_grid(mask, bucket, vae_scale_factor)}, path,
+                         {"format": FORMAT_VERSION, "kind": "mask", "key": key,
+                          "bucket": f"{bucket[0]}x{bucket[1]}", "source": str(mask.path)})
+    _warn_corrupt("mask", bad)
+    return stats
+
+
 def _caption(job) -> str:
     """A text job's caption: the job itself, or (caption, reference image paths)."""
     return job[0] if isinstance(job, tuple) else job
@@ -353,8 +403,10 @@ def _scan_with_references(data_cfg, base_dir, family: ModelFamily) -> list[Image
     model's files are looked at: each a `DataError` naming the file or key."""
     from leantune.data.references import attach_references, check_reference_keys, encoded_size
 
+    from leantune.data.masks import attach_masks
+
     check_reference_keys(data_cfg.datasets, base_dir, family)
-    items = scan_datasets(data_cfg, base_dir)
+    items = attach_masks(scan_datasets(data_cfg, base_dir), data_cfg.datasets, base_dir)
     if not any(getattr(d, "reference_path", None) for d in data_cfg.datasets):
         return items
     items = attach_references(items, data_cfg.datasets, base_dir, family.references.most)
@@ -496,6 +548,7 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     bucket_sets = {r: bucket_sizes(r) for r in data_cfg.resolutions}
     samples: list[Sample] = []
     latent_jobs: dict[str, tuple[ImageItem, Bucket]] = {}
+    mask_jobs: dict[str, tuple] = {}
     for item in items:
         for res in data_cfg.resolutions:
             if res in item.too_small_for:       # would be upscaled past [[data.datasets]] min_size
@@ -509,7 +562,12 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                 ref_keys.append(latent_key(ref.sha256, ref_sizes[-1], vae_id, dtype))
                 latent_jobs[ref_keys[-1]] = (ref, ref_sizes[-1])
             seen_refs = _text_refs(item, family)
-            samples.extend([Sample(item, res, bucket, key, tuple(ref_keys), seen_refs, tuple(ref_sizes))]
+            m_key = None
+            if item.mask is not None:
+                m_key = mask_key(item.mask.sha256, bucket, family.vae_scale_factor)
+                mask_jobs[m_key] = (item.mask, bucket)
+            samples.extend([Sample(item, res, bucket, key, tuple(ref_keys), seen_refs, tuple(ref_sizes),
+                                   m_key, item.mask.floor if item.mask is not None else 0.0)]
                            * item.repeats)
 
     prompts = [it.caption for it in items] + [""] + list(extra_prompts or ())
@@ -551,6 +609,8 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             "text": _fill_text(text_jobs, cache_dir / "text", sources, dtype, device, max_length,
                                load_text_encoders or family.load_text_encoders, family, ram_budget),
         }
+        if mask_jobs:
+            stats["masks"] = _fill_masks(mask_jobs, cache_dir / "masks", family.vae_scale_factor)
         _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
                                   load_vae or family.load_vae, family)
     if len(samples) < data_cfg.batch_size:
@@ -601,8 +661,9 @@ class CachedData:
         return dict(Counter(s.bucket for s in self.samples))
 
     def summary(self) -> str:
+        masks = f"; masks: {self.stats['masks']}" if "masks" in self.stats else ""
         return (f"{self.num_items} samples in {len(self.buckets)} bucket(s), {self.batches_per_epoch} batches per "
-                f"epoch; latents: {self.stats['latents']}; text: {self.stats['text']}")
+                f"epoch; latents: {self.stats['latents']}; text: {self.stats['text']}{masks}")
 
     def batches(self, seed: int, state: dict | None = None, dtype: torch.dtype = torch.float32,
                 batch_size: int | None = None) -> "BatchIterator":
@@ -676,7 +737,27 @@ class BatchIterator:
         t5, lengths = _pad_t5([r[0] for r in rows], self.dtype)                        # (B, L, D_t5)
         pooled = torch.stack([r[1] for r in rows]).to(self.dtype)                       # (B, D_clip)
         return Batch(latents=latents, embeds=PromptEmbeds(t5=t5, pooled=pooled), bucket=slot.bucket,
-                     captions=captions, t5_lengths=lengths, references=self._references(samples))
+                     captions=captions, t5_lengths=lengths, references=self._references(samples),
+                     loss_weights=self._loss_weights(samples, latents.shape[-2:]))
+
+    def _loss_weights(self, samples, grid) -> torch.Tensor | None:
+        """(B, 1, h, w) float32 loss weights for a batch with a masked sample (weight 1 for the
+        unmasked ones), or None: the plain loss, unchanged, for batches without masks."""
+        if all(s.mask_key is None for s in samples):
+            return None
+        from leantune.data.masks import loss_weights
+
+        rows = []
+        for s in samples:
+            if s.mask_key is None:
+                rows.append(torch.ones(1, *grid))
+                continue
+            path = self.data.cache_dir / "masks" / f"{s.mask_key}.safetensors"
+            m = _read(path)[0]["mask"]
+            if tuple(m.shape[-2:]) != tuple(grid):
+                raise CacheError(f"{path}: mask grid {tuple(m.shape[-2:])} does not match its latents' {tuple(grid)}")
+            rows.append(loss_weights(m, s.mask_floor))
+        return torch.stack(rows)
 
     def _references(self, samples) -> list[torch.Tensor] | None:
         """One (B, C, h_r, w_r) tensor per reference slot, or None for a batch without references

@@ -60,6 +60,7 @@ class ImageItem:
     caption_dropout: float
     too_small_for: frozenset = frozenset()   # training resolutions this image is skipped at (min_size)
     references: tuple = ()   # its reference images (data/references.py ReferenceImage), an edit dataset's
+    mask: object = None      # its loss mask (data/masks.py MaskImage), a masked dataset's
 
 
 def _orientation(img: Image.Image) -> int:
@@ -293,7 +294,12 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
                         f"(stopped scanning after {e.seen}, {e.images} of them images); point path at the folder "
                         f"of training images") from None
     _report_links(walk, bad)
+    from .masks import mask_file_test
+
+    is_mask = mask_file_test(cfg, base_dir)
     for path in walk.files:
+        if is_mask(path):      # a dataset's mask, not a training image
+            continue
         try:
             digest, w, h = inspect_image(path)
         except Exception as e:   # PIL raises many types (OSError, SyntaxError, DecompressionBombError...)

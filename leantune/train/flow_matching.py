@@ -83,3 +83,17 @@ def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean squared error in fp32 whatever the compute dtype."""
     return torch.mean((pred.float() - target.float()) ** 2)
+
+
+def masked_flow_matching_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted mean squared error of each sample (`weights` as `pred`, one weight per element:
+    a mask's, data/masks.py), averaged over the batch, in fp32.
+
+    Each sample is normalised by its own weight sum, so a masked image pulls as hard as an unmasked
+    one (a mask over a tenth of the image does not train at a tenth of the learning rate), and the
+    loss of a row does not depend on the other rows (a batch split over processes gives the same
+    loss). Weights of ones give the plain loss."""
+    err = (pred.float() - target.float()) ** 2 * weights
+    dims = tuple(range(1, err.dim()))
+    per_sample = err.sum(dim=dims) / weights.sum(dim=dims).clamp_min(torch.finfo(torch.float32).tiny)
+    return per_sample.mean()

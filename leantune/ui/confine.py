@@ -43,6 +43,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "sample.base": MODEL,                             # another checkpoint of the family, read as weights
     "data.datasets.path": (DATA,),
     "data.datasets.reference_path": (DATA,),
+    "data.datasets.mask_path": (DATA,),               # masks are read (and shown) as the images are
     "sample.references": (DATA,),
     "data.cache_dir": (RUNS,),                        # a cache several runs share stays the page's
     "output.dir": (RUN,),
@@ -53,6 +54,7 @@ UNLISTED = (DATA, RUN)
 NAMES = frozenset({"output.name"})
 TEXT = frozenset({
     "data.datasets.caption_extension", "data.datasets.trigger_word", "data.datasets.default_caption",
+    "data.datasets.mask_suffix",                      # part of a file name beside each image
     "full.train", "full.exclude",                     # fnmatch patterns on parameter names
     "memory.streamed_blocks", "memory.vram_budget", "memory.ram_budget",
     "sample.prompts", "sample.negative_prompt",

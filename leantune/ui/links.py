@@ -52,6 +52,7 @@ def check(cfg, data_roots) -> None:
     confine.check has passed."""
     from ..config import resolve_path
     from ..data.dataset import MAX_SCAN_FILES, _image_files, _TooManyFiles
+    from ..data.masks import _by_stem, mask_folder
     from ..data.references import _index, reference_folder
 
     roots = [Path(r).resolve() for r in data_roots]
@@ -77,3 +78,9 @@ def check(cfg, data_roots) -> None:
             ref_key = where(("data", "datasets", i, "reference_path"))
             for path in sorted({p for entries in _index(refs).values() for _, p in entries}):
                 _refuse_outside(ref_key, ds.reference_path, "reference image link", path, roots)
+        masks = mask_folder(ds, cfg.base_dir)
+        if masks is not None and masks.is_dir():        # the masks the loss reads (data/masks.py)
+            mask_key = where(("data", "datasets", i, "mask_path"))
+            for paths in _by_stem(masks).values():
+                for path in paths:
+                    _refuse_outside(mask_key, ds.mask_path, "mask link", path, roots)
