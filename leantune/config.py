@@ -377,6 +377,40 @@ class OutputConfig(Section):
         return v
 
 
+class ValidationConfig(Section):
+    """[validation]: a held-out set whose loss is measured every `every` steps at fixed noise levels
+    and fixed noise (train/validation.py), so its curve compares across runs and recipes."""
+
+    path: str | None = None        # a folder of images with same-stem captions, never trained on
+    fraction: float | None = Field(None, gt=0.0, le=0.5)   # or this share of the training images, held out
+    every: int = Field(100, ge=1)
+    # the noise levels each held-out image is measured at (the mean over them is the loss)
+    sigmas: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, max_length=32)
+    seed: int = 0                  # the noise drawn for each image and level
+
+    @field_validator("sigmas")
+    @classmethod
+    def _levels(cls, v: list[float]) -> list[float]:
+        for s in v:
+            if not (0.0 < s < 1.0):          # false for NaN too
+                raise ValueError(f"each noise level is in (0, 1); got {s}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.path is not None and self.fraction is not None:
+            raise ValueError("path and fraction: set both; the held-out images are a folder (path) or a share of "
+                             "the training images (fraction), not both")
+        if self.model_fields_set and self.path is None and self.fraction is None:
+            raise ValueError("needs path (a folder of held-out images) or fraction (a share of the training "
+                             "images, e.g. 0.1)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None or self.fraction is not None
+
+
 class RunConfig(Section):
     model: ModelConfig
     data: DataConfig
@@ -386,6 +420,7 @@ class RunConfig(Section):
     memory: MemoryConfig = MemoryConfig()
     distributed: DistributedConfig = DistributedConfig()
     sample: SampleConfig = SampleConfig()
+    validation: ValidationConfig = ValidationConfig()
     output: OutputConfig = OutputConfig()
 
     # Where relative paths in the file are resolved from (the TOML file's folder).

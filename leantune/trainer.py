@@ -108,6 +108,7 @@ class Trainee:
     dist: DistContext = field(default_factory=DistContext)   # this process's rank (trivial: one process)
     share_host_weights: bool = False   # [distributed] share_host_weights, for re-plans
     base_adapters: object | None = None   # train/base_adapters.BaseAdapterStack: frozen LoRAs under the trained one
+    validation: list = field(default_factory=list)   # [(step, held-out loss)] of [validation], saved with the state
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -209,6 +210,8 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
             _log_step(cfg, step, loss, t, writer, monitor, bar, seconds, report)
             if stop.requested:
                 raise stop.stop()     # saved below; no sample first: the stop's bound runs (train/stopping.py)
+            if cfg.validation.enabled and (step % cfg.validation.every == 0 or step == cfg.train.steps):
+                _validate(t, cfg, step, writer)      # before the save: its state holds this step's value
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 _save(t, cfg, paths, step, losses, intermediate=True)
             if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0 and dist.is_main:
@@ -235,7 +238,7 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
     result.losses = losses
     result.lora_files = _save(t, cfg, paths, step, losses, intermediate=step < cfg.train.steps)
     if dist.is_main:
-        _finish(paths, losses, monitor, writer)
+        _finish(paths, losses, monitor, writer, t.validation)
     t.mode.close(t)
     if t.memory is not None:
         t.memory.release()          # pinned buffers, slots and the staging thread go now, not at exit
@@ -314,7 +317,8 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
                                                   extra_prompts=sample_prompts(cfg.sample),
                                                   sample_references=sample_references(cfg.sample),
-                                                  ram_budget=ram_budget))  # filled once, then read by all
+                                                  ram_budget=ram_budget, validation=cfg.validation))
+    # (filled once, then read by all)
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     base_options = loader_options(cfg.memory)     # a file's e4m3 modulation stays e4m3 unless asked
@@ -548,6 +552,7 @@ def _training_state(t: Trainee, losses: list[float]) -> dict:
         "rng": rng_state(t.generator),
         "data": t.batches.state_dict(),
         "losses": list(losses),
+        "validation": [[s, v] for s, v in t.validation],
         "world_size": t.dist.world_size,
     }
 
@@ -575,6 +580,7 @@ def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[floa
             f"dataset back as it was, or set [data] allow_dataset_change = true (e.g. --set "
             f"data.allow_dataset_change=true) to continue at the start of the next epoch (weights, optimizer and "
             f"step count are kept; the rest of this epoch is skipped)") from None
+    t.validation = [(int(s), float(v)) for s, v in state.get("validation", [])]
     log.info("resumed from %s at step %d", ckpt, step)
     restore_exports(t, paths, step, cfg.train.steps, cfg.output.formats)
     return step, list(state["losses"])
@@ -595,7 +601,9 @@ def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[f
         save_checkpoint(paths.checkpoints, step, state, keep_last=cfg.train.keep_last, config=resolved_config(cfg))
         with disk_full_guard(paths.root, None, f"the resumable state of step {step} is saved; --resume writes "
                                                f"these files from it"):
-            atomic_write_json(paths.loss_history, {"step": step, "loss": losses})
+            atomic_write_json(paths.loss_history, {"step": step, "loss": losses,
+                                                   **({"validation": [[s, v] for s, v in t.validation]}
+                                                      if t.validation else {})})
             files = t.mode.export(t, paths, step, intermediate)
             record_written(paths.root, files)         # what --overwrite may delete (run_folder.py)
     log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
@@ -644,6 +652,22 @@ def _log_step(cfg, step, loss, t: Trainee, writer, monitor, bar, seconds, report
     if step % cfg.train.log_every == 0:
         ranks = t.dist.rank_memory(monitor.samples[-1] if monitor.samples else None)
         log.info("step %d loss %.5f lr %.3g %.2fs/it %s%s%s", step, loss, lr, seconds, mem, streaming, ranks)
+
+
+def _validate(t: Trainee, cfg: RunConfig, step: int, writer) -> None:
+    """The held-out loss at this step (train/validation.py): logged, in TensorBoard as
+    loss/validation, kept for the loss plot and the state."""
+    from .train.validation import validation_loss
+
+    if not t.data.validation_samples:
+        return
+    stopping.set_phase(f"measuring the validation loss at step {step}")
+    value = validation_loss(t, cfg, t.data.validation_batches(), _loss, _autocast)
+    t.validation = [(s, v) for s, v in t.validation if s != step] + [(step, value)]
+    if writer is not None:
+        writer.add_scalar("loss/validation", value, step)
+    log.info("step %d validation loss %.5f (%d held-out sample(s), %d noise levels)", step, value,
+             len(t.data.validation_samples), len(cfg.validation.sigmas))
 
 
 def _streaming_summary(report: dict) -> str:
@@ -733,8 +757,8 @@ def _sample_on_other_base(t: Trainee, cfg: RunConfig, family, embeds, vae, negat
                                 references=references, schedule_folder=path if path.is_dir() else None)
 
 
-def plot_losses(losses: list[float], path: Path) -> Path:
-    """Raw per-step loss and its moving average, as PNG."""
+def plot_losses(losses: list[float], path: Path, validation: list | None = None) -> Path:
+    """Raw per-step loss and its moving average, and the held-out loss at its steps, as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -750,6 +774,8 @@ def plot_losses(losses: list[float], path: Path) -> Path:
         avg = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
                for i in range(len(losses))]
         ax.plot(steps, avg, label=f"moving average ({window})")
+    if validation:
+        ax.plot([s for s, _ in validation], [v for _, v in validation], "o-", label="validation (fixed noise)")
     ax.set_xlabel("step")
     ax.set_ylabel("flow-matching loss")
     ax.legend()
@@ -759,9 +785,9 @@ def plot_losses(losses: list[float], path: Path) -> Path:
     return path
 
 
-def _finish(paths: RunPaths, losses, monitor, writer) -> None:
+def _finish(paths: RunPaths, losses, monitor, writer, validation=None) -> None:
     if losses:
-        plot_losses(losses, paths.loss_plot)
+        plot_losses(losses, paths.loss_plot, validation)
     monitor.plot(paths.memory_plot)
     log.info(monitor.summary())
     if writer is not None:

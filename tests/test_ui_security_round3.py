@@ -91,6 +91,8 @@ CASES = {
     "data.datasets.mask_path": (lambda doc, place: {**doc, "data": {"datasets": [
         {**doc["data"]["datasets"][0], "mask_path": str(_dataset(place / "masks"))}]}},
         "[[data.datasets]] #1 mask_path"),
+    "validation.path": (lambda doc, place: {**doc, "validation": {"path": str(_dataset(place / "held-out"))}},
+                        "[validation] path"),
     "sample.references": (lambda doc, place: _edit({**doc, "sample": {"references": [_image(place / "r.png")]}}),
                           "[sample] references #1"),
     "data.cache_dir": (lambda doc, place: {**doc, "data": {**doc["data"], "cache_dir": str(place / "cache")}},

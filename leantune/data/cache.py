@@ -519,7 +519,8 @@ def _warn_split_batches(data: "CachedData") -> None:
 def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
                    load_vae: Callable | None = None, load_text_encoders: Callable | None = None,
                    extra_prompts: Sequence[str] | None = None,
-                   sample_references: Sequence[str] | None = None, ram_budget: int | None = None) -> "CachedData":
+                   sample_references: Sequence[str] | None = None, ram_budget: int | None = None,
+                   validation=None) -> "CachedData":
     """Scan the datasets, fill the caches, free the encoders; return what the trainer reads.
 
     `data_cfg` and `model_cfg` are the run's [data] and [model] sections, `base_dir` the folder their
@@ -534,6 +535,8 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     (`CachedData.sample_references`, `prompt_embeds(..., references=True)`).
     `ram_budget` (bytes; the run's [memory] ram_budget, None: the RAM available) decides whether a
     text encoder too large for it is read from its files layer by layer instead of loaded.
+    `validation` (the run's [validation]): its held-out images are cached in the same pass and kept
+    out of the training samples (`CachedData.validation_samples`, data/held_out.py).
     """
     from leantune.data.references import encoded_size
 
@@ -549,7 +552,14 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     samples: list[Sample] = []
     latent_jobs: dict[str, tuple[ImageItem, Bucket]] = {}
     mask_jobs: dict[str, tuple] = {}
-    for item in items:
+    held_out: list[ImageItem] = []
+    if validation is not None and validation.enabled:
+        from leantune.data.held_out import split_held_out
+
+        items, held_out = split_held_out(items, validation, data_cfg, base_dir, family)
+    held_ids = {id(it) for it in held_out}
+    validation_samples: list[Sample] = []
+    for item in items + held_out:
         for res in data_cfg.resolutions:
             if res in item.too_small_for:       # would be upscaled past [[data.datasets]] min_size
                 continue
@@ -566,16 +576,19 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             if item.mask is not None:
                 m_key = mask_key(item.mask.sha256, bucket, family.vae_scale_factor)
                 mask_jobs[m_key] = (item.mask, bucket)
-            samples.extend([Sample(item, res, bucket, key, tuple(ref_keys), seen_refs, tuple(ref_sizes),
-                                   m_key, item.mask.floor if item.mask is not None else 0.0)]
-                           * item.repeats)
+            sample = Sample(item, res, bucket, key, tuple(ref_keys), seen_refs, tuple(ref_sizes),
+                            m_key, item.mask.floor if item.mask is not None else 0.0)
+            if id(item) in held_ids:
+                validation_samples.append(sample)       # once, never trained on
+            else:
+                samples.extend([sample] * item.repeats)
 
-    prompts = [it.caption for it in items] + [""] + list(extra_prompts or ())
+    prompts = [it.caption for it in items + held_out] + [""] + list(extra_prompts or ())
     text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
     text_jobs = {k: p for p, k in text_keys.items()}
     # A text encoder that reads the references (an edit model's VLM): one entry per caption and
     # references, the empty caption (dropout) included, keyed by their content too.
-    for it in items:
+    for it in items + held_out:
         refs = _text_refs(it, family)
         if refs:
             paths = tuple(r.path for r in it.references)
@@ -622,6 +635,10 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     data.sample_references = sample_refs
     data.sample_reference_keys = sample_ref_keys
     data.sample_text_refs = sample_text_refs
+    data.validation_samples = validation_samples
+    if validation_samples:
+        log.info("validation: %d held-out image(s), %d sample(s) over the resolutions", len(held_out),
+                 len(validation_samples))
     log.info("cache: %s", data.summary())
     return data
 
@@ -654,6 +671,7 @@ class CachedData:
         self.sample_references: tuple = ()          # ReferenceImage, one per reference
         self.sample_reference_keys: list[str] = []   # their latent entries, encoded as the pipeline samples
         self.sample_text_refs: tuple[str, ...] = ()  # their hashes, when the text encoder reads them
+        self.validation_samples: list[Sample] = []   # the held-out images ([validation]), one sample each
 
     @property
     def buckets(self) -> dict[Bucket, int]:
@@ -710,6 +728,21 @@ class CachedData:
         return PromptEmbeds(t5=t5, pooled=torch.stack([r[1] for r in rows]).to(dtype))
 
 
+    def validation_batches(self, dtype: torch.dtype = torch.float32) -> list[Batch]:
+        """The held-out samples as batches of [data] batch_size within each bucket, in a fixed
+        order (bucket, then file), with their own captions: the same batches at every evaluation
+        and in every run over the same images."""
+        by_bucket: dict = {}
+        for s in sorted(self.validation_samples, key=lambda s: (s.bucket, s.reference_sizes, str(s.item.path))):
+            by_bucket.setdefault((s.bucket, s.reference_sizes), []).append(s)
+        reader = BatchIterator(self, None, dtype)
+        out = []
+        for group in by_bucket.values():
+            for i in range(0, len(group), self.batch_size):
+                chunk = group[i:i + self.batch_size]
+                out.append(reader.assemble(chunk, [s.item.caption for s in chunk], chunk[0].bucket))
+        return out
+
     def sample_reference_latents(self) -> list[torch.Tensor]:
         """The sample references' latents, one (1, C, h, w) bf16 tensor each ([] for none)."""
         return [self.latent_entry(k)[None] for k in self.sample_reference_keys]
@@ -732,11 +765,15 @@ class BatchIterator:
         slot = next(self.order)
         samples = [self.data.samples[i] for i in slot.samples]
         captions = ["" if drop else s.item.caption for s, drop in zip(samples, slot.dropped)]
+        return self.assemble(samples, captions, slot.bucket)
+
+    def assemble(self, samples: list[Sample], captions: list[str], bucket: Bucket) -> Batch:
+        """The Batch of these samples (of one bucket) with these captions, read from the cache."""
         latents = torch.stack([self.data.latent(s) for s in samples]).to(self.dtype)   # (B, 16, h, w)
         rows = [self.data.text_entry(c, s.text_refs) for c, s in zip(captions, samples)]
         t5, lengths = _pad_t5([r[0] for r in rows], self.dtype)                        # (B, L, D_t5)
         pooled = torch.stack([r[1] for r in rows]).to(self.dtype)                       # (B, D_clip)
-        return Batch(latents=latents, embeds=PromptEmbeds(t5=t5, pooled=pooled), bucket=slot.bucket,
+        return Batch(latents=latents, embeds=PromptEmbeds(t5=t5, pooled=pooled), bucket=bucket,
                      captions=captions, t5_lengths=lengths, references=self._references(samples),
                      loss_weights=self._loss_weights(samples, latents.shape[-2:]))
 

@@ -45,6 +45,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "data.datasets.reference_path": (DATA,),
     "data.datasets.mask_path": (DATA,),               # masks are read (and shown) as the images are
     "sample.references": (DATA,),
+    "validation.path": (DATA,),                       # held-out images, read as the datasets are
     "data.cache_dir": (RUNS,),                        # a cache several runs share stays the page's
     "output.dir": (RUN,),
     "distributed.deepspeed_config": (DATA, RUN),      # a JSON file of the user's, or beside the config

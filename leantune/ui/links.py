@@ -84,3 +84,27 @@ def check(cfg, data_roots) -> None:
             for paths in _by_stem(masks).values():
                 for path in paths:
                     _refuse_outside(mask_key, ds.mask_path, "mask link", path, roots)
+    _check_validation_folder(cfg, roots)
+
+
+def _check_validation_folder(cfg, roots: list[Path]) -> None:
+    """[validation] path is scanned as a dataset is (data/held_out.py): its links stay inside too."""
+    from ..config import resolve_path
+    from ..data.dataset import _image_files
+
+    value = cfg.validation.path
+    if not value:
+        return
+    folder = resolve_path(cfg.base_dir, value)
+    if not folder.is_dir():
+        return
+    key = "[validation] path"
+    first = cfg.data.datasets[0]
+    walk = _image_files(folder, first.recursive)
+    for entry in getattr(walk, "followed", ()):
+        _refuse_outside(key, value, "symlinked folder", _link(entry), roots)
+    for image in walk.files:
+        _refuse_outside(key, value, "image link", image, roots)
+        caption = image.with_suffix(first.caption_extension)
+        if caption.is_file():
+            _refuse_outside(key, value, "caption link", caption, roots)
