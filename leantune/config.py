@@ -377,6 +377,16 @@ class OutputConfig(Section):
         return v
 
 
+class EmaConfig(Section):
+    """[ema]: an average of the trained adapter weights in host RAM, written beside the live LoRA
+    (train/ema.py)."""
+
+    enabled: StrictBool = False
+    decay: float = Field(0.999, gt=0.0, lt=1.0)   # per update; 0.999 averages over ~1000 updates
+    every: int = Field(1, ge=1)                     # optimizer steps between updates
+    sample: StrictBool = False                      # draw the training samples from the average
+
+
 class ValidationConfig(Section):
     """[validation]: a held-out set whose loss is measured every `every` steps at fixed noise levels
     and fixed noise (train/validation.py), so its curve compares across runs and recipes."""
@@ -421,6 +431,7 @@ class RunConfig(Section):
     distributed: DistributedConfig = DistributedConfig()
     sample: SampleConfig = SampleConfig()
     validation: ValidationConfig = ValidationConfig()
+    ema: EmaConfig = EmaConfig()
     output: OutputConfig = OutputConfig()
 
     # Where relative paths in the file are resolved from (the TOML file's folder).
@@ -479,6 +490,10 @@ class RunConfig(Section):
                              "decides fp8)")
         mode = self.train.mode
         if mode == "full":
+            if self.ema.enabled:
+                raise ValueError("[ema] enabled = true: an average is kept of adapter weights, but [train] mode = "
+                                 "\"full\" trains the whole model (a host copy of it in fp32 would be the largest "
+                                 "thing in the run); remove [ema] or train a LoRA")
             if self.model.base_adapters:
                 raise ValueError("[model] base_adapters: set, but [train] mode = \"full\" trains the base weights "
                                  "themselves; base adapters are frozen LoRAs under a trained LoRA ([train] mode = "

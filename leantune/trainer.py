@@ -109,6 +109,7 @@ class Trainee:
     share_host_weights: bool = False   # [distributed] share_host_weights, for re-plans
     base_adapters: object | None = None   # train/base_adapters.BaseAdapterStack: frozen LoRAs under the trained one
     validation: list = field(default_factory=list)   # [(step, held-out loss)] of [validation], saved with the state
+    ema: object | None = None      # train/ema.AdapterEma when [ema] enabled
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -186,6 +187,10 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
     torch.manual_seed(cfg.train.seed)
     stopping.set_phase("setting up the caches, model and memory plan")
     t = _build(cfg, dist)
+    if cfg.ema.enabled:
+        from .train.ema import AdapterEma
+
+        t.ema = AdapterEma(t.transformer, cfg.ema.decay, cfg.ema.every)
     start, losses = 0, []
     if resume:
         start, losses = _resume(t, paths, cfg)
@@ -203,6 +208,8 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
             with stop:
                 loss = _guarded_step(t, cfg, step + 1)
                 step += 1          # inside: an interrupt after the update never saves it as the step before
+                if t.ema is not None:
+                    t.ema.after_step(step)
             seconds = time.perf_counter() - t0
             report = t.memory.step_report() if t.memory is not None else {}   # counters since last step
             _calibrate(t, seconds, report)
@@ -553,6 +560,7 @@ def _training_state(t: Trainee, losses: list[float]) -> dict:
         "data": t.batches.state_dict(),
         "losses": list(losses),
         "validation": [[s, v] for s, v in t.validation],
+        **({"ema": t.ema.state()} if t.ema is not None else {}),
         "world_size": t.dist.world_size,
     }
 
@@ -581,6 +589,11 @@ def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[floa
             f"data.allow_dataset_change=true) to continue at the start of the next epoch (weights, optimizer and "
             f"step count are kept; the rest of this epoch is skipped)") from None
     t.validation = [(int(s), float(v)) for s, v in state.get("validation", [])]
+    if t.ema is not None:
+        if "ema" in state:
+            t.ema.load_state(state["ema"], ckpt)
+        else:
+            log.warning("%s holds no [ema] average (the run had none): it starts from step %d", ckpt, step)
     log.info("resumed from %s at step %d", ckpt, step)
     restore_exports(t, paths, step, cfg.train.steps, cfg.output.formats)
     return step, list(state["losses"])
@@ -605,6 +618,10 @@ def _save(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, losses: list[f
                                                    **({"validation": [[s, v] for s, v in t.validation]}
                                                       if t.validation else {})})
             files = t.mode.export(t, paths, step, intermediate)
+            if t.ema is not None:                     # <name>_ema_<format> beside the live files
+                from .train.ema import export_ema
+
+                files = files + export_ema(t, paths, step, intermediate)
             record_written(paths.root, files)         # what --overwrite may delete (run_folder.py)
     log.info("saved step %d: %s", step, ", ".join(str(f) for f in files))
     return files
@@ -685,6 +702,9 @@ def _sample_or_report(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) ->
     sample step tries again. A stop signal (KeyboardInterrupt) is not a fault and passes."""
     stopping.set_phase(f"sampling at step {step}")
     try:
+        if t.ema is not None and cfg.ema.sample:          # [ema] sample: drawn from the average
+            with t.ema.swapped_in():
+                return [_sample(t, cfg, paths, step)]
         return [_sample(t, cfg, paths, step)]
     except Exception as e:
         problem = str(e).strip().splitlines()[0][:300] if str(e).strip() else "no message"
