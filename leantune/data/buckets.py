@@ -23,7 +23,7 @@ import hashlib
 import math
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from PIL import Image
@@ -114,6 +114,7 @@ class BatchSlot:
     bucket: Bucket
     samples: tuple[int, ...]    # indices into the sample list the order was built from
     dropped: tuple[bool, ...]   # caption dropout decision per sample
+    prior: bool = False         # a batch of prior (regularisation) images ([[data.datasets]] role = "prior")
 
 
 class BatchOrder:
@@ -225,3 +226,58 @@ class BatchOrder:
             self.epoch, self.index = int(state["epoch"]) + 1, 0
         else:
             self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class MixedOrder:
+    """Training batches with prior batches mixed in at `ratio`: optimizer batch k (0-based) is a
+    prior batch when floor((k + 1) * ratio) > floor(k * ratio), so the share holds over every
+    stretch of steps (0.25: every fourth batch) without a random draw to save. Each kind keeps its
+    own BatchOrder over its own samples (their epochs run apart: prior sets are often larger or
+    smaller than the training set); slots name samples by their index in the whole list, as a
+    BatchOrder's do, so batch assembly and the split over processes are unchanged. The epoch
+    reported is the training images'."""
+
+    def __init__(self, train: BatchOrder, train_index: Sequence[int], prior: BatchOrder,
+                 prior_index: Sequence[int], ratio: float):
+        self.train, self.prior = train, prior
+        self.train_index, self.prior_index = list(train_index), list(prior_index)
+        self.ratio = float(ratio)
+        self.count = 0
+        self.seed = train.seed
+        self.layout = hashlib.sha256(f"{train.layout}|{prior.layout}|{self.ratio!r}".encode()).hexdigest()[:16]
+        self.batches_per_epoch = train.batches_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self.train.epoch
+
+    def __iter__(self) -> Iterator[BatchSlot]:
+        return self
+
+    def _is_prior(self, k: int) -> bool:
+        return math.floor((k + 1) * self.ratio) > math.floor(k * self.ratio)
+
+    def __next__(self) -> BatchSlot:
+        is_prior = self._is_prior(self.count)
+        order, index = (self.prior, self.prior_index) if is_prior else (self.train, self.train_index)
+        slot = next(order)
+        self.count += 1
+        return replace(slot, samples=tuple(index[i] for i in slot.samples), prior=is_prior)
+
+    def state_dict(self) -> dict:
+        return {"mixed": True, "count": self.count, "layout": self.layout, "seed": self.seed,
+                "train": self.train.state_dict(), "prior": self.prior.state_dict()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        if not state.get("mixed"):
+            if strict:
+                raise ValueError("batch position was saved without prior batches mixed in (a [[data.datasets]] "
+                                 "role = \"prior\" was added); it cannot be resumed exactly")
+            self.train.load_state_dict(state, strict=False)
+            return
+        if state.get("layout") != self.layout and strict:
+            raise ValueError("batch position was saved for another mix of training and prior images (images, "
+                             "[data] prior_ratio or batch size changed); it cannot be resumed exactly")
+        self.train.load_state_dict(state["train"], strict=strict)
+        self.prior.load_state_dict(state["prior"], strict=strict)
+        self.count = int(state["count"])

@@ -90,6 +90,7 @@ class Sample:
     reference_sizes: tuple[Bucket, ...] = ()   # (width, height) each reference is encoded at
     mask_key: str | None = None   # its loss mask's entry (a masked dataset's; data/masks.py)
     mask_floor: float = 0.0       # the loss weight where that mask is black
+    prior: bool = False           # of a [[data.datasets]] role = "prior" (train/priors.py)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Batch:
     references: list[torch.Tensor] | None = None   # per reference slot (B, C, h_r, w_r); None: no references
     # (B, 1, h, w) float32 loss weight per latent cell (data/masks.py); None: no sample of the batch is masked
     loss_weights: torch.Tensor | None = None
+    prior: bool = False          # a batch of prior images: trained with [data] prior_loss (train/priors.py)
 
 
 # -- identities and keys -------------------------------------------------------------------------
@@ -500,7 +502,7 @@ def _warn_split_batches(data: "CachedData") -> None:
     batches (like targets of different buckets): say so when that leaves batches short of
     [data] batch_size, since the user asked for that many per step."""
     order = data._order(data.batch_size, 0)
-    if data.batch_size == 1 or not order.splits_buckets:
+    if data.batch_size == 1 or not getattr(order, "splits_buckets", False):     # a MixedOrder: not checked
         return
     plain = BatchOrder([s.bucket for s in data.samples], data.batch_size, 0, data.shuffle).batches_per_epoch
     if order.batches_per_epoch == plain:
@@ -576,8 +578,9 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             if item.mask is not None:
                 m_key = mask_key(item.mask.sha256, bucket, family.vae_scale_factor)
                 mask_jobs[m_key] = (item.mask, bucket)
+            prior = item.dataset < len(data_cfg.datasets) and data_cfg.datasets[item.dataset].role == "prior"
             sample = Sample(item, res, bucket, key, tuple(ref_keys), seen_refs, tuple(ref_sizes),
-                            m_key, item.mask.floor if item.mask is not None else 0.0)
+                            m_key, item.mask.floor if item.mask is not None else 0.0, prior)
             if id(item) in held_ids:
                 validation_samples.append(sample)       # once, never trained on
             else:
@@ -630,7 +633,8 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
         warnings.warn(f"[data] batch_size {data_cfg.batch_size} is larger than the dataset ({len(samples)} samples "
                       f"with repeats, over all resolutions): every batch holds at most {len(samples)}; lower "
                       f"batch_size or add images", DataWarning, stacklevel=2)
-    data = CachedData(cache_dir, samples, text_keys, data_cfg.batch_size, data_cfg.shuffle, stats)
+    data = CachedData(cache_dir, samples, text_keys, data_cfg.batch_size, data_cfg.shuffle, stats,
+                      prior_ratio=data_cfg.prior_ratio)
     _warn_split_batches(data)
     data.sample_references = sample_refs
     data.sample_reference_keys = sample_ref_keys
@@ -658,13 +662,14 @@ class CachedData:
     """The cached dataset: sample list, entry locations, batch iterators and prompt embeddings."""
 
     def __init__(self, cache_dir: Path, samples: list[Sample], text_keys: dict[str, str], batch_size: int,
-                 shuffle: bool, stats: dict[str, CacheStats]):
+                 shuffle: bool, stats: dict[str, CacheStats], prior_ratio: float = 0.25):
         self.cache_dir = Path(cache_dir)
         self.samples = samples
         self.text_keys = text_keys            # prompt -> entry key
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.stats = stats
+        self.prior_ratio = prior_ratio        # the share of batches of prior images, when there are any
         self.num_items = len(samples)         # per epoch: images x resolutions x repeats
         self.batches_per_epoch = self._order(batch_size, 0).batches_per_epoch
         # What the run's samples are conditioned on (an edit family; prepare_caches fills them)
@@ -696,9 +701,20 @@ class CachedData:
     def _order(self, batch_size: int, seed: int) -> BatchOrder:
         """The batch order; a batch holds samples of one bucket whose references are encoded at
         the same sizes (a batch stacks one tensor per reference slot)."""
-        groups = [s.reference_sizes for s in self.samples] if any(s.reference_sizes for s in self.samples) else None
-        return BatchOrder([s.bucket for s in self.samples], batch_size, seed, self.shuffle,
-                          dropout=[s.item.caption_dropout for s in self.samples], groups=groups)
+        if any(s.prior for s in self.samples):
+            from leantune.data.buckets import MixedOrder
+
+            train = [i for i, s in enumerate(self.samples) if not s.prior]
+            prior = [i for i, s in enumerate(self.samples) if s.prior]
+            return MixedOrder(self._order_of([self.samples[i] for i in train], batch_size, seed), train,
+                              self._order_of([self.samples[i] for i in prior], batch_size, seed + 1), prior,
+                              self.prior_ratio)
+        return self._order_of(self.samples, batch_size, seed)
+
+    def _order_of(self, samples: list[Sample], batch_size: int, seed: int) -> BatchOrder:
+        groups = [s.reference_sizes for s in samples] if any(s.reference_sizes for s in samples) else None
+        return BatchOrder([s.bucket for s in samples], batch_size, seed, self.shuffle,
+                          dropout=[s.item.caption_dropout for s in samples], groups=groups)
 
     def latent(self, sample: Sample) -> torch.Tensor:
         """(16, h, w) bf16 latents of one sample."""
@@ -765,7 +781,9 @@ class BatchIterator:
         slot = next(self.order)
         samples = [self.data.samples[i] for i in slot.samples]
         captions = ["" if drop else s.item.caption for s, drop in zip(samples, slot.dropped)]
-        return self.assemble(samples, captions, slot.bucket)
+        batch = self.assemble(samples, captions, slot.bucket)
+        batch.prior = slot.prior
+        return batch
 
     def assemble(self, samples: list[Sample], captions: list[str], bucket: Bucket) -> Batch:
         """The Batch of these samples (of one bucket) with these captions, read from the cache."""
