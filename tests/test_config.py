@@ -146,7 +146,7 @@ def test_every_config_key_is_documented():
     ("[train]\nmode = \"full\"\n[lora]\nrank = 8\n", r"\[lora\] rank: set, but \[train\] mode = \"full\""),
     ("[full]\nexclude = [\"x_embedder.*\"]\n", r"\[full\] exclude: set, but \[train\] mode = \"lora\""),
     ("[train]\nmode = \"full\"\n[memory]\nfp8 = true\n", r"\[memory\] fp8 = true with \[train\] mode = \"full\""),
-    ("[train]\noptimizer = \"adamw8bit\"\n", r"\[train\] optimizer = 'adamw8bit' is for \[train\] mode = \"full\""),
+    ("[train]\nmode = \"full\"\noptimizer = \"prodigy\"\n", r"\[train\] optimizer = 'prodigy' is for \[train\] mode = \"lora\""),
 ])
 def test_wrong_mode_combinations_name_the_key(tmp_path, extra, message):
     p = write(tmp_path, MINIMAL + extra)

@@ -43,8 +43,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
     p.add_argument("--targets", choices=["attention", "attention_mlp", "all"], default=None,
                    help="LoRA target preset (default attention_mlp)")
-    p.add_argument("--optimizer", choices=["adamw", "adafactor", "adamw8bit"], default=None,
-                   help="adamw8bit (bitsandbytes): --mode full only")
+    p.add_argument("--optimizer", choices=_optimizers(), default=None,
+                   help="[train] optimizer (default adamw); prodigy, schedulefree_adamw and came: LoRA only")
     p.add_argument("--state-dtype", choices=["fp32", "bf16"], default=None,
                    help="--mode full: dtype of AdamW's moments (default fp32)")
     p.add_argument("--exclude", action="append", default=None, metavar="PATTERN",
@@ -322,14 +322,24 @@ def _full_flags(args) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _optimizers() -> list[str]:
+    """The --optimizer choices: [train] optimizer's own values."""
+    import typing
+
+    from ..config import TrainConfig
+
+    return list(typing.get_args(TrainConfig.model_fields["optimizer"].annotation))
+
+
 def _check_workload(w) -> None:
-    from ..config import MAX_RESOLUTION, ConfigError
+    from ..config import MAX_RESOLUTION, PACKAGE_ONLY_LORA, ConfigError
 
     if w.mode != "full" and (w.state_dtype != "fp32" or w.master_weights or w.full_exclude
                              or w.streamed_step != "auto"):
         raise ConfigError("--state-dtype, --exclude, --master-weights and --streamed-step are for --mode full")
-    if w.mode != "full" and w.optimizer not in ("adamw", "adafactor"):
-        raise ConfigError(f"--optimizer {w.optimizer}: for --mode full; LoRA training uses adamw or adafactor")
+    if w.mode == "full" and w.optimizer in PACKAGE_ONLY_LORA:
+        raise ConfigError(f"--optimizer {w.optimizer}: for LoRA training; --mode full uses adamw, adafactor or "
+                          f"adamw8bit")
     for h, wd in w.buckets:
         if h < 64 or h % 16 or wd < 64 or wd % 16:
             raise ConfigError(f"--resolution {h}: must be a multiple of 16 of at least 64")

@@ -74,6 +74,7 @@ from .machine import Machine, assumed_machine
 from ..memory.plan import Plan
 from .timing import StepTime, simulate_step
 from .spec_cache import MeasuredModel, effective_storage, measure_model, storage_options
+from .optimizer_state import lora_shapes, state_bytes
 from .weight_bytes import ModuleWeights, align
 from .workload import Workload
 
@@ -213,7 +214,8 @@ class MemoryModel:
         if w.mode == "lora":
             n = self.weights.adapter_params(w.rank)
             params = grads = 4 * n
-            states = 8 * n if w.optimizer == "adamw" else 4 * self.weights.adafactor_state(w.rank)
+            # Each optimizer's state as it allocates it (optimizer_state.py)
+            states = state_bytes(w.optimizer, lora_shapes(self.weights.adapters, w.rank))
             return params, grads, states
         n = self.weights.numel
         grads = n * self.dtype_bytes

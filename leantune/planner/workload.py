@@ -30,8 +30,13 @@ class Workload:
     mode: Mode = "lora"
     rank: int = 16
     targets: str = "attention_mlp"
+    # [lora] type (train/adapter_types.py) and LoKr's [lora] factor / decompose_both: the adapter's
+    # parameter shapes and the activations its layers keep
+    adapter: Literal["lora", "dora", "lokr", "loha"] = "lora"
+    lokr_factor: int = -1
+    lokr_decompose_both: bool = False
     lora_blocks: dict[str, list[int]] | None = None
-    optimizer: Literal["adamw", "adafactor", "adamw8bit", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "adafactor", "adamw8bit", "prodigy", "schedulefree_adamw", "came", "sgd"] = "adamw"
     batch_size: int = 1
     buckets: tuple[tuple[int, int], ...] = ((1024, 1024),)   # (height, width) in pixels
     text_length: int = 512
@@ -73,7 +78,8 @@ class Workload:
         return (bucket[0] // 16) * (bucket[1] // 16)
 
     def describe(self) -> str:
-        what = {"lora": f"LoRA r{self.rank} ({self.targets})", "full": self._describe_full(),
+        kind = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}[self.adapter]
+        what = {"lora": f"{kind} r{self.rank} ({self.targets})", "full": self._describe_full(),
                 "inference": "inference"}[self.mode]
         sizes = ", ".join(f"{w}x{h}" for h, w in self.buckets)
         opt = "" if self.mode == "inference" else f", {self.optimizer}"

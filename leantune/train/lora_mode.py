@@ -88,10 +88,13 @@ class LoraMode:
 
     # -- exported files ----------------------------------------------------------------------------------
     def export(self, t, paths, step: int, intermediate: bool) -> list[Path]:
-        """The LoRA in every [output] format (per-step names while training, final names at the end)."""
+        """The LoRA in every [output] format (per-step names while training, final names at the end).
+        A schedule-free optimizer's files hold its averaged weights (optim_packages.evaluation_point)."""
         from .lora import lora_weights_from_model, save_lora
+        from .optim_packages import evaluation_point
 
-        weights = lora_weights_from_model(t.transformer)
+        with evaluation_point(t.optimizer):
+            weights = lora_weights_from_model(t.transformer)
         keys = self.spec.lora_keys if self.spec is not None else weights.keys
         files = []
         for fmt in self.formats:

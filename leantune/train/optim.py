@@ -1,7 +1,8 @@
 """Optimizers and learning-rate schedules for the trainable parameters (LoRA adapters for now).
 
 AdamW is torch's; Adafactor is torch's (>= 2.5) factored second-moment optimizer, which keeps
-far less state for full fine-tunes. Schedules are a warmup ramp followed by constant, cosine or
+far less state for full fine-tunes. Prodigy, schedule-free AdamW, CAME and bitsandbytes' 8-bit
+AdamW come from their own packages (optim_packages.py). Schedules are a warmup ramp followed by constant, cosine or
 linear decay to zero, as a LambdaLR so its state is a plain dict (exact resume).
 """
 
@@ -12,6 +13,7 @@ import math
 import torch
 
 from ..config import TrainConfig
+from .optim_packages import PACKAGES, build_package_optimizer
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -22,11 +24,16 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
         if not hasattr(torch.optim, "Adafactor"):
             raise RuntimeError("train.optimizer = \"adafactor\" needs torch >= 2.5")
         return torch.optim.Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer in PACKAGES:
+        return build_package_optimizer(params, cfg)
     raise ValueError(f"train.optimizer: unknown optimizer {cfg.optimizer!r}")
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
+    """Multiplier of the base learning rate at optimizer step `step` (0-based). Schedule-free AdamW:
+    always 1, its warmup is its own (config.py refuses another schedule with it)."""
+    if cfg.optimizer == "schedulefree_adamw":
+        return 1.0
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_scheduler == "constant":
