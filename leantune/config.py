@@ -210,12 +210,22 @@ class LoraConfig(Section):
         return float(self.rank if self.alpha is None else self.alpha)
 
 
+# Optimizers taken from their packages that only LoRA training steps (train/optim_packages.py).
+PACKAGE_ONLY_LORA = ("prodigy", "schedulefree_adamw", "came")
+
+
 class TrainConfig(Section):
     mode: Literal["lora", "full"] = "lora"     # "full": every (not excluded) transformer weight trains
     steps: int = Field(1000, ge=1)
     learning_rate: float = Field(1e-4, gt=0)    # inf would save a LoRA of NaN (STRICT refuses it)
-    # adamw8bit (bitsandbytes, CUDA): full mode only
-    optimizer: Literal["adamw", "adafactor", "adamw8bit"] = "adamw"
+    # adamw / adafactor: torch's; prodigy, schedulefree_adamw, came: their packages' (LoRA only:
+    # train/optim_packages.py); adamw8bit: bitsandbytes' (LoRA on CPU or CUDA; full mode: CUDA)
+    optimizer: Literal["adamw", "adafactor", "adamw8bit", "prodigy", "schedulefree_adamw", "came"] = "adamw"
+    # Prodigy only (prodigyopt's own names): the coefficient of its step-size estimate d, Adam's
+    # bias correction, and d's denominator without lr during warmup
+    prodigy_d_coef: float = Field(1.0, gt=0, le=1e6)
+    prodigy_use_bias_correction: bool = False
+    prodigy_safeguard_warmup: bool = False
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)     # each in [0, 1), as the optimizers require
     eps: float = Field(1e-8, gt=0)
@@ -529,10 +539,30 @@ class RunConfig(Section):
                 raise ValueError(f"[distributed] strategy = {self.distributed.strategy!r} shards a full fine-tune; "
                                  f"LoRA training uses \"ddp\" (or \"auto\"): set [train] mode = \"full\" or "
                                  f"[distributed] strategy = \"ddp\"")
-            if self.train.optimizer not in ("adamw", "adafactor"):
-                raise ValueError(f"[train] optimizer = {self.train.optimizer!r} is for [train] mode = \"full\"; "
-                                 f"LoRA training uses \"adamw\" or \"adafactor\"")
         self._distributed_storage()
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_keys(self):
+        """The optimizer's own keys and the combinations that make no sense, each named (they would
+        be ignored or fail once the model is loaded otherwise). See train/optim_packages.py."""
+        tc = self.train
+        if self.train.mode == "full" and tc.optimizer in PACKAGE_ONLY_LORA:
+            raise ValueError(f"[train] optimizer = {tc.optimizer!r} is for [train] mode = \"lora\": a full fine-tune "
+                             f"steps each weight inside backward with its own update (train/fused_optim.py), which "
+                             f"has \"adamw\", \"adafactor\" and \"adamw8bit\"")
+        if tc.optimizer != "prodigy":
+            for key in sorted(k for k in tc.model_fields_set if k.startswith("prodigy_")):
+                raise ValueError(f"[train] {key}: set, but [train] optimizer = {tc.optimizer!r}; it is a Prodigy "
+                                 f"setting (optimizer = \"prodigy\"): remove it")
+        if tc.optimizer == "schedulefree_adamw" and tc.lr_scheduler != "constant":
+            raise ValueError(f"[train] lr_scheduler = {tc.lr_scheduler!r} with [train] optimizer = "
+                             f"\"schedulefree_adamw\": schedule-free AdamW replaces the schedule (it averages its "
+                             f"iterates instead of decaying the rate); use lr_scheduler = \"constant\" (warmup_steps "
+                             f"is its own warmup)")
+        if tc.optimizer == "came" and "eps" in tc.model_fields_set:
+            raise ValueError("[train] eps: set, but [train] optimizer = \"came\" uses its own two regularisation "
+                             "constants (1e-30 for the squared gradient, 1e-16 for the instability); remove it")
         return self
 
     def _distributed_storage(self) -> None:
