@@ -27,6 +27,7 @@ from .planner.feedback.oom import NoPlanFits
 from .train import flow_matching as fm
 from .train.modes import make_mode
 from .train.optim import build_scheduler
+from .train.optim_packages import evaluation_point, scalars as optimizer_scalars
 from .train.resume_config import apply_learning_rate, check_resume, resolved_config
 from .train import stopping
 from .train.run_folder import LOCK_NAME, RunFolder, record_written, release_lock, restore_exports
@@ -656,10 +657,13 @@ def _log_step(cfg, step, loss, t: Trainee, writer, monitor, bar, seconds, report
         raise FloatingPointError(f"step {step}: loss is {loss}; stopping (the last saved state is intact)")
     mem = monitor.record(step, writer)
     streaming = _streaming_summary(report)
+    extra = optimizer_scalars(t.optimizer)
     if writer is not None:
         writer.add_scalar("loss", loss, step)
         writer.add_scalar("lr", lr, step)
         writer.add_scalar("seconds_per_step", seconds, step)
+        for k, v in extra.items():              # Prodigy's d and d * lr (train/optim_packages.py)
+            writer.add_scalar(k, v, step)
         for k, v in report.items():
             if isinstance(v, (int, float)):
                 writer.add_scalar(f"memory_engine/{k}", v, step)
@@ -668,7 +672,8 @@ def _log_step(cfg, step, loss, t: Trainee, writer, monitor, bar, seconds, report
         bar.set_postfix(loss=f"{loss:.4f}", s_it=f"{seconds:.2f}", mem=mem)
     if step % cfg.train.log_every == 0:
         ranks = t.dist.rank_memory(monitor.samples[-1] if monitor.samples else None)
-        log.info("step %d loss %.5f lr %.3g %.2fs/it %s%s%s", step, loss, lr, seconds, mem, streaming, ranks)
+        said = "".join(f" {k.split('/', 1)[1]} {v:.3g}" for k, v in extra.items())
+        log.info("step %d loss %.5f lr %.3g%s %.2fs/it %s%s%s", step, loss, lr, said, seconds, mem, streaming, ranks)
 
 
 def _validate(t: Trainee, cfg: RunConfig, step: int, writer) -> None:
@@ -679,7 +684,8 @@ def _validate(t: Trainee, cfg: RunConfig, step: int, writer) -> None:
     if not t.data.validation_samples:
         return
     stopping.set_phase(f"measuring the validation loss at step {step}")
-    value = validation_loss(t, cfg, t.data.validation_batches(), _loss, _autocast)
+    with evaluation_point(t.optimizer):      # schedule-free: the averaged weights (train/optim_packages.py)
+        value = validation_loss(t, cfg, t.data.validation_batches(), _loss, _autocast)
     t.validation = [(s, v) for s, v in t.validation if s != step] + [(step, value)]
     if writer is not None:
         writer.add_scalar("loss/validation", value, step)
@@ -702,10 +708,11 @@ def _sample_or_report(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) ->
     sample step tries again. A stop signal (KeyboardInterrupt) is not a fault and passes."""
     stopping.set_phase(f"sampling at step {step}")
     try:
-        if t.ema is not None and cfg.ema.sample:          # [ema] sample: drawn from the average
-            with t.ema.swapped_in():
-                return [_sample(t, cfg, paths, step)]
-        return [_sample(t, cfg, paths, step)]
+        with evaluation_point(t.optimizer):   # schedule-free: the averaged weights, y restored after
+            if t.ema is not None and cfg.ema.sample:          # [ema] sample: drawn from the average
+                with t.ema.swapped_in():
+                    return [_sample(t, cfg, paths, step)]
+            return [_sample(t, cfg, paths, step)]
     except Exception as e:
         problem = str(e).strip().splitlines()[0][:300] if str(e).strip() else "no message"
         log.error("step %d: the in-training sample failed (%s: %s); training goes on without it, the [sample] "
