@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 VENV=${LEANTUNE_VENV:-.venv}
 have() { "$VENV/bin/python" -I -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$@" >/dev/null 2>&1; }
-if ! have pytest xdist deepspeed fastapi playwright ninja uvicorn tomli_w \
+if ! have pytest xdist deepspeed fastapi playwright ninja uvicorn tomli_w bitsandbytes \
     || [ pyproject.toml -nt "$VENV/.leantune-test-installed" ]; then
   echo "setup (tests): installing the test dependencies into $VENV (once)" >&2
   "$VENV/bin/pip" install --quiet -e ".[test]"
