@@ -127,6 +127,24 @@ def test_parse_log_reads_loss_speed_and_memory_keeping_the_last_of_a_resumed_ste
     assert str(steps[2]["loss"]) == "nan"
 
 
+def test_parse_log_reads_the_held_out_losses_and_lines_with_an_optimizers_scalars(tmp_path, caplog):
+    """The trainer's own lines: its validation line (trainer._validate) and a step line with
+    Prodigy's d after the lr (the step still parses, its speed and memory too)."""
+    import logging
+
+    from leantune import trainer
+
+    with caplog.at_level(logging.INFO, logger="leantune"):
+        trainer.log.info("step %d validation loss %.5f (%d held-out sample(s), %d noise levels)", 50, 0.41234, 3, 5)
+        trainer.log.info("step %d validation loss %.5f (%d held-out sample(s), %d noise levels)", 100, 0.38, 3, 5)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert runs.parse_validation(text) == [[50, 0.41234], [100, 0.38]]
+    assert runs.parse_log(text) == []                                  # not training steps
+    line = "2026-12-02 12:00:00,000 INFO step 7 loss 0.50000 lr 1 d 2.1e-06 d_lr 2.1e-06 0.25s/it rss 1.0 GiB"
+    assert runs.parse_log(line) == [{"step": 7, "loss": 0.5, "s_it": 0.25, "vram": None, "vram_peak": None,
+                                     "rss": 1.0}]
+
+
 def _run(runs_dir: Path, name: str, steps: int = 10) -> Path:
     folder = runs_dir / name
     (folder / "run").mkdir(parents=True)

@@ -20,9 +20,11 @@ PLAN_FILE = "plan.json"
 RUN_DIR = "run"
 GiB = 2**30
 
-STEP_LINE = re.compile(r"\bstep (\d+) loss (\S+) lr \S+ ([\d.]+)s/it(.*)$")
+# an optimizer's own scalars may follow the lr ("lr 1 d 2.1e-06 d_lr 2.1e-06": Prodigy's estimate)
+STEP_LINE = re.compile(r"\bstep (\d+) loss (\S+) lr \S+(?: [\w*]+ \S+)*? ([\d.]+)s/it(.*)$")
 VRAM = re.compile(r"vram ([\d.]+)/([\d.]+) GiB \(peak ([\d.]+)\)")
 RSS = re.compile(r"rss ([\d.]+) GiB")
+VALIDATION_LINE = re.compile(r"\bstep (\d+) validation loss (\S+)")
 
 
 QUEUED_FILE = "queued.json"
@@ -63,6 +65,20 @@ def parse_log(text: str) -> list[dict]:
                     "rss": float(rss.group(1)) if rss else None})
     by_step = {entry["step"]: entry for entry in out}      # a resumed run logs steps again: keep the last
     return [by_step[s] for s in sorted(by_step)]
+
+
+def parse_validation(text: str) -> list[list]:
+    """The held-out losses of a train.log ([validation], train/validation.py): [[step, loss]],
+    the last measurement of a step kept (a resumed run may measure it again)."""
+    by_step = {}
+    for line in text.splitlines():
+        m = VALIDATION_LINE.search(line)
+        if m:
+            try:
+                by_step[int(m.group(1))] = float(m.group(2))
+            except ValueError:
+                continue
+    return [[s, by_step[s]] for s in sorted(by_step)]
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -189,12 +205,14 @@ def sample_tile(folder: Path, file: str, index: int) -> bytes:
 def progress(folder: Path, log_lines: int = 40) -> dict:
     """Everything the watch screen draws, from the run's files."""
     root = folder / RUN_DIR
-    steps = parse_log(_tail(root / "train.log", 100000))
+    text = _tail(root / "train.log", 100000)
+    steps = parse_log(text)
     info = launcher.read_process(folder) or {}
     log, console = _tail(root / "train.log", log_lines), _tail(folder / launcher.CONSOLE_FILE, log_lines)
     total = total_steps(folder)
     out = outputs(folder)
-    return {"name": folder.name, "state": state(folder), "steps": steps, "total_steps": total,
+    return {"name": folder.name, "state": state(folder), "steps": steps, "validation": parse_validation(text),
+            "total_steps": total,
             "predicted": predicted(folder), "log": log, "console": console, "exit_code": info.get("exit_code"),
             "activity": activity(log, console), **timing(folder, steps, total), "gallery": gallery(folder, out["samples"]),
             **out}

@@ -251,7 +251,10 @@ function showProgress(p) {
                   p.eta_s !== null && p.eta_s !== undefined ? `about ${fmtTime(p.eta_s)} left` : ""].filter(Boolean).join(" · ");
   $("progress").textContent = (p.state === "running" || p.state === "queued" ? `${p.state === "queued" ? "waiting in line" : p.activity}` : p.state) +
     (timing ? " · " + timing : "");
-  chart($("loss-chart"), [{name: "loss", points: steps.map((s) => [s.step, s.loss]), color: "#1f77b4"}], maxX);
+  const losses = [{name: "loss", points: steps.map((s) => [s.step, s.loss]), color: "#1f77b4"}];
+  // the held-out loss at fixed noise ([validation]): a smooth curve beside the noisy training loss
+  if ((p.validation || []).length) losses.push({name: "validation", points: p.validation, color: "#2ca02c"});
+  chart($("loss-chart"), losses, maxX);
   // measured (solid) against the plan's prediction (dashed): RSS vs host RAM, VRAM peak vs VRAM
   const mem = [{name: "rss", points: steps.filter((s) => s.rss !== null).map((s) => [s.step, s.rss]), color: "#1f77b4"},
                {name: "vram", points: steps.filter((s) => s.vram_peak !== null).map((s) => [s.step, s.vram_peak]), color: "#d62728"}];
