@@ -130,6 +130,9 @@ class DatasetConfig(Section):
     mask_path: str | None = None
     mask_suffix: str | None = None
     mask_floor: float = Field(0.0, ge=0.0, lt=1.0)
+    # "prior": a regularisation dataset (class images), mixed in at [data] prior_ratio and trained
+    # with [data] prior_loss (train/priors.py)
+    role: Literal["train", "prior"] = "train"
 
     @field_validator("mask_suffix")
     @classmethod
@@ -178,6 +181,26 @@ class DataConfig(Section):
     # --resume after images were added or removed: continue at the start of the next epoch (the
     # saved batch order cannot continue); without it such a resume is refused with this advice.
     allow_dataset_change: bool = False
+    # Regularisation ([[data.datasets]] role = "prior"; train/priors.py): the share of steps that
+    # train on a prior batch, and its loss: "plain" (the images' own flow-matching loss, DreamBooth's
+    # prior preservation) or "dop" (differential output preservation: the target is the base
+    # model's own prediction with the trained adapter off), weighted by prior_weight.
+    prior_ratio: float = Field(0.25, gt=0.0, lt=1.0)
+    prior_loss: Literal["plain", "dop"] = "plain"
+    prior_weight: float = Field(1.0, gt=0.0, le=100.0)
+
+    @model_validator(mode="after")
+    def _prior_keys(self):
+        roles = [d.role for d in self.datasets]
+        if "prior" in roles and "train" not in roles:
+            raise ValueError("every [[data.datasets]] has role = \"prior\": a run needs at least one dataset to train "
+                             "on (role = \"train\", the default) beside its prior images")
+        if "prior" not in roles:
+            for key in ("prior_ratio", "prior_loss", "prior_weight"):
+                if key in self.model_fields_set:
+                    raise ValueError(f"{key}: set, but no [[data.datasets]] has role = \"prior\"; add a dataset of "
+                                     f"prior (class) images with role = \"prior\", or remove {key}")
+        return self
 
     @field_validator("resolutions")
     @classmethod
@@ -194,6 +217,11 @@ class DataConfig(Section):
 
 
 class LoraConfig(Section):
+    # The adapter (train/adapter_types.py), each through peft's own implementation: "lora" (A, B),
+    # "dora" (LoRA with a learned magnitude per output row), "lokr" (Kronecker product of two
+    # factors), "loha" (Hadamard product of two low-rank pairs). rank and alpha mean each type's r
+    # and alpha (scale alpha / rank).
+    type: Literal["lora", "lokr", "loha", "dora"] = "lora"
     rank: int = Field(16, ge=1)
     # default: equal to rank; 0 would train nothing, inf/NaN would make every weight NaN
     alpha: float | None = Field(None, gt=0)
@@ -204,10 +232,35 @@ class LoraConfig(Section):
     blocks: dict[Literal["double", "single", "joint"], list[int]] | None = None
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_from: str | None = None         # continue from an existing LoRA file
+    # LoKr only: how each side of a Linear is split into the two Kronecker factors (peft's
+    # decompose_factor; -1: the split nearest the square root, e.g. 3072 = 48 x 64), and whether the
+    # first factor is also a low-rank product (peft's decompose_both; the second is one whenever
+    # rank < half its larger side).
+    factor: int = -1
+    decompose_both: bool = False
 
     @property
     def effective_alpha(self) -> float:
         return float(self.rank if self.alpha is None else self.alpha)
+
+    @field_validator("factor")
+    @classmethod
+    def _factor(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError(f"must be -1 (the split nearest the square root) or a positive integer, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _type_options(self):
+        if self.type != "lokr":
+            for key in ("factor", "decompose_both"):
+                if key in self.model_fields_set:
+                    raise ValueError(f"[lora] {key} is a LoKr option; it needs [lora] type = \"lokr\" (type is "
+                                     f"{self.type!r})")
+        if self.type in ("lokr", "loha") and self.dropout > 0:
+            raise ValueError(f"[lora] dropout = {self.dropout:g} with [lora] type = {self.type!r}: peft's LoKr and "
+                             f"LoHa have no input dropout; set dropout = 0 (or type \"lora\" / \"dora\")")
+        return self
 
 
 # Optimizers taken from their packages that only LoRA training steps (train/optim_packages.py).
@@ -500,6 +553,10 @@ class RunConfig(Section):
                              "decides fp8)")
         mode = self.train.mode
         if mode == "full":
+            if self.data.prior_loss == "dop":
+                raise ValueError("[data] prior_loss = \"dop\": its target is the model with the trained adapter off, "
+                                 "but [train] mode = \"full\" trains no adapter; use prior_loss = \"plain\" or train "
+                                 "a LoRA")
             if self.ema.enabled:
                 raise ValueError("[ema] enabled = true: an average is kept of adapter weights, but [train] mode = "
                                  "\"full\" trains the whole model (a host copy of it in fp32 would be the largest "
@@ -539,6 +596,12 @@ class RunConfig(Section):
                 raise ValueError(f"[distributed] strategy = {self.distributed.strategy!r} shards a full fine-tune; "
                                  f"LoRA training uses \"ddp\" (or \"auto\"): set [train] mode = \"full\" or "
                                  f"[distributed] strategy = \"ddp\"")
+            if self.lora.type == "dora" and (self.memory.fp8 or self.memory.fp8_modulation is True):
+                key = "fp8" if self.memory.fp8 else "fp8_modulation"
+                raise ValueError(f"[lora] type = \"dora\" with [memory] {key} = true: DoRA normalises every row of the "
+                                 "base weight plus its update, and peft reads the base weight as stored, so an fp8 "
+                                 "weight would be taken without its scale; set [memory] {key} = false (the planner "
+                                 f"never stores a DoRA base in fp8), or use [lora] type \"lora\", \"lokr\" or \"loha\"")
         self._distributed_storage()
         return self
 

@@ -280,12 +280,23 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
                              image_seq_len=family.image_tokens(h, w))[shard.rows]
     noisy = fm.add_noise(x0, noise, sigma)
     target = family.pack_latents(fm.velocity_target(x0, noise))     # the transformer's layout
-    with _autocast(cfg, t.device):
-        refs = getattr(batch, "references", None)      # an edit dataset's reference latents (ModelFamily.references)
-        pred = family.predict(t.transformer, family.pack_latents(noisy).to(t.dtype), sigma.to(t.device),
-                              batch.embeds, (h, w), cfg.train.guidance,
-                              **({"references": [r.to(t.device) for r in refs]} if refs else {}))
+    refs = getattr(batch, "references", None)      # an edit dataset's reference latents (ModelFamily.references)
+
+    def predict():
+        with _autocast(cfg, t.device):
+            return family.predict(t.transformer, family.pack_latents(noisy).to(t.dtype), sigma.to(t.device),
+                                  batch.embeds, (h, w), cfg.train.guidance,
+                                  **({"references": [r.to(t.device) for r in refs]} if refs else {}))
+
+    prior = getattr(batch, "prior", False)
+    if prior and cfg.data.prior_loss == "dop":     # the base's own prediction is the target (train/priors.py)
+        from .train.priors import base_prediction
+
+        target = base_prediction(predict, t.transformer)
+    pred = predict()
     loss = _loss(family, pred, target, getattr(batch, "loss_weights", None), x0) * shard.weight
+    if prior:
+        loss = loss * cfg.data.prior_weight
     backward = getattr(t.mode, "backward", None)      # an engine that owns backward (DeepSpeed)
     (backward or torch.Tensor.backward)(loss * scale)
     return float(loss.detach())
