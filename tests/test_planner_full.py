@@ -204,5 +204,5 @@ def test_plan_command_plans_full_fine_tunes(capsys):
     rc = main(["plan", "--model", "flux-dev", "--mode", "full", "--optimizer", "adafactor", "--vram", "8GiB"])
     text = capsys.readouterr().out
     assert rc == 0 and "GB GPU->host per step" in text and "fp32 master weights" in text
-    rc = main(["plan", "--model", "flux-dev", "--mode", "lora", "--optimizer", "adamw8bit", "--vram", "8GiB"])
-    assert rc == 2 and "for --mode full" in capsys.readouterr().err
+    rc = main(["plan", "--model", "flux-dev", "--mode", "full", "--optimizer", "prodigy", "--vram", "8GiB"])
+    assert rc == 2 and "for LoRA training" in capsys.readouterr().err
