@@ -120,6 +120,14 @@ path = "{images}"
 """
 
 
+def tiny_lora_rest(out, name: str, sections: str = "", steps: int = 4, save_every: int = 2) -> str:
+    """The [lora], [train] and [output] part of a short LoRA run on the tiny model (rank 4 on every
+    block Linear, fp32, seed 3), with the test's own `sections` between [train] and [output]."""
+    return (f'\n[lora]\nrank = 4\ntargets = "all"\n\n[train]\nsteps = {steps}\nlearning_rate = 1e-3\n'
+            f'mixed_precision = "no"\nsave_every = {save_every}\nseed = 3\n\n{sections}\n'
+            f'[output]\ndir = "{out}"\nname = "{name}"\n')
+
+
 def tiny_run_toml(model, images, rest: str) -> str:
     """A run config for the tiny model: the shared head, then the test's own dataset keys and
     [lora] / [train] / [output] sections (`rest`, which may use no format fields)."""

@@ -3,7 +3,7 @@ its own LoRA file beside the live one, exact on resume, swapped in and out bit f
 
 import pytest
 import torch
-from conftest import tiny_run_toml
+from conftest import tiny_lora_rest, tiny_run_toml
 from safetensors.torch import load_file
 
 from leantune.config import load_config
@@ -11,27 +11,6 @@ from leantune.demo import draw_shapes
 from leantune.train.ema import AdapterEma
 from leantune.train.lora import read_lora
 from leantune.trainer import train
-
-REST = """
-[lora]
-rank = 4
-targets = "all"
-
-[train]
-steps = 4
-learning_rate = 1e-3
-mixed_precision = "no"
-save_every = 2
-seed = 3
-
-[ema]
-{ema}
-
-[output]
-dir = "{out}"
-name = "e"
-"""
-
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
@@ -42,7 +21,7 @@ def images(tmp_path_factory):
 
 def _config(tmp_path, model, images, ema: str, out: str, extra=()):
     p = tmp_path / f"{out}.toml"
-    p.write_text(tiny_run_toml(model, images, REST.format(ema=ema, out=tmp_path / out)))
+    p.write_text(tiny_run_toml(model, images, tiny_lora_rest(tmp_path / out, "e", f"[ema]\n{ema}\n")))
     return load_config(p, list(extra))
 
 

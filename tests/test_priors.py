@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_run_toml
+from conftest import tiny_lora_rest, tiny_run_toml
 
 from leantune.config import LoraConfig, load_config
 from leantune.data.buckets import BatchOrder, MixedOrder
@@ -104,26 +104,12 @@ path = "{images}"
 path = "{prior}"
 role = "prior"
 
-[lora]
-rank = 4
-targets = "all"
-
-[train]
-steps = 4
-learning_rate = 1e-3
-mixed_precision = "no"
-save_every = 2
-seed = 3
-
-[output]
-dir = "{out}"
-name = "p"
 """
 
 
 def _config(tmp_path, model, images, prior, out, extra=()):
     p = tmp_path / f"{out}.toml"
-    p.write_text(RUN.format(model=model, images=images, prior=prior, out=tmp_path / out))
+    p.write_text(RUN.format(model=model, images=images, prior=prior) + tiny_lora_rest(tmp_path / out, "p"))
     return load_config(p, list(extra))
 
 

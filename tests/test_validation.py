@@ -7,34 +7,13 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_run_toml
+from conftest import tiny_lora_rest, tiny_run_toml
 
 from leantune.config import load_config
 from leantune.data.cache import prepare_caches
 from leantune.data.dataset import DataError
 from leantune.demo import draw_shapes
 from leantune.trainer import train
-
-REST = """
-[lora]
-rank = 4
-targets = "all"
-
-[train]
-steps = 4
-learning_rate = 1e-3
-mixed_precision = "no"
-save_every = 2
-seed = 3
-
-[validation]
-{validation}
-
-[output]
-dir = "{out}"
-name = "v"
-"""
-
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
@@ -45,7 +24,7 @@ def images(tmp_path_factory):
 
 def _config(tmp_path, model, images, validation: str, out: str = "out", name: str = "run.toml"):
     p = tmp_path / name
-    p.write_text(tiny_run_toml(model, images, REST.format(validation=validation, out=tmp_path / out)))
+    p.write_text(tiny_run_toml(model, images, tiny_lora_rest(tmp_path / out, "v", f"[validation]\n{validation}\n")))
     return load_config(p)
 
 

@@ -191,14 +191,22 @@ def _check_tensor(name: str, t: torch.Tensor | None, ndim: int) -> str | None:
     return None
 
 
-def check_latent_entry(path: Path, key: str, bucket: Bucket, family: ModelFamily) -> str | None:
-    """None if the latent entry at `path` is sound for `key` and `bucket`, else what is wrong."""
+def _read_keyed(path: Path, key: str) -> tuple[dict, str | None]:
+    """An entry's tensors, or what is wrong with the file (unreadable, another key in its header)."""
     try:
         tensors, meta = _read(path)
     except CacheError as e:
-        return str(e)
+        return {}, str(e)
     if meta.get("key") != key:
-        return f"header key {meta.get('key')!r} does not match the file name"
+        return {}, f"header key {meta.get('key')!r} does not match the file name"
+    return tensors, None
+
+
+def check_latent_entry(path: Path, key: str, bucket: Bucket, family: ModelFamily) -> str | None:
+    """None if the latent entry at `path` is sound for `key` and `bucket`, else what is wrong."""
+    tensors, problem = _read_keyed(path, key)
+    if problem:
+        return problem
     lat = tensors.get("latent")
     problem = _check_tensor("latent", lat, 3)
     if problem:
@@ -212,12 +220,9 @@ def check_latent_entry(path: Path, key: str, bucket: Bucket, family: ModelFamily
 
 def check_mask_entry(path: Path, key: str, bucket: Bucket, vae_scale_factor: int) -> str | None:
     """None if the mask entry at `path` is sound for `key` and `bucket`, else what is wrong."""
-    try:
-        tensors, meta = _read(path)
-    except CacheError as e:
-        return str(e)
-    if meta.get("key") != key:
-        return f"header key {meta.get('key')!r} does not match the file name"
+    tensors, problem = _read_keyed(path, key)
+    if problem:
+        return problem
     grid = tensors.get("mask")
     expected = (1, bucket[1] // vae_scale_factor, bucket[0] // vae_scale_factor)
     if grid is None:
