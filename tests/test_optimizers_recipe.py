@@ -240,3 +240,23 @@ def test_the_page_and_the_planner_offer_every_optimizer():
 
     assert choices("train", "optimizer") == _optimizers() == [
         "adamw", "adafactor", "adamw8bit", "prodigy", "schedulefree_adamw", "came"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PACKAGED)
+def test_gpu_only_built_optimizer_steps_bitwise_as_the_package_on_cuda(name):
+    """The same parity on CUDA tensors (bitsandbytes' CUDA 8-bit kernels; the others' device paths)."""
+    cfg = _config(name)
+    ours_p = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    theirs_p = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    ours, theirs = build_optimizer(ours_p, cfg), _package_optimizer(name, theirs_p, cfg)
+    for opt, params in ((ours, ours_p), (theirs, theirs_p)):
+        for s in range(4):
+            for p, g in zip(params, _grads([q.detach().cpu() for q in params], s)):
+                p.grad = g.cuda()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours_p, theirs_p))
+    assert any(not torch.equal(a.cpu(), b) for a, b in zip(ours_p, _params()))
+    if name == "adamw8bit":                       # 8-bit moments on the device, as priced
+        assert _device_bytes(ours) == state_bytes(name, [tuple(p.shape) for p in ours_p])
