@@ -123,6 +123,13 @@ def test_a_dop_run_trains_resumes_exactly_and_its_keys_are_checked(tmp_path, tin
     assert train(cfg, stop_after=2, progress=False).final_step == 2
     assert train(cfg, resume=True, progress=False).losses == full.losses
 
+    # the same run with every block streamed and checkpointed (debug_poison: a slot read after its
+    # release is NaN): the adapter-off forward inside the step leaves the engine's ring as it was
+    streamed = train(_config(tmp_path, tiny_flux_dir, images, prior, "streamed",
+                             extra=['memory.streamed_blocks="all"', 'memory.checkpointing="offload"',
+                                    "memory.debug_poison=true", "memory.stream_non_blocks=true"]), progress=False)
+    assert streamed.losses == pytest.approx(full.losses, rel=1e-5)
+
     with pytest.raises(Exception, match="prior_loss = \"dop\": .*\\[train\\] mode = \"full\""):
         _config(tmp_path, tiny_flux_dir, images, prior, "f", extra=['train.mode="full"'])
 
