@@ -93,7 +93,7 @@ class LoraMode:
         from .lora import lora_weights_from_model, save_lora
         from .optim_packages import evaluation_point
 
-        with evaluation_point(t.optimizer):
+        with evaluation_point(getattr(t, "optimizer", None)):     # None: a caller exporting weights alone
             weights = lora_weights_from_model(t.transformer)
         keys = self.spec.lora_keys if self.spec is not None else weights.keys
         files = []
