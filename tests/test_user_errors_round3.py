@@ -90,7 +90,7 @@ def _float_keys(model: type, prefix: str) -> list[tuple[str, str]]:
             nested = prefix + name + (".0." if typing.get_origin(ann) is list else ".")
             out += _float_keys(inner[0], nested)
         elif ann is float or float in args:
-            many = typing.get_origin(ann) is tuple
+            many = typing.get_origin(ann) in (tuple, list)      # [0.5, inf]: betas, [validation] sigmas
             out.append((prefix + name, "[0.5, inf]" if many else "inf"))
     return out
 

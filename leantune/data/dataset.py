@@ -294,7 +294,7 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
                         f"(stopped scanning after {e.seen}, {e.images} of them images); point path at the folder "
                         f"of training images") from None
     _report_links(walk, bad)
-    from .masks import mask_file_test
+    from .mask_files import mask_file_test
 
     is_mask = mask_file_test(cfg, base_dir)
     for path in walk.files:

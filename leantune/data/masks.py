@@ -27,6 +27,7 @@ from PIL import Image, ImageOps
 
 from .buckets import Bucket, bucket_crop
 from .dataset import IMAGE_EXTENSIONS, DataError, ImageItem, inspect_image, listing
+from .mask_files import mask_folder
 
 
 @dataclass(frozen=True)
@@ -34,28 +35,6 @@ class MaskImage:
     path: Path
     sha256: str          # the mask's bytes: its identity in the mask cache
     floor: float         # the dataset's mask_floor: the weight where the mask is black
-
-
-def mask_folder(dataset_cfg, base_dir) -> Path | None:
-    value = getattr(dataset_cfg, "mask_path", None)
-    if not value:
-        return None
-    folder = Path(value).expanduser()
-    return folder if folder.is_absolute() else Path(base_dir) / folder
-
-
-def mask_file_test(dataset_cfg, base_dir):
-    """A test of whether a file the dataset scan found is one of the dataset's masks (not a
-    training image): named with its mask_suffix, or inside its mask_path."""
-    suffix = getattr(dataset_cfg, "mask_suffix", None)
-    folder = mask_folder(dataset_cfg, base_dir)
-    real = folder.resolve() if folder is not None else None
-
-    def is_mask(path: Path) -> bool:
-        if suffix and path.stem.endswith(suffix) and len(path.stem) > len(suffix):
-            return True
-        return real is not None and real in path.resolve().parents
-    return is_mask
 
 
 def _by_stem(folder: Path) -> dict[str, list[Path]]:
