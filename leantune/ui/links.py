@@ -52,7 +52,8 @@ def check(cfg, data_roots) -> None:
     confine.check has passed."""
     from ..config import resolve_path
     from ..data.dataset import MAX_SCAN_FILES, _image_files, _TooManyFiles
-    from ..data.masks import _by_stem, mask_folder
+    from ..data.mask_files import mask_folder
+    from ..data.masks import _by_stem
     from ..data.references import _index, reference_folder
 
     roots = [Path(r).resolve() for r in data_roots]
