@@ -54,8 +54,14 @@ Where the model is an approximation it says so: `mmdit_to_diffusers` slices q/k/
 with depth = width // 64 (ComfyUI's model detection), which is the width for every released SD3.x;
 the tiny test models are narrower than 64, which ComfyUI could not build at all, so the width is
 used. A delta of another shape than its rows is reported skipped (ComfyUI logs an error when the
-element counts differ, and would reshape one whose counts agree). LoKr/LoHa keys and ComfyUI's
-two-names-one-weight overwrite are refused, not modelled.
+element counts differ, and would reshape one whose counts agree). ComfyUI's two-names-one-weight
+overwrite and Tucker-core LoKr / LoHa are refused, not modelled.
+
+LoHa, LoKr and DoRA (comfy/lora.py `load_lora` reads `x.alpha` and `x.dora_scale`, then lets the
+weight_adapter classes load `x`; comfy/weight_adapter/loha.py, lokr.py at e8f3bc5a, lora.py,
+base.py `weight_decompose` at 9c0cf36c): `_lora_diff` has each class's delta and scale,
+`_weight_decompose` the DoRA step, including stock ComfyUI's output-axis norm of the base weight
+rather than of the adapted one (Comfy-Org/ComfyUI#15458, open, fixes it: `dora_fixed`).
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ _PAIRS = ((".lora_up.weight", ".lora_down.weight"), ("_lora.up.weight", "_lora.d
           (".lora_B.weight", ".lora_A.weight"), (".lora.up.weight", ".lora.down.weight"),
           (".lora_B", ".lora_A"), (".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),
           (".lora_B.default.weight", ".lora_A.default.weight"))
-_UNMODELLED = re.compile(r"\.(lokr_|hada_|lora_mid\.|dora_scale$|diff(_b)?$|w_norm$|b_norm$|set_weight$)")
+_UNMODELLED = re.compile(r"\.(lokr_t|hada_t|lora_mid\.|dora_scale$|diff(_b)?$|w_norm$|b_norm$|set_weight$)")
 
 
 @dataclass(frozen=True)
@@ -308,42 +314,105 @@ def _check_no_conversion(lora: Mapping) -> None:
         raise NotImplementedError("a file comfy.lora_convert.convert_lora rewrites first: not modelled")
 
 
+def _lora_diff(x: str, lora: Mapping[str, torch.Tensor], alpha: float | None):
+    """(keys, diff (rows, cols) fp32, scale) of the first adapter the weight_adapter classes load
+    for module name `x` (LoRAAdapter, LoHaAdapter, LoKrAdapter, in comfy/weight_adapter/__init__.py's
+    order), or None. The scales, as each adapter's calculate_weight has them:
+    - LoRA: alpha / rank (rank: the down matrix's rows), 1 without alpha;
+    - LoHa: alpha / hada_w1_b's rows, 1 without alpha; diff = (w1_a @ w1_b) * (w2_a @ w2_b);
+    - LoKr: alpha / dim, dim the rows of lokr_w2_b when w2 is decomposed, else of lokr_w1_b when w1
+      is, and 1 when both are whole or there is no alpha; diff = kron(w1, w2)."""
+    pair = next(((x + u, x + d) for u, d in _PAIRS if x + u in lora), None)
+    if pair is not None:
+        up, down = lora[pair[0]].float(), lora[pair[1]].float()
+        return list(pair), up @ down, (alpha / down.shape[0] if alpha is not None else 1.0)
+    if x + ".hada_w1_a" in lora:
+        if x + ".hada_t1" in lora:
+            raise NotImplementedError(f"{x}: LoHa with a Tucker core is not modelled")
+        keys = [f"{x}.hada_{r}" for r in ("w1_a", "w1_b", "w2_a", "w2_b")]
+        w1a, w1b, w2a, w2b = (lora[k].float() for k in keys)
+        return keys, (w1a @ w1b) * (w2a @ w2b), (alpha / w1b.shape[0] if alpha is not None else 1.0)
+    names = {r: f"{x}.lokr_{r}" for r in ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b", "t2")}
+    if any(names[r] in lora for r in ("w1", "w2", "w1_a", "w2_a")):
+        if names["t2"] in lora:
+            raise NotImplementedError(f"{x}: LoKr with a Tucker core is not modelled")
+        dim = None
+        if names["w1"] in lora:
+            w1 = lora[names["w1"]].float()
+        else:
+            dim = lora[names["w1_b"]].shape[0]
+            w1 = lora[names["w1_a"]].float() @ lora[names["w1_b"]].float()
+        if names["w2"] in lora:
+            w2 = lora[names["w2"]].float()
+        else:
+            dim = lora[names["w2_b"]].shape[0]
+            w2 = lora[names["w2_a"]].float() @ lora[names["w2_b"]].float()
+        keys = [k for k in names.values() if k in lora]
+        return keys, torch.kron(w1, w2), (alpha / dim if alpha is not None and dim is not None else 1.0)
+    return None
+
+
+def _weight_decompose(dora_scale: torch.Tensor, weight: torch.Tensor, diff: torch.Tensor, strength: float,
+                      fixed: bool) -> torch.Tensor:
+    """comfy/weight_adapter/base.py weight_decompose on an fp32 weight (ModelPatcher casts the weight
+    to fp32 before calculate_weight), `diff` already scaled and through the map's function. A
+    dora_scale with the weight's row count is the output-axis decomposition: stock ComfyUI divides
+    it by the row norms of the base weight (`fixed` = False, Comfy-Org/ComfyUI at 9c0cf36c); with
+    Comfy-Org/ComfyUI#15458 by those of weight + diff, as the input-axis branch divides a (1, in)
+    scale by the column norms of weight + diff. Each norm gets float32's eps added."""
+    calc = weight + diff
+    if dora_scale.shape[0] == calc.shape[0]:
+        norm = (calc if fixed else weight).norm(dim=1, keepdim=True)
+    else:
+        norm = calc.norm(dim=0, keepdim=True)
+    norm = norm + torch.finfo(torch.float32).eps
+    calc = calc * (dora_scale.float() / norm)
+    return weight + strength * (calc - weight) if strength != 1.0 else calc
+
+
 def comfyui_load(family: str, model_keys: Mapping, lora: Mapping[str, torch.Tensor],
-                 strength: float = 1.0) -> ComfyLoad:
+                 strength: float = 1.0, dora_fixed: bool = False) -> ComfyLoad:
     """Load `lora` (a file's tensors) into a ComfyUI model of `family` whose diffusion-model
-    weights are `model_keys` (native name -> tensor or shape): the keys that patch a weight, the
-    ones skipped and why, and the summed delta per native weight (full shape, fp32)."""
+    weights are `model_keys` (native name -> tensor or shape; tensors for a DoRA file, whose delta
+    depends on them): the keys that patch a weight, the ones skipped and why, and the summed delta
+    per native weight (full shape, fp32). `dora_fixed`: ComfyUI with #15458's output-axis norm."""
     _check_no_conversion(lora)
     key_map = comfyui_key_map(family, model_keys)
     out = ComfyLoad()
     consumed: dict[str, str] = {}
     patches: dict[Target, str] = {}
     for x, target in key_map.items():            # load_lora walks the key map
-        pair = next(((x + u, x + d) for u, d in _PAIRS if x + u in lora), None)
-        if pair is None:
+        alpha = lora[x + ".alpha"].item() if x + ".alpha" in lora else None
+        found = _lora_diff(x, lora, alpha)
+        if found is None:
             continue
-        up_key, down_key = pair
+        keys, diff, scale = found
         if target in patches:
             raise ValueError(f"{x!r} and {patches[target]!r} patch the same weight: ComfyUI keeps only one")
         patches[target] = x
-        keys = [up_key, down_key] + ([x + ".alpha"] if x + ".alpha" in lora else [])
+        keys = keys + [x + k for k in (".alpha", ".dora_scale") if x + k in lora]
         for k in keys:
             consumed[k] = x
-        up, down = lora[up_key].float(), lora[down_key].float()
-        alpha = lora[x + ".alpha"].item() / down.shape[0] if x + ".alpha" in lora else 1.0
         if target.weight not in model_keys:
             out.skipped.update({k: f"NOT LOADED: the model has no {target.weight}" for k in keys})
             continue
         shape = _shape(model_keys[target.weight])
         rows = shape[0] if target.rows is None else target.rows[1]
-        if (up.shape[0], down.shape[1]) != (rows, shape[1]):
-            out.skipped.update({k: f"shape {(up.shape[0], down.shape[1])} does not fit {target}" for k in keys})
+        if tuple(diff.shape) != (rows, shape[1]):
+            out.skipped.update({k: f"shape {tuple(diff.shape)} does not fit {target}" for k in keys})
             continue
-        delta = strength * alpha * (up @ down)
-        if target.swap_halves:
-            delta = torch.cat(delta.chunk(2, dim=0)[::-1], dim=0)
-        full = out.deltas.setdefault(target.weight, torch.zeros(shape))
         start = 0 if target.rows is None else target.rows[0]
+        if x + ".dora_scale" in lora:
+            diff = scale * diff
+            if target.swap_halves:
+                diff = torch.cat(diff.chunk(2, dim=0)[::-1], dim=0)
+            weight = model_keys[target.weight].float()[start:start + rows]
+            delta = _weight_decompose(lora[x + ".dora_scale"], weight, diff, strength, dora_fixed) - weight
+        else:
+            delta = strength * scale * diff
+            if target.swap_halves:
+                delta = torch.cat(delta.chunk(2, dim=0)[::-1], dim=0)
+        full = out.deltas.setdefault(target.weight, torch.zeros(shape))
         full[start:start + rows] += delta
         out.loaded.update(keys)
     for k in lora:

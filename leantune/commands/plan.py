@@ -41,6 +41,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), help="plan for a full-size architecture instead of a config")
     p.add_argument("--mode", choices=["lora", "full", "inference"], default=None, help="what runs (default: lora)")
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
+    p.add_argument("--lora-type", choices=_lora_types(), default=None,
+                   help="the adapter ([lora] type; default lora): its parameters and activations are priced")
     p.add_argument("--targets", choices=["attention", "attention_mlp", "all"], default=None,
                    help="LoRA target preset (default attention_mlp)")
     p.add_argument("--optimizer", choices=_optimizers(), default=None,
@@ -268,10 +270,12 @@ def _from_flags(args):
     config_name, family = MODELS[args.model], get_family(MODEL_FAMILY[args.model])
     workload = Workload(
         mode=args.mode or "lora", rank=args.rank or 16, targets=args.targets or "attention_mlp",
+        adapter=args.lora_type or "lora",
         optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
         gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
         text_length=family.text_rows(args.text_length or TEXT_TOKENS[args.model]), autocast=not args.no_autocast,
-        allow_fp8=not args.no_fp8, fp8_modulation=_MODULATION_FLAG[args.fp8_modulation or "auto"],
+        allow_fp8=not args.no_fp8 and args.lora_type != "dora",     # DoRA reads its base weights (no fp8)
+        fp8_modulation=False if args.lora_type == "dora" else _MODULATION_FLAG[args.fp8_modulation or "auto"],
         quantizes_on_load=(args.mode or "lora") != "inference", **_full_flags(args))   # as the trainer loads
     _check_workload(workload)
     return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
@@ -296,7 +300,9 @@ def _from_config(args):
              "text_length": args.text_length, "buckets": Workload.square(args.resolution) if args.resolution else None}
     changes = {k: v for k, v in asked.items() if v is not None}
     changes.update(_full_flags(args))
-    if args.no_fp8:
+    if args.lora_type is not None:
+        changes["adapter"] = args.lora_type
+    if args.no_fp8 or changes.get("adapter", workload.adapter) == "dora":
         changes["allow_fp8"] = False
     if args.fp8_modulation is not None:
         changes["fp8_modulation"] = _MODULATION_FLAG[args.fp8_modulation]
@@ -320,6 +326,15 @@ def _full_flags(args) -> dict:
     out = {"state_dtype": args.state_dtype, "master_weights": args.master_weights or None,
            "full_exclude": tuple(args.exclude) if args.exclude else None, "streamed_step": args.streamed_step}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _lora_types() -> list[str]:
+    """The --lora-type choices: [lora] type's own values."""
+    import typing
+
+    from ..config import LoraConfig
+
+    return list(typing.get_args(LoraConfig.model_fields["type"].annotation))
 
 
 def _optimizers() -> list[str]:

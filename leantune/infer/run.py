@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,21 +105,24 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def inference_workload(request: SampleRequest, batch: int, text_len: int, adapter_bytes: int = 0):
+def inference_workload(request: SampleRequest, batch: int, text_len: int, adapter_bytes: int = 0,
+                       dora: bool = False):
     """The planner's workload for the denoising stage: `batch` images per transformer forward
     (with classifier-free guidance batched, negatives included), in the weights' dtype without
-    autocast; fp8 storage is the planner's call. `adapter_bytes`: the frozen adapters attached
-    (base adapters and LoRAs), resident on the device beside the plan's weights."""
+    autocast; fp8 storage is the planner's call, except under a DoRA adapter (`dora`: it reads the
+    base weights themselves, so they stay in the model's dtype). `adapter_bytes`: the frozen
+    adapters attached (base adapters and LoRAs), resident on the device beside the plan's weights."""
     from ..planner.from_config import fp8_modulation_choice
     from ..planner.workload import Workload
 
     return Workload(mode="inference", batch_size=batch, buckets=((request.height, request.width),),
                     text_length=text_len, autocast=False, dtype=_DTYPES[request.model.dtype],
-                    fp8_modulation=fp8_modulation_choice(request.memory), frozen_adapter_bytes=adapter_bytes)
+                    fp8_modulation=False if dora else fp8_modulation_choice(request.memory),
+                    allow_fp8=not dora, frozen_adapter_bytes=adapter_bytes)
 
 
 def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
-                     text_len: int, cfg: bool = False, adapter_bytes: int = 0):
+                     text_len: int, cfg: bool = False, adapter_bytes: int = 0, dora: bool = False):
     """The memory Plan for the denoising stage, and whether CFG's two halves share a forward.
 
     Under a budget it is the planner's, for an inference workload of the images per forward
@@ -139,7 +143,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
             raise ConfigError(f"memory.ram_budget: {e}") from None
         error = None
         for factor in ((2, 1) if cfg else (1,)):
-            workload = inference_workload(request, factor * images, text_len, adapter_bytes)
+            workload = inference_workload(request, factor * images, text_len, adapter_bytes, dora)
             try:
                 return plan_memory(spec, transformer, workload, Budget(vram=budget, ram=ram)), factor == 2
             except InfeasibleBudget as e:
@@ -266,9 +270,11 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             BaseAdapterStack(transformer, base_adapters)
         if loras:
             apply_loras(transformer, loras)
-        adapters = sum(p.numel() * p.element_size() for n, p in transformer.named_parameters() if ".lora_" in n)
+        adapters = sum(p.numel() * p.element_size() for n, p in transformer.named_parameters()
+                       if re.search(r"\.(lora_|lokr_|hada_)", n))
+        dora = any(".lora_magnitude_vector." in n for n, _ in transformer.named_parameters())
         result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),
-                                                embeds[0].t5.shape[1], cfg=cfg, adapter_bytes=adapters)
+                                                embeds[0].t5.shape[1], cfg=cfg, adapter_bytes=adapters, dora=dora)
         result.cfg_batched = batched if cfg else None
         log.info("sample: %s%s", result.plan.describe(),
                  "" if not cfg else f"; CFG {guidance:g}, halves {'batched' if batched else 'one after the other'}")

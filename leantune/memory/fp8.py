@@ -17,8 +17,9 @@ How it works:
   streaming engine can replace with a handle.
 - Skipped, kept in the compute dtype: modulation/adaLN linears and norms (the spec's `fp8_skip`),
   biases, everything outside the blocks (embedders, final layer), and adapter weights: peft's
-  `lora_A`/`lora_B` are never touched (only the wrapped `base_layer` of a peft layer is stored in
-  fp8), so LoRA trains in its own dtype.
+  `lora_A`/`lora_B` (and LoKr's `lokr_*`, LoHa's `hada_*`, DoRA's magnitude) are never touched
+  (only the wrapped `base_layer` of a peft layer is stored in fp8), so adapters train in their own
+  dtype. A DoRA adapter's base Linear is refused: DoRA reads the base weight itself, as stored.
 - Modulation in fp8 (`modulation=True`, the plan's `fp8_modulation`): the spec's `modulation`
   Linears are stored like the others. They are a quarter of Flux's parameters (6 GiB of a
   full-size model in bf16) and cost a little more accuracy than the rest, since their output
@@ -41,6 +42,7 @@ unscaled fp8) and from diffusers' layerwise casting (unscaled, and it needs a bf
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -229,6 +231,19 @@ def adapter_module_ids(module: nn.Module) -> set[int]:
     return ids
 
 
+_ADAPTER_PARAM = re.compile(r"\.(lora_|lokr_|hada_)")
+
+
+def _dora_bases(model: nn.Module) -> set[int]:
+    """ids of the base Linears of peft layers with a DoRA adapter (their weight must stay readable)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return set()
+    return {id(m.get_base_layer()) for m in model.modules()
+            if isinstance(m, LoraLayer) and any(m.use_dora.values())}
+
+
 def block_linears(spec: ModelSpec, model: nn.Module) -> list[tuple[str, str, nn.Linear]]:
     """Every base nn.Linear inside the spec's blocks as (qualified name, name relative to the block,
     module). peft's wrapper names are folded: 'attn.to_q.base_layer' is reported as 'attn.to_q'."""
@@ -238,7 +253,7 @@ def block_linears(spec: ModelSpec, model: nn.Module) -> list[tuple[str, str, nn.
         for rel, m in block.named_modules():
             if id(m) in skip or type(m) is not nn.Linear:
                 continue
-            rel = rel.removesuffix(".base_layer")
+            rel = rel.replace(".base_layer", "")     # every wrapper level (two adapter types nest)
             out.append((f"{block_name}.{rel}", rel, m))
     return out
 
@@ -312,10 +327,11 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
     handle = Fp8Handle(compute_dtype=compute_dtype, quantized=quantize_rest)
     for block_name, block in spec.blocks(model):
         for name, p in block.named_parameters():
-            if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and ".lora_" in f".{name}":
+            if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and _ADAPTER_PARAM.search(f".{name}"):
                 raise ValueError(
                     f"memory.fp8: adapter weight {block_name}.{name} has dtype {p.dtype}; adapters must stay in "
                     f"their own dtype (cast LoRA parameters to float32 after adding them)")
+    dora = _dora_bases(model)
     for qname, rel, lin in block_linears(spec, model):
         w = lin.weight
         if w.dtype == torch.float8_e5m2:
@@ -347,6 +363,12 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
             raise ValueError(
                 f"memory.fp8: {qname}.weight is trainable; fp8 storage is for frozen base weights "
                 f"(LoRA bases, sampling). Freeze the base model or set [memory] fp8 = false")
+        if id(lin) in dora:
+            raise ValueError(
+                f"memory.fp8: {qname} carries a DoRA adapter ([lora] type = \"dora\"), which normalises the rows of "
+                f"the base weight itself, as stored: in fp8 it would be read without its scale. DoRA needs a bf16 "
+                f"base: set [memory] fp8 = false (and fp8_modulation = false), or use [lora] type \"lora\", "
+                f"\"lokr\" or \"loha\"")
         handle.bytes_before += w.numel() * (2 if prequantized else w.element_size())
         with torch.no_grad():
             if prequantized:

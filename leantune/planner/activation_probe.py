@@ -251,8 +251,10 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
         # their activations (their bytes are weight_bytes.AdapterShape's), at the trace rank.
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", LoraRankWarning)     # a trace rank beyond a tiny model's layers
-            add_lora(probe, spec, LoraConfig(rank=rank or workload.rank, targets=workload.targets, blocks=blocks,
-                                             dropout=workload.lora_dropout))
+            options = {"factor": workload.lokr_factor, "decompose_both": workload.lokr_decompose_both} \
+                if workload.adapter == "lokr" else {}
+            add_lora(probe, spec, LoraConfig(type=workload.adapter, rank=rank or workload.rank, targets=workload.targets,
+                                             blocks=blocks, dropout=workload.lora_dropout, **options))
     if fp8 or modulation:
         apply_fp8_storage(probe, spec, quantize_rest=fp8, modulation=modulation, compute_dtype=workload.dtype,
                           keep_trainable=workload.mode == "full")
@@ -398,6 +400,10 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
     (the direct measurement the per-rank pricing is tested against).
     """
     with_lora = workload.mode == "lora" and (workload.lora_blocks is None or any(workload.lora_blocks.values()))
+    if with_lora and rank is None and workload.adapter == "lokr":
+        # LoKr's factor shapes change with the rank (a factor is whole from rank >= half its side
+        # on), so its activations are no function of the rank per unit: traced at the workload's rank
+        rank = workload.rank
     dim = None
     if with_lora:
         dim = rank if rank is not None else trace_rank(spec, model, workload, bucket)

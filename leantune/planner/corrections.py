@@ -75,10 +75,13 @@ def architecture_key(model: torch.nn.Module, workload: Workload) -> str:
     """Identity of what decides activation memory: the architecture config and the workload's shape
     (not the weight values, so every checkpoint of one architecture shares a calibration)."""
     cfg = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
-    blob = json.dumps({"class": type(model).__name__, "config": cfg, "mode": workload.mode, "rank": workload.rank,
-                       "targets": workload.targets, "blocks": workload.lora_blocks, "batch": workload.batch_size,
-                       "text": workload.text_length, "autocast": workload.autocast, "dtype": str(workload.dtype),
-                       "dropout": workload.lora_dropout}, sort_keys=True, default=str)
+    shape = {"class": type(model).__name__, "config": cfg, "mode": workload.mode, "rank": workload.rank,
+             "targets": workload.targets, "blocks": workload.lora_blocks, "batch": workload.batch_size,
+             "text": workload.text_length, "autocast": workload.autocast, "dtype": str(workload.dtype),
+             "dropout": workload.lora_dropout}
+    if workload.mode == "lora" and workload.adapter != "lora":      # plain LoRA keeps its earlier key
+        shape.update(adapter=workload.adapter, lokr=[workload.lokr_factor, workload.lokr_decompose_both])
+    blob = json.dumps(shape, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

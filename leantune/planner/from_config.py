@@ -39,12 +39,16 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
 
     text_rows = get_family(cfg.model.family).text_rows(cfg.data.max_text_length)   # SD3: 77 CLIP + T5
     tc, full = cfg.train, cfg.full
+    dora = tc.mode == "lora" and cfg.lora.type == "dora"     # reads the base weights: never stored in fp8
     return Workload(mode=tc.mode, rank=cfg.lora.rank, targets=cfg.lora.targets, lora_blocks=cfg.lora.blocks,
+                    adapter=cfg.lora.type, lokr_factor=cfg.lora.factor, lokr_decompose_both=cfg.lora.decompose_both,
+                    allow_fp8=not dora,
                     optimizer=tc.optimizer, batch_size=cfg.data.batch_size,
                     buckets=Workload.square(cfg.data.resolutions), text_length=text_rows,
                     gradient_accumulation=tc.gradient_accumulation,
                     autocast=tc.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
-                    lora_dropout=cfg.lora.dropout, fp8_modulation=fp8_modulation_choice(cfg.memory),
+                    lora_dropout=cfg.lora.dropout,
+                    fp8_modulation=False if dora else fp8_modulation_choice(cfg.memory),
                     full_train=tuple(full.train), full_exclude=tuple(full.exclude),
                     state_dtype=full.state_dtype, master_weights=full.master_weights,
                     streamed_step=full.streamed_step,

@@ -212,10 +212,11 @@ class MemoryModel:
         if w.mode == "inference":
             return 0, 0, 0
         if w.mode == "lora":
-            n = self.weights.adapter_params(w.rank)
+            shape = (w.rank, w.adapter, w.lokr_factor, w.lokr_decompose_both)     # [lora] type and its options
+            n = self.weights.adapter_params(*shape)
             params = grads = 4 * n
             # Each optimizer's state as it allocates it (optimizer_state.py)
-            states = state_bytes(w.optimizer, lora_shapes(self.weights.adapters, w.rank))
+            states = state_bytes(w.optimizer, lora_shapes(self.weights.adapters, *shape))
             return params, grads, states
         n = self.weights.numel
         grads = n * self.dtype_bytes

@@ -62,7 +62,12 @@ def state_bytes(optimizer: str, shapes, starts_at_zero=None) -> int:
     return total
 
 
-def lora_shapes(adapters, rank: int) -> list[tuple[int, int]]:
-    """The trained tensors of rank-`rank` LoRA adapters on `adapters` (weight_bytes' adapted
-    Linears): A (rank, in) and B (out, rank) of each."""
-    return [s for a in adapters for s in ((rank, a.in_features), (a.out_features, rank))]
+def lora_shapes(adapters, rank: int, kind: str = "lora", factor: int = -1,
+                decompose_both: bool = False) -> list[tuple[int, ...]]:
+    """The trained tensors of rank-`rank` adapters of type `kind` ([lora] type) on `adapters`
+    (weight_bytes' adapted Linears): for LoRA A (rank, in) and B (out, rank) of each; DoRA's
+    magnitude (out,) besides; LoKr's and LoHa's factors as peft creates them (train/adapter_types.py)."""
+    from ..train.adapter_types import adapter_shapes
+
+    return [s for a in adapters
+            for s in adapter_shapes(kind, a.in_features, a.out_features, rank, factor, decompose_both).values()]

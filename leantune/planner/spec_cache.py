@@ -223,10 +223,18 @@ def _workload_shape(workload: Workload) -> dict:
     """The workload fields that decide what is measured (not the optimizer, accumulation or caches,
     nor the LoRA rank: the probe keeps the adapters' share per rank, ActivationProfile.at_rank)."""
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
-    for unmeasured in ("optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
-                       "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load",
-                       "frozen_adapter_bytes", "preview_base_bytes"):
-        shape.pop(unmeasured)
+    unmeasured = ["optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
+                  "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load",
+                  "frozen_adapter_bytes", "preview_base_bytes"]
+    lora = workload.mode == "lora"
+    if lora and workload.adapter == "lokr":
+        unmeasured.remove("rank")     # LoKr is traced at its rank (activation_probe.probe_activations)
+    else:
+        unmeasured += ["lokr_factor", "lokr_decompose_both"]
+    if not lora or workload.adapter == "lora":
+        unmeasured.append("adapter")  # a plain LoRA's key, as before the adapter types
+    for key in unmeasured:
+        shape.pop(key)
     return shape
 
 

@@ -20,6 +20,7 @@ import torch
 from ..memory.fp8 import SCALE_ATTR
 from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
 from ..memory.streaming_units import ALIGN as STREAM_ALIGN
+from ..train.adapter_types import adafactor_numel, adapter_numel
 from ..train.fused_optim import STATE_SUFFIX
 from .workload import Workload
 
@@ -148,16 +149,21 @@ class ModelWeights:
         Linears with `modulation`); none when a full fine-tune trains them all."""
         return any(s and not stored and mod == modulation for b in self.blocks for _, s, stored, mod in b.tensors)
 
-    def adapter_params(self, rank: int) -> int:
-        return sum(rank * (a.in_features + a.out_features) for a in self.adapters)
+    def adapter_params(self, rank: int, kind: str = "lora", factor: int = -1, decompose_both: bool = False) -> int:
+        """Trainable elements of the adapters, from the shapes peft creates for the adapter type
+        (train/adapter_types.py: LoRA's two matrices, DoRA's magnitude besides, LoKr's factors of
+        the Linear's split sides, LoHa's two pairs)."""
+        return sum(adapter_numel(kind, a.in_features, a.out_features, rank, factor, decompose_both)
+                   for a in self.adapters)
 
-    def adafactor_state(self, rank: int) -> int:
+    def adafactor_state(self, rank: int, kind: str = "lora", factor: int = -1, decompose_both: bool = False) -> int:
         """Elements Adafactor keeps for the adapters: one per row and per column of each matrix."""
-        return sum((rank + a.in_features) + (a.out_features + rank) for a in self.adapters)
+        return sum(adafactor_numel(kind, a.in_features, a.out_features, rank, factor, decompose_both)
+                   for a in self.adapters)
 
 
 def _is_adapter(name: str) -> bool:
-    return ".lora_" in f".{name}" or "lora_magnitude" in name
+    return bool(re.search(r"\.(lora_|lokr_|hada_)", f".{name}")) or "lora_magnitude" in name
 
 
 def _base_name(name: str) -> str:

@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from .lora import LoraFormatError, LoraWeights, apply_lora, check_fits, lora_layers, read_lora
+from .lora import (LoraFormatError, LoraWeights, adapter_parameters, apply_lora, check_fits, layer_adapters,
+                   lora_layers, read_lora)
 
 log = logging.getLogger("leantune")
 
@@ -108,7 +109,7 @@ def read_run_adapters(model_cfg, sample_cfg, resolve: Callable[[str], Path], key
 def adapter_bytes(adapters: Sequence[BaseAdapter]) -> int:
     """Device bytes the distinct files of `adapters` hold once attached: fp32 down and up matrices."""
     distinct = {a.path: a.weights for a in adapters}
-    return sum(4 * (m.down.numel() + m.up.numel()) for w in distinct.values() for m in w.modules.values())
+    return sum(4 * t.numel() for w in distinct.values() for m in w.modules.values() for t in m.tensors().values())
 
 
 def priced_bytes(training: Sequence[BaseAdapter], sampling: Sequence[BaseAdapter] | None) -> int:
@@ -153,7 +154,7 @@ class BaseAdapterStack:
         total = 0
         for name in self.all_names:
             for layer in lora_layers(self.transformer, name).values():
-                for p in (layer.lora_A[name].weight, layer.lora_B[name].weight):
+                for p in adapter_parameters(layer, name).values():
                     total += p.numel() * p.element_size()
         return total
 
@@ -169,7 +170,7 @@ class BaseAdapterStack:
             for module in self.transformer.modules():
                 if not isinstance(module, BaseTunerLayer):
                     continue
-                present = set(module.lora_A.keys())
+                present = layer_adapters(module)
                 active = [n for n in module.active_adapters if n not in mine]
                 active += [n for n in wanted if n in present]
                 module.set_adapter(active)

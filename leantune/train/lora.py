@@ -4,6 +4,10 @@ Training adds one peft adapter ("default") on the Linears a [lora] preset names 
 optionally restricted to some blocks), with standard init (A random, B zero, so the model starts
 unchanged) and its parameters in fp32 while the frozen base stays bf16 (or fp8 under the memory
 engine): peft casts the input to the adapter's dtype and the sum back to the base output's dtype.
+`[lora] type` picks peft's LoRA, DoRA (use_dora), LoKr or LoHa on the same Linears
+(train/adapter_types.py); every function here takes any of them (`adapter_parameters` names each
+type's tensors by role). DoRA reads its base weight, so it is refused over an fp8 one. A second
+adapter type on a Linear wraps the first peft layer (peft nests them); names are the Linear's.
 
 Sampling may stack more LoRAs read from files (`apply_lora`): each becomes its own unmerged,
 frozen peft adapter with its own strength, so base weights (fp8 included) are never rewritten
@@ -32,11 +36,17 @@ from .lora_formats import (  # noqa: F401  (re-exported: the trainer and sampler
     LoraFormatError,
     LoraModule,
     LoraWeights,
+    LycorisModule,
     lora_from_state_dict,
     peft_config_kwargs,
     read_lora,
     save_lora,
 )
+
+# peft's parameter containers of each adapter type, by the role names of lora_formats' modules
+_LORA_ROLES = {"down": "lora_A", "up": "lora_B", "magnitude": "lora_magnitude_vector"}
+_LOKR_ROLES = {r: f"lokr_{r}" for r in ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b")}
+_LOHA_ROLES = {r: f"hada_{r}" for r in ("w1_a", "w1_b", "w2_a", "w2_b")}
 
 
 def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -45,17 +55,66 @@ def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
-def lora_layers(model: torch.nn.Module, adapter_name: str) -> dict[str, torch.nn.Module]:
-    """peft LoRA layers holding `adapter_name`, by module name relative to `model`."""
-    from peft.tuners.lora import LoraLayer
+def layer_adapters(layer: torch.nn.Module) -> set[str]:
+    """The adapter names a peft tuner layer (LoRA, DoRA, LoKr, LoHa) holds."""
+    names: set[str] = set()
+    for attr in layer.adapter_layer_names:
+        container = getattr(layer, attr, None)
+        if isinstance(container, (torch.nn.ModuleDict, torch.nn.ParameterDict)):
+            names.update(container.keys())
+    return names
 
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer) and adapter_name in m.lora_A}
+
+def layer_kind(layer: torch.nn.Module, adapter_name: str) -> str:
+    """The adapter type `adapter_name` has on a peft layer: "lora", "dora", "lokr" or "loha"."""
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+
+    if isinstance(layer, LoKrLayer):
+        return "lokr"
+    if isinstance(layer, LoHaLayer):
+        return "loha"
+    return "dora" if layer.use_dora.get(adapter_name, False) else "lora"
+
+
+def adapter_parameters(layer: torch.nn.Module, adapter_name: str) -> dict[str, torch.nn.Parameter]:
+    """The parameters of one adapter on one peft layer, by role (LoRA / DoRA: down, up, magnitude;
+    LoKr: w1 or w1_a / w1_b, w2 or w2_a / w2_b; LoHa: w1_a, w1_b, w2_a, w2_b), in that order."""
+    kind = layer_kind(layer, adapter_name)
+    roles = {"lokr": _LOKR_ROLES, "loha": _LOHA_ROLES}.get(kind, _LORA_ROLES)
+    out = {}
+    for role, attr in roles.items():
+        container = getattr(layer, attr, None)
+        if container is None or adapter_name not in container:
+            continue
+        item = container[adapter_name]
+        out[role] = item if isinstance(item, torch.nn.Parameter) else item.weight
+    return out
+
+
+def _wrapped_name(name: str) -> str:
+    """A tuner layer's module name without peft's wrapper levels: a second adapter type on a Linear
+    wraps the first layer ('attn.to_q.base_layer' is then the inner one, for 'attn.to_q')."""
+    return name.replace(".base_layer", "")
+
+
+def lora_layers(model: torch.nn.Module, adapter_name: str) -> dict[str, torch.nn.Module]:
+    """peft layers (any adapter type) holding `adapter_name`, by the wrapped Linear's module name
+    relative to `model`."""
+    return {_wrapped_name(n): m for n, m in model.named_modules()
+            if _is_tuner_layer(m) and adapter_name in layer_adapters(m)}
+
+
+def _is_tuner_layer(m: torch.nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(m, BaseTunerLayer)
 
 
 def _adapter_names(model: torch.nn.Module) -> set[str]:
     names = set(getattr(model, "peft_config", {}) or {})
     for layer in _tuner_layers(model):
-        names.update(layer.lora_A.keys())
+        names.update(layer_adapters(layer))
     return names
 
 
@@ -115,45 +174,87 @@ def _warn_rank_beyond_layers(transformer: torch.nn.Module, targets: list[str], r
                       f"there but memory and compute", LoraRankWarning, stacklevel=3)
 
 
+def _peft_config(kind: str, lora_cfg, regex: str):
+    """The peft config of a [lora] section's adapter type (train/adapter_types.py)."""
+    from peft import LoHaConfig, LoKrConfig
+    from peft import LoraConfig as PeftLoraConfig
+
+    if kind in ("lora", "dora"):
+        return PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.effective_alpha, lora_dropout=lora_cfg.dropout,
+                              target_modules=regex, init_lora_weights=True, use_dora=kind == "dora")
+    if kind == "lokr":
+        return LoKrConfig(r=lora_cfg.rank, alpha=lora_cfg.effective_alpha, target_modules=regex, init_weights=True,
+                          decompose_factor=lora_cfg.factor, decompose_both=lora_cfg.decompose_both)
+    if kind == "loha":
+        return LoHaConfig(r=lora_cfg.rank, alpha=lora_cfg.effective_alpha, target_modules=regex, init_weights=True)
+    raise ValueError(f"[lora] type = {kind!r} is not one of lora, dora, lokr, loha")
+
+
+def _refuse_fp8_base_for_dora(transformer: torch.nn.Module, names: list[str], what: str) -> None:
+    """DoRA reads the base weight itself (its row norms): an e4m3 weight would be read without its scale."""
+    for name in names:
+        m = transformer.get_submodule(name)
+        linear = m.get_base_layer() if _is_tuner_layer(m) else m
+        if linear.weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"{what}: DoRA normalises each row of the base weight plus its update, but "
+                             f"{name}.weight is stored in {linear.weight.dtype} (an fp8 checkpoint), which peft would "
+                             f"read without its scale; use a bf16 checkpoint, or [lora] type \"lora\", \"lokr\" or "
+                             f"\"loha\"")
+
+
+def _to_fp32(layer: torch.nn.Module, adapter_name: str, kind: str) -> None:
+    """Adapter parameters in fp32 (peft may create them in the base dtype, bf16 or even fp8), with
+    the standard init redone in fp32 where they were not (an fp8-rounded draw is mostly zeros and
+    steps); DoRA's magnitude recomputed in fp32 as the base rows' norms (B = 0 at init)."""
+    params = adapter_parameters(layer, adapter_name)
+    created = {p.dtype for p in params.values()}
+    with torch.no_grad():
+        for p in params.values():
+            p.data = p.data.float()
+        if created == {torch.float32}:
+            return
+        if kind in ("lora", "dora"):
+            torch.nn.init.kaiming_uniform_(params["down"], a=math.sqrt(5))
+            params["up"].zero_()
+            if kind == "dora":
+                params["magnitude"].copy_(torch.linalg.norm(layer.get_base_layer().weight.float(), dim=1))
+        else:
+            layer.reset_adapter_parameters(adapter_name)
+
+
 def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_name: str = "default",
              ) -> list[torch.nn.Parameter]:
     """Add the trainable adapter described by a [lora] section; return its parameters (fp32).
 
-    The base model is frozen. Targets come from `spec.lora_target_regex(lora_cfg.targets,
-    lora_cfg.blocks)`, a full-match regex, so a preset's "proj_out" never wraps the top-level
-    final projection.
+    The adapter type is `[lora] type` (peft's LoRA, DoRA, LoKr or LoHa: train/adapter_types.py),
+    on the same Linears whatever the type. The base model is frozen. Targets come from
+    `spec.lora_target_regex(lora_cfg.targets, lora_cfg.blocks)`, a full-match regex, so a preset's
+    "proj_out" never wraps the top-level final projection.
     """
-    from peft import LoraConfig as PeftLoraConfig
-
+    kind = getattr(lora_cfg, "type", "lora")
     if adapter_name in _adapter_names(transformer):
         raise ValueError(f"the transformer already has an adapter named {adapter_name!r}")
     _check_block_selection(transformer, spec, lora_cfg.blocks)
     regex = spec.lora_target_regex(lora_cfg.targets, lora_cfg.blocks)
     matched = [(n, m) for n, m in transformer.named_modules()
-               if re.fullmatch(regex, n) and not re.search(r"\.(base_layer|lora_\w+)(\.|$)", n)]
+               if re.fullmatch(regex, n) and not re.search(r"\.(base_layer|lora_\w+|lokr_\w+|hada_\w+)(\.|$)", n)]
     targets = [n for n, m in matched if isinstance(getattr(m, "base_layer", m), torch.nn.Linear)]   # peft wraps
     if not targets:
         raise ValueError(f"[lora] targets = {lora_cfg.targets!r} with blocks = {lora_cfg.blocks} selects no module")
-    _warn_rank_beyond_layers(transformer, targets, lora_cfg.rank)
+    if kind != "lokr":        # a LoKr rank bounds its factors' sides, not the Linear's
+        _warn_rank_beyond_layers(transformer, targets, lora_cfg.rank)
+    if kind == "dora":
+        _refuse_fp8_base_for_dora(transformer, targets, '[lora] type = "dora"')
     if len(targets) < len(matched):            # all_linear names whole top-level children: keep their Linears
         regex = "^(" + "|".join(re.escape(n) for n in targets) + ")$"
-    config = PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.effective_alpha, lora_dropout=lora_cfg.dropout,
-                            target_modules=regex, init_lora_weights=True)
+    config = _peft_config(kind, lora_cfg, regex)
     transformer.requires_grad_(False)
     with _adapter_state_kept(transformer, add=adapter_name):
         transformer.add_adapter(config, adapter_name)
     params = []
     for layer in lora_layers(transformer, adapter_name).values():
-        a, b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
-        created = a.weight.dtype
-        a.float()                           # peft may create them in the base dtype (bf16, even fp8)
-        b.float()
-        if created != torch.float32:
-            # Redo the standard init in fp32: an fp8-rounded kaiming draw is mostly zeros and steps.
-            with torch.no_grad():
-                torch.nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
-                b.weight.zero_()
-        for p in (a.weight, b.weight):
+        _to_fp32(layer, adapter_name, kind)
+        for p in adapter_parameters(layer, adapter_name).values():
             p.requires_grad_(True)
             params.append(p)
     return params
@@ -171,21 +272,23 @@ def model_lora_keys(transformer: torch.nn.Module):
 
 
 def lora_weights_from_model(transformer: torch.nn.Module, adapter_name: str = "default") -> LoraWeights:
-    """A CPU copy of an adapter's weights, keyed by module name ('transformer_blocks.0.attn.to_q'),
-    knowing the model's family (so its kohya names are the family's)."""
+    """A CPU copy of an adapter's weights (any type), keyed by module name
+    ('transformer_blocks.0.attn.to_q'), knowing the model's family (so its kohya names are the family's)."""
     layers = lora_layers(transformer, adapter_name)
     if not layers:
         raise ValueError(f"the transformer has no LoRA adapter named {adapter_name!r}")
     modules = {}
     for name, layer in layers.items():
-        if layer.use_dora.get(adapter_name, False):
-            raise LoraFormatError(f"{name}: DoRA adapters cannot be exported")
-        down = layer.lora_A[adapter_name].weight.detach().to("cpu", copy=True)   # (r, in)
-        up = layer.lora_B[adapter_name].weight.detach().to("cpu", copy=True)     # (out, r)
+        kind = layer_kind(layer, adapter_name)
+        params = {role: p.detach().to("cpu", copy=True) for role, p in adapter_parameters(layer, adapter_name).items()}
+        if kind in ("lokr", "loha"):
+            modules[name] = LycorisModule(kind, params, float(layer.alpha[adapter_name]), int(layer.r[adapter_name]),
+                                          key=name)
+            continue
         alpha = float(layer.lora_alpha[adapter_name])
         if layer.use_rslora.get(adapter_name, False):
             alpha *= math.sqrt(layer.r[adapter_name])   # rsLoRA's alpha / sqrt(r) as alpha' / r
-        modules[name] = LoraModule(down, up, alpha, key=name)
+        modules[name] = LoraModule(params["down"], params["up"], alpha, key=name, magnitude=params.get("magnitude"))
     return LoraWeights(modules=modules, source=f"adapter {adapter_name!r}", keys=model_lora_keys(transformer))
 
 
@@ -209,26 +312,59 @@ def check_fits(model: torch.nn.Module, weights: LoraWeights) -> None:
     """Raise naming the file and key if a LoRA module does not match the model's Linear shapes."""
     for name, m in weights.modules.items():
         linear = _base_linear(model, name, weights, m.key or name)
-        if m.down.shape[1] != linear.in_features or m.up.shape[0] != linear.out_features:
+        if m.in_features != linear.in_features or m.out_features != linear.out_features:
+            shapes = " / ".join(f"{role} {tuple(t.shape)}" for role, t in m.tensors().items())
             raise LoraFormatError(
-                f"{weights.source}: LoRA key {m.key or name!r} has down {tuple(m.down.shape)} / up "
-                f"{tuple(m.up.shape)} but the model's {name} is Linear(in={linear.in_features}, "
+                f"{weights.source}: LoRA key {m.key or name!r} has {shapes} (a {m.out_features} x {m.in_features} "
+                f"delta) but the model's {name} is Linear(in={linear.in_features}, "
                 f"out={linear.out_features}); the LoRA was trained for a different model")
+
+
+def _applied_config(weights: LoraWeights):
+    """A peft config creating one frozen adapter of `weights`' type on its modules."""
+    from peft import LoHaConfig, LoKrConfig
+    from peft import LoraConfig as PeftLoraConfig
+
+    kind = weights.kind
+    kwargs = peft_config_kwargs(weights)
+    if kind in ("lora", "dora"):
+        return PeftLoraConfig(**kwargs, init_lora_weights=False)
+    # LoKr / LoHa: peft builds its own factors (of the shapes its options give), replaced below by the file's
+    return (LoKrConfig if kind == "lokr" else LoHaConfig)(**kwargs, init_weights=False)
+
+
+def _set_lycoris(layer: torch.nn.Module, adapter_name: str, m: LycorisModule, dtype: torch.dtype) -> None:
+    """Give a peft LoKr / LoHa layer's adapter exactly the module's factors and scale (whatever
+    factor shapes peft derived itself: its forward uses whichever of w1 / w1_a @ w1_b is there)."""
+    roles = _LOKR_ROLES if m.kind == "lokr" else _LOHA_ROLES
+    device = layer.get_base_layer().weight.device
+    for attr in roles.values():
+        container = getattr(layer, attr)
+        if adapter_name in container:
+            del container[adapter_name]
+    for role, t in m.factors.items():
+        getattr(layer, roles[role])[adapter_name] = torch.nn.Parameter(t.to(device, dtype), requires_grad=False)
+    layer.r[adapter_name] = m.rank
+    layer.alpha[adapter_name] = float(m.alpha)
 
 
 def apply_lora(transformer: torch.nn.Module, weights: LoraWeights, strength: float = 1.0,
                adapter_name: str = "lora", dtype: torch.dtype = torch.float32) -> list[str]:
     """Attach `weights` as a frozen, unmerged adapter at `strength`; other adapters stay active.
 
-    Each module's output gains strength * alpha / r * up @ down @ x. Returns the wrapped module
-    names. Call before the memory engine is applied (it streams what exists at that time).
+    LoRA: each module's output gains strength * alpha / r * up @ down @ x; LoKr / LoHa: the same
+    scale on their delta; DoRA (peft's use_dora): its magnitude and update at strength times the
+    update's scale (peft's set_scale: at 1.0 the trained weights, elsewhere the update scaled inside
+    DoRA's normalisation, not ComfyUI's blend of the two weights). Returns the wrapped module names.
+    Call before the memory engine is applied (it streams what exists at that time).
     """
-    from peft import LoraConfig as PeftLoraConfig
-
     if adapter_name in _adapter_names(transformer):
         raise ValueError(f"the transformer already has an adapter named {adapter_name!r}")
     check_fits(transformer, weights)
-    config = PeftLoraConfig(**peft_config_kwargs(weights), init_lora_weights=False)
+    kind = weights.kind
+    if kind == "dora":
+        _refuse_fp8_base_for_dora(transformer, sorted(weights.modules), f"{weights.source} (a DoRA LoRA)")
+    config = _applied_config(weights)
     with _adapter_state_kept(transformer, add=adapter_name):
         transformer.add_adapter(config, adapter_name)
     layers = lora_layers(transformer, adapter_name)
@@ -237,6 +373,10 @@ def apply_lora(transformer: torch.nn.Module, weights: LoraWeights, strength: flo
     with torch.no_grad():
         for name, layer in layers.items():
             m = weights.modules[name]
+            if isinstance(m, LycorisModule):
+                _set_lycoris(layer, adapter_name, m, dtype)
+                layer.set_scale(adapter_name, strength)
+                continue
             if layer.r[adapter_name] != m.rank or not math.isclose(layer.lora_alpha[adapter_name], m.alpha):
                 raise RuntimeError(f"{name}: peft gave rank {layer.r[adapter_name]} alpha "
                                    f"{layer.lora_alpha[adapter_name]}, the LoRA has {m.rank} / {m.alpha}")
@@ -245,8 +385,14 @@ def apply_lora(transformer: torch.nn.Module, weights: LoraWeights, strength: flo
             a, b = layer.lora_A[adapter_name].weight, layer.lora_B[adapter_name].weight
             a.copy_(m.down)
             b.copy_(m.up)
-            a.requires_grad_(False)
-            b.requires_grad_(False)
+            params = [a, b]
+            if m.magnitude is not None:
+                mag_layer = layer.lora_magnitude_vector[adapter_name]
+                mag_layer.to(dtype)
+                mag_layer.weight.copy_(m.magnitude)
+                params.append(mag_layer.weight)
+            for p in params:
+                p.requires_grad_(False)
             layer.set_scale(adapter_name, strength)
     return sorted(layers)
 
@@ -272,30 +418,53 @@ def load_lora_into_model(transformer: torch.nn.Module, weights: LoraWeights, ada
                          ) -> list[str]:
     """Set an existing (trainable) adapter to a LoRA file's values, e.g. for [lora] init_from.
 
-    The file's scale is folded into B where the adapter's alpha differs, so the model's delta
-    equals the file's exactly. Modules the adapter has but the file lacks keep their values (B = 0
-    after init: no change). Ranks must match, and every file module must be a target of the
-    adapter. Returns the names set.
+    The file's scale is folded into B (LoKr: w1, LoHa: w1_a) where the adapter's alpha differs, so
+    the model's delta equals the file's exactly. Modules the adapter has but the file lacks keep
+    their values (no change after init). The file's adapter type must be the adapter's, its ranks
+    (LoKr / LoHa: its factor shapes) the same, and every file module a target of the adapter.
+    Returns the names set.
     """
     layers = lora_layers(transformer, adapter_name)
     if not layers:
         raise ValueError(f"the transformer has no LoRA adapter named {adapter_name!r}")
     check_fits(transformer, weights)
+    kind = weights.kind
     for name, m in weights.modules.items():
         key = m.key or name
         if name not in layers:
             raise LoraFormatError(f"{weights.source}: LoRA key {key!r} trains {name!r}, which the [lora] targets "
                                   f"do not include; widen [lora] targets or blocks")
-        if layers[name].r[adapter_name] != m.rank:
+        layer = layers[name]
+        have = layer_kind(layer, adapter_name)
+        if have != kind:
+            raise LoraFormatError(f"{weights.source}: a {kind} file, but [lora] type = {have!r} trains another adapter "
+                                  f"type; set [lora] type = {kind!r} to continue it")
+        if isinstance(m, LycorisModule):
+            params = adapter_parameters(layer, adapter_name)
+            mine = {role: tuple(p.shape) for role, p in params.items()}
+            theirs = {role: tuple(t.shape) for role, t in m.factors.items()}
+            if mine != theirs:
+                raise LoraFormatError(f"{weights.source}: LoRA key {key!r} has {kind} factors {theirs} but [lora] "
+                                      f"rank / factor / decompose_both give {mine}")
+        elif layer.r[adapter_name] != m.rank:
             raise LoraFormatError(f"{weights.source}: LoRA key {key!r} has rank {m.rank} but [lora] rank is "
-                                  f"{layers[name].r[adapter_name]}")
+                                  f"{layer.r[adapter_name]}")
     with torch.no_grad():
         for name, m in weights.modules.items():
             layer = layers[name]
+            params = adapter_parameters(layer, adapter_name)
+            if isinstance(m, LycorisModule):
+                adapter_scale = layer.alpha[adapter_name] / layer.r[adapter_name]
+                first = "w1" if "w1" in m.factors else "w1_a"
+                for role, t in m.factors.items():
+                    fold = m.scale / adapter_scale if role == first and m.scale != adapter_scale else None
+                    params[role].copy_(t.float() * fold if fold is not None else t)
+                continue
             adapter_scale = layer.lora_alpha[adapter_name] / layer.r[adapter_name]
             if layer.use_rslora.get(adapter_name, False):
                 adapter_scale = layer.lora_alpha[adapter_name] / math.sqrt(layer.r[adapter_name])
-            a, b = layer.lora_A[adapter_name].weight, layer.lora_B[adapter_name].weight
-            a.copy_(m.down)
-            b.copy_(m.up.float() * (m.scale / adapter_scale) if m.scale != adapter_scale else m.up)
+            params["down"].copy_(m.down)
+            params["up"].copy_(m.up.float() * (m.scale / adapter_scale) if m.scale != adapter_scale else m.up)
+            if kind == "dora":
+                params["magnitude"].copy_(m.magnitude)
     return sorted(weights.modules)

@@ -25,10 +25,21 @@ diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in
   and keep the trained alphas in the `leantune_trained_alphas` header, from which leantune reads
   them back (an `init_from` continues with the same scale).
 
-LoKr files (LyCORIS' `lycoris_<diffusers path>` names, ai-toolkit's BFL names) hold delta =
-alpha / r * kron(w1, w2) per module, each factor whole or as a product a @ b; they are read as the
-LoRA with that delta exactly (kron(U1 D1, U2 D2) = kron(U1, U2) @ kron(D1, D2): up = kron(U1, U2),
-down = kron(D1, D2)), scaled as LyCORIS and diffusers' `_bake_lokr_alpha_` scale them.
+Other adapter types (`[lora] type`, train/adapter_types.py) live beside LoRA:
+
+* DoRA: a `LoraModule` with a `magnitude` (out,): kohya / LyCORIS `dora_scale` (written (out, 1),
+  the output-axis decomposition peft trains), peft's `lora_magnitude_vector` in the diffusers
+  layout. Its rows split and fuse like the LoRA's (each output row is normalised on its own); a
+  per-input-column scale (LyCORIS' wd_on_out = false) is refused.
+* LoKr and LoHa: a `LycorisModule` (delta = alpha / r * kron(w1, w2), each factor whole or a
+  product a @ b; or alpha / r * (w1_a @ w1_b) * (w2_a @ w2_b)) in LyCORIS' key names (`lokr_w1`,
+  `hada_w1_a`, ...; ComfyUI's and LyCORIS' scales: `_lokr_module`, `_loha_module`). A Kronecker or
+  Hadamard delta of one part of a fused native Linear is no factor pair of the whole, so such a
+  part is written under its LyCORIS name (`lycoris_transformer_blocks_0_attn_to_q`, which ComfyUI
+  maps onto the part's rows) and the other modules under their kohya names. A file with LoKr on a
+  fused Linear (ai-toolkit's BFL names) is read as the LoRA with that delta exactly (kron(U1 D1,
+  U2 D2) = kron(U1, U2) @ kron(D1, D2): up = kron(U1, U2), down = kron(D1, D2); LoHa by the
+  face-splitting product), and so is every module of a file whose types would otherwise mix.
 
 The family of a file is read from its keys (Flux `double_blocks` vs SD3 `joint_blocks`, ...) and,
 where names are shared (FLUX.2 uses Flux.1's BFL names), their shapes (`LoraKeyMap.ratios`). Some
@@ -65,7 +76,8 @@ ADAPTER_METADATA_KEY = "lora_adapter_metadata"     # diffusers' header key for t
 TRAINED_ALPHAS_KEY = "leantune_trained_alphas"      # {module: alpha} folded into lora_B of a diffusers file
 DIFFUSERS_PREFIX = "transformer."
 # Header keys that describe one file layout; they are rewritten, never passed through a conversion.
-_LAYOUT_KEYS = {ADAPTER_METADATA_KEY, "format", "leantune_format", TRAINED_ALPHAS_KEY}
+_LAYOUT_KEYS = {ADAPTER_METADATA_KEY, "format", "leantune_format", TRAINED_ALPHAS_KEY, "leantune_adapter_type",
+                "ss_network_args"}
 
 
 class LoraFormatError(ValueError):
@@ -86,12 +98,21 @@ class LoraCompatibilityWarning(UserWarning):
 
 @dataclass
 class LoraModule:
-    """One Linear's LoRA: delta W (out, in) = alpha / rank * up @ down."""
+    """One Linear's LoRA: delta W (out, in) = alpha / rank * up @ down.
+
+    With a `magnitude` (out,) it is a DoRA module (peft's use_dora, LyCORIS' output-axis weight
+    decomposition): the layer's weight becomes magnitude / ||W + delta||_row * (W + delta), per
+    output row, so its effect depends on the base weight W (`effective_weight`)."""
 
     down: torch.Tensor        # (r, in)  lora_down / lora_A
     up: torch.Tensor          # (out, r) lora_up / lora_B
     alpha: float
     key: str = ""             # the file key it came from, for error messages
+    magnitude: torch.Tensor | None = None    # DoRA: (out,) peft's lora_magnitude_vector, kohya's dora_scale
+
+    @property
+    def kind(self) -> str:
+        return "lora" if self.magnitude is None else "dora"
 
     @property
     def rank(self) -> int:
@@ -101,9 +122,119 @@ class LoraModule:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def in_features(self) -> int:
+        return int(self.down.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.up.shape[0])
+
+    def delta(self) -> torch.Tensor:
+        """The low-rank weight delta (out, in) in fp32 (for DoRA: the update inside the normalisation)."""
+        return self.scale * (self.up.float() @ self.down.float())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"down": self.down, "up": self.up}
+        if self.magnitude is not None:
+            out["magnitude"] = self.magnitude
+        return out
+
+
+@dataclass
+class LycorisModule:
+    """One Linear's LoKr or LoHa adapter, in peft's and LyCORIS' factor names (without prefix):
+
+    * lokr: delta = alpha / rank * kron(w1, w2), w1 = `w1` or `w1_a @ w1_b`, w2 = `w2` or `w2_a @ w2_b`;
+    * loha: delta = alpha / rank * (w1_a @ w1_b) * (w2_a @ w2_b).
+
+    `rank` is the r whose alpha / r scales the delta (peft's; in a LyCORIS file, the rank of the
+    decomposed factor, see lora_formats._lokr_scale)."""
+
+    kind: str                            # "lokr" | "loha"
+    factors: dict[str, torch.Tensor]
+    alpha: float
+    rank: int
+    key: str = ""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def _factor(self, n: str) -> torch.Tensor:
+        f = self.factors
+        return f[f"w{n}"].float() if f"w{n}" in f else f[f"w{n}_a"].float() @ f[f"w{n}_b"].float()
+
+    @property
+    def out_features(self) -> int:
+        f = self.factors
+        if self.kind == "loha":
+            return int(f["w1_a"].shape[0])
+        rows = lambda n: int((f[f"w{n}"] if f"w{n}" in f else f[f"w{n}_a"]).shape[0])  # noqa: E731
+        return rows("1") * rows("2")
+
+    @property
+    def in_features(self) -> int:
+        f = self.factors
+        if self.kind == "loha":
+            return int(f["w1_b"].shape[1])
+        cols = lambda n: int((f[f"w{n}"] if f"w{n}" in f else f[f"w{n}_b"]).shape[1])  # noqa: E731
+        return cols("1") * cols("2")
+
     def delta(self) -> torch.Tensor:
         """The weight delta (out, in) in fp32."""
-        return self.scale * (self.up.float() @ self.down.float())
+        if self.kind == "lokr":
+            return self.scale * torch.kron(self._factor("1"), self._factor("2"))
+        return self.scale * (self._factor("1") * self._factor("2"))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.factors)
+
+    def as_lora(self) -> LoraModule:
+        """The LoRA with exactly this delta: LoKr as kron(U1, U2) @ kron(D1, D2) (a whole factor is
+        itself times an identity on its shorter side), LoHa as the face-splitting product
+        (sum_ij (a1_i * a2_j)(b1_i * b2_j)^T, rank r1 * r2)."""
+        if self.kind == "lokr":
+            (u1, d1), (u2, d2) = (_lokr_pair(self.factors, n) for n in "12")
+            dtype = torch.promote_types(torch.promote_types(u1.dtype, u2.dtype), torch.promote_types(d1.dtype, d2.dtype))
+            up = torch.kron(u1.to(dtype), u2.to(dtype))
+            down = torch.kron(d1.to(dtype), d2.to(dtype))
+        else:
+            f = self.factors
+            dtype = torch.promote_types(f["w1_a"].dtype, f["w2_a"].dtype)
+            a1, b1, a2, b2 = (f[k].to(dtype) for k in ("w1_a", "w1_b", "w2_a", "w2_b"))
+            up = (a1[:, :, None] * a2[:, None, :]).reshape(a1.shape[0], -1)          # (out, r1 r2)
+            down = (b1[:, None, :] * b2[None, :, :]).reshape(-1, b1.shape[1])        # (r1 r2, in)
+        return LoraModule(down, up, self.scale * down.shape[0], self.key)
+
+
+def _lokr_pair(factors: dict[str, torch.Tensor], n: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, D) with LoKr factor w<n> = U @ D: its a / b matrices, or the whole matrix beside an
+    identity on its shorter side (the rank of a Kronecker product is the product of the ranks)."""
+    whole = factors.get(f"w{n}")
+    if whole is None:
+        return factors[f"w{n}_a"], factors[f"w{n}_b"]
+    rows, cols = whole.shape
+    if cols <= rows:
+        return whole, torch.eye(cols, dtype=whole.dtype)
+    return torch.eye(rows, dtype=whole.dtype), whole
+
+
+AdapterModule = LoraModule | LycorisModule
+
+
+def effective_weight(module: AdapterModule, base: torch.Tensor) -> torch.Tensor:
+    """The weight (out, in, fp32) a Linear with base weight `base` computes with under `module`:
+    base + delta, or DoRA's magnitude / ||base + delta||_row * (base + delta)."""
+    merged = base.float() + module.delta()
+    if isinstance(module, LoraModule) and module.magnitude is not None:
+        norm = torch.linalg.norm(merged, dim=1)
+        merged = merged * (module.magnitude.float() / norm)[:, None]
+    return merged
+
+
+def module_kinds(modules) -> set[str]:
+    return {m.kind for m in modules.values()}
 
 
 @dataclass
@@ -122,6 +253,15 @@ class LoraWeights:
     @property
     def family(self) -> str | None:
         return None if self.keys is None else self.keys.family
+
+    @property
+    def kind(self) -> str:
+        """The adapter type of every module ("lora", "dora", "lokr", "loha"); reading makes a file's
+        modules one type (lora_from_state_dict)."""
+        kinds = module_kinds(self.modules)
+        if len(kinds) != 1:
+            raise LoraFormatError(f"{self.source}: its modules mix adapter types {sorted(kinds)}")
+        return kinds.pop()
 
 
 # -- fusing and splitting --------------------------------------------------------------------------
@@ -150,13 +290,28 @@ def split_fused(target: FusedTarget, fused: LoraModule, where: str) -> dict[str,
     each part its own chunk at the same scale; all-zero parts (absent when fused) are dropped. A
     dense one gives every part the whole down matrix and its rows of the up matrix.
     """
-    up = _swap_halves(fused.up, where) if target.swaps_halves(fused.up.shape[0], fused.down.shape[1]) else fused.up
+    swapped = target.swaps_halves(fused.up.shape[0], fused.down.shape[1])
+    up = _swap_halves(fused.up, where) if swapped else fused.up
+    mag = fused.magnitude
+    if mag is not None:
+        mag = _swap_halves(mag, where) if swapped else mag
     n = len(target.parts)
     if n == 1:
-        return {target.parts[0]: LoraModule(fused.down, up, fused.alpha, fused.key)}
+        return {target.parts[0]: LoraModule(fused.down, up, fused.alpha, fused.key, mag)}
     dims = _part_rows(target, up.shape[0], where)
     rank = fused.rank
     starts = [sum(dims[:j]) for j in range(n)]
+    if mag is not None:
+        # DoRA normalises each output row on its own, so the rows split as the LoRA's do; a part
+        # without an update still has its magnitude, so no part is dropped.
+        split = split_fused(target, LoraModule(fused.down, fused.up, fused.alpha, fused.key), where)
+        like = next(iter(split.values()), LoraModule(fused.down, fused.up, fused.alpha))
+        out = {}
+        for j, name in enumerate(target.parts):
+            m = split.get(name) or LoraModule(torch.zeros_like(like.down), like.up.new_zeros(dims[j], like.rank),
+                                              like.alpha, fused.key)
+            out[name] = LoraModule(m.down, m.up, m.alpha, fused.key, mag[starts[j]:starts[j] + dims[j]].clone())
+        return out
     if rank % n == 0:
         r = rank // n
         block_diagonal = all(
@@ -242,22 +397,58 @@ def _pattern(name: str) -> str:
 
 
 def peft_config_kwargs(weights: LoraWeights) -> dict:
-    """LoraConfig keyword arguments reproducing every module's rank and alpha (peft >= 0.14)."""
+    """The peft config's keyword arguments reproducing every module's rank and alpha (peft >= 0.14):
+    LoraConfig's (use_dora for DoRA), LoKrConfig's or LoHaConfig's by `weights.kind`
+    (`peft_config_class` names the class). A LoKr file's `decompose_factor` / `decompose_both` are
+    the ones under which peft rebuilds its factor shapes (`lokr_options`)."""
     if not weights.modules:
         raise LoraFormatError(f"{weights.source}: the LoRA has no modules")
+    kind = weights.kind
     names = sorted(weights.modules)
     ranks = {n: weights.modules[n].rank for n in names}
     alphas = {n: float(weights.modules[n].alpha) for n in names}
     r = int(_most_common(ranks.values()))
     alpha = float(_most_common(alphas.values()))
-    return {
+    out = {
         "r": r,
-        "lora_alpha": alpha,
+        "lora_alpha" if kind in ("lora", "dora") else "alpha": alpha,
         "rank_pattern": {_pattern(n): v for n, v in ranks.items() if v != r},
         "alpha_pattern": {_pattern(n): v for n, v in alphas.items() if v != alpha},
         # A full-match regex: a list would match by suffix and wrap the top-level proj_out too.
         "target_modules": "^(" + "|".join(re.escape(n) for n in names) + ")$",
     }
+    if kind == "dora":
+        out["use_dora"] = True
+    if kind == "lokr":
+        options = lokr_options(weights)
+        if options is not None:
+            out["decompose_factor"], out["decompose_both"] = options
+    return out
+
+
+def peft_config_class(kind: str) -> str:
+    """The peft config class of an adapter type."""
+    return {"lora": "LoraConfig", "dora": "LoraConfig", "lokr": "LoKrConfig", "loha": "LoHaConfig"}[kind]
+
+
+def lokr_options(weights: LoraWeights) -> tuple[int, bool] | None:
+    """(decompose_factor, decompose_both) under which peft's LoKrConfig, with each module's rank,
+    creates exactly the factor shapes of `weights` (the factors leantune trained always qualify);
+    None when no such pair exists (a file from a tool that splits the sides otherwise)."""
+    from .adapter_types import lokr_layout
+
+    modules = list(weights.modules.values())
+    lefts = set()
+    for m in modules:
+        f = m.factors
+        lefts.add(int((f["w1"] if "w1" in f else f["w1_a"]).shape[0]))
+        lefts.add(int((f["w1"] if "w1" in f else f["w1_b"]).shape[1]))
+    for factor in [-1, *sorted(lefts)]:
+        for both in (False, True):
+            if all({k: tuple(t.shape) for k, t in m.factors.items()}
+                   == lokr_layout(m.in_features, m.out_features, m.rank, factor, both) for m in modules):
+                return factor, both
+    return None
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -321,25 +512,78 @@ def _narrowed(maps: list[LoraKeyMap], metadata: dict[str, str], modules: dict[st
     if len(hinted) == 1:
         return hinted
     if modules:
-        width = _most_common(m.down.shape[1] for m in modules.values())
+        width = _most_common(m.in_features for m in modules.values())
         wide = [k for k in maps if k.has_width(width)]
         if len(wide) == 1:
             return wide
     return maps
 
 
+def lycoris_name(name: str) -> str:
+    """LyCORIS' name of a diffusers module ('lycoris_transformer_blocks_0_attn_to_q'), which
+    ComfyUI maps onto that module's rows of the native weight for every family here."""
+    return "lycoris_" + name.replace(".", "_")
+
+
+def _lycoris_tensors(stem: str, m: AdapterModule, dtype, native_rows: bool) -> dict[str, torch.Tensor]:
+    """LyCORIS / kohya keys of one unfused DoRA, LoKr or LoHa module under `stem`. ComfyUI's
+    scales (comfy/weight_adapter/lokr.py, loha.py, lora.py): LoHa and DoRA alpha / rank of the b
+    matrix, as peft's; LoKr alpha / rank of the decomposed factor (w2, else w1), and 1 when both
+    are whole, where peft still applies alpha / r: that scale is then folded into w1 (and alpha
+    written as the rank, fold_alphas records the trained one). A DoRA magnitude is written
+    (out, 1), the output-axis layout, in the native weight's row order (`native_rows`: the rows
+    of a final-layer modulation swap halves, and ComfyUI swaps only the update)."""
+    out = {}
+    if isinstance(m, LoraModule):
+        out[f"{stem}.lora_down.weight"] = _cast(m.down, dtype)
+        out[f"{stem}.lora_up.weight"] = _cast(m.up, dtype)
+        mag = m.magnitude
+        if native_rows:
+            mag = _swap_halves(mag, stem)
+        out[f"{stem}.dora_scale"] = _cast(mag.reshape(-1, 1), dtype)
+    else:
+        prefix = "lokr" if m.kind == "lokr" else "hada"
+        for role, t in m.factors.items():
+            out[f"{stem}.{prefix}_{role}"] = _cast(t, dtype)
+    out[f"{stem}.alpha"] = torch.tensor(float(m.alpha), dtype=torch.float32)
+    return out
+
+
+def _lokr_comfyui_ready(m: LycorisModule) -> LycorisModule:
+    """A LoKr module whose file scale ComfyUI and LyCORIS read back as peft's: with both factors
+    whole they apply scale 1, so alpha / rank goes into w1."""
+    f = m.factors
+    if "w1" in f and "w2" in f and float(m.alpha) != float(m.rank):
+        w1 = (f["w1"].float() * m.scale).to(f["w1"].dtype)
+        return LycorisModule("lokr", {**f, "w1": w1}, float(m.rank), m.rank, m.key)
+    return m
+
+
 def _comfyui_tensors(weights: LoraWeights, keys: LoraKeyMap, dtype) -> dict[str, torch.Tensor]:
-    groups: dict[str, tuple[FusedTarget, dict[int, LoraModule]]] = {}
+    """kohya names, LoRA modules fused into the native Linear (fuse_parts); a DoRA, LoKr or LoHa
+    module of a fused Linear (or of a final-layer modulation, whose halves swap) under its LyCORIS
+    name instead: a Kronecker or Hadamard delta of one part is no part of any factor pair of the
+    whole, and ComfyUI maps those names onto the part's rows (its `lycoris_` key map entries)."""
+    groups: dict[str, tuple[FusedTarget, dict[int, AdapterModule]]] = {}
     for name, module in weights.modules.items():
         target, part = keys.target_for_diffusers(name)
         groups.setdefault(target.native, (target, {}))[1][part] = module
     out = {}
     for native in sorted(groups):
         target, parts = groups[native]
-        fused = fuse_parts(target, parts)
-        out[f"{target.kohya}.lora_down.weight"] = _cast(fused.down, dtype)
-        out[f"{target.kohya}.lora_up.weight"] = _cast(fused.up, dtype)
-        out[f"{target.kohya}.alpha"] = torch.tensor(fused.alpha, dtype=torch.float32)
+        if all(m.kind == "lora" for m in parts.values()):
+            fused = fuse_parts(target, parts)
+            out[f"{target.kohya}.lora_down.weight"] = _cast(fused.down, dtype)
+            out[f"{target.kohya}.lora_up.weight"] = _cast(fused.up, dtype)
+            out[f"{target.kohya}.alpha"] = torch.tensor(fused.alpha, dtype=torch.float32)
+            continue
+        for j in sorted(parts):
+            m = parts[j]
+            swapped = target.swaps_halves(m.out_features, m.in_features)
+            stem = target.kohya if len(target.parts) == 1 and not swapped else lycoris_name(target.parts[j])
+            if m.kind == "lokr":
+                m = _lokr_comfyui_ready(m)
+            out.update(_lycoris_tensors(stem, m, dtype, native_rows=swapped))
     return out
 
 
@@ -370,32 +614,53 @@ def comfyui_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None,
 
 
 def diffusers_state_dict(weights: LoraWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """diffusers / peft keys: transformer.<module>.lora_A.weight and .lora_B.weight."""
+    """diffusers / peft keys: transformer.<module>.lora_A.weight and .lora_B.weight (DoRA: and
+    .lora_magnitude_vector); LoKr / LoHa: transformer.<module>.lokr_w1 ... / .hada_w1_a ... (peft's
+    state-dict names, which diffusers' LoKr loader reads)."""
     out = {}
     for name in sorted(weights.modules):
         m = weights.modules[name]
+        if isinstance(m, LycorisModule):
+            prefix = "lokr" if m.kind == "lokr" else "hada"
+            for role in sorted(m.factors):
+                out[f"{DIFFUSERS_PREFIX}{name}.{prefix}_{role}"] = _cast(m.factors[role], dtype)
+            continue
         out[f"{DIFFUSERS_PREFIX}{name}.lora_A.weight"] = _cast(m.down, dtype)
         out[f"{DIFFUSERS_PREFIX}{name}.lora_B.weight"] = _cast(m.up, dtype)
+        if m.magnitude is not None:
+            out[f"{DIFFUSERS_PREFIX}{name}.lora_magnitude_vector"] = _cast(m.magnitude, dtype)
     return _unshared(out)
 
 
+def _scaled_by(m: AdapterModule, factor: float) -> AdapterModule:
+    """`m` with its delta's scale multiplied into a factor (LoRA / DoRA: up; LoKr: w1 or w1_a;
+    LoHa: w1_a), in fp32, and alpha set so that the scale becomes scale / factor."""
+    if isinstance(m, LoraModule):
+        return LoraModule(m.down, (m.up.float() * factor).to(m.up.dtype), m.alpha / factor, m.key, m.magnitude)
+    role = "w1" if "w1" in m.factors else "w1_a"
+    t = m.factors[role]
+    return LycorisModule(m.kind, {**m.factors, role: (t.float() * factor).to(t.dtype)}, m.alpha / factor, m.rank, m.key)
+
+
 def fold_alphas(weights: LoraWeights) -> tuple[LoraWeights, dict[str, float]]:
-    """The same deltas with alpha = rank (alpha / rank multiplied into each up matrix, in fp32),
-    and the trained alphas that were folded, for the header."""
+    """The same deltas with alpha = rank (alpha / rank multiplied into each up matrix, or LoKr's w1
+    / LoHa's w1_a, in fp32), and the trained alphas that were folded, for the header."""
     modules, folded = {}, {}
     for name, m in weights.modules.items():
         if float(m.alpha) == float(m.rank):
             modules[name] = m
             continue
-        up = (m.up.float() * m.scale).to(m.up.dtype)
-        modules[name] = LoraModule(m.down, up, float(m.rank), m.key)
+        f = _scaled_by(m, m.scale)
+        f.alpha = float(m.rank)
+        modules[name] = f
         folded[name] = float(m.alpha)
     return LoraWeights(modules=modules, metadata=weights.metadata, source=weights.source, format=weights.format,
                        ignored=weights.ignored, keys=weights.keys), folded
 
 
-def _unfold_alphas(source: str, modules: dict[str, LoraModule], metadata: dict[str, str]) -> None:
-    """Undo fold_alphas for a leantune diffusers file: the trained alpha, the same delta."""
+def _unfold_alphas(source: str, modules: dict[str, AdapterModule], metadata: dict[str, str]) -> None:
+    """Undo fold_alphas for a leantune file (diffusers layout; LoKr with both factors whole in the
+    comfyui layout too): the trained alpha, the same delta."""
     raw = metadata.get(TRAINED_ALPHAS_KEY)
     if not raw:
         return
@@ -407,8 +672,9 @@ def _unfold_alphas(source: str, modules: dict[str, LoraModule], metadata: dict[s
         m = modules.get(name)
         if m is None or not math.isfinite(alpha) or alpha == 0 or float(m.alpha) != float(m.rank):
             continue             # a module renamed, or a file edited since: keep what the file applies
-        m.up = (m.up.float() * (m.rank / alpha)).to(m.up.dtype)
-        m.alpha = alpha
+        u = _scaled_by(m, m.rank / alpha)
+        u.alpha = alpha
+        modules[name] = u
 
 
 def _header_value(v) -> str:
@@ -438,6 +704,19 @@ def file_metadata(weights: LoraWeights, fmt: LoraFileFormat, path: Path, extra: 
     meta["ss_network_dim"] = str(_most_common(ranks))
     meta["ss_network_alpha"] = _header_value(_most_common(alphas))
     meta["leantune_format"] = fmt
+    kind = weights.kind
+    meta["leantune_adapter_type"] = kind
+    if kind != "lora":
+        # kohya's notes for a LyCORIS network (sd-scripts --network_module lycoris.kohya): its algo
+        # and, for DoRA, the output-axis weight decomposition peft trains (wd_on_out)
+        args = {"algo": "lora", "dora_wd": "True", "wd_on_out": "True"} if kind == "dora" else {"algo": kind}
+        if kind == "lokr":
+            options = lokr_options(weights)
+            if options is not None:
+                args["factor"] = str(options[0])
+                args["decompose_both"] = str(options[1])
+        meta["ss_network_module"] = "lycoris.kohya"
+        meta["ss_network_args"] = json.dumps(args, sort_keys=True)
     if fmt == "diffusers":
         meta["format"] = "pt"
         config = peft_config_kwargs(weights)
@@ -465,6 +744,37 @@ def _warn_comfyui_unnamed(weights: LoraWeights, maps: list[LoraKeyMap]) -> None:
         return
 
 
+# diffusers' pipelines whose lora_state_dict accepts LoKr keys (0.42: Flux2LoraLoaderMixin and
+# ZImageLoraLoaderMixin; the others refuse a key without "lora" in it, "Invalid LoRA checkpoint").
+_DIFFUSERS_LOKR_FAMILIES = ("flux2", "z-image")
+# Comfy-Org/ComfyUI comfy/weight_adapter/base.py weight_decompose (read at 9c0cf36c): a dora_scale of
+# shape (out, 1) is divided by the row norms of the base weight W, not of W + delta (the
+# input-axis branch, for a (1, in) scale, takes W + delta); open fix: Comfy-Org/ComfyUI#15458.
+COMFYUI_DORA_NOTE = ("stock ComfyUI (comfy/weight_adapter/base.py weight_decompose) divides an output-axis "
+                     "dora_scale by the row norms of the base weight rather than of the base weight plus the update "
+                     "(Comfy-Org/ComfyUI#15458 fixes it), so there the LoRA acts a little differently from how it "
+                     "trained (by the ratio of those norms, per row); LyCORIS, ComfyUI with that fix, leantune and "
+                     "diffusers (its diffusers-layout file) apply the trained weights")
+
+
+def _warn_layout_support(weights: LoraWeights, fmt: str, keys: LoraKeyMap | None) -> None:
+    """Say where a DoRA, LoKr or LoHa file does not load as trained (LoraCompatibilityWarning)."""
+    kind = weights.kind
+    if fmt == "comfyui" and kind == "dora":
+        warnings.warn(f"the comfyui-layout DoRA file: {COMFYUI_DORA_NOTE}", LoraCompatibilityWarning, stacklevel=3)
+    if fmt != "diffusers" or kind in ("lora", "dora"):
+        return
+    family = keys.family if keys is not None else ""
+    if kind == "lokr" and family.startswith(_DIFFUSERS_LOKR_FAMILIES):
+        return
+    where = ("diffusers loads LoKr files only through its FLUX.2 and Z-Image pipelines" if kind == "lokr"
+             else "diffusers loads no LoHa file (its pipelines accept LoRA and LoKr keys only)")
+    warnings.warn(f"the diffusers-layout {'LoHa' if kind == 'loha' else 'LoKr'} file of this "
+                  f"{keys.display if keys is not None else ''} LoRA: {where}; peft (set_peft_model_state_dict with the "
+                  f"config in its {ADAPTER_METADATA_KEY!r} header) and leantune read it, and the comfyui layout "
+                  f"loads in ComfyUI", LoraCompatibilityWarning, stacklevel=3)
+
+
 def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
               metadata: dict | None = None, dtype: torch.dtype | None = None,
               keys: LoraKeyMap | None = None) -> Path:
@@ -485,9 +795,17 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
     if not weights.modules:
         raise LoraFormatError(f"{path}: refusing to write a LoRA with no modules")
     path = Path(path)
+    weights.kind                                      # one adapter type (raises naming the mix)
     if fmt == "comfyui":
         family_keys = writing_keys(weights, keys)[0]      # the family whose names are written
+        _warn_layout_support(weights, fmt, family_keys)
         tensors = comfyui_state_dict(weights, dtype, family_keys)
+        header = file_metadata(weights, fmt, path, metadata, family_keys)
+        folded = {n: float(m.alpha) for n, m in weights.modules.items()
+                  if m.kind == "lokr" and "w1" in m.factors and "w2" in m.factors and float(m.alpha) != float(m.rank)}
+        if folded:                                    # _lokr_comfyui_ready put their scale into w1
+            header[TRAINED_ALPHAS_KEY] = json.dumps(folded, sort_keys=True)
+        return save_safetensors(tensors, path, header)
     else:
         try:            # diffusers names need no family; it only picks the header's notes
             maps = writing_keys(weights, keys)
@@ -495,13 +813,13 @@ def save_lora(weights: LoraWeights, path: str | Path, fmt: LoraFileFormat,
             maps = []
         family_keys = maps[0] if len(maps) == 1 else None
         _warn_comfyui_unnamed(weights, maps)
+        _warn_layout_support(weights, fmt, family_keys)
         written, folded = fold_alphas(weights)        # ComfyUI reads no alpha from the header
         tensors = diffusers_state_dict(written, dtype)
         header = file_metadata(written, fmt, path, metadata, family_keys)     # ss_network_alpha: what it applies
         if folded:
             header[TRAINED_ALPHAS_KEY] = json.dumps(folded, sort_keys=True)
         return save_safetensors(tensors, path, header)
-    return save_safetensors(tensors, path, file_metadata(weights, fmt, path, metadata, family_keys))
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -513,14 +831,19 @@ _ROLE_SUFFIXES = (
     # LoKr (LyCORIS, ai-toolkit): delta = kron(w1, w2), each factor whole or as a product a @ b
     (".lokr_w1", "w1"), (".lokr_w1_a", "w1_a"), (".lokr_w1_b", "w1_b"),
     (".lokr_w2", "w2"), (".lokr_w2_a", "w2_a"), (".lokr_w2_b", "w2_b"),
+    # LoHa (LyCORIS): delta = (w1_a @ w1_b) * (w2_a @ w2_b)
+    (".hada_w1_a", "hada_w1_a"), (".hada_w1_b", "hada_w1_b"), (".hada_w2_a", "hada_w2_a"), (".hada_w2_b", "hada_w2_b"),
+    # DoRA: kohya / LyCORIS dora_scale, peft's lora_magnitude_vector
+    (".dora_scale", "magnitude"), (".lora_magnitude_vector.weight", "magnitude"), (".lora_magnitude_vector", "magnitude"),
 )
 _LOKR_ROLES = ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b")
+_LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 _TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
                           "text_encoder_3.")
 _NATIVE_PREFIXES = ("diffusion_model.", "model.diffusion_model.")
 _DIFFUSERS_PREFIXES = (DIFFUSERS_PREFIX, "base_model.model.", "")
 _UNSUPPORTED_HINTS = (   # (regex searched in the key, what it is) for a helpful error
-    (r"\.dora_scale$|lora_magnitude_vector", "DoRA"), (r"\.hada_", "LoHa"), (r"\.lokr_t\d", "LoKr with a Tucker core"),
+    (r"\.hada_t\d", "LoHa with a Tucker core"), (r"\.lokr_t\d", "LoKr with a Tucker core"),
     (r"\.diff(_b)?$", "a full weight difference"), (r"\.lora_(B|up)\.bias$", "a LoRA bias"),
     (r"\.lora_mid\.", "LoCon"),
 )
@@ -583,14 +906,12 @@ def _adapter_config(source: str, metadata: dict[str, str]) -> dict | None:
         raise LoraFormatError(f"{source}: header key {ADAPTER_METADATA_KEY!r} is not a JSON object")
     if any(k.startswith("transformer.") for k in config):
         config = {k[len("transformer."):]: v for k, v in config.items() if k.startswith("transformer.")}
-    if config.get("use_dora"):
-        raise LoraFormatError(f"{source}: header key {ADAPTER_METADATA_KEY!r} says use_dora; DoRA is not supported")
     return config
 
 
 def _config_alpha(config: dict, name: str) -> tuple[float | None, bool]:
     """(alpha, rslora) for a module under a peft LoraConfig dict (peft's pattern rules)."""
-    alpha = config.get("lora_alpha")
+    alpha = config.get("lora_alpha", config.get("alpha"))     # LoraConfig's, LoKrConfig's / LoHaConfig's
     for pattern, value in (config.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", name):
             alpha = value
@@ -598,9 +919,24 @@ def _config_alpha(config: dict, name: str) -> tuple[float | None, bool]:
     return (None if alpha is None else float(alpha)), bool(config.get("use_rslora"))
 
 
-def _lokr_factor(source: str, entry: _Entry, n: str) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(U, D, key) with factor w<n> = U @ D: its a / b matrices, or the whole matrix beside an
-    identity on its shorter side (the rank of a Kronecker product is the product of the ranks)."""
+def _float_matrix(source: str, key: str, t: torch.Tensor, what: str = "") -> None:
+    if t.dim() != 2 or not t.is_floating_point():
+        raise LoraFormatError(f"{source}: key {key!r} should be a 2-D float matrix, got {t.dtype} {tuple(t.shape)}{what}")
+    if not torch.isfinite(t).all():
+        raise LoraFormatError(f"{source}: key {key!r} contains NaN or infinite values")
+
+
+def _file_alpha(source: str, entry: _Entry) -> float | None:
+    if "alpha" not in entry.tensors:
+        return None
+    a = entry.tensors["alpha"]
+    if a.numel() != 1 or not torch.isfinite(a.float()).all():
+        raise LoraFormatError(f"{source}: key {entry.keys['alpha']!r} should be one finite number, got {tuple(a.shape)}")
+    return float(a.float().item())
+
+
+def _lokr_factor(source: str, entry: _Entry, n: str) -> dict[str, torch.Tensor]:
+    """Factor w<n> as found: {'w<n>': whole} or {'w<n>_a': a, 'w<n>_b': b}."""
     whole, a, b = entry.tensors.get(f"w{n}"), entry.tensors.get(f"w{n}_a"), entry.tensors.get(f"w{n}_b")
     if whole is not None and (a is not None or b is not None):
         raise LoraFormatError(f"{source}: {entry.keys[f'w{n}']!r} and its _a/_b factors are both given")
@@ -608,49 +944,66 @@ def _lokr_factor(source: str, entry: _Entry, n: str) -> tuple[torch.Tensor, torc
         have = ", ".join(sorted(entry.keys.values()))
         raise LoraFormatError(f"{source}: LoKr module has no lokr_w{n} (nor lokr_w{n}_a and _b): found only {have}")
     for t, role in ((whole, f"w{n}"), (a, f"w{n}_a"), (b, f"w{n}_b")):
-        if t is None:
-            continue
-        if t.dim() != 2 or not t.is_floating_point():
-            raise LoraFormatError(f"{source}: key {entry.keys[role]!r} should be a 2-D float matrix, got "
-                                  f"{t.dtype} {tuple(t.shape)} (convolution LoKr is not supported)")
-        if not torch.isfinite(t).all():
-            raise LoraFormatError(f"{source}: key {entry.keys[role]!r} contains NaN or infinite values")
+        if t is not None:
+            _float_matrix(source, entry.keys[role], t, " (convolution LoKr is not supported)")
     if whole is not None:
-        rows, cols = whole.shape
-        eye = lambda n_: torch.eye(n_, dtype=whole.dtype)  # noqa: E731
-        return (whole, eye(cols), entry.keys[f"w{n}"]) if cols <= rows else (eye(rows), whole, entry.keys[f"w{n}"])
+        return {f"w{n}": whole}
     if a.shape[1] != b.shape[0]:
         raise LoraFormatError(f"{source}: ranks disagree: {entry.keys[f'w{n}_a']!r} is {tuple(a.shape)} but "
                               f"{entry.keys[f'w{n}_b']!r} is {tuple(b.shape)}")
-    return a, b, entry.keys[f"w{n}_a"]
+    return {f"w{n}_a": a, f"w{n}_b": b}
 
 
-def _lokr_module(source: str, entry: _Entry) -> LoraModule:
-    """A LoKr module as the LoRA with the same delta, exactly: kron(U1 D1, U2 D2) =
-    kron(U1, U2) @ kron(D1, D2), so up = kron(U1, U2) and down = kron(D1, D2). The scale is
-    LyCORIS' (and diffusers' _bake_lokr_alpha_): alpha / r, r the rank of the decomposed w2 (else
-    w1), and 1 when both factors are whole matrices."""
-    u1, d1, k1 = _lokr_factor(source, entry, "1")
-    u2, d2, _ = _lokr_factor(source, entry, "2")
-    scale = 1.0
-    rank_of = entry.tensors.get("w2_b", entry.tensors.get("w1_b"))
-    if "alpha" in entry.tensors and rank_of is not None:
-        a = entry.tensors["alpha"]
-        if a.numel() != 1 or not torch.isfinite(a.float()).all():
-            raise LoraFormatError(f"{source}: key {entry.keys['alpha']!r} should be one finite number, got {tuple(a.shape)}")
-        scale = float(a.float().item()) / rank_of.shape[0]
-    dtype = torch.promote_types(torch.promote_types(u1.dtype, u2.dtype), torch.promote_types(d1.dtype, d2.dtype))
-    up = torch.kron(u1.to(dtype), u2.to(dtype))
-    down = torch.kron(d1.to(dtype), d2.to(dtype))
-    return LoraModule(down, up, scale * down.shape[0], k1.rsplit(".", 1)[0])
+def _lokr_module(source: str, entry: _Entry) -> LycorisModule:
+    """A LoKr module with the scale LyCORIS, ComfyUI (comfy/weight_adapter/lokr.py) and diffusers'
+    _bake_lokr_alpha_ apply: alpha / r, r the rank of the decomposed w2 (else of w1); 1 when both
+    factors are whole (or without alpha). Kept as rank = r, alpha (rank = alpha when the scale is
+    1, so that a leantune file's folded alpha unfolds: _unfold_alphas)."""
+    factors = {**_lokr_factor(source, entry, "1"), **_lokr_factor(source, entry, "2")}
+    key = next(entry.keys[r] for r in _LOKR_ROLES if r in entry.keys).rsplit(".", 1)[0]
+    alpha = _file_alpha(source, entry)
+    rank_of = factors.get("w2_b", factors.get("w1_b"))
+    if rank_of is not None:
+        rank = int(rank_of.shape[0])
+        return LycorisModule("lokr", factors, float(rank) if alpha is None else alpha, rank, key)
+    rank = max(1, round(alpha)) if alpha is not None and alpha > 0 and float(alpha).is_integer() else 1
+    return LycorisModule("lokr", factors, float(rank), rank, key)
 
 
-def _checked_module(source: str, entry: _Entry, unit: str) -> LoraModule:
-    if any(role in entry.tensors for role in _LOKR_ROLES):
-        lora_roles = [entry.keys[r] for r in ("down", "up") if r in entry.tensors]
-        if lora_roles:
-            raise LoraFormatError(f"{source}: module {unit!r} has both LoKr and LoRA keys ({lora_roles[0]!r})")
-        return _lokr_module(source, entry)
+def _loha_module(source: str, entry: _Entry) -> LycorisModule:
+    """A LoHa module, scale alpha / rank of w1_b as ComfyUI (comfy/weight_adapter/loha.py) and
+    peft apply it (1 without alpha)."""
+    missing = [f".{r}" for r in _LOHA_ROLES if r not in entry.tensors]
+    if missing:
+        have = ", ".join(sorted(entry.keys.values()))
+        raise LoraFormatError(f"{source}: LoHa module has no {missing[0]} (found only {have})")
+    f = {r[len("hada_"):]: entry.tensors[r] for r in _LOHA_ROLES}
+    for r in _LOHA_ROLES:
+        _float_matrix(source, entry.keys[r], entry.tensors[r], " (convolution LoHa is not supported)")
+    for n in "12":
+        a, b = f[f"w{n}_a"], f[f"w{n}_b"]
+        if a.shape[1] != b.shape[0]:
+            raise LoraFormatError(f"{source}: ranks disagree: {entry.keys[f'hada_w{n}_a']!r} is {tuple(a.shape)} but "
+                                  f"{entry.keys[f'hada_w{n}_b']!r} is {tuple(b.shape)}")
+    if f["w1_a"].shape[0] != f["w2_a"].shape[0] or f["w1_b"].shape[1] != f["w2_b"].shape[1]:
+        raise LoraFormatError(f"{source}: {entry.keys['hada_w1_a']!r} and {entry.keys['hada_w2_a']!r} give products "
+                              f"of different shapes")
+    rank = int(f["w1_b"].shape[0])
+    alpha = _file_alpha(source, entry)
+    return LycorisModule("loha", f, float(rank) if alpha is None else alpha, rank,
+                         entry.keys["hada_w1_a"].rsplit(".", 1)[0])
+
+
+def _checked_module(source: str, entry: _Entry, unit: str) -> AdapterModule:
+    lycoris = [(kind, roles) for kind, roles in (("LoKr", _LOKR_ROLES), ("LoHa", _LOHA_ROLES))
+               if any(role in entry.tensors for role in roles)]
+    if lycoris:
+        others = [entry.keys[r] for r in ("down", "up", "magnitude") if r in entry.tensors]
+        if len(lycoris) > 1 or others:
+            other = entry.keys[next(r for r in _LOHA_ROLES if r in entry.tensors)] if len(lycoris) > 1 else others[0]
+            raise LoraFormatError(f"{source}: module {unit!r} has both {lycoris[0][0]} keys and {other!r}"
+                                  + (" (DoRA over LoKr / LoHa is not supported)" if "magnitude" in entry.tensors else ""))
+        return _lokr_module(source, entry) if lycoris[0][0] == "LoKr" else _loha_module(source, entry)
     for role in ("down", "up"):
         if role not in entry.tensors:
             have = ", ".join(sorted(entry.keys.values()))
@@ -667,14 +1020,22 @@ def _checked_module(source: str, entry: _Entry, unit: str) -> LoraModule:
     if up.shape[1] != down.shape[0]:
         raise LoraFormatError(f"{source}: ranks disagree: {kd!r} is {tuple(down.shape)} (rank, in) but {ku!r} is "
                               f"{tuple(up.shape)} (out, rank)")
-    alpha = float(down.shape[0])
-    if "alpha" in entry.tensors:
-        a = entry.tensors["alpha"]
-        if a.numel() != 1 or not torch.isfinite(a.float()).all():
-            raise LoraFormatError(f"{source}: key {entry.keys['alpha']!r} should be one finite number, "
-                                  f"got {tuple(a.shape)}")
-        alpha = float(a.float().item())
-    return LoraModule(down, up, alpha, kd.rsplit(".", 2)[0])
+    alpha = _file_alpha(source, entry)
+    magnitude = None
+    if "magnitude" in entry.tensors:
+        mag, km = entry.tensors["magnitude"], entry.keys["magnitude"]
+        if not mag.is_floating_point() or not torch.isfinite(mag).all():
+            raise LoraFormatError(f"{source}: key {km!r} should hold finite floats, got {mag.dtype}")
+        out_rows, in_cols = up.shape[0], down.shape[1]
+        if mag.dim() == 2 and mag.shape[0] == 1 and mag.shape[1] == in_cols and out_rows != 1:
+            raise LoraFormatError(f"{source}: key {km!r} is a DoRA scale per input column {tuple(mag.shape)} (LyCORIS' "
+                                  f"wd_on_out = false); leantune and peft apply DoRA per output row, (out,) or "
+                                  f"(out, 1)")
+        if mag.numel() != out_rows or not (mag.dim() == 1 or (mag.dim() == 2 and mag.shape[1] == 1)):
+            raise LoraFormatError(f"{source}: key {km!r} has shape {tuple(mag.shape)}; a DoRA magnitude of this "
+                                  f"module is ({out_rows},) or ({out_rows}, 1)")
+        magnitude = mag.reshape(-1)
+    return LoraModule(down, up, float(down.shape[0]) if alpha is None else alpha, kd.rsplit(".", 2)[0], magnitude)
 
 
 def _roles(source: str, tensors: dict[str, torch.Tensor], maps: list[LoraKeyMap]):
@@ -706,7 +1067,7 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
         entry.tensors[role] = tensors[key]
         entry.keys[role] = key
 
-    modules: dict[str, LoraModule] = {}
+    modules: dict[str, AdapterModule] = {}
     origin: dict[str, str] = {}
     kinds = set()
     for unit_id, entry in entries.items():
@@ -714,18 +1075,35 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
         module = _checked_module(source, entry, unit)
         kinds.add(entry.kind)
         if entry.target is not None:
-            problem = keys.shape_problem(entry.target, module.up.shape[0], module.down.shape[1])
+            problem = keys.shape_problem(entry.target, module.out_features, module.in_features)
             if problem:
                 raise _ShapeMismatch(f"{source}: module {module.key!r} is not a {keys.display} LoRA: {problem}")
         if entry.kind in ("lycoris", "kohya_diffusers"):
+            if isinstance(module, LoraModule) and module.magnitude is not None:
+                found_target = keys.target_for_diffusers(unit)
+                if found_target and found_target[0].swaps_halves(module.out_features, module.in_features):
+                    # the dora_scale of a final-layer modulation is in the native weight's row order
+                    module.magnitude = _swap_halves(module.magnitude, f"{source}: {entry.keys['magnitude']!r}")
             split = {unit: module}
         elif entry.kind == "diffusers":
             if "alpha" not in entry.tensors and config is not None:
                 alpha, rslora = _config_alpha(config, unit)
-                if alpha is not None:
+                if isinstance(module, LycorisModule):
+                    # peft's LoKr / LoHa scale alpha / r with the config's r, whatever the factor shapes
+                    rank = _config_rank(config, unit)
+                    module.rank = module.rank if rank is None else rank
+                    module.alpha = float(module.rank) if alpha is None else alpha
+                elif alpha is not None:
                     # rsLoRA scales by alpha / sqrt(r); express it as our alpha / r.
                     module.alpha = alpha * math.sqrt(module.rank) if rslora else alpha
             split = {unit: module}
+        elif isinstance(module, LycorisModule):
+            target = entry.target
+            if len(target.parts) == 1 and not target.swaps_halves(module.out_features, module.in_features):
+                split = {target.parts[0]: module}
+            else:     # a Kronecker / Hadamard delta on a fused Linear: its parts' rows as LoRAs, exactly
+                key = next(iter(entry.keys.values()))
+                split = split_fused(target, module.as_lora(), f"{source}: {key!r}")
         else:
             split = split_fused(entry.target, module, f"{source}: {entry.keys.get('down', module.key)!r}")
         for name, m in split.items():
@@ -736,9 +1114,37 @@ def _modules(source: str, tensors, found, keys: LoraKeyMap, config: dict | None)
     return modules, kinds
 
 
-def _same_modules(a: dict[str, LoraModule], b: dict[str, LoraModule]) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[n].down, b[n].down) and torch.equal(a[n].up, b[n].up) and a[n].alpha == b[n].alpha for n in a)
+def _one_kind(source: str, modules: dict[str, AdapterModule]) -> None:
+    """Make a file's modules one adapter type, as one peft adapter holds them: LoKr or LoHa modules
+    beside LoRA ones (a LoKr file with fused attention, read as LoRAs there) become the LoRAs with
+    their deltas (LycorisModule.as_lora, exact); DoRA beside another type is refused."""
+    kinds = module_kinds(modules)
+    if len(kinds) < 2:
+        return
+    if "dora" in kinds:
+        other = next(n for n, m in modules.items() if m.kind != "dora")
+        raise LoraFormatError(f"{source}: some modules are DoRA (a dora_scale / lora_magnitude_vector) and others "
+                              f"are not, e.g. {other!r}; leantune applies one adapter type per file")
+    for name, m in modules.items():
+        if isinstance(m, LycorisModule):
+            modules[name] = m.as_lora()
+
+
+def _config_rank(config: dict, name: str) -> int | None:
+    r = config.get("r")
+    for pattern, value in (config.get("rank_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            r = value
+            break
+    return None if r is None else int(r)
+
+
+def _same_modules(a: dict[str, AdapterModule], b: dict[str, AdapterModule]) -> bool:
+    def same(x, y) -> bool:
+        tx, ty = x.tensors(), y.tensors()
+        return (type(x) is type(y) and x.kind == y.kind and x.alpha == y.alpha and tx.keys() == ty.keys()
+                and all(torch.equal(tx[k], ty[k]) for k in tx))
+    return a.keys() == b.keys() and all(same(a[n], b[n]) for n in a)
 
 
 def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
@@ -780,7 +1186,8 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
         # Native names several families share (FLUX.2 kept Flux.1's), read the same by each (checked
         # above), so written the same: the first family in the fixed order, as before they shared them.
         fitting = fitting[:1]
-    if kinds == {"diffusers"}:
+    _one_kind(source, modules)
+    if kinds == {"diffusers"} or metadata.get("leantune_format") == "comfyui":
         _unfold_alphas(source, modules, metadata)
     if ignored:
         warnings.warn(f"{source}: ignored {len(ignored)} text-encoder LoRA keys (only the transformer is "

@@ -44,7 +44,7 @@ class LoraMode:
                 raise type(e)(f"[lora] init_from: {e}") from None
             load_lora_into_model(transformer, weights, "default")
         n_params = sum(p.numel() for p in params)
-        log.info("lora: rank %d alpha %g on %s: %d tensors, %.2fM parameters", lora.rank,
+        log.info("lora: %s rank %d alpha %g on %s: %d tensors, %.2fM parameters", lora.type, lora.rank,
                  lora.effective_alpha, lora.targets, len(params), n_params / 1e6)
         return params
 
@@ -80,7 +80,7 @@ class LoraMode:
 
     def load_state(self, t, state: dict, ckpt: Path) -> None:
         named = dict(t.transformer.named_parameters())
-        check_resumable(ckpt, state["trainable"], named, "[lora] settings (rank, targets, blocks)")
+        check_resumable(ckpt, state["trainable"], named, "[lora] settings (type, rank, targets, blocks)")
         with torch.no_grad():
             for n, v in state["trainable"].items():
                 named[n].copy_(v.to(named[n].device, named[n].dtype))

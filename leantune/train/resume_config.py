@@ -21,9 +21,12 @@ log = logging.getLogger("leantune")
 # The optimizer's own settings (betas, eps, weight decay) come back from its saved state, so a
 # change there would be silently ignored: refused too.
 REFUSED = ("model.family", "model.path", "model.variant", "model.transformer", "model.base_adapters",
-           "lora.rank", "lora.alpha",
+           "lora.type", "lora.factor", "lora.decompose_both", "lora.rank", "lora.alpha",
            "lora.targets", "lora.blocks", "train.mode", "train.optimizer", "train.betas", "train.eps",
            "train.weight_decay", "full.train", "full.exclude")
+# Keys added to leantune after checkpoints were written, at the value every earlier run had.
+ADDED_DEFAULTS = {"lora.type": "lora", "lora.factor": -1, "lora.decompose_both": False}
+_NONE = object()
 # Changes that alter the sample list: the saved batch position cannot be resumed exactly.
 DATA_ORDER = ("data.datasets", "data.resolutions", "data.batch_size", "data.shuffle", "train.seed")
 
@@ -69,7 +72,7 @@ def compare(saved: dict, current: dict) -> ConfigChanges:
     a, b = flat(saved), flat(current)
     changes = ConfigChanges()
     for key in sorted(set(a) | set(b)):
-        if key not in a and b[key] in ([], None):
+        if key not in a and (b[key] in ([], None) or ADDED_DEFAULTS.get(key, _NONE) == b[key]):
             continue          # a key added to leantune since the save, at its empty default: no change
         if a.get(key) != b.get(key):
             changes.changed[key] = (a.get(key), b.get(key))

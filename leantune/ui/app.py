@@ -95,7 +95,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     @app.get("/api/choices")
     def get_choices():
         return {"family": family_names, "cfg_families": cfg_families, "mode": choices("train", "mode"),
-                "lora_targets": choices("lora", "targets"), "optimizer": choices("train", "optimizer"),
+                "lora_targets": choices("lora", "targets"), "lora_type": choices("lora", "type"),
+                "optimizer": choices("train", "optimizer"),
                 "lr_scheduler": choices("train", "lr_scheduler"),
                 "timestep_sampling": choices("train", "timestep_sampling"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),

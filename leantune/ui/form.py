@@ -55,6 +55,7 @@ class RunForm:
     repeats: int = 1
     caption_dropout: float = 0.0
     rank: int = 16
+    lora_type: str = "lora"        # [lora] type: lora, dora, lokr, loha
     lora_targets: str = "attention_mlp"
     resolutions: list[int] = field(default_factory=lambda: [1024])
     batch_size: int = 1
@@ -101,6 +102,7 @@ class RunForm:
         for key, allowed in (("family", families()), ("mode", choices("train", "mode")),
                              ("dtype", choices("model", "dtype")),
                              ("mixed_precision", choices("train", "mixed_precision")),
+                             ("lora_type", choices("lora", "type")),
                              ("lora_targets", choices("lora", "targets")), ("optimizer", choices("train", "optimizer")),
                              ("lr_scheduler", choices("train", "lr_scheduler")),
                              ("timestep_sampling", choices("train", "timestep_sampling"))):
@@ -139,6 +141,8 @@ class RunForm:
             "memory": {},
             "output": {"dir": "run", "name": self.name},
         }
+        if self.lora_type != "lora":
+            cfg["lora"]["type"] = self.lora_type
         if self.mode == "full":
             del cfg["lora"]
         if self.vram_budget.strip():
@@ -221,6 +225,7 @@ class RunForm:
             take("data", "cache_dir", "_")             # what the form writes anyway
         take("lora", "rank", "rank")
         take("lora", "targets", "lora_targets")
+        take("lora", "type", "lora_type")
         for key in ("mode", "steps", "learning_rate", "optimizer", "lr_scheduler", "warmup_steps",
                     "timestep_sampling", "seed", "mixed_precision", "save_every", "log_every"):
             take("train", key, key)
