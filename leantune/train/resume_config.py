@@ -23,12 +23,21 @@ log = logging.getLogger("leantune")
 REFUSED = ("model.family", "model.path", "model.variant", "model.transformer", "model.base_adapters",
            "lora.type", "lora.factor", "lora.decompose_both", "lora.rank", "lora.alpha",
            "lora.targets", "lora.blocks", "train.mode", "train.optimizer", "train.betas", "train.eps",
-           "train.weight_decay", "full.train", "full.exclude")
+           "train.weight_decay", "train.prodigy_d_coef", "train.prodigy_use_bias_correction",
+           "train.prodigy_safeguard_warmup", "full.train", "full.exclude")
 # Keys added to leantune after checkpoints were written, at the value every earlier run had.
-ADDED_DEFAULTS = {"lora.type": "lora", "lora.factor": -1, "lora.decompose_both": False}
+ADDED_DEFAULTS = {"lora.type": "lora", "lora.factor": -1, "lora.decompose_both": False,
+                  "train.prodigy_d_coef": 1.0, "train.prodigy_use_bias_correction": False,
+                  "train.prodigy_safeguard_warmup": False,
+                  "data.prior_ratio": 0.25, "data.prior_loss": "plain", "data.prior_weight": 1.0,
+                  "ema.enabled": False, "ema.decay": 0.999, "ema.every": 1, "ema.sample": False,
+                  "validation.every": 100, "validation.sigmas": [0.1, 0.3, 0.5, 0.7, 0.9], "validation.seed": 0}
+# The same for the keys of each [[data.datasets]] table (compared as a whole list).
+ADDED_DATASET_DEFAULTS = {"mask_path": None, "mask_suffix": None, "mask_floor": 0.0, "role": "train"}
 _NONE = object()
 # Changes that alter the sample list: the saved batch position cannot be resumed exactly.
-DATA_ORDER = ("data.datasets", "data.resolutions", "data.batch_size", "data.shuffle", "train.seed")
+DATA_ORDER = ("data.datasets", "data.resolutions", "data.batch_size", "data.shuffle", "train.seed",
+              "data.prior_ratio", "validation.path", "validation.fraction")
 
 
 def resolved_config(cfg) -> dict:
@@ -67,6 +76,9 @@ def compare(saved: dict, current: dict) -> ConfigChanges:
     def flat(d: dict) -> dict:
         out = _flat({k: v for k, v in d.items() if k != "data"})
         out.update({f"data.{k}": v for k, v in (d.get("data") or {}).items()})
+        if isinstance(out.get("data.datasets"), list):      # a save from before a dataset key existed
+            out["data.datasets"] = [{**ADDED_DATASET_DEFAULTS, **ds} if isinstance(ds, dict) else ds
+                                    for ds in out["data.datasets"]]
         return out
 
     a, b = flat(saved), flat(current)
