@@ -103,7 +103,7 @@ def test_golden_loss_curve(reference_run):
         assert f.metadata()["ss_timestep_sampling"] == "shift"
     log = result.paths.log_file.read_text()
     assert "model: SD3.5 Large-style (2 joint blocks, width 32)" in log
-    assert "lora: rank 4 alpha 8 on all: 50 tensors" in log     # 2 blocks; the last has no text-stream out/MLP
+    assert "lora: lora rank 4 alpha 8 on all: 50 tensors" in log     # 2 blocks; the last has no text-stream out/MLP
 
 
 def test_caption_dropout_trains_on_the_pipelines_empty_prompt(reference_run):
