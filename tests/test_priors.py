@@ -84,33 +84,13 @@ def test_the_dop_target_is_the_base_models_prediction_and_zero_while_the_adapter
             pass
 
 
-RUN = """
-[model]
-path = "{model}"
-dtype = "fp32"
-
-[data]
-resolutions = [64]
-batch_size = 2
-cache_dir = "cache"
-max_text_length = 32
-prior_loss = "dop"
-prior_ratio = 0.5
-
-[[data.datasets]]
-path = "{images}"
-
-[[data.datasets]]
-path = "{prior}"
-role = "prior"
-
-"""
+PRIOR_DATASET = '\n[[data.datasets]]\npath = "{prior}"\nrole = "prior"\n'
 
 
 def _config(tmp_path, model, images, prior, out, extra=()):
     p = tmp_path / f"{out}.toml"
-    p.write_text(RUN.format(model=model, images=images, prior=prior) + tiny_lora_rest(tmp_path / out, "p"))
-    return load_config(p, list(extra))
+    p.write_text(tiny_run_toml(model, images, PRIOR_DATASET.format(prior=prior) + tiny_lora_rest(tmp_path / out, "p")))
+    return load_config(p, ['data.prior_loss="dop"', "data.prior_ratio=0.5", *extra])
 
 
 def test_a_dop_run_trains_resumes_exactly_and_its_keys_are_checked(tmp_path, tiny_flux_dir):

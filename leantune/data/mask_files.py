@@ -10,11 +10,9 @@ from pathlib import Path
 
 
 def mask_folder(dataset_cfg, base_dir) -> Path | None:
-    value = getattr(dataset_cfg, "mask_path", None)
-    if not value:
-        return None
-    folder = Path(value).expanduser()
-    return folder if folder.is_absolute() else Path(base_dir) / folder
+    from ..config import resolve_path
+
+    return resolve_path(base_dir, getattr(dataset_cfg, "mask_path", None) or None)
 
 
 def mask_file_test(dataset_cfg, base_dir):
