@@ -52,6 +52,15 @@ class Workload:
     # Frozen adapters under the trained one ([model] / [sample] base_adapters, train/base_adapters.py):
     # their fp32 weights, resident on the device beside the trained adapter's
     frozen_adapter_bytes: int = 0
+    # Recipe options' extra work and holdings (train/ema.py, train/priors.py, train/validation.py):
+    # [ema]: an fp32 shadow of every trained adapter parameter in host RAM during the steps
+    ema: bool = False
+    # [data] prior_loss = "dop": the share of steps that are prior steps, each one more forward of
+    # the model without a graph (the base's prediction, trained adapter off) before the step's own
+    dop_share: float = 0.0
+    # [validation]: forwards without a graph per training step, averaged (held-out images x noise
+    # levels / every); 0 when the held-out count is unknown at plan time (then not priced)
+    validation_forwards_per_step: float = 0.0
     # Another base the previews sample on ([sample] base, infer/preview_base.py): the transformer's
     # bytes as loaded, in host RAM beside the training model while a preview runs (0: none)
     preview_base_bytes: int = 0
