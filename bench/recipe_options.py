@@ -4,25 +4,42 @@ tenth of the steps against the last tenth. Validation is reported by its held-ou
 and last measured value), EMA by the validation loss of the average against the live LoRA's at the
 end (the same held-out images, fixed noise).
 
-Options: masks (the shape's own outline as each image's mask, `mask_path`), priors (`dop`, prior
-images of other shapes without the trigger word, every fourth step), EMA (decay 0.99), validation
-(a tenth of the images held out, every 50 steps). Optimizers and adapter types are benched apart.
+Three groups (`--only`, comma-separated; default `options`, the table docs/benchmarks.md has
+under "The recipe options learn"):
 
-    python bench/recipe_options.py [--steps 300] [--out /tmp/recipe-bench]
+- `options`: masks (the shape's own outline as each image's mask, `mask_path`), priors (`dop`,
+  prior images of other shapes without the trigger word, every fourth step), EMA (decay 0.99),
+  validation (a tenth of the images held out, every 50 steps), against the plain run.
+- `adapters`: `[lora] type` = lokr (its default factor), loha, dora, against plain lora.
+- `optimizers`: `[train] optimizer` = prodigy (learning_rate 1.0, the multiplier of its own
+  estimate d, as its docs say; the run's final d is reported), schedulefree_adamw (constant
+  "schedule": it refuses a scheduler and warms up itself), came, adamw8bit, against the default
+  adamw. All others keep the quickstart's learning rate (4e-3) and cosine schedule.
 
-Prints one line per option and a markdown table for docs/benchmarks.md.
+The adapter and optimizer rows all hold the same eighth of the images out (validation every 50
+steps): their loss ratios come from different parametrisations and step rules, so the held-out loss
+at fixed noise is the measure that compares across rows. Their baseline (lora, adamw) is that same
+validation run, run once when both groups are asked for.
+
+    python bench/recipe_options.py [--steps 300] [--only options|adapters|optimizers,...] [--out /tmp/recipe-bench]
+
+Prints one line per run and a markdown table per group for docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+GROUPS = ("options", "adapters", "optimizers")
+HELD = ['validation.fraction=0.125', 'validation.every=50']
 
 
 def _ratio(losses: list[float]) -> tuple[float, float]:
@@ -41,9 +58,50 @@ def _masks(images: Path, masks: Path) -> None:
         Image.fromarray(mask, mode="L").save(masks / p.name)
 
 
+def group_runs(group: str, steps: int) -> dict[str, list[str]]:
+    """name -> config overrides of each run in `group` (besides the bench's base overrides)."""
+    if group == "options":
+        return {
+            "plain": [],
+            "masked loss (shape masks)": ['data.datasets=[{path="images", trigger_word="lnt", mask_path="masks", '
+                                          'mask_floor=0.05}]'],
+            "priors (dop, 1 in 4 steps)": ['data.datasets=[{path="images", trigger_word="lnt"}, '
+                                           '{path="prior", role="prior"}]', 'data.prior_loss="dop"'],
+            "validation (1/8 held out)": HELD,
+            "EMA 0.99 (+ validation)": HELD + ["ema.enabled=true", "ema.decay=0.99"],
+        }
+    # The last step logs its line (Prodigy's d is in it: trainer._log_step).
+    held = HELD + [f"train.log_every={steps}"]
+    baseline = {"lora, adamw (quickstart, + validation)": held}
+    if group == "adapters":
+        return baseline | {
+            "lokr (factor -1)": held + ['lora.type="lokr"'],
+            "loha": held + ['lora.type="loha"'],
+            "dora": held + ['lora.type="dora"'],
+        }
+    if group == "optimizers":
+        return baseline | {
+            "prodigy (lr 1.0)": held + ['train.optimizer="prodigy"', "train.learning_rate=1.0"],
+            "schedulefree_adamw (constant)": held + ['train.optimizer="schedulefree_adamw"',
+                                                     'train.lr_scheduler="constant"'],
+            "came": held + ['train.optimizer="came"'],
+            "adamw8bit": held + ['train.optimizer="adamw8bit"'],
+        }
+    raise ValueError(f"--only: {group!r} is not one of {', '.join(GROUPS)}")
+
+
+def _groups(text: str) -> list[str]:
+    groups = [g.strip() for g in text.split(",") if g.strip()]
+    bad = [g for g in groups if g not in GROUPS]
+    if bad or not groups:
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more of {', '.join(GROUPS)}, comma-separated")
+    return groups
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--only", type=_groups, default=["options"], help=f"comma-separated groups: {', '.join(GROUPS)}")
     ap.add_argument("--out", type=Path, default=Path("/tmp/recipe-bench"))
     args = ap.parse_args()
 
@@ -58,38 +116,61 @@ def main() -> None:
     _masks(demo / "images", demo / "masks")
     draw_shapes(demo / "prior", count=12, size=128, seed=11)       # other colours and places, no trigger
     base = [f"train.steps={args.steps}", "train.save_every=0", "sample.every=0", "train.log_every=1000"]
-    held = ['validation.fraction=0.125', 'validation.every=50']
-    options = {
-        "plain": [],
-        "masked loss (shape masks)": ['data.datasets=[{path="images", trigger_word="lnt", mask_path="masks", '
-                                      'mask_floor=0.05}]'],
-        "priors (dop, 1 in 4 steps)": ['data.datasets=[{path="images", trigger_word="lnt"}, '
-                                       '{path="prior", role="prior"}]', 'data.prior_loss="dop"'],
-        "validation (1/8 held out)": held,
-        "EMA 0.99 (+ validation)": held + ["ema.enabled=true", "ema.decay=0.99"],
-    }
-    rows = []
+    done: dict[tuple[str, ...], tuple] = {}         # overrides -> row: a run shared by two groups runs once
+    tables = {}
     with one_thread():
-        for name, extra in options.items():
-            out = args.out / name.split()[0]
-            cfg = load_config(config, base + extra + [f'output.dir="{out}"'])
-            t0 = time.perf_counter()
-            result = train(cfg, progress=False, overwrite=True)
-            seconds = time.perf_counter() - t0
-            first, last = _ratio(result.losses)
-            history = json.loads(result.paths.loss_history.read_text())
-            val = history.get("validation") or []
-            note = ""
-            if val:
-                note = f"validation {val[0][1]:.4f} (step {val[0][0]}) -> {val[-1][1]:.4f} (step {val[-1][0]})"
-            if cfg.ema.enabled:
-                note += "; " + _ema_validation(cfg, result)
-            rows.append((name, first, last, seconds, note))
-            print(f"{name}: loss {first:.4f} -> {last:.4f} (x{last / first:.3f}) in {seconds:.0f} s; {note}", flush=True)
-    print("\n| option | loss, first 10% | loss, last 10% | last / first | s | held-out |")
-    print("|---|---|---|---|---|---|")
-    for name, first, last, seconds, note in rows:
-        print(f"| {name} | {first:.4f} | {last:.4f} | {last / first:.3f} | {seconds:.0f} | {note or '-'} |")
+        for group in args.only:
+            rows = []
+            for name, extra in group_runs(group, args.steps).items():
+                if tuple(extra) in done:
+                    rows.append((name, *done[tuple(extra)]))
+                    continue
+                out = args.out / group / re.sub(r"\W+", "-", name.split(" (")[0]).strip("-")
+                cfg = load_config(config, base + extra + [f'output.dir="{out}"'])
+                t0 = time.perf_counter()
+                result = train(cfg, progress=False, overwrite=True)
+                seconds = time.perf_counter() - t0
+                first, last = _ratio(result.losses)
+                history = json.loads(result.paths.loss_history.read_text())
+                val = history.get("validation") or []
+                note = ""
+                if val:
+                    note = f"{val[0][1]:.4f} (step {val[0][0]}) -> {val[-1][1]:.4f} (step {val[-1][0]})"
+                if cfg.ema.enabled:
+                    note += "; " + _ema_validation(cfg, result)
+                if cfg.train.optimizer == "prodigy":
+                    note += f"; Prodigy's final d {_last_logged(result.paths.log_file, 'd')}"
+                if group == "adapters":
+                    note += f"; {_adapter_size(result.paths.log_file)} trained parameters"
+                done[tuple(extra)] = (first, last, seconds, note)
+                rows.append((name, first, last, seconds, note))
+                print(f"{group} / {name}: loss {first:.4f} -> {last:.4f} (x{last / first:.3f}) in {seconds:.0f} s; "
+                      f"held-out {note or '-'}", flush=True)
+            tables[group] = rows
+    for group, rows in tables.items():
+        print(f"\n{group}\n\n| run | loss, first 10% | loss, last 10% | last / first | s | held-out loss |")
+        print("|---|---|---|---|---|---|")
+        for name, first, last, seconds, note in rows:
+            print(f"| {name} | {first:.4f} | {last:.4f} | {last / first:.3f} | {seconds:.0f} | {note or '-'} |")
+
+
+def _last_logged(log_file: Path, key: str) -> str:
+    """The value of `key` on the run's last step line ("step N loss ... lr ... d 0.0123 ..."): the
+    scalars trainer._log_step writes beside the learning rate."""
+    lines = [ln for ln in log_file.read_text().splitlines() if re.search(r" step \d+ loss ", ln)]
+    found = re.search(rf" {re.escape(key)} (\S+)", lines[-1]) if lines else None
+    if found is None:
+        raise ValueError(f"{log_file}: no step line with {key!r} (is train.log_every a divisor of the steps?)")
+    return found.group(1)
+
+
+def _adapter_size(log_file: Path) -> str:
+    """The trained parameter count the run logged with its adapter ("lora: lokr rank 32 ...: 100
+    tensors, 0.34M parameters"): the adapter types differ in size at one rank."""
+    found = re.search(r" lora: .*?(\S+) parameters", log_file.read_text())
+    if found is None:
+        raise ValueError(f"{log_file}: no adapter line (\"lora: ... parameters\")")
+    return found.group(1)
 
 
 def _ema_validation(cfg, result) -> str:
