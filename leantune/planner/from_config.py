@@ -8,6 +8,7 @@ runtime feedback, feedback/); the sampler and `leantune plan` build a Workload t
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -55,7 +56,52 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     stochastic_rounding=full.stochastic_rounding,
                     clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter",
                     quantizes_on_load=True,      # the trainer's load (trainer._fp8_load_options)
-                    **preview_terms(cfg))
+                    **preview_terms(cfg), **recipe_terms(cfg))
+
+
+def recipe_terms(cfg) -> dict:
+    """The Workload's terms for the recipe options that cost memory or time beyond the step: [ema]'s
+    host shadow, DOP's base prediction on the prior steps ([data] prior_ratio of them) and
+    [validation]'s passes (held-out images in batches of [data] batch_size, times its noise levels,
+    every `every` steps). The held-out images are counted, not read: a folder's image files, or the
+    share of the training datasets' files [validation] fraction takes (data/held_out.py chooses by
+    content; duplicates make it a little smaller). A folder not there yet counts 0 here; the
+    trainer names it when it scans."""
+    terms = {}
+    if cfg.ema.enabled:
+        terms["ema"] = True
+    if cfg.data.prior_loss == "dop" and any(d.role == "prior" for d in cfg.data.datasets):
+        terms["dop_share"] = float(cfg.data.prior_ratio)
+    held_out = held_out_count(cfg)
+    if held_out:
+        v = cfg.validation
+        passes = math.ceil(held_out / cfg.data.batch_size) * len(v.sigmas)
+        terms["validation_forwards_per_step"] = passes / v.every
+    return terms
+
+
+def held_out_count(cfg) -> int:
+    """How many images [validation] holds out (recipe_terms); 0 without [validation] or where a
+    folder cannot be listed."""
+    from pathlib import Path
+
+    from ..data.dataset import _image_files, _TooManyFiles
+
+    v = cfg.validation
+
+    def count(path, recursive: bool) -> int:
+        folder = Path(cfg.resolve(path))
+        try:
+            return len(_image_files(folder, recursive).files) if folder.is_dir() else 0
+        except (OSError, _TooManyFiles):      # the trainer's scan names it; the plan counts none
+            return 0
+
+    if v.path is not None:
+        return count(v.path, cfg.data.datasets[0].recursive)
+    if v.fraction is not None:
+        images = sum(count(d.path, d.recursive) for d in cfg.data.datasets if d.role == "train")
+        return max(1, math.floor(v.fraction * images)) if images > 1 else 0
+    return 0
 
 
 def preview_terms(cfg) -> dict:

@@ -88,7 +88,7 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
 def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,
                    largest_conversion: int, offload: int, cache_bytes: int,
                    full: dict[str, int] | None = None, host_step: dict[str, int] | None = None,
-                   quantizing_load: bool = False, preview_base: int = 0) -> dict[str, int]:
+                   quantizing_load: bool = False, preview_base: int = 0, ema: int = 0) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
     `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
@@ -100,7 +100,8 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     step's transient ("step") and the CUDA gradient "staging" (module docstring). `quantizing_load`:
     the loader stores fp8 as it reads (module docstring), so a plan with fp8 loads `stored` plus
     the workers' buffers and converts nothing afterwards. `preview_base`: the bytes of another base
-    loaded beside the steps' holdings for each preview (0: none).
+    loaded beside the steps' holdings for each preview (0: none). `ema`: [ema]'s fp32 shadow of the
+    trained adapter (train/ema.py), held on the host through the steps.
     """
     quantized_as_read = quantizing_load and plan.fp8 and stored < loaded
     if quantized_as_read:
@@ -114,7 +115,7 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     packing = stored + state + masters + packing_extra(list(zip(packed, unit_stored)))
     streamed = sum(packed)
     staging = STAGING_BUFFERS * STAGING_CHUNK if packed and not plan.pin_memory else 0
-    steady = streamed + staging + offload + cache_bytes + masters + accumulators
+    steady = streamed + staging + offload + cache_bytes + masters + accumulators + ema
     if host_step:
         steady += host_step["state"] + host_step["step"] + host_step["staging"]
     out = {"process baseline": HOST_BASELINE, "transformer while loading": loaded}
@@ -124,6 +125,8 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
                 "stored transformer + one unit while packing": packing,
                 f"streamed blocks ({'pinned' if plan.pin_memory else 'pageable'})": streamed,
                 "staging buffers": staging, "offloaded activations": offload, "caches": cache_bytes})
+    if ema:
+        out["EMA of the adapter (fp32)"] = ema
     if full:
         out["fp32 master weights"] = masters
         out["fp32 gradient accumulators"] = accumulators

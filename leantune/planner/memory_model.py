@@ -379,7 +379,8 @@ class MemoryModel:
         return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
                               self.workload.host_cache_bytes, full=parts, host_step=host_step,
                               quantizing_load=self.workload.quantizes_on_load,
-                              preview_base=self.workload.preview_base_bytes)
+                              preview_base=self.workload.preview_base_bytes,
+                              ema=self.trainable_bytes()[0] if self.workload.ema else 0)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""
@@ -387,7 +388,8 @@ class MemoryModel:
         prof, ref = self.profiles[plan.storage][bucket], self.profiles[(False, False)][bucket]
         if full is None:
             return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
-                                 self.ordered(plan), units, w.mode, sum(self.trainable_bytes()))
+                                 self.ordered(plan), units, w.mode, sum(self.trainable_bytes()),
+                                 extra_forwards=self.recipe_forwards())
         # The update reads and writes each trained weight and its state, reads its gradient, and
         # touches its temporaries; masters and accumulators cross the bus from pageable memory.
         # (timing.py counts `optimizer_bytes` read and written: the gradient and temporaries count half.)
@@ -398,7 +400,7 @@ class MemoryModel:
             pageable = (8 * full.trained if full.masters else 0) + accumulators
             return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
                                  self.ordered(plan), units, w.mode, step_bytes, writeback=True,
-                                 inline_pageable=pageable)
+                                 inline_pageable=pageable, extra_forwards=self.recipe_forwards())
         # Streamed tensors step on the host: on the device only the resident ones, whose state is
         # the device's; each streamed unit's gradients go to the host, where the CPU steps them at
         # the measured rate (full_model.host_step_rate); their masters never cross the bus.
@@ -410,7 +412,13 @@ class MemoryModel:
         rate = full.host_rate()
         host = [(n * self.dtype_bytes, n / rate) for n, _ in self.streamed_trained(plan)]
         return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds, sorted(streamed), units,
-                             w.mode, step_bytes, inline_pageable=pageable, host_steps=host)
+                             w.mode, step_bytes, inline_pageable=pageable, host_steps=host,
+                             extra_forwards=self.recipe_forwards())
+
+    def recipe_forwards(self) -> float:
+        """Forwards without a graph the recipe adds per step, on average: DOP's base prediction on
+        its share of steps and [validation]'s passes (Workload; timing.simulate_step prices each)."""
+        return self.workload.dop_share + self.workload.validation_forwards_per_step
 
     def estimate(self, plan: Plan) -> Estimate:
         vram, host, per_bucket = self.memory(plan)

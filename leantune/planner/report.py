@@ -56,6 +56,8 @@ def format_plan(plan: Plan) -> str:
                      f"({n['h2d_bytes_per_step'] / 1e9:.1f} GB host->GPU"
                      + (f", {n['d2h_bytes_per_step'] / 1e9:.1f} GB GPU->host" if n.get("d2h_bytes_per_step") else "")
                      + " per step)")
+        if n.get("recipe_forwards"):
+            lines.append("included: " + _recipe_forwards(n["recipe_forwards"]))
         if n.get("host_step_params"):
             rate = n["host_optimizer_rate"]
             lines.append(f"CPU optimizer step: {n['host_step_params'] / 1e6:.0f} M streamed parameters stepped on the "
@@ -65,6 +67,17 @@ def format_plan(plan: Plan) -> str:
         if not n.get("machine_measured", True):
             lines.append("(rates assumed, not measured: no GPU here)")
     return "\n".join(lines)
+
+
+def _recipe_forwards(extra: dict) -> str:
+    """The forwards without a graph the step time averages in, said as the recipe sets them."""
+    parts = []
+    if extra.get("dop"):
+        parts.append(f"one more forward on {extra['dop']:.0%} of the steps ([data] prior_loss = \"dop\": the "
+                     f"base's prediction)")
+    if extra.get("validation"):
+        parts.append(f"{extra['validation']:.3g} forwards per step on average ([validation]'s passes)")
+    return "; ".join(parts) + ", each priced as this plan's forward, streamed blocks and all"
 
 
 def _streamed_counts(plan: Plan, notes: dict) -> str:

@@ -327,6 +327,9 @@ class Planner(MemoryModel):
             "stored_fp8_modulation": self.weights.prequantized_modulation,
             "architecture_key": self.key,
         }
+        if self.recipe_forwards():     # DOP's base predictions and [validation]'s passes (timing.py)
+            notes["recipe_forwards"] = {"dop": self.workload.dop_share,
+                                        "validation": self.workload.validation_forwards_per_step}
         if self.host_step(plan):       # the CPU's share of the step (timing.py), at this machine's rate
             notes["host_step_params"] = sum(n for n, _ in self.streamed_trained(plan))
             notes["host_optimizer_rate"] = self.full.host_rate()

@@ -58,17 +58,38 @@ class StepTime(NamedTuple):
 def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int], mode: str,
                   optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0,
-                  host_steps: list[tuple[int, float]] | None = None) -> StepTime:
+                  host_steps: list[tuple[int, float]] | None = None, extra_forwards: float = 0.0) -> StepTime:
     """One bucket's step time under `plan`; with `host_steps`, the CPU optimizer step's share apart
-    (the module docstring)."""
+    (the module docstring). `extra_forwards`: forwards without a graph the recipe adds per step on
+    average (a DOP prior step's base prediction, [validation]'s passes: Workload.dop_share,
+    validation_forwards_per_step), each priced as the plan's own inference forward, streamed blocks
+    and all (`recipe_forward`)."""
     args = (machine, calibration, plan, prof, ref, kinds, streamed, units, mode, optimizer_bytes, writeback,
             inline_pageable)
     t = _simulate(*args, host_steps=host_steps)
-    if not host_steps:
-        return t
-    free_cpu = _simulate(*args, host_steps=[(grad, 0.0) for grad, _ in host_steps])
-    host_s = max(0.0, t.step_s - free_cpu.step_s)
-    return t._replace(exposed_s=max(0.0, t.exposed_s - host_s), host_step_s=host_s)
+    if host_steps:
+        free_cpu = _simulate(*args, host_steps=[(grad, 0.0) for grad, _ in host_steps])
+        host_s = max(0.0, t.step_s - free_cpu.step_s)
+        t = t._replace(exposed_s=max(0.0, t.exposed_s - host_s), host_step_s=host_s)
+    if extra_forwards > 0 and mode != "inference":
+        t = with_forwards(t, recipe_forward(machine, calibration, plan, prof, ref, kinds, streamed, units),
+                          extra_forwards)
+    return t
+
+
+def recipe_forward(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
+                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int]) -> StepTime:
+    """One forward without a graph under the training plan: the embedders, every block (a streamed
+    block is fetched again: a DOP base prediction or a validation pass streams the model as the
+    step's own forward does) and the final layer; no backward, no optimizer."""
+    return _simulate(machine, calibration, plan, prof, ref, kinds, streamed, units, "inference", 0)
+
+
+def with_forwards(t: StepTime, forward: StepTime, n: float) -> StepTime:
+    """`t` plus `n` forwards of `forward` (n may be fractional: an average over steps)."""
+    return t._replace(step_s=t.step_s + n * forward.step_s, compute_s=t.compute_s + n * forward.compute_s,
+                      exposed_s=t.exposed_s + n * forward.exposed_s, overhead_s=t.overhead_s + n * forward.overhead_s,
+                      h2d_bytes=int(t.h2d_bytes + n * forward.h2d_bytes))
 
 
 def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
