@@ -54,6 +54,12 @@ class RunForm:
     trigger_word: str = ""
     repeats: int = 1
     caption_dropout: float = 0.0
+    mask_folder: str = ""          # [[data.datasets]] mask_path: a mask per image by stem ("" = no masks)
+    mask_floor: float = 0.0        # ... mask_floor: the loss weight where a mask is black
+    prior_folder: str = ""         # a second dataset, role = "prior": class images ("" = none)
+    prior_caption: str = ""        # ... its default_caption: the class prompt ("a photo of a dog")
+    prior_loss: str = "plain"      # [data] prior_loss: plain or dop
+    prior_ratio: float = 0.25      # [data] prior_ratio: the share of steps on a prior batch
     rank: int = 16
     lora_type: str = "lora"        # [lora] type: lora, dora, lokr, loha
     lora_targets: str = "attention_mlp"
@@ -78,6 +84,10 @@ class RunForm:
     sample_size: int = 1024
     sample_guidance: float = 3.5
     sample_seed: int = 0
+    ema: str = "off"               # [ema] enabled: "on" / "off"
+    ema_decay: float = 0.999       # [ema] decay
+    validation_fraction: float = 0.0   # [validation] fraction of the images held out (0 = no validation)
+    validation_every: int = 100    # [validation] every
     extra_toml: str = ""           # every other key, as TOML merged over the fields
 
     @classmethod
@@ -105,7 +115,8 @@ class RunForm:
                              ("lora_type", choices("lora", "type")),
                              ("lora_targets", choices("lora", "targets")), ("optimizer", choices("train", "optimizer")),
                              ("lr_scheduler", choices("train", "lr_scheduler")),
-                             ("timestep_sampling", choices("train", "timestep_sampling"))):
+                             ("timestep_sampling", choices("train", "timestep_sampling")),
+                             ("prior_loss", choices("data", "prior_loss")), ("ema", ["off", "on"])):
             if getattr(self, key) not in allowed:
                 raise FormError(f"{key} {getattr(self, key)!r}: one of {', '.join(allowed)}")
         if complete and not self.model_path.strip():
@@ -118,11 +129,33 @@ class RunForm:
                 raise FormError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if not 0 <= self.caption_dropout <= 1:
             raise FormError(f"caption_dropout: between 0 and 1, got {self.caption_dropout}")
+        self._check_recipe()
         self.extra()          # the extra TOML parses
         if not self.resolutions:
             raise FormError("resolutions: give at least one")
         if not self.learning_rate > 0:
             raise FormError(f"learning_rate: must be > 0, got {self.learning_rate}")
+
+    def _check_recipe(self) -> None:
+        """The recipe options' fields (masks, priors, EMA, validation), named as the page names them;
+        the config's own validation checks the rest when the TOML is written."""
+        if not 0 <= self.mask_floor < 1:
+            raise FormError(f"mask_floor: at least 0 and below 1, got {self.mask_floor}")
+        if self.mask_floor and not self.mask_folder.strip():
+            raise FormError("mask_floor: set, but no mask_folder; give the folder of masks (or set the floor to 0)")
+        if not 0 < self.prior_ratio < 1:
+            raise FormError(f"prior_ratio: between 0 and 1 (exclusive), got {self.prior_ratio}")
+        if self.prior_caption.strip() and not self.prior_folder.strip():
+            raise FormError("prior_caption: set, but no prior_folder; give the folder of prior (class) images")
+        if self.prior_loss == "dop" and not self.prior_folder.strip():
+            raise FormError('prior_loss "dop": needs a prior_folder of class images (their captions are the '
+                            'class prompts the base is kept on)')
+        if not 0 < self.ema_decay < 1:
+            raise FormError(f"ema_decay: between 0 and 1 (exclusive), got {self.ema_decay}")
+        if not 0 <= self.validation_fraction <= 0.5:
+            raise FormError(f"validation_fraction: from 0 (no validation) to 0.5, got {self.validation_fraction}")
+        if self.validation_every < 1:
+            raise FormError(f"validation_every: must be >= 1, got {self.validation_every}")
 
     def to_dict(self) -> dict:
         """The config as a TOML document (nested dict); paths absolute, outputs beside the config."""
@@ -143,6 +176,7 @@ class RunForm:
         }
         if self.lora_type != "lora":
             cfg["lora"]["type"] = self.lora_type
+        self._recipe_into(cfg)
         if self.mode == "full":
             del cfg["lora"]
         if self.vram_budget.strip():
@@ -160,6 +194,26 @@ class RunForm:
             if cfg["output"][key] != ("run" if key == "dir" else self.name):
                 raise FormError(f"extra_toml: [output] {key} is set by the page (the run's name and folder)")
         return cfg
+
+    def _recipe_into(self, cfg: dict) -> None:
+        """The recipe options' fields as config keys; each only when set, so a form left at its
+        defaults writes the TOML it wrote before these fields existed."""
+        first = cfg["data"]["datasets"][0]
+        if self.mask_folder.strip():
+            first["mask_path"] = _absolute(self.mask_folder)
+            if self.mask_floor:
+                first["mask_floor"] = self.mask_floor
+        if self.prior_folder.strip():
+            prior = {"path": _absolute(self.prior_folder), "role": "prior"}
+            if self.prior_caption.strip():
+                prior["default_caption"] = self.prior_caption.strip()
+            cfg["data"]["datasets"].append(prior)
+            cfg["data"]["prior_loss"] = self.prior_loss
+            cfg["data"]["prior_ratio"] = self.prior_ratio
+        if self.ema == "on":
+            cfg["ema"] = {"enabled": True, "decay": self.ema_decay}
+        if self.validation_fraction:
+            cfg["validation"] = {"fraction": self.validation_fraction, "every": self.validation_every}
 
     def extra(self) -> dict:
         """The extra TOML as a dict; a syntax error names the line."""
@@ -214,7 +268,18 @@ class RunForm:
                                     ("caption_dropout", "caption_dropout")):
                 if key in first:
                     values[field_name] = first.pop(key)
-            if first or len(datasets) > 1:
+            if Path(str(first.get("mask_path", ""))).expanduser().is_absolute():
+                values["mask_folder"] = str(first.pop("mask_path"))
+                if "mask_floor" in first:
+                    values["mask_floor"] = first.pop("mask_floor")
+            prior = _prior_fields(datasets[1]) if len(datasets) == 2 else None
+            if prior is not None:                   # the fields hold it: [data]'s prior keys go with it
+                values.update(prior)
+                data_table = rest["data"]
+                for key in ("prior_loss", "prior_ratio"):
+                    if key in data_table:
+                        values[key] = data_table.pop(key)
+            if first or len(datasets) > 1 + (prior is not None):
                 notes.append("more dataset keys or datasets than the fields hold: kept as [[data.datasets]] in "
                              "the extra TOML, which replaces the field's dataset")
                 rest.setdefault("data", {})["datasets"] = datasets
@@ -240,6 +305,12 @@ class RunForm:
             sample.pop("height")
             if not sample:
                 del rest["sample"]
+        if isinstance(rest.get("ema"), dict) and rest["ema"].get("enabled") is True:   # off: kept as written
+            take("ema", "decay", "ema_decay")
+            take("ema", "enabled", "ema", lambda v: "on")
+        take("validation", "fraction", "validation_fraction")
+        if "validation_fraction" in values:
+            take("validation", "every", "validation_every")
         take("output", "name", "name")
         take("output", "dir", "_")
         values.pop("_", None)
@@ -274,6 +345,18 @@ def presets() -> dict[str, Path]:
     found = {f"quickstart: {p.stem}": p for p in sorted((package / "resources").glob("quickstart*.toml"))}
     found.update({f"example: {p.stem}": p for p in sorted((package.parent / "examples").glob("*.toml"))})
     return found
+
+
+def _prior_fields(dataset: dict) -> dict | None:
+    """A second dataset as the prior fields, if it is a prior dataset the fields hold whole (an
+    absolute path, a class prompt, nothing else); None keeps it in the extra TOML."""
+    d = dict(dataset)
+    if d.pop("role", None) != "prior" or not Path(str(d.get("path", ""))).expanduser().is_absolute():
+        return None
+    out = {"prior_folder": str(d.pop("path"))}
+    if "default_caption" in d:
+        out["prior_caption"] = d.pop("default_caption")
+    return out if not d else None
 
 
 def _absolute(path: str) -> str:

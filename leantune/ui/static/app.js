@@ -1,11 +1,11 @@
 // The leantune page: plain DOM calls over the /api routes of leantune/ui/app.py.
 const $ = (id) => document.getElementById(id);
 const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
-  "caption_dropout", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "steps", "learning_rate",
+  "caption_dropout", "mask_folder", "mask_floor", "prior_folder", "prior_caption", "prior_loss", "prior_ratio", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "steps", "learning_rate",
   "optimizer", "lr_scheduler", "warmup_steps", "timestep_sampling", "seed", "save_every", "log_every",
   "vram_budget", "ram_budget", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
-  "sample_prompts", "extra_toml"];
-const CHOICES = ["family", "mode", "dtype", "mixed_precision", "lora_type", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
+  "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
+const CHOICES = ["family", "mode", "dtype", "mixed_precision", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
 const STORE = "leantune-form";
 let watching = null, events = null;
 // the session secret the server put in the page: every change carries it in a header, which no other
