@@ -287,7 +287,9 @@ def test_streamed_with_base_adapters_trains_as_the_plain_model_in_poison_mode(fa
     """Every block and the non-block group streamed through two slots, checkpointed, in poison mode
     (a released slot is NaN): with a base adapter under the trained one, outputs, losses, gradients
     and updated LoRA values equal the plain model's bit for bit; the base adapter gets no gradient
-    and stays as read."""
+    and stays as read. Its weights travel in their blocks' units (packed, in fp32, the trained
+    adapter's not), so the device holds for them nothing but the slots' growth: its resident bytes
+    are the ones of the same model and plan without the base adapter."""
     from leantune.memory.engine import apply_memory
     from leantune.memory.plan import Plan
     from leantune.train.base_adapters import BaseAdapterStack, read_adapters
@@ -309,7 +311,23 @@ def test_streamed_with_base_adapters_trains_as_the_plain_model_in_poison_mode(fa
     plain = _two_steps(copy.deepcopy(model), fam)
     blocks = tuple(n for n, _ in fam.spec.blocks(model))
     plan = Plan(streamed_blocks=blocks, stream_non_blocks=True, debug_poison=True, checkpointing="blocks", ring_slots=2)
+    bare = _load(family, folder)                # the same model and plan without the base adapter
+    add_lora(bare, fam.spec, LoraConfig(rank=2, targets="attention_mlp"))
+    bare_handle = apply_memory(bare, fam.spec, plan, "cpu", offload_min_bytes=0)
     handle = apply_memory(model, fam.spec, plan, "cpu", offload_min_bytes=0)
+    packed = {id(m._parameters[a]) for u in handle.streaming.units for e in u.entries for m, kind, a in e.owners
+              if kind == "param"}
+    resident_adapters = {id(p) for u in handle.streaming.units for p in u.adapter_params}
+    for n, p in model.named_parameters():
+        if "base_adapter_" in n:
+            assert id(p) in packed and id(p) not in resident_adapters and p.dtype == torch.float32, n
+        elif ".lora_" in n:
+            assert id(p) in resident_adapters and id(p) not in packed, n     # the trained adapter stays
+    held, bare_held = handle.device_bytes(), bare_handle.device_bytes()
+    grown = sum(u.nbytes for u in handle.streaming.units) - sum(u.nbytes for u in bare_handle.streaming.units)
+    bare_handle.release()
+    assert held["resident"] == bare_held["resident"]
+    assert grown >= stack.device_bytes() > 0                        # in the units instead (512-byte aligned)
     streamed = _two_steps(model, fam)
     report = handle.step_report()
     handle.remove()
@@ -326,9 +344,12 @@ def test_streamed_with_base_adapters_trains_as_the_plain_model_in_poison_mode(fa
 
 
 def test_the_planner_prices_what_the_engine_holds(tiny_flux_dir, tmp_path, images):
-    """Predicted peak VRAM with base adapters minus without is the bytes the engine holds for them
-    (resident, beside the trained adapter); a [sample] base adds its transformer's bytes to host RAM
-    while previewing and its ring to VRAM, each what the engine and the loader really hold."""
+    """With two of the four blocks streamed, the planner's streamed units are the engine's, byte
+    for byte, base adapters packed in (so its stream slots and streamed host RAM too), and its
+    "base adapters (resident)" term is what the engine's device holds more than the same model and
+    plan without them: the resident blocks' share only, less than the stack. A [sample] base adds
+    its transformer's bytes to host RAM while previewing and its ring, the preview's adapters
+    packed in, to VRAM, each what the engine and the loader really hold."""
     from dataclasses import replace
 
     from leantune import tiny
@@ -352,27 +373,45 @@ def test_the_planner_prices_what_the_engine_holds(tiny_flux_dir, tmp_path, image
         f'sample.base_adapters=[{{path = "{one}", strength = 0.2}}, {{path = "{two}"}}]', f'sample.base="{other}"'])
     w = workload_from_config(cfg)
 
-    model = _load("flux", tiny_flux_dir)
-    add_lora(model, fam.spec, LoraConfig(rank=2, targets="attention_mlp"))
+    def engine(with_stack: bool):
+        model = _load("flux", tiny_flux_dir)
+        add_lora(model, fam.spec, LoraConfig(rank=2, targets="attention_mlp"))
+        stack = BaseAdapterStack(model, training, sampling) if with_stack else None
+        handle = apply_memory(model, fam.spec, plan, "cpu")
+        out = (handle.device_bytes(), [u.nbytes for u in handle.streaming.units], handle.streaming.host_bytes,
+               stack.device_bytes() if stack else 0)
+        handle.release()
+        return out
+
     read = lambda refs: read_adapters(refs, Path, fam.spec.lora_keys, "test")   # noqa: E731
     training = read([AdapterRef(path=str(one), strength=0.7)])
     sampling = read([AdapterRef(path=str(one), strength=0.2), AdapterRef(path=str(two))])
-    stack = BaseAdapterStack(model, training, sampling)
-    plan = Plan(streamed_blocks=tuple(n for n, _ in fam.spec.blocks(model))[:2], ring_slots=2)
-    handle = apply_memory(model, fam.spec, plan, "cpu")
-    held = stack.device_bytes()
-    streamed = {id(p) for u in handle.streaming.units for p in u.adapter_params}
-    assert held and any(id(p) in streamed for n, p in model.named_parameters() if "base_adapter_" in n)  # resident
-    handle.release()
-    assert w.frozen_adapter_bytes == priced_bytes(training, sampling) == held       # `one` once, `two` once
+    names = tuple(n for n, _ in fam.spec.blocks(_load("flux", tiny_flux_dir)))
+    plan = Plan(streamed_blocks=names[:2], ring_slots=2)       # both double blocks stream, the single ones not
+    (held, units, host, stack_bytes), (bare_held, bare_units, bare_host, _) = engine(True), engine(False)
+    assert w.frozen_adapter_bytes == priced_bytes(training, sampling) == stack_bytes > 0      # `one` once, `two` once
+    on_device = held["resident"] - bare_held["resident"]
+    assert 0 < on_device < stack_bytes and units != bare_units       # the streamed blocks' travel, the rest stays
 
     meta = fam.load_transformer(fam.resolve_sources(_model_cfg("flux", tiny_flux_dir), tiny_flux_dir),
                                 dtype=torch.float32, device="meta")
-    bare = replace(w, frozen_adapter_bytes=0, preview_base_bytes=0)
+    bare = replace(w, frozen_adapter_bytes=0, frozen_adapter_tensors=(), preview_base_bytes=0,
+                   preview_adapter_tensors=())
     m0 = MemoryModel(fam.spec, meta, bare)
     e0 = m0.estimate(plan)
-    e1 = MemoryModel(fam.spec, m0.measured, replace(bare, frozen_adapter_bytes=held)).estimate(plan)
-    assert e1.peak_vram - e0.peak_vram == held == e1.vram["base adapters"]
+    with_adapters = replace(bare, frozen_adapter_bytes=w.frozen_adapter_bytes,
+                            frozen_adapter_tensors=w.frozen_adapter_tensors)
+    m1 = MemoryModel(fam.spec, m0.measured, with_adapters)
+    e1 = m1.estimate(plan)
+    assert m0.units(plan) == bare_units and m1.units(plan) == units
+    assert e1.vram["base adapters (resident)"] == on_device
+    assert (e0.vram["stream slots"], e1.vram["stream slots"]) == (bare_held["stream slots"], held["stream slots"])
+    assert (e0.host["streamed blocks (pinned)"], e1.host["streamed blocks (pinned)"]) == (bare_host, host)
+    assert e1.peak_vram - e0.peak_vram == on_device + held["stream slots"] - bare_held["stream slots"]
+    everything = replace(plan, streamed_blocks=names)
+    assert m1.estimate(everything).vram["base adapters (resident)"] == 0       # all travel
+    assert MemoryModel(fam.spec, m0.measured, replace(with_adapters, frozen_adapter_tensors=())).estimate(
+        plan).vram["base adapters (resident)"] == stack_bytes       # unlisted (`leantune sample`'s LoRAs): resident
 
     loaded = load_other_base(cfg.model, other, tmp_path, torch.float32)
     loaded_bytes = sum(t.numel() * t.element_size() for t in [*loaded.parameters(), *loaded.buffers()])
@@ -382,11 +421,16 @@ def test_the_planner_prices_what_the_engine_holds(tiny_flux_dir, tmp_path, image
     steady = e0.host["streamed blocks (pinned)"] + e0.host["staging buffers"] + e0.host["offloaded activations"]
     assert e2.host["steps + another base while previewing"] == steady + loaded_bytes
     assert e2.peak_host == HOST_BASELINE + max(e0.peak_host - HOST_BASELINE, steady + loaded_bytes)
-    ring = m0.preview_ring(plan)
-    preview = apply_memory(loaded.requires_grad_(False), fam.spec, preview_plan(fam.spec, loaded), "cpu")
-    assert ring == sum(s.buf.numel() for s in preview.streaming.engine.slots)
-    preview.release()
     assert e2.peak_vram - e0.peak_vram == e2.vram["another base for previews"] > 0
+    # the preview's ring, [sample]'s adapters packed in as infer/preview_base.sample_on_other_base attaches them
+    from leantune.train.lora import apply_lora
+
+    for i, a in enumerate(sampling):
+        apply_lora(loaded, a.weights, strength=a.strength, adapter_name=f"base_adapter_{i}")
+    preview = apply_memory(loaded.requires_grad_(False), fam.spec, preview_plan(fam.spec, loaded), "cpu")
+    ring = sum(s.buf.numel() for s in preview.streaming.engine.slots)
+    preview.release()
+    assert MemoryModel(fam.spec, m0.measured, w).preview_ring(plan) == ring > m0.preview_ring(plan)
 
 
 def _sample_cli(argv: list[str]):
@@ -424,14 +468,15 @@ def test_leantune_sample_takes_base_adapters_and_another_base(tiny_flux_dir, tmp
     on_other = _sample_cli([*common, "--base", str(other), "--out", str(tmp_path / "b")])
     assert read_png_metadata(stacked.files[0])["base_adapters"] == f"{adapter}:0.7"
     assert read_png_metadata(on_other.files[0])["base"] == str(other)
-    # under a budget the planner prices the attached adapters (the base adapter and the LoRA), resident
+    # under a budget the planner prices the attached adapters (the base adapter and the LoRA): resident,
+    # the tiny model streaming no block under 1 GiB
     from leantune.config import AdapterRef
     from leantune.train.base_adapters import adapter_bytes, read_adapters
 
     budgeted = _sample_cli([*common, "--base-adapter", f"{adapter}:0.7", "--vram", "1GiB", "--out", str(tmp_path / "c")])
     files = read_adapters([AdapterRef(path=str(adapter)), AdapterRef(path=str(lora))], Path,
                           get_family("flux").spec.lora_keys, "test")
-    assert budgeted.plan.notes["vram_breakdown"]["base adapters"] == adapter_bytes(files) > 0
+    assert budgeted.plan.notes["vram_breakdown"]["base adapters (resident)"] == adapter_bytes(files) > 0
 
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir, torch_dtype=torch.float32)
     other_tf = FluxTransformer2DModel.from_pretrained(other / "transformer", torch_dtype=torch.float32)
@@ -577,10 +622,13 @@ def test_z_image_recipe_train_through_the_adapter_preview_without_it(tmp_path, i
     assert (_resample(with_adapter, rec.calls[0]) - rec.calls[0][2]).abs().max() > 1e-3
 
 
-def test_switching_to_the_preview_stack_and_back_is_exact(tiny_flux_dir, tmp_path):
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_switching_to_the_preview_stack_and_back_is_exact(tiny_flux_dir, tmp_path, streamed):
     """for_sampling() with [sample] base_adapters = [b at 0.5] (a is [model]'s): inside, the output is
     the one of a model holding only b at 0.5 beside the trained adapter; after, the training output
-    and every requires_grad come back exactly."""
+    and every requires_grad come back exactly. Streamed: every block and the non-block group
+    through two slots in poison mode, both adapters' weights travelling in the units (bit for bit
+    the resident model's outputs)."""
     from leantune.config import AdapterRef
     from leantune.train.base_adapters import BaseAdapterStack, read_adapters
 
@@ -604,6 +652,16 @@ def test_switching_to_the_preview_stack_and_back_is_exact(tiny_flux_dir, tmp_pat
             return fam.predict(model, *_inputs(model, fam, (4, 6), 0), (4, 6), 3.5)
 
     model, stack = model_with(read(AdapterRef(path=str(a))), read(AdapterRef(path=str(b), strength=0.5)))
+    handle = None
+    if streamed:
+        from leantune.memory.engine import apply_memory
+        from leantune.memory.plan import Plan
+
+        plan = Plan(streamed_blocks=tuple(n for n, _ in fam.spec.blocks(model)), stream_non_blocks=True,
+                    debug_poison=True, ring_slots=2)
+        handle = apply_memory(model, fam.spec, plan, "cpu")
+        packed = {f"{u.name}.{p}" for u in handle.streaming.units for p in _packed_names(u)}
+        assert {n for n, _ in model.named_parameters() if "base_adapter_" in n} <= packed
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
     training = out(model)
     with stack.for_sampling():
@@ -611,6 +669,24 @@ def test_switching_to_the_preview_stack_and_back_is_exact(tiny_flux_dir, tmp_pat
         assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
     assert torch.equal(out(model), training)
     assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    if handle is not None:
+        assert handle.step_report()["bytes_h2d"] > 0
+        handle.remove()
     only_b, _ = model_with(read(AdapterRef(path=str(b), strength=0.5)))
     assert torch.equal(previewed, out(only_b))
     assert not torch.allclose(previewed, training, atol=1e-4)
+    if streamed:                        # and the training stack's output is the resident model's
+        resident, _ = model_with(read(AdapterRef(path=str(a))), read(AdapterRef(path=str(b), strength=0.5)))
+        assert torch.equal(training, out(resident))
+
+
+def _packed_names(unit) -> list[str]:
+    """Qualified names (under the unit's module) of the parameters a streamed unit packs."""
+    names = []
+    for top in unit.modules:
+        where = {id(m): n for n, m in top.named_modules()}
+        for e in unit.entries:
+            for m, kind, attr in e.owners:
+                if kind == "param" and id(m) in where:
+                    names.append(f"{where[id(m)]}.{attr}".lstrip("."))
+    return names

@@ -106,23 +106,26 @@ def _release(device: torch.device) -> None:
 
 
 def inference_workload(request: SampleRequest, batch: int, text_len: int, adapter_bytes: int = 0,
-                       dora: bool = False):
+                       dora: bool = False, adapter_tensors: tuple = ()):
     """The planner's workload for the denoising stage: `batch` images per transformer forward
     (with classifier-free guidance batched, negatives included), in the weights' dtype without
     autocast; fp8 storage is the planner's call, except under a DoRA adapter (`dora`: it reads the
     base weights themselves, so they stay in the model's dtype). `adapter_bytes`: the frozen
-    adapters attached (base adapters and LoRAs), resident on the device beside the plan's weights."""
+    adapters attached (base adapters and LoRAs), resident on the device beside the plan's weights,
+    except the base adapters' weights in `adapter_tensors` ((name, bytes): a streamed block carries
+    its own, memory/streaming_units.streams_with_unit)."""
     from ..planner.from_config import fp8_modulation_choice
     from ..planner.workload import Workload
 
     return Workload(mode="inference", batch_size=batch, buckets=((request.height, request.width),),
                     text_length=text_len, autocast=False, dtype=_DTYPES[request.model.dtype],
                     fp8_modulation=False if dora else fp8_modulation_choice(request.memory),
-                    allow_fp8=not dora, frozen_adapter_bytes=adapter_bytes)
+                    allow_fp8=not dora, frozen_adapter_bytes=adapter_bytes, frozen_adapter_tensors=adapter_tensors)
 
 
 def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
-                     text_len: int, cfg: bool = False, adapter_bytes: int = 0, dora: bool = False):
+                     text_len: int, cfg: bool = False, adapter_bytes: int = 0, dora: bool = False,
+                     adapter_tensors: tuple = ()):
     """The memory Plan for the denoising stage, and whether CFG's two halves share a forward.
 
     Under a budget it is the planner's, for an inference workload of the images per forward
@@ -143,7 +146,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
             raise ConfigError(f"memory.ram_budget: {e}") from None
         error = None
         for factor in ((2, 1) if cfg else (1,)):
-            workload = inference_workload(request, factor * images, text_len, adapter_bytes, dora)
+            workload = inference_workload(request, factor * images, text_len, adapter_bytes, dora, adapter_tensors)
             try:
                 return plan_memory(spec, transformer, workload, Budget(vram=budget, ram=ram)), factor == 2
             except InfeasibleBudget as e:
@@ -273,8 +276,13 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         adapters = sum(p.numel() * p.element_size() for n, p in transformer.named_parameters()
                        if re.search(r"\.(lora_|lokr_|hada_)", n))
         dora = any(".lora_magnitude_vector." in n for n, _ in transformer.named_parameters())
+        from ..memory.streaming_units import streams_with_unit       # the base adapters travel with their block
+
+        travel = tuple((n, p.numel() * p.element_size()) for n, p in transformer.named_parameters()
+                       if streams_with_unit(n, p))
         result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),
-                                                embeds[0].t5.shape[1], cfg=cfg, adapter_bytes=adapters, dora=dora)
+                                                embeds[0].t5.shape[1], cfg=cfg, adapter_bytes=adapters, dora=dora,
+                                                adapter_tensors=travel)
         result.cfg_batched = batched if cfg else None
         log.info("sample: %s%s", result.plan.describe(),
                  "" if not cfg else f"; CFG {guidance:g}, halves {'batched' if batched else 'one after the other'}")

@@ -138,6 +138,28 @@ class MemoryHandle:
             rep.update(self.checkpointing.report())
         return rep
 
+    def device_bytes(self) -> dict[str, int]:
+        """What the model holds on the compute device, counted from its tensors: "resident" (the
+        distinct storages of its parameters and buffers on the device, the streamed weights'
+        slots excluded) and "stream slots" (the ring). Storages, not tensors: a tensor shared by
+        several modules, or a view, counts once. On a CPU compute device the host buffers of the
+        streamed units are not counted (no parameter refers to them; only the slots do)."""
+        slots = self.streaming.engine.slots if self.streaming is not None else []
+        in_slots = {s.buf.untyped_storage().data_ptr() for s in slots}
+        seen: set[int] = set()
+        resident = 0
+        for m in self.model.modules():
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is None or t.device != self.device:
+                    continue
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr in in_slots or ptr in seen or not storage.nbytes():
+                    continue
+                seen.add(ptr)
+                resident += storage.nbytes()
+        return {"resident": resident, "stream slots": sum(s.buf.numel() for s in slots)}
+
     def describe(self) -> list[str]:
         lines = []
         if self.fp8 is not None:

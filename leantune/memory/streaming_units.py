@@ -2,10 +2,19 @@
 how their modules are re-pointed at that buffer (or at a device slot).
 
 A *unit* is one streamed block, or (optionally) all non-block modules as one group. All its frozen
-tensors (parameters and buffers, not adapter weights; with trainable streaming also its trained
-weights and their optimizer state) are packed into one contiguous host buffer of exactly the
-unit's size, each tensor at an `ALIGN`-byte boundary. A tensor shared by several modules is
-packed once and all its owners point at the one place.
+tensors (parameters and buffers; with trainable streaming also its trained weights and their
+optimizer state) are packed into one contiguous host buffer of exactly the unit's size, each
+tensor at an `ALIGN`-byte boundary. A tensor shared by several modules is packed once and all its
+owners point at the one place.
+
+Adapter weights (peft's lora_A / lora_B / lokr_* / hada_* / magnitude containers) stay resident on
+the device, with one exception: the frozen *base adapters* (train/base_adapters.py), peft adapters
+named `STREAMED_ADAPTER_PREFIX`..., whose weights are frozen like the base weights they sit beside.
+Their weights travel with their block: packed into its unit in the dtype they are stored in
+(fp32 as apply_lora makes them; never fp8: fp8 storage skips every adapter module), copied into
+the slot with it, bit for bit. The trained adapter (and any adapter whose weights take a
+gradient) stays resident: the optimizer steps it in place and backward accumulates into it.
+`streams_with_unit` is the rule.
 
 Host RAM while applying: units are packed one at a time, and each unit's tensors are re-pointed at
 their place in its buffer right after the copy (`pack_unit`), so the original storage is freed
@@ -27,6 +36,9 @@ from .fp8 import adapter_module_ids
 from .host_buffers import return_freed_host_memory
 
 ALIGN = 512                  # byte alignment of each tensor inside a packed unit
+# peft adapter names of the frozen base adapters (train/base_adapters.PREFIX): their weights stream
+# with their block; every other adapter's stay resident
+STREAMED_ADAPTER_PREFIX = "base_adapter_"
 # Set (True) on a module holding a trained weight's optimizer state (train/fused_optim.ParamState):
 # under Plan.optimizer_on_host a streamed unit leaves such modules in host RAM.
 OPTIMIZER_STATE_ATTR = "holds_optimizer_state"
@@ -73,11 +85,20 @@ class StreamedUnit:
         return any(p.requires_grad for p in self._packed_params)
 
 
+def streams_with_unit(qualified: str, p: nn.Parameter) -> bool:
+    """Whether an adapter parameter (its name under the unit, e.g. 'attn.to_q.lora_A.base_adapter_0.weight'
+    or, for LoKr's ParameterDicts, 'attn.to_q.lokr_w1.base_adapter_0') is packed with its unit: a
+    frozen weight of a base adapter. The adapter's name is the component right after peft's
+    container; no module of a model is named so otherwise."""
+    return not p.requires_grad and any(part.startswith(STREAMED_ADAPTER_PREFIX) for part in qualified.split("."))
+
+
 def layout_unit(modules: list[nn.Module], unit_name: str, trainable_ok: bool = False, state_on_host: bool = False
                 ) -> tuple[list[PackedTensor], list[nn.Parameter], int, list[nn.Module]]:
     """The frozen tensors of a unit (and its trainable ones if `trainable_ok`), laid out in one
-    buffer; its adapter parameters; and, with `state_on_host`, the optimizer-state modules left out
-    of the buffer (they stay in host RAM: Plan.optimizer_on_host)."""
+    buffer, its base adapters' frozen weights among them (`streams_with_unit`); its resident
+    adapter parameters; and, with `state_on_host`, the optimizer-state modules left out of the
+    buffer (they stay in host RAM: Plan.optimizer_on_host)."""
     by_id: dict[int, PackedTensor] = {}
     entries: list[PackedTensor] = []
     adapters: list[nn.Parameter] = []
@@ -86,16 +107,19 @@ def layout_unit(modules: list[nn.Module], unit_name: str, trainable_ok: bool = F
     for top in modules:
         skip = adapter_module_ids(top)
         for mname, m in top.named_modules():
-            if id(m) in skip:
-                adapters.extend(p for p in m._parameters.values() if p is not None)
-                continue
-            if state_on_host and getattr(m, OPTIMIZER_STATE_ATTR, False):
+            adapter = id(m) in skip
+            if adapter:
+                adapters.extend(p for attr, p in m._parameters.items()
+                                if p is not None and not streams_with_unit(f"{mname}.{attr}", p))
+            elif state_on_host and getattr(m, OPTIMIZER_STATE_ATTR, False):
                 kept.append(m)
                 continue
             for kind, store in (("param", m._parameters), ("buffer", m._buffers)):
                 for attr, t in store.items():
                     if t is None:
                         continue
+                    if adapter and not (kind == "param" and streams_with_unit(f"{mname}.{attr}", t)):
+                        continue              # resident: the trained adapter (and adapter buffers)
                     if id(t) in by_id:
                         by_id[id(t)].owners.append((m, kind, attr))
                         continue

@@ -105,9 +105,11 @@ def held_out_count(cfg) -> int:
 
 
 def preview_terms(cfg) -> dict:
-    """The Workload's terms for [model] / [sample] base_adapters (their device bytes, each file
-    once: train/base_adapters.priced_bytes) and a [sample] base (its transformer's bytes as loaded,
-    built on meta: models/other_base.other_base_bytes); none when the run has neither."""
+    """The Workload's terms for [model] / [sample] base_adapters (their bytes, each file once:
+    train/base_adapters.priced_bytes, and each weight by its module, which a streamed block carries:
+    priced_tensors; a preview on another base carries [sample]'s) and a [sample] base (its
+    transformer's bytes as loaded, built on meta: models/other_base.other_base_bytes); none when
+    the run has neither."""
     from pathlib import Path
 
     from ..models.family import get_family, loader_options
@@ -117,10 +119,13 @@ def preview_terms(cfg) -> dict:
     family = get_family(cfg.model.family)
     previews = bool(cfg.sample.every and cfg.sample.prompts)     # the trainer attaches [sample]'s only then
     if cfg.model.base_adapters or (cfg.sample.base_adapters and previews):
-        from ..train.base_adapters import priced_bytes, read_run_adapters
+        from ..train.base_adapters import priced_bytes, priced_tensors, read_run_adapters, unit_tensors
 
         training, sampling = read_run_adapters(cfg.model, cfg.sample, cfg.resolve, family.spec.lora_keys)
         terms["frozen_adapter_bytes"] = priced_bytes(training, sampling if previews else None)
+        terms["frozen_adapter_tensors"] = priced_tensors(training, sampling if previews else None)
+        if cfg.sample.base is not None and previews:       # the other base carries the preview's stack
+            terms["preview_adapter_tensors"] = unit_tensors(training if sampling is None else sampling)
     if cfg.sample.base is not None and previews:
         from ..models.other_base import other_base_bytes
 

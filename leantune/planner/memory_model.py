@@ -13,11 +13,17 @@ VRAM components at the peak (`memory`), all in bytes:
 - stream slots: a ring of K slots, each the size of the largest streamed unit, 512-byte aligned;
 - adapters: r * (in + out) fp32 parameters per targeted Linear; gradients the same; AdamW keeps
   two fp32 states per parameter, Adafactor one fp32 value per row and per column of each matrix;
-- base adapters: frozen LoRAs under the trained one (Workload.frozen_adapter_bytes, their fp32
-  weights, resident as every adapter weight is: train/base_adapters.py; for `leantune sample`, every
-  LoRA it attaches); listed only when there are any;
+- base adapters (resident): frozen LoRAs under the trained one ([model] / [sample] base_adapters,
+  train/base_adapters.py; for `leantune sample`, its LoRAs too: Workload.frozen_adapter_bytes,
+  fp32), the share that stays on the device: the weights in resident blocks (and in the non-block
+  modules unless they stream), and whatever frozen_adapter_tensors does not list (`leantune
+  sample`'s LoRAs). A base-adapter weight in a streamed block travels with it, as the engine
+  packs it (memory/streaming_units.streams_with_unit): its 512-byte-aligned bytes are part of the
+  block's unit, hence of the stream slots, of host RAM (the streamed units, and what packing
+  frees) and of the copy time. Listed whenever there are base adapters, 0 when all of them stream;
 - another base for previews: with [sample] base, a preview streams that other transformer through
-  two slots of its largest unit (infer/preview_base.py) and holds a copy of the trained adapter,
+  two slots of its largest unit, [sample]'s base adapters packed in (Workload.preview_adapter_tensors;
+  infer/preview_base.py), and holds a copy of the trained adapter,
   beside the training state; its activations are taken as at most the training step's, so the
   term is what that phase adds above the step's peak; listed only with a [sample] base;
 - activations: the probe's per-kind values composed over the whole stack (activation_probe.py),
@@ -144,6 +150,9 @@ class MemoryModel:
         self._unit_w = {s: [b.unit_bytes(db, *s) for b in blocks] for s in every}
         self._nb_unit_w = nb.unit_bytes(db)
         self._conversion = {s: max([b.largest_conversion(*s) for b in blocks], default=0) for s in every}
+        # Base adapters' weights by unit, (raw bytes, packed bytes) per block and for the non-block group
+        self._adapters = self._adapter_units(workload.frozen_adapter_tensors)
+        self._preview_adapters = self._adapter_units(workload.preview_adapter_tensors)
         self._composed: dict = {}      # (bucket, storage, checkpointing) -> activations before calibration
         self._stepped: dict = {}       # full mode: in_backward_step's terms per bucket and plan shape
         self._offloaded: dict = {}     # storage -> offloaded block inputs' pinned bytes
@@ -245,6 +254,30 @@ class MemoryModel:
             found = self._indices[names] = (idx, tuple(sorted(idx)))
         return found
 
+    def _adapter_units(self, tensors) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        """(raw, packed) bytes of the base-adapter weights `tensors` ((module name, bytes), as
+        Workload.frozen_adapter_tensors) in each block, in execution order, and in the non-block
+        group; a weight in neither stays resident in every plan (not counted here)."""
+        blocks = [[0, 0] for _ in self.weights.blocks]
+        nb = [0, 0]
+        index = {b.name: i for i, b in enumerate(self.weights.blocks)}
+        non_blocks = set(self.spec.non_block_modules)
+        for name, n in tensors:
+            parts = name.split(".")
+            where = next((blocks[index[".".join(parts[:k])]] for k in range(1, len(parts))
+                          if ".".join(parts[:k]) in index), None)
+            if where is None and parts[0] in non_blocks:
+                where = nb
+            if where is not None:
+                where[0] += n
+                where[1] += align(n)
+        return [tuple(b) for b in blocks], tuple(nb)
+
+    def streamed_adapter_bytes(self, plan: Plan) -> int:
+        """Bytes of the base-adapter weights that travel in the plan's streamed units (unaligned)."""
+        blocks, nb = self._adapters
+        return sum(blocks[i][0] for i in self.indices(plan)) + (nb[0] if plan.stream_non_blocks else 0)
+
     def unit_weights(self, plan: Plan) -> list[ModuleWeights]:
         """The streamed units in the engine's order (non-block group first, then execution order)."""
         wt = self.weights
@@ -259,8 +292,9 @@ class MemoryModel:
     def units(self, plan: Plan) -> list[int]:
         """Packed bytes of each streamed unit, in the engine's unit order."""
         unit, nb_unit = (self._unit_w, self._nb_unit_w) if self.host_step(plan) else (self._unit, self._nb_unit)
-        blocks = [unit[plan.storage][i] for i in self.ordered(plan)]
-        return [nb_unit, *blocks] if plan.stream_non_blocks else blocks
+        adapters, nb_adapters = self._adapters        # base adapters travel with their block
+        blocks = [unit[plan.storage][i] + adapters[i][1] for i in self.ordered(plan)]
+        return [nb_unit + nb_adapters[1], *blocks] if plan.stream_non_blocks else blocks
 
     def streamed_trained(self, plan: Plan) -> list[tuple[int, int]]:
         """(trained parameters, largest trained tensor's elements) of each streamed unit, in the
@@ -315,8 +349,8 @@ class MemoryModel:
                   "optimizer states": states, "workspace": self.machine.workspace}
         if self.weights.device_tables:     # the model's own device copies (Qwen-Image's rotary tables)
             static["device tables"] = self.weights.device_tables
-        if w.frozen_adapter_bytes:          # [model] / [sample] base_adapters
-            static["base adapters"] = w.frozen_adapter_bytes
+        if w.frozen_adapter_bytes:          # [model] / [sample] base_adapters: the resident blocks' share
+            static["base adapters (resident)"] = w.frozen_adapter_bytes - self.streamed_adapter_bytes(plan)
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:
@@ -335,15 +369,17 @@ class MemoryModel:
             if worst is None or top > worst[0]:
                 worst = (top, part)
         vram = {**static, **worst[1]}
-        order = ["weights resident", "device tables", "stream slots", "adapters", "base adapters", "gradients",
+        order = ["weights resident", "device tables", "stream slots", "adapters", "base adapters (resident)", "gradients",
                  "optimizer states", "optimizer step", "activations", "another base for previews", "workspace"]
         return {k: vram[k] for k in order if k in vram}, self.host(plan), per_bucket
 
     def preview_ring(self, plan: Plan) -> int:
         """Device bytes of a preview on another base (infer/preview_base.preview_plan): every unit
-        of the same architecture streamed through two slots of the largest, in the plan's fp8."""
+        of the same architecture streamed through two slots of the largest, in the plan's fp8, with
+        [sample]'s base adapters packed in (Workload.preview_adapter_tensors)."""
         storage = (plan.fp8, False)
-        units = [self._nb_unit_w, *self._unit_w[storage]]
+        blocks, nb = self._preview_adapters
+        units = [self._nb_unit_w + nb[1], *(u + a[1] for u, a in zip(self._unit_w[storage], blocks))]
         return min(2, len(units)) * align(max(units))
 
     def host(self, plan: Plan) -> dict[str, int]:
@@ -361,10 +397,14 @@ class MemoryModel:
         packed = self.units(plan)
         # What packing frees of each unit: its weights, and its state unless that stays as it is
         # (the host step keeps it in its own tensors).
-        kept = [self._bytes[plan.storage][i] + (0 if on_host else state[i]) for i in idx]
-        unit_stored = [self._nb_bytes + (0 if on_host else nb_state), *kept] if plan.stream_non_blocks else kept
+        # (and the base adapters' weights it packs: they sit on the host beside the stored model
+        # until then, attached before the engine is applied)
+        adapters, nb_adapters = self._adapters
+        kept = [self._bytes[plan.storage][i] + (0 if on_host else state[i]) + adapters[i][0] for i in idx]
+        unit_stored = ([self._nb_bytes + (0 if on_host else nb_state) + nb_adapters[0], *kept]
+                       if plan.stream_non_blocks else kept)
         loaded = sum(self._bytes[(False, False)]) + self._nb_bytes
-        stored = sum(self._bytes[plan.storage]) + self._nb_bytes
+        stored = sum(self._bytes[plan.storage]) + self._nb_bytes + self.workload.frozen_adapter_bytes
         if full and loaded not in self._host_parts:
             self._host_parts[loaded] = full.host_parts(loaded, self.workload.gradient_accumulation)
         parts = self._host_parts[loaded] if full else None

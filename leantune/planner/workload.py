@@ -49,9 +49,14 @@ class Workload:
     # without it fits; True: every plan; False: never ([memory] fp8_modulation "auto"/true/false).
     fp8_modulation: bool | None = None
     host_cache_bytes: int = 0       # caches held in host RAM during training
-    # Frozen adapters under the trained one ([model] / [sample] base_adapters, train/base_adapters.py):
-    # their fp32 weights, resident on the device beside the trained adapter's
+    # Frozen adapters under the trained one ([model] / [sample] base_adapters, train/base_adapters.py;
+    # for `leantune sample`, its LoRAs too): the bytes of all their weights (fp32) ...
     frozen_adapter_bytes: int = 0
+    # ... and, of those, the base adapters' weights as (module name, bytes) (base_adapters.unit_tensors):
+    # a weight in a streamed block (or in the non-block group when it streams) travels in that unit,
+    # as the engine packs it (memory/streaming_units.streams_with_unit); the rest of
+    # frozen_adapter_bytes is resident on the device
+    frozen_adapter_tensors: tuple[tuple[str, int], ...] = ()
     # Recipe options' extra work and holdings (train/ema.py, train/priors.py, train/validation.py):
     # [ema]: an fp32 shadow of every trained adapter parameter in host RAM during the steps
     ema: bool = False
@@ -64,6 +69,9 @@ class Workload:
     # Another base the previews sample on ([sample] base, infer/preview_base.py): the transformer's
     # bytes as loaded, in host RAM beside the training model while a preview runs (0: none)
     preview_base_bytes: int = 0
+    # The base adapters a preview on that other base attaches ([sample]'s stack), as
+    # frozen_adapter_tensors: they stream in its units (every unit streams there)
+    preview_adapter_tensors: tuple[tuple[str, int], ...] = ()
     # The trainer quantizes the block Linears a plan stores in fp8 as it reads them (models/weights.py,
     # `quantize_fp8`), so its loading phase holds what the plan stores plus the quantizing workers'
     # buffers, never the file's bf16. The sampler loads as stored and converts afterwards: False.

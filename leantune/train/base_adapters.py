@@ -17,17 +17,26 @@ Design: separate, frozen, unmerged adapters, not a merge into the base weights.
   merge would rewrite the base weights (before fp8 quantization and streaming, so in e4m3 where
   the plan stores fp8): previews without the adapter would then need an unmerged copy of the
   whole base, and the fp8 rounding of the merged weights would differ from the base's own.
-- The cost is the adapters' own bytes, in fp32 as apply_lora stores them, on the device: the
-  memory engine keeps every adapter weight resident (memory/streaming_units.layout_unit packs a
-  block's base tensors only; the trained adapter lives there too), so a streamed block's base
-  adapters do not travel. The planner prices exactly those bytes (`priced_bytes`, the "base
-  adapters" VRAM term of planner/memory_model.py). A frozen adapter saves nothing for backward
+- The cost is the adapters' own bytes, in fp32 as apply_lora stores them, and they travel with
+  their block: a streamed block's base-adapter weights are packed into its host unit beside its
+  base weights (memory/streaming_units.streams_with_unit: frozen weights of adapters named
+  `PREFIX`...), copied into the ring slot with it and exact there (their dtype as stored, never
+  fp8), so the device holds them only while their block computes; a resident block's stay
+  resident, and so does the trained adapter everywhere (the optimizer steps it in place). A
+  Z-Image Turbo training adapter or a Krea 2 Turbo LoRA at high rank (hundreds of MiB) thus
+  costs VRAM only for the blocks that do not stream. The planner prices them so
+  (`unit_tensors`: each tensor by the module it sits in; planner/memory_model.py adds a streamed
+  block's to its unit, hence the slots, host RAM and copy time, and counts the rest as the
+  "base adapters (resident)" VRAM term). A frozen adapter saves nothing for backward
   (both its Linears are frozen: only their weights are needed to pass the gradient through), so
   its activations are the (tokens, rank) intermediates of the wrapped Linears, transient and left
   unpriced; its FLOPs (2 * rank * (in + out) per token) are small beside the Linear's own.
 - Every adapter a phase uses is attached once, at the start: [model]'s and [sample]'s (a file in
   both is attached once and takes each phase's strength). Attaching one later, to a model whose
-  blocks already stream, would wrap Linears the engine has re-pointed at its slots.
+  blocks already stream, would wrap Linears the engine has re-pointed at its slots. A streamed
+  block's unit carries every attached file's weights, the phase's inactive ones too: switching
+  stacks (`for_sampling`) changes which adapters compute and at what scale, never where a weight
+  lives, so a preview on another stack is as exact streamed as resident.
 
 `BaseAdapterStack.for_sampling()` switches to the preview's stack and back; the active set of the
 trained adapter and every parameter's requires_grad are kept across the switch (peft's set_adapter
@@ -44,12 +53,15 @@ from pathlib import Path
 
 import torch
 
+from ..memory.streaming_units import STREAMED_ADAPTER_PREFIX
 from .lora import (LoraFormatError, LoraWeights, adapter_parameters, apply_lora, check_fits, layer_adapters,
                    lora_layers, read_lora)
 
 log = logging.getLogger("leantune")
 
-PREFIX = "base_adapter_"      # peft adapter names of the frozen stack (the trained one is "default")
+# peft adapter names of the frozen stack (the trained one is "default"); the memory engine streams
+# the weights of adapters so named with their block
+PREFIX = STREAMED_ADAPTER_PREFIX
 
 
 @dataclass(frozen=True)
@@ -113,8 +125,24 @@ def adapter_bytes(adapters: Sequence[BaseAdapter]) -> int:
 
 
 def priced_bytes(training: Sequence[BaseAdapter], sampling: Sequence[BaseAdapter] | None) -> int:
-    """What a run's stack holds on the device (every adapter of either phase, each file once)."""
+    """What a run's stack holds in all (every adapter of either phase, each file once): on the
+    device where its blocks are resident, in their units where they stream."""
     return adapter_bytes([*training, *(sampling or ())])
+
+
+def unit_tensors(adapters: Sequence[BaseAdapter]) -> tuple[tuple[str, int], ...]:
+    """(module name, bytes) of every weight the distinct files of `adapters` attach, fp32 as
+    apply_lora stores them: the planner adds each to the unit of the block that module sits in
+    (planner/memory_model.py), as the engine packs it (memory/streaming_units.streams_with_unit)."""
+    distinct = {a.path: a.weights for a in adapters}
+    return tuple((name, 4 * t.numel()) for w in distinct.values() for name, m in sorted(w.modules.items())
+                 for t in m.tensors().values())
+
+
+def priced_tensors(training: Sequence[BaseAdapter], sampling: Sequence[BaseAdapter] | None
+                   ) -> tuple[tuple[str, int], ...]:
+    """`unit_tensors` of a run's stack (every adapter of either phase, each file once)."""
+    return unit_tensors([*training, *(sampling or ())])
 
 
 class BaseAdapterStack:
@@ -150,7 +178,8 @@ class BaseAdapterStack:
         return set(self.names.values())
 
     def device_bytes(self) -> int:
-        """Bytes the stack's adapter weights hold (where the model lives: the device under the engine)."""
+        """Bytes the stack's adapter weights hold, wherever they are (under the engine: on the device
+        for resident blocks, in the ring slots' views for streamed ones)."""
         total = 0
         for name in self.all_names:
             for layer in lora_layers(self.transformer, name).values():
