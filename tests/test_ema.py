@@ -60,12 +60,29 @@ def test_ema_files_beside_the_live_ones_and_exact_on_resume(tmp_path, tiny_flux_
     assert set(read_lora(full.paths.root / "e_ema_comfyui.safetensors").modules) == \
         set(read_lora(full.paths.root / "e_comfyui.safetensors").modules)
 
+    # Killed between step 2's live files and its EMA files: the resume writes the EMA's from the state.
+    from leantune.train import ema as ema_module
+
+    real_export = ema_module.export_ema
+
+    def killed(t, paths, step, intermediate):
+        if step == 2:
+            raise KeyboardInterrupt            # stands in for a kill after the live files are written
+        return real_export(t, paths, step, intermediate)
+
     cfg = _config(tmp_path, tiny_flux_dir, images, "enabled = true\ndecay = 0.5", "parts")
-    assert train(cfg, stop_after=2, progress=False).final_step == 2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ema_module, "export_ema", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, progress=False)
+    parts = tmp_path / "parts"
+    assert (parts / "e-step000002_comfyui.safetensors").exists()
+    assert not (parts / "e_ema-step000002_comfyui.safetensors").exists()
     resumed = train(cfg, resume=True, progress=False)
     assert resumed.losses == full.losses
-    again = load_file(str(resumed.paths.root / "e_ema_comfyui.safetensors"))
-    assert all(torch.equal(again[k], averaged[k]) for k in averaged)
+    for name in ("e_ema-step000002_comfyui.safetensors", "e_ema_comfyui.safetensors"):
+        written, expected = load_file(str(parts / name)), load_file(str(full.paths.root / name))
+        assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
 
 
 def test_an_ema_of_decay_near_zero_is_the_live_lora(tmp_path, tiny_flux_dir, images):

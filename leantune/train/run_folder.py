@@ -295,12 +295,24 @@ class RunFolder:
 def restore_exports(t, paths, step: int, last_step: int, formats: list[str]) -> list[Path]:
     """On resume: a kill between a step's state save and its LoRA export leaves the step without its
     files; write them from the resumed state (LoRA mode, intermediate steps; the final files are
-    written at the end of every run anyway)."""
+    written at the end of every run anyway). With [ema], its files too: the live files are written
+    first, so a kill between the two leaves only the EMA's missing."""
     if getattr(t.mode, "name", None) != "lora" or step >= last_step or not t.dist.is_main:
         return []
-    if all(paths.lora_file(fmt, step).exists() for fmt in formats):
+    ema = getattr(t, "ema", None)
+    live_missing = not all(paths.lora_file(fmt, step).exists() for fmt in formats)
+    ema_missing = False
+    if ema is not None:
+        from .ema import ema_paths
+
+        ema_missing = not all(ema_paths(paths).lora_file(fmt, step).exists() for fmt in formats)
+    if not (live_missing or ema_missing):
         return []
-    files = t.mode.export(t, paths, step, True)
+    files = t.mode.export(t, paths, step, True) if live_missing else []
+    if ema_missing:
+        from .ema import export_ema
+
+        files = files + export_ema(t, paths, step, True)
     record_written(paths.root, files)
     log.info("rewrote the LoRA files of step %d from its saved state: %s", step, ", ".join(str(f) for f in files))
     return files
