@@ -35,3 +35,29 @@ def test_an_older_checkpoints_config_shows_no_change_and_prodigy_keys_are_refuse
 
     with pytest.raises(CheckpointError, match="prodigy_d_coef"):
         check_resume(saved, changed, tmp_path / "ckpt")
+
+
+def test_schedule_free_warmup_is_refused_on_resume_as_its_state_holds_it(tmp_path):
+    """AdamWScheduleFree saves warmup_steps in its param groups: load_state_dict brings the saved
+    value back, so a changed [train] warmup_steps would be silently ignored. With AdamW (the
+    LambdaLR warmup, recomputed from the config) the change applies."""
+    import torch
+    from schedulefree import AdamWScheduleFree
+
+    from leantune.errors import CheckpointError
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    saved_opt = AdamWScheduleFree([param], lr=1e-3, warmup_steps=10)
+    resumed = AdamWScheduleFree([param], lr=1e-3, warmup_steps=50)
+    resumed.load_state_dict(saved_opt.state_dict())
+    assert resumed.param_groups[0]["warmup_steps"] == 10          # the saved value wins
+
+    p = tmp_path / "run.toml"
+    p.write_text(tiny_run_toml(tmp_path / "m", tmp_path / "i", '[train]\noptimizer = "schedulefree_adamw"\n'
+                                                              'warmup_steps = 10\n'))
+    saved = resolved_config(load_config(p))
+    with pytest.raises(CheckpointError, match=r"train.warmup_steps: 10 -> 50"):
+        check_resume(saved, load_config(p, ["train.warmup_steps=50"]), tmp_path / "ckpt")
+    adamw = resolved_config(load_config(p, ['train.optimizer="adamw"']))
+    changes = check_resume(adamw, load_config(p, ['train.optimizer="adamw"', "train.warmup_steps=50"]), tmp_path / "c")
+    assert changes.changed == {"train.warmup_steps": (10, 50)} and changes.refused == []

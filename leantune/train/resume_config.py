@@ -25,6 +25,10 @@ REFUSED = ("model.family", "model.path", "model.variant", "model.transformer", "
            "lora.targets", "lora.blocks", "train.mode", "train.optimizer", "train.betas", "train.eps",
            "train.weight_decay", "train.prodigy_d_coef", "train.prodigy_use_bias_correction",
            "train.prodigy_safeguard_warmup", "full.train", "full.exclude")
+# Refused only with a given optimizer, whose saved state holds the key: schedule-free AdamW warms up
+# by itself ([train] warmup_steps is its own argument, saved in its param groups), so a changed
+# warmup would come back from the state as it was.
+REFUSED_WITH = {"schedulefree_adamw": ("train.warmup_steps",)}
 # Keys added to leantune after checkpoints were written, at the value every earlier run had.
 ADDED_DEFAULTS = {"lora.type": "lora", "lora.factor": -1, "lora.decompose_both": False,
                   "train.prodigy_d_coef": 1.0, "train.prodigy_use_bias_correction": False,
@@ -61,10 +65,11 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 @dataclass
 class ConfigChanges:
     changed: dict[str, tuple[object, object]] = field(default_factory=dict)   # key -> (saved, now)
+    also_refused: tuple[str, ...] = ()       # REFUSED_WITH the run's optimizer
 
     @property
     def refused(self) -> list[str]:
-        return [k for k in self.changed if _under(k, REFUSED)]
+        return [k for k in self.changed if _under(k, REFUSED + self.also_refused)]
 
     @property
     def data_order_changed(self) -> bool:
@@ -82,7 +87,7 @@ def compare(saved: dict, current: dict) -> ConfigChanges:
         return out
 
     a, b = flat(saved), flat(current)
-    changes = ConfigChanges()
+    changes = ConfigChanges(also_refused=REFUSED_WITH.get(b.get("train.optimizer"), ()))
     for key in sorted(set(a) | set(b)):
         if key not in a and (b[key] in ([], None) or ADDED_DEFAULTS.get(key, _NONE) == b[key]):
             continue          # a key added to leantune since the save, at its empty default: no change
