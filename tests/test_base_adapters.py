@@ -6,8 +6,12 @@ What is proved: training through a base adapter equals training on a base with t
 by hand (losses and trained weights), and its files hold the trained adapter only; a preview with
 `[sample] base_adapters = []` equals sampling the plain base plus the trained LoRA, and one with
 `[sample] base` equals sampling that other base plus the trained LoRA; a run with base adapters
-resumes exactly; streamed in poison mode it trains as the plain model; the planner's prediction
-moves by exactly the bytes the engine holds for them; bad files are refused naming key and file.
+resumes exactly; streamed in poison mode (their weights packed into their blocks' units, the
+trained adapter's resident) it trains as the plain model, a whole streamed training run with a
+preview on another stack equals the resident run bit for bit, and the device holds no resident
+byte for a streamed block's base adapters; the planner's units, slots, streamed host RAM and
+resident "base adapters" term are the bytes the engine holds; bad files are refused naming key
+and file.
 The recipes of the two turbo families run on their tiny presets (z-image, krea2).
 
 Why some take seconds: each comparison is between whole training runs of a few steps (2-4 s per
@@ -250,6 +254,42 @@ def test_a_run_with_base_adapters_resumes_exactly(tiny_flux_dir, tmp_path, image
                     extra=[f"model.base_adapters={_adapters(adapter, 0.5)}", extra[1]])
     with pytest.raises(CheckpointError, match="model.base_adapters"):
         train(other, resume=True, progress=False)
+
+
+def test_a_streamed_run_with_base_adapters_equals_the_resident_run(tiny_flux_dir, tmp_path, images, monkeypatch,
+                                                                    caplog):
+    """The trainer with every block and the non-block group streamed, checkpointed, in poison mode,
+    through a base adapter and previewing without it ([sample] base_adapters = []): its losses,
+    its LoRA files and its preview's latents are the resident run's bit for bit, and the files
+    hold the trained adapter alone (the [lora] targets' modules, no base-adapter key)."""
+    import leantune.infer.sampler as sampler
+    from safetensors.torch import load_file
+
+    adapter = _flux_adapter(tiny_flux_dir, tmp_path)
+    base = [f"model.base_adapters={_adapters(adapter, 0.7)}", "sample.base_adapters=[]"]
+    streamed = ['memory.streamed_blocks="all"', "memory.stream_non_blocks=true", "memory.debug_poison=true",
+                'memory.checkpointing="blocks"']
+    runs = {}
+    caplog.set_level("INFO", logger="leantune.memory")
+    for name, extra in (("resident", base), ("streamed", [*base, *streamed])):
+        rec = _Recorder(sampler.denoise)
+        monkeypatch.setattr(sampler, "denoise", rec)
+        result = train(_config(tmp_path / name, "flux", tiny_flux_dir, images, steps=2, every=2, extra=extra),
+                       progress=False)
+        monkeypatch.setattr(sampler, "denoise", rec.real)
+        assert len(rec.calls) == 1
+        runs[name] = (result, rec.calls[0][2])
+    assert any("streaming: 4/4 blocks + non-block modules" in r.getMessage() and "poison" in r.getMessage()
+               for r in caplog.records)
+    (resident, r_latents), (stream, s_latents) = runs["resident"], runs["streamed"]
+    assert stream.losses == resident.losses and torch.equal(s_latents, r_latents)
+    for fmt in ("comfyui", "diffusers"):
+        a, b = load_file(str(resident.paths.lora_file(fmt))), load_file(str(stream.paths.lora_file(fmt)))
+        assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a), fmt
+    trained = _trained(stream)
+    fresh = _load("flux", tiny_flux_dir)
+    add_lora(fresh, get_family("flux").spec, LoraConfig(rank=2, targets="attention_mlp"))
+    assert set(trained) == set(lora_layers(fresh, "default"))
 
 
 def _inputs(model, family, hw, seed):
