@@ -154,3 +154,32 @@ def test_the_plan_report_says_what_the_step_time_includes(tiny_lora_model):
     assert 'one more forward on 25% of the steps ([data] prior_loss = "dop"' in text
     assert "0.5 forwards per step on average ([validation]'s passes)" in text
     assert "included:" not in format_plan(_planner(tiny_lora_model).plan(Budget(vram=8 << 30)))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_a_dora_base_adapter_keeps_the_plan_off_fp8(tmp_path, kind):
+    """The engine refuses a DoRA over fp8 weights (it reads the base weight): with a DoRA file in
+    [model] base_adapters the planner must not store the base in fp8, as for a trained DoRA; a
+    plain LoRA file leaves fp8 to the planner."""
+    from leantune import tiny
+    from leantune.config import LoraConfig, load_config
+    from leantune.models.flux import FLUX_SPEC
+    from leantune.planner.from_config import workload_from_config
+    from leantune.train.lora import add_lora, lora_weights_from_model
+    from leantune.train.lora_formats import save_lora
+
+    model = tiny.flux_transformer(num_layers=1, num_single_layers=1)
+    add_lora(model, FLUX_SPEC, LoraConfig(rank=4, targets="all", type=kind))
+    adapter = save_lora(lora_weights_from_model(model), tmp_path / f"turbo_{kind}.safetensors", "comfyui",
+                        keys=FLUX_SPEC.lora_keys)
+    path = tmp_path / "run.toml"
+    path.write_text(f"""[model]
+family = "flux"
+path = "model"
+base_adapters = [{{path = "{adapter}", strength = 1.0}}]
+[data]
+[[data.datasets]]
+path = "images"
+""")
+    workload = workload_from_config(load_config(path))
+    assert (workload.allow_fp8, workload.fp8_modulation) == ((False, False) if kind == "dora" else (True, None))

@@ -40,7 +40,9 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
 
     text_rows = get_family(cfg.model.family).text_rows(cfg.data.max_text_length)   # SD3: 77 CLIP + T5
     tc, full = cfg.train, cfg.full
-    dora = tc.mode == "lora" and cfg.lora.type == "dora"     # reads the base weights: never stored in fp8
+    # DoRA reads the base weights (train/lora._refuse_fp8_base_for_dora): never stored in fp8, for
+    # the trained adapter and for a DoRA file among the base adapters alike
+    dora = (tc.mode == "lora" and cfg.lora.type == "dora") or dora_base_adapters(cfg)
     return Workload(mode=tc.mode, rank=cfg.lora.rank, targets=cfg.lora.targets, lora_blocks=cfg.lora.blocks,
                     adapter=cfg.lora.type, lokr_factor=cfg.lora.factor, lokr_decompose_both=cfg.lora.decompose_both,
                     allow_fp8=not dora,
@@ -102,6 +104,21 @@ def held_out_count(cfg) -> int:
         images = sum(count(d.path, d.recursive) for d in cfg.data.datasets if d.role == "train")
         return max(1, math.floor(v.fraction * images)) if images > 1 else 0
     return 0
+
+
+def dora_base_adapters(cfg) -> bool:
+    """Whether a [model] base_adapters file (or a [sample] one the previews attach) is a DoRA: the
+    engine refuses it over fp8 weights, so the plan must not store them so."""
+    from ..models.family import get_family
+
+    previews = bool(cfg.sample.every and cfg.sample.prompts)
+    if not cfg.model.base_adapters and not (cfg.sample.base_adapters and previews):
+        return False
+    from ..train.base_adapters import read_run_adapters
+
+    training, sampling = read_run_adapters(cfg.model, cfg.sample if previews else None, cfg.resolve,
+                                           get_family(cfg.model.family).spec.lora_keys)
+    return any(a.weights.kind == "dora" for a in [*training, *(sampling or [])])
 
 
 def preview_terms(cfg) -> dict:
