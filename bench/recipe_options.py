@@ -82,9 +82,14 @@ def group_runs(group: str, steps: int) -> dict[str, list[str]]:
     if group == "optimizers":
         return baseline | {
             "prodigy (lr 1.0)": held + ['train.optimizer="prodigy"', "train.learning_rate=1.0"],
+            "prodigy (lr 1.0, its README's diffusion settings)": held + [
+                'train.optimizer="prodigy"', "train.learning_rate=1.0", "train.prodigy_safeguard_warmup=true",
+                "train.prodigy_use_bias_correction=true", "train.weight_decay=0.01"],
             "schedulefree_adamw (constant)": held + ['train.optimizer="schedulefree_adamw"',
                                                      'train.lr_scheduler="constant"'],
             "came": held + ['train.optimizer="came"'],
+            "came (lr 4e-4)": held + ['train.optimizer="came"', "train.learning_rate=4e-4"],
+            "came (lr 1e-4)": held + ['train.optimizer="came"', "train.learning_rate=1e-4"],
             "adamw8bit": held + ['train.optimizer="adamw8bit"'],
         }
     raise ValueError(f"--only: {group!r} is not one of {', '.join(GROUPS)}")
@@ -125,7 +130,7 @@ def main() -> None:
                 if tuple(extra) in done:
                     rows.append((name, *done[tuple(extra)]))
                     continue
-                out = args.out / group / re.sub(r"\W+", "-", name.split(" (")[0]).strip("-")
+                out = args.out / group / re.sub(r"\W+", "-", name).strip("-")
                 cfg = load_config(config, base + extra + [f'output.dir="{out}"'])
                 t0 = time.perf_counter()
                 result = train(cfg, progress=False, overwrite=True)

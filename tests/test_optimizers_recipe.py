@@ -112,6 +112,19 @@ def test_prodigy_reports_its_d_estimate_and_the_effective_rate():
     assert scalars(build_optimizer(_params(), TrainConfig())) == {}
 
 
+def test_prodigy_warns_of_a_warmup_without_its_safeguard(caplog):
+    """A warm-up without safeguard_warmup made the demo's Prodigy run overestimate d and blow up
+    (docs/benchmarks.md): the builder says so, naming the keys; with the safeguard, or no warm-up, not."""
+    with caplog.at_level("WARNING", logger="leantune"):
+        build_optimizer(_params(), _config("prodigy", warmup_steps=20, prodigy_safeguard_warmup=False))
+    assert "warmup_steps = 20" in caplog.text and "prodigy_safeguard_warmup = true" in caplog.text
+    for quiet in (dict(warmup_steps=20), dict(warmup_steps=0, prodigy_safeguard_warmup=False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="leantune"):
+            build_optimizer(_params(), _config("prodigy", **quiet))
+        assert "safeguard" not in caplog.text
+
+
 def test_schedule_free_evaluation_point_holds_x_and_restores_y_bit_for_bit():
     cfg = _config("schedulefree_adamw")
     params = _params()
