@@ -383,6 +383,48 @@ def test_streamed_with_base_adapters_trains_as_the_plain_model_in_poison_mode(fa
     assert stack.device_bytes() == sum(v.numel() * 4 for v in frozen.values())
 
 
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lokr_and_loha_base_adapters_stream_with_their_blocks(kind, tiny_flux_dir):
+    """A LoKr / LoHa base adapter (peft keeps its factors in ParameterDicts, keyed by adapter name)
+    under a trained LoRA, every unit streamed in poison mode: its factors are packed into the
+    units, the trained adapter's are not, and two steps equal the plain model's bit for bit."""
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.train.base_adapters import BaseAdapter, BaseAdapterStack
+
+    fam = get_family("flux")
+    source = _load("flux", tiny_flux_dir)
+    add_lora(source, fam.spec, LoraConfig(type=kind, rank=2, targets="attention"))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n, p in source.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    weights = lora_weights_from_model(source)
+    assert weights.kind == kind
+    model = _load("flux", tiny_flux_dir)
+    add_lora(model, fam.spec, LoraConfig(rank=2, targets="attention_mlp"))
+    with torch.no_grad():
+        for layer in lora_layers(model, "default").values():
+            layer.lora_B["default"].weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    BaseAdapterStack(model, [BaseAdapter(Path(f"{kind}.safetensors"), 0.8, weights)])
+    frozen = {n for n, p in model.named_parameters() if "base_adapter_" in n}
+    assert frozen and all(f".{'lokr' if kind == 'lokr' else 'hada'}_" in n for n in frozen)
+    plain = _two_steps(copy.deepcopy(model), fam)
+    plan = Plan(streamed_blocks=tuple(n for n, _ in fam.spec.blocks(model)), stream_non_blocks=True,
+                debug_poison=True, checkpointing="blocks", ring_slots=2)
+    handle = apply_memory(model, fam.spec, plan, "cpu", offload_min_bytes=0)
+    packed = {id(m._parameters[a]) for u in handle.streaming.units for e in u.entries for m, k, a in e.owners
+              if k == "param"}
+    assert all(id(p) in packed for n, p in model.named_parameters() if n in frozen)
+    assert not any(id(p) in packed for n, p in model.named_parameters() if ".default" in n)
+    streamed = _two_steps(model, fam)
+    handle.remove()
+    for got, want in zip(streamed, plain, strict=True):
+        assert torch.equal(got["loss"], want["loss"]) and torch.equal(got["out"], want["out"])
+        assert all(torch.equal(got["values"][n], v) for n, v in want["values"].items())
+
+
 def test_the_planner_prices_what_the_engine_holds(tiny_flux_dir, tmp_path, images):
     """With two of the four blocks streamed, the planner's streamed units are the engine's, byte
     for byte, base adapters packed in (so its stream slots and streamed host RAM too), and its
