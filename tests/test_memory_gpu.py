@@ -215,3 +215,46 @@ def test_an_unused_offload_prefetch_keeps_its_memory_until_its_copy_is_done():
     fresh = torch.empty_like(t)                   # same size, compute stream
     assert fresh.data_ptr() != pending
     torch.cuda.synchronize()
+
+
+def _base_adapter_case(device: str):
+    """A frozen base adapter (train/base_adapters.py) under the trained LoRA of the tiny Flux, every
+    unit streamed in poison mode, checkpointed: (records, resident-plan records, device bytes with
+    and without the base adapter under the streamed plan, bytes moved with and without it)."""
+    from pathlib import Path
+
+    from test_memory_helpers import train
+
+    from leantune.train.base_adapters import BaseAdapter, BaseAdapterStack
+    from leantune.train.lora import lora_weights_from_model
+
+    weights = lora_weights_from_model(lora_flux(seed=1), "default")     # a stand-in for a training adapter
+
+    def build(with_adapter: bool):
+        model = lora_flux(seed=0)
+        if with_adapter:
+            BaseAdapterStack(model, [BaseAdapter(Path("adapter.safetensors"), 0.7, weights)])
+        return model
+
+    plan = Plan(streamed_blocks=tuple(block_names(build(False))), stream_non_blocks=True, debug_poison=True,
+                checkpointing="blocks", ring_slots=2)
+    out = {}
+    for name, with_adapter, p in (("resident", True, Plan()), ("streamed", True, plan), ("bare", False, plan)):
+        model = build(with_adapter)
+        handle = apply_memory(model, FLUX_SPEC, p, device, offload_min_bytes=0)
+        held = handle.device_bytes()
+        records = train(model, device=device)
+        out[name] = (records, held, handle.step_report(wait=True)["bytes_h2d"])
+        handle.remove()
+    return out
+
+
+def test_base_adapters_stream_with_their_blocks_on_cuda():
+    """GPU-only: a base adapter's weights travel in their blocks' pinned units. Losses and LoRA
+    gradients are the resident run's (within kernel non-determinism); the device's resident bytes
+    under the streamed plan are those of the same model without the base adapter; a step moves
+    more bytes (the adapter's weights cross the bus with their blocks)."""
+    out = _base_adapter_case("cuda")
+    (want, _, _), (got, held, moved), (_, bare_held, bare_moved) = out["resident"], out["streamed"], out["bare"]
+    _close(got, want)
+    assert held["resident"] == bare_held["resident"] and moved > bare_moved > 0
