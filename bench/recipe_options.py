@@ -121,42 +121,57 @@ def main() -> None:
     _masks(demo / "images", demo / "masks")
     draw_shapes(demo / "prior", count=12, size=128, seed=11)       # other colours and places, no trigger
     base = [f"train.steps={args.steps}", "train.save_every=0", "sample.every=0", "train.log_every=1000"]
-    done: dict[tuple[str, ...], tuple] = {}         # overrides -> row: a run shared by two groups runs once
+    done: dict[tuple[str, ...], dict] = {}          # overrides -> run: a run shared by two groups runs once
     tables = {}
     with one_thread():
         for group in args.only:
             rows = []
             for name, extra in group_runs(group, args.steps).items():
-                if tuple(extra) in done:
-                    rows.append((name, *done[tuple(extra)]))
-                    continue
-                out = args.out / group / re.sub(r"\W+", "-", name).strip("-")
-                cfg = load_config(config, base + extra + [f'output.dir="{out}"'])
-                t0 = time.perf_counter()
-                result = train(cfg, progress=False, overwrite=True)
-                seconds = time.perf_counter() - t0
-                first, last = _ratio(result.losses)
-                history = json.loads(result.paths.loss_history.read_text())
-                val = history.get("validation") or []
-                note = ""
-                if val:
-                    note = f"{val[0][1]:.4f} (step {val[0][0]}) -> {val[-1][1]:.4f} (step {val[-1][0]})"
-                if cfg.ema.enabled:
-                    note += "; " + _ema_validation(cfg, result)
-                if cfg.train.optimizer == "prodigy":
-                    note += f"; Prodigy's final d {_last_logged(result.paths.log_file, 'd')}"
-                if group == "adapters":
-                    note += f"; {_adapter_size(result.paths.log_file)} trained parameters"
-                done[tuple(extra)] = (first, last, seconds, note)
-                rows.append((name, first, last, seconds, note))
-                print(f"{group} / {name}: loss {first:.4f} -> {last:.4f} (x{last / first:.3f}) in {seconds:.0f} s; "
-                      f"held-out {note or '-'}", flush=True)
+                if tuple(extra) not in done:
+                    out = args.out / group / re.sub(r"\W+", "-", name).strip("-")
+                    done[tuple(extra)] = _run(load_config(config, base + extra + [f'output.dir="{out}"']), train)
+                run = done[tuple(extra)]
+                rows.append((name, run))
+                print(f"{group} / {name}: loss {run['first']:.4f} -> {run['last']:.4f} "
+                      f"(x{run['last'] / run['first']:.3f}), highest {run['peak']:.4g} at step {run['peak_step']}, "
+                      f"in {run['seconds']:.0f} s; held-out {run['held_out'] or '-'}; {run['adapter']}; "
+                      f"{run['d'] or ''}", flush=True)
             tables[group] = rows
     for group, rows in tables.items():
-        print(f"\n{group}\n\n| run | loss, first 10% | loss, last 10% | last / first | s | held-out loss |")
-        print("|---|---|---|---|---|---|")
-        for name, first, last, seconds, note in rows:
-            print(f"| {name} | {first:.4f} | {last:.4f} | {last / first:.3f} | {seconds:.0f} | {note or '-'} |")
+        print(f"\n{group}\n")
+        if group == "options":
+            print("| option | loss, first 10% | loss, last 10% | last / first | s | held-out |")
+            print("|---|---|---|---|---|---|")
+            for name, r in rows:
+                print(f"| {name} | {r['first']:.4f} | {r['last']:.4f} | {r['last'] / r['first']:.3f} | "
+                      f"{r['seconds']:.0f} | {r['held_out'] or '-'} |")
+            continue
+        # The highest step loss shows what a ratio hides: a run that blew up early and recovered has
+        # a high first tenth, so a small last / first.
+        print("| run | loss, first 10% | loss, last 10% | last / first | highest step loss (step) | held-out loss "
+              "| trained parameters | s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, r in rows:
+            held = r["held_out"] + (f"; Prodigy's final d {r['d']}" if r["d"] else "")
+            print(f"| {name} | {r['first']:.4f} | {r['last']:.4f} | {r['last'] / r['first']:.3f} | "
+                  f"{r['peak']:.4g} ({r['peak_step']}) | {held or '-'} | {r['adapter']} | {r['seconds']:.0f} |")
+
+
+def _run(cfg, train) -> dict:
+    """One training run and what the tables report of it."""
+    t0 = time.perf_counter()
+    result = train(cfg, progress=False, overwrite=True)
+    seconds = time.perf_counter() - t0
+    first, last = _ratio(result.losses)
+    history = json.loads(result.paths.loss_history.read_text())
+    val = history.get("validation") or []
+    held = f"{val[0][1]:.4f} (step {val[0][0]}) -> {val[-1][1]:.4f} (step {val[-1][0]})" if val else ""
+    if cfg.ema.enabled:
+        held += "; " + _ema_validation(cfg, result)
+    peak = max(result.losses)
+    return {"first": first, "last": last, "seconds": seconds, "held_out": held, "peak": peak,
+            "peak_step": result.losses.index(peak) + 1, "adapter": _adapter_size(result.paths.log_file),
+            "d": _last_logged(result.paths.log_file, "d") if cfg.train.optimizer == "prodigy" else None}
 
 
 def _last_logged(log_file: Path, key: str) -> str:
