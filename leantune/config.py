@@ -69,7 +69,11 @@ class ModelConfig(Section):
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
     # (.safetensors: BFL / ComfyUI for Flux, Stability's sd3.5_*.safetensors for SD3).
     path: str
-    variant: Literal["auto", "dev", "schnell"] = "auto"     # Flux only
+    # Which checkpoint of the family's architecture, where a single file cannot say (family_registry's
+    # `variants`: Flux dev / schnell, Z-Image turbo / base, Krea 2 raw / turbo); it picks the
+    # published sampling schedule of previews and `leantune sample`. A diffusers folder's own
+    # scheduler config still decides the shift.
+    variant: Literal["auto", "dev", "schnell", "turbo", "base", "raw"] = "auto"
     # Per-component overrides: a diffusers sub-folder or a single .safetensors file each, named as
     # in the family's diffusers repository.
     transformer: str | None = None
@@ -90,6 +94,11 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _family_keys(self):
+        allowed = FAMILIES[self.family].variants
+        if self.variant != "auto" and self.variant not in allowed:
+            raise ValueError(f"[model] variant = {self.variant!r} is not a {self.family} checkpoint: "
+                             + ("one of " + ", ".join(f'"{v}"' for v in ("auto", *allowed))
+                                if allowed else f"family = {self.family!r} has one kind of checkpoint; remove the key"))
         if self.family == "flux":
             if not self.t5:
                 raise ValueError("[model] t5 = false: Flux cannot run without its T5 text encoder (only "
@@ -98,9 +107,6 @@ class ModelConfig(Section):
                 if getattr(self, key) is not None:
                     raise ValueError(f"[model] {key}: Flux has no third text encoder (its T5 is text_encoder_2)")
         else:
-            if self.variant != "auto":
-                raise ValueError(f"[model] variant = {self.variant!r} is a Flux variant; remove it for "
-                                 f"family = {self.family!r}")
             if not self.t5:
                 for key in ("text_encoder_3", "tokenizer_3"):
                     if getattr(self, key) is not None:
@@ -411,6 +417,9 @@ class SampleConfig(Section):
     # Another base checkpoint of the same family to preview with (train on Krea 2 Raw, preview with
     # Turbo): a diffusers folder or a single transformer file, loaded for each preview
     base: str | None = None
+    # Which checkpoint [sample] base is, where its file cannot say ([model] variant's values): its
+    # published schedule samples the previews ("turbo": Krea 2 Turbo's fixed mu)
+    base_variant: Literal["auto", "dev", "schnell", "turbo", "base", "raw"] = "auto"
 
     @field_validator("width", "height")
     @classmethod
@@ -532,6 +541,22 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _sample_base_variant(self):
+        """[sample] base_variant names a kind of [sample] base the family has (as [model] variant)."""
+        v = self.sample.base_variant
+        if v == "auto":
+            return self
+        if self.sample.base is None:
+            raise ValueError(f"[sample] base_variant = \"{v}\": set, but [sample] base is not; it says which "
+                             f"checkpoint that other base is (the trained base's is [model] variant)")
+        allowed = FAMILIES[self.model.family].variants
+        if v not in allowed:
+            raise ValueError(f"[sample] base_variant = \"{v}\" is not a {self.model.family} checkpoint: "
+                             + ("one of " + ", ".join(f'"{a}"' for a in ("auto", *allowed))
+                                if allowed else f"family = {self.model.family!r} has one kind; remove the key"))
+        return self
+
+    @model_validator(mode="after")
     def _lora_block_kinds(self):
         """[lora] blocks names the family's block lists (Flux: double, single; SD3: joint)."""
         kinds = FAMILIES[self.model.family].lora_blocks
@@ -600,7 +625,7 @@ class RunConfig(Section):
                 key = "fp8" if self.memory.fp8 else "fp8_modulation"
                 raise ValueError(f"[lora] type = \"dora\" with [memory] {key} = true: DoRA normalises every row of the "
                                  "base weight plus its update, and peft reads the base weight as stored, so an fp8 "
-                                 "weight would be taken without its scale; set [memory] {key} = false (the planner "
+                                 f"weight would be taken without its scale; set [memory] {key} = false (the planner "
                                  f"never stores a DoRA base in fp8), or use [lora] type \"lora\", \"lokr\" or \"loha\"")
         self._distributed_storage()
         return self

@@ -31,6 +31,10 @@ class FamilyEntry:
     lora_blocks: tuple[str, ...]                  # the block-list kinds [lora] blocks may name
     stock: dict[str, StockModel] = field(default_factory=dict)   # `leantune plan --model` name -> architecture
     trailing_special: dict[str, int] = field(default_factory=dict)   # blocks at a list's end built unlike the rest
+    # The [model] variant values besides "auto": checkpoints of one architecture whose weights alone
+    # cannot tell them apart in a single file (Flux dev / schnell, Z-Image Turbo / Base, Krea 2 Raw /
+    # Turbo), sampled with each one's published schedule (the family's sampling.schedule)
+    variants: tuple[str, ...] = ()
 
 
 _DOUBLE_SINGLE = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
@@ -42,7 +46,8 @@ _JOINT = {"transformer_blocks": "num_layers"}
 # padded to it).
 FAMILIES: dict[str, FamilyEntry] = {
     "flux": FamilyEntry("leantune.models.flux", _DOUBLE_SINGLE, ("double", "single"),
-                        {"flux-dev": StockModel("flux1_dev", 512), "flux-schnell": StockModel("flux1_schnell", 256)}),
+                        {"flux-dev": StockModel("flux1_dev", 512), "flux-schnell": StockModel("flux1_schnell", 256)},
+                        variants=("dev", "schnell")),
     "sd3": FamilyEntry("leantune.models.sd3", _JOINT, ("joint",),
                        {"sd3.5-large": StockModel("sd35_large", 256), "sd3.5-medium": StockModel("sd35_medium", 256)},
                        trailing_special={"transformer_blocks": 1}),   # the last joint block is context-pre-only
@@ -61,11 +66,13 @@ FAMILIES: dict[str, FamilyEntry] = {
     "z-image": FamilyEntry("leantune.models.z_image",
                            {"noise_refiner": "n_refiner_layers", "context_refiner": "n_refiner_layers",
                             "layers": "n_layers"}, ("noise_refiner", "context_refiner", "main"),
-                           {"z-image-turbo": StockModel("z_image_turbo", 512), "z-image": StockModel("z_image", 512)}),
+                           {"z-image-turbo": StockModel("z_image_turbo", 512), "z-image": StockModel("z_image", 512)},
+                           variants=("turbo", "base")),
     # Krea 2 (Raw and Turbo: one architecture, models/configs/KREA2_SOURCES.md): Krea2Pipeline's
     # max_sequence_length 512 (a prompt's rows, its template suffix included, are at most that many)
     "krea2": FamilyEntry("leantune.models.krea2", _JOINT, ("single",),
-                         {"krea2": StockModel("krea2", 512), "krea2-turbo": StockModel("krea2", 512)}),
+                         {"krea2": StockModel("krea2", 512), "krea2-turbo": StockModel("krea2", 512)},
+                         variants=("raw", "turbo")),
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

@@ -758,7 +758,7 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
         with stack.for_sampling() if stack is not None else nullcontext():   # [sample] base_adapters
             grid = sample_during_training(t.transformer, vae, embeds, cfg.sample, memory_handle=t.memory,
                                           device=t.device, dtype=t.dtype, negative=negative, references=references,
-                                          family=family)
+                                          family=family, schedule=preview_schedule(cfg, family, t.transformer))
     out = paths.samples / f"step-{step:06d}.png"
     model = str(cfg.resolve(cfg.sample.base)) if cfg.sample.base is not None else str(t.sources.transformer)
     adapters = stack.describe("sampling") if stack is not None else ""
@@ -772,6 +772,15 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
                             if t.data.sample_references else {})})
     log.info("samples: %s", out)
     return out
+
+
+def preview_schedule(cfg: RunConfig, family, transformer):
+    """The sampling schedule of the previews on the trained base, as `leantune sample` takes it
+    (infer/run.py): [model] variant, else what the transformer tells, with a diffusers folder's own
+    scheduler config (a Krea 2 Turbo folder's fixed mu, a Z-Image base folder's shift 6.0)."""
+    variant = cfg.model.variant if cfg.model.variant != "auto" else family.sampling.variant(transformer)
+    path = cfg.resolve(cfg.model.path)
+    return family.sampling.schedule(variant, path if path.is_dir() else None)
 
 
 def _sample_on_other_base(t: Trainee, cfg: RunConfig, family, embeds, vae, negative, references):
@@ -792,7 +801,8 @@ def _sample_on_other_base(t: Trainee, cfg: RunConfig, family, embeds, vae, negat
     fp8 = bool(t.plan is not None and t.plan.fp8)
     return sample_on_other_base(t.transformer, load, adapters, embeds, cfg.sample, family=family, vae=vae,
                                 device=t.device, dtype=t.dtype, base_path=path, fp8=fp8, negative=negative,
-                                references=references, schedule_folder=path if path.is_dir() else None)
+                                references=references, schedule_folder=path if path.is_dir() else None,
+                                variant=cfg.sample.base_variant)
 
 
 def plot_losses(losses: list[float], path: Path, validation: list | None = None) -> Path:

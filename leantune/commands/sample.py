@@ -45,6 +45,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", metavar="PATH",
                         help="another transformer checkpoint of the model's family to sample on (a diffusers "
                              "folder or a single file), with --model's text encoders and VAE; as [sample] base")
+    parser.add_argument("--variant", choices=("dev", "schnell", "turbo", "base", "raw"),
+                        help="which checkpoint the sampled transformer is (--base's when given), where a single "
+                             "file cannot say: dev / schnell (Flux), turbo / base (Z-Image), raw / turbo (Krea 2); "
+                             "its published schedule and default steps and guidance are used (a diffusers folder's "
+                             "scheduler config still decides the shift)")
     parser.add_argument("--vram", metavar="SIZE", help="VRAM budget such as 6GiB, or 'auto' for the free memory")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--guidance", type=float,
@@ -82,6 +87,8 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
         family = guess_family(data["model"]["path"])       # a folder's or file's own metadata
         if family is not None:
             data["model"]["family"] = family
+    if args.variant is not None:
+        data.setdefault("model", {})["variant"] = args.variant
     if args.prompt:
         data["prompts"] = list(args.prompt)
     if args.lora:

@@ -34,14 +34,17 @@ def preview_plan(spec, model: nn.Module, fp8: bool = False) -> Plan:
 
 def sample_on_other_base(trained: nn.Module, load_base: Callable[[], nn.Module], adapters: Sequence,
                          embeds, sample_cfg, *, family, vae, device, dtype: torch.dtype, base_path,
-                         fp8: bool = False, negative=None, references=None, schedule_folder=None):
+                         fp8: bool = False, negative=None, references=None, schedule_folder=None,
+                         variant: str = "auto"):
     """A grid of samples from the other base + `adapters` (train/base_adapters.BaseAdapter, frozen)
     + the trained adapter of `trained` (its "default" adapter, at strength 1).
 
     `load_base()` reads the other transformer onto the CPU (models/other_base.load_other_base);
     `schedule_folder`: the other base's diffusers folder, whose scheduler config is its schedule
     (Krea 2 Turbo's is told by its folder: models/krea2), None for a single file (the published
-    schedule of its variant); the rest are sample_during_training's arguments."""
+    schedule of its variant); `variant`: [sample] base_variant, the other base's kind where its
+    file cannot say ("turbo" for a Krea 2 Turbo single file); the rest are sample_during_training's
+    arguments."""
     from ..memory.engine import apply_memory
     from ..models.other_base import check_same_architecture
     from ..train.lora import apply_lora, lora_weights_from_model
@@ -54,7 +57,8 @@ def sample_on_other_base(trained: nn.Module, load_base: Callable[[], nn.Module],
         for i, a in enumerate(adapters):
             apply_lora(other, a.weights, strength=a.strength, adapter_name=f"base_adapter_{i}")
         apply_lora(other, lora, strength=1.0, adapter_name="trained")
-        schedule = family.sampling.schedule(family.sampling.variant(other), schedule_folder)
+        schedule = family.sampling.schedule(variant if variant != "auto" else family.sampling.variant(other),
+                                            schedule_folder)
         handle = apply_memory(other, family.spec, preview_plan(family.spec, other, fp8), device)
         return sample_during_training(other, vae, embeds, sample_cfg, memory_handle=handle, device=device,
                                       dtype=dtype, negative=negative, references=references, family=family,

@@ -35,6 +35,7 @@ ADDED_DEFAULTS = {"lora.type": "lora", "lora.factor": -1, "lora.decompose_both":
                   "train.prodigy_safeguard_warmup": False,
                   "data.prior_ratio": 0.25, "data.prior_loss": "plain", "data.prior_weight": 1.0,
                   "ema.enabled": False, "ema.decay": 0.999, "ema.every": 1, "ema.sample": False,
+                  "sample.base_variant": "auto",
                   "validation.every": 100, "validation.sigmas": [0.1, 0.3, 0.5, 0.7, 0.9], "validation.seed": 0}
 # The same for the keys of each [[data.datasets]] table (compared as a whole list).
 ADDED_DATASET_DEFAULTS = {"mask_path": None, "mask_suffix": None, "mask_floor": 0.0, "role": "train"}

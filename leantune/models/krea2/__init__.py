@@ -122,7 +122,9 @@ def published_schedule(variant: str) -> FlowSchedule:
 
 
 def _schedule(variant: str, folder=None) -> FlowSchedule:
-    if krea2_loading.folder_distilled(folder):
+    """[model] variant "turbo" / "raw", else (auto) Turbo where a diffusers folder says it is
+    distilled, Raw otherwise (a single file cannot say)."""
+    if variant == "turbo" or (variant != "raw" and krea2_loading.folder_distilled(folder)):
         variant = "krea2-turbo"
     schedule = FlowSchedule.from_model_folder(folder, published_schedule(variant))
     if variant == "krea2-turbo":      # the pipeline ignores the scheduler's line when distilled

@@ -106,15 +106,24 @@ def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: in
 
 # -- sampling ----------------------------------------------------------------------------------------------
 
-def published_schedule() -> FlowSchedule:
+BASE_SHIFT = 6.0         # Z-Image (base)'s scheduler_config.json; the Turbo's is 3.0
+
+
+def published_schedule(variant: str = "turbo") -> FlowSchedule:
     """Z-Image-Turbo's: static shift 3.0, the pipeline's linspace sigmas, 9 steps without guidance (its
-    model card's settings). A folder's scheduler_config.json (the base model's shift 6.0) takes
-    precedence."""
+    model card's settings); the base model's ("base"): static shift 6.0 and ZImagePipeline's own
+    defaults, 50 steps at CFG 5.0. A folder's scheduler_config.json takes precedence for the shift."""
+    if variant == "base":
+        return FlowSchedule(use_dynamic_shifting=False, shift=BASE_SHIFT, default_steps=50, default_guidance=5.0)
     return FlowSchedule(use_dynamic_shifting=False, shift=3.0, default_steps=9, default_guidance=0.0)
 
 
 def _schedule(variant: str, folder=None) -> FlowSchedule:
-    return FlowSchedule.from_model_folder(folder, published_schedule())
+    """[model] variant "turbo" / "base", else (auto) what a diffusers folder's scheduler shift says
+    (6.0: the base model) or, for a single file, which cannot say, the Turbo's."""
+    if variant not in ("turbo", "base"):
+        variant = "base" if FlowSchedule.from_model_folder(folder, published_schedule()).shift >= BASE_SHIFT else "turbo"
+    return FlowSchedule.from_model_folder(folder, published_schedule(variant))
 
 
 def _timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
