@@ -756,12 +756,23 @@ COMFYUI_DORA_NOTE = ("stock ComfyUI (comfy/weight_adapter/base.py weight_decompo
                      "trained (by the ratio of those norms, per row); LyCORIS, ComfyUI with that fix, leantune and "
                      "diffusers (its diffusers-layout file) apply the trained weights")
 
+# Comfy-Org/ComfyUI comfy/lora.py load_lora (read at 17358c8f) takes a DoRA magnitude only as kohya's
+# `<module>.dora_scale`; peft's `lora_magnitude_vector` keys are "lora key not loaded".
+COMFYUI_DIFFUSERS_DORA_NOTE = ("ComfyUI's LoRA loader reads a DoRA magnitude only as kohya's dora_scale, so it skips "
+                               "this file's lora_magnitude_vector keys ('lora key not loaded') and applies the update "
+                               "as a plain LoRA's, not as trained; in ComfyUI use the comfyui-layout file ([output] "
+                               "formats, or leantune convert --to comfyui). diffusers and peft load this file as "
+                               "trained")
+
 
 def _warn_layout_support(weights: LoraWeights, fmt: str, keys: LoraKeyMap | None) -> None:
     """Say where a DoRA, LoKr or LoHa file does not load as trained (LoraCompatibilityWarning)."""
     kind = weights.kind
     if fmt == "comfyui" and kind == "dora":
         warnings.warn(f"the comfyui-layout DoRA file: {COMFYUI_DORA_NOTE}", LoraCompatibilityWarning, stacklevel=3)
+    if fmt == "diffusers" and kind == "dora":
+        warnings.warn(f"the diffusers-layout DoRA file: {COMFYUI_DIFFUSERS_DORA_NOTE}", LoraCompatibilityWarning,
+                      stacklevel=3)
     if fmt != "diffusers" or kind in ("lora", "dora"):
         return
     family = keys.family if keys is not None else ""

@@ -13,8 +13,8 @@ family like FLUX.2-dev (id and family name, the tiny transformer and folder, the
 text length, the guidance scale), 4 for one with classifier-free guidance (the negative prompt and
 the pipeline's keywords for it), 5 with every optional knob (Qwen-Image-Edit: files its loader takes
 by design, a pipeline component from_pretrained cannot build, reference images). test_conformance.py
-then checks all 11 promises for it; `test_every_registered_family_has_a_case` fails until the entry
-exists.
+then checks all 13 promises for it (the adapter promises for every `[lora] type`: LoRA, LoKr, LoHa,
+DoRA); `test_every_registered_family_has_a_case` fails until the entry exists.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the conformance tests share, built once per test session and case: the tiny transformer,
 its diffusers folder, the folder's pipeline (diffusers' own loader), its single files, a trained
-LoRA and its files (see `Built`)."""
+adapter of each `[lora] type` and its files (see `Built`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 RANK, ALPHA = 4, 8.0        # alpha / rank = 2: folding it into lora_B (diffusers layout) is exact
+ADAPTER_TYPES = ("lora", "lokr", "loha", "dora")      # [lora] type (train/adapter_types.py)
 SIMULATED_TESTS = ("test_planner_prices_it_without_weights_as_the_simulated_device_measures",)
 
 
@@ -37,8 +38,11 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def lora_config(targets: str = "all_linear"):
-    return SimpleNamespace(rank=RANK, effective_alpha=ALPHA, alpha=ALPHA, dropout=0.0, targets=targets, blocks=None)
+def lora_config(targets: str = "all_linear", kind: str = "lora"):
+    """A [lora] section: rank 4 (LoKr: its w1 whole, its w2 whole on the tiny models' narrow
+    Linears and a product on the wider ones, so both of ComfyUI's LoKr scales are exercised)."""
+    return SimpleNamespace(rank=RANK, effective_alpha=ALPHA, alpha=ALPHA, dropout=0.0, targets=targets, blocks=None,
+                           type=kind, factor=-1, decompose_both=False)
 
 
 def frozen(*modules):
@@ -122,19 +126,55 @@ class Built:
         """A LoRA on every Linear (all_linear: the non-block layers too) with random nonzero values,
         as after training; its files in both layouts; the trained model's deltas (peft's own). The
         model is frozen (see `frozen`); a test that trains it turns its LoRA's gradients on."""
-        from leantune.train.lora import add_lora, lora_layers, lora_weights_from_model, save_lora
+        return self.adapter("lora")
+
+    def adapter(self, kind: str):
+        """`lora` for any [lora] type (made once per type): the model with a random adapter of
+        `kind` on every Linear (DoRA's magnitudes near the base rows' norms, every other factor
+        random), its weights, its files in both layouts with the LoraCompatibilityWarnings their
+        export gave (`warned`: {layout: [message]}), and each adapted Linear's weight as peft's own
+        merge makes it (`merged`: the trained weights a loader must reproduce); `deltas` for LoRA."""
+        if kind not in self._adapters:
+            self._adapters[kind] = self._make_adapter(kind)
+        return self._adapters[kind]
+
+    @cached_property
+    def _adapters(self) -> dict:
+        return {}
+
+    def _make_adapter(self, kind: str):
+        import warnings
+
+        from leantune.train.lora import (LoraCompatibilityWarning, add_lora, lora_layers, lora_weights_from_model,
+                                         save_lora)
 
         model = copy.deepcopy(self.tiny)
-        params = add_lora(model, self.spec, lora_config())
+        params = add_lora(model, self.spec, lora_config(kind=kind))
         g = torch.Generator().manual_seed(11)
         with torch.no_grad():
             for p in params:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                if p.dim() == 1:        # DoRA's magnitude: near the base rows' norms, as after training
+                    p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
         frozen(model)
         weights = lora_weights_from_model(model)
-        deltas = {n: layer.get_delta_weight("default").detach() for n, layer in lora_layers(model, "default").items()}
-        files = {fmt: save_lora(weights, self.root / f"lora_{fmt}.safetensors", fmt) for fmt in ("diffusers", "comfyui")}
-        return SimpleNamespace(model=model, weights=weights, deltas=deltas, files=files)
+        layers = lora_layers(model, "default")
+        deltas = ({n: layer.get_delta_weight("default").detach() for n, layer in layers.items()}
+                  if kind == "lora" else None)
+        merged = {}
+        for name, layer in lora_layers(copy.deepcopy(model), "default").items():
+            layer.merge(adapter_names=["default"])
+            merged[name] = layer.get_base_layer().weight.detach().clone()
+        files, warned = {}, {}
+        suffix = "" if kind == "lora" else f"_{kind}"
+        for fmt in ("diffusers", "comfyui"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", LoraCompatibilityWarning)
+                files[fmt] = save_lora(weights, self.root / f"lora{suffix}_{fmt}.safetensors", fmt)
+            warned[fmt] = [str(w.message) for w in caught if issubclass(w.category, LoraCompatibilityWarning)]
+        return SimpleNamespace(kind=kind, model=model, weights=weights, deltas=deltas, merged=merged, files=files,
+                               warned=warned)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """What every model family promises, stated once and checked for each case of cases.py.
 
-One test function per promise, each parameterized over the cases (a family and its variants):
+One test function per promise, each parameterized over the cases (a family and its variants), and
+the adapter promises (5, 7, 9, 10, 11) over the adapter types of `[lora] type` too (LoRA, LoKr,
+LoHa, DoRA: the trained adapter on every Linear of the tiny model, conftest.Built.adapter):
 
 1. it builds from its tiny preset: the family's loader on the tiny diffusers folder gives the tiny
    model (weights, config, outputs), the family is told from the model and the folder, and the
@@ -10,14 +12,23 @@ One test function per promise, each parameterized over the cases (a family and i
 3. each single-file layout it claims (its spec's, as a full fine-tune exports it, under both
    prefixes ComfyUI's files use) loads to the tiny model with the architecture read from the file;
 4. another family's file is refused, and the error names the family to set;
-5. a trained LoRA's files in both layouts (comfyui/kohya, diffusers) read back exactly;
-6. diffusers' `load_lora_weights` on the diffusers file gives the trained model's output;
-7. every file of every layout loads whole through ComfyUI's key map (tests/comfyui_keymap.py, an
+5. a trained adapter's files of each type in both layouts (comfyui/kohya/LyCORIS, diffusers/peft)
+   read back exactly, and applied give the trained model's output;
+6. diffusers' `load_lora_weights` on a LoRA's diffusers file gives the trained model's output;
+7. it does so for a LoKr, LoHa or DoRA file wherever the export says diffusers loads the type, and
+   refuses the file wherever the export warns that it does not;
+8. every LoRA file of every layout loads whole through ComfyUI's key map (tests/comfyui_keymap.py, an
    independent model of comfy/lora.py) at the trained strength;
-8. streamed through the memory engine (poison mode) it trains as the plain model, bit for bit;
-9. a LoRA run stopped and resumed equals the uninterrupted run, bit for bit;
-10. the planner prices it without weights, and its prediction is what the simulated device measures;
-11. its samples equal its diffusers pipeline's.
+9. every LoKr, LoHa and DoRA file loads through ComfyUI's key map (its LoKr, LoHa and DoRA
+   adapters) to the trained weights at strength 1: the comfyui layout whole, DoRA under the
+   output-axis norm LyCORIS and peft use (ComfyUI with Comfy-Org/ComfyUI#15458; stock ComfyUI's
+   differs, and the export says so), the diffusers layout but for the keys its export warns about;
+10. streamed through the memory engine (poison mode) it trains as the plain model, bit for bit,
+    with each adapter type;
+11. a run stopped and resumed equals the uninterrupted run, bit for bit (LoRA on every case; LoKr,
+    LoHa and DoRA on one case each: resume is the trainer's, family-independent);
+12. the planner prices it without weights, and its prediction is what the simulated device measures;
+13. its samples equal its diffusers pipeline's.
 
 Where a promise fails for a case today it is listed in FINDINGS (strict xfail: the check stays as
 strict as for the others, and the entry must go when the promise holds). Family-specific behaviour
@@ -40,7 +51,7 @@ from leantune.models.family import (PromptEmbeds, family_for_model, guess_family
 from leantune.family_registry import FAMILIES
 
 from .cases import CASES
-from .conftest import frozen
+from .conftest import ADAPTER_TYPES, frozen
 
 PROMPT, SEED = "a photo of a cat", 3
 W, H = 64, 48                 # non-square: catches height / width mix-ups
@@ -57,15 +68,24 @@ FINDINGS = {
 }
 
 
-def cases(promise: str):
-    """The cases as parameters of `promise`'s test, a FINDINGS entry as a strict xfail."""
+def cases(promise: str, kinds: tuple[str, ...] | None = None):
+    """The cases as parameters of `promise`'s test, a FINDINGS entry as a strict xfail. With
+    `kinds` (adapter types, [lora] type), (case, kind) pairs: every case once per type, its id the
+    case's for LoRA ("flux-dev") and suffixed for the others ("flux-dev-lokr"); a FINDINGS entry
+    names the pair's id."""
     out = []
     for c in CASES:
-        finding = FINDINGS.get((promise, c.id))
-        marks = [] if finding is None else [pytest.mark.xfail(strict=True, raises=finding[0],
-                                                              reason=f"finding: {finding[1]}")]
-        out.append(pytest.param(c, id=c.id, marks=marks))
+        for kind in kinds or (None,):
+            pid = c.id if kind in (None, "lora") else f"{c.id}-{kind}"
+            finding = FINDINGS.get((promise, pid))
+            marks = [] if finding is None else [pytest.mark.xfail(strict=True, raises=finding[0],
+                                                                  reason=f"finding: {finding[1]}")]
+            out.append(pytest.param(c, id=pid, marks=marks) if kind is None else
+                       pytest.param(c, kind, id=pid, marks=marks))
     return out
+
+
+OTHER_TYPES = tuple(k for k in ADAPTER_TYPES if k != "lora")      # lokr, loha, dora
 
 
 # -- helpers --------------------------------------------------------------------------------------------
@@ -126,7 +146,7 @@ def test_every_registered_family_has_a_case():
     assert not missing, f"no conformance case for {missing}: add one to tests/families/cases.py"
     assert not covered - set(known_families())
     assert len({c.id for c in CASES}) == len(CASES)
-    assert {key[1] for key in FINDINGS} <= {c.id for c in CASES}
+    assert {key[1] for key in FINDINGS} <= {c.id for c in CASES} | {f"{c.id}-{k}" for c in CASES for k in OTHER_TYPES}
 
 
 # -- building and loading -------------------------------------------------------------------------------
@@ -229,30 +249,45 @@ def test_refuses_another_familys_file_naming_the_family_to_set(case, built):
     assert not wrong, "\n".join(wrong)
 
 
-# -- LoRA files -----------------------------------------------------------------------------------------
+# -- adapter files --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", cases("lora_files"))
-def test_lora_files_read_back_exactly(case, built):
-    """An all_linear LoRA (every Linear, blocks and top level) exported in both layouts reads back,
-    its family told from the file alone, to the same modules and bit-equal weight deltas; applied
-    to the base model it gives the trained model's output."""
+# peft's state-dict name of each role of an adapter module: a diffusers-layout file's keys are
+# transformer.<module>.<name> (LoKr: lokr_w1 ..., LoHa: hada_w1_a ...)
+_PEFT_NAMES = {"down": "lora_A.weight", "up": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+
+
+def _peft_name(kind: str, role: str) -> str:
+    return {"lokr": f"lokr_{role}", "loha": f"hada_{role}"}.get(kind) or _PEFT_NAMES[role]
+
+
+@pytest.mark.parametrize("case, kind", cases("lora_files", ADAPTER_TYPES))
+def test_lora_files_read_back_exactly(case, kind, built):
+    """An all_linear adapter of each [lora] type (every Linear, blocks and top level) exported in
+    both layouts reads back, its family told from the file alone, to the same modules of the same
+    type with bit-equal tensors (LoRA: down, up; DoRA: and its magnitude; LoKr / LoHa: their
+    factors), scales and weight deltas; applied to the base model it gives the trained model's
+    output."""
     from leantune.train.lora import apply_lora, read_lora
 
     b = built(case)
-    lora = b.lora
-    assert lora.weights.keys is b.spec.lora_keys
+    lora = b.adapter(kind)
+    assert lora.weights.keys is b.spec.lora_keys and lora.weights.kind == kind
     linears = {n for n, m in b.tiny.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(lora.weights.modules) == linears
     want = run(b, lora.model)
     for fmt, path in lora.files.items():
         tensors = load_file(path)
         if fmt == "diffusers":
-            assert set(tensors) == {f"transformer.{n}.lora_{ab}.weight" for n in linears for ab in "AB"}
+            assert set(tensors) == {f"transformer.{n}.{_peft_name(kind, role)}"
+                                    for n, m in lora.weights.modules.items() for role in m.tensors()}
         back = read_lora(path)
         assert back.keys is b.spec.lora_keys, (fmt, back.keys)
-        assert set(back.modules) == set(lora.weights.modules), fmt
+        assert back.kind == kind and set(back.modules) == set(lora.weights.modules), fmt
         for name, m in lora.weights.modules.items():
-            assert torch.equal(back.modules[name].delta(), m.delta()), (fmt, name)
+            got = back.modules[name]
+            assert got.tensors().keys() == m.tensors().keys(), (fmt, name)
+            assert all(torch.equal(got.tensors()[r], t) for r, t in m.tensors().items()), (fmt, name)
+            assert got.scale == m.scale and torch.equal(got.delta(), m.delta()), (fmt, name)
         model = copy.deepcopy(b.tiny)
         apply_lora(model, back)
         assert torch.equal(run(b, model), want), fmt
@@ -279,6 +314,33 @@ def test_diffusers_load_lora_weights_gives_the_trained_output(case, built):
     assert torch.equal(got, want)
     torch.testing.assert_close(got, run(b, merged_model(b.tiny, lora.deltas)), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(want, run(b, b.tiny), atol=1e-3)          # the LoRA changes the output
+
+
+@pytest.mark.parametrize("case, kind", cases("diffusers_types", OTHER_TYPES))
+def test_diffusers_loads_each_adapter_type_where_its_export_says_it_does(case, kind, built):
+    """The pipeline's own `load_lora_weights` on the diffusers-layout file of a LoKr, LoHa or DoRA
+    adapter (peft's key names, its config in the header): where the export warns that diffusers
+    does not load the type (LoKr but for FLUX.2 and Z-Image, LoHa everywhere: diffusers 0.42's
+    loaders) the pipeline refuses the file; elsewhere it loads it, and the pipeline's transformer
+    gives the trained model's output bit for bit (both are peft layers of the same values)."""
+    b = built(case)
+    lora = b.adapter(kind)
+    pipe = b.pipeline_with(transformer=copy.deepcopy(b.tiny))
+    refused = [w for w in lora.warned["diffusers"] if "diffusers loads" in w]
+    if refused:
+        with pytest.raises(ValueError, match="Invalid (LoRA|adapter) checkpoint"):
+            pipe.load_lora_weights(str(lora.files["diffusers"]), adapter_name="x")
+        return
+    from leantune.train.lora import layer_kind, lora_layers
+
+    assert kind == "dora" or (kind == "lokr" and case.family.startswith(("flux2", "z-image")))
+    pipe.load_lora_weights(str(lora.files["diffusers"]), adapter_name="x")
+    frozen(pipe.transformer)
+    layers = lora_layers(pipe.transformer, "x")
+    assert set(layers) == set(lora.weights.modules) and {layer_kind(m, "x") for m in layers.values()} == {kind}
+    got, want = run(b, pipe.transformer), run(b, lora.model)
+    assert torch.equal(got, want)
+    assert not torch.allclose(want, run(b, b.tiny), atol=1e-3)          # the adapter changes the output
 
 
 @pytest.mark.parametrize("case", cases("comfyui"))
@@ -310,6 +372,68 @@ def test_every_lora_file_loads_whole_in_comfyui_at_the_trained_strength(case, bu
     assert not problems, problems
 
 
+def _comfyui_unloaded(b, lora, fmt: str, tensors) -> tuple[set[str], set[str]]:
+    """(file keys, native weights) ComfyUI leaves out of `lora`'s `fmt` file, by what the export
+    warns about: in the diffusers layout the modules ComfyUI's key map has no diffusers name for
+    (LoraKeyMap.comfyui_unnamed: FLUX.2's time/guidance embedders and shared modulation; their
+    weights stay unpatched), and DoRA's lora_magnitude_vector (ComfyUI reads kohya's dora_scale only,
+    comfy/lora.py load_lora: the update then loads as a plain LoRA's)."""
+    if fmt != "diffusers":
+        return set(), set()
+    keys = b.spec.lora_keys
+    unnamed = {n for n in lora.weights.modules if n in keys.comfyui_unnamed}
+    module = lambda k: k.removeprefix("transformer.").rsplit(".", 2 if k.endswith(".weight") else 1)[0]  # noqa: E731
+    skipped = {k for k in tensors if module(k) in unnamed}
+    if lora.kind == "dora":
+        skipped |= {k for k in tensors if k.endswith(".lora_magnitude_vector")}
+    return skipped, {f"{keys.target_for_diffusers(n)[0].native}.weight" for n in unnamed}
+
+
+@pytest.mark.parametrize("case, kind", cases("comfyui_types", OTHER_TYPES))
+def test_every_adapter_type_file_loads_in_comfyui_as_trained(case, kind, built):
+    """LoKr, LoHa and DoRA files through ComfyUI's key map (tests/comfyui_keymap.py: its LoKr,
+    LoHa and DoRA adapters and their scales) on the model as ComfyUI holds it. The comfyui layout
+    loads whole (LyCORIS names for the parts of fused Linears) and gives the trained weights
+    (peft's own merge) at strength 1; for DoRA under the output-axis norm of LyCORIS and peft,
+    which ComfyUI gets with Comfy-Org/ComfyUI#15458 (`dora_fixed`): stock ComfyUI's is not the
+    trained weights, and the export says so. The diffusers layout loads whole too but for what
+    its export warns about (`_comfyui_unloaded`), the rest at the trained weights."""
+    from comfyui_keymap import comfyui_load, comfyui_native_state
+
+    from leantune.train.lora_formats import COMFYUI_DIFFUSERS_DORA_NOTE, COMFYUI_DORA_NOTE
+
+    b = built(case)
+    lora = b.adapter(kind)
+    native = comfyui_native_state(case.family, b.tiny)
+    merged = dict(b.tiny.state_dict())
+    merged.update({f"{name}.weight": w for name, w in lora.merged.items()})
+    want = comfyui_native_state(case.family, b.tiny, merged)
+    changed = {k for k in native if not torch.equal(want[k], native[k])}
+    assert changed
+    for fmt, path in lora.files.items():
+        tensors = load_file(path)
+        if fmt == "comfyui":            # kohya names, and LyCORIS ones for the parts of fused Linears
+            assert not any(k.startswith("transformer.") for k in tensors)
+        skipped, unpatched = _comfyui_unloaded(b, lora, fmt, tensors)
+        load = comfyui_load(case.family, native, tensors, dora_fixed=True)
+        assert set(load.skipped) == skipped, (fmt, sorted(set(load.skipped) ^ skipped)[:4])
+        assert load.loaded == set(tensors) - skipped, fmt
+        if unpatched:
+            assert any("ComfyUI's LoRA loader has no diffusers name" in w for w in lora.warned[fmt]), fmt
+        if kind == "dora" and fmt == "diffusers":
+            assert any(COMFYUI_DIFFUSERS_DORA_NOTE in w for w in lora.warned[fmt]), lora.warned[fmt]
+            assert any(not torch.allclose(native[k] + load.deltas[k], want[k], rtol=1e-5, atol=1e-6)
+                       for k in load.deltas)        # the update without its magnitude: not as trained
+            continue
+        assert set(load.deltas) == changed - unpatched, (fmt, sorted(set(load.deltas) ^ (changed - unpatched))[:4])
+        for k in load.deltas:
+            torch.testing.assert_close(native[k] + load.deltas[k], want[k], rtol=1e-5, atol=1e-6, msg=f"{fmt} {k}")
+        if kind == "dora":            # stock ComfyUI: the base weight's row norms; said at export
+            stock = comfyui_load(case.family, native, tensors).deltas
+            assert any(not torch.allclose(native[k] + stock[k], want[k], rtol=1e-5, atol=1e-6) for k in stock)
+            assert any(COMFYUI_DORA_NOTE in w for w in lora.warned[fmt])
+
+
 # -- the memory engine ----------------------------------------------------------------------------------
 
 def _train_two_steps(b, model):
@@ -331,18 +455,19 @@ def _train_two_steps(b, model):
     return records
 
 
-@pytest.mark.parametrize("case", cases("streamed"))
-def test_streamed_trains_as_the_plain_model_in_poison_mode(case, built):
+@pytest.mark.parametrize("case, kind", cases("streamed", ADAPTER_TYPES))
+def test_streamed_trains_as_the_plain_model_in_poison_mode(case, kind, built):
     """Every block and the non-block group streamed through a ring of two slots, with blocks
     checkpointed; poison mode destroys a slot's weights at each release, so a weight used outside
-    its window would show. Outputs, losses, gradients and updated LoRA values equal the plain
-    model's bit for bit, and the frozen weights come back unchanged."""
+    its window would show (DoRA reads its base weight's row norms in the forward). For each
+    [lora] type, outputs, losses, gradients and updated adapter values equal the plain model's bit
+    for bit, and the frozen weights come back unchanged."""
     from leantune.memory.engine import apply_memory
 
     b = built(case)
-    base = copy.deepcopy(b.lora.model)
+    base = copy.deepcopy(b.adapter(kind).model)
     for name, p in base.named_parameters():
-        p.requires_grad_("lora_" in name)
+        p.requires_grad_("default" in name.split("."))          # the adapter's parameters (peft's "default")
     plain = _train_two_steps(b, copy.deepcopy(base))
     model = copy.deepcopy(base)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -406,12 +531,29 @@ formats = ["diffusers"]
 """
 
 
-@pytest.mark.parametrize("case", cases("resume"))
-def test_resume_equals_the_uninterrupted_run(case, built, shape_images, tmp_path):
-    """A LoRA run of 2 steps (2 micro-batches each over 2 images: every step an epoch, so the
-    second reshuffles; caption dropout, a cosine schedule after warmup) stopped after step 1 and
-    resumed gives the uninterrupted run's losses and LoRA file, bit for bit."""
+# The other adapter types resume on one case each: what resume restores (the adapter's parameters
+# by name, the optimizer's state of them, the data order and the RNG) is the trainer's, the same
+# code for every family, which the LoRA cases check. Each type on another family, where it is routine.
+RESUMED_TYPES = {"lokr": "flux2-klein-4b", "loha": "qwen-image", "dora": "sd3.5-medium"}
+
+
+def resume_cases():
+    """LoRA on every case, each other type on its RESUMED_TYPES case."""
+    typed = [p for p in cases("resume", ADAPTER_TYPES) if RESUMED_TYPES.get(p.values[1]) in (None, p.values[0].id)]
+    assert len(typed) == len(CASES) + len(RESUMED_TYPES)
+    return typed
+
+
+@pytest.mark.parametrize("case, kind", resume_cases())
+def test_resume_equals_the_uninterrupted_run(case, kind, built, shape_images, tmp_path):
+    """A run of 2 steps (2 micro-batches each over 2 images: every step an epoch, so the second
+    reshuffles; caption dropout, a cosine schedule after warmup) stopped after step 1 and resumed
+    gives the uninterrupted run's losses and adapter file, bit for bit: LoRA on every case, LoKr,
+    LoHa and DoRA ([lora] type) on one case each (RESUMED_TYPES: resume is family-independent)."""
+    import warnings
+
     from leantune.config import load_config
+    from leantune.train.lora import LoraCompatibilityWarning
     from leantune.trainer import train
 
     b = built(case)
@@ -419,18 +561,22 @@ def test_resume_equals_the_uninterrupted_run(case, built, shape_images, tmp_path
     def config(name):
         folder = tmp_path / name
         folder.mkdir()
-        (folder / "run.toml").write_text(RUN.format(family=case.family, model=b.folder, cache=tmp_path / "cache",
-                                                    text_length=case.text_length, images=shape_images))
+        text = RUN.format(family=case.family, model=b.folder, cache=tmp_path / "cache",
+                          text_length=case.text_length, images=shape_images)
+        (folder / "run.toml").write_text(text.replace("[lora]\n", f'[lora]\ntype = "{kind}"\n'))
         return load_config(folder / "run.toml", [])
 
-    full = train(config("full"), progress=False)
-    cfg = config("parts")
-    assert train(cfg, stop_after=1, progress=False).final_step == 1
-    resumed = train(cfg, resume=True, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LoraCompatibilityWarning)    # a LoHa / DoRA diffusers file's notes
+        full = train(config("full"), progress=False)
+        cfg = config("parts")
+        assert train(cfg, stop_after=1, progress=False).final_step == 1
+        resumed = train(cfg, resume=True, progress=False)
     assert resumed.final_step == 2 and len(full.losses) == 2
     assert resumed.losses == full.losses
     a, r = load_file(str(full.paths.lora_file("diffusers"))), load_file(str(resumed.paths.lora_file("diffusers")))
     assert a.keys() == r.keys() and a and all(torch.equal(a[k], r[k]) for k in a)
+    assert (kind == "lora") == all(".lora_A." in k or ".lora_B." in k for k in a)      # the type was trained
 
 
 # -- the planner ----------------------------------------------------------------------------------------
