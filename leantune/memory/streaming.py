@@ -8,7 +8,7 @@ This module is the schedule: which unit is fetched, waited for, held and release
 parts it drives have one module each (each docstring says how and why):
 - streaming_units.py: a *unit* (one streamed block, or optionally all non-block modules as one
   group) and its tensors packed into one host buffer, unit by unit, so host RAM peaks at the model
-  plus one unit.
+  plus one unit; a block's frozen base adapters (train/base_adapters.py) travel in its unit too.
 - host_buffers.py: the host buffers, page-aligned and pinned (cudaHostRegister) where possible; a
   pageable one is copied through a small pinned staging pool by a worker thread.
 - slot_ring.py, copy_streams.py: K device slots (a ring, K >= 2), unit i always in slot i mod K;
@@ -321,8 +321,10 @@ class StreamingHandle:
         else:
             where = " pinned" if pinned == self.host_bytes else (" pageable" if not pinned else " partly pinned")
         ring = len(self.engine.slots)
+        adapters = sum(e.nbytes for u in self.units for e in u.entries if e.base_adapter)
         return (f"streaming: {nblocks}/{self.total_blocks} blocks{extra} ({'fp8' if self.fp8 else 'no fp8'}, "
-                f"{self.host_bytes / 2**30:.1f} GB host{where}), ring {ring}"
+                f"{self.host_bytes / 2**30:.1f} GB host{where}"
+                + (f", base adapters {_size(adapters)} of it" if adapters else "") + f"), ring {ring}"
                 + (f" x {_size(self.engine.slots[0].buf.numel())}" if ring else "")
                 + (", poison" if self.engine.poison else ""))
 

@@ -53,6 +53,7 @@ class PackedTensor:
     nbytes: int
     dtype: torch.dtype
     shape: torch.Size
+    base_adapter: bool = False                 # a frozen base adapter's weight (streams_with_unit)
 
 
 @dataclass(eq=False)
@@ -129,7 +130,7 @@ def layout_unit(modules: list[nn.Module], unit_name: str, trainable_ok: bool = F
                             f"streaming moves frozen weights only (LoRA bases, sampling). Stream fewer blocks "
                             f"or freeze the base model")
                     nbytes = t.numel() * t.element_size()
-                    e = PackedTensor([(m, kind, attr)], offset, nbytes, t.dtype, t.shape)
+                    e = PackedTensor([(m, kind, attr)], offset, nbytes, t.dtype, t.shape, base_adapter=adapter)
                     by_id[id(t)] = e
                     entries.append(e)
                     offset += -(-nbytes // ALIGN) * ALIGN
