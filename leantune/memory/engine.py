@@ -4,7 +4,9 @@ Order, and why (each step is one module with its own docstring):
 
 1. adapters       added by the caller (train/lora.py) *before* apply_memory: peft then wraps Linears
                   whose weights are still bf16/fp32, so it never creates fp8 LoRA weights, and every
-                  later step can tell adapter weights (resident, trainable) from base weights.
+                  later step can tell adapter weights (resident, trainable) from base weights. The
+                  frozen base adapters (train/base_adapters.py) are adapters too (never fp8), but
+                  streaming packs them with their block (streaming_units.streams_with_unit).
 2. fp8 storage    quantizes the base Linear weights inside the blocks while they are still in host
                   RAM, so streaming packs (and later moves) fp8 bytes. Block Linears that arrived in
                   e4m3 from an fp8 checkpoint always take this step, whatever plan.fp8 says: a plain

@@ -216,7 +216,8 @@ def use_fp8_weight(linear: nn.Linear, scale: torch.Tensor) -> None:
 
 def adapter_module_ids(module: nn.Module) -> set[int]:
     """ids of every module that belongs to a peft adapter (lora_A/lora_B/... containers) under
-    `module`; their weights are never quantized or streamed."""
+    `module`; their weights are never quantized, and streamed only for a frozen base adapter
+    (streaming_units.streams_with_unit)."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:  # peft is a dependency, but a model without adapters needs nothing from it
