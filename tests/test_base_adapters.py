@@ -529,7 +529,7 @@ def _sample_cli(argv: list[str]):
     return run_sampling(validate_request(data, source, Path.cwd()))
 
 
-def test_leantune_sample_takes_base_adapters_and_another_base(tiny_flux_dir, tmp_path):
+def test_leantune_sample_takes_base_adapters_and_another_base(tiny_flux_dir, tmp_path, monkeypatch):
     """`--base-adapter` and `--base` equal diffusers' FluxPipeline with that LoRA loaded under the
     other (load_lora_weights, set_adapters) and with the other base's transformer."""
     import numpy as np
@@ -555,10 +555,20 @@ def test_leantune_sample_takes_base_adapters_and_another_base(tiny_flux_dir, tmp
     from leantune.config import AdapterRef
     from leantune.train.base_adapters import adapter_bytes, read_adapters
 
+    import leantune.infer.run as run
+
+    workloads = []
+    real = run.inference_workload
+    monkeypatch.setattr(run, "inference_workload", lambda *a, **k: workloads.append(real(*a, **k)) or workloads[-1])
     budgeted = _sample_cli([*common, "--base-adapter", f"{adapter}:0.7", "--vram", "1GiB", "--out", str(tmp_path / "c")])
+    monkeypatch.setattr(run, "inference_workload", real)
     files = read_adapters([AdapterRef(path=str(adapter)), AdapterRef(path=str(lora))], Path,
                           get_family("flux").spec.lora_keys, "test")
     assert budgeted.plan.notes["vram_breakdown"]["base adapters (resident)"] == adapter_bytes(files) > 0
+    # the base adapter's weights are the ones a streamed block would carry (the --lora stays resident)
+    assert workloads and all(sum(n for _, n in w.frozen_adapter_tensors) == adapter_bytes(files[:1]) for w in workloads)
+    assert all(".base_adapter_" in name and name.split(".")[0] in ("transformer_blocks", "single_transformer_blocks")
+               for w in workloads for name, _ in w.frozen_adapter_tensors)
 
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir, torch_dtype=torch.float32)
     other_tf = FluxTransformer2DModel.from_pretrained(other / "transformer", torch_dtype=torch.float32)
