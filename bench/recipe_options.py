@@ -9,17 +9,23 @@ under "The recipe options learn"):
 
 - `options`: masks (the shape's own outline as each image's mask, `mask_path`), priors (`dop`,
   prior images of other shapes without the trigger word, every fourth step), EMA (decay 0.99),
-  validation (a tenth of the images held out, every 50 steps), against the plain run.
-- `adapters`: `[lora] type` = lokr (its default factor), loha, dora, against plain lora.
+  validation (`fraction` 0.125 held out: 4 of the demo's 24 images, every 50 steps), against the
+  plain run.
+- `adapters`: `[lora] type` = lokr (its default factor, -1), loha, dora, against plain lora.
 - `optimizers`: `[train] optimizer` = prodigy (learning_rate 1.0, the multiplier of its own
   estimate d, as its docs say; the run's final d is reported), schedulefree_adamw (constant
   "schedule": it refuses a scheduler and warms up itself), came, adamw8bit, against the default
-  adamw. All others keep the quickstart's learning rate (4e-3) and cosine schedule.
+  adamw, all at the quickstart's settings otherwise (learning rate 4e-3, cosine, 20 warm-up
+  steps). Two more rows each: prodigy with the settings its README gives for diffusion models
+  (safeguard_warmup, bias correction, weight decay 0.01), since the quickstart's warm-up makes it
+  overestimate d; came at 4e-4 and 1e-4, since its instability average (third beta 0.9999, no
+  bias correction) starts near zero and multiplies its early steps far past the learning rate.
 
-The adapter and optimizer rows all hold the same eighth of the images out (validation every 50
-steps): their loss ratios come from different parametrisations and step rules, so the held-out loss
-at fixed noise is the measure that compares across rows. Their baseline (lora, adamw) is that same
-validation run, run once when both groups are asked for.
+The adapter and optimizer rows all hold the same images out (as the validation row): their loss
+ratios come from different parametrisations and step rules, so the held-out loss at fixed noise is
+the measure that compares across rows. Their tables add each run's highest step loss (a run that
+blew up early and recovered has a high first tenth, so a small last / first: the ratio alone would
+flatter it) and its trained parameter count. Their baseline (lora, adamw) is one run shared by both.
 
     python bench/recipe_options.py [--steps 300] [--only options|adapters|optimizers,...] [--out /tmp/recipe-bench]
 

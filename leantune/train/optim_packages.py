@@ -53,7 +53,7 @@ def build_package_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) 
                         "estimated for lr = 1.0; a small lr scales the estimated step down as well", cfg.learning_rate)
         if cfg.warmup_steps and not cfg.prodigy_safeguard_warmup:
             # Prodigy's README: a warm-up's small early lr makes it overestimate d. The demo's run
-            # (warmup 20) did: d rose 1e-6 -> 0.0046 by step 17 and the loss to ~470 at step 29
+            # (warmup 20) did: d rose 1e-6 -> 0.0046 by step 17 and the loss to ~470 at step 30
             # before it recovered (docs/benchmarks.md, "The adapter types and optimizers learn").
             log.warning("[train] warmup_steps = %d with optimizer = \"prodigy\" and prodigy_safeguard_warmup = false: "
                         "Prodigy overestimates d during a warm-up (its README's advice); set "
