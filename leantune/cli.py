@@ -21,6 +21,7 @@ DESCRIPTION = ("Fine-tune LoRAs for Flux.1 on the GPU memory you have, and sampl
 VERBS = {
     "train": "train a LoRA from a TOML config",
     "sample": "generate images, optionally with LoRAs, on a VRAM budget",
+    "check": "run a few steps with and without the plan's memory techniques and compare (parity proof)",
     "plan": "print the memory plan for a config or a model/budget, without loading weights",
     "cache": "fill the latent and text-embedding caches for a config",
     "convert": "convert a LoRA file between ComfyUI/kohya and diffusers formats",

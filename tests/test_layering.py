@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("infer",),                                    # staged sampling on a plan
     ("tiny",),                                     # tiny presets of the real classes (demo, tests): no loader's
     ("trainer", "demo_vae"),                       # the training loop; the demo's hand-set VAE
-    ("demo", "simulated_run"),                     # the demo run; the simulated-GPU harness
+    ("demo", "simulated_run", "check"),            # the demo run; the simulated-GPU harness; leantune check's runs
     ("commands",),                                 # one module per CLI verb
     ("ui",),                                       # the page over the commands
     ("cli",),

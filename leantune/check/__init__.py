@@ -1,0 +1,19 @@
+"""`leantune check`: the engine's parity proof, run on the user's own model, data and plan.
+
+The tests prove on tiny models that streaming, checkpointing and offload change nothing and that
+fp8 storage changes little; a user's model, recipe and machine are not those. A check builds the
+run as the trainer would (the trainer's own `_build`, never a copy of it) once without any
+technique (the reference) and once per technique the plan uses, runs a few optimizer steps from
+one seed in each, and compares the losses, every trained parameter's gradient and the trained
+weights with the reference: bitwise where the technique is exact, within fp8's measured error
+where it is not. One module per job:
+
+- variants.py  the plan the run would use, and one run config per technique (and the whole plan);
+- record.py    build one variant, run its steps, record losses, gradients and weights, release it;
+- compare.py   one variant against the reference: held, or how it differs and where;
+- run.py       the order of the runs and the report (lines, exit code).
+"""
+
+from .run import CheckResult, run_check
+
+__all__ = ["CheckResult", "run_check"]

@@ -1,0 +1,158 @@
+"""One variant against the reference: held, or the first way it differs, naming the parameter.
+
+Exact techniques (streaming, checkpointing and its offload, pinned or pageable copies, the host
+step) move bytes and recompute the same operations in the same order, so they must give the same
+bits: losses, gradients and weights are compared bitwise. fp8 storage rounds the frozen weights,
+so it is held to the error `FP8_TOLERANCE` allows (docs/check.md says how it was measured).
+Either way, a NaN the reference does not have, or a parameter whose gradient is missing or zero
+where the reference's is not (an adapter cut off from the optimizer), is a failure of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .record import Record
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What fp8 storage may change, judged: the loss's relative difference at every step, and the
+    norm of all trained parameters' gradients together (per step) as a ratio to the reference's.
+    Reported, not judged: the gradient's relative error and cosine, and the trained weights'
+    relative error. On the tiny random-init models these are large (cosine near 0: the gradient
+    there is a small sum of large terms that cancel, so a few percent of weight rounding moves
+    it anywhere), so no bound that fp8 meets there would mean anything; docs/check.md has the numbers."""
+
+    loss_rel: float
+    grad_norm_ratio: float        # allowed: 1 / ratio <= |g| / |g_ref| <= ratio
+
+    def describe(self) -> str:
+        return (f"loss within {self.loss_rel:.0e} relative, gradient norm within x{self.grad_norm_ratio:g} "
+                f"of the reference's")
+
+
+# Measured on the tiny Flux in fp32 (docs/check.md): fp8 moved the loss by at most 1e-3 relative and
+# the gradient norm by a few percent over 2 steps; the bounds leave a margin of 10x on the loss.
+FP8_TOLERANCE = Tolerance(loss_rel=1e-2, grad_norm_ratio=1.5)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    held: bool
+    text: str                         # after "held — " or "differs: "
+    measured: dict                    # the numbers compared (largest over the steps)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _nonfinite(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
+def _missing(ref: Record, rec: Record) -> str | None:
+    """A NaN, or a gradient missing or zero, where the reference has a number: the first found."""
+    for i, loss in enumerate(rec.losses):
+        if not math.isfinite(loss) and math.isfinite(ref.losses[i]):
+            return f"the loss of step {i + 1} is {loss}"
+    for i, (got, want) in enumerate(zip(rec.grads, ref.grads)):
+        for name, g0 in want.items():
+            g = got.get(name)
+            if g0 is None:
+                continue
+            if name not in got:
+                return f"{name} is not trained in this variant (step {i + 1})"
+            if g is None:
+                return f"{name} got no gradient at step {i + 1} (it does not reach the optimizer)"
+            if _nonfinite(g) and not _nonfinite(g0):
+                return f"NaN in the gradient of {name} at step {i + 1}"
+            if not bool(g.any()) and bool(g0.any()):
+                return f"the gradient of {name} is zero at step {i + 1} where the reference's is not"
+    for name, w in rec.weights.items():
+        if _nonfinite(w) and name in ref.weights and not _nonfinite(ref.weights[name]):
+            return f"NaN in the trained weight {name}"
+    return None
+
+
+def _largest_diff(pairs) -> tuple[float, str]:
+    """(max |a - b|, the name where it is) over (name, a, b) triples."""
+    worst, where = 0.0, ""
+    for name, a, b in pairs:
+        d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        if d > worst or not where:
+            worst, where = d, name
+    return worst, where
+
+
+def _step_errors(got: dict, want: dict) -> tuple[float, float, float]:
+    """(relative error, cosine, norm ratio) of all the step's gradients together."""
+    names = [n for n, g in want.items() if g is not None and got.get(n) is not None]
+    if not names:
+        return 0.0, 1.0, 1.0
+    a = torch.cat([got[n].double().reshape(-1) for n in names])
+    b = torch.cat([want[n].double().reshape(-1) for n in names])
+    nb = float(b.norm())
+    rel = float((a - b).norm()) / nb if nb else float((a - b).norm())
+    na = float(a.norm())
+    cos = float(a @ b) / (na * nb) if na and nb else (1.0 if na == nb else 0.0)
+    return rel, cos, (na / nb if nb else (1.0 if na == nb else math.inf))
+
+
+def compare(ref: Record, rec: Record, exact: bool, tolerance: Tolerance = FP8_TOLERANCE) -> Verdict:
+    """`rec` (a variant) against `ref` (the reference)."""
+    steps = len(ref.losses)
+    if rec.error is not None:
+        return Verdict(False, f"the run failed: {rec.error}", {})
+    if len(rec.losses) != steps:
+        return Verdict(False, f"ran {len(rec.losses)} of {steps} steps", {})
+    problem = _missing(ref, rec)
+    if problem is not None:
+        return Verdict(False, problem, {})
+    grads = [(n, g, step_ref[n]) for step, step_ref in zip(rec.grads, ref.grads)
+             for n, g in step.items() if g is not None and step_ref.get(n) is not None]
+    weights = [(n, w, ref.weights[n]) for n, w in rec.weights.items() if n in ref.weights]
+    if set(rec.weights) != set(ref.weights):
+        other = sorted(set(rec.weights) ^ set(ref.weights))
+        return Verdict(False, f"trains other parameters than the reference, e.g. {other[0]}", {})
+    if exact:
+        for i, (a, b) in enumerate(zip(rec.losses, ref.losses)):
+            if a != b:
+                return Verdict(False, f"the loss of step {i + 1} is {a!r}, the reference's {b!r} "
+                                      f"(|diff| {abs(a - b):.3g}), expected bitwise", {})
+        bad = [(n, a, b) for n, a, b in grads if not _bits_equal(a, b)]
+        if bad:
+            d, where = _largest_diff(bad)
+            return Verdict(False, f"max |grad diff| {d:.3g} in {where} ({len(bad)} gradient(s) differ), "
+                                  f"expected bitwise", {"grad_max_abs": d})
+        bad = [(n, a, b) for n, a, b in weights if not _bits_equal(a, b)]
+        if bad:
+            d, where = _largest_diff(bad)
+            return Verdict(False, f"max |weight diff| {d:.3g} in {where} after step {steps} (the gradients agreed: "
+                                  f"the update did not arrive), expected bitwise", {"weight_max_abs": d})
+        return Verdict(True, f"losses, gradients and weights bitwise equal over {steps} step(s)", {})
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(rec.losses, ref.losses))
+    errors = [_step_errors(got, want) for got, want in zip(rec.grads, ref.grads)]
+    grad_rel = max(e[0] for e in errors)
+    grad_cos = min(e[1] for e in errors)
+    ratios = [e[2] for e in errors]
+    worst_ratio = max(ratios, key=lambda r: max(r, 1 / r) if r > 0 else math.inf)
+    w_num = math.sqrt(sum(float((a.double() - b.double()).norm()) ** 2 for _, a, b in weights))
+    w_den = math.sqrt(sum(float(b.double().norm()) ** 2 for _, _, b in weights))
+    weight_rel = w_num / w_den if w_den else w_num
+    measured = {"loss_rel": loss_rel, "grad_norm_ratio": worst_ratio, "grad_rel": grad_rel, "grad_cos": grad_cos,
+                "weight_rel": weight_rel}
+    said = (f"loss {loss_rel:.2g} relative, gradient norm x{worst_ratio:.3f} (relative error {grad_rel:.2g}, "
+            f"cosine {grad_cos:.3f}, weights {weight_rel:.2g}: reported, not judged)")
+    tol = tolerance
+    ratio_bad = not (worst_ratio > 0 and 1 / tol.grad_norm_ratio <= worst_ratio <= tol.grad_norm_ratio)
+    over = [k for k, bad in (("loss", loss_rel > tol.loss_rel), ("gradient norm", ratio_bad)) if bad]
+    if over:
+        return Verdict(False, f"{said}; {' and '.join(over)} outside the tolerance ({tol.describe()})", measured)
+    return Verdict(True, f"{said} over {steps} step(s), within the tolerance ({tol.describe()})", measured)

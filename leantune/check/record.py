@@ -1,0 +1,119 @@
+"""Build one variant with the trainer's own `_build`, run its steps, record what it computed.
+
+What is recorded, per optimizer step: the loss, and every trained parameter's gradient as the
+optimizer receives it; after the last step, the trained weights. Where the gradient is caught
+depends on how the mode steps:
+- LoRA mode steps once after backward (`optimizer.step()`): an optimizer step pre-hook clones
+  `p.grad` of every parameter the optimizer holds (after clipping, what the update reads). A
+  parameter the optimizer does not hold, or whose `.grad` never arrived, is recorded as None.
+- Full mode steps each weight inside backward (train/in_backward.py) and frees its gradient at
+  once, so no hook after backward sees it: the fused optimizer's `step_param` is wrapped on this
+  instance to clone the gradient it is handed (the accumulated one, before per-parameter
+  clipping). The weights are read where they live between steps (`mode.state`: a streamed
+  block's host buffer, after its write-backs), so a write-back that never happened shows.
+Everything recorded is copied to host memory (fp32 gradients of the trained parameters per step,
+and the trained weights once), then the variant's memory is released before the next is built.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Record:
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor | None]] = field(default_factory=list)   # per step, by name
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+    peak_vram: int | None = None          # CUDA: torch's peak allocated over the steps; None on CPU
+    report: dict = field(default_factory=dict)     # the engine's counters of the last step
+    error: str | None = None              # the run failed: "ExceptionType: message"
+    out_of_memory: bool = False
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def record_variant(cfg, steps: int) -> Record:
+    """Build `cfg`'s run (a variant config) and run `steps` optimizer steps; every failure after
+    the build is recorded, not raised (a fault the check looks for may well raise)."""
+    from .. import trainer
+    from ..errors import is_out_of_memory
+
+    rec = Record()
+    torch.manual_seed(cfg.train.seed)          # as train() does before _build: adapter init, data order
+    t = trainer._build(cfg)
+    try:
+        names = {id(p): n for n, p in t.transformer.named_parameters()}
+        trained = [n for n, p in t.transformer.named_parameters() if p.requires_grad]
+        current: dict = {}
+        undo = _catch_gradients(t, names, current)
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+            torch.cuda.reset_peak_memory_stats(t.device)
+        try:
+            for _ in range(steps):
+                current.clear()
+                t0 = time.perf_counter()
+                loss = trainer.train_step(t, cfg)
+                if t.device.type == "cuda":
+                    torch.cuda.synchronize(t.device)
+                rec.step_s.append(time.perf_counter() - t0)
+                rec.losses.append(float(loss))
+                rec.grads.append({n: current.get(n) for n in trained})
+                rec.report = t.memory.step_report(wait=True) if t.memory is not None else {}
+            if t.device.type == "cuda":
+                rec.peak_vram = torch.cuda.max_memory_allocated(t.device)
+            rec.weights = {n: _host_copy(v) for n, v in t.mode.state(t)["trainable"].items()}
+        finally:
+            undo()
+    except Exception as e:                     # noqa: BLE001 (what failed is the finding)
+        rec.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        rec.out_of_memory = is_out_of_memory(e)
+    finally:
+        _release(t)
+    return rec
+
+
+def _catch_gradients(t, names: dict[int, str], current: dict):
+    """Install the gradient capture for `t`'s mode (module docstring); returns its undo."""
+    opt = t.optimizer
+    if getattr(t.mode, "name", "") == "full":
+        original = opt.step_param
+
+        def step_param(p, g, *args, **kwargs):
+            name = names.get(id(p))
+            if name is not None and g is not None:
+                current[name] = _host_copy(g).float()
+            return original(p, g, *args, **kwargs)
+
+        opt.step_param = step_param
+        return lambda: opt.__dict__.pop("step_param", None)
+
+    def pre_hook(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is not None:
+                    current[name] = None if p.grad is None else _host_copy(p.grad).float()
+
+    handle = opt.register_step_pre_hook(pre_hook)
+    return handle.remove
+
+
+def _release(t) -> None:
+    """The variant's memory goes now (pinned buffers, slots, hooks), before the next is built."""
+    try:
+        t.mode.close(t)
+    finally:
+        if t.memory is not None:
+            t.memory.release()
+        gc.collect()
+        if t.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,174 @@
+"""The order of a check's runs and its report.
+
+The reference runs first: if it fails to fit the device, nothing can be compared, and the check
+says so (exit code 3) instead of comparing against something else. Comparing a technique
+against a smaller reference (a subset of blocks, one block at a time) where the plain model does
+not fit is not built yet. Each variant then runs with the same seed and steps, and is compared as
+soon as it finished (compare.py); its memory is released before the next is built.
+
+Exit codes: 0 every technique held, 1 one differs, 3 the reference does not fit (2, a config
+error, comes from the command layer as for every command).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import RunConfig
+from .compare import FP8_TOLERANCE, Verdict, compare
+from .record import Record, record_variant
+from .variants import Variant, run_plan, variant_config, variants
+
+REFERENCE_DOES_NOT_FIT = 3
+log = logging.getLogger("leantune")
+
+
+@dataclass
+class CheckResult:
+    rc: int
+    lines: list[str] = field(default_factory=list)
+    verdicts: dict[str, Verdict] = field(default_factory=dict)   # by Variant.key
+    records: dict[str, Record] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _reference_too_big(plan, planner, budget, device_type: str) -> str | None:
+    """Under a VRAM budget on CUDA: why the plain model does not fit (the planner's estimate of the
+    plan without techniques over the budget), else None."""
+    if planner is None or budget is None or device_type != "cuda":
+        return None
+    from ..memory.plan import Plan
+
+    need = planner.estimate(Plan(ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)).peak_vram
+    if need <= budget.usable_vram:
+        return None
+    return (f"the reference (the run with nothing streamed, no fp8, no checkpointing) would need about {_gib(need)} "
+            f"of VRAM by the planner's estimate, over the {_gib(budget.usable_vram)} usable of [memory] vram_budget")
+
+
+def _performance(plan, rec: Record, device_type: str) -> str:
+    """The whole plan's measured step time and peak beside the plan's prediction."""
+    notes = plan.notes or {}
+    step = rec.step_s[-1] if rec.step_s else None
+    parts = [f"step time {step:.3f} s (last of {len(rec.step_s)})" if step is not None else "no step timed"]
+    if notes.get("predicted_step_s") is not None:
+        parts[-1] += f", predicted {notes['predicted_step_s']:.3f} s"
+    if device_type == "cuda" and rec.peak_vram is not None:
+        peak = f"peak VRAM {_gib(rec.peak_vram)}"
+        if notes.get("predicted_peak_vram") is not None:
+            peak += f", predicted {_gib(notes['predicted_peak_vram'])}"
+        parts.append(peak)
+    else:
+        parts.append("VRAM not measured (the check ran on the CPU)")
+    if not notes:
+        parts.append("no prediction (explicit [memory] keys; set [memory] vram_budget for a planned run)")
+    return "measured with the whole plan: " + "; ".join(parts)
+
+
+def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = print,
+              work_dir: Path | None = None) -> CheckResult:
+    """Check `cfg`'s plan on its own model and data (module docstring); `emit` gets each line as it
+    is known. `work_dir`: where the variants' output folders go (default: a temporary folder)."""
+    from ..models.family import get_family
+    from ..trainer import pick_device
+
+    t0 = time.perf_counter()
+    result = CheckResult(0)
+
+    def say(line: str) -> None:
+        result.lines.append(line)
+        emit(line)
+
+    plan, planner, budget = run_plan(cfg)
+    family = get_family(cfg.model.family)
+    device = pick_device(cfg)
+    full = cfg.train.mode == "full"
+    total = _count_blocks(cfg)
+    runs = variants(plan, total, full)
+    say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe()}; "
+        f"{steps} step(s) from seed {cfg.train.seed} on {device.type}, {len(runs) - 1} variant(s) against the reference")
+    if len(runs) == 1:
+        say("nothing to compare: the plan uses no technique (nothing streamed, no fp8, no checkpointing)")
+        result.seconds = time.perf_counter() - t0
+        return result
+    too_big = _reference_too_big(plan, planner, budget, device.type)
+    if too_big is not None:
+        return _not_fit(result, say, too_big, t0)
+    with tempfile.TemporaryDirectory(prefix="leantune-check-") if work_dir is None else _keep(work_dir) as tmp:
+        ref_variant, others = runs[0], runs[1:]
+        ref = _record(cfg, ref_variant, steps, Path(tmp))
+        result.records[ref_variant.key] = ref
+        if ref.error is not None:
+            if ref.out_of_memory:
+                return _not_fit(result, say, f"the reference ran out of memory ({ref.error})", t0)
+            say(f"reference: the run failed: {ref.error}")
+            result.rc = 1
+            result.seconds = time.perf_counter() - t0
+            return result
+        for v in others:
+            rec = _record(cfg, v, steps, Path(tmp))
+            result.records[v.key] = rec
+            base = result.records[v.against]
+            verdict = (compare(base, rec, v.exact) if base.error is None else
+                       Verdict(False, f"not compared: the {v.against} variant it is compared with failed", {}))
+            result.verdicts[v.key] = verdict
+            say(f"{v.label}: {'held' if verdict.held else 'differs'}"
+                f"{' — ' if verdict.held else ': '}{verdict.text}")
+            if not verdict.held:
+                result.rc = 1
+        whole = result.records.get("plan") or result.records[others[-1].key]
+        say(_performance(plan, whole, device.type))
+    result.seconds = time.perf_counter() - t0
+    say(f"check: {'every technique held' if result.rc == 0 else 'a technique differs'} "
+        f"({result.seconds:.1f} s)")
+    return result
+
+
+def _count_blocks(cfg: RunConfig) -> int:
+    from ..models.family import get_family, loader_options
+    from ..data.cache import model_dtype
+
+    family = get_family(cfg.model.family)
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    meta = family.load_transformer(sources, dtype=model_dtype(cfg.model), device="meta", **loader_options(cfg.memory))
+    return len(list(family.spec.blocks(meta)))
+
+
+def _not_fit(result: CheckResult, say, why: str, t0: float) -> CheckResult:
+    say(f"check not done: {why}. Comparing technique by technique against a smaller reference (a subset of "
+        f"blocks, one block at a time) is not built yet; run the check with a larger budget or on a machine "
+        f"that holds the plain model")
+    result.rc = REFERENCE_DOES_NOT_FIT
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _record(cfg: RunConfig, v: Variant, steps: int, tmp: Path) -> Record:
+    log.info("check: running the %s variant", v.key)
+    return record_variant(variant_config(cfg, v, tmp), steps)
+
+
+class _keep:
+    """A given folder as a context (not deleted after)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def __enter__(self) -> str:
+        self.path.mkdir(parents=True, exist_ok=True)
+        return str(self.path)
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+__all__ = ["CheckResult", "run_check", "REFERENCE_DOES_NOT_FIT", "FP8_TOLERANCE"]

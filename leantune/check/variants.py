@@ -1,0 +1,125 @@
+"""The plan a run would use, and one run config per technique of it.
+
+Each variant is the user's config with another [memory] section written as explicit keys
+(streamed_blocks as the list of names, no vram_budget), so the trainer builds it as it builds
+any run: nothing here applies a technique itself. The reference has none (nothing streamed, no
+fp8, no checkpointing); each technique the plan uses gets a variant with that technique alone;
+the whole plan is the last. Streaming always runs in poison mode (a slot freed too early, or
+reused without its fetch, holds NaN), so a schedule fault shows as NaN instead of as plausible
+numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import RunConfig, validate
+from ..memory.plan import Plan
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One run of the check: `memory` / `full` are the [memory] / [full] keys it sets."""
+
+    key: str                      # "reference", "streaming", "fp8", "checkpointing", "host step", "plan"
+    label: str                    # what the report line calls it
+    memory: dict = field(default_factory=dict)
+    full: dict = field(default_factory=dict)
+    exact: bool = True            # bitwise equal to `against` expected (False: fp8's error allowed)
+    against: str = "reference"    # the variant it is compared with: the whole plan with fp8 against fp8 alone
+
+
+def run_plan(cfg: RunConfig) -> tuple[Plan, object | None, object | None]:
+    """(plan, planner, budget) of the run: the planner's under [memory] vram_budget (as the trainer
+    chooses it before loading, on the meta-built model), else the explicit [memory] keys
+    (planner and budget None)."""
+    from ..models.family import get_family, loader_options
+    from ..data.cache import model_dtype
+    from ..trainer import _plan_before_load
+    from ..memory.engine import resolve_plan
+
+    family = get_family(cfg.model.family)
+    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
+    meta = family.load_transformer(sources, dtype=model_dtype(cfg.model), device="meta",
+                                   **loader_options(cfg.memory))
+    planned = _plan_before_load(cfg, family.spec, lambda: meta, None)
+    if planned is not None:
+        return planned
+    try:
+        plan = resolve_plan(cfg.memory, family.spec, meta)
+    except ValueError as e:                   # the message names the [memory] key
+        from ..config import ConfigError
+
+        raise ConfigError(str(e)) from None
+    if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and (plan.streamed_blocks or plan.stream_non_blocks):
+        from dataclasses import replace
+
+        plan = replace(plan, optimizer_on_host=True)
+    return plan, None, None
+
+
+def memory_keys(plan: Plan, *, poison: bool) -> dict:
+    """`plan` as explicit [memory] keys (no vram_budget: the trainer applies them as they are)."""
+    return {"streamed_blocks": list(plan.streamed_blocks), "stream_non_blocks": plan.stream_non_blocks,
+            "fp8": plan.fp8, "fp8_modulation": True if plan.fp8_modulation else "auto",
+            "checkpointing": plan.checkpointing, "ring_slots": plan.ring_slots, "pin_memory": plan.pin_memory,
+            "debug_poison": poison and bool(plan.streamed_blocks or plan.stream_non_blocks), "vram_budget": None}
+
+
+def streams(plan: Plan) -> bool:
+    return bool(plan.streamed_blocks) or plan.stream_non_blocks
+
+
+def variants(plan: Plan, total_blocks: int, full_mode: bool) -> list[Variant]:
+    """The reference, one variant per technique `plan` uses, and the whole plan (when it combines
+    several). `total_blocks`: the model's block count, for the streaming line."""
+    none = Plan(ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)
+    device_step = {"streamed_step": "device"} if full_mode else {}
+    out = [Variant("reference", "reference (nothing streamed, no fp8, no checkpointing)",
+                   memory_keys(none, poison=False), device_step)]
+    alone = Plan(streamed_blocks=plan.streamed_blocks, stream_non_blocks=plan.stream_non_blocks,
+                 ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)
+    used = []
+    if streams(plan):
+        what = f"{len(plan.streamed_blocks)} of {total_blocks} blocks" + (
+            " + non-block modules" if plan.stream_non_blocks else "")
+        pin = "pinned" if plan.pin_memory else "pageable"
+        out.append(Variant("streaming", f"streaming {what} ({pin}, poison mode)", memory_keys(alone, poison=True),
+                           device_step))
+        used.append("streaming")
+        if full_mode and plan.optimizer_on_host:
+            out.append(Variant("host step", f"optimizer step of the streamed blocks on the host ({what}, poison "
+                               f"mode)", memory_keys(alone, poison=True), {"streamed_step": "host"}))
+            used.append("host step")
+    if plan.fp8 or plan.fp8_modulation:
+        fp8 = Plan(fp8=plan.fp8, fp8_modulation=plan.fp8_modulation, ring_slots=plan.ring_slots,
+                   pin_memory=plan.pin_memory)
+        what = " + ".join(w for w, on in (("block Linears", plan.fp8), ("modulation", plan.fp8_modulation)) if on)
+        out.append(Variant("fp8", f"fp8 storage ({what})", memory_keys(fp8, poison=False), device_step, exact=False))
+        used.append("fp8")
+    if plan.checkpointing != "none":
+        ckpt = Plan(checkpointing=plan.checkpointing, ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)
+        what = "blocks" if plan.checkpointing == "blocks" else "blocks, inputs offloaded to host RAM"
+        out.append(Variant("checkpointing", f"checkpointing ({what})", memory_keys(ckpt, poison=False), device_step))
+        used.append("checkpointing")
+    if len(used) > 1:
+        step = {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}
+        # With fp8 the exact techniques on top of it must give fp8 alone's bits: compared with that.
+        out.append(Variant("plan", f"the whole plan ({plan.describe()}, poison mode"
+                           + (", against fp8 storage alone)" if "fp8" in used else ")"),
+                           memory_keys(plan, poison=True), step, against="fp8" if "fp8" in used else "reference"))
+    return out
+
+
+def variant_config(cfg: RunConfig, variant: Variant, out_dir: Path) -> RunConfig:
+    """The user's config with `variant`'s [memory] / [full] keys and an output folder in `out_dir`
+    (never the user's run folder). Validated again, as a file would be."""
+    # Only the keys the file set: several validators refuse a key set to its default where it does
+    # not apply ([lora] factor without type = "lokr"), so a dump of every field would not validate.
+    data = cfg.model_dump(mode="json", exclude_unset=True)
+    data["memory"] = {**data.get("memory", {}), **variant.memory}
+    if variant.full:
+        data["full"] = {**data.get("full", {}), **variant.full}
+    data["output"] = {**data.get("output", {}), "dir": str(out_dir / variant.key.replace(" ", "_"))}
+    return validate(data, source=f"{variant.key} variant of the config", base_dir=cfg.base_dir)
