@@ -58,11 +58,11 @@ def _nonfinite(t: torch.Tensor) -> bool:
 
 
 def _missing(ref: Record, rec: Record) -> str | None:
-    """A NaN, or a gradient missing or zero, where the reference has a number: the first found."""
-    for i, loss in enumerate(rec.losses):
-        if not math.isfinite(loss) and math.isfinite(ref.losses[i]):
-            return f"the loss of step {i + 1} is {loss}"
+    """A NaN, or a gradient missing or zero, where the reference has a number: the first found,
+    step by step (a step's gradients before the next step's loss, which they made)."""
     for i, (got, want) in enumerate(zip(rec.grads, ref.grads)):
+        if not math.isfinite(rec.losses[i]) and math.isfinite(ref.losses[i]):
+            return f"the loss of step {i + 1} is {rec.losses[i]}"
         for name, g0 in want.items():
             g = got.get(name)
             if g0 is None:

@@ -20,6 +20,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="train on N processes of this machine (one per GPU): starts torchrun for you")
+    p.add_argument("--check", action="store_true",
+                   help="run `leantune check` on this config first (a few steps with and without the plan's memory "
+                        "techniques, compared) and train only if every technique held")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +32,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)      # bad input is reported once, before any launch
     if args.gpus is not None:
         check_gpus(args.gpus, cfg)
+    if args.check and not _launched_worker():
+        from .check import check_config
+
+        rc = check_config(cfg)
+        if rc:
+            import sys
+
+            print(f"leantune train: the check did not hold (exit code {rc}); not training", file=sys.stderr)
+            return rc
     if args.gpus is not None and args.gpus > 1:
         from ..distributed import launch_env, relaunch
         from ..train.state import latest_checkpoint
@@ -40,6 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if result.lora_files:                 # rank 0 writes them; other processes have nothing to say
         print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
     return 0
+
+
+def _launched_worker() -> bool:
+    """A process torchrun started for this run (the check ran once, before the launch)."""
+    from ..distributed import launch_env
+
+    return launch_env() is not None
 
 
 def check_gpus(gpus: int, cfg) -> None:

@@ -1,0 +1,217 @@
+"""`leantune check` on the tiny Flux: it holds on plans that stream, checkpoint and store fp8 (LoRA
+and full mode), and it fails, naming the technique, on each fault injected into the engine where
+such a fault would really happen (a slot released before its backward, a stale slot reused, an
+adapter cut off from the optimizer, a dropped write-back). Each fault test asserts the check's
+verdict, so it fails if the check stops seeing the fault; the passing tests run the same plans
+without the fault."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_lora_rest, tiny_run_toml
+
+from leantune.check import run_check
+from leantune.config import load_config
+from leantune.demo import draw_shapes
+from leantune.memory.streaming import StreamingEngine
+from leantune.memory.trainable_streaming import TrainableStreamingEngine
+
+STREAMED_LORA = '[memory]\nstreamed_blocks = 3\ncheckpointing = "blocks"\nfp8 = true\n'
+STREAMING_ONLY = '[memory]\nstreamed_blocks = 3\n'
+
+FULL = """
+[train]
+mode = "full"
+steps = 6
+learning_rate = 2e-4
+mixed_precision = "no"
+seed = 3
+
+[full]
+save_dtype = "fp32"
+
+[memory]
+streamed_blocks = 2
+stream_non_blocks = true
+checkpointing = "blocks"
+
+[output]
+dir = "out"
+name = "t"
+"""
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("check_shapes") / "images"
+    draw_shapes(folder, count=4, size=64, seed=5)
+    return folder
+
+
+def _config(tmp_path, tiny_flux_dir, images, rest: str, name: str = "run.toml"):
+    """A run config whose caches are shared by every test of this module (filled once)."""
+    p = tmp_path / name
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, rest))
+    return p, load_config(p, [f'data.cache_dir="{images.parent / "cache"}"'])
+
+
+def _lora(tmp_path, tiny_flux_dir, images, memory: str):
+    return _config(tmp_path, tiny_flux_dir, images, tiny_lora_rest(tmp_path / "out", "t", memory))
+
+
+def _line(result, start: str) -> str:
+    found = [line for line in result.lines if line.startswith(start)]
+    assert len(found) == 1, result.lines
+    return found[0]
+
+
+# -- it holds --------------------------------------------------------------------------------------
+
+def test_check_holds_on_a_lora_plan_streaming_checkpointing_fp8(tmp_path, tiny_flux_dir, images):
+    path, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMED_LORA)
+    lines = []
+    result = run_check(cfg, steps=2, emit=lines.append)
+    assert result.rc == 0, result.lines
+    assert lines == result.lines
+    assert set(result.verdicts) == {"streaming", "fp8", "checkpointing", "plan"}
+    assert all(v.held for v in result.verdicts.values())
+    stream = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): held")
+    assert "bitwise equal over 2 step(s)" in stream
+    assert "bitwise" in _line(result, "checkpointing (blocks): held")
+    fp8 = _line(result, "fp8 storage (block Linears): held")
+    assert "within the tolerance" in fp8
+    measured = result.verdicts["fp8"].measured
+    assert 0 < measured["loss_rel"] < 1e-2        # fp8 changed something, within its tolerance
+    assert "against fp8 storage alone" in _line(result, "the whole plan")
+    assert "VRAM not measured" in _line(result, "measured with the whole plan")
+    # the variants ran outside the run's folder, and the user's output dir was never made
+    assert not (tmp_path / "out").exists()
+    ref, plan = result.records["reference"], result.records["plan"]
+    assert len(ref.grads) == 2 and all(g is not None for g in ref.grads[1].values())
+    assert ref.losses != result.records["fp8"].losses          # the comparison has something to see
+    print(f"\ncheck on the tiny Flux LoRA: {result.seconds:.1f} s; fp8: {measured}")
+    assert plan.losses == result.records["fp8"].losses
+
+
+def test_check_holds_in_full_mode_with_a_streamed_plan(tmp_path, tiny_flux_dir, images):
+    _, cfg = _config(tmp_path, tiny_flux_dir, images, FULL)
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 0, result.lines
+    assert set(result.verdicts) == {"streaming", "checkpointing", "plan"}
+    _line(result, "streaming 2 of 4 blocks + non-block modules (pinned, poison mode): held")
+    ref = result.records["reference"]
+    assert all(g is not None for g in ref.grads[0].values())   # full mode's in-backward gradients caught
+    assert len(ref.weights) == len(ref.grads[0])
+
+
+# -- it fails on each fault, naming the technique ---------------------------------------------------
+
+def test_a_slot_released_before_its_backward_is_caught(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """The hold that a streamed call's boundary takes for its backward ends at once: the block's
+    backward then reads its slot after the slot was retired (poisoned)."""
+    original = StreamingEngine.backward_boundary
+
+    def release_early(self, boundary):
+        original(self, boundary)
+        unit = boundary.unit
+        if any(u is unit for u in self.bwd_holds):
+            self.bwd_holds[:] = [u for u in self.bwd_holds if u is not unit]
+            self.release(unit)
+
+    monkeypatch.setattr(StreamingEngine, "backward_boundary", release_early)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 1
+    line = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): differs: ")
+    assert "NaN in the gradient of " in line and "lora_" in line
+
+
+def test_a_stale_slot_reused_is_caught(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """Backward's fetch into a slot another block used is skipped: the slot is taken as holding
+    the block, and backward reads the other block's (retired, poisoned) bytes."""
+    original = StreamingEngine._fetch
+
+    def skip_fetch(self, unit, demand):
+        slot = self.slots[unit.slot]
+        if self.phase == "backward" and slot.owner is not None and slot.owner is not unit:
+            slot.owner, slot.valid = unit, True
+            return
+        original(self, unit, demand)
+
+    monkeypatch.setattr(StreamingEngine, "_fetch", skip_fetch)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 1
+    line = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): differs: ")
+    assert "NaN in the gradient of " in line
+
+
+def test_an_adapter_whose_gradient_does_not_reach_the_optimizer_is_caught(tmp_path, tiny_flux_dir, images,
+                                                                          monkeypatch):
+    """Streaming replaces an adapter Parameter of a streamed block with a copy (as a `.to()` that
+    makes a new Parameter does): the forward trains the copy, the optimizer holds the original,
+    whose gradient never comes. Loss and most gradients stay right; the adapter learns nothing."""
+    from leantune.memory import engine
+
+    original = engine.apply_streaming
+    replaced = []
+
+    def cut_off(model, spec, plan, device, **kwargs):
+        handle = original(model, spec, plan, device, **kwargs)
+        for mod in handle.units[0].modules[0].modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and p.requires_grad and not replaced:
+                    mod._parameters[name] = torch.nn.Parameter(p.detach().clone())
+                    replaced.append(name)
+        return handle
+
+    monkeypatch.setattr(engine, "apply_streaming", cut_off)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert replaced, "the fault was not injected"
+    assert result.rc == 1
+    line = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): differs: ")
+    assert "got no gradient at step 1 (it does not reach the optimizer)" in line
+    assert f"{replaced[0]}" in line and "transformer_blocks." in line
+
+
+def test_a_dropped_write_back_in_full_mode_is_caught_and_train_check_does_not_train(tmp_path, tiny_flux_dir,
+                                                                                    images, monkeypatch, capsys):
+    """Full mode: a streamed block's update is never copied home from its slot. `leantune train
+    --check` reports it and trains nothing (exit code 1, no run folder)."""
+    from leantune.cli import main
+
+    monkeypatch.setattr(TrainableStreamingEngine, "_write_back", lambda self, unit, slot, poison: None)
+    path, _ = _config(tmp_path, tiny_flux_dir, images, FULL)
+    cache = f'data.cache_dir="{images.parent / "cache"}"'
+    rc = main(["train", str(path), "--check", "--no-progress", "--set", cache])
+    out = capsys.readouterr()
+    assert rc == 1, out
+    lines = out.out.splitlines()
+    stream = [line for line in lines if line.startswith("streaming 2 of 4 blocks + non-block modules")]
+    assert len(stream) == 1 and ": differs: " in stream[0], lines
+    assert "expected bitwise" in stream[0]
+    assert any(line.startswith("checkpointing (blocks): held") for line in lines)   # not streamed: unaffected
+    assert "not training" in out.err
+    assert not (tmp_path / "out").exists()
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+def test_check_command_exit_codes_and_lines(tmp_path, tiny_flux_dir, images, capsys):
+    from leantune.cli import main
+
+    path, _ = _config(tmp_path, tiny_flux_dir, images, FULL)
+    cache = f'data.cache_dir="{images.parent / "cache"}"'
+    assert main(["check", str(path), "--steps", "1", "--set", cache, "--set", 'memory.checkpointing="none"']) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("check: explicit [memory] keys: stream 2 blocks + non-blocks")
+    assert any(line.startswith("streaming 2 of 4 blocks + non-block modules (pinned, poison mode): held — "
+                               "losses, gradients and weights bitwise equal over 1 step(s)") for line in out)
+    assert out[-1].startswith("check: every technique held")
+    # a config error: exit code 2, the key named
+    assert main(["check", str(path), "--set", cache, "--set", 'memory.streamed_blocks=["nope"]']) == 2
+    assert "memory.streamed_blocks" in capsys.readouterr().err
+    assert main(["check", str(path), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
