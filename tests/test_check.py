@@ -215,3 +215,49 @@ def test_check_command_exit_codes_and_lines(tmp_path, tiny_flux_dir, images, cap
     assert "memory.streamed_blocks" in capsys.readouterr().err
     assert main(["check", str(path), "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_a_planned_run_is_checked_with_its_plan_and_its_prediction(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """Under [memory] vram_budget the check takes the trainer's plan (chosen before loading) and
+    prints the plan's predicted step time beside the measured one; the reference, run twice on
+    request, is bitwise reproducible on the CPU."""
+    from leantune.memory.plan import Plan
+    from leantune.planner import from_config
+
+    chosen = Plan(streamed_blocks=("transformer_blocks.1", "single_transformer_blocks.0"), checkpointing="blocks",
+                  notes={"predicted_peak_vram": 123 * 2**20, "predicted_step_s": 0.5})
+    asked = []
+
+    def choose(planner, budget, cfg):
+        asked.append(budget)
+        return chosen
+
+    monkeypatch.setattr(from_config, "choose_plan", choose)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, '[memory]\nvram_budget = "6GiB"\n')
+    result = run_check(cfg, steps=1, emit=lambda line: None, repeat_reference=True)
+    assert result.rc == 0, result.lines
+    assert len(asked) == 1                   # planned once, by the check; the variants are explicit keys
+    assert result.lines[0].startswith("check: planned: stream 2 blocks")
+    assert "reference run twice: bitwise reproducible on this device" in result.lines
+    _line(result, "streaming 2 of 4 blocks (pinned, poison mode): held")
+    assert "predicted 0.500 s" in _line(result, "measured with the whole plan")
+
+
+def test_a_reference_that_does_not_fit_is_said_and_nothing_is_compared(tmp_path, tiny_flux_dir, images,
+                                                                        monkeypatch):
+    from leantune import trainer
+
+    step = trainer.train_step
+
+    def plain_runs_out(t, cfg):
+        if not t.plan.streamed_blocks:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(t, cfg)
+
+    monkeypatch.setattr(trainer, "train_step", plain_runs_out)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
+    assert result.rc == 3
+    assert not result.verdicts
+    line = _line(result, "check not done: the reference ran out of memory")
+    assert "against a smaller reference" in line and "not built yet" in line

@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus is not None:
         check_gpus(args.gpus, cfg)
     if args.check and not _launched_worker():
-        from .check import check_config
+        from ..check import run_check
 
-        rc = check_config(cfg)
+        rc = run_check(cfg, emit=lambda line: print(line, flush=True)).rc
         if rc:
             import sys
 
