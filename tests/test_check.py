@@ -83,6 +83,7 @@ def test_check_holds_on_a_lora_plan_streaming_checkpointing_fp8(tmp_path, tiny_f
     assert "within the tolerance" in fp8
     measured = result.verdicts["fp8"].measured
     assert 0 < measured["loss_rel"] < 1e-2        # fp8 changed something, within its tolerance
+    assert 0 < measured["grad_rel"] < 0.25 and measured["grad_cos"] > 0.97
     assert "against fp8 storage alone" in _line(result, "the whole plan")
     assert "VRAM not measured" in _line(result, "measured with the whole plan")
     # the variants ran outside the run's folder, and the user's output dir was never made
@@ -195,6 +196,24 @@ def test_a_dropped_write_back_in_full_mode_is_caught_and_train_check_does_not_tr
     assert any(line.startswith("checkpointing (blocks): held") for line in lines)   # not streamed: unaffected
     assert "not training" in out.err
     assert not (tmp_path / "out").exists()
+
+
+def test_fp8_outside_its_tolerance_is_caught(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """The fp8 forward dequantizes with a scale 1.5 times too large (a scale of another layout):
+    the run stays finite, and the loss and gradients leave fp8's tolerance."""
+    from leantune.memory import fp8
+
+    def wrong_scale(self, x):
+        lin = self.linear
+        return fp8._Fp8Linear.apply(x, lin.weight, getattr(lin, fp8.SCALE_ATTR) * 1.5, lin.bias)
+
+    monkeypatch.setattr(fp8._Fp8Forward, "__call__", wrong_scale)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, "[memory]\nfp8 = true\n")
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 1
+    line = _line(result, "fp8 storage (block Linears): differs: ")
+    assert "outside the tolerance" in line
+    assert all(v == v for v in result.records["fp8"].losses)        # finite: the tolerance caught it, not a NaN
 
 
 # -- the command ------------------------------------------------------------------------------------

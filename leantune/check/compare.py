@@ -20,24 +20,26 @@ from .record import Record
 
 @dataclass(frozen=True)
 class Tolerance:
-    """What fp8 storage may change, judged: the loss's relative difference at every step, and the
-    norm of all trained parameters' gradients together (per step) as a ratio to the reference's.
-    Reported, not judged: the gradient's relative error and cosine, and the trained weights'
-    relative error. On the tiny random-init models these are large (cosine near 0: the gradient
-    there is a small sum of large terms that cancel, so a few percent of weight rounding moves
-    it anywhere), so no bound that fp8 meets there would mean anything; docs/check.md has the numbers."""
+    """What fp8 storage may change: the loss's relative difference at every step; over all
+    trained parameters together, per step, the gradient's relative error ||g - g_ref|| / ||g_ref||
+    and its cosine with the reference's; the trained weights' relative error after the last step."""
 
     loss_rel: float
-    grad_norm_ratio: float        # allowed: 1 / ratio <= |g| / |g_ref| <= ratio
+    grad_rel: float
+    grad_cos: float
+    weight_rel: float
 
     def describe(self) -> str:
-        return (f"loss within {self.loss_rel:.0e} relative, gradient norm within x{self.grad_norm_ratio:g} "
-                f"of the reference's")
+        return (f"loss {self.loss_rel:.0e}, gradients {self.grad_rel:g} relative error and cosine >= "
+                f"{self.grad_cos:g}, weights {self.weight_rel:g}")
 
 
-# Measured on the tiny Flux in fp32 (docs/check.md): fp8 moved the loss by at most 1e-3 relative and
-# the gradient norm by a few percent over 2 steps; the bounds leave a margin of 10x on the loss.
-FP8_TOLERANCE = Tolerance(loss_rel=1e-2, grad_norm_ratio=1.5)
+# Measured on the tiny Flux over 2 steps (docs/check.md: LoRA on every block Linear, seeds 1, 3, 7,
+# 11, fp32 and bf16, with and without the modulation in fp8; full mode with frozen fp8 blocks): at
+# most 8.9e-4 on the loss, 0.043 relative gradient error (cosine >= 0.999), 0.0045 on the weights.
+# The bounds leave about 6x on the gradients and 10x on loss and weights; an fp8 fault (a lost
+# scale, a stale weight) moves them by orders of magnitude.
+FP8_TOLERANCE = Tolerance(loss_rel=1e-2, grad_rel=0.25, grad_cos=0.97, weight_rel=0.05)
 
 
 @dataclass(frozen=True)
@@ -141,18 +143,16 @@ def compare(ref: Record, rec: Record, exact: bool, tolerance: Tolerance = FP8_TO
     errors = [_step_errors(got, want) for got, want in zip(rec.grads, ref.grads)]
     grad_rel = max(e[0] for e in errors)
     grad_cos = min(e[1] for e in errors)
-    ratios = [e[2] for e in errors]
-    worst_ratio = max(ratios, key=lambda r: max(r, 1 / r) if r > 0 else math.inf)
     w_num = math.sqrt(sum(float((a.double() - b.double()).norm()) ** 2 for _, a, b in weights))
     w_den = math.sqrt(sum(float(b.double().norm()) ** 2 for _, _, b in weights))
     weight_rel = w_num / w_den if w_den else w_num
-    measured = {"loss_rel": loss_rel, "grad_norm_ratio": worst_ratio, "grad_rel": grad_rel, "grad_cos": grad_cos,
-                "weight_rel": weight_rel}
-    said = (f"loss {loss_rel:.2g} relative, gradient norm x{worst_ratio:.3f} (relative error {grad_rel:.2g}, "
-            f"cosine {grad_cos:.3f}, weights {weight_rel:.2g}: reported, not judged)")
+    measured = {"loss_rel": loss_rel, "grad_rel": grad_rel, "grad_cos": grad_cos, "weight_rel": weight_rel}
+    said = (f"loss {loss_rel:.2g} relative, gradients {grad_rel:.2g} relative error (cosine {grad_cos:.4f}), "
+            f"weights {weight_rel:.2g}")
     tol = tolerance
-    ratio_bad = not (worst_ratio > 0 and 1 / tol.grad_norm_ratio <= worst_ratio <= tol.grad_norm_ratio)
-    over = [k for k, bad in (("loss", loss_rel > tol.loss_rel), ("gradient norm", ratio_bad)) if bad]
+    over = [k for k, bad in (("loss", loss_rel > tol.loss_rel), ("gradients", grad_rel > tol.grad_rel),
+                             ("gradient cosine", grad_cos < tol.grad_cos), ("weights", weight_rel > tol.weight_rel))
+            if bad]
     if over:
-        return Verdict(False, f"{said}; {' and '.join(over)} outside the tolerance ({tol.describe()})", measured)
+        return Verdict(False, f"{said}; {', '.join(over)} outside the tolerance ({tol.describe()})", measured)
     return Verdict(True, f"{said} over {steps} step(s), within the tolerance ({tol.describe()})", measured)

@@ -32,6 +32,8 @@ class Record:
     step_s: list[float] = field(default_factory=list)
     peak_vram: int | None = None          # CUDA: torch's peak allocated over the steps; None on CPU
     report: dict = field(default_factory=dict)     # the engine's counters of the last step
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)   # LoRA: the adapters as built
+    started_from_reference: list[str] = field(default_factory=list)  # LoRA: the ones set to the reference's
     error: str | None = None              # the run failed: "ExceptionType: message"
     out_of_memory: bool = False
 
@@ -40,9 +42,15 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def record_variant(cfg, steps: int) -> Record:
+def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None) -> Record:
     """Build `cfg`'s run (a variant config) and run `steps` optimizer steps; every failure after
-    the build is recorded, not raised (a fault the check looks for may well raise)."""
+    the build is recorded, not raised (a fault the check looks for may well raise).
+
+    `start` (LoRA mode): the reference's adapter weights as built. The same seed does not give the
+    same adapters under every plan (with fp8 storage the block Linears are e4m3 when peft adds the
+    adapters, and their initialisation draws other random numbers), so a variant whose adapters
+    were built otherwise is started from the reference's, and `started_from_reference` names them:
+    what is compared is then the technique, not the draw."""
     from .. import trainer
     from ..errors import is_out_of_memory
 
@@ -52,6 +60,10 @@ def record_variant(cfg, steps: int) -> Record:
     try:
         names = {id(p): n for n, p in t.transformer.named_parameters()}
         trained = [n for n, p in t.transformer.named_parameters() if p.requires_grad]
+        if getattr(t.mode, "name", "") == "lora":
+            rec.initial = {n: _host_copy(p) for n, p in t.transformer.named_parameters() if p.requires_grad}
+            if start is not None:
+                rec.started_from_reference = _start_from(t, start, rec.initial)
         current: dict = {}
         undo = _catch_gradients(t, names, current)
         if t.device.type == "cuda":
@@ -79,6 +91,16 @@ def record_variant(cfg, steps: int) -> Record:
     finally:
         _release(t)
     return rec
+
+
+def _start_from(t, start: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> list[str]:
+    """Set the adapters that differ from `start` to it; their names."""
+    named = dict(t.transformer.named_parameters())
+    changed = [n for n, v in own.items() if n in start and not torch.equal(v, start[n])]
+    with torch.no_grad():
+        for n in changed:
+            named[n].copy_(start[n].to(named[n].device, named[n].dtype))
+    return changed
 
 
 def _catch_gradients(t, names: dict[int, str], current: dict):

@@ -129,8 +129,11 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
                 f"techniques are compared within the fp8 tolerance instead, which a small schedule fault "
                 f"could pass (NaN, missing or zero gradients still fail)")
         for v in others:
-            rec = _record(cfg, v, steps, Path(tmp))
+            rec = _record(cfg, v, steps, Path(tmp), ref.initial or None)
             result.records[v.key] = rec
+            if rec.started_from_reference:
+                say(f"note: with {v.key} the same seed built {len(rec.started_from_reference)} adapter tensor(s) "
+                    f"otherwise (e.g. {rec.started_from_reference[0]}); this variant starts from the reference's")
             base = result.records[v.against]
             verdict = (compare(base, rec, v.exact and bitwise) if base.error is None else
                        Verdict(False, f"not compared: the {v.against} variant it is compared with failed", {}))
@@ -166,9 +169,9 @@ def _not_fit(result: CheckResult, say, why: str, t0: float) -> CheckResult:
     return result
 
 
-def _record(cfg: RunConfig, v: Variant, steps: int, tmp: Path) -> Record:
+def _record(cfg: RunConfig, v: Variant, steps: int, tmp: Path, start=None) -> Record:
     log.info("check: running the %s variant", v.key)
-    return record_variant(variant_config(cfg, v, tmp), steps)
+    return record_variant(variant_config(cfg, v, tmp), steps, start)
 
 
 class _keep:
