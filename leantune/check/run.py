@@ -132,7 +132,7 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
             rec = _record(cfg, v, steps, Path(tmp), ref.initial or None)
             result.records[v.key] = rec
             if rec.started_from_reference:
-                say(f"note: with {v.key} the same seed built {len(rec.started_from_reference)} adapter tensor(s) "
+                say(f"note: with {'the whole plan' if v.key == 'plan' else v.key} the same seed built {len(rec.started_from_reference)} adapter tensor(s) "
                     f"otherwise (e.g. {rec.started_from_reference[0]}); this variant starts from the reference's")
             base = result.records[v.against]
             verdict = (compare(base, rec, v.exact and bitwise) if base.error is None else

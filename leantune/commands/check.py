@@ -25,7 +25,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "offload, the host optimizer step, the whole plan), and compare losses, every trained parameter's "
         "gradient and the trained weights: bitwise for the exact techniques, within a stated tolerance for "
         "fp8. Nothing is written to the run's [output] dir. Exit 0: held; 1: a technique differs; "
-        "2: config error; 3: the reference does not fit this machine.")
+        "2: config error; 3: the reference does not fit this machine. See docs/check.md.")
 
 
 def run(args: argparse.Namespace) -> int:
