@@ -53,6 +53,7 @@ from torch import nn
 from ..spec import ModelSpec
 from .cpu_linear import linear, linear_input_grad, matmul_dtype
 from .fp8_matmul import scaled_mm_linear
+from .gguf_storage import is_gguf
 
 log = logging.getLogger("leantune.memory")
 
@@ -334,6 +335,8 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
                     f"their own dtype (cast LoRA parameters to float32 after adding them)")
     dora = _dora_bases(model)
     for qname, rel, lin in block_linears(spec, model):
+        if is_gguf(lin):
+            continue                      # GGUF blocks as the file stores them (memory/gguf_storage.py)
         w = lin.weight
         if w.dtype == torch.float8_e5m2:
             raise ValueError(f"memory.fp8: {qname}.weight is float8_e5m2; only e4m3fn checkpoints are supported")

@@ -38,8 +38,11 @@ def check_file(path: Path, key: str) -> None:
         refuse_pickle(path, what=f"[model] {key}")
     except UnsafeFileError as e:
         raise LoadError(str(e)) from None
+    if path.suffix.lower() == ".gguf" and key in ("path", "transformer"):
+        return                          # a GGUF transformer (models/gguf_file.py)
     if path.suffix.lower() != ".safetensors":
-        raise LoadError(f"[model] {key}: {path}: only .safetensors files (or diffusers folders) can be loaded")
+        raise LoadError(f"[model] {key}: {path}: only .safetensors files (or diffusers folders) can be loaded"
+                        + (" (a .gguf file only as [model] path or transformer)" if path.suffix.lower() == ".gguf" else ""))
 
 
 def override(name: str, value: str, base_dir: Path) -> Path:
@@ -79,7 +82,7 @@ def resolve_components(model_cfg, base_dir: Path, components: tuple[str, ...],
     if root.is_file():
         check_file(root, "path")
         found["transformer"] = root
-        keys = read_header(root)[0].keys()
+        keys = _file_keys(root)
         for name, component in embedded.items():     # all-in-one files carry the encoders and VAE
             if cf.find_prefix(keys, component) not in (None, ""):
                 found[name] = root
@@ -236,9 +239,19 @@ def component_keys(files: CheckpointFiles, component: str, prefix: str) -> list[
     return [k for k in files.keys() if not k.startswith(others)]
 
 
+def _file_keys(path: Path):
+    """The tensor names of a single file (header only): safetensors, or GGUF (models/gguf_file.py)."""
+    from .gguf_file import is_gguf_path, tensor_names
+
+    return tensor_names(path) if is_gguf_path(path) else read_header(path)[0].keys()
+
+
 def single_file(path: Path, component: str, label: str) -> tuple[CheckpointFiles, str, dict, dict]:
-    """(files, prefix, shapes without prefix, metadata config) of one component in a single file."""
-    files = CheckpointFiles([path])
+    """(files, prefix, shapes without prefix, metadata config) of one component in a single file
+    (a .gguf transformer: its quantized Linear weights stay in their blocks, models/gguf_file.py)."""
+    from .gguf_file import GgufFiles, is_gguf_path
+
+    files = GgufFiles(path) if is_gguf_path(path) else CheckpointFiles([path])
     prefix = cf.find_prefix(files.keys(), component)
     if prefix is None:
         raise LoadError(f"{path}: not a {label}: {cf.describe(files.keys())}")

@@ -317,6 +317,14 @@ def guess_family(path) -> str | None:
             except SafetensorError:
                 return None
             return family_of_keys(keys)
+        if path.is_file() and path.suffix.lower() == ".gguf":          # ComfyUI-GGUF files: the same names
+            from .gguf_file import tensor_names
+            from .weights import LoadError
+
+            try:
+                return family_of_keys(tensor_names(path))
+            except LoadError:
+                return None
     except (OSError, ValueError, AttributeError, TypeError):
         return None     # unreadable: the family's loader reports it with the file's name
     return None

@@ -560,6 +560,34 @@ def _fill_quantized(model, files: CheckpointFiles, source: str, target: str, sha
     on_fp8(target, scale.to(device))
 
 
+def _is_gguf_linear(model, files, source: str, target: str, shape: tuple[int, ...]) -> bool:
+    """True for a GGUF file's quantized tensor that is an nn.Linear's 2-D weight: it keeps its blocks."""
+    if not (getattr(files, "is_blocks", None) and files.is_blocks(source)) or len(shape) != 2:
+        return False
+    module_name, _, leaf = target.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return leaf == "weight" and type(module) is torch.nn.Linear
+
+
+def _fill_gguf(model, files, source: str, target: str, shape: tuple[int, ...], segs: list[tuple[int, int]],
+               names: list[str], meta: bool, device) -> None:
+    """One Linear weight as its GGUF blocks, (rows, row_bytes) uint8, made computable by
+    memory/gguf_storage.use_gguf_weight (models/gguf_file.py)."""
+    from ..memory.gguf_storage import use_gguf_weight
+
+    info = files.tensors[source]
+    rows = sum(b - a for a, b in segs)
+    raw = (torch.empty(rows, info.row_bytes, dtype=torch.uint8, device="meta") if meta
+           else files.read_blocks(source, segs))
+    for name in names:                                # frozen: integer bytes cannot require gradients
+        module_name, _, leaf = name.rpartition(".")
+        param = (model.get_submodule(module_name) if module_name else model)._parameters.get(leaf)
+        if param is not None:
+            param.requires_grad_(False)
+    _assign_group(model, names, raw.to(device))
+    use_gguf_weight(model.get_submodule(target[: -len(".weight")]), info.qtype)
+
+
 def load_into_empty(
     model: torch.nn.Module,
     files: CheckpointFiles,
@@ -588,6 +616,9 @@ def load_into_empty(
     block-scaled e4m3): they are quantized chunk by chunk as they are read (`dtype` first, exactly
     as a plain load holds them, so the bits equal quantizing that load) and handed to `on_fp8` with
     their (rows, nb) scale; a file's e4m3 tensor that `keep_fp8` keeps is kept instead.
+
+    A GGUF file's quantized Linear weights (models/gguf_file.py) keep their blocks as stored, with
+    the GGUF forward (memory/gguf_storage.py); its other quantized tensors are decoded as read.
 
     On `device="meta"` nothing is read: every tensor gets the dtype and shape loading would give it
     (and fp8 weights their scale), which is what the planner prices a checkpoint by.
@@ -634,6 +665,12 @@ def load_into_empty(
             if target in done:
                 continue                              # tied to a tensor already loaded
             info = files.tensors[op.source]
+            if _is_gguf_linear(model, files, op.source, target, tshape):   # GGUF blocks, kept as stored
+                _fill_gguf(model, files, op.source, target, tshape, segs, groups.get(target, [target]), meta, device)
+                done.update(groups.get(target, [target]))
+                if not meta:
+                    files.release(op.source)
+                continue
             keep = keep_fp8 is not None and info.dtype == "F8_E4M3" and keep_fp8(target)
             if (not keep and quantize_fp8 is not None and info.floating and len(tshape) == 2
                     and info.row_numel == tshape[1] and quantize_fp8(target)):

@@ -195,6 +195,10 @@ def _refuse_fp8_base_for_dora(transformer: torch.nn.Module, names: list[str], wh
     for name in names:
         m = transformer.get_submodule(name)
         linear = m.get_base_layer() if _is_tuner_layer(m) else m
+        if "gguf_type" in linear.__dict__:          # memory/gguf_storage.py: the file's quantized blocks
+            raise ValueError(f"{what}: DoRA normalises each row of the base weight plus its update, but "
+                             f"{name}.weight holds GGUF blocks (a .gguf base), which peft would read as bytes; "
+                             f"use a bf16 checkpoint, or [lora] type \"lora\", \"lokr\" or \"loha\"")
         if linear.weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"{what}: DoRA normalises each row of the base weight plus its update, but "
                              f"{name}.weight is stored in {linear.weight.dtype} (an fp8 checkpoint), which peft would "

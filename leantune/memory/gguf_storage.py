@@ -1,0 +1,143 @@
+"""GGUF block storage for frozen block Linears: a GGUF file's quantized weights kept as stored.
+
+What it trades: a Linear of a GGUF base (ComfyUI-GGUF's Flux files: Q8_0, Q5_K, Q4_K, ...) holds
+the file's blocks themselves, 34 bytes per 32 weights for Q8_0 (8.5 bits), 176 per 256 for Q5_K
+(5.5 bits), 144 per 256 for Q4_K (4.5 bits), and dequantizes them in every forward and backward.
+Resident or streamed, the bytes are the file's: a 4-bit base costs a little over a quarter of bf16.
+
+How it works (the fp8 seam of memory/fp8.py, for another stored form):
+- The Linear stays the same `nn.Linear` instance (peft wraps it as it wraps any Linear). Its
+  `weight` Parameter holds the raw blocks as a uint8 tensor of shape (out, row_bytes) (one row of
+  blocks per output row: GGUF rows are independent, so a fused qkv splits into row ranges as a bf16
+  one does), and the block type is a plain attribute `gguf_type` (a gguf.GGMLQuantizationType).
+  `in_features` / `out_features` keep the logical shape.
+- An instance-level forward calls `_GgufLinear`, an autograd Function that saves the stored bytes
+  (never the dequantized copy) and dequantizes again in backward. When the block streams, the saved
+  weight is a view of a slot and the streaming engine's saved-tensor handles replace it as they do
+  an fp8 weight; poison mode's 0xFF bytes make every block's fp16 scale NaN, so a use of a released
+  slot shows in the loss.
+- Dequantization is the `gguf` package's own (gguf.quants.dequantize, numpy, fp32 out): no block
+  format is reimplemented here, so the weights leantune computes with are the reference's bitwise.
+  It runs on the host: a weight on another device is copied to the host to decode and the fp32
+  rows come back (a device decoder is left to do; on CPU, where the tests run, there is no copy).
+- DoRA is refused on such a base (train/lora.py), as on fp8: it reads the base weight itself.
+  fp8 storage leaves these Linears alone (fp8.apply_fp8_storage skips `is_gguf` Linears): they are
+  already stored, and re-quantizing 4-bit blocks to e4m3 would cost bytes and accuracy.
+
+Differs from ComfyUI-GGUF (a GGMLTensor subclass of torch.Tensor that the ops patch dequantizes):
+the weight is a plain uint8 Parameter that every engine path (streaming packs, planner prices,
+state dicts) already handles as bytes, and the decoding happens only inside this Function.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from .cpu_linear import linear, linear_input_grad, matmul_dtype
+
+TYPE_ATTR = "gguf_type"       # the GGMLQuantizationType of a GGUF-stored Linear weight
+
+
+def _gguf():
+    import gguf                 # a dependency (pyproject); imported where a GGUF weight is met
+
+    return gguf
+
+
+def taken_types() -> dict[str, int]:
+    """Block types leantune keeps as stored, by name -> GGMLQuantizationType value: the ones the
+    gguf package dequantizes and the tests cover (Q8_0, Q5_K, Q4_K as ComfyUI-GGUF publishes them;
+    the legacy 32-value types beside them)."""
+    t = _gguf().GGMLQuantizationType
+    return {q.name: int(q) for q in (t.Q8_0, t.Q5_K, t.Q4_K, t.Q4_0, t.Q4_1, t.Q5_0, t.Q5_1)}
+
+
+def block_size(qtype: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGUF type: Q8_0 (32, 34), Q4_K (256, 144), Q5_K (256, 176)."""
+    g = _gguf()
+    return g.GGML_QUANT_SIZES[g.GGMLQuantizationType(qtype)]
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Stored bytes of one row of `in_features` values; the row must hold whole blocks."""
+    values, nbytes = block_size(qtype)
+    if in_features % values:
+        raise ValueError(f"a {_gguf().GGMLQuantizationType(qtype).name} row holds whole blocks of {values} "
+                         f"values; {in_features} is not a multiple")
+    return in_features // values * nbytes
+
+
+def is_gguf(linear: nn.Module) -> bool:
+    """True for an nn.Linear whose weight holds GGUF blocks (use_gguf_weight)."""
+    return TYPE_ATTR in linear.__dict__
+
+
+def dequantize(raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+    """(out, row_bytes) uint8 blocks -> (out, in) weight in `dtype`, by gguf.quants.dequantize
+    (fp32, then one rounding to `dtype`), on the blocks' device."""
+    g = _gguf()
+    host = raw.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    w = torch.from_numpy(g.quants.dequantize(np.ascontiguousarray(host.numpy()), g.GGMLQuantizationType(qtype)))
+    return w.to(device=raw.device, dtype=dtype)
+
+
+class _GgufLinear(torch.autograd.Function):
+    """y = x @ dequantize(blocks).T + b, saving the stored blocks rather than a dequantized copy.
+
+    The weight is decoded to the dtype the matmul runs in (cpu_linear.matmul_dtype, autocast's when
+    on), as the fp8 Linear does; the products go through cpu_linear (fp32 on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, raw, bias, qtype):
+        dtype = matmul_dtype(x)
+        ctx.save_for_backward(raw)
+        ctx.qtype = qtype
+        ctx.bias_needs_grad = bias is not None and bias.requires_grad
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return linear(x, dequantize(raw, qtype, dtype), bias, dtype)      # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (raw,) = ctx.saved_tensors
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = linear_input_grad(grad_out, dequantize(raw, ctx.qtype, grad_out.dtype))   # (..., in)
+        if ctx.bias_needs_grad:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, None, grad_b, None
+
+
+class _GgufForward:
+    """Instance-level forward of a GGUF-stored nn.Linear; reads the weight at call time, so a
+    streamed weight (re-pointed at a slot) is always the current one."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear      # a strong reference, so copy.deepcopy maps it to the copied module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.linear
+        return _GgufLinear.apply(x, lin.weight, lin.bias, lin.__dict__[TYPE_ATTR])
+
+
+def use_gguf_weight(linear: nn.Linear, qtype: int) -> None:
+    """Make an nn.Linear whose weight holds GGUF blocks, (out, row_bytes) uint8, computable: record
+    its type and dequantize in its forward. The form in which the GGUF loader hands such weights to
+    the engine. The weight is frozen: nothing could step a block of quantized bytes."""
+    w = linear.weight
+    if w.dtype != torch.uint8 or w.dim() != 2:
+        raise ValueError(f"use_gguf_weight: the weight is {w.dtype} {tuple(w.shape)}, not (out, row_bytes) uint8")
+    if w.shape != (linear.out_features, row_bytes(qtype, linear.in_features)):
+        raise ValueError(f"use_gguf_weight: blocks of shape {tuple(w.shape)} do not hold a "
+                         f"({linear.out_features}, {linear.in_features}) {_gguf().GGMLQuantizationType(qtype).name} weight")
+    linear.__dict__[TYPE_ATTR] = int(qtype)
+    w.requires_grad_(False)
+    linear.forward = _GgufForward(linear)
+
+
+def stored_weight(linear: nn.Linear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (out, in) weight a GGUF-stored Linear computes with, in `dtype`."""
+    return dequantize(linear.weight, linear.__dict__[TYPE_ATTR], dtype)

@@ -1,0 +1,247 @@
+"""GGUF bases (models/gguf_file.py, memory/gguf_storage.py): a tiny Flux written to GGUF files as
+ComfyUI-GGUF's converter writes them, loaded with its block Linears kept in their blocks.
+
+The files: the tiny Flux's state dict in BFL / ComfyUI names (no `model.diffusion_model.` prefix),
+written by the gguf package's GGUFWriter, the way city96's tools/convert.py does: 1-D tensors and
+the embedders / final layer in F32, every other 2-D tensor quantized, a tensor whose rows do not
+hold whole blocks in F16 (the converters' fallback). Q8_0 quantizes with gguf.quants.quantize on the
+standard tiny Flux (width 32: every row length divides by 32). The K types need rows of whole 256s,
+so their files come from a tiny Flux 256 wide (4 heads of 64); and gguf 0.19 decodes Q4_K / Q5_K but
+cannot encode them (llama.cpp's C quantizer does), so `_encode_k` below packs K blocks by the
+format's layout (plain min/max per 32-value sub-block, not llama.cpp's search): the reference the
+tests compare with is still the package's decoder, and the encoder is checked against its input.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from test_memory_helpers import assert_records_equal, block_names, make_batch, train
+
+from leantune import tiny
+from leantune.memory.engine import apply_memory
+from leantune.memory.gguf_storage import TYPE_ATTR, is_gguf, stored_weight
+from leantune.memory.plan import Plan
+from leantune.models.flux import FLUX_SPEC, PromptEmbeds, predict
+from leantune.models.flux import keys as bfl_keys
+from leantune.models.flux.loading import FluxSources, load_transformer
+from leantune.models.weights import LoadError
+
+Q = gguf.GGMLQuantizationType
+WIDE = dict(attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(8, 28, 28))    # inner width 256
+_F32_KEYS = ("time_in.", "txt_in.", "vector_in.", "img_in.", "guidance_in.", "final_layer.")   # convert.py's list
+
+
+# -- writing GGUF files as the community's converter does ---------------------------------------------
+
+def _encode_k(rows: np.ndarray, qtype: Q) -> np.ndarray:
+    """(n, k*256) fp32 -> (n, k*type_size) uint8 Q4_K / Q5_K blocks in the layout gguf's decoder reads:
+    fp16 d and dmin, 12 bytes of 6-bit sub-block scales and mins, (Q5_K: 32 bytes of high bits),
+    128 bytes of 4-bit values; value = d * sc * q - dmin * m per sub-block of 32."""
+    n, width = rows.shape
+    x = rows.reshape(-1, 8, 32).astype(np.float32)                    # (blocks, sub-blocks, 32)
+    qmax = 15 if qtype == Q.Q4_K else 31
+    lo = np.minimum(x.min(-1), 0.0)
+    step = (x.max(-1) - lo) / qmax                                    # (blocks, 8)
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(step, df, out=np.zeros_like(step), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63).astype(np.uint8)
+    scale = (df * sc)[..., None]
+    q = np.divide(x + (dminf * mn)[..., None], scale, out=np.zeros_like(x), where=scale > 0)
+    q = np.clip(np.round(q), 0, qmax).astype(np.uint8)                # (blocks, 8, 32)
+    packed = np.zeros((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    low = q & 0x0F
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)       # pairs of sub-blocks share 32 bytes
+    parts = [d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed]
+    if qtype == Q.Q5_K:
+        high = (q >> 4) & 1                                           # bit j of byte i: sub-block j, value i
+        parts.append((high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8))
+    parts.append(qs)
+    return np.concatenate(parts, axis=1).reshape(n, -1)
+
+
+def _quantize(a: np.ndarray, qtype: Q) -> np.ndarray:
+    return _encode_k(a, qtype) if qtype in (Q.Q4_K, Q.Q5_K) else gguf.quants.quantize(a, qtype)
+
+
+def write_gguf(model, path: Path, qtype: Q) -> dict[str, Q]:
+    """`model` (a diffusers Flux) as a ComfyUI-GGUF Flux file; returns each tensor's type."""
+    values, _ = gguf.GGML_QUANT_SIZES[qtype]
+    writer = gguf.GGUFWriter(str(path), "flux")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    types = {}
+    for key, t in bfl_keys.diffusers_to_bfl(model.state_dict()).items():
+        a = t.float().numpy()
+        if a.ndim == 1 or key.startswith(_F32_KEYS):
+            kind, data = Q.F32, a
+        elif a.shape[-1] % values:
+            kind, data = Q.F16, a.astype(np.float16)
+        else:
+            kind, data = qtype, _quantize(a, qtype)
+        writer.add_tensor(key, data, raw_dtype=kind)
+        types[key] = kind
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+_BASES: dict = {}
+
+
+def _base(qtype: Q, tmp_path_factory):
+    """(bf16-free reference model in fp32, file path, types) for one block type, written once."""
+    if qtype not in _BASES:
+        ref = tiny.flux_transformer(seed=2, **({} if qtype == Q.Q8_0 else WIDE))
+        path = tmp_path_factory.mktemp("gguf") / f"flux-{qtype.name}.gguf"
+        _BASES[qtype] = (ref, path, write_gguf(ref, path, qtype))
+    return _BASES[qtype]
+
+
+def _sources(path: Path) -> FluxSources:
+    return FluxSources(path, None, None, None, None, None)
+
+
+TYPES = [Q.Q8_0, Q.Q5_K, Q.Q4_K]
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=[t.name for t in TYPES])
+def gguf_base(request, tmp_path_factory):
+    return (request.param, *_base(request.param, tmp_path_factory))
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+def test_block_linears_keep_their_blocks_and_decode_as_the_gguf_package(gguf_base):
+    """Every block Linear holds the file's bytes (BFL's fused qkv / linear1 split by rows) with its
+    type; gguf.quants.dequantize of the file's own tensor gives, bitwise, the weights the loaded
+    Linears compute with; F32 tensors load as written; the encoder for the K types is near its input."""
+    qtype, ref, path, types = gguf_base
+    model = load_transformer(_sources(path), dtype=torch.float32)
+    reader = gguf.GGUFReader(path)
+    raw = {t.name: t for t in reader.tensors}
+    stored = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear and is_gguf(m)]
+    in_blocks = [n for n, _ in stored if n.startswith(("transformer_blocks.", "single_transformer_blocks."))]
+    assert len(in_blocks) == len(stored) == 40                   # 2 double x 13 + 2 single x 7 block Linears
+    assert all(m.__dict__[TYPE_ATTR] == int(qtype) and m.weight.dtype == torch.uint8 for _, m in stored)
+    d = model.x_embedder.out_features                                           # inner width
+    qkv = raw["double_blocks.1.img_attn.qkv.weight"]
+    assert qkv.tensor_type == qtype
+    want = gguf.quants.dequantize(qkv.data, qtype)                              # (3D, D) fp32
+    for i, part in enumerate(("to_q", "to_k", "to_v")):
+        lin = getattr(model.transformer_blocks[1].attn, part)
+        assert torch.equal(lin.weight, torch.from_numpy(np.array(qkv.data[d * i:d * (i + 1)]))), part
+        assert torch.equal(stored_weight(lin), torch.from_numpy(want[d * i:d * (i + 1)])), part
+    linear2 = raw["single_blocks.0.linear2.weight"]
+    assert torch.equal(stored_weight(model.single_transformer_blocks[0].proj_out),
+                       torch.from_numpy(gguf.quants.dequantize(linear2.data, qtype)))
+    assert torch.equal(model.x_embedder.weight, ref.x_embedder.weight)          # F32 as written
+    assert types["img_in.weight"] == Q.F32 and types["double_blocks.0.img_mod.lin.weight"] == qtype
+    # the decoded weight is the source's, to the format's precision (the K encoder is sane)
+    src = ref.transformer_blocks[1].attn.to_q.weight
+    err = (stored_weight(model.transformer_blocks[1].attn.to_q) - src).norm() / src.norm()
+    assert err < {Q.Q8_0: 0.01, Q.Q5_K: 0.05, Q.Q4_K: 0.1}[qtype], err
+
+
+def test_outputs_equal_a_model_holding_the_decoded_weights(gguf_base):
+    """The GGUF forward computes exactly what a plain model with gguf.quants.dequantize's weights
+    computes (fp32, bitwise); the whole model is the source up to the format's error."""
+    qtype, ref, path, _ = gguf_base
+    model = load_transformer(_sources(path), dtype=torch.float32)
+    plain = copy.deepcopy(ref)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if type(m) is torch.nn.Linear and is_gguf(m):
+                plain.get_submodule(name).weight.copy_(stored_weight(m))
+    g = torch.Generator().manual_seed(0)
+    width = ref.config.in_channels
+    x = torch.randn(2, 16, width, generator=g)
+    embeds = PromptEmbeds(torch.randn(2, 8, 32, generator=g), torch.randn(2, 32, generator=g))
+    with torch.no_grad():
+        got = predict(model, x, torch.tensor([0.3, 0.8]), embeds, (8, 8), guidance=3.5)
+        want = predict(plain, x, torch.tensor([0.3, 0.8]), embeds, (8, 8), guidance=3.5)
+        orig = predict(ref, x, torch.tensor([0.3, 0.8]), embeds, (8, 8), guidance=3.5)
+    assert torch.equal(got, want)
+    assert ((got - orig).norm() / orig.norm()) < 0.1
+
+
+def test_a_gguf_file_is_told_from_its_tensor_names(gguf_base):
+    from leantune.models.family import guess_family
+
+    _, _, path, _ = gguf_base
+    assert guess_family(path) == "flux"
+
+
+def test_f16_fallback_rows_load_as_f16(tmp_path):
+    """A K-type file of the 32-wide tiny Flux: no row holds a whole 256-value block, so the
+    converter keeps every 2-D tensor in F16, and the load holds plain Linears."""
+    ref = tiny.flux_transformer(seed=2)
+    path = tmp_path / "f16.gguf"
+    types = write_gguf(ref, path, Q.Q4_K)
+    assert Q.Q4_K not in types.values() and Q.F16 in types.values()
+    model = load_transformer(_sources(path), dtype=torch.float32)
+    assert not any(is_gguf(m) for m in model.modules())
+    to_q = model.transformer_blocks[0].attn.to_q.weight
+    assert torch.equal(to_q, ref.transformer_blocks[0].attn.to_q.weight.half().float())
+
+
+# -- bad files -------------------------------------------------------------------------------------
+
+def _q8(tmp_path_factory) -> Path:
+    return _base(Q.Q8_0, tmp_path_factory)[1]
+
+
+def test_not_a_gguf_file_is_named(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(LoadError, match=r"bad\.gguf: not a readable GGUF file \(GGUF magic invalid\)"):
+        load_transformer(_sources(bad))
+
+
+def test_truncated_file_names_the_tensor(tmp_path, tmp_path_factory):
+    src = _q8(tmp_path_factory)
+    data = src.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 300])
+    lost = [t for t in gguf.GGUFReader(src).tensors if t.data_offset + t.n_bytes > len(data) - 300]
+    assert len(lost) == 2                                       # single_blocks.1.linear2's weight and bias
+    end = lost[0].data_offset + lost[0].n_bytes
+    with pytest.raises(LoadError, match=rf"cut\.gguf: tensor '{lost[0].name}': its data ends at byte {end}, past "
+                                        rf"the end of the file \({len(data) - 300} bytes\)"):
+        load_transformer(_sources(cut))
+
+
+def test_a_type_leantune_does_not_take_is_named(tmp_path, tmp_path_factory):
+    """The header's type of one tensor rewritten to F64 (a type no ComfyUI-GGUF file uses)."""
+    src = _q8(tmp_path_factory)
+    data = bytearray(src.read_bytes())
+    name = b"double_blocks.0.img_attn.norm.key_norm.scale"
+    at = data.index(name) + len(name)                                # then n_dims u32, dims u64 x n, type u32
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    pos = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[pos:pos + 4], "little") == int(Q.F32)
+    data[pos:pos + 4] = int(Q.F64).to_bytes(4, "little")
+    bad = tmp_path / "f64.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(LoadError, match=rf"f64\.gguf: tensor '{name.decode()}' is stored as F64, which leantune "
+                                        r"does not read"):
+        load_transformer(_sources(bad))
+
+
+def test_a_gguf_file_only_as_the_transformer(tmp_path, tmp_path_factory):
+    from leantune.models.component_loading import check_file
+
+    check_file(_q8(tmp_path_factory), "transformer")
+    with pytest.raises(LoadError, match=r"\[model\] vae: .*only \.safetensors.*a \.gguf file only as"):
+        check_file(_q8(tmp_path_factory), "vae")
