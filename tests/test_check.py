@@ -35,6 +35,7 @@ save_dtype = "fp32"
 streamed_blocks = 2
 stream_non_blocks = true
 checkpointing = "blocks"
+pin_memory = false
 
 [output]
 dir = "out"
@@ -100,10 +101,19 @@ def test_check_holds_in_full_mode_with_a_streamed_plan(tmp_path, tiny_flux_dir, 
     result = run_check(cfg, steps=2, emit=lambda line: None)
     assert result.rc == 0, result.lines
     assert set(result.verdicts) == {"streaming", "checkpointing", "plan"}
-    _line(result, "streaming 2 of 4 blocks + non-block modules (pinned, poison mode): held")
+    _line(result, "streaming 2 of 4 blocks + non-block modules (pageable, poison mode): held")
     ref = result.records["reference"]
     assert all(g is not None for g in ref.grads[0].values())   # full mode's in-backward gradients caught
     assert len(ref.weights) == len(ref.grads[0])
+
+
+def test_check_holds_with_the_host_optimizer_step_in_full_mode(tmp_path, tiny_flux_dir, images):
+    _, cfg = _config(tmp_path, tiny_flux_dir, images, FULL.replace('checkpointing = "blocks"', "")
+                     .replace("[full]", '[full]\nstreamed_step = "host"'))
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 0, result.lines
+    assert set(result.verdicts) == {"streaming", "host step"}      # the whole plan is the host step's run
+    assert "bitwise equal" in _line(result, "optimizer step of the streamed blocks on the host (2 of 4 blocks")
 
 
 # -- it fails on each fault, naming the technique ---------------------------------------------------
@@ -226,7 +236,7 @@ def test_check_command_exit_codes_and_lines(tmp_path, tiny_flux_dir, images, cap
     assert main(["check", str(path), "--steps", "1", "--set", cache, "--set", 'memory.checkpointing="none"']) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("check: explicit [memory] keys: stream 2 blocks + non-blocks")
-    assert any(line.startswith("streaming 2 of 4 blocks + non-block modules (pinned, poison mode): held — "
+    assert any(line.startswith("streaming 2 of 4 blocks + non-block modules (pageable, poison mode): held — "
                                "losses, gradients and weights bitwise equal over 1 step(s)") for line in out)
     assert out[-1].startswith("check: every technique held")
     # a config error: exit code 2, the key named

@@ -99,7 +99,7 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     device = pick_device(cfg)
     full = cfg.train.mode == "full"
     total = _count_blocks(cfg)
-    runs = variants(plan, total, full)
+    runs = variants(plan, total, full, cfg.memory.fp8_modulation)
     say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe()}; "
         f"{steps} step(s) from seed {cfg.train.seed} on {device.type}, {len(runs) - 1} variant(s) against the reference")
     if len(runs) == 1:

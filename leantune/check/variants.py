@@ -59,10 +59,13 @@ def run_plan(cfg: RunConfig) -> tuple[Plan, object | None, object | None]:
     return plan, None, None
 
 
-def memory_keys(plan: Plan, *, poison: bool) -> dict:
-    """`plan` as explicit [memory] keys (no vram_budget: the trainer applies them as they are)."""
+def memory_keys(plan: Plan, *, poison: bool, modulation=None) -> dict:
+    """`plan` as explicit [memory] keys (no vram_budget: the trainer applies them as they are).
+    `modulation`: the config's own [memory] fp8_modulation, kept when the plan does not store the
+    modulation in fp8 and it says false (a file's e4m3 modulation is then upcast, as the run does);
+    else "auto" (a file's e4m3 modulation stays as stored, a bf16 one is not quantized)."""
     return {"streamed_blocks": list(plan.streamed_blocks), "stream_non_blocks": plan.stream_non_blocks,
-            "fp8": plan.fp8, "fp8_modulation": True if plan.fp8_modulation else "auto",
+            "fp8": plan.fp8, "fp8_modulation": True if plan.fp8_modulation else (False if modulation is False else "auto"),
             "checkpointing": plan.checkpointing, "ring_slots": plan.ring_slots, "pin_memory": plan.pin_memory,
             "debug_poison": poison and bool(plan.streamed_blocks or plan.stream_non_blocks), "vram_budget": None}
 
@@ -71,13 +74,17 @@ def streams(plan: Plan) -> bool:
     return bool(plan.streamed_blocks) or plan.stream_non_blocks
 
 
-def variants(plan: Plan, total_blocks: int, full_mode: bool) -> list[Variant]:
+def variants(plan: Plan, total_blocks: int, full_mode: bool, modulation=None) -> list[Variant]:
     """The reference, one variant per technique `plan` uses, and the whole plan (when it combines
-    several). `total_blocks`: the model's block count, for the streaming line."""
+    several). `total_blocks`: the model's block count, for the streaming line; `modulation`: the
+    config's [memory] fp8_modulation (memory_keys)."""
+    from functools import partial
+
+    keys = partial(memory_keys, modulation=modulation)
     none = Plan(ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)
     device_step = {"streamed_step": "device"} if full_mode else {}
     out = [Variant("reference", "reference (nothing streamed, no fp8, no checkpointing)",
-                   memory_keys(none, poison=False), device_step)]
+                   keys(none, poison=False), device_step)]
     alone = Plan(streamed_blocks=plan.streamed_blocks, stream_non_blocks=plan.stream_non_blocks,
                  ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)
     used = []
@@ -85,30 +92,32 @@ def variants(plan: Plan, total_blocks: int, full_mode: bool) -> list[Variant]:
         what = f"{len(plan.streamed_blocks)} of {total_blocks} blocks" + (
             " + non-block modules" if plan.stream_non_blocks else "")
         pin = "pinned" if plan.pin_memory else "pageable"
-        out.append(Variant("streaming", f"streaming {what} ({pin}, poison mode)", memory_keys(alone, poison=True),
+        out.append(Variant("streaming", f"streaming {what} ({pin}, poison mode)", keys(alone, poison=True),
                            device_step))
         used.append("streaming")
         if full_mode and plan.optimizer_on_host:
             out.append(Variant("host step", f"optimizer step of the streamed blocks on the host ({what}, poison "
-                               f"mode)", memory_keys(alone, poison=True), {"streamed_step": "host"}))
+                               f"mode)", keys(alone, poison=True), {"streamed_step": "host"}))
             used.append("host step")
     if plan.fp8 or plan.fp8_modulation:
         fp8 = Plan(fp8=plan.fp8, fp8_modulation=plan.fp8_modulation, ring_slots=plan.ring_slots,
                    pin_memory=plan.pin_memory)
         what = " + ".join(w for w, on in (("block Linears", plan.fp8), ("modulation", plan.fp8_modulation)) if on)
-        out.append(Variant("fp8", f"fp8 storage ({what})", memory_keys(fp8, poison=False), device_step, exact=False))
+        out.append(Variant("fp8", f"fp8 storage ({what})", keys(fp8, poison=False), device_step, exact=False))
         used.append("fp8")
     if plan.checkpointing != "none":
         ckpt = Plan(checkpointing=plan.checkpointing, ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)
         what = "blocks" if plan.checkpointing == "blocks" else "blocks, inputs offloaded to host RAM"
-        out.append(Variant("checkpointing", f"checkpointing ({what})", memory_keys(ckpt, poison=False), device_step))
+        out.append(Variant("checkpointing", f"checkpointing ({what})", keys(ckpt, poison=False), device_step))
         used.append("checkpointing")
-    if len(used) > 1:
+    same = any(v.memory == keys(plan, poison=True) and v.full == (
+        {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}) for v in out)
+    if len(used) > 1 and not same:         # (streaming with the host step alone is the host step's run)
         step = {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}
         # With fp8 the exact techniques on top of it must give fp8 alone's bits: compared with that.
         out.append(Variant("plan", f"the whole plan ({plan.describe()}, poison mode"
                            + (", against fp8 storage alone)" if "fp8" in used else ")"),
-                           memory_keys(plan, poison=True), step, against="fp8" if "fp8" in used else "reference"))
+                           keys(plan, poison=True), step, against="fp8" if "fp8" in used else "reference"))
     return out
 
 
