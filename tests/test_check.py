@@ -226,6 +226,20 @@ def test_fp8_outside_its_tolerance_is_caught(tmp_path, tiny_flux_dir, images, mo
     assert all(v == v for v in result.records["fp8"].losses)        # finite: the tolerance caught it, not a NaN
 
 
+def test_a_variant_that_fails_to_build_is_a_failure_of_its_technique(tmp_path, tiny_flux_dir, images, monkeypatch):
+    from leantune.memory import engine
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("streaming: no slot for this unit")
+
+    monkeypatch.setattr(engine, "apply_streaming", refuse)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
+    assert result.rc == 1
+    line = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): differs: ")
+    assert "the run failed: building the run: RuntimeError: streaming: no slot for this unit" in line
+
+
 # -- the command ------------------------------------------------------------------------------------
 
 def test_check_command_exit_codes_and_lines(tmp_path, tiny_flux_dir, images, capsys):

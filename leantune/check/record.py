@@ -42,9 +42,11 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None) -> Record:
-    """Build `cfg`'s run (a variant config) and run `steps` optimizer steps; every failure after
-    the build is recorded, not raised (a fault the check looks for may well raise).
+def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None, raise_build: bool = False) -> Record:
+    """Build `cfg`'s run (a variant config) and run `steps` optimizer steps; a failure is recorded,
+    not raised (a fault the check looks for may well raise). `raise_build`: a failure to build
+    other than running out of memory is raised instead (the reference: bad data or model files
+    are the user's input errors, reported as such by the command).
 
     `start` (LoRA mode): the reference's adapter weights as built. The same seed does not give the
     same adapters under every plan (with fp8 storage the block Linears are e4m3 when peft adds the
@@ -56,7 +58,14 @@ def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None
 
     rec = Record()
     torch.manual_seed(cfg.train.seed)          # as train() does before _build: adapter init, data order
-    t = trainer._build(cfg)
+    try:
+        t = trainer._build(cfg)
+    except Exception as e:                     # noqa: BLE001
+        if raise_build and not is_out_of_memory(e):
+            raise
+        rec.error, rec.out_of_memory = f"building the run: {_said(e)}", is_out_of_memory(e)
+        gc.collect()
+        return rec
     try:
         names = {id(p): n for n, p in t.transformer.named_parameters()}
         trained = [n for n, p in t.transformer.named_parameters() if p.requires_grad]
@@ -86,11 +95,16 @@ def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None
         finally:
             undo()
     except Exception as e:                     # noqa: BLE001 (what failed is the finding)
-        rec.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        rec.error = _said(e)
         rec.out_of_memory = is_out_of_memory(e)
     finally:
         _release(t)
     return rec
+
+
+def _said(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
 def _start_from(t, start: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> list[str]:

@@ -111,7 +111,7 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
         return _not_fit(result, say, too_big, t0)
     with tempfile.TemporaryDirectory(prefix="leantune-check-") if work_dir is None else _keep(work_dir) as tmp:
         ref_variant, others = runs[0], runs[1:]
-        ref = _record(cfg, ref_variant, steps, Path(tmp))
+        ref = _record(cfg, ref_variant, steps, Path(tmp), raise_build=True)
         result.records[ref_variant.key] = ref
         if ref.error is not None:
             if ref.out_of_memory:
@@ -169,9 +169,9 @@ def _not_fit(result: CheckResult, say, why: str, t0: float) -> CheckResult:
     return result
 
 
-def _record(cfg: RunConfig, v: Variant, steps: int, tmp: Path, start=None) -> Record:
+def _record(cfg: RunConfig, v: Variant, steps: int, tmp: Path, start=None, raise_build: bool = False) -> Record:
     log.info("check: running the %s variant", v.key)
-    return record_variant(variant_config(cfg, v, tmp), steps, start)
+    return record_variant(variant_config(cfg, v, tmp), steps, start, raise_build)
 
 
 class _keep:
