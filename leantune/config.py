@@ -84,6 +84,10 @@ class ModelConfig(Section):
     tokenizer_2: str | None = None
     tokenizer_3: str | None = None       # SD3: T5 tokenizer
     vae: str | None = None
+    # Qwen-Image-2.1: its diffusers repository's processor/ folder (Qwen3-VL's tokenizer, chat
+    # template and image processor in one, as QwenImage21Pipeline names the component), so it is
+    # overridden by the name a user sees there; another family has no processor and refuses it.
+    processor: str | None = None
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     # SD3: false leaves T5-XXL out (zeros in its place, as StableDiffusion3Pipeline without
     # text_encoder_3). Flux cannot run without T5: false is refused there.
@@ -99,6 +103,9 @@ class ModelConfig(Section):
             raise ValueError(f"[model] variant = {self.variant!r} is not a {self.family} checkpoint: "
                              + ("one of " + ", ".join(f'"{v}"' for v in ("auto", *allowed))
                                 if allowed else f"family = {self.family!r} has one kind of checkpoint; remove the key"))
+        if self.processor is not None and self.family != "qwen-image-2.1":
+            raise ValueError(f"[model] processor: family = {self.family!r} has no processor component (only "
+                             f"\"qwen-image-2.1\" does); its tokenizer is [model] tokenizer")
         if self.family == "flux":
             if not self.t5:
                 raise ValueError("[model] t5 = false: Flux cannot run without its T5 text encoder (only "

@@ -73,6 +73,9 @@ FAMILIES: dict[str, FamilyEntry] = {
     "krea2": FamilyEntry("leantune.models.krea2", _JOINT, ("single",),
                          {"krea2": StockModel("krea2", 512), "krea2-turbo": StockModel("krea2", 512)},
                          variants=("raw", "turbo")),
+    # Qwen-Image-2.1 (issue 35): one list of 32 single-stream blocks; QwenImage21Pipeline cuts no
+    # prompt, so the planner's text length is the usual 512 tokens
+    "qwen-image-2.1": FamilyEntry("leantune.models.qwen_image21", {"transformer_blocks": "num_layers"}, ("single",)),
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

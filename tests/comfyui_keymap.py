@@ -27,6 +27,12 @@ at 09708eae, comfy/weight_adapter/lora.py at 6f98b150), not copied from it:
     and the top level `img_in` -> `first`, `time_embed.linear_1/2` -> `tmlp.0/2`, `time_mod_proj`
     -> `tproj.1`, `txt_in.linear_1/2` -> `txtmlp.1/3`, `text_fusion.projector` ->
     `txtfusion.projector`, `final_layer.linear` -> `last.linear`; nothing fused, nothing swapped.
+  - Qwen-Image-2.1 (`QwenImage21` here): ComfyUI's code for this model could not be read (not in
+    the code index; the repository is too large to fetch), so only the generic rule above is
+    modelled: `lora_unet_<W_>` and `diffusion_model.W` of its weights (diffusers' names, each
+    block's SwiGLU gate and up fused as `img_mlp.gate_up`). A diffusers-layout file's
+    `transformer.*` keys are then not loaded (a finding of the conformance suite, not a fact
+    about ComfyUI's real loader).
   - `Lumina2` (ComfyUI's class for Z-Image): every diffusers weight name `k` of
     `comfy.utils.z_image_to_diffusers` as `diffusion_model.k`, `transformer.k`, `lycoris_<k_>` and
     `k`. That table (`_z_image_to_diffusers` here) maps diffusers' `attention.to_q/to_k/to_v` of
@@ -106,7 +112,7 @@ def comfyui_class(family: str) -> str:
     if family.startswith("flux2"):
         return "Flux2"
     classes = {"flux": "Flux", "sd3": "SD3", "qwen-image": "QwenImage", "qwen-image-edit": "QwenImage",
-               "krea2": "Krea2", "z-image": "Lumina2"}
+               "krea2": "Krea2", "z-image": "Lumina2", "qwen-image-2.1": "QwenImage21"}
     if family not in classes:
         raise KeyError(f"no ComfyUI key map modelled for family {family!r}")
     return classes[family]
@@ -260,7 +266,28 @@ def diffusers_names(family: str, shapes: Mapping) -> dict[str, Target]:
         return _krea2_to_diffusers(shapes)
     if cls == "Lumina2":
         return _z_image_to_diffusers(shapes)
+    if cls == "QwenImage21":
+        return _qwen_image21_to_native(shapes)
     return {k[:-len(".weight")]: Target(k) for k in shapes if k.endswith(".weight")}
+
+
+def _qwen_image21_to_native(shapes: Mapping) -> dict[str, Target]:
+    """Where each diffusers weight of Qwen-Image-2.1 sits in ComfyUI's repackaged model (the
+    layout diffusers' convert_qwen_image21_transformer_checkpoint_to_diffusers reads: diffusers'
+    names, each block's img_mlp.gate_layer and img_mlp.proj the two row halves of img_mlp.gate_up).
+    Used only to check the native state; ComfyUI's key map for this class is the generic one
+    (comfyui_key_map): its code for the model could not be read here."""
+    out: dict[str, Target] = {}
+    for k in shapes:
+        if not k.endswith(".weight"):
+            continue
+        if k.endswith("img_mlp.gate_up.weight"):
+            stem, half = k[:-len("gate_up.weight")], _shape(shapes[k])[0] // 2
+            out[stem + "gate_layer"] = Target(k, (0, half))
+            out[stem + "proj"] = Target(k, (half, half))
+        else:
+            out[k[:-len(".weight")]] = Target(k)
+    return out
 
 
 # -- the key map (comfy/lora.py model_lora_keys_unet) --------------------------------------------------

@@ -29,6 +29,7 @@ from leantune import tiny
 from leantune.tiny import flux2 as tf
 from leantune.tiny import krea2 as tk
 from leantune.tiny import qwen_image as tq
+from leantune.tiny import qwen_image21 as tq21
 from leantune.tiny import z_image as tz
 
 
@@ -99,4 +100,11 @@ CASES = [
     # halves one after the other and defaults the negative prompt to ""
     Case("krea2", "krea2", lambda: tk.krea2_transformer(0), lambda p: tk.save_krea2_folder(p), "Krea2Pipeline", 32,
          Sample(guidance=4.5, negative="", cfg_batched=False)),
+    # Qwen-Image-2.1: true CFG (off at its default 1.0), the halves one after the other; its processor
+    # needs torchvision in from_pretrained (the tiny preset's subclass stands in)
+    Case("qwen-image-2.1", "qwen-image-2.1", lambda: tq21.qwen_image21_transformer(0),
+         lambda p: tq21.save_qwen_image21_folder(p), "QwenImage21Pipeline", 32,
+         Sample(guidance=4.0, negative="a blue square", negative_arg="negative_prompt", scale_arg="true_cfg_scale",
+                cfg_batched=False),
+         pipeline_parts=lambda: {"processor": tq21.qwen3_vl_processor()}),
 ]

@@ -86,8 +86,17 @@ class Built:
         from diffusers import DiffusionPipeline
 
         parts = self.case.pipeline_parts()
-        pipe = DiffusionPipeline.from_pretrained(str(self.folder), local_files_only=True, **{k: None for k in parts})
-        pipe.register_modules(**parts)
+        try:
+            # diffusers' way to pass a component: a pipeline whose constructor reads one
+            # (QwenImage21Pipeline's processor) cannot be built with it missing
+            pipe = DiffusionPipeline.from_pretrained(str(self.folder), local_files_only=True, **parts)
+        except AttributeError:
+            # diffusers looks a passed component's class up in the library model_index.json names, which
+            # a tiny stand-in defined elsewhere (Qwen-Image-Edit's processor) is not in: loaded as None,
+            # then registered
+            pipe = DiffusionPipeline.from_pretrained(str(self.folder), local_files_only=True,
+                                                     **{k: None for k in parts})
+            pipe.register_modules(**parts)
         pipe.set_progress_bar_config(disable=True)
         frozen(*pipe.components.values())
         return pipe

@@ -111,7 +111,10 @@ def load_transformer(sources: QwenImage21Sources, dtype: torch.dtype = torch.bfl
     with their scale (`keep_fp8`); `quantize_fp8`: the block Linears a run stores in fp8 are
     quantized as they are read (`trained(name)`: weights a full fine-tune trains keep `dtype`).
     The blocks hold no modulation Linear, so the modulation switches change nothing."""
-    from diffusers import QwenImage21Transformer2DModel
+    if str(device) == "meta":      # the planner's copy: its forward takes a host slot mask (meta_model.py)
+        from .meta_model import QwenImage21Transformer2DModel
+    else:
+        from diffusers import QwenImage21Transformer2DModel
 
     src = _require(sources.transformer, "transformer")
     config, files, ops, source_name = _transformer_layout(src)

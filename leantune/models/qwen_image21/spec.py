@@ -1,5 +1,6 @@
 """The Qwen-Image-2.1 spec: which modules are blocks, which stay in the compute dtype, LoRA
-presets, the ComfyUI single-file layout. Data only, read by the loader and (later) the family.
+presets, LoRA file names (lora_keys.py), the ComfyUI single-file layout. Data only, read by the
+loader and the family module.
 
 QwenImage21Transformer2DModel is one list of 32 single-stream blocks (`transformer_blocks`, width
 4096 = 32 heads of 128): text, reference-image and target tokens share each block's attention
@@ -18,6 +19,7 @@ three SwiGLU Linears; "all" is the same inside blocks (there is no other Linear 
 from __future__ import annotations
 
 from ...spec import BlockList, ModelSpec, SingleFileLayout
+from .lora_keys import QWEN_IMAGE21_LORA_KEYS
 
 _ATTN = (r"attn\.to_q", r"attn\.to_k", r"attn\.to_v", r"attn\.to_out\.0")
 _MLP = (r"img_mlp\.gate_layer", r"img_mlp\.proj", r"img_mlp\.out")
@@ -41,12 +43,13 @@ def _file_metadata(model) -> dict:
 
 
 QWEN_IMAGE21_SPEC = ModelSpec(
-    family="qwen_image21",
+    family="qwen-image-2.1",
     block_lists=(BlockList(attr="transformer_blocks", kind="single", kohya_prefix="transformer_blocks"),),
     fp8_skip=(r"(^|\.)norm",),
     non_block_modules=NON_BLOCK_MODULES,
     lora_presets={"attention": _ATTN, "attention_mlp": _ATTN + _MLP, "all": _ATTN + _MLP},
     default_lora_preset="attention_mlp",
+    lora_keys=QWEN_IMAGE21_LORA_KEYS,
     modulation=(),
     # ComfyUI's repackaged layout (keys.py): diffusers names under model.diffusion_model., the
     # SwiGLU gate and up fused.
