@@ -245,3 +245,126 @@ def test_a_gguf_file_only_as_the_transformer(tmp_path, tmp_path_factory):
     check_file(_q8(tmp_path_factory), "transformer")
     with pytest.raises(LoadError, match=r"\[model\] vae: .*only \.safetensors.*a \.gguf file only as"):
         check_file(_q8(tmp_path_factory), "vae")
+
+
+# -- training over the stored blocks ---------------------------------------------------------------
+
+def _lora_base(path: Path, kind: str = "lora"):
+    """The GGUF-loaded tiny Flux with a rank-4 adapter of `kind` (train/lora.add_lora) whose
+    trainable factors are all random, so every gradient path is exercised."""
+    from leantune.config import LoraConfig
+    from leantune.train.lora import add_lora
+
+    model = load_transformer(_sources(path), dtype=torch.float32)
+    params = add_lora(model, FLUX_SPEC, LoraConfig(type=kind, rank=4, targets="all"))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def test_streamed_equals_resident_bitwise_in_poison_mode(gguf_base):
+    """Two SGD steps with every block and the non-block group streamed (poison mode: a released
+    slot is 0xFF, a NaN fp16 block scale) and checkpointed equal the resident run bitwise: loss,
+    adapter gradients and values. The streamed units carry the blocks as uint8, as stored, and the
+    base keeps its bytes."""
+    _, _, path, _ = gguf_base
+    model = _lora_base(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    assert len(before) == 40
+    want = train(copy.deepcopy(model))
+    assert want[0]["grads"]
+    plan = Plan(streamed_blocks=tuple(block_names(model)), stream_non_blocks=True, checkpointing="blocks",
+                debug_poison=True)
+    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
+    entries = [e for u in handle.streaming.units for e in u.entries]
+    assert sum(e.dtype == torch.uint8 for e in entries) == 40
+    got = train(model)
+    assert all(torch.isfinite(r["loss"]) for r in got)
+    assert_records_equal(got, want)
+    assert handle.step_report()["bytes_h2d"] > 0
+    handle.remove()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+
+
+def test_fp8_storage_leaves_the_blocks_alone(tmp_path_factory):
+    """[memory] fp8 on a GGUF base: the blocks stay as stored (not re-quantized to e4m3) and the
+    run computes what the plain one does, bitwise."""
+    path = _q8(tmp_path_factory)
+    model = _lora_base(path)
+    want = train(copy.deepcopy(model))
+    handle = apply_memory(model, FLUX_SPEC, Plan(fp8=True), "cpu")
+    assert not handle.fp8.linears
+    assert sum(p.dtype == torch.uint8 for p in model.parameters()) == 40
+    assert_records_equal(train(model), want)
+
+
+def test_adapters_that_read_the_base_weight_are_refused_on_a_gguf_base(tmp_path_factory):
+    """DoRA reads the base rows, LoKr / LoHa its shape: on stored bytes each would be wrong."""
+    with pytest.raises(ValueError, match=r"DoRA .* holds GGUF blocks \(a \.gguf base\)"):
+        _lora_base(_q8(tmp_path_factory), "dora")
+    for kind in ("lokr", "loha"):
+        with pytest.raises(ValueError, match=rf'type = "{kind}": .* holds GGUF blocks \(a \.gguf base\)'):
+            _lora_base(_q8(tmp_path_factory), kind)
+
+
+def _fit(model, steps: int = 40) -> list[float]:
+    """A rank-4 LoRA (B = 0 at init, as a real run's) fitted by Adam to one fixed batch."""
+    from leantune.config import LoraConfig
+    from leantune.train.lora import add_lora
+
+    params = add_lora(model, FLUX_SPEC, LoraConfig(rank=4, targets="all"))
+    opt = torch.optim.Adam(params, lr=1e-2)
+    x, sigma, embeds, hw, target = make_batch(8, 8, seed=0)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_lora_learns_on_a_q8_0_base_as_on_the_source(tmp_path_factory):
+    """The loss ratio (last / first) of the same fit on the Q8_0 base and on the fp32 model it was
+    quantized from: it learns, and as fast (within 0.02)."""
+    ref, path, _ = _base(Q.Q8_0, tmp_path_factory)
+    on_gguf = _fit(load_transformer(_sources(path), dtype=torch.float32))
+    on_source = _fit(copy.deepcopy(ref))
+    ratio, want = on_gguf[-1] / on_gguf[0], on_source[-1] / on_source[0]
+    assert ratio < 0.6 and abs(ratio - want) < 0.02, (ratio, want)
+
+
+# -- the planner prices the stored bytes -----------------------------------------------------------
+
+def test_planner_weight_bytes_equal_the_stored_bytes(gguf_base):
+    """A meta load (what the planner prices) reports, per block and in total, the bytes the real
+    load holds: 34 per 32 values for Q8_0, 176 / 144 per 256 for Q5_K / Q4_K, in every plan;
+    the streamed units' packed size equals unit_bytes."""
+    from leantune.planner.weight_bytes import measure_weights
+
+    qtype, _, path, _ = gguf_base
+    real = load_transformer(_sources(path), dtype=torch.float32)
+    meta = load_transformer(_sources(path), dtype=torch.float32, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    weights = measure_weights(FLUX_SPEC, meta)
+    per = {Q.Q8_0: 34 / 32, Q.Q5_K: 176 / 256, Q.Q4_K: 144 / 256}[qtype]
+    to_q = real.transformer_blocks[0].attn.to_q
+    assert to_q.weight.numel() == to_q.in_features * to_q.out_features * per
+    for (name, block), w in zip(FLUX_SPEC.blocks(real), weights.blocks):
+        actual = sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
+        assert w.bytes(4) == w.bytes(4, fp8=True, modulation=True) == actual, name
+    total = sum(t.numel() * t.element_size() for t in list(real.parameters()) + list(real.buffers()))
+    assert weights.total(4) == weights.total(4, fp8=True) == total
+    assert not weights.prequantized and not weights.fp8_convertible()
+    handle = apply_memory(real.requires_grad_(False), FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(real))), "cpu")
+    try:
+        packed = {u.name: u.nbytes for u in handle.streaming.units}
+        for w in weights.blocks:
+            assert packed[w.name] == w.unit_bytes(4), w.name
+    finally:
+        handle.remove()

@@ -6,7 +6,9 @@ compute dtype, in fp8 storage (1 byte per element plus one fp32 scale per output
 64 inputs, for the Linears fp8 storage converts; the modulation Linears only with fp8 modulation),
 and packed by the streaming engine (each tensor 512-byte aligned). Block Linears that are already
 e4m3 (an fp8 checkpoint, loaded as it is stored, modulation included) cost 1 byte per element plus
-their own scales in every plan: the engine keeps them in fp8 whatever the plan says. Tests hold these numbers to what fp8 storage, the streaming engine and peft really
+their own scales in every plan: the engine keeps them in fp8 whatever the plan says. Linear
+weights of a GGUF base (memory/gguf_storage.py) cost their stored blocks' bytes, exactly, in every
+plan and in or out of the blocks (an entry "stored" with no fp8 scales: its element count is bytes). Tests hold these numbers to what fp8 storage, the streaming engine and peft really
 allocate, so the planner prices exactly what the engine builds.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory.fp8 import SCALE_ATTR
+from ..memory.gguf_storage import is_gguf
 from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
 from ..memory.streaming_units import ALIGN as STREAM_ALIGN
 from ..train.adapter_types import adafactor_numel, adapter_numel
@@ -69,15 +72,17 @@ class ModuleWeights:
 
     @property
     def prequantized(self) -> bool:
-        return any(t[2] for t in self.tensors)
+        return any(stored and s for _, s, stored, _ in self.tensors)
 
     @property
     def prequantized_modulation(self) -> bool:
-        return any(stored and mod for _, _, stored, mod in self.tensors)
+        return any(stored and s and mod for _, s, stored, mod in self.tensors)
 
     @staticmethod
     def _e4m3(scales: int, stored: bool, mod: bool, fp8: bool, modulation: bool) -> bool:
-        return bool(scales) and (stored or (modulation if mod else fp8))
+        """Priced as stored (1 byte per element plus 4 per scale): e4m3 weights, and GGUF blocks
+        (stored, no scales: bytes as elements)."""
+        return (bool(scales) or stored) and (stored or (modulation if mod else fp8))
 
     def bytes(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
         """Bytes in `dtype_bytes` per element, or with fp8 storage (1 byte + fp32 scales) of the
@@ -177,10 +182,14 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
     Trained weights keep their dtype under fp8 storage (it holds frozen weights only)."""
     prefix = f"{name}." if in_block else ""
     fp8_of: dict[int, tuple[int, bool, bool]] = {}      # id(weight) -> (scale count, already e4m3, modulation)
+    for mname, m in module.named_modules():             # GGUF blocks: their bytes, in or out of blocks
+        if type(m) is torch.nn.Linear and is_gguf(m):
+            fp8_of[id(m.weight)] = (0, True, in_block and spec.is_modulation(_base_name(mname)))
     if in_block:
         for mname, m in module.named_modules():
             rel = _base_name(mname)
-            if type(m) is not torch.nn.Linear or _is_adapter(mname) or spec.keeps_compute_dtype(rel, fp8_modulation=True):
+            if (type(m) is not torch.nn.Linear or _is_adapter(mname) or is_gguf(m)
+                    or spec.keeps_compute_dtype(rel, fp8_modulation=True)):
                 continue
             if trains is not None and m.weight.dtype not in FP8_DTYPES and trains(f"{prefix}{mname}.weight"):
                 continue

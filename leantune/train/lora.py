@@ -206,6 +206,18 @@ def _refuse_fp8_base_for_dora(transformer: torch.nn.Module, names: list[str], wh
                              f"\"loha\"")
 
 
+def _refuse_gguf_base(transformer: torch.nn.Module, names: list[str], kind: str) -> None:
+    """peft's LoKr and LoHa shape their update from the base weight's shape (LoHa its factors too),
+    which for a GGUF base (memory/gguf_storage.py) is that of the stored bytes, not of the Linear."""
+    for name in names:
+        m = transformer.get_submodule(name)
+        linear = m.get_base_layer() if _is_tuner_layer(m) else m
+        if "gguf_type" in linear.__dict__:
+            raise ValueError(f'[lora] type = "{kind}": peft shapes a {kind} update from the base weight\'s shape, but '
+                             f"{name}.weight holds GGUF blocks (a .gguf base) of another shape; use [lora] type "
+                             f"\"lora\" on a GGUF base, or a bf16 / fp8 checkpoint")
+
+
 def _to_fp32(layer: torch.nn.Module, adapter_name: str, kind: str) -> None:
     """Adapter parameters in fp32 (peft may create them in the base dtype, bf16 or even fp8), with
     the standard init redone in fp32 where they were not (an fp8-rounded draw is mostly zeros and
@@ -249,6 +261,8 @@ def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_na
         _warn_rank_beyond_layers(transformer, targets, lora_cfg.rank)
     if kind == "dora":
         _refuse_fp8_base_for_dora(transformer, targets, '[lora] type = "dora"')
+    if kind in ("lokr", "loha"):
+        _refuse_gguf_base(transformer, targets, kind)
     if len(targets) < len(matched):            # all_linear names whole top-level children: keep their Linears
         regex = "^(" + "|".join(re.escape(n) for n in targets) + ")$"
     config = _peft_config(kind, lora_cfg, regex)
