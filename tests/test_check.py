@@ -132,7 +132,7 @@ def test_a_slot_released_before_its_backward_is_caught(tmp_path, tiny_flux_dir, 
 
     monkeypatch.setattr(StreamingEngine, "backward_boundary", release_early)
     _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
-    result = run_check(cfg, steps=2, emit=lambda line: None)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
     assert result.rc == 1
     line = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): differs: ")
     assert "NaN in the gradient of " in line and "lora_" in line
@@ -152,7 +152,7 @@ def test_a_stale_slot_reused_is_caught(tmp_path, tiny_flux_dir, images, monkeypa
 
     monkeypatch.setattr(StreamingEngine, "_fetch", skip_fetch)
     _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
-    result = run_check(cfg, steps=2, emit=lambda line: None)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
     assert result.rc == 1
     line = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): differs: ")
     assert "NaN in the gradient of " in line
@@ -179,7 +179,7 @@ def test_an_adapter_whose_gradient_does_not_reach_the_optimizer_is_caught(tmp_pa
 
     monkeypatch.setattr(engine, "apply_streaming", cut_off)
     _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
-    result = run_check(cfg, steps=2, emit=lambda line: None)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
     assert replaced, "the fault was not injected"
     assert result.rc == 1
     line = _line(result, "streaming 3 of 4 blocks (pinned, poison mode): differs: ")

@@ -86,6 +86,7 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     plain run is reproducible, so it runs once."""
     from ..models.family import get_family
     from ..trainer import pick_device
+    from .variants import meta_model
 
     t0 = time.perf_counter()
     result = CheckResult(0)
@@ -94,14 +95,16 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
         result.lines.append(line)
         emit(line)
 
-    plan, planner, budget = run_plan(cfg)
-    family = get_family(cfg.model.family)
+    meta = meta_model(cfg)
+    plan, planner, budget = run_plan(cfg, meta)
     device = pick_device(cfg)
     full = cfg.train.mode == "full"
-    total = _count_blocks(cfg)
+    total = len(list(get_family(cfg.model.family).spec.blocks(meta)))
+    del meta
     runs = variants(plan, total, full, cfg.memory.fp8_modulation)
     say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe()}; "
-        f"{steps} step(s) from seed {cfg.train.seed} on {device.type}, {len(runs) - 1} variant(s) against the reference")
+        f"{steps} step(s) from seed {cfg.train.seed} on {device.type}, {len(runs) - 1} variant(s) against the "
+        f"reference")
     if len(runs) == 1:
         say("nothing to compare: the plan uses no technique (nothing streamed, no fp8, no checkpointing)")
         result.seconds = time.perf_counter() - t0
@@ -132,7 +135,8 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
             rec = _record(cfg, v, steps, Path(tmp), ref.initial or None)
             result.records[v.key] = rec
             if rec.started_from_reference:
-                say(f"note: with {'the whole plan' if v.key == 'plan' else v.key} the same seed built {len(rec.started_from_reference)} adapter tensor(s) "
+                which = "the whole plan" if v.key == "plan" else v.key
+                say(f"note: with {which} the same seed built {len(rec.started_from_reference)} adapter tensor(s) "
                     f"otherwise (e.g. {rec.started_from_reference[0]}); this variant starts from the reference's")
             base = result.records[v.against]
             verdict = (compare(base, rec, v.exact and bitwise) if base.error is None else
@@ -148,16 +152,6 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     say(f"check: {'every technique held' if result.rc == 0 else 'a technique differs'} "
         f"({result.seconds:.1f} s)")
     return result
-
-
-def _count_blocks(cfg: RunConfig) -> int:
-    from ..models.family import get_family, loader_options
-    from ..data.cache import model_dtype
-
-    family = get_family(cfg.model.family)
-    sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
-    meta = family.load_transformer(sources, dtype=model_dtype(cfg.model), device="meta", **loader_options(cfg.memory))
-    return len(list(family.spec.blocks(meta)))
 
 
 def _not_fit(result: CheckResult, say, why: str, t0: float) -> CheckResult:

@@ -30,32 +30,38 @@ class Variant:
     against: str = "reference"    # the variant it is compared with: the whole plan with fp8 against fp8 alone
 
 
-def run_plan(cfg: RunConfig) -> tuple[Plan, object | None, object | None]:
-    """(plan, planner, budget) of the run: the planner's under [memory] vram_budget (as the trainer
-    chooses it before loading, on the meta-built model), else the explicit [memory] keys
-    (planner and budget None)."""
-    from ..models.family import get_family, loader_options
+def meta_model(cfg: RunConfig):
+    """The config's transformer on the meta device, as the trainer builds it before loading."""
     from ..data.cache import model_dtype
-    from ..trainer import _plan_before_load
-    from ..memory.engine import resolve_plan
+    from ..models.family import get_family, loader_options
 
     family = get_family(cfg.model.family)
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
-    meta = family.load_transformer(sources, dtype=model_dtype(cfg.model), device="meta",
-                                   **loader_options(cfg.memory))
-    planned = _plan_before_load(cfg, family.spec, lambda: meta, None)
+    return family.load_transformer(sources, dtype=model_dtype(cfg.model), device="meta", **loader_options(cfg.memory))
+
+
+def run_plan(cfg: RunConfig, meta) -> tuple[Plan, object | None, object | None]:
+    """(plan, planner, budget) of the run: the planner's under [memory] vram_budget (as the trainer
+    chooses it before loading, on the meta-built model `meta`), else the explicit [memory] keys
+    (planner and budget None)."""
+    from ..memory.engine import resolve_plan
+    from ..models.family import get_family
+    from ..trainer import _plan_before_load
+
+    spec = get_family(cfg.model.family).spec
+    planned = _plan_before_load(cfg, spec, lambda: meta, None)
     if planned is not None:
         return planned
     try:
-        plan = resolve_plan(cfg.memory, family.spec, meta)
+        plan = resolve_plan(cfg.memory, spec, meta)
     except ValueError as e:                   # the message names the [memory] key
         from ..config import ConfigError
 
         raise ConfigError(str(e)) from None
-    if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and (plan.streamed_blocks or plan.stream_non_blocks):
+    if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and streams(plan):
         from dataclasses import replace
 
-        plan = replace(plan, optimizer_on_host=True)
+        plan = replace(plan, optimizer_on_host=True)      # as trainer._apply_memory does
     return plan, None, None
 
 
@@ -64,8 +70,9 @@ def memory_keys(plan: Plan, *, poison: bool, modulation=None) -> dict:
     `modulation`: the config's own [memory] fp8_modulation, kept when the plan does not store the
     modulation in fp8 and it says false (a file's e4m3 modulation is then upcast, as the run does);
     else "auto" (a file's e4m3 modulation stays as stored, a bf16 one is not quantized)."""
+    own_modulation = True if plan.fp8_modulation else (False if modulation is False else "auto")
     return {"streamed_blocks": list(plan.streamed_blocks), "stream_non_blocks": plan.stream_non_blocks,
-            "fp8": plan.fp8, "fp8_modulation": True if plan.fp8_modulation else (False if modulation is False else "auto"),
+            "fp8": plan.fp8, "fp8_modulation": own_modulation,
             "checkpointing": plan.checkpointing, "ring_slots": plan.ring_slots, "pin_memory": plan.pin_memory,
             "debug_poison": poison and bool(plan.streamed_blocks or plan.stream_non_blocks), "vram_budget": None}
 
