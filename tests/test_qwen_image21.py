@@ -489,3 +489,81 @@ def test_references_are_prepared_as_the_pipeline_prepares_them(pipe, folder, fol
                                 references=ref_latents, kv_cache=cache, kv_mode="extract" if i == 0 else "cached")
             x = scheduler.step(v, t, x, return_dict=False)[0]
     assert torch.equal(x, want)
+
+
+# -- the registered family -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["lora", "lokr", "loha", "dora"])
+def test_every_adapter_types_kohya_file_loads_whole_in_comfyuis_generic_key_map(kind, tmp_path):
+    """The comfyui-layout export (kohya `lora_unet_` names) loads whole through
+    tests/comfyui_keymap.py's model of ComfyUI's generic key map (ComfyUI's own code for this model
+    cannot be read here, see the conformance FINDINGS) and gives the trained weights (peft's merge)
+    at strength 1 (DoRA under the output-axis norm, Comfy-Org/ComfyUI#15458): a LoRA on every Linear
+    (gate and up fused into ComfyUI's img_mlp.gate_up), a LoKr / LoHa / DoRA on the attention. Of
+    those on every Linear, the fused gate_up's parts are written under LyCORIS names
+    (`lycoris_..._img_mlp_gate_layer`: a Kronecker or Hadamard factor pair cannot be stacked), which
+    the generic map does not have: under this model ComfyUI skips exactly those (LoKr / LoHa)."""
+    import copy
+
+    from comfyui_keymap import comfyui_load, comfyui_native_state
+    from safetensors.torch import load_file as read
+
+    from leantune.models.family import get_family
+    from leantune.train.lora import add_lora, lora_layers, lora_weights_from_model, save_lora
+
+    family = get_family("qwen-image-2.1")
+    base = tq.qwen_image21_transformer(0).eval().requires_grad_(False)
+    model = copy.deepcopy(base)
+    cfg = SimpleNamespace(rank=4, effective_alpha=8.0, alpha=8.0, dropout=0.0, blocks=None, type=kind, factor=-1,
+                          targets="all_linear" if kind == "lora" else "attention", decompose_both=False)
+    params = add_lora(model, family.spec, cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p * (1 + 0.1 * torch.randn(p.shape, generator=g)) if p.dim() == 1
+                    else torch.randn(p.shape, generator=g) * 0.1)
+    model.eval().requires_grad_(False)
+    merged = dict(base.state_dict())
+    for name, layer in lora_layers(copy.deepcopy(model), "default").items():
+        layer.merge(adapter_names=["default"])
+        merged[f"{name}.weight"] = layer.get_base_layer().weight.detach().clone()
+    native = comfyui_native_state("qwen-image-2.1", base)
+    want = comfyui_native_state("qwen-image-2.1", base, merged)
+    changed = {k for k in native if not torch.equal(want[k], native[k])}
+    assert any(k.endswith("img_mlp.gate_up.weight") for k in changed) == (kind == "lora")
+    tensors = read(save_lora(lora_weights_from_model(model), tmp_path / f"{kind}.safetensors", "comfyui"))
+    assert not any(k.startswith("transformer.") for k in tensors)
+    load = comfyui_load("qwen-image-2.1", native, tensors, dora_fixed=True)
+    assert not load.skipped and load.loaded == set(tensors)
+    assert set(load.deltas) == changed
+    for k in load.deltas:
+        torch.testing.assert_close(native[k] + load.deltas[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    if kind in ("lokr", "loha"):          # on every Linear: the fused gate_up's LyCORIS-named parts are skipped
+        everything = copy.deepcopy(base)
+        add_lora(everything, family.spec, SimpleNamespace(**{**vars(cfg), "targets": "all_linear"}))
+        tensors = read(save_lora(lora_weights_from_model(everything), tmp_path / "all.safetensors", "comfyui"))
+        load = comfyui_load("qwen-image-2.1", native, tensors)
+        lycoris = {k for k in tensors if k.startswith("lycoris_")}
+        assert lycoris and all("_img_mlp_gate_layer." in k or "_img_mlp_proj." in k for k in lycoris)
+        assert set(load.skipped) == lycoris and load.loaded == set(tensors) - lycoris
+
+
+def test_model_processor_overrides_the_folders_and_other_families_refuse_it(folder, tmp_path):
+    """[model] processor names the processor/ component as QwenImage21Pipeline's repository does;
+    the family's sources take it over the folder's, and a family without a processor refuses the key
+    by name."""
+    import shutil
+
+    from leantune.config import ConfigError, validate
+    from leantune.models.family import get_family
+
+    other = tmp_path / "my_processor"
+    shutil.copytree(folder / "processor", other)
+    base = {"data": {"datasets": [{"path": "unused"}]}, "lora": {"rank": 4}}
+    cfg = validate({**base, "model": {"path": str(folder), "family": "qwen-image-2.1", "processor": str(other)}})
+    sources = get_family("qwen-image-2.1").resolve_sources(cfg.model, tmp_path)
+    assert sources.processor == other and sources.text_encoder == folder / "text_encoder"
+    plain = validate({**base, "model": {"path": str(folder), "family": "qwen-image-2.1"}})
+    assert get_family("qwen-image-2.1").resolve_sources(plain.model, tmp_path).processor == folder / "processor"
+    with pytest.raises((ConfigError, ValueError), match=r"\[model\] processor"):
+        validate({**base, "model": {"path": str(folder), "family": "flux", "processor": str(other)}})
