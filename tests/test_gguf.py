@@ -329,14 +329,36 @@ def _fit(model, steps: int = 40) -> list[float]:
     return losses
 
 
-def test_a_lora_learns_on_a_q8_0_base_as_on_the_source(tmp_path_factory):
+def test_a_lora_learns_on_a_q8_0_base_and_its_file_applies_to_the_bf16_base(tmp_path_factory, tmp_path):
     """The loss ratio (last / first) of the same fit on the Q8_0 base and on the fp32 model it was
-    quantized from: it learns, and as fast (within 0.02)."""
+    quantized from: it learns, and as fast (within 0.02). Its ComfyUI file has the keys and shapes
+    of the one trained on the source, and applies to the bf16 base as trained (peft's A / B are
+    the file's), changing its output."""
+    from leantune.io import load_safetensors
+    from leantune.train.lora import apply_lora, lora_weights_from_model
+    from leantune.train.lora_formats import read_lora, save_lora
+
     ref, path, _ = _base(Q.Q8_0, tmp_path_factory)
-    on_gguf = _fit(load_transformer(_sources(path), dtype=torch.float32))
-    on_source = _fit(copy.deepcopy(ref))
+    model, source = load_transformer(_sources(path), dtype=torch.float32), copy.deepcopy(ref)
+    on_gguf, on_source = _fit(model), _fit(source)
     ratio, want = on_gguf[-1] / on_gguf[0], on_source[-1] / on_source[0]
     assert ratio < 0.6 and abs(ratio - want) < 0.02, (ratio, want)
+    files = {name: save_lora(lora_weights_from_model(m), tmp_path / f"{name}.safetensors", "comfyui")
+             for name, m in (("gguf", model), ("source", source))}
+    tensors = {name: load_safetensors(f)[0] for name, f in files.items()}
+    assert {k: t.shape for k, t in tensors["gguf"].items()} == {k: t.shape for k, t in tensors["source"].items()}
+    bf16 = copy.deepcopy(ref).to(torch.bfloat16).requires_grad_(False)
+    x, sigma, embeds, hw, _ = make_batch(8, 8, seed=0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = predict(bf16, x, sigma, embeds, hw, guidance=1.0)
+    weights = read_lora(files["gguf"])
+    wrapped = apply_lora(bf16, weights)
+    assert len(wrapped) == len(weights.modules) == 40               # "all": every block Linear
+    for name in wrapped:
+        layer = bf16.get_submodule(name)
+        assert torch.equal(layer.lora_A["lora"].weight, weights.modules[name].down.to(layer.lora_A["lora"].weight.dtype))
+    with torch.no_grad():
+        assert not torch.equal(predict(bf16, x, sigma, embeds, hw, guidance=1.0), plain)
 
 
 # -- the planner prices the stored bytes -----------------------------------------------------------
@@ -368,3 +390,19 @@ def test_planner_weight_bytes_equal_the_stored_bytes(gguf_base):
             assert packed[w.name] == w.unit_bytes(4), w.name
     finally:
         handle.remove()
+
+
+def test_model_path_and_transformer_keys_take_a_gguf_file(tmp_path_factory, tmp_path):
+    """[model] path = a .gguf file is the transformer (no other component in it); [model]
+    transformer = a .gguf file overrides a folder's transformer/."""
+    from leantune.config import ModelConfig
+    from leantune.models.flux.loading import resolve_sources
+
+    path = _q8(tmp_path_factory)
+    alone = resolve_sources(ModelConfig(path=str(path)), tmp_path)
+    assert alone.transformer == path and alone.vae is None and alone.text_encoder is None
+    folder = tmp_path / "flux"
+    (folder / "vae").mkdir(parents=True)
+    (folder / "vae" / "config.json").write_text("{}")
+    both = resolve_sources(ModelConfig(path=str(folder), transformer=str(path)), tmp_path)
+    assert both.transformer == path and both.vae == folder / "vae"
