@@ -75,9 +75,12 @@ def _performance(plan, rec: Record, device_type: str) -> str:
 
 
 def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = print,
-              work_dir: Path | None = None, repeat_reference: bool | None = None) -> CheckResult:
+              work_dir: Path | None = None, repeat_reference: bool | None = None,
+              progress: Callable[[str], None] | None = None) -> CheckResult:
     """Check `cfg`'s plan on its own model and data (module docstring); `emit` gets each line as it
-    is known. `work_dir`: where the variants' output folders go (default: a temporary folder).
+    is known; `progress` gets "running <variant>" before each run (a real model takes minutes to
+    load; the command prints these on stderr). `work_dir`: where the variants' output folders go
+    (default: a temporary folder).
 
     `repeat_reference` (default: on CUDA): run the reference twice first. A GPU's kernels need not
     be bitwise reproducible (an atomic-add reduction in an attention backward), and then no
@@ -94,6 +97,11 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     def say(line: str) -> None:
         result.lines.append(line)
         emit(line)
+
+    def record(v: Variant, **kwargs) -> Record:
+        if progress is not None:
+            progress(f"check: running {v.label} ...")
+        return _record(cfg, v, steps, Path(tmp), **kwargs)
 
     meta = meta_model(cfg)
     plan, planner, budget = run_plan(cfg, meta)
@@ -114,7 +122,7 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
         return _not_fit(result, say, too_big, t0)
     with tempfile.TemporaryDirectory(prefix="leantune-check-") if work_dir is None else _keep(work_dir) as tmp:
         ref_variant, others = runs[0], runs[1:]
-        ref = _record(cfg, ref_variant, steps, Path(tmp), raise_build=True)
+        ref = record(ref_variant, raise_build=True)
         result.records[ref_variant.key] = ref
         if ref.error is not None:
             if ref.out_of_memory:
@@ -125,14 +133,14 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
             return result
         bitwise = True
         if repeat_reference if repeat_reference is not None else device.type == "cuda":
-            again = compare(ref, _record(cfg, ref_variant, steps, Path(tmp)), exact=True)
+            again = compare(ref, record(ref_variant), exact=True)
             bitwise = again.held
             say("reference run twice: bitwise reproducible on this device" if bitwise else
                 f"reference run twice: NOT bitwise reproducible on this device ({again.text}); the exact "
                 f"techniques are compared within the fp8 tolerance instead, which a small schedule fault "
                 f"could pass (NaN, missing or zero gradients still fail)")
         for v in others:
-            rec = _record(cfg, v, steps, Path(tmp), ref.initial or None)
+            rec = record(v, start=ref.initial or None)
             result.records[v.key] = rec
             if rec.started_from_reference:
                 which = "the whole plan" if v.key == "plan" else v.key

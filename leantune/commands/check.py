@@ -41,4 +41,10 @@ def check_config(cfg, steps: int = DEFAULT_STEPS) -> int:
     """Run the check on a loaded config, print its lines; the exit code."""
     from ..check import run_check
 
-    return run_check(cfg, steps, emit=lambda line: print(line, flush=True)).rc
+    return run_check(cfg, steps, emit=lambda line: print(line, flush=True), progress=_progress).rc
+
+
+def _progress(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)

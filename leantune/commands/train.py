@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,10 +36,9 @@ def run(args: argparse.Namespace) -> int:
     if args.check and not _launched_worker():
         from ..check import run_check
 
-        rc = run_check(cfg, emit=lambda line: print(line, flush=True)).rc
+        rc = run_check(cfg, emit=lambda line: print(line, flush=True),
+                       progress=lambda line: print(line, file=sys.stderr, flush=True)).rc
         if rc:
-            import sys
-
             print(f"leantune train: the check did not hold (exit code {rc}); not training", file=sys.stderr)
             return rc
     if args.gpus is not None and args.gpus > 1:
