@@ -406,3 +406,85 @@ def test_model_path_and_transformer_keys_take_a_gguf_file(tmp_path_factory, tmp_
     (folder / "vae" / "config.json").write_text("{}")
     both = resolve_sources(ModelConfig(path=str(folder), transformer=str(path)), tmp_path)
     assert both.transformer == path and both.vae == folder / "vae"
+
+
+# -- the other families whose GGUF names are their single files' -----------------------------------
+
+def _to_gguf(safetensors_path: Path, path: Path) -> Path:
+    """A single-file safetensors transformer rewritten as GGUF by the converter's rule: 1-D and
+    rows that hold no whole Q8_0 block in F32, every other 2-D tensor Q8_0; names unchanged, and
+    the file's string metadata as GGUF string fields (the tiny widths' rotary axes, which the
+    released models' head widths do not need)."""
+    from leantune.io import load_safetensors
+
+    tensors, metadata = load_safetensors(safetensors_path)
+    writer = gguf.GGUFWriter(str(path), "unknown")
+    for key, value in (metadata or {}).items():        # leantune's config (the tiny widths' rotary axes)
+        writer.add_string(key, value)
+    for key, t in tensors.items():
+        a = t.float().numpy()
+        if a.ndim == 2 and a.shape[-1] % 32 == 0:
+            writer.add_tensor(key, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(key, a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _family(name: str):
+    """(tiny model, save_single_file, load(path), spec) of a family with single-file GGUF reading."""
+    if name == "flux2":
+        from leantune.models.flux2.single_file import load_single_file_transformer, save_single_file
+        from leantune.models.flux2.spec import FLUX2_DEV_SPEC as spec
+        from leantune.tiny.flux2 import flux2_transformer as build
+
+        return build(seed=2), save_single_file, lambda p: load_single_file_transformer(p, torch.float32), spec
+    if name == "z-image":
+        from leantune.models.z_image.loading import ZImageSources, load_transformer as load, save_single_file
+        from leantune.models.z_image.spec import Z_IMAGE_SPEC as spec
+        from leantune.tiny.z_image import z_image_transformer as build
+
+        return build(seed=2), save_single_file, lambda p: load(ZImageSources(p, None, None, None), torch.float32), spec
+    if name == "qwen-image":
+        from leantune.models.qwen_image.loading import QwenImageSources, load_transformer as load
+        from leantune.models.qwen_image.loading import save_comfy_transformer as save
+        from leantune.models.qwen_image.spec import QWEN_IMAGE_SPEC as spec
+        from leantune.tiny.qwen_image import qwen_image_transformer as build
+
+        return build(seed=2), save, lambda p: load(QwenImageSources(p, None, None, None), torch.float32), spec
+    from leantune.models.krea2.loading import Krea2Sources, load_transformer as load, save_single_file
+    from leantune.models.krea2.spec import KREA2_SPEC as spec
+    from leantune.tiny.krea2 import krea2_transformer as build
+
+    return build(seed=2), save_single_file, lambda p: load(Krea2Sources(p, None, None, None), torch.float32), spec
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwen-image", "z-image", "krea2"])
+def test_other_families_read_a_gguf_single_file(family, tmp_path):
+    """The family's own single file, rewritten as GGUF, loads through its single-file reader: every
+    block Linear whose rows hold whole blocks keeps its Q8_0 blocks (the key conversion's splits by rows included), each decodes
+    to the safetensors load's weight to Q8_0's precision; a quantized tensor of no Linear is decoded
+    as read, the others are as written."""
+    from leantune.memory.fp8 import block_linears
+
+    model, save, load, spec = _family(family)
+    src = save(model, tmp_path / "t.safetensors", dtype=torch.float32)
+    plain, kept = load(src), load(_to_gguf(src, tmp_path / "t.gguf"))
+    linears = block_linears(spec, kept)
+    assert any(is_gguf(lin) for _, _, lin in linears)
+    assert all(is_gguf(lin) == (lin.in_features % 32 == 0) for _, _, lin in linears)   # else F32, as written
+    want = dict(plain.named_parameters())
+    for name, m in kept.named_modules():
+        if type(m) is torch.nn.Linear and is_gguf(m):
+            ref = want[f"{name}.weight"]
+            assert (stored_weight(m) - ref).norm() / ref.norm() < 0.01, name
+    for name, p in kept.named_parameters():
+        if p.dtype == torch.uint8:
+            continue
+        if p.dim() == 2 and p.shape[-1] % 32 == 0:     # a quantized tensor of no Linear (pad tokens): decoded
+            assert (p - want[name]).norm() / want[name].norm() < 0.01, name
+        else:
+            assert torch.equal(p, want[name]), name

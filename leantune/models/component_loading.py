@@ -217,8 +217,8 @@ def transformer_layout(src: Path, classes: tuple[str, ...], label: str, read_sin
     if src.is_dir():
         config, files, ops = diffusers_folder(src, classes, label)
         return config, files, ops, (lambda target: target)
-    if src.suffix != ".safetensors":
-        raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
+    if src.suffix.lower() not in (".safetensors", ".gguf"):
+        raise LoadError(f"[model] transformer: {src}: only .safetensors (or .gguf) files are read")
     files, ops, config, source_name = read_single_file(src)
     return config, files, ops, source_name
 

@@ -89,12 +89,12 @@ class GgufFiles(CheckpointFiles):
         self.paths = [path]
         self.tensors = {}
         self.metadata = {}
-        arch = reader.fields.get("general.architecture")
-        if arch is not None:
-            try:
-                self.metadata["general.architecture"] = bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace")
-            except (IndexError, TypeError):
-                pass
+        for key, field in reader.fields.items():          # string fields, as safetensors' __metadata__
+            if field.types == [gguf.GGUFValueType.STRING]:   # (general.architecture; a leantune.config)
+                try:
+                    self.metadata[key] = bytes(field.parts[field.data[0]]).decode("utf-8")
+                except (IndexError, TypeError, UnicodeDecodeError):
+                    raise LoadError(f"{path}: metadata field {key!r} is not a readable string (corrupt file)") from None
         for t in reader.tensors:
             name, kind = t.name, t.tensor_type.name
             shape = tuple(int(s) for s in reversed(list(t.shape)))      # torch order: rows first
@@ -182,6 +182,13 @@ class GgufFiles(CheckpointFiles):
             raise LoadError(f"{self.name}: tensor {key!r} is {self.tensors[key].dtype}; it stays in its GGUF "
                             f"blocks and is not converted to fp8")
         super().quantize_rows_into(key, segments, dtype, q_out, scale_out)
+
+
+def open_single_file(path: str | Path) -> CheckpointFiles:
+    """A single transformer file's key space: GgufFiles for a .gguf file, else its safetensors
+    header. The families' single-file readers open files through this, so a GGUF file of any
+    family whose names are its single files' loads the same way (quantized Linears kept)."""
+    return GgufFiles(path) if is_gguf_path(Path(path)) else CheckpointFiles([path])
 
 
 def tensor_names(path: str | Path) -> list[str]:

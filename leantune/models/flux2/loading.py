@@ -93,8 +93,8 @@ def load_transformer(sources: Flux2Sources, dtype: torch.dtype = torch.bfloat16,
 
     src = _require(sources.transformer, "transformer")
     if src.is_file():
-        if src.suffix != ".safetensors":
-            raise LoadError(f"[model] transformer: {src}: only .safetensors files are read")
+        if src.suffix.lower() not in (".safetensors", ".gguf"):
+            raise LoadError(f"[model] transformer: {src}: only .safetensors (or .gguf) files are read")
         return load_single_file_transformer(src, dtype, device, fp8_modulation=fp8_modulation, keep_fp8=keep_fp8,
                                             quantize_fp8=quantize_fp8, quantize_modulation=quantize_modulation,
                                             trained=trained, expected=expected)

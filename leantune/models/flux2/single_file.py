@@ -41,7 +41,9 @@ def read_layout(path: str | Path):
     """
     path = Path(path)
     cl.check_file(path, "transformer")
-    files = CheckpointFiles([path])
+    from ..gguf_file import open_single_file
+
+    files = open_single_file(path)                    # safetensors, or GGUF (models/gguf_file.py)
     all_keys = files.keys()
     prefix = keys.find_prefix(all_keys)
     if prefix is None:

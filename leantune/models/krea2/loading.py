@@ -103,7 +103,9 @@ def _require(source: Path | None, name: str) -> Path:
 def read_layout(path: Path):
     """(files, ops, config, source_name) of a Krea 2 single file, from its header alone."""
     cl.check_file(path, "transformer")
-    files = CheckpointFiles([path])
+    from ..gguf_file import open_single_file
+
+    files = open_single_file(path)                    # safetensors, or GGUF (models/gguf_file.py)
     all_keys = files.keys()
     found = keys.find_prefix(all_keys)
     if found is None:

@@ -127,7 +127,12 @@ def _transformer_layout(src: Path):
     if src.is_dir():
         config, files, ops = cl.diffusers_folder(src, (_CLASS,), _LABEL["transformer"])
         return config, files, ops, (lambda target: target)
-    files = CheckpointFiles(_shard_paths(src))
+    if src.suffix.lower() == ".gguf":                   # ComfyUI-GGUF: ComfyUI's names (models/gguf_file.py)
+        from ..gguf_file import GgufFiles
+
+        files = GgufFiles(src)
+    else:
+        files = CheckpointFiles(_shard_paths(src))
     keys = list(files.keys())
     prefix = _prefix(keys)
     if prefix is None:

@@ -82,7 +82,9 @@ def read_layout(path: Path):
     """(files, ops, config, source_name) of a single transformer file, from its header alone.
     `source_name(model_key)` is the file key a model key comes from (for missing-key messages)."""
     cl.check_file(path, "transformer")
-    files = CheckpointFiles([path])
+    from ..gguf_file import open_single_file
+
+    files = open_single_file(path)                    # safetensors, or GGUF (models/gguf_file.py)
     all_keys = list(files.keys())
     prefix = keys.find_prefix(all_keys)
     if prefix is None or not keys.recognizes_keys(all_keys):
