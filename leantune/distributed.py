@@ -230,7 +230,7 @@ class DistContext:
         # accelerate names a CPU process's device "cpu:<local rank mod 1>"; CPU tensors say "cpu", and
         # the memory engine compares devices, so the plain name is used.
         device = accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
-        host_group = host_group_for_default() if distributed else None
+        host_group = host_group_for_default(cfg.distributed.timeout_minutes) if distributed else None
         return cls(rank=accelerator.process_index, world_size=accelerator.num_processes,
                    local_rank=accelerator.local_process_index,
                    local_world_size=env["LOCAL_WORLD_SIZE"] if env is not None else 1,
@@ -585,14 +585,22 @@ def _serves(group, device_type: str) -> bool:
     return (config == "gloo") if device_type == "cpu" else config in ("gloo", "nccl")
 
 
-def host_group_for_default():
+def host_group_for_default(timeout_minutes: int | None = None):
     """A gloo group beside a default group that has no CPU backend (NCCL), else None. Collective:
-    every rank calls it once, in the same order as its other group creations."""
+    every rank calls it once, in the same order as its other group creations.
+
+    `timeout_minutes` is the run's `[distributed] timeout_minutes`: without it the group gets
+    torch's 30-minute default, and a rank-0-only phase longer than that (caching thousands of
+    captions, a slow load turn) kills the ranks waiting at `main_first`'s barrier on this group."""
+    import datetime
+
     import torch.distributed as dist
 
     if _serves(None, "cpu"):
         return None
-    return dist.new_group(backend="gloo")
+    if timeout_minutes is None:
+        return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def launch_env() -> dict | None:
