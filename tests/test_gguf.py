@@ -488,3 +488,27 @@ def test_other_families_read_a_gguf_single_file(family, tmp_path):
             assert (p - want[name]).norm() / want[name].norm() < 0.01, name
         else:
             assert torch.equal(p, want[name]), name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
+def test_legacy_32_value_types_decode_as_the_gguf_package(qtype):
+    """The other block types leantune keeps (ComfyUI-GGUF also publishes Q4_0 / Q4_1 / Q5_0 / Q5_1):
+    a Linear holding their blocks computes with gguf.quants.dequantize's weight, bitwise, forward
+    and backward."""
+    from leantune.memory.gguf_storage import use_gguf_weight
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 64, generator=g)
+    blocks = gguf.quants.quantize(w.numpy(), qtype)
+    lin = torch.nn.Linear(64, 24)
+    lin.weight = torch.nn.Parameter(torch.from_numpy(blocks), requires_grad=False)
+    use_gguf_weight(lin, int(qtype))
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    assert torch.equal(stored_weight(lin), want)
+    x = torch.randn(3, 64, generator=g, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = lin(x), torch.nn.functional.linear(x2, want, lin.bias)
+    assert torch.equal(y, y2)
+    y.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
