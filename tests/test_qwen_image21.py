@@ -1,8 +1,9 @@
-"""Qwen-Image-2.1 (issue 35), the first part: the tiny preset, loading of the diffusers folder and
-of the single files, and text encoding, each against diffusers' / the pipeline's own.
-
-The family is not registered yet (no FamilyEntry, no conformance Case): these tests call its
-modules (leantune/models/qwen_image21/) directly.
+"""Qwen-Image-2.1 (issue 35): the tiny preset, loading of the diffusers folder and of the single
+files, text encoding and the transformer call, each against diffusers' / the pipeline's own (the
+modules of leantune/models/qwen_image21/ called directly), and what the registered family
+(`qwen-image-2.1`) does beyond the conformance suite's promises (tests/families): samples through
+leantune's sampler at a size the model takes, the kohya LoRA files of each adapter type in
+ComfyUI's generic key map, [model] processor.
 """
 
 from __future__ import annotations
@@ -567,3 +568,44 @@ def test_model_processor_overrides_the_folders_and_other_families_refuse_it(fold
     assert get_family("qwen-image-2.1").resolve_sources(plain.model, tmp_path).processor == folder / "processor"
     with pytest.raises((ConfigError, ValueError), match=r"\[model\] processor"):
         validate({**base, "model": {"path": str(folder), "family": "flux", "processor": str(other)}})
+
+
+@pytest.mark.parametrize("guidance, n_refs", [(1.0, 0), (4.0, 0), (1.0, 1)], ids=["t2i", "t2i-cfg", "edit"])
+def test_leantunes_sampler_samples_as_the_pipeline(folder, pipe, guidance, n_refs):
+    """The registered family through leantune's staged sampler (encode_prompts_stage, denoise,
+    decode_latents: the slot rows as zero rows of the embeddings, family.predict) gives
+    QwenImage21Pipeline's RGBA images bit for bit at 64x64 in fp32: text to image, with true CFG
+    at 4.0 (a negative prompt) and an edit with one RGBA reference (at the pipeline's 1024² size).
+    The pipeline runs without its prefix KV cache: leantune's predict runs the whole sequence each
+    step (the cache agrees within 1e-4, test_the_tiny_folder_loads_...)."""
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.infer.references import reference_latents, text_images
+    from leantune.infer.sampler import denoise
+    from leantune.models.family import get_family
+
+    family = get_family("qwen-image-2.1")
+    sources = _sources(folder)
+    encoders = family.load_text_encoders(sources, torch.float32, "cpu")
+    vae = family.load_vae(sources, torch.float32, "cpu")
+    transformer = family.load_transformer(sources, torch.float32).eval().requires_grad_(False)
+    images = [_rgba(70)] if n_refs else []
+    cfg = family.sampling.guides(guidance)
+    encoded = encode_prompts_stage(encoders, ["a red cube on a table"], max_length=64, device="cpu", family=family,
+                                   negative_prompts=["a blue square"] if cfg else None,
+                                   images=text_images(images, family))
+    embeds, negative = encoded if cfg else (encoded, None)
+    schedule = family.sampling.schedule(family.sampling.variant(transformer), folder)
+    with torch.no_grad():
+        latents = denoise(transformer, embeds, [3], width=RES, height=RES, steps=2, guidance=guidance,
+                          schedule=schedule, device="cpu", family=family, negative=negative, cfg_batched=False,
+                          references=reference_latents(vae, images, family) or None)
+        ours = decode_latents(vae, latents, "cpu").permute(0, 2, 3, 1).numpy()
+    p = tq.load_qwen_image21_pipeline(folder)
+    p.set_progress_bar_config(disable=True)
+    p.transformer, p.vae = transformer, vae.vae
+    want = p("a red cube on a table", image=images or None, negative_prompt="a blue square" if cfg else None,
+             true_cfg_scale=guidance, height=RES, width=RES, num_inference_steps=2, use_kv_cache=False,
+             generator=torch.Generator().manual_seed(3), output_type="np").images
+    assert ours.shape == want.shape == (1, RES, RES, 4)
+    assert np.abs(ours - want).max() == 0.0

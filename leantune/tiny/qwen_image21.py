@@ -97,11 +97,12 @@ def qwen3_vl_encoder(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float3
 
 def qwen3_vl_image_processor():
     """Qwen2-VL's PIL image processor with Qwen3-VL's geometry (16-pixel patches, 2x2 merge, mean
-    and std 0.5); pixel bounds wide enough that the pipeline's 32-multiple sizes are kept as given."""
+    and std 0.5); pixel bounds wide enough that the pipeline's 32-multiple sizes are kept as given, up to its
+    default 1024² references."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
-                                    min_pixels=32 * 32, max_pixels=256 * 256,
+                                    min_pixels=32 * 32, max_pixels=1024 * 1024,
                                     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 

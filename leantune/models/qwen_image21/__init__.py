@@ -110,8 +110,11 @@ def text_layout(seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, t
     simulated device's fake tensors, the planner's meta ones) read as all real, no slot."""
     real = (seq != 0).any(dim=-1)                                                 # (B, L)
     if not real.numel() or int(real.sum()) == 0:
+        from .meta_model import host
+
         b, n = seq.shape[:2]
-        return seq, None, torch.zeros(b, n, dtype=torch.bool)
+        with host():             # a real host mask even on the simulated device (meta_model.py)
+            return seq, None, torch.zeros(b, n, dtype=torch.bool)
     positions = torch.arange(seq.shape[1], device=seq.device)
     length = torch.where(real, positions + 1, 0).amax(dim=1)                      # (B,) last real row + 1
     n = int(length.max())
@@ -122,8 +125,10 @@ def text_layout(seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, t
 
 
 def text_rows(max_length: int) -> int:
-    """The most rows a caption of `max_length` tokens gives with the family's most references."""
-    return max_length + TEMPLATE_ROWS + MAX_REFERENCES * ROWS_PER_REFERENCE
+    """The planner's text length: a caption of `max_length` tokens in the template. A reference
+    adds up to ROWS_PER_REFERENCE slot rows; the planner does not price references for this family
+    yet (its probe is text to image), so neither are their rows here."""
+    return max_length + TEMPLATE_ROWS
 
 
 def text_modules(encoders):
@@ -140,6 +145,11 @@ def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds
     """One transformer call: packed noisy target latents (B, h*w, 64) at sigma (B,) -> the target's
     velocity. `references`: normalised latents (B or 1, 64, h_r, w_r) per reference slot, in the
     order the text encoder saw them; `guidance` is ignored (true CFG in sampling)."""
+    h, w = latent_hw
+    if h % 2 or w % 2:
+        raise ValueError(f"Qwen-Image-2.1 takes images whose sides are multiples of 32 pixels (one vision slot "
+                         f"per 2x2 latent tokens of 16 px); got {16 * w}x{16 * h} (QwenImage21Pipeline floors "
+                         f"such a size to a multiple of 32 itself)")
     seq, mask, slots = text_layout(embeds.t5)
     b = noisy_packed.shape[0]
     refs = [r.expand(b, -1, -1, -1) for r in references] if references else None

@@ -30,11 +30,28 @@ def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds
     h, w = latent_hw
     hidden = torch.cat([*(pack_latents(r.to(device, dtype)) for r in references), noisy_packed], dim=1)
     shapes = [(1, r.shape[2], r.shape[3]) for r in references] + [(1, h, w)]
-    slot_mask = image_slots.to(device)
-    img_mask = torch.cat([slot_mask, slot_mask.new_ones(slot_mask.shape[0], slots(h, w))], dim=1)
+    if noisy_packed.is_meta or isinstance(noisy_packed, _fake()):
+        # no values (the planner's meta copy, the simulated device): the layout stays a real host
+        # tensor, which meta_model's forward reads (meta_model.py says why)
+        from .meta_model import host
+
+        with host():
+            slot_mask = image_slots.cpu()
+            img_mask = torch.cat([slot_mask, slot_mask.new_ones(slot_mask.shape[0], slots(h, w))], dim=1)
+    else:
+        slot_mask = image_slots.to(device)
+        img_mask = torch.cat([slot_mask, slot_mask.new_ones(slot_mask.shape[0], slots(h, w))], dim=1)
     out = transformer(hidden_states=hidden, timestep=sigma.to(device=device, dtype=dtype),
                       encoder_hidden_states=embeds.to(device=device, dtype=dtype),
                       encoder_hidden_states_mask=None if text_mask is None else text_mask.to(device),
                       img_shapes=[shapes] * noisy_packed.shape[0], img_mask=img_mask,
                       kv_cache=kv_cache, kv_cache_mode=kv_mode, return_dict=False)[0]
     return out[:, -noisy_packed.shape[1]:]
+
+
+def _fake():
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:          # pragma: no cover
+        return ()
+    return FakeTensor
