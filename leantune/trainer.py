@@ -568,7 +568,7 @@ def _training_state(t: Trainee, losses: list[float]) -> dict:
     return {
         **t.mode.state(t),                         # "trainable" weights and "optimizer" state
         "scheduler": t.scheduler.state_dict(),     # lr_lambdas are plain functions: stored as None
-        "rng": rng_state(t.generator),
+        "rng": rng_state(t.generator, t.device),
         "data": t.batches.state_dict(),
         "losses": list(losses),
         "validation": [[s, v] for s, v in t.validation],
@@ -587,7 +587,7 @@ def _resume(t: Trainee, paths: RunPaths, cfg: RunConfig) -> tuple[int, list[floa
     t.mode.load_state(t, state, ckpt)
     t.scheduler.load_state_dict(state["scheduler"])
     apply_learning_rate(changes, t.optimizer, t.scheduler)
-    set_rng_state(state["rng"], t.generator)
+    set_rng_state(state["rng"], t.generator, t.device)
     strict = exact and not changes.data_order_changed and not cfg.data.allow_dataset_change
     try:
         t.batches.load_state_dict(state["data"], strict=strict)

@@ -49,3 +49,53 @@ def test_from_config_passes_timeout_minutes_to_the_host_group(monkeypatch):
     monkeypatch.setattr(ltd, "host_group_for_default", lambda *a, **k: asked.append((a, k)))
     ltd.DistContext.from_config(cfg, torch.device("cpu"))
     assert asked == [((240,), {})]
+
+
+# -- finding 9: CUDA's random state is the run's device's only ----------------------------------------
+
+class _FakeCuda:
+    """`count` visible GPUs, each with its own random state; an index past them is refused as CUDA
+    refuses it ("invalid device ordinal"), by torch's own `*_all` functions too."""
+
+    def __init__(self, monkeypatch, count: int, current: int = 0):
+        self.states = [torch.tensor([10 * i + 1, 10 * i + 2], dtype=torch.uint8) for i in range(count)]
+        self.current = current
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: count)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "get_rng_state", self.get)
+        monkeypatch.setattr(cuda, "set_rng_state", self.set)
+        monkeypatch.setattr(cuda, "get_rng_state_all", lambda: [self.get(i) for i in range(count)])
+        monkeypatch.setattr(cuda, "set_rng_state_all", lambda sts: [self.set(s, i) for i, s in enumerate(sts)])
+
+    def _index(self, device):
+        i = self.current if device == "cuda" else (device.index if isinstance(device, torch.device) else int(device))
+        if not 0 <= i < len(self.states):
+            raise IndexError(f"CUDA error: invalid device ordinal {i}")
+        return i
+
+    def get(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def set(self, state, device="cuda"):
+        self.states[self._index(device)] = state.clone()
+
+
+def test_a_save_from_more_gpus_than_visible_resumes_on_the_runs_device(monkeypatch):
+    from leantune.train.state import rng_state, set_rng_state
+
+    gen = torch.Generator().manual_seed(3)
+    four = _FakeCuda(monkeypatch, count=4, current=2)
+    saved = rng_state(gen)                                     # a rank on the third of four GPUs
+    one = _FakeCuda(monkeypatch, count=1)                      # resumed where one GPU is visible
+    set_rng_state(saved, gen)
+    assert torch.equal(one.states[0], four.states[2])
+    # A save of the earlier layout (every visible GPU's state, a list of four) resumes as well.
+    old = {**saved, "cuda": [torch.full((2,), 50 + i, dtype=torch.uint8) for i in range(4)]}
+    set_rng_state(old, gen, torch.device("cuda", 0))
+    assert one.states[0].tolist() == [50, 50]
+    again = _FakeCuda(monkeypatch, count=4, current=3)         # the run's device named: its state, not the current's
+    assert torch.equal(rng_state(gen, torch.device("cuda", 1))["cuda"], again.states[1])
+    # A CPU run keeps no CUDA state even where CUDA is there.
+    assert "cuda" not in rng_state(gen, torch.device("cpu"))

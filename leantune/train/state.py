@@ -248,25 +248,51 @@ def load_latest(root: str | Path) -> tuple[Path, int, dict] | None:
 
 # -- RNG -------------------------------------------------------------------------------------------
 
-def rng_state(generator: torch.Generator) -> dict:
+def rng_state(generator: torch.Generator, device: torch.device | None = None) -> dict:
+    """The run's random state. CUDA's is the run's own device's only (`device`; the current one
+    when None): a save holding every visible GPU's state could not be restored by index on a
+    machine, or under a CUDA_VISIBLE_DEVICES, with fewer GPUs (IndexError at resume)."""
     import random
 
     st = {"torch": torch.get_rng_state(), "generator": generator.get_state(),
           "python": _py_random_state(random.getstate())}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+    index = _cuda_index(device)
+    if index is not None:
+        st["cuda"] = torch.cuda.get_rng_state(index)
     return st
 
 
-def set_rng_state(state: dict, generator: torch.Generator) -> None:
+def set_rng_state(state: dict, generator: torch.Generator, device: torch.device | None = None) -> None:
+    """Restore `rng_state`'s state; CUDA's goes to the run's device (`device`; the current one when
+    None), whichever index it had when saved. A save of an older version holds a list of every
+    visible GPU's state: the entry of the run's device is taken where there is one, else the first
+    (the device the saving rank used by default)."""
     import random
 
     torch.set_rng_state(state["torch"])
     generator.set_state(state["generator"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
+    index = _cuda_index(device)
+    if "cuda" not in state or index is None:
+        return
+    saved = state["cuda"]
+    if isinstance(saved, (list, tuple)):
+        if not saved:
+            return
+        saved = saved[index] if index < len(saved) else saved[0]
+    torch.cuda.set_rng_state(saved, index)
+
+
+def _cuda_index(device: torch.device | None) -> int | None:
+    """The CUDA device index whose random state a run saves, or None (no CUDA, or a CPU run)."""
+    if device is not None and device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
 
 
 def _py_random_state(st):
