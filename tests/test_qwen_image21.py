@@ -609,3 +609,33 @@ def test_leantunes_sampler_samples_as_the_pipeline(folder, pipe, guidance, n_ref
              generator=torch.Generator().manual_seed(3), output_type="np").images
     assert ours.shape == want.shape == (1, RES, RES, 4)
     assert np.abs(ours - want).max() == 0.0
+
+
+def test_the_slot_mask_travels_as_zero_rows_and_reads_back_as_the_pipelines(pipe, encoders):
+    """The family's encoding writes each image slot as a zero row (the transformer overwrites those
+    rows with the reference's latents); cut and padded as the cache batches it, text_layout gives
+    back the pipeline's padding mask and image-slot mask exactly, and its other rows bit for bit:
+    two prompts of different lengths, each with two references of different aspects."""
+    from leantune.models.qwen_image21 import encode_prompts, text_layout
+
+    refs = [_rgba(80), _rgba(81, size=(RES + 32, RES))]
+    prompts = ["a cat", "a small orange ellipse next to a large purple square, two shapes on a table"]
+    got, lengths = encode_prompts(prompts, encoders, images=[refs, refs])
+    padded = torch.cat([got.t5, got.t5.new_zeros(2, 5, got.t5.shape[2])], dim=1)    # the cache's batch padding
+    seq, mask, slots = text_layout(padded)
+    for i, prompt in enumerate(prompts):
+        resized = [pipe.image_processor.resize(r.convert("RGBA"), width=w, height=h) for r in refs
+                   for w, h in [_pipeline_size(r)]]
+        want, want_mask, want_slots = pipe.encode_prompt(prompt=prompt, image=resized, device="cpu")
+        n = int(lengths[i])
+        assert n == want.shape[1] and torch.equal(slots[i, :n], want_slots[0].bool()) and want_slots.any()
+        assert not slots[i, n:].any() and (mask is not None and mask[i, :n].all() and not mask[i, n:].any())
+        keep = ~want_slots[0].bool()
+        assert torch.equal(seq[i, :n][keep], want[0][keep]) and not seq[i, :n][~keep].any()
+
+
+def _pipeline_size(image):
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    w, h, _ = calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
+    return w, h
