@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     from leantune.config import ConfigError
 
     warnings.formatwarning = _format_warning
+    from leantune.memory.attention_kernels import guard_process
+
+    guard_process()              # cuDNN attention off for every CUDA command, not only in training
     try:
         return int(args._module.run(args) or 0)
     except ConfigError as e:

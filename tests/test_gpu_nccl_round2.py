@@ -99,3 +99,25 @@ def test_a_save_from_more_gpus_than_visible_resumes_on_the_runs_device(monkeypat
     assert torch.equal(rng_state(gen, torch.device("cuda", 1))["cuda"], again.states[1])
     # A CPU run keeps no CUDA state even where CUDA is there.
     assert "cuda" not in rng_state(gen, torch.device("cpu"))
+
+
+# -- finding 4: cuDNN attention is off for every CUDA command, caching and sampling too ----------------
+
+@pytest.mark.parametrize("cuda_visible", [True, False])
+def test_every_command_starts_with_cudnn_attention_off_where_a_gpu_is_visible(monkeypatch, cuda_visible):
+    from leantune import cli
+    from leantune.commands import cache
+    from leantune.memory import attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "_done", False)
+    monkeypatch.delenv("LEANTUNE_CUDNN_SDP", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_visible)
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    seen = []
+    monkeypatch.setattr(cache, "run", lambda args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        assert cli.main(["cache", "run.toml"]) == 0           # `leantune cache` encodes before any plan
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    assert seen == [not cuda_visible]
