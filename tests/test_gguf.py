@@ -512,3 +512,14 @@ def test_legacy_32_value_types_decode_as_the_gguf_package(qtype):
     y.sum().backward()
     y2.sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_full_fine_tune_of_a_gguf_base_is_refused(tmp_path_factory):
+    """Stored blocks are bytes, not weights an optimizer could step: named, before any step."""
+    from leantune.config import FullConfig, TrainConfig
+    from leantune.train.full_mode import FullMode
+
+    model = load_transformer(_sources(_q8(tmp_path_factory)), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r'mode = "full": transformer_blocks\.0\..*weight \(and 39 more\) is stored '
+                                         r"as quantized GGUF blocks"):
+        FullMode(TrainConfig(), FullConfig(), ["comfyui"]).prepare(model, FLUX_SPEC)

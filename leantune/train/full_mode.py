@@ -53,6 +53,11 @@ class FullMode:
         if not named:
             raise ValueError(f"[full] train = {full.train} with exclude = {full.exclude} selects no weight of the "
                              f"transformer; names look like 'transformer_blocks.0.attn.to_q.weight'")
+        stored = [n for n, p in named.items() if not p.is_floating_point()]
+        if stored:                          # a GGUF base's blocks (memory/gguf_storage.py): bytes, not weights
+            raise ValueError(f"[train] mode = \"full\": {stored[0]} (and {len(stored) - 1} more) is stored as "
+                             f"quantized GGUF blocks ({named[stored[0]].dtype}), which cannot be trained; fine-tune "
+                             f"a bf16 checkpoint, train a LoRA on the GGUF base, or [full] exclude those weights")
         transformer.requires_grad_(False)
         for p in named.values():
             p.requires_grad_(True)
