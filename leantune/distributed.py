@@ -461,7 +461,8 @@ class DistContext:
         for turn in range(turns):
             if self.local_rank == turn:
                 try:
-                    result = fn()
+                    with machine_threads():   # the machine's cores are this turn's (torchrun gave each rank 1)
+                        result = fn()
                 finally:
                     self.barrier()       # a failure still releases the others, who then fail on their own
             else:
@@ -601,6 +602,36 @@ def host_group_for_default(timeout_minutes: int | None = None):
     if timeout_minutes is None:
         return dist.new_group(backend="gloo")
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class machine_threads:
+    """Within: torch's intra-op threads are every core this process may use; after: as before.
+
+    Why: torchrun sets OMP_NUM_THREADS=1 for several processes, so each rank's load (reading,
+    casting, the C quantizer, which sizes its worker pool from torch's thread count) would run
+    on one core during its loading turn while the other ranks wait at a barrier and the machine's
+    other cores idle. In a turn the machine is this rank's; outside it, the ranks share it, and
+    torchrun's one thread each stays."""
+
+    def __enter__(self):
+        self._before = torch.get_num_threads()
+        cores = machine_cores()
+        if cores > self._before:
+            torch.set_num_threads(cores)
+        return self
+
+    def __exit__(self, *exc):
+        if torch.get_num_threads() != self._before:
+            torch.set_num_threads(self._before)
+        return False
 
 
 def launch_env() -> dict | None:

@@ -121,3 +121,20 @@ def test_every_command_starts_with_cudnn_attention_off_where_a_gpu_is_visible(mo
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
     assert seen == [not cuda_visible]
+
+
+# -- finding 7: a rank's loading turn uses the machine's cores, not torchrun's one thread -------------
+
+def test_a_loading_turn_runs_on_every_core_and_then_gives_them_back(monkeypatch):
+    ctx = ltd.DistContext(rank=1, world_size=2, local_rank=1, local_world_size=2, strategy="ddp")
+    monkeypatch.setattr(ctx, "gather", lambda value: [value, value])
+    monkeypatch.setattr(ctx, "barrier", lambda: None)
+    monkeypatch.setattr(ltd, "machine_cores", lambda: 4, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)                                  # torchrun's OMP_NUM_THREADS=1
+    try:
+        seen = ctx.local_turns(lambda: torch.get_num_threads())
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert (seen, after) == (4, 1)
