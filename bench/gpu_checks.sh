@@ -38,7 +38,7 @@ PARTS=(
   "3|strategies|135|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
   "3|two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
 )
-GPU_TEST_FILES="tests/test_cache.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_loading.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_optimizers_recipe.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py tests/test_streaming_boundaries.py"
+GPU_TEST_FILES="tests/test_cache.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_gguf.py tests/test_loading.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_optimizers_recipe.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py tests/test_streaming_boundaries.py"
 TOTAL_S=${TOTAL_S:-510}
 
 dry=0; only=""; window=1

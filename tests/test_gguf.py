@@ -523,3 +523,21 @@ def test_a_full_fine_tune_of_a_gguf_base_is_refused(tmp_path_factory):
     with pytest.raises(ValueError, match=r'mode = "full": transformer_blocks\.0\..*weight \(and 39 more\) is stored '
                                          r"as quantized GGUF blocks"):
         FullMode(TrainConfig(), FullConfig(), ["comfyui"]).prepare(model, FLUX_SPEC)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_streamed_equals_resident_on_cuda(tmp_path_factory):
+    """GPU-only: on CUDA the blocks stream through real ring slots and decode through the host
+    (gguf_storage.dequantize copies them there); every block streamed in poison mode equals the
+    resident run on the device, bitwise."""
+    from test_memory_helpers import run_plan
+
+    model = _lora_base(_q8(tmp_path_factory))
+    want, ref, _ = run_plan(model, Plan(), device="cuda")
+    ref.remove()
+    got, handle, _ = run_plan(model, Plan(streamed_blocks=tuple(block_names(model)), debug_poison=True,
+                                          checkpointing="blocks"), device="cuda")
+    assert handle.step_report()["bytes_h2d"] > 0
+    assert_records_equal(got, want)
+    handle.remove()
