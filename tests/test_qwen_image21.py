@@ -639,3 +639,36 @@ def _pipeline_size(image):
 
     w, h, _ = calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
     return w, h
+
+
+def test_an_edit_dataset_caches_references_and_slots_as_the_pipeline_sees_them(folder, pipe, tmp_path):
+    """An edit dataset (targets, references matched by file stem: the reference-image seam of
+    data/references.py) on the registered family: each reference is cached as the pipeline encodes
+    it (resized to 1024² of area, RGBA with an opaque alpha: QwenImage21Pipeline's latents bit for
+    bit, rounded to the cache's bf16), and each caption's text entry holds exactly as many slot rows (zero rows) as those
+    latents have 2x2 token groups, so the batch conditions the transformer as the pipeline does."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_reference_images import RUN, _caches, _dataset
+
+    from leantune.config import load_config
+    from leantune.data.dataset import load_rgb
+    from leantune.models.qwen_image21 import latents as lat
+    from leantune.models.qwen_image21 import text_layout
+
+    images, refs = _dataset(tmp_path, count=2)
+    p = tmp_path / "run.toml"
+    p.write_text(RUN.format(family="qwen-image-2.1", model=folder, images=images, refs=refs, cache=tmp_path / "c"))
+    data = _caches(load_config(p, []))
+    batch = next(data.batches(seed=0))
+    (ref,) = batch.references
+    assert ref.shape[1:] == (64, 64, 64)            # 1024² of area at the reference's (square) aspect
+    s = data.samples[0]
+    image = load_rgb(s.item.references[0].path).convert("RGBA")
+    pixels = pipe.image_processor.preprocess(image, width=1024, height=1024).unsqueeze(2)
+    want = pipe._encode_vae_image(pixels, None)[:, :, 0]
+    stored = want.to(torch.bfloat16).to(ref.dtype)      # the cache stores latents in bf16
+    assert any(torch.equal(ref[i:i + 1], stored) for i in range(ref.shape[0]))
+    _, _, slots = text_layout(batch.embeds.t5)
+    assert (slots.sum(dim=1) == lat.slots(*ref.shape[2:])).all()

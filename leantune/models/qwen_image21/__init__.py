@@ -35,7 +35,10 @@ Everything follows QwenImage21Pipeline (diffusers 0.42.1):
 - Training noise levels: "shift", as Qwen-Image (logit-normal shifted by [train] shift).
 
 Not done yet: the prefix KV cache in leantune's own sampler (predict runs the whole sequence each
-step; forward.predict takes the cache), the planner's pricing of references and of the text phase.
+step, as the pipeline with use_kv_cache=False; forward.predict takes the cache), the planner's
+pricing of references (its probe is text to image) and of the text phase (no `text_phase`), a stock
+architecture for `leantune plan --model` (planner/meta.build_meta_packaged builds diffusers' class,
+whose forward cannot run on meta: meta_model.py's class is needed there), RGBA training targets.
 """
 
 from __future__ import annotations
