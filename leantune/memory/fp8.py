@@ -20,6 +20,7 @@ How it works:
   `lora_A`/`lora_B` (and LoKr's `lokr_*`, LoHa's `hada_*`, DoRA's magnitude) are never touched
   (only the wrapped `base_layer` of a peft layer is stored in fp8), so adapters train in their own
   dtype. A DoRA adapter's base Linear is refused: DoRA reads the base weight itself, as stored.
+- Left alone: a GGUF base's Linears (memory/gguf_storage.py), already stored in their blocks.
 - Modulation in fp8 (`modulation=True`, the plan's `fp8_modulation`): the spec's `modulation`
   Linears are stored like the others. They are a quarter of Flux's parameters (6 GiB of a
   full-size model in bf16) and cost a little more accuracy than the rest, since their output
