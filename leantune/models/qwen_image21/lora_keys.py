@@ -42,7 +42,8 @@ QWEN_IMAGE21_LORA_KEYS = LoraKeyMap(
     top=_TOP,
     swaps={},
     header={"ss_network_module": "networks.lora_qwen_image21", "ss_base_model_version": "qwen_image_2_1"},
-    header_hints=("qwen_image_2", "qwen-image-2", "qwen_image21", "qwen-image21"),
+    # (a prefix of "qwen_image_2" alone would claim a "qwen_image_20b" note of Qwen-Image)
+    header_hints=("qwen_image_2_1", "qwen_image_2.1", "qwen-image-2.1", "qwen-image-2_1", "qwen_image21", "qwen-image21"),
     # 4096 wide (32 heads of 128): the width alone tells an attention-only file from Qwen-Image's 3072
     widths=(4096,),
 )
