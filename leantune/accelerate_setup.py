@@ -155,6 +155,20 @@ def apply_launch_settings(cfg) -> tuple[object, list[tuple[int, str]]]:
     return cfg.model_copy(update=new), notes
 
 
+def group_backend(dcfg, cpu: bool, strategy: str) -> str:
+    """The backend the run's process group starts with: `[distributed] backend` ("auto": gloo for CPU
+    processes, NCCL on GPUs), and for FSDP2 with `fsdp_cpu_offload` under NCCL the device map
+    "cuda:nccl,cpu:gloo". Why: offloaded shards are CPU DTensors, and they meet the default group at
+    the step's `clip_grad_norm_` (clipping is on by default) and at every save's `full_tensor()`;
+    NCCL alone has no CPU backend and fails there ("No backend type associated with device type
+    cpu"; pytorch#148532, torchtune#1977). accelerate does the same for its own FSDP launches, which
+    leantune does not use (it shards itself)."""
+    backend = dcfg.backend if dcfg.backend != "auto" else ("gloo" if cpu else "nccl")
+    if backend == "nccl" and strategy == "fsdp2" and dcfg.fsdp_cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return backend
+
+
 def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
     """The run's Accelerator (see the module docstring). Returns (accelerator, saved_env) for
     `release_accelerator`."""
@@ -166,7 +180,7 @@ def make_accelerator(cfg, device: torch.device, strategy: str, world_size: int):
     AcceleratorState._reset_state(True)          # a run never inherits another run's configuration
     dcfg = cfg.distributed
     cpu = device.type == "cpu"
-    backend = dcfg.backend if dcfg.backend != "auto" else ("gloo" if cpu else "nccl")
+    backend = group_backend(dcfg, cpu, strategy)
     deepspeed = strategy == "deepspeed" and world_size > 1
     # The strategy is leantune's decision (resolve_strategy); accelerate must not pick DeepSpeed or
     # FSDP from the launcher's variables on its own.

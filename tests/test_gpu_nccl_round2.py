@@ -5,6 +5,7 @@ GPU can show is in bench/gpu_checks.sh."""
 from __future__ import annotations
 
 import datetime
+import os
 import types
 
 import pytest
@@ -138,3 +139,53 @@ def test_a_loading_turn_runs_on_every_core_and_then_gives_them_back(monkeypatch)
     finally:
         torch.set_num_threads(before)
     assert (seen, after) == (4, 1)
+
+
+# -- finding 1: FSDP2 with fsdp_cpu_offload under NCCL: CPU shards need a CPU backend in the group ----
+
+def _make_accelerator_backend(monkeypatch, **distributed) -> str:
+    import accelerate
+
+    from leantune import accelerate_setup
+    from leantune.config import validate
+
+    cfg = validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]}, "train": {"mode": "full"},
+                    "distributed": distributed}, "run.toml")
+    asked = {}
+
+    def fake(**kwargs):
+        asked.update(kwargs)
+        return "accelerator"
+
+    monkeypatch.setattr(accelerate, "Accelerator", fake)
+    _, saved = accelerate_setup.make_accelerator(cfg, torch.device("cuda", 0), "fsdp2", 2)
+    accelerate_setup.release_accelerator(saved)
+    return asked["kwargs_handlers"][0].backend
+
+
+def test_fsdp2_with_cpu_offload_starts_its_group_with_a_cpu_backend_beside_nccl(monkeypatch):
+    assert _make_accelerator_backend(monkeypatch, strategy="fsdp2", fsdp_cpu_offload=True) == "cuda:nccl,cpu:gloo"
+    assert _make_accelerator_backend(monkeypatch, strategy="fsdp2") == "nccl"
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_offloaded_shards_clip_and_gather_over_the_group_an_nccl_run_starts(tmp_path):
+    """torchrun, 2 ranks: the group `group_backend` starts for FSDP2 + fsdp_cpu_offload under NCCL
+    (NCCL emulated without a CPU backend, tests/nccl_like.py) carries the clipping norm and the
+    save's full_tensor() of CPU DTensor shards."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(root / "tests" / "dist_offload_worker.py"), str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
+    for r in range(2):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "error" not in seen, seen
+        assert seen["norm"] == pytest.approx(3.0 * 8 ** 0.5)
+        assert seen["full"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]

@@ -9,7 +9,9 @@ and AdamW states are each 1/N of the model's (plus one gathered block at a time)
 
 - What trains: the `[full] train` / `exclude` selection, as in one process.
 - Sharding: `fully_shard` on every block of the family's spec, then on the root (the embedders
-  and the final layer), over all ranks; `[distributed] fsdp_cpu_offload` keeps shards in host RAM.
+  and the final layer), over all ranks; `[distributed] fsdp_cpu_offload` keeps shards in host RAM
+  (under NCCL the group then starts as "cuda:nccl,cpu:gloo", accelerate_setup.group_backend: the
+  CPU shards meet it at clipping and at every save's gather).
 - Gradients: each rank's loss is already weighted by its share of the global batch (see
   distributed.py); the reduce-scatter averages, so the shards are multiplied by N afterwards
   (a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
