@@ -37,6 +37,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "model.path": MODEL, "model.transformer": MODEL, "model.text_encoder": MODEL, "model.text_encoder_2": MODEL,
     "model.text_encoder_3": MODEL, "model.tokenizer": MODEL, "model.tokenizer_2": MODEL,
     "model.tokenizer_3": MODEL, "model.vae": MODEL,
+    "model.processor": MODEL,                         # Qwen-Image-2.1's processor folder, read as the tokenizers are
     "lora.init_from": MODEL,                          # a LoRA file read as weights, like the model's
     "model.base_adapters.path": MODEL,                # frozen LoRA files, read as weights (train/base_adapters.py)
     "sample.base_adapters.path": MODEL,
