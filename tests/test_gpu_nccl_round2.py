@@ -189,3 +189,48 @@ def test_offloaded_shards_clip_and_gather_over_the_group_an_nccl_run_starts(tmp_
         assert "error" not in seen, seen
         assert seen["norm"] == pytest.approx(3.0 * 8 ** 0.5)
         assert seen["full"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+
+
+# -- finding 8: the one-boundary ordering needs every node of a step on one device queue -------------
+
+def test_a_streamed_output_off_the_engines_device_is_refused():
+    """A block returning its output on another device (here "meta" beside the CPU engine; on a GPU,
+    the host): its backward nodes would run on that device's queue, out of the streaming order."""
+    from test_streaming_boundaries import Block, _streamed, _toy
+
+    model = _toy("chain")
+    block = model.blocks[1]
+    block.forward = lambda h, **kw: tuple(t.to("meta") for t in Block.forward(block, h, **kw))
+    _streamed(model)
+    with pytest.raises(RuntimeError, match=r"streamed blocks\.1 returned a tensor needing a gradient on meta"):
+        model(torch.randn(3, 8, requires_grad=True))
+
+
+def test_a_boundary_firing_on_another_thread_than_the_first_is_refused():
+    """Autograd runs each device's queue on its own thread: a second device's nodes in one backward
+    show as a boundary on another thread."""
+    import threading
+
+    from test_streaming_boundaries import _streamed, _toy
+
+    model = _toy("chain")
+    eng = _streamed(model).engine
+    from leantune.memory.streamed_forward import Boundary
+
+    units = {u.name: u for u in eng.units}
+    fired, errors = [], []
+    eng.backward_boundary = lambda b: (fired.append(b.unit.name), setattr(eng, "callback_queued", True))
+    Boundary(eng, units["blocks.3"])(None)                    # this backward's first boundary, here
+    other = threading.Thread(target=lambda: _catch(errors, Boundary(eng, units["blocks.2"])))
+    other.start()
+    other.join()
+    Boundary(eng, units["blocks.1"])(None)                    # back on the first thread: fine
+    assert fired == ["blocks.3", "blocks.1"]
+    assert len(errors) == 1 and "another thread than this backward's first boundary" in errors[0]
+
+
+def _catch(errors: list, boundary) -> None:
+    try:
+        boundary(None)
+    except RuntimeError as e:
+        errors.append(str(e))

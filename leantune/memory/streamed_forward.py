@@ -35,9 +35,16 @@ recompute re-enters this forward, which re-acquires the unit; checkpointing ther
 
 Under no_grad (sampling) the unit is only held around the call. A grad-enabled call in forward-only
 mode is refused rather than silently losing the streamed blocks' gradients.
+
+The ordering above holds on one device's ready queue, which one thread runs. Two cheap guards keep
+it so: an output needing a gradient on another device than the engine's is refused (its nodes would
+run on that device's queue and thread, out of the one order), and every boundary of one backward
+must fire on the thread the first one fired on.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -60,7 +67,15 @@ class Boundary:
         self.epoch = -1                               # the backward it last fired in (engine.backward_epoch)
 
     def __call__(self, grad_outputs):                # a node pre-hook: None leaves the gradients as they are
-        self.engine.backward_boundary(self)
+        eng = self.engine
+        here = threading.get_ident()
+        if not eng.callback_queued:                   # this backward's first boundary
+            eng.boundary_thread = here
+        elif getattr(eng, "boundary_thread", here) != here:
+            raise RuntimeError(f"streamed {self.unit.name}: its backward boundary ran on another thread than this "
+                               f"backward's first boundary: the nodes of one step are on more than one device "
+                               f"queue, and the streaming order (memory/streamed_forward.py) does not hold")
+        eng.backward_boundary(self)
 
 
 class _Routed(torch.autograd.Function):
@@ -153,6 +168,7 @@ def _mark_boundary(out, boundary: Boundary, start: int):
     found = _grad_leaves(out)
     if not found:
         return out, False
+    _same_device(found, boundary)
     if torch._C._are_functorch_transforms_active():
         return _route(out, boundary)
     nodes: list = []
@@ -165,6 +181,18 @@ def _mark_boundary(out, boundary: Boundary, start: int):
     for fn in nodes:
         fn.register_prehook(boundary)
     return out, True
+
+
+def _same_device(found: list, boundary: Boundary) -> None:
+    """Refuse a grad-requiring output off the engine's device (module docstring: one device queue)."""
+    device = boundary.engine.backend.device
+    for t in found:
+        d = t.device
+        if d.type != device.type or (device.index is not None and d.index is not None and d.index != device.index):
+            raise RuntimeError(f"streamed {boundary.unit.name} returned a tensor needing a gradient on {d}, while "
+                               f"the memory engine streams to {device}: its backward would run on another device's "
+                               f"queue, out of the order weight streaming relies on; keep the module's outputs "
+                               f"on {device}")
 
 
 def _route(tree, boundary: Boundary):
