@@ -356,12 +356,13 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
         return (transformer, params, stack, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared,
                                                            machine, planned))
 
-    if dist.distributed and mode.name == "lora" and cfg.distributed.load_in_turns:
+    in_turns = mode.name == "lora" or getattr(mode, "shards_in_turn", False)   # FSDP2: load and shard in the turn
+    if dist.distributed and in_turns and cfg.distributed.load_in_turns:
         # One loading peak at a time on each machine (the frozen base is the same on every rank).
         # The meta build first, on every rank at once: it imports the loader's modules (seconds
         # of CPU per process), which inside the turns each rank would pay while the others wait.
         meta_model()
-        shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name)
+        shared = dist.shared_host(cfg.distributed.share_host_weights, mode.name) if mode.name == "lora" else None
         loaded = dist.local_turns(lambda: load(True, shared), shared)
     else:
         loaded = load(False)

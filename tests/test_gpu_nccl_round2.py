@@ -234,3 +234,38 @@ def _catch(errors: list, boundary) -> None:
         boundary(None)
     except RuntimeError as e:
         errors.append(str(e))
+
+
+# -- finding 3: sharded full fine-tunes price the host RAM of loading, and FSDP2 loads in turns --------
+
+def _sharded_mode(monkeypatch, strategy: str, local: int, load_in_turns: bool = True):
+    from leantune.config import validate
+    from leantune.train.sharded_full import sharded_full_mode
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": str(local), "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = validate({"model": {"path": "m"}, "data": {"datasets": [{"path": "d"}]}, "train": {"mode": "full"},
+                    "distributed": {"strategy": strategy, "load_in_turns": load_in_turns}}, "run.toml")
+    ctx = ltd.DistContext(rank=0, world_size=local, local_rank=0, local_world_size=local, strategy=strategy)
+    return cfg, sharded_full_mode(cfg.train, cfg.full, cfg.memory, cfg.distributed, cfg.output.formats, ctx)
+
+
+def test_loading_a_sharded_full_fine_tune_is_priced_before_any_weight_is_read(monkeypatch):
+    from leantune import host
+    from leantune.config import ConfigError
+
+    meta = torch.nn.Linear(1024, 1024, device="meta")                 # 4 MiB + 4 KiB of fp32
+    model = sum(p.numel() * 4 for p in meta.parameters())
+    # 4 processes: all at once 4x the model; in turns the model and 3 quarter-model shards (1.75x).
+    monkeypatch.setattr(host, "host_ram", lambda: (64 * model, int(2.0 * model)))
+    _, fsdp = _sharded_mode(monkeypatch, "fsdp2", 4)
+    monkeypatch.setattr(fsdp, "_make_mesh", lambda: None)             # the mesh needs a group; not priced
+    fsdp.check_before_load(lambda: meta)                              # 1.75x fits in 2x
+    _, at_once = _sharded_mode(monkeypatch, "fsdp2", 4, load_in_turns=False)
+    monkeypatch.setattr(at_once, "_make_mesh", lambda: None)
+    with pytest.raises(ConfigError, match=r"4 processes of this machine \(all at once\).*load_in_turns = true"):
+        at_once.check_before_load(lambda: meta)
+    _, zero = _sharded_mode(monkeypatch, "deepspeed", 4)                           # ZeRO-2 keeps the whole model on every rank
+    with pytest.raises(ConfigError, match=r"all at once"):
+        zero.check_before_load(lambda: meta)
+    assert fsdp.shards_in_turn and not zero.shards_in_turn

@@ -42,9 +42,16 @@ log = logging.getLogger("leantune")
 class ShardedFullMode:
     name = "full"
 
+    # FSDP2's fully_shard makes no collective (the mesh is made beforehand, in check_before_load), so a
+    # rank can load and shard in its own loading turn (trainer.py, DistContext.local_turns): the
+    # machine then holds one whole model at a time beside the others' shards, not one per process.
+    shards_in_turn = True
+
     def __init__(self, train: TrainConfig, full: FullConfig, formats: list[str], *, fsdp_cpu_offload: bool = False,
-                 dist=None):
+                 dist=None, load_in_turns: bool = True):
         self.train, self.full, self.formats, self.fsdp_cpu_offload = train, full, list(formats), fsdp_cpu_offload
+        self.load_in_turns = load_in_turns
+        self._mesh = None
         self.spec = None                          # the family's spec, from prepare()
         self.dist = dist                          # leantune.distributed.DistContext (its Accelerator)
         self.model = None
@@ -53,16 +60,30 @@ class ShardedFullMode:
 
     # -- set-up ------------------------------------------------------------------------------------
     def check_before_load(self, meta_model) -> None:
-        """Nothing checked before loading here (each process holds its shard)."""
+        """Host RAM at the loading moment, priced before any weight is read (every rank at once; the
+        device mesh is made here too, so that the loading turns need no collective)."""
+        check_loading_host_ram(meta_model(), self._local_world_size(), self._world_size(),
+                               self.load_in_turns and self.shards_in_turn, type(self).__name__)
+        self._make_mesh()
+
+    def _local_world_size(self) -> int:
+        return self.dist.local_world_size if self.dist is not None else 1
+
+    def _make_mesh(self):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if self.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+            self._mesh = init_device_mesh(device, (self._world_size(),))
+        return self._mesh
 
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         self.spec = spec
         self._unfreeze(transformer, "fsdp2")
-        device = "cuda" if self.train.device != "cpu" and torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (self._world_size(),))
+        mesh = self._make_mesh()
+        device = mesh.device_type
         options = {"mesh": mesh}
         if self.fsdp_cpu_offload and device == "cpu":
             raise ValueError("[distributed] fsdp_cpu_offload = true with CPU processes: the shards already live in host "
@@ -156,6 +177,33 @@ class ShardedFullMode:
         self._gathered = None
 
 
+def check_loading_host_ram(meta_model: torch.nn.Module, local: int, world: int, in_turns: bool, what: str) -> int:
+    """The host RAM this machine's `local` processes need at once while loading a sharded full
+    fine-tune (returned, in bytes), refused with the numbers where more than is available.
+
+    Why: every process reads the whole model into host RAM before it is sharded (FSDP2) or kept
+    (ZeRO-2 keeps every weight whole on every rank): loaded at once, 4 processes and FLUX.2-dev are
+    ~256 GB at one moment. Loaded in turns (FSDP2), one process holds the whole model while those
+    before it hold their 1/world shards."""
+    from ..config import ConfigError
+    from ..host import host_ram
+
+    model = sum(t.numel() * t.element_size() for t in [*meta_model.parameters(), *meta_model.buffers()])
+    need = model + (local - 1) * -(-model // world) if in_turns else local * model
+    _, available = host_ram()
+    GiB = 2**30
+    how = "one after another" if in_turns else "all at once"
+    log.info("full (%s): loading needs %.1f GiB of host RAM on this machine (%d processes %s, model %.1f GiB); "
+             "%.1f GiB available", what, need / GiB, local, how, model / GiB, available / GiB)
+    if need > available:
+        hint = ("set [distributed] load_in_turns = true (FSDP2 processes then load one after another, each keeping "
+                "only its shard)" if not in_turns else "run fewer processes on this machine, or free host RAM")
+        raise ConfigError(f"[train] mode = \"full\" on {local} processes of this machine ({how}): loading needs "
+                          f"{need / GiB:.1f} GiB of host RAM (the model is {model / GiB:.1f} GiB) but "
+                          f"{available / GiB:.1f} GiB are available; {hint}")
+    return need
+
+
 class ZeroFullMode(ShardedFullMode):
     """Full fine-tune through DeepSpeed ZeRO-2: every process holds the whole (resident) model;
     gradients and AdamW states are partitioned across processes; DeepSpeed reduces the gradients
@@ -166,6 +214,11 @@ class ZeroFullMode(ShardedFullMode):
     accumulation boundary the engine counts from `gradient_accumulation_steps`. Checkpoints hold the full fp32 weights and AdamW moments,
     gathered with DeepSpeed's safe_get_full_* (collective) and written by rank 0 in leantune's
     format; resume hands every rank the full tensors (safe_set_full_*)."""
+
+    shards_in_turn = False      # every rank keeps the whole model, and accelerator.prepare is collective
+
+    def check_before_load(self, meta_model) -> None:
+        check_loading_host_ram(meta_model(), self._local_world_size(), self._world_size(), False, type(self).__name__)
 
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
         named = self._unfreeze(transformer, "deepspeed")
@@ -283,7 +336,8 @@ def sharded_full_mode(train: TrainConfig, full: FullConfig, memory: MemoryConfig
                              f"every rank; set [sample] every = 0 (sample the exported model afterwards with "
                              f"`leantune sample`), or use [distributed] strategy = \"deepspeed\" (ZeRO-2 keeps "
                              f"every weight whole on every rank)")
-        return ShardedFullMode(train, full, formats, fsdp_cpu_offload=distributed.fsdp_cpu_offload, dist=dist)
+        return ShardedFullMode(train, full, formats, fsdp_cpu_offload=distributed.fsdp_cpu_offload, dist=dist,
+                               load_in_turns=distributed.load_in_turns)
     if strategy == "deepspeed":
         if distributed.zero_stage != 2 and distributed.deepspeed_config is None:
             raise ValueError("[distributed] zero_stage = 3: leantune runs DeepSpeed ZeRO-2 only (stage 3 shards the "
