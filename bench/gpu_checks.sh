@@ -13,7 +13,9 @@
 # changed since the H100 run, fp32 streaming, OOM in step 1); window 2 measures what the planner
 # and the engine promise (FLUX.2 klein-4B at 6 GiB, the file-read text encoder's copy rate, the
 # quantize-at-read load on a GPU host's CPUs, the planner at 8 GiB); window 3 the engine and
-# sampler benchmarks and, on two GPUs, the strategies.
+# sampler benchmarks and, on two GPUs, the strategies; window 4 issue 40's checks (FSDP2 with CPU
+# offload under NCCL, cuDNN attention off for every command, the CUDA RNG state of the run's device,
+# the round-two tests on a GPU).
 #
 # Parts run in order of value, each under its own time budget (`timeout`), each writing its raw
 # log to $OUT/<part>.log; $OUT/summary.txt gets one line per part (rc, seconds). A part is skipped
@@ -37,6 +39,10 @@ PARTS=(
   "3|bench-sampler|120|owed benchmark: sampling at 1024 px under an 8 GiB budget|python3 bench/bench_sampler.py --part sampling --size 1024 --steps 4 --budgets 8 --out \$OUT/bench-sampler.md"
   "3|strategies|135|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
   "3|two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
+  "4|offload-nccl|60|issue 40 finding 1: FSDP2 + CPUOffloadPolicy under the group leantune starts (cuda:nccl,cpu:gloo): backward, clipping, full state dict; CPU DTensors clip and gather|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_offload_worker.py \$OUT --nccl"
+  "4|cudnn-attention|60|issue 40 finding 4: the per-process guard turns cuDNN attention off; bf16 SDPA fwd+bwd at encoder and Flux shapes with cuDNN and without (finite, difference)|python3 bench/gpu_round2.py cudnn-attention"
+  "4|rng-device|30|issue 40 finding 9: a save's CUDA RNG state is the run's device's and resumes onto cuda:0|python3 bench/gpu_round2.py rng"
+  "4|round2-tests|120|issue 40: tests/test_gpu_nccl_round2.py and the gpu-marked streaming boundaries (finding 8's guards on a CUDA backward)|python3 -m pytest -q -p no:cacheprovider tests/test_gpu_nccl_round2.py tests/test_streaming_boundaries.py -rA"
 )
 GPU_TEST_FILES="tests/test_cache.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_gguf.py tests/test_loading.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_optimizers_recipe.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py tests/test_streaming_boundaries.py"
 TOTAL_S=${TOTAL_S:-510}
@@ -59,7 +65,7 @@ selected() {  # window name
 
 if [ $dry = 1 ]; then
   status=0
-  windows="1 2 3"; [ -n "$only" ] && windows=only
+  windows="1 2 3 4"; [ -n "$only" ] && windows=only
   for w in $windows; do
     total=0; window=$w
     printf "window %s\n%-18s %7s  %s\n" "$w" part budget "what it checks"
@@ -111,6 +117,7 @@ export PYTHONPATH=$PWD
 [ -n "$WHEELS" ] && export PYTHONPATH=/tmp/site:$PWD
 start=$(date +%s)
 : > "$OUT/summary.txt"
+set -m      # every background job its own process group: the watchdog stops a part's whole tree
 for p in "${PARTS[@]}"; do
   IFS='|' read -r pw name budget what cmd <<< "$p"
   selected "$pw" "$name" || continue
@@ -127,9 +134,10 @@ for p in "${PARTS[@]}"; do
   esac
   pid=$!
   # the shell-function parts (setup, flux2_klein, strategies) are bounded here the same way
-  ( sleep "$budget"; kill -TERM "$pid" 2>/dev/null ) & watchdog=$!
+  ( sleep "$budget"; kill -TERM -- "-$pid" 2>/dev/null; sleep 10; kill -KILL -- "-$pid" 2>/dev/null ) & watchdog=$!
   wait "$pid"; rc=$?
-  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  kill -- "-$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  kill -KILL -- "-$pid" 2>/dev/null     # what the part left running (a child that outlived it)
   secs=$(($(date +%s) - t0))
   echo "$name: rc=$rc ${secs}s (budget ${budget}s)" | tee -a "$OUT/summary.txt"
   tail -5 "$OUT/$name.log"
