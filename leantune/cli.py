@@ -29,6 +29,9 @@ VERBS = {
     "ui": "a local web page to prepare a dataset, plan, train, watch and sample",
 }
 VERB_MODULES = {"ui": "leantune.ui.command"}    # the rest: leantune.commands.<verb>
+# Verbs that run no attention on a GPU in their own process (the page starts the others as commands
+# of their own): no cuDNN guard, and `leantune plan` answered from its cache does not import torch.
+NO_ATTENTION_VERBS = frozenset({"plan", "convert", "ui"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     from leantune.config import ConfigError
 
     warnings.formatwarning = _format_warning
-    from leantune.memory.attention_kernels import guard_process
+    if args.verb not in NO_ATTENTION_VERBS:
+        from leantune.memory.attention_kernels import guard_process
 
-    guard_process()              # cuDNN attention off for every CUDA command, not only in training
+        guard_process()          # cuDNN attention off for every CUDA command (caching, sampling), not only training
     try:
         return int(args._module.run(args) or 0)
     except ConfigError as e:
