@@ -44,6 +44,9 @@ PARTS=(
   "4|rng-device|30|issue 40 finding 9: a save's CUDA RNG state is the run's device's and resumes onto cuda:0|python3 bench/gpu_round2.py rng"
   "4|round2-tests|120|issue 40: tests/test_gpu_nccl_round2.py and the gpu-marked streaming boundaries (finding 8's guards on a CUDA backward)|python3 -m pytest -q -p no:cacheprovider tests/test_gpu_nccl_round2.py tests/test_streaming_boundaries.py -rA"
 )
+# GPU_CHECKS_PARTS_FILE: the parts from this file instead (one a line, as above): the CPU test of
+# the runner (tests/test_gpu_checks_runner.py) gives it a part that hangs with a child.
+if [ -n "$GPU_CHECKS_PARTS_FILE" ]; then mapfile -t PARTS < "$GPU_CHECKS_PARTS_FILE"; fi
 GPU_TEST_FILES="tests/test_cache.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_gguf.py tests/test_loading.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_optimizers_recipe.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py tests/test_streaming_boundaries.py"
 TOTAL_S=${TOTAL_S:-510}
 
@@ -128,10 +131,11 @@ for p in "${PARTS[@]}"; do
   fi
   t0=$(date +%s)
   echo "== $name (budget ${budget}s): $what"
-  case "$cmd" in
-    setup|strategies|flux2_klein) ( $cmd ) > "$OUT/$name.log" 2>&1 & ;;
-    *) eval "timeout --kill-after=10 $budget $cmd" > "$OUT/$name.log" 2>&1 & ;;
-  esac
+  if declare -F "$cmd" > /dev/null; then        # a shell function (setup, flux2_klein, strategies)
+    ( $cmd ) > "$OUT/$name.log" 2>&1 &
+  else
+    eval "timeout --kill-after=10 $budget $cmd" > "$OUT/$name.log" 2>&1 &
+  fi
   pid=$!
   # the shell-function parts (setup, flux2_klein, strategies) are bounded here the same way
   ( sleep "$budget"; kill -TERM -- "-$pid" 2>/dev/null; sleep 10; kill -KILL -- "-$pid" 2>/dev/null ) & watchdog=$!
