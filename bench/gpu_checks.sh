@@ -28,7 +28,7 @@ set -o pipefail
 PARTS=(
   "0|setup|60|the machine and the packages: nvidia-smi, torch and the wheels|setup"
   "1|nccl-collectives|45|issue 20 finding 1: every DistContext collective over a real NCCL group (host tensors on a gloo side group)|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_collectives_worker.py \$OUT/nccl --nccl"
-  "1|gpu-tests|240|the gpu-marked tests (hook-free frozen streaming, the per-block residency check and the one-pre-hook backward boundary included)|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA --timeout 120"
+  "1|gpu-tests|240|the gpu-marked tests (hook-free frozen streaming, the per-block residency check and the one-pre-hook backward boundary included)|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA"
   "1|fp32-stream|75|finding 5: full fine-tune step, fp32 weights streamed, bf16 autocast: peak against the plan|python3 bench/gpu_findings.py fp32-stream --blocks 2 2 --size 512"
   "1|oom-step1|75|findings 6 and 8: OOM injected in step 1 with streaming in full mode: host RSS, the redone step's peak, no stored calibration|python3 bench/gpu_findings.py oom-step1 --blocks 2 2 --size 512"
   "2|flux2-klein4b|180|issue 23: FLUX.2 klein-4B (full size, random e4m3 weights) LoRA r16 at 1024 px under a 6 GiB plan: device peak and step time against the planner|flux2_klein"
@@ -96,6 +96,7 @@ setup() {
       "$WHEELS"/*.whl || return 3
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import pytest, safetensors, accelerate" || return 5     # what the parts import: fail now, not in a part
   python3 -c "import torch, diffusers, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__); print('gpus', torch.cuda.device_count())"
   python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" || echo "deepspeed: not installed (the ZeRO-2 run is skipped)"
 }
