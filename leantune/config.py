@@ -402,7 +402,7 @@ class DistributedConfig(Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"   # auto: nccl on CUDA, gloo on CPU
     timeout_minutes: int = Field(60, ge=1)         # a collective waits this long for a silent rank
     share_host_weights: bool = True                # ranks of one machine share one host copy of streamed weights
-    load_in_turns: bool = True                     # LoRA: ranks of one machine load the model one after another
+    load_in_turns: bool = True                     # LoRA and FSDP2: ranks of one machine load the model one after another
     allow_world_size_change: bool = False          # resume a checkpoint saved with another process count
 
 
