@@ -30,19 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from leantune.memory.fp8 import dequantize, quantize  # noqa: E402
 from leantune.memory.gguf_storage import dequantize as gguf_dequantize  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_accuracy import flux_like_input, rel  # noqa: E402  (the same inputs and measure as the fp8 table)
+
 TYPES = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q4_0)
-
-
-def flux_like_input(tokens, width, g):
-    x = torch.randn(tokens, width, generator=g)
-    outliers = torch.randperm(width, generator=g)[: max(4, width // 512)]
-    x[:, outliers] *= torch.empty(len(outliers)).uniform_(50, 200, generator=g)
-    return x.bfloat16()
-
-
-def rel(y, ref):
-    y, ref = y.float(), ref.float()
-    return float((y - ref).norm() / ref.norm())
 
 
 def main() -> None:
