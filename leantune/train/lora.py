@@ -238,6 +238,38 @@ def _to_fp32(layer: torch.nn.Module, adapter_name: str, kind: str) -> None:
             layer.reset_adapter_parameters(adapter_name)
 
 
+_SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16}
+
+
+@contextmanager
+def _base_weights_as_integers(transformer: torch.nn.Module, names: list[str]):
+    """The targeted Linears' bf16 / fp16 / fp8 weights viewed as integers of the same width while
+    peft adds the adapter, and their own dtype again after.
+
+    Why: peft draws the adapter's init in fp32, then casts the factors to the base weight's dtype
+    when that dtype is floating point (`_move_adapter_to_device_of_base_layer`). An fp8 or bf16
+    cast destroys the draw, and drawing again in fp32 afterwards (`_to_fp32`) consumed more of the
+    random stream for those Linears only, so the same seed gave another LoRA with fp8 storage than
+    without (34 of the tiny Flux's 80 factors), and an fp32 model another than a bf16 one. Seen as
+    integers the weights are not cast to, so every Linear keeps peft's first fp32 draw whatever its
+    storage. Shapes are unchanged (same element width), which is all peft reads of the weight for
+    LoRA, LoKr and LoHa; DoRA reads its values (the magnitude's row norms), so add_lora leaves a
+    DoRA's bases as they are (never fp8: refused above) and `_to_fp32` redoes its init."""
+    swapped = []
+    try:
+        for name in names:
+            m = transformer.get_submodule(name)
+            linear = m.get_base_layer() if _is_tuner_layer(m) else m
+            w = linear.weight
+            if w.dtype.is_floating_point and w.dtype != torch.float32 and w.element_size() in _SAME_WIDTH_INTEGER:
+                swapped.append((w, w.dtype))
+                w.data = w.data.view(_SAME_WIDTH_INTEGER[w.element_size()])
+        yield
+    finally:
+        for w, dtype in swapped:
+            w.data = w.data.view(dtype)
+
+
 def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_name: str = "default",
              ) -> list[torch.nn.Parameter]:
     """Add the trainable adapter described by a [lora] section; return its parameters (fp32).
@@ -267,7 +299,7 @@ def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_na
         regex = "^(" + "|".join(re.escape(n) for n in targets) + ")$"
     config = _peft_config(kind, lora_cfg, regex)
     transformer.requires_grad_(False)
-    with _adapter_state_kept(transformer, add=adapter_name):
+    with _adapter_state_kept(transformer, add=adapter_name), _base_weights_as_integers(transformer, targets if kind != "dora" else []):
         transformer.add_adapter(config, adapter_name)
     params = []
     for layer in lora_layers(transformer, adapter_name).values():
