@@ -64,6 +64,17 @@ class AdapterRef(Section):
         return v
 
 
+def check_variant(said: str, value: str, family: str) -> None:
+    """A [model] variant / [sample] base_variant value is "auto" or a kind of checkpoint the family
+    has (family_registry's `variants`); the error starts with `said` (the key and its value) and
+    names the family's kinds."""
+    allowed = FAMILIES[family].variants
+    if value != "auto" and value not in allowed:
+        raise ValueError(f"{said} is not a {family} checkpoint: "
+                         + ("one of " + ", ".join(f'"{v}"' for v in ("auto", *allowed))
+                            if allowed else f"family = {family!r} has one kind of checkpoint; remove the key"))
+
+
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = "flux"
     # A diffusers folder (FLUX.1-dev / stable-diffusion-3.5 layout) or a single transformer file
@@ -98,11 +109,7 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _family_keys(self):
-        allowed = FAMILIES[self.family].variants
-        if self.variant != "auto" and self.variant not in allowed:
-            raise ValueError(f"[model] variant = {self.variant!r} is not a {self.family} checkpoint: "
-                             + ("one of " + ", ".join(f'"{v}"' for v in ("auto", *allowed))
-                                if allowed else f"family = {self.family!r} has one kind of checkpoint; remove the key"))
+        check_variant(f"[model] variant = {self.variant!r}", self.variant, self.family)
         if self.processor is not None and self.family != "qwen-image-2.1":
             raise ValueError(f"[model] processor: family = {self.family!r} has no processor component (only "
                              f"\"qwen-image-2.1\" does); its tokenizer is [model] tokenizer")
@@ -556,11 +563,7 @@ class RunConfig(Section):
         if self.sample.base is None:
             raise ValueError(f"[sample] base_variant = \"{v}\": set, but [sample] base is not; it says which "
                              f"checkpoint that other base is (the trained base's is [model] variant)")
-        allowed = FAMILIES[self.model.family].variants
-        if v not in allowed:
-            raise ValueError(f"[sample] base_variant = \"{v}\" is not a {self.model.family} checkpoint: "
-                             + ("one of " + ", ".join(f'"{a}"' for a in ("auto", *allowed))
-                                if allowed else f"family = {self.model.family!r} has one kind; remove the key"))
+        check_variant(f'[sample] base_variant = "{v}"', v, self.model.family)
         return self
 
     @model_validator(mode="after")

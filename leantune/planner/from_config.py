@@ -42,7 +42,9 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
     tc, full = cfg.train, cfg.full
     # DoRA reads the base weights (train/lora._refuse_fp8_base_for_dora): never stored in fp8, for
     # the trained adapter and for a DoRA file among the base adapters alike
-    dora = (tc.mode == "lora" and cfg.lora.type == "dora") or dora_base_adapters(cfg)
+    adapters = base_adapters_read(cfg)
+    dora = (tc.mode == "lora" and cfg.lora.type == "dora") or any(
+        a.weights.kind == "dora" for stack in (adapters or ()) for a in (stack or ()))
     return Workload(mode=tc.mode, rank=cfg.lora.rank, targets=cfg.lora.targets, lora_blocks=cfg.lora.blocks,
                     adapter=cfg.lora.type, lokr_factor=cfg.lora.factor, lokr_decompose_both=cfg.lora.decompose_both,
                     allow_fp8=not dora,
@@ -58,7 +60,7 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     stochastic_rounding=full.stochastic_rounding,
                     clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter",
                     quantizes_on_load=True,      # the trainer's load (trainer._fp8_load_options)
-                    **preview_terms(cfg), **recipe_terms(cfg))
+                    **preview_terms(cfg, adapters), **recipe_terms(cfg))
 
 
 def recipe_terms(cfg) -> dict:
@@ -106,41 +108,42 @@ def held_out_count(cfg) -> int:
     return 0
 
 
-def dora_base_adapters(cfg) -> bool:
-    """Whether a [model] base_adapters file (or a [sample] one the previews attach) is a DoRA: the
-    engine refuses it over fp8 weights, so the plan must not store them so."""
+def base_adapters_read(cfg) -> tuple | None:
+    """[model] base_adapters and the [sample] ones the previews attach (None when previews use
+    [model]'s or there are no previews), each file read once for every term that needs them (their
+    bytes, and whether one is a DoRA, which the engine refuses over fp8 weights: the plan must not
+    store them so); None when the run has neither."""
     from ..models.family import get_family
 
-    previews = bool(cfg.sample.every and cfg.sample.prompts)
+    previews = bool(cfg.sample.every and cfg.sample.prompts)     # the trainer attaches [sample]'s only then
     if not cfg.model.base_adapters and not (cfg.sample.base_adapters and previews):
-        return False
+        return None
     from ..train.base_adapters import read_run_adapters
 
-    training, sampling = read_run_adapters(cfg.model, cfg.sample if previews else None, cfg.resolve,
+    training, sampling = read_run_adapters(cfg.model, cfg.sample, cfg.resolve,
                                            get_family(cfg.model.family).spec.lora_keys)
-    return any(a.weights.kind == "dora" for a in [*training, *(sampling or [])])
+    return training, (sampling if previews else None)
 
 
-def preview_terms(cfg) -> dict:
+def preview_terms(cfg, adapters: tuple | None) -> dict:
     """The Workload's terms for [model] / [sample] base_adapters (their bytes, each file once:
     train/base_adapters.priced_bytes, and each weight by its module, which a streamed block carries:
     priced_tensors; a preview on another base carries [sample]'s) and a [sample] base (its
     transformer's bytes as loaded, built on meta: models/other_base.other_base_bytes); none when
-    the run has neither."""
+    the run has neither. `adapters`: base_adapters_read(cfg)."""
     from pathlib import Path
 
-    from ..models.family import get_family, loader_options
+    from ..models.family import loader_options
     from ..models.component_loading import dtype_from_name
 
     terms = {}
-    family = get_family(cfg.model.family)
-    previews = bool(cfg.sample.every and cfg.sample.prompts)     # the trainer attaches [sample]'s only then
-    if cfg.model.base_adapters or (cfg.sample.base_adapters and previews):
-        from ..train.base_adapters import priced_bytes, priced_tensors, read_run_adapters, unit_tensors
+    previews = bool(cfg.sample.every and cfg.sample.prompts)
+    if adapters is not None:
+        from ..train.base_adapters import priced_bytes, priced_tensors, unit_tensors
 
-        training, sampling = read_run_adapters(cfg.model, cfg.sample, cfg.resolve, family.spec.lora_keys)
-        terms["frozen_adapter_bytes"] = priced_bytes(training, sampling if previews else None)
-        terms["frozen_adapter_tensors"] = priced_tensors(training, sampling if previews else None)
+        training, sampling = adapters
+        terms["frozen_adapter_bytes"] = priced_bytes(training, sampling)
+        terms["frozen_adapter_tensors"] = priced_tensors(training, sampling)
         if cfg.sample.base is not None and previews:       # the other base carries the preview's stack
             terms["preview_adapter_tensors"] = unit_tensors(training if sampling is None else sampling)
     if cfg.sample.base is not None and previews:
