@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_lora_rest, tiny_run_toml
 
-from leantune.check import run_check
+from leantune.check.run import run_check
 from leantune.config import load_config
 from leantune.demo import draw_shapes
 from leantune.memory.streaming import StreamingEngine

@@ -11,9 +11,8 @@ where it is not. One module per job:
 - variants.py  the plan the run would use, and one run config per technique (and the whole plan);
 - record.py    build one variant, run its steps, record losses, gradients and weights, release it;
 - compare.py   one variant against the reference: held, or how it differs and where;
-- run.py       the order of the runs and the report (lines, exit code).
+- run.py       the order of the runs and the report (lines, exit code): `run_check`.
+
+The package re-exports nothing, so importing one of its modules does not import the others
+through it (no import cycle through this file).
 """
-
-from .run import CheckResult, run_check
-
-__all__ = ["CheckResult", "run_check"]

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_config(cfg, steps: int = DEFAULT_STEPS) -> int:
     """Run the check on a loaded config, print its lines; the exit code."""
-    from ..check import run_check
+    from ..check.run import run_check
 
     return run_check(cfg, steps, emit=lambda line: print(line, flush=True), progress=_progress).rc
 

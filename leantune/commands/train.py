@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus is not None:
         check_gpus(args.gpus, cfg)
     if args.check and not _launched_worker():
-        from ..check import run_check
+        from ..check.run import run_check
 
         rc = run_check(cfg, emit=lambda line: print(line, flush=True),
                        progress=lambda line: print(line, file=sys.stderr, flush=True)).rc
