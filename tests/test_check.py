@@ -304,3 +304,17 @@ def test_a_reference_that_does_not_fit_is_said_and_nothing_is_compared(tmp_path,
     assert not result.verdicts
     line = _line(result, "check not done: the reference ran out of memory")
     assert "against a smaller reference" in line and "not built yet" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the check on CUDA (bench/gpu_checks.sh window 1)")
+def test_check_on_cuda_runs_the_reference_twice_and_measures_the_peak(tmp_path, tiny_flux_dir, images):
+    """The CUDA paths no CPU run takes: the reference run twice (is this device bitwise
+    reproducible?), pinned streaming through real copy streams, and the peak VRAM measured."""
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMED_LORA)
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert any(line.startswith("reference run twice: ") for line in result.lines), result.lines
+    assert result.rc == 0, result.lines
+    assert all(v.held for v in result.verdicts.values()), result.lines
+    measured = [line for line in result.lines if line.startswith("measured with the whole plan")]
+    assert measured and "peak VRAM" in measured[0] and "not measured" not in measured[0], result.lines
