@@ -19,7 +19,7 @@ if ! have torch; then
   echo "setup: installing torch==2.13.0 into $VENV (once; about 1-2 minutes, longer on a busy machine)" >&2
   "$VENV/bin/pip" install --quiet "torch==2.13.0"
 fi
-if ! have leantune diffusers peft transformers accelerate safetensors prodigyopt schedulefree came_pytorch \
+if ! have leantune diffusers peft transformers accelerate safetensors prodigyopt schedulefree came_pytorch gguf av \
     || [ pyproject.toml -nt "$VENV/.leantune-installed" ]; then
   echo "setup: installing leantune and its dependencies into $VENV (once; about a minute)" >&2
   "$VENV/bin/pip" install --quiet -e .
