@@ -287,3 +287,21 @@ def test_dequantize_multiplies_by_the_fp32_scale_and_rounds_once(dtype):
     q, s = quantize(w)
     want = (q.float().view(64, s.shape[1], -1) * s[..., None]).view(64, 256).to(dtype)
     assert torch.equal(dequantize(q, s, dtype), want)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_in_output_has_the_fp32_products_bits(dtype):
+    """Issue 40, finding 5: CUDA forms the product in the bf16/fp16 output (e4m3 -> bf16 is exact
+    and bf16 x fp32 rounds once), without the fp32 temporary. Its bits must be the fp32 product's,
+    over weights spanning ten decades (subnormal e4m3 values and scales included)."""
+    from leantune.memory.fp8 import _dequantize_in_output
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 384, generator=g) * torch.logspace(-8, 2, 96)[:, None]
+    q, s = quantize(w)
+    s = s * torch.logspace(-3, 3, s.numel()).view_as(s)          # scales far from the data's own
+    want = (q.float().view(96, s.shape[1], -1) * s[..., None]).view(96, 384).to(dtype)
+    got = _dequantize_in_output(q, s.float(), torch.empty(96, 384, dtype=dtype))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(dequantize(q, s, dtype).view(torch.int16), want.view(torch.int16))

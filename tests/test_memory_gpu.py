@@ -258,3 +258,24 @@ def test_base_adapters_stream_with_their_blocks_on_cuda():
     (want, _, _), (got, held, moved), (_, bare_held, bare_moved) = out["resident"], out["streamed"], out["bare"]
     _close(got, want)
     assert held["resident"] == bare_held["resident"] and moved > bare_moved > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_dequantize_on_cuda_allocates_only_its_output(dtype):
+    """Issue 40, finding 5: on CUDA the product is formed in the output, so the peak above the
+    inputs is the output's bytes (the fp32 product's path added 2x them), with the fp32 product's
+    bits."""
+    from leantune.memory.fp8 import dequantize, quantize
+
+    w = torch.randn(2048, 4096, device="cuda") * 0.02
+    q, s = quantize(w)
+    del w
+    want = (q.float().view(2048, s.shape[1], -1) * s.float()[..., None]).view(2048, 4096).to(dtype)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = dequantize(q, s, dtype)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= got.numel() * got.element_size() + 2 * 2**20, extra
+    assert torch.equal(got, want)
