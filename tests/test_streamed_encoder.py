@@ -154,6 +154,33 @@ def test_fp8_file_dequantised_per_layer_equals_dequantised_whole(tmp_path, scale
     assert torch.equal(got, expected)
 
 
+@torch.no_grad()
+def test_fp8_weight_read_in_bf16_rounds_the_fp32_product_once(tmp_path):
+    """Issue 40, finding 10: a scaled e4m3 weight read for a bf16 encoder is formed in the bf16
+    weight itself (no fp32 temporary on the device) and must carry the bits of the fp32 product
+    rounded once to bf16, every layer's every weight."""
+    from leantune.models.streamed_encoder import FileSource
+    from leantune.models.weights import CheckpointFiles
+
+    whole, factory = qwen3()
+    stored, want = {}, {}
+    for k, v in state_of(whole).items():
+        if v.dim() == 2 and "layers." in k:
+            scale = v.abs().max() / 448
+            q = (v / scale).to(torch.float8_e4m3fn)
+            stored[k], stored[k[: -len("weight")] + "scale_weight"] = q, scale.reshape(1).float()
+            want[k] = (q.float() * scale).to(torch.bfloat16)
+        else:
+            stored[k] = v
+    save_file({k: v.contiguous() for k, v in stored.items()}, tmp_path / "te_fp8.safetensors")
+    with CheckpointFiles([tmp_path / "te_fp8.safetensors"]) as files:
+        read = FileSource(files, "", torch.bfloat16, factory(), {}).reader(torch.device("cpu"))
+        for k, w in want.items():
+            got = read(k, None)
+            assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), w.view(torch.int16)), k
+    assert len(want) >= 14
+
+
 def test_missing_or_misshapen_tensor_names_file_and_key(tmp_path):
     whole, factory = qwen3()
     state = state_of(whole)
