@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from leantune.data.dataset import DataWarning, listing
+from leantune.data.buckets import fit_to_bucket
+from leantune.data.dataset import DataWarning, listing, load_rgb
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
@@ -161,16 +162,8 @@ def frame_bucket(info: ClipInfo, target_fps, max_frames: int | None = None) -> i
 
 
 def _resize_crop(img: Image.Image, size) -> Image.Image:
-    """Scale to cover size (w, h), then center-crop: the image path's bucket treatment."""
-    if size is None:
-        return img
-    w, h = size
-    scale = max(w / img.width, h / img.height)
-    sw, sh = max(w, round(img.width * scale)), max(h, round(img.height * scale))
-    if (sw, sh) != img.size:
-        img = img.resize((sw, sh), Image.BICUBIC)
-    left, top = (sw - w) // 2, (sh - h) // 2
-    return img.crop((left, top, left + w, top + h))
+    """Cover size (w, h) and center-crop, in one resample: the image path's bucket treatment."""
+    return img if size is None else fit_to_bucket(img, tuple(size))
 
 
 def _decoded(container, stream) -> Iterator:
@@ -235,7 +228,7 @@ def read_clip_frames(path, *, target_fps, num_frames: int, start_s: float = 0.0,
         rate = _as_fraction(sequence_fps)
         frames = sequence_frames(path)
         timed = ((i / rate, p) for i, p in enumerate(frames))
-        out = _pick(timed, 1 / rate, target, start, num_frames, _load_frame, size)
+        out = _pick(timed, 1 / rate, target, start, num_frames, load_rgb, size)
     else:
         try:
             with av.open(str(path)) as container:
@@ -250,11 +243,6 @@ def read_clip_frames(path, *, target_fps, num_frames: int, start_s: float = 0.0,
         raise ClipError(f"{path}: holds {len(out)} frame(s) at {float(target):g} fps from {start_s:g} s, "
                         f"{num_frames} asked")
     return torch.stack(out).float() / 127.5 - 1.0
-
-
-def _load_frame(p: Path) -> Image.Image:
-    with Image.open(p) as img:
-        return img.convert("RGB")
 
 
 def first_frame(path, *, start_s: float = 0.0, size=None, sequence_fps=SEQUENCE_FPS) -> torch.Tensor:
