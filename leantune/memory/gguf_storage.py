@@ -1,8 +1,10 @@
 """GGUF block storage for frozen block Linears: a GGUF file's quantized weights kept as stored.
 
-What it trades: a Linear of a GGUF base (ComfyUI-GGUF's Flux files: Q8_0, Q5_K, Q4_K, ...) holds
-the file's blocks themselves, 34 bytes per 32 weights for Q8_0 (8.5 bits), 176 per 256 for Q5_K
-(5.5 bits), 144 per 256 for Q4_K (4.5 bits), and dequantizes them in every forward and backward.
+What it trades: a Linear of a GGUF base (ComfyUI-GGUF's Flux files: Q8_0, Q6_K, Q5_K, Q4_K, ...)
+holds the file's blocks themselves, 34 bytes per 32 weights for Q8_0 (8.5 bits), 210 per 256 for
+Q6_K (6.56 bits), 176 per 256 for Q5_K (5.5 bits), 144 per 256 for Q4_K (4.5 bits), 136 per 256 for
+IQ4_XS (4.25 bits), 110 / 84 per 256 for Q3_K / Q2_K (3.44 / 2.63 bits), and dequantizes them in
+every forward and backward.
 Resident or streamed, the bytes are the file's: a 4-bit base costs a little over a quarter of bf16.
 
 How it works (the fp8 seam of memory/fp8.py, for another stored form):
@@ -48,10 +50,12 @@ def _gguf():
 
 def taken_types() -> dict[str, int]:
     """Block types leantune keeps as stored, by name -> GGMLQuantizationType value: the ones the
-    gguf package dequantizes and the tests cover (Q8_0, Q5_K, Q4_K as ComfyUI-GGUF publishes them;
-    the legacy 32-value types beside them)."""
+    gguf package dequantizes and the tests cover: the K types ComfyUI-GGUF publishes (Q8_0, Q6_K,
+    Q5_K, Q4_K, Q3_K, Q2_K), the non-linear IQ4_NL / IQ4_XS, and the legacy 32-value types. The
+    other IQ types (IQ1-IQ3 grids) and the ternary / fp4 ones stay refused by name."""
     t = _gguf().GGMLQuantizationType
-    return {q.name: int(q) for q in (t.Q8_0, t.Q5_K, t.Q4_K, t.Q4_0, t.Q4_1, t.Q5_0, t.Q5_1)}
+    return {q.name: int(q) for q in (t.Q8_0, t.Q6_K, t.Q5_K, t.Q4_K, t.Q3_K, t.Q2_K, t.IQ4_NL, t.IQ4_XS,
+                                     t.Q4_0, t.Q4_1, t.Q5_0, t.Q5_1)}
 
 
 def block_size(qtype: int) -> tuple[int, int]:
