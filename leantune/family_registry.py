@@ -75,7 +75,8 @@ FAMILIES: dict[str, FamilyEntry] = {
                          variants=("raw", "turbo")),
     # Qwen-Image-2.1 (issue 35): one list of 32 single-stream blocks; QwenImage21Pipeline cuts no
     # prompt, so the planner's text length is the usual 512 tokens
-    "qwen-image-2.1": FamilyEntry("leantune.models.qwen_image21", {"transformer_blocks": "num_layers"}, ("single",)),
+    "qwen-image-2.1": FamilyEntry("leantune.models.qwen_image21", {"transformer_blocks": "num_layers"}, ("single",),
+                                  {"qwen-image-2.1": StockModel("qwen_image21", 512)}),
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

@@ -672,3 +672,126 @@ def test_an_edit_dataset_caches_references_and_slots_as_the_pipeline_sees_them(f
     assert any(torch.equal(ref[i:i + 1], stored) for i in range(ref.shape[0]))
     _, _, slots = text_layout(batch.embeds.t5)
     assert (slots.sum(dim=1) == lat.slots(*ref.shape[2:])).all()
+
+
+# -- the planner --------------------------------------------------------------------------------------------
+
+def _vision_tower_parameters(v: dict) -> int:
+    """Qwen3-VL's vision tower counted by hand from its config: the 3-D patch embedding, the
+    learned position table, the blocks (two LayerNorms, qkv, proj, a two-layer MLP) and the four
+    patch mergers (the main one normed at the patch width, the deepstack ones after the 2x2 shuffle)."""
+    d, i, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
+    embed = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 * d + d
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * i + i) + (i * d + d)
+    merged = d * v["spatial_merge_size"] ** 2
+
+    def merger(norm_width: int) -> int:
+        return 2 * norm_width + (merged * merged + merged) + (merged * out + out)
+
+    return (embed + v["num_position_embeddings"] * d + v["depth"] * block + merger(d)
+            + len(v["deepstack_visual_indexes"]) * merger(merged))
+
+
+def test_plan_model_prices_the_stock_architecture_and_its_encoder_per_reference_count(capsys, tmp_path,
+                                                                                      monkeypatch):
+    """`leantune plan --model qwen-image-2.1 [--references N]`: the packaged 7B (the meta build runs
+    meta_model's class, whose forward reads the slot mask), a LoRA plan within 12 GiB over the one
+    block list, and the caching phase's Qwen3-VL-8B priced from its packaged config: the language
+    model counted by hand, captions in batches of 8 without references; with references, a caption
+    encoded alone with 32 x 32 tokens and the tags per reference, and the vision tower (counted by
+    hand) on the device whole. References lengthen the training step's sequence: the plan needs
+    more streaming and activations for each."""
+    from test_planner import _run_plan
+
+    from leantune.models.component_files import packaged_config
+
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "leantune-cache"))
+    docs = {}
+    for refs in (0, 1, 3):
+        rc, out, err = _run_plan(capsys, "--model", "qwen-image-2.1", "--vram", "12GiB", "--ram", "64GiB",
+                                 "--references", str(refs), "--json")
+        assert rc == 0, err
+        docs[refs] = json.loads(out)
+    acts, streamed = [], []
+    for refs, doc in docs.items():
+        entry = doc["plans"][0]
+        notes = entry["plan"]["notes"]
+        assert notes["predicted_peak_vram"] <= entry["budget_bytes"] - notes["margin_vram"]
+        assert set(entry["plan"]["streamed_blocks"]) <= {f"transformer_blocks.{i}" for i in range(32)}
+        assert (f"{refs} reference" in doc["workload"]) == bool(refs)
+        acts.append(notes["vram_breakdown"]["activations"])
+        streamed.append(len(entry["plan"]["streamed_blocks"]))
+    assert acts[0] < acts[1] < acts[2] and streamed[0] <= streamed[1] <= streamed[2]
+
+    full = packaged_config("qwen3_vl_8b")
+    t, v = full["text_config"], full["vision_config"]
+    h, i, hd = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    layer = (h * t["num_attention_heads"] * hd * 2 + h * t["num_key_value_heads"] * hd * 2 + 3 * h * i
+             + 2 * hd + 2 * h) * 2
+    plain = docs[0]["text_encoding"]
+    assert plain["resident"] == t["vocab_size"] * h * 2 + h * 2 and plain["layer"] == layer
+    assert (plain["layers"], plain["layers_run"], plain["tokens"]) == (36, 36, 8 * 528)
+    assert "vision" not in plain
+    for refs in (1, 3):
+        phase = docs[refs]["text_encoding"]
+        vision = phase["vision"]
+        assert vision["weights"] == _vision_tower_parameters(v) * 2
+        assert (vision["tokens_per_reference"], vision["patches"]) == (32 * 32, refs * 64 * 64)
+        assert phase["edit"]["tokens"] == 528 + refs * (32 * 32 + 8)
+        assert phase["device"] >= phase["edit"]["device"] > vision["weights"] + layer
+        assert phase["host_streamed"] == plain["host_streamed"] + vision["weights"]
+    assert docs[1]["text_encoding"]["device"] < docs[3]["text_encoding"]["device"]
+
+
+def test_the_probes_reference_layout_is_the_one_the_transformer_call_builds(folder_transformer):
+    """probe_inputs(references=N) lays out what forward.predict gives the transformer for N
+    references at the pipeline's size: each reference's latent tokens before the target's, its
+    slots in the text (and nowhere else), and the meta copy's forward runs on that layout, each
+    reference's tokens taking its slots' place in the joint sequence."""
+    from leantune.models import qwen_image21 as fam
+    from leantune.models.qwen_image21 import latents as lat
+    from leantune.models.qwen_image21.meta_model import QwenImage21Transformer2DModel as Meta
+
+    config = folder_transformer.config
+    inputs = fam.probe_inputs(config, 2, (4, 6), 20, torch.float32, references=2)
+    ref_side = 1024 // lat.VAE_SCALE_FACTOR
+    ref_slots = lat.slots(ref_side, ref_side)
+    text_rows = 20 + 2 * (fam.REFERENCE_TAG_ROWS + ref_slots)
+    assert inputs["encoder_hidden_states"].shape[:2] == (2, text_rows)
+    assert inputs["hidden_states"].shape[:2] == (2, 2 * ref_side * ref_side + 4 * 6)
+    mask = inputs["img_mask"]
+    assert mask.shape == (2, text_rows + lat.slots(4, 6))
+    assert int(mask[0, :text_rows].sum()) == 2 * ref_slots and bool(mask[0, text_rows:].all())
+    assert inputs["img_shapes"][0] == [(1, ref_side, ref_side)] * 2 + [(1, 4, 6)]
+    with torch.device("meta"):
+        meta = Meta.from_config(config)
+    out = meta(**{k: v.to("meta") if isinstance(v, torch.Tensor) and v.dtype != torch.bool else v
+                  for k, v in inputs.items()})[0]
+    # the joint sequence: the text's own rows, then every image token (a reference's in place of its slots)
+    assert out.shape[:2] == (2, (text_rows - 2 * ref_slots) + inputs["hidden_states"].shape[1])
+
+
+def test_references_in_a_plan_are_counted_from_the_datasets_and_refused_where_unpriced(capsys, tmp_path):
+    """A config's edit dataset gives the plan its reference count (the most a target has, by file
+    name); --references on a family the planner prices no references for, or over the family's
+    most, is a clear error naming the flag."""
+    from test_planner import _run_plan
+
+    from leantune.config import load_config
+    from leantune.planner.from_config import reference_count
+
+    data, refs = tmp_path / "data", tmp_path / "refs"
+    data.mkdir(), refs.mkdir()
+    for name in ("cat", "dog"):
+        Image.new("RGB", (64, 64), (200, 10, 10)).save(data / f"{name}.png")
+    for name in ("cat_0", "cat_1", "cat_2", "dog"):
+        Image.new("RGB", (64, 64), (10, 200, 10)).save(refs / f"{name}.png")
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[model]\nfamily = "qwen-image-2.1"\npath = "{tmp_path / "model"}"\n'
+                    f'[[data.datasets]]\npath = "{data}"\nreference_path = "{refs}"\n'
+                    f"[train]\nsteps = 10\n", encoding="utf-8")
+    assert reference_count(load_config(toml)) == 3
+    rc, _, err = _run_plan(capsys, "--model", "flux-dev", "--vram", "12GiB", "--references", "1")
+    assert rc != 0 and "--references 1" in err and "flux" in err
+    rc, _, err = _run_plan(capsys, "--model", "qwen-image-2.1", "--vram", "12GiB", "--references", "11")
+    assert rc != 0 and "--references 11" in err and "at most 10" in err

@@ -63,6 +63,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resolution", type=int, action="append", default=None, metavar="PX",
                    help="square training resolution (repeatable for several buckets; default 1024)")
     p.add_argument("--text-length", type=int, default=None, help="T5 tokens (default 512 flux-dev / 256 flux-schnell / 256 SD3.5, which adds 77 CLIP rows)")
+    p.add_argument("--references", type=int, default=None, metavar="N",
+                   help="reference images per sample (an edit model that prices them: qwen-image-2.1); "
+                        "default: none with --model, the datasets' own with a config")
     p.add_argument("--vram", action="append", default=None, metavar="SIZE",
                    help='VRAM budget, e.g. 8GiB (a bare 8 is GiB), or "auto" (repeatable: one plan per budget)')
     p.add_argument("--ram", default=None, metavar="SIZE",
@@ -274,10 +277,11 @@ def _from_flags(args):
         optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
         gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
         text_length=family.text_rows(args.text_length or TEXT_TOKENS[args.model]), autocast=not args.no_autocast,
+        references=args.references or 0,
         allow_fp8=not args.no_fp8 and args.lora_type != "dora",     # DoRA reads its base weights (no fp8)
         fp8_modulation=False if args.lora_type == "dora" else _MODULATION_FLAG[args.fp8_modulation or "auto"],
         quantizes_on_load=(args.mode or "lora") != "inference", **_full_flags(args))   # as the trainer loads
-    _check_workload(workload)
+    _check_workload(workload, family)
     return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
             lambda: build_meta_packaged(family.name, config_name), workload)
 
@@ -297,7 +301,8 @@ def _from_config(args):
     mode = args.mode or ("full" if cfg.train.mode == "full" else None)
     asked = {"mode": mode, "rank": args.rank, "targets": args.targets, "optimizer": args.optimizer,
              "batch_size": args.batch_size, "gradient_accumulation": args.accumulation,
-             "text_length": args.text_length, "buckets": Workload.square(args.resolution) if args.resolution else None}
+             "text_length": args.text_length, "buckets": Workload.square(args.resolution) if args.resolution else None,
+             "references": args.references}
     changes = {k: v for k, v in asked.items() if v is not None}
     changes.update(_full_flags(args))
     if args.lora_type is not None:
@@ -310,7 +315,7 @@ def _from_config(args):
         changes["autocast"] = False
     changes["quantizes_on_load"] = changes.get("mode", workload.mode) != "inference"   # the sampler loads as stored
     workload = replace(workload, **changes)
-    _check_workload(workload)
+    _check_workload(workload, get_family(cfg.model.family))
     vram = args.vram or ([cfg.memory.vram_budget] if cfg.memory.vram_budget else None)
     keep_mod = workload.fp8_modulation is not False
     source = source_key(_transformer_source(cfg), cfg.model.dtype + ("" if keep_mod else "|modulation upcast"))
@@ -346,8 +351,19 @@ def _optimizers() -> list[str]:
     return list(typing.get_args(TrainConfig.model_fields["optimizer"].annotation))
 
 
-def _check_workload(w) -> None:
+def _check_workload(w, family) -> None:
     from ..config import MAX_RESOLUTION, PACKAGE_ONLY_LORA, ConfigError
+    from ..models.family import prices_references
+
+    if w.references:
+        most = family.references.most if family.references is not None else 0
+        if w.references < 0:
+            raise ConfigError(f"--references must be >= 0, got {w.references}")
+        if not prices_references(family):
+            raise ConfigError(f"--references {w.references}: the planner does not price reference images for "
+                              f"{family.name} yet (it plans its text to image steps); leave --references out")
+        if w.references > most:
+            raise ConfigError(f"--references {w.references}: {family.name} takes at most {most} reference images")
 
     if w.mode != "full" and (w.state_dtype != "fp32" or w.master_weights or w.full_exclude
                              or w.streamed_step != "auto"):
@@ -430,8 +446,15 @@ def _text_phase_line(phase: dict, vram_values, budgets, ram: int | None) -> str:
                      for v, b in zip(vram_values, budgets))
     cut = phase.get("layers_run", 0) < phase.get("layers", 0)
     layers = f", {phase['layers_run']} of its {phase['layers']} layers" if cut else ""
-    line = (f"text encoding (caching phase, once per caption; the text encoder streamed layer by layer{layers}): "
-            f"{phase['device'] / gib:.2f} GiB on the GPU ({fits}), ")
+    vision = phase.get("vision")
+    refs = ""
+    if vision is not None:
+        n = phase["references"]
+        refs = (f"; a caption with its {n} reference{'s' if n > 1 else ''} is encoded alone: "
+                f"{phase['edit']['tokens']} tokens, the vision tower ({vision['weights'] / gib:.2f} GiB) on the GPU "
+                f"whole over {vision['patches']} patches")
+    line = (f"text encoding (caching phase, once per caption; the text encoder streamed layer by layer{layers}"
+            f"{refs}): {phase['device'] / gib:.2f} GiB on the GPU ({fits}), ")
     if "host_streamed" not in phase:
         return line + f"{phase['host'] / gib:.2f} GiB host RAM while it runs (freed before training)"
     # the caching phase decides against [memory] ram_budget, else the RAM available then (this machine's)
@@ -449,15 +472,20 @@ def _text_phase(spec, workload, args) -> dict | None:
     or the packaged one with --model; None for a family without one."""
     from ..models.family import get_family
 
+    import inspect
+
     family = get_family(spec.family)
     if family.text_phase is None:
         return None
+    extra = {"references": workload.references} if workload.references else {}
+    if extra and "references" not in inspect.signature(family.text_phase).parameters:
+        extra = {}
     if args.config:
         from ..config import load_config
 
         cfg = load_config(args.config, args.overrides)
-        return family.text_phase(workload.text_length, model_cfg=cfg.model, base_dir=cfg.base_dir)
-    return family.text_phase(workload.text_length)
+        return family.text_phase(workload.text_length, model_cfg=cfg.model, base_dir=cfg.base_dir, **extra)
+    return family.text_phase(workload.text_length, **extra)
 
 
 def _print_text(results, format_plan, ranks, args, better) -> None:

@@ -28,7 +28,8 @@ What a family provides, and the shapes callers rely on:
 - the forward call: `predict(transformer, packed_noisy, sigma, embeds, (h, w), guidance)` -> the
   packed velocity; `guidance` is the distilled guidance input where the family has one (Flux dev),
   else ignored. `probe_inputs(config, batch, (h, w), text_length, dtype)` are the forward
-  kwargs on the meta device for the planner's activation probe.
+  kwargs on the meta device for the planner's activation probe; an edit family whose probe prices
+  reference images takes `references=N` too (N references at the family's reference size).
 - `describe(transformer)`: a short name for logs ("Flux.1-dev").
 - `sampling` (`Sampling`, below): how the family samples: which guidance (Flux dev: the distilled
   guidance input; SD3.5: real classifier-free guidance with a negative prompt), its published
@@ -161,6 +162,10 @@ class ModelFamily:
     text_modules: Callable
     # diffusers transformer classes of this family (family_for_model tells a loaded model's family)
     transformer_classes: tuple[str, ...] = ()
+    # () -> the class a full-size architecture is built with on meta (the planner's `--model` copy and
+    # the simulated device's), where the diffusers class's forward cannot run without values
+    # (Qwen-Image-2.1 reads its token layout from a mask); None: transformer_classes[0] from diffusers
+    meta_transformer_class: Callable | None = None
     # diffusers pipeline classes (model_index.json's _class_name) that tell this family from another
     # with the same transformer class (Qwen-Image-Edit's folder holds Qwen-Image's transformer)
     pipeline_classes: tuple[str, ...] = ()
@@ -239,6 +244,13 @@ def fp8_load_options(memory_cfg, trained: Callable[[str], bool] | None = None, p
 def register(family: ModelFamily) -> ModelFamily:
     _FAMILIES[family.name] = family
     return family
+
+
+def prices_references(family: "ModelFamily") -> bool:
+    """Whether the planner prices the family's reference images: its probe_inputs takes `references`."""
+    import inspect
+
+    return "references" in inspect.signature(family.probe_inputs).parameters
 
 
 def get_family(name: str) -> ModelFamily:

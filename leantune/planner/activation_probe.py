@@ -263,11 +263,16 @@ def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bo
 
 def _probe_inputs(spec, model, workload: Workload, bucket: tuple[int, int]) -> dict:
     """The forward kwargs of the model's family on the meta device (models/family.py probe_inputs)."""
-    from ..models.family import family_of_spec
+    from ..models.family import family_of_spec, prices_references
 
     family = family_of_spec(spec)
     latent_hw = (bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor)
-    return family.probe_inputs(model.config, workload.batch_size, latent_hw, workload.text_length, workload.dtype)
+    extra = {"references": workload.references} if workload.references else {}
+    if extra and not prices_references(family):
+        raise ValueError(f"the planner prices reference images for no {family.name} model yet (its probe is "
+                         f"text to image); plan without references")
+    return family.probe_inputs(model.config, workload.batch_size, latent_hw, workload.text_length, workload.dtype,
+                               **extra)
 
 
 def _storage_bytes(tensors) -> int:

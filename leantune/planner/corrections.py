@@ -81,6 +81,8 @@ def architecture_key(model: torch.nn.Module, workload: Workload) -> str:
              "dropout": workload.lora_dropout}
     if workload.mode == "lora" and workload.adapter != "lora":      # plain LoRA keeps its earlier key
         shape.update(adapter=workload.adapter, lokr=[workload.lokr_factor, workload.lokr_decompose_both])
+    if workload.references:                                          # text to image keeps its earlier key
+        shape["references"] = workload.references
     blob = json.dumps(shape, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -7,6 +7,8 @@ runtime feedback, feedback/); the sampler and `leantune plan` build a Workload t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import logging
 import math
 
@@ -50,6 +52,7 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     allow_fp8=not dora,
                     optimizer=tc.optimizer, batch_size=cfg.data.batch_size,
                     buckets=Workload.square(cfg.data.resolutions), text_length=text_rows,
+                    references=reference_count(cfg),
                     gradient_accumulation=tc.gradient_accumulation,
                     autocast=tc.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
                     lora_dropout=cfg.lora.dropout,
@@ -82,6 +85,34 @@ def recipe_terms(cfg) -> dict:
         passes = math.ceil(held_out / cfg.data.batch_size) * len(v.sigmas)
         terms["validation_forwards_per_step"] = passes / v.every
     return terms
+
+
+def reference_count(cfg) -> int:
+    """The references a training step conditions on, for a family whose probe prices them
+    (activation_probe.prices_references): the most any target of the datasets has, counted by file
+    name in the reference folders (data/references.py matches by stem: the trainer requires one
+    count for the whole run and names a target that differs). 0 for other families, datasets
+    without reference_path and folders that cannot be listed (the trainer's scan names those)."""
+    from ..data.dataset import _image_files, _TooManyFiles
+    from ..data.references import _index, find_references, reference_folder
+    from ..models.family import get_family, prices_references
+
+    if not prices_references(get_family(cfg.model.family)):
+        return 0
+    most = 0
+    for d in cfg.data.datasets:
+        folder = reference_folder(d, cfg.base_dir)
+        if folder is None or not folder.is_dir():
+            continue
+        try:
+            index = _index(folder)
+            targets = _image_files(Path(cfg.resolve(d.path)), d.recursive).files
+        except (OSError, _TooManyFiles):
+            continue
+        for target in targets:
+            if Path(target).parent.resolve() != folder.resolve():
+                most = max(most, len(find_references(index, Path(target).stem)))
+    return most
 
 
 def held_out_count(cfg) -> int:

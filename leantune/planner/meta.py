@@ -51,7 +51,8 @@ def build_meta_packaged(family: str, config_name: str, dtype: torch.dtype = torc
     from ..models.component_files import packaged_config
     from ..models.family import get_family
 
-    cls = getattr(diffusers, get_family(family).transformer_classes[0])
+    spec = get_family(family)
+    cls = spec.meta_transformer_class() if spec.meta_transformer_class else getattr(diffusers, spec.transformer_classes[0])
     return meta_from_config(cls, packaged_config(config_name), dtype)
 
 

@@ -233,6 +233,8 @@ def _workload_shape(workload: Workload) -> dict:
         unmeasured += ["lokr_factor", "lokr_decompose_both"]
     if not lora or workload.adapter == "lora":
         unmeasured.append("adapter")  # a plain LoRA's key, as before the adapter types
+    if not workload.references:
+        unmeasured.append("references")   # text to image keeps its key from before references
     for key in unmeasured:
         shape.pop(key)
     return shape

@@ -40,6 +40,10 @@ class Workload:
     batch_size: int = 1
     buckets: tuple[tuple[int, int], ...] = ((1024, 1024),)   # (height, width) in pixels
     text_length: int = 512
+    # Reference images every sample is conditioned on (an edit family whose probe prices them,
+    # ModelFamily.probe_inputs' `references`), each at the family's reference size: their slots
+    # lengthen the text and their latent tokens the image sequence. 0: text to image
+    references: int = 0
     gradient_accumulation: int = 1
     autocast: bool = True           # bf16 autocast, as the trainer's mixed_precision = "bf16"
     lora_dropout: float = 0.0
@@ -101,7 +105,10 @@ class Workload:
         sizes = ", ".join(f"{w}x{h}" for h, w in self.buckets)
         opt = "" if self.mode == "inference" else f", {self.optimizer}"
         accum = f", accumulation {self.gradient_accumulation}" if self.gradient_accumulation > 1 else ""
-        return f"{what}{opt}, batch {self.batch_size}{accum}, {sizes}, text {self.text_length} tokens"
+        refs = ""
+        if self.references:
+            refs = f", {self.references} reference{'s' if self.references > 1 else ''}"
+        return f"{what}{opt}, batch {self.batch_size}{accum}, {sizes}{refs}, text {self.text_length} tokens"
 
     def _describe_full(self) -> str:
         parts = []

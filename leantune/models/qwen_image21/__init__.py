@@ -60,7 +60,8 @@ DEFAULT_STEPS = 40                 # QwenImage21Pipeline.__call__'s num_inferenc
 # (`<|im_end|>\n<|im_start|>assistant\n`), and per reference its tags and at most 32 x 32 slots
 # (1024² pixels of area at any aspect: sides multiples of 32, so at most (1024/32)² + a row).
 TEMPLATE_ROWS = 16
-ROWS_PER_REFERENCE = 32 * 33 + 8
+REFERENCE_TAG_ROWS = 8                 # `<imageN><|vision_start|>` ... `<|vision_end|>` and the space
+ROWS_PER_REFERENCE = 32 * 33 + REFERENCE_TAG_ROWS
 
 
 # -- latents -------------------------------------------------------------------------------------------
@@ -128,9 +129,8 @@ def text_layout(seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, t
 
 
 def text_rows(max_length: int) -> int:
-    """The planner's text length: a caption of `max_length` tokens in the template. A reference
-    adds up to ROWS_PER_REFERENCE slot rows; the planner does not price references for this family
-    yet (its probe is text to image), so neither are their rows here."""
+    """The planner's text length: a caption of `max_length` tokens in the template. References add
+    their slot rows in the probe itself (probe_inputs' `references`), not here."""
     return max_length + TEMPLATE_ROWS
 
 
@@ -159,18 +159,30 @@ def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds
     return forward.predict(transformer, noisy_packed, sigma, seq, mask, slots, latent_hw, references=refs)
 
 
-def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype) -> dict:
-    """Forward kwargs on the meta device for the planner's activation probe (predict's shapes, text
-    to image). The slot mask is a host tensor: the transformer reads the layout from it."""
+def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype,
+                 references: int = 0) -> dict:
+    """Forward kwargs on the meta device for the planner's activation probe (predict's shapes).
+    `references`: that many references at the pipeline's reference size for a square image (1024²
+    pixels: 32 x 32 slots in the text, 64 x 64 latent tokens each), laid out as forward.predict lays
+    them: each reference's tag rows and slots in the text before the caption (the text grows by
+    both), its packed latents before the target's. The slot mask is a host tensor: the transformer reads
+    the layout from it."""
     def meta(*shape):
         return torch.empty(*shape, device="meta", dtype=dtype)
 
     h, w = latent_hw
-    return {"hidden_states": meta(batch, lat.image_tokens(h, w), config.in_channels),
-            "encoder_hidden_states": meta(batch, text_length, config.context_in_dim),
-            "timestep": meta(batch), "img_shapes": [[(1, h, w)]] * batch,
-            "img_mask": torch.cat([torch.zeros(batch, text_length, dtype=torch.bool),
-                                   torch.ones(batch, lat.slots(h, w), dtype=torch.bool)], dim=1),
+    side = refs_mod.DEFAULT_RESOLUTION // lat.VAE_SCALE_FACTOR
+    ref_slots = lat.slots(side, side)
+    per = REFERENCE_TAG_ROWS + ref_slots
+    text = torch.zeros(batch, text_length + references * per, dtype=torch.bool)
+    for i in range(references):                   # [tags | slots] per reference, the caption after
+        start = i * per + REFERENCE_TAG_ROWS
+        text[:, start:start + ref_slots] = True
+    hidden = references * lat.image_tokens(side, side) + lat.image_tokens(h, w)
+    return {"hidden_states": meta(batch, hidden, config.in_channels),
+            "encoder_hidden_states": meta(batch, text.shape[1], config.context_in_dim),
+            "timestep": meta(batch), "img_shapes": [[(1, side, side)] * references + [(1, h, w)]] * batch,
+            "img_mask": torch.cat([text, torch.ones(batch, lat.slots(h, w), dtype=torch.bool)], dim=1),
             "return_dict": False}
 
 
@@ -235,11 +247,25 @@ def _register():
                           timestep=_timestep),
         text_modules=text_modules,
         transformer_classes=(qwen_image21_loading.TRANSFORMER_CLASS,), pipeline_classes=("QwenImage21Pipeline",),
+        meta_transformer_class=_meta_class, text_phase=_text_phase,
         recognizes_keys=recognizes_keys, text_rows=text_rows, timestep_sampling="shift",
         references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES,
                                         sampling_latents=_sampling_latents),
         text_width=text_width,
     ))
+
+
+def _text_phase(rows, model_cfg=None, base_dir=None, references: int = 0):
+    from .text_phase import text_encoding_phase
+
+    return text_encoding_phase(rows, model_cfg=model_cfg, base_dir=base_dir, references=references)
+
+
+def _meta_class():
+    """The planner's and the simulated device's class (meta_model.py: a forward that runs without values)."""
+    from .meta_model import QwenImage21Transformer2DModel
+
+    return QwenImage21Transformer2DModel
 
 
 QWEN_IMAGE21 = _register()
