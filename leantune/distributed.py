@@ -296,19 +296,33 @@ class DistContext:
 
             dist.barrier(group=self._host_group)
 
-    def main_first(self, fn: Callable):
-        """Run `fn` on rank 0, then (behind a barrier) on the others: caches are filled once and
-        the other ranks find every entry present. A failure on rank 0 still releases the others,
-        who then fail on their own (a missing file) rather than wait forever."""
+    def main_first(self, fn: Callable, what: str = "filling the caches"):
+        """Run `fn` on rank 0, then on the others: caches are filled once and the other ranks find
+        every entry present. A failure on rank 0 still releases the others, who then fail on their
+        own (a missing file) rather than wait forever.
+
+        The others wait by polling a key rank 0 sets in the run's store (`wait_for_main`), not in a
+        barrier: a collective has the group's timeout ([distributed] timeout_minutes, torch's 30
+        minutes by default), and rank 0's phase (caching thousands of captions, a slow disk) has no
+        bound known in advance. A rank 0 that dies ends the wait (torchrun stops the ranks; a store
+        that stops answering is an error naming it)."""
         if not self.distributed:
             return fn()
+        key = self._next_key("main_first")
         if self.is_main:
             try:
                 return fn()
             finally:
-                self.barrier()
-        self.barrier()
+                _default_store().set(key, "done")
+        wait_for_main(_default_store(), key, what, self.rank)
         return fn()
+
+    def _next_key(self, kind: str) -> str:
+        """A store key unique to this call in the process group's life: the n-th call of this rank
+        (counted in the store itself, so a later run's context in the same group goes on counting),
+        which every rank reaches in the same order."""
+        n = _default_store().add(f"leantune/{kind}/calls/rank{self.rank}", 1)
+        return f"leantune/{kind}/{n}"
 
     def sum(self, value: float) -> float:
         if not self.distributed:
@@ -584,6 +598,42 @@ def _serves(group, device_type: str) -> bool:
     if ":" in config:
         return any(part.split(":")[0] == device_type for part in config.split(","))
     return (config == "gloo") if device_type == "cpu" else config in ("gloo", "nccl")
+
+
+# How often a rank waiting for rank 0 (main_first) looks at the store, and how often it says so.
+MAIN_POLL_S = 0.5
+MAIN_REPORT_S = 300.0
+
+
+def _default_store():
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def wait_for_main(store, key: str, what: str, rank: int, poll_s: float | None = None,
+                  report_s: float | None = None) -> None:
+    """Wait, without any timeout, until rank 0 sets `key` in `store`; a line to the log every
+    `report_s` seconds says what is awaited. `store.check` does not block (a blocking `wait` would
+    need a timeout and logs a socket warning at each one). A store that stops answering (rank 0,
+    which serves it, is gone) is a RuntimeError naming it."""
+    import time
+
+    poll_s = MAIN_POLL_S if poll_s is None else poll_s
+    report_s = MAIN_REPORT_S if report_s is None else report_s
+    start = last = time.monotonic()
+    while True:
+        try:
+            if store.check([key]):
+                return
+        except Exception as e:     # noqa: BLE001 - the store's own error says which connection
+            raise RuntimeError(f"rank {rank}: rank 0 stopped answering while this rank waited for it "
+                               f"({what}): {e}") from None
+        now = time.monotonic()
+        if now - last >= report_s:
+            log.info("rank %d: waiting for rank 0 (%s), %.0f min so far", rank, what, (now - start) / 60)
+            last = now
+        time.sleep(poll_s)
 
 
 def host_group_for_default(timeout_minutes: int | None = None):

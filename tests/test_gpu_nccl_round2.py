@@ -269,3 +269,31 @@ def test_loading_a_sharded_full_fine_tune_is_priced_before_any_weight_is_read(mo
     with pytest.raises(ConfigError, match=r"all at once"):
         zero.check_before_load(lambda: meta)
     assert fsdp.shards_in_turn and not zero.shards_in_turn
+
+
+# -- finding 2, second part: main_first waits by polling, not in a barrier with the group's timeout --
+
+def test_main_first_outlasts_the_groups_timeout_where_a_barrier_does_not(tmp_path):
+    """torchrun, 2 ranks, a gloo group with a 2 s timeout and rank 0's part of main_first taking
+    4 s: rank 1 waits by polling the store (distributed.wait_for_main) and runs its part after
+    rank 0's ended, in two contexts of the same group one after the other (the store counts the
+    calls, so the second context's key is a new one); the same phase before a plain barrier
+    times out there, which is how main_first's barrier ended a long caching phase."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(root / "tests" / "dist_main_first_worker.py"), str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all("error" not in s for s in seen), (seen, run.stderr[-3000:])
+    for name in ("first", "second"):
+        zero, one = seen[0][name], seen[1][name]
+        assert (zero["returned"], one["returned"]) == ("rank 0's result", "rank 1's result")
+        assert zero["part"][1] - zero["part"][0] >= 4.0
+        assert one["part"][0] >= zero["part"][1] - 0.05      # rank 1 started after rank 0 ended
+    assert "timed out" in seen[1]["barrier"].lower()
