@@ -297,3 +297,81 @@ def test_main_first_outlasts_the_groups_timeout_where_a_barrier_does_not(tmp_pat
         assert zero["part"][1] - zero["part"][0] >= 4.0
         assert one["part"][0] >= zero["part"][1] - 0.05      # rank 1 started after rank 0 ended
     assert "timed out" in seen[1]["barrier"].lower()
+
+
+# -- finding 8, second part: the slots are waited for and released on the forward's stream -----------
+
+class _FakeStream:
+    def __init__(self, name: str):
+        self.name, self.waited = name, []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class _FakeEvent:
+    """A CUDA event that remembers the stream it was last recorded on."""
+
+    recorded: list = []
+
+    def __init__(self, enable_timing: bool = False):
+        self.stream = None
+
+    def record(self, stream) -> None:
+        self.stream = stream
+        _FakeEvent.recorded.append((stream.name, torch._C._current_graph_task_id() != -1))
+
+    def query(self) -> bool:
+        return self.stream is None or self.stream.name != "copy"    # a copy is still running: waited for
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def test_slots_are_released_and_waited_for_on_the_forwards_stream_in_backward(monkeypatch):
+    """The engine on the CPU with CUDA's streams and events emulated: the forward runs on stream
+    "forward" and, as on autograd's device thread, code in backward sees another current stream
+    ("backward"); a copy is always still running when waited for. Every slot release (free event)
+    and every wait for a copy is on the forward's
+    stream, in backward too; with the current stream at each use, backward's would be taken and
+    the next copy could overwrite a slot a kernel still reads. The gradients are the plain
+    model's (poison mode: a weight read outside its hold is NaN)."""
+    import contextlib
+    import copy
+
+    from test_streaming_boundaries import _streamed, _toy
+
+    plain = _toy("chain")
+    model = copy.deepcopy(plain)
+    handle = _streamed(model)
+    be = handle.engine.backend
+    streams = {"forward": _FakeStream("forward"), "backward": _FakeStream("backward")}
+
+    def current_stream(device=None):
+        return streams["backward" if torch._C._current_graph_task_id() != -1 else "forward"]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(be, "cuda", True)
+    monkeypatch.setattr(be, "copy_stream", _FakeStream("copy"))
+    _FakeEvent.recorded = []
+
+    x = torch.randn(3, 8, requires_grad=True)
+    model(x).square().sum().backward()
+    x0 = x.detach().clone().requires_grad_(True)
+    plain(x0).square().sum().backward()
+    monkeypatch.setattr(be, "cuda", False)
+
+    # the releases in backward (the copy stream's own events are the prefetches' ends)
+    released = [name for name, backward in _FakeEvent.recorded if backward and name != "copy"]
+    assert released and set(released) == {"forward"}, _FakeEvent.recorded
+    assert {name for name, _ in _FakeEvent.recorded} <= {"forward", "copy"}
+    assert streams["forward"].waited and not streams["backward"].waited      # waits for copies
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    want = [p.grad for p in plain.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(grads, want)) and torch.equal(x.grad, x0.grad)

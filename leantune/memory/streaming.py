@@ -141,6 +141,7 @@ class StreamingEngine:
         self.callback_queued = False
         self.phase, self.order, self.cursor = "forward", self.fwd_order, -1
         self.log, self.tracked = [], []
+        self.backend.bind_forward()                   # waits and releases use the forward's stream
         self._prefetch()
 
     def end_forward(self) -> None:
