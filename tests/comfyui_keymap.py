@@ -33,6 +33,12 @@ at 09708eae, comfy/weight_adapter/lora.py at 6f98b150), not copied from it:
     block's SwiGLU gate and up fused as `img_mlp.gate_up`). A diffusers-layout file's
     `transformer.*` keys are then not loaded (a finding of the conformance suite, not a fact
     about ComfyUI's real loader).
+  - `WAN21` (ComfyUI's class for Wan 2.1 and 2.2; its model holds Wan-AI's names,
+    `blocks.N.self_attn.q`): no branch of its own is modelled (none was found in the code index's
+    copies of comfy/lora.py), so the generic rule above: `lora_unet_<W_>` and `diffusion_model.W`.
+    A diffusers-layout file's `transformer.blocks.N.attn1.to_q` keys then do not load (a finding
+    of the conformance suite); the native state is checked against diffusers' own
+    `convert_wan_transformer_to_diffusers` renames.
   - `Lumina2` (ComfyUI's class for Z-Image): every diffusers weight name `k` of
     `comfy.utils.z_image_to_diffusers` as `diffusion_model.k`, `transformer.k`, `lycoris_<k_>` and
     `k`. That table (`_z_image_to_diffusers` here) maps diffusers' `attention.to_q/to_k/to_v` of
@@ -112,7 +118,7 @@ def comfyui_class(family: str) -> str:
     if family.startswith("flux2"):
         return "Flux2"
     classes = {"flux": "Flux", "sd3": "SD3", "qwen-image": "QwenImage", "qwen-image-edit": "QwenImage",
-               "krea2": "Krea2", "z-image": "Lumina2", "qwen-image-2.1": "QwenImage21"}
+               "krea2": "Krea2", "z-image": "Lumina2", "qwen-image-2.1": "QwenImage21", "wan2.2": "WAN21"}
     if family not in classes:
         raise KeyError(f"no ComfyUI key map modelled for family {family!r}")
     return classes[family]
@@ -268,6 +274,8 @@ def diffusers_names(family: str, shapes: Mapping) -> dict[str, Target]:
         return _z_image_to_diffusers(shapes)
     if cls == "QwenImage21":
         return _qwen_image21_to_native(shapes)
+    if cls == "WAN21":
+        return _wan_to_native(shapes)
     return {k[:-len(".weight")]: Target(k) for k in shapes if k.endswith(".weight")}
 
 
@@ -288,6 +296,17 @@ def _qwen_image21_to_native(shapes: Mapping) -> dict[str, Target]:
         else:
             out[k[:-len(".weight")]] = Target(k)
     return out
+
+
+def _wan_to_native(shapes: Mapping) -> dict[str, Target]:
+    """Where each diffusers weight of Wan sits in ComfyUI's model, which holds Wan-AI's own names
+    (comfy/ldm/wan/model.py): diffusers' own single-file converter
+    (convert_wan_transformer_to_diffusers, renames only) run on the native names. Used only to check
+    the native state; ComfyUI's key map for WAN21 is modelled as the generic one (comfyui_key_map)."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    natives = {k: k for k in shapes if k.endswith(".weight")}
+    return {d[:-len(".weight")]: Target(n) for d, n in convert_wan_transformer_to_diffusers(dict(natives)).items()}
 
 
 # -- the key map (comfy/lora.py model_lora_keys_unet) --------------------------------------------------

@@ -30,6 +30,7 @@ from leantune.tiny import flux2 as tf
 from leantune.tiny import krea2 as tk
 from leantune.tiny import qwen_image as tq
 from leantune.tiny import qwen_image21 as tq21
+from leantune.tiny import wan as tw
 from leantune.tiny import z_image as tz
 
 
@@ -43,6 +44,8 @@ class Sample:
     scale_arg: str = "guidance_scale"   # the pipeline's keyword for the scale
     cfg_batched: bool = True            # the pipeline runs CFG's two halves in one batch
     references: int = 0                 # reference images every sample is conditioned on (an edit model)
+    video: bool = False                 # a video pipeline (num_frames, output .frames): our images are its
+                                        # one-frame videos
 
 
 @dataclass(frozen=True)
@@ -107,4 +110,9 @@ CASES = [
          Sample(guidance=4.0, negative="a blue square", negative_arg="negative_prompt", scale_arg="true_cfg_scale",
                 cfg_batched=False),
          pipeline_parts=lambda: {"processor": tq21.qwen3_vl_processor()}),
+    # Wan: a video family, sampled as one-frame videos; classifier-free guidance above 1, the halves one
+    # after the other, "" as the negative by default. The one-transformer folder (Wan 2.1's layout):
+    # the two experts of Wan 2.2 A14B are checked in tests/test_wan.py
+    Case("wan2.2", "wan2.2", lambda: tw.wan_transformer(0), lambda p: tw.save_wan_folder(p, experts=1), "WanPipeline",
+         tw.TEXT_LENGTH, Sample(guidance=5.0, negative="", cfg_batched=False, video=True)),
 ]

@@ -1,0 +1,169 @@
+"""Wan 2.2 (Wan-AI; T2V/I2V-A14B's two 14B experts, TI2V-5B, and Wan 2.1, the same classes): latents,
+the transformer call, sampling and the family's registration (`wan2.2`). The spec is in wan/spec.py,
+loading in wan/loading.py, text encoding in wan/text.py, the two experts in wan/experts.py; this
+module imports them, none imports it.
+
+Everything follows WanPipeline (diffusers) exactly:
+
+- Latents: AutoencoderKLWan's 16 channels per 4 frames (the first frame alone) at 1/8 of the
+  pixels, normalised per channel ((z - mean) / std; the pipeline decodes z * std + mean, through
+  models/qwen_vae.QwenVAE, which is that arithmetic on a video VAE). The transformer takes
+  (B, 16, F, h, w) and patchifies (1, 2, 2) itself. An image is a video of one frame: the
+  family's 4-D latents (B, 16, h, w), which the cache, the trainer and the sampler hold, are packed
+  to F = 1 (`pack_latents`), and a 5-D video latent passes as it is. Tokens per frame are h/2 * w/2.
+- Text: umT5's last hidden state, zero-padded to max_sequence_length rows, all of which the
+  transformer attends to (wan/text.py).
+- Time: the transformer takes the scheduler's timestep sigma * 1000 in float32, and returns the
+  flow velocity (noise - x0), so the trainer's target and the sampler's Euler step are the other
+  families'.
+- Sampling: FlowMatchEulerDiscreteScheduler's own spacing (the pipeline passes no sigmas) with a
+  static shift (a folder's scheduler config decides: `shift`, or UniPC's `flow_shift`; the published
+  T2V-A14B's 12.0 otherwise). Guidance is classifier-free, the two halves one after the other, for
+  scales above 1, the empty negative prompt by default. A two-expert model samples through
+  `WanExperts` (wan/experts.py), which switches at the pipeline's boundary. The released folders'
+  UniPCMultistepScheduler is another solver than the Euler step the sampler takes: only the Euler
+  scheduler's samples equal the pipeline's.
+- Training noise levels: "shift", the logit-normal shifted by [train] shift (3.0, musubi-tuner's
+  discrete_flow_shift for Wan), inside the trained expert's range for a two-expert model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import experts as wan_experts, loading as wan_loading, text as wan_text
+from .keys import recognizes_keys
+from .spec import WAN_SPEC
+from ..qwen_vae import QwenVAE
+from ..schedule import FlowSchedule
+
+NAME = "wan2.2"
+VAE_SCALE_FACTOR = 8
+LATENT_CHANNELS = 16
+PATCH = 2
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+# -- latents -------------------------------------------------------------------------------------------
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, 16, h, w) images -> (B, 16, 1, h, w) one-frame videos; (B, 16, F, h, w) stays as it is."""
+    return latents.unsqueeze(2) if latents.dim() == 4 else latents
+
+
+def unpack_latents(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The transformer's (B, 16, F, h, w) back: one frame as the image (B, 16, h, w), else the video."""
+    return packed.squeeze(2) if packed.dim() == 5 and packed.shape[2] == 1 else packed
+
+
+def image_tokens(h: int, w: int) -> int:
+    """Tokens of one latent frame of h x w."""
+    return (h // PATCH) * (w // PATCH)
+
+
+# -- the forward call ---------------------------------------------------------------------------------------
+
+def model_time(sigma: torch.Tensor) -> torch.Tensor:
+    """The transformer's timestep for noise level sigma: the scheduler's float32 sigma * 1000."""
+    return sigma.to(torch.float32) * NUM_TRAIN_TIMESTEPS
+
+
+def predict(transformer, noisy: torch.Tensor, sigma: torch.Tensor, embeds, latent_hw: tuple[int, int],
+            guidance=None) -> torch.Tensor:
+    """One transformer call: noisy latents (B, 16, F, h, w) at sigma (B,) -> the flow velocity in the
+    same layout. `guidance` is ignored: Wan has no guidance input."""
+    text = embeds.t5.to(device=noisy.device, dtype=noisy.dtype)
+    return transformer(hidden_states=noisy, timestep=model_time(sigma.to(noisy.device)), encoder_hidden_states=text,
+                       return_dict=False)[0]
+
+
+def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype,
+                 frames: int = 1) -> dict:
+    """Forward kwargs on the meta device for the planner's activation probe (as predict feeds them):
+    `frames` latent frames (1: an image; the planner prices images today)."""
+    h, w = latent_hw
+    return {"hidden_states": torch.empty(batch, config.in_channels, frames, h, w, device="meta", dtype=dtype),
+            "timestep": torch.empty(batch, device="meta", dtype=torch.float32),
+            "encoder_hidden_states": torch.empty(batch, text_length, config.text_dim, device="meta", dtype=dtype),
+            "return_dict": False}
+
+
+# -- sampling ----------------------------------------------------------------------------------------------
+
+def published_schedule() -> FlowSchedule:
+    """Wan 2.2 T2V-A14B's (Wan-AI's wan_t2v_A14B.py): static shift 12.0, 40 steps, guidance 4.0 (the
+    high-noise expert's; the low-noise one's 3.0 is not a separate setting here), the scheduler's own
+    timestep spacing. A folder's scheduler config takes precedence for the shift."""
+    return FlowSchedule(use_dynamic_shifting=False, shift=12.0, default_steps=40, default_guidance=4.0,
+                        pipeline_sigmas=False)
+
+
+def _schedule(variant: str, folder=None) -> FlowSchedule:
+    """The folder's scheduler: FlowMatchEulerDiscreteScheduler's config as it is; the released folders'
+    UniPCMultistepScheduler states its shift as `flow_shift`."""
+    schedule = FlowSchedule.from_model_folder(folder, published_schedule())
+    path = None if folder is None else Path(folder) / "scheduler" / "scheduler_config.json"
+    if path is not None and path.is_file():
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if "shift" not in config and config.get("flow_shift") is not None:
+            from dataclasses import replace
+
+            schedule = replace(schedule, shift=float(config["flow_shift"]), use_dynamic_shifting=False)
+    return schedule
+
+
+def _timestep(sigma: torch.Tensor, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """What predict gets as sigma: the float32 sigma itself (predict computes the pipeline's timestep)."""
+    return torch.full((batch,), float(sigma), dtype=torch.float32, device=device)
+
+
+def load_vae(sources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> QwenVAE:
+    """AutoencoderKLWan seen as an image VAE with normalised 4-D latents (one frame)."""
+    return QwenVAE(wan_loading.load_raw_vae(sources, dtype, device))
+
+
+def load_experts(sources, dtype: torch.dtype = torch.bfloat16, device="cpu", **options):
+    """Both experts of a two-expert model as one sampling transformer (wan/experts.WanExperts); a
+    one-transformer model's transformer as it is."""
+    ratio = wan_loading.boundary_ratio(sources)
+    high = wan_loading.load_transformer(sources, dtype, device, expert="high", **options)
+    if ratio is None or sources.transformer_2 is None:
+        return high
+    low = wan_loading.load_transformer(sources, dtype, device, expert="low", **options)
+    return wan_experts.WanExperts(high, low, ratio)
+
+
+# -- the family object ----------------------------------------------------------------------------------------
+
+def _loader(name: str):
+    """wan_loading's `name`, looked up on each call (so a test may replace it)."""
+    def call(*args, **kwargs):
+        return getattr(wan_loading, name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+def _register():
+    from ..family import ModelFamily, Sampling, register
+
+    return register(ModelFamily(
+        name=NAME, spec=WAN_SPEC,
+        resolve_sources=_loader("resolve_sources"), load_transformer=_loader("load_transformer"),
+        load_text_encoders=_loader("load_text_encoders"), load_vae=load_vae,
+        text_sources=("text_encoder", "tokenizer"),
+        encode_prompts=wan_text.encode_prompts, padding_side=wan_text.padding_side,
+        latent_channels=LATENT_CHANNELS, vae_scale_factor=VAE_SCALE_FACTOR,
+        pack_latents=pack_latents, unpack_latents=unpack_latents, image_tokens=image_tokens,
+        predict=predict, probe_inputs=probe_inputs, describe=_loader("describe"),
+        sampling=Sampling(guidance="cfg", variant=lambda transformer: NAME, schedule=_schedule, timestep=_timestep),
+        text_modules=wan_text.text_modules,
+        transformer_classes=(wan_loading.TRANSFORMER_CLASS, "WanExperts"), pipeline_classes=("WanPipeline",),
+        recognizes_keys=recognizes_keys, text_rows=wan_text.text_rows, timestep_sampling="shift",
+        text_width=lambda config: config.text_dim,
+    ))
+
+
+WAN = _register()

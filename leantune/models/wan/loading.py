@@ -1,0 +1,262 @@
+"""Loading Wan components: the diffusers folders and the single transformer files people download.
+
+Sources: a diffusers folder in the Wan-AI/Wan2.2-T2V-A14B-Diffusers layout (transformer/ the
+high-noise expert and transformer_2/ the low-noise one, both WanTransformer3DModel, with the
+pipeline's `boundary_ratio` in model_index.json; Wan 2.1's and TI2V-5B's folders have transformer/
+alone), text_encoder/ umT5-XXL (UMT5EncoderModel), tokenizer/ umT5's, vae/ AutoencoderKLWan; any
+component overridden by a [model] key; or a single transformer .safetensors file: Wan-AI's own
+names (wan/keys.py), bare or under ComfyUI's `model.diffusion_model.` (wan2.2_t2v_high_noise_14B_*
+.safetensors), in bf16 or fp8 e4m3 (plain, or ComfyUI's "scaled" with a per-tensor
+`scale_weight`), or diffusers' names in one file.
+
+`[model] expert` picks the expert a run trains: "high" (or "auto") the folder's transformer/,
+"low" its transformer_2/; a single file is the expert it holds. `load_experts` loads both for
+sampling (wan/experts.py).
+
+Every model is built on the meta device and filled tensor by tensor in its target dtype
+(weights.py): no second, full-precision copy. Block Linear weights a file stores in e4m3 stay e4m3
+(the engine's fp8 Linear). The architecture of a single file is read from its shapes
+(keys.config_from_shapes); the head size the weights cannot show comes from the released config
+(models/configs/wan22_a14b.json) or the file's `leantune.config` metadata. A file of another family is
+refused before a tensor is read, naming the family to set. Only safetensors is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import component_files as cf
+from .. import component_loading as cl
+from . import keys
+from .spec import WAN_SPEC
+from ..weights import LoadError, build_empty, copy_ops, load_into_empty
+
+COMPONENTS = ("transformer", "transformer_2", "text_encoder", "tokenizer", "vae")
+_LABEL = {"transformer": "Wan transformer", "transformer_2": "Wan low-noise transformer (transformer_2)",
+          "text_encoder": "Wan text encoder (umT5)", "tokenizer": "Wan tokenizer (umT5)", "vae": "Wan VAE"}
+_REPO = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+TRANSFORMER_CLASS = "WanTransformer3DModel"
+VAE_CLASS = "AutoencoderKLWan"
+TEXT_ENCODER_CLASSES = ("UMT5EncoderModel", "UMT5Model", "umt5")
+RELEASED_CONFIG = "wan22_a14b"
+# The released boundary of a two-expert model whose folder does not say (a pair of single files):
+# T2V-A14B's 0.875, I2V-A14B's 0.9 (its transformer takes 36 channels: 16 noisy + 20 condition)
+T2V_BOUNDARY, I2V_BOUNDARY = 0.875, 0.9
+I2V_IN_CHANNELS = 36
+EXPERTS = ("high", "low")
+
+
+@dataclass(frozen=True)
+class WanSources:
+    """Where each component comes from (None: absent), the expert a run trains, and the folder's
+    two-expert boundary (model_index.json's boundary_ratio; None for a one-transformer folder)."""
+
+    transformer: Path | None
+    transformer_2: Path | None
+    text_encoder: Path | None
+    tokenizer: Path | None
+    vae: Path | None
+    expert: str = "auto"
+    boundary_ratio: float | None = None
+
+
+@dataclass
+class WanTextEncoders:
+    """The umT5 tokenizer and UMT5EncoderModel, on the host; `device` is where encoding runs
+    (wan/text.py streams the encoder's blocks there when it is not the host)."""
+
+    tokenizer: object
+    text_encoder: torch.nn.Module
+    device: torch.device
+
+
+def _boundary(root: Path) -> float | None:
+    index = root / "model_index.json"
+    if not root.is_dir() or not index.is_file():
+        return None
+    value = cl.read_json(index).get("boundary_ratio")
+    if value is not None and not (isinstance(value, (int, float)) and 0.0 < float(value) < 1.0):
+        raise LoadError(f"{index}: boundary_ratio = {value!r}; a two-expert Wan splits its timesteps at a "
+                        f"fraction strictly between 0 and 1")
+    return None if value is None else float(value)
+
+
+def resolve_sources(model_cfg, base_dir: Path) -> WanSources:
+    """Where every component comes from, for a [model] section (relative paths from `base_dir`)."""
+    found = cl.resolve_components(model_cfg, base_dir, COMPONENTS, {})
+    expert = getattr(model_cfg, "expert", "auto") or "auto"
+    root = cl.config_path(model_cfg.path, base_dir)
+    boundary = _boundary(root)
+    if expert == "low" and root.is_dir() and found["transformer_2"] is None:
+        raise LoadError(f"[model] expert = \"low\": {root} has no transformer_2/ folder (the low-noise expert); "
+                        f"it is a one-transformer Wan: remove [model] expert, or point [model] path at a "
+                        f"two-expert folder or at the low-noise expert's file")
+    if found["transformer_2"] is not None and boundary is None and root.is_dir():
+        raise LoadError(f"{root / 'model_index.json'}: a transformer_2/ folder but no boundary_ratio: the "
+                        f"timestep at which WanPipeline switches experts is not known")
+    return WanSources(**found, expert=expert, boundary_ratio=boundary)
+
+
+def _require(source: Path | None, name: str) -> Path:
+    return cl.require(source, name, _LABEL[name])
+
+
+def expert_source(sources: WanSources, expert: str | None = None) -> Path:
+    """The transformer folder or file of `expert` ("high" / "low"; None: the sources' own choice,
+    "auto" meaning the high-noise expert, the one transformer of a one-transformer model)."""
+    expert = expert or sources.expert
+    if expert == "low" and sources.transformer_2 is not None:
+        return sources.transformer_2
+    return _require(sources.transformer, "transformer")
+
+
+def boundary_ratio(sources: WanSources, config: dict | None = None) -> float | None:
+    """The fraction of the 1000 training timesteps at which the experts switch: the folder's, else
+    (a single expert file, which cannot say) the released value for its kind; None for a
+    one-transformer folder (no switch)."""
+    if sources.boundary_ratio is not None:
+        return sources.boundary_ratio
+    src = _require(sources.transformer, "transformer")
+    if src.is_dir() and sources.transformer_2 is None:
+        return None
+    config = config or transformer_config(sources)
+    return I2V_BOUNDARY if config.get("in_channels") == I2V_IN_CHANNELS else T2V_BOUNDARY
+
+
+# -- transformer -------------------------------------------------------------------------------------
+
+def _released() -> dict:
+    return cf.packaged_config(RELEASED_CONFIG)
+
+
+def read_layout(path: Path):
+    """(files, ops, config, source_name) of a single transformer file, from its header alone.
+    `source_name(model_key)` is the file key a model key comes from (for missing-key messages)."""
+    cl.check_file(path, "transformer")
+    from ..gguf_file import open_single_file
+
+    files = open_single_file(path)                    # safetensors, or GGUF (models/gguf_file.py)
+    all_keys = list(files.keys())
+    prefix = keys.find_prefix(all_keys)
+    if prefix is None or not keys.recognizes_keys(all_keys):
+        raise LoadError(f"{path}: not a {_LABEL['transformer']} (no 'patch_embedding.weight' with Wan's "
+                        f"'head.head' / 'blocks.0.self_attn.q'): {cf.describe(all_keys)}")
+    outside = [k for k in all_keys if not k.startswith(prefix)]
+    if outside:
+        raise LoadError(f"{path}: unexpected key(s) {outside[:5]} outside {prefix!r}: not part of a "
+                        f"{_LABEL['transformer']}")
+    names = [k[len(prefix):] for k in all_keys]
+    if keys.is_native(names):
+        ops = copy_ops(all_keys, strip=prefix, rename=keys.diffusers_name)
+
+        def source_name(target: str) -> str:
+            return prefix + keys.native_name(target)
+    else:
+        ops = copy_ops(all_keys, strip=prefix)
+
+        def source_name(target: str) -> str:
+            return prefix + target
+    target_shapes = {op.targets[0]: files.shape(op.source) for op in ops}
+    meta = cf.metadata_config(files.metadata, str(path), "transformer")
+    try:
+        config = keys.config_from_shapes(target_shapes, _released(), meta)
+    except KeyError as e:
+        raise LoadError(f"{path}: missing key {source_name(e.args[0])!r} of a {_LABEL['transformer']}") from None
+    except ValueError as e:
+        raise LoadError(f"{path}: {e}") from None
+    return files, ops, config, source_name
+
+
+def _layout(src: Path):
+    if src.is_dir():
+        config, files, ops = cl.diffusers_folder(src, (TRANSFORMER_CLASS,), _LABEL["transformer"])
+        return config, files, ops, None
+    files, ops, config, source_name = read_layout(src)
+    return config, files, ops, source_name
+
+
+def transformer_config(sources: WanSources, expert: str | None = None) -> dict:
+    """The expert's diffusers config: a folder's config.json, or read from a file's shapes."""
+    return _layout(expert_source(sources, expert))[0]
+
+
+def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True,
+                     fp8_modulation: bool = True, quantize_fp8: bool = False, quantize_modulation: bool = False,
+                     trained=None, expert: str | None = None):
+    """The WanTransformer3DModel of the run's expert ([model] expert; `expert` overrides it) from a
+    diffusers folder or a single .safetensors file, in `dtype` on `device` (device "meta": shapes and
+    dtypes only, for the planner). e4m3 block weights stay e4m3 with their scale (`keep_fp8`).
+    `quantize_fp8` / `trained`: the block Linears a run stores in fp8 are quantized as they are read
+    (family.fp8_load_options gives these). Wan has no modulation Linear: `fp8_modulation` and
+    `quantize_modulation` change nothing."""
+    from diffusers import WanTransformer3DModel
+
+    src = expert_source(sources, expert)
+    config, files, ops, source_name = _layout(src)
+    try:
+        model = build_empty(lambda: WanTransformer3DModel.from_config(config))
+    except Exception as e:
+        raise LoadError(f"{src}: cannot build a {_LABEL['transformer']} from its config ({e})") from None
+    fp8 = cl.fp8_hooks(model, WAN_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
+                       quantize_modulation=quantize_modulation, trained=trained)
+    extra = {} if source_name is None else {"source_name": source_name}
+    return load_into_empty(model, files, ops, what=f"a {_LABEL['transformer']} of this architecture", dtype=dtype,
+                           device=device, **extra, **fp8)
+
+
+def describe(transformer) -> str:
+    cfg = transformer.config
+    width = cfg.num_attention_heads * cfg.attention_head_dim
+    return f"Wan ({cfg.num_layers} blocks, width {width}, {cfg.in_channels} input channels)"
+
+
+# -- VAE ---------------------------------------------------------------------------------------------
+
+def load_raw_vae(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu"):
+    """The AutoencoderKLWan itself, from a diffusers vae/ folder."""
+    from diffusers import AutoencoderKLWan
+
+    src = _require(sources.vae, "vae")
+    if not src.is_dir():
+        raise LoadError(f"[model] vae: {src}: a single-file Wan VAE is not read yet (ComfyUI's wan_2.1_vae uses "
+                        f"Wan-AI's names); point [model] vae at the vae/ folder of a {_REPO} diffusers repository")
+    config, files, ops = cl.diffusers_folder(src, (VAE_CLASS,), _LABEL["vae"])
+    try:
+        model = build_empty(lambda: AutoencoderKLWan.from_config(config))
+    except Exception as e:
+        raise LoadError(f"{src}: cannot build a {_LABEL['vae']} from its config ({e})") from None
+    return load_into_empty(model, files, ops, what=f"a {_LABEL['vae']} of this architecture", dtype=dtype,
+                           device=device)
+
+
+# -- text encoder ------------------------------------------------------------------------------------
+
+def load_text_encoders(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> WanTextEncoders:
+    """The umT5 tokenizer (a folder) and UMT5EncoderModel (a transformers folder), on the host:
+    loaded when it fits the host-RAM budget, else left in its files and read block by block when it
+    runs (streamed_encoder.py)."""
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    from ..streamed_encoder import load_text_model
+
+    tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], AutoTokenizer, _REPO)
+    src = _require(sources.text_encoder, "text_encoder")
+    if not src.is_dir():
+        raise LoadError(f"[model] text_encoder: {src}: a single-file umT5 is not read yet; point [model] "
+                        f"text_encoder at the text_encoder/ folder of a {_REPO} diffusers repository")
+    config = cl.read_json(src / "config.json")
+    declared = (config.get("architectures") or [None])[0] or config.get("model_type")
+    if declared is not None and declared not in TEXT_ENCODER_CLASSES:
+        raise LoadError(f"[model] text_encoder: {src / 'config.json'}: {declared!r}, but Wan's text encoder is "
+                        f"umT5 ({'/'.join(TEXT_ENCODER_CLASSES)})")
+    try:
+        model = load_text_model(UMT5EncoderModel, src, dtype, label=_LABEL["text_encoder"],
+                                blocks_path="encoder.block", module_path="")
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
+    return WanTextEncoders(tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))
