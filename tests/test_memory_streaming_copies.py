@@ -199,3 +199,24 @@ def test_the_host_step_worker_runs_with_the_engines_gpu_current(monkeypatch):
     seen = pool.submit(lambda: (str(rec.current), threading.current_thread().name)).result()
     pool.shutdown(wait=True)
     assert seen[0] == "cuda:1" and seen[1].startswith("leantune-host-step")
+
+
+def test_the_host_step_workers_kernels_leave_a_core_to_the_backward(monkeypatch):
+    """Issue 40 finding 10: a host step beside a GPU backward splits its kernels' work over one
+    thread fewer than torch's count (the autograd thread launches the device's kernels meanwhile);
+    any other thread (a CPU run's own step) keeps every one. The result does not depend on the
+    split (host_kernels' fixed blocks), so only the ranges change."""
+    from leantune.memory.trainable_streaming import host_step_worker
+    from leantune.train import host_kernels
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    n = 64 * host_kernels.MIN_PER_THREAD
+    pool = host_step_worker(torch.device("cuda", 0))
+    inside = pool.submit(lambda: len(host_kernels._ranges(n))).result()
+    pool.shutdown(wait=True)
+    assert (inside, len(host_kernels._ranges(n))) == (7, 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    pool = host_step_worker(torch.device("cuda", 0))
+    assert pool.submit(lambda: len(host_kernels._ranges(n))).result() == 1      # never below one
+    pool.shutdown(wait=True)

@@ -17,8 +17,10 @@ refused, the build fails, or LEANTUNE_HOST_KERNELS=0, `library()` returns None a
 keeps its torch-op path (same math in another operation order, slower); `unavailable_reason()`
 says why, and a warning says it once.
 
-Threads: a tensor is split into as many contiguous ranges as torch uses intra-op threads; each range
-is one C call on a worker thread (ctypes drops the GIL during the call). The random bits of
+Threads: a tensor is split into as many contiguous ranges as torch uses intra-op threads (one fewer
+on a thread that called `leave_a_core`: the host-step worker beside a GPU backward, whose autograd
+thread must keep a core to launch the device's kernels); each range is one C call on a worker
+thread (ctypes drops the GIL during the call). The random bits of
 stochastic rounding are a hash of (key, element index), and the sums (the clipping norm, Adafactor's
 row and column sums) run over fixed blocks whose starts the ranges respect, so the result does not
 depend on the split.
@@ -27,6 +29,7 @@ depend on the split.
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import torch
@@ -77,8 +80,23 @@ def handles(*tensors: torch.Tensor | None) -> bool:
                              and t.dtype in (torch.bfloat16, torch.float32)) for t in tensors)
 
 
+_reserved = threading.local()
+
+
+def leave_a_core() -> None:
+    """On the calling thread, split the kernels' work over one thread fewer than torch's count (the
+    host-step worker: the autograd thread running the device's backward beside it launches kernels
+    and must not wait for a core)."""
+    _reserved.cores = 1
+
+
+def kernel_threads() -> int:
+    """The ranges a tensor is split into on this thread, at most."""
+    return max(1, torch.get_num_threads() - getattr(_reserved, "cores", 0))
+
+
 def _ranges(n: int, align: int = 64) -> list[tuple[int, int]]:
-    parts = max(1, min(torch.get_num_threads(), n // MIN_PER_THREAD))
+    parts = max(1, min(kernel_threads(), n // MIN_PER_THREAD))
     step = -(-n // parts)
     step = -(-step // align) * align
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
