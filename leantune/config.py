@@ -85,6 +85,11 @@ class ModelConfig(Section):
     # published sampling schedule of previews and `leantune sample`. A diffusers folder's own
     # scheduler config still decides the shift.
     variant: Literal["auto", "dev", "schnell", "turbo", "base", "raw"] = "auto"
+    # Wan 2.2 A14B's two experts: the one a run trains, on the noise levels it denoises in WanPipeline
+    # (model_index.json's boundary_ratio): "high" the high-noise transformer/, "low" the low-noise
+    # transformer_2/ (or, for a single file, the expert it holds); "auto": a one-transformer model's
+    # transformer, the high-noise expert of two.
+    expert: Literal["auto", "high", "low"] = "auto"
     # Per-component overrides: a diffusers sub-folder or a single .safetensors file each, named as
     # in the family's diffusers repository.
     transformer: str | None = None
@@ -110,6 +115,9 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _family_keys(self):
         check_variant(f"[model] variant = {self.variant!r}", self.variant, self.family)
+        if self.expert != "auto" and self.family != "wan2.2":
+            raise ValueError(f"[model] expert = {self.expert!r}: family = {self.family!r} has one transformer; only "
+                             f"family = \"wan2.2\" has experts (Wan 2.2 A14B's high- and low-noise); remove the key")
         if self.processor is not None and self.family != "qwen-image-2.1":
             raise ValueError(f"[model] processor: family = {self.family!r} has no processor component (only "
                              f"\"qwen-image-2.1\" does); its tokenizer is [model] tokenizer")

@@ -194,6 +194,10 @@ class ModelFamily:
     # (every diffusers transformer with return_dict=False but Z-Image's, which returns one tensor
     # per image: its family stacks them, as its predict does)
     probe_output: Callable | None = None
+    # (sigma (B,) as [train] timestep_sampling drew them, sources, that sampling's name, [train]) -> the
+    # noise levels a step trains on, for a model that denoises only part of the range (a Wan 2.2 expert);
+    # None: as drawn
+    training_sigmas: Callable | None = None
 
 
 def text_width(family: ModelFamily, config) -> int:

@@ -30,6 +30,7 @@ Everything follows WanPipeline (diffusers) exactly:
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -136,6 +137,33 @@ def load_experts(sources, dtype: torch.dtype = torch.bfloat16, device="cpu", **o
     return wan_experts.WanExperts(high, low, ratio)
 
 
+# -- training one expert ------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=8)
+def trained_expert(sources) -> tuple[str, float] | None:
+    """(expert, boundary_ratio) of the expert a run trains, or None when the model is one transformer
+    that denoises every level: [model] expert "auto" on a folder without transformer_2/ or on a single
+    file (which cannot say it is an expert: Wan 2.1, TI2V-5B). "auto" on a two-expert folder is its
+    high-noise expert; an expert named on a single file takes the released boundary of its kind."""
+    if sources.expert in wan_experts.EXPERTS:
+        return sources.expert, wan_loading.boundary_ratio(sources, wan_loading.transformer_config(sources))
+    if sources.transformer_2 is not None and sources.boundary_ratio is not None:
+        return "high", sources.boundary_ratio
+    return None
+
+
+def training_sigmas(sigma: torch.Tensor, sources, method: str, train_cfg) -> torch.Tensor:
+    """The noise levels a step trains on: the trained expert's share of the drawn ones
+    (experts.restrict_sigmas), or as drawn for a one-transformer model (and without sources: the
+    simulated device's runs, which price memory only)."""
+    chosen = None if sources is None else trained_expert(sources)
+    if chosen is None:
+        return sigma
+    expert, ratio = chosen
+    return wan_experts.restrict_sigmas(sigma, expert, ratio, method, sigmoid_scale=train_cfg.sigmoid_scale,
+                                       shift=train_cfg.shift)
+
+
 # -- the family object ----------------------------------------------------------------------------------------
 
 def _loader(name: str):
@@ -162,7 +190,7 @@ def _register():
         text_modules=wan_text.text_modules,
         transformer_classes=(wan_loading.TRANSFORMER_CLASS, "WanExperts"), pipeline_classes=("WanPipeline",),
         recognizes_keys=recognizes_keys, text_rows=wan_text.text_rows, timestep_sampling="shift",
-        text_width=lambda config: config.text_dim,
+        text_width=lambda config: config.text_dim, training_sigmas=training_sigmas,
     ))
 
 

@@ -1,0 +1,332 @@
+"""Wan 2.2 beyond the conformance suite (tests/families): Wan-AI's native single files and ComfyUI's
+repackaged ones (bare or under model.diffusion_model., bf16 and fp8) load to what diffusers' own
+single-file conversion makes of them; a bad file is refused naming the key; the two experts of a
+Wan 2.2 A14B folder load as WanPipeline's transformer and transformer_2; an expert trains on its
+share of the noise levels only (boundary_ratio), drawn from the configured distribution restricted to
+it; and the staged sampler switches experts at WanPipeline's step, its samples equal to the
+pipeline's bit for bit in fp32."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from leantune.config import ModelConfig
+from leantune.models.component_files import METADATA_CONFIG_KEY
+from leantune.models.family import get_family
+from leantune.models.weights import LoadError
+from leantune.tiny.wan import BOUNDARY_RATIO, WAN_TINY, save_wan_folder, wan_transformer
+
+FAM = get_family("wan2.2")
+COMFY = "model.diffusion_model."
+UNSEEN = {"attention_head_dim": WAN_TINY["attention_head_dim"], "eps": WAN_TINY["eps"],
+          "rope_max_seq_len": WAN_TINY["rope_max_seq_len"]}
+PROMPT, SEED, W, H = "a photo of a cat", 3, 64, 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny Wan 2.2 A14B layout: transformer/ (high noise), transformer_2/ (low noise), boundary_ratio."""
+    return save_wan_folder(tmp_path_factory.mktemp("wan") / "folder")
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    for part in pipe.components.values():
+        if isinstance(part, torch.nn.Module):
+            part.eval().requires_grad_(False)
+    return pipe
+
+
+def _sources(path, root, **model):
+    return FAM.resolve_sources(ModelConfig(path=str(path), family="wan2.2", **model), root)
+
+
+def _native_layout(sd: dict) -> dict:
+    """Wan-AI's names, written here by hand (not with leantune's table): self_attn / cross_attn with
+    q k v o, ffn.0 / ffn.2, modulation, the cross-attention norm as norm3, the embedders' Sequential
+    indices, head.head and head.modulation."""
+    out = {}
+    for k, v in sd.items():
+        n = (k.replace("attn1.to_out.0", "self_attn.o").replace("attn2.to_out.0", "cross_attn.o")
+             .replace("attn1.to_", "self_attn.").replace("attn2.to_", "cross_attn.")
+             .replace("attn1.norm_", "self_attn.norm_").replace("attn2.norm_", "cross_attn.norm_")
+             .replace("ffn.net.0.proj", "ffn.0").replace("ffn.net.2", "ffn.2").replace(".norm2.", ".norm3.")
+             .replace("condition_embedder.text_embedder.linear_1", "text_embedding.0")
+             .replace("condition_embedder.text_embedder.linear_2", "text_embedding.2")
+             .replace("condition_embedder.time_embedder.linear_1", "time_embedding.0")
+             .replace("condition_embedder.time_embedder.linear_2", "time_embedding.2")
+             .replace("condition_embedder.time_proj", "time_projection.1").replace("proj_out", "head.head"))
+        if n.endswith(".scale_shift_table"):
+            n = n.replace(".scale_shift_table", ".modulation")
+        elif n == "scale_shift_table":
+            n = "head.modulation"
+        out[n] = v
+    return out
+
+
+def _seeded_state(seed: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {k: v.shape for k, v in wan_transformer(0).state_dict().items()}
+    return {k: torch.randn(s, generator=g) * 0.3 for k, s in sorted(shapes.items())}
+
+
+def _inputs(seed: int = 2, frames: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 16, frames, 4, 6, generator=g), torch.tensor([700.0, 150.0]),
+            torch.randn(2, 9, WAN_TINY["text_dim"], generator=g))
+
+
+def _forward(model, x, t, text):
+    with torch.no_grad():
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+
+def _assert_same_weights(got, want):
+    a, b = got.state_dict(), want.state_dict()
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:6]
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b)
+
+
+# -- single files --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", ["", COMFY])
+def test_native_single_file_loads_as_diffusers_converts_it(prefix, tmp_path):
+    """A seeded tiny model in Wan-AI's names (bare, as Wan-AI's files; under ComfyUI's prefix):
+    leantune's weights are what diffusers' convert_wan_transformer_to_diffusers makes of the file,
+    its config is the tiny architecture read from the shapes (and the head size from the metadata),
+    and its video output equals the diffusers model holding the same weights, bit for bit."""
+    from diffusers import WanTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    sd = _seeded_state()
+    path = tmp_path / "wan.safetensors"
+    save_file({prefix + k: v for k, v in _native_layout(sd).items()}, str(path),
+              metadata={METADATA_CONFIG_KEY: json.dumps(UNSEEN)})
+    model = FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32).eval().requires_grad_(False)
+    for k, v in WAN_TINY.items():
+        assert (list(model.config[k]) == list(v)) if isinstance(v, (list, tuple)) else model.config[k] == v, k
+    converted = convert_wan_transformer_to_diffusers(load_file(str(path)))
+    got = model.state_dict()
+    assert converted.keys() == got.keys() == sd.keys()
+    assert all(torch.equal(converted[k], got[k]) and torch.equal(sd[k], got[k]) for k in sd)
+    reference = WanTransformer3DModel(**WAN_TINY).eval().requires_grad_(False)
+    reference.load_state_dict(sd)
+    x, t, text = _inputs()
+    assert torch.equal(_forward(model, x, t, text), _forward(reference, x, t, text))
+    assert FAM.recognizes_keys(load_file(str(path)).keys())
+
+
+def test_fp8_files_keep_their_block_weights_e4m3(tmp_path):
+    """ComfyUI's fp8 layouts (plain e4m3 and "scaled" with a per-tensor scale_weight) of Wan-AI's
+    names load with every block Linear e4m3, the rest (embedders, head, norms, modulation tables) in
+    the compute dtype, and outputs within e4m3's rounding of the bf16 model's."""
+    from leantune.io import save_safetensors
+    from leantune.models import component_loading as cl
+    from leantune.models.wan import keys
+
+    tiny = wan_transformer(0).requires_grad_(False)
+    x, t, text = _inputs()
+    want = _forward(tiny, x, t, text)
+    for fp8 in ("e4m3", "scaled"):
+        tensors = cl.file_tensors(keys.diffusers_to_native(tiny.state_dict()), dtype=torch.bfloat16, fp8=fp8,
+                                  prefix=COMFY, in_block=lambda k: k.startswith("blocks."))
+        path = save_safetensors(tensors, tmp_path / f"{fp8}.safetensors", metadata=keys.native_metadata(tiny))
+        raw = load_file(str(path))
+        assert raw[COMFY + "blocks.0.self_attn.q.weight"].dtype == torch.float8_e4m3fn
+        assert (COMFY + "blocks.0.self_attn.q.scale_weight" in raw) == (fp8 == "scaled")
+        state = FAM.load_transformer(_sources(path, tmp_path), dtype=torch.bfloat16).state_dict()
+        for name in ("blocks.0.attn1.to_q", "blocks.1.attn2.to_v", "blocks.0.attn2.to_out.0", "blocks.1.ffn.net.2"):
+            assert state[f"{name}.weight"].dtype == torch.float8_e4m3fn, (fp8, name)
+        for name in ("patch_embedding.weight", "condition_embedder.time_proj.weight", "proj_out.weight",
+                     "blocks.0.norm2.weight", "blocks.0.scale_shift_table"):
+            assert state[name].dtype != torch.float8_e4m3fn, (fp8, name)
+        model = FAM.load_transformer(_sources(path, tmp_path), dtype=torch.bfloat16).requires_grad_(False)
+        got = _forward(model, x.bfloat16(), t, text.bfloat16()).float()
+        err = (got - want).norm() / want.norm()
+        assert 0 < err < 0.08, (fp8, float(err))
+
+
+def test_a_bad_file_is_refused_naming_the_file_and_key(tmp_path):
+    sd = _native_layout(_seeded_state())
+    meta = {METADATA_CONFIG_KEY: json.dumps(UNSEEN)}
+    path = tmp_path / "bad.safetensors"
+    wrong = dict(sd, **{"blocks.1.cross_attn.k.weight": sd["blocks.1.cross_attn.k.weight"][:-1]})
+    save_file(wrong, str(path), metadata=meta)
+    with pytest.raises(LoadError, match=r"bad\.safetensors.*blocks\.1\.cross_attn\.k\.weight"):
+        FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
+    missing = {k: v for k, v in sd.items() if k != "blocks.1.ffn.2.weight"}
+    save_file(missing, str(path), metadata=meta)
+    with pytest.raises(LoadError, match=r"bad\.safetensors.*blocks\.1\.ffn\.2\.weight"):
+        FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
+    save_file(dict(sd, **{"blocks.0.self_attn.extra.weight": torch.zeros(2, 2)}), str(path), metadata=meta)
+    with pytest.raises(LoadError, match=r"bad\.safetensors.*blocks\.0\.self_attn\.extra\.weight"):
+        FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
+
+
+# -- the two experts -----------------------------------------------------------------------------------------
+
+def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(folder, pipeline, tmp_path):
+    """[model] expert "high" / "auto" is the folder's transformer/, "low" its transformer_2/, as
+    WanPipeline.from_pretrained reads them; the folder's boundary_ratio is read; "low" on a
+    one-transformer folder and the key on another family are refused, naming what to change."""
+    from leantune.models.wan import trained_expert
+
+    for expert, want in (("auto", pipeline.transformer), ("high", pipeline.transformer), ("low", pipeline.transformer_2)):
+        src = _sources(folder, tmp_path, expert=expert)
+        assert src.boundary_ratio == BOUNDARY_RATIO == pipeline.config.boundary_ratio
+        _assert_same_weights(FAM.load_transformer(src, dtype=torch.float32), want)
+        assert trained_expert(src) == ("low" if expert == "low" else "high", BOUNDARY_RATIO)
+    assert not torch.equal(pipeline.transformer.proj_out.weight, pipeline.transformer_2.proj_out.weight)
+    one = save_wan_folder(tmp_path / "one", experts=1)
+    assert trained_expert(_sources(one, tmp_path)) is None
+    with pytest.raises(LoadError, match=r'\[model\] expert = "low".*transformer_2'):
+        _sources(one, tmp_path, expert="low")
+    with pytest.raises(ValueError, match=r'\[model\] expert.*"wan2.2"'):
+        ModelConfig(path=str(folder), family="z-image", expert="high")
+
+
+@pytest.mark.parametrize("method", ["uniform", "sigmoid", "shift"])
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_an_expert_trains_on_its_share_of_the_drawn_noise_levels(method, expert):
+    """restrict_sigmas moves the trainer's draws into the expert's range [0.875, 1) / (0, 0.875)
+    (WanPipeline: timestep >= boundary_ratio * 1000 is the high-noise expert's), keeps their
+    order, and follows the configured distribution conditioned on the range: its quantiles are those
+    of rejection-sampling the same distribution (Kolmogorov-Smirnov distance < 0.02 on 40000 draws)."""
+    from leantune.models.wan.experts import boundary_timestep, owns, restrict_sigmas
+    from leantune.train.flow_matching import sample_sigmas
+
+    g = torch.Generator().manual_seed(0)
+    drawn = sample_sigmas(40000, method, g, shift=3.0)
+    got = restrict_sigmas(drawn, expert, BOUNDARY_RATIO, method, shift=3.0)
+    assert owns(expert, got * 1000, BOUNDARY_RATIO).all()
+    assert bool((got >= BOUNDARY_RATIO).all()) == (expert == "high")
+    assert (torch.diff(got[torch.argsort(drawn)]) >= 0).all()          # monotone in the draw
+    pool = sample_sigmas(200000, method, torch.Generator().manual_seed(1), shift=3.0)
+    inside = pool[owns(expert, pool * 1000, BOUNDARY_RATIO)]
+    grid = torch.linspace(float(got.min()), float(got.max()), 64)
+    cdf = lambda s: (s[None, :] <= grid[:, None]).float().mean(dim=1)     # noqa: E731
+    assert float((cdf(got) - cdf(inside)).abs().max()) < 0.02
+    assert boundary_timestep(BOUNDARY_RATIO) == 875.0
+
+
+def test_sampling_switches_experts_where_wanpipeline_does(folder, pipeline, tmp_path):
+    """The staged sampler (infer/sampler.denoise) on both experts (wan.load_experts) equals
+    WanPipeline on the two-expert folder bit for bit (fp32, one-frame videos, classifier-free
+    guidance), over steps that cross the boundary: each step runs the expert the pipeline runs, and
+    sampling with the high-noise expert alone differs."""
+    from leantune.infer.decode import decode_latents
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.infer.sampler import denoise
+    from leantune.models.wan import load_experts
+    from leantune.models.wan.experts import WanExperts
+
+    src = _sources(folder, tmp_path)
+    experts = load_experts(src, torch.float32).requires_grad_(False)
+    assert isinstance(experts, WanExperts) and experts.boundary_ratio == BOUNDARY_RATIO
+    vae = FAM.load_vae(src, torch.float32, "cpu").requires_grad_(False)
+    encoders = FAM.load_text_encoders(src, torch.float32, "cpu")
+    schedule = FAM.sampling.schedule(FAM.sampling.variant(experts), folder)
+    steps, guidance = 4, 5.0
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, kw, name=name: calls.append(name), with_kwargs=True)
+             for name, m in (("high", experts.high), ("low", experts.low))]
+    pipe = type(pipeline)(**{**pipeline.components, "transformer": experts.high, "transformer_2": experts.low,
+                             "vae": vae.vae}, boundary_ratio=pipeline.config.boundary_ratio)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt=PROMPT, negative_prompt="", height=H, width=W, num_frames=1, num_inference_steps=steps,
+                guidance_scale=guidance, max_sequence_length=32, generator=torch.Generator().manual_seed(SEED),
+                output_type="np").frames[:, 0]
+    pipe_calls, calls[:] = list(calls), []
+    assert "high" in pipe_calls and "low" in pipe_calls
+    cond, uncond = encode_prompts_stage(encoders, [PROMPT], max_length=32, device="cpu", family=FAM,
+                                        negative_prompts=[""])
+
+    def ours(model):
+        latents = denoise(model, cond, [SEED], width=W, height=H, steps=steps, guidance=guidance, schedule=schedule,
+                          device="cpu", family=FAM, negative=uncond, cfg_batched=False)
+        return decode_latents(vae, latents, "cpu").permute(0, 2, 3, 1).numpy()
+
+    got = ours(experts)
+    for h in hooks:
+        h.remove()
+    assert calls == pipe_calls            # per step, the same expert for both halves, in the same order
+    assert got.shape == (1, H, W, 3) and np.abs(got - want).max() == 0.0
+    assert np.abs(ours(experts.high) - want).max() > 1e-4
+
+
+def test_a_low_noise_expert_run_trains_below_the_boundary(folder, tmp_path, monkeypatch):
+    """A LoRA run with [model] expert = "low" on the two-expert folder: every noise level its steps
+    train on is below boundary_ratio (the trainer's draws go through wan's training_sigmas), and the
+    adapter it saves is on transformer_2's architecture."""
+    from leantune.config import load_config
+    from leantune.demo import draw_shapes
+    from leantune.models.wan import experts as wan_experts
+    from leantune.trainer import train
+
+    seen = []
+    restrict = wan_experts.restrict_sigmas
+
+    def recording(sigma, expert, ratio, method, **kw):
+        out = restrict(sigma, expert, ratio, method, **kw)
+        seen.append((expert, ratio, method, out.clone()))
+        return out
+
+    monkeypatch.setattr(wan_experts, "restrict_sigmas", recording)
+    images = tmp_path / "images"
+    draw_shapes(images, count=2, size=64, seed=5)
+    (tmp_path / "run.toml").write_text(f"""
+[model]
+family = "wan2.2"
+path = "{folder}"
+dtype = "fp32"
+expert = "low"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "{tmp_path / 'cache'}"
+max_text_length = 32
+
+[[data.datasets]]
+path = "{images}"
+
+[lora]
+rank = 4
+alpha = 4
+
+[train]
+steps = 2
+learning_rate = 1e-3
+mixed_precision = "no"
+seed = 3
+
+[output]
+dir = "out"
+name = "low"
+formats = ["diffusers"]
+""")
+    result = train(load_config(tmp_path / "run.toml", []), progress=False)
+    assert result.final_step == 2 and len(seen) == 2
+    for expert, ratio, method, sigma in seen:
+        assert (expert, ratio, method) == ("low", BOUNDARY_RATIO, "shift")
+        assert sigma.shape == (2,) and bool((sigma < BOUNDARY_RATIO).all()) and bool((sigma > 0).all())
+    lora = load_file(str(result.paths.lora_file("diffusers")))
+    assert lora and all(k.startswith("transformer.blocks.") for k in lora)
