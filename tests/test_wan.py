@@ -181,6 +181,37 @@ def test_a_bad_file_is_refused_naming_the_file_and_key(tmp_path):
         FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
 
 
+# -- LoRA files in ComfyUI ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["lora", "lokr", "loha", "dora"])
+def test_the_comfyui_layout_file_of_every_adapter_type_loads_whole_in_comfyui(kind, tmp_path):
+    """The conformance suite's adapter on every Linear (its Built, tests/families/conftest.py), each
+    [lora] type: the comfyui-layout file (kohya names, lora_unet_blocks_0_self_attn_q) loads whole
+    through ComfyUI's key map for WAN21 (tests/comfyui_keymap.py) to the trained weights at strength 1
+    (DoRA under the output-axis norm, dora_fixed); the diffusers-layout file loads nothing there (the
+    conformance suite's finding)."""
+    from comfyui_keymap import comfyui_load, comfyui_native_state
+    from families.cases import CASES
+    from families.conftest import Built
+
+    b = Built(next(c for c in CASES if c.family == "wan2.2"), tmp_path)
+    lora = b.adapter(kind)
+    native = comfyui_native_state("wan2.2", b.tiny)
+    merged = dict(b.tiny.state_dict())
+    merged.update({f"{name}.weight": w for name, w in lora.merged.items()})
+    want = comfyui_native_state("wan2.2", b.tiny, merged)
+    changed = {k for k in native if not torch.equal(want[k], native[k])}
+    tensors = load_file(str(lora.files["comfyui"]))
+    assert changed and tensors and all(k.startswith("lora_unet_") for k in tensors)
+    load = comfyui_load("wan2.2", native, tensors, dora_fixed=True)
+    assert not load.skipped and load.loaded == set(tensors)
+    assert set(load.deltas) == changed
+    for k in load.deltas:
+        torch.testing.assert_close(native[k] + load.deltas[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    diffusers = comfyui_load("wan2.2", native, load_file(str(lora.files["diffusers"])))
+    assert diffusers.skipped and not diffusers.loaded
+
+
 # -- the two experts -----------------------------------------------------------------------------------------
 
 def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(folder, pipeline, tmp_path):
