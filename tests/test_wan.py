@@ -164,6 +164,21 @@ def test_fp8_files_keep_their_block_weights_e4m3(tmp_path):
         assert 0 < err < 0.08, (fp8, float(err))
 
 
+def test_quantizing_load_equals_bf16_load_then_quantize(tmp_path):
+    """[memory] fp8 on an fp32 native file (renamed as it is read): every block Linear quantized as it
+    is read equals loading in bf16 and quantizing after (tests/test_load_into_fp8.py's check: fp8
+    values and scales bitwise); the rest is the bf16 load."""
+    from test_load_into_fp8 import _assert_fp8_load_equals_bf16_then_quantize
+
+    from leantune.models.wan import loading
+    from leantune.models.wan.spec import WAN_SPEC
+
+    model = wan_transformer(7, num_attention_heads=4, ffn_dim=256)        # 64-wide rows: whole scale blocks
+    path = tmp_path / "wan.safetensors"
+    save_file(_native_layout(model.state_dict()), str(path), metadata={METADATA_CONFIG_KEY: json.dumps(UNSEEN)})
+    _assert_fp8_load_equals_bf16_then_quantize(loading.load_transformer, _sources(path, tmp_path), WAN_SPEC)
+
+
 def test_a_bad_file_is_refused_naming_the_file_and_key(tmp_path):
     sd = _native_layout(_seeded_state())
     meta = {METADATA_CONFIG_KEY: json.dumps(UNSEEN)}
