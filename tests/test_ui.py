@@ -16,6 +16,7 @@ from progress_wait import wait_until
 from leantune.config import ConfigError, load_config
 from leantune.ui import dataset_view, launcher, plan_answer, runs
 from leantune.ui.form import FormError, RunForm, choices
+from leantune.ui.labels import labels
 
 FIELDS = {"name": "cats", "model_path": "/models/flux", "dataset": "/data/cats", "trigger_word": "ohwx",
           "rank": "8", "resolutions": "512, 768", "steps": "300", "learning_rate": "2e-4", "vram_budget": "8GiB",
@@ -398,7 +399,7 @@ def test_sample_form_negative_prompt_only_for_families_with_cfg(tmp_path):
 
     routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs", "t").routes if hasattr(r, "endpoint")}
     assert routes["/api/choices"]()["cfg_families"] == ["flux2-klein-4b", "flux2-klein-9b", "krea2", "qwen-image",
-                                                        "qwen-image-2.1", "qwen-image-edit", "sd3", "z-image"]
+                                                        "qwen-image-2.1", "qwen-image-edit", "sd3", "wan2.2", "z-image"]
     assert routes["/api/model-family"](str(sd3)) == {"family": "sd3"}
     assert routes["/api/model-family"](str(flux)) == {"family": "flux"}
     assert routes["/api/model-family"](str(tmp_path / "missing")) == {"family": None}
@@ -475,7 +476,8 @@ def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monk
     monkeypatch.setattr(plan_answer, "plan_json", declines)
     plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
     answer = plan({**FIELDS, "mode": "full"})
-    assert answer == {"fits": None, "planned": False, "message": "not planned: the planner does not plan this yet"}
+    assert answer == {"fits": None, "planned": False, "message": "not planned: the planner does not plan this yet",
+                      "field": None}
     with pytest.raises(ConfigError, match="vram_budget"):        # a field the config refuses stays an error
         plan({**FIELDS, "vram_budget": "lots"})
     monkeypatch.setattr(plan_answer, "plan_json", cannot)
@@ -496,7 +498,8 @@ def test_full_mode_plan_answer_is_the_planners_full_fine_tune_plan(tmp_path, tin
     assert full["peak_vram_gib"] > lora["peak_vram_gib"] > 0
     missing = plan({**FIELDS, "mode": "full"})
     assert missing["planned"] is False and "/models/flux" in missing["message"]
-    assert missing["message"].startswith("not planned: [model]")
+    assert missing["field"] == "model_path" and "[model]" not in missing["message"]        # the page's words
+    assert missing["message"].startswith(f'not planned: "{labels()["model_path"]}"')
 
 
 def test_a_refused_run_form_leaves_no_run_folder(tmp_path):
@@ -685,7 +688,10 @@ def test_the_toml_preview_names_the_refused_key_without_temp_paths(tmp_path):
     preview = _endpoint(create_app(tmp_path / "runs", "t"), "/api/toml", "POST")
     answer = preview({**FIELDS, "extra_toml": "[train]\nbogus = 1\n"})
     assert "bogus" in answer["error"] and "[train]" in answer["error"] and tempfile.gettempdir() not in answer["error"]
+    assert answer["field"] == "extra_toml" and answer["error"].startswith(labels()["extra_toml"])
     assert preview(FIELDS)["error"] is None
+    empty = preview({})                   # a first view: nothing typed yet is no error
+    assert empty["error"] is None and empty["field"] is None
 
 
 def test_watching_says_what_the_trainer_does_before_step_1_then_elapsed_and_eta(tmp_path):

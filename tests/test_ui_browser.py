@@ -467,3 +467,94 @@ def test_sample_form_shows_the_negative_prompt_for_cfg_families(tmp_path, server
         page.locator("#s_model").press("Tab")          # change fires on blur
         negative.wait_for(state="visible")
         browser.close()
+
+
+def test_errors_sit_beside_their_field_and_the_view_survives_reload_back_and_a_second_tab(tmp_path, server):
+    """The first view shows no error and a checklist of what Start needs; a bad field is marked once,
+    beside it, in the page's words, and Start's refusal focuses the field it names; the watched run,
+    the open section and the image folder live in the address, so a reload, Back/Forward and a
+    second tab reopen them; fields outside the run form are kept too."""
+    sync_playwright = _browser_or_skip()
+    url, runs_dir = server
+    _finished_run(runs_dir)
+    images = tmp_path / "images"
+    images.mkdir()
+    _png(images / "a.png", 64, (200, 0, 0))
+    shown = "[...document.querySelectorAll('.field-error')].filter((e) => !e.hidden).map((e) => e.id)"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(url)
+        page.wait_for_function("document.querySelectorAll('#family option').length > 0")
+        page.wait_for_function("document.querySelector('#plan-message').textContent.startsWith('give a model')")
+        assert page.evaluate(shown) == [] and page.inner_text("#toml-error") == ""
+        checklist = page.inner_text("#checklist")
+        assert checklist.startswith("model ✗ · images ✗ · budget ✗"), checklist
+        body = page.inner_text("body")
+        assert "model_path" not in body and "extra_toml" not in body and "--model" not in body
+
+        # a bad budget: marked once, beside the field, in the page's words; the plan waits for it
+        page.get_by_label("VRAM budget", exact=True).first.fill("lots")
+        page.wait_for_function(f"{shown}.includes('vram_budget-error')")
+        error = page.inner_text("#vram_budget-error")
+        assert error.startswith("VRAM budget:") and "lots" in error and "[memory]" not in error, error
+        assert page.get_attribute("#vram_budget", "aria-invalid") == "true"
+        assert "vram_budget-error" in page.get_attribute("#vram_budget", "aria-describedby").split()
+        assert page.inner_text("body").count(error) == 1
+        assert "VRAM budget" in page.inner_text("#plan-message")
+        # Start names the first field it refuses and puts the cursor there
+        page.click("#start")
+        page.wait_for_function("document.activeElement && document.activeElement.id === 'model_path'")
+        assert page.inner_text("#model_path-error").startswith("Model:")
+        assert page.inner_text("#start-message") == "not started: see the marked field"
+        assert "model_path" not in page.inner_text("body")
+        page.fill("#vram_budget", "8GiB")
+        page.wait_for_function(f"!{shown}.includes('vram_budget-error')")
+        assert page.get_attribute("#vram_budget", "aria-invalid") is None
+
+        # the view in the address: the image folder, then the watched run
+        page.fill("#dataset", str(images))
+        page.click("#load-dataset")
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 1")
+        assert "images ✔" in page.inner_text("#checklist")
+        page.fill("#caption_model", "/models/my-captioner")
+        page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="watch").click()
+        page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
+        assert "run=watched" in page.url and "open=watch" in page.url and "dataset=" in page.url
+        page.reload()
+        page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
+        assert page.inner_text("#watch-name") == "watched" and page.is_visible("#watch-section")
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 1")
+        assert page.input_value("#caption_model") == "/models/my-captioner"
+        page.go_back()                                     # the view before watching: no run watched
+        page.wait_for_function("document.querySelector('#watch-section').hidden")
+        assert "run=" not in page.url and page.url.startswith(url.split("#")[0])
+        page.go_forward()
+        page.wait_for_function("!document.querySelector('#watch-section').hidden")
+        page.click("#nav a[data-section='recipe']")
+        assert "open=recipe" in page.url and page.get_attribute("#nav a[data-section='recipe']", "aria-current") == "true"
+
+        # a second tab: the same address reopens the same view; the bare address, this browser's last
+        for address in (page.url, url):
+            other = context.new_page()
+            other.goto(address)
+            other.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
+            assert other.inner_text("#watch-name") == "watched"
+            other.wait_for_function("document.querySelectorAll('#grid .item').length === 1")
+            other.close()
+
+        # a phone: no sideways scrolling, the nav stays on screen, every button a 44 px target
+        phone = context.new_page()
+        phone.set_viewport_size({"width": 390, "height": 800})
+        phone.goto(url)
+        phone.wait_for_function("document.querySelectorAll('#family option').length > 0")
+        assert phone.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+        phone.evaluate("window.scrollTo(0, document.body.scrollHeight)")
+        assert phone.evaluate("document.querySelector('#nav').getBoundingClientRect().top") == 0
+        small = phone.evaluate("[...document.querySelectorAll('button, #nav a')].filter((b) => b.offsetParent)"
+                               ".map((b) => [b.textContent.trim(), b.getBoundingClientRect().height])"
+                               ".filter(([, h]) => h < 44)")
+        assert small == [], small
+        browser.close()

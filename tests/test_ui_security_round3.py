@@ -242,8 +242,12 @@ def test_over_http_an_outside_dataset_in_the_extra_toml_is_refused_by_the_route(
     inside, elsewhere = _dataset(page.root / "r3-inside"), _dataset(tmp_path / "r3-elsewhere")
     fields = {**FIELDS, "name": "r3-extra", "model_path": str(tmp_path / "model"), "dataset": str(inside),
               "vram_budget": "", "extra_toml": f"[[data.datasets]]\npath = '{inside}'\n\n[[data.datasets]]\npath = '{elsewhere}'\n"}
-    error = route_refusal(*page.json("POST", "/api/runs", fields))
-    assert error.startswith("[[data.datasets]] #2 path = ") and str(elsewhere) in error, error
+    status, body = page.json("POST", "/api/runs", fields)
+    error = route_refusal(status, body)
+    # named under the extra TOML's label, in the TOML's own words (the user wrote that table there)
+    from leantune.ui.labels import labels
+    assert error.startswith(f"{labels()['extra_toml']}: [[data.datasets]] #2 path = ") and str(elsewhere) in error, error
+    assert json.loads(body)["field"] == "extra_toml"
     assert not (page.runs / "r3-extra").exists()
     # the same form with both datasets inside: accepted, and queued behind a run that is alive (so
     # no trainer starts here)

@@ -12,6 +12,7 @@ before the run starts or resumes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..config import ConfigError
-from . import confine, dataset_view, guard, launcher, links, plan_answer, queue, runs, sample_job, system
+from . import confine, dataset_view, guard, labels, launcher, links, plan_answer, queue, runs, sample_job, system
 from .form import RunForm, choices, families, presets
 
 STATIC = Path(__file__).parent / "static"
@@ -29,6 +30,25 @@ STATIC = Path(__file__).parent / "static"
 
 class TooLarge(ValueError):
     """A request body over its limit (HTTP 413)."""
+
+
+@contextlib.contextmanager
+def on_form(body: dict | None = None, form: str = "run", default: str | None = None):
+    """Errors raised inside, in the page's words: the exception keeps its type and message (the
+    terminal and the tests read those) and gains `.page`, {"error", "field"} naming the field by
+    the label the page shows (labels.py), which the route's answer carries."""
+    try:
+        yield
+    except ValueError as e:
+        if getattr(e, "page", None) is None:
+            extra = str((body or {}).get("extra_toml", "") or "") if form == "run" else ""
+            e.page = labels.on_field(str(e), extra, form, default)
+        raise
+
+
+def page_error(exc: Exception) -> dict:
+    """The JSON of an error: the message naming the page's field, and the field's id."""
+    return getattr(exc, "page", None) or labels.on_field(str(exc))
 
 
 def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
@@ -64,16 +84,16 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.exception_handler(TooLarge)
     async def too_large(request: Request, exc: Exception):
-        return JSONResponse({"error": str(exc)}, status_code=413)
+        return JSONResponse(page_error(exc), status_code=413)
 
     @app.exception_handler(dataset_view.OutsideRoots)
     async def outside(request: Request, exc: Exception):
-        return JSONResponse({"error": str(exc)}, status_code=403)
+        return JSONResponse(page_error(exc), status_code=403)
 
     @app.exception_handler(ValueError)
     @app.exception_handler(OSError)
     async def user_error(request: Request, exc: Exception):
-        return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse(page_error(exc), status_code=400)
 
     @app.get("/", response_class=HTMLResponse)
     def index():
@@ -107,8 +127,9 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.get("/api/dataset")
     def get_dataset(path: str, min_resolution: int | None = None):
-        return {"folder": str(dataset_view.folder_of(path, roots)),
-                "images": dataset_view.scan(path, min_resolution, roots)}
+        with on_form(default="dataset"):
+            return {"folder": str(dataset_view.folder_of(path, roots)),
+                    "images": dataset_view.scan(path, min_resolution, roots)}
 
     @app.get("/api/dataset/image")
     def get_image(path: str, name: str):
@@ -116,9 +137,11 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.put("/api/dataset/image")
     async def put_image(path: str, name: str, request: Request):
-        dataset_view.folder_of(path, roots)          # refuse before reading a byte of the body
-        data = await _body(request, dataset_view.MAX_UPLOAD_BYTES, name)
-        return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data, roots))}
+        with on_form(default="dataset"):
+            dataset_view.folder_of(path, roots)          # refuse before reading a byte of the body
+        with on_form(default="upload"):
+            data = await _body(request, dataset_view.MAX_UPLOAD_BYTES, name)
+            return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data, roots))}
 
     @app.post("/api/caption")
     def post_caption(body: dict):
@@ -132,11 +155,14 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         import subprocess
         import sys
 
-        folder = dataset_view.folder_of(str(body.get("path", "")), roots)
+        with on_form(default="dataset"):
+            folder = dataset_view.folder_of(str(body.get("path", "")), roots)
         model = Path(str(body.get("model", "")).strip()).expanduser()
         if not str(body.get("model", "")).strip() or not model.is_dir():
-            raise ValueError(f"captioning model {str(model)!r}: give the folder of a local transformers "
-                             f"image-to-text model (BLIP, Florence-2, ...)")
+            with on_form(default="caption_model"):
+                given = f"{str(model)!r} is not a folder; " if str(body.get("model", "")).strip() else ""
+                raise ValueError(f"{given}give the folder of a local transformers image-to-text model "
+                                 f"(BLIP, Florence-2, ...)")
         job = runs_dir / "_captions"
         job.mkdir(exist_ok=True)
         status = job / "status.json"
@@ -164,13 +190,17 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/toml")
     def post_toml(body: dict):
-        form = RunForm.from_fields(body)
-        with tempfile.TemporaryDirectory() as tmp:           # checked as `leantune train` checks it
+        """The form's TOML, checked as `leantune train` checks it. A model or image folder not given
+        yet is no error here (the page's checklist says what is missing; Start refuses it)."""
+        with on_form(body):
+            form = RunForm.from_fields(body, complete=False)
+        with tempfile.TemporaryDirectory() as tmp:
             try:
                 form.write(Path(tmp) / "config.toml")
             except ValueError as e:
-                return {"toml": form.to_toml(), "error": str(e).replace(str(Path(tmp) / "config.toml"), "the config")}
-        return {"toml": form.to_toml(), "error": None}
+                said = labels.on_field(str(e).replace(str(Path(tmp) / "config.toml"), "the config"), form.extra_toml)
+                return {"toml": form.to_toml(), **said}
+        return {"toml": form.to_toml(), "error": None, "field": None}
 
     @app.get("/api/presets")
     def get_presets():
@@ -180,7 +210,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     def post_import(body: dict):
         """A TOML (a preset by name, or text the user chose) as the form's fields, keeping the
         current form's paths where the TOML's are relative to a file the page cannot see."""
-        keep = RunForm.from_fields(body.get("fields") or {}, complete=False)
+        with on_form(body.get("fields") or {}):
+            keep = RunForm.from_fields(body.get("fields") or {}, complete=False)
         if body.get("preset"):
             found = presets().get(str(body["preset"]))
             if found is None:
@@ -188,7 +219,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
             text = found.read_text()
         else:
             text = str(body.get("toml", ""))
-        form, notes = RunForm.from_toml(text, keep)
+        with on_form(default="preset" if body.get("preset") else "import-toml"):
+            form, notes = RunForm.from_toml(text, keep)
         return {"fields": form.as_fields(), "notes": notes}
 
     @app.get("/api/runs/{name}/form")
@@ -199,10 +231,17 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/plan")
     def post_plan(body: dict):
-        form = RunForm.from_fields(body)
-        if not form.vram_budget.strip():
-            return {"fits": None, "message": "set a VRAM budget to see the plan"}
-        return _plan(form)
+        """The plan of the form; the image folder is not needed (the planner prices the model,
+        the resolutions and the budgets), and a form without a model or budget yet is told what
+        the plan waits for, not refused."""
+        with on_form(body):
+            form = RunForm.from_fields(body, complete=False)
+            if not form.model_path.strip():
+                return {"fits": None, "message": "give a model (a folder, a .safetensors file or a stock name) "
+                                                 "to see the plan"}
+            if not form.vram_budget.strip():
+                return {"fits": None, "message": "set a VRAM budget to see the plan"}
+            return _plan(form)
 
     def _plan(form: RunForm) -> dict:
         """The planner's answer for the form. A form the config check refuses is an error (HTTP 400);
@@ -226,8 +265,9 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 try:
                     answer = plan_answer.plan_json(None if stock else config, form.vram_budget.strip(), ram, stock)
                 except ValueError as e:        # ConfigError and the planner's refusals; the form passed
-                    return {"fits": None, "planned": False,
-                            "message": "not planned: " + plan_answer.page_words(str(e).replace(tmp, "(the form)"))}
+                    said = labels.on_field(plan_answer.page_words(str(e).replace(tmp, "(the form)")), form.extra_toml)
+                    return {"fits": None, "planned": False, "message": "not planned: " + said["error"],
+                            "field": said["field"]}
                 plans[key] = plan_answer.summarize(answer, form.steps, ram_words)
         return plans[key]
 
@@ -237,18 +277,23 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/runs")
     def post_run(body: dict):
-        form = RunForm.from_fields(body)
-        if form.model_path.strip() in plan_answer.stock_models():
-            raise ValueError(f"model {form.model_path!r}: a stock architecture the page plans without weights; "
-                             f"give the model's folder or .safetensors file to train")
-        dataset_view.folder_of(form.dataset, roots)       # the trainer reads only folders the page may use
-        folder = runs.run_folder(runs_dir, form.name)
-        if folder.exists():
-            raise ValueError(f"a run named {form.name!r} exists in {runs_dir}: pick another name, or resume it")
+        with on_form(body):
+            form = RunForm.from_fields(body)
+            if form.model_path.strip() in plan_answer.stock_models():
+                raise ValueError(f"model_path: {form.model_path!r} is a stock architecture the page plans without "
+                                 f"weights; give the model's folder or .safetensors file to train")
+        with on_form(body, default="dataset"):
+            dataset_view.folder_of(form.dataset, roots)       # the trainer reads only folders the page may use
+        with on_form(body):
+            folder = runs.run_folder(runs_dir, form.name)
+            if folder.exists():
+                raise ValueError(f"name {form.name!r}: a run of that name exists in {runs_dir}; pick another "
+                                 f"name, or resume it")
         folder.mkdir(parents=True)
         try:
-            config = form.write(folder / runs.CONFIG_FILE)
-            _confined(folder)                # every path of the merged config, not only the form's dataset
+            with on_form(body):
+                config = form.write(folder / runs.CONFIG_FILE)
+                _confined(folder)                # every path of the merged config, not only the form's dataset
         except Exception:
             shutil.rmtree(folder)           # a refused form leaves no half-made run behind
             raise
@@ -343,7 +388,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.post("/api/sample")
     def post_sample(body: dict):
-        return sample_job.start(runs_dir, body)
+        with on_form(body, form="sample"):
+            return sample_job.start(runs_dir, body)
 
     @app.get("/api/runs/{name}/sample-fields")
     def get_run_sample_fields(name: str):

@@ -85,7 +85,8 @@ def size_text(n: float) -> str:
 
 
 # the planner's CLI words -> the page's fields (no advice may name a flag the page lacks)
-PAGE_WORDS = [("[memory] vram_budget", "the VRAM budget"), ("[memory] ram_budget", "the host RAM budget"),
+PAGE_WORDS = [("use --model with one of", "give the model as one of the stock names"), ("--model", "the model"),
+              ("--mode", "the mode"), ("[memory] vram_budget", "the VRAM budget"), ("[memory] ram_budget", "the host RAM budget"),
               ("--vram", "the VRAM budget"), ("--ram", "the host RAM budget"),
               ("--resolution", "the resolutions"), ("--rank", "the LoRA rank"), ("--batch-size", "the batch size"),
               ("--text-length", "the text tokens"), ("[data] resolutions", "the resolutions"),

@@ -7,6 +7,9 @@ const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision"
   "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
 const CHOICES = ["family", "mode", "dtype", "mixed_precision", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
 const STORE = "leantune-form";
+// the fields outside the run form a reload keeps as well (the caption writer, the Sample form)
+const KEPT = ["caption_model", "caption_prompt", "s_model", "s_family", "s_prompts", "s_negative", "s_seed", "s_steps",
+  "s_guidance", "s_width", "s_height", "s_vram", "s_text_length", "s_dtype", "s_loras"];
 let watching = null, events = null;
 // the session secret the server put in the page: every change carries it in a header, which no other
 // site's page can set (the server refuses changes without it)
@@ -17,13 +20,82 @@ async function api(method, url, body) {
                               body: body === undefined ? undefined : JSON.stringify(body)});
   let data;
   try { data = await r.json(); } catch (e) { throw new Error(`${r.status} ${r.statusText}`); }
-  if (!r.ok) throw new Error(data.error || r.statusText);
+  if (!r.ok) {
+    // the server names the field an error is about (labels.py): {error, field, problems?}
+    const e = new Error(data.error || r.statusText);
+    e.field = data.field || null;
+    e.problems = data.problems || (data.field ? [{error: data.error, field: data.field}] : []);
+    throw e;
+  }
   return data;
+}
+
+// -- errors beside their field ------------------------------------------------------------------------
+// Each error is shown once, beside the field it is about (aria-invalid, and aria-describedby pointing at
+// the message), from two sources: the live check of the form as it is typed ("preview") and the last
+// action the user took (Start, Load, Caption, Sample: "action"). Only an action moves the focus, to
+// the field: the live check never takes the cursor from where the user is typing.
+const fieldErrors = {preview: [], action: []};
+function labelOf(id) {
+  const l = document.querySelector(`label[for="${id}"]`);
+  return l ? l.textContent.trim() : id;
+}
+function showFieldErrors(source, problems, focus = false) {
+  fieldErrors[source] = (problems || []).filter((p) => p.field && $(p.field));
+  for (const box of document.querySelectorAll(".field-error")) {
+    const c = $(box.id.slice(0, -"-error".length));
+    box.hidden = true; box.textContent = "";
+    if (!c) continue;
+    c.removeAttribute("aria-invalid");
+    const ids = (c.getAttribute("aria-describedby") || "").split(" ").filter((x) => x && x !== box.id);
+    if (ids.length) c.setAttribute("aria-describedby", ids.join(" ")); else c.removeAttribute("aria-describedby");
+  }
+  const seen = new Set();
+  for (const p of [...fieldErrors.action, ...fieldErrors.preview]) {
+    if (seen.has(p.field)) continue;            // one message a field
+    seen.add(p.field);
+    const c = $(p.field);
+    let box = $(p.field + "-error");
+    if (!box) {
+      box = el("p", {id: p.field + "-error", className: "field-error"});
+      (c.closest(".field") || c.parentElement).append(box);
+    }
+    box.textContent = p.error; box.hidden = false;
+    c.setAttribute("aria-invalid", "true");
+    const ids = (c.getAttribute("aria-describedby") || "").split(" ").filter(Boolean);
+    c.setAttribute("aria-describedby", [...ids, box.id].join(" "));
+    const folded = c.closest("details");
+    if (folded) folded.open = true;               // an error inside "Advanced" opens it
+  }
+  if (focus && fieldErrors[source].length) {
+    const c = $(fieldErrors[source][0].field);
+    c.scrollIntoView({block: "center"});
+    c.focus();
+  }
+  updateChecklist();
+}
+// an action's error: beside its field (focused) when it names one, else in the action's own line;
+// returns what that line should say
+function actionError(e, fallback) {
+  if (e.field && $(e.field)) {
+    showFieldErrors("action", e.problems.length ? e.problems : [{error: e.message, field: e.field}], true);
+    return fallback;
+  }
+  return e.message;
 }
 // the form survives a reload: every change is kept in this browser's storage
 function resolutionsChosen() { return localStorage.getItem(STORE + "-resolutions") === "chosen"; }
 function chooseResolutions() { try { localStorage.setItem(STORE + "-resolutions", "chosen"); } catch (e) { /* private mode */ } }
 function saveForm() { try { localStorage.setItem(STORE, JSON.stringify(formFields())); } catch (e) { /* private mode */ } }
+function saveKept() {
+  try { localStorage.setItem(STORE + "-more", JSON.stringify(Object.fromEntries(KEPT.map((k) => [k, $(k).value])))); }
+  catch (e) { /* private mode */ }
+}
+function restoreKept() {
+  let kept = {};
+  try { kept = JSON.parse(localStorage.getItem(STORE + "-more") || "{}"); } catch (e) { kept = {}; }
+  for (const k of KEPT) if (typeof kept[k] === "string") $(k).value = kept[k];
+}
 function setFields(fields) {
   if ("resolutions" in fields) chooseResolutions();
   for (const [k, v] of Object.entries(fields)) {
@@ -54,8 +126,15 @@ function el(tag, attrs = {}, text) {
 }
 
 // -- 1. dataset -------------------------------------------------------------------------------------
-async function loadDataset() {
+let datasetShown = {path: null, count: 0}, datasetLoading = null;
+function loadDataset() {
+  // one load at a time per folder: a Load click that also blurs the field (change) loads once
   const path = $("dataset").value;
+  if (datasetLoading && datasetLoading.path === path) return datasetLoading.done;
+  datasetLoading = {path, done: loadDatasetNow(path).finally(() => { datasetLoading = null; })};
+  return datasetLoading.done;
+}
+async function loadDatasetNow(path) {
   // the "smaller than the training resolution" warning only once the resolutions are the user's
   // (typed, imported or kept from before), never from the default they have not chosen yet
   const res = resolutionsChosen() ? Math.min(...$("resolutions").value.split(/[ ,]+/).filter(Boolean).map(Number)) || 0 : 0;
@@ -93,8 +172,16 @@ async function loadDataset() {
       grid.append(item);
     }
     $("dataset-summary").textContent = `${data.images.length} images in ${data.folder}` + (warned ? `, ${warned} with warnings` : "");
+    datasetShown = {path, count: data.images.length};
+    if (fieldErrors.action.some((p) => p.field === "dataset")) showFieldErrors("action", []);
+    setView({dataset: path}, false);
     schedulePlan();
-  } catch (e) { $("dataset-summary").textContent = e.message; }
+  } catch (e) {
+    datasetShown = {path: null, count: 0};
+    $("grid").replaceChildren();
+    $("dataset-summary").textContent = actionError(e, "");
+  }
+  updateChecklist();
 }
 
 async function upload() {
@@ -116,23 +203,40 @@ async function upload() {
 }
 
 // -- 2. plan ------------------------------------------------------------------------------------------
-let planTimer = null, planSeq = 0;
+let planTimer = null, planSeq = 0, planFits = null;
 function schedulePlan() { clearTimeout(planTimer); planTimer = setTimeout(updatePlan, 600); }
 async function updatePlan() {
   const seq = ++planSeq;
   const fields = formFields();
+  let refused = null;              // the field the live check refuses: the plan waits for it
   try {
     const t = await api("POST", "/api/toml", fields);
+    if (seq !== planSeq) return;
     $("toml").textContent = t.toml;
-    $("toml-error").textContent = t.error || "";
+    const problems = t.problems || (t.error ? [{error: t.error, field: t.field}] : []);
+    showFieldErrors("preview", problems);
+    $("toml-error").textContent = problems.filter((p) => !p.field || !$(p.field)).map((p) => p.error).join("\n");
+    refused = problems.find((p) => p.field && $(p.field)) || null;
     $("toml-download").href = URL.createObjectURL(new Blob([t.toml], {type: "application/toml"}));
-  } catch (e) { $("toml").textContent = ""; $("toml-error").textContent = e.message; }
+  } catch (e) {
+    if (seq !== planSeq) return;
+    $("toml").textContent = "";
+    showFieldErrors("preview", e.problems);
+    $("toml-error").textContent = e.field && $(e.field) ? "" : e.message;
+    refused = e.field && $(e.field) ? {field: e.field, error: e.message} : {field: null, error: e.message};
+  }
+  if (refused) { showPlan({fits: null, message: refused.field ? `the plan waits for ${labelOf(refused.field)} (marked above)` : "the plan waits for the config to be fixed"}); return; }
+  if (!fields.model_path.trim()) { showPlan({fits: null, message: "give a model (a folder, a .safetensors file or a stock name) to see the plan"}); return; }
   if (!fields.vram_budget.trim()) { showPlan({fits: null, message: "set a VRAM budget to see the plan"}); return; }
   $("plan-message").textContent = "planning…";
   try {
     const plan = await api("POST", "/api/plan", fields);
     if (seq === planSeq) showPlan(plan);
-  } catch (e) { if (seq === planSeq) showPlan({fits: null, error: true, message: e.message}); }
+  } catch (e) {
+    if (seq !== planSeq) return;
+    if (e.field && $(e.field)) { showFieldErrors("preview", e.problems); showPlan({fits: null, error: true, message: `the plan waits for ${labelOf(e.field)} (marked above)`}); }
+    else showPlan({fits: null, error: true, message: e.message});
+  }
 }
 function gib(x) { return x < 0.1 ? (x * 1024).toFixed(1) + " MiB" : x.toFixed(2) + " GiB"; }
 function showPlan(p) {
@@ -140,6 +244,8 @@ function showPlan(p) {
   // config, e.g. a mode it does not price yet (its own words, amber) · a field the config refuses.
   $("plan").className = "plan " + (p.fits === true ? "fits" : p.fits === false ? "nofit" :
                                    p.planned === false ? "note" : p.error ? "error" : "");
+  planFits = p.fits;
+  updateChecklist();
   $("plan-words").textContent = p.fits ? p.words : "";      // the plan in words first, then the numbers
   $("plan-message").textContent = p.message;
   const d = $("plan-detail");
@@ -168,13 +274,14 @@ function showPlan(p) {
 // -- 3. runs ------------------------------------------------------------------------------------------
 async function startRun() {
   $("start-message").textContent = "starting…";
+  showFieldErrors("action", []);
   try {
     const r = await api("POST", "/api/runs", formFields());
     $("start-message").textContent = r.started ? "started" :
       `queued (#${r.position} in line; ${r.running.join(", ") || "another job"} is running: one job at a time)`;
     await refreshRuns();
     watch($("name").value);
-  } catch (e) { $("start-message").textContent = e.message; }
+  } catch (e) { $("start-message").textContent = actionError(e, "not started: see the marked field"); }
 }
 async function refreshRuns() {
   const data = await api("GET", "/api/runs");
@@ -198,21 +305,92 @@ async function cloneRun(name) {
   const r = await api("GET", `/api/runs/${encodeURIComponent(name)}/form`);
   setFields({...r.fields, name: `${name}-copy`});
   $("import-notes").textContent = `cloned from ${name}` + (r.notes.length ? ": " + r.notes.join("; ") : "");
-  $("model-section").scrollIntoView();
+  openSection("model");
 }
 async function deleteRun(name) {
   if (!confirm(`Delete the run ${name} and all its files (checkpoints, LoRAs, samples)?`)) return;
   try {
     await api("DELETE", `/api/runs/${encodeURIComponent(name)}`);
     status(`deleted ${name}`);
-    if (watching === name) { $("watch-section").hidden = true; if (events) events.close(); watching = null; }
+    if (watching === name) { unwatch(); setView({run: null, open: "run"}); }
   } catch (e) { status(e.message); }
   refreshRuns();
 }
 
+// -- the checklist by Start ---------------------------------------------------------------------------
+let stockModels = [];
+function updateChecklist() {
+  // what Start still needs, updated as the fields change: "model ✗ · images ✔ · budget ✔ — what to do"
+  const box = $("checklist");
+  if (!box) return;
+  const model = $("model_path").value.trim(), folder = $("dataset").value.trim(), budget = $("vram_budget").value.trim();
+  const marked = [...new Set([...fieldErrors.action, ...fieldErrors.preview].map((p) => p.field))];
+  const items = [
+    ["model", model && !stockModels.includes(model),
+     !model ? "give the model's folder or .safetensors file (2 · Model)" : "a stock name only plans: give the model's folder or file to train"],
+    ["images", folder && datasetShown.path === $("dataset").value && datasetShown.count > 0,
+     !folder ? "give the image folder and Load it (1 · Dataset)" : datasetShown.path === $("dataset").value ? "the folder holds no images" : "Load the image folder (1 · Dataset)"],
+    ["budget", budget && planFits !== false && !marked.includes("vram_budget") && !marked.includes("ram_budget"),
+     !budget ? "set a VRAM budget to see what fits (2 · Model)" : planFits === false ? "the plan does not fit this budget" : ""],
+  ];
+  const todo = items.filter(([, ok, why]) => !ok && why).map(([, , why]) => why);
+  if (marked.length) todo.push("fix " + marked.map(labelOf).join(", "));
+  box.textContent = items.map(([name, ok]) => `${name} ${ok ? "✔" : "✗"}`).join(" · ") + (todo.length ? " — " + todo.join("; ") : " — ready");
+  box.className = todo.length ? "checklist missing" : "checklist ready";
+}
+
+// -- the view in the address --------------------------------------------------------------------------
+// Which run is watched, which section is open and which image folder is shown live in the address's
+// hash (#open=watch&run=NAME&dataset=/path), so a reload, Back/Forward and a copied address reopen
+// the same view; the last view is also kept in this browser, for a tab opened on the bare address.
+const VIEW_STORE = "leantune-view", VIEW_KEYS = ["open", "run", "dataset"];
+function readView() {
+  const h = new URLSearchParams(location.hash.slice(1)), v = {};
+  for (const k of VIEW_KEYS) if (h.get(k)) v[k] = h.get(k);
+  return v;
+}
+function setView(change, push = true) {
+  const v = {...readView(), ...change};
+  for (const k of Object.keys(v)) if (v[k] === null || v[k] === undefined || v[k] === "") delete v[k];
+  const hash = "#" + new URLSearchParams(v).toString();
+  if (hash !== (location.hash || "#")) history[push ? "pushState" : "replaceState"](null, "", hash);
+  try { localStorage.setItem(VIEW_STORE, JSON.stringify(v)); } catch (e) { /* private mode */ }
+  markNav(v.open);
+}
+function markNav(open) {
+  for (const a of document.querySelectorAll("#nav a")) {
+    if (a.dataset.section === open) a.setAttribute("aria-current", "true"); else a.removeAttribute("aria-current");
+  }
+}
+function openSection(name, push = true) {
+  setView({open: name}, push);
+  const s = $(`${name}-section`);
+  if (s && !s.hidden) s.scrollIntoView({block: "start"});
+}
+async function applyView(v) {
+  if (v.dataset && v.dataset !== datasetShown.path) {
+    $("dataset").value = v.dataset;
+    saveForm();
+    loadDataset();
+  }
+  if (v.run && v.run !== watching) {
+    try { await api("GET", `/api/runs/${encodeURIComponent(v.run)}`); watch(v.run, false); }
+    catch (e) { status(e.message); setView({run: null, open: v.open === "watch" ? null : v.open}, false); }
+  } else if (!v.run && watching) unwatch();
+  markNav(v.open);
+  const s = v.open && $(`${v.open}-section`);
+  if (s && !s.hidden) s.scrollIntoView({block: "start"});
+}
+function unwatch() {
+  $("watch-section").hidden = true;
+  if (events) events.close();
+  events = null; watching = null;
+}
+
 // -- 4. watch -----------------------------------------------------------------------------------------
-function watch(name) {
+function watch(name, record = true) {
   watching = name;
+  if (record) setView({run: name, open: "watch"});
   $("watch-section").hidden = false;
   $("watch-name").textContent = name;
   if (events) events.close();
@@ -337,6 +515,7 @@ async function sample() {
   if (button.disabled) return;
   button.disabled = true; button.textContent = "Sampling…"; button.setAttribute("aria-busy", "true");
   const done = () => { button.disabled = false; button.textContent = "Sample"; button.removeAttribute("aria-busy"); };
+  showFieldErrors("action", []);
   try {
     const job = await api("POST", "/api/sample", body);
     const poll = async () => {
@@ -348,7 +527,7 @@ async function sample() {
       } catch (e) { $("sample-console").textContent = e.message; done(); }
     };
     poll();
-  } catch (e) { $("sample-console").textContent = e.message; done(); }
+  } catch (e) { $("sample-console").textContent = actionError(e, "not started: see the marked field"); done(); }
 }
 async function sampleRun() {
   const name = $("s_run").value;
@@ -359,6 +538,7 @@ async function sampleRun() {
                  s_prompts: "prompts", s_negative: "negative_prompt", s_seed: "seed", s_steps: "steps",
                  s_guidance: "guidance", s_width: "width", s_height: "height", s_loras: "loras"};
     for (const [id, key] of Object.entries(map)) $(id).value = f[key] ?? "";
+    saveKept();
     sampleFamilyChanged();
   } catch (e) { $("sample-console").textContent = e.message; }
 }
@@ -367,6 +547,7 @@ async function sampleRun() {
 async function captionImages() {
   const button = $("caption-run");
   button.disabled = true;
+  showFieldErrors("action", []);
   try {
     await api("POST", "/api/caption-job", {path: $("dataset").value, model: $("caption_model").value,
                                            overwrite: $("caption_overwrite").checked, prompt: $("caption_prompt").value});
@@ -378,7 +559,7 @@ async function captionImages() {
       else { button.disabled = false; if (!r.error) loadDataset(); }
     };
     poll();
-  } catch (e) { $("caption-status").textContent = e.message; button.disabled = false; }
+  } catch (e) { $("caption-status").textContent = actionError(e, "not started: see the marked field"); button.disabled = false; }
 }
 
 // -- presets and imports ------------------------------------------------------------------------------
@@ -409,9 +590,19 @@ function modeChanged() {
 async function init() {
   // handlers first: a click while the choices load is not lost
   for (const k of FORM) {
-    $(k).addEventListener("input", () => { saveForm(); schedulePlan(); });
-    $(k).addEventListener("change", () => { saveForm(); schedulePlan(); });
+    const changed = () => {
+      if (fieldErrors.action.some((p) => p.field === k)) showFieldErrors("action", fieldErrors.action.filter((p) => p.field !== k));
+      saveForm(); schedulePlan(); updateChecklist();
+    };
+    $(k).addEventListener("input", changed);
+    $(k).addEventListener("change", changed);
   }
+  for (const k of KEPT) { $(k).addEventListener("input", saveKept); $(k).addEventListener("change", saveKept); }
+  $("dataset").addEventListener("change", () => { if ($("dataset").value.trim()) loadDataset(); });
+  for (const a of document.querySelectorAll("#nav a")) {
+    a.addEventListener("click", (ev) => { ev.preventDefault(); openSection(a.dataset.section); });
+  }
+  window.addEventListener("popstate", () => applyView(readView()));
   $("resolutions").addEventListener("input", chooseResolutions);
   $("caption-run").onclick = captionImages;
   $("preset").onchange = () => { if ($("preset").value) importToml({preset: $("preset").value}); };
@@ -431,7 +622,7 @@ async function init() {
   $("sample").onclick = sample;
   $("mode").addEventListener("change", modeChanged);
   $("model_path").addEventListener("change", () => {
-    if (!$("s_model").value) { $("s_model").value = $("model_path").value; sampleFamilyChanged(); }
+    if (!$("s_model").value) { $("s_model").value = $("model_path").value; saveKept(); sampleFamilyChanged(); }
   });
   $("s_family").addEventListener("change", sampleFamilyChanged);
   $("s_model").addEventListener("change", sampleFamilyChanged);
@@ -444,6 +635,7 @@ async function init() {
   $("s_family").append(...c.family.map((v) => el("option", {value: v}, v)));
   $("s_dtype").append(...c.dtype.map((v) => el("option", {value: v}, v)));
   $("stock-models").replaceChildren(...c.stock_models.map((v) => el("option", {value: v})));
+  stockModels = c.stock_models;
   let kept = {};
   try { kept = JSON.parse(localStorage.getItem(STORE) || "{}"); } catch (e) { kept = {}; }
   for (const [k, v] of Object.entries(c.defaults)) {      // what this browser kept, else the defaults
@@ -453,11 +645,20 @@ async function init() {
   }
   const presets = await api("GET", "/api/presets");
   $("preset").append(...presets.presets.map((v) => el("option", {value: v}, v)));
+  restoreKept();
   status(`runs in ${c.runs_dir} · datasets under ${c.data_roots.join(", ")}`);
   showSystem();
   setInterval(showSystem, 5000);
   modeChanged();
   refreshRuns();
+  updateChecklist();
   schedulePlan();
+  // the view the address names; a tab opened on the bare address takes this browser's last view
+  let view = readView();
+  if (!Object.keys(view).length) {
+    try { view = JSON.parse(localStorage.getItem(VIEW_STORE) || "{}"); } catch (e) { view = {}; }
+    setView(view, false);
+  }
+  applyView(view);
 }
 init();
