@@ -374,6 +374,11 @@ class MemoryConfig(Section):
     # true: always (with fp8 = true when no vram_budget is set); false: never, and the loader
     # upcasts a checkpoint's e4m3 modulation weights.
     fp8_modulation: StrictBool | Literal["auto"] = "auto"
+    # How the frozen base's block Linears are stored. "auto": as fp8 and the planner decide (e4m3 or
+    # the load dtype; NF4's measured error, docs/benchmarks.md, is outside what auto may pick);
+    # "bf16": the load dtype, pinned; "fp8": e4m3 (fp8 = true); "nf4": bitsandbytes NF4 as the file
+    # is read (memory/nf4_storage.py, 4.5 bits per weight; LoRA only).
+    base_format: Literal["bf16", "fp8", "nf4", "auto"] = "auto"
     checkpointing: Literal["none", "blocks", "offload"] = "none"
     ring_slots: int = Field(2, ge=2)
     pin_memory: bool = True
@@ -403,6 +408,32 @@ class MemoryConfig(Section):
         if isinstance(v, int) and v < 0:
             raise ValueError("must be >= 0, a list of block names, or \"all\"")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _base_format(cls, data):
+        """base_format = "fp8" is fp8 = true; a pinned format and an fp8 key that contradicts it, or
+        "nf4" without bitsandbytes, are errors that name both keys."""
+        if not isinstance(data, dict) or data.get("base_format") not in ("bf16", "fp8", "nf4"):
+            return data                                   # "auto", or a value the Literal names
+        fmt, fp8 = data["base_format"], data.get("fp8")
+        if fmt == "fp8":
+            if fp8 is False:
+                raise ValueError('base_format = "fp8" stores the block Linears in e4m3, but fp8 = false: remove one')
+            return {**data, "fp8": True}
+        if fp8 is True:
+            raise ValueError(f'base_format = "{fmt}" and fp8 = true: both say how the block Linears are stored; '
+                             f'remove fp8 (or use base_format = "fp8")')
+        if fmt == "bf16" and data.get("vram_budget") is not None:
+            raise ValueError('base_format = "bf16" with a vram_budget: the planner chooses fp8 storage under a '
+                             'budget; use base_format = "auto", or set the [memory] choices without a budget')
+        if fmt == "nf4":
+            import importlib.util
+
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError('base_format = "nf4" quantizes with bitsandbytes, which is not installed '
+                                 '(pip install "leantune[bnb]")')
+        return data
 
 
 class DistributedConfig(Section):

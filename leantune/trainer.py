@@ -343,6 +343,8 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     base_options = loader_options(cfg.memory)     # a file's e4m3 modulation stays e4m3 unless asked
+    if cfg.memory.base_format == "nf4":           # NF4 rows as read (memory/nf4_storage.py), priced so on meta
+        base_options = base_options | _fp8_load_options(cfg)
     meta_model = _once(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **base_options))
     mode.check_before_load(meta_model)            # host RAM, before any weight is read
     machine = _agreed_machine(cfg, dist, device)
@@ -417,13 +419,16 @@ def _attach_base_adapters(transformer, adapters: tuple | None):
 
 def _fp8_load_options(cfg: RunConfig, plan=None) -> dict:
     """family.fp8_load_options for this run (`plan`: the planner's, chosen before loading under a
-    vram_budget): a full fine-tune's trained weights are not quantized."""
+    vram_budget): a full fine-tune's trained weights are not quantized. [memory] base_format = "nf4":
+    the block Linears become NF4 rows as they are read, whatever the plan (memory/nf4_storage.py)."""
     from .train.trainable import trains_name
 
     trained = None
     if cfg.train.mode == "full":
         full = cfg.full
         trained = lambda name: trains_name(name, full.train, full.exclude)   # noqa: E731
+    if cfg.memory.base_format == "nf4":
+        return {"quantize_fp8": "nf4", **({"trained": trained} if trained else {})}
     return fp8_load_options(cfg.memory, trained, plan)
 
 
