@@ -5,6 +5,13 @@ should be kept in float32: []", DeepSpeed's "Setting accelerator to CPU" and dif
 writing progress bars: none is about anything they did or can act on (leantune uses no image
 processor, casts on purpose, and reports its own progress). The libraries' errors still show;
 leantune's own warnings are untouched. `LEANTUNE_VERBOSE=1` keeps everything.
+
+bitsandbytes (NF4 bases, memory/nf4_storage.py) logs "Failed to load CPU gemm_4bit_forward from
+kernels-community ..." at import on CPUs with AVX512-BF16 when the optional `kernels` package is
+absent: leantune dequantizes with bitsandbytes and never calls that kernel, so the line is noise.
+It is logged by a child logger with no handler of its own, so the filter goes on that logger
+(a filter on "bitsandbytes" would not see a child's records); quiet_bitsandbytes() puts it there
+before the first import.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import warnings
 _NOISE = (
     r".*requires torchvision",
     r"There are modules in .* that should be kept in float32",
+    r"Failed to load CPU gemm_4bit_forward from kernels-community",
 )
+_BNB_LOGGER = "bitsandbytes.backends.cpu.ops"      # where bitsandbytes logs the line above
 
 
 class _DropNoise(logging.Filter):
@@ -46,3 +55,13 @@ def quiet_third_party() -> None:
         root.addFilter(noise)
     for handler in root.handlers:
         handler.addFilter(noise)
+
+
+def quiet_bitsandbytes() -> None:
+    """Call before bitsandbytes is imported (memory/nf4_storage.py does): its CPU backend's
+    kernels-community line dropped (module doc)."""
+    if os.environ.get("LEANTUNE_VERBOSE"):
+        return
+    logger = logging.getLogger(_BNB_LOGGER)
+    if not any(isinstance(f, _DropNoise) for f in logger.filters):
+        logger.addFilter(_DropNoise())

@@ -300,6 +300,10 @@ def fp8_hooks(model, spec, *, keep: bool, keep_modulation: bool, quantize: bool,
     if quantize:
         chosen = {n for n in fp8_block_weights(model, spec, quantize_modulation) if not (trained and trained(n))}
         out["quantize_fp8"] = chosen.__contains__
+        if quantize == "nf4":             # [memory] base_format = "nf4": NF4 rows where a row holds whole blocks
+            from ..memory.nf4_storage import nf4_block_weights
+            nf4 = chosen & nf4_block_weights(model, spec, quantize_modulation)
+            out["quantize_fp8"] = lambda name: "nf4" if name in nf4 else False
     return out
 
 

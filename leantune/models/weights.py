@@ -615,7 +615,8 @@ def load_into_empty(
     `quantize_fp8(model_key)`: True for 2-D floating weights the run stores in fp8 (memory/fp8.py's
     block-scaled e4m3): they are quantized chunk by chunk as they are read (`dtype` first, exactly
     as a plain load holds them, so the bits equal quantizing that load) and handed to `on_fp8` with
-    their (rows, nb) scale; a file's e4m3 tensor that `keep_fp8` keeps is kept instead.
+    their (rows, nb) scale; a file's e4m3 tensor that `keep_fp8` keeps is kept instead. Where it
+    returns "nf4" the weight becomes NF4 rows as it is read instead (memory/nf4_storage.fill_nf4).
 
     A GGUF file's quantized Linear weights (models/gguf_file.py) keep their blocks as stored, with
     the GGUF forward (memory/gguf_storage.py); its other quantized tensors are decoded as read.
@@ -674,8 +675,12 @@ def load_into_empty(
             keep = keep_fp8 is not None and info.dtype == "F8_E4M3" and keep_fp8(target)
             if (not keep and quantize_fp8 is not None and info.floating and len(tshape) == 2
                     and info.row_numel == tshape[1] and quantize_fp8(target)):
-                _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
-                                _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
+                if quantize_fp8(target) == "nf4":        # NF4 rows instead of e4m3 (memory/nf4_storage.py)
+                    from ..memory.nf4_storage import fill_nf4
+                    fill_nf4(model, files, op.source, target, segs, _target_dtype(model, target, dtype), meta, device)
+                else:
+                    _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
+                                    _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
                 done.update(groups.get(target, [target]))
                 if not meta:
                     files.release(op.source)

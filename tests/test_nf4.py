@@ -1,0 +1,328 @@
+"""NF4 bases (memory/nf4_storage.py): a tiny Flux's block Linears quantized by bitsandbytes as its
+bf16 file is read, computing with bitsandbytes' own dequantization.
+
+The model is the tiny Flux 128 wide (4 heads of 32), so every block Linear's rows hold whole
+64-value NF4 blocks; the file is its BFL single file in bf16, loaded as `[memory] base_format =
+"nf4"` loads it (the loader's `quantize_fp8="nf4"`, trainer._fp8_load_options).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_memory_helpers import assert_records_equal, block_names, make_batch, train
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+from leantune import tiny  # noqa: E402
+from leantune.memory import nf4_storage  # noqa: E402
+from leantune.memory.engine import apply_memory  # noqa: E402
+from leantune.memory.fp8 import block_linears  # noqa: E402
+from leantune.memory.nf4_storage import is_nf4, stored_weight, use_nf4_weight  # noqa: E402
+from leantune.memory.plan import Plan  # noqa: E402
+from leantune.models.flux import FLUX_SPEC, predict  # noqa: E402
+from leantune.models.flux import loading as flux_loading  # noqa: E402
+
+WIDE = dict(attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12, 12))   # inner width 128
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bnb_reference(w: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' own round trip of `w` (fp32): quantize_4bit then dequantize_4bit, NF4, 64 per absmax."""
+    q, state = bnb_functional.quantize_4bit(w.float(), blocksize=64, quant_type="nf4", compress_statistics=False)
+    return bnb_functional.dequantize_4bit(q, state)
+
+
+@pytest.fixture(scope="module")
+def flux_file(tmp_path_factory):
+    """(fp32 source model, its BFL single file in bf16)."""
+    ref = tiny.flux_transformer(seed=3, **WIDE)
+    path = flux_loading.save_bfl_transformer(ref, tmp_path_factory.mktemp("nf4") / "flux.safetensors",
+                                             dtype=torch.bfloat16)
+    return ref, path
+
+
+def _sources(path: Path):
+    return flux_loading.FluxSources(path, None, None, None, None, None)
+
+
+def _load_nf4(path: Path, **kw):
+    return flux_loading.load_transformer(_sources(path), dtype=torch.float32, quantize_fp8="nf4", **kw)
+
+
+# -- the format --------------------------------------------------------------------------------------
+
+def test_a_linear_computes_with_bitsandbytes_dequantization_forward_and_backward():
+    """Rows of packed codes + absmax bytes decode, bitwise, to bitsandbytes' own dequantize_4bit of
+    its own quantize_4bit; forward and input gradient equal a plain Linear holding that weight; a
+    row range of the stored bytes is the quantization of that row range (rows are independent)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 192, generator=g).bfloat16()
+    lin = torch.nn.Linear(192, 24)
+    lin.weight = torch.nn.Parameter(nf4_storage.quantize(w), requires_grad=False)
+    use_nf4_weight(lin)
+    assert lin.weight.shape == (24, 192 // 2 + 4 * 3) and lin.weight.dtype == torch.uint8
+    want = _bnb_reference(w)
+    assert torch.equal(stored_weight(lin), want)
+    assert torch.equal(nf4_storage.quantize(w[5:9]), lin.weight[5:9])
+    x = torch.randn(3, 192, generator=g, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = lin(x), torch.nn.functional.linear(x2, want, lin.bias)
+    assert torch.equal(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
+    assert lin.bias.grad is not None
+    err = (want - w.float()).norm() / w.float().norm()
+    assert 0.05 < err < 0.12, err                                       # NF4's ~9 % on a Gaussian weight
+
+
+def test_bad_shapes_are_named():
+    lin = torch.nn.Linear(96, 8)
+    with pytest.raises(ValueError, match=r"NF4 row holds whole blocks of 64 values; 96"):
+        use_nf4_weight(lin)
+    lin = torch.nn.Linear(128, 8)
+    with pytest.raises(ValueError, match=r"use_nf4_weight: the weight is torch.float32 \(8, 128\), not the \(8, 72\) uint8"):
+        use_nf4_weight(lin)
+
+
+# -- quantizing while the file is read ---------------------------------------------------------------
+
+def test_the_load_quantizes_each_weight_as_read_in_bounded_chunks(flux_file, monkeypatch):
+    """Every block Linear of the loaded model holds NF4 rows equal, byte for byte, to quantizing the
+    bf16 load's weight; the rows were quantized a few at a time (QUANT_CHUNK of fp32 rows, here
+    one row's worth: no call saw more), and everything else is the bf16 load's."""
+    _, path = flux_file
+    calls = []
+    real = nf4_storage.quantize_into
+    monkeypatch.setattr(nf4_storage, "QUANT_CHUNK", 4 * 128)            # one 128-wide fp32 row per chunk
+    monkeypatch.setattr(nf4_storage, "quantize_into", lambda w, out: (calls.append(w.shape[0]), real(w, out)))
+    got = flux_loading.load_transformer(_sources(path), dtype=torch.bfloat16, quantize_fp8="nf4")
+    ref = flux_loading.load_transformer(_sources(path), dtype=torch.bfloat16)
+    assert calls and max(calls) == 1
+    ref_linears = {q: lin for q, _, lin in block_linears(FLUX_SPEC, ref)}
+    taken = 0
+    for qname, rel, lin in block_linears(FLUX_SPEC, got):
+        w = ref_linears[qname].weight
+        if FLUX_SPEC.keeps_compute_dtype(rel):
+            assert not is_nf4(lin) and torch.equal(lin.weight, w), qname
+            continue
+        assert is_nf4(lin) and not lin.weight.requires_grad, qname
+        assert torch.equal(lin.weight, nf4_storage.quantize(w)), qname
+        taken += 1
+    assert taken == 34                # 2 double x 12 + 2 single x 5 block Linears; modulation kept as fp8 keeps it
+    nf4_names = {f"{q}.weight" for q, _, lin in block_linears(FLUX_SPEC, got) if is_nf4(lin)}
+    for name, t in got.state_dict().items():
+        if name not in nf4_names:
+            assert torch.equal(t, ref.state_dict()[name]), name
+
+
+def test_apply_nf4_storage_on_a_loaded_model_equals_the_quantizing_load(flux_file):
+    """The in-place path (a model already in memory) stores the same bytes as the load."""
+    _, path = flux_file
+    loaded = _load_nf4(path)
+    model = flux_loading.load_transformer(_sources(path), dtype=torch.float32).requires_grad_(False)
+    done = nf4_storage.apply_nf4_storage(model, FLUX_SPEC)
+    assert len(done) == 34
+    got = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, got[name]), name
+    trainable = flux_loading.load_transformer(_sources(path), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r'base_format = "nf4": transformer_blocks\.0\.\S+\.weight is trainable'):
+        nf4_storage.apply_nf4_storage(trainable, FLUX_SPEC)
+
+
+def test_planner_weight_bytes_equal_the_stored_bytes(flux_file):
+    """A meta load with NF4 (what the planner prices) reports, per block and in total, the bytes the
+    real load holds: 36 per 64 values for the NF4 Linears, in every plan; the streamed units'
+    packed size equals unit_bytes."""
+    from leantune.planner.weight_bytes import measure_weights
+
+    _, path = flux_file
+    real = _load_nf4(path)
+    meta = flux_loading.load_transformer(_sources(path), dtype=torch.float32, quantize_fp8="nf4", device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    weights = measure_weights(FLUX_SPEC, meta)
+    to_q = real.transformer_blocks[0].attn.to_q
+    assert to_q.weight.numel() == to_q.in_features * to_q.out_features * 36 / 64
+    for (name, block), w in zip(FLUX_SPEC.blocks(real), weights.blocks):
+        actual = sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
+        assert w.bytes(4) == w.bytes(4, fp8=True) == actual, name
+    total = sum(t.numel() * t.element_size() for t in list(real.parameters()) + list(real.buffers()))
+    assert weights.total(4) == total
+    handle = apply_memory(real.requires_grad_(False), FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(real))), "cpu")
+    try:
+        packed = {u.name: u.nbytes for u in handle.streaming.units}
+        for w in weights.blocks:
+            assert packed[w.name] == w.unit_bytes(4), w.name
+    finally:
+        handle.remove()
+
+
+# -- training over the stored rows ---------------------------------------------------------------------
+
+def _lora_base(path: Path, kind: str = "lora"):
+    from leantune.config import LoraConfig
+    from leantune.train.lora import add_lora
+
+    model = _load_nf4(path)
+    params = add_lora(model, FLUX_SPEC, LoraConfig(type=kind, rank=4, targets="all"))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def test_streamed_equals_resident_bitwise_in_poison_mode(flux_file):
+    """Two SGD steps with every block and the non-block group streamed (poison mode: a released
+    slot's 0xFF bytes are NaN absmax values) and checkpointed equal the resident run bitwise; the
+    streamed units carry the NF4 rows as uint8 and the base keeps its bytes."""
+    _, path = flux_file
+    model = _lora_base(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    assert len(before) == 34
+    want = train(copy.deepcopy(model))
+    assert want[0]["grads"]
+    plan = Plan(streamed_blocks=tuple(block_names(model)), stream_non_blocks=True, checkpointing="blocks",
+                debug_poison=True)
+    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
+    entries = [e for u in handle.streaming.units for e in u.entries]
+    assert sum(e.dtype == torch.uint8 for e in entries) == 34
+    got = train(model)
+    assert all(torch.isfinite(r["loss"]) for r in got)
+    assert_records_equal(got, want)
+    assert handle.step_report()["bytes_h2d"] > 0
+    handle.remove()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+
+
+def test_fp8_storage_leaves_the_nf4_rows_alone(flux_file):
+    _, path = flux_file
+    model = _lora_base(path)
+    want = train(copy.deepcopy(model))
+    handle = apply_memory(model, FLUX_SPEC, Plan(fp8=True), "cpu")
+    assert not handle.fp8.linears
+    assert sum(p.dtype == torch.uint8 for p in model.parameters()) == 34
+    assert_records_equal(train(model), want)
+
+
+def test_adapters_that_read_the_base_weight_are_refused_on_an_nf4_base(flux_file):
+    _, path = flux_file
+    with pytest.raises(ValueError, match=r'DoRA .* holds NF4 rows \(\[memory\] base_format = "nf4"\)'):
+        _lora_base(path, "dora")
+    for kind in ("lokr", "loha"):
+        with pytest.raises(ValueError, match=rf'type = "{kind}": .* holds NF4 rows \(\[memory\] base_format = "nf4"\)'):
+            _lora_base(path, kind)
+
+
+def _fit(model, steps: int = 40) -> list[float]:
+    """A rank-4 LoRA (B = 0 at init) fitted by Adam to one fixed batch."""
+    from leantune.config import LoraConfig
+    from leantune.train.lora import add_lora
+
+    params = add_lora(model, FLUX_SPEC, LoraConfig(rank=4, targets="all"))
+    opt = torch.optim.Adam(params, lr=1e-2)
+    x, sigma, embeds, hw, target = make_batch(8, 8, seed=0)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_lora_learns_on_an_nf4_base_and_its_file_applies_to_the_bf16_base(flux_file, tmp_path):
+    """The loss ratio (last / first) of the same fit on the NF4 base and on the fp32 model: it
+    learns, and about as fast (within 0.05: NF4 moves the base ~9 %). Its ComfyUI file has the keys
+    and shapes of the one trained on the source and applies to the bf16 base as trained."""
+    from leantune.io import load_safetensors
+    from leantune.train.lora import apply_lora, lora_weights_from_model
+    from leantune.train.lora_formats import read_lora, save_lora
+
+    ref, path = flux_file
+    model, source = _load_nf4(path), copy.deepcopy(ref)
+    on_nf4, on_source = _fit(model), _fit(source)
+    ratio, want = on_nf4[-1] / on_nf4[0], on_source[-1] / on_source[0]
+    assert ratio < 0.6 and abs(ratio - want) < 0.05, (ratio, want)
+    files = {name: save_lora(lora_weights_from_model(m), tmp_path / f"{name}.safetensors", "comfyui")
+             for name, m in (("nf4", model), ("source", source))}
+    tensors = {name: load_safetensors(f)[0] for name, f in files.items()}
+    assert {k: t.shape for k, t in tensors["nf4"].items()} == {k: t.shape for k, t in tensors["source"].items()}
+    bf16 = copy.deepcopy(ref).to(torch.bfloat16).requires_grad_(False)
+    x, sigma, embeds, hw, _ = make_batch(8, 8, seed=0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = predict(bf16, x, sigma, embeds, hw, guidance=1.0)
+    weights = read_lora(files["nf4"])
+    wrapped = apply_lora(bf16, weights)
+    assert len(wrapped) == len(weights.modules) == 40
+    for name in wrapped:
+        layer = bf16.get_submodule(name)
+        assert torch.equal(layer.lora_A["lora"].weight, weights.modules[name].down.to(layer.lora_A["lora"].weight.dtype))
+    with torch.no_grad():
+        assert not torch.equal(predict(bf16, x, sigma, embeds, hw, guidance=1.0), plain)
+
+
+# -- the [memory] key and the import -------------------------------------------------------------------
+
+def test_base_format_nf4_loads_nf4_and_contradictions_are_named(tmp_path):
+    """[memory] base_format = "nf4" makes the trainer's load (and its meta load, which the planner
+    prices) quantize to NF4; "fp8" is fp8 = true; a pinned format against an fp8 key is an error
+    naming both."""
+    from leantune.config import MemoryConfig, RunConfig
+    from leantune.trainer import _fp8_load_options
+
+    run = dict(model={"path": "x"}, data={"datasets": [{"path": "d"}]})
+    cfg = RunConfig(**run, memory={"base_format": "nf4"})
+    assert _fp8_load_options(cfg) == {"quantize_fp8": "nf4"}
+    assert _fp8_load_options(RunConfig(**run, memory={"base_format": "nf4", "vram_budget": "8GiB"})) == {
+        "quantize_fp8": "nf4"}
+    assert MemoryConfig(base_format="fp8").fp8 is True and MemoryConfig().base_format == "auto"
+    for memory, message in (({"base_format": "nf4", "fp8": True}, r'base_format = "nf4" and fp8 = true'),
+                            ({"base_format": "fp8", "fp8": False}, r'base_format = "fp8" .* but fp8 = false'),
+                            ({"base_format": "bf16", "vram_budget": "8GiB"}, r'base_format = "bf16" with a vram_budget'),
+                            ({"base_format": "int4"}, r"base_format")):
+        with pytest.raises(ValueError, match=message):
+            MemoryConfig(**memory)
+
+
+def test_the_kernels_community_line_is_dropped_and_others_are_kept(monkeypatch):
+    """quiet.quiet_bitsandbytes (nf4_storage calls it before importing bitsandbytes) filters its
+    CPU backend's logger: the kernels-community line is dropped, any other record of it is kept."""
+    import logging
+
+    from leantune.quiet import quiet_bitsandbytes
+
+    monkeypatch.delenv("LEANTUNE_VERBOSE", raising=False)
+    quiet_bitsandbytes()
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+
+    def record(msg: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, msg, ("No module named 'kernels'",), None)
+
+    assert not logger.filter(record("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make "
+                                    "sure you already `pip install kernels` and the kernels >= 0.11.1"))
+    assert logger.filter(record("something else went wrong: %s"))
+
+
+@pytest.mark.slow
+def test_importing_bitsandbytes_through_leantune_is_quiet():
+    """End to end, in fresh processes: on a CPU where a plain `import bitsandbytes` logs the
+    kernels-community line (AVX512-BF16, no `kernels` package), an import through nf4_storage does not."""
+    loud = subprocess.run([sys.executable, "-c", "import bitsandbytes"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    if "kernels-community" not in loud.stderr:
+        pytest.skip("this CPU's bitsandbytes logs nothing at import (no AVX512-BF16): nothing to silence")
+    code = "from leantune.memory import nf4_storage; assert nf4_storage.available()"
+    quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "kernels-community" not in quiet.stderr + quiet.stdout
