@@ -196,6 +196,42 @@ def test_a_bad_file_is_refused_naming_the_file_and_key(tmp_path):
         FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
 
 
+# -- the text encoder as one file --------------------------------------------------------------------------
+
+def test_a_umt5_single_file_encodes_as_the_pipeline(folder, pipeline, tmp_path):
+    """The folder's umT5 as one file in transformers' names (ComfyUI's umt5_xxl_*.safetensors), bf16
+    and scaled fp8: the architecture read from the shapes is the folder's, the bf16 file's encoder
+    gives WanPipeline.encode_prompt's embeddings bit for bit (fp32 load), the fp8 one within e4m3's
+    rounding; a T5 file (one relative attention bias) is refused by name."""
+    from leantune.io import save_safetensors
+    from leantune.models import component_loading as cl
+
+    state = {k: v.clone() for k, v in pipeline.text_encoder.state_dict().items()
+             if k != "encoder.embed_tokens.weight"}       # tied to shared.weight, stored once
+    path = save_safetensors(state, tmp_path / "umt5.safetensors")
+    src = _sources(folder, tmp_path, text_encoder=str(path))
+    encoders = FAM.load_text_encoders(src, torch.float32, "cpu")
+    for k in ("d_model", "d_ff", "num_layers", "num_heads", "d_kv", "vocab_size", "relative_attention_num_buckets"):
+        assert encoders.text_encoder.config.to_dict()[k] == pipeline.text_encoder.config.to_dict()[k], k
+    want, _ = pipeline.encode_prompt([PROMPT, "a red circle"], do_classifier_free_guidance=False,
+                                     max_sequence_length=32, device="cpu")
+    got, lengths = FAM.encode_prompts([PROMPT, "a red circle"], encoders, 32, "cpu")
+    assert torch.equal(got.t5, want) and lengths.tolist() == [32, 32]
+    scaled = cl.file_tensors(dict(state), dtype=torch.bfloat16, fp8="scaled", prefix="",
+                             in_block=lambda k: k.startswith("encoder.block.") and k.endswith(".weight")
+                             and "relative_attention_bias" not in k and "layer_norm" not in k)
+    fp8 = save_safetensors(scaled, tmp_path / "umt5_fp8.safetensors")
+    assert load_file(str(fp8))["encoder.block.0.layer.0.SelfAttention.q.weight"].dtype == torch.float8_e4m3fn
+    approx, _ = FAM.encode_prompts([PROMPT], FAM.load_text_encoders(_sources(folder, tmp_path, text_encoder=str(fp8)),
+                                                                    torch.float32, "cpu"), 32, "cpu")
+    err = (approx.t5 - want[:1]).norm() / want[:1].norm()
+    assert 0 < err < 0.1, float(err)
+    t5 = {k: v for k, v in state.items() if not k.startswith("encoder.block.1.layer.0.SelfAttention.relative")}
+    bad = save_safetensors(t5, tmp_path / "t5.safetensors")
+    with pytest.raises(LoadError, match=r"t5\.safetensors.*not Wan's umT5"):
+        FAM.load_text_encoders(_sources(folder, tmp_path, text_encoder=str(bad)), torch.float32, "cpu")
+
+
 # -- LoRA files in ComfyUI ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["lora", "lokr", "loha", "dora"])

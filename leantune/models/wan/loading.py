@@ -235,7 +235,7 @@ def load_raw_vae(sources: WanSources, dtype: torch.dtype = torch.bfloat16, devic
 # -- text encoder ------------------------------------------------------------------------------------
 
 def load_text_encoders(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> WanTextEncoders:
-    """The umT5 tokenizer (a folder) and UMT5EncoderModel (a transformers folder), on the host:
+    """The umT5 tokenizer (a folder) and UMT5EncoderModel (a transformers folder or a single file), on the host:
     loaded when it fits the host-RAM budget, else left in its files and read block by block when it
     runs (streamed_encoder.py)."""
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -244,9 +244,10 @@ def load_text_encoders(sources: WanSources, dtype: torch.dtype = torch.bfloat16,
 
     tokenizer = cl.load_tokenizer(sources.tokenizer, "tokenizer", _LABEL["tokenizer"], AutoTokenizer, _REPO)
     src = _require(sources.text_encoder, "text_encoder")
-    if not src.is_dir():
-        raise LoadError(f"[model] text_encoder: {src}: a single-file umT5 is not read yet; point [model] "
-                        f"text_encoder at the text_encoder/ folder of a {_REPO} diffusers repository")
+    if src.is_file():
+        cl.check_file(src, "text_encoder")
+        model = load_text_encoder_file(src, dtype)
+        return WanTextEncoders(tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))
     config = cl.read_json(src / "config.json")
     declared = (config.get("architectures") or [None])[0] or config.get("model_type")
     if declared is not None and declared not in TEXT_ENCODER_CLASSES:
@@ -260,3 +261,40 @@ def load_text_encoders(sources: WanSources, dtype: torch.dtype = torch.bfloat16,
     except Exception as e:
         raise LoadError(f"[model] text_encoder: {src}: cannot load the {_LABEL['text_encoder']} ({e})") from None
     return WanTextEncoders(tokenizer=tokenizer, text_encoder=model.eval(), device=torch.device(device))
+
+
+# -- the text encoder as a single file ------------------------------------------------------------------
+#
+# ComfyUI's text_encoders/umt5_xxl_fp16.safetensors / umt5_xxl_fp8_e4m3fn_scaled.safetensors hold umT5-XXL's
+# encoder under transformers' own names (shared, encoder.block.N.layer.0.SelfAttention.q / k / v / o and
+# its relative_attention_bias, layer.1.DenseReluDense.wi_0 / wi_1 / wo, the layer norms,
+# encoder.final_layer_norm), bare. umT5 differs from T5 in a relative attention bias per block (T5 has
+# it in block 0 only), which tells them apart. The architecture is read from the shapes
+# (component_files.t5_config: umT5-XXL and T5-XXL share every width but the vocabulary); fp8 weights are
+# upcast with their scale.
+
+
+def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16):
+    """UMT5EncoderModel from a single file, on the host: built on meta and filled tensor by tensor when
+    it fits the host-RAM budget, else left in the file and read block by block when it runs."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from ..streamed_encoder import file_backed, fits_host
+
+    files, prefix, shapes, meta = cl.single_file(src, "t5", _LABEL["text_encoder"])
+    config = cf.t5_config(shapes, meta, f"[model] text_encoder: {src}")
+    if config["num_layers"] > 1 and "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight" not in shapes:
+        raise LoadError(f"[model] text_encoder: {src}: a T5 encoder (one relative attention bias, in block 0), not "
+                        f"Wan's umT5 (no 'encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight')")
+    config.update(architectures=["UMT5EncoderModel"], model_type="umt5")
+    try:
+        cfg = UMT5Config(**config)
+    except Exception as e:
+        raise LoadError(f"[model] text_encoder: {src}: cannot build umT5 from its config ({e})") from None
+    if not fits_host([src], dtype):
+        return file_backed(lambda: UMT5EncoderModel(cfg), [src], "", "encoder.block", dtype,
+                           _LABEL["text_encoder"]).eval()
+    model = build_empty(lambda: UMT5EncoderModel(cfg))
+    names = cl.component_keys(files, "t5", prefix)
+    return load_into_empty(model, files, copy_ops(names, strip=prefix), what="a umT5 text encoder of this architecture",
+                           dtype=dtype, device="cpu", unexpected_ok=cf.t5_ignorable).eval()
