@@ -3,7 +3,7 @@ bitsandbytes quantizes them (QLoRA's base format).
 
 What it trades: a frozen block Linear holds 0.5 byte per weight plus 4 bytes per 64 (4.5 bits per
 weight, a little over a quarter of bf16), resident or streamed, and is dequantized by bitsandbytes in
-every forward and backward. NF4's error on a Flux layer is ~3.6x e4m3's (docs/benchmarks.md), so it
+every forward and backward. NF4's error on a Flux layer is ~3.7x e4m3's (docs/benchmarks.md), so it
 is for a base that does not fit otherwise; `[memory] base_format = "nf4"` asks for it.
 
 How it works (the seam of memory/gguf_storage.py, for bytes bitsandbytes writes):
