@@ -263,6 +263,46 @@ def test_the_comfyui_layout_file_of_every_adapter_type_loads_whole_in_comfyui(ki
     assert diffusers.skipped and not diffusers.loaded
 
 
+def _native_module(diffusers: str) -> str:
+    """A diffusers module name in Wan-AI's names, by hand (as _native_layout names the weights)."""
+    return next(iter(_native_layout({diffusers + ".weight": None}))).removesuffix(".weight")
+
+
+@pytest.mark.parametrize("style", ["diffusion_model", "kohya"])
+def test_lora_files_in_wan_ais_names_read_as_leantunes_own(style, tmp_path):
+    """A trained LoRA written by hand in the layouts other Wan trainers use: diffusion-pipe's /
+    ComfyUI's `diffusion_model.blocks.0.self_attn.q.lora_A.weight` (alpha folded, no alpha key) and
+    musubi-tuner's kohya `lora_unet_blocks_0_self_attn_q.lora_down.weight` with its alpha: read back,
+    every module's update (alpha / rank * up @ down) is the trained one."""
+    from families.cases import CASES
+    from families.conftest import RANK, Built
+
+    from leantune.io import save_safetensors
+    from leantune.train.lora_formats import read_lora
+
+    b = Built(next(c for c in CASES if c.family == "wan2.2"), tmp_path)
+    lora = b.lora
+    trained = read_lora(lora.files["diffusers"], FAM.spec.lora_keys).modules
+    tensors = {}
+    for name, m in trained.items():
+        native = _native_module(name)
+        assert native != name, name
+        if style == "diffusion_model":
+            tensors[f"diffusion_model.{native}.lora_A.weight"] = m.down.contiguous()
+            tensors[f"diffusion_model.{native}.lora_B.weight"] = (m.up * (m.alpha / m.down.shape[0])).contiguous()
+        else:
+            stem = "lora_unet_" + native.replace(".", "_")
+            tensors[f"{stem}.lora_down.weight"] = m.down.contiguous()
+            tensors[f"{stem}.lora_up.weight"] = m.up.contiguous()
+            tensors[f"{stem}.alpha"] = torch.tensor(float(m.alpha))
+    path = save_safetensors(tensors, tmp_path / f"{style}.safetensors")
+    got = read_lora(path, FAM.spec.lora_keys).modules
+    assert got.keys() == trained.keys() == lora.deltas.keys() and trained[next(iter(trained))].down.shape[0] == RANK
+    for name, delta in lora.deltas.items():
+        torch.testing.assert_close(got[name].delta(), delta, rtol=1e-5, atol=1e-6, msg=name)
+    assert read_lora(path).family == "wan2.2"            # told from the names alone
+
+
 # -- the two experts -----------------------------------------------------------------------------------------
 
 def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(folder, pipeline, tmp_path):
