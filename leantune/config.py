@@ -199,6 +199,12 @@ def check_side(v: int) -> int:
     return v
 
 
+# Bounds of the video keys of [data]: a typo (1600 fps, 100001 frames) would otherwise show only as a
+# clip set where every clip is too short, or a frame bucket whose latents do not fit any GPU.
+MAX_TARGET_FPS = 240
+MAX_CLIP_FRAMES = 1025
+
+
 class DataConfig(Section):
     datasets: list[DatasetConfig] = Field(min_length=1)
     resolutions: list[int] = [512]
@@ -216,6 +222,33 @@ class DataConfig(Section):
     prior_ratio: float = Field(0.25, gt=0.0, lt=1.0)
     prior_loss: Literal["plain", "dop"] = "plain"
     prior_weight: float = Field(1.0, gt=0.0, le=100.0)
+    # Video clips (data/video.py): the rate clips are resampled to (nearest source frame per output
+    # time; Wan 2.1 and 2.2 A14B train at 16 fps, Wan 2.2 TI2V-5B at 24), and the most frames a clip
+    # trains with: a 4k+1 length, as Wan's VAE encodes the first frame alone and then 4 per latent
+    # frame. Each clip trains at the longest 4k+1 window it holds at target_fps, up to max_frames.
+    target_fps: float = 16.0
+    max_frames: int = 81
+
+    @field_validator("target_fps")
+    @classmethod
+    def _target_fps(cls, v: float) -> float:
+        if not 0 < v <= MAX_TARGET_FPS:
+            raise ValueError(f"target_fps = {v:g} is not a frame rate: clips are resampled to a rate above 0 and at "
+                             f"most {MAX_TARGET_FPS} fps (Wan trains at 16 or 24)")
+        return v
+
+    @field_validator("max_frames")
+    @classmethod
+    def _max_frames(cls, v: int) -> int:
+        if v < 5 or (v - 1) % 4:
+            lower = max(5, (v - 1) // 4 * 4 + 1)
+            hint = f"use {lower} or {lower + 4}" if v >= 5 else "the shortest clip is 5 frames"
+            raise ValueError(f"max_frames = {v} is not a clip length Wan's VAE encodes: 4k+1 frames of at least 5 "
+                             f"(5, 9, ..., 81); {hint}")
+        if v > MAX_CLIP_FRAMES:
+            raise ValueError(f"max_frames = {v} is too long: clips train at most {MAX_CLIP_FRAMES} frames "
+                             f"(Wan 2.2 generates 81 or 121)")
+        return v
 
     @model_validator(mode="after")
     def _prior_keys(self):

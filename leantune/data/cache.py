@@ -36,6 +36,7 @@ import logging
 import warnings
 from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -43,7 +44,7 @@ import torch
 
 from leantune.config import resolve_path
 from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
-from leantune.data.dataset import DataWarning, ImageItem, listing, load_rgb, scan_datasets, to_tensor
+from leantune.data.dataset import DataWarning, ImageItem, VideoItem, listing, load_rgb, scan_datasets, to_tensor
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.family import ModelFamily, PromptEmbeds, get_family
 from leantune.models.component_loading import dtype_from_name, fingerprint
@@ -131,6 +132,39 @@ def mask_key(mask_sha256: str, bucket: Bucket, vae_scale_factor: int) -> str:
     return _digest("mask", mask_sha256, list(bucket), vae_scale_factor)
 
 
+ClipBucket = tuple[int, int, int]   # (width, height, frames): a batch of clips shares all three
+
+
+def _rate(fps) -> str:
+    """A frame rate as an exact fraction ("16", "30000/1001"), so 16 and 16.0 key alike."""
+    return str(Fraction(fps).limit_denominator(1_000_000))
+
+
+def clip_latent_key(clip_sha256: str, source_fps, bucket: ClipBucket, target_fps, start_s: float, vae_id: str,
+                    dtype: torch.dtype) -> str:
+    """A clip's latent entry: its bytes, its source rate (an image sequence's is a setting, not in its
+    bytes), the frames picked (target_fps, start, the frame bucket) and the size, VAE and dtype.
+
+    [data] max_frames enters through the frame bucket: a change that leaves a clip's window as it
+    was (a clip shorter than both caps) reuses its entry, since the latents are the same.
+    """
+    return _digest("clip-latent", clip_sha256, _rate(source_fps), list(bucket), _rate(target_fps), float(start_s),
+                   vae_id, str(dtype))
+
+
+def clip_bucket(item: VideoItem, resolution: int) -> ClipBucket:
+    """The bucket a clip trains in at `resolution`: its aspect bucket (as an image's) and its frame
+    bucket (`item.num_frames`, video.frame_bucket at [data] target_fps and max_frames)."""
+    w, h = nearest_bucket(item.width, item.height, bucket_sizes(resolution))
+    return (w, h, item.num_frames)
+
+
+def clip_latent_shape(bucket: ClipBucket, channels: int, spatial: int, temporal: int = 4) -> tuple[int, int, int, int]:
+    """(C, T', h, w) of a clip's latents: 4k+1 frames -> k+1 latent frames (first frame alone)."""
+    w, h, frames = bucket
+    return (channels, 1 + (frames - 1) // temporal, h // spatial, w // spatial)
+
+
 # -- model sources and loaders -------------------------------------------------------------------
 
 def model_dtype(model_cfg) -> torch.dtype:
@@ -215,6 +249,20 @@ def check_latent_entry(path: Path, key: str, bucket: Bucket, family: ModelFamily
     expected = (family.latent_channels, bucket[1] // f, bucket[0] // f)
     if tuple(lat.shape) != expected:
         return f"tensor 'latent' has shape {tuple(lat.shape)}, expected {expected} for bucket {bucket[0]}x{bucket[1]}"
+    return None
+
+
+def check_clip_latent_entry(path: Path, key: str, shape: tuple[int, int, int, int]) -> str | None:
+    """None if the clip latent entry at `path` is sound for `key` and of `shape` (clip_latent_shape)."""
+    tensors, problem = _read_keyed(path, key)
+    if problem:
+        return problem
+    lat = tensors.get("latent")
+    problem = _check_tensor("latent", lat, 4)
+    if problem:
+        return problem
+    if tuple(lat.shape) != tuple(shape):
+        return f"tensor 'latent' has shape {tuple(lat.shape)}, expected {tuple(shape)}"
     return None
 
 
@@ -313,6 +361,96 @@ def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sourc
         del vae
         _release(device)
     return stats
+
+
+@dataclass(frozen=True)
+class ClipSample:
+    """One unit of an epoch for a clip: a clip at one training resolution (repeats appear as copies)."""
+
+    item: VideoItem
+    resolution: int
+    bucket: ClipBucket
+    latent_key: str
+    prior: bool = False
+
+
+def clip_samples(clips: list[VideoItem], data_cfg, vae_id: str, dtype: torch.dtype, start_s: float = 0.0
+                 ) -> tuple[list[ClipSample], dict[str, tuple[VideoItem, ClipBucket]]]:
+    """The clips' samples over [data] resolutions (skipping those min_size rules out), and their
+    latent jobs (key -> (clip, bucket)); clips of one aspect and frame bucket share a batch."""
+    samples: list[ClipSample] = []
+    jobs: dict[str, tuple[VideoItem, ClipBucket]] = {}
+    for item in clips:
+        prior = item.dataset < len(data_cfg.datasets) and data_cfg.datasets[item.dataset].role == "prior"
+        for res in data_cfg.resolutions:
+            if res in item.too_small_for:
+                continue
+            bucket = clip_bucket(item, res)
+            key = clip_latent_key(item.sha256, item.fps, bucket, data_cfg.target_fps, start_s, vae_id, dtype)
+            jobs[key] = (item, bucket)
+            samples.extend([ClipSample(item, res, bucket, key, prior)] * item.repeats)
+    return samples, jobs
+
+
+def _encode_clip_entry(vae, item: VideoItem, bucket: ClipBucket, target_fps, start_s: float) -> torch.Tensor:
+    """A clip's normalised Wan latents (C, T', h, w), streamed from its file (data/video_vae.py)."""
+    from leantune.data.video_vae import encode_clip
+
+    return encode_clip(vae, item.path, target_fps=target_fps, num_frames=bucket[2], start_s=start_s,
+                       size=bucket[:2], sequence_fps=item.fps)
+
+
+def fill_clip_latents(jobs: dict[str, tuple[VideoItem, ClipBucket]], folder: Path, sources, dtype, device,
+                      load_vae: Callable, target_fps, shape: Callable[[ClipBucket], tuple], start_s: float = 0.0,
+                      encode: Callable = _encode_clip_entry) -> tuple[CacheStats, set[str]]:
+    """Encode every missing or corrupt clip entry; (stats, keys of clips that failed to decode).
+
+    The VAE is loaded only when an entry is missing. A clip that probed fine but fails while its
+    frames are decoded (a damaged stream, fewer frames than its packets said) is skipped with one
+    warning naming it, and its key returned so its samples are dropped; the pass goes on.
+    `shape(bucket)`: the latent shape an entry must have (clip_latent_shape with the family's factors).
+    """
+    from leantune.data.video import ClipError
+
+    stats, todo, bad = CacheStats(), [], []
+    for key, (item, bucket) in jobs.items():
+        path = folder / f"{key}.safetensors"
+        if not path.exists():
+            stats.misses += 1
+            todo.append(key)
+            continue
+        problem = check_clip_latent_entry(path, key, shape(bucket))
+        if problem:
+            bad.append((path, problem))
+            stats.recomputed += 1
+            todo.append(key)
+        else:
+            stats.hits += 1
+    _warn_corrupt("clip latent", bad)
+    failed: dict[str, str] = {}
+    if not todo:
+        return stats, set()
+    log.info("cache: encoding %d clip(s) with the VAE", len(todo))
+    vae = load_vae(sources, dtype, device)
+    try:
+        for key in todo:
+            item, bucket = jobs[key]
+            try:
+                latent = encode(vae, item, bucket, target_fps, start_s)
+            except ClipError as e:
+                failed[key] = str(e)
+                continue
+            save_safetensors({"latent": latent.to(STORE_DTYPE)}, folder / f"{key}.safetensors",
+                             {"format": FORMAT_VERSION, "kind": "clip-latent", "key": key,
+                              "bucket": "x".join(str(v) for v in bucket), "target_fps": _rate(target_fps),
+                              "source": str(item.path)})
+    finally:
+        del vae
+        _release(device)
+    if failed:
+        warnings.warn(f"skipped {len(failed)} clip(s) that failed while their frames were decoded: "
+                      f"{listing(sorted(set(failed.values())))}", DataWarning, stacklevel=2)
+    return stats, set(failed)
 
 
 def _fill_masks(jobs: dict[str, tuple], folder: Path, vae_scale_factor: int) -> CacheStats:

@@ -63,6 +63,33 @@ class ImageItem:
     mask: object = None      # its loss mask (data/masks.py MaskImage), a masked dataset's
 
 
+@dataclass(frozen=True)
+class VideoItem:
+    """One usable clip of a dataset (data/video.py: a video file, or a folder of numbered frames),
+    with the caption beside it (`walk.mp4` + `walk.txt`, `seq/` + `seq.txt`) as an image has.
+
+    Its fields mirror ImageItem's where they mean the same (path, caption, size, content hash,
+    dataset, repeats, dropout, min_size skips), so the caption and size checks treat both alike.
+    `num_frames` is its frame bucket: the longest 4k+1 window it holds at [data] target_fps, capped
+    at [data] max_frames (video.frame_bucket); a batch holds clips of one frame bucket.
+    """
+
+    path: Path
+    caption: str
+    width: int
+    height: int
+    sha256: str              # of the file (of every frame file, in order, for a sequence)
+    dataset: int
+    repeats: int
+    caption_dropout: float
+    fps: object              # the source's frame rate (Fraction); a sequence's is sequence_fps
+    frame_count: int         # source frames
+    num_frames: int          # frames it trains with at [data] target_fps
+    too_small_for: frozenset = frozenset()
+    references: tuple = ()
+    mask: object = None
+
+
 def _orientation(img: Image.Image) -> int:
     try:
         return int(img.getexif().get(_EXIF_ORIENTATION, 1))
@@ -274,10 +301,12 @@ def _report_links(walk: _Walk, bad: list[tuple[Path, str]]) -> None:
                       f"{listing(other)}", DataWarning, stacklevel=4)
 
 
-def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[ImageItem], list[tuple[Path, str]]]:
+def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".",
+                 clip_folders: frozenset = frozenset()) -> tuple[list[ImageItem], list[tuple[Path, str]]]:
     """Scan one [[data.datasets]] entry; return (usable items, [(unreadable path, reason)]).
 
     `cfg` is a `DatasetConfig`. Relative paths resolve against `base_dir` (the TOML file's folder).
+    Images inside `clip_folders` (image sequences a clip scan took) are frames of a clip, not images.
     """
     folder = Path(cfg.path).expanduser()
     if not folder.is_absolute():
@@ -299,6 +328,8 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".") -> tuple[list[
     is_mask = mask_file_test(cfg, base_dir)
     for path in walk.files:
         if is_mask(path):      # a dataset's mask, not a training image
+            continue
+        if clip_folders and path.parent in clip_folders:     # a frame of an image-sequence clip
             continue
         try:
             digest, w, h = inspect_image(path)
@@ -352,20 +383,28 @@ def cut_long_captions(items: list[ImageItem], max_text_length: int) -> list[Imag
     return [replace(it, caption=it.caption[:limit]) if len(it.caption) > limit else it for it in items]
 
 
+def _noun(items: list) -> str:
+    """What a list of items is called in a message: image(s), clip(s), or both."""
+    kinds = {type(it) for it in items}
+    if kinds == {VideoItem}:
+        return "clip(s)"
+    return "image(s)/clip(s)" if VideoItem in kinds else "image(s)"
+
+
 def check_captions(items: list[ImageItem], datasets) -> None:
-    """`require_captions` datasets: an image without its own caption is an error; elsewhere an image
-    that would train on the trigger word alone (no caption, no default) is reported in one warning."""
-    required = [it.path for it in items if datasets[it.dataset].require_captions
+    """`require_captions` datasets: an image (or clip) without its own caption is an error; elsewhere
+    one that would train on the trigger word alone (no caption, no default) is reported in one warning."""
+    required = [it for it in items if datasets[it.dataset].require_captions
                 and _own_caption_missing(it, datasets[it.dataset])]
     if required:
-        raise DataError(f"{len(required)} image(s) have no caption file or an empty one, and their "
-                        f"[[data.datasets]] sets require_captions = true: {listing(required)}")
-    bare = [it.path for it in items if not datasets[it.dataset].default_caption.strip()
+        raise DataError(f"{len(required)} {_noun(required)} have no caption file or an empty one, and their "
+                        f"[[data.datasets]] sets require_captions = true: {listing([it.path for it in required])}")
+    bare = [it for it in items if not datasets[it.dataset].default_caption.strip()
             and _own_caption_missing(it, datasets[it.dataset])]
     if bare:
-        warnings.warn(f"{len(bare)} image(s) have no caption file or an empty one and train on the trigger word "
-                      f"alone: {listing(bare)} (set require_captions = true to make this an error, or "
-                      f"default_caption to give them one)", DataWarning, stacklevel=3)
+        warnings.warn(f"{len(bare)} {_noun(bare)} have no caption file or an empty one and train on the trigger word "
+                      f"alone: {listing([it.path for it in bare])} (set require_captions = true to make this an "
+                      f"error, or default_caption to give them one)", DataWarning, stacklevel=3)
 
 
 def check_sizes(items: list[ImageItem], datasets, resolutions: list[int]) -> list[ImageItem]:
@@ -375,7 +414,7 @@ def check_sizes(items: list[ImageItem], datasets, resolutions: list[int]) -> lis
     from .buckets import bucket_sizes, crop_fraction, upscale_factor, nearest_bucket
 
     bucket_sets = {r: bucket_sizes(r) for r in resolutions}
-    kept, small, cropped = [], [], []
+    kept, small, cropped, small_items, cropped_items = [], [], [], [], []
     for it in items:
         min_size = datasets[it.dataset].min_size
         skip = set()
@@ -388,15 +427,17 @@ def check_sizes(items: list[ImageItem], datasets, resolutions: list[int]) -> lis
                 heavy = True
         if skip:
             small.append(f"{it.path} ({it.width}x{it.height}, at {', '.join(str(r) for r in sorted(skip))})")
+            small_items.append(it)
         if heavy:
             cropped.append(it.path)
+            cropped_items.append(it)
         if len(skip) < len(resolutions):
-            kept.append(ImageItem(**{**it.__dict__, "too_small_for": frozenset(skip)}) if skip else it)
+            kept.append(replace(it, too_small_for=frozenset(skip)) if skip else it)
     if small:
-        warnings.warn(f"skipped {len(small)} image(s) smaller than min_size of their bucket's side (they would be "
+        warnings.warn(f"skipped {len(small)} {_noun(small_items)} smaller than min_size of their bucket's side (they would be "
                       f"upscaled): {listing(small)}", DataWarning, stacklevel=3)
     if cropped:
-        warnings.warn(f"{len(cropped)} image(s) lose more than half their area to the crop into their aspect "
+        warnings.warn(f"{len(cropped)} {_noun(cropped_items)} lose more than half their area to the crop into their aspect "
                       f"bucket (aspect beyond 1:4 / 4:1): {listing(cropped)}", DataWarning, stacklevel=3)
     return kept
 
@@ -406,27 +447,115 @@ def scan_datasets(data_cfg, base_dir: str | Path = ".") -> list[ImageItem]:
 
     Raises `DataError` naming the folder if a dataset has no usable image.
     """
+    return _scan_all(data_cfg, base_dir, clips=False)[0]
+
+
+def scan_media(data_cfg, base_dir: str | Path = ".") -> tuple[list[ImageItem], list[VideoItem]]:
+    """Scan every dataset for images and clips together (a video family's run): (images, clips).
+
+    Clips are video files (data/video.py VIDEO_EXTENSIONS) and image-sequence folders (numbered
+    frames); a sequence folder's frames are not also taken as images. Clips that cannot be
+    decoded, are too short at [data] target_fps or have a variable frame rate are skipped with a
+    named warning (video.scan_clips). A dataset with neither an image nor a clip is an error.
+    """
+    return _scan_all(data_cfg, base_dir, clips=True)
+
+
+def _dataset_folder(ds, base_dir) -> Path:
+    folder = Path(ds.path).expanduser()
+    return folder if folder.is_absolute() else Path(base_dir) / folder
+
+
+def _clip_folders(root: Path, recursive: bool) -> list[Path]:
+    """The folders a clip scan reads: `root`, and with `recursive` every non-hidden sub-folder
+    that is not itself an image sequence (each real folder once, symlinks followed as for images)."""
+    from .video import sequence_frames
+
+    out, seen, todo = [], set(), [root]
+    while todo:
+        folder = todo.pop()
+        real = _resolves(folder)
+        if real is None or real in seen:
+            continue
+        seen.add(real)
+        out.append(folder)
+        if recursive:
+            todo.extend(sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
+                                and not sequence_frames(p)), reverse=True))
+    return out
+
+
+def scan_clip_dataset(cfg, index: int, base_dir, target_fps, max_frames: int) -> tuple[list[VideoItem], list[tuple[Path, str]]]:
+    """The clips of one [[data.datasets]] entry, with their captions (read and cleaned as an image's
+    are) and frame buckets; [(clip, reason)] for clips whose caption does not decode."""
+    from .video import scan_clips
+
+    items: list[VideoItem] = []
+    bad: list[tuple[Path, str]] = []
+    controlled: list[Path] = []
+    folder = _dataset_folder(cfg, base_dir)
+    if not folder.is_dir():
+        raise DataError(f"[[data.datasets]] #{index + 1}: path {folder} is not a folder")
+    for sub in _clip_folders(folder, cfg.recursive):
+        for clip in scan_clips(sub, target_fps=target_fps, max_frames=max_frames,
+                               caption_extension=cfg.caption_extension):
+            text = cfg.default_caption
+            if clip.caption_path is not None:
+                try:
+                    text = " ".join(decode_caption(clip.caption_path.read_bytes(), clip.caption_path).split())
+                except CaptionError as e:
+                    bad.append((clip.info.path, str(e)))
+                    continue
+            text, had_control = strip_control(text)
+            if had_control:
+                controlled.append(clip.info.path)
+            info = clip.info
+            items.append(VideoItem(path=info.path, caption=with_trigger(text, cfg.trigger_word), width=info.width,
+                                   height=info.height, sha256=info.sha256, dataset=index, repeats=cfg.repeats,
+                                   caption_dropout=cfg.caption_dropout, fps=info.fps,
+                                   frame_count=info.frame_count, num_frames=clip.num_frames))
+    if controlled:
+        warnings.warn(f"removed control characters (NUL, escape, ...) from {len(controlled)} clip caption(s): "
+                      f"{listing(controlled)}", DataWarning, stacklevel=3)
+    return items, bad
+
+
+def _scan_all(data_cfg, base_dir, clips: bool) -> tuple[list[ImageItem], list[VideoItem]]:
     items: list[ImageItem] = []
+    videos: list[VideoItem] = []
     bad: list[tuple[Path, str]] = []
     empty: list[str] = []
     for i, ds in enumerate(data_cfg.datasets):
-        found, unreadable = scan_dataset(ds, i, base_dir)
+        found_clips: list[VideoItem] = []
+        if clips:
+            found_clips, unreadable = scan_clip_dataset(ds, i, base_dir, data_cfg.target_fps, data_cfg.max_frames)
+            bad.extend(unreadable)
+        sequences = frozenset(c.path for c in found_clips if c.path.is_dir())
+        found, unreadable = scan_dataset(ds, i, base_dir, sequences)
         bad.extend(unreadable)
-        if not found:
-            folder = Path(ds.path) if Path(ds.path).is_absolute() else Path(base_dir) / ds.path
+        if not found and not found_clips:
             note = f" ({len(unreadable)} unreadable)" if unreadable else ""
-            empty.append(f"[[data.datasets]] #{i + 1}: no usable image ({', '.join(IMAGE_EXTENSIONS)}) "
-                         f"in {folder}{note}")
+            kinds = f"image ({', '.join(IMAGE_EXTENSIONS)})" + (" or clip" if clips else "")
+            empty.append(f"[[data.datasets]] #{i + 1}: no usable {kinds} in {_dataset_folder(ds, base_dir)}{note}")
         items.extend(found)
+        videos.extend(found_clips)
     if bad:
         lines = "\n  ".join(f"{p}: {reason}" for p, reason in bad)
-        warnings.warn(f"skipped {len(bad)} unreadable image(s):\n  {lines}", DataWarning, stacklevel=2)
+        warnings.warn(f"skipped {len(bad)} unreadable image(s){' or clip(s)' if clips else ''}:\n  {lines}",
+                      DataWarning, stacklevel=3)
     if empty:
         raise DataError("\n".join(empty))
+    both = check_captions_and_sizes(items + videos, data_cfg)
+    items = [it for it in both if isinstance(it, ImageItem)]
+    videos = [it for it in both if isinstance(it, VideoItem)]
+    if not both:
+        raise DataError(f"every image{' and clip' if clips else ''} is smaller than min_size of its bucket at every "
+                        f"training resolution; lower [[data.datasets]] min_size or [data] resolutions")
+    return items, videos
+
+
+def check_captions_and_sizes(items: list, data_cfg) -> list:
+    """The caption rules, the caption length cut and the min_size skips, for images and clips alike."""
     check_captions(items, data_cfg.datasets)
     items = cut_long_captions(items, data_cfg.max_text_length)
-    items = check_sizes(items, data_cfg.datasets, list(data_cfg.resolutions))
-    if not items:
-        raise DataError("every image is smaller than min_size of its bucket at every training resolution; "
-                        "lower [[data.datasets]] min_size or [data] resolutions")
-    return items
+    return check_sizes(items, data_cfg.datasets, list(data_cfg.resolutions))
