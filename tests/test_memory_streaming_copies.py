@@ -82,9 +82,9 @@ def test_refused_unpin_clears_the_sticky_error_too(monkeypatch):
 def _slow_stager(monkeypatch, delay: float):
     real = host_buffers.Stager._run
 
-    def slow(self, src, dst, free_event):
+    def slow(self, fill, n, dst, free_event):
         time.sleep(delay)
-        return real(self, src, dst, free_event)
+        return real(self, fill, n, dst, free_event)
     monkeypatch.setattr(host_buffers.Stager, "_run", slow)
 
 

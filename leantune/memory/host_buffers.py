@@ -148,16 +148,25 @@ class Stager:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="leantune-stage")
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor, free_event) -> Future:
-        return self.pool.submit(self._run, src, dst, free_event)
+        return self.pool.submit(self._run, lambda stage, off: stage.copy_(src[off:off + stage.numel()]),
+                                src.numel(), dst, free_event)
 
-    def _run(self, src: torch.Tensor, dst: torch.Tensor, free_event):
-        be, n, c = self.backend, src.numel(), self.chunk
+    def submit_read(self, extent, dst: torch.Tensor, free_event) -> Future:
+        """Copy a unit on disk (memory/disk_tier.DiskExtent) into `dst`: each chunk read from the
+        file into a pinned staging buffer on this worker, ahead of the copy stream."""
+        return self.pool.submit(self._run, lambda stage, off: extent.read_into(stage, off), extent.nbytes, dst,
+                                free_event)
+
+    def _run(self, fill, n: int, dst: torch.Tensor, free_event):
+        """`fill(stage, offset)` puts bytes [offset, offset + stage.numel()) of the source in a
+        staging buffer; each filled buffer is copied to `dst` at that offset."""
+        be, c = self.backend, self.chunk
         t0 = time.perf_counter()
         if not be.cuda:
             for k, off in enumerate(range(0, n, c)):
                 m = min(c, n - off)
                 stage = self.bufs[k % 2][:m]
-                stage.copy_(src[off:off + m])
+                fill(stage, off)
                 dst[off:off + m].copy_(stage)
             with self.stats.lock:
                 self.stats.copy_s += time.perf_counter() - t0
@@ -172,7 +181,7 @@ class Stager:
                 i, m = k % 2, min(c, n - off)
                 if self.events[i] is not None:
                     self.events[i].synchronize()     # this staging buffer's previous copy is done
-                self.bufs[i][:m].copy_(src[off:off + m])
+                fill(self.bufs[i][:m], off)
                 dst[off:off + m].copy_(self.bufs[i][:m], non_blocking=True)
                 ev = be.event()
                 ev.record(cs)

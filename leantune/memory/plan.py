@@ -28,6 +28,9 @@ class Plan:
     # stays in host RAM and never travels; their gradients go to the host) instead of on the device
     # (state packed with the weights, brought in and written back). memory/trainable_streaming.py.
     optimizer_on_host: bool = False
+    # Streamed blocks whose packed bytes live on disk, not in host RAM (the third tier,
+    # memory/disk_tier.py): a subset of streamed_blocks, frozen (LoRA) runs only.
+    disk_blocks: tuple[str, ...] = ()
     # Free-form notes from the planner (predicted peak, why this plan); not used by the engine.
     notes: dict = field(default_factory=dict, compare=False)
 
@@ -39,10 +42,14 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["streamed_blocks"] = list(self.streamed_blocks)
+        d["disk_blocks"] = list(self.disk_blocks)
+        if not self.disk_blocks:
+            del d["disk_blocks"]          # a plan without the disk tier reads as before it
         return d
 
     def describe(self) -> str:
         return (f"stream {len(self.streamed_blocks)} blocks{' + non-blocks' if self.stream_non_blocks else ''}, "
                 f"fp8={'on' if self.fp8 else 'off'}{' + modulation' if self.fp8_modulation else ''}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
                 f"{'pinned' if self.pin_memory else 'pageable'}"
-                + (", optimizer step of streamed blocks on the host" if self.optimizer_on_host else ""))
+                + (", optimizer step of streamed blocks on the host" if self.optimizer_on_host else "")
+                + (f", {len(self.disk_blocks)} of them read from disk" if self.disk_blocks else ""))

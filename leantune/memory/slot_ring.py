@@ -91,7 +91,9 @@ class SlotCopies:
         n = unit.nbytes
         ready = slot.ready
         queued = isinstance(ready, Future) and not ready.done()
-        if unit.pinned and not queued:
+        if unit.disk is not None:                     # the third tier: read on the staging worker
+            slot.ready = self.stager.submit_read(unit.disk, slot.head(n), slot.free_event)
+        elif unit.pinned and not queued:
             slot.ready = self.copy_direct(unit.host, slot.head(n), slot.free_event)
         elif unit.pinned:
             slot.ready = self.stager.pool.submit(self.copy_direct, unit.host, slot.head(n), slot.free_event, True)

@@ -57,6 +57,7 @@ from torch import nn
 
 from ..spec import ModelSpec
 from .copy_streams import CopyBackend
+from .disk_tier import DiskTierFile
 from .host_buffers import alloc_host, return_freed_host_memory
 from .plan import Plan
 from .saved_tensors import SlotSavedTensors, check_resident
@@ -301,10 +302,15 @@ class StreamingHandle:
     # Modules whose tensors stay in host RAM, neither packed nor placed on the device: the
     # streamed blocks' optimizer state under Plan.optimizer_on_host.
     host_modules: list[nn.Module] = field(default_factory=list)
+    disk: object = None                # memory/disk_tier.DiskTierFile of the plan's disk_blocks, or None
 
     @property
     def host_bytes(self) -> int:
         return sum(u.host.numel() for u in self.units)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units if u.disk is not None)
 
     @property
     def pinned_bytes(self) -> int:
@@ -337,7 +343,7 @@ def _size(n: int) -> str:
 def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str, *,
                     checkpointed: bool = False, mode: RunMode | None = None,
                     engine_cls: type[StreamingEngine] = StreamingEngine, host_buffers=None,
-                    host_device: torch.device | str = "cpu") -> StreamingHandle:
+                    host_device: torch.device | str = "cpu", disk_dir=None) -> StreamingHandle:
     """Stream the plan's blocks (and optionally the non-block group) of `model` onto `device`.
 
     Call after fp8 storage and adapters, before checkpointing wraps the blocks. Streamed tensors end
@@ -345,7 +351,9 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     at the model plus one unit (memory/streaming_units.py). `host_buffers`: where the units' host
     buffers come from when several processes share them (memory/shared_host.py); None: private.
     `host_device`: where the packed units live (host RAM; another device in the simulation,
-    memory/simulated.py).
+    memory/simulated.py). `disk_dir`: the folder of the disk tier's file for the plan's
+    disk_blocks (memory/disk_tier.py); each such unit is written there as soon as it is packed and
+    its host buffer freed, so host RAM never holds them all.
     """
     mode = mode or RunMode()
     backend = CopyBackend(device)
@@ -356,6 +364,16 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
                          f"{next(iter(blocks), '?')} ... {list(blocks)[-1] if blocks else '?'}")
     if plan.ring_slots < 2:
         raise ValueError(f"memory.ring_slots must be >= 2, got {plan.ring_slots}")
+    disk_names = set(plan.disk_blocks)
+    if disk_names:
+        if not disk_names <= set(plan.streamed_blocks):
+            raise ValueError(f"memory.disk_blocks: {sorted(disk_names - set(plan.streamed_blocks))[:5]} are not "
+                             f"streamed; the disk tier holds streamed blocks only")
+        if engine_cls.trains_weights:
+            raise ValueError("memory.disk_blocks: a full fine-tune writes its streamed blocks back each step; "
+                             "the disk tier holds frozen blocks (a LoRA run's) only")
+        if disk_dir is None:
+            raise ValueError("memory.disk_blocks needs a folder for the disk tier's file ([memory] disk_dir)")
     groups: list[tuple[str, list[nn.Module], bool]] = []
     if plan.stream_non_blocks:
         mods = [getattr(model, n) for n in spec.non_block_modules
@@ -378,15 +396,27 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
                for name, mods, ckpt in groups]
     pin = backend.cuda and plan.pin_memory and torch.device(host_device).type == "cpu"
     units: list[StreamedUnit] = []
+    tier = DiskTierFile(disk_dir) if disk_names else None
     for index, (name, mods, ckpt, entries, adapters, nbytes, _) in enumerate(layouts):
-        shared = host_buffers.buffer(name, max(nbytes, ALIGN)) if host_buffers is not None else None
-        host, unpin = alloc_host(max(nbytes, ALIGN), pin, shared[0] if shared else None, host_device,
+        on_disk = name in disk_names
+        shared = host_buffers.buffer(name, max(nbytes, ALIGN)) if host_buffers is not None and not on_disk else None
+        host, unpin = alloc_host(max(nbytes, ALIGN), pin and not on_disk, shared[0] if shared else None, host_device,
                                  backend.device if backend.cuda else None)
         pack_unit(host, entries, copy=not (shared and shared[1]))
         # On CPU "pinned" selects the direct copy path, pin_memory = false the staged one.
-        direct = unpin is not None or (not backend.cuda and plan.pin_memory)
-        units.append(StreamedUnit(name, mods, entries, nbytes, host, direct, index % plan.ring_slots, ckpt,
-                                  adapters, unpin=unpin, shared=bool(shared)))
+        direct = unpin is not None or (not backend.cuda and plan.pin_memory and not on_disk)
+        unit = StreamedUnit(name, mods, entries, nbytes, host, direct, index % plan.ring_slots, ckpt,
+                            adapters, unpin=unpin, shared=bool(shared))
+        if on_disk:                                   # written now, its host buffer freed before the next
+            unit.disk = tier.add(host[:nbytes])
+            for e in entries:                         # nothing may keep viewing the buffer
+                point_owners(e, torch.empty(0, dtype=e.dtype, device=host.device))
+            del host
+            free_host_buffer(unit)
+            return_freed_host_memory()
+        units.append(unit)
+    if tier is not None:
+        tier.seal()
 
     slot_bytes = max((u.nbytes for u in units), default=0)
     slot_bytes = -(-max(slot_bytes, ALIGN) // ALIGN) * ALIGN
@@ -404,7 +434,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
             wrapped.append((m, w))
     hooks = [model.register_forward_pre_hook(lambda mod, args: engine.begin_forward()),
              model.register_forward_hook(lambda mod, args, out: engine.end_forward())]
-    handle = StreamingHandle(engine, units, wrapped, hooks, total_blocks=len(blocks),
+    handle = StreamingHandle(engine, units, wrapped, hooks, total_blocks=len(blocks), disk=tier,
                              fp8=any(e.dtype == torch.float8_e4m3fn for u in units for e in u.entries),
                              host_modules=[m for layout in layouts for m in layout[-1]])
     return handle
@@ -467,12 +497,16 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
                     u.unpin()
                     u.unpin = None
                 continue
+            host = u.disk.read() if u.disk is not None else u.host
             for e in u.entries:
                 t = torch.empty(e.shape, dtype=e.dtype, device=device)
-                t.copy_(packed_view(u.host, e))
+                t.copy_(packed_view(host, e))
                 point_owners(e, t)
+            del host
+            u.disk = None
             free_host_buffer(u)
             return_freed_host_memory()
+        _close_disk(handle)
         for m in handle.host_modules:                 # a plain model keeps everything on `device`
             for attr, b in m._buffers.items():
                 if b is not None:
@@ -505,4 +539,12 @@ def release_streaming(handle: StreamingHandle) -> None:
     engine.fwd_order, engine.order, engine.log, engine.tracked = [], [], [], []
     engine.bwd_holds.clear()
     handle.units.clear()
+    _close_disk(handle)
     return_freed_host_memory()
+
+
+def _close_disk(handle: StreamingHandle) -> None:
+    """Close the disk tier's file, freeing its disk space (memory/disk_tier.py)."""
+    if handle.disk is not None:
+        handle.disk.close()
+        handle.disk = None

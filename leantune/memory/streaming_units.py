@@ -70,6 +70,7 @@ class StreamedUnit:
     unpin: object = None               # undoes the host buffer's pinning
     refs: int = 0
     shared: bool = False               # the host buffer is a shared mapping (memory/shared_host.py)
+    disk: object = None                # memory/disk_tier.DiskExtent: the bytes are on disk, `host` is empty
     _packed_params: list | None = field(default=None, repr=False)   # see trainable()
 
     def trainable(self) -> bool:
