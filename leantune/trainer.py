@@ -22,6 +22,7 @@ import torch
 
 from .config import RunConfig
 from .distributed import DistContext, shard_of
+from .memory.attention_report import AttentionWatch
 from .models.family import fp8_load_options, get_family, loader_options
 from .planner.feedback.oom import NoPlanFits
 from .train import flow_matching as fm
@@ -206,12 +207,15 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
         while step < cfg.train.steps and (stop_after is None or step - start < stop_after):
             t0 = time.perf_counter()
             stopping.set_phase(f"running step {step + 1}")
-            with stop:
+            watch = AttentionWatch() if step == start else None      # the first step says its kernels
+            with stop, (watch or nullcontext()):
                 loss = _guarded_step(t, cfg, step + 1)
                 step += 1          # inside: an interrupt after the update never saves it as the step before
                 if t.ema is not None:
                     t.ema.after_step(step)
             seconds = time.perf_counter() - t0
+            if watch is not None and watch.summary(t.device):
+                log.info(watch.summary(t.device))
             report = t.memory.step_report() if t.memory is not None else {}   # counters since last step
             _calibrate(t, seconds, report)
             losses.append(loss)
