@@ -34,11 +34,14 @@ Everything follows QwenImage21Pipeline (diffusers 0.42.1):
   halves run one after the other.
 - Training noise levels: "shift", as Qwen-Image (logit-normal shifted by [train] shift).
 
+The planner prices the stock 7B (`leantune plan --model qwen-image-2.1`, built on meta with
+meta_model.py's class), its reference images (probe_inputs' `references`: their slots in the text,
+their latent tokens before the target's) and the caching phase (text_phase.py: Qwen3-VL-8B with its
+vision tower).
+
 Not done yet: the prefix KV cache in leantune's own sampler (predict runs the whole sequence each
-step, as the pipeline with use_kv_cache=False; forward.predict takes the cache), the planner's
-pricing of references (its probe is text to image) and of the text phase (no `text_phase`), a stock
-architecture for `leantune plan --model` (planner/meta.build_meta_packaged builds diffusers' class,
-whose forward cannot run on meta: meta_model.py's class is needed there), RGBA training targets.
+step, as the pipeline with use_kv_cache=False; forward.predict takes the cache), RGBA training
+targets.
 """
 
 from __future__ import annotations
