@@ -9,6 +9,9 @@ Keys. An entry's file name is a hash of everything that determines its content, 
 entries cannot be served:
   latent: image bytes (sha256) + bucket + VAE identity + compute dtype + cache format version
   text:   caption + identities of both encoders and tokenizers + max T5 length + dtype + version
+  clip:   clip bytes (sha256) + source fps + (width, height, frames) bucket + target fps + start
+          + VAE identity + dtype + version (clip_latent_key; entries (C, T', h, w), streamed in
+          through Wan's causal VAE by data/video_vae.py)
 Identities come from `leantune.models.flux.loading.fingerprint` (a content-derived hash of the
 component's files), so a replaced VAE or encoder invalidates its entries without comparing
 weights. An edited caption or image simply hashes to a new key and is encoded on the next run.

@@ -208,6 +208,13 @@ def to_uint8_frames(chunk: torch.Tensor) -> torch.Tensor:
     return (x.permute(1, 2, 3, 0) * 255).round().to(torch.uint8).cpu()
 
 
+def decoded_frames(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Raw latents (1, z, T', h, w) -> uint8 (H, W, 3) frames one by one, decoded a chunk at a time:
+    what `video_write.write_mp4` / `write_webp` take, so a sample video is written as it decodes."""
+    for chunk in decode_chunks(vae, z):
+        yield from to_uint8_frames(chunk)
+
+
 # -- the Wan pipelines' latent normalisation ----------------------------------------------------
 
 def _stats(vae, like: torch.Tensor):
