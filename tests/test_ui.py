@@ -559,13 +559,33 @@ def test_a_stock_model_is_planned_without_weights_and_cannot_start(tmp_path):
 
     app = create_app(tmp_path / "runs", "t", [tmp_path])
     plan = _endpoint(app, "/api/plan", "POST")
-    answer = plan({**FIELDS, "model_path": "flux-dev", "resolutions": "1024", "rank": "16", "max_text_length": "512",
-                   "vram_budget": "8GiB", "ram_budget": "128GiB", "steps": "1000"})
+    answer = plan({**FIELDS, "model_path": "flux-dev", "dataset": "", "resolutions": "1024", "rank": "16",
+                   "max_text_length": "512", "vram_budget": "8GiB", "ram_budget": "128GiB", "steps": "1000"})   # no images
     assert answer["fits"] is True, answer
     assert "of 57 blocks stream from host RAM" in answer["words"] or "all 57 blocks" in answer["words"], answer
     assert answer["total_blocks"] == 57 and 0 < answer["peak_vram_gib"] < 8
     with pytest.raises(ValueError, match="stock architecture"):
         _endpoint(app, "/api/runs", "POST")({**FIELDS, "model_path": "flux-dev", "dataset": str(_images(tmp_path / "d"))})
+
+
+def test_a_preset_whose_model_folder_is_missing_says_so_and_offers_the_stock_name(tmp_path):
+    """The examples name model folders of their authors' machines: importing one says the folder is
+    not here and offers the stock architecture it most likely is, which plans without files."""
+    from leantune.ui.app import create_app
+
+    imported = _endpoint(create_app(tmp_path / "runs", "t"), "/api/import", "POST")
+    for preset, stock in (("example: flux-dev-lora", "flux-dev"), ("example: flux-schnell-lora", "flux-schnell")):
+        answer = imported({"preset": preset, "fields": {}})
+        path = answer["fields"]["model_path"]
+        assert not Path(path).exists(), path
+        assert answer["stock"] == stock and any(f"{path!r} is not on this machine" in n and repr(stock) in n
+                                                for n in answer["notes"]), answer["notes"]
+    model = tmp_path / "FLUX.1-dev"
+    model.mkdir()
+    here = imported({"toml": f"[model]\npath = '{model}'\n", "fields": {}})
+    assert here["stock"] is None and not any("not on this machine" in n for n in here["notes"])
+    assert plan_answer.stock_for("/models/stable-diffusion-3.5-large", "sd3") == "sd3.5-large"
+    assert plan_answer.stock_for("/m/x", "no-such-family") is None
 
 
 def test_every_config_key_is_reachable_through_the_extra_toml(tmp_path):

@@ -213,6 +213,7 @@ def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp
         assert "relative to its file" in page.inner_text("#import-notes")
         assert page.input_value("#dataset") == str(images)            # kept: the preset's path is relative
         assert page.input_value("#resolutions") == "128" and page.input_value("#sample_size") == "128"
+        page.locator("#recipe-section details.advanced > summary").click()     # save and log steps: Advanced
         for key, value in {"name": "shapes", "model_path": str(demo / "model"), "steps": str(STEPS),
                            "sample_every": str(STEPS // 2),
                            "save_every": str(STEPS // 2), "log_every": "5"}.items():

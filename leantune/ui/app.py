@@ -221,7 +221,10 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
             text = str(body.get("toml", ""))
         with on_form(default="preset" if body.get("preset") else "import-toml"):
             form, notes = RunForm.from_toml(text, keep)
-        return {"fields": form.as_fields(), "notes": notes}
+        missing = plan_answer.missing_model(form.model_path, form.family)   # a preset's folder not here
+        if missing:
+            notes.append(missing["note"])
+        return {"fields": form.as_fields(), "notes": notes, "stock": missing["stock"] if missing else None}
 
     @app.get("/api/runs/{name}/form")
     def get_run_form(name: str):

@@ -35,6 +35,31 @@ def stock_models() -> list[str]:
     return sorted(MODELS)
 
 
+def stock_for(path: str, family: str) -> str | None:
+    """The stock architecture a model path most likely is (its family's, the one whose name's parts
+    the path's last part holds most of: "/models/FLUX.1-dev" -> "flux-dev"), or None when the family
+    has none. A preset whose model folder is not on this machine still plans under that name."""
+    from ..family_registry import stock_models
+
+    names = sorted(n for n, (fam, _) in stock_models().items() if fam == family)
+    if not names:
+        return None
+    last = Path(path).name.lower()
+    return max(names, key=lambda n: (sum(part in last for part in n.split("-")), -len(n)))
+
+
+def missing_model(path: str, family: str) -> dict | None:
+    """{"note", "stock"} when `path` names a model that is not on this machine (None when it is
+    there, empty, or a stock name itself)."""
+    path = path.strip()
+    if not path or path in stock_models() or Path(path).expanduser().exists():
+        return None
+    stock = stock_for(path, family)
+    offer = (f"; plan with the stock name {stock!r} meanwhile (no files needed), or give your model's folder"
+             if stock else "; give your model's folder or .safetensors file")
+    return {"note": f"the model {path!r} is not on this machine{offer}", "stock": stock}
+
+
 def this_machine_ram() -> int:
     """Host RAM "auto": what a new trainer process here may use (available RAM minus the planner's
     margin, planner/workload.py default_ram_budget, without this server's own RSS)."""

@@ -567,7 +567,13 @@ async function importToml(body) {
   try {
     const r = await api("POST", "/api/import", {...body, fields: formFields()});
     setFields(r.fields);
-    $("import-notes").textContent = r.notes.join("; ");
+    $("import-notes").replaceChildren(r.notes.join("; "));
+    if (r.stock) {
+      // the preset's model folder is not here: one click plans it under the stock name, without files
+      const b = el("button", {type: "button", id: "use-stock"}, `Plan with ${r.stock}`);
+      b.onclick = () => { $("model_path").value = r.stock; saveForm(); updateChecklist(); updatePlan(); b.remove(); };
+      $("import-notes").append(" ", b);
+    }
   } catch (e) { $("import-notes").textContent = e.message; }
 }
 
