@@ -196,6 +196,80 @@ def test_a_bad_file_is_refused_naming_the_file_and_key(tmp_path):
         FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
 
 
+# -- the VAE as one file --------------------------------------------------------------------------------------
+
+def _native_vae(sd: dict, per_stage: int) -> dict:
+    """Wan-AI's VAE names, by hand: flat encoder.downsamples / decoder.upsamples (the decoder's stage s
+    block j at s * (per_stage + 2) + j, its resample after them), residual.0 / 2 / 3 / 6 and
+    shortcut, middle.0 / 1 / 2, conv1 / head.0 / head.2, conv1 / conv2 for the quant convolutions."""
+    import re
+
+    def res(rest):
+        for d, n in (("norm1.", "residual.0."), ("conv1.", "residual.2."), ("norm2.", "residual.3."),
+                     ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut.")):
+            if rest.startswith(d):
+                return n + rest[len(d):]
+        return rest
+
+    out = {}
+    for k, v in sd.items():
+        side, _, rest = k.partition(".")
+        if k.startswith("quant_conv."):
+            n = "conv1." + k[len("quant_conv."):]
+        elif k.startswith("post_quant_conv."):
+            n = "conv2." + k[len("post_quant_conv."):]
+        elif m := re.match(r"^encoder\.down_blocks\.(\d+)\.(.+)$", k):
+            n = f"encoder.downsamples.{m.group(1)}.{res(m.group(2))}"
+        elif m := re.match(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)$", k):
+            n = f"decoder.upsamples.{int(m.group(1)) * (per_stage + 2) + int(m.group(2))}.{res(m.group(3))}"
+        elif m := re.match(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)$", k):
+            n = f"decoder.upsamples.{int(m.group(1)) * (per_stage + 2) + per_stage + 1}.{m.group(2)}"
+        elif m := re.match(r"^(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d)\.(.+)$", k):
+            index = {"resnets0": 0, "attentions0": 1, "resnets1": 2}[m.group(2) + m.group(3)]
+            n = f"{side}.middle.{index}.{m.group(4) if m.group(2) == 'attentions' else res(m.group(4))}"
+        else:
+            n = f"{side}." + {"conv_in": "conv1", "norm_out": "head.0", "conv_out": "head.2"}[rest.split(".")[0]] \
+                + "." + rest.split(".", 1)[1]
+        out[n] = v
+    return out
+
+
+@pytest.mark.parametrize("per_stage", [1, 2])
+def test_a_wan_ai_vae_file_loads_as_diffusers_converts_it(per_stage, tmp_path):
+    """A seeded tiny Wan 2.1 VAE in Wan-AI's names (ComfyUI's wan_2.1_vae.safetensors layout): the
+    architecture read from the shapes (the latent statistics from the metadata) is the model's, the
+    weights are the model's and, with the released 2 residual blocks per stage, what diffusers'
+    convert_wan_vae_to_diffusers makes of the file; its decode of a video latent is bit for bit the
+    model's. A 48-channel (Wan 2.2) file is refused naming the folder to use."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    from leantune.tiny.wan import WAN_VAE_TINY
+
+    arch = dict(WAN_VAE_TINY, num_res_blocks=per_stage, dim_mult=[1, 2, 4, 4])      # the released pattern
+    torch.manual_seed(4)
+    vae = AutoencoderKLWan(**arch).eval().requires_grad_(False)
+    sd = vae.state_dict()
+    stats = {"latents_mean": list(vae.config.latents_mean), "latents_std": list(vae.config.latents_std)}
+    path = tmp_path / "wan_vae.safetensors"
+    save_file(_native_vae(sd, per_stage), str(path), metadata={METADATA_CONFIG_KEY: json.dumps(stats)})
+    src = _sources(save_wan_folder(tmp_path / "f", experts=1), tmp_path, vae=str(path))
+    got = FAM.load_vae(src, torch.float32, "cpu").vae
+    for k, v in arch.items():
+        assert (list(got.config[k]) == list(v)) if isinstance(v, list) else got.config[k] == v, k
+    _assert_same_weights(got, vae)
+    if per_stage == 2:
+        converted = convert_wan_vae_to_diffusers(load_file(str(path)))
+        assert converted.keys() == sd.keys() and all(torch.equal(converted[k], sd[k]) for k in sd)
+    z = torch.randn(1, 16, 2, 3, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(got.decode(z).sample, vae.decode(z).sample)
+    bad = dict(_native_vae(sd, per_stage), **{"encoder.downsamples.0.avg_shortcut.weight": torch.zeros(1)})
+    save_file(bad, str(path))
+    with pytest.raises(LoadError, match=r"wan_vae\.safetensors.*Wan 2\.2.*vae/ folder"):
+        FAM.load_vae(src, torch.float32, "cpu")
+
+
 # -- the text encoder as one file --------------------------------------------------------------------------
 
 def test_a_umt5_single_file_encodes_as_the_pipeline(folder, pipeline, tmp_path):

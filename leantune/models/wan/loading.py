@@ -7,7 +7,9 @@ alone), text_encoder/ umT5-XXL (UMT5EncoderModel), tokenizer/ umT5's, vae/ Autoe
 component overridden by a [model] key; or a single transformer .safetensors file: Wan-AI's own
 names (wan/keys.py), bare or under ComfyUI's `model.diffusion_model.` (wan2.2_t2v_high_noise_14B_*
 .safetensors), in bf16 or fp8 e4m3 (plain, or ComfyUI's "scaled" with a per-tensor
-`scale_weight`), or diffusers' names in one file.
+`scale_weight`), or diffusers' names in one file. The VAE and the text encoder may be single files too:
+the Wan 2.1 VAE in Wan-AI's names (ComfyUI's wan_2.1_vae.safetensors: wan/vae_keys.py) and umT5-XXL in
+transformers' names (ComfyUI's umt5_xxl_*.safetensors, bf16 or scaled fp8).
 
 `[model] expert` picks the expert a run trains: "high" (or "auto") the folder's transformer/,
 "low" its transformer_2/; a single file is the expert it holds. `load_experts` loads both for
@@ -32,7 +34,7 @@ from .. import component_files as cf
 from .. import component_loading as cl
 from . import keys
 from .spec import WAN_SPEC
-from ..weights import LoadError, build_empty, copy_ops, load_into_empty
+from ..weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
 
 COMPONENTS = ("transformer", "transformer_2", "text_encoder", "tokenizer", "vae")
 _LABEL = {"transformer": "Wan transformer", "transformer_2": "Wan low-noise transformer (transformer_2)",
@@ -216,20 +218,54 @@ def describe(transformer) -> str:
 # -- VAE ---------------------------------------------------------------------------------------------
 
 def load_raw_vae(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu"):
-    """The AutoencoderKLWan itself, from a diffusers vae/ folder."""
+    """The AutoencoderKLWan itself, from a diffusers vae/ folder or one file (Wan-AI's names, ComfyUI's
+    wan_2.1_vae.safetensors; or diffusers' names)."""
     from diffusers import AutoencoderKLWan
 
     src = _require(sources.vae, "vae")
-    if not src.is_dir():
-        raise LoadError(f"[model] vae: {src}: a single-file Wan VAE is not read yet (ComfyUI's wan_2.1_vae uses "
-                        f"Wan-AI's names); point [model] vae at the vae/ folder of a {_REPO} diffusers repository")
-    config, files, ops = cl.diffusers_folder(src, (VAE_CLASS,), _LABEL["vae"])
+    if src.is_dir():
+        config, files, ops = cl.diffusers_folder(src, (VAE_CLASS,), _LABEL["vae"])
+    else:
+        files, ops, config = read_vae_layout(src)
     try:
         model = build_empty(lambda: AutoencoderKLWan.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a {_LABEL['vae']} from its config ({e})") from None
     return load_into_empty(model, files, ops, what=f"a {_LABEL['vae']} of this architecture", dtype=dtype,
                            device=device)
+
+
+def read_vae_layout(src: Path):
+    """(files, ops, config) of a single VAE file, from its header: Wan-AI's names (wan/vae_keys.py) or
+    diffusers', bare or under `vae.`."""
+    from . import vae_keys
+
+    cl.check_file(src, "vae")
+    files = CheckpointFiles([src])
+    names = list(files.keys())
+    prefix = next((p for p in ("", "vae.") for a in (vae_keys.NATIVE_ANCHOR, "encoder.conv_in.weight")
+                   if p + a in names), None)
+    if prefix is None:
+        raise LoadError(f"[model] vae: {src}: not a {_LABEL['vae']} (no 'encoder.conv1.weight' of Wan-AI's names nor "
+                        f"'encoder.conv_in.weight' of diffusers'): {cf.describe(names)}")
+    mine = [k for k in names if k.startswith(prefix)]
+    if vae_keys.is_native(k[len(prefix):] for k in mine):
+        try:
+            per = vae_keys.residual_blocks_per_stage([k[len(prefix):] for k in mine])
+        except KeyError as e:
+            raise LoadError(f"[model] vae: {src}: missing key {prefix + e.args[0]!r} of a {_LABEL['vae']}") from None
+        ops = copy_ops(mine, strip=prefix, rename=lambda k: vae_keys.diffusers_name(k, per))
+    else:
+        ops = copy_ops(mine, strip=prefix)
+    shapes = {op.targets[0]: files.shape(op.source) for op in ops}
+    try:
+        config = vae_keys.config_from_shapes(shapes, cf.packaged_config("wan_vae"),
+                                             cf.metadata_config(files.metadata, str(src), "vae"))
+    except KeyError as e:
+        raise LoadError(f"[model] vae: {src}: missing key {e.args[0]!r} (diffusers' name) of a {_LABEL['vae']}") from None
+    except ValueError as e:
+        raise LoadError(f"[model] vae: {src}: {e}") from None
+    return files, ops, config
 
 
 # -- text encoder ------------------------------------------------------------------------------------
