@@ -524,6 +524,14 @@ def test_errors_sit_beside_their_field_and_the_view_survives_reload_back_and_a_s
         page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="watch").click()
         page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
         assert "run=watched" in page.url and "open=watch" in page.url and "dataset=" in page.url
+        # the finished run ends with its result, and "sample it" takes it to the Sample form
+        assert page.inner_text("#finished-line") == "your LoRA: watched_comfyui.safetensors — sample it — download"
+        lora = page.request.get(page.locator("#download-lora").evaluate("a => a.href"))
+        assert lora.ok and lora.body() == b"weights of the finished run"
+        page.click("#sample-it")
+        page.wait_for_function("location.hash.includes('open=sample')")
+        assert page.input_value("#s_run") == "watched"
+        page.go_back()
         page.reload()
         page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
         assert page.inner_text("#watch-name") == "watched" and page.is_visible("#watch-section")

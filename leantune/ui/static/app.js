@@ -448,6 +448,7 @@ function showProgress(p) {
     samples.dataset.list = p.samples.join();
     samples.replaceChildren(gallery(p.name, p.gallery));
   }
+  finishedLine(p);
   const downloads = $("downloads");
   downloads.replaceChildren(el("li"));
   downloads.firstChild.append(el("a", {href: `/api/runs/${p.name}/config.toml`}, "config.toml"));
@@ -458,6 +459,23 @@ function showProgress(p) {
   log.textContent = p.state === "failed" ? p.console : (p.log || p.console);
   log.scrollTop = log.scrollHeight;
   refreshRuns();
+}
+function finishedLine(p) {
+  // a finished run ends with its result: "your LoRA: <file> — sample it — download" (the file
+  // "sample this run" takes: the final ComfyUI file, else the newest one)
+  const line = $("finished-line");
+  const loras = p.weights.filter((w) => w.endsWith("_comfyui.safetensors"));
+  const pool = loras.length ? loras : p.weights, final = pool.filter((w) => !w.includes("-step"));
+  const file = p.state === "finished" ? (final.length ? final[final.length - 1] : pool[pool.length - 1]) : null;
+  const key = file ? `${p.name}/${file}` : "";
+  if (line.dataset.key === key) return;          // rebuilt only when it changes: a focused link stays focused
+  line.dataset.key = key;
+  line.hidden = !file;
+  if (!file) { line.replaceChildren(); return; }
+  const sampleIt = el("button", {type: "button", id: "sample-it"}, "sample it");
+  sampleIt.onclick = async () => { $("s_run").value = p.name; openSection("sample"); await sampleRun(); };
+  line.replaceChildren("your LoRA: ", el("strong", {}, file), " — ", sampleIt, " — ",
+    el("a", {href: `/api/runs/${encodeURIComponent(p.name)}/weights/${encodeURIComponent(file)}`, id: "download-lora"}, "download"));
 }
 function gallery(name, g) {
   // rows: the steps a sample was drawn at; columns: the prompts; each cell the prompt's image at that step
@@ -666,5 +684,6 @@ async function init() {
     setView(view, false);
   }
   applyView(view);
+  if (!view.dataset && $("dataset").value.trim()) loadDataset();     // the kept folder's images, shown again
 }
 init();
