@@ -238,7 +238,7 @@ def tiny_vae() -> AutoencoderKLWan:
 def test_fill_clip_latents_encodes_once_and_reuses(tmp_path, folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DataWarning)
-        cfg = config(tmp_path, "max_frames = 9")              # short windows: little work for the VAE
+        cfg = config(tmp_path, "max_frames = 5")              # short windows: little work for the VAE
         _, clips = scan_media(cfg.data, tmp_path)
     _, jobs = cache.clip_samples(clips, cfg.data, "vae", torch.float32)
     jobs = {k: v for k, v in jobs.items() if v[0].path.name in ("walk.mp4", "turn")}   # a file and a sequence
@@ -273,14 +273,14 @@ def test_fill_clip_latents_encodes_once_and_reuses(tmp_path, folder):
 def test_a_clip_that_fails_while_decoding_is_skipped_by_name(tmp_path, folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DataWarning)
-        cfg = config(tmp_path, "max_frames = 9")
+        cfg = config(tmp_path, "max_frames = 5")
         _, clips = scan_media(cfg.data, tmp_path)
     _, jobs = cache.clip_samples(clips, cfg.data, "vae", torch.float32)
     jobs = {k: v for k, v in jobs.items() if v[0].path.name in ("walk.mp4", "run.mp4")}
-    write_clip(folder / "more" / "run.mp4", 8)           # shorter than its probe said, after the scan
+    write_clip(folder / "more" / "run.mp4", 6)           # shorter than its probe said, after the scan
     shape = lambda b: cache.clip_latent_shape(b, Z, 4)   # noqa: E731
     with pytest.warns(DataWarning, match=r"skipped 1 clip\(s\) that failed while their frames were decoded: "
-                                         r".*run.mp4: holds 5 frame\(s\)"):
+                                         r".*run.mp4: holds 4 frame\(s\)"):
         stats, failed = cache.fill_clip_latents(jobs, tmp_path / "c", None, torch.float32, "cpu",
                                                 lambda *a: tiny_vae(), 16.0, shape)
     assert [jobs[k][0].path.name for k in failed] == ["run.mp4"]
