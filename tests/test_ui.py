@@ -582,6 +582,9 @@ def test_a_preset_whose_model_folder_is_missing_says_so_and_offers_the_stock_nam
                                                 for n in answer["notes"]), answer["notes"]
     model = tmp_path / "FLUX.1-dev"
     model.mkdir()
+    relative = imported({"toml": "[model]\npath = 'm'\n[[data.datasets]]\npath = 'd'\n", "fields": {}})["notes"]
+    assert relative == [f'"{labels()["model_path"]}" = \'m\' is relative to its file: give the model\'s folder',
+                        f'"{labels()["dataset"]}" = \'d\' is relative to its file: give the image folder']
     here = imported({"toml": f"[model]\npath = '{model}'\n", "fields": {}})
     assert here["stock"] is None and not any("not on this machine" in n for n in here["notes"])
     assert plan_answer.stock_for("/models/stable-diffusion-3.5-large", "sd3") == "sd3.5-large"

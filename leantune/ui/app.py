@@ -221,6 +221,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
             text = str(body.get("toml", ""))
         with on_form(default="preset" if body.get("preset") else "import-toml"):
             form, notes = RunForm.from_toml(text, keep)
+        notes = [labels.on_field(n)["error"] for n in notes]                # the page's words
         missing = plan_answer.missing_model(form.model_path, form.family)   # a preset's folder not here
         if missing:
             notes.append(missing["note"])
@@ -230,7 +231,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     def get_run_form(name: str):
         """A run's config as the form's fields: clone it."""
         form, notes = RunForm.from_toml((_existing(name) / runs.CONFIG_FILE).read_text())
-        return {"fields": form.as_fields(), "notes": notes}
+        return {"fields": form.as_fields(), "notes": [labels.on_field(n)["error"] for n in notes]}
 
     @app.post("/api/plan")
     def post_plan(body: dict):

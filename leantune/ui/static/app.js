@@ -76,9 +76,9 @@ function showFieldErrors(source, problems, focus = false) {
 }
 // an action's error: beside its field (focused) when it names one, else in the action's own line;
 // returns what that line should say
-function actionError(e, fallback) {
+function actionError(e, fallback, focus = true) {
   if (e.field && $(e.field)) {
-    showFieldErrors("action", e.problems.length ? e.problems : [{error: e.message, field: e.field}], true);
+    showFieldErrors("action", e.problems.length ? e.problems : [{error: e.message, field: e.field}], focus);
     return fallback;
   }
   return e.message;
@@ -127,14 +127,15 @@ function el(tag, attrs = {}, text) {
 
 // -- 1. dataset -------------------------------------------------------------------------------------
 let datasetShown = {path: null, count: 0}, datasetLoading = null;
-function loadDataset() {
-  // one load at a time per folder: a Load click that also blurs the field (change) loads once
+function loadDataset(focus = true) {
+  // one load at a time per folder: a Load click that also blurs the field (change) loads once; a
+  // load the user did not ask for by a click (leaving the field, a reload) never moves the cursor
   const path = $("dataset").value;
   if (datasetLoading && datasetLoading.path === path) return datasetLoading.done;
-  datasetLoading = {path, done: loadDatasetNow(path).finally(() => { datasetLoading = null; })};
+  datasetLoading = {path, done: loadDatasetNow(path, focus).finally(() => { datasetLoading = null; })};
   return datasetLoading.done;
 }
-async function loadDatasetNow(path) {
+async function loadDatasetNow(path, focus) {
   // the "smaller than the training resolution" warning only once the resolutions are the user's
   // (typed, imported or kept from before), never from the default they have not chosen yet
   const res = resolutionsChosen() ? Math.min(...$("resolutions").value.split(/[ ,]+/).filter(Boolean).map(Number)) || 0 : 0;
@@ -179,7 +180,7 @@ async function loadDatasetNow(path) {
   } catch (e) {
     datasetShown = {path: null, count: 0};
     $("grid").replaceChildren();
-    $("dataset-summary").textContent = actionError(e, "");
+    $("dataset-summary").textContent = actionError(e, "", focus);
   }
   updateChecklist();
 }
@@ -196,7 +197,7 @@ async function upload() {
     if (r.ok) added++; else refused.push(await r.json().then((d) => d.error, () => `${f.name}: refused (${r.status})`));
   }
   $("upload").value = "";
-  await loadDataset();
+  await loadDataset(false);
   const note = $("upload-message");
   note.className = refused.length ? "warn" : "saved";
   note.replaceChildren(el("div", {}, `${added} image(s) added`), ...refused.map((m) => el("div", {}, "refused: " + m)));
@@ -371,7 +372,7 @@ async function applyView(v) {
   if (v.dataset && v.dataset !== datasetShown.path) {
     $("dataset").value = v.dataset;
     saveForm();
-    loadDataset();
+    loadDataset(false);
   }
   if (v.run && v.run !== watching) {
     try { await api("GET", `/api/runs/${encodeURIComponent(v.run)}`); watch(v.run, false); }
@@ -574,7 +575,7 @@ async function captionImages() {
       $("caption-status").textContent = r.error ? r.error :
         r.running ? `captioning ${r.done}/${r.total ?? "?"}` + (r.current ? ` (${r.current})` : "") : `captioned ${r.done} image(s)`;
       if (r.running || (r.total === null && !r.error)) setTimeout(poll, 700);
-      else { button.disabled = false; if (!r.error) loadDataset(); }
+      else { button.disabled = false; if (!r.error) loadDataset(false); }
     };
     poll();
   } catch (e) { $("caption-status").textContent = actionError(e, "not started: see the marked field"); button.disabled = false; }
@@ -622,7 +623,7 @@ async function init() {
     $(k).addEventListener("change", changed);
   }
   for (const k of KEPT) { $(k).addEventListener("input", saveKept); $(k).addEventListener("change", saveKept); }
-  $("dataset").addEventListener("change", () => { if ($("dataset").value.trim()) loadDataset(); });
+  $("dataset").addEventListener("change", () => { if ($("dataset").value.trim()) loadDataset(false); });
   for (const a of document.querySelectorAll("#nav a")) {
     a.addEventListener("click", (ev) => { ev.preventDefault(); openSection(a.dataset.section); });
   }
@@ -638,7 +639,7 @@ async function init() {
   $("s_run").onchange = sampleRun;
   $("fit-gpu").onclick = () => { $("vram_budget").value = "auto"; saveForm(); updatePlan(); };
   $("enlarge-close").onclick = () => $("enlarge").close();
-  $("load-dataset").onclick = loadDataset;
+  $("load-dataset").onclick = () => loadDataset(true);
   $("upload").onchange = upload;
   $("start").onclick = startRun;
   $("stop").onclick = stopRun;
@@ -684,6 +685,6 @@ async function init() {
     setView(view, false);
   }
   applyView(view);
-  if (!view.dataset && $("dataset").value.trim()) loadDataset();     // the kept folder's images, shown again
+  if (!view.dataset && $("dataset").value.trim()) loadDataset(false);     // the kept folder's images, shown again
 }
 init();
