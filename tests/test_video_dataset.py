@@ -148,6 +148,24 @@ def test_clips_without_captions_are_named_as_clips(tmp_path, folder):
         scan_media(cfg.data, tmp_path)
 
 
+def test_a_too_short_sequence_is_skipped_as_a_clip_and_its_frames_are_not_images(tmp_path, folder):
+    short = folder / "more" / "nod"
+    short.mkdir()
+    for i in range(3):                                              # 3 frames at 16 fps: under 5
+        Image.fromarray(frame(i)).save(short / f"f_{i}.png")
+    with pytest.warns(DataWarning) as record:
+        images, clips = scan_media(config(tmp_path).data, tmp_path)
+    assert any("shorter than 5 frames" in str(w.message) and "nod" in str(w.message) for w in record)
+    assert [it.path.name for it in images] == ["still.png"]
+    assert "nod" not in {c.path.name for c in clips}
+
+
+def test_a_damaged_sequence_frame_is_a_clip_error_naming_it(tmp_path, folder):
+    (folder / "turn" / "frame_003.png").write_bytes(b"not a png")
+    with pytest.raises(video.ClipError, match=r"turn: frame frame_003.png cannot be read"):
+        list(video_vae.iter_clip_frames(folder / "turn", target_fps=16, num_frames=9))
+
+
 def test_a_caption_that_does_not_decode_skips_its_clip_by_name(tmp_path, folder):
     (folder / "walk.txt").write_bytes(b"\xff\xfe\x00\xd8")          # a UTF-16 BOM then a lone surrogate
     with pytest.warns(DataWarning) as record:

@@ -485,6 +485,18 @@ def _clip_folders(root: Path, recursive: bool) -> list[Path]:
     return out
 
 
+def sequence_folders(cfg, base_dir) -> frozenset[Path]:
+    """The image-sequence folders of a dataset (data/video.py's rule: a sub-folder of numbered
+    frames), usable or not: their frames are a clip's, never training images of a video run."""
+    from .video import sequence_frames
+
+    folder = _dataset_folder(cfg, base_dir)
+    if not folder.is_dir():
+        return frozenset()
+    return frozenset(p for sub in _clip_folders(folder, cfg.recursive) for p in sub.iterdir()
+                     if p.is_dir() and not p.name.startswith(".") and sequence_frames(p))
+
+
 def scan_clip_dataset(cfg, index: int, base_dir, target_fps, max_frames: int) -> tuple[list[VideoItem], list[tuple[Path, str]]]:
     """The clips of one [[data.datasets]] entry, with their captions (read and cleaned as an image's
     are) and frame buckets; [(clip, reason)] for clips whose caption does not decode."""
@@ -530,8 +542,7 @@ def _scan_all(data_cfg, base_dir, clips: bool) -> tuple[list[ImageItem], list[Vi
         if clips:
             found_clips, unreadable = scan_clip_dataset(ds, i, base_dir, data_cfg.target_fps, data_cfg.max_frames)
             bad.extend(unreadable)
-        sequences = frozenset(c.path for c in found_clips if c.path.is_dir())
-        found, unreadable = scan_dataset(ds, i, base_dir, sequences)
+        found, unreadable = scan_dataset(ds, i, base_dir, sequence_folders(ds, base_dir) if clips else frozenset())
         bad.extend(unreadable)
         if not found and not found_clips:
             note = f" ({len(unreadable)} unreadable)" if unreadable else ""

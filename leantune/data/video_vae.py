@@ -77,7 +77,14 @@ def iter_clip_frames(path, *, target_fps, num_frames: int, start_s: float = 0.0,
     if path.is_dir():
         rate = _as_fraction(sequence_fps)
         timed = ((i / rate, p) for i, p in enumerate(sequence_frames(path)))
-        for frame in _picked(timed, 1 / rate, target, start, num_frames, load_rgb, size):
+
+        def frame_image(p: Path):
+            try:
+                return load_rgb(p)
+            except (OSError, ValueError, SyntaxError) as e:      # PIL's kinds for a damaged frame file
+                raise ClipError(f"{path}: frame {p.name} cannot be read ({type(e).__name__}: {e})") from e
+
+        for frame in _picked(timed, 1 / rate, target, start, num_frames, frame_image, size):
             count += 1
             yield frame.float() / 127.5 - 1.0
     else:
