@@ -68,6 +68,7 @@ import torch
 
 from leantune.io import load_safetensors, save_safetensors
 
+from . import lora_diffsynth
 from .lora_keys import FusedTarget, LoraKeyMap, all_key_maps
 
 LoraFileFormat = Literal["comfyui", "diffusers"]
@@ -1168,6 +1169,9 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
     metadata = dict(metadata or {})
     config = _adapter_config(source, metadata)
     maps = [keys] if keys is not None else all_key_maps()
+    diffsynth = lora_diffsynth.readable(source, tensors, lambda stem: any(_classify(stem, k)[0] != "unknown"
+                                                                          for k in maps))
+    tensors = tensors if diffsynth is None else diffsynth       # DiffSynth-Studio's names, renamed
     found, ignored = _roles(source, tensors, maps)
     unknown = {k: [key for key, _, stem in found if _classify(stem, k)[0] == "unknown"] for k in maps}
     fitting = [k for k in maps if not unknown[k]]
@@ -1207,6 +1211,7 @@ def lora_from_state_dict(tensors: dict[str, torch.Tensor], metadata: dict[str, s
         raise LoraFormatError(f"{source}: no {_displays(maps)} transformer LoRA keys found")
     fmt = "mixed" if len(kinds) > 1 else {"kohya": "comfyui", "native": "bfl", "diffusers": "diffusers",
                                                    "lycoris": "lycoris", "kohya_diffusers": "kohya (diffusers names)"}[kinds.pop()]
+    fmt = fmt if diffsynth is None else "diffsynth"
     return LoraWeights(modules=modules, metadata=metadata, source=source, format=fmt, ignored=ignored,
                        keys=fitting[0] if len(fitting) == 1 else None)
 
