@@ -536,14 +536,21 @@ def test_host_ram_auto_is_this_machines_ram_checked(tmp_path, tiny_flux_dir, mon
 
 
 @pytest.mark.slow
-def test_the_plan_is_said_in_words_and_offers_the_smallest_budget(tmp_path, tiny_flux_dir):
+def test_the_plan_is_said_in_words_and_offers_the_smallest_budget(tmp_path, tiny_flux_dir, monkeypatch):
+    from leantune.ui import system
     from leantune.ui.app import create_app
 
+    monkeypatch.setattr(system, "gpus", lambda: [])               # a machine without a GPU
     plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
     fields = _tiny_fields(tmp_path, tiny_flux_dir, ram_budget="64GiB", steps="1000")
     fits = plan(fields)
     assert fits["fits"] is True
     assert fits["words"].startswith("the whole model stays on the GPU; ") and "for 1000 steps on" in fits["words"]
+    assert fits["assumed_machine"] and fits["words"].endswith("this machine has no GPU, so a run here trains on the "
+                                                              "CPU, many times slower")
+    monkeypatch.setattr(system, "gpus", lambda: [{"name": "GPU", "used": 0, "total": 2**34, "utilization": 0.0}])
+    with_gpu = _endpoint(create_app(tmp_path / "runs2", "t"), "/api/plan", "POST")(fields)
+    assert "no GPU" not in with_gpu["words"]
     assert "about under" not in fits["words"]
     tight = plan({**fields, "vram_budget": "1MiB"})
     assert tight["fits"] is False and tight["smallest_budget"].endswith("MiB")

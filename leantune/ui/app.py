@@ -272,7 +272,11 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                     said = labels.on_field(plan_answer.page_words(str(e).replace(tmp, "(the form)")), form.extra_toml)
                     return {"fits": None, "planned": False, "message": "not planned: " + said["error"],
                             "field": said["field"]}
-                plans[key] = plan_answer.summarize(answer, form.steps, ram_words)
+                summary = plan_answer.summarize(answer, form.steps, ram_words)
+                if summary["fits"] and summary["assumed_machine"] and not system.gpus():
+                    # the time is a GPU's: said so where the run would train on this machine's CPU
+                    summary["words"] += "; this machine has no GPU, so a run here trains on the CPU, many times slower"
+                plans[key] = summary
         return plans[key]
 
     @app.get("/api/runs")
