@@ -377,6 +377,65 @@ def test_lora_files_in_wan_ais_names_read_as_leantunes_own(style, tmp_path):
     assert read_lora(path).family == "wan2.2"            # told from the names alone
 
 
+# -- video latents through the memory engine -------------------------------------------------------------------
+
+def test_a_video_latent_streams_and_trains_as_the_plain_model(tmp_path):
+    """Latents of 3 frames (B, 16, F, h, w), which `pack_latents` passes as they are: the family's
+    predict is the transformer's own call on them (timestep sigma * 1000), and a LoRA trained two
+    SGD steps with every block and the non-block group streamed in poison mode (checkpointed blocks)
+    gives the plain model's outputs, losses, gradients and updated values bit for bit."""
+    from families.conftest import lora_config
+
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.models.family import PromptEmbeds
+    from leantune.models.wan import pack_latents, predict, unpack_latents
+    from leantune.train.lora import add_lora
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 16, 3, 4, 6, generator=g)
+    assert pack_latents(x) is x and unpack_latents(x, 4, 6) is x
+    assert pack_latents(x[:, :, 0]).shape == (2, 16, 1, 4, 6) and torch.equal(unpack_latents(pack_latents(x[:, :, 0]), 4, 6), x[:, :, 0])
+    embeds = PromptEmbeds(torch.randn(2, 9, WAN_TINY["text_dim"], generator=g), torch.zeros(2, 0))
+    sigma = torch.tensor([0.9, 0.3])
+    tiny = wan_transformer(0).requires_grad_(False)
+    assert torch.equal(predict(tiny, x, sigma, embeds, (4, 6)), _forward(tiny, x, sigma * 1000, embeds.t5))
+    base = copy.deepcopy(tiny)
+    add_lora(base, FAM.spec, lora_config())
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+    def two_steps(model):
+        params = {n: p for n, p in model.named_parameters() if "default" in n.split(".")}
+        for p in params.values():
+            p.requires_grad_(True)
+        opt = torch.optim.SGD(list(params.values()), lr=0.1)
+        out = []
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            v = FAM.predict(model, x, sigma, embeds, (4, 6))
+            loss = torch.nn.functional.mse_loss(v, torch.ones_like(v) * step)
+            loss.backward()
+            out.append((v.detach().clone(), loss.detach().clone(), {n: p.grad.clone() for n, p in params.items()}))
+            opt.step()
+        return out, {n: p.detach().clone() for n, p in params.items()}
+
+    plain, plain_values = two_steps(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    plan = Plan(streamed_blocks=tuple(n for n, _ in FAM.spec.blocks(model)), stream_non_blocks=True, debug_poison=True,
+                checkpointing="blocks", ring_slots=2)
+    handle = apply_memory(model, FAM.spec, plan, "cpu", offload_min_bytes=0)
+    streamed, streamed_values = two_steps(model)
+    assert handle.step_report()["bytes_h2d"] > 0
+    handle.remove()
+    for (v1, l1, g1), (v2, l2, g2) in zip(streamed, plain, strict=True):
+        assert torch.equal(v1, v2) and torch.equal(l1, l2)
+        assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g2)
+    assert all(torch.equal(streamed_values[n], plain_values[n]) for n in plain_values)
+
+
 # -- the two experts -----------------------------------------------------------------------------------------
 
 def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(folder, pipeline, tmp_path):
