@@ -1,6 +1,6 @@
-"""leantune.data.video_vae against diffusers' real AutoencoderKLWan (tiny configs, fp32, CPU).
+"""leantune.data.video_vae against diffusers' real AutoencoderKLWan (tiny configs, CPU).
 
-Parity is bit for bit (torch.equal): the streamed loop runs the VAE's own modules on the same
+Parity is bit for bit (torch.equal), in fp32 and in bf16: the streamed loop runs the VAE's own modules on the same
 chunks in the same order as `_encode` / `_decode`. Memory is measured as the bytes of tensor
 storage alive, tracked op by op through a TorchDispatchMode (torch's CPU allocator is invisible to
 tracemalloc), with the clip decoded from a real file inside the measured region in both cases.
@@ -102,11 +102,14 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("wan22", [False, True], ids=["wan2.1-layout", "wan2.2-layout"])
-def test_streamed_encode_and_decode_equal_the_whole_clip_calls_bit_for_bit(wan22):
+def test_streamed_encode_and_decode_equal_the_whole_clip_calls_bit_for_bit(wan22, dtype):
     vae = tiny_vae(wan22)
+    for p in vae.parameters():                                   # as .to(dtype), without diffusers' casting note
+        p.data = p.data.to(dtype)
     torch.manual_seed(1)
-    x = torch.rand(1, 3, 13, H, W) * 2 - 1                      # 13 = 1 + 4*3 frames
+    x = (torch.rand(1, 3, 13, H, W) * 2 - 1).to(dtype)          # 13 = 1 + 4*3 frames
     with torch.no_grad():
         whole = vae.encode(x).latent_dist
     streamed = video_vae.encode_frames(vae, iter(x[0].unbind(1)))   # one frame at a time
