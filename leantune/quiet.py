@@ -55,6 +55,7 @@ def quiet_third_party() -> None:
         root.addFilter(noise)
     for handler in root.handlers:
         handler.addFilter(noise)
+    quiet_bitsandbytes()                 # diffusers / transformers import bitsandbytes where it is installed
 
 
 def quiet_bitsandbytes() -> None:

@@ -20,8 +20,8 @@ How it works:
   `lora_A`/`lora_B` (and LoKr's `lokr_*`, LoHa's `hada_*`, DoRA's magnitude) are never touched
   (only the wrapped `base_layer` of a peft layer is stored in fp8), so adapters train in their own
   dtype. A DoRA adapter's base Linear is refused: DoRA reads the base weight itself, as stored.
-- Left alone: a GGUF base's Linears (memory/gguf_storage.py) and an NF4 base's
-  (memory/nf4_storage.py), already stored in their blocks.
+- Left alone: a GGUF base's Linears (memory/gguf_storage.py), an NF4 base's
+  (memory/nf4_storage.py) and an int8 ConvRot base's (memory/int8_storage.py), already stored.
 - Modulation in fp8 (`modulation=True`, the plan's `fp8_modulation`): the spec's `modulation`
   Linears are stored like the others. They are a quarter of Flux's parameters (6 GiB of a
   full-size model in bf16) and cost a little more accuracy than the rest, since their output
@@ -56,6 +56,7 @@ from ..spec import ModelSpec
 from .cpu_linear import linear, linear_input_grad, matmul_dtype
 from .fp8_matmul import scaled_mm_linear
 from .gguf_storage import is_gguf
+from .int8_storage import is_int8
 from .nf4_storage import is_nf4
 
 log = logging.getLogger("leantune.memory")
@@ -357,8 +358,8 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
                     f"their own dtype (cast LoRA parameters to float32 after adding them)")
     dora = _dora_bases(model)
     for qname, rel, lin in block_linears(spec, model):
-        if is_gguf(lin) or is_nf4(lin):
-            continue                      # GGUF / NF4 rows as stored (memory/gguf_storage.py, nf4_storage.py)
+        if is_gguf(lin) or is_nf4(lin) or is_int8(lin):
+            continue                      # GGUF / NF4 / int8 rows as stored (memory/*_storage.py)
         w = lin.weight
         if w.dtype == torch.float8_e5m2:
             raise ValueError(f"memory.fp8: {qname}.weight is float8_e5m2; only e4m3fn checkpoints are supported")

@@ -7,8 +7,8 @@ compute dtype, in fp8 storage (1 byte per element plus one fp32 scale per output
 and packed by the streaming engine (each tensor 512-byte aligned). Block Linears that are already
 e4m3 (an fp8 checkpoint, loaded as it is stored, modulation included) cost 1 byte per element plus
 their own scales in every plan: the engine keeps them in fp8 whatever the plan says. Linear
-weights of a GGUF base (memory/gguf_storage.py) and of an NF4 base (memory/nf4_storage.py: packed
-codes and absmax in one uint8 row) cost their stored bytes, exactly, in every plan and in or out of
+weights of a GGUF base (memory/gguf_storage.py), of an NF4 base (memory/nf4_storage.py: packed
+codes and absmax in one uint8 row) and of an int8 ConvRot base (memory/int8_storage.py) cost their stored bytes, exactly, in every plan and in or out of
 the blocks (an entry "stored" with no fp8 scales: its element count is bytes). Tests hold these numbers to what fp8 storage, the streaming engine and peft really
 allocate, so the planner prices exactly what the engine builds.
 """
@@ -22,6 +22,7 @@ import torch
 
 from ..memory.fp8 import SCALE_ATTR
 from ..memory.gguf_storage import is_gguf
+from ..memory.int8_storage import is_int8
 from ..memory.nf4_storage import is_nf4
 from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
 from ..memory.streaming_units import ALIGN as STREAM_ALIGN
@@ -184,13 +185,13 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
     Trained weights keep their dtype under fp8 storage (it holds frozen weights only)."""
     prefix = f"{name}." if in_block else ""
     fp8_of: dict[int, tuple[int, bool, bool]] = {}      # id(weight) -> (scale count, already e4m3, modulation)
-    for mname, m in module.named_modules():             # GGUF / NF4 rows: their bytes, in or out of blocks
-        if type(m) is torch.nn.Linear and (is_gguf(m) or is_nf4(m)):
+    for mname, m in module.named_modules():             # GGUF / NF4 / int8 rows: their bytes, in or out of blocks
+        if type(m) is torch.nn.Linear and (is_gguf(m) or is_nf4(m) or is_int8(m)):
             fp8_of[id(m.weight)] = (0, True, in_block and spec.is_modulation(_base_name(mname)))
     if in_block:
         for mname, m in module.named_modules():
             rel = _base_name(mname)
-            if (type(m) is not torch.nn.Linear or _is_adapter(mname) or is_gguf(m) or is_nf4(m)
+            if (type(m) is not torch.nn.Linear or _is_adapter(mname) or is_gguf(m) or is_nf4(m) or is_int8(m)
                     or spec.keeps_compute_dtype(rel, fp8_modulation=True)):
                 continue
             if trains is not None and m.weight.dtype not in FP8_DTYPES and trains(f"{prefix}{mname}.weight"):

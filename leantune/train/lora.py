@@ -195,7 +195,7 @@ def _refuse_fp8_base_for_dora(transformer: torch.nn.Module, names: list[str], wh
     for name in names:
         m = transformer.get_submodule(name)
         linear = m.get_base_layer() if _is_tuner_layer(m) else m
-        if "gguf_type" in linear.__dict__ or "nf4_blocksize" in linear.__dict__:   # memory/gguf_storage.py, nf4_storage.py
+        if _stored_blocks(linear):                  # a GGUF / NF4 / int8 base: stored bytes
             raise ValueError(f"{what}: DoRA normalises each row of the base weight plus its update, but "
                              f"{name}.weight holds {_stored_blocks(linear)}, which peft would read as bytes; "
                              f"use a bf16 checkpoint, or [lora] type \"lora\", \"lokr\" or \"loha\"")
@@ -212,15 +212,17 @@ def _refuse_gguf_base(transformer: torch.nn.Module, names: list[str], kind: str)
     for name in names:
         m = transformer.get_submodule(name)
         linear = m.get_base_layer() if _is_tuner_layer(m) else m
-        if "gguf_type" in linear.__dict__ or "nf4_blocksize" in linear.__dict__:
+        if _stored_blocks(linear):
             raise ValueError(f'[lora] type = "{kind}": peft shapes a {kind} update from the base weight\'s shape, but '
                              f"{name}.weight holds {_stored_blocks(linear)} of another shape; use [lora] type "
                              f"\"lora\" on such a base, or a bf16 / fp8 checkpoint")
 
 
 def _stored_blocks(linear: torch.nn.Module) -> str:
-    return ("GGUF blocks (a .gguf base)" if "gguf_type" in linear.__dict__
-            else 'NF4 rows ([memory] base_format = "nf4")')
+    """What a quantized base Linear holds (memory/gguf_storage.py, nf4_storage.py, int8_storage.py), or ""."""
+    marks = {"gguf_type": "GGUF blocks (a .gguf base)", "nf4_blocksize": 'NF4 rows ([memory] base_format = "nf4")',
+             "int8_convrot_groupsize": "int8 ConvRot rows (an int8 base)"}
+    return next((text for attr, text in marks.items() if attr in linear.__dict__), "")
 
 
 def _to_fp32(layer: torch.nn.Module, adapter_name: str, kind: str) -> None:

@@ -1,0 +1,290 @@
+"""int8 ConvRot bases (memory/int8_storage.py): the format of ComfyUI's `*_int8_convrot` layers
+(comfy-kitchen's TensorWiseINT8Layout with convrot), a tiny Flux's block Linears stored in it.
+
+The reference here is the format's definition written out independently of the module: the
+regular Hadamard matrix entry by entry from its base-4 digits, the rotation as one block-diagonal
+matrix. comfy-kitchen itself is not installed, so its code is not run. The model is the tiny Flux
+128 wide, whose block Linears' inputs (128, 512, 640) all split into groups of 64.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_memory_helpers import assert_records_equal, block_names, make_batch, train
+
+from leantune import tiny
+from leantune.memory import int8_storage as i8
+from leantune.memory.engine import apply_memory
+from leantune.memory.fp8 import block_linears
+from leantune.memory.plan import Plan
+from leantune.models.flux import FLUX_SPEC, predict
+
+WIDE = dict(attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12, 12))   # inner width 128
+_H4 = [[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]]
+
+
+def _regular_hadamard(size: int) -> torch.Tensor:
+    """Entry (i, j) of the Kronecker power of H4: the product over base-4 digits of H4[i_d][j_d], / sqrt(size)."""
+    h = torch.empty(size, size, dtype=torch.float64)
+    for i in range(size):
+        for j in range(size):
+            v, a, b, n = 1, i, j, size
+            while n > 1:
+                v *= _H4[a % 4][b % 4]
+                a, b, n = a // 4, b // 4, n // 4
+            h[i, j] = v
+    return (h / size ** 0.5).float()
+
+
+def _reference_rotate(w: torch.Tensor, group: int) -> torch.Tensor:
+    """w @ blockdiag(H, ..., H)^T in float64, one matrix for the whole row."""
+    h = _regular_hadamard(group).double()
+    return (w.double() @ torch.block_diag(*[h] * (w.shape[1] // group)).T).float()
+
+
+# -- the format ---------------------------------------------------------------------------------------
+
+def test_the_rotation_is_the_regular_hadamard_matrix():
+    """Kronecker powers of H4 over sqrt(size): symmetric, orthogonal, no all-ones column; a size
+    that is not a power of 4 is refused."""
+    for size in (4, 16, 64, 256):
+        h = i8.hadamard(size)
+        assert torch.equal(h, _regular_hadamard(size)), size
+        assert torch.equal(h, h.T)
+        torch.testing.assert_close(h @ h.T, torch.eye(size), rtol=0, atol=1e-6)
+        assert (h * size ** 0.5).sum(0).abs().max() < size            # every column has both signs
+    for bad in (2, 8, 32, 48, 128):
+        with pytest.raises(ValueError, match=rf"power of 4 .*got {bad}"):
+            i8.hadamard(bad)
+
+
+def test_codes_and_scales_follow_the_format_and_decode_within_its_rounding():
+    """Per row: scale = absmax of the rotated row / 127, codes = round(rotated / scale); the
+    decoded weight equals the reference rotation of codes * scale (fp64 reference, fp32 product)
+    and is the source to int8's precision; rows are independent."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 256, generator=g) * torch.linspace(0.1, 3, 256)      # uneven input channels
+    w[3, 17] = 40.0                                                          # one outlier
+    codes, scale = i8.quantize_codes(w, 64)
+    rotated = _reference_rotate(w, 64)
+    torch.testing.assert_close(scale, rotated.abs().amax(-1, keepdim=True) / 127, rtol=1e-6, atol=0)
+    want = (rotated / scale).round().clamp(-128, 127)
+    assert (codes.float() - want).abs().max() <= 1 and (codes.float() != want).float().mean() < 1e-3
+    assert codes.float().abs().amax(-1).eq(127).all()                        # each row's absmax is +-127
+    decoded = i8.dequantize(i8.pack(codes, scale), 256, 64, torch.float32)
+    torch.testing.assert_close(decoded, _reference_rotate(codes.float() * scale, 64), rtol=1e-5, atol=1e-6)
+    plain_codes = (w / (w.abs().amax(-1, keepdim=True) / 127)).round()          # per row, no rotation
+    plain = plain_codes * (w.abs().amax(-1, keepdim=True) / 127)
+    err, err_plain = ((decoded - w).norm() / w.norm()).item(), ((plain - w).norm() / w.norm()).item()
+    assert err < 0.01 and err < err_plain, (err, err_plain)                   # the rotation spreads the outlier
+    assert torch.equal(i8.quantize(w[5:9], 64), i8.quantize(w, 64)[5:9])
+
+
+def test_a_linear_computes_with_the_decoded_weight_forward_and_backward():
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(128, 16)
+    i8.set_int8_weight(lin, i8.quantize(torch.randn(16, 128, generator=g), 64), 64)
+    assert lin.weight.shape == (16, 132) and lin.weight.dtype == torch.uint8
+    want = i8.stored_weight(lin)
+    x = torch.randn(5, 128, generator=g, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = lin(x), torch.nn.functional.linear(x2, want, lin.bias)
+    assert torch.equal(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"128 inputs do not split into ConvRot groups of 256"):
+        i8.use_int8_weight(torch.nn.Linear(128, 4), 256)
+
+
+# -- ComfyUI's files ----------------------------------------------------------------------------------
+
+def _comfy_file(path: Path, layers: dict[str, torch.Tensor], prefix: str = "model.diffusion_model.",
+                group: int = 64, tamper=None) -> Path:
+    """A safetensors file laid out as ComfyUI's int8 ConvRot files: per layer weight int8,
+    weight_scale fp32 (out, 1), comfy_quant JSON bytes; a bias beside each."""
+    tensors = {}
+    for name, w in layers.items():
+        codes, scale = i8.quantize_codes(w, group)
+        tensors[f"{prefix}{name}.weight"] = codes
+        tensors[f"{prefix}{name}.weight_scale"] = scale
+        tensors[f"{prefix}{name}.comfy_quant"] = i8.comfy_quant_bytes(group)
+        tensors[f"{prefix}{name}.bias"] = torch.zeros(w.shape[0])
+    if tamper:
+        tamper(tensors)
+    save_file(tensors, str(path))
+    return path
+
+
+def test_a_comfyui_int8_convrot_file_reads_as_stored_rows(tmp_path):
+    """Each layer's three tensors become its stored rows, which decode as ComfyUI decodes them
+    (codes * scale, rotated back); the comfy_quant bytes are the JSON ComfyUI reads."""
+    g = torch.Generator().manual_seed(2)
+    layers = {"blocks.0.attn.qkv": torch.randn(48, 128, generator=g), "blocks.0.mlp.fc2": torch.randn(16, 256, generator=g)}
+    path = _comfy_file(tmp_path / "m_int8_convrot.safetensors", layers)
+    assert json.loads(bytes(i8.comfy_quant_bytes(64).tolist())) == {"format": "int8_tensorwise", "convrot": True,
+                                                                    "convrot_groupsize": 64}
+    got = i8.read_comfy_int8(path, prefix="model.diffusion_model.")
+    assert set(got) == set(layers)
+    for name, w in layers.items():
+        raw, group = got[name]
+        assert group == 64 and torch.equal(raw, i8.quantize(w, 64)), name
+        codes, scale = i8.quantize_codes(w, 64)
+        assert torch.equal(i8.dequantize(raw, w.shape[1], 64, torch.float32), i8.dequantize_codes(codes, scale, 64))
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda t: t.pop("p.a.weight_scale"), r"p\.a\.weight_scale is missing"),
+    (lambda t: t.__setitem__("p.a.comfy_quant", torch.tensor(list(b"{oops"), dtype=torch.uint8)), r"p\.a\.comfy_quant: not readable JSON"),
+    (lambda t: t.__setitem__("p.a.comfy_quant", torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)),
+     r"p\.a\.comfy_quant: format 'float8_e4m3fn' .*is not an int8 ConvRot layer"),
+    (lambda t: t.__setitem__("p.a.comfy_quant", torch.tensor(list(
+        b'{"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": 48}'), dtype=torch.uint8)),
+     r"p\.a\.comfy_quant: convrot_groupsize: .*power of 4"),
+    (lambda t: t.__setitem__("p.a.weight", t["p.a.weight"].float()), r"p\.a\.weight is torch\.float32 .*not a 2-D int8"),
+    (lambda t: t.__setitem__("p.a.weight_scale", torch.ones(3)), r"p\.a\.weight_scale has shape \(3,\)"),
+])
+def test_a_bad_layer_is_named_with_its_file(tmp_path, tamper, message):
+    path = _comfy_file(tmp_path / "bad.safetensors", {"a": torch.randn(8, 64)}, prefix="p.", tamper=tamper)
+    with pytest.raises(ValueError, match=rf"bad\.safetensors: {message}"):
+        i8.read_comfy_int8(path, prefix="p.")
+
+
+# -- a tiny Flux on an int8 base ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def source():
+    return tiny.flux_transformer(seed=3, **WIDE)
+
+
+def _int8_base(source):
+    model = copy.deepcopy(source).requires_grad_(False)
+    assert len(i8.apply_int8_storage(model, FLUX_SPEC)) == 34     # 2 x 12 + 2 x 5 block Linears, modulation kept
+    return model
+
+
+def _lora_base(source, kind: str = "lora"):
+    from leantune.config import LoraConfig
+    from leantune.train.lora import add_lora
+
+    model = _int8_base(source)
+    params = add_lora(model, FLUX_SPEC, LoraConfig(type=kind, rank=4, targets="all"))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def test_the_stored_linears_decode_to_the_source_and_the_planner_prices_their_bytes(source):
+    """Every taken Linear decodes to its source weight to int8's precision; the planner's bytes
+    per block equal the stored bytes (in + 4 per row), in every plan, and the streamed units'
+    packed sizes equal unit_bytes."""
+    from leantune.planner.weight_bytes import measure_weights
+
+    model = _int8_base(source)
+    src = {q: lin for q, _, lin in block_linears(FLUX_SPEC, source)}
+    for qname, _, lin in block_linears(FLUX_SPEC, model):
+        if i8.is_int8(lin):
+            w = src[qname].weight
+            assert lin.weight.numel() == lin.out_features * (lin.in_features + 4)
+            assert (i8.stored_weight(lin) - w).norm() / w.norm() < 0.01, qname
+    weights = measure_weights(FLUX_SPEC, model)
+    for (name, block), w in zip(FLUX_SPEC.blocks(model), weights.blocks):
+        actual = sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
+        assert w.bytes(4) == w.bytes(4, fp8=True) == actual, name
+    handle = apply_memory(model, FLUX_SPEC, Plan(streamed_blocks=tuple(block_names(model))), "cpu")
+    try:
+        packed = {u.name: u.nbytes for u in handle.streaming.units}
+        for w in weights.blocks:
+            assert packed[w.name] == w.unit_bytes(4), w.name
+    finally:
+        handle.remove()
+
+
+def test_streamed_equals_resident_bitwise_in_poison_mode(source):
+    model = _lora_base(source)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    assert len(before) == 34
+    want = train(copy.deepcopy(model))
+    plan = Plan(streamed_blocks=tuple(block_names(model)), stream_non_blocks=True, checkpointing="blocks",
+                debug_poison=True)
+    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
+    assert sum(e.dtype == torch.uint8 for u in handle.streaming.units for e in u.entries) == 34
+    got = train(model)
+    assert all(torch.isfinite(r["loss"]) for r in got)
+    assert_records_equal(got, want)
+    assert handle.step_report()["bytes_h2d"] > 0
+    handle.remove()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+
+
+def test_fp8_storage_leaves_the_int8_rows_alone_and_reading_adapters_are_refused(source):
+    model = _lora_base(source)
+    want = train(copy.deepcopy(model))
+    handle = apply_memory(model, FLUX_SPEC, Plan(fp8=True), "cpu")
+    assert not handle.fp8.linears
+    assert_records_equal(train(model), want)
+    with pytest.raises(ValueError, match=r"DoRA .* holds int8 ConvRot rows"):
+        _lora_base(source, "dora")
+    with pytest.raises(ValueError, match=r'type = "lokr": .* holds int8 ConvRot rows'):
+        _lora_base(source, "lokr")
+
+
+def test_a_lora_learns_on_an_int8_base_and_its_file_applies_to_the_bf16_base(source, tmp_path):
+    """The same fit (rank 4, Adam, one batch) on the int8 base and on its source learns as fast
+    (loss ratios within 0.02); its ComfyUI file applies to the bf16 base as trained."""
+    from leantune.config import LoraConfig
+    from leantune.train.lora import add_lora, apply_lora, lora_weights_from_model
+    from leantune.train.lora_formats import read_lora, save_lora
+
+    def fit(model, steps=40):
+        params = add_lora(model, FLUX_SPEC, LoraConfig(rank=4, targets="all"))
+        opt = torch.optim.Adam(params, lr=1e-2)
+        x, sigma, embeds, hw, target = make_batch(8, 8, seed=0)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0), target)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    model, plain = _int8_base(source), copy.deepcopy(source)
+    on_int8, on_source = fit(model), fit(plain)
+    ratio, want = on_int8[-1] / on_int8[0], on_source[-1] / on_source[0]
+    assert ratio < 0.6 and abs(ratio - want) < 0.02, (ratio, want)
+    path = save_lora(lora_weights_from_model(model), tmp_path / "int8.safetensors", "comfyui")
+    bf16 = copy.deepcopy(source).to(torch.bfloat16).requires_grad_(False)
+    x, sigma, embeds, hw, _ = make_batch(8, 8, seed=0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = predict(bf16, x, sigma, embeds, hw, guidance=1.0)
+    weights = read_lora(path)
+    assert len(apply_lora(bf16, weights)) == len(weights.modules) == 40
+    with torch.no_grad():
+        assert not torch.equal(predict(bf16, x, sigma, embeds, hw, guidance=1.0), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch._int_mm)")
+def test_the_int_mm_forward_is_the_w8a8_product_on_cuda(monkeypatch):
+    """GPU-only: with INT_MM on, the CUDA forward (input rotated and quantized per row,
+    torch._int_mm) is the dequantizing product to the activations' int8 rounding."""
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(256, 64)
+    i8.set_int8_weight(lin, i8.quantize(torch.randn(64, 256, generator=g), 64), 64)
+    lin = lin.cuda()
+    x = torch.randn(32, 256, generator=g).cuda().bfloat16()
+    want = lin(x)
+    monkeypatch.setattr(i8, "INT_MM", True)
+    got = lin(x)
+    assert got.dtype == want.dtype and ((got.float() - want.float()).norm() / want.float().norm()) < 0.02
