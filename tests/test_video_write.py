@@ -99,7 +99,8 @@ def test_writes_are_atomic_and_errors_name_the_file(tmp_path):
     with pytest.raises(video_write.VideoWriteError, match="odd.mp4.*even"):
         video_write.write_mp4(tmp_path / "odd.mp4", np.zeros((5, 31, 32, 3), np.uint8), 16)
     with pytest.raises(video_write.VideoWriteError, match="mixed.webp.*frame 1"):
-        video_write.write_webp(tmp_path / "mixed.webp", [np.zeros((8, 8, 3), np.uint8), np.zeros((8, 6, 3), np.uint8)], 8)
+        video_write.write_webp(tmp_path / "mixed.webp",
+                               [np.zeros((8, 8, 3), np.uint8), np.zeros((8, 6, 3), np.uint8)], 8)
     with pytest.raises(video_write.VideoWriteError, match="empty.webp.*no frames"):
         video_write.write_webp(tmp_path / "empty.webp", [], 8)
     with pytest.raises(video_write.VideoWriteError, match="zero.mp4.*fps"):

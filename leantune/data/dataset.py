@@ -434,11 +434,11 @@ def check_sizes(items: list[ImageItem], datasets, resolutions: list[int]) -> lis
         if len(skip) < len(resolutions):
             kept.append(replace(it, too_small_for=frozenset(skip)) if skip else it)
     if small:
-        warnings.warn(f"skipped {len(small)} {_noun(small_items)} smaller than min_size of their bucket's side (they would be "
-                      f"upscaled): {listing(small)}", DataWarning, stacklevel=3)
+        warnings.warn(f"skipped {len(small)} {_noun(small_items)} smaller than min_size of their bucket's side "
+                      f"(they would be upscaled): {listing(small)}", DataWarning, stacklevel=3)
     if cropped:
-        warnings.warn(f"{len(cropped)} {_noun(cropped_items)} lose more than half their area to the crop into their aspect "
-                      f"bucket (aspect beyond 1:4 / 4:1): {listing(cropped)}", DataWarning, stacklevel=3)
+        warnings.warn(f"{len(cropped)} {_noun(cropped_items)} lose more than half their area to the crop into their "
+                      f"aspect bucket (aspect beyond 1:4 / 4:1): {listing(cropped)}", DataWarning, stacklevel=3)
     return kept
 
 
@@ -497,7 +497,8 @@ def sequence_folders(cfg, base_dir) -> frozenset[Path]:
                      if p.is_dir() and not p.name.startswith(".") and sequence_frames(p))
 
 
-def scan_clip_dataset(cfg, index: int, base_dir, target_fps, max_frames: int) -> tuple[list[VideoItem], list[tuple[Path, str]]]:
+def scan_clip_dataset(cfg, index: int, base_dir, target_fps,
+                      max_frames: int) -> tuple[list[VideoItem], list[tuple[Path, str]]]:
     """The clips of one [[data.datasets]] entry, with their captions (read and cleaned as an image's
     are) and frame buckets; [(clip, reason)] for clips whose caption does not decode."""
     from .video import scan_clips
