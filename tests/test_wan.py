@@ -395,7 +395,8 @@ def test_a_video_latent_streams_and_trains_as_the_plain_model(tmp_path):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2, 16, 3, 4, 6, generator=g)
     assert pack_latents(x) is x and unpack_latents(x, 4, 6) is x
-    assert pack_latents(x[:, :, 0]).shape == (2, 16, 1, 4, 6) and torch.equal(unpack_latents(pack_latents(x[:, :, 0]), 4, 6), x[:, :, 0])
+    image = x[:, :, 0]
+    assert pack_latents(image).shape == (2, 16, 1, 4, 6) and torch.equal(unpack_latents(pack_latents(image), 4, 6), image)
     embeds = PromptEmbeds(torch.randn(2, 9, WAN_TINY["text_dim"], generator=g), torch.zeros(2, 0))
     sigma = torch.tensor([0.9, 0.3])
     tiny = wan_transformer(0).requires_grad_(False)
@@ -444,7 +445,8 @@ def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(fol
     one-transformer folder and the key on another family are refused, naming what to change."""
     from leantune.models.wan import trained_expert
 
-    for expert, want in (("auto", pipeline.transformer), ("high", pipeline.transformer), ("low", pipeline.transformer_2)):
+    cases = (("auto", pipeline.transformer), ("high", pipeline.transformer), ("low", pipeline.transformer_2))
+    for expert, want in cases:
         src = _sources(folder, tmp_path, expert=expert)
         assert src.boundary_ratio == BOUNDARY_RATIO == pipeline.config.boundary_ratio
         _assert_same_weights(FAM.load_transformer(src, dtype=torch.float32), want)

@@ -90,10 +90,8 @@ def restrict_sigmas(sigma: torch.Tensor, expert: str, boundary_ratio: float, met
     f_hi = _cdf(torch.tensor(hi), method, sigmoid_scale, shift)
     u = f_lo + _cdf(sigma, method, sigmoid_scale, shift) * (f_hi - f_lo)
     out = _inverse_cdf(u, method, sigmoid_scale, shift).to(torch.float32)
-    eps = 1e-4
-    top = hi - eps if expert == "high" else float(torch.nextafter(torch.tensor(hi, dtype=torch.float32),
-                                                                   torch.tensor(0.0))) - eps
-    return out.clamp(lo + eps if expert == "low" else lo, top)
+    eps = 1e-4               # the trainer's distance from the ends; the high-noise expert owns the boundary itself
+    return out.clamp(lo if expert == "high" else lo + eps, hi - eps)
 
 
 # -- sampling with both --------------------------------------------------------------------------------

@@ -262,7 +262,8 @@ def read_vae_layout(src: Path):
         config = vae_keys.config_from_shapes(shapes, cf.packaged_config("wan_vae"),
                                              cf.metadata_config(files.metadata, str(src), "vae"))
     except KeyError as e:
-        raise LoadError(f"[model] vae: {src}: missing key {e.args[0]!r} (diffusers' name) of a {_LABEL['vae']}") from None
+        raise LoadError(f"[model] vae: {src}: missing key {e.args[0]!r} (diffusers' name) of a "
+                        f"{_LABEL['vae']}") from None
     except ValueError as e:
         raise LoadError(f"[model] vae: {src}: {e}") from None
     return files, ops, config
@@ -319,7 +320,8 @@ def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16):
 
     files, prefix, shapes, meta = cl.single_file(src, "t5", _LABEL["text_encoder"])
     config = cf.t5_config(shapes, meta, f"[model] text_encoder: {src}")
-    if config["num_layers"] > 1 and "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight" not in shapes:
+    per_block_bias = "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight"
+    if config["num_layers"] > 1 and per_block_bias not in shapes:
         raise LoadError(f"[model] text_encoder: {src}: a T5 encoder (one relative attention bias, in block 0), not "
                         f"Wan's umT5 (no 'encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight')")
     config.update(architectures=["UMT5EncoderModel"], model_type="umt5")
