@@ -397,6 +397,16 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="watch").click()
         page.wait_for_function("document.querySelector('#watch-state').textContent === 'finished'")
         assert len(page.get_attribute("#loss-chart polyline[data-series=loss]", "points").split()) == 4
+        # the moving average (0.9) over the raw loss 0.8, 0.7, 0.6, 0.5: as many points, from the first
+        # loss, lagging behind the falling raw curve (0.8, 0.79, 0.771, 0.744)
+        smooth = [tuple(map(float, p.split(","))) for p in
+                  page.get_attribute("#loss-chart polyline[data-series=loss-smoothed]", "points").split()]
+        raw = [tuple(map(float, p.split(","))) for p in
+               page.get_attribute("#loss-chart polyline[data-series=loss]", "points").split()]
+        assert len(smooth) == 4 and smooth[0] == raw[0] and smooth[-1][1] < raw[-1][1]    # SVG y grows downwards
+        assert "loss (moving average): 0.744 at step 4" in page.get_attribute("#loss-chart", "aria-label")
+        assert page.evaluate("[document.querySelector('#progress-bar').value, document.querySelector('#progress-bar').max]") == [4, 4]
+        assert page.inner_text("#progress-words") == "4 of 4 steps (100%)"
         chart = "#mem-chart polyline"
         assert page.locator(chart).count() == 4
         for series in ("rss", "vram"):
@@ -419,6 +429,10 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         assert page.inner_text("#log").endswith("saved watched_comfyui.safetensors")
         page.wait_for_function("document.querySelector('#samples img') && "
                                "document.querySelector('#samples img').naturalWidth === 64")
+        page.focus("#samples img")                         # a tile takes the keyboard and opens with Enter
+        page.keyboard.press("Enter")
+        page.wait_for_function("document.querySelector('#enlarge').open")
+        page.click("#enlarge-close")
         links = page.locator("#downloads a")
         assert links.all_inner_texts() == ["config.toml", "watched_comfyui.safetensors"]
         download = page.request.get(links.nth(1).evaluate("a => a.href"))     # with the cookie

@@ -402,7 +402,7 @@ function line(s, xs, ys) {
   if (!s.points.length) return "";
   const d = s.points.map(([x, y]) => `${xs(x).toFixed(1)},${ys(y).toFixed(1)}`).join(" ");
   const value = s.value === undefined ? "" : ` data-value="${s.value}"`;
-  return `<polyline fill="none" stroke="${s.color}" stroke-width="1.5" ${s.dash ? 'stroke-dasharray="5,4"' : ""} ` +
+  return `<polyline fill="none" stroke="${s.color}" stroke-width="${s.width || 1.5}" ${s.dash ? 'stroke-dasharray="5,4"' : ""} ` +
     `data-series="${s.name}"${value} points="${d}"><title>${s.label || s.name}</title></polyline>`;
 }
 function chart(svg, series, maxX) {
@@ -411,9 +411,14 @@ function chart(svg, series, maxX) {
   let lo = Math.min(...all), hi = Math.max(...all);
   if (hi === lo) { hi += 1; lo -= lo > 1 ? 1 : lo; }
   const xs = (x) => 40 + (x / Math.max(maxX, 1)) * 350, ys = (y) => 185 - ((y - lo) / (hi - lo)) * 170;
-  svg.innerHTML = series.map((s) => line(s, xs, ys)).join("") +
+  svg.innerHTML = `<line x1="40" y1="185" x2="390" y2="185" stroke="#999"/><line x1="40" y1="15" x2="40" y2="185" stroke="#999"/>` +
+    series.map((s) => line(s, xs, ys)).join("") +
     `<text x="2" y="14" font-size="10">${hi.toPrecision(3)}</text><text x="2" y="186" font-size="10">${lo.toPrecision(3)}</text>` +
-    `<text x="360" y="198" font-size="10">${maxX}</text>`;
+    `<text x="40" y="198" font-size="10">0</text><text x="200" y="198" font-size="10">step</text><text x="360" y="198" font-size="10">${maxX}</text>`;
+  // the chart in words, for a screen reader: each series' last value
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", series.filter((s) => s.points.length)
+    .map((s) => `${s.label || s.name}: ${s.points[s.points.length - 1][1].toPrecision(3)} at step ${s.points[s.points.length - 1][0]}`).join("; "));
 }
 function showProgress(p) {
   if (p.name !== watching) return;
@@ -430,7 +435,19 @@ function showProgress(p) {
                   p.eta_s !== null && p.eta_s !== undefined ? `about ${fmtTime(p.eta_s)} left` : ""].filter(Boolean).join(" · ");
   $("progress").textContent = (p.state === "running" || p.state === "queued" ? `${p.state === "queued" ? "waiting in line" : p.activity}` : p.state) +
     (timing ? " · " + timing : "");
-  const losses = [{name: "loss", points: steps.map((s) => [s.step, s.loss]), color: "#1f77b4"}];
+  // the share of the steps done, and when the run would finish at the measured pace
+  const bar = $("progress-bar"), done = last ? last.step : 0;
+  bar.max = p.total_steps || 1; bar.value = Math.min(done, bar.max);
+  const finish = p.eta_s !== null && p.eta_s !== undefined ? new Date(Date.now() + p.eta_s * 1000) : null;
+  $("progress-words").textContent = p.total_steps ? `${done} of ${p.total_steps} steps (${Math.floor(100 * done / p.total_steps)}%)` +
+    (finish && p.state === "running" ? ` · finishes about ${finish.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"})}` : "") : "";
+  bar.setAttribute("aria-valuetext", $("progress-words").textContent);
+  // the raw loss is noisy step to step: drawn faint, with its moving average over it
+  const raw = steps.map((s) => [s.step, s.loss]), smooth = [];
+  let avg = null;
+  for (const [x, y] of raw) { avg = avg === null ? y : 0.9 * avg + 0.1 * y; smooth.push([x, avg]); }
+  const losses = [{name: "loss", label: "loss (each step)", points: raw, color: "#9ec5e8"},
+                  {name: "loss-smoothed", label: "loss (moving average)", points: smooth, color: "#1f4e8c", width: 2.5}];
   // the held-out loss at fixed noise ([validation]): a smooth curve beside the noisy training loss
   if ((p.validation || []).length) losses.push({name: "validation", points: p.validation, color: "#2ca02c"});
   chart($("loss-chart"), losses, maxX);
@@ -491,6 +508,9 @@ function gallery(name, g) {
       const img = el("img", {src, alt: `step ${s.step}: ${q}`, title: `step ${s.step}: ${q}`});
       img.dataset.step = s.step; img.dataset.prompt = i;
       img.onclick = () => { $("enlarged").src = src; $("enlarged").alt = img.alt; $("enlarged-caption").textContent = img.alt; $("enlarge").showModal(); };
+      // a tile takes the keyboard's focus and opens with Enter or Space, as a button does
+      img.tabIndex = 0; img.setAttribute("role", "button");
+      img.onkeydown = (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); img.onclick(); } };
       const td = el("td"); td.append(img); tr.append(td);
     });
     table.append(tr);
