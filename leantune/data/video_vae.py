@@ -14,6 +14,9 @@ once, so the peak no longer grows with the clip's length.
 Frames come from `video.py`'s decoding (nearest source frame per output time, resized as they
 arrive) as a generator (`iter_clip_frames`), so a long or 4K clip is never decoded whole.
 
+Time only: a chunk is encoded at its full width and height (the VAE's `enable_tiling` spatial
+tiles are not applied here), so a chunk's activations grow with the frame size, not the length.
+
 Latents here are raw posterior parameters unless named otherwise; `normalize` / `denormalize` are
 the per-channel mean/std the Wan pipelines apply (`(mode - mean) * (1 / std)` when conditioning,
 `z / (1 / std) + mean` before decoding), written the same way so the floats match theirs.
