@@ -7,9 +7,14 @@ with Flux's per-channel outliers, against the bf16 product with the unquantized 
 
 - the engine's block-scaled e4m3 (memory/fp8.py), the reference row;
 - NF4 as memory/nf4_storage.py stores it: bitsandbytes' quantize_4bit / dequantize_4bit (NF4, one
-  fp32 absmax per 64 values, no nested statistics), rounded once to bf16, product in fp32.
+  fp32 absmax per 64 values, no nested statistics), rounded once to bf16, product in fp32;
+- int8 ConvRot as memory/int8_storage.py stores it (the layout of ComfyUI's *_int8_convrot
+  layers, groups of 256 inputs rotated by the regular Hadamard matrix, one fp32 scale per row),
+  decoded the same way, beside plain per-row int8 (no rotation) to show what the rotation buys.
+  The weight only: ComfyUI's W8A8 product also rounds the activations to int8 (not measured).
 
-Bits per weight count everything stored: NF4's 4 bits plus 32 per 64 values of absmax.
+Bits per weight count everything stored: NF4's 4 bits plus 32 per 64 values of absmax; int8's 8
+plus one fp32 scale per row.
 Run: python bench/quant_accuracy.py [--tokens 256]
 """
 
@@ -23,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from leantune.memory import nf4_storage  # noqa: E402
+from leantune.memory import int8_storage, nf4_storage  # noqa: E402
 from leantune.memory.fp8 import dequantize, quantize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +54,14 @@ def main() -> None:
         wq = nf4_storage.dequantize(nf4_storage.quantize(w), i, torch.bfloat16)
         errs.setdefault("NF4, 64-value absmax (bitsandbytes)", []).append(
             rel((x.float() @ wq.float().t()).bfloat16(), ref))
+        wq = int8_storage.dequantize(int8_storage.quantize(w, 256), i, 256, torch.bfloat16)
+        errs.setdefault("int8 ConvRot, groups of 256, per-row scale", []).append(
+            rel((x.float() @ wq.float().t()).bfloat16(), ref))
+        scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
+        wq = ((w.float() / scale).round().clamp(-128, 127) * scale).bfloat16()
+        errs.setdefault("int8 per-row scale, no rotation", []).append(rel((x.float() @ wq.float().t()).bfloat16(), ref))
+        for name in ("int8 ConvRot, groups of 256, per-row scale", "int8 per-row scale, no rotation"):
+            bits.setdefault(name, 8 + 32 / i)                          # the narrower layer's, the larger
     print(f"tokens {a.tokens}; relative error of the output against the bf16 product (lower is better)")
     print("| format | bits/weight | " + " | ".join(layers) + " |")
     print("|---" * (2 + len(layers)) + "|")
