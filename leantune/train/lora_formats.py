@@ -8,7 +8,9 @@ diffusers Linear, whose weight delta is `alpha / r * up @ down`. Files differ in
   diffusers / ai-toolkit use diffusers paths with a `transformer.` prefix, some tools use native
   paths with a `diffusion_model.` prefix, musubi-tuner's Z-Image files kohya names of diffusers'
   paths (`lora_unet_layers_0_attention_to_q`). Which names exist is the family's data
-  (`spec.lora_keys`, models/lora_keymap.py); this module never names a family's modules;
+  (`spec.lora_keys`, models/lora_keymap.py); this module never names a family's modules.
+  DiffSynth-Studio's files (peft keys that keep the adapter name, its DiT's own names) are
+  renamed to these first (lora_diffsynth.py);
 * fusing: the native q, k, v (and, in Flux single blocks, the MLP input) are one Linear, so a
   kohya file holds one LoRA for what diffusers trains as three or four. We fuse exactly: down =
   cat(A_q, A_k, A_v) (3r, in), up = block_diag(B_q, B_k, B_v) (3d, 3r), alpha = 3 * alpha, so
