@@ -77,7 +77,7 @@ FAMILIES: dict[str, FamilyEntry] = {
     # prompt, so the planner's text length is the usual 512 tokens
     "qwen-image-2.1": FamilyEntry("leantune.models.qwen_image21", {"transformer_blocks": "num_layers"}, ("single",),
                                   {"qwen-image-2.1": StockModel("qwen_image21", 512)}),
-    # Wan 2.2 (issue 36; T2V/I2V-A14B's two experts, TI2V-5B, Wan 2.1: one class, models/configs/WAN_SOURCES.md):
+    # Wan 2.2 (issue 36; T2V-A14B's two experts, Wan 2.1 T2V: one class, models/configs/WAN_SOURCES.md):
     # one list of blocks; WanPipeline pads every prompt to its max_sequence_length 512
     "wan2.2": FamilyEntry("leantune.models.wan", {"blocks": "num_layers"}, ("main",),
                           {"wan2.2-a14b": StockModel("wan22_a14b", 512)}),

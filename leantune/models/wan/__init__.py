@@ -1,4 +1,5 @@
-"""Wan 2.2 (Wan-AI; T2V/I2V-A14B's two 14B experts, TI2V-5B, and Wan 2.1, the same classes): latents,
+"""Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, and Wan 2.1 T2V, the same classes; TI2V-5B and the
+image-to-video models are refused by name until their conditioning is built: loading.check_text_to_video): latents,
 the transformer call, sampling and the family's registration (`wan2.2`). The spec is in wan/spec.py,
 loading in wan/loading.py, text encoding in wan/text.py, the two experts in wan/experts.py; this
 module imports them, none imports it.
@@ -143,7 +144,7 @@ def load_experts(sources, dtype: torch.dtype = torch.bfloat16, device="cpu", **o
 def trained_expert(sources) -> tuple[str, float] | None:
     """(expert, boundary_ratio) of the expert a run trains, or None when the model is one transformer
     that denoises every level: [model] expert "auto" on a folder without transformer_2/ or on a single
-    file (which cannot say it is an expert: Wan 2.1, TI2V-5B). "auto" on a two-expert folder is its
+    file (which cannot say it is an expert: Wan 2.1). "auto" on a two-expert folder is its
     high-noise expert; an expert named on a single file takes the released boundary of its kind."""
     if sources.expert in wan_experts.EXPERTS:
         return sources.expert, wan_loading.boundary_ratio(sources, wan_loading.transformer_config(sources))

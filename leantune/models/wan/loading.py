@@ -2,8 +2,7 @@
 
 Sources: a diffusers folder in the Wan-AI/Wan2.2-T2V-A14B-Diffusers layout (transformer/ the
 high-noise expert and transformer_2/ the low-noise one, both WanTransformer3DModel, with the
-pipeline's `boundary_ratio` in model_index.json; Wan 2.1's and TI2V-5B's folders have transformer/
-alone), text_encoder/ umT5-XXL (UMT5EncoderModel), tokenizer/ umT5's, vae/ AutoencoderKLWan; any
+pipeline's `boundary_ratio` in model_index.json; Wan 2.1's folders have transformer/ alone), text_encoder/ umT5-XXL (UMT5EncoderModel), tokenizer/ umT5's, vae/ AutoencoderKLWan; any
 component overridden by a [model] key; or a single transformer .safetensors file: Wan-AI's own
 names (wan/keys.py), bare or under ComfyUI's `model.diffusion_model.` (wan2.2_t2v_high_noise_14B_*
 .safetensors), in bf16 or fp8 e4m3 (plain, or ComfyUI's "scaled" with a per-tensor
@@ -198,6 +197,7 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
 
     src = expert_source(sources, expert)
     config, files, ops, source_name = _layout(src)
+    check_text_to_video(config, src)
     try:
         model = build_empty(lambda: WanTransformer3DModel.from_config(config))
     except Exception as e:
@@ -207,6 +207,25 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
     extra = {} if source_name is None else {"source_name": source_name}
     return load_into_empty(model, files, ops, what=f"a {_LABEL['transformer']} of this architecture", dtype=dtype,
                            device=device, **extra, **fp8)
+
+
+def check_text_to_video(config: dict, src: Path) -> None:
+    """The family trains and samples Wan's 16-channel text-to-video transformers (Wan 2.2 T2V-A14B's
+    experts, Wan 2.1 T2V). TI2V-5B (48 latent channels of the Wan 2.2 VAE, per-token timesteps) and
+    the image-to-video models (36 input channels: the noisy latents and the first frame's
+    condition, Wan 2.1 I2V's image embedder too) need conditioning this family does not build yet:
+    refused by name rather than trained as something they are not."""
+    channels = (config.get("in_channels"), config.get("out_channels"))
+    if channels == (48, 48):
+        raise LoadError(f"{src}: a Wan 2.2 TI2V-5B transformer (48 latent channels): family \"wan2.2\" reads the "
+                        f"16-channel text-to-video models (T2V-A14B, Wan 2.1 T2V) only, for now")
+    if channels[0] == I2V_IN_CHANNELS or config.get("image_dim") is not None:
+        raise LoadError(f"{src}: a Wan image-to-video transformer ({channels[0]} input channels"
+                        f"{', an image embedder' if config.get('image_dim') is not None else ''}): its first-frame "
+                        f"conditioning is not built yet; family \"wan2.2\" reads the text-to-video models")
+    if channels != (16, 16):
+        raise LoadError(f"{src}: a Wan transformer of {channels[0]} input / {channels[1]} output channels, not the "
+                        f"16 of the Wan 2.1 VAE's latents")
 
 
 def describe(transformer) -> str:

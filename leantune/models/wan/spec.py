@@ -1,4 +1,5 @@
-"""The Wan spec (Wan 2.2 T2V/I2V-A14B's experts, TI2V-5B, Wan 2.1: one class): which modules are
+"""The Wan spec (Wan 2.2 A14B's experts, TI2V-5B, Wan 2.1: one class; the family reads the text-to-video
+ones, wan/loading.check_text_to_video): which modules are
 blocks, which stay in the compute dtype, LoRA presets, LoRA file names, the native single-file
 layout. Data only, so that the family module (wan/__init__.py) and its loader (wan/loading.py)
 both read it without importing each other.
