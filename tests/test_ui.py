@@ -775,3 +775,42 @@ def test_a_run_reads_only_a_dataset_under_the_pages_roots(tmp_path):
     with pytest.raises(dataset_view.OutsideRoots, match="outside the folders this page may use"):
         start({**FIELDS, "dataset": str(_images(outside))})
     assert not (tmp_path / "runs" / "cats").exists()
+
+
+def test_the_dataset_view_gets_small_thumbnails_made_once_and_remade_when_the_image_changes(tmp_path):
+    """A 1200x900 photo-like PNG comes back as a JPEG of at most 160 px a side and a few KB (1000 of
+    them under 5 MB), the image as the trainer reads it (EXIF turned); the second ask reads the kept
+    file, and an edited image gets a new thumbnail. Kept under the runs folder, not the dataset's."""
+    import io
+    import random
+
+    from leantune.ui import thumbs
+    from leantune.ui.app import create_app
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    photo = Image.new("RGB", (1200, 900))
+    # gradients with grain (a photo's mix of smooth areas and texture; pure noise is no photo)
+    photo.putdata([(x * 255 // 1200, y * 255 // 900, 128 + rng.randrange(-24, 25)) for y in range(900) for x in range(1200)])
+    exif = Image.Exif()
+    exif[0x0112] = 6                         # "rotate 90° clockwise to display": shown 900 wide, 1200 high
+    photo.save(data / "a.jpg", exif=exif.tobytes(), quality=90)
+    app = create_app(tmp_path / "runs", "t", [data])
+    thumb = _endpoint(app, "/api/dataset/thumb", "GET")
+    first = thumb(str(data), "a.jpg")
+    assert first.media_type == "image/jpeg"
+    shown = Image.open(io.BytesIO(first.body))
+    assert shown.format == "JPEG" and shown.size == (120, 160)            # turned as displayed, longer side 160
+    assert len(first.body) < 5_000_000 // 1000, len(first.body)
+    kept = list((tmp_path / "runs" / thumbs.FOLDER).iterdir())
+    assert len(kept) == 1 and kept[0].read_bytes() == first.body
+    assert sorted(p.name for p in data.iterdir()) == ["a.jpg"]            # nothing written beside the images
+    kept[0].write_bytes(b"kept")                                          # the second ask reads the kept file
+    assert thumb(str(data), "a.jpg").body == b"kept"
+    Image.new("RGB", (64, 32), (0, 200, 0)).save(data / "a.jpg")        # edited: a new thumbnail
+    os.utime(data / "a.jpg", ns=(1, 1))
+    again = Image.open(io.BytesIO(thumb(str(data), "a.jpg").body))
+    assert again.size == (64, 32) and again.getpixel((32, 16))[1] > 150
+    with pytest.raises(dataset_view.OutsideRoots):
+        thumb(str(_images(tmp_path / "elsewhere")), "a.png")

@@ -205,7 +205,7 @@ def test_datasets_are_confined_to_the_roots_chosen_at_start(tmp_path, page):
     outside = _dataset(tmp_path / "elsewhere")
     inside = _dataset(page.root / "inside")
     outside_words = "outside the folders this page may use"
-    for route in ("/api/dataset?path={}", "/api/dataset/image?path={}&name=a.png"):
+    for route in ("/api/dataset?path={}", "/api/dataset/image?path={}&name=a.png", "/api/dataset/thumb?path={}&name=a.png"):
         assert outside_words in route_refusal(*page.request("GET", route.format(quote(str(outside)))))
         climbing = inside / ".." / ".." / outside.parent.name / outside.name
         assert outside_words in route_refusal(*page.request("GET", route.format(quote(str(climbing)))))

@@ -135,6 +135,18 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     def get_image(path: str, name: str):
         return FileResponse(dataset_view.image_path(path, name, roots, real=True))
 
+    @app.get("/api/dataset/thumb")
+    def get_thumb(path: str, name: str):
+        """The image's thumbnail (thumbs.py), checked as the full image is, kept under the runs folder."""
+        from fastapi.responses import Response
+
+        from . import thumbs
+
+        with on_form(default="dataset"):
+            image = dataset_view.image_path(path, name, roots, real=True)
+        data = thumbs.thumbnail(image, runs_dir / thumbs.FOLDER)
+        return Response(data, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
+
     @app.put("/api/dataset/image")
     async def put_image(path: str, name: str, request: Request):
         with on_form(default="dataset"):

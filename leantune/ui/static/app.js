@@ -147,8 +147,15 @@ async function loadDatasetNow(path, focus) {
     for (const img of data.images) {
       const item = el("div", {className: "item"});
       item.dataset.name = img.name;
-      item.append(el("img", {src: `/api/dataset/image?path=${encodeURIComponent(data.folder)}&name=${encodeURIComponent(img.name)}`,
-                             loading: "lazy", alt: img.caption ? `${img.name}: ${img.caption}` : img.name}));
+      // a thumbnail made and kept by the server; the full image only when enlarged
+      const where = `path=${encodeURIComponent(data.folder)}&name=${encodeURIComponent(img.name)}`;
+      const thumb = el("img", {src: `/api/dataset/thumb?${where}`, loading: "lazy", tabIndex: 0,
+                               alt: img.caption ? `${img.name}: ${img.caption}` : img.name});
+      thumb.setAttribute("role", "button");
+      thumb.onclick = () => { $("enlarged").src = `/api/dataset/image?${where}`; $("enlarged").alt = thumb.alt;
+                              $("enlarged-caption").textContent = thumb.alt; $("enlarge").showModal(); };
+      thumb.onkeydown = (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); thumb.onclick(); } };
+      item.append(thumb);
       item.append(el("div", {}, `${img.name} ${img.width ?? "?"}×${img.height ?? "?"}`));
       const caption = el("textarea", {className: "caption", rows: 3, value: img.caption});
       caption.dataset.name = img.name;
