@@ -1,6 +1,7 @@
 """Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, and Wan 2.1 T2V, the same classes; TI2V-5B and the
-image-to-video models are refused by name until their conditioning is built: loading.check_text_to_video): latents,
-the transformer call, sampling and the family's registration (`wan2.2`). The spec is in wan/spec.py,
+image-to-video models are refused by name until their conditioning is built:
+loading.check_text_to_video): latents, the transformer call, sampling and the family's registration
+(`wan2.2`). The spec is in wan/spec.py,
 loading in wan/loading.py, text encoding in wan/text.py, the two experts in wan/experts.py; this
 module imports them, none imports it.
 
@@ -24,8 +25,8 @@ Everything follows WanPipeline (diffusers) exactly:
   `WanExperts` (wan/experts.py), which switches at the pipeline's boundary. The released folders'
   UniPCMultistepScheduler is another solver than the Euler step the sampler takes: only the Euler
   scheduler's samples equal the pipeline's.
-- Training noise levels: "shift", the logit-normal shifted by [train] shift (3.0, musubi-tuner's
-  discrete_flow_shift for Wan), inside the trained expert's range for a two-expert model.
+- Training noise levels: "shift", the logit-normal shifted by [train] shift (3.0 by default), inside
+  the trained expert's range for a two-expert model (`training_sigmas`).
 """
 
 from __future__ import annotations
