@@ -4,7 +4,8 @@ Each file is written here as DiffSynth-Studio's trainer writes one (peft's keys 
 name, `<module>.lora_A.default.weight` (r, in) / `.lora_B.default.weight` (out, r), under its DiT's
 module names, no alpha key: it trains at alpha / r = 1), from a trained tiny LoRA of the family:
 
-* Qwen-Image: DiffSynth's QwenImageDiT has diffusers' names, the trained LoRA's modules as they are;
+* Qwen-Image-2.1, Qwen-Image and FLUX.2: DiffSynth's QwenImage21DiT, QwenImageDiT and FLUX.2 DiT
+  have diffusers' names, the trained LoRA's modules as they are;
 * Wan: its WanModel has Wan-AI's names (`WAN_NAMES` below, by hand);
 * FLUX.1: its FluxDiT fuses q / k / v (and a single block's MLP input) into one Linear, as BFL does,
   under names of its own: the LoRA is one dense adapter of that fused Linear, and the deltas it
@@ -155,14 +156,14 @@ def _source(family, tmp_path):
         tensors, deltas = _flux_diffsynth_file(b)
         want = run(b, _merged(b.tiny, deltas))
     else:
-        tensors = _diffsynth_file_of_trained(b, (lambda n: n) if family == "qwen-image" else _wan_name)
+        tensors = _diffsynth_file_of_trained(b, _wan_name if family == "wan2.2" else (lambda n: n))
         deltas, want = b.lora.deltas, run(b, b.lora.model)
     path = tmp_path / "diffsynth.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})      # accelerate's safetensors header
     return b, path, deltas, want
 
 
-@pytest.mark.parametrize("family", ["qwen-image", "wan2.2", "flux"])
+@pytest.mark.parametrize("family", ["qwen-image-2.1", "qwen-image", "flux2-dev", "wan2.2", "flux"])
 def test_a_diffsynth_lora_converts_and_loads_as_trained(family, tmp_path):
     b, path, deltas, want = _source(family, tmp_path)
     got = read_lora(path)
@@ -205,7 +206,8 @@ def test_a_diffsynth_key_that_maps_to_no_module_is_named(tmp_path, capsys):
     bad = dict(tensors)
     bad["blocks.0.attn.c_to_qkv.lora_A.default.weight"] = bad.pop("blocks.0.attn.a_to_qkv.lora_A.default.weight")
     save_file(bad, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(LoraFormatError, match=r"bad\.safetensors.*'blocks\.0\.attn\.c_to_qkv\.lora_A\.default\.weight'"):
+    named = r"bad\.safetensors.*'blocks\.0\.attn\.c_to_qkv\.lora_A\.default\.weight'"
+    with pytest.raises(LoraFormatError, match=named):
         read_lora(tmp_path / "bad.safetensors")
     assert _convert(tmp_path / "bad.safetensors", tmp_path / "out.safetensors", "--to", "comfyui") == 2
     assert "blocks.0.attn.c_to_qkv.lora_A.default.weight" in capsys.readouterr().err

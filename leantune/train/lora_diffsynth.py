@@ -19,9 +19,14 @@ What DiffSynth-Studio writes was read in modelscope/DiffSynth-Studio (snapshot f
 
 The module names are those of DiffSynth's DiT classes:
 
-* Qwen-Image (diffsynth/models/qwen_image_dit.py, `QwenImageDiT`, loaded from diffusers' files
-  without a state-dict converter) and FLUX.2 (diffsynth/models/flux2_dit.py): diffusers' own names
-  and row order, read as a diffusers-layout file;
+* Qwen-Image-2.1 (diffsynth/models/qwen_image_21_dit.py, `QwenImage21DiT`, at later commits of
+  the code index than that snapshot; trained by examples/qwen_image_21/model_training/train.py,
+  whose lora/Qwen-Image-2.1.sh leaves `--lora_target_modules` empty: `auto_detect_lora_target_modules`
+  then takes every Linear of the blocks at least 512 wide, attn.to_q / to_k / to_v / to_out.0 and
+  img_mlp.proj / gate_layer / out), Qwen-Image (diffsynth/models/qwen_image_dit.py, `QwenImageDiT`)
+  and FLUX.2 (diffsynth/models/flux2_dit.py): diffusers' own module paths (Qwen-Image-2.1's SwiGLU
+  unfused, as in the official release; each DiT loads the diffusers transformer files), read as a
+  diffusers-layout file;
 * Wan (diffsynth/models/wan_video_dit.py, `WanModel`): Wan-AI's native names (`blocks.N.self_attn.q`,
   `ffn.0`, `head.head`, ...), which the Wan family's table reads;
 * FLUX.1 (diffsynth/models/flux_dit.py, `FluxDiT`): names of its own, each a rename of one BFL
@@ -32,10 +37,8 @@ The module names are those of DiffSynth's DiT classes:
   `context_embedder` are already diffusers' names of the same Linears and stay. (Its
   `--align_to_opensource_format` files are kohya's names, read as such.)
 
-Qwen-Image-2.1 is not in that snapshot (no DiT, pipeline or training example), so there is no
-DiffSynth layout of it to follow; a file in this layout whose names are diffusers' reads for any
-family. The Z-Image and Krea 2 DiTs have state-dict converters whose names are not mapped here: such
-a file's first unmapped key is named in the error.
+The Z-Image and Krea 2 DiTs have state-dict converters whose names are not mapped here: such a
+file's first unmapped key is named in the error.
 """
 
 from __future__ import annotations
@@ -135,8 +138,8 @@ def readable(source: str, tensors: dict[str, torch.Tensor],
         stem = flux_native(stem) or stem
         if not known(stem):
             raise LoraFormatError(f"{source}: key {key!r}: DiffSynth-Studio module {stem!r} maps to no transformer "
-                                  f"Linear leantune knows (its DiT names are read for Qwen-Image, FLUX.1, FLUX.2 "
-                                  f"and Wan)")
+                                  f"Linear leantune knows (its DiT names are read for Qwen-Image-2.1, Qwen-Image, "
+                                  f"FLUX.1, FLUX.2 and Wan)")
         name = f"{stem}.{suffix}"
         if name in out:
             raise LoraFormatError(f"{source}: keys {origin[name]!r} and {key!r} give the same LoRA tensor (two "
