@@ -217,3 +217,26 @@ def test_a_diffsynth_key_that_maps_to_no_module_is_named(tmp_path, capsys):
     save_file(whole, str(tmp_path / "whole.safetensors"))
     with pytest.raises(LoraFormatError, match=r"'blocks\.0\.norm1_a\.linear\.weight'.*not a LoRA matrix"):
         read_lora(tmp_path / "whole.safetensors")
+
+
+def test_init_from_and_base_adapters_take_a_diffsynth_file(tmp_path):
+    """[lora] init_from continues a DiffSynth file (its scale 1 into a rank-4, alpha-8 LoRA: the
+    same deltas) and [model] base_adapters reads it as the family's LoRA."""
+    from families.conftest import lora_config
+
+    from leantune.config import AdapterRef
+    from leantune.train.base_adapters import read_adapters
+    from leantune.train.lora import lora_layers
+    from leantune.train.lora_mode import LoraMode
+
+    b, path, deltas, _ = _source("wan2.2", tmp_path)
+    model = copy.deepcopy(b.tiny)
+    LoraMode(lora_config(), None, [], init_from=path).prepare(model, b.spec)
+    layers = lora_layers(model, "default")
+    assert set(layers) == set(deltas)
+    for name, delta in deltas.items():
+        torch.testing.assert_close(layers[name].get_delta_weight("default").detach(), delta, rtol=1e-5, atol=1e-7,
+                                   msg=name)
+    (adapter,) = read_adapters([AdapterRef(path=str(path), strength=0.5)], lambda p: tmp_path / p, b.spec.lora_keys,
+                               "[model] base_adapters")
+    assert adapter.weights.format == "diffsynth" and set(adapter.weights.modules) == set(deltas)
