@@ -443,6 +443,37 @@ def test_a_video_latent_streams_and_trains_as_the_plain_model(tmp_path):
     assert all(torch.equal(streamed_values[n], plain_values[n]) for n in plain_values)
 
 
+def test_a_diffusion_pipe_lora_converts_to_a_file_wanpipeline_loads(tmp_path):
+    """`leantune convert --to diffusers` on a LoRA in diffusion-pipe's / ComfyUI's
+    `diffusion_model.blocks.N.self_attn.q.lora_A` names: WanPipeline.load_lora_weights takes the
+    result, and its peft deltas are the trained ones."""
+    from families.cases import CASES
+    from families.conftest import Built
+
+    from leantune.cli import main
+    from leantune.io import save_safetensors
+    from leantune.train.lora import lora_layers
+    from leantune.train.lora_formats import read_lora
+
+    b = Built(next(c for c in CASES if c.family == "wan2.2"), tmp_path)
+    lora = b.lora
+    tensors = {}
+    for name, m in read_lora(lora.files["diffusers"], FAM.spec.lora_keys).modules.items():
+        tensors[f"diffusion_model.{_native_module(name)}.lora_A.weight"] = m.down.contiguous()
+        up = m.up * (m.alpha / m.down.shape[0])                 # alpha folded, as those files carry none
+        tensors[f"diffusion_model.{_native_module(name)}.lora_B.weight"] = up.contiguous()
+    src = save_safetensors(tensors, tmp_path / "diffusion_pipe.safetensors")
+    out = tmp_path / "converted.safetensors"
+    assert main(["convert", str(src), str(out), "--to", "diffusers"]) == 0
+    pipe = b.pipeline_with(transformer=copy.deepcopy(b.tiny))
+    pipe.load_lora_weights(str(out), adapter_name="x")
+    layers = lora_layers(pipe.transformer, "x")
+    assert set(layers) == set(lora.deltas)
+    for name, layer in layers.items():
+        torch.testing.assert_close(layer.get_delta_weight("x").detach(), lora.deltas[name], rtol=1e-5, atol=1e-6,
+                                   msg=name)
+
+
 # -- the two experts -----------------------------------------------------------------------------------------
 
 def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(folder, pipeline, tmp_path):
