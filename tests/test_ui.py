@@ -742,6 +742,32 @@ def test_watching_says_what_the_trainer_does_before_step_1_then_elapsed_and_eta(
     assert t["elapsed_s"] == 60.0 and t["eta_s"] == pytest.approx((100 - 3) * (1.52 + 1.30 + 1.30) / 3)
 
 
+def test_the_runs_time_adds_up_across_stop_and_resume(tmp_path):
+    """A run that trained 30 s, then 60 s (stopped), then resumed: its time carries on from 90 s,
+    not from 0; a fresh start (not a resume) counts from 0 again."""
+    folder = _run(tmp_path, "r", steps=100)
+    (folder / launcher.PROCESS_FILE).write_text(json.dumps({"pid": 1, "exit_code": 0, "started": 100.0,
+                                                            "ended": 160.0, "before_s": 30.0}))
+    assert runs.timing(folder, [], 100)["elapsed_s"] == 90.0                  # stopped: the two launches
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    info = launcher.start(folder, None, resume=True, command=sleeper)
+    try:
+        assert info["before_s"] == 90.0
+        (folder / launcher.PROCESS_FILE).write_text(json.dumps({**info, "started": 1000.0}))
+        assert runs.timing(folder, [], 100, now=1012.0)["elapsed_s"] == 102.0   # 90 before + 12 now
+    finally:
+        os.kill(info["pid"], 9)
+    wait_until(lambda: not launcher.alive(folder), what="the sleeper to end")
+    (folder / launcher.PROCESS_FILE).write_text(json.dumps({"pid": 1, "exit_code": 0, "started": 1.0, "ended": 2.0,
+                                                            "before_s": "forged"}))
+    assert launcher.time_before(launcher.read_process(folder)) == 0.0          # a record without numbers: 0
+    fresh = launcher.start(folder, None, resume=False, command=sleeper)
+    try:
+        assert fresh["before_s"] == 0.0
+    finally:
+        os.kill(fresh["pid"], 9)
+
+
 def test_the_gallery_cuts_each_prompts_image_out_of_the_grids(tmp_path):
     """A trainer's sample grid (3 prompts of 16 px, two to a row, its PNG metadata saying the size)
     gives back prompt i's image at each step."""

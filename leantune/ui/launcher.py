@@ -128,16 +128,32 @@ def start(folder: Path, config: Path | None, resume: bool = False, command: list
         if alive(folder):
             raise LaunchError(f"{folder.name}: already running")
         cmd = [str(a) for a in (command or train_command(config, resume))]
+        before = time_before(read_process(folder)) if resume else 0.0
         with open(folder / CONSOLE_FILE, "ab") as console:
             console.write(f"$ {' '.join(cmd)}\n".encode())
             console.flush()
             proc = subprocess.Popen(cmd, cwd=folder, stdout=console, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         info = {"pid": proc.pid, "proc_start": start_time(proc.pid), "command": cmd, "started": time.time(),
-                "resume": resume, "exit_code": None}
+                "resume": resume, "exit_code": None, "before_s": before}
         _write_process(folder, info)
     threading.Thread(target=_reap, args=(proc, folder, info), daemon=True).start()
     return info
+
+
+def time_before(info: dict | None) -> float:
+    """The seconds a run trained before its latest launch ended: the launches before it, carried
+    over at each resume, plus the latest one when its end is known. A run's time shown across
+    Stop and Resume is this plus the current launch's. A record that says nothing usable is 0."""
+    if not info:
+        return 0.0
+    try:
+        before = max(0.0, float(info.get("before_s") or 0.0))
+        if info.get("ended") is not None and info.get("started") is not None:
+            before += max(0.0, float(info["ended"]) - float(info["started"]))
+    except (TypeError, ValueError):
+        return 0.0
+    return before
 
 
 def _reap(proc: subprocess.Popen, folder: Path, info: dict) -> None:

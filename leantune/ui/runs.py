@@ -144,13 +144,14 @@ def activity(log: str, console: str) -> str:
 
 
 def timing(folder: Path, steps: list[dict], total: int | None, now: float | None = None) -> dict:
-    """Elapsed seconds of this process and the ETA from the measured s/it of the last steps."""
+    """Elapsed seconds of the run across its launches (Stop and Resume carry the time before over,
+    launcher.time_before) and the ETA from the measured s/it of the last steps."""
     import time
 
     info = launcher.read_process(folder) or {}
     started = info.get("started")
     end = info.get("ended") or (now if now is not None else time.time())
-    elapsed = end - started if started else None
+    elapsed = launcher.time_before({**info, "ended": None}) + (end - started) if started else None
     eta = None
     if steps and total and launcher.is_alive(info, folder):
         recent = [s["s_it"] for s in steps[-20:]]
