@@ -402,7 +402,8 @@ def test_a_video_latent_streams_and_trains_as_the_plain_model(tmp_path):
     x = torch.randn(2, 16, 3, 4, 6, generator=g)
     assert pack_latents(x) is x and unpack_latents(x, 4, 6) is x
     image = x[:, :, 0]
-    assert pack_latents(image).shape == (2, 16, 1, 4, 6) and torch.equal(unpack_latents(pack_latents(image), 4, 6), image)
+    assert pack_latents(image).shape == (2, 16, 1, 4, 6)
+    assert torch.equal(unpack_latents(pack_latents(image), 4, 6), image)
     embeds = PromptEmbeds(torch.randn(2, 9, WAN_TINY["text_dim"], generator=g), torch.zeros(2, 0))
     sigma = torch.tensor([0.9, 0.3])
     tiny = wan_transformer(0).requires_grad_(False)
