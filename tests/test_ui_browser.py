@@ -371,6 +371,25 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         assert (images / "new.png").read_bytes() == new
         assert (images / "a.png").read_bytes() == original and not (images / "broken.png").exists()
         assert sorted(p.name for p in images.iterdir()) == ["a.png", "a.txt", "new.png"]
+        # an image dropped on the dataset lands as an upload does
+        import base64
+
+        dropped = _png(uploads / "dropped.png", 72, (0, 0, 200))
+        page.evaluate("""(b64) => {
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            const dt = new DataTransfer();
+            dt.items.add(new File([bytes], "dropped.png", {type: "image/png"}));
+            const grid = document.querySelector("#grid");
+            for (const kind of ["dragover", "drop"]) grid.dispatchEvent(new DragEvent(kind, {dataTransfer: dt, bubbles: true, cancelable: true}));
+        }""", base64.b64encode(dropped).decode())
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 3")
+        assert (images / "dropped.png").read_bytes() == dropped
+        # the filter: only the images with a warning (the two without a caption)
+        page.check("#only-warned")
+        visible = page.evaluate("[...document.querySelectorAll('#grid .item')].filter((i) => !i.hidden).map((i) => i.dataset.name)")
+        assert sorted(visible) == ["dropped.png", "new.png"], visible
+        page.uncheck("#only-warned")
+        assert page.locator("#grid .item:visible").count() == 3
 
         # full mode: no rank; the plan box shows the planner's full fine-tune plan, which prices the
         # optimizer state of every weight and so needs more VRAM than the LoRA plan of the same model

@@ -151,9 +151,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     async def put_image(path: str, name: str, request: Request):
         with on_form(default="dataset"):
             dataset_view.folder_of(path, roots)          # refuse before reading a byte of the body
-        with on_form(default="upload"):
-            data = await _body(request, dataset_view.MAX_UPLOAD_BYTES, name)
-            return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data, roots))}
+        data = await _body(request, dataset_view.MAX_UPLOAD_BYTES, name)      # per file: the page lists each refusal
+        return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data, roots))}
 
     @app.post("/api/caption")
     def post_caption(body: dict):

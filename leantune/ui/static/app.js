@@ -177,9 +177,11 @@ async function loadDatasetNow(path, focus) {
       item.append(caption, note);
       for (const w of img.warnings) { item.append(el("div", {className: "warn"}, "⚠ " + w)); }
       if (img.warnings.length) warned++;
+      item.dataset.warned = img.warnings.length ? "yes" : "no";
       grid.append(item);
     }
     $("dataset-summary").textContent = `${data.images.length} images in ${data.folder}` + (warned ? `, ${warned} with warnings` : "");
+    filterGrid();
     datasetShown = {path, count: data.images.length};
     if (fieldErrors.action.some((p) => p.field === "dataset")) showFieldErrors("action", []);
     setView({dataset: path}, false);
@@ -192,12 +194,17 @@ async function loadDatasetNow(path, focus) {
   updateChecklist();
 }
 
-async function upload() {
+function filterGrid() {
+  // "only images with warnings": the ones the trainer would skip or shrink, to fix first
+  const only = $("only-warned").checked;
+  for (const item of $("grid").children) item.hidden = only && item.dataset.warned !== "yes";
+}
+async function upload(files) {
   // Each file is checked by the server (decodes as an image, name not taken); a refused one is
-  // reported and the others still land.
+  // reported and the others still land. `files`: chosen with "Add images" or dropped on the grid.
   const folder = $("dataset").value, refused = [];
   let added = 0;
-  for (const f of $("upload").files) {
+  for (const f of files) {
     if (f.size > maxUpload) { refused.push(`${f.name}: ${(f.size / 2 ** 20).toFixed(0)} MiB, more than the ${maxUpload / 2 ** 20} MiB an upload may be`); continue; }
     const r = await fetch(`/api/dataset/image?path=${encodeURIComponent(folder)}&name=${encodeURIComponent(f.name)}`,
                           {method: "PUT", body: f, headers: {"X-Leantune-Token": TOKEN}});
@@ -667,7 +674,18 @@ async function init() {
   $("fit-gpu").onclick = () => { $("vram_budget").value = "auto"; saveForm(); updatePlan(); };
   $("enlarge-close").onclick = () => $("enlarge").close();
   $("load-dataset").onclick = () => loadDataset(true);
-  $("upload").onchange = upload;
+  $("upload").onchange = () => upload($("upload").files);
+  // images dropped on the dataset's grid are added as "Add images" adds them
+  const drop = $("dataset-section");
+  drop.addEventListener("dragover", (ev) => { if (ev.dataTransfer.types.includes("Files")) { ev.preventDefault(); drop.classList.add("dropping"); } });
+  drop.addEventListener("dragleave", (ev) => { if (ev.target === drop) drop.classList.remove("dropping"); });
+  drop.addEventListener("drop", (ev) => {
+    drop.classList.remove("dropping");
+    if (!ev.dataTransfer.files.length) return;
+    ev.preventDefault();
+    upload([...ev.dataTransfer.files]);
+  });
+  $("only-warned").onchange = filterGrid;
   $("start").onclick = startRun;
   $("stop").onclick = stopRun;
   $("resume").onclick = resumeRun;
