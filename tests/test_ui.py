@@ -546,6 +546,7 @@ def test_the_plan_is_said_in_words_and_offers_the_smallest_budget(tmp_path, tiny
     fits = plan(fields)
     assert fits["fits"] is True
     assert fits["words"].startswith("the whole model stays on the GPU; ") and "for 1000 steps on" in fits["words"]
+    assert fits["ram_budget_gib"] == 64 and fits["budget_gib"] == 1            # the bars' scales: the budgets
     assert fits["assumed_machine"] and fits["words"].endswith("this machine has no GPU, so a run here trains on the "
                                                               "CPU, many times slower")
     monkeypatch.setattr(system, "gpus", lambda: [{"name": "GPU", "used": 0, "total": 2**34, "utilization": 0.0}])

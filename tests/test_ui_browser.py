@@ -406,6 +406,13 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         toml = page.text_content("#toml")
         assert "[lora]" not in toml and 'vram_budget = "12GiB"' in toml and "\nram_budget" not in toml
         assert page.get_attribute("#plan", "class").split()[-1] == "fits"
+        # the peaks as bars against the budgets, split into the engine's parts
+        vram_bar = page.locator("#plan-bars .bar[data-kind=vram]")
+        assert "of a 12.00 GiB budget" in vram_bar.get_attribute("aria-label")
+        widths = vram_bar.evaluate("b => [...b.querySelectorAll('.part')].map((p) => parseFloat(p.style.width))")
+        peak = float(page.inner_text("#plan-message").split("predicted peak VRAM ")[1].split(" MiB")[0]) / 1024
+        assert len(widths) > 1 and abs(sum(widths) - 100 * peak / 12) < 0.05, (widths, peak)
+        assert page.locator("#plan-bars .bar[data-kind=host]").count() == 1
         mib = lambda text: float(text.split("predicted peak VRAM ")[1].split(" MiB")[0])   # a tiny model's plans
         assert mib(page.inner_text("#plan-message")) > mib(lora_message)
         page.select_option("#mode", "lora")

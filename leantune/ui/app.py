@@ -284,6 +284,9 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                     return {"fits": None, "planned": False, "message": "not planned: " + said["error"],
                             "field": said["field"]}
                 summary = plan_answer.summarize(answer, form.steps, ram_words)
+                from ..config import parse_size
+
+                summary["ram_budget_gib"] = parse_size(ram) / 2**30 if ram else None    # the host RAM bar's scale
                 if summary["fits"] and summary["assumed_machine"] and not system.gpus():
                     # the time is a GPU's: said so where the run would train on this machine's CPU
                     summary["words"] += "; this machine has no GPU, so a run here trains on the CPU, many times slower"

@@ -276,6 +276,7 @@ function showPlan(p) {
   if (!p.fits) return;
   d.append(el("p", {}, `${p.workload} · streamed blocks ${p.streamed_blocks}/${p.total_blocks} · fp8 ${p.fp8 ? "on" : "off"} · ` +
     `checkpointing ${p.checkpointing} · predicted ${p.step_s.toPrecision(3)} s/step` + (p.assumed_machine ? ` (${p.machine}, assumed rates)` : "")));
+  d.append(planBars(p));
   const table = el("table");
   const rows = [["VRAM", p.vram_breakdown_gib], ["host RAM", p.host_breakdown_gib]];
   for (const [title, parts] of rows) {
@@ -284,6 +285,36 @@ function showPlan(p) {
     table.append(tr);
   }
   d.append(table);
+}
+
+const PART_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+function planBars(p) {
+  // the predicted peaks against the budgets, each bar split into the engine's parts (scaled to the
+  // peak: the parts are measured at their own moments, so their sum is not always the peak)
+  const box = el("div", {id: "plan-bars"});
+  for (const [kind, title, peak, budget, parts] of [["vram", "VRAM", p.peak_vram_gib, p.budget_gib, p.vram_breakdown_gib],
+                                                     ["host", "host RAM", p.peak_host_gib, p.ram_budget_gib, p.host_breakdown_gib]]) {
+    if (!peak || !budget) continue;
+    const scale = Math.max(budget, peak), entries = Object.entries(parts || {}).filter(([, v]) => v > 0);
+    const sum = entries.reduce((a, [, v]) => a + v, 0) || 1;
+    const bar = el("div", {className: "bar"});
+    bar.dataset.kind = kind;
+    bar.setAttribute("role", "img");
+    bar.setAttribute("aria-label", `${title}: predicted peak ${gib(peak)} of a ${gib(budget)} budget` +
+      (entries.length ? ` (${entries.map(([k, v]) => `${k} ${gib(v)}`).join(", ")})` : ""));
+    entries.forEach(([k, v], i) => {
+      const part = el("span", {className: "part", title: `${k} ${gib(v)}`});
+      part.style.width = `${(100 * (v / sum) * peak / scale).toFixed(2)}%`;
+      part.style.background = PART_COLORS[i % PART_COLORS.length];
+      part.dataset.part = k;
+      bar.append(part);
+    });
+    const mark = el("span", {className: "budget-mark"});
+    mark.style.left = `${(100 * budget / scale).toFixed(2)}%`;
+    bar.append(mark);
+    box.append(el("div", {className: "bar-title"}, `${title}: ${gib(peak)} of ${gib(budget)}`), bar);
+  }
+  return box;
 }
 
 // -- 3. runs ------------------------------------------------------------------------------------------
