@@ -323,6 +323,7 @@ def _finished_run(runs_dir: Path) -> Path:
         f"2026-11-24 08:26:2{i},000 INFO step {i} loss {0.9 - 0.1 * i:.5f} lr 0.0001 {1.5 - 0.05 * i:.2f}s/it "
         f"vram 4.80/5.90 GiB (peak {5.0 + 0.1 * i:.2f}) rss {10.0 + 0.2 * i:.1f} GiB\n" for i in range(1, 5))
         + "2026-11-24 08:26:30,000 INFO saved watched_comfyui.safetensors\n")
+    _png(folder / "run" / "samples" / "step000002.png", 64, (200, 120, 10))
     _png(folder / "run" / "samples" / "step000004.png", 64, (10, 120, 200))
     (folder / "run" / "watched_comfyui.safetensors").write_bytes(b"weights of the finished run")
     return folder
@@ -458,6 +459,14 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         page.focus("#samples img")                         # a tile takes the keyboard and opens with Enter
         page.keyboard.press("Enter")
         page.wait_for_function("document.querySelector('#enlarge').open")
+        assert page.inner_text("#enlarged-caption").startswith("step 2: samples")
+        page.keyboard.press("ArrowRight")                  # the viewer: the next step's sample
+        assert page.inner_text("#enlarged-caption").startswith("step 4: samples")
+        assert page.get_attribute("#enlarged", "src").endswith("/samples/step000004.png")
+        page.keyboard.press("ArrowRight")                  # the last step stays
+        assert page.inner_text("#enlarged-caption").startswith("step 4")
+        page.fill("#enlarge-step", "0")                    # the slider over the steps
+        assert page.inner_text("#enlarged-caption").startswith("step 2")
         page.click("#enlarge-close")
         links = page.locator("#downloads a")
         assert links.all_inner_texts() == ["config.toml", "watched_comfyui.safetensors"]

@@ -152,7 +152,7 @@ async function loadDatasetNow(path, focus) {
       const thumb = el("img", {src: `/api/dataset/thumb?${where}`, loading: "lazy", tabIndex: 0,
                                alt: img.caption ? `${img.name}: ${img.caption}` : img.name});
       thumb.setAttribute("role", "button");
-      thumb.onclick = () => { $("enlarged").src = `/api/dataset/image?${where}`; $("enlarged").alt = thumb.alt;
+      thumb.onclick = () => { viewer = null; $("enlarge-step").hidden = true; $("enlarged").src = `/api/dataset/image?${where}`; $("enlarged").alt = thumb.alt;
                               $("enlarged-caption").textContent = thumb.alt; $("enlarge").showModal(); };
       thumb.onkeydown = (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); thumb.onclick(); } };
       item.append(thumb);
@@ -546,21 +546,50 @@ function gallery(name, g) {
   const prompts = g.prompts.length ? g.prompts : ["samples"];
   const head = el("tr"); head.append(el("th", {}, "step"), ...prompts.map((q) => el("th", {}, q)));
   table.append(head);
-  for (const s of g.steps) {
+  g.steps.forEach((s, si) => {
     const tr = el("tr"); tr.append(el("th", {}, String(s.step)));
     prompts.forEach((q, i) => {
       const src = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}` + (g.prompts.length ? `?prompt=${i}` : "");
       const img = el("img", {src, alt: `step ${s.step}: ${q}`, title: `step ${s.step}: ${q}`});
       img.dataset.step = s.step; img.dataset.prompt = i;
-      img.onclick = () => { $("enlarged").src = src; $("enlarged").alt = img.alt; $("enlarged-caption").textContent = img.alt; $("enlarge").showModal(); };
+      img.onclick = () => openViewer(name, g, si, i);
       // a tile takes the keyboard's focus and opens with Enter or Space, as a button does
       img.tabIndex = 0; img.setAttribute("role", "button");
       img.onkeydown = (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); img.onclick(); } };
       const td = el("td"); td.append(img); tr.append(td);
     });
     table.append(tr);
-  }
+  });
   return table;
+}
+// the enlarged sample as a viewer: ←/→ (or the slider) move over the steps, ↑/↓ over the prompts
+let viewer = null;
+function openViewer(name, g, si, pi) {
+  viewer = {name, g, si, pi};
+  showViewer();
+  if (!$("enlarge").open) $("enlarge").showModal();
+}
+function showViewer() {
+  const {name, g, si, pi} = viewer, s = g.steps[si], prompts = g.prompts.length ? g.prompts : ["samples"];
+  const src = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}` + (g.prompts.length ? `?prompt=${pi}` : "");
+  $("enlarged").src = src;
+  $("enlarged").alt = `step ${s.step}: ${prompts[pi]}`;
+  $("enlarged-caption").textContent = `step ${s.step}: ${prompts[pi]}` +
+    (g.steps.length > 1 || prompts.length > 1 ? " · ←/→ steps, ↑/↓ prompts" : "");
+  const slider = $("enlarge-step");
+  slider.hidden = g.steps.length < 2;
+  slider.max = g.steps.length - 1; slider.value = si;
+  slider.setAttribute("aria-valuetext", `step ${s.step}`);
+}
+function viewerKey(ev) {
+  if (!viewer) return;
+  const prompts = viewer.g.prompts.length || 1, steps = viewer.g.steps.length;
+  const move = {ArrowLeft: [-1, 0], ArrowRight: [1, 0], ArrowUp: [0, -1], ArrowDown: [0, 1]}[ev.key];
+  if (!move || ev.target === $("enlarge-step") && move[0]) return;      // the slider moves itself
+  ev.preventDefault();
+  viewer.si = Math.min(steps - 1, Math.max(0, viewer.si + move[0]));
+  viewer.pi = Math.min(prompts - 1, Math.max(0, viewer.pi + move[1]));
+  showViewer();
 }
 async function stopRun() {
   try {
@@ -704,6 +733,8 @@ async function init() {
   $("s_run").onchange = sampleRun;
   $("fit-gpu").onclick = () => { $("vram_budget").value = "auto"; saveForm(); updatePlan(); };
   $("enlarge-close").onclick = () => $("enlarge").close();
+  $("enlarge").addEventListener("keydown", viewerKey);
+  $("enlarge-step").addEventListener("input", () => { if (viewer) { viewer.si = Number($("enlarge-step").value); showViewer(); } });
   $("load-dataset").onclick = () => loadDataset(true);
   $("upload").onchange = () => upload($("upload").files);
   // images dropped on the dataset's grid are added as "Add images" adds them
