@@ -477,9 +477,10 @@ def test_a_diffusion_pipe_lora_converts_to_a_file_wanpipeline_loads(tmp_path):
 
 # -- the two experts -----------------------------------------------------------------------------------------
 
-def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(folder, pipeline, tmp_path):
+def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(folder, pipeline, tmp_path, caplog):
     """[model] expert "high" / "auto" is the folder's transformer/, "low" its transformer_2/, as
-    WanPipeline.from_pretrained reads them; the folder's boundary_ratio is read; "low" on a
+    WanPipeline.from_pretrained reads them ("auto" warning that it is one expert of two); the folder's
+    boundary_ratio is read; "low" on a
     one-transformer folder and the key on another family are refused, naming what to change."""
     from leantune.models.wan import trained_expert
 
@@ -487,7 +488,11 @@ def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(fol
     for expert, want in cases:
         src = _sources(folder, tmp_path, expert=expert)
         assert src.boundary_ratio == BOUNDARY_RATIO == pipeline.config.boundary_ratio
+        caplog.clear()
         _assert_same_weights(FAM.load_transformer(src, dtype=torch.float32), want)
+        # "auto" says that it loads one expert of two, and what that means for samples
+        assert any("high-noise expert" in r.getMessage() and "expert = \"high\" or \"low\"" in r.getMessage()
+                   for r in caplog.records) == (expert == "auto")
         assert trained_expert(src) == ("low" if expert == "low" else "high", BOUNDARY_RATIO)
     assert not torch.equal(pipeline.transformer.proj_out.weight, pipeline.transformer_2.proj_out.weight)
     one = save_wan_folder(tmp_path / "one", experts=1)

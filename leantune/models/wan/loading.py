@@ -2,8 +2,9 @@
 
 Sources: a diffusers folder in the Wan-AI/Wan2.2-T2V-A14B-Diffusers layout (transformer/ the
 high-noise expert and transformer_2/ the low-noise one, both WanTransformer3DModel, with the
-pipeline's `boundary_ratio` in model_index.json; Wan 2.1's folders have transformer/ alone), text_encoder/ umT5-XXL (UMT5EncoderModel), tokenizer/ umT5's, vae/ AutoencoderKLWan; any
-component overridden by a [model] key; or a single transformer .safetensors file: Wan-AI's own
+pipeline's `boundary_ratio` in model_index.json; Wan 2.1's folders have transformer/ alone),
+text_encoder/ umT5-XXL (UMT5EncoderModel), tokenizer/ umT5's, vae/ AutoencoderKLWan; any component
+overridden by a [model] key; or a single transformer .safetensors file: Wan-AI's own
 names (wan/keys.py), bare or under ComfyUI's `model.diffusion_model.` (wan2.2_t2v_high_noise_14B_*
 .safetensors), in bf16 or fp8 e4m3 (plain, or ComfyUI's "scaled" with a per-tensor
 `scale_weight`), or diffusers' names in one file. The VAE and the text encoder may be single files too:
@@ -24,6 +25,7 @@ refused before a tensor is read, naming the family to set. Only safetensors is r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from .. import component_loading as cl
 from . import keys
 from .spec import WAN_SPEC
 from ..weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
+
+log = logging.getLogger(__name__)
 
 COMPONENTS = ("transformer", "transformer_2", "text_encoder", "tokenizer", "vae")
 _LABEL = {"transformer": "Wan transformer", "transformer_2": "Wan low-noise transformer (transformer_2)",
@@ -198,6 +202,11 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
     src = expert_source(sources, expert)
     config, files, ops, source_name = _layout(src)
     check_text_to_video(config, src)
+    if expert is None and sources.expert == "auto" and sources.transformer_2 is not None and str(device) != "meta":
+        log.warning("%s: a two-expert Wan 2.2 folder; [model] expert = \"auto\" loads its high-noise expert "
+                    "(transformer/) alone: a run trains it on its noise levels only, and samples drawn with it "
+                    "alone (leantune sample, previews) are not WanPipeline's two-expert ones; set [model] "
+                    "expert = \"high\" or \"low\" to say which expert a run trains", src.parent)
     try:
         model = build_empty(lambda: WanTransformer3DModel.from_config(config))
     except Exception as e:
