@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,80 @@ def test_the_int_mm_forward_is_the_w8a8_product_on_cuda(monkeypatch):
     monkeypatch.setattr(i8, "INT_MM", True)
     got = lin(x)
     assert got.dtype == want.dtype and ((got.float() - want.float()).norm() / want.float().norm()) < 0.02
+
+
+# -- [model] transformer = a ComfyUI int8 ConvRot file ------------------------------------------------
+
+def _comfy_int8_flux(source, path: Path) -> dict[str, torch.Tensor]:
+    """`source` as ComfyUI's int8 ConvRot Flux files are laid out: the BFL single file's names under
+    model.diffusion_model., every 2-D block weight (modulation included) as int8 ConvRot (groups
+    of 64), the rest and the file's metadata as written; returns each quantized weight's decoded fp32 value by file key."""
+    from leantune.io import load_safetensors
+    from leantune.models.flux import loading as flux_loading
+
+    plain = flux_loading.save_bfl_transformer(source, path.with_name("plain.safetensors"), dtype=torch.float32)
+    tensors, metadata = load_safetensors(plain)
+    out, decoded = {}, {}
+    for key, t in tensors.items():
+        name = f"model.diffusion_model.{key}"
+        if key.startswith(("double_blocks.", "single_blocks.")) and key.endswith(".weight") and t.dim() == 2:
+            codes, scale = i8.quantize_codes(t, 64)
+            stem = name[: -len("weight")]
+            out[name], out[stem + "weight_scale"], out[stem + "comfy_quant"] = codes, scale, i8.comfy_quant_bytes(64)
+            decoded[key] = i8.dequantize_codes(codes, scale, 64)
+        else:
+            out[name] = t
+    save_file(out, str(path), metadata=metadata)          # leantune's config (the tiny widths' rotary axes)
+    return decoded
+
+
+def test_a_comfyui_int8_convrot_flux_file_loads_with_its_linears_kept_int8(source, tmp_path):
+    """[model] transformer = a ComfyUI int8 ConvRot Flux file: every block Linear (BFL's fused qkv
+    and linear1 split by rows) holds the file's codes and scale as stored rows and computes with
+    ComfyUI's dequantization of them, bitwise: the loaded model equals a plain one holding those
+    weights, and the source to int8's precision."""
+    from leantune.models.flux import PromptEmbeds
+    from leantune.models.flux import loading as flux_loading
+
+    path = tmp_path / "flux_int8_convrot.safetensors"
+    decoded = _comfy_int8_flux(source, path)
+    model = flux_loading.load_transformer(flux_loading.FluxSources(path, None, None, None, None, None),
+                                          dtype=torch.float32)
+    stored = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and i8.is_int8(m)]
+    assert len(stored) == 40                                      # every block Linear, modulation included
+    d = model.x_embedder.out_features
+    qkv = decoded["double_blocks.1.img_attn.qkv.weight"]
+    for i, part in enumerate(("to_q", "to_k", "to_v")):
+        lin = getattr(model.transformer_blocks[1].attn, part)
+        assert torch.equal(i8.stored_weight(lin), qkv[d * i:d * (i + 1)]), part
+    assert torch.equal(i8.stored_weight(model.single_transformer_blocks[0].proj_out),
+                       decoded["single_blocks.0.linear2.weight"])
+    plain = copy.deepcopy(source)
+    with torch.no_grad():
+        for name in stored:
+            plain.get_submodule(name).weight.copy_(i8.stored_weight(model.get_submodule(name)))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, source.config.in_channels, generator=g)
+    embeds = PromptEmbeds(torch.randn(2, 8, 32, generator=g), torch.randn(2, 32, generator=g))
+    with torch.no_grad():
+        got = predict(model, x, torch.tensor([0.3, 0.8]), embeds, (8, 8), guidance=3.5)
+        want = predict(plain, x, torch.tensor([0.3, 0.8]), embeds, (8, 8), guidance=3.5)
+        orig = predict(source, x, torch.tensor([0.3, 0.8]), embeds, (8, 8), guidance=3.5)
+    assert torch.equal(got, want)
+    assert (got - orig).norm() / orig.norm() < 0.01
+
+
+def test_a_bad_int8_layer_in_a_flux_file_is_named(source, tmp_path):
+    from leantune.models.flux import loading as flux_loading
+    from leantune.models.weights import LoadError
+
+    path = tmp_path / "flux_int8_convrot.safetensors"
+    _comfy_int8_flux(source, path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    key = "model.diffusion_model.double_blocks.0.img_attn.qkv.weight_scale"
+    tensors.pop(key)
+    save_file(tensors, str(path))                         # no metadata: the error comes before the config
+    with pytest.raises(LoadError, match=r"flux_int8_convrot\.safetensors: " + re.escape(key) + " is missing"):
+        flux_loading.load_transformer(flux_loading.FluxSources(path, None, None, None, None, None))

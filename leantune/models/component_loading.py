@@ -249,9 +249,12 @@ def _file_keys(path: Path):
 def single_file(path: Path, component: str, label: str) -> tuple[CheckpointFiles, str, dict, dict]:
     """(files, prefix, shapes without prefix, metadata config) of one component in a single file
     (a .gguf transformer: its quantized Linear weights stay in their blocks, models/gguf_file.py)."""
-    from .gguf_file import GgufFiles, is_gguf_path
+    from .gguf_file import GgufFiles, is_gguf_path, open_single_file
 
-    files = GgufFiles(path) if is_gguf_path(path) else CheckpointFiles([path])
+    if component == "transformer":                   # GGUF, ComfyUI int8 ConvRot or plain safetensors
+        files = open_single_file(path)
+    else:
+        files = GgufFiles(path) if is_gguf_path(path) else CheckpointFiles([path])
     prefix = cf.find_prefix(files.keys(), component)
     if prefix is None:
         raise LoadError(f"{path}: not a {label}: {cf.describe(files.keys())}")

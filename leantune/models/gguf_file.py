@@ -184,11 +184,147 @@ class GgufFiles(CheckpointFiles):
         super().quantize_rows_into(key, segments, dtype, q_out, scale_out)
 
 
+@dataclass(frozen=True)
+class Int8TensorInfo(TensorInfo):
+    """A ComfyUI int8 ConvRot weight: `dtype` "I8" (its codes), `qtype` the ConvRot group size,
+    `row_bytes` the stored row (codes then the fp32 scale, memory/int8_storage.py)."""
+
+    qtype: int = 0
+    row_bytes: int = 0
+
+    @property
+    def floating(self) -> bool:
+        return True            # decodes to floating values (read_rows_into)
+
+
+class ComfyInt8Files(CheckpointFiles):
+    """A safetensors single file with ComfyUI's int8 ConvRot layers (`*_int8_convrot.safetensors`:
+    per layer `weight` int8, `weight_scale`, `comfy_quant` {"format": "int8_tensorwise", "convrot":
+    true, "convrot_groupsize": g}). Each such Linear weight is handed to the loader as blocks
+    (load_into_empty's GGUF path): its rows read as stored, codes and scale side by side, and made
+    computable by memory/int8_storage.use_int8_weight, so it stays int8 in memory and streams as
+    stored. Read elsewhere (a tensor that is no Linear's weight) it is dequantized as ComfyUI does.
+    A layer of another int8 format, or with a missing or ill-shaped tensor, is refused naming the
+    file and the key; fp8 layers (their comfy_quant says so) load as in any ComfyUI fp8 file."""
+
+    def __init__(self, path: str | Path):
+        from ..memory import int8_storage
+
+        super().__init__([path])
+        self._int8_scales: dict[str, str] = {}
+        for key in [k for k in self.tensors if k.endswith(".comfy_quant")]:
+            marker = self.read(key)
+            if _comfy_format(marker) != int8_storage.COMFY_FORMAT:
+                continue                                 # an fp8 layer's marker: CheckpointFiles reads those
+            where = f"{self.name}: {key}"
+            try:
+                group = int8_storage.parse_comfy_quant(marker, where)
+            except ValueError as e:
+                raise LoadError(str(e)) from None
+            stem = key[: -len("comfy_quant")]
+            weight, scale = stem + "weight", stem + "weight_scale"
+            for k in (weight, scale):
+                if k not in self.tensors:
+                    raise LoadError(f"{self.name}: {k} is missing; an int8 ConvRot layer ({key}) has weight, "
+                                    f"weight_scale and comfy_quant")
+            w, sc = self.tensors[weight], self.tensors[scale]
+            if w.dtype != "I8" or len(w.shape) != 2:
+                raise LoadError(f"{self.name}: {weight} is {w.dtype} {w.shape}, not the 2-D int8 weight its {key} names")
+            if _numel_of(sc.shape) != w.shape[0] or sc.dtype not in ("F32", "F16", "BF16"):
+                raise LoadError(f"{self.name}: {scale} has shape {sc.shape} ({sc.dtype}), not one float scale per "
+                                f"row of {weight} {w.shape}")
+            if w.shape[1] % group:
+                raise LoadError(f"{self.name}: {weight} has {w.shape[1]} inputs, which do not split into the ConvRot "
+                                f"groups of {group} its {key} names")
+            self.tensors[weight] = Int8TensorInfo(w.file, w.dtype, w.shape, w.start, w.end, qtype=group,
+                                                  row_bytes=int8_storage.row_bytes(w.shape[1]))
+            self._int8_scales[weight] = scale
+
+    def scale_key(self, key: str) -> str | None:
+        return None if key in self._int8_scales else super().scale_key(key)
+
+    def is_blocks(self, key: str) -> bool:
+        return key in self._int8_scales
+
+    def use_blocks(self, linear, qtype: int) -> None:
+        from ..memory.int8_storage import use_int8_weight
+
+        use_int8_weight(linear, qtype)
+
+    def read_blocks(self, key: str, segments: list[tuple[int, int]]) -> torch.Tensor:
+        """The stored rows (memory/int8_storage.pack) of the rows `segments` of an int8 ConvRot weight."""
+        from ..memory.int8_storage import pack
+
+        info = self.tensors[key]
+        width = info.shape[1]
+        scale = self.read(self._int8_scales[key], torch.float32).reshape(-1, 1)
+        rows = sum(b - a for a, b in segments)
+        codes = torch.empty(rows * width, dtype=torch.int8)
+        pos = 0
+        for a, b in segments:
+            super().read_rows_into(key, a, b, codes[pos * width:(pos + b - a) * width], dequantize=False)
+            pos += b - a
+        return pack(codes.view(rows, width), torch.cat([scale[a:b] for a, b in segments]))
+
+    def read_rows_into(self, key: str, row_start: int, row_end: int, out: torch.Tensor,
+                       dequantize: bool = True) -> None:
+        """Rows of an int8 ConvRot weight dequantized as ComfyUI does (memory/int8_storage), cast into `out`."""
+        if key not in self._int8_scales:
+            return super().read_rows_into(key, row_start, row_end, out, dequantize)
+        from ..memory.int8_storage import dequantize as int8_dequantize
+
+        info = self.tensors[key]
+        raw = self.read_blocks(key, [(row_start, row_end)])
+        out.copy_(int8_dequantize(raw, info.shape[1], info.qtype, torch.float32).reshape(-1))
+
+    def fill_rows_into(self, key: str, row_start: int, row_end: int, out: torch.Tensor,
+                       dequantize: bool = True) -> None:
+        if key in self._int8_scales:
+            self.read_rows_into(key, row_start, row_end, out, dequantize)
+            return
+        super().fill_rows_into(key, row_start, row_end, out, dequantize)
+
+    def quantize_rows_into(self, key, segments, dtype, q_out, scale_out) -> None:
+        if key in self._int8_scales:                  # the loader keeps these as stored instead
+            raise LoadError(f"{self.name}: tensor {key!r} is int8 ConvRot; it stays as stored and is not "
+                            f"converted to fp8")
+        super().quantize_rows_into(key, segments, dtype, q_out, scale_out)
+
+
+def _comfy_format(marker: torch.Tensor) -> str | None:
+    """The "format" of a comfy_quant tensor's JSON, or None when it is not readable JSON."""
+    import json
+
+    try:
+        conf = json.loads(bytes(marker.to(torch.uint8).reshape(-1).tolist()).rstrip(b"\0").decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return conf.get("format") if isinstance(conf, dict) else None
+
+
+def _numel_of(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def _has_int8_layers(path: Path) -> bool:
+    """True for a safetensors file with int8 tensors and comfy_quant markers (header only)."""
+    from .weights import read_header
+
+    header, _ = read_header(path)
+    return (any(k.endswith(".comfy_quant") for k in header)
+            and any(isinstance(v, dict) and v.get("dtype") == "I8" for v in header.values()))
+
+
 def open_single_file(path: str | Path) -> CheckpointFiles:
-    """A single transformer file's key space: GgufFiles for a .gguf file, else its safetensors
-    header. The families' single-file readers open files through this, so a GGUF file of any
-    family whose names are its single files' loads the same way (quantized Linears kept)."""
-    return GgufFiles(path) if is_gguf_path(Path(path)) else CheckpointFiles([path])
+    """A single transformer file's key space: GgufFiles for a .gguf file, ComfyInt8Files for a
+    ComfyUI file with int8 ConvRot layers, else its safetensors header. The families' single-file
+    readers open files through this, so a GGUF or int8 ConvRot file of any family whose names are
+    its single files' loads the same way (quantized Linears kept as stored)."""
+    if is_gguf_path(Path(path)):
+        return GgufFiles(path)
+    if Path(path).is_file() and _has_int8_layers(Path(path)):
+        return ComfyInt8Files(path)
+    return CheckpointFiles([path])
 
 
 def tensor_names(path: str | Path) -> list[str]:

@@ -585,7 +585,8 @@ def _fill_gguf(model, files, source: str, target: str, shape: tuple[int, ...], s
         if param is not None:
             param.requires_grad_(False)
     _assign_group(model, names, raw.to(device))
-    use_gguf_weight(model.get_submodule(target[: -len(".weight")]), info.qtype)
+    use = getattr(files, "use_blocks", None) or use_gguf_weight      # int8 ConvRot files (gguf_file.ComfyInt8Files)
+    use(model.get_submodule(target[: -len(".weight")]), info.qtype)
 
 
 def load_into_empty(
