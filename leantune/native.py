@@ -458,6 +458,24 @@ class NativeLibrary:
         return data
 
 
+_reserved = threading.local()
+
+
+def leave_a_core() -> None:
+    """On the calling thread, split the kernels' work over one thread fewer than torch's count (the
+    host-step worker: the autograd thread running the device's backward beside it launches kernels
+    and must not wait for a core)."""
+    _reserved.cores = 1
+
+
+def kernel_threads() -> int:
+    """The ranges a tensor is split into on this thread, at most (torch's intra-op thread count,
+    less a core the thread left to another, leave_a_core)."""
+    import torch
+
+    return max(1, torch.get_num_threads() - getattr(_reserved, "cores", 0))
+
+
 def parallel(fn, ranges: list[tuple[int, int]]) -> list:
     """fn(lo, hi) over the ranges: the first on this thread, the rest on a shared pool (a C call
     through ctypes drops the GIL, so the ranges run at once)."""

@@ -33,17 +33,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .reading import FIRST_PATHS, DataError, DataWarning, listing, load_rgb  # noqa: F401 (the scan's names, imported from here)
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)   # EXIF orientations that swap width and height
-
-
-class DataError(ValueError):
-    """A dataset problem (missing folder, no usable image, unreadable caption), naming the path."""
-
-
-class DataWarning(UserWarning):
-    """Something in a dataset was skipped; training continues without it."""
 
 
 @dataclass(frozen=True)
@@ -114,41 +108,6 @@ def inspect_image(path: Path) -> tuple[str, int, int]:
         if _orientation(img) in _TRANSPOSING_ORIENTATIONS:
             w, h = h, w
     return hashlib.sha256(data).hexdigest(), w, h
-
-
-def _eight_bit(img: Image.Image) -> Image.Image:
-    """A single-channel image of more than 8 bits (I;16*, I, F) as 8-bit L, scaled by its range.
-
-    PIL's own convert("RGB") clips these to 0..255, so a 16-bit PNG (0..65535) turns near-white.
-    I;16 is 16-bit by definition. I (32-bit) holds 16-bit PNGs on some PIL versions and 8-bit data
-    on others: values above 255 mean 16-bit. F is taken as 0..1 when nothing exceeds 1 (the
-    float convention), else like I.
-    """
-    arr = np.asarray(img).astype(np.float64)
-    peak = float(arr.max()) if arr.size else 0.0
-    if img.mode.startswith("I;16") or (img.mode in ("I", "F") and peak > 255):
-        arr = arr / 257.0                         # 65535 -> 255, 33025 -> 128.5
-    elif img.mode == "F" and peak <= 1.0:
-        arr = arr * 255.0
-    return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), mode="L")
-
-
-def load_rgb(path: Path) -> Image.Image:
-    """The image as displayed (EXIF orientation applied), RGB; transparency composited on white.
-
-    White rather than black because transparent product shots and logos are meant to be seen on
-    a light page; a black matte would teach the model dark halos. CMYK goes through PIL's
-    conversion; high-bit-depth grayscale through `_eight_bit`.
-    """
-    with Image.open(path) as img:
-        img = ImageOps.exif_transpose(img)
-        if img.mode.startswith("I") or img.mode == "F":
-            return _eight_bit(img).convert("RGB")
-        if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
-            rgba = img.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(background, rgba).convert("RGB")
-        return img.convert("RGB")
 
 
 def to_tensor(img: Image.Image) -> torch.Tensor:
@@ -351,15 +310,6 @@ def scan_dataset(cfg, index: int = 0, base_dir: str | Path = ".",
         warnings.warn(f"removed control characters (NUL, escape, ...) from {len(controlled)} caption(s): "
                       f"{listing(controlled)}", DataWarning, stacklevel=3)
     return items, bad
-
-
-FIRST_PATHS = 5     # how many paths a summary warning lists before "and N more"
-
-
-def listing(paths: list[Path], first: int = FIRST_PATHS) -> str:
-    """'a.png, b.png (and 3 more)': the first paths of a long list, for one-line summaries."""
-    shown = ", ".join(str(p) for p in paths[:first])
-    return shown + (f" (and {len(paths) - first} more)" if len(paths) > first else "")
 
 
 def _own_caption_missing(item: ImageItem, cfg) -> bool:

@@ -104,7 +104,7 @@ def _grayscale(path: Path) -> np.ndarray:
     with Image.open(path) as img:
         img = ImageOps.exif_transpose(img)
         if img.mode.startswith("I") or img.mode == "F":
-            from .dataset import _eight_bit
+            from .reading import _eight_bit
 
             img = _eight_bit(img)
         la = img.convert("LA")

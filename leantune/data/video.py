@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from leantune.data.buckets import fit_to_bucket
-from leantune.data.dataset import DataWarning, listing, load_rgb
+from leantune.data.reading import DataWarning, listing, load_rgb
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")

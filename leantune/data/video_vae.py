@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 import av
 import torch
 
-from leantune.data.dataset import load_rgb
+from leantune.data.reading import load_rgb
 from leantune.data.video import (SEQUENCE_FPS, ClipError, _as_fraction, _file_frames, _resize_crop, _to_tensor,
                                  sequence_frames)
 

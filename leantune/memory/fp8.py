@@ -54,6 +54,7 @@ from torch import nn
 
 from ..spec import ModelSpec
 from .cpu_linear import linear, linear_input_grad, matmul_dtype
+from .block_linears import block_linears, dora_bases
 from .fp8_matmul import scaled_mm_linear
 from .gguf_storage import is_gguf
 from .int8_storage import is_int8
@@ -238,49 +239,7 @@ def use_fp8_weight(linear: nn.Linear, scale: torch.Tensor) -> None:
 
 # -- applying to a model ---------------------------------------------------------------------------
 
-def adapter_module_ids(module: nn.Module) -> set[int]:
-    """ids of every module that belongs to a peft adapter (lora_A/lora_B/... containers) under
-    `module`; their weights are never quantized, and streamed only for a frozen base adapter
-    (streaming_units.streams_with_unit)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # peft is a dependency, but a model without adapters needs nothing from it
-        return set()
-    ids: set[int] = set()
-    for m in module.modules():
-        if isinstance(m, BaseTunerLayer):
-            for name in tuple(m.adapter_layer_names) + tuple(getattr(m, "other_param_names", ())):
-                container = getattr(m, name, None)
-                if isinstance(container, nn.Module):
-                    ids.update(id(x) for x in container.modules())
-    return ids
-
-
 _ADAPTER_PARAM = re.compile(r"\.(lora_|lokr_|hada_)")
-
-
-def _dora_bases(model: nn.Module) -> set[int]:
-    """ids of the base Linears of peft layers with a DoRA adapter (their weight must stay readable)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return set()
-    return {id(m.get_base_layer()) for m in model.modules()
-            if isinstance(m, LoraLayer) and any(m.use_dora.values())}
-
-
-def block_linears(spec: ModelSpec, model: nn.Module) -> list[tuple[str, str, nn.Linear]]:
-    """Every base nn.Linear inside the spec's blocks as (qualified name, name relative to the block,
-    module). peft's wrapper names are folded: 'attn.to_q.base_layer' is reported as 'attn.to_q'."""
-    out = []
-    for block_name, block in spec.blocks(model):
-        skip = adapter_module_ids(block)
-        for rel, m in block.named_modules():
-            if id(m) in skip or type(m) is not nn.Linear:
-                continue
-            rel = rel.replace(".base_layer", "")     # every wrapper level (two adapter types nest)
-            out.append((f"{block_name}.{rel}", rel, m))
-    return out
 
 
 @dataclass
@@ -356,7 +315,7 @@ def apply_fp8_storage(model: nn.Module, spec: ModelSpec, *, scales: Mapping[str,
                 raise ValueError(
                     f"memory.fp8: adapter weight {block_name}.{name} has dtype {p.dtype}; adapters must stay in "
                     f"their own dtype (cast LoRA parameters to float32 after adding them)")
-    dora = _dora_bases(model)
+    dora = dora_bases(model)
     for qname, rel, lin in block_linears(spec, model):
         if is_gguf(lin) or is_nf4(lin) or is_int8(lin):
             continue                      # GGUF / NF4 / int8 rows as stored (memory/*_storage.py)

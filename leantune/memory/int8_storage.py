@@ -216,7 +216,7 @@ def apply_int8_storage(model: nn.Module, spec, modulation: bool = False) -> list
     """Store the frozen block Linears of a loaded `model` as int8 ConvRot rows, in place, Linear
     by Linear, each with the largest GROUP_SIZES rotation that divides its inputs; the same
     Linears fp8 storage takes (modulation only with `modulation`). Returns their names."""
-    from .fp8 import _dora_bases, block_linears
+    from .block_linears import block_linears, dora_bases as _dora_bases
     from .gguf_storage import is_gguf
     from .nf4_storage import is_nf4
 

@@ -211,7 +211,7 @@ def nf4_block_weights(model: nn.Module, spec, modulation: bool = False) -> set[s
     """Qualified names of the block Linear weights NF4 storage takes: those fp8 storage would take
     (not the spec's fp8_skip; modulation only with `modulation`), whose input width holds whole
     64-value blocks; the others keep their dtype."""
-    from .fp8 import block_linears
+    from .block_linears import block_linears
 
     return {f"{qname}.weight" for qname, rel, lin in block_linears(spec, model)
             if lin.in_features % BLOCK == 0 and not spec.keeps_compute_dtype(rel, fp8_modulation=modulation)}
@@ -221,7 +221,7 @@ def apply_nf4_storage(model: nn.Module, spec, modulation: bool = False) -> list[
     """Store the frozen block Linears of a loaded `model` as NF4, in place, one Linear at a time;
     returns their qualified names. A trainable weight, an fp8 / GGUF one and a DoRA base are
     refused or skipped as fp8 storage does (the weights must be plain and frozen)."""
-    from .fp8 import _dora_bases, block_linears
+    from .block_linears import block_linears, dora_bases as _dora_bases
     from .gguf_storage import is_gguf
 
     chosen = nf4_block_weights(model, spec, modulation)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .fp8 import adapter_module_ids
+from .block_linears import adapter_module_ids
 from .host_buffers import return_freed_host_memory
 
 ALIGN = 512                  # byte alignment of each tensor inside a packed unit

@@ -76,13 +76,13 @@ def host_step_worker(device: torch.device) -> ThreadPoolExecutor:
     device 0, so on cuda:1 those calls would open a context on GPU 0 (hundreds of MB there) and act
     in the wrong context. GPU-only in effect; bench/gpu_checks.sh checks it on two GPUs. Its host
     kernels leave a core to the autograd thread, which runs the device's backward meanwhile and
-    launches its kernels (train/host_kernels.leave_a_core)."""
+    launches its kernels (native.leave_a_core)."""
     return ThreadPoolExecutor(1, thread_name_prefix="leantune-host-step", initializer=_host_step_thread,
                               initargs=(device,))
 
 
 def _host_step_thread(device: torch.device) -> None:
-    from ..train.host_kernels import leave_a_core
+    from ..native import leave_a_core
 
     torch.cuda.set_device(device)
     leave_a_core()

@@ -18,7 +18,7 @@ keeps its torch-op path (same math in another operation order, slower); `unavail
 says why, and a warning says it once.
 
 Threads: a tensor is split into as many contiguous ranges as torch uses intra-op threads (one fewer
-on a thread that called `leave_a_core`: the host-step worker beside a GPU backward, whose autograd
+on a thread that called `native.leave_a_core`: the host-step worker beside a GPU backward, whose autograd
 thread must keep a core to launch the device's kernels); each range is one C call on a worker
 thread (ctypes drops the GIL during the call). The random bits of
 stochastic rounding are a hash of (key, element index), and the sums (the clipping norm, Adafactor's
@@ -29,12 +29,11 @@ depend on the split.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from ..native import NativeLibrary, parallel
+from ..native import NativeLibrary, kernel_threads, parallel
 
 SOURCE = Path(__file__).with_name("host_kernels.c")
 MIN_PER_THREAD = 1 << 16            # elements: below this a tensor is one call on the calling thread
@@ -78,21 +77,6 @@ def handles(*tensors: torch.Tensor | None) -> bool:
     """Whether these tensors can go to the kernels: on the CPU, contiguous, bf16 or fp32."""
     return all(t is None or (t.device.type == "cpu" and t.is_contiguous()
                              and t.dtype in (torch.bfloat16, torch.float32)) for t in tensors)
-
-
-_reserved = threading.local()
-
-
-def leave_a_core() -> None:
-    """On the calling thread, split the kernels' work over one thread fewer than torch's count (the
-    host-step worker: the autograd thread running the device's backward beside it launches kernels
-    and must not wait for a core)."""
-    _reserved.cores = 1
-
-
-def kernel_threads() -> int:
-    """The ranges a tensor is split into on this thread, at most."""
-    return max(1, torch.get_num_threads() - getattr(_reserved, "cores", 0))
 
 
 def _ranges(n: int, align: int = 64) -> list[tuple[int, int]]:

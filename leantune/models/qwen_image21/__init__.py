@@ -63,7 +63,7 @@ DEFAULT_STEPS = 40                 # QwenImage21Pipeline.__call__'s num_inferenc
 # (`<|im_end|>\n<|im_start|>assistant\n`), and per reference its tags and at most 32 x 32 slots
 # (1024² pixels of area at any aspect: sides multiples of 32, so at most (1024/32)² + a row).
 TEMPLATE_ROWS = 16
-REFERENCE_TAG_ROWS = 8                 # `<imageN><|vision_start|>` ... `<|vision_end|>` and the space
+REFERENCE_TAG_ROWS = refs_mod.TAG_ROWS
 ROWS_PER_REFERENCE = 32 * 33 + REFERENCE_TAG_ROWS
 
 

@@ -16,6 +16,9 @@ import torch
 from . import latents as lat
 
 DEFAULT_RESOLUTION = 1024
+# Text rows a reference's tags take beside its slots: `<imageN><|vision_start|>` ... `<|vision_end|>`
+# and the space after (the planner prices them, text_phase.py and probe_inputs)
+TAG_ROWS = 8
 
 
 def dimensions(area: int, ratio: float) -> tuple[int, int]:

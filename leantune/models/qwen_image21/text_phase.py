@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..text_phase import decoder_phase, folder_config, meta_text_encoder
+from .references import TAG_ROWS
 
 PACKAGED = "qwen3_vl_8b"
 BATCH = 8                          # captions a plain encode takes at once (the caching phase's batch)
@@ -49,7 +50,7 @@ def text_encoding_phase(text_rows: int = 528, batch: int = BATCH, dtype_bytes: i
     if not references:
         return plain
     vision = vision_phase(visual, references, dtype_bytes)
-    tokens = text_rows + references * (vision["tokens_per_reference"] + _tag_rows())
+    tokens = text_rows + references * (vision["tokens_per_reference"] + TAG_ROWS)
     edit = decoder_phase(model, text, tokens=tokens, hidden_states=2, dtype_bytes=dtype_bytes)
     # while the language model runs, the vision tower is still on the device with its outputs
     edit_device = edit["device"] + vision["weights"] + vision["outputs"]
@@ -82,12 +83,6 @@ def vision_phase(visual, references: int, dtype_bytes: int = 2) -> dict:
     device = weights + pixels + block + p * d * dtype_bytes + kept
     return {"weights": weights, "patches": p, "tokens_per_reference": merged_per, "activations": block,
             "outputs": kept, "device": device, "blocks": len(visual.blocks)}
-
-
-def _tag_rows() -> int:
-    from . import REFERENCE_TAG_ROWS
-
-    return REFERENCE_TAG_ROWS
 
 
 def _text_encoder(model_cfg, base_dir) -> Path | None:
