@@ -702,12 +702,27 @@ def resolve_strategy(strategy: str, train_mode: str) -> str:
     return "fsdp2" if train_mode == "full" else "ddp"
 
 
-def torchrun_command(gpus: int, argv: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Nodes:
+    """A run on several machines (`leantune train --nodes M --node-rank R --master HOST:PORT`)."""
+
+    count: int
+    rank: int
+    host: str
+    port: int
+
+
+def torchrun_command(gpus: int, argv: list[str], nodes: Nodes | None = None) -> list[str]:
     """The command `leantune train ... --gpus N` runs: torchrun on this machine with N processes,
-    each running `leantune <argv>` (the same arguments without --gpus)."""
+    each running `leantune <argv>` (the same arguments without --gpus). With `nodes`, this machine
+    is one of several: torchrun's static rendezvous at machine 0's address, ranks R*N .. R*N+N-1
+    here (every machine runs the same --gpus)."""
     import sys
 
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+    where = ["--standalone"] if nodes is None else [
+        f"--nnodes={nodes.count}", f"--node_rank={nodes.rank}", f"--master_addr={nodes.host}",
+        f"--master_port={nodes.port}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={gpus}",
             "-m", "leantune", *argv]
 
 
@@ -724,7 +739,8 @@ class LauncherStopped(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
-def relaunch(gpus: int, argv: list[str], last_save: Callable[[], Path | None] | None = None) -> int:
+def relaunch(gpus: int, argv: list[str], last_save: Callable[[], Path | None] | None = None,
+             nodes: Nodes | None = None) -> int:
     """Run torchrun's launcher in this process (so Ctrl-C and kill reach the launcher itself, and
     the workers, whose parent it is, die with it); each worker runs `leantune <argv>`. A worker
     that fails ends the run with a `WorkerFailed` naming its rank, how it ended and the last save
@@ -736,15 +752,17 @@ def relaunch(gpus: int, argv: list[str], last_save: Callable[[], Path | None] | 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    cmd = torchrun_command(gpus, argv)
-    log.info("starting %d processes: %s", gpus, " ".join(cmd))
+    cmd = torchrun_command(gpus, argv, nodes)
+    where = "" if nodes is None else f" (machine {nodes.rank} of {nodes.count})"
+    log.info("starting %d processes%s: %s", gpus, where, " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         run(parse_args(cmd[3:]))          # the arguments after `python -m torch.distributed.run`
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise WorkerFailed(_failure_message(rank, failure, gpus, last_save() if last_save else None)) from None
+        raise WorkerFailed(_failure_message(rank, failure, gpus, last_save() if last_save else None,
+                                            several_machines=nodes is not None)) from None
     except SignalException as e:
         import signal
 
@@ -765,14 +783,17 @@ def peer_lost(e: BaseException) -> bool:
     return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOST))
 
 
-def _failure_message(rank: int, failure, gpus: int, last: Path | None) -> str:
+def _failure_message(rank: int, failure, gpus: int, last: Path | None, several_machines: bool = False) -> str:
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     else:
         how = f"exited with code {failure.exitcode} (its message is above)"
     saved = (f"the last save ({last}) is intact: run the same command with --resume to continue from it"
              if last is not None else "no state had been saved yet")
-    return f"rank {rank} (pid {failure.pid}) {how}; the other {gpus - 1} process(es) were stopped; {saved}"
+    others = (f"this machine's other {gpus - 1} process(es) were stopped" if several_machines and gpus > 1
+              else "this machine's processes ended (a process of another machine may have ended first)"
+              if several_machines else f"the other {gpus - 1} process(es) were stopped")
+    return f"rank {rank} (pid {failure.pid}) {how}; {others}; {saved}"
 
 
 def die_with_launcher() -> None:

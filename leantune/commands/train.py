@@ -21,6 +21,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="train on N processes of this machine (one per GPU): starts torchrun for you")
+    p.add_argument("--nodes", type=int, default=1, metavar="M",
+                   help="machines in the run (each runs this command with its own --node-rank; --gpus per machine, "
+                        "default 1); needs --node-rank and --master")
+    p.add_argument("--node-rank", type=int, default=None, metavar="R", help="this machine's place, 0 to M-1 (0 hosts --master)")
+    p.add_argument("--master", default=None, metavar="HOST:PORT",
+                   help="the address of machine 0 that every machine reaches, and a free port on it")
     p.add_argument("--check", action="store_true",
                    help="run `leantune check` on this config first (a few steps with and without the plan's memory "
                         "techniques, compared) and train only if every technique held")
@@ -31,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from ..trainer import train
 
     cfg = load_config(args.config, args.overrides)      # bad input is reported once, before any launch
+    nodes = check_nodes(args)
+    if nodes is not None and args.gpus is None:
+        args.gpus = 1
     if args.gpus is not None:
         check_gpus(args.gpus, cfg)
     if args.check and not _launched_worker():
@@ -41,13 +50,13 @@ def run(args: argparse.Namespace) -> int:
         if rc:
             print(f"leantune train: the check did not hold (exit code {rc}); not training", file=sys.stderr)
             return rc
-    if args.gpus is not None and args.gpus > 1:
+    if args.gpus is not None and (args.gpus > 1 or nodes is not None):
         from ..distributed import launch_env, relaunch
         from ..train.state import latest_checkpoint
 
         if launch_env() is None:
             checkpoints = cfg.resolve(cfg.output.dir) / "checkpoints"
-            return relaunch(args.gpus, _argv(args), lambda: latest_checkpoint(checkpoints))
+            return relaunch(args.gpus, _argv(args), lambda: latest_checkpoint(checkpoints), nodes=nodes)
     result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if result.lora_files:                 # rank 0 writes them; other processes have nothing to say
         print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
@@ -61,6 +70,30 @@ def _launched_worker() -> bool:
     return launch_env() is not None
 
 
+def check_nodes(args: argparse.Namespace):
+    """`--nodes M --node-rank R --master HOST:PORT` as distributed.Nodes, or None for one machine;
+    a missing or contradicting flag is a ConfigError naming it."""
+    from ..config import ConfigError
+    from ..distributed import Nodes
+
+    if args.nodes == 1:
+        if args.node_rank is not None or args.master is not None:
+            raise ConfigError("--node-rank and --master are for a run on several machines: give --nodes M (M >= 2) too")
+        return None
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes must be at least 1 (got {args.nodes})")
+    if args.node_rank is None or not 0 <= args.node_rank < args.nodes:
+        raise ConfigError(f"--nodes {args.nodes}: give this machine's --node-rank, 0 to {args.nodes - 1} "
+                          f"(got {args.node_rank})")
+    if args.master is None:
+        raise ConfigError(f"--nodes {args.nodes}: give --master HOST:PORT, machine 0's address (reachable from every "
+                          f"machine) and a free port on it")
+    host, _, port = args.master.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--master {args.master!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
+    return Nodes(count=args.nodes, rank=args.node_rank, host=host.strip("[]"), port=int(port))
+
+
 def check_gpus(gpus: int, cfg) -> None:
     """`--gpus N` starts N processes, one per GPU: refuse what the machine cannot run (64 processes
     on a 2-core machine without a GPU, or a negative count silently run as one)."""
@@ -72,7 +105,7 @@ def check_gpus(gpus: int, cfg) -> None:
 
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1 (got {gpus})")
-    if gpus == 1:
+    if gpus == 1 and cfg.train.device != "cpu":
         return
     if cfg.train.device == "cpu":
         cores = os.cpu_count() or 1

@@ -1,0 +1,160 @@
+"""Two machines: `leantune train --nodes 2 --node-rank R --master HOST:PORT` (issue 40, "two nodes").
+
+Each "machine" is a Linux network namespace with its own address on a veth pair (10.77.x.1 and
+10.77.x.2); loopback never carries traffic between them (gloo is bound to the veth interface,
+GLOO_SOCKET_IFNAME, and the rendezvous is machine 0's veth address). The two share this
+machine's filesystem, as nodes share a network filesystem. One process per machine, on the CPU:
+  1. a LoRA run of the tiny Flux equals the one-process run with the doubled batch (the same
+     reference and tolerances as tests/test_distributed.py's two-process runs);
+  2. a second launch, resuming from that run's step-15 save, has machine 1's processes killed
+     after its first step (kill -9 of its launcher and worker, as a machine that dies takes every
+     process with it): machine 0 ends too, non-zero, without a hang, and the last save is intact
+     and loads.
+Needs root (network namespaces); the machines CI runs on have it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_distributed import (_assert_same_lora, _children, _env, _lora, _loss_gap, _use_cache, images,  # noqa: F401
+                              reference, write_config)
+
+pytestmark = [pytest.mark.xdist_group("multiprocess"), pytest.mark.slow]
+
+
+class Machines:
+    """Two network namespaces joined by a veth pair; removed on close."""
+
+    def __init__(self, tag: str):
+        self.names = [f"lt{tag}a", f"lt{tag}b"]
+        self.links = [f"lt{tag}va", f"lt{tag}vb"]
+        self.addrs = [f"10.77.{int(tag) % 250}.1", f"10.77.{int(tag) % 250}.2"]
+        self._ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1], host=True)
+        for ns, link, addr in zip(self.names, self.links, self.addrs):
+            self._ip("netns", "add", ns, host=True)
+            self._ip("link", "set", link, "netns", ns, host=True)
+            self._ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link, host=True)
+            self._ip("-n", ns, "link", "set", link, "up", host=True)
+            self._ip("-n", ns, "link", "set", "lo", "up", host=True)
+
+    @staticmethod
+    def _ip(*args, host=False):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    def popen(self, machine: int, cmd: list[str], env: dict) -> subprocess.Popen:
+        env = {**env, "GLOO_SOCKET_IFNAME": self.links[machine], "PYTHONFAULTHANDLER": "1"}
+        return subprocess.Popen(["ip", "netns", "exec", self.names[machine], *cmd], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def close(self) -> None:
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def machines():
+    if os.geteuid() != 0:
+        pytest.fail("the two-machine tests need root for network namespaces (ip netns); CI runs as root")
+    m = Machines(str(os.getpid() % 200 + 20))
+    yield m
+    m.close()
+
+
+def _launch(machines: Machines, cfg: Path, env: dict, port: int, *extra: str) -> list[subprocess.Popen]:
+    base = [sys.executable, "-m", "leantune", "train", str(cfg), "--nodes", "2", "--master",
+            f"{machines.addrs[0]}:{port}", "--no-progress", "--set", "train.device=cpu", *extra]
+    return [machines.popen(r, base + ["--node-rank", str(r)], env) for r in range(2)]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each; a process still running after `timeout` is killed with
+    its children and reported with exit code None (a hang)."""
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout, stderr))
+        except subprocess.TimeoutExpired:
+            ps = subprocess.run(["ps", "-o", "pid,stat,wchan:20,args", "-p", ",".join(map(str, _tree(p.pid)))],
+                                capture_output=True, text=True).stdout
+            for pid in _tree(p.pid):                  # every process's stacks (faulthandler) into stderr
+                try:
+                    os.kill(pid, signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+            time.sleep(3)
+            for pid in reversed(_tree(p.pid)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            stdout, stderr = p.communicate()
+            out.append((None, stdout, ps + stderr))
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    kids = _children(pid)
+    return [pid] + [q for k in kids for q in _tree(k)]
+
+
+def test_a_run_on_two_machines_equals_one_process_and_a_dead_machine_ends_both(machines, tmp_path, tiny_flux_dir,
+                                                                               images, reference):
+    from leantune.train.state import latest_checkpoint, load_checkpoint
+
+    cfg = write_config(tmp_path, tiny_flux_dir, images, "run", 1, str(tmp_path / "out"))
+    _use_cache(cfg, reference.cache)
+    env, out = _env(tmp_path), tmp_path / "out"
+
+    # 1. the whole run on two machines
+    ran = _finish(_launch(machines, cfg, env, 29611))
+    for rc, stdout, stderr in ran:
+        assert rc == 0, stderr[-4000:]
+    assert "per rank: rss" in (out / "train.log").read_text()                 # both ranks report
+    history = __import__("json").loads((out / "loss.json").read_text())
+    assert history["step"] == 20
+    assert history["loss"] == pytest.approx(reference.losses, rel=1e-4, abs=1e-6)
+    _loss_gap(history["loss"], reference.losses, "two machines")
+    _assert_same_lora(_lora(out), reference.lora, what="two machines")
+    assert sum(stdout.count("LoRA files:") for _, stdout, _ in ran) == 1          # rank 0 writes them
+
+    # 2. resume from step 15 on two machines, then machine 1 dies whole after a step
+    ckpts = out / "checkpoints"
+    for d in sorted(ckpts.iterdir()):
+        if d.name > "step-000015":                    # back to the step-15 save, as if the run stopped there
+            __import__("shutil").rmtree(d)
+    (out / "t_diffusers.safetensors").unlink()
+    log, before = out / "train.log", len((out / "train.log").read_text())
+
+    def resumed_step() -> int:                        # the last step this launch logged (0: none yet)
+        steps = re.findall(r"\bstep (\d+) loss", log.read_text()[before:])
+        return int(steps[-1]) if steps else 0
+
+    procs = _launch(machines, cfg, env, 29612, "--resume")
+    deadline = time.monotonic() + 300
+    while resumed_step() < 16:
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+        assert time.monotonic() < deadline, "no step 16"
+        time.sleep(0.1)
+    for pid in reversed(_tree(procs[1].pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    t0 = time.monotonic()
+    rc0, _, err0 = _finish(procs[:1], timeout=90)[0]
+    procs[1].wait()
+    assert rc0 is not None, f"machine 0 hung after machine 1 died: {err0[-4000:]}"
+    assert rc0 != 0 and time.monotonic() - t0 < 180
+    assert "is intact" in err0 and "--resume" in err0 and "Traceback" not in err0, err0[-4000:]
+    step, state = load_checkpoint(latest_checkpoint(ckpts))
+    assert step == 15 and state["world_size"] == 2
+    assert not (out / "t_diffusers.safetensors").exists()                          # the run never finished
