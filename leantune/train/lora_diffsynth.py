@@ -121,7 +121,7 @@ def readable(source: str, tensors: dict[str, torch.Tensor],
     (`<module>.lora_A.weight`, FluxDiT's modules under BFL's names), or None when the file is not
     DiffSynth's. `known(stem)` says whether a module name is one the families in question have; a
     key naming none, or no LoRA tensor at all, is an error naming the file and that key."""
-    from .lora_formats import LoraFormatError
+    from .lora_errors import LoraFormatError
 
     if not is_diffsynth(tensors):
         return None

@@ -71,6 +71,7 @@ import torch
 from leantune.io import load_safetensors, save_safetensors
 
 from . import lora_diffsynth
+from .lora_errors import LoraFormatError  # noqa: F401 (raised here, imported from here by callers)
 from .lora_keys import FusedTarget, LoraKeyMap, all_key_maps
 
 LoraFileFormat = Literal["comfyui", "diffusers"]
@@ -83,8 +84,6 @@ _LAYOUT_KEYS = {ADAPTER_METADATA_KEY, "format", "leantune_format", TRAINED_ALPHA
                 "ss_network_args"}
 
 
-class LoraFormatError(ValueError):
-    """A LoRA file (or LoraWeights) that cannot be read, written or applied; names file and key."""
 
 
 class _ShapeMismatch(LoraFormatError):
