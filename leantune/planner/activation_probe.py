@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..config import LoraConfig
 from ..memory.fp8 import apply_fp8_storage
@@ -44,6 +44,10 @@ from ..train.lora import LoraRankWarning, add_lora
 from .activations import ActivationProfile, KindProfile, frontier
 from .meta import short_copy
 from .workload import Workload
+
+
+def _to_meta(t):
+    return t.to("meta") if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0 else t
 
 
 class _Tracker(TorchDispatchMode):
@@ -116,7 +120,16 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as e:
+            if "same device" not in str(e):
+                raise
+            # A host index meeting meta tensors in backward (Qwen-Image-2.1's layout indices,
+            # qwen_image21/meta_model.py, are real host tensors; the forward's mode moves them,
+            # autograd's backward of an index op runs outside it): shapes only, so on meta too.
+            args, kwargs = tree_map(_to_meta, (args, kwargs))
+            out = func(*args, **kwargs)
         in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         counter = self._flop_registry.get(func._overloadpacket)
