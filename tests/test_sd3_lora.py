@@ -327,10 +327,10 @@ def test_family_from_keys_header_or_flag(tmp_path, capsys):
     assert "warning" in err and "fit Flux and SD3.5 and Qwen-Image LoRAs" in err and "give --family sd3 or qwen-image" in err
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in load_file(tmp_path / "x.safetensors")
     # The final layer alone is named alike in Flux and SD3.5 (final_layer.linear); Qwen-Image's
-    # reference names keep diffusers' proj_out, so that family is in doubt (and Qwen-Image-2.1, whose
-    # names keep it too).
+    # reference names keep diffusers' proj_out, so that family is in doubt (and Qwen-Image-2.1 and
+    # Wan 2.2, whose names keep it too).
     final = LoraWeights({"proj_out": LoraModule(torch.ones(2, D), torch.ones(64, 2), 2.0)})
-    assert [k.family for k in families_in_doubt(final)] == ["flux", "qwen-image", "qwen-image-2.1"]
+    assert [k.family for k in families_in_doubt(final)] == ["flux", "qwen-image", "qwen-image-2.1", "wan2.2"]
     assert _convert(tmp_path / "plain.safetensors", tmp_path / "sd3.safetensors", "--to", "comfyui",
                     "--family", "sd3") == 0
     assert "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight" in load_file(tmp_path / "sd3.safetensors")
