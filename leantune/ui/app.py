@@ -160,6 +160,19 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                                              str(body.get("caption", "")), roots)
         return {"written": str(written)}
 
+    @app.post("/api/captions")
+    def post_captions(body: dict):
+        """Bulk caption edits (caption_tools.py) on the selected images, or on all of the folder's."""
+        from . import caption_tools
+
+        names = body.get("names") or []
+        with on_form(default="dataset"):
+            if not isinstance(names, list):
+                raise ValueError("caption_op: the selection is a list of image names")
+            changed = caption_tools.apply(str(body.get("path", "")), str(body.get("op", "")), str(body.get("text", "")),
+                                          str(body.get("find", "")), [str(n) for n in names], roots)
+        return {"changed": changed}
+
     @app.post("/api/caption-job")
     def post_caption_job(body: dict):
         """Caption the folder's images with a local image-to-text model (its own process)."""

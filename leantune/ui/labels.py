@@ -46,6 +46,8 @@ SAMPLE_FIELDS = {"model_path": "s_model", "family": "s_family", "prompts": "s_pr
                  "negative_prompt": "s_negative", "seed": "s_seed", "steps": "s_steps", "guidance": "s_guidance",
                  "width": "s_width", "height": "s_height", "vram": "s_vram", "loras": "s_loras",
                  "text_length": "s_text_length", "dtype": "s_dtype"}
+# the dataset view's own controls (no part of the run form) its routes' messages name
+DATASET_TOOLS = ("caption_model", "caption_prompt", "caption_op", "caption_text", "caption_find")
 EXTRA = "extra_toml"
 
 SOURCE = re.compile(r"^(?:the config|\(the form\)\S*|\S*config\.toml|<config>):\s+")
@@ -134,7 +136,7 @@ def problems(message: str, extra_toml: str = "", form: str = "run", default: str
 
 def _one(line: str, extra: dict, form: str, default: str | None) -> dict:
     names = labels()
-    own = SAMPLE_FIELDS if form == "sample" else {k: k for k in names if k in _run_ids()}
+    own = SAMPLE_FIELDS if form == "sample" else {k: k for k in names if k in _run_ids() or k in DATASET_TOOLS}
     head = HEAD.match(line)
     if head and head.group(1) in own and not CONFIG_LINE.match(line):
         ident = own[head.group(1)]

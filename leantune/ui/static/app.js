@@ -174,7 +174,9 @@ async function loadDatasetNow(path, focus) {
       // saved when typing pauses (and on leaving the box), so a closed tab loses nothing typed
       caption.addEventListener("input", () => { note.textContent = "…"; note.className = "note"; clearTimeout(timer); timer = setTimeout(save, 700); });
       caption.addEventListener("change", save);
-      item.append(caption, note);
+      const pick = el("input", {type: "checkbox", className: "pick"});
+      pick.setAttribute("aria-label", `select ${img.name}`);
+      item.append(caption, note, pick);
       for (const w of img.warnings) { item.append(el("div", {className: "warn"}, "⚠ " + w)); }
       if (img.warnings.length) warned++;
       item.dataset.warned = img.warnings.length ? "yes" : "no";
@@ -656,6 +658,18 @@ async function sampleRun() {
   } catch (e) { $("sample-console").textContent = e.message; }
 }
 
+// -- bulk caption edits -------------------------------------------------------------------------------
+async function applyCaptionEdit() {
+  const names = [...document.querySelectorAll("#grid .item")].filter((i) => i.querySelector(".pick").checked).map((i) => i.dataset.name);
+  showFieldErrors("action", []);
+  try {
+    const r = await api("POST", "/api/captions", {path: $("dataset").value, op: $("caption_op").value, text: $("caption_text").value,
+                                                 find: $("caption_find").value, names});
+    $("caption-apply-status").textContent = `${r.changed.length} caption(s) changed` + (names.length ? ` of ${names.length} selected` : "");
+    await loadDataset(false);
+  } catch (e) { $("caption-apply-status").textContent = actionError(e, "not applied: see the marked field"); }
+}
+
 // -- captioning with a local model --------------------------------------------------------------------
 async function captionImages() {
   const button = $("caption-run");
@@ -724,6 +738,7 @@ async function init() {
   window.addEventListener("popstate", () => applyView(readView()));
   $("resolutions").addEventListener("input", chooseResolutions);
   $("caption-run").onclick = captionImages;
+  $("caption-apply").onclick = applyCaptionEdit;
   $("preset").onchange = () => { if ($("preset").value) importToml({preset: $("preset").value}); };
   $("import-toml").onchange = async () => {
     const f = $("import-toml").files[0];
