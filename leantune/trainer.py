@@ -214,8 +214,9 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
                 if t.ema is not None:
                     t.ema.after_step(step)
             seconds = time.perf_counter() - t0
-            if watch is not None and watch.summary(t.device):
-                log.info(watch.summary(t.device))
+            said = watch.summary(t.device) if watch is not None else None
+            if said:
+                log.info(said)
             report = t.memory.step_report() if t.memory is not None else {}   # counters since last step
             _calibrate(t, seconds, report)
             losses.append(loss)

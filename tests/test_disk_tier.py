@@ -124,6 +124,6 @@ def test_the_disk_tier_is_refused_where_it_cannot_hold(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     from leantune.memory.disk_tier import DiskTierError as E
-    with pytest.raises(E, match=r"disk_dir: .*file: cannot write"):
+    with pytest.raises(E, match=r"disk tier.s folder .*file: cannot write"):
         apply_streaming(_model(), SPEC, _plan(BLOCKS), "cpu", disk_dir=blocked)
     assert os.listdir(tmp_path) == ["file"]

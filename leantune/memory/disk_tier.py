@@ -55,7 +55,7 @@ class DiskTierFile:
             folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".units-", suffix=".part", dir=folder)
         except OSError as e:
-            raise DiskTierError(f"[memory] disk_dir: {folder}: cannot write the disk tier's file there "
+            raise DiskTierError(f"the disk tier's folder {folder}: cannot write the disk tier's file there "
                                 f"({e.strerror or e})") from None
         self.folder, self._tmp, self._wfd = folder, Path(tmp), fd
         self.path: Path | None = None
@@ -95,11 +95,7 @@ class DiskTierFile:
         if self.fd is None or _stamp(os.fstat(self.fd)) != self._stamp:
             raise DiskTierError(f"{self.path}: the disk tier's file was changed or replaced during the run; the "
                                 f"streamed blocks it holds can no longer be trusted (stop other programs writing "
-                                f"to [memory] disk_dir and start the run again)")
-
-    @property
-    def size(self) -> int:
-        return self._size
+                                f"to the disk tier's folder and start the run again)")
 
     def close(self) -> None:
         """Close the file, which frees its disk space (it is unlinked once sealed; a file never
@@ -168,7 +164,7 @@ def cached_pages(fd: int) -> int:
     import mmap
 
     size = os.fstat(fd).st_size
-    path = f"descriptor {fd}"
+    what = f"file descriptor {fd}"
     if size == 0:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
@@ -180,10 +176,10 @@ def cached_pages(fd: int) -> int:
     vec = (ctypes.c_ubyte * pages)()
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), f"{path}: mmap failed")
+        raise OSError(ctypes.get_errno(), f"{what}: mmap failed")
     try:
         if libc.mincore(addr, size, vec) != 0:
-            raise OSError(ctypes.get_errno(), f"{path}: mincore failed")
+            raise OSError(ctypes.get_errno(), f"{what}: mincore failed")
     finally:
         libc.munmap(addr, size)
     return sum(v & 1 for v in vec)

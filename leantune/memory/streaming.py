@@ -373,7 +373,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
             raise ValueError("memory.disk_blocks: a full fine-tune writes its streamed blocks back each step; "
                              "the disk tier holds frozen blocks (a LoRA run's) only")
         if disk_dir is None:
-            raise ValueError("memory.disk_blocks needs a folder for the disk tier's file ([memory] disk_dir)")
+            raise ValueError("memory.disk_blocks needs a folder for the disk tier's file (apply_streaming's disk_dir)")
     groups: list[tuple[str, list[nn.Module], bool]] = []
     if plan.stream_non_blocks:
         mods = [getattr(model, n) for n in spec.non_block_modules
