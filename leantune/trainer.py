@@ -275,10 +275,11 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
     timesteps of the whole global batch are drawn (same generator state on every rank) and this
     rank keeps its rows, and the loss is weighted by the rank's share (see distributed.py)."""
     family = get_family(cfg.model.family)
-    x0 = batch.latents.to(t.device, torch.float32)                 # (B, C, h, w)
-    _, _, h, w = x0.shape
+    x0 = batch.latents.to(t.device, torch.float32)                 # (B, C, h, w); clips (B, C, T', h, w)
+    h, w = x0.shape[-2:]
     shard = shard_of(batch)
-    t.last_bucket = tuple(batch.bucket)
+    # the planner calibrates on image buckets (w, h); a clip bucket (w, h, frames) is not one of them
+    t.last_bucket = tuple(batch.bucket) if len(batch.bucket) == 2 else None
     noise = torch.randn((shard.global_size, *x0.shape[1:]), generator=t.generator)[shard.rows].to(t.device)
     sigma = fm.sample_sigmas(shard.global_size, fm.sampling_method(cfg.train.timestep_sampling, family), t.generator,
                              sigmoid_scale=cfg.train.sigmoid_scale, shift=cfg.train.shift,

@@ -36,6 +36,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -101,9 +102,9 @@ class Sample:
 class Batch:
     """What one training step consumes. All tensors on CPU; the trainer moves them."""
 
-    latents: torch.Tensor       # (B, 16, h, w), h = bucket height / 8
+    latents: torch.Tensor       # (B, 16, h, w), h = bucket height / 8; a batch of clips (B, 16, T', h, w)
     embeds: PromptEmbeds        # t5 (B, L, D_t5) zero-padded to the batch's longest prompt; pooled (B, D_clip)
-    bucket: Bucket              # (width, height) in pixels
+    bucket: Bucket              # (width, height) in pixels; a clip batch's (width, height, frames)
     captions: list[str]         # as trained: "" where caption dropout fired
     t5_lengths: torch.Tensor | None = None   # (B,) real T5 tokens per sample, end token included
     references: list[torch.Tensor] | None = None   # per reference slot (B, C, h_r, w_r); None: no references
@@ -375,6 +376,12 @@ class ClipSample:
     bucket: ClipBucket
     latent_key: str
     prior: bool = False
+    # what a batch reads of an image's Sample, none of which a clip has
+    reference_keys: tuple[str, ...] = ()
+    text_refs: tuple[str, ...] = ()
+    reference_sizes: tuple = ()
+    mask_key: str | None = None
+    mask_floor: float = 0.0
 
 
 def clip_samples(clips: list[VideoItem], data_cfg, vae_id: str, dtype: torch.dtype, start_s: float = 0.0
@@ -393,6 +400,11 @@ def clip_samples(clips: list[VideoItem], data_cfg, vae_id: str, dtype: torch.dty
             jobs[key] = (item, bucket)
             samples.extend([ClipSample(item, res, bucket, key, prior)] * item.repeats)
     return samples, jobs
+
+
+def _clip_shape(family: ModelFamily, bucket: ClipBucket) -> tuple[int, int, int, int]:
+    """(C, T', h, w) of a clip entry of `family` (a video family) in `bucket`."""
+    return clip_latent_shape(bucket, family.latent_channels, family.vae_scale_factor, family.video.temporal_factor)
 
 
 def _encode_clip_entry(vae, item: VideoItem, bucket: ClipBucket, target_fps, start_s: float) -> torch.Tensor:
@@ -544,26 +556,29 @@ def sample_prompts(sample_cfg) -> list[str]:
     return [sample_cfg.negative_prompt, *sample_cfg.prompts]
 
 
-def _scan_with_references(data_cfg, base_dir, family: ModelFamily) -> list[ImageItem]:
-    """The datasets' items, with their reference images (data/references.py) when a dataset names
-    a reference_path. The reference keys are checked before any image is decoded (a family that
+def _scan_with_references(data_cfg, base_dir, family: ModelFamily) -> tuple[list[ImageItem], list[VideoItem]]:
+    """The datasets' (images, clips): clips only for a video family (dataset.scan_media; an image
+    family's run reads images alone), images with their reference images (data/references.py) when
+    a dataset names a reference_path. The reference keys are checked before any image is decoded (a family that
     takes none, the dataset's own folder as references), the references' encoded sizes before the
     model's files are looked at: each a `DataError` naming the file or key."""
+    from leantune.data.dataset import scan_media
     from leantune.data.references import attach_references, check_reference_keys, encoded_size
 
     from leantune.data.masks import attach_masks
 
     check_reference_keys(data_cfg.datasets, base_dir, family)
-    items = attach_masks(scan_datasets(data_cfg, base_dir), data_cfg.datasets, base_dir)
+    found, clips = scan_media(data_cfg, base_dir) if family.video is not None else (scan_datasets(data_cfg, base_dir), [])
+    items = attach_masks(found, data_cfg.datasets, base_dir)
     if not any(getattr(d, "reference_path", None) for d in data_cfg.datasets):
-        return items
+        return items, clips
     items = attach_references(items, data_cfg.datasets, base_dir, family.references.most)
     bucket_sets = {r: bucket_sizes(r) for r in data_cfg.resolutions}
     for it in items:                   # a size the family cannot encode is told before its sources are read
         for r in set(data_cfg.resolutions) - it.too_small_for:
             for ref in it.references:
                 encoded_size(ref, it.path, nearest_bucket(it.width, it.height, bucket_sets[r]), family, it.dataset)
-    return items
+    return items, clips
 
 
 def sample_references(sample_cfg) -> list[str] | None:
@@ -689,7 +704,7 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     from leantune.data.references import encoded_size
 
     family = get_family(model_cfg.family)
-    items = _scan_with_references(data_cfg, base_dir, family)
+    items, clips = _scan_with_references(data_cfg, base_dir, family)
     sources = family.resolve_sources(model_cfg, Path(base_dir))
     vae_id = component_identity(sources.vae)
     encoders_id = "+".join(component_identity(getattr(sources, n)) for n in family.text_sources)
@@ -732,7 +747,10 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             else:
                 samples.extend([sample] * item.repeats)
 
-    prompts = [it.caption for it in items + held_out] + [""] + list(extra_prompts or ())
+    clip_list, clip_jobs = clip_samples(clips, data_cfg, vae_id, dtype) if clips else ([], {})
+    samples.extend(clip_list)        # a clip bucket (w, h, frames) never shares a batch with an image's (w, h)
+
+    prompts = [it.caption for it in items + held_out + clips] + [""] + list(extra_prompts or ())
     text_keys = {p: text_key(p, encoders_id, max_length, dtype) for p in prompts}
     text_jobs = {k: p for p, k in text_keys.items()}
     # A text encoder that reads the references (an edit model's VLM): one entry per caption and
@@ -761,8 +779,8 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
 
     def latent_bytes() -> int:     # what the latents need (bf16); the text entries come on top
         f = family.vae_scale_factor
-        return sum(family.latent_channels * (b[0] // f) * (b[1] // f) * 2
-                   for _, b in latent_jobs.values())
+        return (sum(family.latent_channels * (b[0] // f) * (b[1] // f) * 2 for _, b in latent_jobs.values())
+                + sum(math.prod(_clip_shape(family, b)) * 2 for _, b in clip_jobs.values()))
 
     with disk_full_guard(cache_dir, latent_bytes, "every entry already written is intact and reused next time"):
         stats = {
@@ -773,6 +791,11 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
         }
         if mask_jobs:
             stats["masks"] = _fill_masks(mask_jobs, cache_dir / "masks", family.vae_scale_factor)
+        if clip_jobs:
+            stats["clips"], failed = fill_clip_latents(clip_jobs, cache_dir / "latents", sources, dtype, device,
+                                                       family.video.load_vae, data_cfg.target_fps,
+                                                       lambda b: _clip_shape(family, b))
+            samples = [s for s in samples if s.latent_key not in failed]      # named in fill_clip_latents' warning
         _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
                                   load_vae or family.load_vae, family)
     if len(samples) < data_cfg.batch_size:
@@ -831,6 +854,7 @@ class CachedData:
 
     def summary(self) -> str:
         masks = f"; masks: {self.stats['masks']}" if "masks" in self.stats else ""
+        masks += f"; clips: {self.stats['clips']}" if "clips" in self.stats else ""
         return (f"{self.num_items} samples in {len(self.buckets)} bucket(s), {self.batches_per_epoch} batches per "
                 f"epoch; latents: {self.stats['latents']}; text: {self.stats['text']}{masks}")
 

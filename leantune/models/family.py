@@ -135,6 +135,29 @@ class ReferenceConditioning:
 
 
 @dataclass(frozen=True)
+class VideoLatents:
+    """How a video family's clips become latents and back (Wan: AutoencoderKLWan's causal VAE).
+
+    - `temporal_factor`: frames per latent frame after the first (4k+1 frames -> k+1 latent frames);
+    - `load_vae(sources, dtype, device)`: the causal video VAE itself, which data/video_vae.py drives
+      a chunk at a time (the family's `load_vae` is its one-frame image view: a still image of a
+      video run is a one-frame clip, its latents (C, h, w) packed to (C, 1, h, w) by `pack_latents`);
+    - `fps`: the rate sampled videos are written at (the model's training rate; Wan 2.2 A14B: 16).
+    """
+
+    temporal_factor: int
+    load_vae: Callable
+    fps: float = 16.0
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of `frames` pixel frames (a valid length: 1 + k * temporal_factor)."""
+        if frames < 1 or (frames - 1) % self.temporal_factor:
+            raise ValueError(f"{frames} frames is not a length this VAE encodes: 1 + {self.temporal_factor}k "
+                             f"(e.g. {1 + self.temporal_factor * max(1, (frames - 1) // self.temporal_factor)})")
+        return 1 + (frames - 1) // self.temporal_factor
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     spec: ModelSpec
@@ -198,6 +221,9 @@ class ModelFamily:
     # noise levels a step trains on, for a model that denoises only part of the range (a Wan 2.2 expert);
     # None: as drawn
     training_sigmas: Callable | None = None
+    # a video family (VideoLatents): its datasets' clips are cached and trained as 5-D latents
+    # (B, C, T', h, w) and its samples during training are videos; None: an image family
+    video: "VideoLatents | None" = None
 
 
 def text_width(family: ModelFamily, config) -> int:

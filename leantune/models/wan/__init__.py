@@ -13,6 +13,8 @@ Everything follows WanPipeline (diffusers) exactly:
   (B, 16, F, h, w) and patchifies (1, 2, 2) itself. An image is a video of one frame: the
   family's 4-D latents (B, 16, h, w), which the cache, the trainer and the sampler hold, are packed
   to F = 1 (`pack_latents`), and a 5-D video latent passes as it is. Tokens per frame are h/2 * w/2.
+  Clips (4k+1 frames) are cached through the causal VAE itself (`video`: data/video_vae.py) as
+  (16, k+1, h, w) and batched per clip bucket; samples during training are videos of [sample] frames.
 - Text: umT5's last hidden state, zero-padded to max_sequence_length rows, all of which the
   transformer attends to (wan/text.py).
 - Time: the transformer takes the scheduler's timestep sigma * 1000 in float32, and returns the
@@ -48,6 +50,8 @@ VAE_SCALE_FACTOR = 8
 LATENT_CHANNELS = 16
 PATCH = 2
 NUM_TRAIN_TIMESTEPS = 1000
+TEMPORAL_FACTOR = 4          # AutoencoderKLWan: the first frame alone, then 4 frames per latent frame
+SAMPLE_FPS = 16.0            # Wan 2.2 A14B's rate (Wan-AI's sample_fps): sampled videos are written at it
 
 
 # -- latents -------------------------------------------------------------------------------------------
@@ -177,7 +181,7 @@ def _loader(name: str):
 
 
 def _register():
-    from ..family import ModelFamily, Sampling, register
+    from ..family import ModelFamily, Sampling, VideoLatents, register
 
     return register(ModelFamily(
         name=NAME, spec=WAN_SPEC,
@@ -193,6 +197,7 @@ def _register():
         transformer_classes=(wan_loading.TRANSFORMER_CLASS, "WanExperts"), pipeline_classes=("WanPipeline",),
         recognizes_keys=recognizes_keys, text_rows=wan_text.text_rows, timestep_sampling="shift",
         text_width=lambda config: config.text_dim, training_sigmas=training_sigmas,
+        video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=_loader("load_raw_vae"), fps=SAMPLE_FPS),
     ))
 
 

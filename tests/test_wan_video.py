@@ -1,0 +1,199 @@
+"""Wan 2.2 trained on clips end to end: a folder of short mp4 clips (written with data/video_write.py)
+and a still image, with same-stem captions, through prepare_caches and the trainer on the tiny Wan.
+Clips are cached through the causal VAE as (16, T', h, w) entries and batched per clip bucket as
+(B, 16, T', h, w); the still image is a one-frame clip (B, 16, h, w) packed to T' = 1; the
+flow-matching loss runs over every frame; a LoRA lowers the loss of a fixed clip batch; a run
+stopped and resumed equals the uninterrupted one bit for bit."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leantune.config import load_config
+from leantune.data import cache, video_vae
+from leantune.data.video_write import write_mp4
+from leantune.models.family import get_family
+from leantune.tiny.wan import save_wan_folder
+
+FAM = get_family("wan2.2")
+SIDE, FRAMES, FPS = 64, 9, 16            # 9 frames -> 3 latent frames of 8 x 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A one-transformer tiny Wan (Wan 2.1's layout: every noise level is the one model's)."""
+    return save_wan_folder(tmp_path_factory.mktemp("wan") / "folder", experts=1)
+
+
+def _frames(kind: int) -> np.ndarray:
+    """FRAMES frames of a square that moves (kind 0: right, kind 1: down) over a flat colour."""
+    out = np.empty((FRAMES, SIDE, SIDE, 3), np.uint8)
+    for i in range(FRAMES):
+        out[i] = (30, 60, 200) if kind == 0 else (200, 60, 30)
+        x = 4 + 5 * i
+        if kind == 0:
+            out[i, 24:40, x:x + 16] = 250
+        else:
+            out[i, x:x + 16, 24:40] = 250
+    return out
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """data/: two captioned clips and a captioned still image."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("media") / "data"
+    d.mkdir()
+    for i, caption in enumerate(("a square moving right", "a square moving down")):
+        write_mp4(d / f"clip{i}.mp4", _frames(i), FPS)
+        (d / f"clip{i}.txt").write_text(caption)
+    Image.fromarray(_frames(0)[4]).save(d / "still.png")
+    (d / "still.txt").write_text("a square standing still")
+    return d
+
+
+RUN = """
+[model]
+family = "wan2.2"
+path = "{folder}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "{cache}"
+max_text_length = 32
+target_fps = 16
+max_frames = 9
+
+[[data.datasets]]
+path = "{media}"
+
+[lora]
+rank = 4
+alpha = 4
+
+[train]
+steps = {steps}
+learning_rate = {lr}
+mixed_precision = "no"
+seed = 3
+save_every = {save_every}
+
+[output]
+dir = "{out}"
+name = "clips"
+formats = ["diffusers"]
+"""
+
+
+def _config(tmp_path, folder, media, out: str, steps: int = 4, lr: float = 1e-3, save_every: int = 2):
+    path = tmp_path / f"{out}.toml"
+    path.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / out,
+                               steps=steps, lr=lr, save_every=save_every))
+    return load_config(path)
+
+
+def _prepare(cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cache.prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32)
+
+
+def test_clips_and_a_still_are_cached_and_batched_by_bucket(tmp_path, folder, media):
+    """Each clip's entry is the streamed causal VAE's latents of its 9 frames (16, 3, 8, 8); a batch
+    holds one bucket: the clips' (64, 64, 9) as (2, 16, 3, 8, 8), the still's (64, 64) as (1, 16, 8, 8),
+    which the family packs to one frame. A second pass reuses every entry."""
+    cfg = _config(tmp_path, folder, media, "cache-run")
+    data = _prepare(cfg)
+    assert data.stats["clips"].misses == 2 and data.stats["latents"].misses == 1
+    clips = [s for s in data.samples if isinstance(s, cache.ClipSample)]
+    assert len(clips) == 2 and len(data.samples) == 3 and {s.bucket for s in clips} == {(SIDE, SIDE, FRAMES)}
+    vae = FAM.video.load_vae(FAM.resolve_sources(cfg.model, cfg.base_dir), torch.float32, "cpu")
+    for s in clips:
+        want = video_vae.encode_clip(vae, s.item.path, target_fps=FPS, num_frames=FRAMES, size=(SIDE, SIDE))
+        assert torch.equal(data.latent(s), want.to(cache.STORE_DTYPE))
+    it = data.batches(seed=0)
+    shapes = {tuple(b.bucket): tuple(b.latents.shape) for b in (next(it) for _ in range(4))}
+    assert shapes == {(SIDE, SIDE, FRAMES): (2, 16, 3, 8, 8), (SIDE, SIDE): (1, 16, 8, 8)}
+    assert FAM.pack_latents(torch.zeros(1, 16, 8, 8)).shape == (1, 16, 1, 8, 8)
+    again = _prepare(cfg)
+    assert (again.stats["clips"].hits, again.stats["clips"].misses, again.stats["latents"].hits) == (2, 0, 1)
+
+
+def _fixed_loss(folder, lora_file, latents, embeds, sigmas=(0.3, 0.6, 0.9)) -> float:
+    """The flow-matching loss of one clip batch at fixed noise and noise levels, through the tiny
+    Wan transformer loaded as WanPipeline loads it, with the LoRA file (or none)."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    if lora_file is not None:
+        pipe.load_lora_weights(str(lora_file))
+    model = pipe.transformer.eval()
+    g = torch.Generator().manual_seed(11)
+    total = 0.0
+    with torch.no_grad():
+        for level in sigmas:
+            noise = torch.randn(latents.shape, generator=g)
+            sigma = torch.full((latents.shape[0],), level)
+            noisy = (1 - level) * latents + level * noise
+            pred = FAM.predict(model, noisy, sigma, embeds, latents.shape[-2:])
+            total += float(((pred - (noise - latents)) ** 2).mean())
+    return total / len(sigmas)
+
+
+def test_a_clip_lora_trains_over_every_frame_and_lowers_the_loss(tmp_path, folder, media, monkeypatch):
+    """The trainer's steps noise (B, 16, 3, 8, 8) clip batches (and the still as one frame) and
+    predict every frame; the LoRA it saves loads into WanPipeline and lowers the loss of the clips
+    at fixed noise levels and noise."""
+    from leantune.train import flow_matching as fm
+    from leantune.trainer import train
+
+    seen = []
+    add_noise = fm.add_noise
+    monkeypatch.setattr(fm, "add_noise", lambda x0, noise, sigma: seen.append(tuple(x0.shape)) or
+                        add_noise(x0, noise, sigma))
+    cfg = _config(tmp_path, folder, media, "lowers", steps=12, lr=1e-2, save_every=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(cfg, progress=False)
+    assert result.final_step == 12 and all(np.isfinite(result.losses))
+    assert (2, 16, 3, 8, 8) in seen and (1, 16, 8, 8) in seen and set(seen) == {(2, 16, 3, 8, 8), (1, 16, 8, 8)}
+    data = _prepare(cfg)
+    clips = [s for s in data.samples if isinstance(s, cache.ClipSample)]
+    latents = torch.stack([data.latent(s) for s in clips]).float()                    # (2, 16, 3, 8, 8)
+    embeds = data.prompt_embeds([s.item.caption for s in clips])
+    before = _fixed_loss(folder, None, latents, embeds)
+    after = _fixed_loss(folder, result.paths.lora_file("diffusers"), latents, embeds)
+    assert after < 0.9 * before, (before, after)
+
+
+def test_a_stopped_and_resumed_clip_run_equals_the_uninterrupted_run(tmp_path, folder, media):
+    """4 steps straight (saving at 2) == 2 steps, stop, resume, 2 steps: the same losses and the same
+    LoRA file, bit for bit (clip and image batches in the seeded order, noise over every frame)."""
+    from leantune.trainer import train
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        straight = train(_config(tmp_path, folder, media, "straight"), progress=False)
+        parts = _config(tmp_path, folder, media, "parts")
+        assert train(parts, stop_after=2, progress=False).final_step == 2
+        resumed = train(parts, resume=True, progress=False)
+    assert resumed.final_step == 4 and resumed.losses == straight.losses and len(set(straight.losses)) == 4
+    a = load_file(str(straight.paths.lora_file("diffusers")))
+    b = load_file(str(resumed.paths.lora_file("diffusers")))
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
