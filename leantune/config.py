@@ -410,8 +410,10 @@ class MemoryConfig(Section):
     # How the frozen base's block Linears are stored. "auto": as fp8 and the planner decide (e4m3 or
     # the load dtype; NF4's measured error, docs/benchmarks.md, is outside what auto may pick);
     # "bf16": the load dtype, pinned; "fp8": e4m3 (fp8 = true); "nf4": bitsandbytes NF4 as the file
-    # is read (memory/nf4_storage.py, 4.5 bits per weight; LoRA only).
-    base_format: Literal["bf16", "fp8", "nf4", "auto"] = "auto"
+    # is read (memory/nf4_storage.py, 4.5 bits per weight; LoRA only); "int8": int8 ConvRot rows as
+    # the file is read (memory/int8_storage.py, ComfyUI's int8_convrot layout, 8 bits and a row
+    # scale; LoRA only).
+    base_format: Literal["bf16", "fp8", "nf4", "int8", "auto"] = "auto"
     checkpointing: Literal["none", "blocks", "offload"] = "none"
     ring_slots: int = Field(2, ge=2)
     pin_memory: bool = True
@@ -447,7 +449,7 @@ class MemoryConfig(Section):
     def _base_format(cls, data):
         """base_format = "fp8" is fp8 = true; a pinned format and an fp8 key that contradicts it, or
         "nf4" without bitsandbytes, are errors that name both keys."""
-        if not isinstance(data, dict) or data.get("base_format") not in ("bf16", "fp8", "nf4"):
+        if not isinstance(data, dict) or data.get("base_format") not in ("bf16", "fp8", "nf4", "int8"):
             return data                                   # "auto", or a value the Literal names
         fmt, fp8 = data["base_format"], data.get("fp8")
         if fmt == "fp8":
@@ -497,6 +499,9 @@ class SampleConfig(Section):
     references: list[str] = []
     width: int = Field(512, ge=16)
     height: int = Field(512, ge=16)
+    # A video family (wan2.2): frames of each sampled video, a length its VAE decodes (Wan: 4k+1; 1:
+    # a still image); unset: [data] max_frames. An image family samples one frame.
+    frames: int | None = Field(None, ge=1, le=1001)
     # The frozen LoRAs previews use instead of [model] base_adapters (None: the same; []: none, e.g.
     # train Z-Image Turbo through its training adapter and preview without it)
     base_adapters: list[AdapterRef] | None = None

@@ -228,7 +228,7 @@ def _train(cfg: RunConfig, paths: RunPaths, dist: DistContext, resume: bool, sto
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 _save(t, cfg, paths, step, losses, intermediate=True)
             if cfg.sample.every and cfg.sample.prompts and step % cfg.sample.every == 0 and dist.is_main:
-                result.sample_files.extend(_sample_or_report(t, cfg, paths, step))
+                result.sample_files.extend(_sample_or_report(t, cfg, paths, step, writer))
     except KeyboardInterrupt:
         result.interrupted = True
         if stop.aborted_mid_step:
@@ -349,7 +349,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)
     base_options = loader_options(cfg.memory)     # a file's e4m3 modulation stays e4m3 unless asked
-    if cfg.memory.base_format == "nf4":           # NF4 rows as read (memory/nf4_storage.py), priced so on meta
+    if cfg.memory.base_format in ("nf4", "int8"):   # NF4 / int8 rows as read (memory/*_storage.py), priced so on meta
         base_options = base_options | _fp8_load_options(cfg)
     meta_model = _once(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **base_options))
     mode.check_before_load(meta_model)            # host RAM, before any weight is read
@@ -425,16 +425,17 @@ def _attach_base_adapters(transformer, adapters: tuple | None):
 
 def _fp8_load_options(cfg: RunConfig, plan=None) -> dict:
     """family.fp8_load_options for this run (`plan`: the planner's, chosen before loading under a
-    vram_budget): a full fine-tune's trained weights are not quantized. [memory] base_format = "nf4":
-    the block Linears become NF4 rows as they are read, whatever the plan (memory/nf4_storage.py)."""
+    vram_budget): a full fine-tune's trained weights are not quantized. [memory] base_format = "nf4"
+    (or "int8"): the block Linears become NF4 (int8 ConvRot) rows as they are read, whatever the
+    plan (memory/nf4_storage.py, int8_storage.py)."""
     from .train.trainable import trains_name
 
     trained = None
     if cfg.train.mode == "full":
         full = cfg.full
         trained = lambda name: trains_name(name, full.train, full.exclude)   # noqa: E731
-    if cfg.memory.base_format == "nf4":
-        return {"quantize_fp8": "nf4", **({"trained": trained} if trained else {})}
+    if cfg.memory.base_format in ("nf4", "int8"):
+        return {"quantize_fp8": cfg.memory.base_format, **({"trained": trained} if trained else {})}
     return fp8_load_options(cfg.memory, trained, plan)
 
 
@@ -726,7 +727,7 @@ def _streaming_summary(report: dict) -> str:
             f"(stall {report['stall_s']:.3f} s, {report['demand_fetches']} on demand), {report['slots']} slots")
 
 
-def _sample_or_report(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> list[Path]:
+def _sample_or_report(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, writer=None) -> list[Path]:
     """The step's samples ([path]), or [] with one error line when drawing them fails: a sample is
     a view of the training, and its fault (a size the memory cannot hold, a decode that fails)
     must not end the run and lose the steps since the last save. Training goes on; the next
@@ -736,8 +737,8 @@ def _sample_or_report(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) ->
         with evaluation_point(t.optimizer):   # schedule-free: the averaged weights, y restored after
             if t.ema is not None and cfg.ema.sample:          # [ema] sample: drawn from the average
                 with t.ema.swapped_in():
-                    return [_sample(t, cfg, paths, step)]
-            return [_sample(t, cfg, paths, step)]
+                    return [_sample(t, cfg, paths, step, writer)]
+            return [_sample(t, cfg, paths, step, writer)]
     except Exception as e:
         problem = str(e).strip().splitlines()[0][:300] if str(e).strip() else "no message"
         log.error("step %d: the in-training sample failed (%s: %s); training goes on without it, the [sample] "
@@ -748,12 +749,13 @@ def _sample_or_report(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) ->
     return []
 
 
-def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
+def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int, writer=None) -> Path:
     from .infer.images import save_png
     from .infer.sampler import sample_during_training
 
     family = get_family(cfg.model.family)
     cfg_guidance = family.sampling.guidance == "cfg"
+    frames = sample_frames(cfg, family)
 
     # Prompts (and, for classifier-free guidance, the negative prompt) were encoded with the captions
     # (no text encoder reload); the VAE is loaded only for the decode and dropped again, so training
@@ -764,15 +766,24 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
     embeds = t.data.prompt_embeds(cfg.sample.prompts, references=refs)
     negative = t.data.prompt_embeds([cfg.sample.negative_prompt], references=refs) if cfg_guidance else None
     vae = lambda: family.load_vae(t.sources, t.dtype, "cpu")      # noqa: E731
+    if frames > 1:                             # a video: the causal video VAE decodes it (infer/video.py)
+        vae = lambda: family.video.load_vae(t.sources, t.dtype, "cpu")      # noqa: E731
     references = t.data.sample_reference_latents() or None
     stack = t.base_adapters
+    if cfg.sample.base is not None and frames > 1:
+        raise ValueError("[sample] base previews images; with [sample] frames > 1 drop [sample] base or set frames = 1")
     if cfg.sample.base is not None:            # another base of the family (infer/preview_base.py)
         grid = _sample_on_other_base(t, cfg, family, embeds, vae, negative, references)
     else:
         with stack.for_sampling() if stack is not None else nullcontext():   # [sample] base_adapters
             grid = sample_during_training(t.transformer, vae, embeds, cfg.sample, memory_handle=t.memory,
                                           device=t.device, dtype=t.dtype, negative=negative, references=references,
-                                          family=family, schedule=preview_schedule(cfg, family, t.transformer))
+                                          family=family, schedule=preview_schedule(cfg, family, t.transformer),
+                                          frames=frames)
+    if frames > 1:
+        from .infer.video import save_training_video
+
+        return save_training_video(grid, paths.samples / f"step-{step:06d}.mp4", family.video.fps, writer, step)
     out = paths.samples / f"step-{step:06d}.png"
     model = str(cfg.resolve(cfg.sample.base)) if cfg.sample.base is not None else str(t.sources.transformer)
     adapters = stack.describe("sampling") if stack is not None else ""
@@ -786,6 +797,22 @@ def _sample(t: Trainee, cfg: RunConfig, paths: RunPaths, step: int) -> Path:
                             if t.data.sample_references else {})})
     log.info("samples: %s", out)
     return out
+
+
+def sample_frames(cfg: RunConfig, family) -> int:
+    """Frames of the run's samples: [sample] frames, unset: [data] max_frames for a video family
+    (the length it trains at), 1 for an image family (which cannot sample more)."""
+    frames = cfg.sample.frames
+    if family.video is None:
+        if frames not in (None, 1):
+            raise ValueError(f"[sample] frames = {frames}: family = \"{family.name}\" samples images; remove the key")
+        return 1
+    frames = cfg.data.max_frames if frames is None else frames
+    try:
+        family.video.latent_frames(frames)
+    except ValueError as e:
+        raise ValueError(f"[sample] frames = {frames}: {e}") from None
+    return frames
 
 
 def preview_schedule(cfg: RunConfig, family, transformer):

@@ -366,3 +366,42 @@ def test_a_bad_int8_layer_in_a_flux_file_is_named(source, tmp_path):
     save_file(tensors, str(path))                         # no metadata: the error comes before the config
     with pytest.raises(LoadError, match=r"flux_int8_convrot\.safetensors: " + re.escape(key) + " is missing"):
         flux_loading.load_transformer(flux_loading.FluxSources(path, None, None, None, None, None))
+
+
+# -- [memory] base_format = "int8": quantized as a bf16 file is read ----------------------------------
+
+def test_base_format_int8_quantizes_each_weight_as_read_in_bounded_chunks(source, tmp_path, monkeypatch):
+    """[memory] base_format = "int8" (the trainer's load option quantize_fp8="int8"): every block
+    Linear apply_int8_storage takes holds int8 ConvRot rows equal, byte for byte, to quantizing the
+    bf16 load's weight, a few rows at a time (QUANT_CHUNK, here 640 fp32 values: no call saw more,
+    and the 640-wide inputs went one row at a time); everything else is the bf16 load's; the meta load (what the planner prices) has the
+    stored shapes; and the config's key names the option."""
+    from leantune.config import MemoryConfig, RunConfig
+    from leantune.memory import fp8 as fp8_mod
+    from leantune.models.flux import loading as flux_loading
+    from leantune.trainer import _fp8_load_options
+
+    path = flux_loading.save_bfl_transformer(source, tmp_path / "flux.safetensors", dtype=torch.bfloat16)
+    sources = flux_loading.FluxSources(path, None, None, None, None, None)
+    calls = []
+    real = i8.quantize
+    monkeypatch.setattr(fp8_mod, "QUANT_CHUNK", 4 * 640)
+    monkeypatch.setattr(i8, "quantize", lambda w, g: (calls.append(w.shape), real(w, g))[1])
+    got = flux_loading.load_transformer(sources, dtype=torch.bfloat16, quantize_fp8="int8")
+    monkeypatch.setattr(i8, "quantize", real)
+    ref = flux_loading.load_transformer(sources, dtype=torch.bfloat16).requires_grad_(False)
+    assert calls and max(r * c for r, c in calls) <= 640 and (1, 640) in calls
+    in_place = copy.deepcopy(ref)
+    assert len(i8.apply_int8_storage(in_place, FLUX_SPEC)) == 34
+    taken = {f"{q}.weight" for q, _, lin in block_linears(FLUX_SPEC, got) if i8.is_int8(lin)}
+    assert len(taken) == 34 and not any(p.requires_grad for n, p in got.named_parameters() if n in taken)
+    want = in_place.state_dict()
+    for name, t in got.state_dict().items():
+        assert torch.equal(t, want[name]), name                      # int8 rows and every other tensor
+    meta = flux_loading.load_transformer(sources, dtype=torch.bfloat16, device="meta", quantize_fp8="int8")
+    for name, t in meta.state_dict().items():
+        assert (t.shape, t.dtype) == (want[name].shape, want[name].dtype), name
+    run = dict(model={"path": "x"}, data={"datasets": [{"path": "d"}]})
+    assert _fp8_load_options(RunConfig(**run, memory={"base_format": "int8"})) == {"quantize_fp8": "int8"}
+    with pytest.raises(ValueError, match=r'base_format = "int8" and fp8 = true'):
+        MemoryConfig(base_format="int8", fp8=True)

@@ -235,9 +235,84 @@ def apply_int8_storage(model: nn.Module, spec, modulation: bool = False) -> list
             raise ValueError(f"int8 storage: {qname} carries a DoRA adapter, which reads the base rows themselves; "
                              f"use [lora] type \"lora\" on an int8 base")
         with torch.no_grad():
-            set_int8_weight(lin, quantize(lin.weight.data, g), g)
+            set_int8_weight(lin, quantize_chunked(lin.weight.data, g), g)
         done.append(qname)
     return done
+
+
+# -- quantizing while a file is read ([memory] base_format = "int8") -------------------------------
+
+def int8_block_weights(model: nn.Module, spec, modulation: bool = False) -> dict[str, int]:
+    """{qualified weight name: ConvRot group size} of the block Linears int8 storage takes: those
+    apply_int8_storage would take (fp8 storage's set, modulation only with `modulation`) whose
+    inputs split into one of GROUP_SIZES; the others keep their dtype."""
+    from .block_linears import block_linears
+
+    out = {}
+    for qname, rel, lin in block_linears(spec, model):
+        g = group_size_for(lin.in_features)
+        if g is not None and not spec.keeps_compute_dtype(rel, fp8_modulation=modulation):
+            out[f"{qname}.weight"] = g
+    return out
+
+
+def chunk_rows(width: int) -> int:
+    """Rows quantized at once: as many as fp8.QUANT_CHUNK bytes of fp32 hold (at least one). Both
+    paths (a loaded model, a file being read) quantize the same chunks of a weight's rows, since
+    the rotation's matmul may round differently for a different number of rows."""
+    from .fp8 import QUANT_CHUNK
+
+    return max(1, QUANT_CHUNK // (4 * width))
+
+
+def quantize_chunked(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """quantize() a loaded (out, in) weight chunk_rows() rows at a time: a bounded fp32 temporary."""
+    rows, width = weight.shape
+    out = torch.empty(rows, row_bytes(width), dtype=torch.uint8, device=weight.device)
+    step = chunk_rows(width)
+    for r0 in range(0, rows, step):
+        out[r0:r0 + step].copy_(quantize(weight[r0:r0 + step], group_size))
+    return out
+
+
+def quantize_rows_into(files, key: str, segments: list[tuple[int, int]], dtype: torch.dtype, group_size: int,
+                       out: torch.Tensor) -> None:
+    """The rows `segments` of file tensor `key` (a CheckpointFiles) as int8 ConvRot rows in `out`
+    (rows, row_bytes) uint8: the chunks of quantize_chunked (counted in the weight's own rows,
+    whichever segments they come from), each read (cast to `dtype` as a plain load holds it) into
+    one reused buffer and quantized, so no whole weight is held in `dtype` and the rows equal
+    quantize_chunked() of the plain load."""
+    width = files.tensors[key].row_numel
+    step = chunk_rows(width)
+    buf = torch.empty(step * width, dtype=dtype)
+    spans = [(a, b) for a, b in segments if b > a]
+    total = sum(b - a for a, b in spans)
+    seg, offset = 0, 0                      # the next source row: spans[seg][0] + offset
+    for p0 in range(0, total, step):
+        n = min(step, total - p0)
+        filled = 0
+        while filled < n:
+            a, b = spans[seg]
+            take = min(n - filled, b - a - offset)
+            files.read_rows_into(key, a + offset, a + offset + take, buf[filled * width:(filled + take) * width])
+            filled += take
+            offset += take
+            if a + offset == b:
+                seg, offset = seg + 1, 0
+        out[p0:p0 + n].copy_(quantize(buf[:n * width].view(n, width), group_size))
+
+
+def fill_int8(model: nn.Module, files, source: str, target: str, segments: list[tuple[int, int]],
+              dtype: torch.dtype, group_size: int, meta: bool, device) -> None:
+    """One Linear weight of a model being loaded (models/weights.load_into_empty) stored as int8
+    ConvRot rows read from `source`; on meta, an empty uint8 tensor of the stored shape (what the
+    planner prices)."""
+    module = model.get_submodule(target[: -len(".weight")])
+    rows = sum(b - a for a, b in segments)
+    raw = torch.empty(rows, row_bytes(module.in_features), dtype=torch.uint8, device="meta" if meta else "cpu")
+    if not meta:
+        quantize_rows_into(files, source, segments, dtype, group_size, raw)
+    set_int8_weight(module, raw.to(device), group_size)
 
 
 # -- ComfyUI's files ---------------------------------------------------------------------------------

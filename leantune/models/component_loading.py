@@ -307,6 +307,10 @@ def fp8_hooks(model, spec, *, keep: bool, keep_modulation: bool, quantize: bool,
             from ..memory.nf4_storage import nf4_block_weights
             nf4 = chosen & nf4_block_weights(model, spec, quantize_modulation)
             out["quantize_fp8"] = lambda name: "nf4" if name in nf4 else False
+        elif quantize == "int8":          # [memory] base_format = "int8": ConvRot rows where a group divides the inputs
+            from ..memory.int8_storage import int8_block_weights
+            int8 = chosen & set(int8_block_weights(model, spec, quantize_modulation))
+            out["quantize_fp8"] = lambda name: "int8" if name in int8 else False
     return out
 
 

@@ -617,7 +617,8 @@ def load_into_empty(
     block-scaled e4m3): they are quantized chunk by chunk as they are read (`dtype` first, exactly
     as a plain load holds them, so the bits equal quantizing that load) and handed to `on_fp8` with
     their (rows, nb) scale; a file's e4m3 tensor that `keep_fp8` keeps is kept instead. Where it
-    returns "nf4" the weight becomes NF4 rows as it is read instead (memory/nf4_storage.fill_nf4).
+    returns "nf4" the weight becomes NF4 rows as it is read instead (memory/nf4_storage.fill_nf4), where
+    "int8" int8 ConvRot rows (memory/int8_storage.fill_int8).
 
     A GGUF file's quantized Linear weights (models/gguf_file.py) keep their blocks as stored, with
     the GGUF forward (memory/gguf_storage.py); its other quantized tensors are decoded as read.
@@ -679,6 +680,10 @@ def load_into_empty(
                 if quantize_fp8(target) == "nf4":        # NF4 rows instead of e4m3 (memory/nf4_storage.py)
                     from ..memory.nf4_storage import fill_nf4
                     fill_nf4(model, files, op.source, target, segs, _target_dtype(model, target, dtype), meta, device)
+                elif quantize_fp8(target) == "int8":     # int8 ConvRot rows instead (memory/int8_storage.py)
+                    from ..memory.int8_storage import fill_int8, group_size_for
+                    fill_int8(model, files, op.source, target, segs, _target_dtype(model, target, dtype),
+                              group_size_for(tshape[1]), meta, device)
                 else:
                     _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
                                     _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
