@@ -731,3 +731,43 @@ def test_cuda_staged_sampling_streams_exactly_and_reports_stage_peaks(tiny_flux_
     tight = run_sampling(_request(tiny_flux_dir, tmp_path / "c", device="cuda", memory={"vram_budget": "400MiB"}))
     assert tight.stream_t5 and np.array_equal(images(tight), images(resident))
     assert max(tight.stage_peaks.values()) <= 400 * 2**20
+
+
+def test_run_sampling_on_a_base_quantized_as_read(tiny_flux_dir, tmp_path):
+    """[memory] base_format = "int8" in a sample request: the transformer's block Linears are int8
+    ConvRot rows quantized as its file is read, with a LoRA unmerged over them; the images equal
+    those of the plain load quantized in place (the same bytes) and stay near the bf16-free ones."""
+    from PIL import Image
+
+    from leantune.infer.run import FolderComponents, run_sampling
+    from leantune.memory import int8_storage
+    from leantune.models.flux import FLUX_SPEC
+    from leantune.train.lora import save_lora
+
+    lora = save_lora(_random_lora(tiny.flux_transformer(), _DOUBLE_ATTN + _SINGLE, 2, 4.0, 9),
+                     tmp_path / "style.safetensors", "diffusers")
+    lora_arg = [{"path": str(lora), "strength": 0.7}]
+
+    class Kept(FolderComponents):
+        def transformer(self, dtype):
+            t = super().transformer(dtype)
+            self.int8 = sum(int8_storage.is_int8(m) for m in t.modules())
+            return t
+
+    class InPlace(FolderComponents):
+        def transformer(self, dtype):
+            t = super().transformer(dtype).requires_grad_(False)
+            int8_storage.apply_int8_storage(t, FLUX_SPEC)
+            return t
+
+    request = _request(tiny_flux_dir, tmp_path / "int8", lora=lora_arg, memory={"base_format": "int8"})
+    kept = Kept(request)
+    quantized = run_sampling(request, components=kept)
+    plain_request = _request(tiny_flux_dir, tmp_path / "ref", lora=lora_arg)
+    in_place = run_sampling(plain_request, components=InPlace(plain_request))
+    plain = run_sampling(_request(tiny_flux_dir, tmp_path / "plain", lora=lora_arg))
+    images = lambda r: np.stack([np.asarray(Image.open(f)) for f in r.files]).astype(int)   # noqa: E731
+    assert kept.int8 > 0
+    assert np.array_equal(images(quantized), images(in_place))
+    diff = np.abs(images(quantized) - images(plain))
+    assert 0 < diff.max() <= 24 and diff.mean() <= 2.0

@@ -174,6 +174,8 @@ class FolderComponents:
     def __init__(self, request: SampleRequest):
         self._fl = fl = get_family(request.model.family)
         self._options = loader_options(request.memory)     # a file's e4m3 modulation stays e4m3 unless asked
+        if request.memory.base_format in ("nf4", "int8"):   # the block Linears quantized as the file is read
+            self._options = self._options | {"quantize_fp8": request.memory.base_format}
         model_cfg = request.model
         folder = request.resolve(request.model.path)
         if request.base is not None:          # another checkpoint of the family (models/other_base.py)
