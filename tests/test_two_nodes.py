@@ -9,7 +9,13 @@ machine's filesystem, as nodes share a network filesystem. One process per machi
   2. a second launch, resuming from that run's step-15 save, has machine 1's processes killed
      after its first step (kill -9 of its launcher and worker, as a machine that dies takes every
      process with it): machine 0 ends too, non-zero, without a hang, and the last save is intact
-     and loads.
+     and loads;
+  3. a full fine-tune with DeepSpeed ZeRO-2 (`[distributed] strategy = "deepspeed"`) equals the
+     one-process full fine-tune with the doubled batch (tests/test_distributed.py's tolerance).
+DeepSpeed needs no launcher of its own here (no ssh, no hostfile): each machine's torchrun sets
+RANK / WORLD_SIZE / MASTER_ADDR (machine 0's veth address), from which DeepSpeed's
+init_distributed makes the process group (env://). Its shared-memory collective serves ranks of
+one machine only and stays off (DeepSpeed's LOCAL_SIZE is unset).
 Needs root (network namespaces); the machines CI runs on have it.
 """
 
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import pytest
 from test_distributed import (_assert_same_lora, _children, _env, _lora, _loss_gap, _use_cache, images,  # noqa: F401
-                              reference, write_config)
+                              reference, write_config, write_full_config)
 
 pytestmark = [pytest.mark.xdist_group("multiprocess"), pytest.mark.slow]
 
@@ -158,3 +164,49 @@ def test_a_run_on_two_machines_equals_one_process_and_a_dead_machine_ends_both(m
     step, state = load_checkpoint(latest_checkpoint(ckpts))
     assert step == 15 and state["world_size"] == 2
     assert not (out / "t_diffusers.safetensors").exists()                          # the run never finished
+
+
+
+def test_a_zero2_full_fine_tune_on_two_machines_equals_one_process(machines, tmp_path, tiny_flux_dir, images):
+    """[train] mode = "full", [distributed] strategy = "deepspeed", launched with `leantune train
+    --nodes 2` on each machine: DeepSpeed ZeRO-2 (gradients and AdamW states partitioned between the
+    machines, its collectives over gloo on the veth) gives the one-process full fine-tune's losses,
+    fp32 trained weights (the step-6 checkpoints) and exported model with the doubled batch, within
+    tests/test_distributed.py's 1e-4; the weights moved further than that from the base."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from leantune.config import load_config
+    from leantune.train.state import load_checkpoint
+    from leantune.trainer import train
+
+    ref_cfg = load_config(write_full_config(tmp_path, tiny_flux_dir, images, "fullref", 2, str(tmp_path / "ref")))
+    ref = train(ref_cfg, progress=False)
+    cfg = write_full_config(tmp_path, tiny_flux_dir, images, "zero2", 1, str(tmp_path / "zero2"),
+                            '\n[distributed]\nstrategy = "deepspeed"\n')
+    _use_cache(cfg, tmp_path / "cache-fullref")
+    for rc, stdout, stderr in _finish(_launch(machines, cfg, _env(tmp_path), 29613)):
+        assert rc == 0, stderr[-4000:]
+    out = tmp_path / "zero2"
+    assert ("full (deepspeed ZeRO-2): 86 tensors, 0.10M parameters, optimizer states over 2 processes"
+            in (out / "train.log").read_text())
+    history = __import__("json").loads((out / "loss.json").read_text())
+    assert history["step"] == 6
+    assert history["loss"] == pytest.approx(ref.losses, rel=1e-4, abs=1e-6)
+    _loss_gap(history["loss"], ref.losses, "ZeRO-2 on two machines")
+
+    def trained(run: str) -> dict:
+        step, state = load_checkpoint(tmp_path / run / "checkpoints" / "step-000006")
+        assert step == 6
+        return state["trainable"]
+
+    a, b = trained("ref"), trained("zero2")
+    base = load_file(str(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 86
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"ZeRO-2 on two machines: largest fp32 weight difference {worst:.2e}")
+    assert worst <= 1e-4, worst
+    assert max(float((a[k] - base[k].float()).abs().max()) for k in a) > 1e-4       # the check can fail
+    a, b = load_file(str(tmp_path / "ref" / "m_comfyui.safetensors")), load_file(str(out / "m_comfyui.safetensors"))
+    assert a.keys() == b.keys()
+    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) <= 1e-4
