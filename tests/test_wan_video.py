@@ -197,3 +197,124 @@ def test_a_stopped_and_resumed_clip_run_equals_the_uninterrupted_run(tmp_path, f
     a = load_file(str(straight.paths.lora_file("diffusers")))
     b = load_file(str(resumed.paths.lora_file("diffusers")))
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- samples as videos ---------------------------------------------------------------------------------
+
+PROMPTS, SAMPLE_SEED, SAMPLE_FRAMES = ["a square moving right", "a red square"], 3, 5
+
+
+@pytest.fixture(scope="module")
+def experts_folder(tmp_path_factory):
+    """The tiny Wan 2.2 A14B layout: both experts and the boundary."""
+    return save_wan_folder(tmp_path_factory.mktemp("wan2") / "folder")
+
+
+def test_sampled_videos_are_wanpipelines_frames_bit_for_bit(experts_folder, tmp_path):
+    """sample_during_training on both experts (the trainer's path: the memory handle's forward-only
+    mode aside) draws 5-frame videos (2 latent frames) equal to WanPipeline's on the two-expert
+    folder bit for bit in fp32: the same latents, the same uint8 frames (diffusers' rounding) for
+    each prompt with its seed (one video per call, as the pipeline given one prompt), classifier-free
+    guidance (the halves apart, as the pipeline runs them), steps across the boundary; the grid tiles
+    the prompts' videos frame by frame; the mp4 and webp hold those frames."""
+    from types import SimpleNamespace
+
+    from diffusers import WanPipeline
+
+    from leantune.config import ModelConfig
+    from leantune.infer.encode import encode_prompts_stage
+    from leantune.infer.sampler import sample_during_training
+    from leantune.infer.video import save_video
+    from leantune.models.wan import load_experts
+
+    src = FAM.resolve_sources(ModelConfig(path=str(experts_folder), family="wan2.2"), tmp_path)
+    experts = load_experts(src, torch.float32).requires_grad_(False)
+    vae = FAM.video.load_vae(src, torch.float32, "cpu").requires_grad_(False)
+    encoders = FAM.load_text_encoders(src, torch.float32, "cpu")
+    cond, uncond = encode_prompts_stage(encoders, PROMPTS, max_length=32, device="cpu", family=FAM,
+                                        negative_prompts=[""])
+    schedule = FAM.sampling.schedule(FAM.sampling.variant(experts), experts_folder)
+    sample_cfg = SimpleNamespace(seed=SAMPLE_SEED, steps=4, guidance=5.0, width=SIDE, height=48)
+    grid = sample_during_training(experts, vae, cond, sample_cfg, device="cpu", dtype=torch.float32,
+                                  schedule=schedule, negative=uncond, family=FAM, frames=SAMPLE_FRAMES)
+    assert grid.dtype == np.uint8 and grid.shape == (SAMPLE_FRAMES, 48, 2 * SIDE, 3)
+
+    pipe = WanPipeline.from_pretrained(str(experts_folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe = type(pipe)(**{**pipe.components, "transformer": experts.high, "transformer_2": experts.low, "vae": vae},
+                      boundary_ratio=pipe.config.boundary_ratio)
+    pipe.set_progress_bar_config(disable=True)
+    for i, prompt in enumerate(PROMPTS):
+        out = pipe(prompt=prompt, negative_prompt="", height=48, width=SIDE, num_frames=SAMPLE_FRAMES,
+                   num_inference_steps=4, guidance_scale=5.0, max_sequence_length=32,
+                   generator=torch.Generator().manual_seed(SAMPLE_SEED + i), output_type="np").frames[0]
+        want = (out * 255).round().astype(np.uint8)          # diffusers' numpy_to_pil rounding
+        got = grid[:, :, i * SIDE:(i + 1) * SIDE]
+        assert want.shape == got.shape == (SAMPLE_FRAMES, 48, SIDE, 3)
+        assert np.array_equal(got, want), np.abs(got.astype(int) - want.astype(int)).max()
+    assert not np.array_equal(grid[:, :, :SIDE], grid[:, :, SIDE:])     # two prompts, two videos
+    assert not np.array_equal(grid[0], grid[-1])                        # frames differ: a video, not a still
+
+    import av
+    from PIL import Image
+
+    mp4, webp = save_video(grid, tmp_path / "s.mp4", 16)
+    with av.open(str(mp4)) as c:
+        back = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+    assert back.shape == grid.shape and np.abs(back.astype(int) - grid.astype(int)).mean() < 12
+    with Image.open(webp) as im:
+        assert im.n_frames == SAMPLE_FRAMES
+
+
+def test_a_video_run_samples_mp4_and_webp_and_tensorboard_frames(tmp_path, folder, media):
+    """[sample] every / frames = 5 in a clip run: each sample step writes samples/step-N.mp4 (the two
+    prompts' videos side by side, 5 frames) and its webp preview, and TensorBoard's `samples` image
+    is the contact sheet of those frames (the mp4's first frame as its first tile, up to codec loss)."""
+    import av
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from leantune.trainer import train
+
+    text = RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / "sampled", steps=2,
+                      lr=1e-3, save_every=0)
+    text += '\n[sample]\nevery = 2\nsteps = 2\nguidance = 4.0\nwidth = 64\nheight = 48\nframes = 5\n'
+    text += f"prompts = {PROMPTS!r}\n".replace("'", '"')
+    (tmp_path / "sampled.toml").write_text(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(load_config(tmp_path / "sampled.toml"), progress=False)
+    (mp4,) = result.sample_files
+    assert mp4.name == "step-000002.mp4" and mp4.with_suffix(".webp").is_file()
+    with av.open(str(mp4)) as c:
+        back = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+    assert back.shape == (SAMPLE_FRAMES, 48, 2 * SIDE, 3)
+    with Image.open(mp4.with_suffix(".webp")) as im:
+        assert im.n_frames == SAMPLE_FRAMES and im.size == (2 * SIDE, 48)
+    events = EventAccumulator(str(result.paths.tensorboard), size_guidance={"images": 0})
+    events.Reload()
+    (image,) = events.Images("samples")
+    assert image.step == 2 and (image.width, image.height) == (SAMPLE_FRAMES * 2 * SIDE, 48)
+    import io
+
+    sheet = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+    assert np.abs(sheet[:, :2 * SIDE].astype(int) - back[0].astype(int)).mean() < 12
+
+
+def test_sample_frames_follow_the_config_and_are_checked():
+    """Unset: [data] max_frames for a video family; a length the VAE cannot decode, or frames for an
+    image family, is an error naming [sample] frames."""
+    from types import SimpleNamespace
+
+    from leantune.trainer import sample_frames
+
+    def cfg(frames, max_frames=9):
+        return SimpleNamespace(sample=SimpleNamespace(frames=frames), data=SimpleNamespace(max_frames=max_frames))
+
+    assert sample_frames(cfg(None), FAM) == 9 and sample_frames(cfg(17), FAM) == 17 and sample_frames(cfg(1), FAM) == 1
+    with pytest.raises(ValueError, match=r"\[sample\] frames = 6: 6 frames is not a length.*1 \+ 4k"):
+        sample_frames(cfg(6), FAM)
+    flux = get_family("flux")
+    assert sample_frames(cfg(None), flux) == 1
+    with pytest.raises(ValueError, match=r'\[sample\] frames = 5: family = "flux" samples images'):
+        sample_frames(cfg(5), flux)

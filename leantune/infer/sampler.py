@@ -91,12 +91,15 @@ def compute_dtype(transformer: nn.Module, family: ModelFamily | None = None) -> 
 
 
 def initial_noise(seeds: Sequence[int], latent_h: int, latent_w: int, dtype: torch.dtype,
-                  channels: int = 16) -> torch.Tensor:
-    """Noise (B, C, h, w) on the host, image i from its own CPU generator seeded with seeds[i]."""
+                  channels: int = 16, frames: int | None = None) -> torch.Tensor:
+    """Noise (B, C, h, w) on the host, image i from its own CPU generator seeded with seeds[i];
+    with `frames` (latent frames) a video's (B, C, T', h, w), drawn as WanPipeline.prepare_latents
+    draws it with one generator per video (one frame: the image's numbers)."""
+    shape = (1, channels, latent_h, latent_w) if frames is None else (1, channels, frames, latent_h, latent_w)
     out = []
     for s in seeds:
         g = torch.Generator(device="cpu").manual_seed(int(s))
-        out.append(torch.randn((1, channels, latent_h, latent_w), generator=g, dtype=torch.float32))
+        out.append(torch.randn(shape, generator=g, dtype=torch.float32))
     return torch.cat(out).to(dtype)
 
 
@@ -150,7 +153,7 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
             device, dtype: torch.dtype | None = None, batch_size: int | None = None,
             progress: Progress | None = None, family: ModelFamily | None = None,
             negative: PromptEmbeds | Sequence[PromptEmbeds] | None = None, cfg_batched: bool = True,
-            references: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+            references: Sequence[torch.Tensor] | None = None, frames: int = 1) -> torch.Tensor:
     """Stage 2: Euler-sample latents for each (prompt embedding, seed) pair.
 
     The transformer must already be placed for `device` (resident, or under the memory engine).
@@ -162,9 +165,19 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
     (`cfg_batched`, as the pipelines do) or one after the other (half the activations).
     `references`: reference-image latents (1, C, h_r, w_r) every image is conditioned on, for a
     family with reference conditioning (ModelFamily.references; docs/reference-images.md).
+    `frames` > 1: videos of that many frames for a video family (ModelFamily.video; a valid
+    length, 4k+1 for Wan): latents (B, 16, T', h, w), one video per forward by default.
     """
     check_size(width, height)
     family = family or family_for_model(transformer)
+    latent_frames = None
+    if frames != 1:
+        if family.video is None:
+            raise ValueError(f"frames = {frames}: {family.name} samples images (one frame)")
+        latent_frames = family.video.latent_frames(frames)
+        # one video per call unless asked: a video's activations grow with its frames, and each
+        # video is then the family pipeline's for its prompt and seed, bit for bit
+        batch_size = 1 if batch_size is None else batch_size
     ref = {} if not references else {"references": [r.to(device) for r in references]}
     items = as_embed_list(embeds)
     if len(items) != len(seeds):
@@ -175,7 +188,8 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
     dtype = dtype or compute_dtype(transformer, family)
     h, w = height // family.vae_scale_factor, width // family.vae_scale_factor
     sigmas = schedule.sigmas(steps, family.image_tokens(h, w))             # (steps + 1,) float32
-    out = torch.empty(len(items), family.latent_channels, h, w, dtype=dtype)
+    out = torch.empty(len(items), family.latent_channels, *([latent_frames] if latent_frames else []), h, w,
+                      dtype=dtype)
     groups = _batches(items, batch_size)
     done, total = 0, steps * len(groups)
     for idx in groups:
@@ -183,12 +197,13 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
         cond = _cat([items[i] for i in idx]).to(device=device, dtype=dtype)         # (b, L, D_t5), (b, D_pool)
         if cfg:
             uncond = _cat([negatives[i] for i in idx]).to(device=device, dtype=dtype)
-            together = cfg_batched and (uncond.t5.shape[1] == cond.t5.shape[1] or family.sampling.pads_text)
+            together = (cfg_batched and family.sampling.cfg_batched
+                        and (uncond.t5.shape[1] == cond.t5.shape[1] or family.sampling.pads_text))
             if together:      # negatives first, as StableDiffusion3Pipeline concatenates them
                 rows = max(uncond.t5.shape[1], cond.t5.shape[1])
                 both = PromptEmbeds(torch.cat([_pad_rows(uncond.t5, rows), _pad_rows(cond.t5, rows)]),
                                     torch.cat([uncond.pooled, cond.pooled]))
-        noise = initial_noise([seeds[i] for i in idx], h, w, dtype, family.latent_channels)
+        noise = initial_noise([seeds[i] for i in idx], h, w, dtype, family.latent_channels, latent_frames)
         x = family.pack_latents(noise).to(device)                           # Flux: (b, N, 64); SD3: (b, 16, h, w)
         for k in range(steps):
             if not cfg:
@@ -255,7 +270,8 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
                            embeds: PromptEmbeds | Sequence[PromptEmbeds], sample_cfg, *, memory_handle=None,
                            device="cpu", dtype: torch.dtype | None = None, schedule: FlowSchedule | None = None,
                            cols: int | None = None, negative: PromptEmbeds | None = None,
-                           references: Sequence[torch.Tensor] | None = None, family: ModelFamily | None = None):
+                           references: Sequence[torch.Tensor] | None = None, family: ModelFamily | None = None,
+                           frames: int = 1):
     """A grid of samples from the model being trained, without reloading or re-placing anything.
 
     `embeds` are the cache's pre-encoded prompts (text encoders stay unloaded); `sample_cfg` is the
@@ -268,6 +284,9 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
     `references`: reference latents (1, C, h_r, w_r) every sample is conditioned on (an edit family);
     `family`: the run's (default: the transformer's class's, which cannot tell an edit family).
     The VAE decodes in whatever VRAM the training state leaves, tiled if that is too little.
+    `frames` > 1 (a video family): videos of that many frames, decoded by `vae`, the family's causal
+    video VAE (ModelFamily.video.load_vae), a latent frame at a time; the grid is then a (T, H, W, 3)
+    uint8 array of the videos tiled frame by frame (infer/video.py).
     """
     items = as_embed_list(embeds)
     seeds = [sample_cfg.seed + i for i in range(len(items))]
@@ -279,7 +298,8 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
         schedule = schedule or default_schedule(transformer, family)
         latents = denoise(transformer, items, seeds, width=sample_cfg.width, height=sample_cfg.height,
                           steps=sample_cfg.steps, guidance=sample_cfg.guidance, schedule=schedule,
-                          device=device, dtype=dtype, negative=negative, references=references, family=family)
+                          device=device, dtype=dtype, negative=negative, references=references, family=family,
+                          frames=frames)
     finally:
         transformer.train(was_training)
         if memory_handle is not None:
@@ -288,6 +308,19 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
     owned = not isinstance(vae, nn.Module)
     model = vae() if owned else vae
     home = next(model.parameters()).device
+    if latents.dim() == 5:                    # videos: the causal decoder walks time, one latent frame at once
+        from .video import decode_videos, video_grid
+
+        model.to(device)
+        try:
+            return video_grid(decode_videos(model, latents, device), cols)
+        finally:
+            model.to(home)
+            if owned:
+                del model
+                gc.collect()
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     free = free_device_bytes(device)
     if free is not None and home != torch.device(device):
         free -= vae_weight_bytes(model)

@@ -95,6 +95,10 @@ class Sampling:
     # zero-padded (the family's predict reads each prompt's rows back from the zero rows, as
     # ZImagePipeline batches its per-prompt lists); False: halves of different lengths run apart
     pads_text: bool = False
+    # cfg only: False where the family's pipeline runs the negative and the positive half as two
+    # calls (WanPipeline): the sampler does too, whatever its caller's cfg_batched, so that its
+    # samples are the pipeline's bit for bit (a doubled batch reassociates the floats)
+    cfg_batched: bool = True
 
     def guides(self, scale) -> bool:
         """Whether sampling at `scale` runs classifier-free guidance (both halves per step)."""
