@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 from gguf_encoders import encode
-from test_memory_helpers import assert_records_equal, block_names, make_batch, train
+from test_memory_helpers import (assert_quantized_base_streams_exactly, assert_records_equal, block_names,
+                                 make_batch, train)
 
 from leantune import tiny
 from leantune.memory.engine import apply_memory
@@ -237,27 +238,10 @@ def _lora_base(path: Path, kind: str = "lora"):
 def test_streamed_equals_resident_bitwise_in_poison_mode(gguf_base):
     """Two SGD steps with every block and the non-block group streamed (poison mode: a released
     slot is 0xFF, a NaN fp16 block scale) and checkpointed equal the resident run bitwise: loss,
-    adapter gradients and values. The streamed units carry the blocks as uint8, as stored, and the
-    base keeps its bytes."""
+    adapter gradients and values; the blocks stream as stored uint8 and the base keeps its bytes
+    (test_memory_helpers.assert_quantized_base_streams_exactly)."""
     _, _, path, _ = gguf_base
-    model = _lora_base(path)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
-    assert len(before) == 40
-    want = train(copy.deepcopy(model))
-    assert want[0]["grads"]
-    plan = Plan(streamed_blocks=tuple(block_names(model)), stream_non_blocks=True, checkpointing="blocks",
-                debug_poison=True)
-    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
-    entries = [e for u in handle.streaming.units for e in u.entries]
-    assert sum(e.dtype == torch.uint8 for e in entries) == 40
-    got = train(model)
-    assert all(torch.isfinite(r["loss"]) for r in got)
-    assert_records_equal(got, want)
-    assert handle.step_report()["bytes_h2d"] > 0
-    handle.remove()
-    for n, p in model.named_parameters():
-        if n in before:
-            assert torch.equal(p, before[n]), n
+    assert_quantized_base_streams_exactly(_lora_base(path), stored=40)
 
 
 def test_fp8_storage_leaves_the_blocks_alone(tmp_path_factory):

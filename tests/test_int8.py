@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_memory_helpers import assert_records_equal, block_names, make_batch, train
+from test_memory_helpers import (assert_quantized_base_streams_exactly, assert_records_equal, block_names,
+                                 make_batch, train)
 
 from leantune import tiny
 from leantune.memory import int8_storage as i8
@@ -210,22 +211,9 @@ def test_the_stored_linears_decode_to_the_source_and_the_planner_prices_their_by
 
 
 def test_streamed_equals_resident_bitwise_in_poison_mode(source):
-    model = _lora_base(source)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
-    assert len(before) == 34
-    want = train(copy.deepcopy(model))
-    plan = Plan(streamed_blocks=tuple(block_names(model)), stream_non_blocks=True, checkpointing="blocks",
-                debug_poison=True)
-    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
-    assert sum(e.dtype == torch.uint8 for u in handle.streaming.units for e in u.entries) == 34
-    got = train(model)
-    assert all(torch.isfinite(r["loss"]) for r in got)
-    assert_records_equal(got, want)
-    assert handle.step_report()["bytes_h2d"] > 0
-    handle.remove()
-    for n, p in model.named_parameters():
-        if n in before:
-            assert torch.equal(p, before[n]), n
+    """Streamed and checkpointed in poison mode equals resident bitwise, the int8 rows streamed as
+    uint8 (test_memory_helpers.assert_quantized_base_streams_exactly)."""
+    assert_quantized_base_streams_exactly(_lora_base(source), stored=34)
 
 
 def test_fp8_storage_leaves_the_int8_rows_alone_and_reading_adapters_are_refused(source):

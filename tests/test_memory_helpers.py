@@ -104,6 +104,30 @@ def block_names(model) -> list[str]:
     return [n for n, _ in FLUX_SPEC.blocks(model)]
 
 
+def assert_quantized_base_streams_exactly(model, stored: int) -> None:
+    """A LoRA model on a quantized base (GGUF, NF4, int8: `stored` block Linears holding uint8
+    rows): two SGD steps with every block and the non-block group streamed (poison mode: a released
+    slot's 0xFF bytes decode to NaN scales) and checkpointed equal the resident run bitwise (loss,
+    adapter gradients and values); the streamed units carry the rows as uint8, as stored, bytes
+    crossed to the device, and the base keeps its bytes after the engine is removed."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    assert len(before) == stored
+    want = train(copy.deepcopy(model))
+    assert want[0]["grads"]
+    plan = Plan(streamed_blocks=tuple(block_names(model)), stream_non_blocks=True, checkpointing="blocks",
+                debug_poison=True)
+    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
+    assert sum(e.dtype == torch.uint8 for u in handle.streaming.units for e in u.entries) == stored
+    got = train(model)
+    assert all(torch.isfinite(r["loss"]) for r in got)
+    assert_records_equal(got, want)
+    assert handle.step_report()["bytes_h2d"] > 0
+    handle.remove()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+
+
 def synchronizes_beyond_the_profiler(prof_events) -> list[str]:
     """The synchronizing CUDA calls in a profile beyond those the profiler makes itself.
 

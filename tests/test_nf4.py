@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_memory_helpers import assert_records_equal, block_names, make_batch, train
+from test_memory_helpers import (assert_quantized_base_streams_exactly, assert_records_equal, block_names,
+                                 make_batch, train)
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
@@ -180,28 +181,10 @@ def _lora_base(path: Path, kind: str = "lora"):
 
 
 def test_streamed_equals_resident_bitwise_in_poison_mode(flux_file):
-    """Two SGD steps with every block and the non-block group streamed (poison mode: a released
-    slot's 0xFF bytes are NaN absmax values) and checkpointed equal the resident run bitwise; the
-    streamed units carry the NF4 rows as uint8 and the base keeps its bytes."""
+    """Streamed and checkpointed in poison mode equals resident bitwise, the NF4 rows streamed as
+    uint8 (test_memory_helpers.assert_quantized_base_streams_exactly)."""
     _, path = flux_file
-    model = _lora_base(path)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
-    assert len(before) == 34
-    want = train(copy.deepcopy(model))
-    assert want[0]["grads"]
-    plan = Plan(streamed_blocks=tuple(block_names(model)), stream_non_blocks=True, checkpointing="blocks",
-                debug_poison=True)
-    handle = apply_memory(model, FLUX_SPEC, plan, "cpu")
-    entries = [e for u in handle.streaming.units for e in u.entries]
-    assert sum(e.dtype == torch.uint8 for e in entries) == 34
-    got = train(model)
-    assert all(torch.isfinite(r["loss"]) for r in got)
-    assert_records_equal(got, want)
-    assert handle.step_report()["bytes_h2d"] > 0
-    handle.remove()
-    for n, p in model.named_parameters():
-        if n in before:
-            assert torch.equal(p, before[n]), n
+    assert_quantized_base_streams_exactly(_lora_base(path), stored=34)
 
 
 def test_fp8_storage_leaves_the_nf4_rows_alone(flux_file):
