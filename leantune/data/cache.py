@@ -52,6 +52,7 @@ from leantune.data.dataset import DataWarning, ImageItem, VideoItem, listing, lo
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.family import ModelFamily, PromptEmbeds, get_family
 from leantune.models.component_loading import dtype_from_name, fingerprint
+from leantune.memory.lockstep import run_pass, state_budget
 from leantune.models.streamed_encoder import text_encoder_ram_budget
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = "1"
 STORE_DTYPE = torch.bfloat16
 TEXT_BATCH = 8   # captions per text-encoder call: enough to amortise launches, small for 8 GB cards
+# Captions per lock-step pass (memory/lockstep.py): a streamed encoder's batches of TEXT_BATCH run
+# layer-major, each layer moved (or read from its files) once per pass instead of once per batch.
+# Between layers every batch of the pass keeps its hidden states on the device; lockstep admits
+# batches within half the free device memory (every layer's output counted as kept), the rest go
+# in further rounds. The cap bounds what the waiting batches hold: their embedded captions.
+TEXT_PASS = 128
 
 
 class CacheError(ValueError):
@@ -531,8 +538,8 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
         enc = load_text_encoders(sources, dtype, device)
     try:
         side = family.padding_side(enc)
-        for start in range(0, len(todo), TEXT_BATCH):
-            keys = todo[start:start + TEXT_BATCH]
+
+        def encode(keys: list[str]) -> None:
             captions = [_caption(jobs[k]) for k in keys]
             images = {"images": [[load_rgb(p) for p in jobs[k][1]] if isinstance(jobs[k], tuple) else None
                                  for k in keys]} if any(isinstance(jobs[k], tuple) for k in keys) else {}
@@ -544,6 +551,17 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
                                  folder / f"{key}.safetensors",
                                  {"format": FORMAT_VERSION, "kind": "text", "key": key, **_caption_header(captions[i]),
                                   "length": str(n)})
+
+        chunks = [todo[start:start + TEXT_BATCH] for start in range(0, len(todo), TEXT_BATCH)]
+        per_pass = max(1, TEXT_PASS // TEXT_BATCH)
+        for first in range(0, len(chunks), per_pass):
+            group = chunks[first:first + per_pass]
+            moves: list = []
+            run_pass([lambda keys=keys: encode(keys) for keys in group], state_budget=state_budget(device),
+                     report=moves.extend)
+            if moves:
+                log.info("cache: %d caption(s) encoded layer-major: %d block load(s) over %d streamed block(s)",
+                         sum(map(len, group)), len(moves), len({(id(s), i) for s, i in moves}))
     finally:
         del enc
         _release(device)

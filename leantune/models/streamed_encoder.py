@@ -17,8 +17,9 @@ caller's; the key prefix the files use for it (`model.language_model.` or the ol
 `language_model.model.`, `model.`, none) is found from the headers.
 
 The choice between loading and streaming from the files is `stream_from_files`: when the encoder's
-bytes do not fit the host-RAM budget. The cost is one read of the encoder's files per batch of
-captions (page cache or disk), paid only on cache misses.
+bytes do not fit the host-RAM budget. The cost is one read of the encoder's files per caching pass
+(the pass runs its batches of captions layer-major, memory/lockstep.py; page cache or disk), paid
+only on cache misses; sampling reads them once per encode.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..memory import lockstep
 from ..memory.blockwise import blockwise_from_source, blockwise_offload
 from .weights import CheckpointFiles, LoadError, _DTYPES, _target_dtype, _tie_groups, build_empty
 
@@ -205,15 +207,41 @@ def is_file_backed(module: nn.Module) -> bool:
 def placement(module: nn.Module, blocks: nn.ModuleList, device) -> "contextmanager":
     """How the text module runs on `device`: read from its files layer by layer when file-backed;
     streamed from host RAM layer by layer when it is on the host and `device` is not; as it is
-    otherwise (already on `device`, or a host encode)."""
+    otherwise (already on `device`, or a host encode).
+
+    Inside a lock-step pass (memory/lockstep.py, the cache's text pass) the placement is entered
+    once for the pass and the pass's batches go through each layer together: one read or copy of
+    each layer per pass."""
     device = torch.device(device)
     source = getattr(module, SOURCE_ATTR, None)
     if source is not None:
-        return _from_files(module, blocks, source, device)
+        return lockstep.shared(("from_files", id(module), id(blocks), str(device)),
+                               lambda: _from_files(module, blocks, source, device))
     home = next(module.parameters()).device
     if device.type == "cpu" or home == device:
         return nullcontext()
     return blockwise_offload(module, blocks, device)
+
+
+def moved_whole(module: nn.Module, device) -> "contextmanager":
+    """`module` moved whole to `device` for the duration and back home after (a vision tower the
+    language model's streaming leaves alone); once per pass inside a lock-step pass, not once per
+    prompt. A no-op when it is already there."""
+    device = torch.device(device)
+    return lockstep.shared(("moved_whole", id(module), str(device)), lambda: _moved_whole(module, device))
+
+
+@contextmanager
+def _moved_whole(module: nn.Module, device: torch.device) -> Iterator[None]:
+    home = next(module.parameters()).device
+    if home == device:
+        yield
+        return
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to(home)
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ...memory.lockstep import shared
 from ..family import PromptEmbeds
 
 DEFAULT_TEXT_LENGTH = 512                  # both pipelines' max_sequence_length
@@ -117,7 +118,9 @@ def encode_prompts(prompts: list[str], encoders, max_length: int = DEFAULT_TEXT_
     tokens = _mistral_tokens if encoders.kind == "mistral3" else _qwen_tokens
     input_ids, attention_mask = tokens(encoders.tokenizer, list(prompts), max_length)
     lm = text_model(encoders)
-    with _first_layers(lm, layers_run(encoders.kind, len(lm.layers))), _placement(encoders, device):
+    n = layers_run(encoders.kind, len(lm.layers))
+    # the cut is entered once per lock-step pass (its lanes share the model): memory/lockstep.py
+    with shared(("first_layers", id(lm), n), lambda: _first_layers(lm, n)), _placement(encoders, device):
         out = lm(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                  output_hidden_states=True, use_cache=False)
     stacked = torch.stack([out.hidden_states[k] for k in HIDDEN_LAYERS[encoders.kind]], dim=1)

@@ -88,16 +88,17 @@ def encode_reference_latents(vae, images, area: int = VAE_AREA) -> list[torch.Te
 
 def _placement(encoders, device: torch.device, with_vision: bool):
     """Qwen-Image's placement (the language model streamed layer by layer onto a device that does
-    not hold it), plus the vision tower moved whole for prompts with references (0.7B parameters)."""
+    not hold it), plus the vision tower moved whole for prompts with references (0.7B parameters).
+    In the cache's lock-step pass both are entered once for the pass (streamed_encoder.py), not
+    once per prompt."""
     from contextlib import ExitStack
+
+    from ..streamed_encoder import moved_whole
 
     stack = ExitStack()
     stack.enter_context(qi._placement(encoders, device))
-    visual = encoders.text_encoder.model.visual
-    home = next(visual.parameters()).device
-    if with_vision and home != device:
-        visual.to(device)
-        stack.callback(visual.to, home)
+    if with_vision:
+        stack.enter_context(moved_whole(encoders.text_encoder.model.visual, device))
     return stack
 
 
@@ -126,10 +127,12 @@ def encode_prompts(prompts: list[str], encoders, max_length: int = qi.DEFAULT_TE
     reference images (PIL; resized here to the condition size), or None for none. One prompt per
     encoder call, as the pipeline encodes (batch 1). `max_length` is not applied: the Edit
     pipeline keeps every row."""
+    from ...memory.lockstep import lanes
+
     device = torch.device(device or encoders.device)
     images = images if images is not None else [None] * len(prompts)
-    rows = []
-    for prompt, refs in zip(prompts, images):
+
+    def one(prompt: str, refs) -> torch.Tensor:
         refs = condition_images(refs) if refs else None
         tags = "".join(PICTURE.format(i + 1) for i in range(len(refs or ())))
         inputs = _model_inputs(encoders, EDIT_TEMPLATE.format(tags + prompt), refs)
@@ -139,7 +142,11 @@ def encode_prompts(prompts: list[str], encoders, max_length: int = qi.DEFAULT_TE
                 pixel_values=None if refs is None else inputs["pixel_values"].to(device),
                 image_grid_thw=None if refs is None else inputs["image_grid_thw"].to(device), use_cache=False)
         hidden = out.last_hidden_state[0]                                            # (L_tok, D)
-        rows.append(hidden[inputs["attention_mask"][0].to(hidden.device).bool()][EDIT_DROP:])
+        return hidden[inputs["attention_mask"][0].to(hidden.device).bool()][EDIT_DROP:]
+
+    # one after another; in the cache's lock-step pass each prompt is a lane of its own, so the
+    # prompts go through each language-model layer together (memory/lockstep.py)
+    rows = lanes([lambda p=prompt, r=refs: one(p, r) for prompt, refs in zip(prompts, images)])
     longest = max(r.shape[0] for r in rows)
     seq = torch.stack([torch.cat([r, r.new_zeros(longest - r.shape[0], r.shape[1])]) for r in rows])
     seq = seq.to(dtype=encoders.text_encoder.dtype)

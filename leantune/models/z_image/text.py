@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ...memory.lockstep import shared
 from ..family import PromptEmbeds
 
 DEFAULT_TEXT_LENGTH = 512          # ZImagePipeline's max_sequence_length
@@ -69,7 +70,9 @@ def encode_prompts(prompts: list[str], encoders, max_length: int = DEFAULT_TEXT_
     device = torch.device(device or encoders.device)
     input_ids, mask = tokens(encoders.tokenizer, list(prompts), max_length)
     lm = encoders.text_encoder
-    with _first_layers(lm, layers_run(len(lm.layers))), _placement(encoders, device):
+    n = layers_run(len(lm.layers))
+    # the cut is entered once per lock-step pass (its lanes share the model): memory/lockstep.py
+    with shared(("first_layers", id(lm), n), lambda: _first_layers(lm, n)), _placement(encoders, device):
         hidden = lm(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state
     mask = mask.to(hidden.device)
     rows = [h[m] for h, m in zip(hidden, mask)]                                   # (n_i, D), the pipeline's list
