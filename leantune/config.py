@@ -421,6 +421,10 @@ class MemoryConfig(Section):
     # "auto" (free VRAM), a size ("8GiB", "6 GB"), or None: use the explicit choices above.
     vram_budget: str | None = None
     ram_budget: str | None = None        # default: available host RAM minus a margin
+    # The disk tier (memory/disk_tier.py): a folder on a fast disk (NVMe) where the streamed frozen
+    # blocks that do not fit ram_budget are kept and read from at each use, instead of host RAM
+    # (LoRA and sampling runs; relative to the config file). None: every streamed block in RAM.
+    disk_dir: str | None = None
 
     @field_validator("vram_budget", "ram_budget")
     @classmethod
@@ -654,6 +658,19 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _disk_dir(self):
+        """[memory] disk_dir names an existing folder this user can write, of a run that streams
+        frozen blocks: checked now, not when the engine packs the first block."""
+        d = self.memory.disk_dir
+        if d is None:
+            return self
+        if self.train.mode == "full":
+            raise ValueError(f"[memory] disk_dir = {d!r}: the disk tier holds frozen streamed blocks, but [train] "
+                             f"mode = \"full\" trains (and writes back) every streamed block; remove disk_dir")
+        check_disk_dir(self.resolve(d), d)
+        return self
+
+    @model_validator(mode="after")
     def _mode_sections(self):
         """A [lora] key in full mode, a [full] key in LoRA mode, fp8 over trainable weights, an
         optimizer the mode lacks: each is an error that names the key (they would be ignored or fail
@@ -866,6 +883,20 @@ def _override_step(node, part: str, before: list[str], item: str, source: str, l
         node[part] = value
         return None
     return node.setdefault(part, {})
+
+
+def check_disk_dir(path: Path, given: str) -> None:
+    """[memory] disk_dir must be an existing folder this user can create files in."""
+    import os
+
+    if not path.exists():
+        raise ValueError(f"[memory] disk_dir = {given!r}: {path} does not exist; create the folder (on a fast "
+                         f"disk) or remove the key")
+    if not path.is_dir():
+        raise ValueError(f"[memory] disk_dir = {given!r}: {path} is not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"[memory] disk_dir = {given!r}: {path} is not writable by this user; the disk tier "
+                         f"writes its file of streamed blocks there")
 
 
 def resolve_path(base_dir: str | Path, path: str | None) -> Path | None:

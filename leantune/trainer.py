@@ -112,6 +112,7 @@ class Trainee:
     base_adapters: object | None = None   # train/base_adapters.BaseAdapterStack: frozen LoRAs under the trained one
     validation: list = field(default_factory=list)   # [(step, held-out loss)] of [validation], saved with the state
     ema: object | None = None      # train/ema.AdapterEma when [ema] enabled
+    disk_dir: Path | None = None   # [memory] disk_dir (the disk tier's folder), for re-plans
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -383,7 +384,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     batches = dist.shard_batches(data, cfg.train.seed, cfg.data.batch_size)
     t = Trainee(transformer, params, optimizer, scheduler, data, batches, generator, device, dtype, memory, plan,
                 sources, mode=mode, dist=dist, share_host_weights=cfg.distributed.share_host_weights,
-                base_adapters=stack)
+                base_adapters=stack, disk_dir=cfg.resolve(cfg.memory.disk_dir))
     if planner is not None:
         from .planner.corrections import CalibrationStore
         from .planner.feedback.calibrate import PlanCalibrator
@@ -504,24 +505,44 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
         if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and (plan.streamed_blocks or plan.stream_non_blocks):
             plan = replace(plan, optimizer_on_host=True)
     log.info("memory plan: %s", plan.describe())
+    disk = _disk_options(cfg)
     if in_turn:
         from .memory.engine import apply_memory
 
-        handle = apply_memory(transformer, spec, plan, device, host_buffers=shared, **mode.memory_options())
+        handle = apply_memory(transformer, spec, plan, device, host_buffers=shared, **disk, **mode.memory_options())
     else:
         handle = _apply_engine(cfg.distributed.share_host_weights, spec, transformer, plan, device, mode,
-                               dist or DistContext())
+                               dist or DistContext(), disk)
+    if handle.plan.disk_blocks != plan.disk_blocks:       # [memory] ram_budget put these on disk
+        plan = handle.plan
+        log.info("memory plan: %d streamed blocks read from disk (%s)", len(plan.disk_blocks), cfg.memory.disk_dir)
     return plan, handle, planner, budget
 
 
-def _apply_engine(share_host_weights: bool, spec, transformer, plan, device, mode, dist: DistContext):
+def _disk_options(cfg: RunConfig) -> dict:
+    """apply_memory's disk tier options of [memory] disk_dir: the folder, and, for the explicit
+    [memory] choices (no vram_budget: no planner prices the host), the host bytes the streamed
+    blocks may take under [memory] ram_budget; the blocks beyond them go to disk. Under a
+    vram_budget the planner's plan names its disk_blocks itself."""
+    if cfg.memory.disk_dir is None:
+        return {}
+    options = {"disk_dir": cfg.resolve(cfg.memory.disk_dir)}
+    if cfg.memory.vram_budget is None:
+        from .planner.from_config import explicit_disk_room
+
+        options["disk_room"] = explicit_disk_room(cfg.memory)
+    return options
+
+
+def _apply_engine(share_host_weights: bool, spec, transformer, plan, device, mode, dist: DistContext,
+                  disk: dict | None = None):
     """apply_memory; several processes on one machine share one host copy of the streamed weights
-    ([distributed] share_host_weights)."""
+    ([distributed] share_host_weights). `disk`: the disk tier's options (_disk_options)."""
     from .memory.engine import apply_memory
 
     shared = dist.shared_host(share_host_weights, mode.name)
     return dist.local_main_first(lambda: apply_memory(transformer, spec, plan, device, host_buffers=shared,
-                                                      **mode.memory_options()), shared)
+                                                      **(disk or {}), **mode.memory_options()), shared)
 
 
 def _replan(t: Trainee, plan) -> None:
@@ -534,7 +555,8 @@ def _replan(t: Trainee, plan) -> None:
         # host weights on the shared pages (no private copy per process).
         handle.remove(device="cpu", keep_fp8=True, keep_host=True)
     t.plan = plan
-    t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist)
+    t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist,
+                             {"disk_dir": t.disk_dir} if t.disk_dir is not None else None)
     log.info("memory plan now: %s", plan.describe())
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .spread import even_spread
+
 PAGE = 4096
 READ_CHUNK = 8 * 2**20          # bytes per preadv call: large sequential reads
 
@@ -183,3 +185,22 @@ def cached_pages(fd: int) -> int:
     finally:
         libc.munmap(addr, size)
     return sum(v & 1 for v in vec)
+
+
+def disk_split(units: list[tuple[str, int]], room: int) -> tuple[str, ...]:
+    """Which of the streamed blocks `units` ((name, packed bytes), the engine's packing order) go
+    to disk so that the others' host buffers fit in `room` bytes: the fewest that do, spread evenly
+    through the list (a block read from disk then sits between blocks copied from RAM, whose copies
+    give the reader its time), in the list's order. () when everything fits; all of them when even
+    one does not. The engine (an explicit [memory] ram_budget) and the planner (its priced host
+    RAM) both decide with this function, so the planner's tiers are the ones the engine makes."""
+    total = sum(n for _, n in units)
+    if total <= room:
+        return ()
+    names = [name for name, _ in units]
+    size = dict(units)
+    for count in range(1, len(units) + 1):
+        chosen = even_spread(names, count)
+        if total - sum(size[n] for n in chosen) <= room:
+            return tuple(chosen)
+    return tuple(names)

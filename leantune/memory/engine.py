@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ from .cpu_linear import CpuLinearHandle, apply_cpu_linears, remove_cpu_linears
 from .fp8 import Fp8Handle, apply_fp8_storage, has_prequantized, remove_fp8_storage
 from .host_buffers import return_freed_host_memory
 from .plan import Plan
+from .spread import even_spread  # noqa: F401 - where the planner and resolve_plan take it
 from .streaming import (
     RunMode,
     StreamingHandle,
@@ -67,17 +68,6 @@ log = logging.getLogger("leantune.memory")
 
 _APPLIED_ATTR = "_leantune_memory"
 _RELEASED = "released"          # value of _APPLIED_ATTR after MemoryHandle.release()
-
-
-def even_spread(names: list[str], count: int) -> list[str]:
-    """`count` of `names`, evenly spaced through the list (the middle of each of `count` equal
-    stretches), so resident blocks sit between streamed ones and hide their copies."""
-    n = len(names)
-    if count <= 0:
-        return []
-    if count >= n:
-        return list(names)
-    return [names[(2 * i + 1) * n // (2 * count)] for i in range(count)]
 
 
 def resolve_plan(memory_cfg: MemoryConfig, spec: ModelSpec, model: nn.Module) -> Plan:
@@ -274,7 +264,8 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
 def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str = "cpu", *,
                  fp8_scales: Mapping[str, torch.Tensor] | None = None,
                  offload_min_bytes: int = MIN_OFFLOAD_BYTES, streaming_engine=None,
-                 host_device: torch.device | str = "cpu", host_buffers=None) -> MemoryHandle:
+                 host_device: torch.device | str = "cpu", host_buffers=None, disk_dir=None,
+                 disk_room: int | None = None) -> MemoryHandle:
     """Apply the plan to `model` (adapters already added) and move it to `device`, except the
     streamed weights, which stay in host memory and visit the device in ring slots.
 
@@ -288,6 +279,9 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     `host_device`: host RAM, where streamed units and offloaded block inputs wait (another device
     in the simulation, memory/simulated.py).
     `host_buffers`: shared host buffers for the streamed weights (memory/shared_host.py), or None.
+    `disk_dir`: the disk tier's folder ([memory] disk_dir, memory/disk_tier.py) for the plan's
+    disk_blocks; with `disk_room` and a plan that names none, the streamed blocks beyond
+    `disk_room` host bytes go there (apply_streaming), and the handle's plan names them.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -309,8 +303,10 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
             handle.streaming = apply_streaming(model, spec, plan, device,
                                                checkpointed=plan.checkpointing != "none", mode=mode,
                                                host_buffers=host_buffers,
-                                               host_device=host_device,
+                                               host_device=host_device, disk_dir=disk_dir, disk_room=disk_room,
                                                **({"engine_cls": streaming_engine} if streaming_engine else {}))
+            if handle.streaming.disk_blocks != plan.disk_blocks:          # decided by disk_room
+                handle.plan = replace(plan, disk_blocks=handle.streaming.disk_blocks)
         if plan.checkpointing != "none":                                 # 4. checkpointing (outer wrapper)
             handle.checkpointing = apply_checkpointing(model, spec, offload=plan.checkpointing == "offload",
                                                        offload_min_bytes=offload_min_bytes, host_device=host_device)

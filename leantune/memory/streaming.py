@@ -50,14 +50,14 @@ not re-place every block per step, and streaming composes with activation checkp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from ..spec import ModelSpec
 from .copy_streams import CopyBackend
-from .disk_tier import DiskTierFile
+from .disk_tier import DiskTierFile, disk_split
 from .host_buffers import alloc_host, return_freed_host_memory
 from .plan import Plan
 from .saved_tensors import SlotSavedTensors, check_resident
@@ -309,6 +309,11 @@ class StreamingHandle:
         return sum(u.host.numel() for u in self.units)
 
     @property
+    def disk_blocks(self) -> tuple[str, ...]:
+        """The streamed blocks whose packed bytes are on disk, in packing order."""
+        return tuple(u.name for u in self.units if u.disk is not None)
+
+    @property
     def disk_bytes(self) -> int:
         return sum(u.nbytes for u in self.units if u.disk is not None)
 
@@ -331,7 +336,9 @@ class StreamingHandle:
         adapters = sum(e.nbytes for u in self.units for e in u.entries if e.base_adapter)
         return (f"streaming: {nblocks}/{self.total_blocks} blocks{extra} ({'fp8' if self.fp8 else 'no fp8'}, "
                 f"{self.host_bytes / 2**30:.1f} GB host{where}"
-                + (f", base adapters {_size(adapters)} of it" if adapters else "") + f"), ring {ring}"
+                + (f", base adapters {_size(adapters)} of it" if adapters else "")
+                + (f"; {len(self.disk_blocks)} of the blocks, {_size(self.disk_bytes)}, read from disk"
+                   if self.disk_blocks else "") + f"), ring {ring}"
                 + (f" x {_size(self.engine.slots[0].buf.numel())}" if ring else "")
                 + (", poison" if self.engine.poison else ""))
 
@@ -343,7 +350,8 @@ def _size(n: int) -> str:
 def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str, *,
                     checkpointed: bool = False, mode: RunMode | None = None,
                     engine_cls: type[StreamingEngine] = StreamingEngine, host_buffers=None,
-                    host_device: torch.device | str = "cpu", disk_dir=None) -> StreamingHandle:
+                    host_device: torch.device | str = "cpu", disk_dir=None,
+                    disk_room: int | None = None) -> StreamingHandle:
     """Stream the plan's blocks (and optionally the non-block group) of `model` onto `device`.
 
     Call after fp8 storage and adapters, before checkpointing wraps the blocks. Streamed tensors end
@@ -353,7 +361,10 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     `host_device`: where the packed units live (host RAM; another device in the simulation,
     memory/simulated.py). `disk_dir`: the folder of the disk tier's file for the plan's
     disk_blocks (memory/disk_tier.py); each such unit is written there as soon as it is packed and
-    its host buffer freed, so host RAM never holds them all.
+    its host buffer freed, so host RAM never holds them all. `disk_room` (with `disk_dir`, for a
+    plan that names no disk_blocks itself): the host bytes the streamed blocks' buffers may take;
+    the streamed blocks beyond it go to disk (disk_tier.disk_split over their packed sizes), and
+    the handle's `disk_blocks` says which.
     """
     mode = mode or RunMode()
     backend = CopyBackend(device)
@@ -364,16 +375,6 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
                          f"{next(iter(blocks), '?')} ... {list(blocks)[-1] if blocks else '?'}")
     if plan.ring_slots < 2:
         raise ValueError(f"memory.ring_slots must be >= 2, got {plan.ring_slots}")
-    disk_names = set(plan.disk_blocks)
-    if disk_names:
-        if not disk_names <= set(plan.streamed_blocks):
-            raise ValueError(f"memory.disk_blocks: {sorted(disk_names - set(plan.streamed_blocks))[:5]} are not "
-                             f"streamed; the disk tier holds streamed blocks only")
-        if engine_cls.trains_weights:
-            raise ValueError("memory.disk_blocks: a full fine-tune writes its streamed blocks back each step; "
-                             "the disk tier holds frozen blocks (a LoRA run's) only")
-        if disk_dir is None:
-            raise ValueError("memory.disk_blocks needs a folder for the disk tier's file (apply_streaming's disk_dir)")
     groups: list[tuple[str, list[nn.Module], bool]] = []
     if plan.stream_non_blocks:
         mods = [getattr(model, n) for n in spec.non_block_modules
@@ -394,6 +395,20 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     state_on_host = plan.optimizer_on_host and engine_cls.trains_weights
     layouts = [(name, mods, ckpt, *layout_unit(mods, name, engine_cls.trains_weights, state_on_host))
                for name, mods, ckpt in groups]
+    if disk_room is not None and disk_dir is not None and not plan.disk_blocks and not engine_cls.trains_weights:
+        sizes = [(name, max(nbytes, ALIGN)) for name, _, _, _, _, nbytes, _ in layouts]
+        room = disk_room - sum(n for name, n in sizes if name not in wanted)   # the non-block group stays in RAM
+        plan = replace(plan, disk_blocks=disk_split([(n, b) for n, b in sizes if n in wanted], room))
+    disk_names = set(plan.disk_blocks)
+    if disk_names:
+        if not disk_names <= set(plan.streamed_blocks):
+            raise ValueError(f"memory.disk_blocks: {sorted(disk_names - set(plan.streamed_blocks))[:5]} are not "
+                             f"streamed; the disk tier holds streamed blocks only")
+        if engine_cls.trains_weights:
+            raise ValueError("memory.disk_blocks: a full fine-tune writes its streamed blocks back each step; "
+                             "the disk tier holds frozen blocks (a LoRA run's) only")
+        if disk_dir is None:
+            raise ValueError("memory.disk_blocks needs a folder for the disk tier's file (apply_streaming's disk_dir)")
     pin = backend.cuda and plan.pin_memory and torch.device(host_device).type == "cpu"
     units: list[StreamedUnit] = []
     tier = DiskTierFile(disk_dir) if disk_names else None

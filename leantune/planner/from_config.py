@@ -221,6 +221,25 @@ def budget_from_config(memory_cfg, machine: Machine) -> Budget:
     return Budget(vram=vram, ram=ram)
 
 
+def explicit_disk_room(memory_cfg) -> int:
+    """Host bytes the streamed blocks' buffers may take under the explicit [memory] choices with
+    [memory] disk_dir (no vram_budget, so no priced plan): [memory] ram_budget (else the default
+    host-RAM budget) less the process baseline the planner prices (host_model.HOST_BASELINE); the
+    streamed blocks beyond it are read from disk. Offloaded activations and caches are not
+    subtracted here: a vram_budget has the planner price them and choose the tiers."""
+    from .host_model import HOST_BASELINE
+    from .workload import default_ram_budget
+
+    if memory_cfg.ram_budget is not None:
+        try:
+            ram = parse_size(memory_cfg.ram_budget)
+        except ValueError as e:
+            raise ConfigError(f"[memory] ram_budget: {e}") from None
+    else:
+        ram = default_ram_budget()
+    return max(0, ram - HOST_BASELINE)
+
+
 def planner_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | None = None,
                        store: CalibrationStore | None = None) -> tuple[Planner, Budget]:
     """The Planner and Budget of a run, with the stored calibration of its architecture and
