@@ -576,8 +576,10 @@ def test_leantunes_sampler_samples_as_the_pipeline(folder, pipe, guidance, n_ref
     decode_latents: the slot rows as zero rows of the embeddings, family.predict) gives
     QwenImage21Pipeline's RGBA images bit for bit at 64x64 in fp32: text to image, with true CFG
     at 4.0 (a negative prompt) and an edit with one RGBA reference (at the pipeline's 1024² size).
-    The pipeline runs without its prefix KV cache: leantune's predict runs the whole sequence each
-    step (the cache agrees within 1e-4, test_the_tiny_folder_loads_...)."""
+    Both keep the prefix KV cache (the pipeline's default use_kv_cache): the text and reference
+    keys and values from the first step, only the target's rows computed after (at this size the
+    whole-sequence path gives the same bits; test_the_prefix_cache_is_kept_and_priced shows the
+    rows each step computes)."""
     from leantune.infer.decode import decode_latents
     from leantune.infer.encode import encode_prompts_stage
     from leantune.infer.references import reference_latents, text_images
@@ -605,10 +607,55 @@ def test_leantunes_sampler_samples_as_the_pipeline(folder, pipe, guidance, n_ref
     p.set_progress_bar_config(disable=True)
     p.transformer, p.vae = transformer, vae.vae
     want = p("a red cube on a table", image=images or None, negative_prompt="a blue square" if cfg else None,
-             true_cfg_scale=guidance, height=RES, width=RES, num_inference_steps=2, use_kv_cache=False,
+             true_cfg_scale=guidance, height=RES, width=RES, num_inference_steps=2, use_kv_cache=True,
              generator=torch.Generator().manual_seed(3), output_type="np").images
     assert ours.shape == want.shape == (1, RES, RES, 4)
     assert np.abs(ours - want).max() == 0.0
+
+
+def test_the_prefix_cache_is_kept_and_priced(folder):
+    """The staged sampler's denoising computes the whole sequence at its first step and only the
+    target's rows after (the prefix KV cache kept, as the pipeline's use_kv_cache), and
+    family.sampling.prefix_cache_bytes equals the bytes a filled cache holds (every block's keys
+    and values of the text without its slots plus the references' tokens), for a batch of two
+    with two references of different sizes."""
+    from leantune.models.family import get_family
+
+    family = get_family("qwen-image-2.1")
+    transformer = family.load_transformer(_sources(folder), torch.float32).eval().requires_grad_(False)
+    cfg = dict(transformer.config)
+    assert cfg["causal_condition"]
+    g = torch.Generator().manual_seed(0)
+    refs_hw = [(4, 4), (4, 6)]
+    refs = [torch.randn(1, 64, h, w, generator=g) for h, w in refs_hw]
+    text = 12 + sum((h // 2) * (w // 2) for h, w in refs_hw)            # 12 text rows and the refs' slots
+    seq = torch.randn(2, text, cfg["context_in_dim"], generator=g)
+    seq[:, 3:3 + 4] = 0.0                                               # slot rows are zero rows
+    seq[:, 9:9 + 6] = 0.0
+    from leantune.models.family import PromptEmbeds
+
+    cache = family.sampling.prefix_cache(transformer)
+    x = torch.randn(2, 16, 64, generator=g)
+    with torch.no_grad():
+        family.predict(transformer, x, torch.full((2,), 0.5), PromptEmbeds(seq, torch.zeros(2, 1)), (4, 4),
+                       references=refs, prefix_cache=(cache, True))
+    held = sum(t.numel() * t.element_size() for layer in cache.layer_caches for t in (layer.k, layer.v))
+    assert held == family.sampling.prefix_cache_bytes(cfg, 2, text, refs_hw, torch.float32) > 0
+
+    from leantune.infer.sampler import denoise
+
+    rows = []
+    hook = transformer.transformer_blocks[0].register_forward_pre_hook(
+        lambda m, args, kwargs: rows.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            denoise(transformer, [PromptEmbeds(seq[:1], torch.zeros(1, 1))], [3], width=64, height=64, steps=3,
+                    guidance=1.0, schedule=family.sampling.schedule(family.name, folder), device="cpu",
+                    family=family, references=refs)
+    finally:
+        hook.remove()
+    prefix = text - 10 + 16 + 24                     # text rows without the 10 slots, then both references' tokens
+    assert rows == [prefix + 16, 16, 16]             # a 64 px target: 4 x 4 latent tokens
 
 
 def test_the_slot_mask_travels_as_zero_rows_and_reads_back_as_the_pipelines(pipe, encoders):

@@ -106,34 +106,45 @@ def _release(device: torch.device) -> None:
 
 
 def inference_workload(request: SampleRequest, batch: int, text_len: int, adapter_bytes: int = 0,
-                       dora: bool = False, adapter_tensors: tuple = ()):
+                       dora: bool = False, adapter_tensors: tuple = (), references: int = 0,
+                       prefix_cache_bytes: int = 0):
     """The planner's workload for the denoising stage: `batch` images per transformer forward
     (with classifier-free guidance batched, negatives included), in the weights' dtype without
     autocast; fp8 storage is the planner's call, except under a DoRA adapter (`dora`: it reads the
     base weights themselves, so they stay in the model's dtype). `adapter_bytes`: the frozen
     adapters attached (base adapters and LoRAs), resident on the device beside the plan's weights,
     except the base adapters' weights in `adapter_tensors` ((name, bytes): a streamed block carries
-    its own, memory/streaming_units.streams_with_unit)."""
+    its own, memory/streaming_units.streams_with_unit). `references`: the reference images every
+    forward is conditioned on (priced by a family whose probe takes them); `prefix_cache_bytes`:
+    what the family's prefix caches hold while it denoises (Sampling.prefix_cache_bytes)."""
     from ..planner.from_config import fp8_modulation_choice
     from ..planner.workload import Workload
 
     return Workload(mode="inference", batch_size=batch, buckets=((request.height, request.width),),
                     text_length=text_len, autocast=False, dtype=_DTYPES[request.model.dtype],
                     fp8_modulation=False if dora else fp8_modulation_choice(request.memory),
-                    allow_fp8=not dora, frozen_adapter_bytes=adapter_bytes, frozen_adapter_tensors=adapter_tensors)
+                    allow_fp8=not dora, frozen_adapter_bytes=adapter_bytes, frozen_adapter_tensors=adapter_tensors,
+                    references=references, prefix_cache_bytes=prefix_cache_bytes)
 
 
 def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
                      text_len: int, cfg: bool = False, adapter_bytes: int = 0, dora: bool = False,
-                     adapter_tensors: tuple = ()):
+                     adapter_tensors: tuple = (), references: list | None = None):
     """The memory Plan for the denoising stage, and whether CFG's two halves share a forward.
 
     Under a budget it is the planner's, for an inference workload of the images per forward
     (twice as many with classifier-free guidance: negatives and prompts in one batch; when no plan
     fits that, the halves run one after the other and the planner is asked for the single batch).
     Without a budget the explicit [memory] choices apply and CFG runs batched, as the pipelines do.
+    `references`: the reference latents (1, C, h, w) every image is conditioned on; they and a
+    family's prefix cache (Sampling.prefix_cache_bytes: one cache per half, batched or not) are
+    priced beside the activations.
     """
-    spec = get_family(request.model.family).spec
+    from ..models.family import prices_references
+
+    family = get_family(request.model.family)
+    spec = family.spec
+    references = list(references or [])
     if budget is not None:
         from ..planner.from_config import plan_memory
         from ..planner.workload import Budget, InfeasibleBudget
@@ -145,8 +156,15 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
         except ValueError as e:
             raise ConfigError(f"memory.ram_budget: {e}") from None
         error = None
+        cache_bytes = 0
+        if family.sampling.prefix_cache_bytes is not None and family.sampling.prefix_cache(transformer) is not None:
+            cache_bytes = family.sampling.prefix_cache_bytes(
+                dict(transformer.config), (2 if cfg else 1) * images, text_len,
+                [tuple(r.shape[-2:]) for r in references], _DTYPES[request.model.dtype])
+        priced_refs = len(references) if prices_references(family) else 0
         for factor in ((2, 1) if cfg else (1,)):
-            workload = inference_workload(request, factor * images, text_len, adapter_bytes, dora, adapter_tensors)
+            workload = inference_workload(request, factor * images, text_len, adapter_bytes, dora, adapter_tensors,
+                                          references=priced_refs, prefix_cache_bytes=cache_bytes)
             try:
                 return plan_memory(spec, transformer, workload, Budget(vram=budget, ram=ram)), factor == 2
             except InfeasibleBudget as e:
@@ -284,7 +302,7 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
                        if streams_with_unit(n, p))
         result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),
                                                 embeds[0].t5.shape[1], cfg=cfg, adapter_bytes=adapters, dora=dora,
-                                                adapter_tensors=travel)
+                                                adapter_tensors=travel, references=references)
         result.cfg_batched = batched if cfg else None
         log.info("sample: %s%s", result.plan.describe(),
                  "" if not cfg else f"; CFG {guidance:g}, halves {'batched' if batched else 'one after the other'}")

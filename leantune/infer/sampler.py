@@ -205,18 +205,20 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
                                     torch.cat([uncond.pooled, cond.pooled]))
         noise = initial_noise([seeds[i] for i in idx], h, w, dtype, family.latent_channels, latent_frames)
         x = family.pack_latents(noise).to(device)                           # Flux: (b, N, 64); SD3: (b, 16, h, w)
+        caches = _PrefixCaches(family, transformer)                          # one per forward kind of this batch
         for k in range(steps):
             if not cfg:
                 t = family.sampling.timestep(sigmas[k], b, dtype, device)    # (b,)
-                v = family.predict(transformer, x, t, cond, (h, w), distilled, **ref)
+                v = family.predict(transformer, x, t, cond, (h, w), distilled, **ref, **caches("cond", k))
             elif together:
                 t = family.sampling.timestep(sigmas[k], 2 * b, dtype, device)
-                v_neg, v_pos = family.predict(transformer, torch.cat([x, x]), t, both, (h, w), None, **ref).chunk(2)
+                v_neg, v_pos = family.predict(transformer, torch.cat([x, x]), t, both, (h, w), None, **ref,
+                                              **caches("both", k)).chunk(2)
                 v = family.sampling.mix(v_neg, v_pos, guidance)
             else:
                 t = family.sampling.timestep(sigmas[k], b, dtype, device)
-                v_neg = family.predict(transformer, x, t, uncond, (h, w), None, **ref)
-                v_pos = family.predict(transformer, x, t, cond, (h, w), None, **ref)
+                v_neg = family.predict(transformer, x, t, uncond, (h, w), None, **ref, **caches("uncond", k))
+                v_pos = family.predict(transformer, x, t, cond, (h, w), None, **ref, **caches("cond", k))
                 v = family.sampling.mix(v_neg, v_pos, guidance)
             x = euler_step(x, v, sigmas[k], sigmas[k + 1])
             done += 1
@@ -224,6 +226,25 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
                 progress(done, total)
         out[idx] = family.unpack_latents(x, h, w).to("cpu", dtype)
     return out
+
+
+class _PrefixCaches:
+    """The prefix caches of one batch's denoising (Sampling.prefix_cache): one per kind of forward
+    (the prompts, the negatives, both halves batched), made and filled at the first step, read
+    after; nothing for a family without one."""
+
+    def __init__(self, family: ModelFamily, transformer: nn.Module):
+        self._make = family.sampling.prefix_cache
+        self._transformer = transformer
+        self._caches: dict[str, object] = {}
+
+    def __call__(self, kind: str, step: int) -> dict:
+        if self._make is None:
+            return {}
+        if step == 0:
+            self._caches[kind] = self._make(self._transformer)
+        cache = self._caches.get(kind)
+        return {} if cache is None else {"prefix_cache": (cache, step == 0)}
 
 
 @torch.no_grad()

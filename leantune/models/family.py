@@ -99,6 +99,13 @@ class Sampling:
     # calls (WanPipeline): the sampler does too, whatever its caller's cfg_batched, so that its
     # samples are the pipeline's bit for bit (a doubled batch reassociates the floats)
     cfg_batched: bool = True
+    # (transformer) -> a fresh prefix cache for one denoising run of one batch (or None where the
+    # model has none): the keys and values of a prefix that is the same at every step (Qwen-Image-
+    # 2.1's text and references, modulated at t = 0), computed at the first step and reused after,
+    # as the family's pipeline does; predict then takes `prefix_cache=(cache, first_step)`.
+    # prefix_cache_bytes(config, batch, prefix_tokens, dtype) prices what one cache holds
+    prefix_cache: Callable | None = None
+    prefix_cache_bytes: Callable | None = None
 
     def guides(self, scale) -> bool:
         """Whether sampling at `scale` runs classifier-free guidance (both halves per step)."""

@@ -351,6 +351,8 @@ class MemoryModel:
             static["device tables"] = self.weights.device_tables
         if w.frozen_adapter_bytes:          # [model] / [sample] base_adapters: the resident blocks' share
             static["base adapters (resident)"] = w.frozen_adapter_bytes - self.streamed_adapter_bytes(plan)
+        if w.prefix_cache_bytes:            # a sampler's prefix keys and values, held for every step
+            static["prefix KV cache"] = w.prefix_cache_bytes
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:

@@ -39,9 +39,9 @@ meta_model.py's class), its reference images (probe_inputs' `references`: their 
 their latent tokens before the target's) and the caching phase (text_phase.py: Qwen3-VL-8B with its
 vision tower).
 
-Not done yet: the prefix KV cache in leantune's own sampler (predict runs the whole sequence each
-step, as the pipeline with use_kv_cache=False; forward.predict takes the cache), RGBA training
-targets.
+Sampling keeps the pipeline's prefix KV cache (Sampling.prefix_cache: the text and references'
+keys and values from the first step, only the target's rows computed after), priced in the
+sampler's plan (prefix_cache_bytes). Not done yet: RGBA training targets.
 """
 
 from __future__ import annotations
@@ -147,10 +147,13 @@ def text_modules(encoders):
 # -- the forward call ---------------------------------------------------------------------------------------
 
 def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
-            latent_hw: tuple[int, int], guidance=None, references=None) -> torch.Tensor:
+            latent_hw: tuple[int, int], guidance=None, references=None, prefix_cache=None) -> torch.Tensor:
     """One transformer call: packed noisy target latents (B, h*w, 64) at sigma (B,) -> the target's
     velocity. `references`: normalised latents (B or 1, 64, h_r, w_r) per reference slot, in the
-    order the text encoder saw them; `guidance` is ignored (true CFG in sampling)."""
+    order the text encoder saw them; `guidance` is ignored (true CFG in sampling). `prefix_cache`:
+    (a prefix_cache(), first step): the text and references' keys and values are stored at the
+    first step and only the target's rows are computed after, as QwenImage21Pipeline's
+    use_kv_cache does."""
     h, w = latent_hw
     if h % 2 or w % 2:
         raise ValueError(f"Qwen-Image-2.1 takes images whose sides are multiples of 32 pixels (one vision slot "
@@ -159,7 +162,34 @@ def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds
     seq, mask, slots = text_layout(embeds.t5)
     b = noisy_packed.shape[0]
     refs = [r.expand(b, -1, -1, -1) for r in references] if references else None
-    return forward.predict(transformer, noisy_packed, sigma, seq, mask, slots, latent_hw, references=refs)
+    cache, mode = (None, None) if prefix_cache is None else (prefix_cache[0], "extract" if prefix_cache[1] else "cached")
+    return forward.predict(transformer, noisy_packed, sigma, seq, mask, slots, latent_hw, references=refs,
+                           kv_cache=cache, kv_mode=mode)
+
+
+def prefix_cache(transformer):
+    """A fresh QwenImage21KVCache for one denoising run, or None for a transformer without
+    `causal_condition` (its prefix is modulated at each step's t, so nothing can be reused),
+    exactly where QwenImage21Pipeline enables its cache."""
+    config = getattr(transformer, "config", None)
+    if not getattr(config, "causal_condition", False):
+        return None
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    return QwenImage21KVCache(len(transformer.transformer_blocks))
+
+
+def prefix_cache_bytes(config, batch: int, text_rows: int, reference_hw: list[tuple[int, int]],
+                       dtype: torch.dtype) -> int:
+    """What one prefix cache holds on the device: keys and values (batch, prefix, heads, head_dim)
+    of every block in the compute dtype, the prefix being the text rows without their image slots
+    (one per 2x2 latent tokens of a reference) plus the references' latent tokens."""
+    if not config.get("causal_condition", False):
+        return 0
+    ref_tokens = sum(h * w for h, w in reference_hw)                 # one token per latent cell
+    prefix = text_rows - sum(lat.slots(h, w) for h, w in reference_hw) + ref_tokens
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    return 2 * config["num_layers"] * batch * prefix * width * torch.empty((), dtype=dtype).element_size()
 
 
 def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype,
@@ -247,7 +277,7 @@ def _register():
         pack_latents=lat.pack_latents, unpack_latents=lat.unpack_latents, image_tokens=lat.image_tokens,
         predict=predict, probe_inputs=probe_inputs, describe=_loader("describe"),
         sampling=Sampling(guidance="cfg", variant=lambda transformer: NAME, schedule=_schedule,
-                          timestep=_timestep),
+                          timestep=_timestep, prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes),
         text_modules=text_modules,
         transformer_classes=(qwen_image21_loading.TRANSFORMER_CLASS,), pipeline_classes=("QwenImage21Pipeline",),
         meta_transformer_class=_meta_class, text_phase=_text_phase,
