@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
             return relaunch(args.gpus, _argv(args), lambda: latest_checkpoint(checkpoints), nodes=nodes)
     result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if result.lora_files:                 # rank 0 writes them; other processes have nothing to say
-        print(f"LoRA files: {', '.join(str(p) for p in result.lora_files)}")
+        what = "model files" if cfg.train.mode == "full" else "LoRA files"     # a full fine-tune exports the model
+        print(f"{what}: {', '.join(str(p) for p in result.lora_files)}")
     return 0
 
 
