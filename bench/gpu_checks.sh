@@ -13,9 +13,10 @@
 # changed since the H100 run, fp32 streaming, OOM in step 1); window 2 measures what the planner
 # and the engine promise (FLUX.2 klein-4B at 6 GiB, the file-read text encoder's copy rate, the
 # quantize-at-read load on a GPU host's CPUs, the planner at 8 GiB); window 3 the engine and
-# sampler benchmarks and, on two GPUs, the strategies; window 4 issue 40's checks (FSDP2 with CPU
-# offload under NCCL, cuDNN attention off for every command, the CUDA RNG state of the run's device,
-# the round-two tests on a GPU).
+# sampler benchmarks and issue 40's single-GPU checks (the fp8 dequantize rate, a full-width host
+# step); window 4 issue 40's checks (FSDP2 with CPU offload under NCCL, cuDNN attention off for
+# every command, the CUDA RNG state of the run's device, the round-two tests on a GPU); window 5
+# needs two GPUs (the strategies end to end, the two-GPU context guard): run it on a two-GPU lease.
 #
 # Parts run in order of value, each under its own time budget (`timeout`), each writing its raw
 # log to $OUT/<part>.log; $OUT/summary.txt gets one line per part (rc, seconds). A part is skipped
@@ -37,8 +38,10 @@ PARTS=(
   "2|bench-planner|120|owed benchmark: the planner's plan at 8 GiB, 1024 px, against the measured step|python3 bench/bench_planner.py --budgets 8 --resolutions 1024 --sweep none --steps 2 --out \$OUT/bench-planner.md"
   "3|bench-engine|150|owed benchmark: engine rows (resident and all streamed, fp8) at 1024 px|python3 bench/bench_engine.py --configs resident-fp8 stream-all-fp8 --offload no --resolutions 1024 --steps 2 --warmup 1 --results \$OUT/bench-engine.json --out \$OUT/bench-engine.md"
   "3|bench-sampler|120|owed benchmark: sampling at 1024 px under an 8 GiB budget|python3 bench/bench_sampler.py --part sampling --size 1024 --steps 4 --budgets 8 --out \$OUT/bench-sampler.md"
-  "3|strategies|135|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
-  "3|two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
+  "3|dequant-rate|45|issue 40 finding 5 on one GPU: fp8 dequantize formed in its bf16 output: bits against the fp32 product, bytes allocated above the output, rate beside the fp32-temporary way and a bf16 copy|python3 bench/gpu_round2.py dequant-rate"
+  "3|host-step|60|issue 40 finding 10 on one GPU: a full-width host AdamW step (37.7M parameters) on the cores less one: pinned D2H of the gradient, the kernel's time, its update against torch's AdamW|python3 bench/gpu_round2.py host-step"
+  "5|strategies|135|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
+  "5|two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
   "4|offload-nccl|60|issue 40 finding 1: FSDP2 + CPUOffloadPolicy under the group leantune starts (cuda:nccl,cpu:gloo): backward, clipping, full state dict; CPU DTensors clip and gather|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_offload_worker.py \$OUT --nccl"
   "4|cudnn-attention|60|issue 40 finding 4: the per-process guard turns cuDNN attention off; bf16 SDPA fwd+bwd at encoder and Flux shapes with cuDNN and without (finite, difference)|python3 bench/gpu_round2.py cudnn-attention"
   "4|rng-device|30|issue 40 finding 9: a save's CUDA RNG state is the run's device's and resumes onto cuda:0|python3 bench/gpu_round2.py rng"
@@ -68,7 +71,7 @@ selected() {  # window name
 
 if [ $dry = 1 ]; then
   status=0
-  windows="1 2 3 4"; [ -n "$only" ] && windows=only
+  windows="1 2 3 4 5"; [ -n "$only" ] && windows=only
   for w in $windows; do
     total=0; window=$w
     printf "window %s\n%-18s %7s  %s\n" "$w" part budget "what it checks"

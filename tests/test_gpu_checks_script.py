@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_checks.sh"
 WINDOWS = {1: ["setup", "nccl-collectives", "gpu-tests", "fp32-stream", "oom-step1"],
            2: ["setup", "flux2-klein4b", "text-encoder-read", "load-gpu-host", "bench-planner"],
-           3: ["setup", "bench-engine", "bench-sampler", "strategies", "two-gpu-guard"],
-           4: ["setup", "offload-nccl", "cudnn-attention", "rng-device", "round2-tests"]}
+           3: ["setup", "bench-engine", "bench-sampler", "dequant-rate", "host-step"],
+           4: ["setup", "offload-nccl", "cudnn-attention", "rng-device", "round2-tests"],
+           5: ["setup", "strategies", "two-gpu-guard"]}
 
 
 def _listing(out: str) -> dict:
