@@ -9,8 +9,8 @@
 #   bash bench/gpu_checks.sh --dry-run                                              # every window's parts
 #   bash bench/gpu_checks.sh --only fp32-stream,oom-step1                           # some parts (no set-up)
 #
-# Window 1 re-runs the GPU findings' checks (NCCL collectives, the gpu-marked tests that failed or
-# changed since the H100 run, fp32 streaming, OOM in step 1); window 2 measures what the planner
+# Window 1 re-runs the GPU findings' checks, the short ones first (NCCL collectives, fp32 streaming,
+# OOM in step 1), then the gpu-marked tests of the files that failed or changed since the H100 run; window 2 measures what the planner
 # and the engine promise (FLUX.2 klein-4B at 6 GiB, the file-read text encoder's copy rate, the
 # quantize-at-read load on a GPU host's CPUs, the planner at 8 GiB); window 3 the engine and
 # sampler benchmarks and issue 40's single-GPU checks (the fp8 dequantize rate, a full-width host
@@ -29,9 +29,9 @@ set -o pipefail
 PARTS=(
   "0|setup|60|the machine and the packages: nvidia-smi, torch and the wheels|setup"
   "1|nccl-collectives|45|issue 20 finding 1: every DistContext collective over a real NCCL group (host tensors on a gloo side group)|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_collectives_worker.py \$OUT/nccl --nccl"
-  "1|gpu-tests|240|the gpu-marked tests (hook-free frozen streaming, the per-block residency check and the one-pre-hook backward boundary included)|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA"
   "1|fp32-stream|75|finding 5: full fine-tune step, fp32 weights streamed, bf16 autocast: peak against the plan|python3 bench/gpu_findings.py fp32-stream --blocks 2 2 --size 512"
   "1|oom-step1|75|findings 6 and 8: OOM injected in step 1 with streaming in full mode: host RSS, the redone step's peak, no stored calibration|python3 bench/gpu_findings.py oom-step1 --blocks 2 2 --size 512"
+  "1|gpu-tests|240|the gpu-marked tests (hook-free frozen streaming, the per-block residency check and the one-pre-hook backward boundary included)|python3 -m pytest -q -p no:cacheprovider -m gpu \$GPU_TEST_FILES -rA"
   "2|flux2-klein4b|180|issue 23: FLUX.2 klein-4B (full size, random e4m3 weights) LoRA r16 at 1024 px under a 6 GiB plan: device peak and step time against the planner|flux2_klein"
   "2|text-encoder-read|75|issue 23: klein-4B's Qwen3 read from its file layer by layer onto the GPU: read rate against the pinned H2D rate|python3 bench/text_encoder_read.py --device cuda --layers 12 --out \$OUT/text-encoder-read.json"
   "2|load-gpu-host|75|issue 21: a bf16 Flux file loaded straight into fp8 on the GPU host's CPUs (leantune beside the old path and diffusers)|python3 bench/load.py --files flux-bf16 --loaders leantune leantune-old diffusers --out \$OUT/load.json"
