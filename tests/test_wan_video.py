@@ -318,3 +318,36 @@ def test_sample_frames_follow_the_config_and_are_checked():
     assert sample_frames(cfg(None), flux) == 1
     with pytest.raises(ValueError, match=r'\[sample\] frames = 5: family = "flux" samples images'):
         sample_frames(cfg(5), flux)
+
+
+# -- leantune plan --frames ------------------------------------------------------------------------------
+
+def test_plan_prices_frames_as_latent_frames_times_patches(tmp_path, folder, media, capsys):
+    """`leantune plan RUN --frames N --resolution HxW` (no weights read): the workload's tokens are
+    latent frames x patches (9 frames: 3 latent frames of 4 x 6 patches at 64x96), and the priced
+    activations grow with the frames; an image model or a length the VAE cannot encode is refused
+    naming --frames."""
+    import json
+
+    from leantune.cli import main
+    from leantune.planner.workload import Workload
+
+    toml = tmp_path / "plan.toml"
+    toml.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / "o", steps=1,
+                               lr=1e-3, save_every=0))
+
+    def plan(*flags):
+        assert main(["plan", str(toml), "--vram", "8GiB", "--json", "--no-fp8", "--resolution", "64x96", *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        (entry,) = out["plans"]
+        return out["workload"], entry["plan"]["notes"]["per_bucket"]["64x96"]["activations"]
+
+    image, image_act = plan()
+    clip, clip_act = plan("--frames", "9")
+    assert "latent frames" not in image and "96x64 x 3 latent frames" in clip
+    assert Workload(buckets=((64, 96),), frames=3).image_tokens((64, 96)) == 3 * 4 * 6
+    assert 2 * image_act < clip_act          # three frames' tokens: well over twice one frame's activations
+    assert main(["plan", str(toml), "--vram", "8GiB", "--frames", "8"]) == 2
+    assert "--frames 8: 8 frames is not a length this VAE encodes: 1 + 4k" in capsys.readouterr().err
+    assert main(["plan", "--model", "flux-dev", "--vram", "8GiB", "--frames", "9"]) == 2
+    assert "--frames 9: flux trains on images; leave --frames out" in capsys.readouterr().err

@@ -60,8 +60,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "config's [full] streamed_step, else auto)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--accumulation", type=int, default=None, help="gradient accumulation steps")
-    p.add_argument("--resolution", type=int, action="append", default=None, metavar="PX",
-                   help="square training resolution (repeatable for several buckets; default 1024)")
+    p.add_argument("--resolution", type=_resolution, action="append", default=None, metavar="PX|HxW",
+                   help="training resolution: PX square, or HEIGHTxWIDTH (480x832: 480 high, 832 wide); "
+                        "repeatable for several buckets; default 1024")
+    p.add_argument("--frames", type=int, default=None, metavar="N",
+                   help="frames per clip for a video model (wan2.2-a14b: 4k+1, e.g. 81); priced as its latent "
+                        "frames x the resolution's patches; default: images (one frame)")
     p.add_argument("--text-length", type=int, default=None, help="T5 tokens (default 512 flux-dev / 256 flux-schnell / 256 SD3.5, which adds 77 CLIP rows)")
     p.add_argument("--references", type=int, default=None, metavar="N",
                    help="reference images per sample (an edit model that prices them: qwen-image-2.1); "
@@ -275,7 +279,8 @@ def _from_flags(args):
         mode=args.mode or "lora", rank=args.rank or 16, targets=args.targets or "attention_mlp",
         adapter=args.lora_type or "lora",
         optimizer=args.optimizer or "adamw", batch_size=args.batch_size or 1,
-        gradient_accumulation=args.accumulation or 1, buckets=Workload.square(args.resolution or [1024]),
+        gradient_accumulation=args.accumulation or 1, buckets=_buckets(args.resolution or [1024]),
+        frames=_latent_frames(args.frames, family),
         text_length=family.text_rows(args.text_length or TEXT_TOKENS[args.model]), autocast=not args.no_autocast,
         references=args.references or 0,
         allow_fp8=not args.no_fp8 and args.lora_type != "dora",     # DoRA reads its base weights (no fp8)
@@ -294,15 +299,15 @@ def _from_config(args):
     from ..models.family import get_family
     from ..planner.from_config import workload_from_config
     from ..planner.spec_cache import source_key
-    from ..planner.workload import Workload
 
     cfg = load_config(args.config, args.overrides)
     workload = workload_from_config(cfg)
     mode = args.mode or ("full" if cfg.train.mode == "full" else None)
     asked = {"mode": mode, "rank": args.rank, "targets": args.targets, "optimizer": args.optimizer,
              "batch_size": args.batch_size, "gradient_accumulation": args.accumulation,
-             "text_length": args.text_length, "buckets": Workload.square(args.resolution) if args.resolution else None,
-             "references": args.references}
+             "text_length": args.text_length, "buckets": _buckets(args.resolution) if args.resolution else None,
+             "references": args.references,
+             "frames": _latent_frames(args.frames, get_family(cfg.model.family)) if args.frames else None}
     changes = {k: v for k, v in asked.items() if v is not None}
     changes.update(_full_flags(args))
     if args.lora_type is not None:
@@ -324,6 +329,38 @@ def _from_config(args):
         {"state_dtype", "streamed_step"} & cfg.full.model_fields_set)
     return (get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg, keep_mod), workload, vram,
             ram, config_sets)
+
+
+def _resolution(text: str):
+    """--resolution's value: "1024" (square) or "HxW" ("480x832"), as an int or (height, width)."""
+    parts = text.lower().split("x")
+    try:
+        values = [int(v) for v in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"{text!r}: give pixels (1024) or HEIGHTxWIDTH (480x832)")
+    return values[0] if len(values) == 1 else (values[0], values[1])
+
+
+def _buckets(values) -> tuple[tuple[int, int], ...]:
+    """--resolution values as the workload's (height, width) buckets."""
+    return tuple((int(v), int(v)) if isinstance(v, int) else tuple(int(x) for x in v) for v in values)
+
+
+def _latent_frames(frames: int | None, family) -> int:
+    """--frames N as the workload's latent frames (1 without it); an image family or a length its
+    VAE cannot encode is a ConfigError naming --frames."""
+    from ..config import ConfigError
+
+    if frames is None or frames == 1:
+        return 1
+    if family.video is None:
+        raise ConfigError(f"--frames {frames}: {family.name} trains on images; leave --frames out")
+    try:
+        return family.video.latent_frames(frames)
+    except ValueError as e:
+        raise ConfigError(f"--frames {frames}: {e}") from None
 
 
 def _full_flags(args) -> dict:
@@ -373,7 +410,7 @@ def _check_workload(w, family) -> None:
                           f"adamw8bit")
     for h, wd in w.buckets:
         if h < 64 or h % 16 or wd < 64 or wd % 16:
-            raise ConfigError(f"--resolution {h}: must be a multiple of 16 of at least 64")
+            raise ConfigError(f"--resolution {h if h == wd else f'{h}x{wd}'}: must be a multiple of 16 of at least 64")
         if max(h, wd) > MAX_RESOLUTION:      # a run refuses it too ([data] resolutions): no plan is for it
             raise ConfigError(f"--resolution {max(h, wd)}: at most {MAX_RESOLUTION}, as [data] resolutions")
     for name, value in (("rank", w.rank), ("batch size", w.batch_size), ("accumulation", w.gradient_accumulation),

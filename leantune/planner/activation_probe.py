@@ -281,7 +281,11 @@ def _probe_inputs(spec, model, workload: Workload, bucket: tuple[int, int]) -> d
     family = family_of_spec(spec)
     latent_hw = (bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor)
     extra = {"references": workload.references} if workload.references else {}
-    if extra and not prices_references(family):
+    if workload.frames != 1:            # a video family's latent frames (its probe_inputs takes frames)
+        if family.video is None:
+            raise ValueError(f"{family.name} trains on images: plan it with one frame")
+        extra["frames"] = workload.frames
+    if workload.references and not prices_references(family):
         raise ValueError(f"the planner prices reference images for no {family.name} model yet (its probe is "
                          f"text to image); plan without references")
     return family.probe_inputs(model.config, workload.batch_size, latent_hw, workload.text_length, workload.dtype,

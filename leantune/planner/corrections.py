@@ -83,6 +83,8 @@ def architecture_key(model: torch.nn.Module, workload: Workload) -> str:
         shape.update(adapter=workload.adapter, lokr=[workload.lokr_factor, workload.lokr_decompose_both])
     if workload.references:                                          # text to image keeps its earlier key
         shape["references"] = workload.references
+    if workload.frames != 1:                                         # an image keeps its earlier key
+        shape["frames"] = workload.frames
     blob = json.dumps(shape, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

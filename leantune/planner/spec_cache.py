@@ -225,8 +225,7 @@ def _workload_shape(workload: Workload) -> dict:
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
     unmeasured = ["optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
                   "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load",
-                  "frozen_adapter_bytes", "frozen_adapter_tensors", "preview_base_bytes", "preview_adapter_tensors", "ema", "dop_share", "validation_forwards_per_step",
-                  "prefix_cache_bytes"]
+                  "frozen_adapter_bytes", "frozen_adapter_tensors", "preview_base_bytes", "preview_adapter_tensors", "ema", "dop_share", "validation_forwards_per_step"]
     lora = workload.mode == "lora"
     if lora and workload.adapter == "lokr":
         unmeasured.remove("rank")     # LoKr is traced at its rank (activation_probe.probe_activations)
@@ -236,6 +235,8 @@ def _workload_shape(workload: Workload) -> dict:
         unmeasured.append("adapter")  # a plain LoRA's key, as before the adapter types
     if not workload.references:
         unmeasured.append("references")   # text to image keeps its key from before references
+    if workload.frames == 1:
+        unmeasured.append("frames")       # an image keeps its key from before video
     for key in unmeasured:
         shape.pop(key)
     return shape

@@ -44,6 +44,9 @@ class Workload:
     # ModelFamily.probe_inputs' `references`), each at the family's reference size: their slots
     # lengthen the text and their latent tokens the image sequence. 0: text to image
     references: int = 0
+    # Latent frames per sample (a video family, ModelFamily.video: Wan's 81 frames are 21); each
+    # frame is a bucket's image tokens again, so tokens = latent frames x patches. 1: an image
+    frames: int = 1
     gradient_accumulation: int = 1
     autocast: bool = True           # bf16 autocast, as the trainer's mixed_precision = "bf16"
     lora_dropout: float = 0.0
@@ -80,9 +83,6 @@ class Workload:
     # `quantize_fp8`), so its loading phase holds what the plan stores plus the quantizing workers'
     # buffers, never the file's bf16. The sampler loads as stored and converts afterwards: False.
     quantizes_on_load: bool = False
-    # A sampler's prefix cache on the device while it denoises (Sampling.prefix_cache: Qwen-Image-
-    # 2.1's text and reference keys and values of every block, kept from the first step), bytes
-    prefix_cache_bytes: int = 0
     # Full fine-tuning ([full] section; mode = "full" only): what trains and how its state is kept.
     full_train: tuple[str, ...] = ("*",)       # fnmatch patterns on diffusers parameter names
     full_exclude: tuple[str, ...] = ()
@@ -98,8 +98,8 @@ class Workload:
         return tuple((int(r), int(r)) for r in resolutions)
 
     def image_tokens(self, bucket: tuple[int, int]) -> int:
-        """Packed latent tokens of a bucket: 8x VAE downsampling then 2x2 patches."""
-        return (bucket[0] // 16) * (bucket[1] // 16)
+        """Packed latent tokens of a bucket: 8x VAE downsampling then 2x2 patches, per latent frame."""
+        return (bucket[0] // 16) * (bucket[1] // 16) * self.frames
 
     def describe(self) -> str:
         kind = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}[self.adapter]
@@ -111,7 +111,8 @@ class Workload:
         refs = ""
         if self.references:
             refs = f", {self.references} reference{'s' if self.references > 1 else ''}"
-        return f"{what}{opt}, batch {self.batch_size}{accum}, {sizes}{refs}, text {self.text_length} tokens"
+        frames = f" x {self.frames} latent frames" if self.frames != 1 else ""
+        return f"{what}{opt}, batch {self.batch_size}{accum}, {sizes}{frames}{refs}, text {self.text_length} tokens"
 
     def _describe_full(self) -> str:
         parts = []
