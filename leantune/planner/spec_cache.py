@@ -225,7 +225,8 @@ def _workload_shape(workload: Workload) -> dict:
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
     unmeasured = ["optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
                   "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load",
-                  "frozen_adapter_bytes", "frozen_adapter_tensors", "preview_base_bytes", "preview_adapter_tensors", "ema", "dop_share", "validation_forwards_per_step"]
+                  "frozen_adapter_bytes", "frozen_adapter_tensors", "preview_base_bytes", "preview_adapter_tensors", "ema", "dop_share", "validation_forwards_per_step",
+                  "prefix_cache_bytes"]
     lora = workload.mode == "lora"
     if lora and workload.adapter == "lokr":
         unmeasured.remove("rank")     # LoKr is traced at its rank (activation_probe.probe_activations)

@@ -83,6 +83,9 @@ class Workload:
     # `quantize_fp8`), so its loading phase holds what the plan stores plus the quantizing workers'
     # buffers, never the file's bf16. The sampler loads as stored and converts afterwards: False.
     quantizes_on_load: bool = False
+    # A sampler's prefix cache on the device while it denoises (Sampling.prefix_cache: Qwen-Image-
+    # 2.1's text and reference keys and values of every block, kept from the first step), bytes
+    prefix_cache_bytes: int = 0
     # Full fine-tuning ([full] section; mode = "full" only): what trains and how its state is kept.
     full_train: tuple[str, ...] = ("*",)       # fnmatch patterns on diffusers parameter names
     full_exclude: tuple[str, ...] = ()
