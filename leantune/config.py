@@ -667,7 +667,7 @@ class RunConfig(Section):
         if self.train.mode == "full":
             raise ValueError(f"[memory] disk_dir = {d!r}: the disk tier holds frozen streamed blocks, but [train] "
                              f"mode = \"full\" trains (and writes back) every streamed block; remove disk_dir")
-        check_disk_dir(self.resolve(d), d)
+        check_disk_dir(self.resolve(d), f"[memory] disk_dir = {d!r}")
         return self
 
     @model_validator(mode="after")
@@ -885,18 +885,18 @@ def _override_step(node, part: str, before: list[str], item: str, source: str, l
     return node.setdefault(part, {})
 
 
-def check_disk_dir(path: Path, given: str) -> None:
-    """[memory] disk_dir must be an existing folder this user can create files in."""
+def check_disk_dir(path: Path, key: str) -> None:
+    """The disk tier's folder (`key`: where it was given, "[memory] disk_dir = ..." or a flag) must
+    be an existing folder this user can create files in."""
     import os
 
     if not path.exists():
-        raise ValueError(f"[memory] disk_dir = {given!r}: {path} does not exist; create the folder (on a fast "
-                         f"disk) or remove the key")
+        raise ValueError(f"{key}: {path} does not exist; create the folder (on a fast disk) or remove the key")
     if not path.is_dir():
-        raise ValueError(f"[memory] disk_dir = {given!r}: {path} is not a folder")
+        raise ValueError(f"{key}: {path} is not a folder")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"[memory] disk_dir = {given!r}: {path} is not writable by this user; the disk tier "
-                         f"writes its file of streamed blocks there")
+        raise ValueError(f"{key}: {path} is not writable by this user; the disk tier writes its file of streamed "
+                         f"blocks there")
 
 
 def resolve_path(base_dir: str | Path, path: str | None) -> Path | None:

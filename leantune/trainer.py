@@ -477,7 +477,7 @@ def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):
         return None
     from .planner import from_config
 
-    return dist.agree_machine(from_config.probe_machine(device))
+    return dist.agree_machine(from_config.with_disk_tier(cfg, from_config.probe_machine(device)))
 
 
 def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None, in_turn: bool = False,

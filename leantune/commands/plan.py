@@ -74,6 +74,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help='VRAM budget, e.g. 8GiB (a bare 8 is GiB), or "auto" (repeatable: one plan per budget)')
     p.add_argument("--ram", default=None, metavar="SIZE",
                    help="host RAM budget (default: available here minus a margin; unchecked when no GPU is here)")
+    p.add_argument("--disk-dir", default=None, metavar="DIR",
+                   help="the disk tier's folder ([memory] disk_dir): streamed blocks the host-RAM budget cannot "
+                        "hold are read from there; its read rate is measured here once per disk and kept")
+    p.add_argument("--disk-read", type=float, default=None, metavar="GBPS",
+                   help="the disk tier's read rate in GB/s, for another machine's disk (e.g. 3.5 for a PCIe 4 "
+                        "NVMe drive): plans with the disk tier without measuring one here")
     p.add_argument("--no-fp8", action="store_true", help="never store weights in fp8")
     p.add_argument("--fp8-modulation", choices=["auto", "on", "off"], default=None,
                    help="fp8 for the modulation Linears too: auto (only when nothing else fits; a file's e4m3 "
@@ -159,10 +165,11 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
         raise ConfigError(f"give either a config file or --model {'|'.join(sorted(MODELS))}")
     machine = probe_machine()
     if args.config:
-        spec, source, build, workload, vram_values, ram_value, config_sets = _from_config(args)
+        spec, source, build, workload, vram_values, ram_value, config_sets, disk_dir = _from_config(args)
     else:
         spec, source, build, workload = _from_flags(args)
-        vram_values, ram_value, config_sets = args.vram, args.ram, set()
+        vram_values, ram_value, config_sets, disk_dir = args.vram, args.ram, set(), None
+    machine = _with_disk(machine, args, args.disk_dir or disk_dir)
     if not vram_values:
         raise ConfigError("no VRAM budget: give --vram SIZE (or set [memory] vram_budget in the config)")
     ram = None
@@ -204,6 +211,29 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
             print("\n" + _text_phase_line(phase, vram_values, budgets, ram))
     rc = 1 if failed else 0
     return (rc, machine) if with_machine else rc
+
+
+def _with_disk(machine, args, disk_dir):
+    """The machine with the disk tier of --disk-read (a given rate) or of --disk-dir / the config's
+    [memory] disk_dir (its disk's rate, planner/disk_rate.py); as it is without either."""
+    from ..config import ConfigError, check_disk_dir
+    from ..planner.machine import with_disk
+
+    if args.disk_read is not None:
+        if not args.disk_read > 0:
+            raise ConfigError(f"--disk-read must be a positive rate in GB/s, got {args.disk_read}")
+        return with_disk(machine, args.disk_read * 1e9, f"{args.disk_read:.2f} GB/s read (given: --disk-read)")
+    if disk_dir is None:
+        return machine
+    from ..planner.disk_rate import disk_read_rate
+
+    key = f"--disk-dir {args.disk_dir}" if args.disk_dir else f"[memory] disk_dir = {str(disk_dir)!r}"
+    try:
+        check_disk_dir(Path(disk_dir), key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    rate = disk_read_rate(disk_dir)
+    return with_disk(machine, rate.read, rate.describe())
 
 
 def _better(args, spec, measured, workload, machine, results, config_sets: set[str]) -> list[list]:
@@ -328,7 +358,7 @@ def _from_config(args):
     config_sets = ({"optimizer"} & cfg.train.model_fields_set) | (
         {"state_dtype", "streamed_step"} & cfg.full.model_fields_set)
     return (get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg, keep_mod), workload, vram,
-            ram, config_sets)
+            ram, config_sets, cfg.resolve(cfg.memory.disk_dir))
 
 
 def _resolution(text: str):

@@ -221,6 +221,19 @@ def budget_from_config(memory_cfg, machine: Machine) -> Budget:
     return Budget(vram=vram, ram=ram)
 
 
+def with_disk_tier(cfg, machine: Machine) -> Machine:
+    """The machine with the disk tier of [memory] disk_dir (its disk's read rate, measured once
+    per disk and kept: planner/disk_rate.py), for a run that can use it (not a full fine-tune);
+    as it is otherwise, or when it carries a disk rate already (agreed by several processes)."""
+    if cfg.memory.disk_dir is None or cfg.train.mode == "full" or machine.disk_read is not None:
+        return machine
+    from .disk_rate import disk_read_rate
+    from .machine import with_disk
+
+    rate = disk_read_rate(cfg.resolve(cfg.memory.disk_dir))
+    return with_disk(machine, rate.read, rate.describe())
+
+
 def explicit_disk_room(memory_cfg) -> int:
     """Host bytes the streamed blocks' buffers may take under the explicit [memory] choices with
     [memory] disk_dir (no vram_budget, so no priced plan): [memory] ram_budget (else the default
@@ -244,7 +257,7 @@ def planner_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | Non
                        store: CalibrationStore | None = None) -> tuple[Planner, Budget]:
     """The Planner and Budget of a run, with the stored calibration of its architecture and
     workload; the trainer keeps them for OomGuard and PlanCalibrator."""
-    machine = machine or probe_machine()
+    machine = with_disk_tier(cfg, machine or probe_machine())
     workload = workload_from_config(cfg, model)
     budget = budget_from_config(cfg.memory, machine)
     store = store if store is not None else CalibrationStore()

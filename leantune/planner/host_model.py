@@ -20,6 +20,10 @@ really allocates (engine.py, fp8.py, streaming.py, host_buffers.py), phase by ph
   PyTorch's caching host allocator, which rounds each to a power of two) and caches held in RAM.
 - previews on another base ([sample] base, infer/preview_base.py): the steps' holdings plus that
   whole transformer as loaded, while a preview runs.
+- the disk tier (Plan.disk_blocks, memory/disk_tier.py): a unit on disk holds no host buffer
+  through the steps; it is written out as soon as it is packed, its buffer and originals freed
+  before the next is packed; its reads go through the staging pool (two 32 MiB pinned buffers).
+  The load phase is unchanged: the transformer is loaded whole before its units are packed.
 The peak is a process baseline plus the largest phase. Pinning costs no more host RAM than
 pageable memory, so a pageable plan only adds the staging pool and slower copies.
 
@@ -56,17 +60,19 @@ HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, bef
 STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (host_buffers.py)
 
 
-def packing_extra(units: list[tuple[int, int]]) -> int:
+def packing_extra(units: list[tuple[int, int]], disk: list[bool] | None = None) -> int:
     """Host bytes above the stored model while the engine packs the streamed units in order.
 
     `units` holds (packed bytes, stored bytes) per unit. Packing unit i adds its buffer while its
     originals still exist; each unit packed before it holds its packed size instead of its stored
-    size (the difference is the 512-byte alignment of every tensor).
+    size (the difference is the 512-byte alignment of every tensor). A unit on disk (`disk`, the
+    disk tier) is written out and its buffer freed before the next is packed: it then holds
+    nothing, its originals freed too.
     """
     extra = peak = 0
-    for packed, stored in units:
+    for i, (packed, stored) in enumerate(units):
         peak = max(peak, extra + packed)
-        extra += packed - stored
+        extra += -stored if disk and disk[i] else packed - stored
     return peak
 
 
@@ -88,7 +94,8 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
 def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,
                    largest_conversion: int, offload: int, cache_bytes: int,
                    full: dict[str, int] | None = None, host_step: dict[str, int] | None = None,
-                   quantizing_load: bool = False, preview_base: int = 0, ema: int = 0) -> dict[str, int]:
+                   quantizing_load: bool = False, preview_base: int = 0, ema: int = 0,
+                   disk: list[bool] | None = None, phases: dict | None = None) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
     `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
@@ -101,7 +108,11 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     the loader stores fp8 as it reads (module docstring), so a plan with fp8 loads `stored` plus
     the workers' buffers and converts nothing afterwards. `preview_base`: the bytes of another base
     loaded beside the steps' holdings for each preview (0: none). `ema`: [ema]'s fp32 shadow of the
-    trained adapter (train/ema.py), held on the host through the steps.
+    trained adapter (train/ema.py), held on the host through the steps. `disk` (the disk tier):
+    per unit, whether its bytes live on disk (Plan.disk_blocks): no host buffer through the steps,
+    freed as soon as it is written while packing, and the staging pool the engine reads them
+    through. `phases`, if given, receives the phase totals ("steps": what the host holds through
+    the steps), which the planner's disk split reads.
     """
     quantized_as_read = quantizing_load and plan.fp8 and stored < loaded
     if quantized_as_read:
@@ -112,9 +123,10 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     setup = loaded + state + masters if full else 0
     converting = (loaded + state + masters + largest_conversion
                   if (plan.fp8 or plan.fp8_modulation) and not quantized_as_read else 0)
-    packing = stored + state + masters + packing_extra(list(zip(packed, unit_stored)))
-    streamed = sum(packed)
-    staging = STAGING_BUFFERS * STAGING_CHUNK if packed and not plan.pin_memory else 0
+    packing = stored + state + masters + packing_extra(list(zip(packed, unit_stored)), disk)
+    on_disk = disk is not None and any(disk)
+    streamed = sum(n for i, n in enumerate(packed) if not (on_disk and disk[i]))
+    staging = STAGING_BUFFERS * STAGING_CHUNK if packed and (not plan.pin_memory or on_disk) else 0
     steady = streamed + staging + offload + cache_bytes + masters + accumulators + ema
     if host_step:
         steady += host_step["state"] + host_step["step"] + host_step["staging"]
@@ -139,4 +151,7 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
         out["another base for previews"] = preview_base
         out["steps + another base while previewing"] = previewing
     out["peak"] = HOST_BASELINE + max(loaded, setup, converting, packing, steady, previewing)
+    if phases is not None:
+        phases.update(loading=loaded, setup=setup, converting=converting, packing=packing, steps=steady,
+                      previewing=previewing, streamed=streamed)
     return out

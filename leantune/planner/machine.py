@@ -55,6 +55,10 @@ class Machine:
     host_ram_available: int
     measured: bool
     workspace: int = 64 * 2**20     # cuBLAS(Lt)/cuDNN workspaces the first kernels allocate on the device
+    # The disk tier ([memory] disk_dir): bytes/s its disk reads at (planner/disk_rate.py), and what
+    # was measured; None: no disk tier, every streamed block stays in host RAM.
+    disk_read: float | None = None
+    disk: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,7 +70,8 @@ class Machine:
         return (f"{self.name}: {vram}, H2D {self.h2d_pinned / 1e9:.1f} GB/s pinned / "
                 f"{self.h2d_pageable / 1e9:.1f} GB/s pageable, {self.flops / 1e12:.0f} TFLOP/s sustained, "
                 f"HBM {self.hbm / 1e12:.2f} TB/s, host RAM {self.host_ram_available / GiB:.1f}/"
-                f"{self.host_ram_total / GiB:.1f} GiB available [{src}]")
+                f"{self.host_ram_total / GiB:.1f} GiB available [{src}]"
+                + (f"; disk tier: {self.disk}" if self.disk_read else ""))
 
 
 def assumed_machine(vram_total: int | None = None) -> Machine:
@@ -149,6 +154,11 @@ def gpu_device_visible() -> bool:
         return False
     dev = Path("/dev")
     return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+def with_disk(machine: Machine, read: float, what: str) -> Machine:
+    """The same machine with a disk tier reading at `read` bytes/s (`what`: how it is known)."""
+    return replace(machine, disk_read=float(read), disk=what)
 
 
 def with_vram(machine: Machine, vram_total: int) -> Machine:

@@ -104,6 +104,7 @@ class Estimate:
     # optimizer step of streamed blocks on the host, their trained tensors' gradients
     d2h_bytes: int = 0
     host_step_s: float = 0.0         # the step waiting on the CPU's optimizer step (timing.py), not in exposed_s
+    disk_bytes: int = 0              # read from the disk tier per step (timing.py)
 
 
 class MemoryModel:
@@ -296,6 +297,26 @@ class MemoryModel:
         blocks = [unit[plan.storage][i] + adapters[i][1] for i in self.ordered(plan)]
         return [nb_unit + nb_adapters[1], *blocks] if plan.stream_non_blocks else blocks
 
+    def on_disk(self, plan: Plan) -> list[bool] | None:
+        """Per streamed unit (the engine's order), whether its bytes live on disk (Plan.disk_blocks);
+        None without the disk tier."""
+        if not plan.disk_blocks:
+            return None
+        disk = set(plan.disk_blocks)
+        blocks = [self.weights.blocks[i].name in disk for i in self.ordered(plan)]
+        return [False, *blocks] if plan.stream_non_blocks else blocks
+
+    def tiers(self, plan: Plan) -> dict[str, int]:
+        """Where the plan keeps the transformer's weights, in bytes: on the GPU (the resident
+        weights and the ring of slots), in host RAM (the streamed units' buffers) and on disk
+        (the disk tier's units) -- what memory/engine.apply_memory places (device_bytes, and the
+        streaming handle's host_bytes and disk_bytes)."""
+        vram, _, _ = self.memory(plan)
+        units, disk = self.units(plan), self.on_disk(plan) or []
+        on_disk = sum(n for n, d in zip(units, disk) if d)
+        return {"VRAM": vram["weights resident"] + vram["stream slots"], "host RAM": sum(units) - on_disk,
+                "disk": on_disk}
+
     def streamed_trained(self, plan: Plan) -> list[tuple[int, int]]:
         """(trained parameters, largest trained tensor's elements) of each streamed unit, in the
         engine's unit order (full mode)."""
@@ -384,8 +405,8 @@ class MemoryModel:
         units = [self._nb_unit_w + nb[1], *(u + a[1] for u, a in zip(self._unit_w[storage], blocks))]
         return min(2, len(units)) * align(max(units))
 
-    def host(self, plan: Plan) -> dict[str, int]:
-        """Host RAM components of a plan (host_model.py)."""
+    def host(self, plan: Plan, phases: dict | None = None) -> dict[str, int]:
+        """Host RAM components of a plan (host_model.py); `phases` receives its phase totals."""
         offload = 0
         if plan.checkpointing == "offload":
             if plan.storage not in self._offloaded:
@@ -422,7 +443,8 @@ class MemoryModel:
                               self.workload.host_cache_bytes, full=parts, host_step=host_step,
                               quantizing_load=self.workload.quantizes_on_load,
                               preview_base=self.workload.preview_base_bytes,
-                              ema=self.trainable_bytes()[0] if self.workload.ema else 0)
+                              ema=self.trainable_bytes()[0] if self.workload.ema else 0,
+                              disk=self.on_disk(plan), phases=phases)
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""
@@ -431,7 +453,7 @@ class MemoryModel:
         if full is None:
             return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
                                  self.ordered(plan), units, w.mode, sum(self.trainable_bytes()),
-                                 extra_forwards=self.recipe_forwards())
+                                 extra_forwards=self.recipe_forwards(), disk=self.on_disk(plan))
         # The update reads and writes each trained weight and its state, reads its gradient, and
         # touches its temporaries; masters and accumulators cross the bus from pageable memory.
         # (timing.py counts `optimizer_bytes` read and written: the gradient and temporaries count half.)
@@ -475,4 +497,5 @@ class MemoryModel:
                         overhead_s=sum(t.overhead_s for t in timing) / n,
                         h2d_bytes=int(sum(t.h2d_bytes for t in timing) / n), per_bucket=per_bucket,
                         d2h_bytes=int(sum(t.d2h_bytes for t in timing) / n),
-                        host_step_s=sum(t.host_step_s for t in timing) / n)
+                        host_step_s=sum(t.host_step_s for t in timing) / n,
+                        disk_bytes=int(sum(t.disk_bytes for t in timing) / n))

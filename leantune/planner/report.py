@@ -56,6 +56,8 @@ def format_plan(plan: Plan) -> str:
                      f"({n['h2d_bytes_per_step'] / 1e9:.1f} GB host->GPU"
                      + (f", {n['d2h_bytes_per_step'] / 1e9:.1f} GB GPU->host" if n.get("d2h_bytes_per_step") else "")
                      + " per step)")
+        if "tiers" in n:
+            lines.append(_tiers(n))
         if n.get("recipe_forwards"):
             lines.append("included: " + _recipe_forwards(n["recipe_forwards"]))
         if n.get("host_step_params"):
@@ -67,6 +69,19 @@ def format_plan(plan: Plan) -> str:
         if not n.get("machine_measured", True):
             lines.append("(rates assumed, not measured: no GPU here)")
     return "\n".join(lines)
+
+
+def _tiers(n: dict) -> str:
+    """The three tiers of the weights and what the disk costs a step, in words."""
+    t = n["tiers"]
+    head = (f"tiers:    VRAM {t['VRAM'] / GiB:.2f} GiB (resident weights + ring slots), host RAM "
+            f"{t['host RAM'] / GiB:.2f} GiB (streamed blocks), disk {t['disk'] / GiB:.2f} GiB "
+            f"({n['disk_blocks']} streamed blocks) at {n['disk_read_rate'] / 1e9:.2f} GB/s read")
+    if not n["disk_blocks"]:
+        return head + "\ndisk:     nothing on disk: the host-RAM budget holds every streamed block"
+    return head + (f"\ndisk:     {n['disk_bytes_per_step'] / 1e9:.1f} GB read per step = {n['disk_read_s']:.3f} s of "
+                   f"reading, overlapped with compute on the staging worker; the step takes "
+                   f"{n['disk_exposed_s']:.3f} s more than with those blocks in RAM ({n['step_s_in_ram']:.3f} s)")
 
 
 def _recipe_forwards(extra: dict) -> str:

@@ -65,6 +65,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
+from ..memory.disk_tier import disk_split
 from ..memory.engine import even_spread
 from .host_model import HOST_BASELINE
 from .memory_model import Estimate, MemoryModel
@@ -93,6 +94,7 @@ class Planner(MemoryModel):
         self._times: dict = {}
         self._moved: dict = {}
         self._prefs: dict = {}
+        self._disk_plans: dict = {}
         # What depends on the model and workload alone, built once (a budget sweep plans hundreds of
         # times), here rather than in the first plan(): a plan's host-RAM limit reads this process's
         # resident set, which building them would grow.
@@ -106,6 +108,7 @@ class Planner(MemoryModel):
         self._times.clear()
         self._moved.clear()
         self._prefs.clear()
+        self._disk_plans.clear()
 
     def _streaming_order(self) -> list[str]:
         """Block kinds in the order they start streaming: most forward FLOPs per byte first (their
@@ -181,7 +184,10 @@ class Planner(MemoryModel):
         for plan in self.candidates():
             vram, host = self._cheap_estimate(plan)
             if host > ram_limit:
-                continue
+                plan = self.to_disk(plan, ram_limit)      # the disk tier, where it can bring the host under
+                if plan is None:
+                    continue
+                vram, host = self._cheap_estimate(plan)
             if smallest_vram is None or vram < smallest_vram[0]:
                 smallest_vram = (vram, plan)
             if vram <= usable:
@@ -196,6 +202,30 @@ class Planner(MemoryModel):
         else:
             best = self._sweep(fits)
         return self._annotate(best, self.estimate(best), budget, ram_limit)
+
+    def to_disk(self, plan: Plan, ram_limit: int) -> Plan | None:
+        """`plan` with the streamed blocks its host RAM cannot hold under `ram_limit` on the disk
+        tier, or None: no disk tier (Machine.disk_read), a full fine-tune, nothing streamed, or
+        a phase the disk does not lower (the load) over the limit even with every streamed block
+        on disk. Which blocks: memory/disk_tier.disk_split over the streamed blocks' packed bytes
+        in the engine's order, with the room the steps leave them (the limit less the baseline and
+        whatever else the host holds through the steps), the rule the engine applies itself."""
+        if self.machine.disk_read is None or self.workload.mode == "full" or not plan.streamed_blocks:
+            return None
+        key = (_plan_key(plan), ram_limit)
+        if key not in self._disk_plans:
+            self._disk_plans[key] = self._disk_split(plan, ram_limit)
+        return self._disk_plans[key]
+
+    def _disk_split(self, plan: Plan, ram_limit: int) -> Plan | None:
+        names = [self.weights.blocks[i].name for i in self.ordered(plan)]
+        phases: dict = {}
+        if self.host(replace(plan, disk_blocks=tuple(names)), phases)["peak"] > ram_limit:
+            return None
+        blocks = self.units(plan)[int(plan.stream_non_blocks):]
+        room = ram_limit - HOST_BASELINE - phases["steps"]          # the steps' holdings with no block in RAM
+        split = replace(plan, disk_blocks=disk_split(list(zip(names, blocks)), room))
+        return split if split.disk_blocks and self._cheap_estimate(split)[1] <= ram_limit else None
 
     def _sweep(self, fits: list[tuple[int, Plan]]) -> Plan | None:
         """The plan the sweep over `fits` ((peak VRAM, plan) that fit) ends with (module docstring);
@@ -266,7 +296,9 @@ class Planner(MemoryModel):
                 f"no memory plan fits host RAM: the smallest needs {gib(need)} (loading the transformer "
                 f"alone takes {gib(est.host['transformer while loading'] + HOST_BASELINE)}), but ram_budget is "
                 f"{gib(ram_limit)}. Raise [memory] ram_budget or free host memory; a checkpoint stored in fp8 "
-                f"(e4m3) loads its blocks in half the RAM.", needed_ram=need, best=frugal)
+                f"(e4m3) loads its blocks in half the RAM"
+                + ("; the disk tier ([memory] disk_dir) lowers what the steps hold, not the load"
+                   if w.mode != "full" else "") + ".", needed_ram=need, best=frugal)
         peak, plan = smallest_vram
         est = self.estimate(plan)
         need = budget.needed_for(peak)
@@ -330,6 +362,11 @@ class Planner(MemoryModel):
         if self.recipe_forwards():     # DOP's base predictions and [validation]'s passes (timing.py)
             notes["recipe_forwards"] = {"dop": self.workload.dop_share,
                                         "validation": self.workload.validation_forwards_per_step}
+        if self.machine.disk_read is not None and self.workload.mode != "full":    # the disk tier is on
+            in_ram = self._timed(replace(plan, disk_blocks=())).step_s if plan.disk_blocks else est.step_s
+            notes.update(tiers=self.tiers(plan), disk_blocks=len(plan.disk_blocks), disk_read_rate=self.machine.disk_read,
+                         disk_bytes_per_step=est.disk_bytes, disk_read_s=est.disk_bytes / self.machine.disk_read,
+                         disk_exposed_s=max(0.0, est.step_s - in_ram), step_s_in_ram=in_ram)
         if self.host_step(plan):       # the CPU's share of the step (timing.py), at this machine's rate
             notes["host_step_params"] = sum(n for n, _ in self.streamed_trained(plan))
             notes["host_optimizer_rate"] = self.full.host_rate()
@@ -343,14 +380,14 @@ class _Timed(NamedTuple):
 
 def _plan_key(plan: Plan) -> tuple:
     return (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.fp8_modulation, plan.checkpointing,
-            plan.ring_slots, plan.pin_memory, plan.optimizer_on_host)
+            plan.ring_slots, plan.pin_memory, plan.optimizer_on_host, plan.disk_blocks)
 
 
 def _shape(plan: Plan) -> tuple:
     """The simpler-plan order: no fp8 (modulation first), less checkpointing, fewer streamed blocks,
-    the smaller ring, the optimizer step on the device."""
+    the smaller ring, the optimizer step on the device, fewer blocks on disk."""
     return (plan.fp8_modulation, plan.fp8, CHECKPOINTING.index(plan.checkpointing), len(plan.streamed_blocks), plan.stream_non_blocks,
-            plan.ring_slots, plan.optimizer_on_host)
+            plan.ring_slots, plan.optimizer_on_host, len(plan.disk_blocks))
 
 
 def _count_kinds(names, weights: ModelWeights) -> dict[str, int]:

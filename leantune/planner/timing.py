@@ -11,6 +11,15 @@ step is reported. Step time = compute + exposed transfer + overhead, the overhea
 dequantisation (the extra bytes the probe saw memory-bound ops move, at HBM bandwidth), the
 copies' own HBM traffic and the optimizer's read and write of its tensors.
 
+The disk tier (Plan.disk_blocks, memory/disk_tier.py): a unit on disk is read on the staging
+worker in 8 MiB chunks into two pinned staging buffers while the copy stream takes each filled
+chunk on to the slot, so the read and the copy overlap and the unit arrives at the slower of the
+disk's measured read rate (Machine.disk_read, planner/disk_rate.py) and the bus's, holding the
+copy stream (and the staging worker: the units after it queue) that long. Like every copy it runs
+ahead of compute through the ring, so a step is the longer of its compute and its copies and reads
+where they overlap: what the disk costs a step is the exposed time it adds over the same plan with
+those units in RAM (search.py reports it), and its bytes read per step are `disk_bytes`.
+
 Full fine-tuning (`writeback`): a streamed unit holds trainable weights and their optimizer state;
 its backward steps them in the slot, and when another unit claims that slot it is first copied
 back device->host on a second stream (memory/trainable_streaming.py) at the D2H rate: the slot
@@ -53,49 +62,53 @@ class StepTime(NamedTuple):
     h2d_bytes: int           # weights (and offloaded inputs) copied per step
     d2h_bytes: int = 0       # trained units written back (or, host step: gradients) per step, full mode
     host_step_s: float = 0.0  # the step waiting on the CPU's optimizer step (host step plans), not in exposed_s
+    disk_bytes: int = 0      # read from the disk tier per step (part of h2d_bytes: they go on to the GPU)
 
 
 def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int], mode: str,
                   optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0,
-                  host_steps: list[tuple[int, float]] | None = None, extra_forwards: float = 0.0) -> StepTime:
+                  host_steps: list[tuple[int, float]] | None = None, extra_forwards: float = 0.0,
+                  disk: list[bool] | None = None) -> StepTime:
     """One bucket's step time under `plan`; with `host_steps`, the CPU optimizer step's share apart
     (the module docstring). `extra_forwards`: forwards without a graph the recipe adds per step on
     average (a DOP prior step's base prediction, [validation]'s passes: Workload.dop_share,
     validation_forwards_per_step), each priced as the plan's own inference forward, streamed blocks
-    and all (`recipe_forward`)."""
+    and all (`recipe_forward`). `disk`: per unit, whether it is read from the disk tier."""
     args = (machine, calibration, plan, prof, ref, kinds, streamed, units, mode, optimizer_bytes, writeback,
             inline_pageable)
-    t = _simulate(*args, host_steps=host_steps)
+    t = _simulate(*args, host_steps=host_steps, disk=disk)
     if host_steps:
-        free_cpu = _simulate(*args, host_steps=[(grad, 0.0) for grad, _ in host_steps])
+        free_cpu = _simulate(*args, host_steps=[(grad, 0.0) for grad, _ in host_steps], disk=disk)
         host_s = max(0.0, t.step_s - free_cpu.step_s)
         t = t._replace(exposed_s=max(0.0, t.exposed_s - host_s), host_step_s=host_s)
     if extra_forwards > 0 and mode != "inference":
-        t = with_forwards(t, recipe_forward(machine, calibration, plan, prof, ref, kinds, streamed, units),
+        t = with_forwards(t, recipe_forward(machine, calibration, plan, prof, ref, kinds, streamed, units, disk),
                           extra_forwards)
     return t
 
 
 def recipe_forward(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
-                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int]) -> StepTime:
+                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int],
+                   disk: list[bool] | None = None) -> StepTime:
     """One forward without a graph under the training plan: the embedders, every block (a streamed
     block is fetched again: a DOP base prediction or a validation pass streams the model as the
     step's own forward does) and the final layer; no backward, no optimizer."""
-    return _simulate(machine, calibration, plan, prof, ref, kinds, streamed, units, "inference", 0)
+    return _simulate(machine, calibration, plan, prof, ref, kinds, streamed, units, "inference", 0, disk=disk)
 
 
 def with_forwards(t: StepTime, forward: StepTime, n: float) -> StepTime:
     """`t` plus `n` forwards of `forward` (n may be fractional: an average over steps)."""
     return t._replace(step_s=t.step_s + n * forward.step_s, compute_s=t.compute_s + n * forward.compute_s,
                       exposed_s=t.exposed_s + n * forward.exposed_s, overhead_s=t.overhead_s + n * forward.overhead_s,
-                      h2d_bytes=int(t.h2d_bytes + n * forward.h2d_bytes))
+                      h2d_bytes=int(t.h2d_bytes + n * forward.h2d_bytes),
+                      disk_bytes=int(t.disk_bytes + n * forward.disk_bytes))
 
 
 def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
               ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int], mode: str,
               optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0,
-              host_steps: list[tuple[int, float]] | None = None) -> StepTime:
+              host_steps: list[tuple[int, float]] | None = None, disk: list[bool] | None = None) -> StepTime:
     """One bucket's step time under `plan`, the CPU step counted in the exposed time.
 
     `prof` is the probe of the plan's storage (fp8 or not), `ref` the probe without fp8 (their
@@ -104,7 +117,8 @@ def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: Acti
     each streamed unit in the engine's order (non-block group first); `optimizer_bytes` the
     parameters, gradients and states the optimizer reads and writes once per step (on the device);
     `host_steps` (unit order) each streamed unit's gradient bytes and host step seconds when the
-    streamed blocks step on the host (module docstring).
+    streamed blocks step on the host (module docstring); `disk` (unit order) whether each unit is
+    read from the disk tier (module docstring).
     """
     m = machine
     rate = m.flops * calibration.flops_scale
@@ -145,13 +159,17 @@ def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: Acti
     t = copy_free = wb_free = host_free = 0.0
     host_done: dict[int, float] = {}          # unit -> end of its last host step
     dirty: set[int] = set()                   # units stepped on the device, not yet written back
-    moved = written = 0
+    moved = written = read = 0
+    # A unit on disk is read into pinned staging on the staging worker while the copy stream takes
+    # the filled chunks to its slot: the two overlap chunk by chunk, so its copy runs at the slower
+    # of the disk's and the bus's rates, and holds the copy stream that long.
+    disk_bw = min(bw, m.disk_read) if disk and any(disk) and m.disk_read else bw
     step_start = compute = overhead = 0.0
     for step in range(2):
         if step == 1:
             # The step ends when its updates are done: with host steps, at the last one's end.
             step_start = max(t, wb_free, host_free) if host else t
-            compute, overhead, moved, written = 0.0, 0.0, 0, 0
+            compute, overhead, moved, written, read = 0.0, 0.0, 0, 0, 0
         for unit, c, extra, over, wb in uses:
             need = 0.0
             if unit is not None:
@@ -164,9 +182,11 @@ def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: Acti
                         written += units[old]
                         dirty.discard(old)
                     start = max(copy_free, free_at[s], host_done.get(unit, 0.0))
-                    copy_free = start + units[unit] / bw
+                    from_disk = bool(disk) and disk[unit]
+                    copy_free = start + units[unit] / (disk_bw if from_disk else bw)
                     owner[s], ready[s] = unit, copy_free
                     moved += units[unit]
+                    read += units[unit] if from_disk else 0
                 need = ready[s]
             if extra:
                 copy_free = max(copy_free, t) + extra / m.h2d_pinned
@@ -191,4 +211,5 @@ def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: Acti
     inline = inline_pageable / m.h2d_pageable             # masters, accumulators: not hidden
     step_s = t - step_start + opt + inline + (moved + written) / m.hbm   # copies also cost HBM bandwidth
     overhead += opt + (moved + written) / m.hbm
-    return StepTime(step_s, compute, max(0.0, step_s - compute - overhead), overhead, moved, written)
+    return StepTime(step_s, compute, max(0.0, step_s - compute - overhead), overhead, moved, written,
+                    disk_bytes=read)
