@@ -351,3 +351,17 @@ def test_plan_prices_frames_as_latent_frames_times_patches(tmp_path, folder, med
     assert "--frames 8: 8 frames is not a length this VAE encodes: 1 + 4k" in capsys.readouterr().err
     assert main(["plan", "--model", "flux-dev", "--vram", "8GiB", "--frames", "9"]) == 2
     assert "--frames 9: flux trains on images; leave --frames out" in capsys.readouterr().err
+
+
+def test_a_clip_runs_plan_prices_its_longest_frame_bucket(tmp_path, folder, media):
+    """A run's config (the trainer's planner under a vram_budget): a video family's datasets with
+    clips price [data] max_frames' latent frames (9 -> 3); the same run on stills alone prices one."""
+    from PIL import Image
+
+    from leantune.planner.from_config import workload_from_config
+
+    assert workload_from_config(_config(tmp_path, folder, media, "w")).frames == 3
+    stills = tmp_path / "stills"
+    stills.mkdir()
+    Image.fromarray(_frames(0)[0]).save(stills / "a.png")
+    assert workload_from_config(_config(tmp_path, folder, stills, "s")).frames == 1

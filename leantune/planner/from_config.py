@@ -52,7 +52,7 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     allow_fp8=not dora,
                     optimizer=tc.optimizer, batch_size=cfg.data.batch_size,
                     buckets=Workload.square(cfg.data.resolutions), text_length=text_rows,
-                    references=reference_count(cfg),
+                    references=reference_count(cfg), frames=clip_frames(cfg),
                     gradient_accumulation=tc.gradient_accumulation,
                     autocast=tc.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
                     lora_dropout=cfg.lora.dropout,
@@ -85,6 +85,31 @@ def recipe_terms(cfg) -> dict:
         passes = math.ceil(held_out / cfg.data.batch_size) * len(v.sigmas)
         terms["validation_forwards_per_step"] = passes / v.every
     return terms
+
+
+def clip_frames(cfg) -> int:
+    """The latent frames a step prices: for a video family whose datasets hold a clip (a video file
+    or an image-sequence folder, data/video.py, listed by name, not decoded), those of [data]
+    max_frames, the longest frame bucket a clip trains in (shorter clips and stills cost less: the
+    plan is sized for the longest); 1 otherwise (images)."""
+    from ..models.family import get_family
+
+    video = get_family(cfg.model.family).video
+    if video is None or not any(_holds_clips(cfg.resolve(d.path), d.recursive) for d in cfg.data.datasets):
+        return 1
+    return video.latent_frames(cfg.data.max_frames)
+
+
+def _holds_clips(folder: Path, recursive: bool) -> bool:
+    """Whether a dataset folder holds a video file or an image sequence (False when unlistable)."""
+    from ..data.video import VIDEO_EXTENSIONS, sequence_frames
+
+    try:
+        entries = list(folder.rglob("*") if recursive else folder.iterdir())
+    except OSError:
+        return False
+    return any((p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS) or (p.is_dir() and sequence_frames(p))
+               for p in entries if not p.name.startswith("."))
 
 
 def reference_count(cfg) -> int:
