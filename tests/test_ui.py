@@ -833,8 +833,10 @@ def test_the_dataset_view_gets_small_thumbnails_made_once_and_remade_when_the_im
     kept = list((tmp_path / "runs" / thumbs.FOLDER).iterdir())
     assert len(kept) == 1 and kept[0].read_bytes() == first.body
     assert sorted(p.name for p in data.iterdir()) == ["a.jpg"]            # nothing written beside the images
-    kept[0].write_bytes(b"kept")                                          # the second ask reads the kept file
-    assert thumb(str(data), "a.jpg").body == b"kept"
+    kept[0].write_bytes(b"\xff\xd8kept\xff\xd9")                          # the second ask reads the kept file
+    assert thumb(str(data), "a.jpg").body == b"\xff\xd8kept\xff\xd9"
+    kept[0].write_bytes(first.body[:100])                                 # one cut short (a crash): made again
+    assert thumb(str(data), "a.jpg").body == first.body == kept[0].read_bytes()
     Image.new("RGB", (64, 32), (0, 200, 0)).save(data / "a.jpg")        # edited: a new thumbnail
     os.utime(data / "a.jpg", ns=(1, 1))
     again = Image.open(io.BytesIO(thumb(str(data), "a.jpg").body))

@@ -339,6 +339,10 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
     images.mkdir()
     original = _png(images / "a.png", 96, (200, 0, 0))
     (images / "a.txt").write_text("a red square\n")
+    from test_ui_dataset_view import _mp4
+
+    _mp4(images / "walk.mp4", frames=20, fps=8)                   # a clip: 20 frames, 2.5 s
+    (images / "walk.txt").write_text(" ".join(["a person walking down a long street"] * 8) + "\n")
     uploads = tmp_path / "uploads"
     uploads.mkdir()
     new = _png(uploads / "new.png", 80, (0, 200, 0))
@@ -363,15 +367,23 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         # uploads: the image lands byte for byte; a taken name and a file that does not decode are refused
         page.fill("#dataset", str(images))
         page.click("#load-dataset")
-        page.wait_for_function("document.querySelectorAll('#grid .item').length === 1")
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 2")
+        clip = page.locator("#grid .item[data-name='walk.mp4']")
+        assert clip.get_attribute("data-kind") == "clip"
+        assert clip.locator(".clip-info").inner_text() == "video clip · 20 frames · 2.5 s at 8 fps · trains 37 frames"
+        assert page.inner_text("#dataset-summary").startswith("1 images and 1 clips in ")
+        clip.locator("img").click()                                 # a clip plays in place
+        page.wait_for_function("document.querySelector('#enlarge').open && !document.querySelector('#enlarged-video').hidden")
+        assert page.evaluate("document.querySelector('#enlarged-video').src").endswith("name=walk.mp4")
+        page.click("#enlarge-close")
         page.set_input_files("#upload", [str(uploads / "new.png"), str(uploads / "a.png"), str(uploads / "broken.png")])
         page.wait_for_function("document.querySelector('#upload-message').textContent.includes('added')")
         message = page.inner_text("#upload-message")
         assert "1 image(s) added" in message and "exists already" in message and "not a readable image" in message
-        page.wait_for_function("document.querySelectorAll('#grid .item').length === 2")
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 3")
         assert (images / "new.png").read_bytes() == new
         assert (images / "a.png").read_bytes() == original and not (images / "broken.png").exists()
-        assert sorted(p.name for p in images.iterdir()) == ["a.png", "a.txt", "new.png"]
+        assert sorted(p.name for p in images.iterdir()) == ["a.png", "a.txt", "new.png", "walk.mp4", "walk.txt"]
         # an image dropped on the dataset lands as an upload does
         import base64
 
@@ -383,18 +395,26 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
             const grid = document.querySelector("#grid");
             for (const kind of ["dragover", "drop"]) grid.dispatchEvent(new DragEvent(kind, {dataTransfer: dt, bubbles: true, cancelable: true}));
         }""", base64.b64encode(dropped).decode())
-        page.wait_for_function("document.querySelectorAll('#grid .item').length === 3")
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 4")
         assert (images / "dropped.png").read_bytes() == dropped
         # the filter: only the images with a warning (the two without a caption)
         page.check("#only-warned")
         visible = page.evaluate("[...document.querySelectorAll('#grid .item')].filter((i) => !i.hidden).map((i) => i.dataset.name)")
         assert sorted(visible) == ["dropped.png", "new.png"], visible
         page.uncheck("#only-warned")
-        assert page.locator("#grid .item:visible").count() == 3
+        assert page.locator("#grid .item:visible").count() == 4
 
         # full mode: no rank; the plan box shows the planner's full fine-tune plan, which prices the
         # optimizer state of every weight and so needs more VRAM than the LoRA plan of the same model
         page.fill("#model_path", str(tiny_flux_dir))
+        # each caption's tokens by the model's T5 tokenizer against Text tokens; the long one is cut
+        page.wait_for_function("document.querySelector(\"#grid .item[data-name='a.png'] .tokens\").textContent.includes('/ 512 tokens')")
+        page.locator("#recipe-section details.advanced > summary").click()
+        page.fill("#max_text_length", "32")
+        page.wait_for_function("document.querySelector(\"#grid .item[data-name='walk.mp4'] .tokens\").textContent.includes('cuts it to 32')")
+        assert "/ 32 tokens" in page.inner_text("#grid .item[data-name='a.png'] .tokens")
+        assert "1 caption(s) longer than Text tokens (32)" in page.inner_text("#token-note")
+        page.fill("#max_text_length", "512")
         page.fill("#resolutions", "64")
         page.fill("#vram_budget", "12GiB")
         page.wait_for_function("document.querySelector('#plan-message').textContent.startsWith('fits')")

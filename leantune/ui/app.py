@@ -131,6 +131,24 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
             return {"folder": str(dataset_view.folder_of(path, roots)),
                     "images": dataset_view.scan(path, min_resolution, roots)}
 
+    @app.post("/api/tokens")
+    def post_tokens(body: dict):
+        """Each caption's tokens as the trainer counts them, against the form's Text tokens (tokens.py)."""
+        from . import tokens
+
+        texts = body.get("texts") or []
+        with on_form(default="max_text_length"):
+            if not isinstance(texts, list):
+                raise ValueError("max_text_length: the captions to count are a list")
+            try:
+                limit = int(body.get("max_text_length") or 0)
+            except (TypeError, ValueError):
+                limit = 0
+            if limit < 1:
+                raise ValueError(f"max_text_length: a whole number of tokens >= 1, got {body.get('max_text_length')!r}")
+        return tokens.count([str(t) for t in texts], str(body.get("model_path", "")), str(body.get("family", "")),
+                            limit, str(body.get("trigger_word", "")))
+
     @app.get("/api/dataset/image")
     def get_image(path: str, name: str):
         return FileResponse(dataset_view.image_path(path, name, roots, real=True))

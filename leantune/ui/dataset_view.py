@@ -1,7 +1,8 @@
 """A dataset folder as the page shows it, and caption edits written back.
 
-Each image comes with its caption (the same-stem .txt) and the warnings the trainer would give:
-unreadable, no caption, smaller than the smallest training resolution. Captions are written
+Each image (and each video clip, clips.py) comes with its caption (the same-stem .txt) and the
+warnings the trainer would give: unreadable, no caption, smaller than the smallest training
+resolution; an image's size is kept once decoded, so opening a 1000-image view again decodes nothing. Captions are written
 atomically (write, fsync, rename), and only for an image that is in the folder: a name with a path
 in it is refused, so the page can never write outside the dataset.
 
@@ -49,22 +50,31 @@ def folder_of(path: str, roots=None) -> Path:
     return real
 
 
-def scan(path: str, min_resolution: int | None = None, roots=None) -> list[dict]:
-    """[{name, caption, width, height, warnings}] of every image in the folder (not recursive)."""
-    from ..data.dataset import CaptionError, _image_files, inspect_image, read_caption
+def scan(path: str, min_resolution: int | None = None, roots=None, target_fps: float | None = None,
+         max_frames: int | None = None) -> list[dict]:
+    """[{name, kind, caption, width, height, warnings}] of every image and video clip in the folder
+    (not recursive); a clip ("kind": "clip") also has its frames, duration_s, fps and the
+    train_frames the trainer takes at [data] target_fps and max_frames (clips.py)."""
+    from ..data.dataset import CaptionError, _image_files, read_caption
+    from . import clips
 
     folder = folder_of(path, roots)
     out = []
     found = _image_files(folder, recursive=False)
     # data/ returns a scan record (its .files, and the links it followed) or, before that, the list
-    for image in getattr(found, "files", found):
-        entry = {"name": image.name, "caption": "", "width": None, "height": None, "warnings": []}
+    media = sorted([*getattr(found, "files", found), *clips.clip_files(folder)], key=lambda p: p.name)
+    for image in media:
+        clip = clips.is_clip(image)
+        entry = {"name": image.name, "kind": "clip" if clip else "image", "caption": "", "width": None,
+                 "height": None, "warnings": []}
         real = _inside(image, roots)
         if real is None:
             entry["warnings"].append(f"{image.name} links outside the folders this page may use: not read")
+        elif clip:
+            entry.update(clips.describe(real, target_fps, max_frames))
         else:
             try:
-                _, entry["width"], entry["height"] = inspect_image(real)
+                entry["width"], entry["height"] = _size(real)
             except Exception as e:    # PIL raises many types; the trainer skips such files the same way
                 entry["warnings"].append("unreadable: the file does not decode as an image (the trainer skips it)")
         caption = image.with_suffix(".txt")
@@ -84,6 +94,25 @@ def scan(path: str, min_resolution: int | None = None, roots=None) -> list[dict]
     return out
 
 
+_SIZES: dict[tuple, tuple[int, int]] = {}
+
+
+def _size(real: Path) -> tuple[int, int]:
+    """The displayed size of an image, decoded in full as the trainer decodes it (data/dataset.py
+    inspect_image: a file that does not decode to its end raises), kept by path, size and
+    modification time: a dataset view opened again decodes only what changed."""
+    from ..data.dataset import inspect_image
+
+    stat = real.stat()
+    key = (str(real), stat.st_size, stat.st_mtime_ns)
+    if key not in _SIZES:
+        if len(_SIZES) >= 50_000:
+            _SIZES.clear()
+        _, width, height = inspect_image(real)
+        _SIZES[key] = (width, height)
+    return _SIZES[key]
+
+
 def _inside(path: Path, roots) -> Path | None:
     """The real path of a file of the folder (symlinks followed), or None when it lies outside
     `roots`: the file read is then the one checked, not a link that could be swapped after."""
@@ -92,16 +121,17 @@ def _inside(path: Path, roots) -> Path | None:
 
 
 def image_path(folder: str, name: str, roots=None, real: bool = False) -> Path:
-    """The image `name` inside `folder`, refusing names that leave it; with `real`, the file it is
+    """The image or video clip `name` inside `folder`, refusing names that leave it; with `real`, the file it is
     (links followed), as checked: what a reader should open, so a link swapped after the check
     is not followed again."""
     from ..data.dataset import IMAGE_EXTENSIONS
+    from .clips import VIDEO_EXTENSIONS
 
     base = folder_of(folder, roots)
     if not name or Path(name).name != name or name.startswith("."):
         raise DatasetViewError(f"{name!r}: not a plain file name")
     image = base / name
-    if image.suffix.lower() not in IMAGE_EXTENSIONS or not image.is_file():
+    if image.suffix.lower() not in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS or not image.is_file():
         raise DatasetViewError(f"{image}: no such image")
     checked = _inside(image, roots)
     if checked is None:                                                # a symlinked image

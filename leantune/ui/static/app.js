@@ -152,15 +152,20 @@ async function loadDatasetNow(path, focus) {
       const thumb = el("img", {src: `/api/dataset/thumb?${where}`, loading: "lazy", tabIndex: 0,
                                alt: img.caption ? `${img.name}: ${img.caption}` : img.name});
       thumb.setAttribute("role", "button");
-      thumb.onclick = () => { viewer = null; $("enlarge-step").hidden = true; $("enlarged").src = `/api/dataset/image?${where}`; $("enlarged").alt = thumb.alt;
-                              $("enlarged-caption").textContent = thumb.alt; $("enlarge").showModal(); };
+      // an image opens full size; a clip plays in place (the file itself, with its controls)
+      thumb.onclick = () => { viewer = null; $("enlarge-step").hidden = true; enlargeFile(`/api/dataset/image?${where}`, img.kind === "clip", thumb.alt); };
       thumb.onkeydown = (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); thumb.onclick(); } };
       item.append(thumb);
+      item.dataset.kind = img.kind || "image";
       item.append(el("div", {}, `${img.name} ${img.width ?? "?"}×${img.height ?? "?"}`));
+      if (img.kind === "clip") item.append(el("div", {className: "clip-info"}, clipWords(img)));
       const caption = el("textarea", {className: "caption", rows: 3, value: img.caption});
       caption.dataset.name = img.name;
       caption.setAttribute("aria-label", `caption of ${img.name}`);
       const note = el("div", {className: "note", role: "status"});
+      const count = el("div", {className: "tokens"});
+      count.id = `tokens-${grid.children.length}`;
+      caption.setAttribute("aria-describedby", count.id);
       let saved = img.caption, timer = null;
       const save = async () => {
         clearTimeout(timer);
@@ -169,6 +174,7 @@ async function loadDatasetNow(path, focus) {
         try {
           await api("POST", "/api/caption", {path: data.folder, name: img.name, caption: text});
           saved = text; note.className = "note saved"; note.textContent = "saved";
+          countTokens([item]);
         } catch (e) { note.className = "note warn"; note.textContent = e.message; }
       };
       // saved when typing pauses (and on leaving the box), so a closed tab loses nothing typed
@@ -176,14 +182,17 @@ async function loadDatasetNow(path, focus) {
       caption.addEventListener("change", save);
       const pick = el("input", {type: "checkbox", className: "pick"});
       pick.setAttribute("aria-label", `select ${img.name}`);
-      item.append(caption, note, pick);
+      item.append(caption, count, note, pick);
       for (const w of img.warnings) { item.append(el("div", {className: "warn"}, "⚠ " + w)); }
       if (img.warnings.length) warned++;
       item.dataset.warned = img.warnings.length ? "yes" : "no";
       grid.append(item);
     }
-    $("dataset-summary").textContent = `${data.images.length} images in ${data.folder}` + (warned ? `, ${warned} with warnings` : "");
+    const clipCount = data.images.filter((i) => i.kind === "clip").length;
+    $("dataset-summary").textContent = `${data.images.length - clipCount} images` + (clipCount ? ` and ${clipCount} clips` : "") +
+      ` in ${data.folder}` + (warned ? `, ${warned} with warnings` : "");
     filterGrid();
+    countTokens();
     datasetShown = {path, count: data.images.length};
     if (fieldErrors.action.some((p) => p.field === "dataset")) showFieldErrors("action", []);
     setView({dataset: path}, false);
@@ -196,6 +205,45 @@ async function loadDatasetNow(path, focus) {
   updateChecklist();
 }
 
+function clipWords(c) {
+  // what the trainer makes of a clip: its source frames and seconds, the frames it trains
+  if (c.frames === null || c.frames === undefined) return "video clip";
+  return `video clip · ${c.frames} frames · ${c.duration_s.toFixed(1)} s at ${Number(c.fps.toFixed(2))} fps` +
+    (c.train_frames ? ` · trains ${c.train_frames} frames` : "");
+}
+function enlargeFile(src, video, words) {
+  // the enlarge dialog shows an image, or plays a clip in place
+  $("enlarged").hidden = video; $("enlarged-video").hidden = !video;
+  if (video) { $("enlarged-video").src = src; $("enlarged-video").setAttribute("aria-label", words); $("enlarged").removeAttribute("src"); }
+  else { $("enlarged-video").removeAttribute("src"); $("enlarged").src = src; $("enlarged").alt = words; }
+  $("enlarged-caption").textContent = words;
+  $("enlarge").showModal();
+}
+// each caption's tokens as the trainer counts them (the model's tokenizer) against Text tokens:
+// a caption past the limit is marked, since the trainer cuts it there
+let tokenSeq = 0, tokenTimer = null;
+function scheduleTokens() { clearTimeout(tokenTimer); tokenTimer = setTimeout(() => countTokens(), 600); }
+async function countTokens(items) {
+  const all = !items, seq = all ? ++tokenSeq : tokenSeq;
+  items = items || [...$("grid").children];
+  if (!items.length) { $("token-note").textContent = ""; return; }
+  const limit = Number($("max_text_length").value);
+  try {
+    const r = await api("POST", "/api/tokens", {texts: items.map((i) => i.querySelector(".caption").value),
+      model_path: $("model_path").value, family: $("family").value, max_text_length: $("max_text_length").value,
+      trigger_word: $("trigger_word").value});
+    if (all && seq !== tokenSeq) return;
+    items.forEach((item, k) => {
+      const box = item.querySelector(".tokens"), n = r.counts ? r.counts[k] : null;
+      item.dataset.tokens = n === null ? "" : String(n);
+      box.className = "tokens" + (n !== null && n > limit ? " warn" : "");
+      box.textContent = n === null ? "" : n > limit ? `⚠ ${n} tokens: the trainer cuts it to ${limit} (Text tokens)` : `${n} / ${limit} tokens`;
+    });
+    const over = [...$("grid").children].filter((i) => i.dataset.tokens && Number(i.dataset.tokens) > limit).length;
+    $("token-note").textContent = r.note + (over ? ` · ${over} caption(s) longer than Text tokens (${limit}): the trainer cuts them` : "");
+    $("token-note").className = over ? "warn" : "muted";
+  } catch (e) { $("token-note").textContent = e.message; $("token-note").className = "warn"; }
+}
 function filterGrid() {
   // "only images with warnings": the ones the trainer would skip or shrink, to fix first
   const only = $("only-warned").checked;
@@ -574,6 +622,7 @@ function openViewer(name, g, si, pi) {
 function showViewer() {
   const {name, g, si, pi} = viewer, s = g.steps[si], prompts = g.prompts.length ? g.prompts : ["samples"];
   const src = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}` + (g.prompts.length ? `?prompt=${pi}` : "");
+  $("enlarged").hidden = false; $("enlarged-video").hidden = true; $("enlarged-video").removeAttribute("src");
   $("enlarged").src = src;
   $("enlarged").alt = `step ${s.step}: ${prompts[pi]}`;
   $("enlarged-caption").textContent = `step ${s.step}: ${prompts[pi]}` +
@@ -748,6 +797,9 @@ async function init() {
   $("s_run").onchange = sampleRun;
   $("fit-gpu").onclick = () => { $("vram_budget").value = "auto"; saveForm(); updatePlan(); };
   $("enlarge-close").onclick = () => $("enlarge").close();
+  $("enlarge").addEventListener("close", () => $("enlarged-video").pause());
+  for (const k of ["model_path", "family", "max_text_length", "trigger_word"]) $(k).addEventListener("input", scheduleTokens);
+  for (const k of ["model_path", "family"]) $(k).addEventListener("change", scheduleTokens);
   $("enlarge").addEventListener("keydown", viewerKey);
   $("enlarge-step").addEventListener("input", () => { if (viewer) { viewer.si = Number($("enlarge-step").value); showViewer(); } });
   $("load-dataset").onclick = () => loadDataset(true);
