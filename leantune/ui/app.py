@@ -121,6 +121,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 "lr_scheduler": choices("train", "lr_scheduler"),
                 "timestep_sampling": choices("train", "timestep_sampling"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
+                "base_format": _auto_first(choices("memory", "base_format")),
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),
                 "data_roots": [str(r) for r in roots], "stock_models": plan_answer.stock_models(),
                 "max_upload_bytes": dataset_view.MAX_UPLOAD_BYTES}
@@ -356,14 +357,45 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
             atomic_write_json(folder / runs.PLAN_FILE, _plan(form))
         return queue.submit(runs_dir, folder, resume=False)
 
-    def _confined(folder: Path) -> None:
+    def _confined(folder: Path, config: str = runs.CONFIG_FILE) -> None:
         """The run's config as `leantune train` loads it, every path under the roots its key may use,
         and every link its datasets' scan follows under the data roots (links.py)."""
         from ..config import load_config
 
-        cfg = load_config(folder / runs.CONFIG_FILE)
+        cfg = load_config(folder / config)
         confine.check(cfg, roots, folder, runs_dir)
         links.check(cfg, roots)
+
+    @app.post("/api/check")
+    def post_check(body: dict):
+        """`leantune check` on the form's config (check_job.py): the form as Start takes it, checked
+        and confined as a run's config is, then run alone on the machine."""
+        from . import check_job
+
+        with on_form(body):
+            form = RunForm.from_fields(body)
+            if form.model_path.strip() in plan_answer.stock_models():
+                raise ValueError(f"model_path: {form.model_path!r} is a stock architecture the page plans without "
+                                 f"weights; give the model's folder or .safetensors file to check")
+        with on_form(body, default="dataset"):
+            dataset_view.folder_of(form.dataset, roots)
+        job = check_job.folder(runs_dir)
+        job.mkdir(exist_ok=True)
+        if launcher.alive(job):
+            raise ValueError("the check is already running")
+        with on_form(body):
+            config = form.write(job / check_job.CONFIG)
+            _confined(job, check_job.CONFIG)
+        for name in (check_job.LINES, launcher.CONSOLE_FILE):
+            (job / name).unlink(missing_ok=True)
+        queue.start_alone(runs_dir, job, check_job.command(config))
+        return {"started": True}
+
+    @app.get("/api/check")
+    def get_check():
+        from . import check_job
+
+        return check_job.status(runs_dir)
 
     def _existing(name: str) -> Path:
         folder = runs.run_folder(runs_dir, name)
@@ -464,6 +496,11 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         return _file(runs_dir / sample_job.SAMPLES_DIR / str(job), file, download=False)
 
     return app
+
+
+def _auto_first(values: list[str]) -> list[str]:
+    """A choice list with "auto" (the planner decides) first, as the page offers it."""
+    return sorted(values, key=lambda v: v != "auto")
 
 
 async def _body(request: Request, limit: int, name: str) -> bytes:

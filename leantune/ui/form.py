@@ -76,6 +76,7 @@ class RunForm:
     mixed_precision: str = "bf16"
     vram_budget: str = ""          # "" = no budget (everything on the GPU), "auto", or a size
     ram_budget: str = "auto"       # "auto" or "" = the config's default (available host RAM), or a size
+    base_format: str = "auto"      # [memory] base_format: how the frozen base's block Linears are stored
     save_every: int = 250
     log_every: int = 1             # the page's loss curve reads the step lines of train.log
     sample_every: int = 250
@@ -116,7 +117,8 @@ class RunForm:
                              ("lora_targets", choices("lora", "targets")), ("optimizer", choices("train", "optimizer")),
                              ("lr_scheduler", choices("train", "lr_scheduler")),
                              ("timestep_sampling", choices("train", "timestep_sampling")),
-                             ("prior_loss", choices("data", "prior_loss")), ("ema", ["off", "on"])):
+                             ("prior_loss", choices("data", "prior_loss")), ("ema", ["off", "on"]),
+                             ("base_format", choices("memory", "base_format"))):
             if getattr(self, key) not in allowed:
                 raise FormError(f"{key} {getattr(self, key)!r}: one of {', '.join(allowed)}")
         if complete and not self.model_path.strip():
@@ -183,6 +185,8 @@ class RunForm:
             cfg["memory"]["vram_budget"] = self.vram_budget.strip()
         if self.ram_budget.strip() and self.ram_budget.strip().lower() != "auto":
             cfg["memory"]["ram_budget"] = self.ram_budget.strip()
+        if self.base_format != "auto":
+            cfg["memory"]["base_format"] = self.base_format
         if not cfg["memory"]:
             del cfg["memory"]
         if self.sample_prompts and self.sample_every:
@@ -296,6 +300,7 @@ class RunForm:
             take("train", key, key)
         take("memory", "vram_budget", "vram_budget")
         take("memory", "ram_budget", "ram_budget")
+        take("memory", "base_format", "base_format")
         for key, field_name in (("every", "sample_every"), ("prompts", "sample_prompts"), ("steps", "sample_steps"),
                                 ("guidance", "sample_guidance"), ("seed", "sample_seed")):
             take("sample", key, field_name)

@@ -29,7 +29,7 @@ RUN_FIELDS = {
     "train.optimizer": "optimizer", "train.lr_scheduler": "lr_scheduler", "train.warmup_steps": "warmup_steps",
     "train.timestep_sampling": "timestep_sampling", "train.seed": "seed",
     "train.mixed_precision": "mixed_precision", "train.save_every": "save_every", "train.log_every": "log_every",
-    "memory.vram_budget": "vram_budget", "memory.ram_budget": "ram_budget",
+    "memory.vram_budget": "vram_budget", "memory.ram_budget": "ram_budget", "memory.base_format": "base_format",
     "sample.every": "sample_every", "sample.prompts": "sample_prompts", "sample.steps": "sample_steps",
     "sample.width": "sample_size", "sample.height": "sample_size", "sample.guidance": "sample_guidance",
     "sample.seed": "sample_seed", "ema.enabled": "ema", "ema.decay": "ema_decay",

@@ -32,7 +32,22 @@ def _line(runs_dir: Path):
 
 
 def alive(runs_dir: Path) -> list[str]:
-    return [f.name for f in runs.run_folders(runs_dir) if launcher.alive(f)]
+    """The jobs alive: runs, and the page's check (check_job.py), which holds the machine as a run does."""
+    from . import check_job
+
+    check = ["the check"] if launcher.alive(check_job.folder(runs_dir)) else []
+    return [f.name for f in runs.run_folders(runs_dir) if launcher.alive(f)] + check
+
+
+def start_alone(runs_dir: Path, folder: Path, command: list[str]) -> dict:
+    """Start `command` in `folder` now if no job is alive and no run waits, else refuse (the check)."""
+    with _line(runs_dir):
+        busy, line = alive(runs_dir), waiting(runs_dir)
+        if busy or line:
+            names = ", ".join(busy + [f.name for f in line])
+            raise launcher.LaunchError(f"{names} {'is' if len(busy + line) == 1 else 'are'} running or waiting: "
+                                       f"check when the machine is free")
+        return launcher.start(folder, None, command=command)
 
 
 def waiting(runs_dir: Path) -> list[Path]:

@@ -3,9 +3,9 @@ const $ = (id) => document.getElementById(id);
 const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
   "caption_dropout", "mask_folder", "mask_floor", "prior_folder", "prior_caption", "prior_loss", "prior_ratio", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "steps", "learning_rate",
   "optimizer", "lr_scheduler", "warmup_steps", "timestep_sampling", "seed", "save_every", "log_every",
-  "vram_budget", "ram_budget", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
+  "vram_budget", "ram_budget", "base_format", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
   "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
-const CHOICES = ["family", "mode", "dtype", "mixed_precision", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
+const CHOICES = ["family", "mode", "dtype", "mixed_precision", "base_format", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
 const STORE = "leantune-form";
 // the fields outside the run form a reload keeps as well (the caption writer, the Sample form)
 const KEPT = ["caption_model", "caption_prompt", "s_model", "s_family", "s_prompts", "s_negative", "s_seed", "s_steps",
@@ -182,7 +182,9 @@ async function loadDatasetNow(path, focus) {
       caption.addEventListener("change", save);
       const pick = el("input", {type: "checkbox", className: "pick"});
       pick.setAttribute("aria-label", `select ${img.name}`);
-      item.append(caption, count, note, pick);
+      const pickLabel = el("label", {className: "pick-label"});      // a 44 px target around the box
+      pickLabel.append(pick, " select");
+      item.append(caption, count, note, pickLabel);
       for (const w of img.warnings) { item.append(el("div", {className: "warn"}, "⚠ " + w)); }
       if (img.warnings.length) warned++;
       item.dataset.warned = img.warnings.length ? "yes" : "no";
@@ -379,6 +381,31 @@ async function startRun() {
     watch($("name").value);
   } catch (e) { $("start-message").textContent = actionError(e, "not started: see the marked field"); }
 }
+// -- leantune check before Start -------------------------------------------------------------------------
+async function checkPlan() {
+  // the form's config through `leantune check`: one line per technique the plan uses, held or not
+  const button = $("check");
+  if (button.disabled) return;
+  showFieldErrors("action", []);
+  button.disabled = true; button.setAttribute("aria-busy", "true");
+  const done = () => { button.disabled = false; button.removeAttribute("aria-busy"); };
+  $("check-lines").replaceChildren();
+  $("check-status").textContent = "starting the check…";
+  try {
+    await api("POST", "/api/check", formFields());
+    const poll = async () => {
+      try {
+        const r = await api("GET", "/api/check");
+        $("check-lines").replaceChildren(...r.lines.map((l) => el("li", {className: /: differs|check not done|failed/.test(l) ? "warn" : ""}, l)));
+        $("check-status").className = r.error || (r.done && r.rc !== 0) ? "warn" : r.done ? "saved" : "";
+        $("check-status").textContent = r.error ? `check: ${r.error}` : r.done ? `check done: ${r.verdict}` :
+          `checking… ${r.progress || ""}`;
+        if (r.running || (!r.done && !r.error)) setTimeout(poll, 1000); else done();
+      } catch (e) { $("check-status").textContent = e.message; done(); }
+    };
+    poll();
+  } catch (e) { $("check-status").textContent = actionError(e, "not checked: see the marked field"); done(); }
+}
 async function refreshRuns() {
   const data = await api("GET", "/api/runs");
   const body = $("runs").querySelector("tbody");
@@ -500,19 +527,20 @@ function line(s, xs, ys) {
   return `<polyline fill="none" stroke="${s.color}" stroke-width="${s.width || 1.5}" ${s.dash ? 'stroke-dasharray="5,4"' : ""} ` +
     `data-series="${s.name}"${value} points="${d}"><title>${s.label || s.name}</title></polyline>`;
 }
-function chart(svg, series, maxX) {
+function chart(svg, series, maxX, yTitle) {
   const all = series.flatMap((s) => s.points.map((p) => p[1]));
-  if (!all.length) { svg.innerHTML = ""; return; }
+  svg.setAttribute("role", "img");
+  if (!all.length) { svg.innerHTML = ""; svg.setAttribute("aria-label", `${yTitle}: no steps yet`); return; }
   let lo = Math.min(...all), hi = Math.max(...all);
   if (hi === lo) { hi += 1; lo -= lo > 1 ? 1 : lo; }
   const xs = (x) => 40 + (x / Math.max(maxX, 1)) * 350, ys = (y) => 185 - ((y - lo) / (hi - lo)) * 170;
   svg.innerHTML = `<line x1="40" y1="185" x2="390" y2="185" stroke="#999"/><line x1="40" y1="15" x2="40" y2="185" stroke="#999"/>` +
     series.map((s) => line(s, xs, ys)).join("") +
     `<text x="2" y="14" font-size="10">${hi.toPrecision(3)}</text><text x="2" y="186" font-size="10">${lo.toPrecision(3)}</text>` +
-    `<text x="40" y="198" font-size="10">0</text><text x="200" y="198" font-size="10">step</text><text x="360" y="198" font-size="10">${maxX}</text>`;
+    `<text x="40" y="198" font-size="10">0</text><text x="200" y="198" font-size="10" class="x-title">step</text><text x="360" y="198" font-size="10">${maxX}</text>` +
+    `<text x="2" y="100" font-size="10" class="y-title">${yTitle}</text>`;
   // the chart in words, for a screen reader: each series' last value
-  svg.setAttribute("role", "img");
-  svg.setAttribute("aria-label", series.filter((s) => s.points.length)
+  svg.setAttribute("aria-label", `${yTitle} by step: ` + series.filter((s) => s.points.length)
     .map((s) => `${s.label || s.name}: ${s.points[s.points.length - 1][1].toPrecision(3)} at step ${s.points[s.points.length - 1][0]}`).join("; "));
 }
 function showProgress(p) {
@@ -545,14 +573,14 @@ function showProgress(p) {
                   {name: "loss-smoothed", label: "loss (moving average)", points: smooth, color: "#1f4e8c", width: 2.5}];
   // the held-out loss at fixed noise ([validation]): a smooth curve beside the noisy training loss
   if ((p.validation || []).length) losses.push({name: "validation", points: p.validation, color: "#2ca02c"});
-  chart($("loss-chart"), losses, maxX);
+  chart($("loss-chart"), losses, maxX, "loss");
   // measured (solid) against the plan's prediction (dashed): RSS vs host RAM, VRAM peak vs VRAM
   const mem = [{name: "rss", points: steps.filter((s) => s.rss !== null).map((s) => [s.step, s.rss]), color: "#1f77b4"},
                {name: "vram", points: steps.filter((s) => s.vram_peak !== null).map((s) => [s.step, s.vram_peak]), color: "#d62728"}];
   const pv = p.predicted.peak_vram_gib, ph = p.predicted.peak_host_gib;
   if (pv) mem.push({name: "predicted-vram", label: `predicted peak VRAM ${gib(pv)}`, value: pv, points: [[0, pv], [maxX, pv]], color: "#d62728", dash: true});
   if (ph) mem.push({name: "predicted-host", label: `predicted peak host RAM ${gib(ph)}`, value: ph, points: [[0, ph], [maxX, ph]], color: "#1f77b4", dash: true});
-  chart($("mem-chart"), mem, maxX);
+  chart($("mem-chart"), mem, maxX, "GiB");
   $("mem-legend").textContent = [pv ? `predicted VRAM ${gib(pv)}` : "", ph ? `predicted host RAM ${gib(ph)}` : "",
     last && last.vram_peak !== null ? `VRAM peak ${gib(last.vram_peak)}` : "", last && last.rss !== null ? `RSS ${gib(last.rss)}` : ""]
     .filter(Boolean).join(" · ") || (p.predicted.message || "no plan for this run (no VRAM budget)");
@@ -816,6 +844,7 @@ async function init() {
   });
   $("only-warned").onchange = filterGrid;
   $("start").onclick = startRun;
+  $("check").onclick = checkPlan;
   $("stop").onclick = stopRun;
   $("resume").onclick = resumeRun;
   $("sample").onclick = sample;
