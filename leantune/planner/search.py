@@ -56,6 +56,16 @@ every block streams. Streamed units are always pinned: the engine pins exactly t
 pageable unit would save no host RAM and only add the staging pool and slower copies (the memory
 model still prices pageable plans given explicitly in [memory]).
 
+- The disk tier (Machine.disk_read, a LoRA or inference run with [memory] disk_dir): a candidate
+  whose host RAM is over the budget gets the streamed blocks beyond it on disk (`to_disk`), the
+  engine's own rule (memory/disk_tier.disk_split), and is priced with their reads. Under such a
+  budget the step times are no longer smooth in the VRAM budget (a read from disk costs far more
+  than a copy from RAM, and how many blocks go there depends on what the rest of the plan holds),
+  so the storage sweep above, which turns fp8 off for good at the first budget where bf16 is as
+  good, would keep a bf16 plan reading twice the bytes from disk: where any fitting plan reads
+  from disk, each storage is swept on its own and the faster result (fp8 priced as above) is the
+  plan. A plan reads from disk only where its host RAM is over the budget without it.
+
 When nothing fits, `InfeasibleBudget` says the smallest budget that works and which keys of the run
 (training config or sample request) to change.
 """
@@ -196,7 +206,10 @@ class Planner(MemoryModel):
             raise self._infeasible(budget, ram_limit, smallest_vram)
         if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
             fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
-        if len(self.step_places()) > 1:       # "auto": the faster of the best plan of each step place
+        if any(p.disk_blocks for _, p in fits):   # the disk tier: the faster of each storage's sweep
+            picks = [self._sweep([vp for vp in fits if vp[1].fp8 == fp8]) for fp8 in (False, True)]
+            best = min((p for p in picks if p is not None), key=self._preference)
+        elif len(self.step_places()) > 1:       # "auto": the faster of the best plan of each step place
             picks = [self._sweep([vp for vp in fits if vp[1].optimizer_on_host == on_host]) for on_host in (False, True)]
             best = min((p for p in picks if p is not None), key=lambda p: (self._preference(p)[0], p.optimizer_on_host))
         else:
