@@ -423,7 +423,7 @@ class MemoryConfig(Section):
     ram_budget: str | None = None        # default: available host RAM minus a margin
     # The disk tier (memory/disk_tier.py): a folder on a fast disk (NVMe) where the streamed frozen
     # blocks that do not fit ram_budget are kept and read from at each use, instead of host RAM
-    # (LoRA and sampling runs; relative to the config file). None: every streamed block in RAM.
+    # (LoRA training runs and their previews; relative to the config file). None: every streamed block in RAM.
     disk_dir: str | None = None
 
     @field_validator("vram_budget", "ram_budget")
