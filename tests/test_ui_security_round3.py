@@ -100,7 +100,14 @@ CASES = {
     "output.dir": (lambda doc, place: {**doc, "output": {**doc["output"], "dir": str(place / "run")}}, "[output] dir"),
     "distributed.deepspeed_config": (lambda doc, place: _full_deepspeed(doc, _json(place / "ds.json")),
                                      "[distributed] deepspeed_config"),
+    "memory.disk_dir": (lambda doc, place: {**doc, "memory": {**doc.get("memory", {}), "disk_dir": str(_made(place / "disk"))}},
+                        "[memory] disk_dir"),
 }
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _inside(key: str, data: Path, runs_dir: Path, run: Path) -> Path:

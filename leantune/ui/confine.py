@@ -49,6 +49,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "validation.path": (DATA,),                       # held-out images, read as the datasets are
     "data.cache_dir": (RUNS,),                        # a cache several runs share stays the page's
     "output.dir": (RUN,),
+    "memory.disk_dir": (RUN, RUNS),                   # the disk tier writes streamed blocks there (issue 39)
     "distributed.deepspeed_config": (DATA, RUN),      # a JSON file of the user's, or beside the config
 }
 UNLISTED = (DATA, RUN)
