@@ -135,6 +135,11 @@ def _replay(answer: dict, as_json: bool) -> int:
     from ..planner.machine import assumed_machine
 
     machine = assumed_machine()
+    kept = answer["machine"]
+    if kept.get("disk_read"):                  # the disk tier's rate, as the answer was planned with
+        from ..planner.machine import with_disk
+
+        machine = with_disk(machine, kept["disk_read"], kept.get("disk") or "")
     stdout = answer["stdout"]
     if as_json:
         out = json.loads(stdout)
