@@ -324,7 +324,8 @@ def test_sample_frames_follow_the_config_and_are_checked():
 
 def test_plan_prices_frames_as_latent_frames_times_patches(tmp_path, folder, media, capsys):
     """`leantune plan RUN --frames N --resolution HxW` (no weights read): the workload's tokens are
-    latent frames x patches (9 frames: 3 latent frames of 4 x 6 patches at 64x96), and the priced
+    latent frames x patches (9 frames, the run's own max_frames: 3 latent frames of 4 x 6 patches at
+    64x96; --frames 17: 5; --frames 1: an image), and the priced
     activations grow with the frames; an image model or a length the VAE cannot encode is refused
     naming --frames."""
     import json
@@ -342,11 +343,12 @@ def test_plan_prices_frames_as_latent_frames_times_patches(tmp_path, folder, med
         (entry,) = out["plans"]
         return out["workload"], entry["plan"]["notes"]["per_bucket"]["64x96"]["activations"]
 
-    image, image_act = plan()
-    clip, clip_act = plan("--frames", "9")
-    assert "latent frames" not in image and "96x64 x 3 latent frames" in clip
+    image, image_act = plan("--frames", "1")
+    clip, clip_act = plan()                  # the run's own: its clips' [data] max_frames = 9
+    longer, longer_act = plan("--frames", "17")
+    assert "latent frames" not in image and "96x64 x 3 latent frames" in clip and "x 5 latent frames" in longer
     assert Workload(buckets=((64, 96),), frames=3).image_tokens((64, 96)) == 3 * 4 * 6
-    assert 2 * image_act < clip_act          # three frames' tokens: well over twice one frame's activations
+    assert 2 * image_act < clip_act < longer_act     # three frames' tokens: well over twice one frame's
     assert main(["plan", str(toml), "--vram", "8GiB", "--frames", "8"]) == 2
     assert "--frames 8: 8 frames is not a length this VAE encodes: 1 + 4k" in capsys.readouterr().err
     assert main(["plan", "--model", "flux-dev", "--vram", "8GiB", "--frames", "9"]) == 2
