@@ -235,6 +235,12 @@ def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp
         page.wait_for_function("document.querySelector('#plan-message').textContent.startsWith('fits')")
         page.locator("#plan").scroll_into_view_if_needed()
         _shot(page, "plan", tmp_path)
+        # Check before Start: `leantune check` on the form; this plan keeps the model whole on the GPU
+        page.get_by_role("button", name="Check the plan first").click()
+        _wait_on_progress(page, "/^check( done)?:/.test(document.querySelector('#check-status').textContent)", what="the check")
+        assert page.inner_text("#check-status") == "check done: nothing to check: the plan uses no memory technique", \
+            page.inner_text("#check-result")
+        assert page.locator("#check-lines li").first.inner_text().startswith("check: planned:")
 
         # 4. run and watch: progress before step 1, then steps with elapsed time and ETA, the
         # loss curve, the gallery by step and prompt; stop (it saves), resume to the end
@@ -248,6 +254,9 @@ def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp
             "lnt, a green triangle on a white background"]
         progress = page.inner_text("#progress")
         assert "elapsed " in progress and " left" in progress, progress
+        # the progress bar with the finish time at the measured pace
+        page.wait_for_function("document.querySelector('#progress-words').textContent.includes('finishes about')")
+        assert page.evaluate("document.querySelector('#progress-bar').value") > 0
         page.locator("#watch-section").scroll_into_view_if_needed()
         _shot(page, "watch", tmp_path)
         folder = runs_dir / "shapes"
@@ -635,4 +644,27 @@ def test_errors_sit_beside_their_field_and_the_view_survives_reload_back_and_a_s
                                ".map((b) => [b.textContent.trim(), b.getBoundingClientRect().height])"
                                ".filter(([, h]) => h < 44)")
         assert small == [], small
+        # every control, Advanced unfolded and a run watched: named for a screen reader, reachable
+        # by Tab, and a 44 px target (a checkbox's target is its label; a caption box is for typing)
+        phone.wait_for_function("document.querySelector('#watch-state').textContent === 'finished' && "
+                                "document.querySelectorAll('#grid .item').length === 1")
+        controls = phone.evaluate("""() => {
+            for (const d of document.querySelectorAll('details')) d.open = true;
+            const named = (c) => c.getAttribute('aria-label') || [...(c.labels || [])].map((l) => l.textContent.trim()).join(' ')
+                || (c.getAttribute('aria-labelledby') || '').split(' ').map((i) => document.getElementById(i)?.textContent.trim() || '').join('')
+                || c.alt || (c.tagName !== 'INPUT' && c.tagName !== 'SELECT' ? c.textContent.trim() : '');
+            return [...document.querySelectorAll('input, select, textarea, button, summary, [role=button], #nav a')]
+                .filter((c) => c.getClientRects().length && !c.disabled)
+                .map((c) => ({id: c.id || c.className || c.tagName, name: named(c), tab: c.tabIndex, typing: c.tagName === 'TEXTAREA',
+                              h: (c.type === 'checkbox' ? c.closest('label') || c : c).getBoundingClientRect().height}));
+        }""")
+        assert len(controls) > 80, len(controls)
+        assert [c["id"] for c in controls if not c["name"]] == []
+        assert [c["id"] for c in controls if c["tab"] < 0] == []
+        assert [(c["id"], c["h"]) for c in controls if c["h"] < 44 and not c["typing"]] == []
+        # the charts say what they draw in words; the loss chart has its axes' titles and ranges
+        for chart in ("#loss-chart", "#mem-chart"):
+            assert phone.get_attribute(chart, "role") == "img" and phone.get_attribute(chart, "aria-label")
+        assert phone.locator("#loss-chart text.y-title").text_content() == "loss"
+        assert phone.locator("#loss-chart text.x-title").text_content() == "step"
         browser.close()
