@@ -10,7 +10,6 @@ import os
 from dataclasses import replace
 
 import pytest
-import torch
 
 from leantune import tiny
 from leantune.config import ConfigError
@@ -154,3 +153,4 @@ def test_the_plan_command_names_a_bad_disk_flag(tmp_path):
         plan_cmd._run(parser.parse_args(["--model", "flux-dev", "--vram", "8GiB", "--disk-read", "0"]))
     with pytest.raises(ConfigError, match=r"--disk-dir .*nowhere: .* does not exist"):
         plan_cmd._run(parser.parse_args(["--model", "flux-dev", "--vram", "8GiB", "--disk-dir", str(tmp_path / "nowhere")]))
+
