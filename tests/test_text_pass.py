@@ -253,3 +253,25 @@ def test_edit_pass_reads_each_layer_and_moves_the_vision_tower_once(tmp_path, mo
     assert layers and all(counts == {1} for counts in layers.values()), layers    # four prompts, one read
     for (w, wl), (g, gl) in zip(want, got):
         assert torch.equal(w.t5, g.t5) and torch.equal(wl, gl)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_pass_prefetches_on_the_copy_stream_with_the_plain_models_results():
+    """On a GPU: blocks copied through pinned staging on the copy stream, prefetched while the
+    previous block computes; outputs equal the resident model's on the same GPU, bit for bit."""
+    model, blocks = _qwen3()
+    resident = [model.cuda()(input_ids=i.cuda(), attention_mask=m.cuda()).last_hidden_state.cpu()
+                for i, m in _batches()]
+    model.cpu()
+    streams = []
+
+    def encode(ids, mask):
+        with blockwise_offload(model, blocks, "cuda") as stream:
+            streams.append(stream)
+            return model(input_ids=ids.cuda(), attention_mask=mask.cuda()).last_hidden_state.cpu()
+
+    got = lockstep.run_pass([lambda b=b: encode(*b) for b in _batches()])
+    assert dict(streams[0].loads) == {0: 1, 1: 1, 2: 1}
+    assert all(torch.equal(a, b) for a, b in zip(resident, got))
+    assert all(p.device.type == "cpu" and p.numel() > 0 for p in model.parameters())
