@@ -48,7 +48,8 @@ import torch
 
 from leantune.config import resolve_path
 from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
-from leantune.data.dataset import DataWarning, ImageItem, VideoItem, listing, load_rgb, scan_datasets, to_tensor
+from leantune.data.dataset import DataWarning, ImageItem, VideoItem, listing, scan_datasets, to_tensor
+from leantune.data.reading import load_image
 from leantune.io import load_safetensors, save_safetensors
 from leantune.models.family import ModelFamily, PromptEmbeds, get_family
 from leantune.models.component_loading import dtype_from_name, fingerprint
@@ -205,9 +206,10 @@ def encode_latent(vae, pixels: torch.Tensor) -> torch.Tensor:
     return ((mean - shift) * vae.config.scaling_factor)[0]
 
 
-def image_pixels(item: ImageItem, bucket: Bucket) -> torch.Tensor:
-    """The image as trained in `bucket`: (3, bucket height, bucket width) in [-1, 1]."""
-    return to_tensor(fit_to_bucket(load_rgb(item.path), bucket))
+def image_pixels(item: ImageItem, bucket: Bucket, rgba: bool = False) -> torch.Tensor:
+    """The image as trained in `bucket`: (3, bucket height, bucket width) in [-1, 1]; (4, ...) with
+    its alpha for a family that trains on it (ModelFamily.rgba)."""
+    return to_tensor(fit_to_bucket(load_image(item.path, rgba), bucket))
 
 
 def _trim(t5: torch.Tensor, length: int, padding_side: str) -> torch.Tensor:
@@ -364,7 +366,7 @@ def _fill_latents(jobs: dict[str, tuple[ImageItem, Bucket]], folder: Path, sourc
     try:
         for key in todo:
             item, bucket = jobs[key]
-            latent = encode_latent(vae, image_pixels(item, bucket))     # (16, h, w)
+            latent = encode_latent(vae, image_pixels(item, bucket, family.rgba))     # (16, h, w)
             save_safetensors({"latent": latent.to(STORE_DTYPE)}, folder / f"{key}.safetensors",
                              {"format": FORMAT_VERSION, "kind": "latent", "key": key,
                               "bucket": f"{bucket[0]}x{bucket[1]}", "source": str(item.path)})
@@ -541,7 +543,7 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
 
         def encode(keys: list[str]) -> None:
             captions = [_caption(jobs[k]) for k in keys]
-            images = {"images": [[load_rgb(p) for p in jobs[k][1]] if isinstance(jobs[k], tuple) else None
+            images = {"images": [[load_image(p, family.rgba) for p in jobs[k][1]] if isinstance(jobs[k], tuple) else None
                                  for k in keys]} if any(isinstance(jobs[k], tuple) for k in keys) else {}
             embeds, lengths = family.encode_prompts(captions, enc, max_length=max_length, device=device, **images)
             for i, key in enumerate(keys):
@@ -661,7 +663,7 @@ def _fill_sampling_references(refs: tuple, keys: list[str], folder: Path, source
     vae = load_vae(sources, dtype, device)
     try:
         for ref, key in todo:
-            (latent,) = family.references.sampling_latents(vae, [load_rgb(ref.path)])       # (1, C, h, w)
+            (latent,) = family.references.sampling_latents(vae, [load_image(ref.path, family.rgba)])  # (1, C, h, w)
             save_safetensors({"latent": latent[0].to(STORE_DTYPE)}, folder / f"{key}.safetensors",
                              {"format": FORMAT_VERSION, "kind": "latent", "key": key, "source": str(ref.path)})
     finally:
@@ -724,8 +726,11 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     family = get_family(model_cfg.family)
     items, clips = _scan_with_references(data_cfg, base_dir, family)
     sources = family.resolve_sources(model_cfg, Path(base_dir))
-    vae_id = component_identity(sources.vae)
-    encoders_id = "+".join(component_identity(getattr(sources, n)) for n in family.text_sources)
+    # A family that keeps the alpha channel (ModelFamily.rgba) reads transparent images otherwise
+    # than one that composites them over white: its entries have keys of their own.
+    alpha = "+rgba" if family.rgba else ""
+    vae_id = component_identity(sources.vae) + alpha
+    encoders_id = "+".join(component_identity(getattr(sources, n)) for n in family.text_sources) + alpha
     max_length = data_cfg.max_text_length
     cache_dir = resolve_path(base_dir, data_cfg.cache_dir)
 

@@ -53,6 +53,23 @@ def load_rgb(path: Path) -> Image.Image:
         return img.convert("RGB")
 
 
+def load_rgba(path: Path) -> Image.Image:
+    """The image as displayed (EXIF orientation applied), RGBA with its own alpha (opaque where it
+    has none): what a family whose VAE encodes the alpha channel trains on (ModelFamily.rgba,
+    Qwen-Image-2.1, whose pipeline hands its VAE `img.convert("RGBA")`). High-bit-depth grayscale
+    goes through `_eight_bit` as in load_rgb."""
+    with Image.open(path) as img:
+        img = ImageOps.exif_transpose(img)
+        if img.mode.startswith("I") or img.mode == "F":
+            return _eight_bit(img).convert("RGBA")
+        return img.convert("RGBA")
+
+
+def load_image(path: Path, rgba: bool = False) -> Image.Image:
+    """load_rgba for a family that trains on the alpha channel (ModelFamily.rgba), else load_rgb."""
+    return load_rgba(path) if rgba else load_rgb(path)
+
+
 FIRST_PATHS = 5     # how many paths a summary warning lists before "and N more"
 
 

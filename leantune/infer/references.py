@@ -24,7 +24,8 @@ from ..models.family import ModelFamily
 
 
 def load_reference_images(paths: Sequence[Path], family: ModelFamily, key: str = "references") -> list:
-    """The images at `paths` (RGB PIL) for `family`; [] for none. `key` names the setting in errors."""
+    """The images at `paths` (RGB PIL; RGBA with their alpha for a family that encodes it,
+    ModelFamily.rgba) for `family`; [] for none. `key` names the setting in errors."""
     if not paths:
         return []
     refs = family.references
@@ -38,7 +39,7 @@ def load_reference_images(paths: Sequence[Path], family: ModelFamily, key: str =
         raise ConfigError(f"{key}: {len(paths)} reference images, but {family.name} takes at most {refs.most}")
     from PIL import UnidentifiedImageError
 
-    from ..data.dataset import load_rgb
+    from ..data.reading import load_image
 
     images = []
     for path in paths:
@@ -46,7 +47,7 @@ def load_reference_images(paths: Sequence[Path], family: ModelFamily, key: str =
         if not path.is_file():
             raise ConfigError(f"{key}: {path}: no such image file")
         try:
-            images.append(load_rgb(path))
+            images.append(load_image(path, family.rgba))
         except (UnidentifiedImageError, OSError) as e:
             raise ConfigError(f"{key}: {path}: not a readable image ({e})") from None
     return images

@@ -235,6 +235,11 @@ class ModelFamily:
     # a video family (VideoLatents): its datasets' clips are cached and trained as 5-D latents
     # (B, C, T', h, w) and its samples during training are videos; None: an image family
     video: "VideoLatents | None" = None
+    # the VAE encodes RGBA (Qwen-Image-2.1): training targets and references keep their alpha into
+    # the latent cache (data/reading.load_rgba; the entries' keys say so) and the vision encoder
+    # gets them as the family's encode_prompts flattens them; False: transparency is composited
+    # over white before anything reads the image (data/reading.load_rgb)
+    rgba: bool = False
 
 
 def text_width(family: ModelFamily, config) -> int:

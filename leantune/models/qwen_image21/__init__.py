@@ -41,7 +41,8 @@ vision tower).
 
 Sampling keeps the pipeline's prefix KV cache (Sampling.prefix_cache: the text and references'
 keys and values from the first step, only the target's rows computed after), priced in the
-sampler's plan (prefix_cache_bytes). Not done yet: RGBA training targets.
+sampler's plan (prefix_cache_bytes). Images train with their alpha (ModelFamily.rgba: targets and
+references cached as RGBA latents; the vision encoder sees them over white, text.flatten_alpha).
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def _register():
         recognizes_keys=recognizes_keys, text_rows=text_rows, timestep_sampling="shift",
         references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES,
                                         sampling_latents=_sampling_latents),
-        text_width=text_width,
+        text_width=text_width, rgba=True,
     ))
 
 
