@@ -41,10 +41,6 @@ class QwenImage21VAE(nn.Module):
         """(B, 3 or 4, H, W) in [-1, 1] -> .latent_dist.mean: normalised latents (B, 64, H/16, W/16)."""
         if x.shape[1] == 3:
             x = torch.cat([x, x.new_ones(x.shape[0], 1, *x.shape[2:])], dim=1)
-        # contiguous as the pipeline's preprocessed pixels are: an image tensor made by permuting
-        # (H, W, 4) bytes is channels-last, and the VAE's convolutions then take another kernel
-        # whose sums round otherwise
-        x = x.contiguous()
         return SimpleNamespace(latent_dist=SimpleNamespace(mean=lat.encode(self.vae, x)))
 
     def decode(self, z: torch.Tensor, return_dict: bool = False):
