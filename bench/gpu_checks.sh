@@ -14,7 +14,7 @@
 # and the engine promise (FLUX.2 klein-4B at 6 GiB, the file-read text encoder's copy rate, the
 # quantize-at-read load on a GPU host's CPUs, the planner at 8 GiB); window 3 the engine and
 # sampler benchmarks and issue 40's single-GPU checks (the fp8 dequantize rate, a full-width host
-# step); window 4 issue 40's checks (FSDP2 with CPU offload under NCCL, cuDNN attention off for
+# step, the layer-major text-encoder pass); window 4 issue 40's checks (FSDP2 with CPU offload under NCCL, cuDNN attention off for
 # every command, the CUDA RNG state of the run's device, the round-two tests on a GPU); window 5
 # needs two GPUs (the strategies end to end, the two-GPU context guard): run it on a two-GPU lease.
 #
@@ -40,6 +40,7 @@ PARTS=(
   "3|bench-sampler|120|owed benchmark: sampling at 1024 px under an 8 GiB budget|python3 bench/bench_sampler.py --part sampling --size 1024 --steps 4 --budgets 8 --out \$OUT/bench-sampler.md"
   "3|dequant-rate|45|issue 40 finding 5 on one GPU: fp8 dequantize formed in its bf16 output: bits against the fp32 product, bytes allocated above the output, rate beside the fp32-temporary way and a bf16 copy|python3 bench/gpu_round2.py dequant-rate"
   "3|host-step|60|issue 40 finding 10 on one GPU: a full-width host AdamW step (37.7M parameters) on the cores less one: pinned D2H of the gradient, the kernel's time, its update against torch's AdamW|python3 bench/gpu_round2.py host-step"
+  "3|encoder-pass|60|issue 40 finding 6 on one GPU: the layer-major text pass on CUDA, blocks prefetched through pinned staging on the copy stream, equal to the plain model|python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_text_pass.py -rA"
   "5|strategies|135|finding 1 end to end: DDP LoRA, FSDP2 and ZeRO-2 full through torchrun and NCCL (needs 2 GPUs)|strategies"
   "5|two-gpu-guard|45|finding 10: the host-step thread and the unpin finalizer open no context on GPU 0 (needs 2 GPUs)|python3 bench/gpu_findings.py two-gpu-guard"
   "4|offload-nccl|60|issue 40 finding 1: FSDP2 + CPUOffloadPolicy under the group leantune starts (cuda:nccl,cpu:gloo): backward, clipping, full state dict; CPU DTensors clip and gather|python3 -m torch.distributed.run --standalone --nproc_per_node=\$NGPU tests/dist_offload_worker.py \$OUT --nccl"

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_checks.sh"
 WINDOWS = {1: ["setup", "nccl-collectives", "fp32-stream", "oom-step1", "gpu-tests"],
            2: ["setup", "flux2-klein4b", "text-encoder-read", "load-gpu-host", "bench-planner"],
-           3: ["setup", "bench-engine", "bench-sampler", "dequant-rate", "host-step"],
+           3: ["setup", "bench-engine", "bench-sampler", "dequant-rate", "host-step", "encoder-pass"],
            4: ["setup", "offload-nccl", "cudnn-attention", "rng-device", "round2-tests"],
            5: ["setup", "strategies", "two-gpu-guard"]}
 
