@@ -589,8 +589,9 @@ def _calibrate(t: Trainee, seconds: float, report: dict) -> None:
     Reads the peak without resetting it: the memory monitor reads it next and resets it."""
     if t.calibrator is None or t.device.type != "cuda" or t.last_bucket is None:
         return
-    if t.guard.planner.workload.frames != 1:      # priced for clips: a still's step would rescale their activations
-        return
+    guard = getattr(t, "guard", None)
+    if guard is not None and guard.planner.workload.frames != 1:   # priced for clips: a still's step would
+        return                                                      # rescale their activations
     if t.calibrator.replanned or t.calibrator.seen >= t.calibrator.steps:
         return
     peak, seconds, report = t.dist.agree_observation(torch.cuda.max_memory_allocated(), seconds, report or None)
