@@ -365,7 +365,6 @@ def test_base_format_int8_quantizes_each_weight_as_read_in_bounded_chunks(source
     and the 640-wide inputs went one row at a time); everything else is the bf16 load's; the meta load (what the planner prices) has the
     stored shapes; and the config's key names the option."""
     from leantune.config import MemoryConfig, RunConfig
-    from leantune.memory import fp8 as fp8_mod
     from leantune.models.flux import loading as flux_loading
     from leantune.trainer import _fp8_load_options
 
@@ -373,7 +372,7 @@ def test_base_format_int8_quantizes_each_weight_as_read_in_bounded_chunks(source
     sources = flux_loading.FluxSources(path, None, None, None, None, None)
     calls = []
     real = i8.quantize
-    monkeypatch.setattr(fp8_mod, "QUANT_CHUNK", 4 * 640)
+    monkeypatch.setattr(i8, "QUANT_CHUNK", 4 * 640)
     monkeypatch.setattr(i8, "quantize", lambda w, g: (calls.append(w.shape), real(w, g))[1])
     got = flux_loading.load_transformer(sources, dtype=torch.bfloat16, quantize_fp8="int8")
     monkeypatch.setattr(i8, "quantize", real)

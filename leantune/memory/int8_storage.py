@@ -48,6 +48,7 @@ TYPE_ATTR = "int8_convrot_groupsize"      # marks an int8 ConvRot Linear (its va
 GROUP_SIZES = (256, 64, 16, 4)            # the rotation sizes quantize() picks from, largest dividing first
 COMFY_FORMAT = "int8_tensorwise"          # comfy_quant's "format" of these layers
 INT_MM = False                            # the W8A8 torch._int_mm forward on CUDA (module doc)
+QUANT_CHUNK = 8 * 2**20                   # bytes of fp32 temporary while quantizing rows, at most (as fp8's)
 
 _H4 = ((1.0, 1.0, 1.0, -1.0), (1.0, 1.0, -1.0, 1.0), (1.0, -1.0, 1.0, 1.0), (-1.0, 1.0, 1.0, 1.0))
 _HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
@@ -257,11 +258,9 @@ def int8_block_weights(model: nn.Module, spec, modulation: bool = False) -> dict
 
 
 def chunk_rows(width: int) -> int:
-    """Rows quantized at once: as many as fp8.QUANT_CHUNK bytes of fp32 hold (at least one). Both
+    """Rows quantized at once: as many as QUANT_CHUNK bytes of fp32 hold (at least one). Both
     paths (a loaded model, a file being read) quantize the same chunks of a weight's rows, since
     the rotation's matmul may round differently for a different number of rows."""
-    from .fp8 import QUANT_CHUNK
-
     return max(1, QUANT_CHUNK // (4 * width))
 
 
