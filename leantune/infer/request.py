@@ -13,6 +13,7 @@ one schema. Unknown keys are errors that name the file and the key.
     height = 1024
     out = "samples"
     references = ["before.png"]  # an edit family (qwen-image-edit): reference images every prompt sees
+    frames = 81                # a video family (wan2.2): one .mp4 + .webp + .json per prompt and seed
 
     [model]
     path = "/models/FLUX.1-dev"
@@ -89,6 +90,9 @@ class SampleRequest(_Strict):
     base: str | None = None
     # Reference images (paths) every image is conditioned on, for an edit family (infer/references.py)
     references: list[str] = []
+    # Frames per sample: 1 writes PNG images; more, for a video family only, one video per prompt
+    # and seed (a length its VAE decodes: 4k+1 for Wan), written as .mp4 with a .webp preview
+    frames: int = Field(1, ge=1)
     memory: MemoryConfig = MemoryConfig()
     max_text_length: int = Field(512, ge=1, le=512)
     batch_size: int | None = Field(None, ge=1)  # images per transformer forward; None: all at once
@@ -113,6 +117,25 @@ class SampleRequest(_Strict):
         if v < 16 or v % 16:
             raise ValueError(f"{info.field_name} = {v} must be a positive multiple of 16")
         return check_side(v)      # 100000 overflowed the schedule's shift (math.exp) before any model loaded
+
+    @field_validator("frames")
+    @classmethod
+    def _frames(cls, v: int, info) -> int:
+        """Checked against [model]'s family here, so a bad length is refused before any model is read."""
+        model = info.data.get("model")
+        if v == 1 or model is None:            # [model] itself invalid: its own error says why
+            return v
+        from ..models.family import get_family
+
+        family = get_family(model.family)
+        if family.video is None:
+            raise ValueError(f"frames = {v}: family \"{family.name}\" samples images, not videos; "
+                             f"remove frames (or set it to 1)")
+        try:
+            family.video.latent_frames(v)
+        except ValueError as e:
+            raise ValueError(f"frames = {v}: {e}") from None
+        return v
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()
