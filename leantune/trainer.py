@@ -512,7 +512,7 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
         handle = apply_memory(transformer, spec, plan, device, host_buffers=shared, **disk, **mode.memory_options())
     else:
         handle = _apply_engine(cfg.distributed.share_host_weights, spec, transformer, plan, device, mode,
-                               dist or DistContext(), disk)
+                               dist or DistContext(), **({"disk": disk} if disk else {}))
     if handle.plan.disk_blocks != plan.disk_blocks:       # [memory] ram_budget put these on disk
         plan = handle.plan
         log.info("memory plan: %d streamed blocks read from disk (%s)", len(plan.disk_blocks), cfg.memory.disk_dir)
@@ -555,8 +555,9 @@ def _replan(t: Trainee, plan) -> None:
         # host weights on the shared pages (no private copy per process).
         handle.remove(device="cpu", keep_fp8=True, keep_host=True)
     t.plan = plan
+    disk = getattr(t, "disk_dir", None)
     t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist,
-                             {"disk_dir": t.disk_dir} if t.disk_dir is not None else None)
+                             **({"disk": {"disk_dir": disk}} if disk is not None else {}))
     log.info("memory plan now: %s", plan.describe())
 
 
