@@ -9,6 +9,8 @@
         --prompt "a photo of sks dog" --lora output/dog.safetensors --steps 8 --guidance 0   # a LoRA under --lora's
     leantune sample --model /models/krea-2-raw --base /models/krea-2-turbo --prompt "a photo of sks dog" \
         --lora output/dog.safetensors --steps 8 --guidance 0     # another checkpoint of the family
+    leantune sample --model /models/Wan2.2-T2V-A14B-Diffusers --prompt "a dog running on a beach" \
+        --frames 81 --width 832 --height 480 --vram 12GiB    # NNNNN-SEED.mp4 + .webp preview + .json
     leantune sample request.toml [--seed 7] [--set steps=20]
 
 Flags override the request file's values; both go through one strict schema (infer/request.py).
@@ -58,6 +60,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int)
     parser.add_argument("--height", type=int)
     parser.add_argument("--images-per-prompt", type=int)
+    parser.add_argument("--frames", type=int, metavar="N",
+                        help="a video family (wan2.2): N frames per sample, a length its VAE decodes (4k+1: 5, "
+                             "..., 81), written as .mp4 with an animated .webp preview and a .json of the "
+                             "parameters; default 1 (PNG images)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--out", help="output folder (default: samples)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -106,7 +112,8 @@ def request_data(args: argparse.Namespace) -> tuple[dict, str]:
         data.setdefault("memory", {})["vram_budget"] = args.vram
     for flag, key in (("steps", "steps"), ("guidance", "guidance"), ("negative_prompt", "negative_prompt"),
                       ("seed", "seed"), ("width", "width"),
-                      ("height", "height"), ("images_per_prompt", "images_per_prompt"), ("device", "device")):
+                      ("height", "height"), ("images_per_prompt", "images_per_prompt"), ("device", "device"),
+                      ("frames", "frames")):
         value = getattr(args, flag)
         if value is not None:
             data[key] = value
@@ -153,5 +160,6 @@ def run(args: argparse.Namespace) -> int:
         print(f)
     times = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items())
     peaks = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in result.stage_peaks.items())
-    print(f"{len(result.files)} images; {times}" + (f"; peak VRAM {peaks}" if peaks else ""), file=sys.stderr)
+    kind = "videos" if request.frames > 1 else "images"
+    print(f"{len(result.files)} {kind}; {times}" + (f"; peak VRAM {peaks}" if peaks else ""), file=sys.stderr)
     return 0

@@ -1,4 +1,4 @@
-"""`leantune sample`: one request -> PNG files, through the three stages with one model loaded at a time.
+"""`leantune sample`: one request -> PNG files (or, with `frames` for a video family, videos), through the three stages with one model loaded at a time.
 
 The order is what keeps both VRAM and host RAM low: the text encoders are loaded, used and dropped
 before the transformer is read from disk; the transformer is dropped before the VAE decodes. The
@@ -11,6 +11,14 @@ What differs between families comes from the family (`ModelFamily.sampling`): wi
 guidance (SD3.5) the negative prompt is encoded in stage 1 beside the prompts, and each transformer
 forward carries twice the images (negatives and prompts together), which the planner is told; when
 no plan fits the doubled batch, the two halves run one after the other instead.
+
+Videos (`frames` > 1, a video family such as Wan): the planner prices the latent frames (tokens =
+frames x patches, one video per forward unless batch_size says more), the family's causal video VAE
+decodes a latent frame at a time (infer/video.py, as the training samples are), and each prompt and
+seed gets NNNNN-SEED.mp4, its animated .webp preview and a .json sidecar of the request's
+parameters. Why a sidecar and not the mp4's own tags: one file describes both the mp4 and its
+preview, any tool reads it without ffprobe, and it survives what re-muxing or uploading strips
+from container metadata; it holds the keys a PNG's text chunks hold, plus frames and fps.
 """
 
 from __future__ import annotations
@@ -107,7 +115,7 @@ def _release(device: torch.device) -> None:
 
 def inference_workload(request: SampleRequest, batch: int, text_len: int, adapter_bytes: int = 0,
                        dora: bool = False, adapter_tensors: tuple = (), references: int = 0,
-                       prefix_cache_bytes: int = 0):
+                       prefix_cache_bytes: int = 0, frames: int = 1):
     """The planner's workload for the denoising stage: `batch` images per transformer forward
     (with classifier-free guidance batched, negatives included), in the weights' dtype without
     autocast; fp8 storage is the planner's call, except under a DoRA adapter (`dora`: it reads the
@@ -116,7 +124,8 @@ def inference_workload(request: SampleRequest, batch: int, text_len: int, adapte
     except the base adapters' weights in `adapter_tensors` ((name, bytes): a streamed block carries
     its own, memory/streaming_units.streams_with_unit). `references`: the reference images every
     forward is conditioned on (priced by a family whose probe takes them); `prefix_cache_bytes`:
-    what the family's prefix caches hold while it denoises (Sampling.prefix_cache_bytes)."""
+    what the family's prefix caches hold while it denoises (Sampling.prefix_cache_bytes); `frames`:
+    latent frames per sample (a video: each is a bucket's tokens again)."""
     from ..planner.from_config import fp8_modulation_choice
     from ..planner.workload import Workload
 
@@ -124,12 +133,12 @@ def inference_workload(request: SampleRequest, batch: int, text_len: int, adapte
                     text_length=text_len, autocast=False, dtype=_DTYPES[request.model.dtype],
                     fp8_modulation=False if dora else fp8_modulation_choice(request.memory),
                     allow_fp8=not dora, frozen_adapter_bytes=adapter_bytes, frozen_adapter_tensors=adapter_tensors,
-                    references=references, prefix_cache_bytes=prefix_cache_bytes)
+                    references=references, prefix_cache_bytes=prefix_cache_bytes, frames=frames)
 
 
 def transformer_plan(request: SampleRequest, transformer, device: torch.device, budget: int | None, n_images: int,
                      text_len: int, cfg: bool = False, adapter_bytes: int = 0, dora: bool = False,
-                     adapter_tensors: tuple = (), references: list | None = None):
+                     adapter_tensors: tuple = (), references: list | None = None, frames: int = 1):
     """The memory Plan for the denoising stage, and whether CFG's two halves share a forward.
 
     Under a budget it is the planner's, for an inference workload of the images per forward
@@ -138,7 +147,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
     Without a budget the explicit [memory] choices apply and CFG runs batched, as the pipelines do.
     `references`: the reference latents (1, C, h, w) every image is conditioned on; they and a
     family's prefix cache (Sampling.prefix_cache_bytes: one cache per half, batched or not) are
-    priced beside the activations.
+    priced beside the activations. `frames`: latent frames per sample (1: images).
     """
     from ..models.family import prices_references
 
@@ -164,7 +173,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
         priced_refs = len(references) if prices_references(family) else 0
         for factor in ((2, 1) if cfg else (1,)):
             workload = inference_workload(request, factor * images, text_len, adapter_bytes, dora, adapter_tensors,
-                                          references=priced_refs, prefix_cache_bytes=cache_bytes)
+                                          references=priced_refs, prefix_cache_bytes=cache_bytes, frames=frames)
             try:
                 return plan_memory(spec, transformer, workload, Budget(vram=budget, ram=ram)), factor == 2
             except InfeasibleBudget as e:
@@ -214,13 +223,18 @@ class FolderComponents:
     def vae(self, dtype: torch.dtype, device):
         return self._fl.load_vae(self.sources, dtype, device)
 
+    def video_vae(self, dtype: torch.dtype, device):
+        """The family's causal video VAE (ModelFamily.video), which decodes a video's latent frames."""
+        return self._fl.video.load_vae(self.sources, dtype, device)
+
 
 def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | None = None,
                  components=None) -> SamplingResult:
-    """Generate every image of `request` and write them as PNGs with their parameters.
+    """Generate every image of `request` and write them as PNGs with their parameters (with
+    `frames` > 1: videos, each an .mp4, its .webp preview and a .json of its parameters).
 
     `components` supplies the models (default: `FolderComponents(request)`, from disk); anything with
-    the same four members works, e.g. the benchmark's random full-size weights. Each model is asked
+    the same four members works (a video request also asks for `video_vae`), e.g. the benchmark's random full-size weights. Each model is asked
     for only when its stage starts, and dropped when it ends.
     """
     from ..memory.engine import apply_memory
@@ -233,6 +247,8 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
     if request.negative_prompt and not cfg_family:
         raise ConfigError(f"negative_prompt: {request.model.family} samples with distilled guidance (no "
                           f"classifier-free guidance), so a negative prompt would have no effect; remove it")
+    video = request.frames > 1                 # the schema checked the length against the family
+    latent_frames = family.video.latent_frames(request.frames) if video else 1
     budget = vram_budget(request, device)
     prompts, seeds = request.expanded_prompts(), request.seeds()
     loras = [(request.resolve(ref.path), ref.strength) for ref in request.lora]
@@ -300,9 +316,11 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
 
         travel = tuple((n, p.numel() * p.element_size()) for n, p in transformer.named_parameters()
                        if streams_with_unit(n, p))
-        result.plan, batched = transformer_plan(request, transformer, device, budget, len(prompts),
+        # a video's forward holds one video unless batch_size says more (as denoise runs them)
+        result.plan, batched = transformer_plan(request, transformer, device, budget, 1 if video else len(prompts),
                                                 embeds[0].t5.shape[1], cfg=cfg, adapter_bytes=adapters, dora=dora,
-                                                adapter_tensors=travel, references=references)
+                                                adapter_tensors=travel, references=references,
+                                                frames=latent_frames)
         result.cfg_batched = batched if cfg else None
         log.info("sample: %s%s", result.plan.describe(),
                  "" if not cfg else f"; CFG {guidance:g}, halves {'batched' if batched else 'one after the other'}")
@@ -314,7 +332,8 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             latents = denoise(transformer, embeds, seeds, width=request.width, height=request.height, steps=steps,
                               guidance=guidance, schedule=schedule, device=device, dtype=dtype,
                               batch_size=request.batch_size, progress=progress, family=family,
-                              negative=negative, cfg_batched=batched, references=references or None)
+                              negative=negative, cfg_batched=batched, references=references or None,
+                              frames=request.frames)
             result.stream_report = handle.step_report(wait=True)
         finally:
             # release(), not remove(): restoring would copy every streamed weight onto the device
@@ -327,13 +346,20 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         del transformer, handle
         _release(device)
 
-    # Stage 3: decode, tiled when the budget left after the VAE's weights is too small.
+    # Stage 3: decode, tiled when the budget left after the VAE's weights is too small (a video:
+    # the causal VAE's own loop, a latent frame at a time, untiled).
     with _Stage("decode", device, result):
-        vae = components.vae(dtype, device)
-        available = None if budget is None else max(0, budget - vae_weight_bytes(vae) - _MARGIN)
-        plan = plan_decode(vae, request.height, request.width, request.vae_tiling, available)
-        result.decode_tile = plan.tile_latent
-        images = to_pil(decode_latents(vae, latents, device, plan))
+        if video:
+            from .video import decode_videos
+
+            vae = components.video_vae(dtype, device)
+            images = decode_videos(vae, latents, device)           # one uint8 (T, H, W, 3) per video
+        else:
+            vae = components.vae(dtype, device)
+            available = None if budget is None else max(0, budget - vae_weight_bytes(vae) - _MARGIN)
+            plan = plan_decode(vae, request.height, request.width, request.vae_tiling, available)
+            result.decode_tile = plan.tile_latent
+            images = to_pil(decode_latents(vae, latents, device, plan))
         del vae
         _release(device)
 
@@ -352,13 +378,30 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             meta["negative_prompt"] = request.negative_prompt
         if ref_paths:
             meta["references"] = ", ".join(str(p) for p in ref_paths)
-        result.files.append(save_png(img, out_dir / f"{base + i:05d}-{seed}.png", meta))
+        stem = out_dir / f"{base + i:05d}-{seed}"
+        if video:
+            result.files.append(_save_video(img, stem, meta, family.video.fps))
+        else:
+            result.files.append(save_png(img, stem.with_suffix(".png"), meta))
     return result
+
+
+def _save_video(frames, stem: Path, meta: dict, fps: float) -> Path:
+    """STEM.mp4, its STEM.webp preview and STEM.json (the parameters, the PNG's keys plus frames
+    and fps; written last, so a sidecar always describes a finished video). Returns the mp4."""
+    from ..io import atomic_write_json
+    from . import video as video_out
+
+    mp4, preview = video_out.save_video(frames, stem.with_suffix(".mp4"), fps)
+    atomic_write_json(stem.with_suffix(".json"), {**meta, "frames": str(len(frames)), "fps": f"{fps:g}",
+                                                  "video": mp4.name, "preview": preview.name})
+    return mp4
 
 
 def _next_index(out_dir: Path) -> int:
     """The first file number not used by an earlier run in `out_dir` (files are never overwritten)."""
-    used = [int(p.name.split("-", 1)[0]) for p in out_dir.glob("*.png") if p.name.split("-", 1)[0].isdigit()]
+    used = [int(p.name.split("-", 1)[0]) for p in out_dir.glob("*")
+            if p.suffix in (".png", ".mp4") and p.name.split("-", 1)[0].isdigit()]
     return max(used) + 1 if used else 0
 
 
