@@ -56,7 +56,7 @@ def test_sample_frames_writes_wanpipelines_videos_with_their_parameters(folder, 
     from diffusers import WanPipeline
     from PIL import Image
 
-    from leantune.infer import video
+    from leantune.infer import run, video
 
     written = {}                     # the frames handed to the writer, before the codecs' loss
     save_video = video.save_video
@@ -66,7 +66,12 @@ def test_sample_frames_writes_wanpipelines_videos_with_their_parameters(folder, 
         return save_video(frames, path, fps)
 
     monkeypatch.setattr(video, "save_video", spy)
-    assert _sample(folder, tmp_path / "out", "--frames", str(FRAMES)) == 0
+    plans = []
+    transformer_plan = run.transformer_plan
+    monkeypatch.setattr(run, "transformer_plan", lambda *a, **k: plans.append((a[4], k["frames"])) or
+                        transformer_plan(*a, **k))
+    assert _sample(folder, tmp_path / "out", "--frames", str(FRAMES), "--vram", "8GiB") == 0
+    assert plans == [(1, 2)]           # priced: one video per forward, 5 frames = 2 latent frames
     files = capsys.readouterr().out.split()
     assert [p.rsplit("/", 1)[-1] for p in files] == [f"00000-{SEED}.mp4", f"00001-{SEED + 1}.mp4"]
 
@@ -114,3 +119,21 @@ def test_a_bad_frames_value_is_refused_naming_the_key(folder, tmp_path, capsys):
         validate_request({"model": {"path": str(folder), "family": "flux"}, "prompts": ["a"], "frames": 5},
                          "req.toml")
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_plan_prices_a_videos_latent_frames(folder):
+    """Under a VRAM budget the denoising plan's activations grow with the latent frames of one
+    video (1, 5 and 9 frames: 1, 2 and 3 latent frames of the same 48x64 bucket)."""
+    from leantune.infer.request import validate_request
+    from leantune.infer.run import FolderComponents, transformer_plan
+
+    acts = []
+    for frames in (1, 5, 9):
+        req = validate_request({"model": {"path": str(folder), "family": "wan2.2", "dtype": "fp32"}, "prompts": ["a"],
+                                "width": SIDE, "height": HEIGHT, "frames": frames,
+                                "memory": {"vram_budget": "8GiB"}}, "req.toml")
+        transformer = FolderComponents(req).transformer(torch.float32)
+        plan, _ = transformer_plan(req, transformer, torch.device("cpu"), 8 * 2**30, 1, 32, cfg=True,
+                                   frames=1 + (frames - 1) // 4)
+        acts.append(plan.notes["per_bucket"][f"{HEIGHT}x{SIDE}"]["activations"])
+    assert acts[0] < acts[1] < acts[2], acts
