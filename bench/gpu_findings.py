@@ -123,16 +123,25 @@ def predicted_peak(t, cfg, spec, plan) -> int:
     return int(est.peak_vram)
 
 
+def _phase(part: str, phase: str, **values) -> None:
+    """One phase's numbers printed as it ends (a part stopped at its budget still leaves them)."""
+    print(json.dumps({"part": part, "phase": phase, **values}, default=str), flush=True)
+
+
 def fp32_stream(a) -> dict:
     from leantune.trainer import train_step
 
     t, cfg, spec, plan = build(a, torch.float32)
+    _phase("fp32-stream", "built", plan=plan.describe() if hasattr(plan, "describe") else str(plan))
     out = {"part": "fp32-stream", "blocks": a.blocks, "size": a.size}
     losses = [train_step(t, cfg)]
+    _phase("fp32-stream", "step 1", loss=losses[-1])
     if t.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     losses.append(train_step(t, cfg))
+    _phase("fp32-stream", "step 2", loss=losses[-1],
+           peak=torch.cuda.max_memory_allocated() if t.device.type == "cuda" else None)
     out["losses"] = losses
     if t.device.type == "cuda":
         out["peak"] = torch.cuda.max_memory_allocated()
@@ -154,6 +163,7 @@ def oom_step1(a) -> dict:
     from leantune import trainer
 
     t, cfg, spec, plan = build(a, torch.bfloat16, half=True)
+    _phase("oom-step1", "built", rss=rss())
     machine = replace(assumed_machine(), workspace=0) if a.smoke else probe_machine()
     planner = Planner(spec, t.transformer, workload_from_config(cfg, t.transformer), machine, Calibration())
     # The budget the running plan was chosen under: its predicted peak (a re-plan must stream more).
@@ -181,6 +191,7 @@ def oom_step1(a) -> dict:
     loss = trainer._guarded_step(t, cfg, 1)
     trainer.forward_backward = real
     rss_at["after_step"] = rss()
+    _phase("oom-step1", "step 1 redone", loss=loss, replans=t.guard.replans, rss=rss_at)
     host = (t.guard.plan.notes or {}).get("predicted_peak_host")
     out = {"part": "oom-step1", "loss": loss, "replans": t.guard.replans, "plan": t.guard.plan.describe(),
            "rss": rss_at, "plan_host_peak": host}
