@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import tempfile
@@ -223,10 +224,19 @@ def sampling_rows(args, components, out: Path, cuda: bool) -> list[dict]:
             "seed": 0, "steps": args.steps, "width": args.size, "height": args.size,
             "lora": [{"path": str(lora), "strength": 1.0}], "device": "cuda" if cuda else "cpu",
             **({"max_text_length": 32} if args.smoke else {})}
-    rows = [run_row("resident bf16", components, base, {}, out, cuda),
-            run_row("resident fp8", components, base, {"fp8": True}, out, cuda)]
+    rows = []
+
+    def row(name: str, memory: dict) -> None:
+        """One row, its numbers printed as it ends (stderr; stdout is the table), so a run stopped
+        at its budget still leaves the rows it finished."""
+        rows.append(run_row(name, components, base, memory, out, cuda))
+        print(json.dumps({"row": name, **{k: v for k, v in rows[-1].items() if isinstance(v, (int, float, str))}}),
+              file=sys.stderr, flush=True)
+
+    row("resident bf16", {})
+    row("resident fp8", {"fp8": True})
     for b in args.budgets:
-        rows.append(run_row(f"budget {b:g} GiB", components, base, {"vram_budget": f"{b}GiB"}, out, cuda))
+        row(f"budget {b:g} GiB", {"vram_budget": f"{b}GiB"})
     bw = {True: h2d_bandwidth(True), False: h2d_bandwidth(False)} if cuda else {True: float("inf"), False: float("inf")}
     resident = {False: rows[0]["per_step"], True: rows[1]["per_step"]}
     for r in rows:

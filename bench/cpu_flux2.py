@@ -143,6 +143,10 @@ def train_step_child(folder: Path, model_name: str, vram_gib: float, size: int, 
             device_peaks.append({"allocated": torch.cuda.max_memory_allocated(device),
                                  "reserved": torch.cuda.max_memory_reserved(device)})
         times.append(time.perf_counter() - t2)
+        # each step's numbers to the log as it ends (stderr: stdout is the one result line), so a
+        # run stopped at its budget still leaves them
+        print(json.dumps({"step": i + 1, "loss": losses[-1], "seconds": times[-1],
+                          **(device_peaks[-1] if device_peaks else {})}), file=sys.stderr, flush=True)
     t_step, loss = times[0], losses[-1]
     r = rss()
     notes = plan.notes
