@@ -41,6 +41,17 @@ def format_loras(loras: list[tuple[str, float]]) -> str:
     return ", ".join(f"{path}:{strength:g}" for path, strength in loras)
 
 
+def grid_shape(n: int, cols: int | None = None) -> tuple[int, int]:
+    """(rows, cols) of a row-major grid of `n` tiles: `cols` per row (clamped to 1..n), by default
+    the smallest square that holds them. Shared by image and video grids."""
+    if cols is None:
+        cols = 1
+        while cols * cols < n:
+            cols += 1
+    cols = max(1, min(cols, n))
+    return (n + cols - 1) // cols, cols
+
+
 def make_grid(images: list, cols: int | None = None, pad: int = 0):
     """Tile equally sized PIL images into one image, row-major, `cols` per row (default: near square)."""
     from PIL import Image
@@ -51,13 +62,7 @@ def make_grid(images: list, cols: int | None = None, pad: int = 0):
     for i, im in enumerate(images):
         if im.size != (w, h):
             raise ValueError(f"image {i} is {im.size[0]}x{im.size[1]}, expected {w}x{h} like image 0")
-    n = len(images)
-    if cols is None:
-        cols = 1
-        while cols * cols < n:
-            cols += 1
-    cols = max(1, min(cols, n))
-    rows = (n + cols - 1) // cols
+    rows, cols = grid_shape(len(images), cols)
     grid = Image.new("RGB", (cols * w + (cols - 1) * pad, rows * h + (rows - 1) * pad), "white")
     for i, im in enumerate(images):
         r, c = divmod(i, cols)

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .images import grid_shape
+
 TENSORBOARD_FRAMES = 16       # frames of a sample video in its TensorBoard contact sheet
 
 
@@ -54,13 +56,7 @@ def video_grid(videos: list[np.ndarray], cols: int | None = None) -> np.ndarray:
     for i, v in enumerate(videos):
         if v.shape != shape:
             raise ValueError(f"video {i} is {v.shape}, expected {shape} like video 0")
-    n = len(videos)
-    if cols is None:
-        cols = 1
-        while cols * cols < n:
-            cols += 1
-    cols = max(1, min(cols, n))
-    rows = (n + cols - 1) // cols
+    rows, cols = grid_shape(len(videos), cols)
     t, h, w, c = shape
     grid = np.full((t, rows * h, cols * w, c), 255, np.uint8)
     for i, v in enumerate(videos):
