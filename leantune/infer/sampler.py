@@ -329,26 +329,19 @@ def sample_during_training(transformer: nn.Module, vae: nn.Module | Callable[[],
     owned = not isinstance(vae, nn.Module)
     model = vae() if owned else vae
     home = next(model.parameters()).device
-    if latents.dim() == 5:                    # videos: the causal decoder walks time, one latent frame at once
-        from .video import decode_videos, video_grid
-
-        model.to(device)
-        try:
-            return video_grid(decode_videos(model, latents, device), cols)
-        finally:
-            model.to(home)
-            if owned:
-                del model
-                gc.collect()
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
-    free = free_device_bytes(device)
-    if free is not None and home != torch.device(device):
-        free -= vae_weight_bytes(model)
-    plan = plan_decode(model, sample_cfg.height, sample_cfg.width, "auto",
-                       None if free is None else max(0, free - _DECODE_MARGIN))
+    video = latents.dim() == 5                # videos: the causal decoder walks time, one latent frame at once
+    if not video:
+        free = free_device_bytes(device)
+        if free is not None and home != torch.device(device):
+            free -= vae_weight_bytes(model)
+        plan = plan_decode(model, sample_cfg.height, sample_cfg.width, "auto",
+                           None if free is None else max(0, free - _DECODE_MARGIN))
     model.to(device)
     try:
+        if video:
+            from .video import decode_videos, video_grid
+
+            return video_grid(decode_videos(model, latents, device), cols)
         images = to_pil(decode_latents(model, latents, device, plan))
     finally:
         model.to(home)
