@@ -166,7 +166,7 @@ def transformer_plan(request: SampleRequest, transformer, device: torch.device, 
             raise ConfigError(f"memory.ram_budget: {e}") from None
         error = None
         cache_bytes = 0
-        if family.sampling.prefix_cache_bytes is not None and family.sampling.prefix_cache(transformer) is not None:
+        if family.sampling.prefix_cache_bytes is not None:        # 0 for a model that keeps none
             cache_bytes = family.sampling.prefix_cache_bytes(
                 dict(transformer.config), (2 if cfg else 1) * images, text_len,
                 [tuple(r.shape[-2:]) for r in references], _DTYPES[request.model.dtype])
