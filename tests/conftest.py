@@ -140,3 +140,15 @@ def tiny_sd3_dir(tmp_path_factory):
     from leantune import tiny
 
     return tiny.save_sd3_folder(tmp_path_factory.mktemp("tiny_sd3") / "sd3-tiny", style="large")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny-model tests (`pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread")`): tiny models are a few microseconds per op, so a second thread only adds
+    synchronisation, and on a shared 2-core machine it turns every op into a wait (measured 5 ms vs
+    180 ms per tiny transformer forward under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

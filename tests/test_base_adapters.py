@@ -64,14 +64,7 @@ formats = ["comfyui", "diffusers"]
 FAMILIES = {"flux": "tiny_flux_dir", "sd3": "tiny_sd3_dir"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run a few microseconds per op: a second intra-op thread only adds waits on the
-    shared machine (as tests/test_sampler.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,7 @@ W, H = 96, 64          # 6 x 4 tokens: non-square
 MAX_LEN = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,7 @@ from leantune.train.lora import add_lora, apply_lora, lora_layers, lora_weights_
 LATENT_HW = (8, 6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 def fresh():

@@ -24,15 +24,7 @@ W, H = 96, 64          # latent 12 x 8: a non-square size catches packing / id m
 MAX_LEN = tiny.T5_TINY_MAX_LENGTH
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are a few microseconds per op: a second intra-op thread only adds synchronisation,
-    and on a shared 2-core machine it turns every op into a wait (measured 5 ms vs 180 ms per tiny
-    transformer forward under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 def _eval(components: dict) -> dict:

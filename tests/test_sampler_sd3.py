@@ -24,13 +24,7 @@ W, H = 96, 64          # latent 12 x 8: a non-square size catches height / width
 MAX_LEN = 16           # T5 tokens after the 77 CLIP rows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are microseconds per op: one intra-op thread avoids waiting on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,7 @@ UNSEEN = {"attention_head_dim": WAN_TINY["attention_head_dim"], "eps": WAN_TINY[
 PROMPT, SEED, W, H = "a photo of a cat", 3, 64, 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,7 @@ SIDE, HEIGHT, FRAMES, SEED = 64, 48, 5, 7
 PROMPTS = ["a square moving right", "a red square"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")

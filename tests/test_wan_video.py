@@ -24,12 +24,7 @@ FAM = get_family("wan2.2")
 SIDE, FRAMES, FPS = 64, 9, 16            # 9 frames -> 3 latent frames of 8 x 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,7 @@ COMFY = "model.diffusion_model."
 UNSEEN = {k: Z_IMAGE_TINY[k] for k in ("axes_dims", "axes_lens", "rope_theta", "norm_eps", "t_scale")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")
