@@ -904,15 +904,13 @@ def test_rgba_targets_and_references_keep_their_alpha_through_the_cache(folder, 
                    for i in range(batch.embeds.t5.shape[0])), caption
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="a known fault, found here: `leantune sample` under a vram_budget cannot plan a loaded "
-                          "Qwen-Image-2.1 yet (with or without references): the activation probe meets the "
-                          "loaded model's host tensors ('Tensor on device meta is not on the expected device cpu'); "
-                          "`leantune plan --model qwen-image-2.1` plans the meta-built class")
-def test_the_samplers_plan_prices_the_prefix_cache_and_the_references(folder, monkeypatch):
-    """Under a VRAM budget, `leantune sample`'s plan for Qwen-Image-2.1 is asked for with the
+@pytest.mark.parametrize("n_refs", [0, 1])
+def test_the_samplers_plan_prices_the_prefix_cache_and_the_references(folder, monkeypatch, n_refs):
+    """Under a VRAM budget, `leantune sample`'s plan for a loaded Qwen-Image-2.1 is asked for with the
     references counted and the prefix caches' bytes (one cache per CFG half) as the family prices
-    them for the prompt's rows and the references' latent sizes."""
+    them for the prompt's rows and the references' latent sizes, and it plans: the activation probe
+    runs its meta copy of the loaded model (built with the family's meta class, planner/meta.py
+    _probe_class), as `leantune plan --model` runs the meta-built one."""
     from leantune.infer import run
     from leantune.infer.request import validate_request
     from leantune.models.family import get_family
@@ -925,8 +923,9 @@ def test_the_samplers_plan_prices_the_prefix_cache_and_the_references(folder, mo
     seen = []
     real = run.inference_workload
     monkeypatch.setattr(run, "inference_workload", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-    refs = [torch.zeros(1, 64, 4, 6)]
-    run.transformer_plan(request, transformer, torch.device("cpu"), 8 * 2**30, 1, 30, cfg=True, references=refs)
-    want = family.sampling.prefix_cache_bytes(dict(transformer.config), 2, 30, [(4, 6)], torch.float32)
-    assert seen and want > 0
-    assert all(w.prefix_cache_bytes == want and w.references == 1 for w in seen)
+    refs = [torch.zeros(1, 64, 4, 6)] * n_refs
+    plan, _ = run.transformer_plan(request, transformer, torch.device("cpu"), 8 * 2**30, 1, 30, cfg=True,
+                                   references=refs)
+    want = family.sampling.prefix_cache_bytes(dict(transformer.config), 2, 30, [(4, 6)] * n_refs, torch.float32)
+    assert seen and want > 0 and plan is not None
+    assert all(w.prefix_cache_bytes == want and w.references == n_refs for w in seen)

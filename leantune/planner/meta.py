@@ -93,10 +93,30 @@ def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list
         for v in spec.block_variants:
             if v.attr == attr:
                 cfg[v.config_key] = tuple(i for i, kind in enumerate(layout) if kind == v.kind)
-    copy = meta_from_config(type(model), cfg, dtype)
+    copy = meta_from_config(_probe_class(spec, model), cfg, dtype)
     for attr, extra in trailing.items():
         blocks = getattr(copy, attr)
         if extra and len(blocks) > extra:
             setattr(copy, attr, torch.nn.ModuleList(list(blocks)[:-extra]))
     return copy
 
+
+
+def _probe_class(spec, model: torch.nn.Module) -> type:
+    """The class the probe copy of `model` is built with: the family's meta class when it declares
+    one for `model`'s class (models/family.py meta_transformer_class), else `model`'s own.
+
+    A copy on meta has weights without values; a family whose forward reads values from its inputs
+    (Qwen-Image-2.1 reads its token layout from a host slot mask: qwen_image21/meta_model.py) runs
+    that forward only in its meta class. A loaded model is the library's class itself, so the copy
+    of a loaded model is built with the meta class too, or the probe of a loaded model would run a
+    forward that cannot run on meta while the meta-built one of `leantune plan --model` plans."""
+    from ..models.family import family_of_spec
+
+    cls = type(model)
+    try:
+        family = family_of_spec(spec)
+    except KeyError:             # a spec of no registered family: its model's class is the only one known
+        return cls
+    meta_cls = family.meta_transformer_class() if family.meta_transformer_class else None
+    return meta_cls if meta_cls is not None and issubclass(meta_cls, cls) else cls
