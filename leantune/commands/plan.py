@@ -72,6 +72,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "default: none with --model, the datasets' own with a config")
     p.add_argument("--vram", action="append", default=None, metavar="SIZE",
                    help='VRAM budget, e.g. 8GiB (a bare 8 is GiB), or "auto" (repeatable: one plan per budget)')
+    p.add_argument("--gpu", choices=_cards(), default=None, metavar="CARD",
+                   help="plan for this GPU instead of the one here (or the assumed RTX 4090 class): its memory, "
+                        "PCIe link and compute from its spec sheet (planner/cards.py); \"auto\" as --vram is all "
+                        "of its memory. One of: " + ", ".join(_cards()))
     p.add_argument("--ram", default=None, metavar="SIZE",
                    help="host RAM budget (default: available here minus a margin; unchecked when no GPU is here)")
     p.add_argument("--disk-dir", default=None, metavar="DIR",
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
         answer = load_answer(_question(args))
         if answer is not None:
-            return _replay(answer, args.json)
+            return _replay(answer, args.json, getattr(args, "gpu", None))
     if not keep:
         return _run(args)
     import contextlib
@@ -130,11 +134,16 @@ def _question(args: argparse.Namespace) -> dict:
     return {k: v for k, v in sorted(vars(args).items()) if not callable(v)}
 
 
-def _replay(answer: dict, as_json: bool) -> int:
-    """Print a kept answer with this machine's host RAM as it is now."""
+def _replay(answer: dict, as_json: bool, gpu: str | None = None) -> int:
+    """Print a kept answer with this machine's host RAM as it is now (`gpu`: the --gpu it was for)."""
     from ..planner.machine import assumed_machine
 
-    machine = assumed_machine()
+    if gpu:
+        from ..planner.cards import card_machine
+
+        machine = card_machine(gpu)
+    else:
+        machine = assumed_machine()
     kept = answer["machine"]
     if kept.get("disk_read"):                  # the disk tier's rate, as the answer was planned with
         from ..planner.machine import with_disk
@@ -168,7 +177,12 @@ def _run(args: argparse.Namespace, with_machine: bool = False):
 
     if bool(args.config) == bool(args.model):
         raise ConfigError(f"give either a config file or --model {'|'.join(sorted(MODELS))}")
-    machine = probe_machine()
+    if getattr(args, "gpu", None):
+        from ..planner.cards import card_machine
+
+        machine = card_machine(args.gpu)
+    else:
+        machine = probe_machine()
     if args.config:
         spec, source, build, workload, vram_values, ram_value, config_sets, disk_dir = _from_config(args)
     else:
@@ -577,3 +591,10 @@ def _print_text(results, format_plan, ranks, args, better) -> None:
                   if error.needed_vram else "infeasible: host RAM")
         for b in found:
             print(b.describe(plan.notes["predicted_step_s"] if plan is not None else None))
+
+
+def _cards() -> list[str]:
+    """The --gpu choices: the cards planner/cards.py knows (torch-free)."""
+    from ..planner.cards import CARDS
+
+    return list(CARDS)

@@ -59,12 +59,15 @@ class Machine:
     # was measured; None: no disk tier, every streamed block stays in host RAM.
     disk_read: float | None = None
     disk: str | None = None
+    # Where assumed rates come from (measured machines: unused): the one assumed card, or a named
+    # card's spec sheet (planner/cards.py, `leantune plan --gpu`).
+    assumed_from: str = "no GPU to measure"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        src = "measured" if self.measured else "assumed (no GPU to measure)"
+        src = "measured" if self.measured else f"assumed ({self.assumed_from})"
         vram = (f"{self.vram_free / GiB:.1f}/{self.vram_total / GiB:.1f} GiB free"
                 if self.vram_total else "VRAM unknown")
         return (f"{self.name}: {vram}, H2D {self.h2d_pinned / 1e9:.1f} GB/s pinned / "

@@ -67,7 +67,7 @@ def format_plan(plan: Plan) -> str:
                          f"{n['host_step_params'] / rate:.1f} s of CPU time per step, {cpu_step:.1f} s of it not "
                          f"hidden behind the GPU's backward")
         if not n.get("machine_measured", True):
-            lines.append("(rates assumed, not measured: no GPU here)")
+            lines.append(f"(rates assumed, not measured: {n.get('machine_assumed_from') or 'no GPU here'})")
     return "\n".join(lines)
 
 

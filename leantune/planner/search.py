@@ -364,6 +364,7 @@ class Planner(MemoryModel):
             "budget_ram": ram_limit,
             "machine": self.machine.describe(),
             "machine_measured": self.machine.measured,
+            "machine_assumed_from": None if self.machine.measured else self.machine.assumed_from,
             "workload": self.workload.describe(),
             "streamed_by_kind": _count_kinds(plan.streamed_blocks, self.weights),
             "total_blocks": len(self.weights.blocks),
