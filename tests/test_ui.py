@@ -468,10 +468,10 @@ def test_a_config_the_planner_declines_is_its_answer_not_an_error(tmp_path, monk
     """E.g. a mode the planner does not price yet: the page shows the planner's words as "not planned"."""
     from leantune.ui.app import create_app
 
-    def declines(config, vram, ram=None, stock=None):
+    def declines(config, vram, ram=None, stock=None, gpu=""):
         raise ConfigError("the planner does not plan this yet")
 
-    def cannot(config, vram, ram=None, stock=None):
+    def cannot(config, vram, ram=None, stock=None, gpu=""):
         raise ValueError("the planner cannot build a probe copy of a newfam model")
     monkeypatch.setattr(plan_answer, "plan_json", declines)
     plan = _endpoint(create_app(tmp_path / "runs", "t"), "/api/plan", "POST")
@@ -548,7 +548,8 @@ def test_the_plan_is_said_in_words_and_offers_the_smallest_budget(tmp_path, tiny
     assert fits["words"].startswith("the whole model stays on the GPU; ") and "for 1000 steps on" in fits["words"]
     assert fits["ram_budget_gib"] == 64 and fits["budget_gib"] == 1            # the bars' scales: the budgets
     assert fits["assumed_machine"] and fits["words"].endswith("this machine has no GPU, so a run here trains on the "
-                                                              "CPU, many times slower")
+                                                              "CPU, many times slower (choose your GPU under “Plan "
+                                                              "for GPU”)")
     monkeypatch.setattr(system, "gpus", lambda: [{"name": "GPU", "used": 0, "total": 2**34, "utilization": 0.0}])
     with_gpu = _endpoint(create_app(tmp_path / "runs2", "t"), "/api/plan", "POST")(fields)
     assert "no GPU" not in with_gpu["words"]
@@ -843,3 +844,28 @@ def test_the_dataset_view_gets_small_thumbnails_made_once_and_remade_when_the_im
     assert again.size == (64, 32) and again.getpixel((32, 16))[1] > 150
     with pytest.raises(dataset_view.OutsideRoots):
         thumb(str(_images(tmp_path / "elsewhere")), "a.png")
+
+
+@pytest.mark.slow
+def test_a_plan_for_the_gpu_the_user_names(tmp_path, monkeypatch):
+    """Plan for GPU (planner/cards.py): the stock model's plan takes the named card's speed and says
+    its name; "auto" is that card's memory; the config the run would get has no trace of it; a card
+    the page does not offer is named by its field."""
+    from leantune.ui import system
+    from leantune.ui.app import create_app
+    from leantune.ui.form import RunForm
+
+    monkeypatch.setattr(system, "gpus", lambda: [])
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "cache"))
+    plan = _endpoint(create_app(tmp_path / "runs", "t", [tmp_path]), "/api/plan", "POST")
+    stock = {**FIELDS, "model_path": "flux-schnell", "dataset": "", "resolutions": "512", "max_text_length": "256",
+             "vram_budget": "auto", "ram_budget": "128GiB", "steps": "1000"}
+    small, big = plan({**stock, "plan_gpu": "rtx3060-12gb"}), plan({**stock, "plan_gpu": "rtx4090"})
+    assert small["fits"] is True and big["fits"] is True, (small, big)
+    assert (small["budget_gib"], big["budget_gib"]) == (12, 24)
+    assert "on RTX 3060 12 GB (assumed)" in small["words"] and "on RTX 4090 24 GB (assumed)" in big["words"]
+    assert small["step_s"] > 3 * big["step_s"]                    # 25.6 against 165.2 TFLOP/s
+    assert "choose your GPU" not in small["words"]
+    assert "plan_gpu" not in RunForm.from_fields({**stock, "plan_gpu": "rtx3090"}, complete=False).to_toml()
+    with pytest.raises(ValueError, match="plan_gpu 'gtx1080': one of rtx3060-12gb"):
+        plan({**stock, "plan_gpu": "gtx1080"})

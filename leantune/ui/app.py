@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 
 from ..config import ConfigError
 from . import confine, dataset_view, guard, labels, launcher, links, plan_answer, queue, runs, sample_job, system
-from .form import RunForm, choices, families, presets
+from .form import RunForm, choices, families, gpu_cards, presets
 
 STATIC = Path(__file__).parent / "static"
 
@@ -122,6 +122,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 "timestep_sampling": choices("train", "timestep_sampling"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "base_format": _auto_first(choices("memory", "base_format")),
+                "plan_gpu": [{"value": "", "title": "this machine's GPU (none: an RTX 4090-class card)"}]
+                            + [{"value": k, "title": t} for k, t in gpu_cards().items()],
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),
                 "data_roots": [str(r) for r in roots], "stock_models": plan_answer.stock_models(),
                 "max_upload_bytes": dataset_view.MAX_UPLOAD_BYTES}
@@ -297,7 +299,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
         text = form.to_toml()
         ram, ram_words = plan_answer.ram_argument(form.ram_budget)
-        key = (text, ram)
+        key = (text, ram, form.plan_gpu)
         if key not in plans:
             stock = None
             if form.model_path.strip() in plan_answer.stock_models():
@@ -310,7 +312,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 except ConfigError as e:       # a key the config check refuses: an error, named without the temp path
                     raise ConfigError(str(e).replace(str(Path(tmp) / "config.toml"), "the config")) from None
                 try:
-                    answer = plan_answer.plan_json(None if stock else config, form.vram_budget.strip(), ram, stock)
+                    answer = plan_answer.plan_json(None if stock else config, form.vram_budget.strip(), ram, stock,
+                                                   gpu=form.plan_gpu)
                 except ValueError as e:        # ConfigError and the planner's refusals; the form passed
                     said = labels.on_field(plan_answer.page_words(str(e).replace(tmp, "(the form)")), form.extra_toml)
                     return {"fits": None, "planned": False, "message": "not planned: " + said["error"],
@@ -321,7 +324,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 summary["ram_budget_gib"] = parse_size(ram) / 2**30 if ram else None    # the host RAM bar's scale
                 if summary["fits"] and summary["assumed_machine"] and not system.gpus():
                     # the time is a GPU's: said so where the run would train on this machine's CPU
-                    summary["words"] += "; this machine has no GPU, so a run here trains on the CPU, many times slower"
+                    summary["words"] += ("; this machine has no GPU, so a run here trains on the CPU, many times "
+                                         "slower" + ("" if form.plan_gpu else " (choose your GPU under “Plan for GPU”)"))
                 plans[key] = summary
         return plans[key]
 

@@ -36,6 +36,13 @@ def choices(section: str, key: str) -> list[str]:
     return [str(v) for v in typing.get_args(model.model_fields[key].annotation)]
 
 
+def gpu_cards() -> dict[str, str]:
+    """The GPUs a plan can be made for without having one (planner/cards.py): key -> its name."""
+    from ..planner.cards import CARDS
+
+    return {key: card.title for key, card in CARDS.items()}
+
+
 def families() -> list[str]:
     """The model families the registry knows (models/family.py), imported or not."""
     from ..models import family
@@ -77,6 +84,7 @@ class RunForm:
     vram_budget: str = ""          # "" = no budget (everything on the GPU), "auto", or a size
     ram_budget: str = "auto"       # "auto" or "" = the config's default (available host RAM), or a size
     base_format: str = "auto"      # [memory] base_format: how the frozen base's block Linears are stored
+    plan_gpu: str = ""             # the page's plan only (no config key): a card of planner/cards.py, "" = this GPU
     save_every: int = 250
     log_every: int = 1             # the page's loss curve reads the step lines of train.log
     sample_every: int = 250
@@ -121,6 +129,8 @@ class RunForm:
                              ("base_format", choices("memory", "base_format"))):
             if getattr(self, key) not in allowed:
                 raise FormError(f"{key} {getattr(self, key)!r}: one of {', '.join(allowed)}")
+        if self.plan_gpu and self.plan_gpu not in gpu_cards():
+            raise FormError(f"plan_gpu {self.plan_gpu!r}: one of {', '.join(gpu_cards())}, or empty for this machine's GPU")
         if complete and not self.model_path.strip():
             raise FormError("model_path: give the model folder or single .safetensors file")
         if complete and not self.dataset.strip():

@@ -79,10 +79,12 @@ def ram_argument(ram: str | None) -> tuple[str, str]:
     return f"{n}B", f"host RAM: this machine's {size_text(n)} available to a run"
 
 
-def plan_json(config: Path | None, vram: str, ram: str | None = None, stock: dict | None = None) -> dict:
-    """The JSON `leantune plan CONFIG --vram VRAM [--ram RAM] --json` prints, or with `stock`
-    ({"model": "flux-dev", "mode", "rank", "resolutions", "text_length", "batch_size"}) the JSON of
-    `leantune plan --model ...`."""
+def plan_json(config: Path | None, vram: str, ram: str | None = None, stock: dict | None = None,
+              gpu: str = "") -> dict:
+    """The JSON `leantune plan CONFIG --vram VRAM [--ram RAM] [--gpu CARD] --json` prints, or with
+    `stock` ({"model": "flux-dev", "mode", "rank", "resolutions", "text_length", "batch_size"}) the
+    JSON of `leantune plan --model ...`; `gpu`: plan for that card (planner/cards.py), "" for the
+    GPU here."""
     from ..commands import plan as plan_command
 
     parser = argparse.ArgumentParser()
@@ -95,7 +97,7 @@ def plan_json(config: Path | None, vram: str, ram: str | None = None, stock: dic
         argv += ["--rank", str(stock["rank"])] if stock["mode"] == "lora" else []
         for r in stock["resolutions"]:
             argv += ["--resolution", str(r)]
-    argv += ["--vram", vram, "--json"] + (["--ram", ram] if ram else [])
+    argv += ["--vram", vram, "--json"] + (["--ram", ram] if ram else []) + (["--gpu", gpu] if gpu else [])
     args = parser.parse_args(argv)
     out = io.StringIO()
     with _LOCK, contextlib.redirect_stdout(out):
@@ -112,7 +114,7 @@ def size_text(n: float) -> str:
 # the planner's CLI words -> the page's fields (no advice may name a flag the page lacks)
 PAGE_WORDS = [("use --model with one of", "give the model as one of the stock names"), ("--model", "the model"),
               ("--mode", "the mode"), ("[memory] vram_budget", "the VRAM budget"), ("[memory] ram_budget", "the host RAM budget"),
-              ("--vram", "the VRAM budget"), ("--ram", "the host RAM budget"),
+              ("--vram", "the VRAM budget"), ("--ram", "the host RAM budget"), ("--gpu", "the GPU to plan for"),
               ("--resolution", "the resolutions"), ("--rank", "the LoRA rank"), ("--batch-size", "the batch size"),
               ("--text-length", "the text tokens"), ("[data] resolutions", "the resolutions"),
               ("[lora] rank", "the LoRA rank"), ("[data] batch_size", "the batch size"),

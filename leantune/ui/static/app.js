@@ -3,7 +3,7 @@ const $ = (id) => document.getElementById(id);
 const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
   "caption_dropout", "mask_folder", "mask_floor", "prior_folder", "prior_caption", "prior_loss", "prior_ratio", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "steps", "learning_rate",
   "optimizer", "lr_scheduler", "warmup_steps", "timestep_sampling", "seed", "save_every", "log_every",
-  "vram_budget", "ram_budget", "base_format", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
+  "vram_budget", "ram_budget", "plan_gpu", "base_format", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
   "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
 const CHOICES = ["family", "mode", "dtype", "mixed_precision", "base_format", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
 const STORE = "leantune-form";
@@ -858,6 +858,7 @@ async function init() {
   for (const k of CHOICES) {
     $(k).replaceChildren(...c[k].map((v) => el("option", {value: v}, v)));
   }
+  $("plan_gpu").replaceChildren(...c.plan_gpu.map((g) => el("option", {value: g.value}, g.title)));
   cfgFamilies = c.cfg_families;
   maxUpload = c.max_upload_bytes;
   $("s_family").append(...c.family.map((v) => el("option", {value: v}, v)));
