@@ -61,13 +61,32 @@ def text_images(images: list, family: ModelFamily) -> list | None:
     return images
 
 
+def check_first_frame(family: ModelFamily, sources, images: list, key: str = "references") -> None:
+    """For a family whose reference is a video's first frame (ReferenceConditioning.first_frame): a
+    model that takes one samples only with it, a model that does not refuses one; ConfigErrors
+    naming `key` and the model. Reads the model's configs only."""
+    if family.references is None or family.references.first_frame is None or sources is None:
+        return
+    model = getattr(sources, "transformer", None)
+    takes = family.references.takes_first_frame(sources)
+    if takes and not images:
+        raise ConfigError(f"{key}: {model} is an image-to-video model: every video starts from a first-frame "
+                          f"image; give it (--reference IMAGE, or references = [\"first.png\"])")
+    if images and not takes:
+        raise ConfigError(f"{key}: {model} is a text-to-video model; it takes no first-frame image; remove "
+                          f"{key} (or sample an image-to-video model)")
+
+
 @torch.no_grad()
-def reference_latents(vae, images: list, family: ModelFamily) -> list[torch.Tensor]:
+def reference_latents(vae, images: list, family: ModelFamily, *, width: int | None = None,
+                      height: int | None = None, frames: int = 1) -> list[torch.Tensor]:
     """One (1, C, h, w) latent tensor per reference, on the host, encoded as the family's pipeline
-    encodes references when it samples."""
+    encodes references when it samples; a first-frame reference (a video family's image-to-video
+    model) as the condition of a `frames`-frame sample of width x height."""
     if not images:
         return []
-    return [lat.to("cpu") for lat in family.references.sampling_latents(vae, images)]
+    sized = {} if family.references.first_frame is None else {"width": width, "height": height, "frames": frames}
+    return [lat.to("cpu") for lat in family.references.sampling_latents(vae, images, **sized)]
 
 
-__all__ = ["load_reference_images", "reference_latents", "text_images"]
+__all__ = ["check_first_frame", "load_reference_images", "reference_latents", "text_images"]

@@ -38,7 +38,7 @@ from ..models.family import get_family, loader_options
 from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
 from .encode import encode_prompts_stage, text_encoder_bytes
 from .images import format_loras, save_png
-from .references import load_reference_images, reference_latents, text_images
+from .references import check_first_frame, load_reference_images, reference_latents, text_images
 from .request import SampleRequest
 from .sampler import denoise, free_device_bytes
 
@@ -267,6 +267,7 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
     ref_paths = [request.resolve(p) for p in request.references]
     ref_images = load_reference_images(ref_paths, family)      # checked before any model is read
     components = components or FolderComponents(request)
+    check_first_frame(family, getattr(components, "sources", None), ref_images)   # an image-to-video model's
     result = SamplingResult(files=[])
 
     # Stage 1: encode every prompt (and the negative prompt under CFG); T5 runs block by block when
@@ -290,7 +291,8 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
     if ref_images:
         with _Stage("references", device, result):
             vae = components.vae(dtype, device)
-            references = reference_latents(vae, ref_images, family)
+            references = reference_latents(vae, ref_images, family, width=request.width, height=request.height,
+                                           frames=request.frames)
             del vae
             _release(device)
 

@@ -143,6 +143,18 @@ class ReferenceConditioning:
     text_sees_images: bool = False
     most: int = 1
     sampling_latents: Callable | None = None
+    # A video's first frame as the reference (Wan image-to-video, models/wan/i2v.py): `first_frame(sources)`
+    # says whether the model takes it (one that does samples only with it, one that does not refuses
+    # it); `sampling_latents(vae, images, width=, height=, frames=)` then builds the condition at the
+    # sample's size and length, datasets name no reference_path, and the caching phase stores each
+    # clip's condition as its one reference entry: `clip_condition(video vae, first frame (3, H, W)
+    # in [-1, 1], frames) -> (C', T', h, w)`. None: references are images of their own (an edit model)
+    first_frame: Callable | None = None
+    clip_condition: Callable | None = None
+
+    def takes_first_frame(self, sources) -> bool:
+        """Whether the model of `sources` is conditioned on a video's first frame."""
+        return self.first_frame is not None and sources is not None and bool(self.first_frame(sources))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, and Wan 2.1 T2V, the same classes; TI2V-5B and the
-image-to-video models are refused by name until their conditioning is built:
-loading.check_text_to_video): latents, the transformer call, sampling and the family's registration
+"""Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, I2V-A14B's (first-frame conditioning: wan/i2v.py), and
+Wan 2.1 T2V, the same classes; TI2V-5B and Wan 2.1 I2V's CLIP image embedding are refused by name
+until their conditioning is built: loading.check_text_to_video): latents, the transformer call, sampling and the family's registration
 (`wan2.2`). The spec is in wan/spec.py,
 loading in wan/loading.py, text encoding in wan/text.py, the two experts in wan/experts.py; this
 module imports them, none imports it.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from . import experts as wan_experts, loading as wan_loading, text as wan_text
+from . import experts as wan_experts, i2v as wan_i2v, loading as wan_loading, text as wan_text
 from .keys import recognizes_keys
 from .spec import WAN_SPEC
 from ..qwen_vae import QwenVAE
@@ -79,11 +79,13 @@ def model_time(sigma: torch.Tensor) -> torch.Tensor:
 
 
 def predict(transformer, noisy: torch.Tensor, sigma: torch.Tensor, embeds, latent_hw: tuple[int, int],
-            guidance=None) -> torch.Tensor:
+            guidance=None, references=None) -> torch.Tensor:
     """One transformer call: noisy latents (B, 16, F, h, w) at sigma (B,) -> the flow velocity in the
-    same layout. `guidance` is ignored: Wan has no guidance input."""
+    same layout. `guidance` is ignored: Wan has no guidance input. `references`: an image-to-video
+    model's first-frame condition [(1 or B, 20, F, h, w)], concatenated after the latents (wan/i2v.py)."""
     text = embeds.t5.to(device=noisy.device, dtype=noisy.dtype)
-    return transformer(hidden_states=noisy, timestep=model_time(sigma.to(noisy.device)), encoder_hidden_states=text,
+    hidden = wan_i2v.with_condition(noisy, references, transformer.config.in_channels)
+    return transformer(hidden_states=hidden, timestep=model_time(sigma.to(noisy.device)), encoder_hidden_states=text,
                        return_dict=False)[0]
 
 
@@ -162,6 +164,9 @@ def training_sigmas(sigma: torch.Tensor, sources, method: str, train_cfg) -> tor
     """The noise levels a step trains on: the trained expert's share of the drawn ones
     (experts.restrict_sigmas), or as drawn for a one-transformer model (and without sources: the
     simulated device's runs, which price memory only)."""
+    if sources is not None and sources.expert == "both":     # one expert per call (experts.one_expert_sigmas)
+        return wan_experts.one_expert_sigmas(sigma, sources.boundary_ratio, method,
+                                             sigmoid_scale=train_cfg.sigmoid_scale, shift=train_cfg.shift)
     chosen = None if sources is None else trained_expert(sources)
     if chosen is None:
         return sigma
@@ -181,7 +186,7 @@ def _loader(name: str):
 
 
 def _register():
-    from ..family import ModelFamily, Sampling, VideoLatents, register
+    from ..family import ModelFamily, ReferenceConditioning, Sampling, VideoLatents, register
 
     return register(ModelFamily(
         name=NAME, spec=WAN_SPEC,
@@ -195,11 +200,21 @@ def _register():
         sampling=Sampling(guidance="cfg", variant=lambda transformer: NAME, schedule=_schedule, timestep=_timestep,
                           cfg_batched=False),
         text_modules=wan_text.text_modules,
-        transformer_classes=(wan_loading.TRANSFORMER_CLASS, "WanExperts"), pipeline_classes=("WanPipeline",),
+        transformer_classes=(wan_loading.TRANSFORMER_CLASS, "WanExperts"),
+        pipeline_classes=("WanPipeline", wan_i2v.I2V_PIPELINE),
         recognizes_keys=recognizes_keys, text_rows=wan_text.text_rows, timestep_sampling="shift",
         text_width=lambda config: config.text_dim, training_sigmas=training_sigmas,
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=_loader("load_raw_vae"), fps=SAMPLE_FPS),
+        # an image-to-video model's first frame (wan/i2v.py); a text-to-video one takes no reference
+        references=ReferenceConditioning(size=_first_frame_size, most=1, sampling_latents=wan_i2v.sampling_condition,
+                                         first_frame=wan_i2v.takes_first_frame,
+                                         clip_condition=wan_i2v.clip_condition),
     ))
+
+
+def _first_frame_size(ref_width: int, ref_height: int, bucket) -> tuple[int, int]:
+    """An image-to-video model's first frame is a clip's own, at the clip's bucket."""
+    return tuple(bucket[:2])
 
 
 WAN = _register()

@@ -99,6 +99,10 @@ def resolve_sources(model_cfg, base_dir: Path) -> WanSources:
         raise LoadError(f"[model] expert = \"low\": {root} has no transformer_2/ folder (the low-noise expert); "
                         f"it is a one-transformer Wan: remove [model] expert, or point [model] path at a "
                         f"two-expert folder or at the low-noise expert's file")
+    if expert == "both" and (found["transformer_2"] is None or not root.is_dir()):
+        raise LoadError(f"[model] expert = \"both\": {root} is not a two-expert folder (a transformer_2/ folder, the "
+                        f"low-noise expert, beside transformer/); a one-transformer model trains as it is: remove "
+                        f"[model] expert, or point [model] path at a Wan 2.2 A14B folder")
     if found["transformer_2"] is not None and boundary is None and root.is_dir():
         raise LoadError(f"{root / 'model_index.json'}: a transformer_2/ folder but no boundary_ratio: the "
                         f"timestep at which WanPipeline switches experts is not known")
@@ -199,6 +203,13 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
     `quantize_modulation` change nothing."""
     from diffusers import WanTransformer3DModel
 
+    if expert is None and sources.expert == "both":      # both experts, each call on the one owning its timestep
+        from .experts import WanExperts
+
+        options = dict(dtype=dtype, device=device, keep_fp8=keep_fp8, fp8_modulation=fp8_modulation,
+                       quantize_fp8=quantize_fp8, quantize_modulation=quantize_modulation, trained=trained)
+        return WanExperts(load_transformer(sources, expert="high", **options),
+                          load_transformer(sources, expert="low", **options), boundary_ratio(sources))
     src = expert_source(sources, expert)
     config, files, ops, source_name = _layout(src)
     check_text_to_video(config, src)
@@ -219,22 +230,25 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
 
 
 def check_text_to_video(config: dict, src: Path) -> None:
-    """The family trains and samples Wan's 16-channel text-to-video transformers (Wan 2.2 T2V-A14B's
-    experts, Wan 2.1 T2V). TI2V-5B (48 latent channels of the Wan 2.2 VAE, per-token timesteps) and
-    the image-to-video models (36 input channels: the noisy latents and the first frame's
-    condition, Wan 2.1 I2V's image embedder too) need conditioning this family does not build yet:
-    refused by name rather than trained as something they are not."""
+    """The family trains and samples Wan's 16-channel transformers: the text-to-video ones (Wan 2.2
+    T2V-A14B's experts, Wan 2.1 T2V) and the image-to-video ones without an image embedder (Wan 2.2
+    I2V-A14B's experts: 36 input channels, the noisy latents and the first frame's condition,
+    wan/i2v.py). TI2V-5B (48 latent channels of the Wan 2.2 VAE, per-token timesteps) and Wan 2.1
+    I2V (the same first-frame condition, and a CLIP image embedding its cross-attention reads, whose
+    encoder is not loaded here) need conditioning this family does not build yet: refused by name
+    rather than trained as something they are not."""
     channels = (config.get("in_channels"), config.get("out_channels"))
     if channels == (48, 48):
         raise LoadError(f"{src}: a Wan 2.2 TI2V-5B transformer (48 latent channels): family \"wan2.2\" reads the "
-                        f"16-channel text-to-video models (T2V-A14B, Wan 2.1 T2V) only, for now")
-    if channels[0] == I2V_IN_CHANNELS or config.get("image_dim") is not None:
-        raise LoadError(f"{src}: a Wan image-to-video transformer ({channels[0]} input channels"
-                        f"{', an image embedder' if config.get('image_dim') is not None else ''}): its first-frame "
-                        f"conditioning is not built yet; family \"wan2.2\" reads the text-to-video models")
-    if channels != (16, 16):
+                        f"16-channel text-to-video and image-to-video models (T2V-A14B, I2V-A14B, Wan 2.1 T2V) only, "
+                        f"for now")
+    if config.get("image_dim") is not None:
+        raise LoadError(f"{src}: a Wan image-to-video transformer with an image embedder (image_dim = "
+                        f"{config.get('image_dim')}: Wan 2.1 I2V's CLIP image embedding); that embedding is not built "
+                        f"yet; family \"wan2.2\" reads the image-to-video models without one (Wan 2.2 I2V-A14B)")
+    if channels not in ((16, 16), (I2V_IN_CHANNELS, 16)):
         raise LoadError(f"{src}: a Wan transformer of {channels[0]} input / {channels[1]} output channels, not the "
-                        f"16 of the Wan 2.1 VAE's latents")
+                        f"16 of the Wan 2.1 VAE's latents (or 36 of an image-to-video model's latents and condition)")
 
 
 def describe(transformer) -> str:
