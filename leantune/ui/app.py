@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 
 from ..config import ConfigError
 from . import confine, dataset_view, guard, labels, launcher, links, plan_answer, queue, runs, sample_job, system
-from .form import RunForm, choices, families, gpu_cards, presets
+from .form import FormError, RunForm, choices, families, gpu_cards, presets
 
 STATIC = Path(__file__).parent / "static"
 
@@ -129,10 +129,16 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 "max_upload_bytes": dataset_view.MAX_UPLOAD_BYTES}
 
     @app.get("/api/dataset")
-    def get_dataset(path: str, min_resolution: int | None = None):
+    def get_dataset(path: str, min_resolution: int | None = None, target_fps: float | None = None,
+                    max_frames: int | None = None):
+        """The dataset view; a clip's trained frames at the form's clip frame rate and longest clip."""
         with on_form(default="dataset"):
+            if target_fps is not None and not target_fps > 0:
+                raise FormError(f"target_fps: a frame rate above 0, got {target_fps:g}")
+            if max_frames is not None and max_frames < 1:
+                raise FormError(f"max_frames: at least 1 frame, got {max_frames}")
             return {"folder": str(dataset_view.folder_of(path, roots)),
-                    "images": dataset_view.scan(path, min_resolution, roots)}
+                    "images": dataset_view.scan(path, min_resolution, roots, target_fps, max_frames)}
 
     @app.post("/api/tokens")
     def post_tokens(body: dict):

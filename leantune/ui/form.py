@@ -73,6 +73,8 @@ class RunForm:
     resolutions: list[int] = field(default_factory=lambda: [1024])
     batch_size: int = 1
     max_text_length: int = 512
+    target_fps: float = 16.0       # [data] target_fps: the rate clips are resampled to (a video family)
+    max_frames: int = 81           # [data] max_frames: the longest clip window trained (4k+1 frames)
     steps: int = 1000
     learning_rate: float = 1e-4
     optimizer: str = "adamw"
@@ -93,6 +95,7 @@ class RunForm:
     sample_size: int = 1024
     sample_guidance: float = 3.5
     sample_seed: int = 0
+    sample_frames: int = 0         # [sample] frames of a video family's samples (0: [data] max_frames)
     ema: str = "off"               # [ema] enabled: "on" / "off"
     ema_decay: float = 0.999       # [ema] decay
     validation_fraction: float = 0.0   # [validation] fraction of the images held out (0 = no validation)
@@ -131,6 +134,7 @@ class RunForm:
                 raise FormError(f"{key} {getattr(self, key)!r}: one of {', '.join(allowed)}")
         if self.plan_gpu and self.plan_gpu not in gpu_cards():
             raise FormError(f"plan_gpu {self.plan_gpu!r}: one of {', '.join(gpu_cards())}, or empty for this machine's GPU")
+        self._check_video()
         if complete and not self.model_path.strip():
             raise FormError("model_path: give the model folder or single .safetensors file")
         if complete and not self.dataset.strip():
@@ -147,6 +151,16 @@ class RunForm:
             raise FormError("resolutions: give at least one")
         if not self.learning_rate > 0:
             raise FormError(f"learning_rate: must be > 0, got {self.learning_rate}")
+
+    def _check_video(self) -> None:
+        """The video fields, named as the page names them (the config checks the frame counts
+        against the family's VAE: 4k+1)."""
+        if not self.target_fps > 0:
+            raise FormError(f"target_fps: a frame rate above 0, got {self.target_fps:g}")
+        if self.max_frames < 1:
+            raise FormError(f"max_frames: at least 1 frame, got {self.max_frames}")
+        if self.sample_frames < 0:
+            raise FormError(f"sample_frames: 0 (the longest clip's frames) or a frame count, got {self.sample_frames}")
 
     def _check_recipe(self) -> None:
         """The recipe options' fields (masks, priors, EMA, validation), named as the page names them;
@@ -203,11 +217,23 @@ class RunForm:
             cfg["sample"] = {"every": self.sample_every, "prompts": list(self.sample_prompts),
                              "steps": self.sample_steps, "width": self.sample_size, "height": self.sample_size,
                              "guidance": self.sample_guidance, "seed": self.sample_seed}
+        self._video_into(cfg)
         merge(cfg, self.extra())
         for key in ("dir", "name"):            # the page finds its runs by these
             if cfg["output"][key] != ("run" if key == "dir" else self.name):
                 raise FormError(f"extra_toml: [output] {key} is set by the page (the run's name and folder)")
         return cfg
+
+    def _video_into(self, cfg: dict) -> None:
+        """The video fields as [data] / [sample] keys, each only when it differs from the config's
+        default, so an image run's TOML is the one it was before these fields existed."""
+        from ..config import DataConfig
+
+        for key in ("target_fps", "max_frames"):
+            if getattr(self, key) != DataConfig.model_fields[key].default:
+                cfg["data"][key] = getattr(self, key)
+        if self.sample_frames and "sample" in cfg:
+            cfg["sample"]["frames"] = self.sample_frames
 
     def _recipe_into(self, cfg: dict) -> None:
         """The recipe options' fields as config keys; each only when set, so a form left at its
@@ -298,7 +324,8 @@ class RunForm:
                              "the extra TOML, which replaces the field's dataset")
                 rest.setdefault("data", {})["datasets"] = datasets
         for key, field_name in (("resolutions", "resolutions"), ("batch_size", "batch_size"),
-                                ("max_text_length", "max_text_length")):
+                                ("max_text_length", "max_text_length"), ("target_fps", "target_fps"),
+                                ("max_frames", "max_frames")):
             take("data", key, field_name)
         if isinstance(rest.get("data"), dict) and rest["data"].get("cache_dir") == "cache":
             take("data", "cache_dir", "_")             # what the form writes anyway
@@ -312,7 +339,7 @@ class RunForm:
         take("memory", "ram_budget", "ram_budget")
         take("memory", "base_format", "base_format")
         for key, field_name in (("every", "sample_every"), ("prompts", "sample_prompts"), ("steps", "sample_steps"),
-                                ("guidance", "sample_guidance"), ("seed", "sample_seed")):
+                                ("guidance", "sample_guidance"), ("seed", "sample_seed"), ("frames", "sample_frames")):
             take("sample", key, field_name)
         sample = rest.get("sample", {})
         if isinstance(sample, dict) and "width" in sample and sample.get("width") == sample.get("height"):

@@ -24,6 +24,7 @@ RUN_FIELDS = {
     "model.path": "model_path", "model.family": "family", "model.dtype": "dtype",
     "data.resolutions": "resolutions", "data.batch_size": "batch_size", "data.max_text_length": "max_text_length",
     "data.prior_loss": "prior_loss", "data.prior_ratio": "prior_ratio",
+    "data.target_fps": "target_fps", "data.max_frames": "max_frames", "sample.frames": "sample_frames",
     "lora.rank": "rank", "lora.targets": "lora_targets", "lora.type": "lora_type",
     "train.mode": "mode", "train.steps": "steps", "train.learning_rate": "learning_rate",
     "train.optimizer": "optimizer", "train.lr_scheduler": "lr_scheduler", "train.warmup_steps": "warmup_steps",
@@ -45,7 +46,7 @@ DATASET_FIELDS = {1: {"path": "dataset", "trigger_word": "trigger_word", "repeat
 SAMPLE_FIELDS = {"model_path": "s_model", "family": "s_family", "prompts": "s_prompts",
                  "negative_prompt": "s_negative", "seed": "s_seed", "steps": "s_steps", "guidance": "s_guidance",
                  "width": "s_width", "height": "s_height", "vram": "s_vram", "loras": "s_loras",
-                 "text_length": "s_text_length", "dtype": "s_dtype"}
+                 "text_length": "s_text_length", "dtype": "s_dtype", "frames": "s_frames"}
 # the dataset view's own controls (no part of the run form) its routes' messages name
 DATASET_TOOLS = ("caption_model", "caption_prompt", "caption_op", "caption_text", "caption_find")
 EXTRA = "extra_toml"

@@ -41,7 +41,7 @@ def model_family(model: str) -> str | None:
 def command(fields: dict, out: Path) -> list[str]:
     """`leantune sample` arguments from the form: model, family (blank: from the model), prompts,
     negative prompt (families with classifier-free guidance only), seed, steps, guidance, size,
-    LoRAs ("file:strength" lines) and a VRAM budget."""
+    LoRAs ("file:strength" lines), a VRAM budget and, for a video family, the frames per sample."""
     from .form import FormError, families
 
     model = str(fields.get("model_path", "")).strip()
@@ -66,7 +66,7 @@ def command(fields: dict, out: Path) -> list[str]:
                             f"negative prompt; leave it empty")
         cmd += ["--negative-prompt", negative]
     for key, flag, kind in (("seed", "--seed", int), ("steps", "--steps", int), ("guidance", "--guidance", float),
-                            ("width", "--width", int), ("height", "--height", int)):
+                            ("width", "--width", int), ("height", "--height", int), ("frames", "--frames", int)):
         value = fields.get(key)
         if value not in (None, ""):
             try:
@@ -110,6 +110,7 @@ def run_fields(folder: Path) -> dict:
               "text_length": cfg.data.max_text_length, "prompts": "\n".join(cfg.sample.prompts),
               "negative_prompt": cfg.sample.negative_prompt, "seed": cfg.sample.seed, "steps": cfg.sample.steps,
               "guidance": cfg.sample.guidance, "width": cfg.sample.width, "height": cfg.sample.height,
+              "frames": cfg.sample.frames or "",
               "loras": f"{folder / runs.RUN_DIR / newest}:1.0" if newest and cfg.train.mode == "lora" else ""}
     if cfg.train.mode == "full" and final:
         fields["model_path"] = str(folder / runs.RUN_DIR / final[-1])      # a full fine-tune samples its own model
@@ -135,9 +136,10 @@ def start(runs_dir: Path, fields: dict) -> dict:
 def result(runs_dir: Path, job: int) -> dict:
     out = runs_dir / SAMPLES_DIR / str(int(job))
     images = sorted(p.name for p in out.glob("*.png")) if out.is_dir() else []
+    videos = sorted(p.name for p in out.glob("*.mp4")) if out.is_dir() else []       # a video family's samples
     try:
         console = "\n".join((out / "console.log").read_text(errors="replace").splitlines()[-20:])
     except OSError:
         console = ""
     running = launcher.alive(out)
-    return {"job": job, "images": images, "console": console, "running": running}
+    return {"job": job, "images": images, "videos": videos, "console": console, "running": running}

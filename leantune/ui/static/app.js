@@ -1,15 +1,15 @@
 // The leantune page: plain DOM calls over the /api routes of leantune/ui/app.py.
 const $ = (id) => document.getElementById(id);
 const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
-  "caption_dropout", "mask_folder", "mask_floor", "prior_folder", "prior_caption", "prior_loss", "prior_ratio", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "steps", "learning_rate",
+  "caption_dropout", "mask_folder", "mask_floor", "prior_folder", "prior_caption", "prior_loss", "prior_ratio", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "target_fps", "max_frames", "steps", "learning_rate",
   "optimizer", "lr_scheduler", "warmup_steps", "timestep_sampling", "seed", "save_every", "log_every",
   "vram_budget", "ram_budget", "plan_gpu", "base_format", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
-  "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
+  "sample_frames", "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
 const CHOICES = ["family", "mode", "dtype", "mixed_precision", "base_format", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
 const STORE = "leantune-form";
 // the fields outside the run form a reload keeps as well (the caption writer, the Sample form)
 const KEPT = ["caption_model", "caption_prompt", "s_model", "s_family", "s_prompts", "s_negative", "s_seed", "s_steps",
-  "s_guidance", "s_width", "s_height", "s_vram", "s_text_length", "s_dtype", "s_loras"];
+  "s_guidance", "s_width", "s_height", "s_vram", "s_text_length", "s_dtype", "s_loras", "s_frames"];
 let watching = null, events = null;
 // the session secret the server put in the page: every change carries it in a header, which no other
 // site's page can set (the server refuses changes without it)
@@ -140,7 +140,9 @@ async function loadDatasetNow(path, focus) {
   // (typed, imported or kept from before), never from the default they have not chosen yet
   const res = resolutionsChosen() ? Math.min(...$("resolutions").value.split(/[ ,]+/).filter(Boolean).map(Number)) || 0 : 0;
   try {
-    const data = await api("GET", `/api/dataset?path=${encodeURIComponent(path)}` + (res ? `&min_resolution=${res}` : ""));
+    const fps = Number($("target_fps").value), frames = Number($("max_frames").value);    // a clip's trained frames
+    const data = await api("GET", `/api/dataset?path=${encodeURIComponent(path)}` + (res ? `&min_resolution=${res}` : "") +
+                           (fps > 0 ? `&target_fps=${fps}` : "") + (frames >= 1 ? `&max_frames=${frames}` : ""));
     const grid = $("grid");
     grid.replaceChildren();
     let warned = 0;
@@ -702,7 +704,7 @@ async function sample() {
     negative_prompt: $("s_negative_label").hidden ? "" : $("s_negative").value, seed: $("s_seed").value,
     steps: $("s_steps").value, guidance: $("s_guidance").value, width: $("s_width").value,
     height: $("s_height").value, vram: $("s_vram").value, loras: $("s_loras").value,
-    text_length: $("s_text_length").value, dtype: $("s_dtype").value};
+    text_length: $("s_text_length").value, dtype: $("s_dtype").value, frames: $("s_frames").value};
   const button = $("sample");
   if (button.disabled) return;
   button.disabled = true; button.textContent = "Sampling…"; button.setAttribute("aria-busy", "true");
@@ -714,7 +716,9 @@ async function sample() {
       try {
         const r = await api("GET", `/api/sample/${job.job}`);
         $("sample-console").textContent = r.console;
-        $("sample-images").replaceChildren(...r.images.map((f) => el("img", {src: `/api/sample/${job.job}/${f}`, alt: `sample ${f}`})));
+        $("sample-images").replaceChildren(...r.images.map((f) => el("img", {src: `/api/sample/${job.job}/${f}`, alt: `sample ${f}`})),
+          ...(r.videos || []).map((f) => el("video", {src: `/api/sample/${job.job}/${f}`, controls: true, loop: true,
+                                                      playsInline: true, ariaLabel: `sample video ${f}`})));
         if (r.running) setTimeout(poll, 1000); else done();
       } catch (e) { $("sample-console").textContent = e.message; done(); }
     };
@@ -728,7 +732,8 @@ async function sampleRun() {
     const f = await api("GET", `/api/runs/${encodeURIComponent(name)}/sample-fields`);
     const map = {s_model: "model_path", s_family: "family", s_dtype: "dtype", s_text_length: "text_length",
                  s_prompts: "prompts", s_negative: "negative_prompt", s_seed: "seed", s_steps: "steps",
-                 s_guidance: "guidance", s_width: "width", s_height: "height", s_loras: "loras"};
+                 s_guidance: "guidance", s_width: "width", s_height: "height", s_loras: "loras",
+                 s_frames: "frames"};
     for (const [id, key] of Object.entries(map)) $(id).value = f[key] ?? "";
     saveKept();
     sampleFamilyChanged();
@@ -809,6 +814,8 @@ async function init() {
   }
   for (const k of KEPT) { $(k).addEventListener("input", saveKept); $(k).addEventListener("change", saveKept); }
   $("dataset").addEventListener("change", () => { if ($("dataset").value.trim()) loadDataset(false); });
+  for (const k of ["target_fps", "max_frames"])          // a clip's trained frames depend on them
+    $(k).addEventListener("change", () => { if ($("dataset").value.trim()) loadDataset(false); });
   for (const a of document.querySelectorAll("#nav a")) {
     a.addEventListener("click", (ev) => { ev.preventDefault(); openSection(a.dataset.section); });
   }
