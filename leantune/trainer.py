@@ -335,7 +335,7 @@ def _autocast(cfg: RunConfig, device: torch.device):
 
 def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     from .config import parse_size
-    from .data.cache import model_dtype, prepare_caches, sample_prompts, sample_references
+    from .data.cache import model_dtype, prepare_caches, sample_prompts, sample_references, sample_shape
     dist = dist or DistContext()
     family = get_family(cfg.model.family)
     device = dist.device or pick_device(cfg)      # the Accelerator's device (cuda:LOCAL_RANK on several GPUs)
@@ -345,7 +345,8 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     data = dist.main_first(lambda: prepare_caches(cfg.data, cfg.model, cfg.base_dir, device, dtype,
                                                   extra_prompts=sample_prompts(cfg.sample),
                                                   sample_references=sample_references(cfg.sample),
-                                                  ram_budget=ram_budget, validation=cfg.validation))
+                                                  ram_budget=ram_budget, validation=cfg.validation,
+                                                  sample_shape=sample_shape(cfg.sample, cfg.data)))
     # (filled once, then read by all)
     sources = family.resolve_sources(cfg.model, Path(cfg.base_dir))
     mode = make_mode(cfg, dist)

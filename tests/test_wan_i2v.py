@@ -98,7 +98,7 @@ def first_png(tmp_path_factory):
 def _sources(folder):
     from leantune.config import ModelConfig
 
-    return FAM.resolve_sources(ModelConfig(path=str(folder), family="wan2.2", dtype="fp32", expert="high"), folder)
+    return FAM.resolve_sources(ModelConfig(path=str(folder), family="wan2.2", dtype="fp32"), folder)
 
 
 # -- the condition --------------------------------------------------------------------------------
@@ -283,3 +283,162 @@ def test_both_experts_sample_the_pipelines_latents(two_experts, first_png):
     assert calls == pipe_calls
     assert got.shape == want.shape == (1, 16, 2, HEIGHT // 8, SIDE // 8)
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+# -- training ---------------------------------------------------------------------------------------
+
+CLIP_FRAMES, FPS = 9, 16                 # 9 frames -> 3 latent frames of 8 x 8
+
+RUN = """
+[model]
+family = "wan2.2"
+path = "{folder}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "{cache}"
+max_text_length = 32
+target_fps = 16
+max_frames = 9
+
+[[data.datasets]]
+path = "{media}"
+
+[lora]
+rank = 4
+alpha = 4
+
+[train]
+steps = 2
+learning_rate = 1e-3
+mixed_precision = "no"
+seed = 3
+
+[output]
+dir = "{out}"
+name = "i2v"
+formats = ["diffusers"]
+"""
+
+
+def _clip_frames(kind: int) -> np.ndarray:
+    out = np.empty((CLIP_FRAMES, SIDE, SIDE, 3), np.uint8)
+    for i in range(CLIP_FRAMES):
+        out[i] = (30, 60, 200) if kind == 0 else (200, 60, 30)
+        x = 4 + 5 * i
+        if kind == 0:
+            out[i, 24:40, x:x + 16] = 250
+        else:
+            out[i, x:x + 16, 24:40] = 250
+    return out
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """data/: two captioned clips and a captioned still image."""
+    from PIL import Image
+
+    from leantune.data.video_write import write_mp4
+
+    d = tmp_path_factory.mktemp("media") / "data"
+    d.mkdir()
+    for i, caption in enumerate(("a square moving right", "a square moving down")):
+        write_mp4(d / f"clip{i}.mp4", _clip_frames(i), FPS)
+        (d / f"clip{i}.txt").write_text(caption)
+    Image.fromarray(_clip_frames(0)[4]).save(d / "still.png")
+    (d / "still.txt").write_text("a square standing still")
+    return d
+
+
+def _config(tmp_path, folder, media, name: str, extra: str = ""):
+    from leantune.config import load_config
+
+    path = tmp_path / f"{name}.toml"
+    path.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / name) + extra)
+    return load_config(path)
+
+
+def _prepare(cfg, **kw):
+    from leantune.data import cache
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = cache.prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32, **kw)
+    return data, [str(w.message) for w in caught]
+
+
+def test_clip_conditions_are_cached_keyed_apart_and_fed_to_the_forward(tmp_path, folder, t2v_folder, media):
+    """An image-to-video run caches each clip's condition from the clip's own first frame (the
+    pipeline's prepare_latents of that frame at the clip's length), as an entry of its own kind;
+    the still is skipped by name; a text-to-video run over the same clips (one cache folder) has
+    no such entry and its batches no condition. The trainer's forward feeds the transformer
+    [noisy latents, condition] as the pipeline's denoising step does."""
+    from types import SimpleNamespace
+
+    from leantune.data import cache
+    from leantune.data.video_vae import iter_clip_frames
+    from leantune.trainer import forward_backward
+
+    t2v, _ = _prepare(_config(tmp_path, t2v_folder, media, "t2v"))
+    assert all(not s.reference_keys for s in t2v.samples) and "first_frames" not in t2v.stats
+    cfg = _config(tmp_path, folder, media, "i2v")
+    data, said = _prepare(cfg)
+    assert any(re.search(r"image-to-video.*1 still image\(s\) skipped: .*still\.png", w) for w in said), said
+    clips = data.samples
+    assert len(clips) == 2 and all(isinstance(s, cache.ClipSample) and len(s.reference_keys) == 1 for s in clips)
+    assert data.stats["first_frames"].misses == 2
+    # the conditions' keys are none of the clips' latent entries (the t2v run's included)
+    assert not {s.reference_keys[0] for s in clips} & {s.latent_key for s in clips + t2v.samples}
+
+    pipe = i2v_pipeline(experts=1)
+    for s in clips:
+        entry = data.latent_entry(s.reference_keys[0])
+        first = next(iter_clip_frames(s.item.path, target_fps=FPS, num_frames=1, size=(SIDE, SIDE)))
+        _, want = pipe.prepare_latents(first[None], 1, 16, SIDE, SIDE, CLIP_FRAMES, torch.float32, "cpu",
+                                       torch.Generator().manual_seed(0))
+        assert entry.shape == (20, 3, 8, 8) and entry.dtype == cache.STORE_DTYPE
+        assert torch.equal(entry, want[0].to(cache.STORE_DTYPE))
+    again, _ = _prepare(cfg)
+    assert (again.stats["first_frames"].hits, again.stats["first_frames"].misses) == (2, 0)
+
+    batch = next(data.batches(seed=0))
+    assert batch.latents.shape == (2, 16, 3, 8, 8) and batch.references[0].shape == (2, 20, 3, 8, 8)
+    transformer = FAM.load_transformer(_sources(folder), torch.float32)
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].detach()), with_kwargs=True)
+    t = SimpleNamespace(device=torch.device("cpu"), generator=torch.Generator().manual_seed(0), sources=_sources(folder),
+                        transformer=transformer, dtype=torch.float32, mode=None, last_bucket=None)
+    loss = forward_backward(t, cfg, batch)
+    assert np.isfinite(loss) and seen[0].shape == (2, 36, 3, 8, 8)
+    assert torch.equal(seen[0][:, 16:], batch.references[0].float())   # the condition after the noisy latents
+    assert not torch.equal(seen[0][:, :16], batch.latents)              # the noisy latents first
+
+
+def test_an_i2v_run_samples_from_its_first_frame_and_needs_one(tmp_path, folder, media, first_png):
+    """Two LoRA steps and a 5-frame sample during training from [sample] references' first frame
+    (cached as the condition at the samples' width x height x frames); an image-to-video run that
+    samples without a first frame is refused naming [sample] references."""
+    from leantune.data.dataset import DataError
+    from leantune.models.wan import i2v
+    from leantune.trainer import train
+    from PIL import Image
+
+    with pytest.raises(DataError, match=r"\[sample\] references: .* is an image-to-video model"):
+        _prepare(_config(tmp_path, folder, media, "no-first", '\n[sample]\nprompts = ["a square"]\n'),
+                 sample_references=[], sample_shape=(SIDE, HEIGHT, FRAMES))
+    extra = (f'\n[sample]\nevery = 2\nsteps = 2\nguidance = 4.0\nwidth = {SIDE}\nheight = {HEIGHT}\nframes = {FRAMES}\n'
+             f'prompts = ["a square"]\nreferences = ["{first_png}"]\n')
+    cfg = _config(tmp_path, folder, media, "sampled", extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(cfg, progress=False)
+    (mp4,) = result.sample_files
+    assert mp4.suffix == ".mp4" and mp4.is_file()
+    data, _ = _prepare(cfg, sample_references=[str(first_png)], sample_shape=(SIDE, HEIGHT, FRAMES))
+    (cond,) = data.sample_reference_latents()
+    vae = FAM.load_vae(_sources(folder), torch.float32, "cpu")
+    (want,) = i2v.sampling_condition(vae, [Image.open(first_png).convert("RGB")], width=SIDE, height=HEIGHT,
+                                     frames=FRAMES)
+    assert torch.equal(cond, want.to(cond.dtype))

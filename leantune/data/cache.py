@@ -426,7 +426,7 @@ def _encode_clip_entry(vae, item: VideoItem, bucket: ClipBucket, target_fps, sta
 
 def fill_clip_latents(jobs: dict[str, tuple[VideoItem, ClipBucket]], folder: Path, sources, dtype, device,
                       load_vae: Callable, target_fps, shape: Callable[[ClipBucket], tuple], start_s: float = 0.0,
-                      encode: Callable = _encode_clip_entry) -> tuple[CacheStats, set[str]]:
+                      encode: Callable = _encode_clip_entry, kind: str = "clip-latent") -> tuple[CacheStats, set[str]]:
     """Encode every missing or corrupt clip entry; (stats, keys of clips that failed to decode).
 
     The VAE is loaded only when an entry is missing. A clip that probed fine but fails while its
@@ -465,7 +465,7 @@ def fill_clip_latents(jobs: dict[str, tuple[VideoItem, ClipBucket]], folder: Pat
                 failed[key] = str(e)
                 continue
             save_safetensors({"latent": latent.to(STORE_DTYPE)}, folder / f"{key}.safetensors",
-                             {"format": FORMAT_VERSION, "kind": "clip-latent", "key": key,
+                             {"format": FORMAT_VERSION, "kind": kind, "key": key,
                               "bucket": "x".join(str(v) for v in bucket), "target_fps": _rate(target_fps),
                               "source": str(item.path)})
     finally:
@@ -647,13 +647,16 @@ def sample_reference_images(paths: Sequence[str] | None, items: list[ImageItem],
     return tuple(out)
 
 
-def _sampling_reference_key(ref, vae_id: str, dtype: torch.dtype) -> str:
-    """A sample reference's latent entry: encoded as the family's pipeline samples, not at a bucket."""
+def _sampling_reference_key(ref, vae_id: str, dtype: torch.dtype, shape: tuple | None = None) -> str:
+    """A sample reference's latent entry: encoded as the family's pipeline samples, not at a bucket
+    (a first frame's condition at the samples' (width, height, frames), `shape`)."""
+    if shape is not None:
+        return _digest("sampling-first-frame", ref.sha256, list(shape), vae_id, str(dtype))
     return _digest("sampling-reference", ref.sha256, vae_id, str(dtype))
 
 
 def _fill_sampling_references(refs: tuple, keys: list[str], folder: Path, sources, dtype, device,
-                              load_vae: Callable, family: ModelFamily) -> None:
+                              load_vae: Callable, family: ModelFamily, shape: tuple | None = None) -> None:
     """Encode the sample references the family's way (ReferenceConditioning.sampling_latents) once;
     later runs read them from the cache."""
     todo = [(r, k) for r, k in zip(refs, keys) if not (folder / f"{k}.safetensors").exists()]
@@ -663,7 +666,8 @@ def _fill_sampling_references(refs: tuple, keys: list[str], folder: Path, source
     vae = load_vae(sources, dtype, device)
     try:
         for ref, key in todo:
-            (latent,) = family.references.sampling_latents(vae, [load_image(ref.path, family.rgba)])  # (1, C, h, w)
+            sized = {} if shape is None else dict(zip(("width", "height", "frames"), shape))   # a first frame's
+            (latent,) = family.references.sampling_latents(vae, [load_image(ref.path, family.rgba)], **sized)  # (1, C, h, w)
             save_safetensors({"latent": latent[0].to(STORE_DTYPE)}, folder / f"{key}.safetensors",
                              {"format": FORMAT_VERSION, "kind": "latent", "key": key, "source": str(ref.path)})
     finally:
@@ -699,11 +703,77 @@ def _warn_split_batches(data: "CachedData") -> None:
                   DataWarning, stacklevel=3)
 
 
+def sample_shape(sample_cfg, data_cfg) -> tuple[int, int, int]:
+    """(width, height, frames) of a run's samples, what `prepare_caches` is given as `sample_shape`:
+    [sample] frames, unset: [data] max_frames (the length a video family trains at)."""
+    frames = getattr(sample_cfg, "frames", None)
+    frames = getattr(data_cfg, "max_frames", None) if frames is None else frames
+    return (sample_cfg.width, sample_cfg.height, frames or 1)
+
+
+def first_frame_key(latent_key_: str) -> str:
+    """A clip's first-frame condition entry (an image-to-video model's), beside its latent entry
+    `latent_key_` (which holds everything that determines the clip's frames): a kind of its own, so
+    neither a clip's latents nor a text-to-video run's entry is ever read as a condition."""
+    return _digest("clip-first-frame", latent_key_)
+
+
+def first_frame_jobs(samples: list, clip_list: list, clip_jobs: dict, data_cfg, vae_id: str, dtype: torch.dtype):
+    """An image-to-video run's (image samples, clip samples, condition jobs): every clip sample gets its
+    first-frame condition as its one reference entry (key -> (clip, bucket), as clip_jobs); still
+    images are dropped with a warning naming them (a one-frame video whose condition is the frame
+    itself teaches the model nothing but to copy it)."""
+    from dataclasses import replace
+
+    stills = sorted({str(s.item.path) for s in samples})
+    if stills:
+        warnings.warn(f"an image-to-video model trains on clips, each conditioned on its own first frame: "
+                      f"{len(stills)} still image(s) skipped: {listing(stills)}", DataWarning, stacklevel=3)
+    jobs = {first_frame_key(k): job for k, job in clip_jobs.items()}
+    clips = [replace(s, reference_keys=(first_frame_key(s.latent_key),)) for s in clip_list]
+    return [], clips, jobs
+
+
+def _condition_shape(family: ModelFamily, bucket: ClipBucket) -> tuple[int, int, int, int]:
+    """(C', T', h, w) of a clip's first-frame condition entry: the mask's channels and the latents'."""
+    c, t, h, w = _clip_shape(family, bucket)
+    return (family.video.temporal_factor + c, t, h, w)
+
+
+def _first_frame_encoder(family: ModelFamily) -> Callable:
+    """fill_clip_latents' `encode` for condition entries: the clip's first frame, decoded as its
+    latent entry decodes it (data/video_vae.iter_clip_frames: the same pick, resize and scale), then
+    the family's condition of a video of the clip's length (ReferenceConditioning.clip_condition)."""
+    def encode(vae, item: VideoItem, bucket: ClipBucket, target_fps, start_s: float) -> torch.Tensor:
+        from leantune.data.video_vae import iter_clip_frames
+
+        first = next(iter_clip_frames(item.path, target_fps=target_fps, num_frames=1, start_s=start_s,
+                                      size=bucket[:2], sequence_fps=item.fps))
+        return family.references.clip_condition(vae, first, bucket[2])
+
+    return encode
+
+
+def check_sample_first_frame(paths, refs: tuple, first_frame: bool, sources) -> None:
+    """An image-to-video run that samples needs [sample] references' one first-frame image; a
+    text-to-video one takes none. `paths`: [sample] references (None: the run does not sample)."""
+    from .dataset import DataError
+
+    if paths is None:
+        return
+    if first_frame and not refs:
+        raise DataError(f"[sample] references: {sources.transformer} is an image-to-video model: its samples start "
+                        f"from a first-frame image; set [sample] references = [\"first.png\"]")
+    if refs and not first_frame:
+        raise DataError(f"[sample] references: {sources.transformer} is a text-to-video model; it takes no "
+                        f"first-frame image; remove the key")
+
+
 def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
                    load_vae: Callable | None = None, load_text_encoders: Callable | None = None,
                    extra_prompts: Sequence[str] | None = None,
                    sample_references: Sequence[str] | None = None, ram_budget: int | None = None,
-                   validation=None) -> "CachedData":
+                   validation=None, sample_shape: tuple[int, int, int] | None = None) -> "CachedData":
     """Scan the datasets, fill the caches, free the encoders; return what the trainer reads.
 
     `data_cfg` and `model_cfg` are the run's [data] and [model] sections, `base_dir` the folder their
@@ -720,6 +790,9 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     text encoder too large for it is read from its files layer by layer instead of loaded.
     `validation` (the run's [validation]): its held-out images are cached in the same pass and kept
     out of the training samples (`CachedData.validation_samples`, data/held_out.py).
+    An image-to-video model (ReferenceConditioning.first_frame) trains on clips, each conditioned on
+    its own first frame (an entry of its own, `first_frame_jobs`); its samples' first frame is
+    [sample] references' one image, encoded at `sample_shape` ((width, height, frames), sample_shape()).
     """
     from leantune.data.references import encoded_size
 
@@ -771,6 +844,11 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                 samples.extend([sample] * item.repeats)
 
     clip_list, clip_jobs = clip_samples(clips, data_cfg, vae_id, dtype) if clips else ([], {})
+    first_frame = family.references is not None and family.references.takes_first_frame(sources)
+    condition_jobs: dict = {}
+    if first_frame:                  # each clip conditioned on its own first frame; stills dropped
+        samples, clip_list, condition_jobs = first_frame_jobs(samples, clip_list, clip_jobs, data_cfg, vae_id, dtype)
+        latent_jobs, mask_jobs, validation_samples = {}, {}, []
     samples.extend(clip_list)        # a clip bucket (w, h, frames) never shares a batch with an image's (w, h)
 
     prompts = [it.caption for it in items + held_out + clips] + [""] + list(extra_prompts or ())
@@ -788,7 +866,10 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                 text_jobs[k] = (caption, paths)
 
     sample_refs = sample_reference_images(sample_references, items, base_dir, family)
-    sample_ref_keys = [_sampling_reference_key(r, vae_id, dtype) for r in sample_refs]
+    if family.references is not None and family.references.first_frame is not None:
+        check_sample_first_frame(sample_references, sample_refs, first_frame, sources)
+    ref_shape = tuple(sample_shape) if first_frame and sample_shape is not None else None
+    sample_ref_keys = [_sampling_reference_key(r, vae_id, dtype, ref_shape) for r in sample_refs]
     sample_text_refs = ()
     if sample_refs and family.references.text_sees_images:
         sample_text_refs = tuple(r.sha256 for r in sample_refs)
@@ -819,8 +900,16 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                                                        family.video.load_vae, data_cfg.target_fps,
                                                        lambda b: _clip_shape(family, b))
             samples = [s for s in samples if s.latent_key not in failed]      # named in fill_clip_latents' warning
+        if condition_jobs:
+            stats["first_frames"], failed = fill_clip_latents(
+                condition_jobs, cache_dir / "latents", sources, dtype, device, family.video.load_vae,
+                data_cfg.target_fps, lambda b: _condition_shape(family, b), encode=_first_frame_encoder(family),
+                kind="clip-first-frame")
+            samples = [s for s in samples if not set(s.reference_keys) & failed]
+        if first_frame and sample_shape is None:
+            sample_refs, sample_ref_keys = (), []   # a caller that does not sample (leantune cache)
         _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
-                                  load_vae or family.load_vae, family)
+                                  load_vae or family.load_vae, family, ref_shape)
     if len(samples) < data_cfg.batch_size:
         warnings.warn(f"[data] batch_size {data_cfg.batch_size} is larger than the dataset ({len(samples)} samples "
                       f"with repeats, over all resolutions): every batch holds at most {len(samples)}; lower "
@@ -878,6 +967,7 @@ class CachedData:
     def summary(self) -> str:
         masks = f"; masks: {self.stats['masks']}" if "masks" in self.stats else ""
         masks += f"; clips: {self.stats['clips']}" if "clips" in self.stats else ""
+        masks += f"; first frames: {self.stats['first_frames']}" if "first_frames" in self.stats else ""
         return (f"{self.num_items} samples in {len(self.buckets)} bucket(s), {self.batches_per_epoch} batches per "
                 f"epoch; latents: {self.stats['latents']}; text: {self.stats['text']}{masks}")
 

@@ -65,6 +65,9 @@ def check_reference_keys(datasets, base_dir, family) -> None:
         if family.references is None:
             raise DataError(f"{key}: family = \"{family.name}\" takes no reference images (an edit family does, "
                             f"e.g. qwen-image-edit or flux2-dev); remove the key")
+        if family.references.first_frame is not None:
+            raise DataError(f"{key}: family = \"{family.name}\" conditions on each clip's own first frame (an "
+                            f"image-to-video model), not on reference images of a folder; remove the key")
         if not folder.is_dir():
             raise DataError(f"{key}: {folder} is not a folder")
         own = Path(d.path).expanduser()
