@@ -88,8 +88,9 @@ class ModelConfig(Section):
     # Wan 2.2 A14B's two experts: the one a run trains, on the noise levels it denoises in WanPipeline
     # (model_index.json's boundary_ratio): "high" the high-noise transformer/, "low" the low-noise
     # transformer_2/ (or, for a single file, the expert it holds); "auto": a one-transformer model's
-    # transformer, the high-noise expert of two.
-    expert: Literal["auto", "high", "low"] = "auto"
+    # transformer, the high-noise expert of two; "both": both experts in one run, each step on the
+    # expert that owns its noise levels ([lora] experts: a LoRA per expert or one for both).
+    expert: Literal["auto", "high", "low", "both"] = "auto"
     # Per-component overrides: a diffusers sub-folder or a single .safetensors file each, named as
     # in the family's diffusers repository.
     transformer: str | None = None
@@ -299,6 +300,10 @@ class LoraConfig(Section):
     # rank < half its larger side).
     factor: int = -1
     decompose_both: bool = False
+    # [model] expert = "both" (Wan 2.2 A14B): "each" trains one LoRA per expert (two files,
+    # <name>_high_noise / <name>_low_noise), "shared" one LoRA both experts apply (one file, loaded
+    # into both).
+    experts: Literal["each", "shared"] = "each"
 
     @property
     def effective_alpha(self) -> float:
@@ -655,6 +660,28 @@ class RunConfig(Section):
             if kind not in kinds:
                 raise ValueError(f"[lora] blocks: {kind!r} is not a block list of family = \"{self.model.family}\"; "
                                  f"it has {', '.join(kinds)}")
+        return self
+
+    @model_validator(mode="after")
+    def _two_experts(self):
+        """[lora] experts says how [model] expert = "both" trains; what that run cannot do yet is named."""
+        if "experts" in self.lora.model_fields_set and self.model.expert != "both":
+            raise ValueError(f"[lora] experts = {self.lora.experts!r}: set, but [model] expert = "
+                             f"{self.model.expert!r} trains one transformer; it says how [model] expert = \"both\" "
+                             f"(Wan 2.2 A14B's two experts in one run) trains them: remove it or set expert = \"both\"")
+        if self.model.expert != "both":
+            return self
+        refused = (("[train] mode = \"full\"", self.train.mode == "full", "full fine-tuning trains one expert: set "
+                    "[model] expert = \"high\" or \"low\""),
+                   ("[ema] enabled = true", self.ema.enabled, "remove [ema]"),
+                   ("[model] base_adapters", bool(self.model.base_adapters), "remove the key"),
+                   ("[sample] base", self.sample.base is not None, "remove the key"),
+                   ("[sample] base_adapters", self.sample.base_adapters is not None, "remove the key"),
+                   ("[data] prior_loss = \"dop\"", self.data.prior_loss == "dop", "use prior_loss = \"plain\""))
+        for key, found, fix in refused:
+            if found:
+                raise ValueError(f"{key} with [model] expert = \"both\": a two-expert run trains LoRAs on both "
+                                 f"experts without it; {fix}")
         return self
 
     @model_validator(mode="after")

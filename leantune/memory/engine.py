@@ -55,6 +55,7 @@ from .cpu_linear import CpuLinearHandle, apply_cpu_linears, remove_cpu_linears
 from .fp8 import Fp8Handle, apply_fp8_storage, has_prequantized, remove_fp8_storage
 from .host_buffers import return_freed_host_memory
 from .plan import Plan
+from .switched import apply_switched, parts_of
 from .spread import even_spread  # noqa: F401 - where the planner and resolve_plan take it
 from .streaming import (
     RunMode,
@@ -286,6 +287,13 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    parts = parts_of(model)
+    if parts is not None:            # parts that compute one at a time (Wan 2.2 A14B's experts): switched.py
+        def apply_one(part, **where):
+            return apply_memory(part, spec, plan, fp8_scales=fp8_scales, offload_min_bytes=offload_min_bytes,
+                                streaming_engine=streaming_engine, disk_room=disk_room, **where)
+        return apply_switched(model, parts, apply_one, device, host_buffers=host_buffers, disk_dir=disk_dir,
+                              host_device=host_device)
     validate(model, spec, plan, device)
     guard_attention_kernels(device)
     mode = RunMode()

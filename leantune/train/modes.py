@@ -24,6 +24,7 @@ from ..models.family import get_family
 from .flow_matching import sampling_method
 from .full_mode import FullMode
 from .lora_mode import LoraMode
+from .parts_lora import PartsLoraMode
 from .sharded_full import sharded_full_mode
 
 
@@ -38,6 +39,9 @@ def make_mode(cfg: RunConfig, dist=None):
         if sharded is not None:
             return sharded
         return FullMode(cfg.train, cfg.full, cfg.output.formats, cfg.memory.ram_budget)
+    if cfg.model.expert == "both":          # Wan 2.2 A14B's two experts in one run (parts_lora.py)
+        return PartsLoraMode(cfg.lora, cfg.train, cfg.output.formats, init_from=cfg.resolve(cfg.lora.init_from),
+                             run_notes=lora_run_notes(cfg), shared=cfg.lora.experts == "shared")
     return LoraMode(cfg.lora, cfg.train, cfg.output.formats, init_from=cfg.resolve(cfg.lora.init_from),
                     run_notes=lora_run_notes(cfg))
 

@@ -10,6 +10,8 @@ high-noise expert owns [boundary_ratio, 1] and the low-noise one [0, boundary_ra
   range: `restrict_sigmas` maps the trainer's draw there through the inverse of the drawing
   distribution's CDF, so the levels follow the configured distribution conditioned on the range (the
   same one draw per sample: a resumed run stays exact).
+- Training both ([model] expert = "both") draws one expert per forward call: `one_expert_sigmas`
+  (why there, not a split batch).
 - Sampling runs `WanExperts`, which hands each call to the expert WanPipeline would pick for its
   timestep, so leantune's staged sampler (infer/sampler.py, which calls the family's `predict`)
   switches experts at the same step as the pipeline.
@@ -94,6 +96,40 @@ def restrict_sigmas(sigma: torch.Tensor, expert: str, boundary_ratio: float, met
     return out.clamp(lo if expert == "high" else lo + eps, hi - eps)
 
 
+def one_expert_sigmas(sigma: torch.Tensor, boundary_ratio: float, method: str, *, sigmoid_scale: float = 1.0,
+                      shift: float = 3.0) -> torch.Tensor:
+    """A two-expert run's noise levels for one forward call ([model] expert = "both"): the expert
+    that owns the first drawn level (WanPipeline's rule, `owns`, on the transformer's float32
+    timestep) takes the call, the first level stays as drawn and the others move into that expert's
+    range (`restrict_sigmas`).
+
+    Why one expert per call rather than splitting a batch whose levels fall on both sides: a call
+    then runs one expert's blocks, so a step streams one expert through the engine's one ring (a
+    split batch would stream both every step, and hold both experts' activations), and a batch
+    keeps its size. The rule changes no distribution: the first level picks the high-noise expert
+    with probability equal to its share of the configured distribution's mass and is then
+    distributed as that distribution conditioned on the expert's range, which is what
+    restrict_sigmas gives every other sample, independently of the choice; so each sample's level
+    follows the configured distribution exactly, as in a one-transformer run. No random number is
+    drawn besides the trainer's own, so a resumed run draws the same levels and experts. A batch of
+    one is the plain draw, whatever the sampling method."""
+    timestep = sigma[:1].to(torch.float32) * NUM_TRAIN_TIMESTEPS      # the transformer's (wan.model_time)
+    expert = "high" if bool(owns("high", timestep, boundary_ratio).all()) else "low"
+    if sigma.numel() == 1:
+        return sigma
+    out = restrict_sigmas(sigma, expert, boundary_ratio, method, sigmoid_scale=sigmoid_scale, shift=shift)
+    out[0] = sigma[0]
+    # float32 rounding of the range's clamp may land a level on the other side of the boundary
+    edge = torch.tensor(boundary_ratio, dtype=torch.float32)
+    while not bool(owns("high", edge * NUM_TRAIN_TIMESTEPS, boundary_ratio)):
+        edge = torch.nextafter(edge, torch.tensor(2.0))
+    below = torch.nextafter(edge, torch.tensor(0.0))
+    while bool(owns("high", below * NUM_TRAIN_TIMESTEPS, boundary_ratio)):     # edge: the least level it owns
+        edge, below = below, torch.nextafter(below, torch.tensor(0.0))
+    side = owns(expert, out.to(torch.float32) * NUM_TRAIN_TIMESTEPS, boundary_ratio)
+    return torch.where(side, out, (edge if expert == "high" else below).to(out.dtype))
+
+
 # -- sampling with both --------------------------------------------------------------------------------
 
 class WanExperts(nn.Module):
@@ -123,6 +159,12 @@ class WanExperts(nn.Module):
             if name in ("high", "low"):
                 raise
             return getattr(super().__getattr__("high"), name)     # patch_embedding, blocks, dtype, ...
+
+    def alternating_parts(self) -> dict[str, nn.Module]:
+        """The sub-models that compute one at a time, by the name their files take: the memory
+        engine keeps the one not in use on the host (memory/switched.py), a two-expert LoRA run
+        adds an adapter to each (train/parts_lora.py)."""
+        return {"high_noise": self.high, "low_noise": self.low}
 
     def expert_for(self, timestep: torch.Tensor) -> nn.Module:
         high = owns("high", timestep.reshape(-1), self.boundary_ratio)
