@@ -747,8 +747,9 @@ def test_plan_model_prices_the_stock_architecture_and_its_encoder_per_reference_
     block list, and the caching phase's Qwen3-VL-8B priced from its packaged config: the language
     model counted by hand, captions in batches of 8 without references; with references, a caption
     encoded alone with 32 x 32 tokens and the tags per reference, and the vision tower (counted by
-    hand) on the device whole. References lengthen the training step's sequence: the plan needs
-    more streaming and activations for each."""
+    hand) in host RAM whole, streamed to the device unit by unit (tests/test_qwen_image21_vision_stream.py
+    prices that). References lengthen the training step's sequence: the plan needs more streaming
+    and activations for each."""
     from test_planner import _run_plan
 
     from leantune.models.component_files import packaged_config
@@ -786,7 +787,8 @@ def test_plan_model_prices_the_stock_architecture_and_its_encoder_per_reference_
         assert vision["weights"] == _vision_tower_parameters(v) * 2
         assert (vision["tokens_per_reference"], vision["patches"]) == (32 * 32, refs * 64 * 64)
         assert phase["edit"]["tokens"] == 528 + refs * (32 * 32 + 8)
-        assert phase["device"] >= phase["edit"]["device"] > vision["weights"] + layer
+        assert phase["device"] >= phase["edit"]["device"] > vision["streamed_weights"] + layer
+        assert vision["streamed_weights"] < vision["weights"]
         assert phase["host_streamed"] == plain["host_streamed"] + vision["weights"]
     assert docs[1]["text_encoding"]["device"] < docs[3]["text_encoding"]["device"]
 

@@ -537,8 +537,9 @@ def _text_phase_line(phase: dict, vram_values, budgets, ram: int | None) -> str:
     if vision is not None:
         n = phase["references"]
         refs = (f"; a caption with its {n} reference{'s' if n > 1 else ''} is encoded alone: "
-                f"{phase['edit']['tokens']} tokens, the vision tower ({vision['weights'] / gib:.2f} GiB) on the GPU "
-                f"whole over {vision['patches']} patches")
+                f"{phase['edit']['tokens']} tokens, the vision tower ({vision['weights'] / gib:.2f} GiB) streamed "
+                f"unit by unit over {vision['patches']} patches, {vision['streamed_weights'] / gib:.2f} GiB of it "
+                f"on the GPU at once")
     line = (f"text encoding (caching phase, once per caption; the text encoder streamed layer by layer{layers}"
             f"{refs}): {phase['device'] / gib:.2f} GiB on the GPU ({fits}), ")
     if "host_streamed" not in phase:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
 import logging
 import math
 
@@ -16,6 +17,7 @@ import torch
 
 from ..config import ConfigError, parse_size
 from ..memory.plan import Plan
+from ..memory.switched import parts_of
 from .corrections import Calibration, CalibrationStore, architecture_key
 from .machine import Machine, probe_machine
 from .report import format_plan
@@ -283,7 +285,13 @@ def planner_for_config(cfg, spec, model: torch.nn.Module, machine: Machine | Non
     """The Planner and Budget of a run, with the stored calibration of its architecture and
     workload; the trainer keeps them for OomGuard and PlanCalibrator."""
     machine = with_disk_tier(cfg, machine or probe_machine())
+    parts = parts_of(model)
+    if parts is not None:        # parts that compute one at a time (memory/switched.py): priced as one, the rest parked
+        model = next(iter(parts.values()))
     workload = workload_from_config(cfg, model)
+    if parts is not None:
+        shared = getattr(cfg.lora, "experts", "each") == "shared"
+        workload = dataclasses.replace(workload, other_parts=len(parts) - 1, other_adapters=0 if shared else len(parts) - 1)
     budget = budget_from_config(cfg.memory, machine)
     store = store if store is not None else CalibrationStore()
     return Planner(spec, model, workload, machine, store.get(architecture_key(model, workload))), budget

@@ -225,8 +225,9 @@ class MemoryModel:
             shape = (w.rank, w.adapter, w.lokr_factor, w.lokr_decompose_both)     # [lora] type and its options
             n = self.weights.adapter_params(*shape)
             params = grads = 4 * n
+            params += 4 * n * w.other_adapters        # the other parts' adapters, resident (no gradients then)
             # Each optimizer's state as it allocates it (optimizer_state.py)
-            states = state_bytes(w.optimizer, lora_shapes(self.weights.adapters, *shape))
+            states = state_bytes(w.optimizer, lora_shapes(self.weights.adapters, *shape)) * (1 + w.other_adapters)
             return params, grads, states
         n = self.weights.numel
         grads = n * self.dtype_bytes
@@ -439,12 +440,23 @@ class MemoryModel:
                 "step": full.host_step_of(max(m for _, m in sizes)),
                 "staging": 2 * max(self.streamed_pinned_grads(plan)),
             }
-        return host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
+        breakdown = host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
                               self.workload.host_cache_bytes, full=parts, host_step=host_step,
                               quantizing_load=self.workload.quantizes_on_load,
                               preview_base=self.workload.preview_base_bytes,
                               ema=self.trainable_bytes()[0] if self.workload.ema else 0,
                               disk=self.on_disk(plan), phases=phases)
+        return self._with_other_parts(breakdown, stored)
+
+    def _with_other_parts(self, out: dict[str, int], stored: int) -> dict[str, int]:
+        """The other parts of a model whose parts compute one at a time (Workload.other_parts), on
+        the host as stored in every phase: added to each phase's peak."""
+        n = self.workload.other_parts
+        if not n:
+            return out
+        out = {**out, "other experts on the host (as stored)": n * stored}
+        out["peak"] += n * stored
+        return out
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""

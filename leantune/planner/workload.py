@@ -76,6 +76,13 @@ class Workload:
     # Another base the previews sample on ([sample] base, infer/preview_base.py): the transformer's
     # bytes as loaded, in host RAM beside the training model while a preview runs (0: none)
     preview_base_bytes: int = 0
+    # A model of parts that compute one at a time (memory/switched.py: [model] expert = "both", Wan 2.2
+    # A14B's two experts): the parts besides the priced one, waiting on the host as stored through
+    # the run, and the adapter sets besides its own that stay on the device with their optimizer
+    # state (one per other part for [lora] experts = "each"; 0 when shared). Their gradients are
+    # never alive with the priced part's: a step trains one part.
+    other_parts: int = 0
+    other_adapters: int = 0
     # The base adapters a preview on that other base attaches ([sample]'s stack), as
     # frozen_adapter_tensors: they stream in its units (every unit streams there)
     preview_adapter_tensors: tuple[tuple[str, int], ...] = ()

@@ -37,7 +37,7 @@ Everything follows QwenImage21Pipeline (diffusers 0.42.1):
 The planner prices the stock 7B (`leantune plan --model qwen-image-2.1`, built on meta with
 meta_model.py's class), its reference images (probe_inputs' `references`: their slots in the text,
 their latent tokens before the target's) and the caching phase (text_phase.py: Qwen3-VL-8B with its
-vision tower).
+vision tower, both streamed).
 
 Sampling keeps the pipeline's prefix KV cache (Sampling.prefix_cache: the text and references'
 keys and values from the first step, only the target's rows computed after), priced in the
@@ -139,10 +139,10 @@ def text_rows(max_length: int) -> int:
 
 
 def text_modules(encoders):
-    """The vision tower moves whole (0.6B of the 8B; it reads the references); the language model
-    may run layer by layer (text.encode_prompts places it)."""
-    inner = encoders.text_encoder.model
-    return [inner.visual], inner.language_model
+    """Nothing moves whole: the vision tower (0.6B of the 8B; it reads the references) runs unit by
+    unit wherever the encode runs (text.encode_prompts streams it, text.vision_units), and the
+    language model may run layer by layer (text.encode_prompts places it)."""
+    return [], encoders.text_encoder.model.language_model
 
 
 # -- the forward call ---------------------------------------------------------------------------------------

@@ -230,8 +230,8 @@ def load_text_encoders(sources: QwenImage21Sources, dtype: torch.dtype = torch.b
 
 def _fill_vision_tower(model, src: Path, dtype: torch.dtype) -> None:
     """When the language model was left in its files (over the host-RAM budget), the vision tower
-    is read into host RAM whole (about 0.6B parameters of the 8B): references need it, and it
-    runs once per reference. Streaming it block by block is not done yet."""
+    is read into host RAM whole (about 0.6B parameters of the 8B): references need it, and on a
+    device it is streamed unit by unit from there (text.vision_units)."""
     from ..streamed_encoder import encoder_files
     from ..weights import copy_ops
 

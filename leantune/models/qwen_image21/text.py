@@ -13,10 +13,19 @@ is why the pipeline hooks the norm): here the norm's input is captured by a forw
 the lm_head is never run. Each prompt keeps its unpadded rows minus the system message's tokens
 (`drop_count`, derived from the template as the pipeline does), with a mask of which rows are image
 slots: the transformer substitutes the references' latent tokens there.
+
+On a device the language model runs layer by layer (streamed_encoder.placement) and so does the
+vision tower: its units (`vision_units`: each block, each deepstack merger after the block it
+reads, the final merger) are brought one at a time while the next one arrives, the patch embedding
+and the position table staying on the device. At full size that is 0.11 GB of the tower's 1.15 GB
+of bf16 weights on the device at once (text_phase.py prices it). The units run the same ops on the
+same weights as the tower moved whole, so the encodings are the same bits.
 """
 
 from __future__ import annotations
 
+import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -97,12 +106,36 @@ def _language_model(text_encoder):
     return getattr(inner, "language_model", inner), inner
 
 
+_UNITS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.ModuleList]" = weakref.WeakKeyDictionary()
+
+
+def vision_units(visual) -> torch.nn.ModuleList:
+    """The vision tower's streamed units in the order Qwen3VLVisionModel.forward runs them: each
+    block, then the deepstack merger that reads that block's output (deepstack_visual_indexes),
+    and the final merger last. The mergers are streamed too: at full size each is 40M parameters,
+    more than two blocks. The patch embedding, the learned position table and the rotary table
+    (4.4M parameters) stay on the device. One list per tower (kept, not rebuilt per call): a
+    lock-step pass shares a placement by the identity of its list."""
+    units = _UNITS.get(visual)
+    if units is None:
+        index = list(visual.deepstack_visual_indexes)
+        order = []
+        for i, block in enumerate(visual.blocks):
+            order.append(block)
+            if i in index:
+                order.append(visual.deepstack_merger_list[index.index(i)])
+        order.append(visual.merger)
+        units = _UNITS[visual] = torch.nn.ModuleList(order)
+    return units
+
+
 @torch.no_grad()
 def encode_prompts(prompts: list[str], encoders, images: list | None = None) -> list[PromptEncoding]:
     """Each prompt's rows (system message dropped) and image-slot mask, on the host in the
     encoder's dtype. `images`: the references (PIL, already at the size they are encoded at),
     the same for every prompt as in the pipeline. The language model runs where `encoders.device`
-    says, streamed there layer by layer from host RAM or from its files (streamed_encoder.py)."""
+    says, streamed there layer by layer from host RAM or from its files (streamed_encoder.py); the
+    vision tower, in host RAM, unit by unit (`vision_units`)."""
     tokenizer, model = encoders.tokenizer, encoders.text_encoder
     inputs = processor_inputs(list(prompts), images, tokenizer, encoders.image_processor)
     device = encoders.device
@@ -115,10 +148,13 @@ def encode_prompts(prompts: list[str], encoders, images: list | None = None) -> 
                          "loading.load_text_encoders reads it into host RAM")
     from ..streamed_encoder import placement
 
+    visual = inner.visual
+    # the tower only where references are read; streamed as the language model is (module docstring)
+    tower = placement(visual, vision_units(visual), device) if "pixel_values" in inputs else nullcontext()
     captured = []
     handle = language_model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     try:
-        with placement(language_model, language_model.layers, device):
+        with placement(language_model, language_model.layers, device), tower:
             inner(**inputs)
     finally:
         handle.remove()
