@@ -84,3 +84,86 @@ def test_the_sample_form_asks_for_frames_and_lists_the_videos(tmp_path):
         (job / name).write_bytes(b"x")
     listed = sample_job.result(tmp_path, 1)
     assert listed["videos"] == ["00000-0.mp4"] and listed["images"] == []
+
+
+def _sequence(folder: Path, frames: int, color=(30, 200, 30), size=(48, 32)) -> Path:
+    """An image-sequence clip: `folder` of numbered PNG frames, as the trainer takes one."""
+    from PIL import Image
+
+    folder.mkdir()
+    for i in range(frames):
+        Image.new("RGB", size, color).save(folder / f"{i + 1:04d}.png")
+    return folder
+
+
+def test_an_image_sequence_folder_is_a_clip_of_the_dataset_view(tmp_path):
+    """The trainer takes `walk/` of numbered frames (with `walk.txt` beside it) as a clip: the view
+    lists it once as a clip with its frames at the sequence rate, not its frames as images; its
+    thumbnail and enlarged view are its first frame; its caption is written beside the folder; a
+    folder without numbered frames is not listed."""
+    import io
+
+    from PIL import Image
+
+    from leantune.data.video import SEQUENCE_FPS
+    from leantune.ui import dataset_view
+    from leantune.ui.app import create_app
+
+    data = tmp_path / "clips"
+    data.mkdir()
+    _sequence(data / "walk", frames=21)
+    (data / "notes").mkdir()
+    (data / "notes" / "readme.txt").write_text("not frames")
+    entries = {e["name"]: e for e in dataset_view.scan(str(data), None, [tmp_path])}
+    assert sorted(entries) == ["walk"]
+    walk = entries["walk"]
+    assert (walk["kind"], walk["sequence"], walk["frames"], walk["fps"]) == ("clip", True, 21, float(SEQUENCE_FPS))
+    assert walk["train_frames"] == 21 and (walk["width"], walk["height"]) == (48, 32)
+    assert "no caption (.txt): trains with the trigger word only" in walk["warnings"]
+
+    dataset_view.write_caption(str(data), "walk", "a green  field", roots=[tmp_path])
+    assert (data / "walk.txt").read_text() == "a green field\n"
+    assert dataset_view.scan(str(data), None, [tmp_path])[0]["caption"] == "a green field"
+    app = create_app(tmp_path / "runs", "t", [tmp_path])
+    status, body, _ = asgi_get(app, "/api/dataset/thumb", {"path": str(data), "name": "walk"}, "t")
+    assert status == 200
+    r, g, b = Image.open(io.BytesIO(body)).getpixel((24, 16))
+    assert g > 150 and r < 80 and b < 80, (r, g, b)
+    status, body, _ = asgi_get(app, "/api/dataset/image", {"path": str(data), "name": "walk"}, "t")
+    assert status == 200 and body == (data / "walk" / "0001.png").read_bytes()
+    status, _, _ = asgi_get(app, "/api/dataset/image", {"path": str(data), "name": "notes"}, "t")
+    assert status == 400
+
+
+def test_a_sequence_whose_frame_links_outside_the_roots_is_not_shown(tmp_path):
+    from leantune.ui import dataset_view
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    _sequence(outside, frames=5)
+    data = root / "clips"
+    data.mkdir()
+    seq = _sequence(data / "walk", frames=4)
+    (seq / "0005.png").symlink_to(outside / "0005.png")
+    with pytest.raises(dataset_view.DatasetViewError, match="no such image"):
+        dataset_view.preview_path(str(data), "walk", [root])
+    assert dataset_view.sequence_folder(data / "walk", [root]) is None
+    assert dataset_view.sequence_folder(data / "walk", [tmp_path]) == seq.resolve()
+
+
+def test_the_captioner_captions_clips_from_their_first_frame(tmp_path):
+    """A video file and an image sequence get captions as images do (before, a clip stopped the
+    captioner: PIL cannot open an mp4)."""
+    from tiny_captioner import WORDS, save_tiny_blip
+
+    from leantune.ui import captioner
+
+    model = save_tiny_blip(tmp_path / "blip")
+    data = tmp_path / "clips"
+    data.mkdir()
+    _mp4(data / "run.mp4", frames=8, fps=8)
+    _sequence(data / "walk", frames=5)
+    assert captioner.caption_folder(str(model), str(data), tmp_path / "status.json") == 0
+    for caption in (data / "run.txt", data / "walk.txt"):
+        words = caption.read_text().split()
+        assert words and set(words) <= set(WORDS), (caption, words)

@@ -160,7 +160,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.get("/api/dataset/image")
     def get_image(path: str, name: str):
-        return FileResponse(dataset_view.image_path(path, name, roots, real=True))
+        return FileResponse(dataset_view.preview_path(path, name, roots))     # a sequence: its first frame
 
     @app.get("/api/dataset/thumb")
     def get_thumb(path: str, name: str):
@@ -170,7 +170,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
         from . import thumbs
 
         with on_form(default="dataset"):
-            image = dataset_view.image_path(path, name, roots, real=True)
+            image = dataset_view.preview_path(path, name, roots)
         data = thumbs.thumbnail(image, runs_dir / thumbs.FOLDER)
         return Response(data, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
 

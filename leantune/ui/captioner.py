@@ -26,9 +26,9 @@ def _status(path: Path, **data) -> None:
 
 def caption_folder(model: str, folder: str, status: Path, overwrite: bool = False, prompt: str = "",
                    max_tokens: int = 40) -> int:
-    from PIL import Image
-
-    from . import dataset_view
+    """Caption every readable image and clip of `folder` without a caption (all with `overwrite`);
+    a clip is captioned from its first frame, as the page shows it."""
+    from . import dataset_view, thumbs
 
     entries = dataset_view.scan(folder)
     todo = [e["name"] for e in entries if e["width"] and (overwrite or not e["caption"])]   # readable ones
@@ -45,8 +45,8 @@ def caption_folder(model: str, folder: str, status: Path, overwrite: bool = Fals
         return 2
     for i, name in enumerate(todo):
         _status(status, done=i, total=len(todo), current=name, error=None, running=True)
-        with Image.open(dataset_view.image_path(folder, name)) as img:
-            inputs = processor(images=img.convert("RGB"), text=prompt or None, return_tensors="pt")
+        img = thumbs.picture(dataset_view.preview_path(folder, name))     # a clip: its first frame
+        inputs = processor(images=img, text=prompt or None, return_tensors="pt")
         with torch.no_grad():
             ids = net.generate(**inputs, max_new_tokens=max_tokens)
         text = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()

@@ -22,9 +22,25 @@ def is_clip(path: Path) -> bool:
     return path.suffix.lower() in VIDEO_EXTENSIONS
 
 
+def sequence_frames(folder: Path) -> list[Path]:
+    """The numbered frames of an image-sequence folder as the trainer takes them (data/video.py's
+    rule; PyAV is imported only when the dataset has a sub-folder to look into)."""
+    from ..data.video import sequence_frames as frames
+
+    return frames(folder)
+
+
+def is_sequence(path: Path) -> bool:
+    """Whether `path` is an image-sequence clip: a non-hidden folder of numbered frames."""
+    return path.is_dir() and not path.name.startswith(".") and bool(sequence_frames(path))
+
+
 def clip_files(folder: Path) -> list[Path]:
-    """The clip files of `folder` (not recursive, hidden files left out), sorted by name."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and is_clip(p))
+    """The clips of `folder` (not recursive, hidden ones left out), sorted by name: video files and
+    image-sequence folders (`walk/` of 0001.png, 0002.png, ... with `walk.txt` beside it), which the
+    trainer's scan takes as clips too (data/dataset.py scan_media)."""
+    return sorted(p for p in folder.iterdir() if not p.name.startswith(".")
+                  and ((p.is_file() and is_clip(p)) or is_sequence(p)))
 
 
 def describe(path: Path, target_fps: float | None = None, max_frames: int | None = None) -> dict:
@@ -36,14 +52,20 @@ def describe(path: Path, target_fps: float | None = None, max_frames: int | None
     defaults = DataConfig.model_fields
     target_fps = defaults["target_fps"].default if target_fps is None else target_fps
     max_frames = defaults["max_frames"].default if max_frames is None else max_frames
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns, float(target_fps), int(max_frames))
+    if path.is_dir():             # a sequence changes with any of its frames: keyed by each frame's stat
+        stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sequence_frames(path)]
+        key = (str(path), tuple(stats), float(target_fps), int(max_frames))
+    else:
+        stat = path.stat()
+        key = (str(path), stat.st_size, stat.st_mtime_ns, float(target_fps), int(max_frames))
     if key not in _KEPT:
         if len(_KEPT) >= _KEEP_AT_MOST:
             _KEPT.clear()
         _KEPT[key] = _probe(path, target_fps, max_frames)
     out = dict(_KEPT[key])
     out["warnings"] = list(out["warnings"])
+    if path.is_dir():
+        out["sequence"] = True    # its rate is the trainer's SEQUENCE_FPS: a folder of frames carries none
     return out
 
 

@@ -64,7 +64,7 @@ def scan(path: str, min_resolution: int | None = None, roots=None, target_fps: f
     # data/ returns a scan record (its .files, and the links it followed) or, before that, the list
     media = sorted([*getattr(found, "files", found), *clips.clip_files(folder)], key=lambda p: p.name)
     for image in media:
-        clip = clips.is_clip(image)
+        clip = clips.is_clip(image) or image.is_dir()          # a video file or an image-sequence folder
         entry = {"name": image.name, "kind": "clip" if clip else "image", "caption": "", "width": None,
                  "height": None, "warnings": []}
         real = _inside(image, roots, folder)
@@ -135,12 +135,34 @@ def image_path(folder: str, name: str, roots=None, real: bool = False) -> Path:
     if not name or Path(name).name != name or name.startswith("."):
         raise DatasetViewError(f"{name!r}: not a plain file name")
     image = base / name
+    if image.is_dir() and sequence_folder(image, roots) is not None:     # an image-sequence clip
+        return image.resolve() if real else image
     if image.suffix.lower() not in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS or not image.is_file():
         raise DatasetViewError(f"{image}: no such image")
     checked = _inside(image, roots)
     if checked is None:                                                # a symlinked image
         raise OutsideRoots(f"{image}: links outside the folders this page may use")
     return checked if real else image
+
+
+def sequence_folder(path: Path, roots=None) -> Path | None:
+    """The real path of image-sequence folder `path`, or None when it is no sequence or it (or a
+    frame of it) lies outside `roots`."""
+    from .clips import is_sequence, sequence_frames
+
+    real = _inside(path, roots)
+    if real is None or not is_sequence(real):
+        return None
+    return real if all(_inside(f, roots) is not None for f in sequence_frames(real)) else None
+
+
+def preview_path(folder: str, name: str, roots=None) -> Path:
+    """The file the page shows for `name` (checked as image_path checks it): the image or clip file
+    itself, or an image-sequence clip's first frame."""
+    from .clips import sequence_frames
+
+    media = image_path(folder, name, roots, real=True)
+    return sequence_frames(media)[0].resolve() if media.is_dir() else media
 
 
 def save_upload(folder: str, name: str, data: bytes, roots=None) -> Path:

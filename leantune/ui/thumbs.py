@@ -64,14 +64,20 @@ def make(image: Path) -> bytes:
     """The thumbnail's JPEG bytes; a video clip's is its first frame as the trainer decodes it."""
     from PIL import Image
 
-    from ..data.dataset import load_rgb
-    from .clips import is_clip
-
-    rgb = _first_frame(image) if is_clip(image) else load_rgb(image)
+    rgb = picture(image)
     rgb.thumbnail((SIDE, SIDE), Image.Resampling.LANCZOS)
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=QUALITY, optimize=True)
     return out.getvalue()
+
+
+def picture(path: Path):
+    """The RGB picture the page shows for a dataset file (dataset_view.preview_path's): an image as
+    the trainer reads it, a video clip's first frame as the trainer decodes it."""
+    from ..data.dataset import load_rgb
+    from .clips import is_clip
+
+    return _first_frame(path) if is_clip(path) else load_rgb(path)
 
 
 def _first_frame(clip: Path):

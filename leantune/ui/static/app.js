@@ -155,7 +155,7 @@ async function loadDatasetNow(path, focus) {
                                alt: img.caption ? `${img.name}: ${img.caption}` : img.name});
       thumb.setAttribute("role", "button");
       // an image opens full size; a clip plays in place (the file itself, with its controls)
-      thumb.onclick = () => { viewer = null; $("enlarge-step").hidden = true; enlargeFile(`/api/dataset/image?${where}`, img.kind === "clip", thumb.alt); };
+      thumb.onclick = () => { viewer = null; $("enlarge-step").hidden = true; enlargeFile(`/api/dataset/image?${where}`, img.kind === "clip" && !img.sequence, thumb.alt); };
       thumb.onkeydown = (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); thumb.onclick(); } };
       item.append(thumb);
       item.dataset.kind = img.kind || "image";
@@ -211,8 +211,9 @@ async function loadDatasetNow(path, focus) {
 
 function clipWords(c) {
   // what the trainer makes of a clip: its source frames and seconds, the frames it trains
-  if (c.frames === null || c.frames === undefined) return "video clip";
-  return `video clip · ${c.frames} frames · ${c.duration_s.toFixed(1)} s at ${Number(c.fps.toFixed(2))} fps` +
+  const kind = c.sequence ? "image sequence" : "video clip";
+  if (c.frames === null || c.frames === undefined) return kind;
+  return `${kind} · ${c.frames} frames · ${c.duration_s.toFixed(1)} s at ${Number(c.fps.toFixed(2))} fps` +
     (c.train_frames ? ` · trains ${c.train_frames} frames` : "");
 }
 function enlargeFile(src, video, words) {
