@@ -442,3 +442,27 @@ def test_an_i2v_run_samples_from_its_first_frame_and_needs_one(tmp_path, folder,
     (want,) = i2v.sampling_condition(vae, [Image.open(first_png).convert("RGB")], width=SIDE, height=HEIGHT,
                                      frames=FRAMES)
     assert torch.equal(cond, want.to(cond.dtype))
+
+
+def test_which_models_take_a_first_frame(tmp_path, folder, two_experts, t2v_folder):
+    """The i2v folders (model_index WanImageToVideoPipeline, 36 input channels) and a single 36-channel
+    file in Wan-AI's names take a first frame, the file's experts switching at I2V-A14B's 0.9; a
+    text-to-video folder does not; Wan 2.1 I2V's image embedder (image_dim) is refused by name."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from leantune.models.wan.keys import diffusers_to_native, native_metadata
+    from leantune.models.wan.loading import WanSources, boundary_ratio, check_text_to_video
+    from leantune.models.weights import LoadError
+
+    assert FAM.references.takes_first_frame(_sources(folder)) and FAM.references.takes_first_frame(_sources(two_experts))
+    assert not FAM.references.takes_first_frame(_sources(t2v_folder))
+    model = wan_transformer(0, in_channels=36, out_channels=16)
+    path = tmp_path / "wan2.2_i2v_high_noise_14B.safetensors"
+    save_file(diffusers_to_native(model.state_dict()), str(path), metadata=native_metadata(model))
+    src = WanSources(transformer=path, transformer_2=None, text_encoder=None, tokenizer=None, vae=None)
+    assert FAM.references.takes_first_frame(src) and boundary_ratio(src) == I2V_BOUNDARY
+    assert FAM.load_transformer(src, torch.float32).config.in_channels == 36
+    with pytest.raises(LoadError, match=r"x\.json: .*image embedder \(image_dim = 1280: Wan 2\.1 I2V's CLIP"):
+        check_text_to_video({"in_channels": 36, "out_channels": 16, "image_dim": 1280}, Path("x.json"))
