@@ -215,3 +215,25 @@ def test_the_caching_phase_prices_the_streamed_tower_per_caption_with_its_refere
     assert phases[3]["vision"]["device"] - phases[1]["vision"]["device"] == 2 * per_reference
     assert phases[3]["edit"]["device"] > phases[1]["edit"]["device"]
     assert phases[3]["device"] > phases[1]["device"]
+
+
+def test_a_lock_step_pass_moves_each_tower_unit_once_for_all_its_captions(encoders, as_on_a_device):
+    """The cache's text pass (memory/lockstep.py, data/cache.py) runs its captions layer-major: two
+    captions with their references, each a lane, go through each tower unit together (one move per
+    unit for the pass, not one per caption) and then through the language model's layers, in one
+    pass over both streams; each caption's rows equal its encoding alone with the whole tower."""
+    from leantune.memory.lockstep import run_pass
+
+    refs = [_image(4, (64, 64)), _image(5, (64, 96))]
+    want = [text.encode_prompts([p], encoders, images=refs)[0] for p in PROMPTS]
+    as_on_a_device()
+    units = text.vision_units(encoders.text_encoder.model.visual)
+    moves: list = []
+    got = run_pass([lambda p=p: text.encode_prompts([p], encoders, images=refs)[0] for p in PROMPTS],
+                   report=moves.extend)
+    tower = [i for stream, i in moves if stream.blocks[0] is units[0]]
+    assert tower == list(range(len(units)))
+    layers = [i for stream, i in moves if stream.blocks[0] is not units[0]]
+    assert layers == list(range(len(encoders.text_encoder.model.language_model.layers)))
+    for a, b in zip(got, want):
+        assert torch.equal(a.embeds, b.embeds) and torch.equal(a.image_slots, b.image_slots)
