@@ -412,13 +412,17 @@ class MemoryConfig(Section):
     # true: always (with fp8 = true when no vram_budget is set); false: never, and the loader
     # upcasts a checkpoint's e4m3 modulation weights.
     fp8_modulation: StrictBool | Literal["auto"] = "auto"
-    # How the frozen base's block Linears are stored. "auto": as fp8 and the planner decide (e4m3 or
-    # the load dtype; NF4's measured error, docs/benchmarks.md, is outside what auto may pick);
+    # How the frozen base's block Linears are stored. "auto": as fp8 and the planner decide (without
+    # a vram_budget: e4m3 or the load dtype; under one the plan search also prices int8 ConvRot and,
+    # where bitsandbytes imports, NF4 for a LoRA, and chooses among the formats within max_base_error);
     # "bf16": the load dtype, pinned; "fp8": e4m3 (fp8 = true); "nf4": bitsandbytes NF4 as the file
     # is read (memory/nf4_storage.py, 4.5 bits per weight; LoRA only); "int8": int8 ConvRot rows as
     # the file is read (memory/int8_storage.py, ComfyUI's int8_convrot layout, 8 bits and a row
     # scale; LoRA only).
     base_format: Literal["bf16", "fp8", "nf4", "int8", "auto"] = "auto"
+    # The output error against bf16 (percent, docs/benchmarks.md's tables) a format "auto" chooses
+    # may have; None: fp8 e4m3's own (2.52 %), so int8 (0.98 %) is a choice and NF4 (9.23 %) is not.
+    max_base_error: float | None = Field(None, gt=0)
     checkpointing: Literal["none", "blocks", "offload"] = "none"
     ring_slots: int = Field(2, ge=2)
     pin_memory: bool = True

@@ -467,7 +467,9 @@ def _plan_before_load(cfg: RunConfig, spec, meta_model, machine) -> tuple | None
     from .planner.from_config import choose_plan, planner_for_config
 
     planner, budget = planner_for_config(cfg, spec, meta_model(), machine)
-    return choose_plan(planner, budget, cfg), planner, budget
+    plan = choose_plan(planner, budget, cfg)
+    planner.keep_base_format(plan)       # an int8 / NF4 base is loaded so: a re-plan keeps its format
+    return plan, planner, budget
 
 
 def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):

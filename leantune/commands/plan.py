@@ -88,6 +88,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-modulation", choices=["auto", "on", "off"], default=None,
                    help="fp8 for the modulation Linears too: auto (only when nothing else fits; a file's e4m3 "
                         "modulation stays e4m3), on, off (default: the config's [memory] fp8_modulation, else auto)")
+    p.add_argument("--base-format", choices=["auto", "bf16", "fp8", "int8", "nf4"], default=None,
+                   help="how the frozen base's block Linears are stored: auto (the search chooses among fp8, "
+                        "int8 and, with bitsandbytes, NF4 within --max-base-error), or pinned (default: the "
+                        "config's [memory] base_format, else auto)")
+    p.add_argument("--max-base-error", type=float, default=None, metavar="PCT",
+                   help="the output error against bf16 (percent) a format auto may choose has (default: the "
+                        "config's [memory] max_base_error, else fp8 e4m3's, 2.52)")
     p.add_argument("--no-autocast", action="store_true", help="plan for mixed_precision = \"no\"")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
     p.add_argument("--gpus", type=int, default=1, metavar="N",
@@ -318,6 +325,8 @@ def _vram_bytes(value: str, machine) -> int:
 
 def _from_flags(args):
     """(spec, model source, how to build it, workload) of the --model form."""
+    from dataclasses import replace
+
     from ..models.family import get_family
     from ..planner.meta import build_meta_packaged
     from ..planner.spec_cache import source_key
@@ -335,6 +344,7 @@ def _from_flags(args):
         allow_fp8=not args.no_fp8 and args.lora_type != "dora",     # DoRA reads its base weights (no fp8)
         fp8_modulation=False if args.lora_type == "dora" else _MODULATION_FLAG[args.fp8_modulation or "auto"],
         quantizes_on_load=(args.mode or "lora") != "inference", **_full_flags(args))   # as the trainer loads
+    workload = replace(workload, **_base_format_flags(args, workload))
     _check_workload(workload, family)
     return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
             lambda: build_meta_packaged(family.name, config_name), workload)
@@ -369,6 +379,8 @@ def _from_config(args):
         changes["autocast"] = False
     changes["quantizes_on_load"] = changes.get("mode", workload.mode) != "inference"   # the sampler loads as stored
     workload = replace(workload, **changes)
+    if args.base_format is not None or args.max_base_error is not None:
+        workload = replace(workload, **_base_format_flags(args, workload, cfg.memory.max_base_error))
     _check_workload(workload, get_family(cfg.model.family))
     vram = args.vram or ([cfg.memory.vram_budget] if cfg.memory.vram_budget else None)
     keep_mod = workload.fp8_modulation is not False
@@ -378,6 +390,24 @@ def _from_config(args):
         {"state_dtype", "streamed_step"} & cfg.full.model_fields_set)
     return (get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg, keep_mod), workload, vram,
             ram, config_sets, cfg.resolve(cfg.memory.disk_dir))
+
+
+def _base_format_flags(args, workload, config_bound: float | None = None) -> dict:
+    """The Workload's base-format terms of --base-format / --max-base-error (as [memory]
+    base_format / max_base_error give them a run: planner/from_config.base_format_terms)."""
+    from ..planner.base_formats import auto_candidates
+
+    fmt = args.base_format or "auto"
+    if args.max_base_error is not None and args.max_base_error <= 0:
+        from ..config import ConfigError
+        raise ConfigError(f"--max-base-error {args.max_base_error}: a percentage above 0")
+    if fmt == "bf16":
+        return {"allow_fp8": False, "base_formats": ("fp8",), "base_pinned": False}
+    if fmt != "auto":
+        return {"base_formats": (fmt,), "base_pinned": True}
+    bound = args.max_base_error if args.max_base_error is not None else config_bound
+    return {"base_formats": auto_candidates(workload.mode, workload.adapter, workload.allow_fp8) or ("fp8",),
+            "max_base_error": bound, "base_pinned": False}
 
 
 def _resolution(text: str):

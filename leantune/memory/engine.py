@@ -262,6 +262,17 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
         log.warning("memory.debug_poison has no effect without streaming (memory.streamed_blocks = 0)")
 
 
+def _apply_rows(model, spec, fmt: str, modulation: bool) -> None:
+    """Plan.base_format's storage of the block Linears ("int8", "nf4"): each storage skips what is
+    stored already, so after a loader that read the rows so this changes nothing."""
+    if fmt == "int8":
+        from .int8_storage import apply_int8_storage
+        apply_int8_storage(model, spec, modulation=modulation)
+    else:
+        from .nf4_storage import apply_nf4_storage
+        apply_nf4_storage(model, spec, modulation=modulation)
+
+
 def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device | str = "cpu", *,
                  fp8_scales: Mapping[str, torch.Tensor] | None = None,
                  offload_min_bytes: int = MIN_OFFLOAD_BYTES, streaming_engine=None,
@@ -299,9 +310,13 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     mode = RunMode()
     handle = MemoryHandle(model=model, device=device, plan=plan, mode=mode)
     try:
-        if plan.fp8 or plan.fp8_modulation or fp8_scales or has_prequantized(model, spec):   # 2. fp8 storage
-            handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales, quantize_rest=plan.fp8,
-                                           modulation=plan.fp8_modulation,
+        rows = plan.base_format != "fp8" and (plan.fp8 or plan.fp8_modulation)
+        if rows:           # 2. int8 / NF4 rows: the loader's (none left to do), or quantized here, in place
+            _apply_rows(model, spec, plan.base_format, plan.fp8_modulation)
+        fp8, fp8_mod = (False, False) if rows else (plan.fp8, plan.fp8_modulation)
+        if fp8 or fp8_mod or fp8_scales or has_prequantized(model, spec):   # 2. fp8 storage
+            handle.fp8 = apply_fp8_storage(model, spec, scales=fp8_scales, quantize_rest=fp8,
+                                           modulation=fp8_mod,
                                            work_device=device if device.type == "cuda" else None,
                                            keep_trainable=getattr(streaming_engine, "trains_weights", False))
         if device.type == "cpu":                                         # 2b. fp32 matmuls on CPU

@@ -31,6 +31,10 @@ class Plan:
     # Streamed blocks whose packed bytes live on disk, not in host RAM (the third tier,
     # memory/disk_tier.py): a subset of streamed_blocks, frozen (LoRA) runs only.
     disk_blocks: tuple[str, ...] = ()
+    # The format of the block Linears fp8 / fp8_modulation quantize: "fp8" (block-scaled e4m3,
+    # memory/fp8.py), "int8" (ConvRot rows, memory/int8_storage.py) or "nf4" (bitsandbytes rows,
+    # memory/nf4_storage.py); the planner chooses it under [memory] base_format = "auto".
+    base_format: Literal["fp8", "int8", "nf4"] = "fp8"
     # Free-form notes from the planner (predicted peak, why this plan); not used by the engine.
     notes: dict = field(default_factory=dict, compare=False)
 
@@ -45,11 +49,19 @@ class Plan:
         d["disk_blocks"] = list(self.disk_blocks)
         if not self.disk_blocks:
             del d["disk_blocks"]          # a plan without the disk tier reads as before it
+        if self.base_format == "fp8":
+            del d["base_format"]          # an fp8 (or bf16) plan reads as before the base formats
         return d
 
     def describe(self) -> str:
         return (f"stream {len(self.streamed_blocks)} blocks{' + non-blocks' if self.stream_non_blocks else ''}, "
-                f"fp8={'on' if self.fp8 else 'off'}{' + modulation' if self.fp8_modulation else ''}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
+                f"{self._storage_text()}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
                 f"{'pinned' if self.pin_memory else 'pageable'}"
                 + (", optimizer step of streamed blocks on the host" if self.optimizer_on_host else "")
                 + (f", {len(self.disk_blocks)} of them read from disk" if self.disk_blocks else ""))
+
+    def _storage_text(self) -> str:
+        mod = " + modulation" if self.fp8_modulation else ""
+        if self.base_format != "fp8" and (self.fp8 or self.fp8_modulation):
+            return f"base {self.base_format}{mod}"
+        return f"fp8={'on' if self.fp8 else 'off'}{mod}"

@@ -292,6 +292,9 @@ def fp8_load_options(memory_cfg, trained: Callable[[str], bool] | None = None, p
     if not fp8:
         return {}
     out = {"quantize_fp8": True}
+    fmt = getattr(plan, "base_format", "fp8") if getattr(memory_cfg, "vram_budget", None) is not None else "fp8"
+    if fmt != "fp8":                # the plan's int8 / NF4 rows, read as such (memory/*_storage.py)
+        out["quantize_fp8"] = fmt
     if modulation:
         out["quantize_modulation"] = True
     if trained is not None:

@@ -65,7 +65,24 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     stochastic_rounding=full.stochastic_rounding,
                     clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter",
                     quantizes_on_load=True,      # the trainer's load (trainer._fp8_load_options)
-                    **preview_terms(cfg, adapters), **recipe_terms(cfg))
+                    **base_format_terms(cfg, dora, adapters), **preview_terms(cfg, adapters), **recipe_terms(cfg))
+
+
+def base_format_terms(cfg, dora: bool, adapters: tuple | None) -> dict:
+    """The Workload's base-format terms ([memory] base_format, max_base_error; base_formats.py):
+    "auto" prices int8 and NF4 beside fp8 for a plain LoRA whose base adapters are plain LoRAs too
+    (the int8 / NF4 storage refuses the others), "int8" / "nf4" pin that format (the trainer loads
+    the base so, and every plan stores it so)."""
+    from .base_formats import auto_candidates
+
+    fmt = cfg.memory.base_format
+    if fmt in ("int8", "nf4"):
+        return {"base_formats": (fmt,), "base_pinned": True}
+    if fmt != "auto":
+        return {}
+    plain = all(a.weights.kind == "lora" for stack in (adapters or ()) for a in (stack or ()))
+    formats = auto_candidates(cfg.train.mode, cfg.lora.type, not dora, plain)
+    return {"base_formats": formats or ("fp8",), "max_base_error": cfg.memory.max_base_error}
 
 
 def recipe_terms(cfg) -> dict:

@@ -129,6 +129,12 @@ class MemoryModel:
         # (fp8, fp8_modulation) storages the search tries (spec_cache.storage_options); in full mode
         # fp8 storage holds frozen block Linears only, an option when some are frozen.
         self.storages = storage_options(workload, self.weights)
+        # The formats quantized block Linears may take (base_formats.py): fp8 alone unless the
+        # workload prices others and this model holds Linears they take; a pinned format is the
+        # storage of every plan.
+        self.formats = self._base_formats()
+        if workload.base_pinned:
+            self.storages = [s for s in self.storages if s[0] or s[1]] or self.storages
         # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probed so.
         # The plainest storage is the reference of the dequantisation cost (timing.py).
         # A LoRA profile is priced at the run's rank from the adapters' share per rank (at_rank).
@@ -140,6 +146,8 @@ class MemoryModel:
         db, blocks, nb = self.dtype_bytes, self.weights.blocks, self.weights.non_blocks
         self._index = {b.name: i for i, b in enumerate(blocks)}
         every = [(f, m) for f in (False, True) for m in (False, True)]
+        # fp8's keys stay (fp8, modulation); another format's are (fp8, modulation, format)
+        every += [(f, m, fmt) for fmt in self.formats if fmt != "fp8" for f, m in every]
         self.full = FullPricing.of(self.weights, workload, db) if workload.mode == "full" else None
         st = self.full.state_packed if self.full else [0] * len(blocks)
         self._bytes = {s: [b.bytes(db, *s) for b in blocks] for s in every}
@@ -151,6 +159,8 @@ class MemoryModel:
         self._unit_w = {s: [b.unit_bytes(db, *s) for b in blocks] for s in every}
         self._nb_unit_w = nb.unit_bytes(db)
         self._conversion = {s: max([b.largest_conversion(*s) for b in blocks], default=0) for s in every}
+        # Per stored key, the weights each block dequantizes in a use and the largest one's elements
+        self._quantized = {s: [b.quantized(*(s if len(s) == 3 else (*s, "fp8"))) for b in blocks] for s in every}
         # Base adapters' weights by unit, (raw bytes, packed bytes) per block and for the non-block group
         self._adapters = self._adapter_units(workload.frozen_adapter_tensors)
         self._preview_adapters = self._adapter_units(workload.preview_adapter_tensors)
@@ -159,6 +169,40 @@ class MemoryModel:
         self._offloaded: dict = {}     # storage -> offloaded block inputs' pinned bytes
         self._indices: dict = {}       # streamed block names -> (index set, sorted indices)
         self._host_parts: dict = {}    # loaded bytes -> full_host_parts (full mode)
+
+    def _base_formats(self) -> tuple[str, ...]:
+        w, wt = self.workload, self.weights
+        if w.base_pinned:
+            return tuple(w.base_formats) or ("fp8",)
+        if w.mode == "full" or wt.prequantized:     # frozen weights only; a file's e4m3 stays e4m3
+            return ("fp8",)
+        return tuple(f for f in w.base_formats if f == "fp8" or wt.stores_as(f)) or ("fp8",)
+
+    @staticmethod
+    def stored_key(plan: Plan) -> tuple:
+        """The key of a plan's weight bytes: (fp8, fp8_modulation), with the format when not fp8."""
+        return plan.storage if plan.base_format == "fp8" else (*plan.storage, plan.base_format)
+
+    def dequant_extra(self, plan: Plan) -> list[float] | None:
+        """Per block, the seconds one use's dequantization costs beyond fp8's (base_formats.py);
+        None for fp8 and unquantized plans (the probe prices fp8's)."""
+        if plan.base_format == "fp8" or not (plan.fp8 or plan.fp8_modulation):
+            return None
+        from .base_formats import dequant_extra_s
+
+        m = self.machine
+        return [dequant_extra_s(plan.base_format, n, m.hbm, m.flops * self.calibration.flops_scale)
+                for n, _ in self._quantized[self.stored_key(plan)]]
+
+    def dequant_transient(self, plan: Plan) -> int:
+        """Device bytes the largest dequantization holds beyond fp8's bf16 weight (base_formats.py):
+        added to the activation peak of an int8 / NF4 plan."""
+        if plan.base_format == "fp8" or not (plan.fp8 or plan.fp8_modulation):
+            return 0
+        from .base_formats import FORMATS
+
+        largest = max((m for _, m in self._quantized[self.stored_key(plan)]), default=0)
+        return int(largest * (FORMATS[plan.base_format].transient_bytes - FORMATS["fp8"].transient_bytes))
 
     # -- parts ---------------------------------------------------------------------------------------
     def activation_peak(self, bucket, fp8: bool, checkpointing: str, modulation: bool = False) -> int:
@@ -295,8 +339,20 @@ class MemoryModel:
         """Packed bytes of each streamed unit, in the engine's unit order."""
         unit, nb_unit = (self._unit_w, self._nb_unit_w) if self.host_step(plan) else (self._unit, self._nb_unit)
         adapters, nb_adapters = self._adapters        # base adapters travel with their block
-        blocks = [unit[plan.storage][i] + adapters[i][1] for i in self.ordered(plan)]
+        blocks = [unit[self.stored_key(plan)][i] + adapters[i][1] for i in self.ordered(plan)]
         return [nb_unit + nb_adapters[1], *blocks] if plan.stream_non_blocks else blocks
+
+    def parked(self, plan: Plan) -> list[tuple[int, int]] | None:
+        """Per streamed unit (the engine's order), its block's bytes (as loaded, as stored) when the
+        loader reads it straight into the disk tier (memory/disk_load.py: a LoRA run's disk-tier
+        blocks), else (0, 0); None when nothing loads so. The sampler loads whole (mode
+        "inference")."""
+        disk = self.on_disk(plan)
+        if not disk or self.workload.mode not in ("lora",):
+            return None
+        blocks = [(self._bytes[(False, False)][i], self._bytes[plan.storage][i]) for i in self.ordered(plan)]
+        units = [(0, 0)] + blocks if plan.stream_non_blocks else blocks
+        return [u if d else (0, 0) for u, d in zip(units, disk)]
 
     def on_disk(self, plan: Plan) -> list[bool] | None:
         """Per streamed unit (the engine's order), whether its bytes live on disk (Plan.disk_blocks);
@@ -358,7 +414,7 @@ class MemoryModel:
         w = self.workload
         streamed = self.indices(plan)
         units = self.units(plan)
-        resident = sum(b for i, b in enumerate(self._bytes[plan.storage]) if i not in streamed)
+        resident = sum(b for i, b in enumerate(self._bytes[self.stored_key(plan)]) if i not in streamed)
         resident += (0 if plan.stream_non_blocks else self._nb_bytes) + self._own_bytes
         slots = min(plan.ring_slots, len(units)) * align(max(units)) if units else 0
         params, grads, states = self.trainable_bytes()
@@ -379,6 +435,7 @@ class MemoryModel:
         worst = None
         for bucket in w.buckets:
             act = self.activation_peak(bucket, plan.fp8, plan.checkpointing, plan.fp8_modulation)
+            act += self.dequant_transient(plan)
             if full is not None:      # each weight steps inside backward, when its gradient completes
                 part = {"activations": act, **self.in_backward_step(plan, bucket)}
             else:
@@ -401,7 +458,7 @@ class MemoryModel:
         """Device bytes of a preview on another base (infer/preview_base.preview_plan): every unit
         of the same architecture streamed through two slots of the largest, in the plan's fp8, with
         [sample]'s base adapters packed in (Workload.preview_adapter_tensors)."""
-        storage = (plan.fp8, False)
+        storage = self.stored_key(Plan(fp8=plan.fp8, base_format=plan.base_format))
         blocks, nb = self._preview_adapters
         units = [self._nb_unit_w + nb[1], *(u + a[1] for u, a in zip(self._unit_w[storage], blocks))]
         return min(2, len(units)) * align(max(units))
@@ -416,7 +473,8 @@ class MemoryModel:
         idx = self.ordered(plan)
         full = self.full
         on_host = self.host_step(plan)
-        state = full.state if full else [0] * len(self._bytes[plan.storage])
+        key = self.stored_key(plan)
+        state = full.state if full else [0] * len(self._bytes[key])
         nb_state = full.nb_state if full else 0
         packed = self.units(plan)
         # What packing frees of each unit: its weights, and its state unless that stays as it is
@@ -424,11 +482,11 @@ class MemoryModel:
         # (and the base adapters' weights it packs: they sit on the host beside the stored model
         # until then, attached before the engine is applied)
         adapters, nb_adapters = self._adapters
-        kept = [self._bytes[plan.storage][i] + (0 if on_host else state[i]) + adapters[i][0] for i in idx]
+        kept = [self._bytes[key][i] + (0 if on_host else state[i]) + adapters[i][0] for i in idx]
         unit_stored = ([self._nb_bytes + (0 if on_host else nb_state) + nb_adapters[0], *kept]
                        if plan.stream_non_blocks else kept)
         loaded = sum(self._bytes[(False, False)]) + self._nb_bytes
-        stored = sum(self._bytes[plan.storage]) + self._nb_bytes + self.workload.frozen_adapter_bytes
+        stored = sum(self._bytes[key]) + self._nb_bytes + self.workload.frozen_adapter_bytes
         if full and loaded not in self._host_parts:
             self._host_parts[loaded] = full.host_parts(loaded, self.workload.gradient_accumulation)
         parts = self._host_parts[loaded] if full else None
@@ -440,7 +498,7 @@ class MemoryModel:
                 "step": full.host_step_of(max(m for _, m in sizes)),
                 "staging": 2 * max(self.streamed_pinned_grads(plan)),
             }
-        breakdown = host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[plan.storage], offload,
+        breakdown = host_breakdown(plan, packed, unit_stored, loaded, stored, self._conversion[key], offload,
                               self.workload.host_cache_bytes, full=parts, host_step=host_step,
                               quantizing_load=self.workload.quantizes_on_load,
                               preview_base=self.workload.preview_base_bytes,
@@ -454,8 +512,9 @@ class MemoryModel:
         n = self.workload.other_parts
         if not n:
             return out
-        out = {**out, "other experts on the host (as stored)": n * stored}
-        out["peak"] += n * stored
+        each = stored + self._own_bytes      # its blocks, non-block modules and own tensors
+        out = {**out, "other experts on the host (as stored)": n * each}
+        out["peak"] += n * each
         return out
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
@@ -465,7 +524,8 @@ class MemoryModel:
         if full is None:
             return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
                                  self.ordered(plan), units, w.mode, sum(self.trainable_bytes()),
-                                 extra_forwards=self.recipe_forwards(), disk=self.on_disk(plan))
+                                 extra_forwards=self.recipe_forwards(), disk=self.on_disk(plan),
+                                 dequant=self.dequant_extra(plan))
         # The update reads and writes each trained weight and its state, reads its gradient, and
         # touches its temporaries; masters and accumulators cross the bus from pageable memory.
         # (timing.py counts `optimizer_bytes` read and written: the gradient and temporaries count half.)

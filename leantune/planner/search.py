@@ -77,6 +77,7 @@ from typing import NamedTuple
 
 from ..memory.disk_tier import disk_split
 from ..memory.engine import even_spread
+from .base_formats import FORMATS, ORDER as BASE_ORDER, bound as error_bound, within
 from .host_model import HOST_BASELINE
 from .memory_model import Estimate, MemoryModel
 from ..memory.plan import Plan
@@ -167,12 +168,14 @@ class Planner(MemoryModel):
         ckpts = ("none",) if w.mode == "inference" else CHECKPOINTING
         counts = range(n_blocks + 1)
         names_of = [tuple(self.weights.blocks[i].name for i in self.streamed_set(n)) for n in counts]
-        for fp8, mod in self.storages:
+        storages = [(fp8, mod, fmt) for fp8, mod in self.storages
+                    for fmt in (self.formats if fp8 else ("fp8",))]     # the quantized block Linears in each format
+        for fp8, mod, fmt in storages:
             for ckpt in ckpts:
                 for n in counts:
                     names = names_of[n]
                     if n == 0:
-                        yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt)
+                        yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt, base_format=fmt)
                         continue
                     for nb in ((False, True) if n == n_blocks else (False,)):
                         units = n + int(nb)
@@ -182,7 +185,7 @@ class Planner(MemoryModel):
                             for on_host in places:
                                 yield Plan(streamed_blocks=names, stream_non_blocks=nb, fp8=fp8, fp8_modulation=mod,
                                            checkpointing=ckpt, ring_slots=k, pin_memory=True,
-                                           optimizer_on_host=on_host)
+                                           optimizer_on_host=on_host, base_format=fmt)
 
     def plan(self, budget: Budget) -> Plan:
         """The plan for `budget` (VRAM and host RAM): the sweep described in the module docstring
@@ -206,6 +209,7 @@ class Planner(MemoryModel):
             raise self._infeasible(budget, ram_limit, smallest_vram)
         if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
             fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
+        fits, priced = self._within_bound(fits, budget)      # base formats: only those within the error bound
         if any(p.disk_blocks for _, p in fits):   # the disk tier: the faster of each storage's sweep
             picks = [self._sweep([vp for vp in fits if vp[1].fp8 == fp8]) for fp8 in (False, True)]
             best = min((p for p in picks if p is not None), key=self._preference)
@@ -214,7 +218,7 @@ class Planner(MemoryModel):
             best = min((p for p in picks if p is not None), key=lambda p: (self._preference(p)[0], p.optimizer_on_host))
         else:
             best = self._sweep(fits)
-        return self._annotate(best, self.estimate(best), budget, ram_limit)
+        return self._with_base_choice(self._annotate(best, self.estimate(best), budget, ram_limit), priced)
 
     def to_disk(self, plan: Plan, ram_limit: int) -> Plan | None:
         """`plan` with the streamed blocks its host RAM cannot hold under `ram_limit` on the disk
@@ -387,6 +391,63 @@ class Planner(MemoryModel):
         return replace(plan, notes=notes)
 
 
+    # -- the base format ([memory] base_format = "auto", base_formats.py) ----------------------------------
+    def _within_bound(self, fits: list[tuple[int, Plan]], budget: Budget) -> tuple[list, list]:
+        """(the fitting plans "auto" may choose from, every fitting plan): plans whose base format's
+        measured error is over the workload's bound are priced for the report but not chosen. None
+        within it fits: InfeasibleBudget, naming the bound and the formats that would fit."""
+        w = self.workload
+        if w.base_pinned or len(self.formats) == 1 and self.formats[0] == "fp8":
+            return fits, fits
+        allowed = [vp for vp in fits if not _quantized(vp[1]) or within(vp[1].base_format, w.max_base_error)]
+        if not allowed:
+            over = sorted({vp[1].base_format for vp in fits}, key=BASE_ORDER.index)
+            raise InfeasibleBudget(
+                f"no memory plan within the base-format error bound ({error_bound(w.max_base_error):.2f} % against "
+                f"bf16, [memory] max_base_error) fits a VRAM budget of {gib(budget.vram)} for {w.describe()}; "
+                + ", ".join(f"{FORMATS[f].label} ({FORMATS[f].error:.2f} %)" for f in over)
+                + " would fit: raise [memory] max_base_error or pin [memory] base_format.",
+                best=min(fits, key=lambda vp: vp[0])[1])
+        return allowed, fits
+
+    def best_of_format(self, fits: list[tuple[int, Plan]], fmt: str) -> Plan | None:
+        """The sweep's plan among `fits` of one base format ("bf16": the unquantized plans)."""
+        same = [vp for vp in fits if (not _quantized(vp[1]) if fmt == "bf16" else
+                                      _quantized(vp[1]) and vp[1].base_format == fmt)]
+        return self._sweep(same) if same else None
+
+    def _with_base_choice(self, plan: Plan, fits: list[tuple[int, Plan]]) -> Plan:
+        """`plan` with notes["base_format"]: its format with its measured error against bf16, and
+        the best plan of each other format that fits (step time, blocks streamed, error; whether the
+        bound let "auto" choose it), so `leantune plan` states what the choice bought and cost."""
+        w = self.workload
+        if len(self.formats) == 1 and not w.base_pinned:
+            return plan
+        chosen = plan.base_format if _quantized(plan) else "bf16"
+        rows = []
+        for fmt in ("bf16", *self.formats):
+            best = plan if fmt == chosen else self.best_of_format(fits, fmt)
+            if best is None:
+                continue
+            rows.append({"format": fmt, "step_s": self._timed(best).step_s, "streamed": len(best.streamed_blocks),
+                         "error": 0.0 if fmt == "bf16" else FORMATS[fmt].error,
+                         "allowed": fmt == "bf16" or w.base_pinned or within(fmt, w.max_base_error),
+                         "chosen": fmt == chosen, "plan": best.describe()})
+        notes = {**plan.notes, "base_format": {"chosen": chosen, "pinned": w.base_pinned,
+                                                "bound": error_bound(w.max_base_error), "formats": rows}}
+        return replace(plan, notes=notes)
+
+    def keep_base_format(self, plan: Plan) -> None:
+        """The model is now stored as `plan` stores it: later plans (an OOM's or a calibration's
+        re-plan) keep an int8 / NF4 base's format, since its rows cannot turn back into bf16."""
+        if not _quantized(plan) or plan.base_format == "fp8":
+            return
+        self.formats = (plan.base_format,)
+        self.storages = [s for s in self.storages if s[0] or s[1]] or self.storages
+        self._candidates.clear()
+        self.forget_estimates()
+
+
 class _Timed(NamedTuple):
     step_s: float
     h2d_bytes: int
@@ -394,13 +455,19 @@ class _Timed(NamedTuple):
 
 def _plan_key(plan: Plan) -> tuple:
     return (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.fp8_modulation, plan.checkpointing,
-            plan.ring_slots, plan.pin_memory, plan.optimizer_on_host, plan.disk_blocks)
+            plan.ring_slots, plan.pin_memory, plan.optimizer_on_host, plan.disk_blocks, plan.base_format)
+
+
+def _quantized(plan: Plan) -> bool:
+    """Whether the plan quantizes the block Linears (in its base format; fp8 modulation alone is not a format)."""
+    return plan.fp8
 
 
 def _shape(plan: Plan) -> tuple:
     """The simpler-plan order: no fp8 (modulation first), less checkpointing, fewer streamed blocks,
     the smaller ring, the optimizer step on the device, fewer blocks on disk."""
-    return (plan.fp8_modulation, plan.fp8, CHECKPOINTING.index(plan.checkpointing), len(plan.streamed_blocks), plan.stream_non_blocks,
+    return (plan.fp8_modulation, plan.fp8, BASE_ORDER.index(plan.base_format), CHECKPOINTING.index(plan.checkpointing),
+            len(plan.streamed_blocks), plan.stream_non_blocks,
             plan.ring_slots, plan.optimizer_on_host, len(plan.disk_blocks))
 
 

@@ -104,7 +104,8 @@ class MeasuredModel:
 
         def module(m: dict) -> ModuleWeights:
             return ModuleWeights(m["name"], m["kind"], tuple(tuple(t) for t in m["tensors"]), m["native_bytes"],
-                                 tuple(tuple(s) for s in m.get("trained", ())))
+                                 tuple(tuple(s) for s in m.get("trained", ())),
+                                 tuple(tuple(f) for f in m.get("formats", ())))
 
         weights = ModelWeights(tuple(module(b) for b in w["blocks"]), module(w["non_blocks"]),
                                tuple(AdapterShape(**a) for a in w["adapters"]), w.get("device_tables", 0),
@@ -226,7 +227,7 @@ def _workload_shape(workload: Workload) -> dict:
     unmeasured = ["optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
                   "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load",
                   "frozen_adapter_bytes", "frozen_adapter_tensors", "preview_base_bytes", "preview_adapter_tensors", "ema", "dop_share", "validation_forwards_per_step",
-                  "prefix_cache_bytes"]
+                  "prefix_cache_bytes", "base_formats", "max_base_error", "base_pinned"]
     lora = workload.mode == "lora"
     if lora and workload.adapter == "lokr":
         unmeasured.remove("rank")     # LoKr is traced at its rank (activation_probe.probe_activations)

@@ -69,32 +69,35 @@ def simulate_step(machine: Machine, calibration: Calibration, plan: Plan, prof: 
                   ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int], mode: str,
                   optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0,
                   host_steps: list[tuple[int, float]] | None = None, extra_forwards: float = 0.0,
-                  disk: list[bool] | None = None) -> StepTime:
+                  disk: list[bool] | None = None, dequant: list[float] | None = None) -> StepTime:
     """One bucket's step time under `plan`; with `host_steps`, the CPU optimizer step's share apart
     (the module docstring). `extra_forwards`: forwards without a graph the recipe adds per step on
     average (a DOP prior step's base prediction, [validation]'s passes: Workload.dop_share,
     validation_forwards_per_step), each priced as the plan's own inference forward, streamed blocks
-    and all (`recipe_forward`). `disk`: per unit, whether it is read from the disk tier."""
+    and all (`recipe_forward`). `disk`: per unit, whether it is read from the disk tier. `dequant`:
+    per block, the seconds an int8 / NF4 base's dequantization adds to each use of the block beyond
+    fp8's (planner/base_formats.py): in the forward, the backward and a checkpointed recompute."""
     args = (machine, calibration, plan, prof, ref, kinds, streamed, units, mode, optimizer_bytes, writeback,
             inline_pageable)
-    t = _simulate(*args, host_steps=host_steps, disk=disk)
+    t = _simulate(*args, host_steps=host_steps, disk=disk, dequant=dequant)
     if host_steps:
-        free_cpu = _simulate(*args, host_steps=[(grad, 0.0) for grad, _ in host_steps], disk=disk)
+        free_cpu = _simulate(*args, host_steps=[(grad, 0.0) for grad, _ in host_steps], disk=disk, dequant=dequant)
         host_s = max(0.0, t.step_s - free_cpu.step_s)
         t = t._replace(exposed_s=max(0.0, t.exposed_s - host_s), host_step_s=host_s)
     if extra_forwards > 0 and mode != "inference":
-        t = with_forwards(t, recipe_forward(machine, calibration, plan, prof, ref, kinds, streamed, units, disk),
-                          extra_forwards)
+        t = with_forwards(t, recipe_forward(machine, calibration, plan, prof, ref, kinds, streamed, units, disk,
+                                            dequant), extra_forwards)
     return t
 
 
 def recipe_forward(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
                    ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int],
-                   disk: list[bool] | None = None) -> StepTime:
+                   disk: list[bool] | None = None, dequant: list[float] | None = None) -> StepTime:
     """One forward without a graph under the training plan: the embedders, every block (a streamed
     block is fetched again: a DOP base prediction or a validation pass streams the model as the
     step's own forward does) and the final layer; no backward, no optimizer."""
-    return _simulate(machine, calibration, plan, prof, ref, kinds, streamed, units, "inference", 0, disk=disk)
+    return _simulate(machine, calibration, plan, prof, ref, kinds, streamed, units, "inference", 0, disk=disk,
+                     dequant=dequant)
 
 
 def with_forwards(t: StepTime, forward: StepTime, n: float) -> StepTime:
@@ -108,7 +111,8 @@ def with_forwards(t: StepTime, forward: StepTime, n: float) -> StepTime:
 def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: ActivationProfile,
               ref: ActivationProfile, kinds: list[str], streamed: list[int], units: list[int], mode: str,
               optimizer_bytes: int, writeback: bool = False, inline_pageable: int = 0,
-              host_steps: list[tuple[int, float]] | None = None, disk: list[bool] | None = None) -> StepTime:
+              host_steps: list[tuple[int, float]] | None = None, disk: list[bool] | None = None,
+              dequant: list[float] | None = None) -> StepTime:
     """One bucket's step time under `plan`, the CPU step counted in the exposed time.
 
     `prof` is the probe of the plan's storage (fp8 or not), `ref` the probe without fp8 (their
@@ -140,7 +144,8 @@ def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: Acti
     uses.append((nb_unit, prof.nb_fwd_flops / rate, 0, 0.0, False))           # embedders
     for i, kind in enumerate(kinds):
         kp = prof.kinds[kind]
-        uses.append((unit_of.get(i), kp.fwd_flops / rate, 0, dq(kind, "fwd"), False))
+        uses.append((unit_of.get(i), kp.fwd_flops / rate, 0, dq(kind, "fwd") + (dequant[i] if dequant else 0.0),
+                     False))
     uses.append((nb_unit, prof.nb_post_flops / rate, 0, 0.0, False))          # final norm and projection
     if mode != "inference":
         # The final layer's backward steps its weights: on the device that makes the group dirty.
@@ -149,7 +154,8 @@ def _simulate(machine: Machine, calibration: Calibration, plan: Plan, prof: Acti
             kind = kinds[i]
             kp = prof.kinds[kind]
             c = kp.bwd_flops / rate + (kp.fwd_flops / rate if ckpt else 0.0)
-            over = dq(kind, "bwd") + (dq(kind, "fwd") if ckpt else 0.0)
+            extra_dq = dequant[i] if dequant else 0.0       # an int8 / NF4 base: its backward dequantizes too
+            over = dq(kind, "bwd") + extra_dq + (dq(kind, "fwd") + extra_dq if ckpt else 0.0)
             uses.append((unit_of.get(i), c, kp.out if offload else 0, over, writeback or host))
         if writeback or host:
             uses.append((nb_unit, 0.0, 0, 0.0, True))                    # embedders' backward, then write-back

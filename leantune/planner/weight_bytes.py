@@ -9,7 +9,10 @@ e4m3 (an fp8 checkpoint, loaded as it is stored, modulation included) cost 1 byt
 their own scales in every plan: the engine keeps them in fp8 whatever the plan says. Linear
 weights of a GGUF base (memory/gguf_storage.py), of an NF4 base (memory/nf4_storage.py: packed
 codes and absmax in one uint8 row) and of an int8 ConvRot base (memory/int8_storage.py) cost their stored bytes, exactly, in every plan and in or out of
-the blocks (an entry "stored" with no fp8 scales: its element count is bytes). Tests hold these numbers to what fp8 storage, the streaming engine and peft really
+the blocks (an entry "stored" with no fp8 scales: its element count is bytes). A bf16 block Linear that
+int8 or NF4 storage could take also carries what it would store in each (`ModuleWeights.formats`:
+int8 ConvRot's codes and row scale, out x (in + 4); NF4's packed nibbles and absmax, out x 36 per
+64 inputs), so the search can price "auto"'s choice of base format exactly (base_formats.py). Tests hold these numbers to what fp8 storage, the streaming engine and peft really
 allocate, so the planner prices exactly what the engine builds.
 """
 
@@ -22,8 +25,8 @@ import torch
 
 from ..memory.fp8 import SCALE_ATTR
 from ..memory.gguf_storage import is_gguf
-from ..memory.int8_storage import is_int8
-from ..memory.nf4_storage import is_nf4
+from ..memory.int8_storage import group_size_for, is_int8, row_bytes as int8_row_bytes
+from ..memory.nf4_storage import BLOCK as NF4_BLOCK, is_nf4, row_bytes as nf4_row_bytes
 from ..memory.fp8 import SCALE_BLOCK as FP8_GROUP
 from ..memory.streaming_units import ALIGN as STREAM_ALIGN
 from ..train.adapter_types import adafactor_numel, adapter_numel
@@ -32,6 +35,17 @@ from .workload import Workload
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The formats besides fp8 a block Linear's entry in ModuleWeights.formats prices, in its order.
+STORED_FORMATS = ("int8", "nf4")
+
+
+def format_bytes(out_features: int, in_features: int) -> tuple[int, int]:
+    """(int8 ConvRot, NF4) stored bytes of an (out, in) Linear weight, 0 where that format does not
+    take it (int8: no ConvRot group divides the inputs; NF4: the inputs are not whole 64-value
+    blocks), as memory/int8_storage.int8_block_weights and nf4_storage.nf4_block_weights choose."""
+    int8 = out_features * int8_row_bytes(in_features) if group_size_for(in_features) else 0
+    nf4 = out_features * nf4_row_bytes(in_features) if in_features % NF4_BLOCK == 0 else 0
+    return int8, nf4
 
 
 def align(n: int) -> int:
@@ -63,6 +77,9 @@ class ModuleWeights:
     tensors: tuple[tuple[int, int, bool, bool], ...]
     native_bytes: int             # as the model holds them now
     trained: tuple[tuple[int, ...], ...] = ()
+    # Per tensor (as `tensors`), its (int8, NF4) stored bytes where that storage could take it, else
+    # (0, 0); empty for a measurement from before the base formats (priced as fp8 only)
+    formats: tuple[tuple[int, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -87,25 +104,44 @@ class ModuleWeights:
         (stored, no scales: bytes as elements)."""
         return (bool(scales) or stored) and (stored or (modulation if mod else fp8))
 
-    def bytes(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
+    def _parts(self, i: int, dtype_bytes: int, fp8: bool, modulation: bool, fmt: str) -> tuple[int, ...]:
+        """The bytes of tensor `i` as separate tensors (the engine aligns each): in the load dtype,
+        or as the plan stores it: e4m3 and its fp32 scales ("fp8", and whatever a file stores
+        already), or one row tensor of int8 / NF4 (`fmt`) where that format takes it (else the
+        load dtype, as the loader leaves it)."""
+        n, s, stored, mod = self.tensors[i]
+        if not self._e4m3(s, stored, mod, fp8, modulation):
+            return (n * dtype_bytes,)
+        if stored or fmt == "fp8":
+            return (n, 4 * s)
+        q = self.formats[i][STORED_FORMATS.index(fmt)] if self.formats else 0
+        return (q,) if q else (n * dtype_bytes,)
+
+    def bytes(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False, fmt: str = "fp8") -> int:
         """Bytes in `dtype_bytes` per element, or with fp8 storage (1 byte + fp32 scales) of the
-        block Linears (`fp8`) and of the modulation Linears (`modulation`)."""
-        return sum(n + 4 * s if self._e4m3(s, stored, mod, fp8, modulation) else n * dtype_bytes
-                   for n, s, stored, mod in self.tensors)
+        block Linears (`fp8`) and of the modulation Linears (`modulation`); `fmt` "int8" / "nf4":
+        those Linears in that format instead (formats)."""
+        return sum(sum(self._parts(i, dtype_bytes, fp8, modulation, fmt)) for i in range(len(self.tensors)))
 
-    def unit_bytes(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
+    def unit_bytes(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False, fmt: str = "fp8") -> int:
         """The streaming engine's packed host buffer: every tensor (and fp8 scale) 512-byte aligned."""
-        total = 0
-        for n, s, stored, mod in self.tensors:
-            e4m3 = self._e4m3(s, stored, mod, fp8, modulation)
-            total += align(n) + align(4 * s) if e4m3 else align(n * dtype_bytes)
-        return total
+        return sum(align(p) for i in range(len(self.tensors)) for p in self._parts(i, dtype_bytes, fp8, modulation, fmt))
 
-    def largest_conversion(self, fp8: bool = True, modulation: bool = False) -> int:
-        """Bytes of the largest weight fp8 storage converts (its e4m3 copy and scales), which
-        exist beside the original while it converts; 0 when nothing here is converted."""
-        return max((n + 4 * s for n, s, stored, mod in self.tensors
-                    if not stored and self._e4m3(s, stored, mod, fp8, modulation)), default=0)
+    def largest_conversion(self, fp8: bool = True, modulation: bool = False, fmt: str = "fp8") -> int:
+        """Bytes of the largest weight fp8 storage converts (its e4m3 copy and scales; its int8 /
+        NF4 rows with `fmt`), which exist beside the original while it converts; 0 when nothing
+        here is converted."""
+        return max((sum(self._parts(i, 1, fp8, modulation, fmt)) for i, (n, s, stored, mod) in enumerate(self.tensors)
+                    if not stored and self._e4m3(s, stored, mod, fp8, modulation)
+                    and (fmt == "fp8" or self._parts(i, 0, fp8, modulation, fmt)[0])), default=0)
+
+    def quantized(self, fp8: bool, modulation: bool, fmt: str) -> tuple[int, int]:
+        """(weights `fmt` storage converts here, the largest one's elements): what dequantizes in
+        each use (base_formats.dequant_extra_s) and the largest dequantization's temporaries."""
+        sizes = [n for i, (n, s, stored, mod) in enumerate(self.tensors)
+                 if not stored and self._e4m3(s, stored, mod, fp8, modulation)
+                 and (fmt == "fp8" or self._parts(i, 0, fp8, modulation, fmt)[0])]
+        return sum(sizes), max(sizes, default=0)
 
 
 @dataclass(frozen=True)
@@ -130,8 +166,8 @@ class ModelWeights:
     # on the device in every plan, streamed or not; priced with the resident weights.
     own_numel: int = 0
 
-    def total(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False) -> int:
-        return (sum(b.bytes(dtype_bytes, fp8, modulation) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
+    def total(self, dtype_bytes: int, fp8: bool = False, modulation: bool = False, fmt: str = "fp8") -> int:
+        return (sum(b.bytes(dtype_bytes, fp8, modulation, fmt) for b in self.blocks) + self.non_blocks.bytes(dtype_bytes)
                 + self.own_numel * dtype_bytes)
 
     @property
@@ -151,6 +187,11 @@ class ModelWeights:
     def prequantized_modulation(self) -> bool:
         """The checkpoint stores modulation Linears in e4m3 (and the loader kept them so)."""
         return any(b.prequantized_modulation for b in self.blocks)
+
+    def stores_as(self, fmt: str) -> bool:
+        """Some block Linear that `fmt` storage ("int8", "nf4") could take (measured with formats)."""
+        k = STORED_FORMATS.index(fmt)
+        return any(f[k] for b in self.blocks for f in b.formats)
 
     def fp8_convertible(self, modulation: bool = False) -> bool:
         """Some block weight fp8 storage would convert (of the block Linears, or of the modulation
@@ -185,6 +226,7 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
     Trained weights keep their dtype under fp8 storage (it holds frozen weights only)."""
     prefix = f"{name}." if in_block else ""
     fp8_of: dict[int, tuple[int, bool, bool]] = {}      # id(weight) -> (scale count, already e4m3, modulation)
+    formats_of: dict[int, tuple[int, int]] = {}          # id(weight) -> (int8, NF4) stored bytes
     for mname, m in module.named_modules():             # GGUF / NF4 / int8 rows: their bytes, in or out of blocks
         if type(m) is torch.nn.Linear and (is_gguf(m) or is_nf4(m) or is_int8(m)):
             fp8_of[id(m.weight)] = (0, True, in_block and spec.is_modulation(_base_name(mname)))
@@ -202,8 +244,9 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
                 fp8_of[id(m.weight)] = (scale.numel() if scale is not None else m.out_features, True, mod)
             else:
                 fp8_of[id(m.weight)] = (fp8_scale_count(m.out_features, m.in_features), False, mod)
+                formats_of[id(m.weight)] = format_bytes(m.out_features, m.in_features)
     seen: set[int] = set()
-    tensors, native, trained = [], 0, []
+    tensors, native, trained, formats = [], 0, [], []
     params = {id(p) for p in module.parameters()}
     for pname, t in list(module.named_parameters()) + list(module.named_buffers()):
         if id(t) in seen:
@@ -213,9 +256,11 @@ def _module_weights(name: str, kind: str, module: torch.nn.Module, spec, in_bloc
         if _is_adapter(pname) or pname.endswith(SCALE_ATTR) or f"{STATE_SUFFIX}." in pname:
             continue            # scales are priced with their weight, optimizer state from `trained`
         tensors.append((t.numel(), *fp8_of.get(id(t), (0, False, False))))
+        formats.append(formats_of.get(id(t), (0, 0)))
         if trains is not None and id(t) in params and t.dtype not in FP8_DTYPES and trains(f"{prefix}{pname}"):
             trained.append(tuple(t.shape))
-    return ModuleWeights(name, kind, tuple(tensors), native, tuple(trained))
+    return ModuleWeights(name, kind, tuple(tensors), native, tuple(trained),
+                         tuple(formats) if any(any(f) for f in formats) else ())
 
 
 def measure_weights(spec, model: torch.nn.Module, workload: Workload | None = None) -> ModelWeights:

@@ -55,6 +55,13 @@ class Workload:
     # fp8 storage of the modulation Linears too: None lets the planner use it only when no plan
     # without it fits; True: every plan; False: never ([memory] fp8_modulation "auto"/true/false).
     fp8_modulation: bool | None = None
+    # The formats quantized block Linears may take (planner/base_formats.py): "auto" prices fp8,
+    # int8 and NF4 for a LoRA; the search chooses among those whose measured error against bf16 is
+    # within `max_base_error` (percent; None: fp8 e4m3's own). `base_pinned`: [memory] base_format
+    # names one (the only entry): every plan stores the block Linears so, whatever its error.
+    base_formats: tuple[str, ...] = ("fp8",)
+    max_base_error: float | None = None
+    base_pinned: bool = False
     host_cache_bytes: int = 0       # caches held in host RAM during training
     # Frozen adapters under the trained one ([model] / [sample] base_adapters, train/base_adapters.py;
     # for `leantune sample`, its LoRAs too): the bytes of all their weights (fp32) ...
