@@ -281,3 +281,40 @@ def test_two_expert_settings_are_checked_naming_the_key(world, tmp_path):
     one = save_wan_folder(tmp_path / "one", experts=1)
     with pytest.raises(LoadError, match=r"\[model\] expert = \"both\".*transformer_2"):
         get_family("wan2.2").resolve_sources(ModelConfig(path=str(one), family="wan2.2", expert="both"), tmp_path)
+
+
+@pytest.mark.parametrize("experts", ["each", "shared"])
+def test_the_planner_prices_one_expert_on_the_device_and_the_other_on_the_host(world, tmp_path, experts):
+    """Under a vram_budget a two-expert run is priced as one expert's device plan (what the engine
+    holds at a time), plus the other expert on the host as stored (in every phase's peak) and, for
+    [lora] experts = "each", the other adapter and its optimizer state on the device; a shared
+    LoRA's device bytes are one expert's run."""
+    from leantune.memory.plan import Plan
+    from leantune.models.family import get_family, loader_options
+    from leantune.planner.from_config import planner_for_config
+    from leantune.planner.machine import assumed_machine
+
+    family = get_family("wan2.2")
+    cfg = _config(world, tmp_path, experts=experts, extra="")
+    machine = assumed_machine()
+
+    def planner(expert):
+        c = cfg.model_copy(update={"model": cfg.model.model_copy(update={"expert": expert}),
+                                   "memory": cfg.memory.model_copy(update={"vram_budget": "1GiB"})})
+        sources = family.resolve_sources(c.model, tmp_path)
+        meta = family.load_transformer(sources, dtype=torch.float32, device="meta", **loader_options(c.memory))
+        return planner_for_config(c, family.spec, meta, machine)[0], meta
+
+    both, meta = planner("both")
+    high, _ = planner("high")
+    plan = Plan(streamed_blocks=("blocks.1",), ring_slots=2)
+    got, want = both.estimate(plan), high.estimate(plan)
+    low_bytes = sum(t.numel() * t.element_size() for t in (*meta.low.parameters(), *meta.low.buffers()))
+    assert got.host["other experts on the host (as stored)"] == low_bytes
+    assert got.peak_host == want.peak_host + low_bytes
+    assert got.vram["gradients"] == want.vram["gradients"] and got.vram["activations"] == want.vram["activations"]
+    times = 1 if experts == "shared" else 2
+    assert got.vram["adapters"] == times * want.vram["adapters"] > 0
+    extra = got.peak_vram - want.peak_vram
+    assert want.vram["optimizer states"] > 0
+    assert extra == (times - 1) * (want.vram["adapters"] + want.vram["optimizer states"])
