@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from leantune.models.family import get_family
-from leantune.tiny.wan import (BOUNDARY_RATIO, SECOND_EXPERT_SEED, save_wan_folder, wan_scheduler, wan_text_encoder,
+from leantune.tiny.wan import (SECOND_EXPERT_SEED, save_wan_folder, wan_scheduler, wan_text_encoder,
                                wan_tokenizer, wan_transformer, wan_vae)
 
 FAM = get_family("wan2.2")
@@ -228,7 +228,8 @@ def test_a_bad_or_missing_first_frame_is_an_error_naming_it(folder, t2v_folder, 
     and a text-to-video one given one say so; nothing is written."""
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"not a png")
-    cases = [((folder, "--reference", str(tmp_path / "gone.png")), rf"references: {re.escape(str(tmp_path))}/gone\.png: "
+    gone = re.escape(str(tmp_path))
+    cases = [((folder, "--reference", str(tmp_path / "gone.png")), rf"references: {gone}/gone\.png: "
               r"no such image file"),
              ((folder, "--reference", str(bad)), r"references: .*broken\.png: not a readable image"),
              ((folder,), r"references: .*folder/transformer is an image-to-video model: every video starts from a "
@@ -396,6 +397,9 @@ def test_clip_conditions_are_cached_keyed_apart_and_fed_to_the_forward(tmp_path,
     for s in clips:
         entry = data.latent_entry(s.reference_keys[0])
         first = next(iter_clip_frames(s.item.path, target_fps=FPS, num_frames=1, size=(SIDE, SIDE)))
+        # the frame the clip's own latent entry starts from (its 9-frame window's first)
+        assert torch.equal(first, next(iter_clip_frames(s.item.path, target_fps=FPS, num_frames=CLIP_FRAMES,
+                                                        size=(SIDE, SIDE))))
         _, want = pipe.prepare_latents(first[None], 1, 16, SIDE, SIDE, CLIP_FRAMES, torch.float32, "cpu",
                                        torch.Generator().manual_seed(0))
         assert entry.shape == (20, 3, 8, 8) and entry.dtype == cache.STORE_DTYPE
@@ -408,8 +412,9 @@ def test_clip_conditions_are_cached_keyed_apart_and_fed_to_the_forward(tmp_path,
     transformer = FAM.load_transformer(_sources(folder), torch.float32)
     seen = []
     transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].detach()), with_kwargs=True)
-    t = SimpleNamespace(device=torch.device("cpu"), generator=torch.Generator().manual_seed(0), sources=_sources(folder),
-                        transformer=transformer, dtype=torch.float32, mode=None, last_bucket=None)
+    t = SimpleNamespace(device=torch.device("cpu"), generator=torch.Generator().manual_seed(0),
+                        sources=_sources(folder), transformer=transformer, dtype=torch.float32, mode=None,
+                        last_bucket=None)
     loss = forward_backward(t, cfg, batch)
     assert np.isfinite(loss) and seen[0].shape == (2, 36, 3, 8, 8)
     assert torch.equal(seen[0][:, 16:], batch.references[0].float())   # the condition after the noisy latents
@@ -456,13 +461,14 @@ def test_which_models_take_a_first_frame(tmp_path, folder, two_experts, t2v_fold
     from leantune.models.wan.loading import WanSources, boundary_ratio, check_text_to_video
     from leantune.models.weights import LoadError
 
-    assert FAM.references.takes_first_frame(_sources(folder)) and FAM.references.takes_first_frame(_sources(two_experts))
-    assert not FAM.references.takes_first_frame(_sources(t2v_folder))
+    takes = FAM.references.takes_first_frame
+    assert takes(_sources(folder)) and takes(_sources(two_experts))
+    assert not takes(_sources(t2v_folder))
     model = wan_transformer(0, in_channels=36, out_channels=16)
     path = tmp_path / "wan2.2_i2v_high_noise_14B.safetensors"
     save_file(diffusers_to_native(model.state_dict()), str(path), metadata=native_metadata(model))
     src = WanSources(transformer=path, transformer_2=None, text_encoder=None, tokenizer=None, vae=None)
-    assert FAM.references.takes_first_frame(src) and boundary_ratio(src) == I2V_BOUNDARY
+    assert takes(src) and boundary_ratio(src) == I2V_BOUNDARY
     assert FAM.load_transformer(src, torch.float32).config.in_channels == 36
     with pytest.raises(LoadError, match=r"x\.json: .*image embedder \(image_dim = 1280: Wan 2\.1 I2V's CLIP"):
         check_text_to_video({"in_channels": 36, "out_channels": 16, "image_dim": 1280}, Path("x.json"))

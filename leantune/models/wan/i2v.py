@@ -114,11 +114,6 @@ def condition(vae, first: torch.Tensor, frames: int) -> torch.Tensor:
     return torch.concat([mask.to(latents.device), latents], dim=1).to("cpu")
 
 
-def condition_channels(latent_channels: int = 16) -> int:
-    """Channels of the condition: the mask's 4 and the latents'."""
-    return TEMPORAL_FACTOR + latent_channels
-
-
 def preprocess(image, width: int, height: int) -> torch.Tensor:
     """A PIL image -> (1, 3, height, width) float32 in [-1, 1], as the pipeline's VideoProcessor
     preprocesses its `image` (a resize to the video's size, Lanczos, no crop)."""
