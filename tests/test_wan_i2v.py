@@ -423,13 +423,19 @@ def test_clip_conditions_are_cached_keyed_apart_and_fed_to_the_forward(tmp_path,
 
 def test_an_i2v_run_samples_from_its_first_frame_and_needs_one(tmp_path, folder, media, first_png):
     """Two LoRA steps and a 5-frame sample during training from [sample] references' first frame
-    (cached as the condition at the samples' width x height x frames); an image-to-video run that
-    samples without a first frame is refused naming [sample] references."""
+    (cached as the condition at the samples' width x height x frames); an image-to-video run over
+    still images alone, and one that samples without a first frame, are refused by name."""
     from leantune.data.dataset import DataError
     from leantune.models.wan import i2v
     from leantune.trainer import train
     from PIL import Image
 
+    stills = tmp_path / "stills"
+    stills.mkdir()
+    (stills / "still.png").write_bytes((media / "still.png").read_bytes())
+    with pytest.raises(DataError, match=r"image-to-video model trains on clips.*hold none \(only still images: "
+                                        r".*still\.png\)"):
+        _prepare(_config(tmp_path, folder, stills, "stills"))
     with pytest.raises(DataError, match=r"\[sample\] references: .* is an image-to-video model"):
         _prepare(_config(tmp_path, folder, media, "no-first", '\n[sample]\nprompts = ["a square"]\n'),
                  sample_references=[], sample_shape=(SIDE, HEIGHT, FRAMES))

@@ -667,7 +667,8 @@ def _fill_sampling_references(refs: tuple, keys: list[str], folder: Path, source
     try:
         for ref, key in todo:
             sized = {} if shape is None else dict(zip(("width", "height", "frames"), shape))   # a first frame's
-            (latent,) = family.references.sampling_latents(vae, [load_image(ref.path, family.rgba)], **sized)  # (1, C, h, w)
+            image = load_image(ref.path, family.rgba)
+            (latent,) = family.references.sampling_latents(vae, [image], **sized)       # (1, C, h, w)
             save_safetensors({"latent": latent[0].to(STORE_DTYPE)}, folder / f"{key}.safetensors",
                              {"format": FORMAT_VERSION, "kind": "latent", "key": key, "source": str(ref.path)})
     finally:
@@ -725,7 +726,13 @@ def first_frame_jobs(samples: list, clip_list: list, clip_jobs: dict, data_cfg, 
     itself teaches the model nothing but to copy it)."""
     from dataclasses import replace
 
+    from .dataset import DataError
+
     stills = sorted({str(s.item.path) for s in samples})
+    if not clip_list:
+        only = f" (only still images: {listing(stills)})" if stills else ""
+        raise DataError(f"[[data.datasets]]: an image-to-video model trains on clips (each conditioned on its own "
+                        f"first frame), and the datasets hold none{only}; add clips, or train a text-to-video model")
     if stills:
         warnings.warn(f"an image-to-video model trains on clips, each conditioned on its own first frame: "
                       f"{len(stills)} still image(s) skipped: {listing(stills)}", DataWarning, stacklevel=3)

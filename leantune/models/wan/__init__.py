@@ -1,9 +1,9 @@
-"""Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, I2V-A14B's (first-frame conditioning: wan/i2v.py), and
-Wan 2.1 T2V, the same classes; TI2V-5B and Wan 2.1 I2V's CLIP image embedding are refused by name
-until their conditioning is built: loading.check_text_to_video): latents, the transformer call, sampling and the family's registration
-(`wan2.2`). The spec is in wan/spec.py,
-loading in wan/loading.py, text encoding in wan/text.py, the two experts in wan/experts.py; this
-module imports them, none imports it.
+"""Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, I2V-A14B's (first-frame conditioning: wan/i2v.py),
+and Wan 2.1 T2V, the same classes; TI2V-5B and Wan 2.1 I2V's CLIP image embedding are refused by
+name until their conditioning is built: loading.check_text_to_video): latents, the transformer
+call, sampling and the family's registration (`wan2.2`). The spec is in wan/spec.py, loading in
+wan/loading.py, text encoding in wan/text.py, the two experts in wan/experts.py, image-to-video's
+first-frame condition in wan/i2v.py; this module imports them, none imports it.
 
 Everything follows WanPipeline (diffusers) exactly:
 
@@ -27,6 +27,10 @@ Everything follows WanPipeline (diffusers) exactly:
   `WanExperts` (wan/experts.py), which switches at the pipeline's boundary. The released folders'
   UniPCMultistepScheduler is another solver than the Euler step the sampler takes: only the Euler
   scheduler's samples equal the pipeline's.
+- Image-to-video (I2V-A14B): the transformer takes 36 channels, the noisy latents and the first
+  frame's condition, which WanImageToVideoPipeline builds once per video and concatenates at every
+  step; here it is the sample's one reference (`predict(references=)`, wan/i2v.py): built from the
+  first-frame image when sampling, from each clip's own first frame in the caching phase.
 - Training noise levels: "shift", the logit-normal shifted by [train] shift (3.0 by default), inside
   the trained expert's range for a two-expert model (`training_sigmas`).
 """
