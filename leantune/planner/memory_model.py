@@ -134,7 +134,7 @@ class MemoryModel:
         # storage of every plan.
         self.formats = self._base_formats()
         if workload.base_pinned:
-            self.storages = [s for s in self.storages if s[0] or s[1]] or self.storages
+            self.storages = [s for s in self.storages if s[0]] or self.storages
         # An fp8 checkpoint's block weights compute through fp8 storage in every plan: probed so.
         # The plainest storage is the reference of the dequantisation cost (timing.py).
         # A LoRA profile is priced at the run's rank from the adapters' share per rank (at_rank).

@@ -443,7 +443,7 @@ class Planner(MemoryModel):
         if not _quantized(plan) or plan.base_format == "fp8":
             return
         self.formats = (plan.base_format,)
-        self.storages = [s for s in self.storages if s[0] or s[1]] or self.storages
+        self.storages = [s for s in self.storages if s[0]] or self.storages
         self._candidates.clear()
         self.forget_estimates()
 
