@@ -361,12 +361,21 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     options = base_options | _fp8_load_options(cfg, planned[0] if planned else None)
 
     def load(in_turn: bool, shared=None) -> tuple:
-        transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
+        spill = _loading_spill(cfg, family.spec, meta_model, planned)
+        with _parking(spill):
+            transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
         log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
-        params = mode.prepare(transformer, family.spec)
-        stack = _attach_base_adapters(transformer, adapters)     # frozen, before the engine places the model
-        return (transformer, params, stack, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared,
-                                                           machine, planned))
+        if spill is not None:
+            log.info("model: %d blocks (%.2f GB) loaded straight to the disk tier (%s)", len(spill.ranges),
+                     spill.parked_bytes / 2**30, cfg.memory.disk_dir)
+        try:
+            params = mode.prepare(transformer, family.spec)
+            stack = _attach_base_adapters(transformer, adapters)     # frozen, before the engine places the model
+            return (transformer, params, stack, *_apply_memory(cfg, transformer, device, mode, dist, in_turn, shared,
+                                                               machine, planned, spill))
+        finally:
+            if spill is not None:
+                spill.close()
 
     in_turns = mode.name == "lora" or getattr(mode, "shards_in_turn", False)   # FSDP2: load and shard in the turn
     if dist.distributed and in_turns and cfg.distributed.load_in_turns:
@@ -483,8 +492,41 @@ def _agreed_machine(cfg: RunConfig, dist: DistContext, device: torch.device):
     return dist.agree_machine(from_config.with_disk_tier(cfg, from_config.probe_machine(device)))
 
 
+def _loading_spill(cfg: RunConfig, spec, meta_model, planned: tuple | None):
+    """The disk tier's loading file (memory/disk_load.BlockSpill) for the blocks this run reads
+    from disk, so the loader parks them as it reads them instead of holding the whole transformer
+    in host RAM; None without a disk tier or when no block goes to disk. Under a vram_budget the
+    planner's plan names the blocks; otherwise the engine's own rule on the meta-built model
+    ([memory] ram_budget, disk_load.blocks_for_room)."""
+    if cfg.memory.disk_dir is None or cfg.train.mode == "full":
+        return None
+    if planned is not None:
+        blocks = planned[0].disk_blocks
+    else:
+        from .memory.disk_load import blocks_for_room
+        from .memory.engine import resolve_plan
+        from .planner.from_config import explicit_disk_room
+
+        meta = meta_model()
+        blocks = blocks_for_room(meta, spec, resolve_plan(cfg.memory, spec, meta), explicit_disk_room(cfg.memory))
+    if not blocks:
+        return None
+    from .memory.disk_load import BlockSpill
+
+    return BlockSpill(cfg.resolve(cfg.memory.disk_dir), blocks)
+
+
+def _parking(spill):
+    """weights.parking(spill) around the transformer's load, or nothing without a spill."""
+    if spill is None:
+        return nullcontext()
+    from .models.weights import parking
+
+    return parking(spill)
+
+
 def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext | None = None, in_turn: bool = False,
-                  shared=None, machine=None, planned: tuple | None = None) -> tuple:
+                  shared=None, machine=None, planned: tuple | None = None, parked=None) -> tuple:
     """The memory plan: the planner's when a budget is given, else the explicit [memory] choices.
     `in_turn`: this process applies it in its loading turn (DistContext.local_turns) with the shared
     host buffers `shared`, without collectives; else every rank applies it together. `planned`:
@@ -508,7 +550,7 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
         if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and (plan.streamed_blocks or plan.stream_non_blocks):
             plan = replace(plan, optimizer_on_host=True)
     log.info("memory plan: %s", plan.describe())
-    disk = _disk_options(cfg)
+    disk = _disk_options(cfg) | ({"parked": parked} if parked is not None else {})
     if in_turn:
         from .memory.engine import apply_memory
 

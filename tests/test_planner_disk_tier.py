@@ -103,10 +103,14 @@ def test_blocks_go_to_disk_exactly_when_the_host_budget_forces_it(tmp_path):
     assert f"({len(plan.disk_blocks)} streamed blocks) at 3.00 GB/s read" in text and "GB read per step" in text
     # the host budget with room for every block: nothing on disk again
     assert p.plan(Budget(vram=need, ram=limit + streamed)).disk_blocks == ()
-    # the load does not shrink on disk: a budget under it is refused with the disk tier too
-    loading = p.host(plan)["transformer while loading"]
-    with pytest.raises(InfeasibleBudget, match="disk tier"):
-        _planner(3e9, caches=0).plan(Budget(vram=need, ram=HOST_BASELINE + loading // 2))
+    # the load shrinks on disk too (its disk-tier blocks load straight there, memory/disk_load.py):
+    # a budget under the whole load is planned with the disk tier and refused without it
+    whole = p.host(replace(plan, disk_blocks=()))["transformer while loading"]
+    assert p.host(plan)["transformer while loading"] < whole
+    under = Budget(vram=2 * need, ram=HOST_BASELINE + whole - 1)
+    with pytest.raises(InfeasibleBudget, match="loading the transformer alone takes"):
+        _planner(None, caches=0).plan(under)
+    assert _planner(3e9, caches=0).plan(under).disk_blocks
 
 
 def test_the_predicted_tiers_are_what_apply_memory_places(tmp_path):

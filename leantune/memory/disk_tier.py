@@ -204,3 +204,14 @@ def disk_split(units: list[tuple[str, int]], room: int) -> tuple[str, ...]:
         if total - sum(size[n] for n in chosen) <= room:
             return tuple(chosen)
     return tuple(names)
+
+
+def room_split(sizes: list[tuple[str, int]], streamed, room: int) -> tuple[str, ...]:
+    """disk_split for a host budget of `room` bytes over the engine's units `sizes` ((name, packed
+    bytes), packing order, the non-block group among them): the non-block group stays in RAM and
+    takes its share of the room; the streamed blocks beyond the rest go to disk. The engine
+    (apply_streaming, on the real units) and the loader (disk_load.blocks_for_room, on the
+    meta-built model, before any weight is read) decide with it."""
+    streamed = set(streamed)
+    room -= sum(n for name, n in sizes if name not in streamed)
+    return disk_split([(n, b) for n, b in sizes if n in streamed], room)

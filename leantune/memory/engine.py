@@ -277,7 +277,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
                  fp8_scales: Mapping[str, torch.Tensor] | None = None,
                  offload_min_bytes: int = MIN_OFFLOAD_BYTES, streaming_engine=None,
                  host_device: torch.device | str = "cpu", host_buffers=None, disk_dir=None,
-                 disk_room: int | None = None) -> MemoryHandle:
+                 disk_room: int | None = None, parked=None) -> MemoryHandle:
     """Apply the plan to `model` (adapters already added) and move it to `device`, except the
     streamed weights, which stay in host memory and visit the device in ring slots.
 
@@ -294,6 +294,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     `disk_dir`: the disk tier's folder ([memory] disk_dir, memory/disk_tier.py) for the plan's
     disk_blocks; with `disk_room` and a plan that names none, the streamed blocks beyond
     `disk_room` host bytes go there (apply_streaming), and the handle's plan names them.
+    `parked`: the loader's memory/disk_load.BlockSpill, when the disk-tier blocks were loaded
+    straight to disk (apply_streaming drops their file pages once packed).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -327,6 +329,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
                                                checkpointed=plan.checkpointing != "none", mode=mode,
                                                host_buffers=host_buffers,
                                                host_device=host_device, disk_dir=disk_dir, disk_room=disk_room,
+                                               parked=parked,
                                                **({"engine_cls": streaming_engine} if streaming_engine else {}))
             if handle.streaming.disk_blocks != plan.disk_blocks:          # decided by disk_room
                 handle.plan = replace(plan, disk_blocks=handle.streaming.disk_blocks)

@@ -57,7 +57,7 @@ from torch import nn
 
 from ..spec import ModelSpec
 from .copy_streams import CopyBackend
-from .disk_tier import DiskTierFile, disk_split
+from .disk_tier import DiskTierFile, room_split
 from .host_buffers import alloc_host, return_freed_host_memory
 from .plan import Plan
 from .saved_tensors import SlotSavedTensors, check_resident
@@ -351,7 +351,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
                     checkpointed: bool = False, mode: RunMode | None = None,
                     engine_cls: type[StreamingEngine] = StreamingEngine, host_buffers=None,
                     host_device: torch.device | str = "cpu", disk_dir=None,
-                    disk_room: int | None = None) -> StreamingHandle:
+                    disk_room: int | None = None, parked=None) -> StreamingHandle:
     """Stream the plan's blocks (and optionally the non-block group) of `model` onto `device`.
 
     Call after fp8 storage and adapters, before checkpointing wraps the blocks. Streamed tensors end
@@ -364,7 +364,9 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
     its host buffer freed, so host RAM never holds them all. `disk_room` (with `disk_dir`, for a
     plan that names no disk_blocks itself): the host bytes the streamed blocks' buffers may take;
     the streamed blocks beyond it go to disk (disk_tier.disk_split over their packed sizes), and
-    the handle's `disk_blocks` says which.
+    the handle's `disk_blocks` says which. `parked`: the loader's memory/disk_load.BlockSpill
+    when the disk-tier blocks were loaded straight to disk; each parked block's file pages are
+    dropped from the page cache once its unit is packed.
     """
     mode = mode or RunMode()
     backend = CopyBackend(device)
@@ -397,8 +399,7 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
                for name, mods, ckpt in groups]
     if disk_room is not None and disk_dir is not None and not plan.disk_blocks and not engine_cls.trains_weights:
         sizes = [(name, max(nbytes, ALIGN)) for name, _, _, _, _, nbytes, _ in layouts]
-        room = disk_room - sum(n for name, n in sizes if name not in wanted)   # the non-block group stays in RAM
-        plan = replace(plan, disk_blocks=disk_split([(n, b) for n, b in sizes if n in wanted], room))
+        plan = replace(plan, disk_blocks=room_split(sizes, wanted, disk_room))
     disk_names = set(plan.disk_blocks)
     if disk_names:
         if not disk_names <= set(plan.streamed_blocks):
@@ -429,6 +430,8 @@ def apply_streaming(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch
             del host
             free_host_buffer(unit)
             return_freed_host_memory()
+        if parked is not None:
+            parked.release(name)                      # read once, into the unit: not needed again
         units.append(unit)
     if tier is not None:
         tier.seal()

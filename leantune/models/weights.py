@@ -32,7 +32,8 @@ import mmap
 import os
 import struct
 import threading
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Iterable
@@ -156,6 +157,7 @@ class CheckpointFiles:
                 if key in self.tensors:
                     raise LoadError(f"{path}: key {key!r} is also in {self.tensors[key].file}")
                 self.tensors[key] = entry
+        self._stamps = {path: _file_stamp(path) for path in self.paths}
         self._handles: dict[Path, object] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         self._stack: ExitStack | None = None
@@ -217,6 +219,34 @@ class CheckpointFiles:
         if nbytes and at % dtype.itemsize == 0:
             return torch.frombuffer(self._mapping(info.file), dtype=torch.uint8, count=nbytes, offset=at).view(dtype)
         return self._read_bytes(info, offset, nbytes, self._buffer(staging, nbytes, torch.uint8)).view(dtype)
+
+    def changed_file(self) -> Path | None:
+        """The first of the files whose size, modification time or inode differ from when their
+        headers were read, or None: a load that reads for a long time (block by block into the
+        disk tier) checks it between blocks."""
+        for path, stamp in getattr(self, "_stamps", {}).items():
+            try:
+                now = _file_stamp(path)
+            except OSError:
+                return path
+            if now != stamp:
+                return path
+        return None
+
+    def drop_cached(self, key: str) -> None:
+        """Drop `key`'s file pages from the page cache (posix_fadvise DONTNEED): a block read into
+        the disk tier is not read from this file again, and its cached pages would fill the host
+        RAM the disk tier saves."""
+        info = self.tensors[key]
+        handle = self._handles.get(getattr(info, "file", None))
+        advise = getattr(os, "posix_fadvise", None)
+        if handle is None or advise is None or not isinstance(info, TensorInfo) or info.end <= info.start:
+            return
+        start = info.start - info.start % mmap.PAGESIZE
+        try:
+            advise(handle.fileno(), start, info.end - start, os.POSIX_FADV_DONTNEED)
+        except OSError:                                # a filesystem that takes no advice
+            pass
 
     def release(self, key: str) -> None:
         """Unmap the pages of `key` from this process (they stay in the page cache), so a file read
@@ -488,6 +518,65 @@ def copy_ops(keys: Iterable[str], strip: str = "", rename: Callable[[str], str] 
     return ops
 
 
+# -- loading straight into the disk tier (memory/disk_load.py) ----------------------------------------
+
+_PARKING: ContextVar = ContextVar("leantune_parking", default=None)
+
+
+@contextmanager
+def parking(spill):
+    """Inside: a transformer loaded to the CPU by load_into_empty has the blocks `spill.blocks`
+    (memory/disk_load.BlockSpill: the plan's disk-tier blocks) read one at a time and parked in
+    the disk tier's loading file as each is filled, so host RAM never holds them together. A
+    context rather than an argument: every family's load_transformer ends in load_into_empty, and
+    the loaders need not know the disk tier exists. A load whose model has none of those blocks
+    (another component) is not affected."""
+    token = _PARKING.set(spill)
+    try:
+        yield spill
+    finally:
+        _PARKING.reset(token)
+
+
+def _parked_targets(model, provided: dict, spill) -> dict[str, str]:
+    """Model key -> the disk-tier block it belongs to, for the blocks of `spill` that `model` has."""
+    names = {n for n, _ in model.named_modules()}
+    prefixes = [(b + ".", b) for b in spill.blocks if b in names]
+    out = {}
+    for target in provided:
+        for prefix, block in prefixes:
+            if target.startswith(prefix):
+                out[target] = block
+                break
+    return out
+
+
+def _by_block(parked: dict[str, str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for target, block in parked.items():
+        out.setdefault(block, []).append(target)
+    return out
+
+
+def _check_unchanged(files) -> None:
+    changed = getattr(files, "changed_file", lambda: None)()
+    if changed is not None:
+        raise LoadError(f"{changed}: the file was changed on disk while it was being loaded (its size, "
+                        f"modification time or inode differ from when its header was read); load it again "
+                        f"once nothing writes to it")
+
+
+def _drop_source_pages(files, key: str) -> None:
+    drop = getattr(files, "drop_cached", None)
+    if drop is not None:
+        drop(key)
+
+
+def _file_stamp(path: Path) -> tuple:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
 def build_empty(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """Construct a model with its parameters on the meta device (no memory, no random init).
 
@@ -663,52 +752,70 @@ def load_into_empty(
     # -- fill: each parameter allocated once in its final dtype, streamed from the file ----------
     done: set[str] = set()
     meta = torch.device(device).type == "meta"
-    with nullcontext() if meta else files:
-        for target, (op, tshape, segs) in provided.items():
-            if target in done:
-                continue                              # tied to a tensor already loaded
-            info = files.tensors[op.source]
-            if _is_gguf_linear(model, files, op.source, target, tshape):   # GGUF blocks, kept as stored
-                _fill_gguf(model, files, op.source, target, tshape, segs, groups.get(target, [target]), meta, device)
-                done.update(groups.get(target, [target]))
-                if not meta:
-                    files.release(op.source)
-                continue
-            keep = keep_fp8 is not None and info.dtype == "F8_E4M3" and keep_fp8(target)
-            if (not keep and quantize_fp8 is not None and info.floating and len(tshape) == 2
-                    and info.row_numel == tshape[1] and quantize_fp8(target)):
-                if quantize_fp8(target) == "nf4":        # NF4 rows instead of e4m3 (memory/nf4_storage.py)
-                    from ..memory.nf4_storage import fill_nf4
-                    fill_nf4(model, files, op.source, target, segs, _target_dtype(model, target, dtype), meta, device)
-                elif quantize_fp8(target) == "int8":     # int8 ConvRot rows instead (memory/int8_storage.py)
-                    from ..memory.int8_storage import fill_int8, group_size_for
-                    fill_int8(model, files, op.source, target, segs, _target_dtype(model, target, dtype),
-                              group_size_for(tshape[1]), meta, device)
-                else:
-                    _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
-                                    _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
-                done.update(groups.get(target, [target]))
-                if not meta:
-                    files.release(op.source)
-                continue
-            if keep:
-                to_dtype = torch.float8_e4m3fn
-            else:
-                to_dtype = _target_dtype(model, target, dtype) if info.floating else _DTYPES[info.dtype]
-            out = torch.empty(tshape, dtype=to_dtype, device="meta" if meta else "cpu")
-            flat, pos = out.view(-1), 0
-            for a, b in segs if not meta else ():
-                n = (b - a) * info.row_numel
-                files.fill_rows_into(op.source, a, b, flat[pos:pos + n], dequantize=not keep)
-                pos += n
+
+    def fill(target: str) -> None:
+        op, tshape, segs = provided[target]
+        if target in done:
+            return                                    # tied to a tensor already loaded
+        info = files.tensors[op.source]
+        if _is_gguf_linear(model, files, op.source, target, tshape):   # GGUF blocks, kept as stored
+            _fill_gguf(model, files, op.source, target, tshape, segs, groups.get(target, [target]), meta, device)
+            done.update(groups.get(target, [target]))
             if not meta:
                 files.release(op.source)
-            names = groups.get(target, [target])
-            _assign_group(model, names, out.to(device))
-            done.update(names)
-            if keep:
-                rows = sum(b - a for a, b in segs)
-                on_fp8(target, torch.empty(rows, 1, device="meta") if meta else files.row_scales(op.source, segs))
+            return
+        keep = keep_fp8 is not None and info.dtype == "F8_E4M3" and keep_fp8(target)
+        if (not keep and quantize_fp8 is not None and info.floating and len(tshape) == 2
+                and info.row_numel == tshape[1] and quantize_fp8(target)):
+            if quantize_fp8(target) == "nf4":        # NF4 rows instead of e4m3 (memory/nf4_storage.py)
+                from ..memory.nf4_storage import fill_nf4
+                fill_nf4(model, files, op.source, target, segs, _target_dtype(model, target, dtype), meta, device)
+            elif quantize_fp8(target) == "int8":     # int8 ConvRot rows instead (memory/int8_storage.py)
+                from ..memory.int8_storage import fill_int8, group_size_for
+                fill_int8(model, files, op.source, target, segs, _target_dtype(model, target, dtype),
+                          group_size_for(tshape[1]), meta, device)
+            else:
+                _fill_quantized(model, files, op.source, target, tshape, segs, groups.get(target, [target]),
+                                _target_dtype(model, target, dtype), "meta" if meta else "cpu", device, on_fp8)
+            done.update(groups.get(target, [target]))
+            if not meta:
+                files.release(op.source)
+            return
+        if keep:
+            to_dtype = torch.float8_e4m3fn
+        else:
+            to_dtype = _target_dtype(model, target, dtype) if info.floating else _DTYPES[info.dtype]
+        out = torch.empty(tshape, dtype=to_dtype, device="meta" if meta else "cpu")
+        flat, pos = out.view(-1), 0
+        for a, b in segs if not meta else ():
+            n = (b - a) * info.row_numel
+            files.fill_rows_into(op.source, a, b, flat[pos:pos + n], dequantize=not keep)
+            pos += n
+        if not meta:
+            files.release(op.source)
+        names = groups.get(target, [target])
+        _assign_group(model, names, out.to(device))
+        done.update(names)
+        if keep:
+            rows = sum(b - a for a, b in segs)
+            on_fp8(target, torch.empty(rows, 1, device="meta") if meta else files.row_scales(op.source, segs))
+
+    spill = None if meta or torch.device(device).type != "cpu" else _PARKING.get()
+    if spill is not None:
+        from ..memory.host_buffers import return_freed_host_memory
+    parked = _parked_targets(model, provided, spill) if spill is not None else {}
+    with nullcontext() if meta else files:
+        for target in provided:
+            if target not in parked:
+                fill(target)
+        for block, targets in _by_block(parked).items():   # one disk-tier block in host RAM at a time
+            _check_unchanged(files)
+            for target in targets:
+                fill(target)
+                _drop_source_pages(files, provided[target][0].source)
+            _check_unchanged(files)                   # what was read is what the headers described
+            spill.park(block, model.get_submodule(block))
+            return_freed_host_memory()                # the filled block's pages back to the OS
 
     leftovers = [] if meta else [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftovers:  # only reachable if a model has tensors outside its state dict

@@ -23,7 +23,11 @@ really allocates (engine.py, fp8.py, streaming.py, host_buffers.py), phase by ph
 - the disk tier (Plan.disk_blocks, memory/disk_tier.py): a unit on disk holds no host buffer
   through the steps; it is written out as soon as it is packed, its buffer and originals freed
   before the next is packed; its reads go through the staging pool (two 32 MiB pinned buffers).
-  The load phase is unchanged: the transformer is loaded whole before its units are packed.
+  A LoRA run's loader reads those blocks straight into the disk tier (memory/disk_load.py: each
+  parked in the loading file as soon as it is filled), so the load holds the RAM-tier blocks, the
+  non-block weights and one disk-tier block as loaded (the largest: the window), plus the
+  quantizing workers' buffers where it quantizes as it reads; packing a disk-tier unit reads its
+  parked originals back beside its buffer, both gone before the next (`parked`).
 The peak is a process baseline plus the largest phase. Pinning costs no more host RAM than
 pageable memory, so a pageable plan only adds the staging pool and slower copies.
 
@@ -60,19 +64,23 @@ HOST_BASELINE = int(2.5 * GiB)  # python + torch + CUDA runtime + diffusers, bef
 STAGING_BUFFERS = 2             # the pinned staging pool of pageable units (host_buffers.py)
 
 
-def packing_extra(units: list[tuple[int, int]], disk: list[bool] | None = None) -> int:
+def packing_extra(units: list[tuple[int, int]], disk: list[bool] | None = None,
+                  parked: list[int] | None = None) -> int:
     """Host bytes above the stored model while the engine packs the streamed units in order.
 
     `units` holds (packed bytes, stored bytes) per unit. Packing unit i adds its buffer while its
     originals still exist; each unit packed before it holds its packed size instead of its stored
     size (the difference is the 512-byte alignment of every tensor). A unit on disk (`disk`, the
     disk tier) is written out and its buffer freed before the next is packed: it then holds
-    nothing, its originals freed too.
+    nothing, its originals freed too. `parked` (loaded straight to disk): per unit, the bytes of
+    its originals that are in the loading file, not in the stored model the caller counts; packing
+    reads them back beside the unit's buffer.
     """
     extra = peak = 0
     for i, (packed, stored) in enumerate(units):
-        peak = max(peak, extra + packed)
-        extra += -stored if disk and disk[i] else packed - stored
+        back = parked[i] if parked else 0
+        peak = max(peak, extra + packed + back)
+        extra += -(stored - back) if disk and disk[i] else packed - stored
     return peak
 
 
@@ -95,7 +103,8 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
                    largest_conversion: int, offload: int, cache_bytes: int,
                    full: dict[str, int] | None = None, host_step: dict[str, int] | None = None,
                    quantizing_load: bool = False, preview_base: int = 0, ema: int = 0,
-                   disk: list[bool] | None = None, phases: dict | None = None) -> dict[str, int]:
+                   disk: list[bool] | None = None, phases: dict | None = None,
+                   parked: list[tuple[int, int]] | None = None) -> dict[str, int]:
     """Host RAM components of a plan (bytes) and their "peak".
 
     `packed` and `unit_stored` are the streamed units' packed and stored bytes in the engine's
@@ -112,18 +121,36 @@ def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded
     per unit, whether its bytes live on disk (Plan.disk_blocks): no host buffer through the steps,
     freed as soon as it is written while packing, and the staging pool the engine reads them
     through. `phases`, if given, receives the phase totals ("steps": what the host holds through
-    the steps), which the planner's disk split reads.
+    the steps), which the planner's disk split reads. `parked` (the disk-tier blocks loaded straight
+    to disk, memory/disk_load.py): per streamed unit, its bytes (as loaded, as stored) when it is
+    parked, (0, 0) when not: the load holds the rest and the largest parked block (module docstring).
     """
     quantized_as_read = quantizing_load and plan.fp8 and stored < loaded
+    parked = parked if parked and any(l for l, _ in parked) else None
+    if parked:
+        # what the loader holds of the parked blocks: none, beside the one being filled
+        out_ld, out_st = sum(l for l, _ in parked), sum(s for _, s in parked)
+        window = max(s for _, s in parked) if quantized_as_read else max(l for l, _ in parked)
+        converting_parked = out_st            # fp8 storage converting them after the load: the copies in RAM
     if quantized_as_read:
         loaded = stored + QUANTIZING_WORK_BYTES
+        if parked:
+            loaded += window - out_st
+            stored -= out_st                  # packing finds them in the loading file
+    elif parked:
+        loaded += window - out_ld
+        if not (plan.fp8 or plan.fp8_modulation):
+            stored -= out_st
     state = full["optimizer state"] if full else 0
     masters = full["master weights"] if full else 0
     accumulators = full["gradient accumulators"] if full else 0
     setup = loaded + state + masters if full else 0
     converting = (loaded + state + masters + largest_conversion
+                  + (converting_parked - window if parked else 0)
                   if (plan.fp8 or plan.fp8_modulation) and not quantized_as_read else 0)
-    packing = stored + state + masters + packing_extra(list(zip(packed, unit_stored)), disk)
+    reads_back = parked and (quantized_as_read or not (plan.fp8 or plan.fp8_modulation))
+    packing = stored + state + masters + packing_extra(list(zip(packed, unit_stored)), disk,
+                                                       [s for _, s in parked] if reads_back else None)
     on_disk = disk is not None and any(disk)
     streamed = sum(n for i, n in enumerate(packed) if not (on_disk and disk[i]))
     staging = STAGING_BUFFERS * STAGING_CHUNK if packed and (not plan.pin_memory or on_disk) else 0

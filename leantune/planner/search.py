@@ -241,8 +241,13 @@ class Planner(MemoryModel):
             return None
         blocks = self.units(plan)[int(plan.stream_non_blocks):]
         room = ram_limit - HOST_BASELINE - phases["steps"]          # the steps' holdings with no block in RAM
-        split = replace(plan, disk_blocks=disk_split(list(zip(names, blocks)), room))
-        return split if split.disk_blocks and self._cheap_estimate(split)[1] <= ram_limit else None
+        for _ in range(4):        # a load into the tiers can peak above the steps: less room, until it fits
+            split = replace(plan, disk_blocks=disk_split(list(zip(names, blocks)), room))
+            over = self._cheap_estimate(split)[1] - ram_limit
+            if not split.disk_blocks or over <= 0 or len(split.disk_blocks) == len(names):
+                break
+            room -= over
+        return split if split.disk_blocks and over <= 0 else None
 
     def _sweep(self, fits: list[tuple[int, Plan]]) -> Plan | None:
         """The plan the sweep over `fits` ((peak VRAM, plan) that fit) ends with (module docstring);
@@ -306,16 +311,22 @@ class Planner(MemoryModel):
     def _infeasible(self, budget: Budget, ram_limit: int, smallest_vram) -> InfeasibleBudget:
         w = self.workload
         if smallest_vram is None:   # not even the most host-frugal plan fits host RAM
-            frugal = min(self.candidates(), key=lambda p: self._cheap_estimate(p)[1])
+            disk = self.machine.disk_read is not None and w.mode == "lora"
+            pool = [replace(c, disk_blocks=c.streamed_blocks) if disk and c.streamed_blocks else c
+                    for c in self.candidates()]           # with the disk tier: every streamed block on disk
+            frugal = min(pool, key=lambda p: self._cheap_estimate(p)[1])
             need = self._cheap_estimate(frugal)[1]
             est = self.estimate(frugal)
+            disk = bool(frugal.disk_blocks)
+            loading = est.host["transformer while loading"]
             return InfeasibleBudget(
                 f"no memory plan fits host RAM: the smallest needs {gib(need)} (loading the transformer "
-                f"alone takes {gib(est.host['transformer while loading'] + HOST_BASELINE)}), but ram_budget is "
+                f"alone takes {gib(loading + HOST_BASELINE)}"
+                + (" with every streamed block loaded straight to the disk tier" if disk else "")
+                + f"), but ram_budget is "
                 f"{gib(ram_limit)}. Raise [memory] ram_budget or free host memory; a checkpoint stored in fp8 "
-                f"(e4m3) loads its blocks in half the RAM"
-                + ("; the disk tier ([memory] disk_dir) lowers what the steps hold, not the load"
-                   if w.mode != "full" else "") + ".", needed_ram=need, best=frugal)
+                f"(e4m3) loads its blocks in half the RAM" + _disk_hint(w.mode, self.machine.disk_read is not None)
+                + ".", needed_ram=need, best=frugal)
         peak, plan = smallest_vram
         est = self.estimate(plan)
         need = budget.needed_for(peak)
@@ -451,6 +462,17 @@ class Planner(MemoryModel):
 class _Timed(NamedTuple):
     step_s: float
     h2d_bytes: int
+
+
+def _disk_hint(mode: str, disk_on: bool) -> str:
+    """What the disk tier does for a load that does not fit host RAM (memory/disk_load.py)."""
+    if mode == "full":
+        return ""
+    if mode != "lora":
+        return "; the disk tier ([memory] disk_dir) lowers what the steps hold, not the sampler's load"
+    if disk_on:
+        return "; the disk tier's blocks already load straight to disk, one at a time"
+    return "; the disk tier ([memory] disk_dir) loads the streamed blocks it holds straight to disk, one at a time"
 
 
 def _plan_key(plan: Plan) -> tuple:
