@@ -446,7 +446,9 @@ def _fp8_load_options(cfg: RunConfig, plan=None) -> dict:
         full = cfg.full
         trained = lambda name: trains_name(name, full.train, full.exclude)   # noqa: E731
     if cfg.memory.base_format in ("nf4", "int8"):
-        return {"quantize_fp8": cfg.memory.base_format, **({"trained": trained} if trained else {})}
+        # the modulation Linears in the format too where the plan quantizes them (as it prices them)
+        mod = {"quantize_modulation": True} if getattr(plan, "fp8_modulation", False) else {}
+        return {"quantize_fp8": cfg.memory.base_format, **mod, **({"trained": trained} if trained else {})}
     return fp8_load_options(cfg.memory, trained, plan)
 
 

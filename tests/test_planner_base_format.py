@@ -164,3 +164,17 @@ def test_the_trainer_loads_the_chosen_format_and_a_replan_keeps_it(model, tmp_pa
         handle.remove()
     again = planner.plan(_budget(2**34))          # an OOM's or a calibration's re-plan
     assert again.fp8 and again.base_format == "nf4"
+
+
+def test_a_pinned_formats_load_takes_the_plans_modulation():
+    """[memory] base_format = "int8" pinned: the load quantizes the modulation Linears into int8
+    rows too where the plan stores them so (as the planner prices that plan), and not otherwise."""
+    from leantune.config import RunConfig
+    from leantune.trainer import _fp8_load_options
+
+    cfg = RunConfig(model={"path": "x"}, data={"datasets": [{"path": "d"}]},
+                    memory={"base_format": "int8", "vram_budget": "8GiB"})
+    with_mod = Plan(fp8=True, fp8_modulation=True, base_format="int8")
+    assert _fp8_load_options(cfg, with_mod) == {"quantize_fp8": "int8", "quantize_modulation": True}
+    assert _fp8_load_options(cfg, replace(with_mod, fp8_modulation=False)) == {"quantize_fp8": "int8"}
+    assert _fp8_load_options(cfg) == {"quantize_fp8": "int8"}
