@@ -66,6 +66,18 @@ model still prices pageable plans given explicitly in [memory]).
   from disk, each storage is swept on its own and the faster result (fp8 priced as above) is the
   plan. A plan reads from disk only where its host RAM is over the budget without it.
 
+- The base format ([memory] base_format = "auto", base_formats.py): a plan that quantizes the
+  block Linears (Plan.fp8) stores them in one of the workload's formats (Plan.base_format: fp8
+  e4m3, int8 ConvRot, NF4), each priced at its stored bytes, its dequantization and its
+  temporaries; every format is one more storage in the candidates. The sweep keeps one current
+  plan per format and the fastest of them stands for the quantized storage (so an NF4 base that
+  fits resident replaces an fp8 base that streams where it is faster, and fp8 replaces NF4 at a
+  budget where it fits as well); FP8_MIN_GAIN prices every format alike. Only formats whose
+  measured error against bf16 is within Workload.max_base_error are chosen; the others are priced
+  for the report (notes["base_format"]: each format's best plan and time). A pinned format is
+  every plan's. Once the trainer has loaded an int8 / NF4 base, its planner keeps that format
+  (keep_base_format): a re-plan cannot turn the rows back into bf16.
+
 When nothing fits, `InfeasibleBudget` says the smallest budget that works and which keys of the run
 (training config or sample request) to change.
 """
@@ -253,16 +265,20 @@ class Planner(MemoryModel):
         """The plan the sweep over `fits` ((peak VRAM, plan) that fit) ends with (module docstring);
         None when nothing fits."""
         fits = sorted(fits, key=lambda vp: (vp[0], _shape(vp[1])))
-        current: dict[bool, Plan | None] = {False: None, True: None}    # per storage: bf16, fp8
+        # per storage: bf16 (False), and each base format the block Linears are quantized in
+        current: dict = {False: None}
         without_fp8 = False        # once the best bf16 plan beats the best fp8 one, fp8 stays off
+        quantized = None           # the best of the quantized formats' current plans
         for _, plan in fits:
-            cur = current[plan.fp8]
+            key = plan.fp8 and plan.base_format
+            cur = current.get(key)
             if cur is None or self._replaces(plan, cur):
-                current[plan.fp8] = plan
-            if current[False] is not None and (current[True] is None or
-                                               self._preference(current[False]) <= self._preference(current[True])):
+                current[key] = plan
+                quantized = min((p for k, p in current.items() if k), key=self._preference, default=None)
+            if current[False] is not None and (quantized is None or
+                                               self._preference(current[False]) <= self._preference(quantized)):
                 without_fp8 = True
-        return current[False] if without_fp8 else current[True]
+        return current[False] if without_fp8 else quantized
 
     def _replaces(self, plan: Plan, current: Plan) -> bool:
         """Whether `plan` (same storage as `current`, fitting a larger budget) is chosen over it
