@@ -10,6 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from simulated_cases import GROUP, Call, register, results
+from test_simulated import _library_or_skip
+
 from leantune.config import load_config
 from leantune.models.wan import experts as wan_experts
 from leantune.tiny.wan import BOUNDARY_RATIO, WAN_TINY, save_wan_folder
@@ -318,3 +321,77 @@ def test_the_planner_prices_one_expert_on_the_device_and_the_other_on_the_host(w
     extra = got.peak_vram - want.peak_vram
     assert want.vram["optimizer states"] > 0
     assert extra == (times - 1) * (want.vram["adapters"] + want.vram["optimizer states"])
+
+
+# -- on the simulated GPU (device != host) --------------------------------------------------------------------
+
+def _simulated_two_experts(experts: str) -> dict:
+    """In the fresh process: the tiny two-expert model's LoRA steps on the simulated GPU, against
+    the high-noise expert alone under the same plan (every block streamed, checkpointed): what
+    each holds on the device after set-up and at each step's peak, and which expert each step ran."""
+    import tempfile
+    from pathlib import Path
+
+    from leantune.config import ModelConfig, validate
+    from leantune.memory.plan import Plan
+    from leantune.models.family import get_family
+    from leantune.planner.from_config import planner_for_config
+    from leantune.planner.machine import assumed_machine
+    from leantune.simulated_run import simulate_training
+    from leantune.train.modes import make_mode
+
+    root = Path(tempfile.mkdtemp())
+    folder = save_wan_folder(root / "folder")
+    fam = get_family("wan2.2")
+    out = {}
+    for expert in ("high", "both"):
+        cfg = validate({"model": {"path": str(folder), "family": "wan2.2", "dtype": "bf16", "expert": expert},
+                        "data": {"datasets": [{"path": "unused"}], "resolutions": [64], "batch_size": 1,
+                                 "max_text_length": 32},
+                        "lora": {"rank": 4, **({"experts": experts} if expert == "both" else {})},
+                        "train": {"mixed_precision": "bf16", "seed": 0}})
+        meta = fam.load_transformer(fam.resolve_sources(ModelConfig(path=str(folder), family="wan2.2",
+                                                                    expert=expert), root),
+                                    dtype=torch.bfloat16, device="meta")
+        make_mode(cfg).prepare(meta, fam.spec)
+        plan = Plan(streamed_blocks=tuple(n for n, _ in fam.spec.blocks(meta)), checkpointing="blocks",
+                    ring_slots=2)
+        planned = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"vram_budget": "1GiB"})})
+        est = planner_for_config(planned, fam.spec, meta, assumed_machine())[0].estimate(plan)
+        sim = simulate_training(meta, fam.spec, cfg, plan, (64, 64), steps=3)
+        out[expert] = {"after_setup": sim.after_setup, "peaks": sim.peaks, "predicted": est.peak_vram,
+                       "active": [r.get("active_part") for r in sim.reports],
+                       "switches": [r.get("part_switches") for r in sim.reports]}
+        if expert == "both":
+            low = [p for n, p in meta.low.named_parameters() if p.requires_grad and "lora_" in n]
+            out["low_adapter_bytes"] = sum(p.numel() * p.element_size() for p in low)
+    return out
+
+
+register("wan_two_experts_simulated", {e: Call("test_wan_two_experts", "_simulated_two_experts", {"experts": e})
+                                       for e in ("each", "shared")})
+
+
+@pytest.fixture(scope="module")
+def wan_two_experts_simulated(request):
+    _library_or_skip()
+    return results(request, "wan_two_experts_simulated")
+
+
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.parametrize("experts", ["each", "shared"])
+def test_the_device_holds_one_expert_at_a_time(wan_two_experts_simulated, experts):
+    """On the simulated GPU (host RAM another device), a two-expert run's first step switches from the
+    high-noise expert the set-up placed to the expert its draw picks (simulated draws read as 0: the
+    low-noise one), and the device then holds exactly what the high-noise expert alone holds under the
+    same plan (resident set, one ring of slots), plus, for [lora] experts = "each", the other
+    expert's adapter (and at the steps' peak its optimizer state): the other expert's weights never
+    reach it. The planner predicts the same difference."""
+    r = wan_two_experts_simulated[experts]
+    both, high = r["both"], r["high"]
+    assert both["active"] == ["low_noise"] * 3 and both["switches"] == [1, 1, 1]
+    other = r["low_adapter_bytes"] if experts == "each" else 0
+    assert both["after_setup"] == high["after_setup"] + other
+    for b, h in zip(both["peaks"], high["peaks"], strict=True):
+        assert b == h + 3 * other               # its adapter and AdamW's two moments of it
+    assert both["predicted"] - high["predicted"] == 3 * other

@@ -433,7 +433,8 @@ class MemoryModel:
         full = self.full
         if full is not None:          # states of resident weights; streamed ones travel in the slots
             states = self.resident_state(plan)
-        opt_tmp = {"lora": 2 * params, "full": 0, "inference": 0}[w.mode]
+        # a step updates one part's adapter: the other parts' gradients are None, and AdamW skips them
+        opt_tmp = {"lora": 2 * params // (1 + w.other_adapters), "full": 0, "inference": 0}[w.mode]
         keep_grads = w.gradient_accumulation > 1
         static = {"weights resident": resident, "stream slots": slots, "adapters": params,
                   "optimizer states": states, "workspace": self.machine.workspace}
