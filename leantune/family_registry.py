@@ -35,6 +35,9 @@ class FamilyEntry:
     # cannot tell them apart in a single file (Flux dev / schnell, Z-Image Turbo / Base, Krea 2 Raw /
     # Turbo), sampled with each one's published schedule (the family's sampling.schedule)
     variants: tuple[str, ...] = ()
+    # A video family (its ModelFamily.video is set): trains on clips, so a plan without a config
+    # prices its frames ([data] max_frames as `leantune plan --frames`)
+    video: bool = False
 
 
 _DOUBLE_SINGLE = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
@@ -80,7 +83,7 @@ FAMILIES: dict[str, FamilyEntry] = {
     # Wan 2.2 (issue 36; T2V-A14B's two experts, Wan 2.1 T2V: one class, models/configs/WAN_SOURCES.md):
     # one list of blocks; WanPipeline pads every prompt to its max_sequence_length 512
     "wan2.2": FamilyEntry("leantune.models.wan", {"blocks": "num_layers"}, ("main",),
-                          {"wan2.2-a14b": StockModel("wan22_a14b", 512)}),
+                          {"wan2.2-a14b": StockModel("wan22_a14b", 512)}, video=True),
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

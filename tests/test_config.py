@@ -98,8 +98,23 @@ def test_validated_config_is_frozen(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
 def test_every_example_validates(path):
+    """Each example is a config `leantune train` takes, of the family its name says."""
     cfg = load_config(path)
-    assert cfg.model.family == "flux"
+    named = {"flux": "flux", "quickstart": "flux", "sd3.5": "sd3", "qwen-image-2.1": "qwen-image-2.1",
+             "qwen-image": "qwen-image", "qwen-image-edit": "qwen-image-edit", "flux2-klein-4b": "flux2-klein-4b",
+             "flux2-dev": "flux2-dev", "z-image": "z-image",
+             "krea2": "krea2", "wan2.2": "wan2.2"}
+    prefix = max((p for p in named if path.name.startswith(p)), key=len)
+    assert cfg.model.family == named[prefix], (path.name, cfg.model.family)
+
+
+def test_there_is_an_example_for_every_family_with_a_stock_model():
+    """The page offers the examples as presets: every family a user can plan by name has one."""
+    from leantune.family_registry import FAMILIES
+
+    have = {load_config(p).model.family for p in (ROOT / "examples").glob("*.toml")}
+    missing = {f for f, entry in FAMILIES.items() if entry.stock} - have - {"flux2-klein-9b"}   # as klein 4B
+    assert not missing, f"no example for {sorted(missing)}"
 
 
 def test_quickstart_example_is_the_demo_config():

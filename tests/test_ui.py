@@ -869,3 +869,20 @@ def test_a_plan_for_the_gpu_the_user_names(tmp_path, monkeypatch):
     assert "plan_gpu" not in RunForm.from_fields({**stock, "plan_gpu": "rtx3090"}, complete=False).to_toml()
     with pytest.raises(ValueError, match="plan_gpu 'gtx1080': one of rtx3060-12gb"):
         plan({**stock, "plan_gpu": "gtx1080"})
+
+
+@pytest.mark.slow
+def test_a_video_models_stock_plan_prices_the_longest_clip(tmp_path, monkeypatch):
+    """A stock video model (wan2.2-a14b) is planned at the form's Longest clip: more frames, more
+    activations (the plan used to price one frame, an image)."""
+    from leantune.ui import system
+    from leantune.ui.app import create_app
+
+    monkeypatch.setattr(system, "gpus", lambda: [])
+    monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "cache"))
+    plan = _endpoint(create_app(tmp_path / "runs", "t", [tmp_path]), "/api/plan", "POST")
+    wan = {**FIELDS, "model_path": "wan2.2-a14b", "family": "wan2.2", "dataset": "", "resolutions": "480",
+           "max_text_length": "512", "vram_budget": "24GiB", "ram_budget": "256GiB"}
+    short, long = plan({**wan, "max_frames": "17"}), plan({**wan, "max_frames": "49"})
+    assert short["fits"] is True and long["fits"] is True, (short, long)
+    assert long["vram_breakdown_gib"]["activations"] > 2 * short["vram_breakdown_gib"]["activations"]

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..config import ConfigError
+from ..family_registry import FAMILIES
 from . import confine, dataset_view, guard, labels, launcher, links, plan_answer, queue, runs, sample_job, system
 from .form import FormError, RunForm, choices, families, gpu_cards, presets
 
@@ -312,6 +313,8 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 stock = {"model": form.model_path.strip(), "mode": form.mode, "rank": form.rank,
                          "resolutions": form.resolutions, "text_length": form.max_text_length,
                          "batch_size": form.batch_size}
+                if FAMILIES[form.family].video:     # a video model trains on clips: priced at the longest
+                    stock["frames"] = form.max_frames
             with tempfile.TemporaryDirectory() as tmp:
                 try:
                     config = form.write(Path(tmp) / "config.toml")

@@ -82,8 +82,8 @@ def ram_argument(ram: str | None) -> tuple[str, str]:
 def plan_json(config: Path | None, vram: str, ram: str | None = None, stock: dict | None = None,
               gpu: str = "") -> dict:
     """The JSON `leantune plan CONFIG --vram VRAM [--ram RAM] [--gpu CARD] --json` prints, or with
-    `stock` ({"model": "flux-dev", "mode", "rank", "resolutions", "text_length", "batch_size"}) the
-    JSON of `leantune plan --model ...`; `gpu`: plan for that card (planner/cards.py), "" for the
+    `stock` ({"model": "flux-dev", "mode", "rank", "resolutions", "text_length", "batch_size", and
+    for a video model "frames"}) the JSON of `leantune plan --model ...`; `gpu`: plan for that card (planner/cards.py), "" for the
     GPU here."""
     from ..commands import plan as plan_command
 
@@ -95,6 +95,7 @@ def plan_json(config: Path | None, vram: str, ram: str | None = None, stock: dic
         argv = ["--model", stock["model"], "--mode", stock["mode"], "--batch-size", str(stock["batch_size"]),
                 "--text-length", str(stock["text_length"])]
         argv += ["--rank", str(stock["rank"])] if stock["mode"] == "lora" else []
+        argv += ["--frames", str(stock["frames"])] if stock.get("frames") else []
         for r in stock["resolutions"]:
             argv += ["--resolution", str(r)]
     argv += ["--vram", vram, "--json"] + (["--ram", ram] if ram else []) + (["--gpu", gpu] if gpu else [])

@@ -188,6 +188,7 @@ def test_builds_from_its_tiny_preset(case, built):
     assert [bl.kind for bl in b.family.spec.block_lists] == list(entry.lora_blocks)
     assert {attr: len(getattr(model, attr)) for attr in entry.block_counts} == \
         {attr: model.config[key] for attr, key in entry.block_counts.items()}
+    assert entry.video == (b.family.video is not None)            # a stock plan prices frames by it
     # The planner's build: no data, the real load's shapes and dtypes, and its forward runs.
     meta = b.family.load_transformer(b.sources(), dtype=torch.bfloat16, device="meta")
     assert all(p.is_meta for p in meta.parameters())
