@@ -1,0 +1,212 @@
+"""Loading straight into the disk tier (memory/disk_load.py, models/weights.parking; issue 39): the
+disk-tier blocks are read one at a time and parked in the disk tier's loading file as each is
+filled, so host RAM never holds them together; what was parked is the loaded model bit for bit;
+a run loaded so trains bitwise as one loaded whole into RAM; a file changed during the load is
+named; the planner prices the load that way."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import tiny_lora_rest, tiny_run_toml
+from safetensors.torch import load_file
+
+from leantune.config import load_config
+from leantune.memory.disk_load import BlockSpill, blocks_for_room
+from leantune.memory.disk_tier import DiskTierError
+from leantune.models.family import get_family
+from leantune.models.flux import FLUX_SPEC
+from leantune.models.weights import LoadError, parking
+from leantune.planner.host_model import HOST_BASELINE
+from leantune.trainer import train
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    from leantune.demo import draw_shapes
+
+    folder = tmp_path_factory.mktemp("shapes") / "images"
+    draw_shapes(folder, count=4, size=64, seed=5)
+    return folder
+
+
+def _sources(folder):
+    fam = get_family("flux")
+    cfg = load_config_model(folder)
+    return fam, fam.resolve_sources(cfg, folder)
+
+
+def load_config_model(folder):
+    from leantune.config import ModelConfig
+
+    return ModelConfig(path=str(folder), family="flux", dtype="fp32")
+
+
+def _tensors(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    out = {}
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for t in store.values():
+                if t is not None and not t.is_meta:
+                    out[id(t)] = t
+    return out
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Watched(BlockSpill):
+    """Records, each time a block is parked, the host bytes of the model's tensors that are not
+    parked (filled and still in anonymous host memory): what the load holds at that moment."""
+
+    def __init__(self, folder, blocks, model_of):
+        super().__init__(folder, blocks)
+        self.model_of, self.held, self.mapped = model_of, [], set()
+
+    def park(self, name, block):
+        model = self.model_of()
+        if model is not None:
+            self.held.append(_nbytes(t for t in _tensors(model).values()
+                                     if t.untyped_storage().data_ptr() not in self.mapped))
+        super().park(name, block)
+        self.mapped |= {t.untyped_storage().data_ptr() for t in _tensors(block).values()}
+
+
+def _watched_load(folder, blocks, tmp_path, monkeypatch, spill_cls=_Watched):
+    """The tiny Flux loaded with `blocks` parked, the model under load seen by the spill."""
+    from leantune.models.flux import loading
+
+    fam, sources = _sources(folder)
+    seen = {}
+    real = loading.load_into_empty
+
+    def spy(model, *a, **k):                          # the model being filled, for the spill to look at
+        seen["model"] = model
+        return real(model, *a, **k)
+
+    spill = spill_cls(tmp_path, blocks, lambda: seen.get("model"))
+    monkeypatch.setattr(loading, "load_into_empty", spy)
+    with parking(spill):
+        model = fam.load_transformer(sources, dtype=torch.float32)
+    monkeypatch.undo()
+    return model, spill
+
+
+def test_the_load_holds_one_disk_tier_block_at_a_time_and_parks_the_loaded_bytes(tiny_flux_dir, tmp_path, monkeypatch):
+    fam, sources = _sources(tiny_flux_dir)
+    plain = fam.load_transformer(sources, dtype=torch.float32)
+    names = [n for n, _ in FLUX_SPEC.blocks(plain)]
+    disk = tuple(names[1::2]) + (names[0],)           # every other block, the first one among them
+    size = {n: _nbytes(_tensors(b).values()) for n, b in FLUX_SPEC.blocks(plain)}
+    total = _nbytes(_tensors(plain).values())
+    model, spill = _watched_load(tiny_flux_dir, disk, tmp_path, monkeypatch)
+
+    # While loading: the non-disk tensors, the blocks parked so far none, the block being filled.
+    rest = total - sum(size[n] for n in disk)
+    assert len(spill.held) == len(disk)
+    assert max(spill.held) <= rest + max(size[n] for n in disk)
+    assert spill.held[0] <= rest + size[disk[0]]      # the first parked: none of the others filled yet
+    # After: the disk-tier blocks are all in the file, nothing of them in anonymous memory.
+    assert spill.parked_bytes == sum(size[n] for n in disk) and set(spill.ranges) == set(disk)
+    assert _nbytes(t for t in _tensors(model).values()
+                   if t.untyped_storage().data_ptr() not in spill.mapped) == rest
+    assert spill.cached_pages() == 0                  # written, synced, and dropped from the page cache
+    assert os.listdir(tmp_path) == []                 # unlinked: nothing another program could write
+    want, got = plain.state_dict(), model.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k].view(torch.uint8), got[k].view(torch.uint8)) if want[k].dim() else
+               torch.equal(want[k], got[k]) for k in want)
+    spill.close()
+
+
+def test_a_run_loaded_straight_to_disk_trains_bitwise_as_one_loaded_into_ram(tmp_path, tiny_flux_dir, images, caplog):
+    (tmp_path / "fast").mkdir()
+
+    def config(memory, out):
+        p = tmp_path / f"{out}.toml"
+        p.write_text(tiny_run_toml(tiny_flux_dir, images, tiny_lora_rest(tmp_path / out, "t", f"[memory]\n{memory}\n",
+                                                                         steps=2, save_every=0)))
+        return load_config(p)
+
+    # fp8 block Linears quantized as read: the parked blocks carry e4m3 weights and their scales
+    common = 'streamed_blocks = "all"\ndebug_poison = true\nfp8 = true\n'
+    ram = train(config(common, "ram"), progress=False)
+    budget = f'ram_budget = "{HOST_BASELINE // 2**20}MiB"\ndisk_dir = "fast"\n'   # no block fits in RAM
+    cfg = config(common + budget, "disk")
+    fam = get_family("flux")
+    meta = fam.load_transformer(fam.resolve_sources(cfg.model, tmp_path), dtype=torch.float32, device="meta",
+                                quantize_fp8=True)
+    from leantune.memory.engine import resolve_plan
+
+    every = tuple(n for n, _ in FLUX_SPEC.blocks(meta))
+    assert blocks_for_room(meta, FLUX_SPEC, resolve_plan(cfg.memory, FLUX_SPEC, meta), 0) == every
+    with caplog.at_level("INFO", logger="leantune"):
+        disk = train(cfg, progress=False)
+    assert f"model: {len(every)} blocks" in caplog.text and "loaded straight to the disk tier" in caplog.text
+    assert f"{len(every)} streamed blocks read from disk" in caplog.text
+    assert len(ram.losses) == 2 and disk.losses == ram.losses
+    for a, b in zip(sorted(ram.lora_files), sorted(disk.lora_files)):
+        want, got = load_file(a), load_file(b)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert os.listdir(tmp_path / "fast") == []
+
+
+def test_a_checkpoint_changed_during_the_load_is_named(tiny_flux_dir, tmp_path, monkeypatch):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_flux_dir, folder)
+    shard = next((folder / "transformer").glob("*.safetensors"))
+
+    class Touching(_Watched):
+        def park(self, name, block):
+            super().park(name, block)
+            st = os.stat(shard)                       # another program rewrites the file
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    with pytest.raises(LoadError, match=rf"{shard}: the file was changed on disk while it was being loaded"):
+        _watched_load(folder, ("transformer_blocks.0", "single_transformer_blocks.0"), tmp_path / "d", monkeypatch,
+                      Touching)
+
+
+def test_a_loading_file_changed_before_it_is_read_is_named(tiny_flux_dir, tmp_path, monkeypatch):
+    model, spill = _watched_load(tiny_flux_dir, ("transformer_blocks.0",), tmp_path, monkeypatch)
+    spill.release("single_transformer_blocks.9")      # not parked: nothing to do, no error
+    os.ftruncate(spill.fd, os.fstat(spill.fd).st_size + 4096)   # written behind the load's back
+    with pytest.raises(DiskTierError, match=r"\.load-.*: it was changed during the load"):
+        spill.release("transformer_blocks.0")
+    spill.close()
+
+
+def test_the_planner_prices_the_load_into_the_tiers():
+    from test_planner_disk_tier import CACHES, STAGING, UNLIMITED, _planner, _tight
+
+    from leantune.planner.workload import Budget
+
+    p = _planner(3e9)
+    need, _ = _tight(p)
+    everything = p.plan(Budget(vram=need, ram=UNLIMITED))
+    limit = HOST_BASELINE + CACHES + STAGING + p.host(everything)["streamed blocks (pinned)"] // 2
+    plan = p.plan(Budget(vram=need, ram=limit))
+    assert plan.disk_blocks
+    whole = p.host(replace(plan, disk_blocks=()))["transformer while loading"]
+    tiered = p.host(plan)["transformer while loading"]
+    index = {b.name: i for i, b in enumerate(p.weights.blocks)}
+    loaded = [p._bytes[(False, False)][index[n]] for n in plan.disk_blocks]
+    # the blocks on disk leave the load, beside the one being filled (the window)
+    assert tiered == whole - sum(loaded) + max(loaded) < whole
+    # every block on disk: the non-block weights and the largest block
+    alldisk = p.host(replace(plan, disk_blocks=plan.streamed_blocks))["transformer while loading"]
+    resident = sum(p._bytes[(False, False)][i] for i, b in enumerate(p.weights.blocks)
+                   if b.name not in plan.streamed_blocks)
+    assert alldisk == p._nb_bytes + resident + max(p._bytes[(False, False)][index[n]] for n in plan.streamed_blocks)
+    # the sampler loads whole: no discount
+    sampling = _planner(3e9)
+    sampling.workload = replace(sampling.workload, mode="inference")
+    assert sampling.parked(plan) is None
