@@ -284,9 +284,11 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
     noise = torch.randn((shard.global_size, *x0.shape[1:]), generator=t.generator)[shard.rows].to(t.device)
     sigma = fm.sample_sigmas(shard.global_size, fm.sampling_method(cfg.train.timestep_sampling, family), t.generator,
                              sigmoid_scale=cfg.train.sigmoid_scale, shift=cfg.train.shift,
-                             image_seq_len=family.image_tokens(h, w))[shard.rows]
-    if family.training_sigmas is not None:      # a model that owns part of the noise range (a Wan 2.2 expert)
+                             image_seq_len=family.image_tokens(h, w))
+    if family.training_sigmas is not None:      # a model that owns part of the noise range (a Wan 2.2 expert);
+        # on the global batch's levels, so every rank's rows agree (a two-expert run: on one expert)
         sigma = family.training_sigmas(sigma, t.sources, fm.sampling_method(cfg.train.timestep_sampling, family), cfg.train)
+    sigma = sigma[shard.rows]
     noisy = fm.add_noise(x0, noise, sigma)
     target = family.pack_latents(fm.velocity_target(x0, noise))     # the transformer's layout
     refs = getattr(batch, "references", None)      # an edit dataset's reference latents (ModelFamily.references)

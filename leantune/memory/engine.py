@@ -294,6 +294,8 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     `disk_dir`: the disk tier's folder ([memory] disk_dir, memory/disk_tier.py) for the plan's
     disk_blocks; with `disk_room` and a plan that names none, the streamed blocks beyond
     `disk_room` host bytes go there (apply_streaming), and the handle's plan names them.
+    A model whose parts compute one at a time (`alternating_parts()`: Wan 2.2 A14B's two experts)
+    gets the plan on the part in use only, the others waiting on the host (memory/switched.py).
     `parked`: the loader's memory/disk_load.BlockSpill, when the disk-tier blocks were loaded
     straight to disk (apply_streaming drops their file pages once packed).
     """

@@ -24,6 +24,7 @@ of its own), both experts train in one run on one expert's device memory.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -47,6 +48,21 @@ def _trainable_to(model: nn.Module, device: torch.device) -> None:
                 p.data = p.data.to(device)
                 if grad is not None:
                     p.grad = grad.to(device)
+
+
+@contextmanager
+def _quiet(enabled: bool):
+    """The engine's info lines off for the duration (its warnings stay)."""
+    if not enabled:
+        yield
+        return
+    engine_log = logging.getLogger("leantune.memory")
+    level = engine_log.level
+    engine_log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        engine_log.setLevel(level)
 
 
 class SwitchedMemory:
@@ -76,7 +92,8 @@ class SwitchedMemory:
             _trainable_to(self.model, self.device)
             self.switches += 1
         self.active = name
-        self.handle = self._apply(name, self.parts[name])
+        with _quiet(self.switches > 0):       # the plan's lines were said at the first apply; a switch repeats them
+            self.handle = self._apply(name, self.parts[name])
         self.handle.forward_only(self._forward_only)
 
     # -- what a MemoryHandle offers ---------------------------------------------------------------------
