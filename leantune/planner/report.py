@@ -93,6 +93,8 @@ def base_format_line(choice: dict) -> str:
     allowed = [r for r in others if r["allowed"]]
     if allowed:
         line += f"; runner-up {said(allowed[0])}"
+    if allowed[1:]:
+        line += "; then " + ", ".join(said(r) for r in allowed[1:])
     over = [r for r in others if not r["allowed"]]
     if over:
         line += "; over the bound: " + ", ".join(said(r) for r in over)
