@@ -167,3 +167,28 @@ def test_the_captioner_captions_clips_from_their_first_frame(tmp_path):
     for caption in (data / "run.txt", data / "walk.txt"):
         words = caption.read_text().split()
         assert words and set(words) <= set(WORDS), (caption, words)
+
+
+def test_the_wan_expert_fields_and_sample_references_reach_the_config(tmp_path):
+    fields = {**FIELDS, "expert": "both", "lora_experts": "shared",
+              "sample_references": "/data/clips/first.png\n/data/clips/second.png"}
+    form = RunForm.from_fields(fields)
+    cfg = load_config(form.write(tmp_path / "c.toml"))
+    assert (cfg.model.expert, cfg.lora.experts) == ("both", "shared")
+    assert cfg.sample.references == ["/data/clips/first.png", "/data/clips/second.png"]
+    again, notes = RunForm.from_toml(form.to_toml())
+    assert notes == [] and again.extra_toml == "" and again.as_fields() == form.as_fields()
+    doc = RunForm.from_fields(FIELDS).to_dict()              # at their defaults: nothing written
+    assert "expert" not in doc["model"] and "experts" not in doc["lora"] and "references" not in doc["sample"]
+    with pytest.raises(FormError, match="expert 'middle': one of auto"):
+        RunForm.from_fields({**FIELDS, "expert": "middle"})
+
+
+def test_an_expert_on_a_one_transformer_family_is_refused_on_its_field(tmp_path):
+    from leantune.config import ConfigError
+    from leantune.ui.labels import on_field
+
+    with pytest.raises(ConfigError) as e:
+        RunForm.from_fields({**FIELDS, "family": "flux", "expert": "both"}).write(tmp_path / "c.toml")
+    said = on_field(str(e.value))
+    assert said["field"] == "expert", said

@@ -123,6 +123,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 "timestep_sampling": choices("train", "timestep_sampling"),
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "base_format": _auto_first(choices("memory", "base_format")),
+                "expert": _auto_first(choices("model", "expert")), "lora_experts": choices("lora", "experts"),
                 "plan_gpu": [{"value": "", "title": "this machine's GPU (none: an RTX 4090-class card)"}]
                             + [{"value": k, "title": t} for k, t in gpu_cards().items()],
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),

@@ -56,6 +56,8 @@ class RunForm:
     model_path: str = ""
     family: str = "flux"
     dtype: str = "bf16"
+    expert: str = "auto"           # [model] expert: Wan 2.2 A14B's expert(s) a run trains (high, low, both)
+    lora_experts: str = "each"     # [lora] experts, for expert "both": a LoRA per expert or one shared
     mode: str = "lora"
     dataset: str = ""
     trigger_word: str = ""
@@ -96,6 +98,7 @@ class RunForm:
     sample_guidance: float = 3.5
     sample_seed: int = 0
     sample_frames: int = 0         # [sample] frames of a video family's samples (0: [data] max_frames)
+    sample_references: list[str] = field(default_factory=list)   # [sample] references: an edit's or a Wan i2v's
     ema: str = "off"               # [ema] enabled: "on" / "off"
     ema_decay: float = 0.999       # [ema] decay
     validation_fraction: float = 0.0   # [validation] fraction of the images held out (0 = no validation)
@@ -129,7 +132,8 @@ class RunForm:
                              ("lr_scheduler", choices("train", "lr_scheduler")),
                              ("timestep_sampling", choices("train", "timestep_sampling")),
                              ("prior_loss", choices("data", "prior_loss")), ("ema", ["off", "on"]),
-                             ("base_format", choices("memory", "base_format"))):
+                             ("base_format", choices("memory", "base_format")),
+                             ("expert", choices("model", "expert")), ("lora_experts", choices("lora", "experts"))):
             if getattr(self, key) not in allowed:
                 raise FormError(f"{key} {getattr(self, key)!r}: one of {', '.join(allowed)}")
         if self.plan_gpu and self.plan_gpu not in gpu_cards():
@@ -234,6 +238,12 @@ class RunForm:
                 cfg["data"][key] = getattr(self, key)
         if self.sample_frames and "sample" in cfg:
             cfg["sample"]["frames"] = self.sample_frames
+        if self.sample_references and "sample" in cfg:
+            cfg["sample"]["references"] = [_absolute(p) for p in self.sample_references]
+        if self.expert != "auto":
+            cfg["model"]["expert"] = self.expert
+            if self.expert == "both" and self.mode == "lora":
+                cfg["lora"]["experts"] = self.lora_experts
 
     def _recipe_into(self, cfg: dict) -> None:
         """The recipe options' fields as config keys; each only when set, so a form left at its
@@ -290,6 +300,8 @@ class RunForm:
         model = doc.get("model", {})
         take("model", "family", "family")
         take("model", "dtype", "dtype")
+        take("model", "expert", "expert")
+        take("lora", "experts", "lora_experts")
         if "path" in model:
             path = str(rest["model"].pop("path"))
             if Path(path).expanduser().is_absolute():
@@ -341,6 +353,9 @@ class RunForm:
         for key, field_name in (("every", "sample_every"), ("prompts", "sample_prompts"), ("steps", "sample_steps"),
                                 ("guidance", "sample_guidance"), ("seed", "sample_seed"), ("frames", "sample_frames")):
             take("sample", key, field_name)
+        references = rest.get("sample", {}).get("references") if isinstance(rest.get("sample"), dict) else None
+        if references and all(Path(str(p)).expanduser().is_absolute() for p in references):
+            take("sample", "references", "sample_references")
         sample = rest.get("sample", {})
         if isinstance(sample, dict) and "width" in sample and sample.get("width") == sample.get("height"):
             values["sample_size"] = sample.pop("width")

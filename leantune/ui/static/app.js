@@ -1,11 +1,11 @@
 // The leantune page: plain DOM calls over the /api routes of leantune/ui/app.py.
 const $ = (id) => document.getElementById(id);
-const FORM = ["name", "model_path", "family", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
+const FORM = ["name", "model_path", "family", "expert", "lora_experts", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
   "caption_dropout", "mask_folder", "mask_floor", "prior_folder", "prior_caption", "prior_loss", "prior_ratio", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "target_fps", "max_frames", "steps", "learning_rate",
   "optimizer", "lr_scheduler", "warmup_steps", "timestep_sampling", "seed", "save_every", "log_every",
   "vram_budget", "ram_budget", "plan_gpu", "base_format", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
-  "sample_frames", "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
-const CHOICES = ["family", "mode", "dtype", "mixed_precision", "base_format", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
+  "sample_frames", "sample_references", "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
+const CHOICES = ["family", "expert", "lora_experts", "mode", "dtype", "mixed_precision", "base_format", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
 const STORE = "leantune-form";
 // the fields outside the run form a reload keeps as well (the caption writer, the Sample form)
 const KEPT = ["caption_model", "caption_prompt", "s_model", "s_family", "s_prompts", "s_negative", "s_seed", "s_steps",
