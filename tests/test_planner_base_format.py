@@ -178,3 +178,22 @@ def test_a_pinned_formats_load_takes_the_plans_modulation():
     assert _fp8_load_options(cfg, with_mod) == {"quantize_fp8": "int8", "quantize_modulation": True}
     assert _fp8_load_options(cfg, replace(with_mod, fp8_modulation=False)) == {"quantize_fp8": "int8"}
     assert _fp8_load_options(cfg) == {"quantize_fp8": "int8"}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_the_dequantization_is_priced_per_use(model, fmt):
+    """An int8 / NF4 base's step is fp8's plus, for every block, its dequantization beyond fp8's
+    (base_formats.dequant_extra_s over the weights it stores) once per use: forward and backward,
+    and the recompute when checkpointed; nothing streams, so nothing else differs."""
+    from leantune.planner.base_formats import dequant_extra_s
+
+    machine = _slow_machine()
+    planner = Planner(FLUX_SPEC, model, _workload(), machine)
+    weights = measure_weights(FLUX_SPEC, model)
+    per_use = sum(dequant_extra_s(fmt, b.quantized(True, False, fmt)[0], machine.hbm, machine.flops)
+                  for b in weights.blocks)
+    assert per_use > 0
+    for ckpt, uses in (("none", 2), ("blocks", 3)):
+        base = planner.estimate(Plan(fp8=True, checkpointing=ckpt)).step_s
+        got = planner.estimate(Plan(fp8=True, base_format=fmt, checkpointing=ckpt)).step_s
+        assert got - base == pytest.approx(uses * per_use, rel=1e-6), ckpt
