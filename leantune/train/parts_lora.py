@@ -12,6 +12,8 @@ high- and low-noise experts in one run), one adapter per part or one shared by a
   part's adapter Parameters), so every step trains the one adapter, and its one file
   `<name>_<format>` loads into both experts.
 
+`[lora] init_from` starts every part's adapter from the one file (a shared adapter: once).
+
 The resumable state is the LoraMode's: the trainable parameters by name (a shared tensor once) and
 the optimizer state, so an interrupted two-expert run resumes both adapters and their moments.
 """
@@ -77,8 +79,6 @@ class PartsLoraMode(LoraMode):
                 _tie(first, part, "default")
             else:
                 params.extend(got)
-        seen = {id(p) for p in params}
-        assert len(seen) == len(params)
         log.info("lora: %s over the parts %s", "one adapter shared" if self.shared else "one adapter each",
                  ", ".join(self.part_names))
         return params
