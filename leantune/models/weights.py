@@ -63,6 +63,7 @@ _AUX_KEYS = ("scaled_fp8",)
 
 _MAX_HEADER = 100 * 2**20      # a safetensors header larger than this is certainly not one
 STAGING_BYTES = 8 * 2**20      # file bytes read per chunk while filling a parameter
+_FOLIO_GAP = 2 * 2**20         # tensors closer than this share a dropped range (drop_cached)
 MAX_WORKERS = 8                # quantizing workers at most (each holds a few chunks of STAGING_BYTES)
 # Host bytes a quantizing load holds beyond what it keeps (the planner prices its loading phase with
 # it): each worker's chunk in the load dtype, its fp32 work buffer and a dequantised source chunk,
@@ -233,20 +234,42 @@ class CheckpointFiles:
                 return path
         return None
 
-    def drop_cached(self, key: str) -> None:
-        """Drop `key`'s file pages from the page cache (posix_fadvise DONTNEED): a block read into
-        the disk tier is not read from this file again, and its cached pages would fill the host
-        RAM the disk tier saves."""
-        info = self.tensors[key]
-        handle = self._handles.get(getattr(info, "file", None))
+    def drop_cached(self, keys: list[str], span: bool = False) -> None:
+        """Drop the file pages of `keys` from the page cache (posix_fadvise DONTNEED): a block read
+        into the disk tier is not read from this file again, and its cached pages would fill the
+        host RAM the disk tier saves. One range per run of neighbouring tensors (`span`: one per
+        file, from the first to the last of them): the kernel keeps a large folio that is not
+        wholly inside the range, and a folio often holds the ends of two tensors. Pages still
+        mapped, or on another core's LRU list just after being read, are kept too: the loader
+        asks again once the files are closed."""
         advise = getattr(os, "posix_fadvise", None)
-        if handle is None or advise is None or not isinstance(info, TensorInfo) or info.end <= info.start:
+        by_file: dict[Path, list[tuple[int, int]]] = {}
+        for key in keys:
+            info = self.tensors[key]
+            if isinstance(info, TensorInfo) and info.end > info.start:
+                by_file.setdefault(info.file, []).append((info.start, info.end))
+        if advise is None:
             return
-        start = info.start - info.start % mmap.PAGESIZE
-        try:
-            advise(handle.fileno(), start, info.end - start, os.POSIX_FADV_DONTNEED)
-        except OSError:                                # a filesystem that takes no advice
-            pass
+        for path, spans in by_file.items():
+            spans.sort()
+            runs = [list(spans[0])]
+            for a, b in spans[1:]:
+                if span or a - runs[-1][1] <= _FOLIO_GAP:
+                    runs[-1][1] = max(runs[-1][1], b)
+                else:
+                    runs.append([a, b])
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                for a, b in runs:
+                    start = a - a % mmap.PAGESIZE
+                    advise(fd, start, b - start, os.POSIX_FADV_DONTNEED)
+            except OSError:                                # a filesystem that takes no advice
+                pass
+            finally:
+                os.close(fd)
 
     def release(self, key: str) -> None:
         """Unmap the pages of `key` from this process (they stay in the page cache), so a file read
@@ -566,10 +589,10 @@ def _check_unchanged(files) -> None:
                         f"once nothing writes to it")
 
 
-def _drop_source_pages(files, key: str) -> None:
+def _drop_source_pages(files, keys: list[str], span: bool = False) -> None:
     drop = getattr(files, "drop_cached", None)
     if drop is not None:
-        drop(key)
+        drop(keys, span)
 
 
 def _file_stamp(path: Path) -> tuple:
@@ -812,10 +835,13 @@ def load_into_empty(
             _check_unchanged(files)
             for target in targets:
                 fill(target)
-                _drop_source_pages(files, provided[target][0].source)
             _check_unchanged(files)                   # what was read is what the headers described
             spill.park(block, model.get_submodule(block))
             return_freed_host_memory()                # the filled block's pages back to the OS
+            _drop_source_pages(files, [provided[t][0].source for t in targets])   # not read again
+
+    if parked:     # again with the files closed: pages still mapped or just read were not let go
+        _drop_source_pages(files, [provided[t][0].source for t in parked], span=True)
 
     leftovers = [] if meta else [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftovers:  # only reachable if a model has tensors outside its state dict
