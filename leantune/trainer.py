@@ -598,15 +598,26 @@ def _replan(t: Trainee, plan) -> None:
     """Swap the memory setup for `plan` (after an OOM or a calibration): weights go home to the
     host first so nothing is ever duplicated on the GPU, partial gradients are dropped."""
     t.mode.drop_partial_step(t)
+    disk = getattr(t, "disk_dir", None)
+    spill = None
     if t.memory is not None:
         handle, t.memory = t.memory, None       # if applying `plan` fails, the weights stay home
+        on_disk = handle.streaming.disk_blocks if handle.streaming is not None else ()
+        if disk is not None and on_disk:        # read back one at a time into a loading file, not RAM
+            from .memory.disk_load import BlockSpill
+
+            spill = BlockSpill(disk, on_disk)
         # The frozen base stays as it is: fp8 weights e4m3 (no bf16 copy, no requantizing), shared
         # host weights on the shared pages (no private copy per process).
-        handle.remove(device="cpu", keep_fp8=True, keep_host=True)
+        handle.remove(device="cpu", keep_fp8=True, keep_host=True, park=spill)
     t.plan = plan
-    disk = getattr(t, "disk_dir", None)
-    t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist,
-                             **({"disk": {"disk_dir": disk}} if disk is not None else {}))
+    options = {"disk_dir": disk} | ({"parked": spill} if spill is not None else {})
+    try:
+        t.memory = _apply_engine(t.share_host_weights, t.mode.spec, t.transformer, plan, t.device, t.mode, t.dist,
+                                 **({"disk": options} if disk is not None else {}))
+    finally:
+        if spill is not None:
+            spill.close()
     log.info("memory plan now: %s", plan.describe())
 
 

@@ -210,3 +210,77 @@ def test_the_planner_prices_the_load_into_the_tiers():
     sampling = _planner(3e9)
     sampling.workload = replace(sampling.workload, mode="inference")
     assert sampling.parked(plan) is None
+
+
+def test_a_re_plan_reads_the_disk_tier_back_one_block_at_a_time(tmp_path):
+    from test_disk_tier import BLOCKS, SPEC, _model, _plan, _step
+
+    from leantune.memory.engine import apply_memory
+
+    plain, model = _model(), _model()
+    frozen = lambda m: {id(t): t for t in _tensors(m).values() if not t.requires_grad}   # noqa: E731
+    handle = apply_memory(model, SPEC, _plan(BLOCKS[1:]), "cpu", disk_dir=tmp_path)
+    want, got = _step(plain), _step(model)
+    unit = {n: _nbytes(frozen(b).values()) for n, b in SPEC.blocks(plain)}
+
+    class Counting(BlockSpill):                       # anonymous frozen bytes of the model at each park
+        held, mapped = [], set()
+
+        def park(self, name, block, **options):
+            self.held.append(_nbytes(t for t in frozen(model).values()
+                                     if t.untyped_storage().data_ptr() not in self.mapped))
+            super().park(name, block, **options)
+            self.mapped |= {t.untyped_storage().data_ptr() for t in frozen(block).values()}
+
+    spill = Counting(tmp_path, BLOCKS[1:])
+    # the ring's slots are not what a re-plan reads back: the units not restored yet still view them
+    Counting.mapped |= {s.buf.untyped_storage().data_ptr() for s in handle.streaming.engine.slots}
+    handle.remove(device="cpu", keep_fp8=True, keep_host=True, park=spill)
+    rest = _nbytes(frozen(plain).values()) - sum(unit[n] for n in BLOCKS[1:])
+    # each unit back from disk is parked before the next is read: one at a time beside the rest
+    assert len(Counting.held) == 3 and max(Counting.held) <= rest + max(unit[n] for n in BLOCKS[1:])
+    assert spill.parked_bytes == sum(unit[n] for n in BLOCKS[1:])
+    assert all(p.requires_grad and p.untyped_storage().data_ptr() not in Counting.mapped
+               for p in model.parameters() if p.requires_grad)             # the adapters stay as they are
+    again = apply_memory(model, SPEC, _plan(BLOCKS[2:]), "cpu", disk_dir=tmp_path, parked=spill)
+    spill.close()
+    assert again.streaming.disk_blocks == BLOCKS[2:]
+    for seed in (1, 2):
+        want, got = _step(plain, seed), _step(model, seed)
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    again.release()
+
+
+def test_the_trainers_re_plan_parks_what_it_reads_back_from_disk(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from test_memory_helpers import block_names, lora_flux, make_batch
+
+    from leantune import trainer
+    from leantune.distributed import DistContext
+    from leantune.memory import disk_load
+    from leantune.memory.engine import apply_memory
+    from leantune.memory.plan import Plan
+    from leantune.models.flux import predict
+
+    model = lora_flux(seed=0)
+    blocks = tuple(block_names(model))
+    first = Plan(streamed_blocks=blocks, ring_slots=2, disk_blocks=blocks[::2], debug_poison=True)
+    x, sigma, embeds, hw, _ = make_batch(8, 8, seed=7)
+    handle = apply_memory(model, FLUX_SPEC, first, "cpu", disk_dir=tmp_path)
+    with torch.no_grad():
+        before = predict(model, x, sigma, embeds, hw, guidance=3.5)
+    parked = []
+    real = disk_load.BlockSpill.park
+    monkeypatch.setattr(disk_load.BlockSpill, "park", lambda self, name, block, **o: (parked.append(name),
+                                                                                     real(self, name, block, **o)))
+    mode = SimpleNamespace(spec=FLUX_SPEC, name="lora", drop_partial_step=lambda t: None, memory_options=lambda: {})
+    t = SimpleNamespace(mode=mode, memory=handle, transformer=model, device=torch.device("cpu"), disk_dir=tmp_path,
+                        dist=DistContext(), plan=first, share_host_weights=False)
+    trainer._replan(t, replace(first, disk_blocks=blocks[1::2]))
+    assert parked == list(blocks[::2])                # each read back from disk went to the loading file
+    assert t.memory.streaming.disk_blocks == blocks[1::2]
+    with torch.no_grad():
+        assert torch.equal(predict(model, x, sigma, embeds, hw, guidance=3.5), before)
+    t.memory.release()
+    assert os.listdir(tmp_path) == []

@@ -66,16 +66,19 @@ class BlockSpill:
             raise DiskTierError(f"{self.path} (the disk tier's loading file, unlinked): it was changed during "
                                 f"the load; the blocks parked there can no longer be trusted (start the run again)")
 
-    def park(self, name: str, block: nn.Module) -> None:
+    def park(self, name: str, block: nn.Module, skip_trained: bool = False) -> None:
         """Write every tensor of `block` (parameters and buffers, tied ones once) to the file and
         re-point it at the file's mapping; the filled host tensors are freed by the caller's
-        dropping its references (the block's own are the only ones)."""
+        dropping its references (the block's own are the only ones). `skip_trained` (a re-plan,
+        the mode's adapters attached): parameters that require gradients stay as they are. (A
+        fresh load's parameters all require them until the mode freezes the base.)"""
         self.check()
         tensors: dict[int, torch.Tensor] = {}
         for m in block.modules():
             for store in (m._parameters, m._buffers):
                 for t in store.values():
-                    if t is not None and t.device.type == "cpu" and id(t) not in tensors:
+                    if (t is not None and t.device.type == "cpu" and id(t) not in tensors
+                            and not (skip_trained and isinstance(t, nn.Parameter) and t.requires_grad)):
                         tensors[id(t)] = t
         start = _aligned(self._size)
         layout, pos = [], 0

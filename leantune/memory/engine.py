@@ -164,14 +164,16 @@ class MemoryHandle:
         return lines or ["memory: nothing applied (all weights resident, no checkpointing)"]
 
     def remove(self, device: torch.device | str | None = None, keep_fp8: bool = False,
-               keep_host: bool = False) -> None:
+               keep_host: bool = False, park=None) -> None:
         """Restore the plain model: weights back as ordinary parameters on `device` (default: the
         engine's device).
 
         For a re-plan (the model is applied again right after): `keep_fp8` leaves fp8-stored
         weights e4m3 with their scales (the next apply takes them as they are: no bf16 copy of the
         model on the host, no requantizing); `keep_host` leaves shared host weights where they are
-        (views of the shared pages, not a private copy per process)."""
+        (views of the shared pages, not a private copy per process); `park` (a
+        memory/disk_load.BlockSpill) takes each unit read back from the disk tier, so host RAM
+        holds one of them at a time, not all (remove_streaming)."""
         if self.model.__dict__.get(_APPLIED_ATTR) == _RELEASED:
             raise RuntimeError("MemoryHandle.remove(): the engine was released; the streamed weights are gone "
                                "and cannot be restored")
@@ -179,7 +181,7 @@ class MemoryHandle:
             remove_checkpointing(self.checkpointing)
             self.checkpointing = None
         if self.streaming is not None:
-            remove_streaming(self.streaming, device or self.device, keep_host=keep_host)
+            remove_streaming(self.streaming, device or self.device, keep_host=keep_host, park=park)
             self.streaming = None
         if self.cpu_linears is not None:
             remove_cpu_linears(self.cpu_linears)

@@ -489,7 +489,7 @@ def _check_unwrappable(handle: StreamingHandle) -> None:
 
 
 def remove_streaming(handle: StreamingHandle, device: torch.device | str | None = None,
-                     keep_host: bool = False) -> None:
+                     keep_host: bool = False, park=None) -> None:
     """Put every streamed tensor back as an ordinary tensor on `device` (default: the compute
     device) and restore the modules' forwards. Checkpointing must be removed first.
 
@@ -497,6 +497,9 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
     the host needs one unit of extra RAM, not a second copy of the streamed blocks. `keep_host`
     (a re-plan): a unit whose host buffer is a shared mapping is not copied: its tensors become
     views of the shared pages (unpinned), so N processes do not make N private copies of it.
+    `park` (a memory/disk_load.BlockSpill, restoring to the host for a re-plan): a unit read
+    back from the disk tier is parked in its loading file at once, so host RAM holds one such
+    unit at a time and the next apply packs it from there, as after a load into the tiers.
     """
     device = torch.device(device) if device is not None else handle.engine.backend.device
     _check_unwrappable(handle)
@@ -515,7 +518,8 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
                     u.unpin()
                     u.unpin = None
                 continue
-            host = u.disk.read() if u.disk is not None else u.host
+            from_disk = u.disk is not None
+            host = u.disk.read() if from_disk else u.host
             for e in u.entries:
                 t = torch.empty(e.shape, dtype=e.dtype, device=device)
                 t.copy_(packed_view(host, e))
@@ -523,6 +527,9 @@ def remove_streaming(handle: StreamingHandle, device: torch.device | str | None 
             del host
             u.disk = None
             free_host_buffer(u)
+            if from_disk and park is not None and device.type == "cpu" and len(u.modules) == 1:
+                t = None
+                park.park(u.name, u.modules[0], skip_trained=True)
             return_freed_host_memory()
         _close_disk(handle)
         for m in handle.host_modules:                 # a plain model keeps everything on `device`

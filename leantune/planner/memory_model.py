@@ -354,18 +354,6 @@ class MemoryModel:
         units = [(0, 0)] + blocks if plan.stream_non_blocks else blocks
         return [u if d else (0, 0) for u, d in zip(units, disk)]
 
-    def parked(self, plan: Plan) -> list[tuple[int, int]] | None:
-        """Per streamed unit (the engine's order), its block's bytes (as loaded, as stored) when the
-        loader reads it straight into the disk tier (memory/disk_load.py: a LoRA run's disk-tier
-        blocks), else (0, 0); None when nothing loads so. The sampler loads whole (mode
-        "inference")."""
-        disk = self.on_disk(plan)
-        if not disk or self.workload.mode not in ("lora",):
-            return None
-        blocks = [(self._bytes[(False, False)][i], self._bytes[plan.storage][i]) for i in self.ordered(plan)]
-        units = [(0, 0)] + blocks if plan.stream_non_blocks else blocks
-        return [u if d else (0, 0) for u, d in zip(units, disk)]
-
     def on_disk(self, plan: Plan) -> list[bool] | None:
         """Per streamed unit (the engine's order), whether its bytes live on disk (Plan.disk_blocks);
         None without the disk tier."""
