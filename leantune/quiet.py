@@ -8,10 +8,12 @@ leantune's own warnings are untouched. `LEANTUNE_VERBOSE=1` keeps everything.
 
 bitsandbytes (NF4 bases, memory/nf4_storage.py) logs "Failed to load CPU gemm_4bit_forward from
 kernels-community ..." at import on CPUs with AVX512-BF16 when the optional `kernels` package is
-absent: leantune dequantizes with bitsandbytes and never calls that kernel, so the line is noise.
-It is logged by a child logger with no handler of its own, so the filter goes on that logger
-(a filter on "bitsandbytes" would not see a child's records); quiet_bitsandbytes() puts it there
-before the first import.
+absent, and, where `kernels` is installed (the transformers installed here requires it),
+`kernels` logs "Skipping publisher trust check for 'kernels-community/..." as bitsandbytes asks it
+for that kernel with the Hub offline: leantune dequantizes with bitsandbytes and never calls that
+kernel, so both lines are noise. Each is logged by a child logger with no handler of its own, so
+the filter goes on those loggers (a filter on "bitsandbytes" would not see a child's records);
+quiet_bitsandbytes() puts it there before the first import.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ _NOISE = (
     r".*requires torchvision",
     r"There are modules in .* that should be kept in float32",
     r"Failed to load CPU gemm_4bit_forward from kernels-community",
+    r"Skipping publisher trust check for 'kernels-community/",
 )
-_BNB_LOGGER = "bitsandbytes.backends.cpu.ops"      # where bitsandbytes logs the line above
+# where bitsandbytes and `kernels` log the two lines above
+_BNB_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub")
 
 
 class _DropNoise(logging.Filter):
@@ -63,6 +67,7 @@ def quiet_bitsandbytes() -> None:
     kernels-community line dropped (module doc)."""
     if os.environ.get("LEANTUNE_VERBOSE"):
         return
-    logger = logging.getLogger(_BNB_LOGGER)
-    if not any(isinstance(f, _DropNoise) for f in logger.filters):
-        logger.addFilter(_DropNoise())
+    for name in _BNB_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise())
