@@ -6,11 +6,10 @@ docs/benchmarks.md.
 
 Two rows per budget:
 - "today": `Planner.plan` as `leantune plan --disk-dir/--disk-read` answers it: the host peak is
-  the largest phase, and the load still holds the whole transformer before its blocks are packed,
-  so a budget under the loaded transformer is refused whatever the disk.
-- "steps only": the same search with the host peak taken over the steps alone (and previews), as
-  it would be once the load goes straight into the tiers (not built yet): what the disk tier buys
-  and costs in the steps.
+  the largest phase; the disk-tier blocks load straight into the disk tier (memory/disk_load.py),
+  the resident and RAM-tier blocks through host RAM.
+- "steps only": the same search with the host peak taken over the steps alone (and previews):
+  what the disk tier buys and costs in the steps, whatever the load.
 
     python bench/disk_tier_plans.py [--disk-dir DIR] [--nvme 3.5]
 """
