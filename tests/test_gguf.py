@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 from gguf_encoders import encode
-from test_memory_helpers import (assert_quantized_base_streams_exactly, assert_records_equal, block_names,
-                                 make_batch, train)
+from test_memory_helpers import (assert_adapters_train_as_on_the_decoded_base, assert_quantized_base_streams_exactly,
+                                 assert_records_equal, block_names, make_batch, train)
 
 from leantune import tiny
 from leantune.memory.engine import apply_memory
@@ -256,13 +256,11 @@ def test_fp8_storage_leaves_the_blocks_alone(tmp_path_factory):
     assert_records_equal(train(model), want)
 
 
-def test_adapters_that_read_the_base_weight_are_refused_on_a_gguf_base(tmp_path_factory):
-    """DoRA reads the base rows, LoKr / LoHa its shape: on stored bytes each would be wrong."""
-    with pytest.raises(ValueError, match=r"DoRA .* holds GGUF blocks \(a \.gguf base\)"):
-        _lora_base(_q8(tmp_path_factory), "dora")
-    for kind in ("lokr", "loha"):
-        with pytest.raises(ValueError, match=rf'type = "{kind}": .* holds GGUF blocks \(a \.gguf base\)'):
-            _lora_base(_q8(tmp_path_factory), kind)
+def test_lokr_loha_and_dora_train_on_a_gguf_base_as_on_its_decoded_weights(tmp_path_factory):
+    """train/quantized_adapters.py: DoRA reads the decoded rows, LoKr / LoHa the Linear's shape,
+    not the stored blocks'."""
+    assert_adapters_train_as_on_the_decoded_base(load_transformer(_sources(_q8(tmp_path_factory)), dtype=torch.float32),
+                                                 stored=40)
 
 
 def _fit(model, steps: int = 40) -> list[float]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_memory_helpers import (assert_quantized_base_streams_exactly, assert_records_equal, block_names,
-                                 make_batch, train)
+from test_memory_helpers import (assert_adapters_train_as_on_the_decoded_base, assert_quantized_base_streams_exactly,
+                                 assert_records_equal, block_names, make_batch, train)
 
 from leantune import tiny
 from leantune.memory import int8_storage as i8
@@ -216,16 +216,17 @@ def test_streamed_equals_resident_bitwise_in_poison_mode(source):
     assert_quantized_base_streams_exactly(_lora_base(source), stored=34)
 
 
-def test_fp8_storage_leaves_the_int8_rows_alone_and_reading_adapters_are_refused(source):
+def test_fp8_storage_leaves_the_int8_rows_alone(source):
     model = _lora_base(source)
     want = train(copy.deepcopy(model))
     handle = apply_memory(model, FLUX_SPEC, Plan(fp8=True), "cpu")
     assert not handle.fp8.linears
     assert_records_equal(train(model), want)
-    with pytest.raises(ValueError, match=r"DoRA .* holds int8 ConvRot rows"):
-        _lora_base(source, "dora")
-    with pytest.raises(ValueError, match=r'type = "lokr": .* holds int8 ConvRot rows'):
-        _lora_base(source, "lokr")
+
+
+def test_lokr_loha_and_dora_train_on_an_int8_base_as_on_its_decoded_weights(source):
+    """train/quantized_adapters.py: each type reads the Linear's shape and decoded rows, not the bytes."""
+    assert_adapters_train_as_on_the_decoded_base(_int8_base(source), stored=34)
 
 
 def test_a_lora_learns_on_an_int8_base_and_its_file_applies_to_the_bf16_base(source, tmp_path):

@@ -146,3 +146,100 @@ def synchronizes_beyond_the_profiler(prof_events) -> list[str]:
     base = Counter(e.name for e in control.events() if e.name in names)
     seen = Counter(e.name for e in prof_events if e.name in names)
     return sorted((seen - base).elements())
+
+
+def decoded_copy(model):
+    """`model` with every quantized base Linear (GGUF / NF4 / int8 rows) replaced by a plain fp32
+    Linear holding the weight its rows decode to: the base an adapter on the quantized one must
+    train exactly as on."""
+    from leantune.train.quantized_adapters import decoded_weight, is_quantized
+
+    plain = copy.deepcopy(model)
+    for parent in list(plain.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and is_quantized(child):
+                new = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    new.weight.copy_(decoded_weight(child))
+                    if child.bias is not None:
+                        new.bias.copy_(child.bias)
+                setattr(parent, child_name, new.requires_grad_(False))
+    return plain
+
+
+ADAPTER_NAMES = ("lora_", "lokr_", "hada_")
+
+
+def _step(model, params, seed: int = 0):
+    x, sigma, embeds, hw, target = make_batch(8, 8, seed=seed)
+    loss = torch.nn.functional.mse_loss(predict(model, x, sigma, embeds, hw, guidance=1.0).float(), target)
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in params]
+
+
+def _applies_from_its_file(trained, quantized, plain, kind: str) -> None:
+    """The adapter trained on the quantized base, saved and read back (kohya layout), applied on a
+    fresh quantized base and on the decoded one: both compute what the trained model computes."""
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    from leantune.train.lora import apply_lora, lora_weights_from_model
+    from leantune.train.lora_formats import LoraCompatibilityWarning, read_lora, save_lora
+
+    x, sigma, embeds, hw, _ = make_batch(8, 12, seed=3)
+    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", LoraCompatibilityWarning)       # DoRA's note on stock ComfyUI
+        want = predict(trained, x, sigma, embeds, hw, guidance=1.0)
+        weights = read_lora(save_lora(lora_weights_from_model(trained), Path(tmp) / "a.safetensors", "comfyui"))
+        assert weights.kind == kind
+        for base in (quantized, plain):
+            m = copy.deepcopy(base)
+            apply_lora(m, weights)
+            got = predict(m, x, sigma, embeds, hw, guidance=1.0)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda s: f"{kind} from its file: {s}")
+
+
+def assert_adapters_train_as_on_the_decoded_base(model, stored: int, kinds=("lokr", "loha", "dora")) -> None:
+    """LoKr, LoHa and DoRA added to a quantized base (`stored` uint8 block Linears) start as the same
+    adapter and give the loss and adapter gradients they give on the decoded fp32 base (to fp32
+    rounding: the base's own matmul may sum in another order); the rows stay stored; streamed and
+    checkpointed in poison mode, the step equals the resident one bitwise; its saved file applies to
+    the quantized and the decoded base as trained."""
+    from leantune.config import LoraConfig
+    from leantune.train.lora import add_lora
+
+    plain = decoded_copy(model)
+    for kind in kinds:
+        runs = []
+        for base in (model, plain):
+            m = copy.deepcopy(base)
+            torch.manual_seed(0)
+            params = add_lora(m, FLUX_SPEC, LoraConfig(type=kind, rank=4, targets="all"))
+            init = [p.detach().clone() for p in params]
+            g = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for p in params:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            runs.append((m, params, init, _step(m, params)))
+        (mq, pq, iq, (lq, gq)), (_, _, ip, (lp, gp)) = runs
+        assert len(iq) == len(ip) and all(torch.equal(a, b) for a, b in zip(iq, ip)), f"{kind}: another init"
+        assert sum(p.dtype == torch.uint8 for p in mq.parameters()) == stored, kind
+        torch.testing.assert_close(lq, lp, rtol=1e-5, atol=1e-7, msg=lambda s: f"{kind} loss: {s}")
+        for i, (a, b) in enumerate(zip(gq, gp)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=lambda s: f"{kind} gradient {i}: {s}")
+        _applies_from_its_file(mq, model, plain, kind)
+        for p in pq:
+            p.grad = None
+        resident = _step(mq, pq, seed=1)
+        for p in pq:
+            p.grad = None
+        plan = Plan(streamed_blocks=tuple(block_names(mq)), stream_non_blocks=True, checkpointing="blocks",
+                    debug_poison=True)
+        handle = apply_memory(mq, FLUX_SPEC, plan, "cpu")
+        try:
+            streamed = _step(mq, pq, seed=1)
+        finally:
+            handle.remove()
+        assert torch.equal(streamed[0], resident[0]), kind
+        assert all(torch.equal(a, b) for a, b in zip(streamed[1], resident[1])), kind

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_memory_helpers import (assert_quantized_base_streams_exactly, assert_records_equal, block_names,
-                                 make_batch, train)
+from test_memory_helpers import (assert_adapters_train_as_on_the_decoded_base, assert_quantized_base_streams_exactly,
+                                 assert_records_equal, block_names, make_batch, train)
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
@@ -197,13 +197,10 @@ def test_fp8_storage_leaves_the_nf4_rows_alone(flux_file):
     assert_records_equal(train(model), want)
 
 
-def test_adapters_that_read_the_base_weight_are_refused_on_an_nf4_base(flux_file):
+def test_lokr_loha_and_dora_train_on_an_nf4_base_as_on_its_decoded_weights(flux_file):
+    """train/quantized_adapters.py: each type reads the Linear's shape and decoded rows, not the bytes."""
     _, path = flux_file
-    with pytest.raises(ValueError, match=r'DoRA .* holds NF4 rows \(\[memory\] base_format = "nf4"\)'):
-        _lora_base(path, "dora")
-    for kind in ("lokr", "loha"):
-        with pytest.raises(ValueError, match=rf'type = "{kind}": .* holds NF4 rows \(\[memory\] base_format = "nf4"\)'):
-            _lora_base(path, kind)
+    assert_adapters_train_as_on_the_decoded_base(_load_nf4(path), stored=34)
 
 
 def _fit(model, steps: int = 40) -> list[float]:

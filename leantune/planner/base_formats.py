@@ -70,11 +70,13 @@ def bitsandbytes_importable() -> bool:
 
 def auto_candidates(mode: str, adapter: str, allow_fp8: bool, base_adapters_plain: bool = True) -> tuple[str, ...]:
     """The formats "auto" prices for a run: fp8 always (where fp8 is allowed); int8 and NF4 for a
-    plain LoRA (the storage modules refuse DoRA, LoKr and LoHa on such a base, and hold frozen
-    weights only: no full fine-tune), NF4 where bitsandbytes imports."""
+    LoRA, LoKr or LoHa (their updates never read the base rows: train/quantized_adapters.py), NF4
+    where bitsandbytes imports. Not for a full fine-tune (the formats hold frozen weights only) and
+    not for DoRA, which decodes each base Linear once more per forward for its row norms, a cost
+    this module does not price yet (a pinned format trains DoRA as well)."""
     if not allow_fp8:
         return ()
-    if mode != "lora" or adapter != "lora" or not base_adapters_plain:
+    if mode != "lora" or adapter == "dora" or not base_adapters_plain:
         return ("fp8",)
     return ("fp8", "int8") + (("nf4",) if bitsandbytes_importable() else ())
 

@@ -70,9 +70,9 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
 
 def base_format_terms(cfg, dora: bool, adapters: tuple | None) -> dict:
     """The Workload's base-format terms ([memory] base_format, max_base_error; base_formats.py):
-    "auto" prices int8 and NF4 beside fp8 for a plain LoRA whose base adapters are plain LoRAs too
-    (the int8 / NF4 storage refuses the others), "int8" / "nf4" pin that format (the trainer loads
-    the base so, and every plan stores it so)."""
+    "auto" prices int8 and NF4 beside fp8 for a LoRA, LoKr or LoHa whose base adapters are plain
+    LoRAs (base_formats.auto_candidates says why not the others), "int8" / "nf4" pin that format
+    (the trainer loads the base so, and every plan stores it so)."""
     from .base_formats import auto_candidates
 
     fmt = cfg.memory.base_format

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from ..spec import ModelSpec
+from . import quantized_adapters as quantized
 
 from .lora_formats import (  # noqa: F401  (re-exported: the trainer and sampler import from here)
     IgnoredKeysWarning,
@@ -191,38 +192,16 @@ def _peft_config(kind: str, lora_cfg, regex: str):
 
 
 def _refuse_fp8_base_for_dora(transformer: torch.nn.Module, names: list[str], what: str) -> None:
-    """DoRA reads the base weight itself (its row norms): an e4m3 weight would be read without its scale."""
+    """DoRA reads the base weight itself (its row norms): an e4m3 weight would be read without its
+    scale. (A GGUF / NF4 / int8 base is read through its own decoder: train/quantized_adapters.py.)"""
     for name in names:
         m = transformer.get_submodule(name)
         linear = m.get_base_layer() if _is_tuner_layer(m) else m
-        if _stored_blocks(linear):                  # a GGUF / NF4 / int8 base: stored bytes
-            raise ValueError(f"{what}: DoRA normalises each row of the base weight plus its update, but "
-                             f"{name}.weight holds {_stored_blocks(linear)}, which peft would read as bytes; "
-                             f"use a bf16 checkpoint, or [lora] type \"lora\", \"lokr\" or \"loha\"")
         if linear.weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"{what}: DoRA normalises each row of the base weight plus its update, but "
                              f"{name}.weight is stored in {linear.weight.dtype} (an fp8 checkpoint), which peft would "
                              f"read without its scale; use a bf16 checkpoint, or [lora] type \"lora\", \"lokr\" or "
                              f"\"loha\"")
-
-
-def _refuse_gguf_base(transformer: torch.nn.Module, names: list[str], kind: str) -> None:
-    """peft's LoKr and LoHa shape their update from the base weight's shape (LoHa its factors too),
-    which for a GGUF base (memory/gguf_storage.py) is that of the stored bytes, not of the Linear."""
-    for name in names:
-        m = transformer.get_submodule(name)
-        linear = m.get_base_layer() if _is_tuner_layer(m) else m
-        if _stored_blocks(linear):
-            raise ValueError(f'[lora] type = "{kind}": peft shapes a {kind} update from the base weight\'s shape, but '
-                             f"{name}.weight holds {_stored_blocks(linear)} of another shape; use [lora] type "
-                             f"\"lora\" on such a base, or a bf16 / fp8 checkpoint")
-
-
-def _stored_blocks(linear: torch.nn.Module) -> str:
-    """What a quantized base Linear holds (memory/gguf_storage.py, nf4_storage.py, int8_storage.py), or ""."""
-    marks = {"gguf_type": "GGUF blocks (a .gguf base)", "nf4_blocksize": 'NF4 rows ([memory] base_format = "nf4")',
-             "int8_convrot_groupsize": "int8 ConvRot rows (an int8 base)"}
-    return next((text for attr, text in marks.items() if attr in linear.__dict__), "")
 
 
 def _to_fp32(layer: torch.nn.Module, adapter_name: str, kind: str) -> None:
@@ -240,7 +219,9 @@ def _to_fp32(layer: torch.nn.Module, adapter_name: str, kind: str) -> None:
             torch.nn.init.kaiming_uniform_(params["down"], a=math.sqrt(5))
             params["up"].zero_()
             if kind == "dora":
-                params["magnitude"].copy_(torch.linalg.norm(layer.get_base_layer().weight.float(), dim=1))
+                base = layer.get_base_layer()
+                weight = quantized.decoded_weight(base) if quantized.is_quantized(base) else base.weight.float()
+                params["magnitude"].copy_(torch.linalg.norm(weight, dim=1))
         else:
             layer.reset_adapter_parameters(adapter_name)
 
@@ -300,14 +281,12 @@ def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_na
         _warn_rank_beyond_layers(transformer, targets, lora_cfg.rank)
     if kind == "dora":
         _refuse_fp8_base_for_dora(transformer, targets, '[lora] type = "dora"')
-    if kind in ("lokr", "loha"):
-        _refuse_gguf_base(transformer, targets, kind)
     if len(targets) < len(matched):            # all_linear names whole top-level children: keep their Linears
         regex = "^(" + "|".join(re.escape(n) for n in targets) + ")$"
     config = _peft_config(kind, lora_cfg, regex)
     transformer.requires_grad_(False)
     with _adapter_state_kept(transformer, add=adapter_name), _base_weights_as_integers(transformer, targets if kind != "dora" else []):
-        transformer.add_adapter(config, adapter_name)
+        _add_on_quantized_bases(transformer, config, adapter_name, targets, kind)
     params = []
     for layer in lora_layers(transformer, adapter_name).values():
         _to_fp32(layer, adapter_name, kind)
@@ -315,6 +294,27 @@ def add_lora(transformer: torch.nn.Module, spec: ModelSpec, lora_cfg, adapter_na
             p.requires_grad_(True)
             params.append(p)
     return params
+
+
+def _add_on_quantized_bases(transformer: torch.nn.Module, config, adapter_name: str, names: list[str],
+                            kind: str) -> None:
+    """peft's add_adapter, with the quantized bases among `names` readable by the adapter type
+    (train/quantized_adapters.py): DoRA decodes their rows through their decoder; LoKr and LoHa see
+    their (out, in) shape while they are made, and shape their delta as it at every forward."""
+    bases = []
+    for name in names:
+        m = transformer.get_submodule(name)
+        linear = m.get_base_layer() if _is_tuner_layer(m) else m
+        if quantized.is_quantized(linear):
+            bases.append(linear)
+    if kind == "dora":
+        for linear in bases:
+            quantized.expose_decoder(linear)
+    with quantized.logical_weight(bases if kind in ("lokr", "loha") else []):
+        transformer.add_adapter(config, adapter_name)
+    if kind in ("lokr", "loha"):
+        for layer in lora_layers(transformer, adapter_name).values():
+            quantized.shape_deltas_as_the_linear(layer)
 
 
 def model_lora_keys(transformer: torch.nn.Module):
@@ -423,7 +423,7 @@ def apply_lora(transformer: torch.nn.Module, weights: LoraWeights, strength: flo
         _refuse_fp8_base_for_dora(transformer, sorted(weights.modules), f"{weights.source} (a DoRA LoRA)")
     config = _applied_config(weights)
     with _adapter_state_kept(transformer, add=adapter_name):
-        transformer.add_adapter(config, adapter_name)
+        _add_on_quantized_bases(transformer, config, adapter_name, sorted(weights.modules), kind)
     layers = lora_layers(transformer, adapter_name)
     if set(layers) != set(weights.modules):
         raise RuntimeError(f"peft wrapped {sorted(set(layers) ^ set(weights.modules))[:5]} unlike the LoRA's modules")
