@@ -368,7 +368,7 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
             transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
         log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
         if spill is not None:
-            log.info("model: %d blocks (%.2f GB) loaded straight to the disk tier (%s)", len(spill.ranges),
+            log.info("model: %d blocks (%.2f GB) loaded straight to the disk tier (%s)", spill.parked_blocks,
                      spill.parked_bytes / 2**30, cfg.memory.disk_dir)
         try:
             params = mode.prepare(transformer, family.spec)

@@ -113,7 +113,7 @@ def test_the_load_holds_one_disk_tier_block_at_a_time_and_parks_the_loaded_bytes
     assert max(spill.held) <= rest + max(size[n] for n in disk)
     assert spill.held[0] <= rest + size[disk[0]]      # the first parked: none of the others filled yet
     # After: the disk-tier blocks are all in the file, nothing of them in anonymous memory.
-    assert spill.parked_bytes == sum(size[n] for n in disk) and set(spill.ranges) == set(disk)
+    assert spill.parked_bytes == sum(size[n] for n in disk) and set(spill.ranges) == set(disk) and spill.parked_blocks == len(disk)
     assert _nbytes(t for t in _tensors(model).values()
                    if t.untyped_storage().data_ptr() not in spill.mapped) == rest
     assert spill.cached_pages() == 0                  # written, synced, and dropped from the page cache

@@ -57,7 +57,10 @@ class BlockSpill:
         self.blocks = tuple(blocks)                   # the block names the load parks (Plan.disk_blocks)
         self._size = 0
         self._stamp = _stamp(os.fstat(fd))
-        self.ranges: dict[str, tuple[int, int]] = {}  # block -> (offset, length) in the file
+        # block -> its (offset, length) in the file, in parking order: a model of several parts that
+        # compute in turn (Wan 2.2's two experts, memory/switched.py) parks a block of each name per part
+        self.ranges: dict[str, list[tuple[int, int]]] = {}
+        self.parked_blocks = 0
         self.parked_bytes = 0                         # tensor bytes parked (what the load kept out of RAM)
 
     def check(self) -> None:
@@ -97,7 +100,8 @@ class BlockSpill:
         _drop_cache(self.fd, start, pos)
         self._size = start + pos
         self._stamp = _stamp(os.fstat(self.fd))
-        self.ranges[name] = (start, pos)
+        self.ranges.setdefault(name, []).append((start, pos))
+        self.parked_blocks += 1
         if pos == 0:
             return
         mapping = mmap.mmap(self.fd, pos, access=mmap.ACCESS_COPY, offset=start)
@@ -121,11 +125,12 @@ class BlockSpill:
                             store[attr] = mapped[id(t)]
 
     def release(self, name: str) -> None:
-        """Drop block `name`'s pages from the page cache (the engine has packed it)."""
-        if self.fd is None or name not in self.ranges:
+        """Drop block `name`'s pages from the page cache (the engine has packed it; with several
+        parts, the first of them not dropped yet)."""
+        if self.fd is None or not self.ranges.get(name):
             return
         self.check()
-        start, length = self.ranges.pop(name)
+        start, length = self.ranges[name].pop(0)     # the parts are packed in the order they were loaded
         _drop_cache(self.fd, start, length)
 
     def cached_pages(self) -> int:
@@ -166,7 +171,11 @@ def blocks_for_room(model: nn.Module, spec, plan, room: int) -> tuple[str, ...]:
     the mode adds later stay resident and are not packed, so they change nothing here."""
     from .disk_tier import room_split
     from .streaming_units import ALIGN, layout_unit
+    from .switched import parts_of
 
+    parts = parts_of(model)
+    if parts:                 # parts that compute in turn: the engine gives each the same room (switched.py)
+        return tuple(dict.fromkeys(n for part in parts.values() for n in blocks_for_room(part, spec, plan, room)))
     blocks = dict(spec.blocks(model))
     sizes = []
     if plan.stream_non_blocks:

@@ -308,7 +308,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
     if parts is not None:            # parts that compute one at a time (Wan 2.2 A14B's experts): switched.py
         def apply_one(part, **where):
             return apply_memory(part, spec, plan, fp8_scales=fp8_scales, offload_min_bytes=offload_min_bytes,
-                                streaming_engine=streaming_engine, disk_room=disk_room, **where)
+                                streaming_engine=streaming_engine, disk_room=disk_room, parked=parked, **where)
         return apply_switched(model, parts, apply_one, device, host_buffers=host_buffers, disk_dir=disk_dir,
                               host_device=host_device)
     validate(model, spec, plan, device)
