@@ -284,3 +284,42 @@ def test_the_trainers_re_plan_parks_what_it_reads_back_from_disk(tmp_path, monke
         assert torch.equal(predict(model, x, sigma, embeds, hw, guidance=3.5), before)
     t.memory.release()
     assert os.listdir(tmp_path) == []
+
+
+def test_under_a_vram_budget_the_planners_disk_blocks_are_loaded_straight_to_disk(tmp_path, tiny_flux_dir, images,
+                                                                                  monkeypatch, caplog):
+    """The planned path (a vram_budget: the plan chosen on the meta model before the load names
+    its disk_blocks): those blocks are parked as read, and the run equals the same plan's run
+    with the blocks in RAM, bit for bit."""
+    from leantune import trainer
+    from leantune.memory.plan import Plan
+
+    (tmp_path / "fast").mkdir()
+    names = {}
+
+    def planned(disk):
+        def plan_before_load(cfg, spec, meta_model, machine):
+            blocks = tuple(n for n, _ in spec.blocks(meta_model()))
+            names["blocks"] = blocks
+            return Plan(streamed_blocks=blocks, ring_slots=2, debug_poison=True,
+                        disk_blocks=blocks[::2] if disk else ()), None, None
+        return plan_before_load
+
+    def config(out, disk):
+        p = tmp_path / f"{out}.toml"
+        memory = 'vram_budget = "1GiB"\n' + ('disk_dir = "fast"\n' if disk else "")
+        p.write_text(tiny_run_toml(tiny_flux_dir, images, tiny_lora_rest(tmp_path / out, "t", f"[memory]\n{memory}",
+                                                                         steps=2, save_every=0)))
+        return load_config(p)
+
+    monkeypatch.setattr(trainer, "_plan_before_load", planned(False))
+    ram = train(config("ram", False), progress=False)
+    monkeypatch.setattr(trainer, "_plan_before_load", planned(True))
+    with caplog.at_level("INFO", logger="leantune"):
+        disk = train(config("disk", True), progress=False)
+    parked = len(names["blocks"][::2])
+    assert f"model: {parked} blocks" in caplog.text and "loaded straight to the disk tier" in caplog.text
+    assert len(ram.losses) == 2 and disk.losses == ram.losses
+    for a, b in zip(sorted(ram.lora_files), sorted(disk.lora_files)):
+        want, got = load_file(a), load_file(b)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
