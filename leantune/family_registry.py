@@ -84,6 +84,10 @@ FAMILIES: dict[str, FamilyEntry] = {
     # one list of blocks; WanPipeline pads every prompt to its max_sequence_length 512
     "wan2.2": FamilyEntry("leantune.models.wan", {"blocks": "num_layers"}, ("main",),
                           {"wan2.2-a14b": StockModel("wan22_a14b", 512)}, video=True),
+    # Wan 2.2 TI2V-5B (issue 36): the same transformer class at 48 channels over the Wan 2.2 VAE, one
+    # transformer (models/wan/ti2v.py); the released config.json's values (models/configs/wan22_ti2v_5b.json)
+    "wan2.2-ti2v": FamilyEntry("leantune.models.wan.ti2v", {"blocks": "num_layers"}, ("main",),
+                               {"wan2.2-ti2v-5b": StockModel("wan22_ti2v_5b", 512)}, video=True),
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

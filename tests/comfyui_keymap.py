@@ -118,7 +118,8 @@ def comfyui_class(family: str) -> str:
     if family.startswith("flux2"):
         return "Flux2"
     classes = {"flux": "Flux", "sd3": "SD3", "qwen-image": "QwenImage", "qwen-image-edit": "QwenImage",
-               "krea2": "Krea2", "z-image": "Lumina2", "qwen-image-2.1": "QwenImage21", "wan2.2": "WAN21"}
+               "krea2": "Krea2", "z-image": "Lumina2", "qwen-image-2.1": "QwenImage21", "wan2.2": "WAN21",
+               "wan2.2-ti2v": "WAN22"}     # comfy/model_base.py's WAN22: TI2V-5B, WanModel's names as WAN21
     if family not in classes:
         raise KeyError(f"no ComfyUI key map modelled for family {family!r}")
     return classes[family]
@@ -274,7 +275,7 @@ def diffusers_names(family: str, shapes: Mapping) -> dict[str, Target]:
         return _z_image_to_diffusers(shapes)
     if cls == "QwenImage21":
         return _qwen_image21_to_native(shapes)
-    if cls == "WAN21":
+    if cls in ("WAN21", "WAN22"):
         return _wan_to_native(shapes)
     return {k[:-len(".weight")]: Target(k) for k in shapes if k.endswith(".weight")}
 

@@ -64,10 +64,10 @@ def describe(keys) -> str:
     the [model] family to set."""
     keys = list(keys)
     what = _looks_like(keys)
-    from .family import family_of_keys
+    from .family import families_of_keys
 
-    family = family_of_keys(keys)
-    return what if family is None else f'{what}; set [model] family = "{family}"'
+    families = families_of_keys(keys)         # several where only shapes tell them apart (Wan 2.2's two)
+    return what if not families else f'{what}; set [model] family = ' + " or ".join(f'"{f}"' for f in families)
 
 
 def _looks_like(keys: list[str]) -> str:

@@ -218,6 +218,11 @@ class ModelFamily:
     # True for the tensor names of a single transformer file of this family, any prefix kept
     # (guess_family: `leantune sample --model FILE` without a family)
     recognizes_keys: Callable = lambda keys: False
+    # (tensor name -> shape, of a single file) -> whether the file is this family's, for families whose
+    # files share every tensor name (Wan 2.2 A14B's and TI2V-5B's: the channels tell them apart):
+    # guess_family reads a file's shapes (its header) where several families claim its names; None:
+    # the names decide
+    recognizes_shapes: Callable | None = None
     # (transformer config mapping or None, model_index.json dict or None) -> whether a model of a
     # class several families share is this family's (FLUX.2's three share Flux2Transformer2DModel);
     # None: every model of the class is (family_for_model, guess_family)
@@ -387,9 +392,11 @@ def guess_family(path) -> str | None:
             try:
                 with safe_open(str(path), "pt") as f:
                     keys = list(f.keys())
+                    shapes = ({k: tuple(f.get_slice(k).get_shape()) for k in keys}
+                              if len(families_of_keys(keys)) > 1 else None)
             except SafetensorError:
                 return None
-            return family_of_keys(keys)
+            return family_of_keys(keys, shapes)
         if path.is_file() and path.suffix.lower() == ".gguf":          # ComfyUI-GGUF files: the same names
             from .gguf_file import tensor_names
             from .weights import LoadError
@@ -403,18 +410,35 @@ def guess_family(path) -> str | None:
     return None
 
 
-def family_of_keys(keys) -> str | None:
-    """The first registered family (in known_families' order) whose recognizes_keys claims a file's
-    tensor names, or None. Families that share names (FLUX.2's three) are told apart by shapes in
-    their own loaders; this names the first."""
+def families_of_keys(keys) -> list[str]:
+    """Every registered family (in known_families' order) whose recognizes_keys claims a file's
+    tensor names."""
     keys = list(keys)
+    out = []
     for name in _MODULES:
         try:
             if get_family(name).recognizes_keys(keys):
-                return name
+                out.append(name)
         except (TypeError, ValueError, KeyError):
             continue
-    return None
+    return out
+
+
+def family_of_keys(keys, shapes: dict | None = None) -> str | None:
+    """The first registered family (in known_families' order) whose recognizes_keys claims a file's
+    tensor names, or None. Where several claim them and `shapes` (name -> shape) are given, the
+    first whose recognizes_shapes also claims the shapes (Wan 2.2 A14B / TI2V-5B); without shapes
+    the first: its loader tells the others apart by shapes and names the family to set."""
+    names = families_of_keys(keys)
+    if shapes is not None and len(names) > 1:
+        for name in names:
+            check = get_family(name).recognizes_shapes
+            try:
+                if check is None or check(shapes):
+                    return name
+            except (TypeError, ValueError, KeyError):
+                continue
+    return names[0] if names else None
 
 
 def family_of_spec(spec: ModelSpec) -> ModelFamily:

@@ -99,5 +99,52 @@ def save_wan_folder(path: str | Path, seed: int = 0, experts: int = 2) -> Path:
     return path
 
 
+# -- Wan 2.2 TI2V-5B: one transformer over the Wan 2.2 VAE's 48 channels ------------------------------
+#
+# The same transformer class at 48 input / output channels, and the Wan 2.2 AutoencoderKLWan: residual
+# down / up sampling (`is_residual`), a 2 x 2 patchify of the pixels before the encoder (12 input
+# channels), so 16x spatial compression, 4x temporal, 48 latent channels with a per-channel mean and
+# std (made-up values here, 48 of each, so that normalisation is not the identity). WanPipeline
+# samples it with expand_timesteps (per-token timesteps), as TI2V-5B's model_index.json says.
+
+TI2V_CHANNELS = 48
+TI2V_VAE_TINY = dict(base_dim=4, decoder_base_dim=4, z_dim=TI2V_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     attn_scales=[], temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                     out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                     latents_mean=[round(0.05 * (i % 7) - 0.15, 4) for i in range(TI2V_CHANNELS)],
+                     latents_std=[round(0.8 + 0.1 * (i % 5), 4) for i in range(TI2V_CHANNELS)])
+TI2V_FLOW_SHIFT = 5.0        # TI2V-5B's flow_shift
+
+
+def wan_ti2v_transformer(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    return wan_transformer(seed, dtype, **{"in_channels": TI2V_CHANNELS, "out_channels": TI2V_CHANNELS, **overrides})
+
+
+def wan22_vae(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The Wan 2.2 VAE (TI2V-5B's) at width 4."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(**TI2V_VAE_TINY).to(dtype).eval()
+
+
+def wan_ti2v_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """WanPipeline(expand_timesteps=True) of the tiny TI2V-5B."""
+    from diffusers import WanPipeline
+
+    tok = wan_tokenizer()
+    return WanPipeline(transformer=wan_ti2v_transformer(seed, dtype), vae=wan22_vae(seed, dtype),
+                       text_encoder=wan_text_encoder(tok, seed + 1, dtype), tokenizer=tok,
+                       scheduler=wan_scheduler(TI2V_FLOW_SHIFT), expand_timesteps=True)
+
+
+def save_wan_ti2v_folder(path: str | Path, seed: int = 0) -> Path:
+    """A complete tiny Wan 2.2 TI2V-5B in the diffusers layout (WanPipeline.from_pretrained loads it)."""
+    path = Path(path)
+    wan_ti2v_pipeline(seed).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 __all__ = ["wan_transformer", "wan_vae", "wan_tokenizer", "wan_text_encoder", "wan_scheduler", "wan_components",
-           "wan_pipeline", "save_wan_folder"]
+           "wan_pipeline", "save_wan_folder", "wan_ti2v_transformer", "wan22_vae",
+           "wan_ti2v_pipeline", "save_wan_ti2v_folder"]

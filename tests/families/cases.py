@@ -115,4 +115,8 @@ CASES = [
     # the two experts of Wan 2.2 A14B are checked in tests/test_wan.py
     Case("wan2.2", "wan2.2", lambda: tw.wan_transformer(0), lambda p: tw.save_wan_folder(p, experts=1), "WanPipeline",
          tw.TEXT_LENGTH, Sample(guidance=5.0, negative="", cfg_batched=False, video=True)),
+    # Wan 2.2 TI2V-5B: the same transformer class at 48 channels over the Wan 2.2 VAE, sampled by
+    # WanPipeline(expand_timesteps=True) (tests/test_wan_ti2v.py checks its videos)
+    Case("wan2.2-ti2v", "wan2.2-ti2v", lambda: tw.wan_ti2v_transformer(0), lambda p: tw.save_wan_ti2v_folder(p),
+         "WanPipeline", tw.TEXT_LENGTH, Sample(guidance=5.0, negative="", cfg_batched=False, video=True)),
 ]

@@ -1,9 +1,11 @@
 """Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, I2V-A14B's (first-frame conditioning: wan/i2v.py),
-and Wan 2.1 T2V, the same classes; TI2V-5B and Wan 2.1 I2V's CLIP image embedding are refused by
-name until their conditioning is built: loading.check_text_to_video): latents, the transformer
-call, sampling and the family's registration (`wan2.2`). The spec is in wan/spec.py, loading in
-wan/loading.py, text encoding in wan/text.py, the two experts in wan/experts.py, image-to-video's
-first-frame condition in wan/i2v.py; this module imports them, none imports it.
+and Wan 2.1 T2V, the same classes; Wan 2.1 I2V's CLIP image embedding is refused by name until its
+conditioning is built: loading.check_text_to_video): latents, the transformer call, sampling and
+the family's registration (`wan2.2`). The spec is in wan/spec.py, loading in wan/loading.py, text
+encoding in wan/text.py, the two experts in wan/experts.py, image-to-video's first-frame condition
+in wan/i2v.py; this module imports them, none imports it but wan/ti2v.py, which registers TI2V-5B
+(48 latent channels of the Wan 2.2 VAE, per-token timesteps) as family `wan2.2-ti2v` from this
+module's shared parts.
 
 Everything follows WanPipeline (diffusers) exactly:
 
@@ -44,7 +46,7 @@ from pathlib import Path
 import torch
 
 from . import experts as wan_experts, i2v as wan_i2v, loading as wan_loading, text as wan_text
-from .keys import recognizes_keys
+from .keys import input_channels, recognizes_keys
 from .spec import WAN_SPEC
 from ..qwen_vae import QwenVAE
 from ..schedule import FlowSchedule
@@ -114,10 +116,11 @@ def published_schedule() -> FlowSchedule:
                         pipeline_sigmas=False)
 
 
-def _schedule(variant: str, folder=None) -> FlowSchedule:
+def _schedule(variant: str, folder=None, published: FlowSchedule | None = None) -> FlowSchedule:
     """The folder's scheduler: FlowMatchEulerDiscreteScheduler's config as it is; the released folders'
-    UniPCMultistepScheduler states its shift as `flow_shift`."""
-    schedule = FlowSchedule.from_model_folder(folder, published_schedule())
+    UniPCMultistepScheduler states its shift as `flow_shift`. `published`: the model's own without a
+    folder (T2V-A14B's by default; TI2V-5B's: wan/ti2v.py)."""
+    schedule = FlowSchedule.from_model_folder(folder, published or published_schedule())
     path = None if folder is None else Path(folder) / "scheduler" / "scheduler_config.json"
     if path is not None and path.is_file():
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -207,6 +210,8 @@ def _register():
         transformer_classes=(wan_loading.TRANSFORMER_CLASS, "WanExperts"),
         pipeline_classes=("WanPipeline", wan_i2v.I2V_PIPELINE),
         recognizes_keys=recognizes_keys, text_rows=wan_text.text_rows, timestep_sampling="shift",
+        recognizes_config=_not_ti2v,
+        recognizes_shapes=lambda shapes: input_channels(shapes) != wan_loading.TI2V_CHANNELS,
         text_width=lambda config: config.text_dim, training_sigmas=training_sigmas,
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=_loader("load_raw_vae"), fps=SAMPLE_FPS),
         # an image-to-video model's first frame (wan/i2v.py); a text-to-video one takes no reference
@@ -214,6 +219,14 @@ def _register():
                                          first_frame=wan_i2v.takes_first_frame,
                                          clip_condition=wan_i2v.clip_condition),
     ))
+
+
+def _not_ti2v(config, index=None) -> bool:
+    """Every Wan transformer but TI2V-5B's 48-channel one (family "wan2.2-ti2v", wan/ti2v.py)."""
+    channels = wan_loading.TI2V_CHANNELS
+    get = (lambda k: None) if config is None else config.get if hasattr(config, "get") else \
+        (lambda k: getattr(config, k, None))
+    return (get("in_channels"), get("out_channels")) != (channels, channels)
 
 
 def _first_frame_size(ref_width: int, ref_height: int, bucket) -> tuple[int, int]:

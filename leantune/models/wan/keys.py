@@ -80,6 +80,15 @@ def recognizes_keys(keys) -> bool:
     return all(_has(keys, m) for m in NATIVE_MARKERS) or all(_has(keys, m) for m in DIFFUSERS_MARKERS)
 
 
+def input_channels(shapes: dict) -> int | None:
+    """The latent channels a single file's transformer takes (its 3-D patch embedding's inputs, any
+    prefix; None without one): what tells a TI2V-5B file (48) from an A14B or Wan 2.1 one, whose
+    tensor names are the same."""
+    prefix = find_prefix(shapes)
+    shape = None if prefix is None else shapes.get(prefix + "patch_embedding.weight")
+    return None if shape is None or len(shape) != 5 else int(shape[1])
+
+
 def find_prefix(keys) -> str | None:
     """The prefix the transformer's keys sit under ("", "model.diffusion_model.", ...), or None."""
     for anchor in ("patch_embedding.weight",):

@@ -51,6 +51,7 @@ RELEASED_CONFIG = "wan22_a14b"
 # T2V-A14B's 0.875, I2V-A14B's 0.9 (its transformer takes 36 channels: 16 noisy + 20 condition)
 T2V_BOUNDARY, I2V_BOUNDARY = 0.875, 0.9
 I2V_IN_CHANNELS = 36
+TI2V_CHANNELS = 48          # Wan 2.2 TI2V-5B: the Wan 2.2 VAE's latent channels, in and out
 EXPERTS = ("high", "low")
 
 
@@ -194,13 +195,14 @@ def transformer_config(sources: WanSources, expert: str | None = None) -> dict:
 
 def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu", keep_fp8: bool = True,
                      fp8_modulation: bool = True, quantize_fp8: bool = False, quantize_modulation: bool = False,
-                     trained=None, expert: str | None = None):
+                     trained=None, expert: str | None = None, ti2v: bool = False):
     """The WanTransformer3DModel of the run's expert ([model] expert; `expert` overrides it) from a
     diffusers folder or a single .safetensors file, in `dtype` on `device` (device "meta": shapes and
     dtypes only, for the planner). e4m3 block weights stay e4m3 with their scale (`keep_fp8`).
     `quantize_fp8` / `trained`: the block Linears a run stores in fp8 are quantized as they are read
     (family.fp8_load_options gives these). Wan has no modulation Linear: `fp8_modulation` and
-    `quantize_modulation` change nothing."""
+    `quantize_modulation` change nothing. `ti2v`: the model must be a TI2V-5B (family
+    "wan2.2-ti2v", wan/ti2v.py), else one of the 16-channel models."""
     from diffusers import WanTransformer3DModel
 
     if expert is None and sources.expert == "both":      # both experts, each call on the one owning its timestep
@@ -212,7 +214,7 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
                           load_transformer(sources, expert="low", **options), boundary_ratio(sources))
     src = expert_source(sources, expert)
     config, files, ops, source_name = _layout(src)
-    check_text_to_video(config, src)
+    check_text_to_video(config, src, ti2v)
     if expert is None and sources.expert == "auto" and sources.transformer_2 is not None and str(device) != "meta":
         log.warning("%s: a two-expert Wan 2.2 folder; [model] expert = \"auto\" loads its high-noise expert "
                     "(transformer/) alone: a run trains it on its noise levels only, and samples drawn with it "
@@ -229,19 +231,25 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
                            device=device, **extra, **fp8)
 
 
-def check_text_to_video(config: dict, src: Path) -> None:
-    """The family trains and samples Wan's 16-channel transformers: the text-to-video ones (Wan 2.2
+def check_text_to_video(config: dict, src: Path, ti2v: bool = False) -> None:
+    """Family "wan2.2" trains and samples Wan's 16-channel transformers: the text-to-video ones (Wan 2.2
     T2V-A14B's experts, Wan 2.1 T2V) and the image-to-video ones without an image embedder (Wan 2.2
     I2V-A14B's experts: 36 input channels, the noisy latents and the first frame's condition,
-    wan/i2v.py). TI2V-5B (48 latent channels of the Wan 2.2 VAE, per-token timesteps) and Wan 2.1
-    I2V (the same first-frame condition, and a CLIP image embedding its cross-attention reads, whose
-    encoder is not loaded here) need conditioning this family does not build yet: refused by name
-    rather than trained as something they are not."""
+    wan/i2v.py); family "wan2.2-ti2v" (`ti2v`) TI2V-5B's 48 latent channels of the Wan 2.2 VAE, whose
+    latents, VAE and per-token timesteps differ (wan/ti2v.py). Each refuses the other's by name. Wan
+    2.1 I2V (the same first-frame condition, and a CLIP image embedding its cross-attention reads,
+    whose encoder is not loaded here) needs conditioning this family does not build yet: refused by
+    name rather than trained as something it is not."""
     channels = (config.get("in_channels"), config.get("out_channels"))
-    if channels == (48, 48):
-        raise LoadError(f"{src}: a Wan 2.2 TI2V-5B transformer (48 latent channels): family \"wan2.2\" reads the "
-                        f"16-channel text-to-video and image-to-video models (T2V-A14B, I2V-A14B, Wan 2.1 T2V) only, "
-                        f"for now")
+    if ti2v and channels != (TI2V_CHANNELS, TI2V_CHANNELS):
+        raise LoadError(f"{src}: a Wan transformer of {channels[0]} input / {channels[1]} output channels, not "
+                        f"TI2V-5B's {TI2V_CHANNELS} (the Wan 2.2 VAE's latents): a Wan 2.2 A14B expert or Wan 2.1; "
+                        f"set [model] family = \"wan2.2\"")
+    if ti2v:
+        return
+    if channels == (TI2V_CHANNELS, TI2V_CHANNELS):
+        raise LoadError(f"{src}: a Wan 2.2 TI2V-5B transformer ({TI2V_CHANNELS} latent channels of the Wan 2.2 VAE, "
+                        f"per-token timesteps); set [model] family = \"wan2.2-ti2v\"")
     if config.get("image_dim") is not None:
         raise LoadError(f"{src}: a Wan image-to-video transformer with an image embedder (image_dim = "
                         f"{config.get('image_dim')}: Wan 2.1 I2V's CLIP image embedding); that embedding is not built "
