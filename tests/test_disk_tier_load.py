@@ -323,3 +323,35 @@ def test_under_a_vram_budget_the_planners_disk_blocks_are_loaded_straight_to_dis
     for a, b in zip(sorted(ram.lora_files), sorted(disk.lora_files)):
         want, got = load_file(a), load_file(b)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_leantune_sample_reads_its_streamed_blocks_from_disk_as_from_ram(tiny_flux_dir, tmp_path, caplog):
+    """`leantune sample` with [memory] disk_dir and a ram_budget no block fits: every streamed block
+    loaded straight to disk and read from there at each step; the images equal the run with the
+    blocks in RAM, byte for byte. A missing folder is named."""
+    import numpy as np
+    from PIL import Image
+
+    from leantune.config import ConfigError
+    from leantune.infer.request import validate_request
+    from leantune.infer.run import run_sampling
+
+    def request(out, **memory):
+        data = {"model": {"path": str(tiny_flux_dir), "dtype": "fp32"}, "prompts": ["a red square", "a circle"],
+                "seed": 3, "steps": 2, "width": 64, "height": 64, "max_text_length": 16, "out": str(tmp_path / out),
+                "memory": {"streamed_blocks": "all", "debug_poison": True, **memory}}
+        return validate_request(data, "test request", base_dir=tmp_path)
+
+    ram = run_sampling(request("ram"))
+    (tmp_path / "fast").mkdir()
+    with caplog.at_level("INFO", logger="leantune"):
+        disk = run_sampling(request("disk", disk_dir="fast", ram_budget=f"{HOST_BASELINE // 2**20}MiB"))
+    blocks = len(disk.plan.streamed_blocks)
+    assert "sample: %d streamed blocks read from disk" % blocks in caplog.text
+    assert f"sample: {blocks} blocks" in caplog.text and "loaded straight to the disk tier" in caplog.text
+    assert [f.name for f in disk.files] == [f.name for f in ram.files]
+    for a, b in zip(ram.files, disk.files):
+        assert np.array_equal(np.asarray(Image.open(a)), np.asarray(Image.open(b)))
+    assert os.listdir(tmp_path / "fast") == []
+    with pytest.raises(ConfigError, match=r"memory.disk_dir = 'nowhere': .* does not exist"):
+        run_sampling(request("bad", disk_dir="nowhere"))

@@ -28,6 +28,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import torch
 
 from ..config import ConfigError, parse_size
 from ..models.family import get_family, loader_options
+from ..models.weights import parking
 from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
 from .encode import encode_prompts_stage, text_encoder_bytes
 from .images import format_loras, save_png
@@ -220,12 +222,53 @@ class FolderComponents:
     def transformer(self, dtype: torch.dtype):
         return self._fl.load_transformer(self.sources, dtype, "cpu", **self._options)
 
+    def meta_transformer(self, dtype: torch.dtype):
+        """The transformer built on meta (shapes and dtypes, no weight read): which blocks the disk
+        tier takes is decided on it before the load (_disk_tier)."""
+        return self._fl.load_transformer(self.sources, dtype, "meta", **self._options)
+
     def vae(self, dtype: torch.dtype, device):
         return self._fl.load_vae(self.sources, dtype, device)
 
     def video_vae(self, dtype: torch.dtype, device):
         """The family's causal video VAE (ModelFamily.video), which decodes a video's latent frames."""
         return self._fl.video.load_vae(self.sources, dtype, device)
+
+
+def _disk_tier(request: SampleRequest, components, spec, dtype: torch.dtype, budget: int | None) -> tuple:
+    """apply_memory's disk tier options for [memory] disk_dir and the loading file the disk-tier
+    blocks are loaded straight into (memory/disk_load.py): ({}, None) without a disk_dir. The
+    explicit [memory] choices only: the streamed blocks beyond ram_budget less the process
+    baseline go to disk, decided on the meta-built transformer before the load with the engine's
+    own rule. Under a vram_budget the sampler's planner prices no disk (yet): disk_dir is unused."""
+    if request.memory.disk_dir is None:
+        return {}, None
+    from ..config import check_disk_dir
+
+    folder = request.resolve(request.memory.disk_dir)
+    try:                                              # missing, not a folder, unwritable
+        check_disk_dir(folder, f"memory.disk_dir = {request.memory.disk_dir!r}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if budget is not None:
+        log.warning("memory.disk_dir: unused under a vram_budget (the sampler's planner prices no disk tier "
+                    "yet); without one the streamed blocks beyond ram_budget are read from it")
+        return {}, None
+    from ..memory.disk_load import BlockSpill, blocks_for_room
+    from ..memory.engine import resolve_plan
+    from ..planner.from_config import explicit_disk_room
+
+    room = explicit_disk_room(request.memory)
+    options = {"disk_dir": folder, "disk_room": room}
+    meta = getattr(components, "meta_transformer", None)
+    if meta is None:                                  # models made in memory (a benchmark's): steps only
+        return options, None
+    model = meta(dtype)
+    blocks = blocks_for_room(model, spec, resolve_plan(request.memory, spec, model), room)
+    if not blocks:
+        return options, None
+    spill = BlockSpill(folder, blocks)
+    return options | {"parked": spill}, spill
 
 
 def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | None = None,
@@ -299,7 +342,17 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
     # Stage 2: denoise; LoRAs first, then the engine places the model (adapters must exist before it).
     with _Stage("denoise", device, result):
         t0 = time.perf_counter()
-        transformer = components.transformer(dtype).eval().requires_grad_(False)
+        disk, spill = _disk_tier(request, components, family.spec, dtype, budget)
+        try:
+            with parking(spill) if spill is not None else nullcontext():
+                transformer = components.transformer(dtype).eval().requires_grad_(False)
+        except BaseException:
+            if spill is not None:
+                spill.close()
+            raise
+        if spill is not None:
+            log.info("sample: %d blocks (%.2f GB) loaded straight to the disk tier (%s)", spill.parked_blocks,
+                     spill.parked_bytes / 2**30, request.memory.disk_dir)
         variant = request.model.variant if request.model.variant != "auto" else family.sampling.variant(transformer)
         schedule = family.sampling.schedule(variant, components.schedule_folder)
         steps = request.steps or schedule.default_steps
@@ -327,7 +380,14 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
         log.info("sample: %s%s", result.plan.describe(),
                  "" if not cfg else f"; CFG {guidance:g}, halves {'batched' if batched else 'one after the other'}")
         t1 = time.perf_counter()
-        handle = apply_memory(transformer, family.spec, result.plan, device)
+        try:
+            handle = apply_memory(transformer, family.spec, result.plan, device, **disk)
+        finally:
+            if spill is not None:
+                spill.close()
+        if handle.streaming is not None and handle.streaming.disk_blocks:
+            log.info("sample: %d streamed blocks read from disk (%s)", len(handle.streaming.disk_blocks),
+                     request.memory.disk_dir)
         handle.forward_only(True)
         t2 = time.perf_counter()
         try:
