@@ -355,3 +355,32 @@ def test_leantune_sample_reads_its_streamed_blocks_from_disk_as_from_ram(tiny_fl
     assert os.listdir(tmp_path / "fast") == []
     with pytest.raises(ConfigError, match=r"memory.disk_dir = 'nowhere': .* does not exist"):
         run_sampling(request("bad", disk_dir="nowhere"))
+
+
+def test_the_load_price_with_a_quantizing_load_and_the_packing_after_it():
+    """host_breakdown's formula on made-up sizes: three streamed blocks, two of them parked, the
+    load quantizing to fp8 as it reads (the trainer's): the load holds the stored RAM-tier part,
+    the largest parked block as stored and the workers' buffers; packing reads each parked block
+    back beside its buffer."""
+    from leantune.memory.plan import Plan
+    from leantune.models.weights import QUANTIZING_WORK_BYTES
+    from leantune.planner.host_model import host_breakdown
+
+    M = 2**20
+    plan = Plan(streamed_blocks=("a", "b", "c"), fp8=True, disk_blocks=("a", "c"))
+    packed, stored_units = [50 * M, 60 * M, 70 * M], [49 * M, 59 * M, 69 * M]
+    nb, resident = 10 * M, 100 * M
+    stored = nb + resident + sum(stored_units)
+    loaded = 2 * stored                                   # the file's bf16
+    disk = [True, False, True]
+    parked = [(98 * M, 49 * M), (0, 0), (138 * M, 69 * M)]
+    common = dict(plan=plan, packed=packed, unit_stored=stored_units, loaded=loaded, stored=stored,
+                  largest_conversion=0, offload=0, cache_bytes=0, quantizing_load=True, disk=disk)
+    whole, tiered = host_breakdown(**common), host_breakdown(**common, parked=parked)
+    assert whole["transformer while loading"] == stored + QUANTIZING_WORK_BYTES
+    assert tiered["transformer while loading"] == stored - (49 + 69) * M + 69 * M + QUANTIZING_WORK_BYTES
+    # packing: the RAM part, then each unit in turn: a (parked: read back 49 beside its 50),
+    # b (its 60 beside its originals, then 1 of alignment kept), c (read back 69 beside its 70)
+    ram_part = stored - (49 + 69) * M
+    assert tiered["stored transformer + one unit while packing"] == ram_part + max(50 + 49, 60, 1 + 70 + 69) * M
+    assert tiered["peak"] < whole["peak"]
