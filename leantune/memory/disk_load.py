@@ -7,8 +7,10 @@ host at all, whatever the steps hold. Here the loader (models/weights.load_into_
 `parking`) reads the disk-tier blocks one at a time; as soon as a block's tensors are filled,
 `BlockSpill.park` writes their bytes to an unlinked file in the disk tier's folder, waits for the
 disk to have them (fdatasync), drops their pages from the page cache, and re-points the block's
-tensors at a private read-only mapping of that file. Host RAM during the load then holds the
-RAM-tier blocks, the non-block weights and one block being filled: the bounded window.
+tensors at a shared mapping of that file (file pages, which the kernel can drop and read again,
+and no commit charge, as a private writable mapping would have; nothing writes a frozen weight in
+place, and a write would only land in this unlinked file). Host RAM during the load then holds
+the RAM-tier blocks, the non-block weights and one block being filled: the bounded window.
 
 Everything between the load and the engine (adapters attached by the mode, base adapters, the fp8
 wrappers of weights already quantized as read) works on the parked tensors as on any host tensor:
@@ -104,7 +106,7 @@ class BlockSpill:
         self.parked_blocks += 1
         if pos == 0:
             return
-        mapping = mmap.mmap(self.fd, pos, access=mmap.ACCESS_COPY, offset=start)
+        mapping = mmap.mmap(self.fd, pos, access=mmap.ACCESS_WRITE, offset=start)
         mapped = {}
         for key, rel, n in layout:
             t = tensors[key]
