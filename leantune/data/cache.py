@@ -776,6 +776,15 @@ def check_sample_first_frame(paths, refs: tuple, first_frame: bool, sources) -> 
                         f"first-frame image; remove the key")
 
 
+def family_clip_rate(data_cfg, family):
+    """[data] with target_fps at the video family's own rate (ModelFamily.video.fps: Wan 2.2 TI2V-5B's
+    24, A14B's 16) where the config leaves it unset, so clips train at the rate the model was trained
+    and samples at; a value the config sets is kept. A copy: the validated config stays as it is."""
+    if family.video is None or "target_fps" in getattr(data_cfg, "model_fields_set", {"target_fps"}):
+        return data_cfg
+    return data_cfg.model_copy(update={"target_fps": family.video.fps})
+
+
 def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: torch.dtype,
                    load_vae: Callable | None = None, load_text_encoders: Callable | None = None,
                    extra_prompts: Sequence[str] | None = None,
@@ -804,6 +813,7 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     from leantune.data.references import encoded_size
 
     family = get_family(model_cfg.family)
+    data_cfg = family_clip_rate(data_cfg, family)
     items, clips = _scan_with_references(data_cfg, base_dir, family)
     sources = family.resolve_sources(model_cfg, Path(base_dir))
     # A family that keeps the alpha channel (ModelFamily.rgba) reads transparent images otherwise

@@ -17,7 +17,7 @@ its own because the seam's latent facts are per family:
 - Sampling: the released schedule (Wan-AI's wan_ti2v_5B.py: flow shift 5.0, 50 steps, guidance
   5.0), a folder's scheduler config first; classifier-free guidance, the halves one after the
   other, as for A14B. Videos are written at 24 fps (TI2V-5B's sample_fps).
-- One transformer: no experts, no [model] expert.
+- One transformer: no experts ([model] expert is refused for this family by the config).
 
 Image-to-video (the first latent frame kept clean, its tokens at timestep 0) is not built here yet:
 a TI2V-5B run trains and samples text-to-video.
@@ -96,14 +96,6 @@ def _schedule(variant: str, folder=None) -> FlowSchedule:
     return wan_schedule(variant, folder, published_schedule())
 
 
-def resolve_sources(model_cfg, base_dir):
-    expert = getattr(model_cfg, "expert", "auto") or "auto"
-    if expert != "auto":
-        raise LoadError(f"[model] expert = \"{expert}\": Wan 2.2 TI2V-5B (family \"{NAME}\") is one transformer, "
-                        f"without experts: remove [model] expert")
-    return wan_loading.resolve_sources(model_cfg, base_dir)
-
-
 def load_transformer(sources, dtype: torch.dtype = torch.bfloat16, device="cpu", **options):
     """TI2V-5B's transformer (wan/loading.load_transformer, refusing the 16-channel models by name)."""
     return wan_loading.load_transformer(sources, dtype, device, ti2v=True, **options)
@@ -141,7 +133,7 @@ def _register():
 
     return register(ModelFamily(
         name=NAME, spec=SPEC,
-        resolve_sources=resolve_sources, load_transformer=load_transformer,
+        resolve_sources=_loader("resolve_sources"), load_transformer=load_transformer,
         load_text_encoders=_loader("load_text_encoders"), load_vae=load_vae,
         text_sources=("text_encoder", "tokenizer"),
         encode_prompts=wan_text.encode_prompts, padding_side=wan_text.padding_side,

@@ -1,0 +1,327 @@
+"""Wan 2.2 TI2V-5B (family "wan2.2-ti2v") on its tiny preset: the 48-channel transformer over the Wan
+2.2 VAE, sampled by WanPipeline(expand_timesteps=True). Loading and detection (the diffusers folder,
+Wan-AI's / ComfyUI's single file with A14B's key set, told apart by its shapes; each Wan family
+refuses the other's model by name), the chunked VAE's clip latents and decode equal to
+AutoencoderKLWan's own calls, videos equal to the pipeline's bit for bit in fp32, the per-token
+timesteps the transformer gets, and a clip LoRA run at the family's 24 fps that learns and resumes
+exactly."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from leantune.config import ModelConfig, load_config
+from leantune.models.family import family_for_model, get_family, guess_family
+from leantune.models.weights import LoadError
+from leantune.tiny.wan import save_wan_folder, save_wan_ti2v_folder, wan22_vae, wan_ti2v_transformer
+
+FAM = get_family("wan2.2-ti2v")
+WIDTH, HEIGHT, FRAMES, SEED = 96, 64, 5, 7          # sides multiples of 32: the VAE's 16x and 2 x 2 patches
+PROMPTS = ["a square moving right", "a red square"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: tiny models run best on one thread
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_wan_ti2v_folder(tmp_path_factory.mktemp("ti2v") / "folder")
+
+
+def _sources(path, root, family: str = "wan2.2-ti2v", **model):
+    return get_family(family).resolve_sources(ModelConfig(path=str(path), family=family, **model), root)
+
+
+def _assert_same_weights(got, want):
+    a, b = got.state_dict(), want.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+# -- loading and detection --------------------------------------------------------------------------------
+
+def test_the_folder_and_the_single_file_load_and_are_told_from_a14b(folder, tmp_path):
+    """The diffusers folder and Wan-AI's names in one file (bare and under ComfyUI's prefix) load the
+    tiny TI2V transformer (48 channels in and out, read from the shapes) and are told as
+    "wan2.2-ti2v"; an A14B file of the same key set is "wan2.2". Each family refuses the other's
+    transformer naming the family to set; a Wan 2.1 VAE (16 channels) is refused for TI2V."""
+    from leantune.models.wan.keys import COMFY_PREFIX, diffusers_to_native, native_metadata
+
+    tiny = wan_ti2v_transformer(0)
+    assert guess_family(folder) == "wan2.2-ti2v"
+    model = FAM.load_transformer(_sources(folder, tmp_path), dtype=torch.float32)
+    _assert_same_weights(model, tiny)
+    assert (model.config.in_channels, model.config.out_channels) == (48, 48)
+    assert family_for_model(model).name == "wan2.2-ti2v"
+
+    native = diffusers_to_native(tiny.state_dict())
+    a14b = diffusers_to_native(wan_ti2v_transformer(0, in_channels=16, out_channels=16).state_dict())
+    assert native.keys() == a14b.keys()                         # only the shapes tell them apart
+    for prefix in ("", COMFY_PREFIX):
+        path = tmp_path / f"ti2v{len(prefix)}.safetensors"
+        save_file({prefix + k: v.contiguous() for k, v in native.items()}, str(path), metadata=native_metadata(tiny))
+        assert guess_family(path) == "wan2.2-ti2v"
+        got = FAM.load_transformer(_sources(path, tmp_path), dtype=torch.float32)
+        _assert_same_weights(got, tiny)
+        with pytest.raises(LoadError, match=rf'{path.name}.*TI2V-5B.*\[model\] family = "wan2.2-ti2v"'):
+            get_family("wan2.2").load_transformer(_sources(path, tmp_path, "wan2.2"), dtype=torch.float32)
+    other = tmp_path / "a14b.safetensors"
+    save_file({COMFY_PREFIX + k: v.contiguous() for k, v in a14b.items()}, str(other), metadata=native_metadata(tiny))
+    assert guess_family(other) == "wan2.2"
+    with pytest.raises(LoadError, match=r'a14b\.safetensors.*16 input.*\[model\] family = "wan2.2"'):
+        FAM.load_transformer(_sources(other, tmp_path), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"expert = 'low'.*one transformer"):
+        _sources(folder, tmp_path, expert="low")
+
+    wan21 = save_wan_folder(tmp_path / "wan21", experts=1)
+    with pytest.raises(LoadError, match=r"\[model\] vae: .*16 latent channels.*48"):
+        FAM.load_vae(_sources(folder, tmp_path, vae=str(wan21 / "vae")), torch.float32, "cpu")
+
+
+def test_the_stock_architecture_builds_as_released():
+    """models/configs/wan22_ti2v_5b.json builds WanTransformer3DModel on meta: 30 blocks, width 3072
+    (24 heads of 128), ffn 14336, 48 channels, about 5B parameters."""
+    from diffusers import WanTransformer3DModel
+
+    from leantune.models.component_files import packaged_config
+
+    config = packaged_config("wan22_ti2v_5b")
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(config)
+    assert len(model.blocks) == 30 and model.blocks[0].ffn.net[2].in_features == 14336
+    assert model.patch_embedding.weight.shape == (3072, 48, 1, 2, 2)
+    assert 4.9e9 < sum(p.numel() for p in model.parameters()) < 5.1e9
+
+
+# -- the VAE ----------------------------------------------------------------------------------------------
+
+def _clip(frames: int = 9, side: int = 64, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(1, 3, frames, side, side, generator=g) * 2 - 1
+
+
+def test_clip_latents_and_decode_equal_the_vaes_own_calls(folder, tmp_path):
+    """The Wan 2.2 VAE driven a chunk at a time (data/video_vae.py, with its patchify) gives the
+    whole-clip encode's posterior mode, (48, 3, 4, 4) for 9 frames of 64 x 64, normalised as the
+    pipelines normalise it; its chunked decode is the whole decode's frames."""
+    from leantune.data import video_vae
+
+    vae = FAM.video.load_vae(_sources(folder, tmp_path), torch.float32, "cpu")
+    _assert_same_weights(vae, wan22_vae(0))
+    x = _clip()
+    with torch.no_grad():
+        want = vae.encode(x).latent_dist.mode()
+    got = video_vae.encode_frames(vae, x[0].unbind(1)).mode()
+    assert got.shape == (1, 48, 3, 4, 4) and torch.equal(got, want)
+    mean = torch.tensor(vae.config.latents_mean).view(1, 48, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 48, 1, 1, 1)
+    assert torch.allclose(video_vae.normalize(vae, got), (want - mean) / std, atol=1e-6)
+    with torch.no_grad():
+        frames = vae.decode(want).sample
+    chunks = torch.cat(list(video_vae.decode_chunks(vae, want)), dim=2)
+    assert chunks.shape == x.shape and torch.equal(chunks, frames)
+
+
+# -- sampling ---------------------------------------------------------------------------------------------
+
+def test_per_token_timesteps_as_the_pipeline_passes_them(folder, tmp_path):
+    """predict gives the transformer (B, F * h/2 * w/2) timesteps, each token its sample's sigma * 1000,
+    as WanPipeline(expand_timesteps=True) does; odd latent sides are refused."""
+    from leantune.models.family import PromptEmbeds
+
+    model = wan_ti2v_transformer(0)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, k: seen.append(k["timestep"]), with_kwargs=True)
+    x = torch.randn(2, 48, 3, 4, 6)
+    embeds = PromptEmbeds(torch.randn(2, 7, 32), torch.zeros(2, 0))
+    with torch.no_grad():
+        FAM.predict(model, x, torch.tensor([0.25, 0.75]), embeds, (4, 6))
+    (t,) = seen
+    assert t.shape == (2, 3 * 2 * 3) and t.dtype == torch.float32
+    assert torch.equal(t[0], torch.full((18,), 250.0)) and torch.equal(t[1], torch.full((18,), 750.0))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        FAM.predict(model, torch.randn(1, 48, 1, 3, 4), torch.tensor([0.5]), embeds, (3, 4))
+
+
+def _sample(folder, out, *flags) -> int:
+    from leantune.cli import main
+
+    return main(["sample", "--model", str(folder), "--family", "wan2.2-ti2v", "--prompt", PROMPTS[0], "--prompt",
+                 PROMPTS[1], "--width", str(WIDTH), "--height", str(HEIGHT), "--steps", "3", "--guidance", "5.0",
+                 "--seed", str(SEED), "--device", "cpu", "--out", str(out), "--set", "model.dtype=fp32",
+                 "--set", "max_text_length=32", *flags])
+
+
+def _pipeline(folder):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():        # fresh, aligned memory as leantune's loader gives (test_wan_sample_video.py)
+        for name in ("transformer", "vae", "text_encoder"):
+            for p in getattr(pipe, name).parameters():
+                p.data = p.data.clone()
+    return pipe
+
+
+def test_sampled_videos_are_wanpipeline_expand_timesteps_frames_bit_for_bit(folder, tmp_path, monkeypatch):
+    """`leantune sample --frames 5` at 96x64, 3 steps, CFG 5: each video's uint8 frames (before the
+    codec) are WanPipeline(expand_timesteps=True)'s for its prompt and seed, written at 24 fps; the
+    denoised latents equal the pipeline's output_type="latent" bit for bit."""
+    from leantune.infer import run, video
+
+    written = {}
+    save_video = video.save_video
+    monkeypatch.setattr(video, "save_video", lambda frames, path, fps: written.setdefault(path.name, (
+        frames.copy(), fps)) and save_video(frames, path, fps))
+    latents = []
+    denoise = run.denoise
+    monkeypatch.setattr(run, "denoise", lambda *a, **k: latents.append(denoise(*a, **k)) or latents[-1])
+    assert _sample(folder, tmp_path / "out", "--frames", str(FRAMES)) == 0
+    pipe = _pipeline(folder)
+    assert pipe.config.expand_timesteps
+    for i, (prompt, (got, fps)) in enumerate(zip(PROMPTS, written.values())):
+        kw = dict(prompt=prompt, negative_prompt="", height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+                  num_inference_steps=3, guidance_scale=5.0, max_sequence_length=32)
+        out = pipe(**kw, generator=torch.Generator().manual_seed(SEED + i), output_type="np").frames[0]
+        want = (out * 255).round().astype(np.uint8)
+        assert fps == 24.0 and got.shape == want.shape == (FRAMES, HEIGHT, WIDTH, 3)
+        assert np.array_equal(got, want), np.abs(got.astype(int) - want.astype(int)).max()
+        assert not np.array_equal(got[0], got[-1])
+        lat = pipe(**kw, generator=torch.Generator().manual_seed(SEED + i), output_type="latent").frames
+        ours = torch.cat(latents)[i:i + 1]
+        assert ours.shape == lat.shape == (1, 48, 2, 4, 6) and torch.equal(ours, lat)
+    assert not np.array_equal(*[f for f, _ in written.values()])
+
+
+# -- training on clips ------------------------------------------------------------------------------------
+
+SIDE, CLIP_FRAMES, CLIP_FPS = 64, 9, 24
+
+
+def _frames(kind: int) -> np.ndarray:
+    out = np.empty((CLIP_FRAMES, SIDE, SIDE, 3), np.uint8)
+    for i in range(CLIP_FRAMES):
+        out[i] = (30, 60, 200) if kind == 0 else (200, 60, 30)
+        x = 4 + 5 * i
+        if kind == 0:
+            out[i, 24:40, x:x + 16] = 250
+        else:
+            out[i, x:x + 16, 24:40] = 250
+    return out
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """Two captioned 24 fps clips of 9 frames: 9 frames (3 latent frames) at 24 fps, 5 at 16."""
+    from leantune.data.video_write import write_mp4
+
+    d = tmp_path_factory.mktemp("media") / "data"
+    d.mkdir()
+    for i, caption in enumerate(("a square moving right", "a square moving down")):
+        write_mp4(d / f"clip{i}.mp4", _frames(i), CLIP_FPS)
+        (d / f"clip{i}.txt").write_text(caption)
+    return d
+
+
+RUN = """
+[model]
+family = "wan2.2-ti2v"
+path = "{folder}"
+dtype = "fp32"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "{cache}"
+max_text_length = 32
+max_frames = 9
+
+[[data.datasets]]
+path = "{media}"
+
+[lora]
+rank = 4
+alpha = 4
+
+[train]
+steps = {steps}
+learning_rate = {lr}
+mixed_precision = "no"
+seed = 3
+save_every = {save_every}
+
+[output]
+dir = "{out}"
+name = "ti2v"
+formats = ["diffusers"]
+"""
+
+
+def _config(tmp_path, folder, media, out: str, steps: int = 4, lr: float = 1e-3, save_every: int = 2):
+    path = tmp_path / f"{out}.toml"
+    path.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / out,
+                               steps=steps, lr=lr, save_every=save_every))
+    return load_config(path)
+
+
+def _fixed_loss(folder, lora_file, latents, embeds, sigmas=(0.3, 0.6, 0.9)) -> float:
+    pipe = _pipeline(folder)
+    if lora_file is not None:
+        pipe.load_lora_weights(str(lora_file))
+    g = torch.Generator().manual_seed(11)
+    total = 0.0
+    with torch.no_grad():
+        for level in sigmas:
+            noise = torch.randn(latents.shape, generator=g)
+            noisy = (1 - level) * latents + level * noise
+            pred = FAM.predict(pipe.transformer.eval(), noisy, torch.full((latents.shape[0],), level), embeds,
+                               latents.shape[-2:])
+            total += float(((pred - (noise - latents)) ** 2).mean())
+    return total / len(sigmas)
+
+
+def test_a_clip_lora_trains_at_24_fps_lowers_the_loss_and_resumes_exactly(tmp_path, folder, media, monkeypatch):
+    """[data] target_fps unset: the clips are resampled at the family's 24 fps (9 frames: 3 latent
+    frames of 48 x 4 x 4); the trainer's steps noise (2, 48, 3, 4, 4) batches; the LoRA it saves
+    loads into WanPipeline and lowers the clips' loss at fixed noise; 4 steps straight equal 2, stop,
+    resume, 2 bit for bit."""
+    from leantune.data import cache
+    from leantune.train import flow_matching as fm
+    from leantune.trainer import train
+
+    seen = []
+    add_noise = fm.add_noise
+    monkeypatch.setattr(fm, "add_noise", lambda x0, noise, sigma: seen.append(tuple(x0.shape)) or
+                        add_noise(x0, noise, sigma))
+    cfg = _config(tmp_path, folder, media, "lowers", steps=10, lr=1e-2, save_every=0)
+    assert "target_fps" not in cfg.data.model_fields_set
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(cfg, progress=False)
+        data = cache.prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32)
+    assert result.final_step == 10 and all(np.isfinite(result.losses))
+    assert set(seen) == {(2, 48, 3, 4, 4)}
+    clips = [s for s in data.samples if isinstance(s, cache.ClipSample)]
+    assert len(clips) == 2 and {s.bucket for s in clips} == {(SIDE, SIDE, CLIP_FRAMES)}     # 16 fps: 5 frames
+    latents = torch.stack([data.latent(s) for s in clips]).float()
+    embeds = data.prompt_embeds([s.item.caption for s in clips])
+    before = _fixed_loss(folder, None, latents, embeds)
+    after = _fixed_loss(folder, result.paths.lora_file("diffusers"), latents, embeds)
+    assert after < 0.9 * before, (before, after)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        straight = train(_config(tmp_path, folder, media, "straight"), progress=False)
+        parts = _config(tmp_path, folder, media, "parts")
+        assert train(parts, stop_after=2, progress=False).final_step == 2
+        resumed = train(parts, resume=True, progress=False)
+    assert resumed.final_step == 4 and resumed.losses == straight.losses and len(set(straight.losses)) == 4
+    a = load_file(str(straight.paths.lora_file("diffusers")))
+    b = load_file(str(resumed.paths.lora_file("diffusers")))
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
