@@ -53,7 +53,7 @@ _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "pl
                    "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming_units.py",
                    "train/full_mode.py", "train/trainable.py",
                    "spec.py", "models/family.py", "train/lora.py")
-_FAMILY_MEASURING_FILES = ("__init__.py", "spec.py", "edit.py")
+_FAMILY_MEASURING_FILES = ("__init__.py", "spec.py", "edit.py", "ti2v.py")   # a family module beside __init__
 
 
 def _measuring_code(root: Path, folders: list[str] | None = None) -> list[str]:
