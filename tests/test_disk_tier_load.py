@@ -20,6 +20,8 @@ from leantune.memory.disk_tier import DiskTierError
 from leantune.models.family import get_family
 from leantune.models.flux import FLUX_SPEC
 from leantune.models.weights import LoadError, parking
+from leantune.memory.plan import Plan
+from leantune.models.weights import QUANTIZING_WORK_BYTES
 from leantune.planner.host_model import HOST_BASELINE
 from leantune.trainer import train
 
@@ -384,3 +386,31 @@ def test_the_load_price_with_a_quantizing_load_and_the_packing_after_it():
     ram_part = stored - (49 + 69) * M
     assert tiered["stored transformer + one unit while packing"] == ram_part + max(50 + 49, 60, 1 + 70 + 69) * M
     assert tiered["peak"] < whole["peak"]
+
+
+def test_the_tiered_load_is_priced_in_the_base_format_the_load_keeps():
+    """A load quantizing as it reads keeps each parked block in the plan's base format (fp8, int8
+    or NF4 rows): the price subtracts those bytes, never more (a load priced below the non-block
+    weights and one block would be a load that does not exist)."""
+    from test_planner_disk_tier import _MEASURED, _model
+
+    from leantune.planner.machine import assumed_machine, with_disk
+    from leantune.planner.search import Planner
+    from leantune.planner.workload import Workload
+
+    model = _MEASURED[0] if _MEASURED else _model()
+    w = Workload(rank=4, buckets=((64, 64),), text_length=8, quantizes_on_load=True,
+                 base_formats=("fp8", "int8", "nf4"))
+    p = Planner(FLUX_SPEC, model, w, with_disk(assumed_machine(), 3e9, "test disk"))
+    names = tuple(b.name for b in p.weights.blocks)
+    seen = set()
+    for fmt in ("fp8", "int8", "nf4"):
+        plan = Plan(streamed_blocks=names, fp8=True, base_format=fmt, disk_blocks=names)
+        key = p.stored_key(plan)
+        if key not in p._bytes:
+            continue
+        seen.add(fmt)
+        stored = p._bytes[key]
+        loading = p.host(plan)["transformer while loading"]
+        assert loading == p._nb_bytes + max(stored) + QUANTIZING_WORK_BYTES, fmt
+    assert "fp8" in seen and len(seen) >= 2

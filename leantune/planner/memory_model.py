@@ -350,7 +350,8 @@ class MemoryModel:
         disk = self.on_disk(plan)
         if not disk or self.workload.mode not in ("lora",):
             return None
-        blocks = [(self._bytes[(False, False)][i], self._bytes[plan.storage][i]) for i in self.ordered(plan)]
+        stored = self._bytes[self.stored_key(plan)]             # fp8, int8 or NF4 rows as the load keeps them
+        blocks = [(self._bytes[(False, False)][i], stored[i]) for i in self.ordered(plan)]
         units = [(0, 0)] + blocks if plan.stream_non_blocks else blocks
         return [u if d else (0, 0) for u, d in zip(units, disk)]
 
