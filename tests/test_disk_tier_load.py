@@ -392,13 +392,13 @@ def test_the_tiered_load_is_priced_in_the_base_format_the_load_keeps():
     """A load quantizing as it reads keeps each parked block in the plan's base format (fp8, int8
     or NF4 rows): the price subtracts those bytes, never more (a load priced below the non-block
     weights and one block would be a load that does not exist)."""
-    from test_planner_disk_tier import _MEASURED, _model
+    from test_planner_disk_tier import _model
 
     from leantune.planner.machine import assumed_machine, with_disk
     from leantune.planner.search import Planner
     from leantune.planner.workload import Workload
 
-    model = _MEASURED[0] if _MEASURED else _model()
+    model = _model()                                  # measured afresh: fp8 storages priced too
     w = Workload(rank=4, buckets=((64, 64),), text_length=8, quantizes_on_load=True,
                  base_formats=("fp8", "int8", "nf4"))
     p = Planner(FLUX_SPEC, model, w, with_disk(assumed_machine(), 3e9, "test disk"))
