@@ -203,8 +203,8 @@ def test_sampled_videos_are_wanpipeline_expand_timesteps_frames_bit_for_bit(fold
 SIDE, CLIP_FRAMES, CLIP_FPS = 64, 9, 24
 
 
-def _frames(kind: int) -> np.ndarray:
-    out = np.empty((CLIP_FRAMES, SIDE, SIDE, 3), np.uint8)
+def _frames(kind: int, width: int = SIDE) -> np.ndarray:
+    out = np.empty((CLIP_FRAMES, SIDE, width, 3), np.uint8)
     for i in range(CLIP_FRAMES):
         out[i] = (30, 60, 200) if kind == 0 else (200, 60, 30)
         x = 4 + 5 * i
@@ -217,7 +217,8 @@ def _frames(kind: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
-    """Two captioned 24 fps clips of 9 frames: 9 frames (3 latent frames) at 24 fps, 5 at 16."""
+    """Three captioned 24 fps clips of 9 frames: 9 frames (3 latent frames) at 24 fps, 5 at 16; the
+    third 96 x 64, whose nearest 16-pixel bucket at 64 would be 80 x 48 (a latent side of 3)."""
     from leantune.data.video_write import write_mp4
 
     d = tmp_path_factory.mktemp("media") / "data"
@@ -225,6 +226,8 @@ def media(tmp_path_factory):
     for i, caption in enumerate(("a square moving right", "a square moving down")):
         write_mp4(d / f"clip{i}.mp4", _frames(i), CLIP_FPS)
         (d / f"clip{i}.txt").write_text(caption)
+    write_mp4(d / "wide.mp4", _frames(0, width=96), CLIP_FPS)
+    (d / "wide.txt").write_text("a wide square moving right")
     return d
 
 
@@ -287,7 +290,8 @@ def _fixed_loss(folder, lora_file, latents, embeds, sigmas=(0.3, 0.6, 0.9)) -> f
 
 def test_a_clip_lora_trains_at_24_fps_lowers_the_loss_and_resumes_exactly(tmp_path, folder, media, monkeypatch):
     """[data] target_fps unset: the clips are resampled at the family's 24 fps (9 frames: 3 latent
-    frames of 48 x 4 x 4); the trainer's steps noise (2, 48, 3, 4, 4) batches; the LoRA it saves
+    frames of 48 x 4 x 4), each in a bucket of sides divisible by 32 (the wide one too); the
+    trainer's steps noise (2, 48, 3, 4, 4) batches; the LoRA it saves
     loads into WanPipeline and lowers the clips' loss at fixed noise; 4 steps straight equal 2, stop,
     resume, 2 bit for bit."""
     from leantune.data import cache
@@ -298,16 +302,17 @@ def test_a_clip_lora_trains_at_24_fps_lowers_the_loss_and_resumes_exactly(tmp_pa
     add_noise = fm.add_noise
     monkeypatch.setattr(fm, "add_noise", lambda x0, noise, sigma: seen.append(tuple(x0.shape)) or
                         add_noise(x0, noise, sigma))
-    cfg = _config(tmp_path, folder, media, "lowers", steps=10, lr=1e-2, save_every=0)
+    cfg = _config(tmp_path, folder, media, "lowers", steps=12, lr=2e-2, save_every=0)
     assert "target_fps" not in cfg.data.model_fields_set
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = train(cfg, progress=False)
         data = cache.prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32)
-    assert result.final_step == 10 and all(np.isfinite(result.losses))
-    assert set(seen) == {(2, 48, 3, 4, 4)}
+    assert result.final_step == 12 and all(np.isfinite(result.losses))
+    assert (2, 48, 3, 4, 4) in seen and set(seen) <= {(2, 48, 3, 4, 4), (1, 48, 3, 4, 4)}
     clips = [s for s in data.samples if isinstance(s, cache.ClipSample)]
-    assert len(clips) == 2 and {s.bucket for s in clips} == {(SIDE, SIDE, CLIP_FRAMES)}     # 16 fps: 5 frames
+    # 16 fps would give 5 frames; 16-pixel buckets would put the wide clip at 80 x 48
+    assert len(clips) == 3 and {s.bucket for s in clips} == {(SIDE, SIDE, CLIP_FRAMES)}
     latents = torch.stack([data.latent(s) for s in clips]).float()
     embeds = data.prompt_embeds([s.item.caption for s in clips])
     before = _fixed_loss(folder, None, latents, embeds)
@@ -325,3 +330,22 @@ def test_a_clip_lora_trains_at_24_fps_lowers_the_loss_and_resumes_exactly(tmp_pa
     b = load_file(str(resumed.paths.lora_file("diffusers")))
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+
+
+def test_training_buckets_have_sides_the_vae_and_patches_divide():
+    """TI2V-5B's buckets step and round by 32 (the 16x VAE's latents in 2 x 2 patches): a 1280x960
+    clip at resolution 960 trains at sides divisible by 32, where the 16-pixel buckets of the 8x
+    families give it 1104 x 832 (a latent side of 69, which the transformer cannot patch)."""
+    from types import SimpleNamespace
+
+    from leantune.data.buckets import bucket_sizes
+    from leantune.data.cache import clip_bucket
+
+    clip = SimpleNamespace(width=1280, height=960, num_frames=121)
+    assert FAM.side_multiple == 32 and get_family("wan2.2").side_multiple == 16
+    w, h, frames = clip_bucket(clip, 960, FAM.side_multiple)
+    assert w % 32 == 0 and h % 32 == 0 and frames == 121 and 1.25 < w / h < 1.45
+    assert clip_bucket(clip, 960)[:2] == (1104, 832)
+    assert all(w % 32 == 0 and h % 32 == 0 for w, h in bucket_sizes(704, multiple=32))
+    with pytest.raises(ValueError, match="resolution 720 must be a multiple of 32"):
+        bucket_sizes(720, multiple=32)

@@ -38,23 +38,25 @@ def _round_to(x: float, m: int) -> int:
     return max(m, int(round(x / m)) * m)
 
 
-def bucket_sizes(resolution: int, max_aspect: float = MAX_ASPECT) -> list[Bucket]:
+def bucket_sizes(resolution: int, max_aspect: float = MAX_ASPECT, multiple: int = SIDE_MULTIPLE) -> list[Bucket]:
     """The buckets of one training resolution, sorted from tallest to widest.
 
     Portrait widths step down from `resolution` to `resolution / sqrt(max_aspect)`; each height is
     the multiple of 16 nearest `resolution**2 / width`, then the set is mirrored for landscapes, so
-    the square bucket is always present and the set is symmetric.
+    the square bucket is always present and the set is symmetric. `multiple`: a family whose latents
+    need other sides (ModelFamily.side_multiple: Wan 2.2 TI2V-5B's 16x VAE and 2 x 2 patches, 32)
+    steps and rounds by it instead of 16.
     """
-    if resolution < 4 * SIDE_MULTIPLE or resolution % SIDE_MULTIPLE:
-        raise ValueError(f"resolution {resolution} must be a multiple of {SIDE_MULTIPLE} "
+    if resolution < 4 * SIDE_MULTIPLE or resolution % multiple:
+        raise ValueError(f"resolution {resolution} must be a multiple of {multiple} "
                          f"of at least {4 * SIDE_MULTIPLE}")
     area = resolution * resolution
-    step = _round_to(resolution / 8, SIDE_MULTIPLE)
+    step = _round_to(resolution / 8, multiple)
     min_width = resolution / math.sqrt(max_aspect)
     portrait: list[Bucket] = []
     w = resolution
     while w >= min_width - 1e-9:
-        h = _round_to(area / w, SIDE_MULTIPLE)
+        h = _round_to(area / w, multiple)
         if h / w <= max_aspect + 1e-9:
             portrait.append((w, h))
         w -= step

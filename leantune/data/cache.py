@@ -47,7 +47,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from leantune.config import resolve_path
-from leantune.data.buckets import Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
+from leantune.data.buckets import SIDE_MULTIPLE, Bucket, BatchOrder, bucket_sizes, fit_to_bucket, nearest_bucket
 from leantune.data.dataset import DataWarning, ImageItem, VideoItem, listing, scan_datasets, to_tensor
 from leantune.data.reading import load_image
 from leantune.io import load_safetensors, save_safetensors
@@ -164,10 +164,11 @@ def clip_latent_key(clip_sha256: str, source_fps, bucket: ClipBucket, target_fps
                    vae_id, str(dtype))
 
 
-def clip_bucket(item: VideoItem, resolution: int) -> ClipBucket:
-    """The bucket a clip trains in at `resolution`: its aspect bucket (as an image's) and its frame
-    bucket (`item.num_frames`, video.frame_bucket at [data] target_fps and max_frames)."""
-    w, h = nearest_bucket(item.width, item.height, bucket_sizes(resolution))
+def clip_bucket(item: VideoItem, resolution: int, multiple: int = SIDE_MULTIPLE) -> ClipBucket:
+    """The bucket a clip trains in at `resolution`: its aspect bucket (as an image's, sides multiples
+    of `multiple`) and its frame bucket (`item.num_frames`, video.frame_bucket at [data] target_fps
+    and max_frames)."""
+    w, h = nearest_bucket(item.width, item.height, bucket_sizes(resolution, multiple=multiple))
     return (w, h, item.num_frames)
 
 
@@ -393,8 +394,8 @@ class ClipSample:
     mask_floor: float = 0.0
 
 
-def clip_samples(clips: list[VideoItem], data_cfg, vae_id: str, dtype: torch.dtype, start_s: float = 0.0
-                 ) -> tuple[list[ClipSample], dict[str, tuple[VideoItem, ClipBucket]]]:
+def clip_samples(clips: list[VideoItem], data_cfg, vae_id: str, dtype: torch.dtype, start_s: float = 0.0,
+                 multiple: int = SIDE_MULTIPLE) -> tuple[list[ClipSample], dict[str, tuple[VideoItem, ClipBucket]]]:
     """The clips' samples over [data] resolutions (skipping those min_size rules out), and their
     latent jobs (key -> (clip, bucket)); clips of one aspect and frame bucket share a batch."""
     samples: list[ClipSample] = []
@@ -404,7 +405,7 @@ def clip_samples(clips: list[VideoItem], data_cfg, vae_id: str, dtype: torch.dty
         for res in data_cfg.resolutions:
             if res in item.too_small_for:
                 continue
-            bucket = clip_bucket(item, res)
+            bucket = clip_bucket(item, res, multiple)
             key = clip_latent_key(item.sha256, item.fps, bucket, data_cfg.target_fps, start_s, vae_id, dtype)
             jobs[key] = (item, bucket)
             samples.extend([ClipSample(item, res, bucket, key, prior)] * item.repeats)
@@ -593,7 +594,7 @@ def _scan_with_references(data_cfg, base_dir, family: ModelFamily) -> tuple[list
     if not any(getattr(d, "reference_path", None) for d in data_cfg.datasets):
         return items, clips
     items = attach_references(items, data_cfg.datasets, base_dir, family.references.most)
-    bucket_sets = {r: bucket_sizes(r) for r in data_cfg.resolutions}
+    bucket_sets = {r: bucket_sizes(r, multiple=family.side_multiple) for r in data_cfg.resolutions}
     for it in items:                   # a size the family cannot encode is told before its sources are read
         for r in set(data_cfg.resolutions) - it.too_small_for:
             for ref in it.references:
@@ -824,7 +825,7 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
     max_length = data_cfg.max_text_length
     cache_dir = resolve_path(base_dir, data_cfg.cache_dir)
 
-    bucket_sets = {r: bucket_sizes(r) for r in data_cfg.resolutions}
+    bucket_sets = {r: bucket_sizes(r, multiple=family.side_multiple) for r in data_cfg.resolutions}
     samples: list[Sample] = []
     latent_jobs: dict[str, tuple[ImageItem, Bucket]] = {}
     mask_jobs: dict[str, tuple] = {}
@@ -860,7 +861,8 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
             else:
                 samples.extend([sample] * item.repeats)
 
-    clip_list, clip_jobs = clip_samples(clips, data_cfg, vae_id, dtype) if clips else ([], {})
+    clip_list, clip_jobs = clip_samples(clips, data_cfg, vae_id, dtype, multiple=family.side_multiple) \
+        if clips else ([], {})
     first_frame = family.references is not None and family.references.takes_first_frame(sources)
     condition_jobs: dict = {}
     if first_frame:                  # each clip conditioned on its own first frame; stills dropped

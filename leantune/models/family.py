@@ -257,6 +257,9 @@ class ModelFamily:
     # gets them as the family's encode_prompts flattens them; False: transparency is composited
     # over white before anything reads the image (data/reading.load_rgb)
     rgba: bool = False
+    # pixels a training bucket's sides are multiples of (data/buckets.bucket_sizes): the VAE's factor
+    # times the transformer's patch, 16 for the 8x VAEs with 2 x 2 patches; Wan 2.2 TI2V-5B's 16x VAE, 32
+    side_multiple: int = 16
 
 
 def text_width(family: ModelFamily, config) -> int:

@@ -149,6 +149,7 @@ def _register():
         text_rows=wan_text.text_rows, timestep_sampling="shift",
         text_width=lambda config: config.text_dim,
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=load_raw_vae, fps=SAMPLE_FPS),
+        side_multiple=VAE_SCALE_FACTOR * PATCH,
     ))
 
 
