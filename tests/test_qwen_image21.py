@@ -749,7 +749,7 @@ def test_plan_model_prices_the_stock_architecture_and_its_encoder_per_reference_
     encoded alone with 32 x 32 tokens and the tags per reference, and the vision tower (counted by
     hand) in host RAM whole, streamed to the device unit by unit (tests/test_qwen_image21_vision_stream.py
     prices that). References lengthen the training step's sequence: the plan needs more streaming
-    and activations for each."""
+    and activations for three than for none or one."""
     from test_planner import _run_plan
 
     from leantune.models.component_files import packaged_config
@@ -770,7 +770,10 @@ def test_plan_model_prices_the_stock_architecture_and_its_encoder_per_reference_
         assert (f"{refs} reference" in doc["workload"]) == bool(refs)
         acts.append(notes["vram_breakdown"]["activations"])
         streamed.append(len(entry["plan"]["streamed_blocks"]))
-    assert acts[0] < acts[1] < acts[2] and streamed[0] <= streamed[1] <= streamed[2]
+    # A reference's rows are kept block by block in parts (models/qwen_image21/block.py): one
+    # reference costs about the text-to-image step's activations (the plain block: nearly twice)
+    assert acts[0] < acts[2] and acts[1] < acts[2] and acts[1] <= 1.1 * acts[0]
+    assert streamed[0] <= streamed[2] and streamed[1] <= streamed[2]
 
     full = packaged_config("qwen3_vl_8b")
     t, v = full["text_config"], full["vision_config"]

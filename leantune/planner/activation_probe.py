@@ -213,16 +213,29 @@ class _GpuSemantics(TorchFunctionMode):
     def __init__(self, autocast: bool):
         super().__init__()
         self.autocast = autocast
+        self.depth = 0               # times entered and not left (2 and more: a recompute's)
+
+    def __enter__(self):
+        self.depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # In backward (autocast "recompute"), a checkpoint recomputing a forward under the modes of
+        # that forward (qwen_image21/block.py's branches enter this mode again) casts as the forward
+        # did: torch.utils.checkpoint restores the autocast state of the forward it recomputes.
+        autocast = self.autocast is True or (self.autocast == "recompute" and self.depth > 1)
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value")
             q, k, v = (list(args) + [kwargs.get(n) for n in names][len(args):])[:3]
-            if self.autocast:
+            if autocast:
                 q, k, v = (_cast(t, torch.bfloat16) for t in (q, k, v))
             return _FlashAttention.apply(q, k, v)
-        if self.autocast:
+        if autocast:
             if func in _LOW_PRECISION_FUNCS:
                 args, kwargs = _cast_all((args, kwargs), torch.bfloat16)
             elif func in _FP32_FUNCS:
@@ -364,7 +377,8 @@ def _run_probe(spec, probe, workload: Workload, bucket, grad: bool,
                 loss = ((pred.float() - target) ** 2).mean()
                 tracker.open("fwd:post_end")
                 tracker.open("bwd:post")
-                semantics.autocast = False          # autocast does not reach the backward pass
+                # autocast does not reach the backward pass, but for a checkpoint's recompute in it
+                semantics.autocast = "recompute" if semantics.autocast else False
                 loss.backward()
                 del loss, target
             tracker.open("end")

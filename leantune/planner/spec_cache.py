@@ -54,6 +54,8 @@ _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "pl
                    "train/full_mode.py", "train/trainable.py",
                    "spec.py", "models/family.py", "train/lora.py")
 _FAMILY_MEASURING_FILES = ("__init__.py", "spec.py", "edit.py", "ti2v.py")   # a family module beside __init__
+# and what a family's probe copy runs beside them (Qwen-Image-2.1's training block and meta build)
+_FAMILY_MEASURING_FILES += ("block.py", "meta_model.py")
 
 
 def _measuring_code(root: Path, folders: list[str] | None = None) -> list[str]:

@@ -111,6 +111,8 @@ def load_transformer(sources: QwenImage21Sources, dtype: torch.dtype = torch.bfl
     with their scale (`keep_fp8`); `quantize_fp8`: the block Linears a run stores in fp8 are
     quantized as they are read (`trained(name)`: weights a full fine-tune trains keep `dtype`).
     The blocks hold no modulation Linear, so the modulation switches change nothing."""
+    from .block import split_blocks
+
     if str(device) == "meta":      # the planner's copy: its forward takes a host slot mask (meta_model.py)
         from .meta_model import QwenImage21Transformer2DModel
     else:
@@ -122,6 +124,8 @@ def load_transformer(sources: QwenImage21Sources, dtype: torch.dtype = torch.bfl
         model = build_empty(lambda: QwenImage21Transformer2DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a {_LABEL['transformer']} from its config ({e})") from None
+    if str(device) != "meta":      # training's block, the same math (block.py; meta_model's has it)
+        split_blocks(model)
     fp8 = cl.fp8_hooks(model, QWEN_IMAGE21_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation,
                        quantize=quantize_fp8, quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what=f"a {_LABEL['transformer']} of this architecture", dtype=dtype,

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import torch
 from diffusers import QwenImage21Transformer2DModel as _Diffusers
-from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21TransformerBlock
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch._subclasses.fake_tensor import is_fake
+
+from .block import QwenImage21SplitBlock, split_blocks
 
 _FACTORIES = {torch.tensor, torch.full, torch.zeros, torch.ones, torch.arange, torch.empty}
 
@@ -93,9 +94,10 @@ class _HostLayout(TorchFunctionMode):
         return func(*tree_map(join, args), **tree_map(join, kwargs))
 
 
-class _HostLayoutBlock(QwenImage21TransformerBlock):
+class _HostLayoutBlock(QwenImage21SplitBlock):
     """A block whose forward runs under _HostLayout when its weights have no values: a checkpointed
-    block is recomputed in backward, outside the model's forward."""
+    block is recomputed in backward, outside the model's forward (a branch of a split block is
+    recomputed under the modes of its forward: block.py)."""
 
     def forward(self, *args, **kwargs):
         if any(_valueless(p) for p in self.parameters()):
@@ -110,8 +112,7 @@ class QwenImage21Transformer2DModel(_Diffusers):
         """diffusers' from_config, the blocks made _HostLayoutBlocks (__init__ is left alone: the
         config machinery reads its signature)."""
         model = super().from_config(*args, **kwargs)
-        for block in model.transformer_blocks:
-            block.__class__ = _HostLayoutBlock
+        split_blocks(model, _HostLayoutBlock)        # training's block (block.py), priced as it runs
         # The rotary table is a plain list of tensors (QwenImage21Rope.freqs), which the forward copies
         # to the device and keeps there; the planner counts a module's tensor attributes as such
         # device tables (planner/weight_bytes.device_tables) but not a list's: the same tensors named

@@ -1,0 +1,181 @@
+"""Qwen-Image-2.1's training block (models/qwen_image21/block.py): with reference images in the
+sequence, its attention and MLP branches are kept for backward as their inputs and recomputed in
+their own backward. The math is diffusers' block's: outputs and LoRA gradients equal the plain
+block's bit for bit on the tiny model (fp32), alone and under the engine (every block streamed in
+poison mode, checkpointed with offloaded inputs); the loader and the planner's meta copy both run
+it, and the planner prices what it keeps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from leantune.config import LoraConfig
+from leantune.memory.plan import Plan
+from leantune.models import qwen_image21 as fam
+from leantune.models.family import PromptEmbeds
+from leantune.models.qwen_image21 import latents as lat
+from leantune.models.qwen_image21.block import QwenImage21SplitBlock, split_blocks
+from leantune.models.qwen_image21.spec import QWEN_IMAGE21_SPEC as SPEC
+from leantune.tiny import qwen_image21 as tq
+from leantune.train.lora import add_lora
+
+REFS_HW = [(4, 4), (2, 6)]          # two references' latent sizes (sides even: one slot per 2x2)
+TARGET_HW = (4, 4)
+
+
+def _lora_model():
+    model = tq.qwen_image21_transformer(0)
+    add_lora(model, SPEC, LoraConfig(rank=4, alpha=8, targets="all"))
+    for p in model.parameters():             # a trained adapter (peft starts lora_B at zero)
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def _embeds(refs_hw, width: int) -> PromptEmbeds:
+    """Two prompts as encode_prompts writes them: per reference two tag rows and its slots as zero
+    rows, then the caption; the second prompt's caption two rows shorter (right padding)."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for caption in (5, 3):
+        parts = []
+        for h, w in refs_hw:
+            parts += [torch.randn(2, width, generator=g), torch.zeros(lat.slots(h, w), width)]
+        parts += [torch.randn(caption, width, generator=g), torch.zeros(5 - caption, width)]
+        rows.append(torch.cat(parts))
+    seq = torch.stack(rows)
+    return PromptEmbeds(t5=seq, pooled=seq.new_zeros(2, 0))
+
+
+def _step(model, refs_hw=REFS_HW):
+    """One forward and backward of the family's transformer call: (output, LoRA gradients by name)."""
+    g = torch.Generator().manual_seed(2)
+    embeds = _embeds(refs_hw, model.config.context_in_dim)
+    refs = [torch.randn(2, 64, h, w, generator=g) for h, w in refs_hw]
+    noisy = torch.randn(2, TARGET_HW[0] * TARGET_HW[1], 64, generator=g)
+    sigma = torch.tensor([0.3, 0.8])
+    target = torch.randn(noisy.shape, generator=g)
+    model.zero_grad(set_to_none=True)
+    out = fam.predict(model, noisy, sigma, embeds, TARGET_HW, references=refs or None)
+    ((out - target) ** 2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.detach(), grads
+
+
+def _count_branches(monkeypatch):
+    """Calls of the MLP's second part (each block's forward, and its recompute in backward)."""
+    calls = []
+    inner = QwenImage21SplitBlock._mlp_out
+
+    def counted(self, *args):
+        calls.append(1)
+        return inner(self, *args)
+
+    monkeypatch.setattr(QwenImage21SplitBlock, "_mlp_out", counted)
+    return calls
+
+
+def _assert_same(got, want):
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys() and len(want[1]) > 0
+    for name, g in want[1].items():
+        assert torch.equal(got[1][name], g), name
+    assert any(g.abs().sum() > 0 for g in want[1].values())
+
+
+def test_the_split_block_trains_as_diffusers_block_bit_for_bit(monkeypatch):
+    plain = _lora_model()
+    split = copy.deepcopy(plain)
+    split_blocks(split)
+    assert all(type(b) is QwenImage21SplitBlock for b in split.transformer_blocks)
+    calls = _count_branches(monkeypatch)
+    want = _step(plain)
+    assert not calls                                    # diffusers' own block: no branch of ours ran
+    got = _step(split)
+    n = len(split.transformer_blocks)
+    assert len(calls) == 2 * n                          # each branch run, then recomputed in backward
+    _assert_same(got, want)
+    # without references the block is diffusers' (text to image fits without the split, at its speed)
+    calls.clear()
+    _assert_same(_step(split, refs_hw=[]), _step(plain, refs_hw=[]))
+    assert not calls
+    with torch.no_grad():                               # sampling: nothing to keep, nothing recomputed
+        fam.predict(split, torch.zeros(2, 16, 64), torch.tensor([0.5, 0.5]),
+                    _embeds(REFS_HW, split.config.context_in_dim), TARGET_HW,
+                    references=[torch.zeros(2, 64, h, w) for h, w in REFS_HW])
+    assert not calls
+
+
+def test_streamed_in_poison_mode_and_offloaded_it_trains_as_diffusers_block(monkeypatch):
+    """Every block and the non-block group streamed through two slots whose weights are destroyed
+    at each release, blocks checkpointed with their inputs offloaded: the branches' recompute in
+    the block's backward (nested in the block's own recompute) reads the block's weights while
+    they are fetched, so the step equals the plain diffusers model's bit for bit."""
+    from leantune.memory.engine import apply_memory
+
+    plain = _lora_model()
+    model = copy.deepcopy(plain)
+    split_blocks(model)
+    want = _step(plain)
+    blocks = tuple(n for n, _ in SPEC.blocks(model))
+    plan = Plan(streamed_blocks=blocks, stream_non_blocks=True, debug_poison=True, checkpointing="offload",
+                ring_slots=2)
+    handle = apply_memory(model, SPEC, plan, "cpu", offload_min_bytes=0)
+    calls = _count_branches(monkeypatch)
+    try:
+        got = _step(model)
+        report = handle.step_report()
+    finally:
+        handle.remove()
+    assert report["bytes_h2d"] > 0 and report["offload_tensors"] > 0
+    # the forward, then the branch's own recompute: the block's recompute (nested checkpoints) stops
+    # once it has the branches' inputs again (torch's non-reentrant early stop), before running it
+    assert len(calls) == 2 * len(blocks)
+    _assert_same(got, want)
+
+
+def test_the_loader_and_the_planners_copy_run_the_split_block(tmp_path):
+    from leantune.models.qwen_image21 import loading
+    from leantune.models.qwen_image21.meta_model import QwenImage21Transformer2DModel as Meta
+    from test_qwen_image21 import _sources
+
+    folder = tmp_path / "model"
+    tq.qwen_image21_transformer(0).save_pretrained(folder / "transformer")
+    sources = _sources(folder)
+    real = loading.load_transformer(sources, torch.float32)
+    meta = loading.load_transformer(sources, torch.float32, device="meta")
+    assert all(type(b) is QwenImage21SplitBlock for b in real.transformer_blocks)
+    assert all(isinstance(b, QwenImage21SplitBlock) for b in meta.transformer_blocks)
+    assert type(meta) is Meta
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_probe_prices_what_the_split_block_keeps(autocast):
+    """The planner's probe (on meta, the meta copy's split blocks) with references: a block keeps
+    its branches' inputs only, the attention branch's and the MLP's halves (the residual stream
+    after attention, the gate and up projections, mlp_ratio wide each) and its output, so what it
+    adds to the live set is (2 + 2 mlp_ratio) block outputs; the plain block keeps several times
+    that. Under autocast the recompute casts as the forward did (else checkpoint refuses it)."""
+    from leantune.models.qwen_image21.meta_model import QwenImage21Transformer2DModel as Meta
+    from leantune.planner.activation_probe import probe_activations
+    from leantune.planner.workload import Workload
+
+    with torch.device("meta"):
+        model = Meta.from_config(dict(tq.QWEN_IMAGE21_TINY))
+    w = Workload(mode="lora", rank=4, targets="all", buckets=((64, 64),), text_length=7, references=1,
+                 autocast=autocast, dtype=torch.bfloat16 if autocast else torch.float32)
+    split = probe_activations(SPEC, model, w, (64, 64)).kinds["single"]
+    ratio = model.config.mlp_ratio
+    assert split.saved == (2 + 2 * ratio) * split.out
+    split_forward = QwenImage21SplitBlock.forward
+    QwenImage21SplitBlock.forward = QwenImage21SplitBlock.__bases__[0].forward      # diffusers' block
+    try:
+        plain = probe_activations(SPEC, model, w, (64, 64)).kinds["single"]
+    finally:
+        QwenImage21SplitBlock.forward = split_forward
+    assert plain.out == split.out and plain.saved > 2 * split.saved
+    assert split.bwd_transient > plain.bwd_transient            # the branches' recompute, in backward
+    assert split.bwd_flops > plain.bwd_flops
