@@ -103,7 +103,7 @@ def test_every_example_validates(path):
     named = {"flux": "flux", "quickstart": "flux", "sd3.5": "sd3", "qwen-image-2.1": "qwen-image-2.1",
              "qwen-image": "qwen-image", "qwen-image-edit": "qwen-image-edit", "flux2-klein-4b": "flux2-klein-4b",
              "flux2-dev": "flux2-dev", "z-image": "z-image",
-             "krea2": "krea2", "wan2.2": "wan2.2"}
+             "krea2": "krea2", "wan2.2": "wan2.2", "wan2.2-ti2v": "wan2.2-ti2v"}
     prefix = max((p for p in named if path.name.startswith(p)), key=len)
     assert cfg.model.family == named[prefix], (path.name, cfg.model.family)
 
