@@ -8,7 +8,9 @@ its own because the seam's latent facts are per family:
   encoder): 48 channels per 4 frames (the first frame alone) at 1/16 of the pixels, normalised per
   channel as WanPipeline does. The transformer patchifies (1, 2, 2) itself, so a 704 x 1280 frame is
   22 x 40 tokens. Clips are cached through the same chunked causal loop (data/video_vae.py
-  patchifies each chunk as the VAE's `_encode` does) as (48, T', h/16, w/16).
+  patchifies each chunk as the VAE's `_encode` does) as (48, T', h/16, w/16), at 24 fps unless
+  [data] target_fps says otherwise (data/cache.family_clip_rate), in buckets whose sides are
+  multiples of 32 (`side_multiple`: latent sides the 2 x 2 patches divide).
 - Time: WanPipeline(expand_timesteps=True), TI2V-5B's model_index.json setting, passes the
   timestep per token: (B, F * h/2 * w/2), each token's the step's t (its text-to-video path; for
   image-to-video the first latent frame's tokens would take 0). The transformer then modulates
