@@ -179,3 +179,50 @@ def test_the_probe_prices_what_the_split_block_keeps(autocast):
     assert plain.out == split.out and plain.saved > 2 * split.saved
     assert split.bwd_transient > plain.bwd_transient            # the branches' recompute, in backward
     assert split.bwd_flops > plain.bwd_flops
+
+
+@pytest.mark.parametrize("checkpointing", ["blocks", "none"])
+def test_the_planners_activation_peak_is_what_a_real_step_holds(checkpointing):
+    """Like with like: the planner's activation peak for a step with one reference at the
+    pipeline's size (probe_inputs' layout: its tags and 32 x 32 slots before the caption, 64 x 64
+    latent tokens before the target's) and the live bytes a real fp32 step of the tiny model holds
+    at its peak under the engine's checkpointing, counted by the probe's own allocator simulation
+    on real CPU tensors, agree within 10 %."""
+    from leantune.memory.engine import apply_memory
+    from leantune.models.qwen_image21.meta_model import QwenImage21Transformer2DModel as Meta
+    from leantune.planner.activation_probe import _Tracker
+    from leantune.planner.machine import assumed_machine
+    from leantune.planner.search import Planner
+    from leantune.planner.workload import Workload
+
+    text, side = 7, 1024 // lat.VAE_SCALE_FACTOR
+    with torch.device("meta"):
+        meta = Meta.from_config(dict(tq.QWEN_IMAGE21_TINY))
+    w = Workload(mode="lora", rank=4, targets="all", buckets=((64, 64),), text_length=text, references=1,
+                 autocast=False, dtype=torch.float32)
+    predicted = Planner(SPEC, meta, w, assumed_machine()).activation_peak((64, 64), False, checkpointing)
+
+    model = _lora_model()
+    split_blocks(model)
+    g = torch.Generator().manual_seed(0)
+    width = model.config.context_in_dim
+    seq = torch.cat([torch.randn(fam.REFERENCE_TAG_ROWS, width, generator=g), torch.zeros(lat.slots(side, side), width),
+                     torch.randn(text, width, generator=g)])[None]
+    embeds = PromptEmbeds(t5=seq, pooled=seq.new_zeros(1, 0))
+    refs = [torch.randn(1, 64, side, side, generator=g)]
+    noisy, target = torch.randn(1, 16, 64, generator=g), torch.randn(1, 16, 64, generator=g)
+    handle = apply_memory(model, SPEC, Plan(checkpointing=checkpointing), "cpu")
+    tracker = _Tracker()
+    try:
+        with tracker:
+            tracker.open("step")
+            out = fam.predict(model, noisy, torch.tensor([0.4]), embeds, (4, 4), references=refs)
+            loss = ((out.float() - target) ** 2).mean()
+            loss.backward()
+            del out, loss
+            tracker.close()
+    finally:
+        handle.remove()
+    window = tracker.windows["step"]
+    held = max(p[0] for p in window["points"]) - window["start"][0]
+    assert 0.90 <= predicted / held <= 1.10, (predicted, held)
