@@ -784,7 +784,7 @@ def test_the_gallery_cuts_each_prompts_image_out_of_the_grids(tmp_path):
         save_png(grid, folder / "run" / "samples" / f"step-{step:06d}.png", {"width": 16, "height": 16, "prompt": []})
     p = runs.progress(folder)
     assert p["gallery"] == {"prompts": ["red", "green", "blue"], "steps": [
-        {"step": 5, "file": "step-000005.png"}, {"step": 10, "file": "step-000010.png"}]}
+        {"step": 5, "file": "step-000005.png", "video": False}, {"step": 10, "file": "step-000010.png", "video": False}]}
     import io
 
     for i, colour in enumerate(colours):

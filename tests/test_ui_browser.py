@@ -504,10 +504,18 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         assert page.inner_text("#enlarged-caption").startswith("step 2")
         page.click("#enlarge-close")
         links = page.locator("#downloads a")
-        assert links.all_inner_texts() == ["config.toml", "watched_comfyui.safetensors"]
-        download = page.request.get(links.nth(1).evaluate("a => a.href"))     # with the cookie
+        assert links.all_inner_texts() == ["config.toml", "all samples (zip)", "watched_comfyui.safetensors"]
+        download = page.request.get(links.nth(2).evaluate("a => a.href"))     # with the cookie
         assert download.ok and download.body() == (folder / "run" / "watched_comfyui.safetensors").read_bytes()
         assert "attachment" in download.headers["content-disposition"]
+        import io
+        import zipfile
+
+        zipped = page.request.get(links.nth(1).evaluate("a => a.href"))
+        assert zipped.ok and "attachment" in zipped.headers["content-disposition"]
+        with zipfile.ZipFile(io.BytesIO(zipped.body())) as z:
+            assert sorted(z.namelist()) == ["step000002.png", "step000004.png"]
+            assert z.read("step000004.png") == (folder / "run" / "samples" / "step000004.png").read_bytes()
 
         # clone into the form; delete, asked first (dismissed: kept; accepted: gone with its files)
         page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="clone").click()
@@ -521,6 +529,66 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         page.locator("#runs tbody tr", has_text="watched").locator("button", has_text="delete").click()
         page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 0")
         assert not folder.exists()
+        browser.close()
+
+
+def _mp4(path: Path, frames: int, color) -> None:
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=16)
+        stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+        for _ in range(frames):
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((32, 64, 3), color, np.uint8), format="rgb24")))
+        out.mux(stream.encode())
+
+
+def test_a_video_runs_samples_play_in_the_gallery_and_the_viewer(tmp_path, server):
+    """A video family's samples during training are grid videos (step-N.mp4, their .webp previews
+    beside): the gallery plays each step's video in place across the prompts' columns, the viewer
+    plays it enlarged and moves over the steps, the zip holds every sample file."""
+    import json
+
+    sync_playwright = _browser_or_skip()
+    url, runs_dir = server
+    folder = runs_dir / "clips"
+    (folder / "run" / "samples").mkdir(parents=True)
+    (folder / "config.toml").write_text('[train]\nsteps = 4\n[sample]\nprompts = ["a dog runs", "a cat jumps"]\n')
+    (folder / "process.json").write_text(json.dumps({"pid": 1, "exit_code": 0}))
+    (folder / "run" / "train.log").write_text("2026-12-04 02:00:01,000 INFO step 1 loss 0.90000 lr 0.0001 1.50s/it\n")
+    for step, color in ((2, (200, 0, 0)), (4, (0, 0, 200))):
+        _mp4(folder / "run" / "samples" / f"step-{step:06d}.mp4", 5, color)
+        (folder / "run" / "samples" / f"step-{step:06d}.webp").write_bytes(b"RIFF preview")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+        page.set_default_timeout(30_000)
+        page.goto(url)
+        page.wait_for_selector("#runs tbody tr")
+        page.locator("#runs tbody tr", has_text="clips").locator("button", has_text="watch").click()
+        page.wait_for_function("document.querySelectorAll('#gallery video').length === 2")
+        videos = page.locator("#gallery video")
+        assert videos.nth(0).get_attribute("src").endswith("/samples/step-000002.mp4")
+        assert videos.nth(0).get_attribute("aria-label") == "step 2: a dog runs · a cat jumps"
+        assert videos.nth(0).evaluate("v => v.parentElement.colSpan") == 2
+        assert page.locator("#gallery img").count() == 0
+        page.wait_for_function("document.querySelector('#gallery video').readyState >= 1")    # the mp4 decodes
+        page.get_by_role("button", name="enlarge step 2: a dog runs · a cat jumps").click()
+        page.wait_for_function("document.querySelector('#enlarge').open")
+        assert page.get_attribute("#enlarged-video", "src").endswith("/samples/step-000002.mp4")
+        assert page.is_hidden("#enlarged")
+        page.keyboard.press("ArrowRight")
+        assert page.get_attribute("#enlarged-video", "src").endswith("/samples/step-000004.mp4")
+        assert page.inner_text("#enlarged-caption").startswith("step 4: a dog runs · a cat jumps")
+        page.click("#enlarge-close")
+        zipped = page.request.get(page.locator("#downloads a", has_text="all samples").evaluate("a => a.href"))
+        import io
+        import zipfile
+
+        with zipfile.ZipFile(io.BytesIO(zipped.body())) as z:
+            assert sorted(z.namelist()) == ["step-000002.mp4", "step-000002.webp", "step-000004.mp4",
+                                            "step-000004.webp"]
         browser.close()
 
 

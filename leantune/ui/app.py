@@ -472,6 +472,12 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
     def get_config(name: str):
         return FileResponse(_existing(name) / runs.CONFIG_FILE, filename=f"{name}.toml", media_type="application/toml")
 
+    @app.get("/api/runs/{name}/samples.zip")
+    def get_samples_zip(name: str):
+        """Every sample of the run (grids, videos and their previews) in one zip."""
+        return FileResponse(runs.samples_zip(_existing(name)), filename=f"{name}-samples.zip",
+                            media_type="application/zip")
+
     @app.get("/api/runs/{name}/samples/{file}")
     def get_sample(name: str, file: str, prompt: int | None = None):
         """A sample grid, or with ?prompt=i the image of prompt i in it (the gallery's cells)."""

@@ -90,9 +90,11 @@ def _tail(path: Path, lines: int) -> str:
 
 
 def outputs(folder: Path) -> dict:
-    """Sample grids, exported weights (final and per step) and checkpoints of a run."""
+    """Sample grids (a video family's: .mp4 grid videos), exported weights (final and per step) and
+    checkpoints of a run."""
     root = folder / RUN_DIR
-    samples = sorted(p.name for p in (root / "samples").glob("*.png")) if (root / "samples").is_dir() else []
+    samples = sorted(p.name for p in (root / "samples").iterdir()
+                     if p.is_file() and p.suffix in SAMPLE_SUFFIXES) if (root / "samples").is_dir() else []
     weights = sorted(p.name for p in root.glob("*.safetensors")) if root.is_dir() else []
     checkpoints = sorted(p.name for p in (root / "checkpoints").iterdir()) if (root / "checkpoints").is_dir() else []
     return {"samples": samples, "weights": weights, "checkpoints": checkpoints}
@@ -159,8 +161,12 @@ def timing(folder: Path, steps: list[dict], total: int | None, now: float | None
     return {"elapsed_s": elapsed, "eta_s": eta}
 
 
+SAMPLE_SUFFIXES = (".png", ".mp4")   # image grids, and a video family's grid videos (their .webp previews aside)
+
+
 def gallery(folder: Path, samples: list[str]) -> dict:
-    """The run's sample grids by step and prompt: {"prompts": [...], "steps": [{"step", "file"}]}."""
+    """The run's sample grids by step and prompt: {"prompts": [...], "steps": [{"step", "file",
+    "video"}]}; a video step's file is the grid video of every prompt (not cut per prompt)."""
     from ..config import read_toml
 
     try:
@@ -170,8 +176,30 @@ def gallery(folder: Path, samples: list[str]) -> dict:
     steps = []
     for name in samples:
         m = re.search(r"(\d+)", name)
-        steps.append({"step": int(m.group(1)) if m else 0, "file": name})
+        steps.append({"step": int(m.group(1)) if m else 0, "file": name, "video": name.endswith(".mp4")})
     return {"prompts": prompts, "steps": sorted(steps, key=lambda s: s["step"])}
+
+
+def samples_zip(folder: Path) -> Path:
+    """Every file of the run's samples folder (grids, videos, previews) in one zip, written beside
+    the run (atomically; stored, not compressed again: PNG and mp4 are) and returned. Only plain
+    files directly in the folder, never a link."""
+    import zipfile
+
+    from ..io import atomic_write_bytes
+
+    samples = folder / RUN_DIR / "samples"
+    target = folder / "samples.zip"
+    import io as _io
+
+    buf = _io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        if samples.is_dir():
+            for p in sorted(samples.iterdir()):
+                if p.is_file() and not p.is_symlink():
+                    z.write(p, arcname=p.name)
+    atomic_write_bytes(target, buf.getvalue())
+    return target
 
 
 def sample_tile(folder: Path, file: str, index: int) -> bytes:

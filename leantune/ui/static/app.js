@@ -222,7 +222,7 @@ function enlargeFile(src, video, words) {
   if (video) { $("enlarged-video").src = src; $("enlarged-video").setAttribute("aria-label", words); $("enlarged").removeAttribute("src"); }
   else { $("enlarged-video").removeAttribute("src"); $("enlarged").src = src; $("enlarged").alt = words; }
   $("enlarged-caption").textContent = words;
-  $("enlarge").showModal();
+  if (!$("enlarge").open) $("enlarge").showModal();       // the viewer moves within an open dialog
 }
 // each caption's tokens as the trainer counts them (the model's tokenizer) against Text tokens:
 // a caption past the limit is marked, since the trainer cuts it there
@@ -596,6 +596,9 @@ function showProgress(p) {
   const downloads = $("downloads");
   downloads.replaceChildren(el("li"));
   downloads.firstChild.append(el("a", {href: `/api/runs/${p.name}/config.toml`}, "config.toml"));
+  if (p.samples.length) {
+    const li = el("li"); li.append(el("a", {href: `/api/runs/${p.name}/samples.zip`}, "all samples (zip)")); downloads.append(li);
+  }
   for (const w of p.weights) {
     const li = el("li"); li.append(el("a", {href: `/api/runs/${p.name}/weights/${w}`}, w)); downloads.append(li);
   }
@@ -629,6 +632,19 @@ function gallery(name, g) {
   table.append(head);
   g.steps.forEach((s, si) => {
     const tr = el("tr"); tr.append(el("th", {}, String(s.step)));
+    if (s.video) {        // a video family's step: one grid video of every prompt, played in place
+      const src = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}`;
+      const words = `step ${s.step}: ${prompts.join(" · ")}`;
+      const video = el("video", {src, controls: true, loop: true, muted: true, playsInline: true, title: words});
+      video.setAttribute("aria-label", words);
+      // its controls take clicks (play, seek): a button opens it enlarged, with ←/→ over the steps
+      const open = el("button", {type: "button", className: "enlarge-video"}, "enlarge");
+      open.setAttribute("aria-label", `enlarge ${words}`);
+      open.onclick = () => openViewer(name, g, si, 0);
+      const td = el("td", {colSpan: prompts.length}); td.append(video, open); tr.append(td);
+      table.append(tr);
+      return;
+    }
     prompts.forEach((q, i) => {
       const src = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}` + (g.prompts.length ? `?prompt=${i}` : "");
       const img = el("img", {src, alt: `step ${s.step}: ${q}`, title: `step ${s.step}: ${q}`});
@@ -652,11 +668,11 @@ function openViewer(name, g, si, pi) {
 }
 function showViewer() {
   const {name, g, si, pi} = viewer, s = g.steps[si], prompts = g.prompts.length ? g.prompts : ["samples"];
-  const src = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}` + (g.prompts.length ? `?prompt=${pi}` : "");
-  $("enlarged").hidden = false; $("enlarged-video").hidden = true; $("enlarged-video").removeAttribute("src");
-  $("enlarged").src = src;
-  $("enlarged").alt = `step ${s.step}: ${prompts[pi]}`;
-  $("enlarged-caption").textContent = `step ${s.step}: ${prompts[pi]}` +
+  const file = `/api/runs/${encodeURIComponent(name)}/samples/${encodeURIComponent(s.file)}`;
+  const words = s.video ? `step ${s.step}: ${prompts.join(" · ")}` : `step ${s.step}: ${prompts[pi]}`;
+  if (s.video) enlargeFile(file, true, words);            // a grid video: every prompt at once
+  else enlargeFile(file + (g.prompts.length ? `?prompt=${pi}` : ""), false, words);
+  $("enlarged-caption").textContent = words +
     (g.steps.length > 1 || prompts.length > 1 ? " · ←/→ steps, ↑/↓ prompts" : "");
   const slider = $("enlarge-step");
   slider.hidden = g.steps.length < 2;
