@@ -184,14 +184,13 @@ def samples_zip(folder: Path) -> Path:
     """Every file of the run's samples folder (grids, videos, previews) in one zip, written beside
     the run (atomically; stored, not compressed again: PNG and mp4 are) and returned. Only plain
     files directly in the folder, never a link."""
+    import io as _io
     import zipfile
 
     from ..io import atomic_write_bytes
 
     samples = folder / RUN_DIR / "samples"
     target = folder / "samples.zip"
-    import io as _io
-
     buf = _io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
         if samples.is_dir():
