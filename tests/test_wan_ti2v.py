@@ -198,6 +198,45 @@ def test_sampled_videos_are_wanpipeline_expand_timesteps_frames_bit_for_bit(fold
     assert not np.array_equal(*[f for f, _ in written.values()])
 
 
+def test_image_to_video_samples_are_the_i2v_pipelines_frames_bit_for_bit(folder, tmp_path, monkeypatch):
+    """`leantune sample --reference FIRST.png --frames 5`: WanImageToVideoPipeline(expand_timesteps=True)
+    on the same components (no image encoder) gives the same uint8 frames for the same first frame
+    (80 x 72, resized to the video's 96 x 64), prompt and seed: the first latent frame kept as the
+    first frame's clean latents, its tokens at timestep 0, and put back after the last step."""
+    from diffusers import WanImageToVideoPipeline
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+    from PIL import Image
+
+    from leantune.infer import video
+
+    # diffusers 0.42's pipeline_wan_i2v calls ftfy.fix_text unguarded; pipeline_wan's prompt_clean is
+    # the same cleaning with its is_ftfy_available guard (tests/test_wan_i2v.py)
+    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+
+    rng = np.random.default_rng(5)
+    first = tmp_path / "first.png"
+    Image.fromarray(rng.integers(0, 255, (72, 80, 3), dtype=np.uint8)).save(first)
+    written = {}
+    save_video = video.save_video
+    monkeypatch.setattr(video, "save_video", lambda frames, path, fps: written.setdefault(str(path), frames.copy())
+                        is not None and save_video(frames, path, fps))
+    assert _sample(folder, tmp_path / "out", "--frames", str(FRAMES), "--reference", str(first)) == 0
+    assert _sample(folder, tmp_path / "t2v", "--frames", str(FRAMES)) == 0
+    pipe = _pipeline(folder)
+    i2v = WanImageToVideoPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                                  scheduler=pipe.scheduler, transformer=pipe.transformer, expand_timesteps=True)
+    i2v.set_progress_bar_config(disable=True)
+    got = list(written.values())
+    for i, prompt in enumerate(PROMPTS):
+        out = i2v(image=Image.open(first).convert("RGB"), prompt=prompt, negative_prompt="", height=HEIGHT,
+                  width=WIDTH, num_frames=FRAMES, num_inference_steps=3, guidance_scale=5.0, max_sequence_length=32,
+                  generator=torch.Generator().manual_seed(SEED + i), output_type="np").frames[0]
+        want = (out * 255).round().astype(np.uint8)
+        assert got[i].shape == want.shape == (FRAMES, HEIGHT, WIDTH, 3)
+        assert np.array_equal(got[i], want), np.abs(got[i].astype(int) - want.astype(int)).max()
+        assert not np.array_equal(got[i][0], got[i + 2][0])        # the first frame follows the image (not t2v's)
+
+
 # -- training on clips ------------------------------------------------------------------------------------
 
 SIDE, CLIP_FRAMES, CLIP_FPS = 64, 9, 24

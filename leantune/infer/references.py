@@ -72,7 +72,7 @@ def check_first_frame(family: ModelFamily, sources, images: list, key: str = "re
     if takes and not images:
         raise ConfigError(f"{key}: {model} is an image-to-video model: every video starts from a first-frame "
                           f"image; give it (--reference IMAGE, or references = [\"first.png\"])")
-    if images and not takes:
+    if images and not takes and not family.references.first_frame_optional:
         raise ConfigError(f"{key}: {model} is a text-to-video model; it takes no first-frame image; remove "
                           f"{key} (or sample an image-to-video model)")
 

@@ -224,6 +224,8 @@ def denoise(transformer: nn.Module, embeds: PromptEmbeds | Sequence[PromptEmbeds
             done += 1
             if progress is not None:
                 progress(done, total)
+        if ref and family.sampling.finish is not None:      # what the pipeline decodes (Sampling.finish)
+            x = family.sampling.finish(x, ref["references"])
         out[idx] = family.unpack_latents(x, h, w).to("cpu", dtype)
     return out
 

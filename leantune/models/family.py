@@ -106,6 +106,10 @@ class Sampling:
     # prefix_cache_bytes(config, batch, prefix_tokens, dtype) prices what one cache holds
     prefix_cache: Callable | None = None
     prefix_cache_bytes: Callable | None = None
+    # (denoised latents, references) -> the latents decoded, where a family's pipeline replaces part of
+    # them after its last step (Wan 2.2 TI2V-5B's image-to-video: the first latent frame is the clean
+    # condition again); None: the denoised latents as they are
+    finish: Callable | None = None
 
     def guides(self, scale) -> bool:
         """Whether sampling at `scale` runs classifier-free guidance (both halves per step)."""
@@ -151,6 +155,9 @@ class ReferenceConditioning:
     # in [-1, 1], frames) -> (C', T', h, w)`. None: references are images of their own (an edit model)
     first_frame: Callable | None = None
     clip_condition: Callable | None = None
+    # the model samples with a first frame or without one (Wan 2.2 TI2V-5B): `first_frame(sources)`
+    # is False (its clips train text-to-video), and a first frame given to a sample is taken
+    first_frame_optional: bool = False
 
     def takes_first_frame(self, sources) -> bool:
         """Whether the model of `sources` is conditioned on a video's first frame."""

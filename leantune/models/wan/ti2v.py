@@ -21,8 +21,11 @@ its own because the seam's latent facts are per family:
   other, as for A14B. Videos are written at 24 fps (TI2V-5B's sample_fps).
 - One transformer: no experts ([model] expert is refused for this family by the config).
 
-Image-to-video (the first latent frame kept clean, its tokens at timestep 0) is not built here yet:
-a TI2V-5B run trains and samples text-to-video.
+- Image-to-video (`leantune sample --reference FIRST.png`): WanImageToVideoPipeline(expand_timesteps=
+  True)'s path: the first frame alone through the VAE is the condition (1, 48, 1, h, w); at every
+  step the first latent frame is replaced by it and its tokens take timestep 0, the rest are noised
+  and denoised, and after the last step the first frame is the condition again (Sampling.finish).
+  Training stays text-to-video (no clip is conditioned on its first frame yet).
 """
 
 from __future__ import annotations
@@ -55,22 +58,71 @@ def token_timesteps(t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32)[:, None].expand(-1, tokens)
 
 
+def first_frame_mask(latents: torch.Tensor) -> torch.Tensor:
+    """WanImageToVideoPipeline(expand_timesteps=True)'s first_frame_mask for (B, C, F, h, w) latents:
+    (1, 1, F, h, w) float32, 0 on the first latent frame (kept as the clean condition), 1 elsewhere."""
+    mask = torch.ones(1, 1, *latents.shape[2:], dtype=torch.float32, device=latents.device)
+    mask[:, :, 0] = 0
+    return mask
+
+
+def _condition(references, latents: torch.Tensor) -> torch.Tensor:
+    if len(references) != 1:
+        raise ValueError(f"Wan 2.2 TI2V-5B's image-to-video takes one first-frame condition, got {len(references)}")
+    cond = references[0].to(device=latents.device, dtype=torch.float32)
+    if cond.dim() != 5 or cond.shape[1:3] != (LATENT_CHANNELS, 1) or cond.shape[3:] != latents.shape[3:]:
+        raise ValueError(f"the first-frame condition is {tuple(cond.shape)}, not (1, {LATENT_CHANNELS}, 1, "
+                         f"{latents.shape[3]}, {latents.shape[4]}): build it at the sample's size")
+    return cond
+
+
+def with_first_frame(latents: torch.Tensor, references) -> torch.Tensor:
+    """The latents with their first frame replaced by the condition, in float32 and cast back, as
+    the pipeline mixes them ((1 - mask) * condition + mask * latents) before each call and after
+    its last step (Sampling.finish)."""
+    mask = first_frame_mask(latents)
+    mixed = (1 - mask) * _condition(references, latents) + mask * latents.to(torch.float32)
+    return mixed.to(latents.dtype)
+
+
 def predict(transformer, noisy: torch.Tensor, sigma: torch.Tensor, embeds, latent_hw: tuple[int, int],
             guidance=None, references=None) -> torch.Tensor:
     """One transformer call: noisy latents (B, 48, F, h, w) at sigma (B,) -> the flow velocity in the
-    same layout, the timestep sigma * 1000 per token. `guidance` is ignored (no guidance input)."""
+    same layout, the timestep sigma * 1000 per token. `guidance` is ignored (no guidance input).
+    `references`: image-to-video's first-frame condition [(1, 48, 1, h, w)], normalised latents of
+    the first frame: the first latent frame is replaced by it and its tokens take timestep 0."""
     from . import model_time
 
-    if references:
-        raise ValueError("Wan 2.2 TI2V-5B: image-to-video (a first-frame reference) is not built yet; sample and "
-                         "train it text-to-video")
     h, w = noisy.shape[-2:]
     if h % PATCH or w % PATCH:
         raise ValueError(f"Wan 2.2 TI2V-5B takes frames whose sides are multiples of {VAE_SCALE_FACTOR * PATCH} "
                          f"pixels (the VAE's 16x and the transformer's 2 x 2 patches), not latents of {h} x {w}")
     text = embeds.t5.to(device=noisy.device, dtype=noisy.dtype)
-    timestep = token_timesteps(model_time(sigma.to(noisy.device)), noisy)
-    return transformer(hidden_states=noisy, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    t = model_time(sigma.to(noisy.device))
+    if references:
+        mask = first_frame_mask(noisy)
+        hidden = with_first_frame(noisy, references)
+        timestep = mask[0, 0][:, ::PATCH, ::PATCH].flatten()[None, :] * t[:, None]     # (B, L), 0 on frame 0
+    else:
+        hidden, timestep = noisy, token_timesteps(t, noisy)
+    return transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+
+
+def sampling_condition(vae, images: list, *, width: int, height: int, frames: int) -> list[torch.Tensor]:
+    """ReferenceConditioning.sampling_latents: [(1, 48, 1, h, w)] float32 on the host, the first frame
+    (PIL) resized as the pipeline's VideoProcessor does, encoded alone (its posterior's mode) and
+    normalised as WanImageToVideoPipeline(expand_timesteps=True) builds its condition."""
+    from diffusers.video_processor import VideoProcessor
+
+    from ...data.video_vae import normalize
+
+    if len(images) != 1:
+        raise ValueError(f"Wan 2.2 TI2V-5B is conditioned on one first-frame image, got {len(images)}")
+    raw = getattr(vae, "vae", vae)
+    image = VideoProcessor(vae_scale_factor=VAE_SCALE_FACTOR).preprocess(images[0], height=height, width=width)
+    image = image.to(torch.float32).unsqueeze(2).to(device=next(raw.parameters()).device, dtype=raw.dtype)
+    latents = raw.encode(image).latent_dist.mode().to(torch.float32)
+    return [normalize(raw, latents).to("cpu")]
 
 
 def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype,
@@ -131,7 +183,7 @@ def is_ti2v(config) -> bool:
 
 def _register():
     from . import _loader, image_tokens, pack_latents, unpack_latents, _timestep
-    from ..family import ModelFamily, Sampling, VideoLatents, register
+    from ..family import ModelFamily, ReferenceConditioning, Sampling, VideoLatents, register
 
     return register(ModelFamily(
         name=NAME, spec=SPEC,
@@ -143,7 +195,7 @@ def _register():
         pack_latents=pack_latents, unpack_latents=unpack_latents, image_tokens=image_tokens,
         predict=predict, probe_inputs=probe_inputs, describe=describe,
         sampling=Sampling(guidance="cfg", variant=lambda transformer: NAME, schedule=_schedule, timestep=_timestep,
-                          cfg_batched=False),
+                          cfg_batched=False, finish=with_first_frame),
         text_modules=wan_text.text_modules,
         transformer_classes=(wan_loading.TRANSFORMER_CLASS,), pipeline_classes=("WanPipeline",),
         recognizes_keys=recognizes_keys, recognizes_config=lambda config, index=None: config is not None and
@@ -152,6 +204,11 @@ def _register():
         text_width=lambda config: config.text_dim,
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=load_raw_vae, fps=SAMPLE_FPS),
         side_multiple=VAE_SCALE_FACTOR * PATCH,
+        # image-to-video when a sample is given a first frame (`leantune sample --reference`); clips train
+        # text-to-video (first_frame is False: no condition is cached)
+        references=ReferenceConditioning(size=lambda ref_width, ref_height, bucket: tuple(bucket[:2]), most=1,
+                                         sampling_latents=sampling_condition, first_frame=lambda sources: False,
+                                         first_frame_optional=True),
     ))
 
 
