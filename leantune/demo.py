@@ -121,13 +121,68 @@ def shape_mask(shape: str, size: int):
     return np.asarray(img) > 0
 
 
-def draw_one(d, shape: str, c: int, r: int, fill) -> None:
+def draw_one(d, shape: str, c: int, r: int, fill, dx: int = 0, dy: int = 0) -> None:
+    """`shape` of half side `r` centred at (c + dx, c + dy)."""
+    x, y = c + dx, c + dy
     if shape == "circle":
-        d.ellipse([c - r, c - r, c + r, c + r], fill=fill)
+        d.ellipse([x - r, y - r, x + r, y + r], fill=fill)
     elif shape == "square":
-        d.rectangle([c - r, c - r, c + r, c + r], fill=fill)
+        d.rectangle([x - r, y - r, x + r, y + r], fill=fill)
     else:
-        d.polygon([(c, c - r), (c - r, c + r), (c + r, c + r)], fill=fill)
+        d.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=fill)
+
+
+# The demo's clips: each shape moves its own way, from the centre, a few pixels a frame.
+MOTIONS = {"circle": ("right", (1, 0)), "square": ("down", (0, 1)), "triangle": ("left", (-1, 0))}
+CLIP_STEP = 2                # pixels a frame at 16 fps: 16 px over a 9-frame clip
+CLIP_FPS = 16
+
+
+def draw_clips(folder: Path, count: int = 12, size: int = 128, frames: int = 9, fps: int = CLIP_FPS) -> list[Path]:
+    """`count` mp4 clips of one moving shape each, with same-stem .txt captions ("a red circle moving
+    right on a white background"), in the fixed round of `draw_shapes(cycle=True, centred=True)`:
+    clip i is DEMO_PAIRS[i % 3], its background switching every 3 clips. The first frame is that
+    round's centred image; the shape then moves CLIP_STEP pixels a frame its own way (MOTIONS)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from .data.video_write import write_mp4
+
+    folder.mkdir(parents=True, exist_ok=True)
+    c, r = shape_box(size)
+    paths = []
+    for i in range(count):
+        (colour, shape), bg = DEMO_PAIRS[i % len(DEMO_PAIRS)], list(BACKGROUNDS)[(i // len(DEMO_PAIRS)) % 2]
+        direction, (ux, uy) = MOTIONS[shape]
+        video = np.empty((frames, size, size, 3), np.uint8)
+        for t in range(frames):
+            img = Image.new("RGB", (size, size), BACKGROUNDS[bg])
+            draw_one(ImageDraw.Draw(img), shape, c, r, COLOURS[colour], ux * CLIP_STEP * t, uy * CLIP_STEP * t)
+            video[t] = np.asarray(img)
+        path = folder / f"clip_{i:03d}.mp4"
+        write_mp4(path, video, fps)
+        path.with_suffix(".txt").write_text(f"a {colour} {shape} moving {direction} on a {bg} background")
+        paths.append(path)
+    return paths
+
+
+def motion_match(frames, prompt: str, tolerance: float = 80.0) -> float:
+    """How far (pixels) the prompted colour's centre moves from the first to the last of `frames`
+    ((T, H, W, 3) uint8) along the way the prompted shape moves in the demo's clips (MOTIONS):
+    about CLIP_STEP * (T - 1) for a sample that draws the clips' motion, near 0 for a still one,
+    and 0 where the colour is absent from either frame."""
+    import numpy as np
+
+    colour, shape, _ = prompt_words(prompt)
+    ux, uy = MOTIONS[shape][1]
+    centres = []
+    for frame in (frames[0], frames[-1]):
+        ys, xs = np.nonzero(_near(np.asarray(frame, dtype=np.float32), COLOURS[colour], tolerance))
+        if len(xs) == 0:
+            return 0.0
+        centres.append((xs.mean(), ys.mean()))
+    (x0, y0), (x1, y1) = centres
+    return float((x1 - x0) * ux + (y1 - y0) * uy)
 
 
 def prompt_match(image, prompt: str, tolerance: float = 80.0) -> dict[str, float | str]:
@@ -167,14 +222,32 @@ def _pil_mask(mask):
 
 
 def before_after_match(samples: Path, prompts: list[str]) -> dict[str, list[dict]]:
-    """prompt_match of each prompt's image in samples/before and samples/after (prompt order)."""
+    """prompt_match of each prompt's image in samples/before and samples/after (prompt order). A
+    video's (an .mp4 there) is its first frame's, with `motion` (motion_match) beside it."""
     from PIL import Image
 
     out = {}
     for which in ("before", "after"):
+        videos = sorted((samples / which).glob("*.mp4"))
+        if videos:
+            out[which] = []
+            for f, prompt in zip(videos, prompts):
+                frames = read_video(f)
+                out[which].append({**prompt_match(Image.fromarray(frames[0]), prompt),
+                                   "motion": motion_match(frames, prompt)})
+            continue
         files = sorted((samples / which).glob("*.png"))
         out[which] = [prompt_match(Image.open(f), prompt) for f, prompt in zip(files, prompts)]
     return out
+
+
+def read_video(path: Path):
+    """(T, H, W, 3) uint8 frames of a video file."""
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
 
 
 # The demo's base: the tiny preset at width 64 (4 heads of 16) instead of 32, its weights random.
@@ -198,13 +271,19 @@ DEMO_QWEN = {"num_attention_heads": 4}
 # AutoencoderKL, 16 channels, and reads the folder's scaling 1 and shift 0 as the Flux loader does).
 DEMO_Z_IMAGE = {"dim": 64, "n_heads": 4, "n_kv_heads": 4}
 
+# The same for Wan: one transformer (Wan 2.1's layout: it denoises every level), 64 wide in 4 heads
+# of 16 (the tiny preset has 2); its VAE is demo_vae.wan_shape_vae, its data moving-shape clips.
+DEMO_WAN = {"num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 256}
+
 # (mode, family) -> the shipped config the demo trains with
 CONFIGS = {("lora", "flux"): "quickstart.toml", ("full", "flux"): "quickstart_full.toml",
            ("lora", "sd3"): "quickstart_sd3.toml", ("lora", "qwen-image"): "quickstart_qwen.toml",
-           ("lora", "z-image"): "quickstart_zimage.toml"}
-FAMILIES = ("flux", "sd3", "qwen-image", "z-image")
+           ("lora", "z-image"): "quickstart_zimage.toml", ("lora", "wan"): "quickstart_wan.toml"}
+FAMILIES = ("flux", "sd3", "qwen-image", "z-image", "wan")
 # Each family's model folder (the config's [model] path)
-MODEL_FOLDERS = {"flux": "model", "sd3": "model-sd3", "qwen-image": "model-qwen", "z-image": "model-zimage"}
+MODEL_FOLDERS = {"flux": "model", "sd3": "model-sd3", "qwen-image": "model-qwen", "z-image": "model-zimage", "wan": "model-wan"}
+# Each family's training data folder: images, or for a video family clips
+DATA_FOLDERS = {"wan": "clips"}
 
 
 def quickstart_text(mode: str = "lora", family: str = "flux") -> str:
@@ -215,9 +294,10 @@ def quickstart_text(mode: str = "lora", family: str = "flux") -> str:
 
 
 MARKER = ".leantune-demo"
-DEMO_ENTRIES = ("model", "model-sd3", "model-qwen", "model-zimage", "images", "cache", "cache-sd3", "cache-qwen",
-                "cache-zimage", "run", "quickstart.toml", "quickstart_full.toml", "quickstart_sd3.toml",
-                "quickstart_qwen.toml", "quickstart_zimage.toml")
+DEMO_ENTRIES = ("model", "model-sd3", "model-qwen", "model-zimage", "model-wan", "images", "clips", "cache",
+                "cache-sd3", "cache-qwen", "cache-zimage", "cache-wan", "run", "quickstart.toml",
+                "quickstart_full.toml", "quickstart_sd3.toml", "quickstart_qwen.toml", "quickstart_zimage.toml",
+                "quickstart_wan.toml")
 
 
 class DemoFolderError(ValueError):
@@ -262,7 +342,7 @@ def prepare(out: Path, fresh: bool = False, mode: str = "lora", family: str = "f
 
     `fresh` first removes what an earlier demo wrote into `out` (see `_clear`).
     """
-    from .demo_vae import save_qwen_shape_vae, save_shape_vae
+    from .demo_vae import save_qwen_shape_vae, save_shape_vae, save_wan_shape_vae
 
     text = quickstart_text(mode, family)          # an unknown (mode, family) fails before any write
     _check_ours(out)
@@ -274,8 +354,11 @@ def prepare(out: Path, fresh: bool = False, mode: str = "lora", family: str = "f
     if not (model / "model_index.json").exists():
         _save_model(model, family)
         # a VAE that reconstructs the shapes
-        (save_qwen_shape_vae if family == "qwen-image" else save_shape_vae)(model / "vae")
-    if not any((out / "images").glob("*.png")):
+        {"qwen-image": save_qwen_shape_vae, "wan": save_wan_shape_vae}.get(family, save_shape_vae)(model / "vae")
+    if family in DATA_FOLDERS:
+        if not any((out / DATA_FOLDERS[family]).glob("*.mp4")):
+            draw_clips(out / DATA_FOLDERS[family])
+    elif not any((out / "images").glob("*.png")):
         draw_shapes(out / "images", cycle=True, centred=True)
     config = out / CONFIGS[mode, family]
     config.write_text(text)
@@ -304,11 +387,35 @@ def _save_model(folder: Path, family: str) -> None:
 
         ZImagePipeline(**tz.z_image_components(seed=0, **DEMO_Z_IMAGE)).save_pretrained(folder, safe_serialization=True)
         return
+    if family == "wan":
+        from diffusers import WanPipeline
+
+        from .tiny import wan as tw
+
+        transformer = tw.wan_transformer(seed=0, **DEMO_WAN)
+        _orthogonal_patch_embedding(transformer.patch_embedding)
+        parts = {**tw.wan_components(seed=0, experts=1), "transformer": transformer}
+        WanPipeline(**parts).save_pretrained(folder, safe_serialization=True)
+        return
     from diffusers import StableDiffusion3Pipeline
 
     parts = tiny.sd3_components("large", seed=0)
     parts["transformer"] = tiny.sd3_transformer("large", seed=0, **DEMO_SD3)
     StableDiffusion3Pipeline(**parts).save_pretrained(folder, safe_serialization=True)
+
+
+def _orthogonal_patch_embedding(conv, seed: int = 0) -> None:
+    """Wan's patch embedding is a Conv3d, which a LoRA of Linears does not cover: frozen at its
+    random init (singular values from 1.1 down to 0.005 in the demo's 64 x 64) it would all but drop
+    some directions of each patch's latents before the blocks see them. An orthogonal one keeps all."""
+    import torch
+
+    out, fan_in = conv.weight.shape[0], conv.weight[0].numel()
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(max(out, fan_in), min(out, fan_in), generator=g))
+    with torch.no_grad():
+        conv.weight.copy_((q if out >= fan_in else q.T).reshape(conv.weight.shape))
+        conv.bias.zero_()
 
 
 @contextmanager
@@ -355,21 +462,48 @@ def before_after(cfg, lora_file: Path, folder: Path, device: str = "cpu") -> Pat
     from .infer.run import run_sampling
 
     s = cfg.sample
-    rows = {}
+    frames = s.frames if s.frames is not None else cfg.data.max_frames
+    video = cfg.model.family in VIDEO_FAMILIES and frames > 1
+    rows, clips = {}, {}
     for name, loras in (("before", []), ("after", [{"path": str(lora_file), "strength": 1.0}])):
         out = folder / name
-        for old in out.glob("*.png"):           # numbered per run: keep only this run's
-            old.unlink()
+        for old in out.glob("*"):               # numbered per run: keep only this run's
+            if old.suffix in (".png", ".mp4", ".webp", ".json"):
+                old.unlink()
         request = validate_request({"model": {"path": str(cfg.resolve(cfg.model.path)), "dtype": cfg.model.dtype,
                                               "family": cfg.model.family},
                                     "prompts": list(s.prompts), "seed": s.seed, "steps": s.steps,
                                     "guidance": s.guidance, "negative_prompt": s.negative_prompt,
                                     "width": s.width, "height": s.height,
                                     "max_text_length": cfg.data.max_text_length, "lora": loras, "out": str(out),
-                                    "device": device}, "demo")
-        rows[name] = [Image.open(f).convert("RGB") for f in run_sampling(request).files]
+                                    "device": device, **({"frames": frames} if video else {})}, "demo")
+        files = run_sampling(request).files
+        if video:
+            clips[name] = [read_video(f) for f in files]
+            rows[name] = [Image.fromarray(c[0]) for c in clips[name]]
+        else:
+            rows[name] = [Image.open(f).convert("RGB") for f in files]
+    meta = {"prompt": list(s.prompts), "seed": s.seed, "steps": s.steps,
+            "rows": "top: base model (before training); bottom: with the trained LoRA", "loras": f"{lora_file}:1"}
+    if video:
+        _before_after_video(clips["before"] + clips["after"], len(s.prompts), folder / "before-after.mp4")
+        meta["frames"] = f"first frame of each video; before-after.mp4 beside it plays all {frames}"
     grid = make_grid(rows["before"] + rows["after"], cols=len(s.prompts), pad=4)
-    return save_png(grid, folder / "before-after.png",
-                    {"prompt": list(s.prompts), "seed": s.seed, "steps": s.steps,
-                     "rows": "top: base model (before training); bottom: with the trained LoRA",
-                     "loras": f"{lora_file}:1"})
+    return save_png(grid, folder / "before-after.png", meta)
+
+
+# The demo's families that train on clips and sample videos (their [model] family names)
+VIDEO_FAMILIES = ("wan2.2",)
+
+
+def _before_after_video(clips: list, cols: int, path: Path) -> None:
+    """The before/after grid frame by frame (the PNG's layout) as an mp4 and its webp preview."""
+    import numpy as np
+    from PIL import Image
+
+    from .infer.images import make_grid
+    from .infer.video import save_video
+
+    frames = [np.asarray(make_grid([Image.fromarray(c[t]) for c in clips], cols=cols, pad=4))
+              for t in range(min(len(c) for c in clips))]
+    save_video(np.stack(frames), path, CLIP_FPS)

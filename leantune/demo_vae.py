@@ -148,18 +148,22 @@ def _tap3d(conv, weights: torch.Tensor, bias: torch.Tensor | None = None) -> Non
         conv.bias.copy_(bias)
 
 
-def _qwen_identity_blocks(module: torch.nn.Module) -> None:
+def _qwen_identity_blocks(module: torch.nn.Module, residual=None, attention=None) -> None:
     """Zero the residual branches (second conv of every residual block, attention output projection);
-    a channel-changing shortcut becomes the embedding of the first channels."""
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageAttentionBlock, QwenImageResidualBlock
+    a channel-changing shortcut becomes the embedding of the first channels. `residual` and
+    `attention` are the VAE's block classes (default: AutoencoderKLQwenImage's)."""
+    if residual is None:
+        from diffusers.models.autoencoders.autoencoder_kl_qwenimage import (QwenImageAttentionBlock,
+                                                                            QwenImageResidualBlock)
 
+        residual, attention = QwenImageResidualBlock, QwenImageAttentionBlock
     for m in module.modules():
-        if isinstance(m, QwenImageResidualBlock):
+        if isinstance(m, residual):
             m.conv2.weight.zero_()
             m.conv2.bias.zero_()
             if isinstance(m.conv_shortcut, torch.nn.Module) and hasattr(m.conv_shortcut, "weight"):
                 _tap3d(m.conv_shortcut, torch.eye(m.conv_shortcut.out_channels, m.conv_shortcut.in_channels))
-        elif isinstance(m, QwenImageAttentionBlock):
+        elif isinstance(m, attention):
             m.proj.weight.zero_()
             m.proj.bias.zero_()
 
@@ -177,12 +181,16 @@ def qwen_shape_vae(seed: int = 0):
     gives each 8x8 block's mean colour mixed into 16 channels, decode gives it back, smoothed."""
     from diffusers import AutoencoderKLQwenImage
 
-    vae = AutoencoderKLQwenImage(**QWEN_DEMO_VAE).eval()
+    return _set_causal_shape_vae(AutoencoderKLQwenImage(**QWEN_DEMO_VAE).eval(), seed)
+
+
+def _set_causal_shape_vae(vae, seed: int, residual=None, attention=None):
+    """Set the weights of a Wan-2.1-style causal VAE (AutoencoderKLQwenImage, AutoencoderKLWan) by hand."""
     enc, dec = vae.encoder, vae.decoder
     width, latent = enc.conv_in.out_channels, vae.config.z_dim
     m = mixing(latent, seed)                                              # (16, 3)
     for part in (enc, dec):
-        _qwen_identity_blocks(part)
+        _qwen_identity_blocks(part, residual, attention)
         part.norm_out.gamma.fill_(1.0)
     unpair = torch.zeros(COLOURS, width)                                  # silu(x) - silu(-x) = x
     for c in range(COLOURS):
@@ -218,11 +226,61 @@ def qwen_shape_vae(seed: int = 0):
             conv.weight[_K, _K, 1, 1] = 1.0
     out_width = dec.norm_out.gamma.shape[0]
     _tap3d(dec.conv_out, (_CONSTANT / dec.norm_out.scale) * unpair[:, :out_width])
+    _time_convs(vae)
     return vae
+
+
+def _time_convs(vae) -> None:
+    """The time convs, which a clip's later chunks pass (a first frame skips them). The encoder's two
+    stride-2 ones each average the two newest frames of their window (taps 1 and 2 of [earlier,
+    newer, newest]), so a latent frame after the first holds the mean of its 4 frames; the decoder's
+    (dim -> 2 dim: two output frames per input frame) copy the frame into both, so each of the 4
+    frames a latent frame decodes to shows that mean. Every channel is passed, the constant too."""
+    for conv in (getattr(m, "time_conv", None) for m in vae.encoder.modules()):
+        if conv is not None:
+            conv.weight.zero_()
+            conv.bias.zero_()
+            for c in range(conv.out_channels):
+                conv.weight[c, c, 1:] = 0.5
+    for conv in (getattr(m, "time_conv", None) for m in vae.decoder.modules()):
+        if conv is not None:
+            conv.weight.zero_()
+            conv.bias.zero_()
+            dim = conv.in_channels
+            for c in range(dim):
+                conv.weight[c, c, -1] = conv.weight[dim + c, c, -1] = 1.0
 
 
 def save_qwen_shape_vae(folder, seed: int = 0):
     """Write the analytic Qwen-Image VAE as a diffusers `vae/` folder (safetensors)."""
     vae = qwen_shape_vae(seed)
+    vae.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -- Wan's VAE (AutoencoderKLWan, Wan 2.1's design: 16 channels, 8x spatial and 4x temporal) ---------------
+#
+# AutoencoderKLQwenImage is Wan 2.1's VAE under another name, so the construction above sets its
+# weights module for module; what a clip adds is the time convs (`_time_convs`). A clip of 4k+1
+# frames encodes to 1 + k latent frames: the first frame alone, then the mean of each 4 frames;
+# decoded, the first frame comes back as an image would and each later 4 frames as their mean
+# (a shape moving 2 px a frame smears by 6 px).
+
+WAN_DEMO_VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+                    temperal_downsample=[False, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+
+
+@torch.no_grad()
+def wan_shape_vae(seed: int = 0):
+    """The analytic AutoencoderKLWan (WAN_DEMO_VAE; latents_mean 0, latents_std 1)."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanResidualBlock
+
+    return _set_causal_shape_vae(AutoencoderKLWan(**WAN_DEMO_VAE).eval(), seed, WanResidualBlock, WanAttentionBlock)
+
+
+def save_wan_shape_vae(folder, seed: int = 0):
+    """Write the analytic Wan VAE as a diffusers `vae/` folder (safetensors)."""
+    vae = wan_shape_vae(seed)
     vae.save_pretrained(folder, safe_serialization=True)
     return folder

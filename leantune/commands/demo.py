@@ -1,5 +1,6 @@
-"""`leantune demo [--out DIR] [--steps N] [--mode lora|full] [--family flux|sd3|qwen-image|z-image]`:
-train a LoRA (or every weight) of a tiny Flux (or SD3.5, Qwen-Image, Z-Image) built offline, on CPU."""
+"""`leantune demo [--out DIR] [--steps N] [--mode lora|full] [--family flux|sd3|qwen-image|z-image|wan]`:
+train a LoRA (or every weight) of a tiny Flux (or SD3.5, Qwen-Image, Z-Image; or Wan on clips) built
+offline, on CPU."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep an existing demo folder instead of starting fresh")
     p.add_argument("--mode", choices=("lora", "full"), default="lora",
                    help="lora (default), or full: fine-tune every weight and export the whole model")
-    p.add_argument("--family", choices=("flux", "sd3", "qwen-image", "z-image"), default="flux",
-                   help="the tiny base model: flux (default), sd3 (SD3.5 Large-style), qwen-image or z-image "
-                        "(the last three in lora mode)")
+    p.add_argument("--family", choices=("flux", "sd3", "qwen-image", "z-image", "wan"), default="flux",
+                   help="the tiny base model: flux (default), sd3 (SD3.5 Large-style), qwen-image, z-image or "
+                        "wan (video: trains on short clips, samples videos); all but flux in lora mode")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     for f in result.sample_files:
         label = "before/after" if f.name == "before-after.png" else "samples"
         print(f"  {label:<13}{f}")
+        if f.name == "before-after.png" and f.with_suffix(".mp4").exists():
+            print(f"  {'before/after':<13}{f.with_suffix('.mp4')} (the videos; the png shows their first frames)")
     print(f"  loss plot    {p.loss_plot}")
     print(f"  memory plot  {p.memory_plot}")
     print(f"  TensorBoard  tensorboard --logdir {p.tensorboard}")
@@ -61,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         match = before_after_match(p.samples, prompts)
         print("how the samples draw their prompts, before -> after training (share of the shape's pixels in the "
               "prompted colour; share of the pixels around it in the prompted background):")
+        if "motion" in match["before"][0]:
+            print("  (videos: of the first frame; motion: pixels the colour's centre moves, first to last frame, "
+                  "the way the clips move it)")
         for prompt, b, a in zip(prompts, match["before"], match["after"]):
+            moved = f", motion {b['motion']:+.0f} -> {a['motion']:+.0f} px" if "motion" in b else ""
             print(f"  {prompt!r}: shape {b['shape']:.0%} -> {a['shape']:.0%}, "
-                  f"background {b['background']:.0%} -> {a['background']:.0%}")
+                  f"background {b['background']:.0%} -> {a['background']:.0%}{moved}")
     return 0
