@@ -335,7 +335,19 @@ def _autocast(cfg: RunConfig, device: torch.device):
 
 # -- set-up ----------------------------------------------------------------------------------------
 
-def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
+def _cut(model, spec, keep_blocks: dict | None):
+    """`model` cut to `keep_blocks` (models/block_subset.py), or as it is without."""
+    if keep_blocks:
+        from .models.block_subset import keep_blocks as cut
+
+        cut(model, spec, keep_blocks)
+    return model
+
+
+def _build(cfg: RunConfig, dist: DistContext | None = None, keep_blocks: dict | None = None) -> Trainee:
+    """The run of `cfg`, built: caches filled, model loaded and placed, adapters and optimizer.
+    `keep_blocks` ({list attr: indices}; `leantune check` on a model too large to compare whole):
+    the transformer is cut to those blocks as soon as it is built (models/block_subset.py)."""
     from .config import parse_size
     from .data.cache import model_dtype, prepare_caches, sample_prompts, sample_references, sample_shape
     dist = dist or DistContext()
@@ -355,7 +367,8 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     base_options = loader_options(cfg.memory)     # a file's e4m3 modulation stays e4m3 unless asked
     if cfg.memory.base_format in ("nf4", "int8"):   # NF4 / int8 rows as read (memory/*_storage.py), priced so on meta
         base_options = base_options | _fp8_load_options(cfg)
-    meta_model = _once(lambda: family.load_transformer(sources, dtype=dtype, device="meta", **base_options))
+    meta_model = _once(lambda: _cut(family.load_transformer(sources, dtype=dtype, device="meta", **base_options),
+                                    family.spec, keep_blocks))
     mode.check_before_load(meta_model)            # host RAM, before any weight is read
     machine = _agreed_machine(cfg, dist, device)
     planned = _plan_before_load(cfg, family.spec, meta_model, machine)    # (plan, planner, budget) under a budget
@@ -365,7 +378,8 @@ def _build(cfg: RunConfig, dist: DistContext | None = None) -> Trainee:
     def load(in_turn: bool, shared=None) -> tuple:
         spill = _loading_spill(cfg, family.spec, meta_model, planned)
         with _parking(spill):
-            transformer = family.load_transformer(sources, dtype=dtype, device="cpu", **options)
+            transformer = _cut(family.load_transformer(sources, dtype=dtype, device="cpu", **options), family.spec,
+                               keep_blocks)
         log.info("model: %s from %s (%s)", family.describe(transformer), sources.transformer, cfg.model.dtype)
         if spill is not None:
             log.info("model: %d blocks (%.2f GB) loaded straight to the disk tier (%s)", spill.parked_blocks,

@@ -286,24 +286,75 @@ def test_a_planned_run_is_checked_with_its_plan_and_its_prediction(tmp_path, tin
     assert "predicted 0.500 s" in _line(result, "measured with the whole plan")
 
 
-def test_a_reference_that_does_not_fit_is_said_and_nothing_is_compared(tmp_path, tiny_flux_dir, images,
-                                                                        monkeypatch):
+def _blocks(t) -> int:
+    return len(t.transformer.transformer_blocks) + len(t.transformer.single_transformer_blocks)
+
+
+def _whole_plain_model_runs_out(monkeypatch, seen: list, always: bool = False) -> None:
+    """A device on which the plain model with all 4 blocks does not fit (`always`: not even cut)."""
     from leantune import trainer
 
     step = trainer.train_step
 
-    def plain_runs_out(t, cfg):
-        if not t.plan.streamed_blocks:
+    def runs_out(t, cfg):
+        seen.append((bool(t.plan.streamed_blocks), _blocks(t)))
+        if not t.plan.streamed_blocks and (always or _blocks(t) == 4):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return step(t, cfg)
 
-    monkeypatch.setattr(trainer, "train_step", plain_runs_out)
+    monkeypatch.setattr(trainer, "train_step", runs_out)
+
+
+STREAMING_TWO = '[memory]\nstreamed_blocks = ["transformer_blocks.0", "transformer_blocks.1"]\ncheckpointing = "blocks"\n'
+
+
+def test_a_reference_that_does_not_fit_is_made_on_a_subset_of_the_models_blocks(tmp_path, tiny_flux_dir, images,
+                                                                                 monkeypatch):
+    """The plain model does not fit: every run is made on the plan's first ring + 1 streamed blocks
+    (here both double blocks) and one resident block per list, the techniques hold there, and the
+    report says which blocks."""
+    seen = []
+    _whole_plain_model_runs_out(monkeypatch, seen)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_TWO)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
+    assert result.rc == 0, result.lines
+    said = _line(result, "the whole reference does not fit: the reference ran out of memory")
+    assert ("every run of the check is made on 3 of the model's 4 blocks instead (transformer_blocks 0, 1, "
+            "single_transformer_blocks 0)") in said
+    assert set(result.verdicts) == {"streaming", "checkpointing", "plan"} and all(v.held for v in result.verdicts.values())
+    _line(result, "streaming 2 of 3 blocks (pinned, poison mode): held")
+    assert seen[0] == (False, 4) and all(n == 3 for _, n in seen[1:]), seen      # the whole model tried once
+
+
+def test_a_fault_is_caught_on_the_subset_too(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """A slot released before its backward (as in the test above) still shows on the cut model."""
+    original = StreamingEngine.backward_boundary
+
+    def release_early(self, boundary):
+        original(self, boundary)
+        unit = boundary.unit
+        if any(u is unit for u in self.bwd_holds):
+            self.bwd_holds[:] = [u for u in self.bwd_holds if u is not unit]
+            self.release(unit)
+
+    monkeypatch.setattr(StreamingEngine, "backward_boundary", release_early)
+    _whole_plain_model_runs_out(monkeypatch, [])
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_TWO)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
+    assert result.rc == 1
+    _line(result, "the whole reference does not fit")
+    assert "NaN in the gradient of " in _line(result, "streaming 2 of 3 blocks (pinned, poison mode): differs: ")
+
+
+def test_a_reference_that_does_not_fit_even_cut_is_said_and_nothing_is_compared(tmp_path, tiny_flux_dir, images,
+                                                                                monkeypatch):
+    _whole_plain_model_runs_out(monkeypatch, [], always=True)
     _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
     result = run_check(cfg, steps=1, emit=lambda line: None)
     assert result.rc == 3
     assert not result.verdicts
-    line = _line(result, "check not done: the reference ran out of memory")
-    assert "against a smaller reference" in line and "not built yet" in line
+    _line(result, "the whole reference does not fit")
+    _line(result, "check not done: the reference ran out of memory, even on a subset of the blocks")
 
 
 @pytest.mark.gpu

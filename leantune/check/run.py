@@ -1,13 +1,17 @@
 """The order of a check's runs and its report.
 
-The reference runs first: if it fails to fit the device, nothing can be compared, and the check
-says so (exit code 3) instead of comparing against something else. Comparing a technique
-against a smaller reference (a subset of blocks, one block at a time) where the plain model does
-not fit is not built yet. Each variant then runs with the same seed and steps, and is compared as
-soon as it finished (compare.py); its memory is released before the next is built.
+The reference runs first. Where it does not fit the device (the planner's estimate of the plain
+model over the budget on CUDA, or the reference running out of memory), every run of the check is
+made on a few of the model's own blocks instead (models/block_subset.py: the first blocks the plan
+streams and one it keeps resident, per block list): the techniques act block by block, so the
+proof on those blocks, with their real weights, shapes and recipe, is the proof the whole model
+cannot give on this machine; the report says which blocks. Only when even that reference does not
+fit does the check give up (exit code 3) rather than compare against something else. Each
+variant runs with the same seed and steps, and is compared as soon as it finished (compare.py);
+its memory is released before the next is built.
 
-Exit codes: 0 every technique held, 1 one differs, 3 the reference does not fit (2, a config
-error, comes from the command layer as for every command).
+Exit codes: 0 every technique held, 1 one differs, 3 the reference does not fit, not even on a
+subset of the blocks (2, a config error, comes from the command layer as for every command).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import RunConfig
@@ -98,16 +102,22 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
         result.lines.append(line)
         emit(line)
 
+    keep: dict | None = None                 # a block subset, once the whole reference does not fit
+
     def record(v: Variant, **kwargs) -> Record:
         if progress is not None:
             progress(f"check: running {v.label} ...")
-        return _record(cfg, v, steps, Path(tmp), **kwargs)
+        return _record(cfg, v, steps, Path(tmp), keep_blocks=keep, **kwargs)
 
+    from ..models import block_subset
+
+    spec = get_family(cfg.model.family).spec
     meta = meta_model(cfg)
     plan, planner, budget = run_plan(cfg, meta)
     device = pick_device(cfg)
     full = cfg.train.mode == "full"
-    total = len(list(get_family(cfg.model.family).spec.blocks(meta)))
+    total = len(list(spec.blocks(meta)))
+    subset = block_subset.choose(spec, meta, plan.streamed_blocks, plan.ring_slots)
     del meta
     runs = variants(plan, total, full, cfg.memory.fp8_modulation)
     say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe()}; "
@@ -117,16 +127,33 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
         say("nothing to compare: the plan uses no technique (nothing streamed, no fp8, no checkpointing)")
         result.seconds = time.perf_counter() - t0
         return result
+
+    def on_subset(why: str) -> list[Variant]:
+        """The runs on the block subset, said first: the whole reference does not fit."""
+        nonlocal keep
+        keep = subset
+        kept = sum(len(v) for v in subset.values())
+        names = ", ".join(f"{attr} {', '.join(map(str, idx))}" for attr, idx in subset.items())
+        say(f"the whole reference does not fit: {why}; every run of the check is made on {kept} of the model's "
+            f"{total} blocks instead ({names}), with the plan's techniques on them")
+        sub_plan = replace(plan, streamed_blocks=block_subset.renamed(subset, plan.streamed_blocks))
+        return variants(sub_plan, kept, full, cfg.memory.fp8_modulation)
+
     too_big = _reference_too_big(plan, planner, budget, device.type)
     if too_big is not None:
-        return _not_fit(result, say, too_big, t0)
+        runs = on_subset(too_big)
     with tempfile.TemporaryDirectory(prefix="leantune-check-") if work_dir is None else _keep(work_dir) as tmp:
         ref_variant, others = runs[0], runs[1:]
         ref = record(ref_variant, raise_build=True)
+        if ref.error is not None and ref.out_of_memory and keep is None:
+            runs = on_subset(f"the reference ran out of memory ({ref.error})")
+            ref_variant, others = runs[0], runs[1:]
+            ref = record(ref_variant, raise_build=True)
         result.records[ref_variant.key] = ref
         if ref.error is not None:
             if ref.out_of_memory:
-                return _not_fit(result, say, f"the reference ran out of memory ({ref.error})", t0)
+                return _not_fit(result, say, f"the reference ran out of memory, even on a subset of the blocks "
+                                             f"({ref.error})", t0)
             say(f"reference: the run failed: {ref.error}")
             result.rc = 1
             result.seconds = time.perf_counter() - t0
@@ -163,17 +190,16 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
 
 
 def _not_fit(result: CheckResult, say, why: str, t0: float) -> CheckResult:
-    say(f"check not done: {why}. Comparing technique by technique against a smaller reference (a subset of "
-        f"blocks, one block at a time) is not built yet; run the check with a larger budget or on a machine "
-        f"that holds the plain model")
+    say(f"check not done: {why}; run the check with a larger budget or on a machine with more memory")
     result.rc = REFERENCE_DOES_NOT_FIT
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _record(cfg: RunConfig, v: Variant, steps: int, tmp: Path, start=None, raise_build: bool = False) -> Record:
+def _record(cfg: RunConfig, v: Variant, steps: int, tmp: Path, start=None, raise_build: bool = False,
+            keep_blocks: dict | None = None) -> Record:
     log.info("check: running the %s variant", v.key)
-    return record_variant(variant_config(cfg, v, tmp), steps, start, raise_build)
+    return record_variant(variant_config(cfg, v, tmp), steps, start, raise_build, keep_blocks)
 
 
 class _keep:

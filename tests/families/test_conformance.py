@@ -735,3 +735,29 @@ def test_samples_equal_the_diffusers_pipelines(case, built):
         assert (other - latents).abs().max() > 1e-4 * latents.abs().max()       # rounding: 1e-6
         if not case.sample.references:      # (an edit model's tiny image follows its reference: 6e-5 apart)
             assert np.abs(images - ours).max() > 1e-4
+
+
+@pytest.mark.parametrize("case", cases("builds"))
+def test_a_model_cut_to_a_few_blocks_is_the_model_its_config_builds(case, built):
+    """`leantune check` on a model too large to compare whole cuts it to a few of its blocks
+    (models/block_subset.py): the cut model's config builds the same model (its block counts and
+    variant lists follow the cut), whose forward equals the cut one's, and the family's forward
+    runs it."""
+    from leantune.models.block_subset import choose, keep_blocks, renamed
+
+    b = built(case)
+    spec = b.family.spec
+    model = copy.deepcopy(b.tiny)
+    names = [n for n, _ in spec.blocks(model)]
+    streamed = tuple(names[::2])                               # every other block, as a plan might stream
+    keep = choose(spec, model, streamed, ring_slots=1)
+    keep_blocks(model, spec, keep)
+    assert sum(len(v) for v in keep.values()) == len(spec.blocks(model)) <= len(names)
+    assert set(renamed(keep, streamed)) <= {n for n, _ in spec.blocks(model)}
+    again = type(model).from_config(model.config).to(torch.float32)
+    again.load_state_dict(model.state_dict())
+    out = run(b, model)
+    assert torch.isfinite(out).all() and out.shape == run(b, b.tiny).shape
+    # (to fp32 rounding: two instances of Krea 2's class with equal weights differ by ~2e-7; a config
+    # that did not follow the cut would build another model, or none)
+    torch.testing.assert_close(run(b, again), out, rtol=1e-5, atol=1e-6)
