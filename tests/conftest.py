@@ -48,12 +48,37 @@ def fast_tier(items, durations: dict[str, float]):
     return kept, dropped
 
 
+# -- the order under pytest-xdist ------------------------------------------------------------------
+# xdist hands out its groups first, then single tests in collection order. The browser walk of
+# test_ui_browser.py (303 s recorded) came near the end, with ~170 s of tests after it: the other
+# worker sat idle for the rest (a replay of tests/durations.json through that scheduler: 1787 s wall
+# against 1699 s of even halves; the recorded run took 1788 s). The files whose longest recorded test
+# is over LONG_FIRST_S go first, the longest first, each file whole (its module fixtures built once).
+LONG_FIRST_S = 60.0
+
+
+def long_files_first(items, durations: dict[str, float]):
+    """`items` with the files of a test over LONG_FIRST_S (tests/durations.json) first, the file of the
+    longest first; within a file and among the others, the collection order."""
+    def path(item):
+        return item.nodeid.split("::")[0]
+
+    longest: dict[str, float] = {}
+    for item in items:           # (xdist may have suffixed a grouped test's id with @group already)
+        seconds = durations.get(item.nodeid.split("@")[0], 0.0)
+        longest[path(item)] = max(longest.get(path(item), 0.0), seconds)
+    return sorted(items, key=lambda item: -longest[path(item)] if longest[path(item)] > LONG_FIRST_S else 0.0)
+
+
 def pytest_collection_modifyitems(config, items):
+    durations = recorded_durations()
     if config.getoption("--fast"):
-        kept, dropped = fast_tier(items, recorded_durations())
+        kept, dropped = fast_tier(items, durations)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept
+    if os.environ.get("PYTEST_XDIST_WORKER"):      # every worker reads the same file: the same order
+        items[:] = long_files_first(items, durations)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run with -m gpu on a GPU machine)")
