@@ -114,15 +114,16 @@ def sampling_condition(vae, images: list, *, width: int, height: int, frames: in
     normalised as WanImageToVideoPipeline(expand_timesteps=True) builds its condition."""
     from diffusers.video_processor import VideoProcessor
 
-    from ...data.video_vae import normalize
-
     if len(images) != 1:
         raise ValueError(f"Wan 2.2 TI2V-5B is conditioned on one first-frame image, got {len(images)}")
     raw = getattr(vae, "vae", vae)
     image = VideoProcessor(vae_scale_factor=VAE_SCALE_FACTOR).preprocess(images[0], height=height, width=width)
     image = image.to(torch.float32).unsqueeze(2).to(device=next(raw.parameters()).device, dtype=raw.dtype)
     latents = raw.encode(image).latent_dist.mode().to(torch.float32)
-    return [normalize(raw, latents).to("cpu")]
+    shape = (1, raw.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(raw.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(raw.config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return [((latents - mean) * inv_std).to("cpu")]                  # the pipeline's (x - mean) * (1 / std)
 
 
 def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype,
