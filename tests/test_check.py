@@ -369,3 +369,40 @@ def test_check_on_cuda_runs_the_reference_twice_and_measures_the_peak(tmp_path, 
     assert all(v.held for v in result.verdicts.values()), result.lines
     measured = [line for line in result.lines if line.startswith("measured with the whole plan")]
     assert measured and "peak VRAM" in measured[0] and "not measured" not in measured[0], result.lines
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_a_pinned_base_format_is_a_technique_checked_against_the_bf16_base(tmp_path, tiny_flux_dir, images, fmt):
+    """[memory] base_format = "int8" / "nf4": the reference and the exact techniques run on the bf16
+    base, the format's rows alone are held to their tolerance, and the whole plan is bitwise the
+    format alone."""
+    if fmt == "nf4":
+        pytest.importorskip("bitsandbytes")
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, f'[memory]\nbase_format = "{fmt}"\n' + STREAMING_TWO[9:])
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 0, result.lines
+    assert set(result.verdicts) == {"streaming", fmt, "checkpointing", "plan"}
+    stored = _line(result, f"{fmt} storage (block Linears): held")
+    assert "within the tolerance" in stored
+    assert "against " + fmt + " storage alone): held — losses, gradients and weights bitwise equal" in \
+        _line(result, "the whole plan")
+    assert result.verdicts[fmt].measured["grad_rel"] > 0             # the rows do round: not the bf16 base
+
+
+def test_int8_rows_outside_their_tolerance_are_caught(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """A wrong row scale (1.5x, as test_fp8_outside_its_tolerance_is_caught does for e4m3) is named
+    on the int8 line."""
+    from leantune.memory import int8_storage as i8
+
+    real = i8.quantize
+
+    def off_scale(w, g):
+        raw = real(w, g)
+        codes, scale = i8.unpack(raw, w.shape[1])
+        return i8.pack(codes, scale * 1.5)
+
+    monkeypatch.setattr(i8, "quantize", off_scale)
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, '[memory]\nbase_format = "int8"\n' + STREAMING_TWO[9:])
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 1
+    assert _line(result, "int8 storage (block Linears): differs: ")

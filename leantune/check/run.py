@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import RunConfig
-from .compare import FP8_TOLERANCE, Verdict, compare
+from .compare import FP8_TOLERANCE, TOLERANCES, Verdict, compare
 from .record import Record, record_variant
 from .variants import Variant, run_plan, variant_config, variants
 
@@ -174,7 +174,7 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
                 say(f"note: with {which} the same seed built {len(rec.started_from_reference)} adapter tensor(s) "
                     f"otherwise (e.g. {rec.started_from_reference[0]}); this variant starts from the reference's")
             base = result.records[v.against]
-            verdict = (compare(base, rec, v.exact and bitwise) if base.error is None else
+            verdict = (compare(base, rec, v.exact and bitwise, TOLERANCES[v.storage]) if base.error is None else
                        Verdict(False, f"not compared: the {v.against} variant it is compared with failed", {}))
             result.verdicts[v.key] = verdict
             say(f"{v.label}: {'held' if verdict.held else 'differs'}"

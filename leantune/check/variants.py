@@ -26,8 +26,9 @@ class Variant:
     label: str                    # what the report line calls it
     memory: dict = field(default_factory=dict)
     full: dict = field(default_factory=dict)
-    exact: bool = True            # bitwise equal to `against` expected (False: fp8's error allowed)
+    exact: bool = True            # bitwise equal to `against` expected (False: its storage's error allowed)
     against: str = "reference"    # the variant it is compared with: the whole plan with fp8 against fp8 alone
+    storage: str = "fp8"          # with exact False: which storage's tolerance (compare.TOLERANCES)
 
 
 def meta_model(cfg: RunConfig):
@@ -58,21 +59,36 @@ def run_plan(cfg: RunConfig, meta) -> tuple[Plan, object | None, object | None]:
         from ..config import ConfigError
 
         raise ConfigError(str(e)) from None
-    if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and streams(plan):
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and streams(plan):
         plan = replace(plan, optimizer_on_host=True)      # as trainer._apply_memory does
+    if cfg.memory.base_format in ("int8", "nf4"):         # a pinned format: the block Linears as its rows
+        plan = replace(plan, fp8=True, base_format=cfg.memory.base_format)
     return plan, None, None
+
+
+def rows(plan: Plan) -> bool:
+    """Whether `plan` stores the block Linears as int8 / NF4 rows (Plan.base_format), not e4m3."""
+    return plan.base_format != "fp8" and bool(plan.fp8 or plan.fp8_modulation)
 
 
 def memory_keys(plan: Plan, *, poison: bool, modulation=None) -> dict:
     """`plan` as explicit [memory] keys (no vram_budget: the trainer applies them as they are).
     `modulation`: the config's own [memory] fp8_modulation, kept when the plan does not store the
     modulation in fp8 and it says false (a file's e4m3 modulation is then upcast, as the run does);
-    else "auto" (a file's e4m3 modulation stays as stored, a bf16 one is not quantized)."""
+    else "auto" (a file's e4m3 modulation stays as stored, a bf16 one is not quantized).
+    base_format is always explicit, so a format the user's config pins is a technique of its own:
+    the reference and the exact techniques run on the bf16 base; int8 / NF4 rows (a plan's
+    base_format) store the block Linears as they are read (the modulation stays as the file has it:
+    explicit keys cannot ask for it in rows)."""
     own_modulation = True if plan.fp8_modulation else (False if modulation is False else "auto")
+    if rows(plan):
+        storage = {"base_format": plan.base_format, "fp8": False, "fp8_modulation": "auto"}
+    else:
+        storage = {"base_format": "fp8" if plan.fp8 else "bf16", "fp8": plan.fp8, "fp8_modulation": own_modulation}
     return {"streamed_blocks": list(plan.streamed_blocks), "stream_non_blocks": plan.stream_non_blocks,
-            "fp8": plan.fp8, "fp8_modulation": own_modulation,
+            **storage,
             "checkpointing": plan.checkpointing, "ring_slots": plan.ring_slots, "pin_memory": plan.pin_memory,
             "debug_poison": poison and bool(plan.streamed_blocks or plan.stream_non_blocks), "vram_budget": None}
 
@@ -106,7 +122,13 @@ def variants(plan: Plan, total_blocks: int, full_mode: bool, modulation=None) ->
             out.append(Variant("host step", f"optimizer step of the streamed blocks on the host ({what}, poison "
                                f"mode)", keys(alone, poison=True), {"streamed_step": "host"}))
             used.append("host step")
-    if plan.fp8 or plan.fp8_modulation:
+    if rows(plan):
+        fmt = plan.base_format
+        stored = Plan(fp8=True, base_format=fmt, ring_slots=plan.ring_slots, pin_memory=plan.pin_memory)
+        out.append(Variant(fmt, f"{fmt} storage (block Linears)", keys(stored, poison=False), device_step,
+                           exact=False, storage=fmt))
+        used.append(fmt)
+    elif plan.fp8 or plan.fp8_modulation:
         fp8 = Plan(fp8=plan.fp8, fp8_modulation=plan.fp8_modulation, ring_slots=plan.ring_slots,
                    pin_memory=plan.pin_memory)
         what = " + ".join(w for w, on in (("block Linears", plan.fp8), ("modulation", plan.fp8_modulation)) if on)
@@ -121,10 +143,11 @@ def variants(plan: Plan, total_blocks: int, full_mode: bool, modulation=None) ->
         {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}) for v in out)
     if len(used) > 1 and not same:         # (streaming with the host step alone is the host step's run)
         step = {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}
-        # With fp8 the exact techniques on top of it must give fp8 alone's bits: compared with that.
+        # With a storage the exact techniques on top of it must give that storage alone's bits.
+        stored = next((u for u in used if u in ("fp8", "int8", "nf4")), None)
         out.append(Variant("plan", f"the whole plan ({plan.describe()}, poison mode"
-                           + (", against fp8 storage alone)" if "fp8" in used else ")"),
-                           keys(plan, poison=True), step, against="fp8" if "fp8" in used else "reference"))
+                           + (f", against {stored} storage alone)" if stored else ")"),
+                           keys(plan, poison=True), step, against=stored or "reference"))
     return out
 
 
