@@ -493,8 +493,9 @@ def test_the_two_experts_load_as_the_pipelines_transformer_and_transformer_2(fol
     assert not torch.equal(pipeline.transformer.proj_out.weight, pipeline.transformer_2.proj_out.weight)
     one = save_wan_folder(tmp_path / "one", experts=1)
     assert trained_expert(_sources(one, tmp_path)) is None
-    with pytest.raises(LoadError, match=r'\[model\] expert = "low".*transformer_2'):
-        _sources(one, tmp_path, expert="low")
+    for expert in ("low", "high"):       # "high" used to pass here and fail later (no boundary: a TypeError)
+        with pytest.raises(LoadError, match=rf'\[model\] expert = "{expert}".*transformer_2'):
+            _sources(one, tmp_path, expert=expert)
     with pytest.raises(ValueError, match=r'\[model\] expert.*"wan2.2"'):
         ModelConfig(path=str(folder), family="z-image", expert="high")
 

@@ -96,10 +96,12 @@ def resolve_sources(model_cfg, base_dir: Path) -> WanSources:
     expert = getattr(model_cfg, "expert", "auto") or "auto"
     root = cl.config_path(model_cfg.path, base_dir)
     boundary = _boundary(root)
-    if expert == "low" and root.is_dir() and found["transformer_2"] is None:
-        raise LoadError(f"[model] expert = \"low\": {root} has no transformer_2/ folder (the low-noise expert); "
+    if expert in ("high", "low") and root.is_dir() and found["transformer_2"] is None:
+        # (a one-transformer folder denoises every level: an expert has no boundary to train within)
+        which = "the low-noise expert" if expert == "low" else "the other expert: transformer/ is the high-noise one"
+        raise LoadError(f"[model] expert = \"{expert}\": {root} has no transformer_2/ folder ({which}); "
                         f"it is a one-transformer Wan: remove [model] expert, or point [model] path at a "
-                        f"two-expert folder or at the low-noise expert's file")
+                        f"two-expert folder or at the {expert}-noise expert's file")
     if expert == "both" and (found["transformer_2"] is None or not root.is_dir()):
         raise LoadError(f"[model] expert = \"both\": {root} is not a two-expert folder (a transformer_2/ folder, the "
                         f"low-noise expert, beside transformer/); a one-transformer model trains as it is: remove "
