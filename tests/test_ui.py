@@ -399,7 +399,8 @@ def test_sample_form_negative_prompt_only_for_families_with_cfg(tmp_path):
 
     routes = {r.path: r.endpoint for r in create_app(tmp_path / "runs", "t").routes if hasattr(r, "endpoint")}
     assert routes["/api/choices"]()["cfg_families"] == ["flux2-klein-4b", "flux2-klein-9b", "krea2", "qwen-image",
-                                                        "qwen-image-2.1", "qwen-image-edit", "sd3", "wan2.2", "z-image"]
+                                                        "qwen-image-2.1", "qwen-image-edit", "sd3", "wan2.2", "wan2.2-ti2v",
+                                                        "z-image"]
     assert routes["/api/model-family"](str(sd3)) == {"family": "sd3"}
     assert routes["/api/model-family"](str(flux)) == {"family": "flux"}
     assert routes["/api/model-family"](str(tmp_path / "missing")) == {"family": None}

@@ -75,7 +75,7 @@ class RunForm:
     resolutions: list[int] = field(default_factory=lambda: [1024])
     batch_size: int = 1
     max_text_length: int = 512
-    target_fps: float = 16.0       # [data] target_fps: the rate clips are resampled to (a video family)
+    target_fps: str = ""           # [data] target_fps: the rate clips are resampled to ("": the model's own)
     max_frames: int = 81           # [data] max_frames: the longest clip window trained (4k+1 frames)
     steps: int = 1000
     learning_rate: float = 1e-4
@@ -159,8 +159,13 @@ class RunForm:
     def _check_video(self) -> None:
         """The video fields, named as the page names them (the config checks the frame counts
         against the family's VAE: 4k+1)."""
-        if not self.target_fps > 0:
-            raise FormError(f"target_fps: a frame rate above 0, got {self.target_fps:g}")
+        if self.target_fps.strip():
+            try:
+                fps = float(self.target_fps)
+            except ValueError:
+                fps = 0.0
+            if not fps > 0:
+                raise FormError(f"target_fps: a frame rate above 0 (or empty: the model's own), got {self.target_fps!r}")
         if self.max_frames < 1:
             raise FormError(f"max_frames: at least 1 frame, got {self.max_frames}")
         if self.sample_frames < 0:
@@ -233,9 +238,10 @@ class RunForm:
         default, so an image run's TOML is the one it was before these fields existed."""
         from ..config import DataConfig
 
-        for key in ("target_fps", "max_frames"):
-            if getattr(self, key) != DataConfig.model_fields[key].default:
-                cfg["data"][key] = getattr(self, key)
+        if self.target_fps.strip():         # empty: the video family's own rate (Wan 2.2 A14B 16, TI2V-5B 24)
+            cfg["data"]["target_fps"] = float(self.target_fps)
+        if self.max_frames != DataConfig.model_fields["max_frames"].default:
+            cfg["data"]["max_frames"] = self.max_frames
         if self.sample_frames and "sample" in cfg:
             cfg["sample"]["frames"] = self.sample_frames
         if self.sample_references and "sample" in cfg:
@@ -336,9 +342,9 @@ class RunForm:
                              "the extra TOML, which replaces the field's dataset")
                 rest.setdefault("data", {})["datasets"] = datasets
         for key, field_name in (("resolutions", "resolutions"), ("batch_size", "batch_size"),
-                                ("max_text_length", "max_text_length"), ("target_fps", "target_fps"),
-                                ("max_frames", "max_frames")):
+                                ("max_text_length", "max_text_length"), ("max_frames", "max_frames")):
             take("data", key, field_name)
+        take("data", "target_fps", "target_fps", lambda v: f"{float(v):g}")
         if isinstance(rest.get("data"), dict) and rest["data"].get("cache_dir") == "cache":
             take("data", "cache_dir", "_")             # what the form writes anyway
         take("lora", "rank", "rank")
