@@ -92,10 +92,35 @@ def pytest_collection_finish(session):
     # the whole run; every full collection (the caches' and the sampler's gc.collect() after freeing an
     # encoder, ~0.5-0.8 s each in this process, and the interpreter's own) would walk them all again.
     # Frozen, they are skipped; objects the tests make are still collected.
+    _freeze_what_lives()
+
+
+# Tests import more lazily: one file's run (test_sampler.py) imported 3201 modules after collection
+# (torch's dynamo and inductor, deepspeed, sympy, diffusers, peft, transformers...), 377k objects that
+# each gc.collect() walked again: 27 collects took 3.7-5.3 s of its 11.7 CPU-s. After a test that
+# imported at least REFREEZE_MODULES new modules (its fixtures torn down, its garbage collected),
+# what lives is frozen again: modules, and what session and module fixtures hold, which refcounting
+# still frees; nothing a test makes is frozen while it runs.
+REFREEZE_MODULES = 50
+_modules_at_freeze = [0]
+
+
+def _freeze_what_lives():
     import gc
+    import sys
 
     gc.collect()
     gc.freeze()
+    _modules_at_freeze[0] = len(sys.modules)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    import sys
+
+    if len(sys.modules) - _modules_at_freeze[0] >= REFREEZE_MODULES:
+        _freeze_what_lives()
 
 
 _SECONDS: dict[str, float] = {}
