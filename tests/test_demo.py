@@ -151,7 +151,7 @@ def test_demo_z_image_draws_its_prompts(tmp_path, capsys):
     # train.seed=8: 94% / 91% / 86%, 87-88%, IoU 0.75 / 0.76 / 0.64.
     _draws_its_prompts(before_after_match(run / "samples", prompts), prompts, shape=0.6, iou=0.4)
 
-@pytest.mark.parametrize("family", ["sd3", "z-image"])
+@pytest.mark.parametrize("family", ["sd3", "z-image", "wan"])
 def test_demo_refuses_full_mode_for_sd3(tmp_path, capsys, family):
     assert main(["demo", "--family", family, "--mode", "full", "--out", str(tmp_path / "d")]) == 2
     assert "lora mode only" in capsys.readouterr().err
