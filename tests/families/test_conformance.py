@@ -761,3 +761,24 @@ def test_a_model_cut_to_a_few_blocks_is_the_model_its_config_builds(case, built)
     # (to fp32 rounding: two instances of Krea 2's class with equal weights differ by ~2e-7; a config
     # that did not follow the cut would build another model, or none)
     torch.testing.assert_close(run(b, again), out, rtol=1e-5, atol=1e-6)
+
+
+CHECKED_PLAN = '[memory]\nstreamed_blocks = 2\ncheckpointing = "offload"\nfp8 = true\npin_memory = false\n'
+
+
+@pytest.mark.parametrize("case", cases("builds"))
+def test_leantune_check_holds_on_its_plan(case, built, shape_images, tmp_path):
+    """`leantune check` on the family's tiny model with a plan of every technique (two blocks
+    streamed in poison mode, checkpointing with offloaded inputs, fp8 block Linears): each holds,
+    the exact ones bitwise, fp8 within its tolerance (issue 39: the check passes on every family)."""
+    from leantune.check.run import run_check
+    from leantune.config import load_config
+
+    b = built(case)
+    text = RUN.format(family=case.family, model=b.folder, cache=tmp_path / "cache", text_length=case.text_length,
+                      images=shape_images).replace("gradient_accumulation = 2\n", "") + CHECKED_PLAN
+    (tmp_path / "run.toml").write_text(text)
+    result = run_check(load_config(tmp_path / "run.toml", []), steps=1, emit=lambda line: None)
+    assert result.rc == 0, result.lines
+    assert set(result.verdicts) == {"streaming", "fp8", "checkpointing", "plan"}, result.lines
+    assert all(v.held for v in result.verdicts.values()), result.lines
