@@ -18,6 +18,9 @@ Torch runs on one thread: the matrices are too small to share, and on a busy mac
 threads spin for cores they do not get.
 `mode="full"` fine-tunes every weight instead (quickstart_full.toml: step inside backward, two
 streamed trainable blocks) and exports the whole model as a BFL / ComfyUI file.
+`family="wan"` trains on video: 9-frame clips of the same shapes, each moving its own way
+(draw_clips), through a hand-set AutoencoderKLWan; the before/after picture shows the first frame of
+each sampled video, and before-after.mp4 beside it the videos.
 """
 
 from __future__ import annotations
