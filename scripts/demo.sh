@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trains a LoRA on a tiny Flux (--family sd3: SD3.5; --family qwen-image: Qwen-Image; --family z-image: Z-Image) built offline,
+# Trains a LoRA on a tiny Flux (--family sd3: SD3.5; --family qwen-image: Qwen-Image; --family z-image: Z-Image; --family wan: Wan video) built offline,
 # on CPU. The environment is set up on first use by scripts/setup.sh, which installs only what the demo runs (not the test tools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
