@@ -118,7 +118,7 @@ def test_check_holds_with_the_host_optimizer_step_in_full_mode(tmp_path, tiny_fl
 
 # -- it fails on each fault, naming the technique ---------------------------------------------------
 
-def test_a_slot_released_before_its_backward_is_caught(tmp_path, tiny_flux_dir, images, monkeypatch):
+def _release_slots_early(monkeypatch) -> None:
     """The hold that a streamed call's boundary takes for its backward ends at once: the block's
     backward then reads its slot after the slot was retired (poisoned)."""
     original = StreamingEngine.backward_boundary
@@ -131,6 +131,11 @@ def test_a_slot_released_before_its_backward_is_caught(tmp_path, tiny_flux_dir, 
             self.release(unit)
 
     monkeypatch.setattr(StreamingEngine, "backward_boundary", release_early)
+
+
+def test_a_slot_released_before_its_backward_is_caught(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """A slot released before its backward (_release_slots_early) is named on the streaming line."""
+    _release_slots_early(monkeypatch)
     _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
     result = run_check(cfg, steps=1, emit=lambda line: None)
     assert result.rc == 1
@@ -327,17 +332,8 @@ def test_a_reference_that_does_not_fit_is_made_on_a_subset_of_the_models_blocks(
 
 
 def test_a_fault_is_caught_on_the_subset_too(tmp_path, tiny_flux_dir, images, monkeypatch):
-    """A slot released before its backward (as in the test above) still shows on the cut model."""
-    original = StreamingEngine.backward_boundary
-
-    def release_early(self, boundary):
-        original(self, boundary)
-        unit = boundary.unit
-        if any(u is unit for u in self.bwd_holds):
-            self.bwd_holds[:] = [u for u in self.bwd_holds if u is not unit]
-            self.release(unit)
-
-    monkeypatch.setattr(StreamingEngine, "backward_boundary", release_early)
+    """A slot released before its backward (_release_slots_early) still shows on the cut model."""
+    _release_slots_early(monkeypatch)
     _whole_plain_model_runs_out(monkeypatch, [])
     _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_TWO)
     result = run_check(cfg, steps=1, emit=lambda line: None)
