@@ -17,8 +17,7 @@ The recompute of checkpointed blocks re-enters blocks, not the part, so it never
 backward runs on the part its forward ran on. `SwitchedMemory` stands for a MemoryHandle wherever
 the trainer and the sampler hold one (report, forward-only mode, remove, release).
 
-Unlike kohya-style trainers that keep both experts loaded on the GPU (or train each expert in a run
-of its own), both experts train in one run on one expert's device memory.
+So both experts train in one run on one expert's device memory.
 """
 
 from __future__ import annotations
