@@ -324,33 +324,12 @@ formats = ["diffusers"]
 """
 
 
-def _clip_frames(kind: int) -> np.ndarray:
-    out = np.empty((CLIP_FRAMES, SIDE, SIDE, 3), np.uint8)
-    for i in range(CLIP_FRAMES):
-        out[i] = (30, 60, 200) if kind == 0 else (200, 60, 30)
-        x = 4 + 5 * i
-        if kind == 0:
-            out[i, 24:40, x:x + 16] = 250
-        else:
-            out[i, x:x + 16, 24:40] = 250
-    return out
-
-
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
-    """data/: two captioned clips and a captioned still image."""
-    from PIL import Image
+    """data/: two captioned clips and a captioned still image (tests/moving_square_clips.py)."""
+    from moving_square_clips import write_media
 
-    from leantune.data.video_write import write_mp4
-
-    d = tmp_path_factory.mktemp("media") / "data"
-    d.mkdir()
-    for i, caption in enumerate(("a square moving right", "a square moving down")):
-        write_mp4(d / f"clip{i}.mp4", _clip_frames(i), FPS)
-        (d / f"clip{i}.txt").write_text(caption)
-    Image.fromarray(_clip_frames(0)[4]).save(d / "still.png")
-    (d / "still.txt").write_text("a square standing still")
-    return d
+    return write_media(tmp_path_factory.mktemp("media") / "data", CLIP_FRAMES, FPS, SIDE)
 
 
 def _config(tmp_path, folder, media, name: str, extra: str = ""):

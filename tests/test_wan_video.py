@@ -12,11 +12,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from moving_square_clips import moving_square, write_media
 from safetensors.torch import load_file
 
 from leantune.config import load_config
 from leantune.data import cache, video_vae
-from leantune.data.video_write import write_mp4
 from leantune.models.family import get_family
 from leantune.tiny.wan import save_wan_folder
 
@@ -35,30 +35,13 @@ def folder(tmp_path_factory):
 
 def _frames(kind: int) -> np.ndarray:
     """FRAMES frames of a square that moves (kind 0: right, kind 1: down) over a flat colour."""
-    out = np.empty((FRAMES, SIDE, SIDE, 3), np.uint8)
-    for i in range(FRAMES):
-        out[i] = (30, 60, 200) if kind == 0 else (200, 60, 30)
-        x = 4 + 5 * i
-        if kind == 0:
-            out[i, 24:40, x:x + 16] = 250
-        else:
-            out[i, x:x + 16, 24:40] = 250
-    return out
+    return moving_square(kind, FRAMES, SIDE)
 
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
     """data/: two captioned clips and a captioned still image."""
-    from PIL import Image
-
-    d = tmp_path_factory.mktemp("media") / "data"
-    d.mkdir()
-    for i, caption in enumerate(("a square moving right", "a square moving down")):
-        write_mp4(d / f"clip{i}.mp4", _frames(i), FPS)
-        (d / f"clip{i}.txt").write_text(caption)
-    Image.fromarray(_frames(0)[4]).save(d / "still.png")
-    (d / "still.txt").write_text("a square standing still")
-    return d
+    return write_media(tmp_path_factory.mktemp("media") / "data", FRAMES, FPS, SIDE)
 
 
 RUN = """
