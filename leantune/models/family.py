@@ -236,6 +236,14 @@ class ModelFamily:
     recognizes_config: Callable | None = None
     # sequence rows for [data] max_text_length tokens (the cache's bound, the planner's text length)
     text_rows: Callable[[int], int] = lambda max_length: max_length
+    # (tokenizer, captions) -> each caption's count of the tokens encode_prompts holds against
+    # max_length (a count over it is cut there), from the tokenizer alone: a family that wraps a caption
+    # in a template counts what its encode limits (the page's token counts, ui/tokens.py); None: the
+    # tokenizer's own tokens, its special tokens added (Flux's and SD3's T5, Wan's umT5)
+    caption_tokens: Callable | None = None
+    # False where encode_prompts applies no max_length at all (Qwen-Image-Edit's and -2.1's pipelines
+    # keep every row): caption_tokens then counts the rows a caption gives, none of them cut
+    cuts_text: bool = True
     # training schedule: what [train] timestep_sampling = "auto" means
     timestep_sampling: str = "sigmoid"
     # reference-image conditioning (ReferenceConditioning), None for a family without it

@@ -391,9 +391,9 @@ def _register():
         transformer_classes=(flux2_loading.TRANSFORMER_CLASS,), recognizes_keys=_recognizer("flux2-dev"),
         recognizes_config=_config_recognizer("flux2-dev"),
         text_rows=flux2_text.text_rows, timestep_sampling="flux_shift", references=references,
-        text_phase=_text_phase("flux2-dev"),
+        text_phase=_text_phase("flux2-dev"), caption_tokens=flux2_text.mistral_caption_tokens,
     )
-    klein = replace(dev, load_text_encoders=_text_loader("qwen3"),
+    klein = replace(dev, load_text_encoders=_text_loader("qwen3"), caption_tokens=flux2_text.qwen_caption_tokens,
                     sampling=Sampling(guidance="cfg", variant=_variant, schedule=_schedule, timestep=_timestep))
     # one spec object per family (the same blocks and LoRA names): code handed only a spec finds its family
     return (register(dev),

@@ -109,6 +109,23 @@ def _qwen_tokens(tokenizer, prompts: list[str], max_length: int):
     return torch.cat(ids), torch.cat(masks)
 
 
+def mistral_caption_tokens(tokenizer, captions: list[str]) -> list[int]:
+    """Each caption's tokens in dev's template (system message included), as `_mistral_tokens`
+    cuts them at max_length: a count over it loses the caption's end and the closing tokens."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, format_input
+
+    out = tokenizer.apply_chat_template(format_input(prompts=list(captions), system_message=SYSTEM_MESSAGE),
+                                        add_generation_prompt=False, tokenize=True, return_dict=True)
+    return [len(i) for i in out["input_ids"]]
+
+
+def qwen_caption_tokens(tokenizer, captions: list[str]) -> list[int]:
+    """Each caption's tokens in klein's template, as `_qwen_tokens` cuts them at max_length."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                           add_generation_prompt=True, enable_thinking=False) for c in captions]
+    return [len(i) for i in tokenizer(texts)["input_ids"]]
+
+
 @torch.no_grad()
 def encode_prompts(prompts: list[str], encoders, max_length: int = DEFAULT_TEXT_LENGTH,
                    device=None) -> tuple[PromptEmbeds, torch.Tensor]:

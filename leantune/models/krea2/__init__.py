@@ -177,7 +177,7 @@ def _register():
         transformer_classes=(krea2_loading.TRANSFORMER_CLASS,), pipeline_classes=("Krea2Pipeline",),
         recognizes_keys=recognizes_keys, text_rows=krea2_text.text_rows,
         timestep_sampling="krea2_shift",
-        text_phase=_text_phase, text_width=text_width,
+        text_phase=_text_phase, text_width=text_width, caption_tokens=krea2_text.caption_tokens,
     ))
 
 

@@ -69,6 +69,14 @@ def tokens(tokenizer, prompts: list[str], max_length: int):
 
 
 @torch.no_grad()
+def caption_tokens(tokenizer, captions: list[str]) -> list[int]:
+    """Each caption's rows as `tokens` limits them to max_length: the caption after the 34 dropped
+    template tokens, plus the 5 suffix tokens appended after it (the templated caption is cut at
+    max_length + 34 - 5 tokens, so a count over max_length loses the caption's end)."""
+    ids = tokenizer([PREFIX + c for c in captions])["input_ids"]
+    return [len(i) - TEMPLATE_DROP + SUFFIX_TOKENS for i in ids]
+
+
 def pipeline_hidden_states(prompts: list[str], encoders, max_length: int = DEFAULT_TEXT_LENGTH, device=None):
     """(B, max_length, layers, D) stacked hidden states and the (B, max_length) mask, exactly as
     Krea2Pipeline.encode_prompt returns them."""

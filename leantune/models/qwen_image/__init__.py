@@ -111,6 +111,14 @@ def encode_prompts(prompts: list[str], encoders, max_length: int = DEFAULT_TEXT_
     return PromptEmbeds(t5=seq, pooled=seq.new_zeros(len(prompts), 0)), lengths
 
 
+def caption_tokens(tokenizer, captions: list[str]) -> list[int]:
+    """Each caption's rows as encode_prompts keeps them before it cuts at `max_length`: the templated
+    tokens after the 34 dropped (the caption, then the template's closing `<|im_end|>` and assistant
+    turn). [data] max_text_length is at most 512, well inside the tokenizer's 1024 + 34."""
+    ids = tokenizer([PROMPT_TEMPLATE.format(c) for c in captions])["input_ids"]
+    return [len(i) - TEMPLATE_DROP for i in ids]
+
+
 def text_mask(seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, L, D) zero-padded text rows -> (rows cut to the longest prompt, mask (B, L') or None when
     every row is real), as QwenImagePipeline.encode_prompt pads and masks a batch."""
@@ -206,7 +214,7 @@ def _register():
         predict=predict, probe_inputs=probe_inputs, describe=_loader("describe"),
         sampling=Sampling(guidance="cfg", variant=lambda transformer: "qwen-image", schedule=_schedule,
                           timestep=_timestep, combine=cfg_combine),
-        text_modules=_text_modules,
+        text_modules=_text_modules, caption_tokens=caption_tokens,
         transformer_classes=("QwenImageTransformer2DModel",), recognizes_keys=_recognizes_keys,
         timestep_sampling="shift",
         text_phase=lambda rows, model_cfg=None, base_dir=None: text_encoding_phase(rows, model_cfg=model_cfg,

@@ -154,6 +154,14 @@ def encode_prompts(prompts: list[str], encoders, max_length: int = qi.DEFAULT_TE
     return PromptEmbeds(t5=seq, pooled=seq.new_zeros(len(prompts), 0)), lengths
 
 
+def caption_tokens(tokenizer, captions: list[str]) -> list[int]:
+    """Each caption's rows as encode_prompts keeps them without references: the templated tokens
+    after the 64 dropped. None is cut (the Edit pipeline applies no max_length); each reference
+    adds its picture tags and image tokens, which depend on its size (ROWS_PER_REFERENCE at most)."""
+    ids = tokenizer([EDIT_TEMPLATE.format(c) for c in captions])["input_ids"]
+    return [len(i) - EDIT_DROP for i in ids]
+
+
 def predict(transformer, noisy_packed: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
             latent_hw: tuple[int, int], guidance=None, references=None) -> torch.Tensor:
     """One transformer call with reference latents: `references` is a list of (B, 16, h_r, w_r)
@@ -231,7 +239,7 @@ def _register():
         transformer_classes=("QwenImageTransformer2DModel",),
         # guess_family: an Edit-2509/2511 folder (its model_index.json) is this family, not Qwen-Image
         pipeline_classes=("QwenImageEditPlusPipeline",),
-        recognizes_keys=lambda keys: False,
+        recognizes_keys=lambda keys: False, caption_tokens=caption_tokens, cuts_text=False,
         references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES,
                                         sampling_latents=encode_reference_latents),
     ))

@@ -285,7 +285,7 @@ def _register():
         recognizes_keys=recognizes_keys, text_rows=text_rows, timestep_sampling="shift",
         references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES,
                                         sampling_latents=_sampling_latents),
-        text_width=text_width, rgba=True,
+        text_width=text_width, rgba=True, caption_tokens=text.caption_tokens, cuts_text=False,
     ))
 
 

@@ -58,6 +58,14 @@ def drop_count(tokenizer) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+def caption_tokens(tokenizer, captions: list[str]) -> list[int]:
+    """Each caption's rows as encode_prompts keeps them without references: its template's tokens
+    after the system message (`drop_count`). None is cut (the pipeline applies no max_length); each
+    reference adds its tags and image slots, which depend on its size."""
+    drop = drop_count(tokenizer)
+    return [len(i) - drop for i in tokenizer([prompt_text(c) for c in captions])["input_ids"]]
+
+
 def flatten_alpha(image):
     """A PIL image as the vision tower sees it: RGBA composited over white, anything else as is."""
     from PIL import Image

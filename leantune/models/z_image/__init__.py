@@ -170,6 +170,7 @@ def _register():
         transformer_classes=(z_image_loading.TRANSFORMER_CLASS,), recognizes_keys=recognizes_keys,
         text_rows=z_image_text.text_rows, timestep_sampling="shift", text_phase=_text_phase,
         text_width=lambda config: config.cap_feat_dim, probe_output=probe_output,
+        caption_tokens=z_image_text.caption_tokens,
     ))
 
 

@@ -54,12 +54,23 @@ def _placement(encoders, device: torch.device):
     return placement(lm, lm.layers, device)
 
 
+def _templated(tokenizer, prompts: list[str]) -> list[str]:
+    """ZImagePipeline._encode_prompt's template around each prompt."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True, enable_thinking=True) for p in prompts]
+
+
 def tokens(tokenizer, prompts: list[str], max_length: int):
     """ZImagePipeline._encode_prompt's template and tokenization: (input_ids, attention_mask)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True, enable_thinking=True) for p in prompts]
-    out = tokenizer(texts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+    out = tokenizer(_templated(tokenizer, prompts), padding="max_length", max_length=max_length, truncation=True,
+                    return_tensors="pt")
     return out.input_ids, out.attention_mask.bool()
+
+
+def caption_tokens(tokenizer, captions: list[str]) -> list[int]:
+    """Each caption's tokens in the template, as `tokens` cuts them at max_length (the template's
+    own tokens count: a count over it loses the caption's end and the closing tokens)."""
+    return [len(i) for i in tokenizer(_templated(tokenizer, captions))["input_ids"]]
 
 
 @torch.no_grad()

@@ -242,10 +242,13 @@ async function countTokens(items) {
       const box = item.querySelector(".tokens"), n = r.counts ? r.counts[k] : null;
       item.dataset.tokens = n === null ? "" : String(n);
       box.className = "tokens" + (n !== null && n > limit ? " warn" : "");
-      box.textContent = n === null ? "" : n > limit ? `⚠ ${n} tokens: the trainer cuts it to ${limit} (Text tokens)` : `${n} / ${limit} tokens`;
+      // a family that cuts nothing (r.cuts false) trains the whole caption: over the limit costs memory the plan did not price
+      const past = r.cuts === false ? "longer than the plan prices" : `the trainer cuts it to ${limit}`;
+      box.textContent = n === null ? "" : n > limit ? `⚠ ${n} tokens: ${past} (Text tokens)` : `${n} / ${limit} tokens`;
     });
     const over = [...$("grid").children].filter((i) => i.dataset.tokens && Number(i.dataset.tokens) > limit).length;
-    $("token-note").textContent = r.note + (over ? ` · ${over} caption(s) longer than Text tokens (${limit}): the trainer cuts them` : "");
+    const them = r.cuts === false ? "the plan prices less" : "the trainer cuts them";
+    $("token-note").textContent = r.note + (over ? ` · ${over} caption(s) longer than Text tokens (${limit}): ${them}` : "");
     $("token-note").className = over ? "warn" : "muted";
   } catch (e) { $("token-note").textContent = e.message; $("token-note").className = "warn"; }
 }
