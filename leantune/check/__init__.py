@@ -11,6 +11,7 @@ where it is not. One module per job:
 - variants.py  the plan the run would use, and one run config per technique (and the whole plan);
 - record.py    build one variant, run its steps, record losses, gradients and weights, release it;
 - compare.py   one variant against the reference: held, or how it differs and where;
+- processes.py the whole plan on N processes (torchrun) against one process at the N-times batch;
 - run.py       the order of the runs and the report (lines, exit code): `run_check`.
 
 The package re-exports nothing, so importing one of its modules does not import the others

@@ -43,7 +43,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None, raise_build: bool = False,
-                   keep_blocks: dict | None = None) -> Record:
+                   keep_blocks: dict | None = None, dist=None) -> Record:
     """Build `cfg`'s run (a variant config) and run `steps` optimizer steps; a failure is recorded,
     not raised (a fault the check looks for may well raise). `raise_build`: a failure to build
     other than running out of memory is raised instead (the reference: bad data or model files
@@ -54,14 +54,15 @@ def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None
     adapters, and their initialisation draws other random numbers), so a variant whose adapters
     were built otherwise is started from the reference's, and `started_from_reference` names them:
     what is compared is then the technique, not the draw. `keep_blocks`: run the model cut to those
-    blocks (models/block_subset.py; the check on a model too large to compare whole)."""
+    blocks (models/block_subset.py; the check on a model too large to compare whole). `dist`: this
+    process's DistContext when the run is one rank of several (processes.py), else one process."""
     from .. import trainer
     from ..errors import is_out_of_memory
 
     rec = Record()
     torch.manual_seed(cfg.train.seed)          # as train() does before _build: adapter init, data order
     try:
-        t = trainer._build(cfg, keep_blocks=keep_blocks)
+        t = trainer._build(cfg, dist, keep_blocks=keep_blocks)
     except Exception as e:                     # noqa: BLE001
         if raise_build and not is_out_of_memory(e):
             raise

@@ -80,7 +80,7 @@ def _performance(plan, rec: Record, device_type: str) -> str:
 
 def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = print,
               work_dir: Path | None = None, repeat_reference: bool | None = None,
-              progress: Callable[[str], None] | None = None) -> CheckResult:
+              progress: Callable[[str], None] | None = None, gpus: int | None = None) -> CheckResult:
     """Check `cfg`'s plan on its own model and data (module docstring); `emit` gets each line as it
     is known; `progress` gets "running <variant>" before each run (a real model takes minutes to
     load; the command prints these on stderr). `work_dir`: where the variants' output folders go
@@ -90,7 +90,11 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     be bitwise reproducible (an atomic-add reduction in an attention backward), and then no
     technique can be held to the bits: the check says so and compares the exact techniques within
     the fp8 tolerance instead (NaN, missing and zero gradients are still failures). On the CPU the
-    plain run is reproducible, so it runs once."""
+    plain run is reproducible, so it runs once.
+
+    `gpus` (`--gpus N`, N > 1: the run trains on N processes): after the one-process variants the
+    whole plan runs on N processes under torchrun and is compared with one process at the N-times
+    batch (processes.py)."""
     from ..models.family import get_family
     from ..trainer import pick_device
     from .variants import meta_model
@@ -120,23 +124,26 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     subset = block_subset.choose(spec, meta, plan.streamed_blocks, plan.ring_slots)
     del meta
     runs = variants(plan, total, full, cfg.memory.fp8_modulation)
+    several = gpus is not None and gpus > 1
     say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe()}; "
         f"{steps} step(s) from seed {cfg.train.seed} on {device.type}, {len(runs) - 1} variant(s) against the "
-        f"reference")
-    if len(runs) == 1:
+        f"reference" + (f", then the whole plan on {gpus} processes" if several else ""))
+    checked_plan = plan                      # the plan the several processes run (the subset's, on a subset)
+    if len(runs) == 1 and not several:
         say("nothing to compare: the plan uses no technique (nothing streamed, no fp8, no checkpointing)")
         result.seconds = time.perf_counter() - t0
         return result
 
     def on_subset(why: str) -> list[Variant]:
         """The runs on the block subset, said first: the whole reference does not fit."""
-        nonlocal keep
+        nonlocal keep, checked_plan
         keep = subset
         kept = sum(len(v) for v in subset.values())
         names = ", ".join(f"{attr} {', '.join(map(str, idx))}" for attr, idx in subset.items())
         say(f"the whole reference does not fit: {why}; every run of the check is made on {kept} of the model's "
             f"{total} blocks instead ({names}), with the plan's techniques on them")
         sub_plan = replace(plan, streamed_blocks=block_subset.renamed(subset, plan.streamed_blocks))
+        checked_plan = sub_plan
         return variants(sub_plan, kept, full, cfg.memory.fp8_modulation)
 
     too_big = _reference_too_big(plan, planner, budget, device.type)
@@ -181,12 +188,35 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
                 f"{' — ' if verdict.held else ': '}{verdict.text}")
             if not verdict.held:
                 result.rc = 1
-        whole = result.records.get("plan") or result.records[others[-1].key]
-        say(_performance(plan, whole, device.type))
+        if several:
+            _several(cfg, result, say, checked_plan, gpus, steps, Path(tmp), ref, keep, progress)
+        whole = result.records.get("plan") or (result.records[others[-1].key] if others else None)
+        if whole is not None:
+            say(_performance(plan, whole, device.type))
     result.seconds = time.perf_counter() - t0
     say(f"check: {'every technique held' if result.rc == 0 else 'a technique differs'} "
         f"({result.seconds:.1f} s)")
     return result
+
+
+def _several(cfg: RunConfig, result: CheckResult, say, plan, gpus: int, steps: int, tmp: Path, ref: Record,
+             keep: dict | None, progress) -> None:
+    """The whole plan on `gpus` processes against one process at the `gpus`-times batch: its line."""
+    from .processes import check_processes, covered, label
+    from .variants import memory_keys
+
+    why_not = covered(cfg)
+    if why_not is not None:
+        say(f"several processes ({gpus}): not checked — {why_not}")
+        return
+    whole = Variant("processes", label(gpus, cfg.data.batch_size),
+                    memory_keys(plan, poison=True, modulation=cfg.memory.fp8_modulation))
+    verdict, records = check_processes(cfg, whole, gpus, steps, tmp, ref.initial or None, keep, progress)
+    result.records.update(records)
+    result.verdicts["processes"] = verdict
+    say(f"{whole.label}: {'held' if verdict.held else 'differs'}{' — ' if verdict.held else ': '}{verdict.text}")
+    if not verdict.held:
+        result.rc = 1
 
 
 def _not_fit(result: CheckResult, say, why: str, t0: float) -> CheckResult:

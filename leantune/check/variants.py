@@ -29,6 +29,7 @@ class Variant:
     exact: bool = True            # bitwise equal to `against` expected (False: its storage's error allowed)
     against: str = "reference"    # the variant it is compared with: the whole plan with fp8 against fp8 alone
     storage: str = "fp8"          # with exact False: which storage's tolerance (compare.TOLERANCES)
+    data: dict = field(default_factory=dict)   # [data] keys it sets (the N-times batch of processes.py)
 
 
 def meta_model(cfg: RunConfig):
@@ -160,5 +161,7 @@ def variant_config(cfg: RunConfig, variant: Variant, out_dir: Path) -> RunConfig
     data["memory"] = {**data.get("memory", {}), **variant.memory}
     if variant.full:
         data["full"] = {**data.get("full", {}), **variant.full}
+    if variant.data:
+        data["data"] = {**data.get("data", {}), **variant.data}
     data["output"] = {**data.get("output", {}), "dir": str(out_dir / variant.key.replace(" ", "_"))}
     return validate(data, source=f"{variant.key} variant of the config", base_dir=cfg.base_dir)

@@ -45,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.check and not _launched_worker():
         from ..check.run import run_check
 
+        # On several processes of one machine the check runs them too (check/processes.py).
         rc = run_check(cfg, emit=lambda line: print(line, flush=True),
-                       progress=lambda line: print(line, file=sys.stderr, flush=True)).rc
+                       progress=lambda line: print(line, file=sys.stderr, flush=True),
+                       gpus=args.gpus if nodes is None else None).rc
         if rc:
             print(f"leantune train: the check did not hold (exit code {rc}); not training", file=sys.stderr)
             return rc

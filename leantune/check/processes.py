@@ -1,0 +1,186 @@
+"""The check on several processes: the whole plan on N ranks against one process with the N-times batch.
+
+A run on N processes (`leantune train --gpus N`) trains each rank on its rows of a global batch of
+`[data] batch_size x N` (distributed.py): every rank weights its loss by its share, the LoRA
+gradients are summed across the ranks after the last micro-batch, and every rank takes the same
+step. So N processes must compute the step one process computes with the N-times batch. The
+check runs both with the whole plan (streaming in poison mode, as in the one-process variants):
+the one-process run here, the N ranks under torchrun, as `leantune train --gpus N` starts them,
+each building the run with the trainer's own `_build` and its `DistContext`, and rank 0 recording
+the gradients after the all-reduce (as its optimizer receives them) and the weights after the
+last step.
+
+Not bitwise: one process reduces the batch's rows inside each matmul and the loss mean, N ranks
+each reduce their rows and the all-reduce adds the N partial sums, so the float additions run in
+another order (gloo's sum of two tensors is itself exact, but the partial sums are not the
+one-process sum's partial sums). `PROCESSES_TOLERANCE` bounds it. Covered: LoRA on DDP. A full
+fine-tune on several processes (FSDP2, ZeRO) shards parameters and optimizer states inside those
+engines; it is said to be not checked.
+
+The worker side is this module run by torchrun: `python -m leantune.check.processes JOB.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from .compare import Tolerance, Verdict, compare
+from .record import Record, record_variant
+from .variants import Variant, variant_config
+
+# Measured on the tiny Flux (4 blocks, rank 4 on every block Linear, fp32, 64 px, 2 steps, 2 CPU
+# processes on gloo against one process at the doubled batch, 2026-12-04): 3 blocks streamed at batch
+# 1 per process, seed 3: loss 4.4e-8 relative, gradients 3.6e-7 relative error, weights 5.5e-7;
+# streaming + checkpointing at batch 2, seed 7: 1.3e-7, 2.0e-7, 2.1e-8; nothing streamed: as the
+# first. A rank whose gradient share is scaled by 1.5 gives 0.42 on the gradients and 0.0079 on the
+# weights. The bounds leave about 180x on the weights and 280x on the gradients.
+PROCESSES_TOLERANCE = Tolerance(loss_rel=1e-4, grad_rel=1e-4, grad_cos=0.99999, weight_rel=1e-4)
+
+# The module torchrun runs on every rank (tests point it at a wrapper that injects a fault first).
+WORKER_MODULE = "leantune.check.processes"
+
+
+def covered(cfg) -> str | None:
+    """Why the run's several processes cannot be checked here, or None (LoRA on DDP)."""
+    from ..distributed import resolve_strategy
+
+    strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode)
+    if cfg.train.mode != "lora" or strategy != "ddp":
+        return (f"a {cfg.train.mode} run on {strategy}: only LoRA runs on DDP are checked on several processes "
+                f"(FSDP2 and ZeRO shard the parameters and optimizer states inside their own engines)")
+    return None
+
+
+def label(gpus: int, batch_size: int) -> str:
+    return (f"several processes ({gpus}, ddp; the whole plan at batch {batch_size} per process, against one "
+            f"process at batch {batch_size * gpus})")
+
+
+def check_processes(cfg, plan_variant: Variant, gpus: int, steps: int, tmp: Path, start: dict | None,
+                    keep_blocks: dict | None, progress=None) -> tuple[Verdict, dict[str, Record]]:
+    """Run `plan_variant` (the whole plan) in this process at `gpus` times the batch and on `gpus`
+    processes at the config's batch; compare the ranks' record with this process's."""
+    b = cfg.data.batch_size
+    one = replace(plan_variant, key="one process", data={"batch_size": b * gpus})
+    if progress is not None:
+        progress(f"check: running the whole plan in one process at batch {b * gpus} ...")
+    ref = record_variant(variant_config(cfg, one, tmp), steps, start, keep_blocks=keep_blocks)
+    records = {"one process": ref}
+    if ref.error is not None:
+        return Verdict(False, f"the one-process run at batch {b * gpus} failed: {ref.error}", {}), records
+    if progress is not None:
+        progress(f"check: running the whole plan on {gpus} processes (torchrun) ...")
+    several = replace(plan_variant, key="processes")
+    rec = launch(variant_config(cfg, several, tmp), gpus, steps, tmp / "processes-job", ref.initial or None,
+                 keep_blocks, timeout_s=cfg.distributed.timeout_minutes * 60 + 600)
+    records["processes"] = rec
+    return compare(ref, rec, exact=False, tolerance=PROCESSES_TOLERANCE), records
+
+
+def launch(cfg, gpus: int, steps: int, folder: Path, start: dict | None, keep_blocks: dict | None,
+           timeout_s: float) -> Record:
+    """torchrun with `gpus` processes of this module on `cfg`; rank 0's record (or the failure)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    start_file = None
+    if start:
+        start_file = folder / "start.safetensors"
+        save_file({k: v.contiguous() for k, v in start.items()}, str(start_file))
+    job = {"config": cfg.model_dump(mode="json", exclude_unset=True), "base_dir": str(cfg.base_dir),
+           "steps": steps, "out": str(folder), "start": str(start_file) if start_file else None,
+           "keep_blocks": {k: list(v) for k, v in keep_blocks.items()} if keep_blocks else None}
+    (folder / "job.json").write_text(json.dumps(job))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           "-m", WORKER_MODULE, str(folder / "job.json")]
+    log_file = folder / "ranks.log"
+    try:
+        with open(log_file, "w") as out:
+            run = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+        rc = run.returncode
+    except subprocess.TimeoutExpired:
+        return Record(error=f"the {gpus} processes did not finish within {timeout_s:.0f} s (log: {log_file})")
+    rec = load_record(folder / "rank0") if (folder / "rank0.json").exists() else None
+    if rc != 0 or rec is None:
+        why = rec.error if rec is not None and rec.error else _last_error(log_file)
+        return Record(error=f"torchrun with {gpus} processes exited with code {rc}: {why}")
+    return rec
+
+
+def _last_error(log_file: Path) -> str:
+    lines = [ln.strip() for ln in log_file.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+# -- a record on disk (rank 0 to the launching process) ------------------------------------------------
+
+def save_record(rec: Record, stem: Path) -> None:
+    """`stem`.safetensors (gradients and weights) and `stem`.json (the rest), each written atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {f"weight/{n}": w.contiguous() for n, w in rec.weights.items()}
+    names = []
+    for i, step in enumerate(rec.grads):
+        names.append({n: g is not None for n, g in step.items()})
+        tensors.update({f"grad/{i}/{n}": g.contiguous() for n, g in step.items() if g is not None})
+    tmp = stem.with_suffix(".safetensors.tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, stem.with_suffix(".safetensors"))
+    meta = {"losses": rec.losses, "grads": names, "step_s": rec.step_s, "peak_vram": rec.peak_vram,
+            "report": {k: v for k, v in rec.report.items() if isinstance(v, (int, float, str, bool))},
+            "started_from_reference": rec.started_from_reference, "error": rec.error,
+            "out_of_memory": rec.out_of_memory}
+    tmp = stem.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, stem.with_suffix(".json"))
+
+
+def load_record(stem: Path) -> Record:
+    from safetensors.torch import load_file
+
+    meta = json.loads(stem.with_suffix(".json").read_text())
+    tensors = load_file(str(stem.with_suffix(".safetensors"))) if stem.with_suffix(".safetensors").exists() else {}
+    grads = [{n: (tensors[f"grad/{i}/{n}"] if has else None) for n, has in step.items()}
+             for i, step in enumerate(meta["grads"])]
+    weights = {k.removeprefix("weight/"): v for k, v in tensors.items() if k.startswith("weight/")}
+    return Record(losses=meta["losses"], grads=grads, weights=weights, step_s=meta["step_s"],
+                  peak_vram=meta["peak_vram"], report=meta["report"],
+                  started_from_reference=meta["started_from_reference"], error=meta["error"],
+                  out_of_memory=meta["out_of_memory"])
+
+
+# -- each rank -----------------------------------------------------------------------------------------
+
+def worker(job_file: str) -> int:
+    """One rank: build the run as `train()` does (its DistContext from the launcher's environment),
+    run the steps, and (rank 0, or a rank that failed) write what it recorded."""
+    from safetensors.torch import load_file
+
+    from ..config import validate
+    from ..distributed import DistContext
+    from ..trainer import pick_device
+
+    job = json.loads(Path(job_file).read_text())
+    cfg = validate(job["config"], source="the several-processes run of the check", base_dir=job["base_dir"])
+    dist = DistContext.from_config(cfg, pick_device(cfg))
+    finished = False
+    try:
+        start = load_file(job["start"]) if job["start"] else None
+        keep = {k: list(v) for k, v in job["keep_blocks"].items()} if job["keep_blocks"] else None
+        rec = record_variant(cfg, job["steps"], start, keep_blocks=keep, dist=dist)
+        if dist.is_main or rec.error is not None:
+            save_record(rec, Path(job["out"]) / f"rank{dist.rank}")
+        finished = rec.error is None
+    finally:
+        dist.close(finished)
+    return 0 if finished else 1
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1]))

@@ -1,0 +1,79 @@
+"""`leantune check --gpus 2` on the tiny Flux: after the one-process variants the whole plan (3
+blocks streamed in poison mode) runs on 2 processes (torchrun, gloo, CPU) at batch 1 each and is
+compared with one process at batch 2: the line holds; with rank 1's gradient share scaled by 1.5
+before the all-reduce (tests/check_fault_worker.py) it differs and the check exits 1."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import tiny_lora_rest, tiny_run_toml
+
+from leantune.check import processes
+from leantune.check.run import run_check
+from leantune.config import load_config
+from leantune.demo import draw_shapes
+
+# The launches run two processes each: these tests share the worker of the other multi-process tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+
+TESTS = Path(__file__).resolve().parent
+PLAN = "[memory]\nstreamed_blocks = 3\n"
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("check_processes_shapes") / "images"
+    draw_shapes(folder, count=4, size=64, seed=5)
+    return folder
+
+
+def _cfg(tmp_path, tiny_flux_dir, images):
+    p = tmp_path / "run.toml"
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, tiny_lora_rest(tmp_path / "out", "t", PLAN)))
+    return load_config(p, [f'data.cache_dir="{images.parent / "cache"}"', "data.batch_size=1",
+                           'train.device="cpu"'])
+
+
+def _line(result) -> str:
+    found = [line for line in result.lines if line.startswith("several processes (2, ddp")]
+    assert len(found) == 1, result.lines
+    return found[0]
+
+
+@pytest.fixture
+def one_thread_each(monkeypatch):
+    # torchrun gives each of several processes one thread; the launching process's setting is theirs.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_two_processes_hold_against_one_process_with_the_doubled_batch(tmp_path, tiny_flux_dir, images,
+                                                                        one_thread_each):
+    result = run_check(_cfg(tmp_path, tiny_flux_dir, images), steps=2, emit=print, gpus=2)
+    line = _line(result)
+    assert result.rc == 0, result.lines
+    assert line.startswith("several processes (2, ddp; the whole plan at batch 1 per process, against one "
+                           "process at batch 2): held — "), line
+    assert result.verdicts["processes"].held and result.verdicts["streaming"].held
+    ranks, one = result.records["processes"], result.records["one process"]
+    assert len(ranks.losses) == 2 and ranks.grads and all(g is not None for g in ranks.grads[-1].values())
+    assert ranks.losses != result.records["reference"].losses       # batch 2 of the ranks, not batch 1
+    measured = result.verdicts["processes"].measured
+    print("measured", measured)                                      # the numbers docs/check.md states
+    assert measured["grad_rel"] <= processes.PROCESSES_TOLERANCE.grad_rel
+    assert one.weights.keys() == ranks.weights.keys()
+
+
+def test_a_rank_whose_gradient_share_is_scaled_makes_it_differ(tmp_path, tiny_flux_dir, images, one_thread_each,
+                                                              monkeypatch):
+    monkeypatch.setattr(processes, "WORKER_MODULE", "check_fault_worker")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    result = run_check(_cfg(tmp_path, tiny_flux_dir, images), steps=2, emit=print, gpus=2)
+    line = _line(result)
+    assert result.rc == 1, result.lines
+    assert ": differs: " in line and "gradients" in line.split("outside")[-1], line
+    assert result.verdicts["streaming"].held                       # the one-process variants still hold
+    assert result.lines[-1].startswith("check: a technique differs")
