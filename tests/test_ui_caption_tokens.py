@@ -50,7 +50,7 @@ def _kept(family: str, tok, caption: str, max_length: int) -> tuple[int, bool]:
         ids, mask = text.tokens(tok, [caption], max_length)
         full = tok(text._templated(tok, [caption]))["input_ids"][0]
         return int(mask.sum()), ids[0][mask[0]].tolist() == full
-    if family in ("flux2-dev", "flux2-klein-4b"):
+    if family.startswith("flux2-"):
         from leantune.models.flux2 import text
 
         cut = text._mistral_tokens if family == "flux2-dev" else text._qwen_tokens
@@ -88,7 +88,7 @@ def _encoded_rows(family: str, tok, caption: str, max_length: int) -> tuple[int,
     return n, n == whole
 
 
-CUT = ["qwen-image", "z-image", "krea2", "flux2-dev", "flux2-klein-4b"]
+CUT = ["qwen-image", "z-image", "krea2", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b"]
 
 
 @pytest.mark.parametrize("family", CUT)
@@ -119,9 +119,16 @@ def test_the_families_that_cut_nothing_count_the_rows_their_encode_keeps(tmp_pat
 
 
 def test_a_tokenizer_without_the_template_the_family_applies_says_so(tmp_path):
-    """Z-Image applies Qwen3's chat template: a tokenizer/ without one gives no count, and says why."""
+    """Z-Image applies Qwen3's chat template: a tokenizer/ without one gives no count, and says why;
+    the template in a processor's chat_template.json beside the tokenizer files is read."""
+    import json
+
     tok = _tokenizer("z-image")
-    tok.chat_template = None
+    template, tok.chat_template = tok.chat_template, None
     tok.save_pretrained(tmp_path / "tokenizer")
     answer = tokens.count([CAPTION], str(tmp_path), "z-image", 10)
     assert answer["counts"] is None and "chat template" in answer["note"]
+    (tmp_path / "tokenizer" / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tok.chat_template = template
+    (n,) = tokens.count([CAPTION], str(tmp_path), "z-image", 10)["counts"]
+    assert _kept("z-image", tok, CAPTION, n) == (n, True)

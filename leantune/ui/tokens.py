@@ -41,9 +41,16 @@ def _tokenizer(folder: str, mtime_ns: int):
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     tokenizer.model_max_length = 10**9        # counting only: no "longer than the model takes" warning
-    template = Path(folder) / "chat_template.jinja"
-    if getattr(tokenizer, "chat_template", None) is None and template.is_file():
-        tokenizer.chat_template = template.read_text(encoding="utf-8")     # as qwen_image21/loading.py reads it
+    if getattr(tokenizer, "chat_template", None) is None:
+        # a processor folder keeps the template beside the tokenizer files (Qwen-Image-2.1's processor/,
+        # as qwen_image21/loading.py reads it; FLUX.2-dev's Pixtral processor in tokenizer/)
+        jinja, as_json = Path(folder) / "chat_template.jinja", Path(folder) / "chat_template.json"
+        if jinja.is_file():
+            tokenizer.chat_template = jinja.read_text(encoding="utf-8")
+        elif as_json.is_file():
+            import json
+
+            tokenizer.chat_template = json.loads(as_json.read_text(encoding="utf-8")).get("chat_template")
     return tokenizer
 
 
