@@ -1,7 +1,9 @@
 """`leantune check --gpus 2` on the tiny Flux: after the one-process variants the whole plan (3
 blocks streamed in poison mode) runs on 2 processes (torchrun, gloo, CPU) at batch 1 each and is
 compared with one process at batch 2: the line holds; with rank 1's gradient share scaled by 1.5
-before the all-reduce (tests/check_fault_worker.py) it differs and the check exits 1."""
+before the all-reduce (tests/check_fault_worker.py) it differs and the check exits 1. And the
+flags: `check --gpus N` and `train --check --gpus N` hand N to the check; a full fine-tune on
+several processes is said not to be checked."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ from pathlib import Path
 import pytest
 from conftest import tiny_lora_rest, tiny_run_toml
 
+from test_check import FULL
+
+from leantune import cli
 from leantune.check import processes
 from leantune.check.run import run_check
 from leantune.config import load_config
 from leantune.demo import draw_shapes
 
 # The launches run two processes each: these tests share the worker of the other multi-process tests.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+pytestmark = pytest.mark.xdist_group("multiprocess")
 
 TESTS = Path(__file__).resolve().parent
 PLAN = "[memory]\nstreamed_blocks = 3\n"
@@ -50,6 +55,7 @@ def one_thread_each(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.mark.slow
 def test_two_processes_hold_against_one_process_with_the_doubled_batch(tmp_path, tiny_flux_dir, images,
                                                                         one_thread_each):
     result = run_check(_cfg(tmp_path, tiny_flux_dir, images), steps=2, emit=print, gpus=2)
@@ -67,6 +73,7 @@ def test_two_processes_hold_against_one_process_with_the_doubled_batch(tmp_path,
     assert one.weights.keys() == ranks.weights.keys()
 
 
+@pytest.mark.slow
 def test_a_rank_whose_gradient_share_is_scaled_makes_it_differ(tmp_path, tiny_flux_dir, images, one_thread_each,
                                                               monkeypatch):
     monkeypatch.setattr(processes, "WORKER_MODULE", "check_fault_worker")
@@ -77,3 +84,38 @@ def test_a_rank_whose_gradient_share_is_scaled_makes_it_differ(tmp_path, tiny_fl
     assert ": differs: " in line and "gradients" in line.split("outside")[-1], line
     assert result.verdicts["streaming"].held                       # the one-process variants still hold
     assert result.lines[-1].startswith("check: a technique differs")
+
+
+# -- the flags (no launch) ---------------------------------------------------------------------------
+
+def _faked_check(monkeypatch) -> list:
+    """run_check replaced by one that records its process count and fails (so train stops there)."""
+    import types
+
+    from leantune.check import run as run_mod
+
+    seen = []
+    monkeypatch.setattr(run_mod, "run_check", lambda cfg, *a, gpus=None, **k: seen.append(gpus) or
+                        types.SimpleNamespace(rc=1))
+    return seen
+
+
+def test_check_and_train_check_hand_the_process_count_to_the_check(tmp_path, tiny_flux_dir, images, monkeypatch):
+    seen = _faked_check(monkeypatch)
+    p = tmp_path / "run.toml"
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, tiny_lora_rest(tmp_path / "out", "t", PLAN)))
+    cpu = ["--set", 'train.device="cpu"']
+    assert cli.main(["check", str(p), "--gpus", "2", *cpu]) == 1
+    assert cli.main(["train", str(p), "--check", "--gpus", "2", *cpu]) == 1     # not launched: the check failed
+    assert cli.main(["check", str(p)]) == 1
+    assert seen == [2, 2, None]
+    assert cli.main(["check", str(p), "--gpus", "0", *cpu]) == 2                 # refused as train refuses it
+    assert seen == [2, 2, None]
+
+
+def test_a_full_fine_tune_on_several_processes_is_said_not_checked(tmp_path, tiny_flux_dir, images):
+    p = tmp_path / "full.toml"
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, FULL))
+    why = processes.covered(load_config(p))
+    assert why is not None and "fsdp2" in why and "only LoRA runs on DDP" in why
+    assert processes.covered(_cfg(tmp_path, tiny_flux_dir, images)) is None
