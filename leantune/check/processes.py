@@ -104,7 +104,8 @@ def launch(cfg, gpus: int, steps: int, folder: Path, start: dict | None, keep_bl
             run = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
         rc = run.returncode
     except subprocess.TimeoutExpired:
-        return Record(error=f"the {gpus} processes did not finish within {timeout_s:.0f} s (log: {log_file})")
+        # (the log is in the check's temporary folder: its last error is said here)
+        return Record(error=f"the {gpus} processes did not finish within {timeout_s:.0f} s: {_last_error(log_file)}")
     rec = load_record(folder / "rank0") if (folder / "rank0.json").exists() else None
     if rc != 0 or rec is None:
         why = rec.error if rec is not None and rec.error else _last_error(log_file)
