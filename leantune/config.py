@@ -91,6 +91,10 @@ class ModelConfig(Section):
     # transformer, the high-noise expert of two; "both": both experts in one run, each step on the
     # expert that owns its noise levels ([lora] experts: a LoRA per expert or one for both).
     expert: Literal["auto", "high", "low", "both"] = "auto"
+    # Wan 2.2 TI2V-5B (family "wan2.2-ti2v") trains text-to-video by default; true trains image-to-
+    # video: each clip's first latent frame stays clean as its condition and the previews start from
+    # [sample] references' first frame (models/wan/ti2v.py). Other families are one or the other.
+    image_to_video: bool = False
     # Per-component overrides: a diffusers sub-folder or a single .safetensors file each, named as
     # in the family's diffusers repository.
     transformer: str | None = None
@@ -119,6 +123,10 @@ class ModelConfig(Section):
         if self.expert != "auto" and self.family != "wan2.2":
             raise ValueError(f"[model] expert = {self.expert!r}: family = {self.family!r} has one transformer; only "
                              f"family = \"wan2.2\" has experts (Wan 2.2 A14B's high- and low-noise); remove the key")
+        if self.image_to_video and self.family != "wan2.2-ti2v":
+            raise ValueError(f"[model] image_to_video = true: family = {self.family!r} does not choose; only family = "
+                             f"\"wan2.2-ti2v\" (TI2V-5B) trains either way (an image-to-video Wan's first frame comes "
+                             f"with its model); remove the key")
         if self.processor is not None and self.family != "qwen-image-2.1":
             raise ValueError(f"[model] processor: family = {self.family!r} has no processor component (only "
                              f"\"qwen-image-2.1\" does); its tokenizer is [model] tokenizer")

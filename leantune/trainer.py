@@ -292,6 +292,9 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
     noisy = fm.add_noise(x0, noise, sigma)
     target = family.pack_latents(fm.velocity_target(x0, noise))     # the transformer's layout
     refs = getattr(batch, "references", None)      # an edit dataset's reference latents (ModelFamily.references)
+    weights = getattr(batch, "loss_weights", None)
+    if cfg.model.image_to_video:                    # Wan 2.2 TI2V-5B image-to-video (models/wan/ti2v.py)
+        refs, weights = _first_frame_kept(x0, weights)
 
     def predict():
         with _autocast(cfg, t.device):
@@ -305,12 +308,27 @@ def forward_backward(t: Trainee, cfg: RunConfig, batch, scale: float = 1.0) -> f
 
         target = base_prediction(predict, t.transformer)
     pred = predict()
-    loss = _loss(family, pred, target, getattr(batch, "loss_weights", None), x0) * shard.weight
+    loss = _loss(family, pred, target, weights, x0) * shard.weight
     if prior:
         loss = loss * cfg.data.prior_weight
     backward = getattr(t.mode, "backward", None)      # an engine that owns backward (DeepSpeed)
     (backward or torch.Tensor.backward)(loss * scale)
     return float(loss.detach())
+
+
+def _first_frame_kept(x0: torch.Tensor, weights: torch.Tensor | None):
+    """A first-frame-conditioned clip batch's (references, loss weights): each clip's own clean first
+    latent frame (B, C, 1, h, w) is its condition (the family's predict puts it in place of the noisy
+    one, its tokens at timestep 0, as its image-to-video pipeline samples), and the loss is taken on
+    the other latent frames only. A batch of one latent frame (still images) has nothing past the
+    condition to predict: it trains unconditioned, as it is."""
+    if x0.dim() != 5 or x0.shape[2] < 2:
+        return None, weights
+    keep = torch.ones_like(x0[:, :1])                                  # (B, 1, T', h, w)
+    keep[:, :, 0] = 0
+    if weights is not None:
+        keep = keep * weights.to(x0.device).reshape(*weights.shape[:2], -1, *weights.shape[-2:])
+    return [x0[:, :, :1]], keep
 
 
 def _loss(family, pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None, x0: torch.Tensor):

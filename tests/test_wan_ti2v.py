@@ -275,7 +275,7 @@ RUN = """
 family = "wan2.2-ti2v"
 path = "{folder}"
 dtype = "fp32"
-
+{model_extra}
 [data]
 resolutions = [64]
 batch_size = 2
@@ -301,29 +301,34 @@ save_every = {save_every}
 dir = "{out}"
 name = "ti2v"
 formats = ["diffusers"]
-"""
+{extra}"""
 
 
-def _config(tmp_path, folder, media, out: str, steps: int = 4, lr: float = 1e-3, save_every: int = 2):
+def _config(tmp_path, folder, media, out: str, steps: int = 4, lr: float = 1e-3, save_every: int = 2,
+            model_extra: str = "", extra: str = ""):
     path = tmp_path / f"{out}.toml"
     path.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / out,
-                               steps=steps, lr=lr, save_every=save_every))
+                               steps=steps, lr=lr, save_every=save_every, model_extra=model_extra, extra=extra))
     return load_config(path)
 
 
-def _fixed_loss(folder, lora_file, latents, embeds, sigmas=(0.3, 0.6, 0.9)) -> float:
+def _fixed_loss(folder, lora_file, latents, embeds, sigmas=(0.3, 0.6, 0.9), first_frame: bool = False) -> float:
+    """The clips' flow-matching loss at fixed noise; `first_frame`: image-to-video's, each clip's clean
+    first latent frame the condition and the loss on the other frames."""
     pipe = _pipeline(folder)
     if lora_file is not None:
         pipe.load_lora_weights(str(lora_file))
     g = torch.Generator().manual_seed(11)
     total = 0.0
+    refs = {"references": [latents[:, :, :1]]} if first_frame else {}
     with torch.no_grad():
         for level in sigmas:
             noise = torch.randn(latents.shape, generator=g)
             noisy = (1 - level) * latents + level * noise
             pred = FAM.predict(pipe.transformer.eval(), noisy, torch.full((latents.shape[0],), level), embeds,
-                               latents.shape[-2:])
-            total += float(((pred - (noise - latents)) ** 2).mean())
+                               latents.shape[-2:], **refs)
+            err = (pred - (noise - latents)) ** 2
+            total += float((err[:, :, 1:] if first_frame else err).mean())
     return total / len(sigmas)
 
 
@@ -388,3 +393,163 @@ def test_training_buckets_have_sides_the_vae_and_patches_divide():
     assert all(w % 32 == 0 and h % 32 == 0 for w, h in bucket_sizes(704, multiple=32))
     with pytest.raises(ValueError, match="resolution 720 must be a multiple of 32"):
         bucket_sizes(720, multiple=32)
+
+
+# -- image-to-video training ([model] image_to_video) ------------------------------------------------------
+
+I2V = "image_to_video = true\n"
+
+
+@pytest.fixture(scope="module")
+def first_png(tmp_path_factory):
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("first") / "first.png"
+    Image.fromarray(np.random.default_rng(9).integers(0, 255, (56, 72, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _spy_training_calls(monkeypatch) -> tuple[list, list]:
+    """(noised, calls): each fm.add_noise's (x0, noise, sigma) and each training forward's (hidden_states,
+    timestep, output) as the transformer receives and returns them (previews run in eval mode)."""
+    from diffusers import WanTransformer3DModel
+
+    from leantune.train import flow_matching as fm
+
+    noised, calls = [], []
+    add_noise = fm.add_noise
+    monkeypatch.setattr(fm, "add_noise", lambda x0, noise, sigma: noised.append((x0.clone(), noise.clone(),
+                                                                                 sigma.clone()))
+                        or add_noise(x0, noise, sigma))
+    forward = WanTransformer3DModel.forward
+
+    def spy(self, *args, **kw):
+        out = forward(self, *args, **kw)
+        if self.training:
+            calls.append((kw["hidden_states"].detach().clone(), kw["timestep"].detach().clone(),
+                          out[0].detach().clone()))
+        return out
+
+    monkeypatch.setattr(WanTransformer3DModel, "forward", spy)
+    return noised, calls
+
+
+def test_image_to_video_training_keeps_the_first_frame_clean_at_timestep_0_and_leaves_it_out_of_the_loss(
+        tmp_path, folder, media, monkeypatch):
+    """[model] image_to_video = true: each step's transformer input has the clip's clean first latent
+    frame (not its noised one) and the noised rest, the first frame's tokens at timestep 0 and the
+    others at sigma * 1000, and the step's loss is the mean squared error over the other latent frames
+    only (DiffSynth-Studio's FlowMatchSFTLoss with first_frame_latents)."""
+    from leantune.trainer import train
+
+    noised, calls = _spy_training_calls(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(_config(tmp_path, folder, media, "i2v", steps=2, save_every=0, model_extra=I2V), progress=False)
+    assert result.final_step == 2 and len(noised) == len(calls) == 2
+    for (x0, noise, sigma), (hidden, timestep, pred), loss in zip(noised, calls, result.losses):
+        assert x0.shape[2] == 3 and hidden.shape == x0.shape
+        noisy = (1 - sigma.view(-1, 1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1, 1) * noise
+        assert torch.equal(hidden[:, :, 0], x0[:, :, 0])                       # clean, not noised
+        assert not torch.allclose(hidden[:, :, 0], noisy[:, :, 0])
+        assert torch.allclose(hidden[:, :, 1:], noisy[:, :, 1:], atol=1e-6)
+        per_frame = x0.shape[-2] * x0.shape[-1] // 4                           # the 2 x 2 patches of one frame
+        assert timestep.shape == (x0.shape[0], 3 * per_frame)
+        assert torch.equal(timestep[:, :per_frame], torch.zeros_like(timestep[:, :per_frame]))
+        assert torch.allclose(timestep[:, per_frame:], (sigma * 1000)[:, None].expand(-1, 2 * per_frame))
+        err = (pred - (noise - x0)) ** 2
+        assert loss == pytest.approx(float(err[:, :, 1:].mean()), rel=1e-5)
+        assert loss != pytest.approx(float(err.mean()), rel=1e-3)              # the first frame is left out
+
+
+def test_an_image_to_video_lora_lowers_its_loss_resumes_exactly_and_previews_as_the_pipeline(
+        tmp_path, folder, media, first_png, monkeypatch):
+    """12 image-to-video steps lower the clips' image-to-video loss at fixed noise (the LoRA loaded into
+    WanPipeline); the preview drawn at the last step from [sample] references' first frame is
+    WanImageToVideoPipeline(expand_timesteps=True)'s uint8 frames with that LoRA; 4 steps straight
+    equal 2, stop, resume, 2 bit for bit."""
+    from diffusers import WanImageToVideoPipeline
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+    from PIL import Image
+
+    from leantune.data import cache
+    from leantune.infer import video
+    from leantune.trainer import train
+
+    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+    written = []
+    save_video = video.save_video
+    monkeypatch.setattr(video, "save_video", lambda frames, path, fps: written.append(frames.copy()) or
+                        save_video(frames, path, fps))
+    preview = (f'\n[sample]\nevery = 12\nsteps = 3\nguidance = 5.0\nwidth = {WIDTH}\nheight = {HEIGHT}\n'
+               f'frames = {FRAMES}\nseed = {SEED}\nprompts = ["{PROMPTS[0]}"]\nreferences = ["{first_png}"]\n')
+    cfg = _config(tmp_path, folder, media, "i2v-lowers", steps=12, lr=2e-2, save_every=0, model_extra=I2V,
+                  extra=preview)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(cfg, progress=False)
+        data = cache.prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32,
+                                    extra_prompts=[PROMPTS[0]])
+    assert result.final_step == 12 and all(np.isfinite(result.losses))
+    clips = [s for s in data.samples if isinstance(s, cache.ClipSample)]
+    latents = torch.stack([data.latent(s) for s in clips]).float()
+    embeds = data.prompt_embeds([s.item.caption for s in clips])
+    lora = result.paths.lora_file("diffusers")
+    before = _fixed_loss(folder, None, latents, embeds, first_frame=True)
+    after = _fixed_loss(folder, lora, latents, embeds, first_frame=True)
+    assert after < 0.9 * before, (before, after)
+
+    pipe = _pipeline(folder)
+    pipe.load_lora_weights(str(lora))
+    i2v = WanImageToVideoPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                                  scheduler=pipe.scheduler, transformer=pipe.transformer, expand_timesteps=True)
+    i2v.set_progress_bar_config(disable=True)
+    # the previews read the cache's entries, stored in bf16 (data/cache.STORE_DTYPE): the prompts and the
+    # first frame's normalised latents; the pipeline is given them rounded so (its prepare_latents' condition
+    # through bf16), so the frames compare its denoising, first frame and decode with the preview's
+    prompt, negative = (data.prompt_embeds([p]).t5.float() for p in (PROMPTS[0], ""))
+    prepare = i2v.prepare_latents
+
+    def rounded(*args, **kw):
+        latents, condition, mask = prepare(*args, **kw)
+        return latents, condition.to(torch.bfloat16).to(condition.dtype), mask
+
+    i2v.prepare_latents = rounded
+    out = i2v(image=Image.open(first_png).convert("RGB"), prompt_embeds=prompt, negative_prompt_embeds=negative,
+              height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=3, guidance_scale=5.0,
+              generator=torch.Generator().manual_seed(SEED), output_type="np").frames[0]
+    want = (out * 255).round().astype(np.uint8)
+    (got,) = written
+    assert got.shape == want.shape == (FRAMES, HEIGHT, WIDTH, 3)
+    assert np.array_equal(got, want), np.abs(got.astype(int) - want.astype(int)).max()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        straight = train(_config(tmp_path, folder, media, "i2v-straight", model_extra=I2V), progress=False)
+        parts = _config(tmp_path, folder, media, "i2v-parts", model_extra=I2V)
+        assert train(parts, stop_after=2, progress=False).final_step == 2
+        resumed = train(parts, resume=True, progress=False)
+    assert resumed.final_step == 4 and resumed.losses == straight.losses and len(set(straight.losses)) == 4
+    a = load_file(str(straight.paths.lora_file("diffusers")))
+    b = load_file(str(resumed.paths.lora_file("diffusers")))
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_image_to_video_is_chosen_by_name_and_its_previews_need_a_first_frame(tmp_path, folder, media, first_png):
+    """[model] image_to_video is TI2V-5B's alone (another family refuses it by name); a run that
+    samples needs [sample] references' first frame with it and refuses one without it, naming the key."""
+    from leantune.data import cache
+    from leantune.data.dataset import DataError
+
+    with pytest.raises(ValueError, match=r"image_to_video = true: family = 'wan2.2' .*only family = \"wan2.2-ti2v\""):
+        ModelConfig(path=str(folder), family="wan2.2", image_to_video=True)
+    sample = f'\n[sample]\nevery = 2\nwidth = {WIDTH}\nheight = {HEIGHT}\nframes = {FRAMES}\nprompts = ["a square"]\n'
+    cases = ((I2V, sample, r"\[sample\] references: \[model\] image_to_video = true trains an image-to-video"),
+             ("", sample + f'references = ["{first_png}"]\n',
+              r"\[sample\] references: this run trains .* text-to-video.* set \[model\] image_to_video = true"))
+    for i, (model_extra, extra, message) in enumerate(cases):
+        cfg = _config(tmp_path, folder, media, f"refused{i}", model_extra=model_extra, extra=extra)
+        with pytest.raises(DataError, match=message):
+            cache.prepare_caches(cfg.data, cfg.model, cfg.base_dir, "cpu", torch.float32,
+                                 sample_references=cache.sample_references(cfg.sample),
+                                 sample_shape=cache.sample_shape(cfg.sample, cfg.data))

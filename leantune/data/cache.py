@@ -296,9 +296,10 @@ def check_mask_entry(path: Path, key: str, bucket: Bucket, vae_scale_factor: int
     return None
 
 
-def check_text_entry(path: Path, key: str, caption: str, max_length: int) -> tuple[str | None, tuple[int, int] | None]:
+def check_text_entry(path: Path, key: str, caption: str, max_length: int | None) -> tuple[str | None, tuple[int, int] | None]:
     """(problem or None, (D_t5, D_clip)) for the text entry at `path`; `max_length`: the most rows
-    its sequence may have (the family's `text_rows` of [data] max_text_length)."""
+    its sequence may have (the family's `text_rows` of [data] max_text_length; None for a family that
+    cuts no caption, ModelFamily.cuts_text: any length its header states)."""
     try:
         tensors, meta = _read(path)
     except CacheError as e:
@@ -315,9 +316,9 @@ def check_text_entry(path: Path, key: str, caption: str, max_length: int) -> tup
         length = int(meta.get("length", "-1"))
     except ValueError:
         length = -1
-    if not 1 <= length <= max_length or t5.shape[0] != length:
-        return (f"tensor 't5' has {t5.shape[0]} tokens but the header says {meta.get('length')!r} "
-                f"(at most {max_length})"), None
+    if not 1 <= length <= (max_length if max_length is not None else length) or t5.shape[0] != length:
+        return (f"tensor 't5' has {t5.shape[0]} tokens but the header says {meta.get('length')!r}"
+                + (f" (at most {max_length})" if max_length is not None else "")), None
     return None, (t5.shape[1], pooled.shape[0])
 
 
@@ -516,7 +517,8 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
             stats.misses += 1
             todo.append(key)
             continue
-        problem, d = check_text_entry(path, key, _caption(caption), family.text_rows(max_length))
+        rows = family.text_rows(max_length)
+        problem, d = check_text_entry(path, key, _caption(caption), rows)
         if problem:
             bad.append((path, problem))
             stats.recomputed += 1
@@ -542,6 +544,8 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
     try:
         side = family.padding_side(enc)
 
+        longer: list[int] = []          # rows of captions past what [data] max_text_length prices (no cut)
+
         def encode(keys: list[str]) -> None:
             captions = [_caption(jobs[k]) for k in keys]
             images = {"images": [[load_image(p, family.rgba) for p in jobs[k][1]] if isinstance(jobs[k], tuple) else None
@@ -549,6 +553,8 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
             embeds, lengths = family.encode_prompts(captions, enc, max_length=max_length, device=device, **images)
             for i, key in enumerate(keys):
                 n = int(lengths[i])
+                if not family.cuts_text and n > family.text_rows(max_length):
+                    longer.append(n)
                 save_safetensors({"t5": _trim(embeds.t5[i], n, side).to(STORE_DTYPE),        # (n, D_t5)
                                   "pooled": embeds.pooled[i].to(STORE_DTYPE)},                # (D_clip,)
                                  folder / f"{key}.safetensors",
@@ -565,6 +571,12 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
             if moves:
                 log.info("cache: %d caption(s) encoded layer-major: %d block load(s) over %d streamed block(s)",
                          sum(map(len, group)), len(moves), len({(id(s), i) for s, i in moves}))
+        if longer:
+            over = max(longer) - family.text_rows(max_length)
+            log.warning("cache: %d caption(s) encode to more rows than [data] max_text_length = %d prices (the "
+                        "longest %d rows, %d over): %s cuts no caption (as its pipeline), so the plan prices those "
+                        "steps short; raise [data] max_text_length to %d", len(longer), max_length, max(longer),
+                        over, family.name, max_length + over)
     finally:
         del enc
         _release(device)
@@ -762,17 +774,23 @@ def _first_frame_encoder(family: ModelFamily) -> Callable:
     return encode
 
 
-def check_sample_first_frame(paths, refs: tuple, first_frame: bool, sources) -> None:
+def check_sample_first_frame(paths, refs: tuple, first_frame: bool, sources, either: bool = False) -> None:
     """An image-to-video run that samples needs [sample] references' one first-frame image; a
-    text-to-video one takes none. `paths`: [sample] references (None: the run does not sample)."""
+    text-to-video one takes none. `paths`: [sample] references (None: the run does not sample);
+    `either`: the model trains both ways ([model] image_to_video says which), so the errors name it."""
     from .dataset import DataError
 
     if paths is None:
         return
     if first_frame and not refs:
-        raise DataError(f"[sample] references: {sources.transformer} is an image-to-video model: its samples start "
+        what = "[model] image_to_video = true trains" if either else f"{sources.transformer} is"
+        raise DataError(f"[sample] references: {what} an image-to-video model: its samples start "
                         f"from a first-frame image; set [sample] references = [\"first.png\"]")
     if refs and not first_frame:
+        if either:
+            raise DataError(f"[sample] references: this run trains {sources.transformer} text-to-video, whose samples "
+                            f"take no first-frame image; set [model] image_to_video = true to train and sample it "
+                            f"image-to-video, or remove the key")
         raise DataError(f"[sample] references: {sources.transformer} is a text-to-video model; it takes no "
                         f"first-frame image; remove the key")
 
@@ -885,9 +903,13 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                 text_jobs[k] = (caption, paths)
 
     sample_refs = sample_reference_images(sample_references, items, base_dir, family)
+    # Wan 2.2 TI2V-5B trains either way ([model] image_to_video): its clips' condition is their own
+    # first latent frame (no entry of its own), its samples' first frame [sample] references' image
+    samples_first = first_frame or getattr(model_cfg, "image_to_video", False)
     if family.references is not None and family.references.first_frame is not None:
-        check_sample_first_frame(sample_references, sample_refs, first_frame, sources)
-    ref_shape = tuple(sample_shape) if first_frame and sample_shape is not None else None
+        check_sample_first_frame(sample_references, sample_refs, samples_first, sources,
+                                 either=family.references.first_frame_optional)
+    ref_shape = tuple(sample_shape) if samples_first and sample_shape is not None else None
     sample_ref_keys = [_sampling_reference_key(r, vae_id, dtype, ref_shape) for r in sample_refs]
     sample_text_refs = ()
     if sample_refs and family.references.text_sees_images:
@@ -925,7 +947,7 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                 data_cfg.target_fps, lambda b: _condition_shape(family, b), encode=_first_frame_encoder(family),
                 kind="clip-first-frame")
             samples = [s for s in samples if not set(s.reference_keys) & failed]
-        if first_frame and sample_shape is None:
+        if samples_first and sample_shape is None:
             sample_refs, sample_ref_keys = (), []   # a caller that does not sample (leantune cache)
         _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
                                   load_vae or family.load_vae, family, ref_shape)

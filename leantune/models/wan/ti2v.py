@@ -13,7 +13,7 @@ its own because the seam's latent facts are per family:
   multiples of 32 (`side_multiple`: latent sides the 2 x 2 patches divide).
 - Time: WanPipeline(expand_timesteps=True), TI2V-5B's model_index.json setting, passes the
   timestep per token: (B, F * h/2 * w/2), each token's the step's t (its text-to-video path; for
-  image-to-video the first latent frame's tokens would take 0). The transformer then modulates
+  image-to-video the first latent frame's tokens take 0). The transformer then modulates
   every token by its own timestep projection. `predict` feeds it so, for training and sampling
   alike, so a LoRA trains on the inputs the pipeline samples with.
 - Sampling: the released schedule (Wan-AI's wan_ti2v_5B.py: flow shift 5.0, 50 steps, guidance
@@ -25,7 +25,15 @@ its own because the seam's latent facts are per family:
   True)'s path: the first frame alone through the VAE is the condition (1, 48, 1, h, w); at every
   step the first latent frame is replaced by it and its tokens take timestep 0, the rest are noised
   and denoised, and after the last step the first frame is the condition again (Sampling.finish).
-  Training stays text-to-video (no clip is conditioned on its first frame yet).
+- Image-to-video training ([model] image_to_video = true; clips train text-to-video without it):
+  what DiffSynth-Studio's Wan training does for this model (its FlowMatchSFTLoss with
+  `first_frame_latents`, the fused VAE embedding of TI2V-5B), which is the pipeline's i2v path
+  above: each clip is noised, then its first latent frame is put back as its clean latent (the
+  clip's own: the causal VAE encodes the first frame alone, so it is that frame's latent as the
+  pipeline's condition is the image's), its tokens take timestep 0, and the loss is the mean over
+  the other latent frames (trainer._first_frame_kept builds the condition and the loss weights;
+  `predict` takes it as `references`). The previews start from [sample] references' one image
+  (`sampling_condition` at the preview's size), as `leantune sample --reference` does.
 """
 
 from __future__ import annotations
@@ -206,7 +214,8 @@ def _register():
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=load_raw_vae, fps=SAMPLE_FPS),
         side_multiple=VAE_SCALE_FACTOR * PATCH,
         # image-to-video when a sample is given a first frame (`leantune sample --reference`); clips train
-        # text-to-video (first_frame is False: no condition is cached)
+        # text-to-video, or with [model] image_to_video on their own first latent frame (first_frame is
+        # False either way: no condition entry is cached)
         references=ReferenceConditioning(size=lambda ref_width, ref_height, bucket: tuple(bucket[:2]), most=1,
                                          sampling_latents=sampling_condition, first_frame=lambda sources: False,
                                          first_frame_optional=True),
