@@ -517,7 +517,7 @@ def _fill_text(jobs: dict[str, str], folder: Path, sources, dtype, device, max_l
             stats.misses += 1
             todo.append(key)
             continue
-        rows = family.text_rows(max_length)
+        rows = family.text_rows(max_length) if family.cuts_text else None     # a family that cuts none: any length
         problem, d = check_text_entry(path, key, _caption(caption), rows)
         if problem:
             bad.append((path, problem))
