@@ -30,7 +30,8 @@ REFUSED = ("model.family", "model.path", "model.variant", "model.transformer", "
 # warmup would come back from the state as it was.
 REFUSED_WITH = {"schedulefree_adamw": ("train.warmup_steps",)}
 # Keys added to leantune after checkpoints were written, at the value every earlier run had.
-ADDED_DEFAULTS = {"lora.type": "lora", "lora.factor": -1, "lora.decompose_both": False,
+ADDED_DEFAULTS = {"model.image_to_video": False,
+                  "lora.type": "lora", "lora.factor": -1, "lora.decompose_both": False,
                   "train.prodigy_d_coef": 1.0, "train.prodigy_use_bias_correction": False,
                   "train.prodigy_safeguard_warmup": False,
                   "data.prior_ratio": 0.25, "data.prior_loss": "plain", "data.prior_weight": 1.0,
