@@ -140,6 +140,17 @@ def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def assert_same_output(case, got: torch.Tensor, want: torch.Tensor, what) -> None:
+    """Two models of equal weights (asserted before) compute the same output: bitwise, but for Krea 2,
+    whose text fusion collapses its layer axis with a 3-input Linear on a permuted tensor: the CPU's
+    matrix-vector kernel sums it in an order that depends on the operands' addresses, so two instances
+    differ by an ulp (2.4e-7 seen) as the allocator places them (the same instance repeats its bits)."""
+    if case.family == "krea2":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(got, want), what
+
+
 def _plain(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
@@ -182,7 +193,7 @@ def test_builds_from_its_tiny_preset(case, built):
     assert_same_config(model, b.tiny)
     out = run(b, model)
     assert torch.isfinite(out).all() and out.abs().max() > 0
-    assert torch.equal(out, run(b, b.tiny))
+    assert_same_output(case, out, run(b, b.tiny), "the tiny preset's")
     assert family_for_model(b.tiny).name == (case.file_family or case.family)
     assert guess_family(b.folder) == case.family
     assert isinstance(b.family.describe(model), str) and b.family.describe(model)
@@ -247,7 +258,7 @@ def test_loads_each_single_file_layout_it_claims(case, built):
         model = b.family.load_transformer(b.sources(path), dtype=torch.float32)
         assert_same_weights(model, b.tiny)
         assert_same_config(model, b.tiny)
-        assert torch.equal(run(b, model), want), (layout.name, prefix)
+        assert_same_output(case, run(b, model), want, (layout.name, prefix))
         assert guess_family(path) == (case.file_family or case.family), (layout.name, prefix)
 
 
