@@ -418,6 +418,14 @@ def test_page_behind_a_token_uploads_plans_full_mode_and_watches_vram_against_th
         assert sorted(visible) == ["dropped.png", "new.png"], visible
         page.uncheck("#only-warned")
         assert page.locator("#grid .item:visible").count() == 4
+        # remove a ticked image: asked first, then moved aside (not deleted), the grid without it
+        page.locator("#grid .item[data-name='dropped.png'] .pick").check()
+        page.once("dialog", lambda d: d.accept())
+        page.click("#remove-picked")
+        page.wait_for_function("document.querySelectorAll('#grid .item').length === 3")
+        assert "moved 1 file(s) to" in page.inner_text("#remove-status")
+        assert not (images / "dropped.png").exists()
+        assert [p.read_bytes() for p in (images / ".removed").glob("*/dropped.png")] == [dropped]
 
         # full mode: no rank; the plan box shows the planner's full fine-tune plan, which prices the
         # optimizer state of every weight and so needs more VRAM than the LoRA plan of the same model

@@ -139,3 +139,32 @@ def test_a_dataset_view_of_1000_images_moves_at_most_5_mb(tmp_path, monkeypatch)
     assert dataset_view.scan(str(data), roots=[data]) == images and decoded == []     # kept: nothing decoded
     (data / "img0003.jpg").write_bytes((data / "img0004.jpg").read_bytes())            # changed: decoded again
     assert dataset_view.scan(str(data), roots=[data]) == images and decoded == [data / "img0003.jpg"]
+
+
+def test_removing_ticked_images_moves_them_and_their_captions_aside(tmp_path):
+    """Nothing is deleted: the images and their captions move into the dataset's hidden .removed/
+    folder, which neither this view nor the trainer's scan reads; a name that is not an image of the
+    folder is refused before anything moves."""
+    from leantune.data.dataset import _image_files
+    from leantune.ui.app import create_app
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, colour in (("a", (200, 0, 0)), ("b", (0, 200, 0)), ("c", (0, 0, 200))):
+        Image.new("RGB", (32, 32), colour).save(data / f"{name}.png")
+    (data / "a.txt").write_text("a red square\n")
+    before = (data / "a.png").read_bytes()
+    with pytest.raises(dataset_view.DatasetViewError):
+        dataset_view.remove_images(str(data), ["b.png", "../outside.png"], [tmp_path])
+    with pytest.raises(dataset_view.DatasetViewError, match="no such image"):
+        dataset_view.remove_images(str(data), ["b.png", "missing.png"], [tmp_path])
+    assert sorted(p.name for p in data.iterdir()) == ["a.png", "a.txt", "b.png", "c.png"]     # nothing moved
+    app = create_app(tmp_path / "runs", "t", [tmp_path])
+    from test_ui_labels import _route
+
+    done = _route(app, "/api/dataset/remove", "POST")({"path": str(data), "names": ["a.png", "b.png"]})
+    moved = Path(done["to"])
+    assert sorted(done["moved"]) == ["a.png", "a.txt", "b.png"] and moved.parent == data / ".removed"
+    assert (moved / "a.png").read_bytes() == before and (moved / "a.txt").read_text() == "a red square\n"
+    assert [e["name"] for e in dataset_view.scan(str(data), None, [tmp_path])] == ["c.png"]
+    assert [p.name for p in getattr(_image_files(data, True), "files", _image_files(data, True))] == ["c.png"]

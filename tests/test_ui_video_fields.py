@@ -195,3 +195,19 @@ def test_an_expert_on_a_one_transformer_family_is_refused_on_its_field(tmp_path)
         RunForm.from_fields({**FIELDS, "family": "flux", "expert": "both"}).write(tmp_path / "c.toml")
     said = on_field(str(e.value))
     assert said["field"] == "expert", said
+
+
+def test_ti2v_image_to_video_and_the_base_error_bound_reach_the_config(tmp_path):
+    fields = {**FIELDS, "family": "wan2.2-ti2v", "image_to_video": "on", "max_base_error": "10",
+              "sample_references": "/data/clips/first.png"}
+    form = RunForm.from_fields(fields)
+    cfg = load_config(form.write(tmp_path / "c.toml"))
+    assert (cfg.model.image_to_video, cfg.memory.max_base_error) == (True, 10.0)
+    again, notes = RunForm.from_toml(form.to_toml())
+    assert notes == [] and again.extra_toml == "" and again.as_fields() == form.as_fields()
+    doc = RunForm.from_fields(FIELDS).to_dict()
+    assert "image_to_video" not in doc["model"] and "max_base_error" not in doc.get("memory", {})
+    with pytest.raises(FormError, match="max_base_error: a percentage above 0"):
+        RunForm.from_fields({**FIELDS, "max_base_error": "-1"})
+    with pytest.raises(FormError, match="image_to_video 'yes': one of off, on"):
+        RunForm.from_fields({**FIELDS, "image_to_video": "yes"})

@@ -124,6 +124,7 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
                 "dtype": choices("model", "dtype"), "mixed_precision": choices("train", "mixed_precision"),
                 "base_format": _auto_first(choices("memory", "base_format")),
                 "expert": _auto_first(choices("model", "expert")), "lora_experts": choices("lora", "experts"),
+                "image_to_video": ["off", "on"],
                 "plan_gpu": [{"value": "", "title": "this machine's GPU (none: an RTX 4090-class card)"}]
                             + [{"value": k, "title": t} for k, t in gpu_cards().items()],
                 "defaults": RunForm().as_fields(), "runs_dir": str(runs_dir),
@@ -182,6 +183,15 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
             dataset_view.folder_of(path, roots)          # refuse before reading a byte of the body
         data = await _body(request, dataset_view.MAX_UPLOAD_BYTES, name)      # per file: the page lists each refusal
         return {"written": str(await asyncio.to_thread(dataset_view.save_upload, path, name, data, roots))}
+
+    @app.post("/api/dataset/remove")
+    def post_remove(body: dict):
+        """Ticked images out of the dataset, moved (with their captions) into its hidden .removed/."""
+        with on_form(default="dataset"):
+            names = body.get("names") or []
+            if not isinstance(names, list):
+                raise ValueError("the images to remove are a list of names")
+            return dataset_view.remove_images(str(body.get("path", "")), [str(n) for n in names], roots)
 
     @app.post("/api/caption")
     def post_caption(body: dict):

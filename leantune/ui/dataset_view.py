@@ -198,6 +198,35 @@ def save_upload(folder: str, name: str, data: bytes, roots=None) -> Path:
     return atomic_write_bytes(target, data)
 
 
+REMOVED = ".removed"        # where removed images go, inside the dataset folder (hidden: no scan reads it)
+
+
+def remove_images(folder: str, names: list[str], roots=None) -> dict:
+    """Take images (or clips) out of the dataset without deleting anything: each named file, with
+    its same-stem caption, moves into `<folder>/.removed/<time>/` (a hidden folder the trainer's scan
+    and this view skip), so a wrong click is undone by moving the files back. A name that is not an
+    image of the folder is refused before anything moves. Returns {"moved": [...], "to": folder}."""
+    import time
+
+    if not names:
+        raise DatasetViewError("no images given to remove")
+    media = [image_path(folder, n, roots) for n in dict.fromkeys(names)]        # all checked first
+    base = folder_of(folder, roots)
+    target = base / REMOVED / time.strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while target.exists():                   # two removals within a second: each its own folder
+        n += 1
+        target = target.with_name(f"{target.name.split('~')[0]}~{n}")
+    target.mkdir(parents=True)
+    moved = []
+    for path in media:
+        for part in (path, path.with_suffix(".txt")):
+            if part.exists() or part.is_symlink():
+                part.rename(target / part.name)                # a link moves as the link, not its target
+                moved.append(part.name)
+    return {"moved": moved, "to": str(target)}
+
+
 def write_caption(folder: str, name: str, caption: str, roots=None) -> Path:
     """Write the caption of image `name` as its same-stem .txt, atomically; returns the .txt path."""
     from ..io import atomic_write_bytes

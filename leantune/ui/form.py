@@ -58,6 +58,7 @@ class RunForm:
     dtype: str = "bf16"
     expert: str = "auto"           # [model] expert: Wan 2.2 A14B's expert(s) a run trains (high, low, both)
     lora_experts: str = "each"     # [lora] experts, for expert "both": a LoRA per expert or one shared
+    image_to_video: str = "off"    # [model] image_to_video (Wan 2.2 TI2V-5B): "on" trains from each clip's first frame
     mode: str = "lora"
     dataset: str = ""
     trigger_word: str = ""
@@ -88,6 +89,7 @@ class RunForm:
     vram_budget: str = ""          # "" = no budget (everything on the GPU), "auto", or a size
     ram_budget: str = "auto"       # "auto" or "" = the config's default (available host RAM), or a size
     base_format: str = "auto"      # [memory] base_format: how the frozen base's block Linears are stored
+    max_base_error: str = ""       # [memory] max_base_error: the error (%) "auto" may choose within ("": e4m3's)
     plan_gpu: str = ""             # the page's plan only (no config key): a card of planner/cards.py, "" = this GPU
     save_every: int = 250
     log_every: int = 1             # the page's loss curve reads the step lines of train.log
@@ -133,7 +135,8 @@ class RunForm:
                              ("timestep_sampling", choices("train", "timestep_sampling")),
                              ("prior_loss", choices("data", "prior_loss")), ("ema", ["off", "on"]),
                              ("base_format", choices("memory", "base_format")),
-                             ("expert", choices("model", "expert")), ("lora_experts", choices("lora", "experts"))):
+                             ("expert", choices("model", "expert")), ("lora_experts", choices("lora", "experts")),
+                             ("image_to_video", ["off", "on"])):
             if getattr(self, key) not in allowed:
                 raise FormError(f"{key} {getattr(self, key)!r}: one of {', '.join(allowed)}")
         if self.plan_gpu and self.plan_gpu not in gpu_cards():
@@ -168,6 +171,14 @@ class RunForm:
                 raise FormError(f"target_fps: a frame rate above 0 (or empty: the model's own), got {self.target_fps!r}")
         if self.max_frames < 1:
             raise FormError(f"max_frames: at least 1 frame, got {self.max_frames}")
+        if self.max_base_error.strip():
+            try:
+                bound = float(self.max_base_error)
+            except ValueError:
+                bound = 0.0
+            if not bound > 0:
+                raise FormError(f"max_base_error: a percentage above 0 (or empty: fp8 e4m3's), got "
+                                f"{self.max_base_error!r}")
         if self.sample_frames < 0:
             raise FormError(f"sample_frames: 0 (the longest clip's frames) or a frame count, got {self.sample_frames}")
 
@@ -220,6 +231,8 @@ class RunForm:
             cfg["memory"]["ram_budget"] = self.ram_budget.strip()
         if self.base_format != "auto":
             cfg["memory"]["base_format"] = self.base_format
+        if self.max_base_error.strip():
+            cfg["memory"]["max_base_error"] = float(self.max_base_error)
         if not cfg["memory"]:
             del cfg["memory"]
         if self.sample_prompts and self.sample_every:
@@ -246,6 +259,8 @@ class RunForm:
             cfg["sample"]["frames"] = self.sample_frames
         if self.sample_references and "sample" in cfg:
             cfg["sample"]["references"] = [_absolute(p) for p in self.sample_references]
+        if self.image_to_video == "on":
+            cfg["model"]["image_to_video"] = True
         if self.expert != "auto":
             cfg["model"]["expert"] = self.expert
             if self.expert == "both" and self.mode == "lora":
@@ -356,6 +371,9 @@ class RunForm:
         take("memory", "vram_budget", "vram_budget")
         take("memory", "ram_budget", "ram_budget")
         take("memory", "base_format", "base_format")
+        take("memory", "max_base_error", "max_base_error", lambda v: f"{float(v):g}")
+        if isinstance(rest.get("model"), dict) and rest["model"].get("image_to_video") is True:   # false: as written
+            take("model", "image_to_video", "image_to_video", lambda v: "on")
         for key, field_name in (("every", "sample_every"), ("prompts", "sample_prompts"), ("steps", "sample_steps"),
                                 ("guidance", "sample_guidance"), ("seed", "sample_seed"), ("frames", "sample_frames")):
             take("sample", key, field_name)

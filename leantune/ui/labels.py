@@ -22,6 +22,7 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 # config "section.key" -> the run form field that writes it
 RUN_FIELDS = {
     "model.path": "model_path", "model.family": "family", "model.dtype": "dtype", "model.expert": "expert",
+    "model.image_to_video": "image_to_video", "memory.max_base_error": "max_base_error",
     "lora.experts": "lora_experts", "sample.references": "sample_references",
     "data.resolutions": "resolutions", "data.batch_size": "batch_size", "data.max_text_length": "max_text_length",
     "data.prior_loss": "prior_loss", "data.prior_ratio": "prior_ratio",

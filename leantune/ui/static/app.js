@@ -1,11 +1,11 @@
 // The leantune page: plain DOM calls over the /api routes of leantune/ui/app.py.
 const $ = (id) => document.getElementById(id);
-const FORM = ["name", "model_path", "family", "expert", "lora_experts", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
+const FORM = ["name", "model_path", "family", "expert", "lora_experts", "image_to_video", "mode", "dtype", "mixed_precision", "dataset", "trigger_word", "repeats",
   "caption_dropout", "mask_folder", "mask_floor", "prior_folder", "prior_caption", "prior_loss", "prior_ratio", "rank", "lora_type", "lora_targets", "resolutions", "batch_size", "max_text_length", "target_fps", "max_frames", "steps", "learning_rate",
   "optimizer", "lr_scheduler", "warmup_steps", "timestep_sampling", "seed", "save_every", "log_every",
-  "vram_budget", "ram_budget", "plan_gpu", "base_format", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
+  "vram_budget", "ram_budget", "plan_gpu", "base_format", "max_base_error", "sample_every", "sample_steps", "sample_size", "sample_guidance", "sample_seed",
   "sample_frames", "sample_references", "sample_prompts", "ema", "ema_decay", "validation_fraction", "validation_every", "extra_toml"];
-const CHOICES = ["family", "expert", "lora_experts", "mode", "dtype", "mixed_precision", "base_format", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
+const CHOICES = ["family", "expert", "lora_experts", "image_to_video", "mode", "dtype", "mixed_precision", "base_format", "lora_type", "prior_loss", "ema", "lora_targets", "optimizer", "lr_scheduler", "timestep_sampling"];
 const STORE = "leantune-form";
 // the fields outside the run form a reload keeps as well (the caption writer, the Sample form)
 const KEPT = ["caption_model", "caption_prompt", "s_model", "s_family", "s_prompts", "s_negative", "s_seed", "s_steps",
@@ -772,6 +772,19 @@ async function applyCaptionEdit() {
   } catch (e) { $("caption-apply-status").textContent = actionError(e, "not applied: see the marked field"); }
 }
 
+// the ticked images out of the dataset: moved, with their captions, into its hidden .removed/ folder
+async function removePicked() {
+  const names = [...document.querySelectorAll("#grid .item")].filter((i) => i.querySelector(".pick").checked).map((i) => i.dataset.name);
+  if (!names.length) { $("remove-status").textContent = "tick the images to remove first"; return; }
+  if (!confirm(`Move ${names.length} ticked image(s) and their captions out of the dataset, into its .removed folder? Nothing is deleted.`)) return;
+  showFieldErrors("action", []);
+  try {
+    const r = await api("POST", "/api/dataset/remove", {path: $("dataset").value, names});
+    $("remove-status").textContent = `moved ${r.moved.length} file(s) to ${r.to} (move them back to undo)`;
+    await loadDataset(false);
+  } catch (e) { $("remove-status").textContent = actionError(e, "not removed: see the marked field"); }
+}
+
 // -- captioning with a local model --------------------------------------------------------------------
 async function captionImages() {
   const button = $("caption-run");
@@ -875,6 +888,7 @@ async function init() {
   $("stop").onclick = stopRun;
   $("resume").onclick = resumeRun;
   $("sample").onclick = sample;
+  $("remove-picked").onclick = removePicked;
   $("mode").addEventListener("change", modeChanged);
   $("model_path").addEventListener("change", () => {
     if (!$("s_model").value) { $("s_model").value = $("model_path").value; saveKept(); sampleFamilyChanged(); }
