@@ -72,6 +72,8 @@ def test_the_dataset_view_counts_a_clips_frames_at_the_forms_rate(tmp_path):
     assert trained() == 37                                     # 16 fps, up to 81: the longest 4k+1 in 40
     assert trained(target_fps="8") == 17                       # 20 frames at 8 fps
     assert trained(max_frames="21") == 21
+    assert trained(family="wan2.2-ti2v") == 57                 # no rate given: TI2V-5B's own 24 fps (60 frames)
+    assert trained(family="wan2.2") == 37 and trained(family="flux") == 37     # A14B's 16; an image family: the default
     status, body, _ = asgi_get(app, "/api/dataset", {"path": str(data), "target_fps": "0"}, "t")
     assert status == 400 and b"target_fps" in body
 

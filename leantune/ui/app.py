@@ -133,9 +133,15 @@ def create_app(runs_dir: Path, token: str, data_roots: list[Path] | None = None,
 
     @app.get("/api/dataset")
     def get_dataset(path: str, min_resolution: int | None = None, target_fps: float | None = None,
-                    max_frames: int | None = None):
-        """The dataset view; a clip's trained frames at the form's clip frame rate and longest clip."""
+                    max_frames: int | None = None, family: str | None = None):
+        """The dataset view; a clip's trained frames at the form's clip frame rate and longest clip
+        (no rate given: the video family's own, as the trainer takes it: cache.family_clip_rate)."""
         with on_form(default="dataset"):
+            if target_fps is None and family in families():
+                from ..models.family import get_family
+
+                video = get_family(family).video
+                target_fps = video.fps if video is not None else None
             if target_fps is not None and not target_fps > 0:
                 raise FormError(f"target_fps: a frame rate above 0, got {target_fps:g}")
             if max_frames is not None and max_frames < 1:

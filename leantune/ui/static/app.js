@@ -142,7 +142,8 @@ async function loadDatasetNow(path, focus) {
   try {
     const fps = Number($("target_fps").value), frames = Number($("max_frames").value);    // a clip's trained frames
     const data = await api("GET", `/api/dataset?path=${encodeURIComponent(path)}` + (res ? `&min_resolution=${res}` : "") +
-                           (fps > 0 ? `&target_fps=${fps}` : "") + (frames >= 1 ? `&max_frames=${frames}` : ""));
+                           (fps > 0 ? `&target_fps=${fps}` : `&family=${encodeURIComponent($("family").value)}`) +
+                           (frames >= 1 ? `&max_frames=${frames}` : ""));
     const grid = $("grid");
     grid.replaceChildren();
     let warned = 0;
