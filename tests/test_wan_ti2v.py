@@ -243,14 +243,14 @@ SIDE, CLIP_FRAMES, CLIP_FPS = 64, 9, 24
 
 
 def _frames(kind: int, width: int = SIDE) -> np.ndarray:
+    """tests/moving_square_clips.py's square, on a frame `width` wide (the 96 x 64 clip)."""
+    from moving_square_clips import moving_square
+
+    if width == SIDE:
+        return moving_square(kind, CLIP_FRAMES, SIDE)
     out = np.empty((CLIP_FRAMES, SIDE, width, 3), np.uint8)
-    for i in range(CLIP_FRAMES):
-        out[i] = (30, 60, 200) if kind == 0 else (200, 60, 30)
-        x = 4 + 5 * i
-        if kind == 0:
-            out[i, 24:40, x:x + 16] = 250
-        else:
-            out[i, x:x + 16, 24:40] = 250
+    out[:] = moving_square(kind, CLIP_FRAMES, SIDE)[:, :1, :1]          # the flat colour
+    out[:, :, :SIDE] = moving_square(kind, CLIP_FRAMES, SIDE)
     return out
 
 

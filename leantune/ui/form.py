@@ -162,23 +162,10 @@ class RunForm:
     def _check_video(self) -> None:
         """The video fields, named as the page names them (the config checks the frame counts
         against the family's VAE: 4k+1)."""
-        if self.target_fps.strip():
-            try:
-                fps = float(self.target_fps)
-            except ValueError:
-                fps = 0.0
-            if not fps > 0:
-                raise FormError(f"target_fps: a frame rate above 0 (or empty: the model's own), got {self.target_fps!r}")
+        _positive_or_empty("target_fps", self.target_fps, "a frame rate above 0 (or empty: the model's own)")
         if self.max_frames < 1:
             raise FormError(f"max_frames: at least 1 frame, got {self.max_frames}")
-        if self.max_base_error.strip():
-            try:
-                bound = float(self.max_base_error)
-            except ValueError:
-                bound = 0.0
-            if not bound > 0:
-                raise FormError(f"max_base_error: a percentage above 0 (or empty: fp8 e4m3's), got "
-                                f"{self.max_base_error!r}")
+        _positive_or_empty("max_base_error", self.max_base_error, "a percentage above 0 (or empty: fp8 e4m3's)")
         if self.sample_frames < 0:
             raise FormError(f"sample_frames: 0 (the longest clip's frames) or a frame count, got {self.sample_frames}")
 
@@ -418,6 +405,18 @@ class RunForm:
 
     def as_fields(self) -> dict:
         return asdict(self)
+
+
+def _positive_or_empty(key: str, text: str, what: str) -> None:
+    """A field that is empty (the config's own choice) or a number above 0; else named as `what`."""
+    if not text.strip():
+        return
+    try:
+        ok = float(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise FormError(f"{key}: {what}, got {text!r}")
 
 
 def presets() -> dict[str, Path]:
