@@ -14,12 +14,20 @@ GiB = 2**30
 
 
 def test_host_rss_follows_a_real_allocation():
-    before, _ = host_rss()
-    block = torch.ones(64 * 2**20 // 4)           # 64 MiB, written so the pages are resident
-    after, peak = host_rss()
-    assert after - before >= 48 * 2**20
-    assert peak >= after
-    del block
+    """RSS grows by a 64 MiB block written so its pages are resident. The process's other threads
+    (a previous test's writer or lane) may free memory in the same instant, so the growth is looked
+    for over a few blocks kept alive, not in one reading."""
+    blocks, grown = [], []
+    for _ in range(3):
+        before, _ = host_rss()
+        blocks.append(torch.ones(64 * 2**20 // 4))
+        after, peak = host_rss()
+        assert peak >= after
+        grown.append(after - before)
+        if grown[-1] >= 48 * 2**20:
+            break
+    assert max(grown) >= 48 * 2**20, grown
+    del blocks
 
 
 def test_record_on_cpu_logs_rss_and_tensorboard_scalars(tmp_path):
