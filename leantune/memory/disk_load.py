@@ -34,28 +34,21 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .disk_tier import PAGE, READ_CHUNK, DiskTierError, _aligned, _drop_cache, _stamp, cached_pages
+from .disk_tier import PAGE, READ_CHUNK, DiskTierError, _aligned, _drop_cache, _stamp, cached_pages, temp_file
 
 
 class BlockSpill:
     """The disk-tier blocks of one load, parked in one unlinked file of `folder`."""
 
     def __init__(self, folder: str | Path, blocks):
-        folder = Path(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".load-", suffix=".part", dir=folder)
-        except OSError as e:
-            raise DiskTierError(f"the disk tier's folder {folder}: cannot write the loading file there "
-                                f"({e.strerror or e})") from None
+        fd, tmp = temp_file(Path(folder), ".load-", "the loading file")
         os.unlink(tmp)                                # nothing left behind, however the process ends
-        self.path, self.fd = Path(tmp), fd
+        self.path, self.fd = tmp, fd
         self.blocks = tuple(blocks)                   # the block names the load parks (Plan.disk_blocks)
         self._size = 0
         self._stamp = _stamp(os.fstat(fd))

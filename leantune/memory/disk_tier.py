@@ -47,19 +47,26 @@ def _aligned(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+def temp_file(folder: Path, prefix: str, what: str) -> tuple[int, Path]:
+    """(fd, path) of a new file in the disk tier's `folder` (made if missing); a folder that cannot
+    take it is a DiskTierError naming it and `what` the file is for."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".part", dir=folder)
+    except OSError as e:
+        raise DiskTierError(f"the disk tier's folder {folder}: cannot write {what} there "
+                            f"({e.strerror or e})") from None
+    return fd, Path(tmp)
+
+
 class DiskTierFile:
     """One engine's file of packed units. `add` appends a unit's bytes (at a page-aligned offset)
     while the file is being written; `seal` renames it into place and opens it for reading."""
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".units-", suffix=".part", dir=folder)
-        except OSError as e:
-            raise DiskTierError(f"the disk tier's folder {folder}: cannot write the disk tier's file there "
-                                f"({e.strerror or e})") from None
-        self.folder, self._tmp, self._wfd = folder, Path(tmp), fd
+        fd, tmp = temp_file(folder, ".units-", "the disk tier's file")
+        self.folder, self._tmp, self._wfd = folder, tmp, fd
         self.path: Path | None = None
         self.fd: int | None = None
         self._size = 0
