@@ -41,23 +41,38 @@ def decoded_weight(linear: torch.nn.Module, dtype: torch.dtype = torch.float32) 
     return decode(linear, dtype)
 
 
+STUB_ATTR = "_leantune_logical_weight"     # a quantized Linear's cached shape-only weight (forward time)
+
+
 @contextmanager
-def logical_weight(linears):
-    """While inside, each quantized Linear of `linears` shows a weight of its (out, in) shape (a
-    zero-stride uint8 view, no memory; an integer dtype, so peft casts nothing to it); after, its
-    stored Parameter again. Only shapes may be read inside."""
+def logical_weight(linears, shape_only: bool = False):
+    """While inside, each quantized Linear of `linears` shows a weight of its (out, in) shape; after,
+    its stored Parameter again. Made on the weight's device (a zero-stride uint8 view, no memory;
+    an integer dtype, so peft casts nothing to it: what peft reads while it makes the adapter), or
+    with `shape_only` on the meta device, made once per Linear (all a delta's reshape reads, at every
+    forward). Only shapes, and the device while the adapter is made, may be read inside."""
     kept = []
     try:
         for lin in linears:
             if is_quantized(lin):
                 kept.append((lin, lin._parameters["weight"]))
-                stub = torch.zeros((), dtype=torch.uint8, device=lin.weight.device)
-                lin._parameters["weight"] = torch.nn.Parameter(stub.expand(lin.out_features, lin.in_features),
-                                                               requires_grad=False)
+                lin._parameters["weight"] = _shape_stub(lin) if shape_only else torch.nn.Parameter(
+                    torch.zeros((), dtype=torch.uint8, device=lin.weight.device).expand(lin.out_features,
+                                                                                       lin.in_features),
+                    requires_grad=False)
         yield
     finally:
         for lin, weight in kept:
             lin._parameters["weight"] = weight
+
+
+def _shape_stub(lin: torch.nn.Module) -> torch.nn.Parameter:
+    stub = lin.__dict__.get(STUB_ATTR)
+    if stub is None:
+        stub = torch.nn.Parameter(torch.empty(lin.out_features, lin.in_features, dtype=torch.uint8, device="meta"),
+                                  requires_grad=False)
+        object.__setattr__(lin, STUB_ATTR, stub)       # not a registered parameter: state_dict never sees it
+    return stub
 
 
 def expose_decoder(linear: torch.nn.Module) -> None:
@@ -76,7 +91,7 @@ class _LogicalShapeDelta:
     Linear, not as the stored bytes."""
 
     def get_delta_weight(self, adapter_name, *args, **kwargs):
-        with logical_weight([self.get_base_layer()]):
+        with logical_weight([self.get_base_layer()], shape_only=True):
             return super().get_delta_weight(adapter_name, *args, **kwargs)
 
 
