@@ -216,7 +216,7 @@ def _register():
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=_loader("load_raw_vae"), fps=SAMPLE_FPS),
         # an image-to-video model's first frame (wan/i2v.py); a text-to-video one takes no reference
         references=ReferenceConditioning(size=_first_frame_size, most=1, sampling_latents=wan_i2v.sampling_condition,
-                                         first_frame=wan_i2v.takes_first_frame,
+                                         first_frame=wan_loading.takes_first_frame,
                                          clip_condition=wan_i2v.clip_condition),
     ))
 

@@ -22,7 +22,7 @@ the caching phase builds it per clip from the clip's own first frame at the clip
 (`clip_condition`) and stores it as the clip's reference entry, keyed apart from a clip's latents.
 
 Which models take it: the transformer config's in_channels (2 * out_channels + 4), or the folder's
-model_index.json naming WanImageToVideoPipeline (`takes_first_frame`). Wan 2.1 I2V also feeds a
+model_index.json naming WanImageToVideoPipeline (wan/loading.takes_first_frame). Wan 2.1 I2V also feeds a
 CLIP image embedding to its cross-attention (`image_dim`, the pipeline's image_encoder); that model
 has the same first-frame condition but its image encoder is not loaded here, so it is refused by
 name (wan/loading.check_text_to_video). Wan 2.2 TI2V-5B's first-frame path (expand_timesteps: the
@@ -31,7 +31,6 @@ first latent frame replaced, per-token timesteps) is another mechanism, refused 
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -46,28 +45,6 @@ def is_image_to_video(config) -> bool:
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     out = get("out_channels") or 16
     return get("in_channels") == 2 * out + TEMPORAL_FACTOR
-
-
-def _pipeline_class(sources) -> str | None:
-    """model_index.json's _class_name of the folder the transformer is in (None for a single file)."""
-    from .. import component_loading as cl
-
-    src = sources.transformer
-    if src is None or not Path(src).is_dir():
-        return None
-    index = Path(src).parent / "model_index.json"
-    return cl.read_json(index).get("_class_name") if index.is_file() else None
-
-
-@lru_cache(maxsize=16)
-def takes_first_frame(sources) -> bool:
-    """Whether the model of `sources` (wan/loading.WanSources) is conditioned on a first frame: its
-    transformer's in_channels, or its folder's WanImageToVideoPipeline. Reads configs only."""
-    from .loading import transformer_config
-
-    if _pipeline_class(sources) == I2V_PIPELINE:
-        return True
-    return is_image_to_video(transformer_config(sources))
 
 
 # -- the condition --------------------------------------------------------------------------------
@@ -162,4 +139,4 @@ def with_condition(noisy: torch.Tensor, references, in_channels: int | None = No
 
 
 __all__ = ["I2V_PIPELINE", "clip_condition", "condition", "first_frame_mask", "is_image_to_video",
-           "sampling_condition", "takes_first_frame", "with_condition"]
+           "sampling_condition", "with_condition"]

@@ -26,6 +26,7 @@ refused before a tensor is read, naming the family to set. Only safetensors is r
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch
 
 from .. import component_files as cf
 from .. import component_loading as cl
-from . import keys
+from . import i2v, keys
 from .spec import WAN_SPEC
 from ..weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_into_empty
 
@@ -388,3 +389,23 @@ def load_text_encoder_file(src: Path, dtype: torch.dtype = torch.bfloat16):
     names = cl.component_keys(files, "t5", prefix)
     return load_into_empty(model, files, copy_ops(names, strip=prefix), what="a umT5 text encoder of this architecture",
                            dtype=dtype, device="cpu", unexpected_ok=cf.t5_ignorable).eval()
+
+
+# -- image-to-video --------------------------------------------------------------------------------
+
+def _pipeline_class(sources) -> str | None:
+    """model_index.json's _class_name of the folder the transformer is in (None for a single file)."""
+    src = sources.transformer
+    if src is None or not Path(src).is_dir():
+        return None
+    index = Path(src).parent / "model_index.json"
+    return cl.read_json(index).get("_class_name") if index.is_file() else None
+
+
+@lru_cache(maxsize=16)
+def takes_first_frame(sources) -> bool:
+    """Whether the model of `sources` (wan/loading.WanSources) is conditioned on a first frame: its
+    transformer's in_channels, or its folder's WanImageToVideoPipeline. Reads configs only."""
+    if _pipeline_class(sources) == i2v.I2V_PIPELINE:
+        return True
+    return i2v.is_image_to_video(transformer_config(sources))
