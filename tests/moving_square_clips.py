@@ -37,3 +37,49 @@ def write_media(folder: Path, frames: int, fps: int, side: int = 64) -> Path:
     Image.fromarray(moving_square(0, frames, side)[4]).save(folder / "still.png")
     (folder / "still.txt").write_text("a square standing still")
     return folder
+
+
+RUN = """
+[model]
+family = "{family}"
+path = "{folder}"
+dtype = "fp32"
+{model_extra}
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "{cache}"
+max_text_length = 32
+{data_extra}max_frames = 9
+
+[[data.datasets]]
+path = "{media}"
+
+[lora]
+rank = 4
+alpha = 4
+
+[train]
+steps = {steps}
+learning_rate = {lr}
+mixed_precision = "no"
+seed = 3
+{train_extra}
+[output]
+dir = "{out}"
+name = "{name}"
+formats = ["diffusers"]
+{extra}"""
+
+
+def wan_run(path: Path, *, family: str, folder, media, cache, out, name: str, steps: int = 2, lr: float = 1e-3,
+            save_every: int | None = None, target_fps: int | None = None, model_extra: str = "",
+            extra: str = "") -> Path:
+    """A tiny Wan LoRA run's config on a clip folder (rank 4, batch 2, 64 px, 9 frames), written to
+    `path`: the config the Wan tests train from."""
+    path.write_text(RUN.format(
+        family=family, folder=folder, media=media, cache=cache, out=out, name=name, steps=steps, lr=lr,
+        model_extra=model_extra, extra=extra,
+        data_extra=f"target_fps = {target_fps}\n" if target_fps is not None else "",
+        train_extra=f"save_every = {save_every}\n" if save_every is not None else ""))
+    return path

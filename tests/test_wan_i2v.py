@@ -290,38 +290,6 @@ def test_both_experts_sample_the_pipelines_latents(two_experts, first_png):
 
 CLIP_FRAMES, FPS = 9, 16                 # 9 frames -> 3 latent frames of 8 x 8
 
-RUN = """
-[model]
-family = "wan2.2"
-path = "{folder}"
-dtype = "fp32"
-
-[data]
-resolutions = [64]
-batch_size = 2
-cache_dir = "{cache}"
-max_text_length = 32
-target_fps = 16
-max_frames = 9
-
-[[data.datasets]]
-path = "{media}"
-
-[lora]
-rank = 4
-alpha = 4
-
-[train]
-steps = 2
-learning_rate = 1e-3
-mixed_precision = "no"
-seed = 3
-
-[output]
-dir = "{out}"
-name = "i2v"
-formats = ["diffusers"]
-"""
 
 
 @pytest.fixture(scope="module")
@@ -335,9 +303,11 @@ def media(tmp_path_factory):
 def _config(tmp_path, folder, media, name: str, extra: str = ""):
     from leantune.config import load_config
 
-    path = tmp_path / f"{name}.toml"
-    path.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / name) + extra)
-    return load_config(path)
+    from moving_square_clips import wan_run
+
+    return load_config(wan_run(tmp_path / f"{name}.toml", family="wan2.2", folder=folder, media=media,
+                               cache=tmp_path / "cache", out=tmp_path / name, name="i2v", target_fps=16,
+                               extra=extra))
 
 
 def _prepare(cfg, **kw):

@@ -270,46 +270,15 @@ def media(tmp_path_factory):
     return d
 
 
-RUN = """
-[model]
-family = "wan2.2-ti2v"
-path = "{folder}"
-dtype = "fp32"
-{model_extra}
-[data]
-resolutions = [64]
-batch_size = 2
-cache_dir = "{cache}"
-max_text_length = 32
-max_frames = 9
-
-[[data.datasets]]
-path = "{media}"
-
-[lora]
-rank = 4
-alpha = 4
-
-[train]
-steps = {steps}
-learning_rate = {lr}
-mixed_precision = "no"
-seed = 3
-save_every = {save_every}
-
-[output]
-dir = "{out}"
-name = "ti2v"
-formats = ["diffusers"]
-{extra}"""
 
 
 def _config(tmp_path, folder, media, out: str, steps: int = 4, lr: float = 1e-3, save_every: int = 2,
             model_extra: str = "", extra: str = ""):
-    path = tmp_path / f"{out}.toml"
-    path.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / out,
-                               steps=steps, lr=lr, save_every=save_every, model_extra=model_extra, extra=extra))
-    return load_config(path)
+    from moving_square_clips import wan_run
+
+    return load_config(wan_run(tmp_path / f"{out}.toml", family="wan2.2-ti2v", folder=folder, media=media,
+                               cache=tmp_path / "cache", out=tmp_path / out, name="ti2v", steps=steps, lr=lr,
+                               save_every=save_every, model_extra=model_extra, extra=extra))
 
 
 def _fixed_loss(folder, lora_file, latents, embeds, sigmas=(0.3, 0.6, 0.9), first_frame: bool = False) -> float:

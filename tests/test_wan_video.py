@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from moving_square_clips import moving_square, write_media
+from moving_square_clips import moving_square, wan_run, write_media
 from safetensors.torch import load_file
 
 from leantune.config import load_config
@@ -44,46 +44,12 @@ def media(tmp_path_factory):
     return write_media(tmp_path_factory.mktemp("media") / "data", FRAMES, FPS, SIDE)
 
 
-RUN = """
-[model]
-family = "wan2.2"
-path = "{folder}"
-dtype = "fp32"
-
-[data]
-resolutions = [64]
-batch_size = 2
-cache_dir = "{cache}"
-max_text_length = 32
-target_fps = 16
-max_frames = 9
-
-[[data.datasets]]
-path = "{media}"
-
-[lora]
-rank = 4
-alpha = 4
-
-[train]
-steps = {steps}
-learning_rate = {lr}
-mixed_precision = "no"
-seed = 3
-save_every = {save_every}
-
-[output]
-dir = "{out}"
-name = "clips"
-formats = ["diffusers"]
-"""
 
 
 def _config(tmp_path, folder, media, out: str, steps: int = 4, lr: float = 1e-3, save_every: int = 2):
-    path = tmp_path / f"{out}.toml"
-    path.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / out,
-                               steps=steps, lr=lr, save_every=save_every))
-    return load_config(path)
+    return load_config(wan_run(tmp_path / f"{out}.toml", family="wan2.2", folder=folder, media=media,
+                               cache=tmp_path / "cache", out=tmp_path / out, name="clips", steps=steps, lr=lr,
+                               save_every=save_every, target_fps=16))
 
 
 def _prepare(cfg):
@@ -254,11 +220,10 @@ def test_a_video_run_samples_mp4_and_webp_and_tensorboard_frames(tmp_path, folde
 
     from leantune.trainer import train
 
-    text = RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / "sampled", steps=2,
-                      lr=1e-3, save_every=0)
-    text += '\n[sample]\nevery = 2\nsteps = 2\nguidance = 4.0\nwidth = 64\nheight = 48\nframes = 5\n'
-    text += f"prompts = {PROMPTS!r}\n".replace("'", '"')
-    (tmp_path / "sampled.toml").write_text(text)
+    sample = ('\n[sample]\nevery = 2\nsteps = 2\nguidance = 4.0\nwidth = 64\nheight = 48\nframes = 5\n'
+              + f"prompts = {PROMPTS!r}\n".replace("'", '"'))
+    wan_run(tmp_path / "sampled.toml", family="wan2.2", folder=folder, media=media, cache=tmp_path / "cache",
+            out=tmp_path / "sampled", name="clips", steps=2, save_every=0, target_fps=16, extra=sample)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = train(load_config(tmp_path / "sampled.toml"), progress=False)
@@ -312,8 +277,8 @@ def test_plan_prices_frames_as_latent_frames_times_patches(tmp_path, folder, med
     from leantune.planner.workload import Workload
 
     toml = tmp_path / "plan.toml"
-    toml.write_text(RUN.format(folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / "o", steps=1,
-                               lr=1e-3, save_every=0))
+    wan_run(toml, family="wan2.2", folder=folder, media=media, cache=tmp_path / "cache", out=tmp_path / "o",
+            name="clips", steps=1, save_every=0, target_fps=16)
 
     def plan(*flags):
         assert main(["plan", str(toml), "--vram", "8GiB", "--json", "--no-fp8", "--resolution", "64x96", *flags]) == 0
