@@ -127,3 +127,34 @@ def test_the_disk_tier_is_refused_where_it_cannot_hold(tmp_path):
     with pytest.raises(E, match=r"disk tier.s folder .*file: cannot write"):
         apply_streaming(_model(), SPEC, _plan(BLOCKS), "cpu", disk_dir=blocked)
     assert os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only (bench/gpu_checks.sh window 1): the disk "
+                                                          "tier's pinned staging and H2D on CUDA's copy stream")
+def test_streamed_from_disk_equals_streamed_from_ram_on_cuda(tmp_path):
+    """On a CUDA device the disk-tier blocks go file -> pinned staging -> the copy stream: two steps
+    equal the same blocks streamed from host RAM bitwise, and no page of the file stays cached."""
+    def step(model, seed):
+        x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(seed)).cuda().requires_grad_(True)
+        out = model(x)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        return out.detach().cpu(), [g.cpu() for g in grads], x.grad.cpu()
+
+    plain = _model()
+    ram, disk = copy.deepcopy(plain), copy.deepcopy(plain)
+    h_ram = apply_streaming(ram, SPEC, _plan(()), "cuda")
+    h_disk = apply_streaming(disk, SPEC, _plan(BLOCKS[1:]), "cuda", disk_dir=tmp_path)
+    try:
+        for seed in (1, 2):
+            want, got = step(ram, seed), step(disk, seed)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+            assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+        assert cached_pages(h_disk.disk.fd) == 0
+    finally:
+        remove_streaming(h_disk, "cpu")
+        release_streaming(h_ram)

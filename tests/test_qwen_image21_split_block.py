@@ -226,3 +226,38 @@ def test_the_planners_activation_peak_is_what_a_real_step_holds(checkpointing):
     window = tracker.windows["step"]
     held = max(p[0] for p in window["points"]) - window["start"][0]
     assert 0.90 <= predicted / held <= 1.10, (predicted, held)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only (bench/gpu_checks.sh window 1): the split "
+                                                          "block's recompute under torch's real CUDA autocast")
+def test_the_split_block_recomputes_under_cuda_autocast_as_diffusers_block_trains():
+    """On CUDA with bf16 autocast (torch's real autocast and its weight cast cache, which the CPU
+    probe only fakes), the split block's recomputed branches give diffusers' block's output and LoRA
+    gradients bit for bit (or, where the device's own kernels do not repeat their bits, no further
+    from it than two runs of diffusers' block are from each other)."""
+    def step(model):
+        g = torch.Generator().manual_seed(2)
+        embeds = _embeds(REFS_HW, model.config.context_in_dim)
+        embeds = PromptEmbeds(t5=embeds.t5.cuda(), pooled=embeds.pooled.cuda())
+        refs = [torch.randn(2, 64, h, w, generator=g).cuda() for h, w in REFS_HW]
+        noisy = torch.randn(2, TARGET_HW[0] * TARGET_HW[1], 64, generator=g).cuda()
+        target = torch.randn(noisy.shape, generator=g).cuda()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fam.predict(model, noisy, torch.tensor([0.3, 0.8]).cuda(), embeds, TARGET_HW, references=refs)
+        ((out.float() - target) ** 2).mean().backward()
+        torch.cuda.synchronize()
+        return out.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = _lora_model().cuda()
+    split = copy.deepcopy(plain)
+    split_blocks(split)
+    want, again, got = step(plain), step(plain), step(split)
+
+    def gap(a, b) -> float:
+        return max([(a[0] - b[0]).abs().max().item()] + [(a[1][n] - b[1][n]).abs().max().item() for n in b[1]])
+    if gap(again, want) == 0:                 # the device repeats itself: the split must too, bitwise
+        _assert_same(got, want)
+    else:                                     # an atomic reduction somewhere: no more apart than two plain runs
+        assert gap(got, want) <= 2 * gap(again, want), (gap(got, want), gap(again, want))
