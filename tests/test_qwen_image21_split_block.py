@@ -1,5 +1,5 @@
-"""Qwen-Image-2.1's training block (models/qwen_image21/block.py): with reference images in the
-sequence, its attention and MLP branches are kept for backward as their inputs and recomputed in
+"""Qwen-Image-2.1's training block (models/qwen_image21/block.py): when the plan splits blocks
+(Plan.split_blocks, the blocks' split_parts switch), its attention and MLP branches are kept for backward as their inputs and recomputed in
 their own backward. The math is diffusers' block's: outputs and LoRA gradients equal the plain
 block's bit for bit on the tiny model (fp32), alone and under the engine (every block streamed in
 poison mode, checkpointed with offloaded inputs); the loader and the planner's meta copy both run
@@ -14,6 +14,7 @@ import torch
 
 from leantune.config import LoraConfig
 from leantune.memory.plan import Plan
+from leantune.memory.split_parts import set_split_parts
 from leantune.models import qwen_image21 as fam
 from leantune.models.family import PromptEmbeds
 from leantune.models.qwen_image21 import latents as lat
@@ -94,14 +95,17 @@ def test_the_split_block_trains_as_diffusers_block_bit_for_bit(monkeypatch):
     calls = _count_branches(monkeypatch)
     want = _step(plain)
     assert not calls                                    # diffusers' own block: no branch of ours ran
+    assert _step(split)[0].equal(want[0]) and not calls     # switched off: the reference forward
+    assert set_split_parts(split, True) == len(split.transformer_blocks)
     got = _step(split)
     n = len(split.transformer_blocks)
     assert len(calls) == 2 * n                          # each branch run, then recomputed in backward
     _assert_same(got, want)
-    # without references the block is diffusers' (text to image fits without the split, at its speed)
+    # text to image splits too in a split plan (the planner prices it so), with the same bits
     calls.clear()
     _assert_same(_step(split, refs_hw=[]), _step(plain, refs_hw=[]))
-    assert not calls
+    assert len(calls) == 2 * n
+    calls.clear()
     with torch.no_grad():                               # sampling: nothing to keep, nothing recomputed
         fam.predict(split, torch.zeros(2, 16, 64), torch.tensor([0.5, 0.5]),
                     _embeds(REFS_HW, split.config.context_in_dim), TARGET_HW,
@@ -122,7 +126,7 @@ def test_streamed_in_poison_mode_and_offloaded_it_trains_as_diffusers_block(monk
     want = _step(plain)
     blocks = tuple(n for n, _ in SPEC.blocks(model))
     plan = Plan(streamed_blocks=blocks, stream_non_blocks=True, debug_poison=True, checkpointing="offload",
-                ring_slots=2)
+                ring_slots=2, split_blocks=True)
     handle = apply_memory(model, SPEC, plan, "cpu", offload_min_bytes=0)
     calls = _count_branches(monkeypatch)
     try:
@@ -167,21 +171,16 @@ def test_the_probe_prices_what_the_split_block_keeps(autocast):
         model = Meta.from_config(dict(tq.QWEN_IMAGE21_TINY))
     w = Workload(mode="lora", rank=4, targets="all", buckets=((64, 64),), text_length=7, references=1,
                  autocast=autocast, dtype=torch.bfloat16 if autocast else torch.float32)
-    split = probe_activations(SPEC, model, w, (64, 64)).kinds["single"]
+    split = probe_activations(SPEC, model, w, (64, 64), split=True).kinds["single"]
     ratio = model.config.mlp_ratio
     assert split.saved == (2 + 2 * ratio) * split.out
-    split_forward = QwenImage21SplitBlock.forward
-    QwenImage21SplitBlock.forward = QwenImage21SplitBlock.__bases__[0].forward      # diffusers' block
-    try:
-        plain = probe_activations(SPEC, model, w, (64, 64)).kinds["single"]
-    finally:
-        QwenImage21SplitBlock.forward = split_forward
+    plain = probe_activations(SPEC, model, w, (64, 64)).kinds["single"]
     assert plain.out == split.out and plain.saved > 2 * split.saved
     assert split.bwd_transient > plain.bwd_transient            # the branches' recompute, in backward
     assert split.bwd_flops > plain.bwd_flops
 
 
-@pytest.mark.parametrize("checkpointing", ["blocks", "none"])
+@pytest.mark.parametrize("checkpointing", ["blocks"])
 def test_the_planners_activation_peak_is_what_a_real_step_holds(checkpointing):
     """Like with like: the planner's activation peak for a step with one reference at the
     pipeline's size (probe_inputs' layout: its tags and 32 x 32 slots before the caption, 64 x 64

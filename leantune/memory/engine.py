@@ -23,6 +23,8 @@ Order, and why (each step is one module with its own docstring):
                   they are used. (Hooks outside `forward` would be skipped by the recompute.)
 5. placement      everything that does not stream moves to the device; streamed tensors already
                   live in the slots.
+6. split blocks   the family's split blocks (memory/split_parts.py) switched to plan.split_blocks:
+                  a flag each block reads in its forward, so its place in the order does not matter.
 
 `torch.compile` is not part of the order: the streaming and checkpointing wrappers are Python-level
 and would break compiled graphs at every block anyway.
@@ -55,6 +57,7 @@ from .cpu_linear import CpuLinearHandle, apply_cpu_linears, remove_cpu_linears
 from .fp8 import Fp8Handle, apply_fp8_storage, has_prequantized, remove_fp8_storage
 from .host_buffers import return_freed_host_memory
 from .plan import Plan
+from .split_parts import has_split_blocks, set_split_parts
 from .switched import apply_switched, parts_of
 from .spread import even_spread  # noqa: F401 - where the planner and resolve_plan take it
 from .streaming import (
@@ -177,6 +180,7 @@ class MemoryHandle:
         if self.model.__dict__.get(_APPLIED_ATTR) == _RELEASED:
             raise RuntimeError("MemoryHandle.remove(): the engine was released; the streamed weights are gone "
                                "and cannot be restored")
+        set_split_parts(self.model, False)            # the plain model's blocks: the reference forward
         if self.checkpointing is not None:
             remove_checkpointing(self.checkpointing)
             self.checkpointing = None
@@ -260,6 +264,8 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
         raise ValueError("apply_memory: this model already has the memory engine applied; call remove() first")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"apply_memory: device {device} requested but CUDA is not available")
+    if plan.split_blocks and not has_split_blocks(model):
+        log.warning("plan.split_blocks has no effect: this model's blocks have no split variant")
     if plan.debug_poison and not (plan.streamed_blocks or plan.stream_non_blocks):
         log.warning("memory.debug_poison has no effect without streaming (memory.streamed_blocks = 0)")
 
@@ -342,6 +348,7 @@ def apply_memory(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.de
                                                        offload_min_bytes=offload_min_bytes, host_device=host_device)
         _place(model, device, keep=handle.streaming.host_modules if handle.streaming else ())   # 5. the resident set
         return_freed_host_memory()                                       # their host copies
+        set_split_parts(model, plan.split_blocks)                        # 6. split blocks, on or off
     except BaseException:
         # Roll back to the host, never onto the device: this is typically an out-of-memory while a
         # tighter plan is applied, and copying every streamed block onto the device would run out again.

@@ -35,6 +35,10 @@ class Plan:
     # memory/fp8.py), "int8" (ConvRot rows, memory/int8_storage.py) or "nf4" (bitsandbytes rows,
     # memory/nf4_storage.py); the planner chooses it under [memory] base_format = "auto".
     base_format: Literal["fp8", "int8", "nf4"] = "fp8"
+    # Split blocks (memory/split_parts.py): a family's split blocks keep their parts' inputs only
+    # and recompute each part in its own backward (less activation memory, one more forward per
+    # block); the planner takes it only with checkpointing "blocks" / "offload".
+    split_blocks: bool = False
     # Free-form notes from the planner (predicted peak, why this plan); not used by the engine.
     notes: dict = field(default_factory=dict, compare=False)
 
@@ -51,6 +55,8 @@ class Plan:
             del d["disk_blocks"]          # a plan without the disk tier reads as before it
         if self.base_format == "fp8":
             del d["base_format"]          # an fp8 (or bf16) plan reads as before the base formats
+        if not self.split_blocks:
+            del d["split_blocks"]         # a plan without split blocks reads as before them
         return d
 
     def describe(self) -> str:
@@ -58,7 +64,8 @@ class Plan:
                 f"{self._storage_text()}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
                 f"{'pinned' if self.pin_memory else 'pageable'}"
                 + (", optimizer step of streamed blocks on the host" if self.optimizer_on_host else "")
-                + (f", {len(self.disk_blocks)} of them read from disk" if self.disk_blocks else ""))
+                + (f", {len(self.disk_blocks)} of them read from disk" if self.disk_blocks else "")
+                + (", split blocks" if self.split_blocks else ""))
 
     def _storage_text(self) -> str:
         mod = " + modulation" if self.fp8_modulation else ""

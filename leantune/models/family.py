@@ -275,6 +275,12 @@ class ModelFamily:
     # pixels a training bucket's sides are multiples of (data/buckets.bucket_sizes): the VAE's factor
     # times the transformer's patch, 16 for the 8x VAEs with 2 x 2 patches; Wan 2.2 TI2V-5B's 16x VAE, 32
     side_multiple: int = 16
+    # (transformer) -> None: swaps the transformer's blocks' classes in place to the family's split
+    # class (memory/split_parts.py: parts kept as their inputs and recomputed one at a time, switched
+    # on by Plan.split_blocks); its loader calls it on every load, meta included, so the planner's
+    # probe runs the class training runs. None: the family has no split blocks (the planner never
+    # prices nor chooses them)
+    split_blocks: Callable | None = None
 
 
 def text_width(family: ModelFamily, config) -> int:

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..config import LoraConfig
 from ..memory.fp8 import apply_fp8_storage
+from ..memory.split_parts import set_split_parts
 from ..train.lora import LoraRankWarning, add_lora
 from .activations import ActivationProfile, KindProfile, frontier
 from .meta import short_copy
@@ -256,10 +257,12 @@ def _cast_all(tree, dtype, only_from=_CASTABLE):
 
 
 def _probe_model(spec, model: torch.nn.Module, workload: Workload, with_lora: bool, fp8: bool,
-                 modulation: bool = False, rank: int | None = None):
+                 modulation: bool = False, rank: int | None = None, split: bool = False):
     """A copy of `model`'s architecture with two blocks of each kind, on meta, in the workload's dtype,
-    with the run's adapters (the trainer's own add_lora) and fp8 storage (the engine's own)."""
+    with the run's adapters (the trainer's own add_lora) and fp8 storage (the engine's own), its split
+    blocks (memory/split_parts.py) switched as `split` (the engine sets them from Plan.split_blocks)."""
     probe = short_copy(spec, model, workload.dtype)
+    set_split_parts(probe, split)
     probe.requires_grad_(False)
     if workload.mode == "full":      # the run's [full] train / exclude, on the probe's names
         from ..train.trainable import select_trainable
@@ -421,7 +424,8 @@ _TRACE_RANKS = (257, 263, 269, 271, 277, 281, 283, 293, 307, 311, 313, 317, 331,
 
 
 def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: tuple[int, int],
-                      fp8: bool = False, modulation: bool = False, rank: int | None = None) -> ActivationProfile:
+                      fp8: bool = False, modulation: bool = False, rank: int | None = None,
+                      split: bool = False) -> ActivationProfile:
     """Activation bytes and FLOPs of `model`'s architecture for one bucket, measured on meta.
 
     Each kind is characterised by its last block in the probe copy, whose input comes from a block
@@ -434,6 +438,7 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
     given at the workload's rank and prices any other rank without tracing again
     (ActivationProfile.at_rank). With `rank` given the probe builds its adapters at that rank
     (the direct measurement the per-rank pricing is tested against).
+    `split`: the model's split blocks split their parts (Plan.split_blocks; memory/split_parts.py).
     """
     with_lora = workload.mode == "lora" and (workload.lora_blocks is None or any(workload.lora_blocks.values()))
     if with_lora and rank is None and workload.adapter == "lokr":
@@ -443,7 +448,7 @@ def probe_activations(spec, model: torch.nn.Module, workload: Workload, bucket: 
     dim = None
     if with_lora:
         dim = rank if rank is not None else trace_rank(spec, model, workload, bucket)
-    probe = _probe_model(spec, model, workload, with_lora, fp8, modulation, rank=dim)
+    probe = _probe_model(spec, model, workload, with_lora, fp8, modulation, rank=dim, split=split)
     ranked = with_lora and rank is None      # per-rank pricing: the trace rank is a unique dimension
     at = workload.rank if ranked else 0      # the profile's rank (the probe's own when not ranked)
     rank_dim = dim if ranked else None

@@ -98,7 +98,21 @@ def short_copy(spec, model: torch.nn.Module, dtype: torch.dtype, blocks_per_list
         blocks = getattr(copy, attr)
         if extra and len(blocks) > extra:
             setattr(copy, attr, torch.nn.ModuleList(list(blocks)[:-extra]))
+    _split_class(spec, copy)
     return copy
+
+
+def _split_class(spec, copy: torch.nn.Module) -> None:
+    """The copy's blocks get the family's split class (ModelFamily.split_blocks), as its loader
+    gives them on every load: the probe runs the class training runs, switched by the probe."""
+    from ..models.family import family_of_spec
+
+    try:
+        family = family_of_spec(spec)
+    except KeyError:
+        return
+    if family.split_blocks is not None:
+        family.split_blocks(copy)
 
 
 

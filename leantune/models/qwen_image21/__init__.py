@@ -286,7 +286,15 @@ def _register():
         references=ReferenceConditioning(size=reference_size, text_sees_images=True, most=MAX_REFERENCES,
                                         sampling_latents=_sampling_latents),
         text_width=text_width, rgba=True, caption_tokens=text.caption_tokens, cuts_text=False,
+        split_blocks=_split_blocks,
     ))
+
+
+def _split_blocks(transformer) -> None:
+    """ModelFamily.split_blocks: the blocks become block.py's split class (imported on use: diffusers)."""
+    from .block import split_blocks
+
+    split_blocks(transformer)
 
 
 def _text_phase(rows, model_cfg=None, base_dir=None, references: int = 0):

@@ -1,6 +1,6 @@
 """Qwen-Image-2.1's block as training runs it: diffusers' QwenImage21TransformerBlock, the same
-ops in the same order, whose parts are kept for backward as their inputs only when the sequence
-carries reference images, each part recomputed at the start of its own backward.
+ops in the same order, whose parts are kept for backward as their inputs only when the plan splits
+blocks (Plan.split_blocks), each part recomputed at the start of its own backward.
 
 Why. References multiply the joint sequence (1024², 3 references: 16.9 k rows, the target's 4.1 k
 of them), and a block's backward holds everything its forward saved, for every row at once: the
@@ -21,43 +21,27 @@ and gains nothing: the MLP's backward is the peak. Each part runs diffusers' own
 tensors, so outputs and gradients are the plain block's bit for bit (tests/
 test_qwen_image21_split_block.py); the price is one more forward of each block per step.
 
-When. Only in a forward that records gradients, with no prefix KV cache (the sampler's is a no-grad
-side effect), and with reference images in the sequence (split_blocks' hook marks the blocks from
-`img_shapes`): a text-to-image step fits 4 GiB without it and keeps its speed. The planner's probe
-runs this class (meta_model.py's block derives from it), so its price follows what the block keeps;
-a recompute runs under the torch function modes of its forward (`_same_modes`), which is how the
-probe's bf16 autocast emulation and the meta copy's host layout reach it.
+When. A plan choice (Plan.split_blocks, memory/split_parts.py's seam): the engine switches the
+blocks' `split_parts` on where the planner found the split plan the fastest that fits (with
+references at 8 GiB and below, as a rule); then the block splits in every forward that records
+gradients with no prefix KV cache (the sampler's is a no-grad side effect), a text-to-image batch
+too (the planner prices that step split as well). The planner's probe runs this class
+(meta_model.py's block derives from it) with the switch off and on, so its price follows what the
+block keeps; a recompute runs under the torch function modes of its forward (split_parts.same_modes),
+which is how the probe's bf16 autocast emulation and the meta copy's host layout reach it.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21TransformerBlock, _select_modulation_rows
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils.checkpoint import checkpoint
 
-
-def _same_modes():
-    """checkpoint's context_fn: the recompute in backward runs under the torch function modes the
-    forward ran under (none in a real run; meta_model's host layout and the planner probe's GPU
-    semantics on tensors without values), as torch itself restores the autocast state."""
-    modes = _get_current_function_mode_stack()
-
-    @contextlib.contextmanager
-    def recompute():
-        with contextlib.ExitStack() as stack:
-            for mode in modes:
-                stack.enter_context(mode)
-            yield
-
-    return contextlib.nullcontext(), recompute()
+from ...memory.split_parts import part
 
 
 class QwenImage21SplitBlock(QwenImage21TransformerBlock):
-    # Set per forward by the model (split_blocks' pre-hook): the sequence holds reference images.
-    references = False
+    # Set by the engine from Plan.split_blocks (memory/split_parts.set_split_parts).
+    split_parts = False
 
     def _attention_branch(self, hidden_states, mod1, rotary_emb, target_token_mask, key_valid, attention_mask,
                           segments):
@@ -82,7 +66,7 @@ class QwenImage21SplitBlock(QwenImage21TransformerBlock):
 
     def forward(self, hidden_states, modulation, rotary_emb=None, attention_mask=None, target_token_mask=None,
                 layer_cache=None, kv_cache_mode=None, cache_write_slice=None, segments=None, key_valid=None):
-        if not (self.references and torch.is_grad_enabled() and layer_cache is None and kv_cache_mode is None):
+        if not (self.split_parts and torch.is_grad_enabled() and layer_cache is None and kv_cache_mode is None):
             return super().forward(hidden_states, modulation, rotary_emb=rotary_emb, attention_mask=attention_mask,
                                    target_token_mask=target_token_mask, layer_cache=layer_cache,
                                    kv_cache_mode=kv_cache_mode, cache_write_slice=cache_write_slice,
@@ -93,14 +77,11 @@ class QwenImage21SplitBlock(QwenImage21TransformerBlock):
         def attn(h, m, r, t, k):
             return self._attention_branch(h, m, r, t, k, attention_mask, segments)
 
-        branch = checkpoint(attn, hidden_states, mod1, rotary_emb, target_token_mask, key_valid,
-                            use_reentrant=False, context_fn=_same_modes)
+        branch = part(attn, hidden_states, mod1, rotary_emb, target_token_mask, key_valid)
         hidden_states = hidden_states + branch
         del branch
-        g, p = checkpoint(self._mlp_in, hidden_states, mod2, target_token_mask, use_reentrant=False,
-                          context_fn=_same_modes)
-        hidden_states = hidden_states + checkpoint(self._mlp_out, g, p, mod2, target_token_mask,
-                                                   use_reentrant=False, context_fn=_same_modes)
+        g, p = part(self._mlp_in, hidden_states, mod2, target_token_mask)
+        hidden_states = hidden_states + part(self._mlp_out, g, p, mod2, target_token_mask)
         del g, p
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
@@ -109,15 +90,8 @@ class QwenImage21SplitBlock(QwenImage21TransformerBlock):
 
 def split_blocks(model, block_class: type = QwenImage21SplitBlock) -> None:
     """Make `model`'s blocks QwenImage21SplitBlocks (a class swap: the module tree, its names and
-    weights are unchanged), and mark them per forward: the sequence holds reference images when
-    `img_shapes` lists more than the target."""
+    weights are unchanged; ModelFamily.split_blocks). Blocks already of a split class (the meta
+    copy's, meta_model.py) keep theirs. They split once the engine switches `split_parts` on."""
     for block in model.transformer_blocks:
-        block.__class__ = block_class
-
-    def mark(module, args, kwargs):
-        shapes = kwargs.get("img_shapes", args[3] if len(args) > 3 else None)
-        refs = bool(shapes) and len(shapes[0]) > 1
-        for block in module.transformer_blocks:
-            block.references = refs
-
-    model.register_forward_pre_hook(mark, with_kwargs=True)
+        if not isinstance(block, QwenImage21SplitBlock):
+            block.__class__ = block_class

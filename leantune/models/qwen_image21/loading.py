@@ -124,8 +124,7 @@ def load_transformer(sources: QwenImage21Sources, dtype: torch.dtype = torch.bfl
         model = build_empty(lambda: QwenImage21Transformer2DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a {_LABEL['transformer']} from its config ({e})") from None
-    if str(device) != "meta":      # training's block, the same math (block.py; meta_model's has it)
-        split_blocks(model)
+    split_blocks(model)            # training's block, the same math (block.py; meta_model's has its own)
     fp8 = cl.fp8_hooks(model, QWEN_IMAGE21_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation,
                        quantize=quantize_fp8, quantize_modulation=quantize_modulation, trained=trained)
     return load_into_empty(model, files, ops, what=f"a {_LABEL['transformer']} of this architecture", dtype=dtype,
