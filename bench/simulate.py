@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16, help="--mode lora: the LoRA rank")
     p.add_argument("--fp8-base", action="store_true",
                    help="the base loaded from an fp8 checkpoint (block Linears e4m3, as ComfyUI's fp8 files)")
+    p.add_argument("--references", type=int, default=None, metavar="N",
+                   help="training cases of an edit family (qwen-image-2.1): N reference images per target, at the "
+                        "size the family encodes them (Qwen-Image-2.1: 1024² of area), priced and fed to the step")
     args = p.parse_args(argv)
 
     from leantune.memory.simulated import SimulatedDeviceUnavailable, enable
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(sys.argv),
             "model": args.model, "device": "simulated GPU on CPU (fake tensors)", "mode": args.mode,
-            "fp8_base": args.fp8_base}
+            "fp8_base": args.fp8_base, "references": args.references}
     if args.mode == "full":
         meta.update(optimizer=args.optimizer, state_dtype=args.state_dtype)
     else:
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             if what == "train" and args.mode == "full":
                 what = "full"
             t0 = time.perf_counter()
-            row = planned_case(what, size, int(budget * GiB), model_name=args.model, fp8_base=args.fp8_base,
+            refs = {"references": args.references} if what != "sample" and args.references is not None else {}
+            row = planned_case(what, size, int(budget * GiB), model_name=args.model, fp8_base=args.fp8_base, **refs,
                                **(full if what == "full" else {"rank": args.rank} if what == "train" else {}))
             row["case"], row["wall_s"] = case, time.perf_counter() - t0
             rows.append(row)

@@ -16,6 +16,7 @@ on such a value would always take the same side. Neither the engine nor the step
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -102,9 +103,9 @@ def _embeds(model: nn.Module, batch: int, text_rows: int, dtype: torch.dtype,
 def training_references(family: ModelFamily, config, bucket: tuple[int, int], batch_size: int, dtype: torch.dtype,
                         count: int | None = None) -> list[torch.Tensor] | None:
     """An edit family's reference latents as the trainer's batch holds them (data/cache.py Batch
-    .references: per reference slot (B, C, h, w), host RAM), each at the target's size, as a
-    reference of the target's aspect is encoded (ReferenceConditioning.size: the bucket's area at
-    the reference's aspect). `count` of them; by default as many as the planner prices a step of
+    .references: per reference slot (B, C, h, w), host RAM), each of the target's aspect at the
+    size the family encodes it for the bucket (ReferenceConditioning.size: the bucket's area at
+    the reference's aspect; Qwen-Image-2.1's pipeline size, 1024² of area, whatever the bucket). `count` of them; by default as many as the planner prices a step of
     this family with (probed_references: Qwen-Image-Edit's probe inputs carry one, FLUX.2's none).
     None: no references (the batch of a dataset without them)."""
     count = probed_references(family, config, bucket) if count is None else count
@@ -113,8 +114,13 @@ def training_references(family: ModelFamily, config, bucket: tuple[int, int], ba
     if count and count > family.references.most:
         raise ValueError(f"simulate_training: {count} references, but {family.name} takes at most "
                          f"{family.references.most}")
-    h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
-    return [torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype) for _ in range(count)] or None
+    if not count:
+        return None
+    # a reference of the target's aspect, at the size the family encodes it for this bucket (the
+    # bucket's area, or Qwen-Image-2.1's fixed 1024² pipeline size: data/references.encoded_size)
+    width, height = family.references.size(bucket[1], bucket[0], (bucket[1], bucket[0]))     # (w, h) as data/ gives them
+    h, w = height // family.vae_scale_factor, width // family.vae_scale_factor
+    return [torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype) for _ in range(count)]
 
 
 def probed_references(family: ModelFamily, config, bucket: tuple[int, int]) -> int:
@@ -133,10 +139,38 @@ def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], 
     """A cached batch as the trainer's data loader yields it: latents (B, C, H/f, W/f), prompt
     embeddings and an edit family's reference latents (training_references) in host RAM."""
     h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
+    refs = training_references(family, model.config, bucket, batch_size, dtype, references)
+    embeds = ((refs and family.references.text_sees_images
+               and _embeds_with_slots(model, family, (h, w), batch_size, text_rows, dtype, len(refs)))
+              or _embeds(model, batch_size, text_rows, dtype, family))
     return SimpleNamespace(latents=torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype),
-                           embeds=_embeds(model, batch_size, text_rows, dtype, family), bucket=bucket,
-                           references=training_references(family, model.config, bucket, batch_size, dtype,
-                                                          references))
+                           embeds=embeds, bucket=bucket, references=refs)
+
+
+def _embeds_with_slots(model: nn.Module, family: ModelFamily, latent_hw: tuple[int, int], batch_size: int,
+                       text_rows: int, dtype: torch.dtype, references: int) -> PromptEmbeds | None:
+    """A cached caption of a family whose text encoder sees the references (Qwen-Image-2.1): its
+    rows lengthened by each reference's tags and image slots, the slots zero rows (the cache's
+    layout, models/qwen_image21), laid out as the planner's probe lays them (probe_inputs: the
+    text rows it gives and which of them its `img_mask` marks as slots). The rows are fake; the
+    values they stand for (simulated.stands_for) carry the slots, which the step reads to place
+    each reference's latent tokens. None for a family whose probe lays out no slots (Qwen-Image-Edit's
+    text holds its references' vision tokens as values, none the transformer replaces)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .memory.simulated import stands_for
+
+    with _disable_current_modes():      # real host tensors: the probe's layout (its img_mask) keeps its values
+        probe = family.probe_inputs(model.config, batch_size, latent_hw, text_rows, dtype, references=references)
+        if "img_mask" not in probe:
+            return None
+        rows = probe["encoder_hidden_states"].shape[1]
+        # (B, rows, D), a view of (B, rows, 1): 0 at a slot, 1 elsewhere
+        values = (~probe["img_mask"][:, :rows].bool()).to(dtype)[:, :, None].expand(
+            batch_size, rows, text_width(family, model.config))
+    embeds = _embeds(model, batch_size, rows, dtype, family)
+    stands_for(embeds.t5, values)
+    return embeds
 
 
 def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket: tuple[int, int], *,
@@ -299,7 +333,11 @@ def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) ->
         if len(blocks) != len(keys):
             raise ValueError(f"{name}: blocks gives {len(blocks)} counts, its block lists are {keys}")
         conf.update({k: n for k, n in zip(keys, blocks) if n is not None})
-    return meta_from_config(getattr(diffusers, get_family(family).transformer_classes[0]), conf)
+    entry = get_family(family)
+    # the family's meta class where it has one (Qwen-Image-2.1: a forward that reads its token
+    # layout from a host slot mask, which also runs on fake weights), as `leantune plan --model` builds it
+    cls = entry.meta_transformer_class() if entry.meta_transformer_class else getattr(diffusers, entry.transformer_classes[0])
+    return meta_from_config(cls, conf)
 
 
 def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None = None) -> nn.Module:
@@ -345,12 +383,14 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
                  plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
                  state_dtype: str = "fp32", fp8_base: bool = False, streamed_step: str = "auto",
-                 rank: int = 16) -> dict:
+                 rank: int = 16, references: int | None = None) -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
     ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
     sampling step ("sample") at size x size pixels, on `model_name` (MODELS; or `blocks` blocks of
-    full width, see meta_model). Sampling a family with classifier-free guidance plans, as `leantune sample` does,
+    full width, see meta_model); a training step of an edit family with `references` reference
+    images per target (None: as many as the planner's probe prices by default, training_references),
+    priced and fed to the step at the size the family encodes them. Sampling a family with classifier-free guidance plans, as `leantune sample` does,
     for the doubled batch (negative and positive halves in one forward) and, when no plan fits it,
     for one half at a time ("cfg_batched" in the result).
 
@@ -386,7 +426,10 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
                               optimizer=optimizer, state_dtype=state_dtype, streamed_step=streamed_step)
         mode = make_mode(cfg)
         mode.prepare(model, spec)
-        workloads = [workload_from_config(cfg, model)]
+        # `references` references per target, as an edit dataset's targets have them (the planner
+        # prices them as `leantune plan --references` does; the step is fed them, training_references)
+        workload = workload_from_config(cfg, model)
+        workloads = [workload if references is None else dataclasses.replace(workload, references=references)]
     elif what == "sample":
         model.eval().requires_grad_(False)
         workloads = [Workload(mode="inference", batch_size=factor, buckets=((size, size),), text_length=text_rows,
@@ -395,7 +438,7 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     else:
         raise ValueError(f"unknown case {what!r}: 'train', 'full' or 'sample'")
     out = {"model": model_name, "what": what, "size": size, "budget": budget, "blocks": blocks,
-           "margin": budget_obj.margin_bytes}
+           "margin": budget_obj.margin_bytes, "references": references}
     if what == "full":
         out.update(optimizer=optimizer, state_dtype=state_dtype)
     for workload in workloads:           # the doubled CFG batch first, then one half at a time
@@ -419,10 +462,10 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
         mode = make_mode(cfg)
         mode.prepare(model, spec)
     if what == "train":
-        sim = simulate_training(model, spec, cfg, chosen, (size, size))
+        sim = simulate_training(model, spec, cfg, chosen, (size, size), references=references)
     elif what == "full":
         unprepare_full(model, mode)
-        sim = simulate_training(model, spec, cfg, chosen, (size, size), steps=2)
+        sim = simulate_training(model, spec, cfg, chosen, (size, size), steps=2, references=references)
     else:
         sim = simulate_sampling(model, spec, chosen, (size, size), text_length=text_rows, family=family,
                                 cfg_batched=batched)

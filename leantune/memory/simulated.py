@@ -501,6 +501,31 @@ def generators_on_host():
         torch.Generator = _GENERATOR
 
 
+_STANDS_FOR: "weakref.WeakKeyDictionary" = None       # a fake tensor -> the real values it stands for
+
+
+def stands_for(fake: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Mark `fake` as standing for the real host tensor `values` (same shape; an expanded view
+    costs nothing) and return it. For inputs whose values decide a layout rather than a result:
+    a cached caption's rows, whose zero rows are a family's image slots (Qwen-Image-2.1), which
+    the step reads to lay out its sequence. Fake tensors have no values, so without this such a
+    batch would read as having no slots. Kept as long as `fake` lives; read with `values_of`."""
+    global _STANDS_FOR
+    if tuple(values.shape) != tuple(fake.shape):
+        raise ValueError(f"stands_for: values of shape {tuple(values.shape)} for a tensor of shape {tuple(fake.shape)}")
+    if _STANDS_FOR is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _STANDS_FOR = WeakIdKeyDictionary()
+    _STANDS_FOR[fake] = values
+    return fake
+
+
+def values_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The real values a fake tensor stands for (`stands_for`), or None."""
+    return None if _STANDS_FOR is None else _STANDS_FOR.get(t)
+
+
 @contextlib.contextmanager
 def simulation(tracker: DeviceMemoryTracker | None = None):
     """Everything inside runs on fake tensors with the simulated device set up: the fake mode,

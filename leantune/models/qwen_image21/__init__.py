@@ -115,7 +115,20 @@ def text_layout(seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, t
     """(B, L, D) rows as encode_prompts writes them -> (rows cut to the longest prompt, the padding
     mask (B, L') or None when every row is real, the image-slot mask (B, L') bool): zero rows
     before a prompt's last real row are slots, the ones after it padding. Rows without values (the
-    simulated device's fake tensors, the planner's meta ones) read as all real, no slot."""
+    simulated device's fake tensors, the planner's meta ones) read as all real, no slot, unless the
+    simulation marked the rows with the values they stand for (simulated.stands_for: a cached
+    caption with references), whose layout is then read from those."""
+    from ...memory.simulated import values_of
+
+    values = values_of(seq)
+    if values is not None:
+        from .meta_model import host
+
+        with host():        # the layout from the values; the fake rows cut as they are
+            _, mask, slots = text_layout(values)
+        if mask is not None:             # the padding mask as a tensor of the rows' kind
+            mask = torch.empty(mask.shape, dtype=mask.dtype, device=seq.device).copy_(mask)
+        return seq[:, :slots.shape[1]], mask, slots
     real = (seq != 0).any(dim=-1)                                                 # (B, L)
     if not real.numel() or int(real.sum()) == 0:
         from .meta_model import host
