@@ -24,6 +24,14 @@ it so; where no plan fits that, for one half at a time (the "CFG" column says wh
     python bench/simulate.py --budgets 8 --cases train1024                  # one cell
     python bench/simulate.py --model sd3.5-large --out bench/results/simulate_sd35_large.json
 
+`--references N` feeds an edit family's training step N reference images per target (Qwen-Image-2.1:
+each at its pipeline's size, 1024² of area, whatever the bucket: 4096 latent tokens, and its tags and
+1024 image slots in the caption's rows), priced as `leantune plan --references N` prices them;
+`--ram GiB` plans the training cases for that host-RAM budget; `--optimizer adamw8bit` (LoRA):
+
+    python bench/simulate.py --model qwen-image-2.1 --rank 32 --references 3 --ram 24 --budgets 6 8 \
+        --cases train1024 --out bench/results/simulate_qwen_image21_lora_r32_3refs.json
+
 `--mode full` runs full fine-tuning steps instead ([train] mode = "full": every weight trains, the
 optimizer steps inside backward, streamed blocks carry their optimizer state and are written back),
 with `--optimizer` and `--state-dtype` (AdamW moments), planned with no host-RAM limit (the host
@@ -65,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="JSON results (written after every case)")
     p.add_argument("--mode", choices=("lora", "full"), default="lora",
                    help="training cases: a LoRA step, or a full fine-tuning step (sampling cases are the same)")
-    p.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw", help="--mode full")
+    p.add_argument("--optimizer", choices=("adamw", "adafactor", "adamw8bit"), default="adamw",
+                   help="the optimizer (--mode lora: also adamw8bit, 8-bit moments)")
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="--mode full: AdamW moments")
     p.add_argument("--rank", type=int, default=16, help="--mode lora: the LoRA rank")
     p.add_argument("--fp8-base", action="store_true",
@@ -73,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--references", type=int, default=None, metavar="N",
                    help="training cases of an edit family (qwen-image-2.1): N reference images per target, at the "
                         "size the family encodes them (Qwen-Image-2.1: 1024² of area), priced and fed to the step")
+    p.add_argument("--ram", type=float, default=None, metavar="GiB",
+                   help="the host-RAM budget the training cases plan for (default: LoRA 64 GiB, full unlimited)")
     args = p.parse_args(argv)
 
     from leantune.memory.simulated import SimulatedDeviceUnavailable, enable
@@ -86,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(sys.argv),
             "model": args.model, "device": "simulated GPU on CPU (fake tensors)", "mode": args.mode,
-            "fp8_base": args.fp8_base, "references": args.references}
+            "fp8_base": args.fp8_base, "references": args.references, "ram_budget_gib": args.ram}
     if args.mode == "full":
         meta.update(optimizer=args.optimizer, state_dtype=args.state_dtype)
     else:
-        meta.update(rank=args.rank)
+        meta.update(rank=args.rank, optimizer=args.optimizer)
     full = {"optimizer": args.optimizer, "state_dtype": args.state_dtype} if args.mode == "full" else {}
     rows = []
     for case in args.cases:
@@ -100,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                 what = "full"
             t0 = time.perf_counter()
             refs = {"references": args.references} if what != "sample" and args.references is not None else {}
+            if what != "sample" and args.ram is not None:
+                refs["ram_budget"] = int(args.ram * GiB)
             row = planned_case(what, size, int(budget * GiB), model_name=args.model, fp8_base=args.fp8_base, **refs,
-                               **(full if what == "full" else {"rank": args.rank} if what == "train" else {}))
+                               **(full if what == "full" else {"rank": args.rank, "optimizer": args.optimizer}
+                                  if what == "train" else {}))
             row["case"], row["wall_s"] = case, time.perf_counter() - t0
             rows.append(row)
             print(_line(row), flush=True)

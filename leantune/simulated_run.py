@@ -365,7 +365,8 @@ def as_fp8_checkpoint(model: nn.Module, spec: ModelSpec, modulation: bool = True
 
 
 def training_config(size: int, budget: int, rank: int = 16, family: str = "flux", *, mode: str = "lora",
-                    optimizer: str = "adamw", state_dtype: str = "fp32", streamed_step: str = "auto"):
+                    optimizer: str = "adamw", state_dtype: str = "fp32", streamed_step: str = "auto",
+                    ram_budget: int | None = None):
     """The RunConfig of a training run at one square resolution with a VRAM budget (defaults otherwise:
     batch 1, the family's text tokens (Flux 512, SD3 256), bf16 autocast). `mode` "lora": attention+MLP
     targets of `rank`; "full": every weight trains ([full] defaults: bf16 weights with stochastic
@@ -374,7 +375,8 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 
     trains = ({"full": {"state_dtype": state_dtype, "streamed_step": streamed_step}} if mode == "full"
               else {"lora": {"rank": rank}})
-    memory = {"vram_budget": f"{budget}B"} | ({} if mode == "full" else {"ram_budget": f"{CASE_RAM_BUDGET}B"})
+    ram = ram_budget if ram_budget is not None else None if mode == "full" else CASE_RAM_BUDGET
+    memory = {"vram_budget": f"{budget}B"} | ({} if ram is None else {"ram_budget": f"{ram}B"})
     return validate({"model": {"path": "unused", "family": family},
                      "data": {"datasets": [{"path": "unused"}], "resolutions": [size]},
                      "train": {"mode": mode, "optimizer": optimizer}, **trains, "memory": memory})
@@ -383,14 +385,15 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
                  plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
                  state_dtype: str = "fp32", fp8_base: bool = False, streamed_step: str = "auto",
-                 rank: int = 16, references: int | None = None) -> dict:
+                 rank: int = 16, references: int | None = None, ram_budget: int | None = None) -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
     ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
     sampling step ("sample") at size x size pixels, on `model_name` (MODELS; or `blocks` blocks of
     full width, see meta_model); a training step of an edit family with `references` reference
     images per target (None: as many as the planner's probe prices by default, training_references),
-    priced and fed to the step at the size the family encodes them. Sampling a family with classifier-free guidance plans, as `leantune sample` does,
+    priced and fed to the step at the size the family encodes them; `ram_budget` the host RAM a
+    training case plans for (default: LoRA CASE_RAM_BUDGET, full unlimited). Sampling a family with classifier-free guidance plans, as `leantune sample` does,
     for the doubled batch (negative and positive halves in one forward) and, when no plan fits it,
     for one half at a time ("cfg_batched" in the result).
 
@@ -420,10 +423,12 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     text_rows = family.text_rows(MODELS[model_name][2])
     machine = assumed_machine(vram_total=budget)
 
-    budget_obj = Budget(vram=budget, ram=UNLIMITED_RAM if what == "full" else CASE_RAM_BUDGET)
+    budget_obj = Budget(vram=budget, ram=ram_budget if ram_budget is not None and what != "sample"
+                        else UNLIMITED_RAM if what == "full" else CASE_RAM_BUDGET)
     if what in ("train", "full"):
         cfg = training_config(size, budget, rank=rank, family=family.name, mode="full" if what == "full" else "lora",
-                              optimizer=optimizer, state_dtype=state_dtype, streamed_step=streamed_step)
+                              optimizer=optimizer, state_dtype=state_dtype, streamed_step=streamed_step,
+                              ram_budget=ram_budget)
         mode = make_mode(cfg)
         mode.prepare(model, spec)
         # `references` references per target, as an edit dataset's targets have them (the planner
