@@ -109,6 +109,11 @@ class ModelConfig(Section):
     # template and image processor in one, as QwenImage21Pipeline names the component), so it is
     # overridden by the name a user sees there; another family has no processor and refuses it.
     processor: str | None = None
+    # Wan 2.1 I2V: its CLIP vision encoder (a transformers CLIPVisionModel folder) and its
+    # CLIPImageProcessor folder, the diffusers repository's image_encoder/ and image_processor/
+    # (a single transformer file has neither); another family has no image encoder and refuses them.
+    image_encoder: str | None = None
+    image_processor: str | None = None
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     # SD3: false leaves T5-XXL out (zeros in its place, as StableDiffusion3Pipeline without
     # text_encoder_3). Flux cannot run without T5: false is refused there.
@@ -127,6 +132,10 @@ class ModelConfig(Section):
             raise ValueError(f"[model] image_to_video = true: family = {self.family!r} does not choose; only family = "
                              f"\"wan2.2-ti2v\" (TI2V-5B) trains either way (an image-to-video Wan's first frame comes "
                              f"with its model); remove the key")
+        for key in ("image_encoder", "image_processor"):
+            if getattr(self, key) is not None and self.family != "wan2.2":
+                raise ValueError(f"[model] {key}: family = {self.family!r} has no image encoder (only \"wan2.2\" "
+                                 f"does, for Wan 2.1 I2V); remove the key")
         if self.processor is not None and self.family != "qwen-image-2.1":
             raise ValueError(f"[model] processor: family = {self.family!r} has no processor component (only "
                              f"\"qwen-image-2.1\" does); its tokenizer is [model] tokenizer")

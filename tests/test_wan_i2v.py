@@ -407,7 +407,8 @@ def test_an_i2v_run_samples_from_its_first_frame_and_needs_one(tmp_path, folder,
 def test_which_models_take_a_first_frame(tmp_path, folder, two_experts, t2v_folder):
     """The i2v folders (model_index WanImageToVideoPipeline, 36 input channels) and a single 36-channel
     file in Wan-AI's names take a first frame, the file's experts switching at I2V-A14B's 0.9; a
-    text-to-video folder does not; Wan 2.1 I2V's image embedder (image_dim) is refused by name."""
+    text-to-video folder does not; Wan 2.1 FLF2V's two-frame image embedding is refused by name (Wan
+    2.1 I2V's one-frame embedding: tests/test_wan21_i2v.py)."""
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -425,5 +426,7 @@ def test_which_models_take_a_first_frame(tmp_path, folder, two_experts, t2v_fold
     src = WanSources(transformer=path, transformer_2=None, text_encoder=None, tokenizer=None, vae=None)
     assert takes(src) and boundary_ratio(src) == I2V_BOUNDARY
     assert FAM.load_transformer(src, torch.float32).config.in_channels == 36
-    with pytest.raises(LoadError, match=r"x\.json: .*image embedder \(image_dim = 1280: Wan 2\.1 I2V's CLIP"):
-        check_text_to_video({"in_channels": 36, "out_channels": 16, "image_dim": 1280}, Path("x.json"))
+    check_text_to_video({"in_channels": 36, "out_channels": 16, "image_dim": 1280}, Path("x.json"))
+    with pytest.raises(LoadError, match=r"x\.json: a Wan first-last-frame transformer \(Wan 2\.1 FLF2V"):
+        check_text_to_video({"in_channels": 36, "out_channels": 16, "image_dim": 1280, "pos_embed_seq_len": 514},
+                            Path("x.json"))

@@ -272,7 +272,7 @@ def check_clip_latent_entry(path: Path, key: str, shape: tuple[int, int, int, in
     if problem:
         return problem
     lat = tensors.get("latent")
-    problem = _check_tensor("latent", lat, 4)
+    problem = _check_tensor("latent", lat, len(shape))
     if problem:
         return problem
     if tuple(lat.shape) != tuple(shape):
@@ -754,6 +754,48 @@ def first_frame_jobs(samples: list, clip_list: list, clip_jobs: dict, data_cfg, 
     return [], clips, jobs
 
 
+def frame_embedding_key(latent_key_: str, encoder_id: str) -> str:
+    """A clip's first-frame image embedding entry (ReferenceConditioning.frame_embedding: Wan 2.1 I2V's
+    CLIP one), beside its latent entry `latent_key_` (which holds everything that determines the
+    clip's frames) and keyed by the image encoder: a changed clip or encoder re-encodes."""
+    return _digest("clip-first-frame-embedding", latent_key_, encoder_id)
+
+
+def _sampling_embedding_key(ref, encoder_id: str) -> str:
+    """A sample first frame's image embedding entry (the image itself is embedded, at no bucket)."""
+    return _digest("sampling-first-frame-embedding", ref.sha256, encoder_id)
+
+
+def _frame_embedding_encoder(embedding) -> Callable:
+    """fill_clip_latents' `encode` for embedding entries: the clip's first frame, decoded as its latent
+    entry decodes it, embedded by the family's image encoder ((L, D))."""
+    def encode(encoder, item: VideoItem, bucket: ClipBucket, target_fps, start_s: float) -> torch.Tensor:
+        from leantune.data.video_vae import iter_clip_frames
+
+        first = next(iter_clip_frames(item.path, target_fps=target_fps, num_frames=1, start_s=start_s,
+                                      size=bucket[:2], sequence_fps=item.fps))
+        return embedding.embed(encoder, first)[0]
+
+    return encode
+
+
+def _fill_sampling_embeddings(refs: tuple, keys: list[str], folder: Path, embedding, dtype, device, family) -> None:
+    """Embed the sample first frames with the family's image encoder once; later runs read them."""
+    todo = [(r, k) for r, k in zip(refs, keys) if not (folder / f"{k}.safetensors").exists()]
+    if not todo:
+        return
+    log.info("cache: embedding %d sample first frame(s) with the image encoder", len(todo))
+    encoder = embedding.load(dtype, device)
+    try:
+        for ref, key in todo:
+            vector = embedding.embed(encoder, load_image(ref.path, family.rgba))          # (1, L, D)
+            save_safetensors({"latent": vector[0].to(STORE_DTYPE)}, folder / f"{key}.safetensors",
+                             {"format": FORMAT_VERSION, "kind": "latent", "key": key, "source": str(ref.path)})
+    finally:
+        del encoder
+        _release(device)
+
+
 def _condition_shape(family: ModelFamily, bucket: ClipBucket) -> tuple[int, int, int, int]:
     """(C', T', h, w) of a clip's first-frame condition entry: the mask's channels and the latents'."""
     c, t, h, w = _clip_shape(family, bucket)
@@ -883,9 +925,20 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
         if clips else ([], {})
     first_frame = family.references is not None and family.references.takes_first_frame(sources)
     condition_jobs: dict = {}
+    embedding_jobs: dict = {}
+    embedding = None
     if first_frame:                  # each clip conditioned on its own first frame; stills dropped
         samples, clip_list, condition_jobs = first_frame_jobs(samples, clip_list, clip_jobs, data_cfg, vae_id, dtype)
         latent_jobs, mask_jobs, validation_samples = {}, {}, []
+        if family.references.frame_embedding is not None:
+            embedding = family.references.frame_embedding(sources)
+    if embedding is not None:        # and by that frame's image embedding (Wan 2.1 I2V's CLIP), a second entry
+        from dataclasses import replace
+
+        embedding_id = "+".join(component_identity(p) for p in embedding.paths) + alpha
+        embedding_jobs = {frame_embedding_key(k, embedding_id): job for k, job in clip_jobs.items()}
+        clip_list = [replace(s, reference_keys=s.reference_keys + (frame_embedding_key(s.latent_key, embedding_id),))
+                     for s in clip_list]
     samples.extend(clip_list)        # a clip bucket (w, h, frames) never shares a batch with an image's (w, h)
 
     prompts = [it.caption for it in items + held_out + clips] + [""] + list(extra_prompts or ())
@@ -947,10 +1000,21 @@ def prepare_caches(data_cfg, model_cfg, base_dir: str | Path, device, dtype: tor
                 data_cfg.target_fps, lambda b: _condition_shape(family, b), encode=_first_frame_encoder(family),
                 kind="clip-first-frame")
             samples = [s for s in samples if not set(s.reference_keys) & failed]
+        if embedding_jobs:
+            stats["first_frame_embeddings"], failed = fill_clip_latents(
+                embedding_jobs, cache_dir / "latents", sources, dtype, device,
+                lambda _sources, d, dev: embedding.load(d, dev), data_cfg.target_fps, lambda b: embedding.shape,
+                encode=_frame_embedding_encoder(embedding), kind="clip-first-frame-embedding")
+            samples = [s for s in samples if not set(s.reference_keys) & failed]
         if samples_first and sample_shape is None:
             sample_refs, sample_ref_keys = (), []   # a caller that does not sample (leantune cache)
         _fill_sampling_references(sample_refs, sample_ref_keys, cache_dir / "latents", sources, dtype, device,
                                   load_vae or family.load_vae, family, ref_shape)
+        if embedding is not None and sample_refs:     # each sample first frame's embedding after its condition
+            embedding_keys = [_sampling_embedding_key(r, embedding_id) for r in sample_refs]
+            _fill_sampling_embeddings(sample_refs, embedding_keys, cache_dir / "latents", embedding, dtype, device,
+                                      family)
+            sample_ref_keys = list(sample_ref_keys) + embedding_keys
     if len(samples) < data_cfg.batch_size:
         warnings.warn(f"[data] batch_size {data_cfg.batch_size} is larger than the dataset ({len(samples)} samples "
                       f"with repeats, over all resolutions): every batch holds at most {len(samples)}; lower "

@@ -89,4 +89,23 @@ def reference_latents(vae, images: list, family: ModelFamily, *, width: int | No
     return [lat.to("cpu") for lat in family.references.sampling_latents(vae, images, **sized)]
 
 
-__all__ = ["check_first_frame", "load_reference_images", "reference_latents", "text_images"]
+@torch.no_grad()
+def frame_embeddings(family: ModelFamily, sources, images: list, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """[(1, L, D)] on the host: the first-frame image's embedding for a model that reads one beside
+    its condition (ReferenceConditioning.frame_embedding: Wan 2.1 I2V's CLIP), its image encoder
+    loaded for it alone; [] for any other model. The sampler passes it after the condition."""
+    refs = family.references
+    if not images or refs is None or refs.frame_embedding is None or sources is None \
+            or not refs.takes_first_frame(sources):
+        return []
+    embedding = refs.frame_embedding(sources)
+    if embedding is None:
+        return []
+    encoder = embedding.load(dtype, device)
+    try:
+        return [embedding.embed(encoder, images[0]).to("cpu")]
+    finally:
+        del encoder
+
+
+__all__ = ["check_first_frame", "frame_embeddings", "load_reference_images", "reference_latents", "text_images"]

@@ -40,7 +40,7 @@ from ..models.weights import parking
 from .decode import decode_latents, plan_decode, to_pil, vae_weight_bytes
 from .encode import encode_prompts_stage, text_encoder_bytes
 from .images import format_loras, save_png
-from .references import check_first_frame, load_reference_images, reference_latents, text_images
+from .references import check_first_frame, frame_embeddings, load_reference_images, reference_latents, text_images
 from .request import SampleRequest
 from .sampler import denoise, free_device_bytes
 
@@ -337,6 +337,9 @@ def run_sampling(request: SampleRequest, progress: Callable[[int, int], None] | 
             references = reference_latents(vae, ref_images, family, width=request.width, height=request.height,
                                            frames=request.frames)
             del vae
+            _release(device)
+            # a model that reads the first frame's image embedding too (Wan 2.1 I2V's CLIP): after the condition
+            references += frame_embeddings(family, getattr(components, "sources", None), ref_images, dtype, device)
             _release(device)
 
     # Stage 2: denoise; LoRAs first, then the engine places the model (adapters must exist before it).

@@ -158,10 +158,32 @@ class ReferenceConditioning:
     # the model samples with a first frame or without one (Wan 2.2 TI2V-5B): `first_frame(sources)`
     # is False (its clips train text-to-video), and a first frame given to a sample is taken
     first_frame_optional: bool = False
+    # A first-frame model that also reads an image embedding of that frame (Wan 2.1 I2V's CLIP vision
+    # encoder, which its cross-attention attends to beside the text): `frame_embedding(sources)` is a
+    # FrameEmbedding, or None for a model without one. The caching phase stores each clip's as a
+    # second reference entry after its condition, and a sample's first frame gets one beside its
+    # condition: `predict(references=[condition, embedding])`
+    frame_embedding: Callable | None = None
 
     def takes_first_frame(self, sources) -> bool:
         """Whether the model of `sources` is conditioned on a video's first frame."""
         return self.first_frame is not None and sources is not None and bool(self.first_frame(sources))
+
+
+@dataclass(frozen=True)
+class FrameEmbedding:
+    """An image encoder's embedding of a video's first frame (ReferenceConditioning.frame_embedding).
+
+    - `load(dtype, device)`: the encoder (loaded only when an entry is missing);
+    - `embed(encoder, image)`: (1, L, D) float32 on the host of one PIL image, as the family's
+      pipeline embeds its first-frame image;
+    - `shape`: (L, D), what a cached entry must hold;
+    - `paths`: the encoder's files or folders, which key its entries (a changed encoder re-encodes)."""
+
+    load: Callable
+    embed: Callable
+    shape: tuple[int, int]
+    paths: tuple
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,60 @@ def save_wan_ti2v_folder(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+# -- Wan 2.1 I2V: the first frame's CLIP image embedding ------------------------------------------------
+#
+# A 36-channel transformer (as I2V-A14B's experts) with an image embedder (`image_dim`, the CLIP width)
+# and image keys and values in every cross-attention (`added_kv_proj_dim`, the model's width, as the
+# released 5120), and transformers' CLIPVisionModel 16 wide, 3 layers (so its penultimate hidden state,
+# which the pipeline keeps, is not its last), 32 px images in 8 px patches: 17 rows (the released
+# ViT-H/14's 257 at 224 px), with a CLIPImageProcessor that resizes and crops to 32 px. One
+# transformer, boundary_ratio None: WanImageToVideoPipeline feeds the embedding only then.
+
+CLIP_VISION_TINY = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                        image_size=32, patch_size=8, projection_dim=16)
+WAN21_I2V_TEXT_LENGTH = 512  # the transformer takes the last 512 context rows as text (WanAttnProcessor)
+
+
+def wan21_i2v_transformer(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    width = WAN_TINY["num_attention_heads"] * WAN_TINY["attention_head_dim"]
+    return wan_transformer(seed, dtype, **{"in_channels": 36, "out_channels": 16,
+                                           "image_dim": CLIP_VISION_TINY["hidden_size"],
+                                           "added_kv_proj_dim": width, **overrides})
+
+
+def clip_vision_encoder(seed: int = 0, dtype: torch.dtype = torch.float32):
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    return CLIPVisionModel(CLIPVisionConfig(**CLIP_VISION_TINY)).to(dtype).eval()
+
+
+def clip_image_processor():
+    from transformers import CLIPImageProcessor
+
+    side = CLIP_VISION_TINY["image_size"]
+    return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+
+
+def wan21_i2v_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """WanImageToVideoPipeline of the tiny Wan 2.1 I2V (one transformer, image_encoder + image_processor)."""
+    from diffusers import WanImageToVideoPipeline
+
+    tok = wan_tokenizer()
+    return WanImageToVideoPipeline(
+        tokenizer=tok, text_encoder=wan_text_encoder(tok, seed + 1, dtype), vae=wan_vae(seed, dtype),
+        scheduler=wan_scheduler(), transformer=wan21_i2v_transformer(seed, dtype),
+        image_encoder=clip_vision_encoder(seed + 3, dtype), image_processor=clip_image_processor())
+
+
+def save_wan21_i2v_folder(path: str | Path, seed: int = 0) -> Path:
+    """A complete tiny Wan 2.1 I2V in the diffusers layout (WanImageToVideoPipeline.from_pretrained loads it)."""
+    path = Path(path)
+    wan21_i2v_pipeline(seed).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 __all__ = ["wan_transformer", "wan_vae", "wan_tokenizer", "wan_text_encoder", "wan_scheduler", "wan_components",
            "wan_pipeline", "save_wan_folder", "wan_ti2v_transformer", "wan22_vae",
-           "wan_ti2v_pipeline", "save_wan_ti2v_folder"]
+           "wan_ti2v_pipeline", "save_wan_ti2v_folder", "wan21_i2v_transformer", "clip_vision_encoder",
+           "clip_image_processor", "wan21_i2v_pipeline", "save_wan21_i2v_folder"]

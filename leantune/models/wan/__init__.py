@@ -1,6 +1,6 @@
 """Wan 2.2 (Wan-AI; T2V-A14B's two 14B experts, I2V-A14B's (first-frame conditioning: wan/i2v.py),
-and Wan 2.1 T2V, the same classes; Wan 2.1 I2V's CLIP image embedding is refused by name until its
-conditioning is built: loading.check_text_to_video): latents, the transformer call, sampling and
+and Wan 2.1 T2V and I2V, the same classes; Wan 2.1 I2V's first frame also as a CLIP image embedding,
+wan/i2v.py and loading.load_image_encoder): latents, the transformer call, sampling and
 the family's registration (`wan2.2`). The spec is in wan/spec.py, loading in wan/loading.py, text
 encoding in wan/text.py, the two experts in wan/experts.py, image-to-video's first-frame condition
 in wan/i2v.py; this module imports them, none imports it but wan/ti2v.py, which registers TI2V-5B
@@ -32,7 +32,9 @@ Everything follows WanPipeline (diffusers) exactly:
 - Image-to-video (I2V-A14B): the transformer takes 36 channels, the noisy latents and the first
   frame's condition, which WanImageToVideoPipeline builds once per video and concatenates at every
   step; here it is the sample's one reference (`predict(references=)`, wan/i2v.py): built from the
-  first-frame image when sampling, from each clip's own first frame in the caching phase.
+  first-frame image when sampling, from each clip's own first frame in the caching phase. Wan 2.1
+  I2V's transformer also takes that frame's CLIP image embedding (`encoder_hidden_states_image`),
+  the second reference (ReferenceConditioning.frame_embedding), built and cached the same ways.
 - Training noise levels: "shift", the logit-normal shifted by [train] shift (3.0 by default), inside
   the trained expert's range for a two-expert model (`training_sigmas`).
 """
@@ -58,6 +60,7 @@ PATCH = 2
 NUM_TRAIN_TIMESTEPS = 1000
 TEMPORAL_FACTOR = 4          # AutoencoderKLWan: the first frame alone, then 4 frames per latent frame
 SAMPLE_FPS = 16.0            # Wan 2.2 A14B's rate (Wan-AI's sample_fps): sampled videos are written at it
+IMAGE_EMBEDDING_ROWS = 257   # Wan 2.1 I2V's CLIP ViT-H/14 at 224 px: the class token and 16 x 16 patches
 
 
 # -- latents -------------------------------------------------------------------------------------------
@@ -88,22 +91,34 @@ def predict(transformer, noisy: torch.Tensor, sigma: torch.Tensor, embeds, laten
             guidance=None, references=None) -> torch.Tensor:
     """One transformer call: noisy latents (B, 16, F, h, w) at sigma (B,) -> the flow velocity in the
     same layout. `guidance` is ignored: Wan has no guidance input. `references`: an image-to-video
-    model's first-frame condition [(1 or B, 20, F, h, w)], concatenated after the latents (wan/i2v.py)."""
+    model's first-frame condition [(1 or B, 20, F, h, w)], concatenated after the latents, and for Wan
+    2.1 I2V its first frame's CLIP image embedding after it [(1 or B, 257, 1280)], the transformer's
+    `encoder_hidden_states_image` (wan/i2v.py)."""
     text = embeds.t5.to(device=noisy.device, dtype=noisy.dtype)
-    hidden = wan_i2v.with_condition(noisy, references, transformer.config.in_channels)
+    hidden = wan_i2v.with_condition(noisy, references[:1] if references else references, transformer.config.in_channels)
+    image = wan_i2v.image_states(references, transformer.config, noisy.shape[0], text.shape[1], noisy.dtype,
+                                 noisy.device)
+    extra = {} if image is None else {"encoder_hidden_states_image": image}
     return transformer(hidden_states=hidden, timestep=model_time(sigma.to(noisy.device)), encoder_hidden_states=text,
-                       return_dict=False)[0]
+                       return_dict=False, **extra)[0]
 
 
 def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype,
                  frames: int = 1) -> dict:
     """Forward kwargs on the meta device for the planner's activation probe (as predict feeds them):
-    `frames` latent frames (1: an image; the planner prices images today)."""
+    `frames` latent frames (1: an image; the planner prices images today). A model with an image
+    embedder (Wan 2.1 I2V) gets its first frame's CLIP embedding too: the released encoder's 257 rows,
+    which its cross-attention reads beside the text."""
     h, w = latent_hw
-    return {"hidden_states": torch.empty(batch, config.in_channels, frames, h, w, device="meta", dtype=dtype),
-            "timestep": torch.empty(batch, device="meta", dtype=torch.float32),
-            "encoder_hidden_states": torch.empty(batch, text_length, config.text_dim, device="meta", dtype=dtype),
-            "return_dict": False}
+    inputs = {"hidden_states": torch.empty(batch, config.in_channels, frames, h, w, device="meta", dtype=dtype),
+              "timestep": torch.empty(batch, device="meta", dtype=torch.float32),
+              "encoder_hidden_states": torch.empty(batch, text_length, config.text_dim, device="meta", dtype=dtype),
+              "return_dict": False}
+    image_dim = getattr(config, "image_dim", None)
+    if image_dim is not None:
+        inputs["encoder_hidden_states_image"] = torch.empty(batch, IMAGE_EMBEDDING_ROWS, image_dim, device="meta",
+                                                            dtype=dtype)
+    return inputs
 
 
 # -- sampling ----------------------------------------------------------------------------------------------
@@ -217,7 +232,8 @@ def _register():
         # an image-to-video model's first frame (wan/i2v.py); a text-to-video one takes no reference
         references=ReferenceConditioning(size=_first_frame_size, most=1, sampling_latents=wan_i2v.sampling_condition,
                                          first_frame=wan_loading.takes_first_frame,
-                                         clip_condition=wan_i2v.clip_condition),
+                                         clip_condition=wan_i2v.clip_condition,
+                                         frame_embedding=_loader("frame_embedding")),
     ))
 
 

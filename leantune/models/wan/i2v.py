@@ -22,11 +22,22 @@ the caching phase builds it per clip from the clip's own first frame at the clip
 (`clip_condition`) and stores it as the clip's reference entry, keyed apart from a clip's latents.
 
 Which models take it: the transformer config's in_channels (2 * out_channels + 4), or the folder's
-model_index.json naming WanImageToVideoPipeline (wan/loading.takes_first_frame). Wan 2.1 I2V also feeds a
-CLIP image embedding to its cross-attention (`image_dim`, the pipeline's image_encoder); that model
-has the same first-frame condition but its image encoder is not loaded here, so it is refused by
-name (wan/loading.check_text_to_video). Wan 2.2 TI2V-5B's first-frame path (expand_timesteps: the
-first latent frame replaced, per-token timesteps) is another mechanism, refused with that model.
+model_index.json naming WanImageToVideoPipeline (wan/loading.takes_first_frame). Wan 2.2 TI2V-5B's
+first-frame path (expand_timesteps: the first latent frame replaced, per-token timesteps) is another
+mechanism, refused with that model.
+
+Wan 2.1 I2V reads the first frame a second time: its transformer has an image embedder (`image_dim`)
+and image keys and values in every cross-attention (`add_k_proj / add_v_proj`), fed
+`encoder_hidden_states_image`, which WanImageToVideoPipeline computes once per video as
+`encode_image` does: the CLIPImageProcessor's pixels of the first-frame image (its own resize and
+centre crop, not the video's size) through the CLIPVisionModel, whose penultimate hidden state
+(`hidden_states[-2]`, 257 rows for ViT-H/14) it keeps (`image_embedding`). It is the second
+reference, after the condition (ReferenceConditioning.frame_embedding): sampling embeds the
+first-frame image, the caching phase each clip's own first frame, in an entry of its own. The
+transformer splits its cross-attention's context as [image rows, text rows] by taking the last 512
+rows as text (WanAttnProcessor), so a model with an image embedding needs the text at WanPipeline's
+512 rows ([data] max_text_length): `image_states` refuses another length rather than let the
+attention read text rows as image rows.
 """
 
 from __future__ import annotations
@@ -138,5 +149,51 @@ def with_condition(noisy: torch.Tensor, references, in_channels: int | None = No
     return torch.cat([noisy, cond], dim=1)
 
 
-__all__ = ["I2V_PIPELINE", "clip_condition", "condition", "first_frame_mask", "is_image_to_video",
-           "sampling_condition", "with_condition"]
+# -- Wan 2.1 I2V's image embedding ----------------------------------------------------------------------
+
+TEXT_ROWS_WITH_IMAGE = 512   # WanAttnProcessor takes the last 512 context rows as text, the rest as image
+
+
+@torch.no_grad()
+def image_embedding(encoder, image) -> torch.Tensor:
+    """(1, L, D) float32 on the host: WanImageToVideoPipeline.encode_image of one first frame, a PIL
+    image or a (3, H, W) frame in [-1, 1] (a clip's, as its entry decodes it, made an 8-bit image
+    again). `encoder`: wan/loading.WanImageEncoder (CLIPImageProcessor + CLIPVisionModel)."""
+    if isinstance(image, torch.Tensor):
+        from PIL import Image
+
+        pixels = ((image.float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        image = Image.fromarray(pixels.permute(1, 2, 0).numpy())
+    inputs = encoder.processor(images=image, return_tensors="pt").to(encoder.device)
+    states = encoder.model(**inputs, output_hidden_states=True).hidden_states[-2]
+    return states.to("cpu", torch.float32)
+
+
+def image_states(references, config, batch: int, text_rows: int, dtype: torch.dtype, device):
+    """The transformer's `encoder_hidden_states_image`: the second reference (B or 1, L, D), broadcast
+    over the batch, in the latents' dtype (as the pipeline casts it); None for a model without an
+    image embedder. A model with one needs it and the text at 512 rows; one without refuses it."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    wants = get("image_dim") is not None
+    given = None if references is None or len(references) < 2 else references[1]
+    if not wants:
+        if given is not None:
+            raise ValueError("an image embedding was given to a Wan transformer without an image embedder "
+                             "(image_dim): only Wan 2.1 I2V reads one")
+        return None
+    if given is None:
+        raise ValueError(f"this Wan transformer reads its first frame's CLIP image embedding (image_dim = "
+                         f"{get('image_dim')}, Wan 2.1 I2V): references need [condition, image embedding]; none given")
+    if text_rows != TEXT_ROWS_WITH_IMAGE:
+        raise ValueError(f"a Wan transformer with an image embedding takes the text at {TEXT_ROWS_WITH_IMAGE} rows (its "
+                         f"cross-attention takes the last {TEXT_ROWS_WITH_IMAGE} context rows as text), got {text_rows}: "
+                         f"set [data] max_text_length = {TEXT_ROWS_WITH_IMAGE} (leantune sample: --set max_text_length=512, its default)")
+    if given.dim() != 3 or given.shape[-1] != get("image_dim"):
+        raise ValueError(f"the image embedding is {tuple(given.shape)}, the transformer's image embedder takes "
+                         f"(B, L, {get('image_dim')})")
+    given = given.to(device=device, dtype=dtype)
+    return given if given.shape[0] == batch else given.expand(batch, *given.shape[1:])
+
+
+__all__ = ["I2V_PIPELINE", "TEXT_ROWS_WITH_IMAGE", "clip_condition", "condition", "first_frame_mask",
+           "image_embedding", "image_states", "is_image_to_video", "sampling_condition", "with_condition"]

@@ -40,13 +40,16 @@ from ..weights import CheckpointFiles, LoadError, build_empty, copy_ops, load_in
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("transformer", "transformer_2", "text_encoder", "tokenizer", "vae")
+COMPONENTS = ("transformer", "transformer_2", "text_encoder", "tokenizer", "vae", "image_encoder", "image_processor")
 _LABEL = {"transformer": "Wan transformer", "transformer_2": "Wan low-noise transformer (transformer_2)",
-          "text_encoder": "Wan text encoder (umT5)", "tokenizer": "Wan tokenizer (umT5)", "vae": "Wan VAE"}
+          "text_encoder": "Wan text encoder (umT5)", "tokenizer": "Wan tokenizer (umT5)", "vae": "Wan VAE",
+          "image_encoder": "Wan 2.1 I2V image encoder (CLIPVisionModel)",
+          "image_processor": "Wan 2.1 I2V image processor (CLIPImageProcessor)"}
 _REPO = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 VAE_CLASS = "AutoencoderKLWan"
 TEXT_ENCODER_CLASSES = ("UMT5EncoderModel", "UMT5Model", "umt5")
+IMAGE_ENCODER_CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "clip_vision_model")
 RELEASED_CONFIG = "wan22_a14b"
 # The released boundary of a two-expert model whose folder does not say (a pair of single files):
 # T2V-A14B's 0.875, I2V-A14B's 0.9 (its transformer takes 36 channels: 16 noisy + 20 condition)
@@ -68,6 +71,8 @@ class WanSources:
     vae: Path | None
     expert: str = "auto"
     boundary_ratio: float | None = None
+    image_encoder: Path | None = None         # Wan 2.1 I2V's CLIP vision encoder and its processor
+    image_processor: Path | None = None
 
 
 @dataclass
@@ -236,13 +241,13 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
 
 def check_text_to_video(config: dict, src: Path, ti2v: bool = False) -> None:
     """Family "wan2.2" trains and samples Wan's 16-channel transformers: the text-to-video ones (Wan 2.2
-    T2V-A14B's experts, Wan 2.1 T2V) and the image-to-video ones without an image embedder (Wan 2.2
-    I2V-A14B's experts: 36 input channels, the noisy latents and the first frame's condition,
-    wan/i2v.py); family "wan2.2-ti2v" (`ti2v`) TI2V-5B's 48 latent channels of the Wan 2.2 VAE, whose
-    latents, VAE and per-token timesteps differ (wan/ti2v.py). Each refuses the other's by name. Wan
-    2.1 I2V (the same first-frame condition, and a CLIP image embedding its cross-attention reads,
-    whose encoder is not loaded here) needs conditioning this family does not build yet: refused by
-    name rather than trained as something it is not."""
+    T2V-A14B's experts, Wan 2.1 T2V) and the image-to-video ones (Wan 2.2 I2V-A14B's experts: 36 input
+    channels, the noisy latents and the first frame's condition, wan/i2v.py; Wan 2.1 I2V's, the same
+    condition and its first frame's CLIP image embedding, which its cross-attention reads: `image_dim`);
+    family "wan2.2-ti2v" (`ti2v`) TI2V-5B's 48 latent channels of the Wan 2.2 VAE, whose latents, VAE
+    and per-token timesteps differ (wan/ti2v.py). Each refuses the other's by name. Wan 2.1 FLF2V (an image embedding of a first and
+    a last frame, `pos_embed_seq_len`) is conditioning this family does not build: refused by name
+    rather than trained as something it is not."""
     channels = (config.get("in_channels"), config.get("out_channels"))
     if ti2v and channels != (TI2V_CHANNELS, TI2V_CHANNELS):
         raise LoadError(f"{src}: a Wan transformer of {channels[0]} input / {channels[1]} output channels, not "
@@ -253,10 +258,13 @@ def check_text_to_video(config: dict, src: Path, ti2v: bool = False) -> None:
     if channels == (TI2V_CHANNELS, TI2V_CHANNELS):
         raise LoadError(f"{src}: a Wan 2.2 TI2V-5B transformer ({TI2V_CHANNELS} latent channels of the Wan 2.2 VAE, "
                         f"per-token timesteps); set [model] family = \"wan2.2-ti2v\"")
-    if config.get("image_dim") is not None:
-        raise LoadError(f"{src}: a Wan image-to-video transformer with an image embedder (image_dim = "
-                        f"{config.get('image_dim')}: Wan 2.1 I2V's CLIP image embedding); that embedding is not built "
-                        f"yet; family \"wan2.2\" reads the image-to-video models without one (Wan 2.2 I2V-A14B)")
+    if config.get("image_dim") is not None and config.get("pos_embed_seq_len") is not None:
+        raise LoadError(f"{src}: a Wan first-last-frame transformer (Wan 2.1 FLF2V: image_dim = {config.get('image_dim')} "
+                        f"with pos_embed_seq_len = {config.get('pos_embed_seq_len')}, an image embedding of two frames); "
+                        f"family \"wan2.2\" trains image-to-video from one first frame (Wan 2.1 I2V, Wan 2.2 I2V-A14B)")
+    if config.get("image_dim") is not None and channels != (I2V_IN_CHANNELS, 16):
+        raise LoadError(f"{src}: a Wan transformer with an image embedder (image_dim = {config.get('image_dim')}) of "
+                        f"{channels[0]} input / {channels[1]} output channels, not Wan 2.1 I2V's {I2V_IN_CHANNELS} / 16")
     if channels not in ((16, 16), (I2V_IN_CHANNELS, 16)):
         raise LoadError(f"{src}: a Wan transformer of {channels[0]} input / {channels[1]} output channels, not the "
                         f"16 of the Wan 2.1 VAE's latents (or 36 of an image-to-video model's latents and condition)")
@@ -409,3 +417,104 @@ def takes_first_frame(sources) -> bool:
     if _pipeline_class(sources) == i2v.I2V_PIPELINE:
         return True
     return i2v.is_image_to_video(transformer_config(sources))
+
+
+# -- Wan 2.1 I2V's image encoder ------------------------------------------------------------------------
+#
+# Wan 2.1 I2V's transformer reads its first frame twice: as the latent condition every image-to-video
+# Wan takes (wan/i2v.py), and as a CLIP vision encoder's penultimate hidden states (257 rows of 1280 for
+# the released ViT-H/14 at 224 px), which its image embedder maps to the width and its cross-attention
+# attends to through its own keys and values (add_k_proj / add_v_proj). Its diffusers folders
+# (Wan-AI/Wan2.1-I2V-14B-*-Diffusers) hold the encoder as image_encoder/ (transformers'
+# CLIPVisionModel) and its preprocessing as image_processor/ (CLIPImageProcessor); [model]
+# image_encoder / image_processor point elsewhere (a single transformer file has neither).
+
+
+@dataclass
+class WanImageEncoder:
+    """CLIPImageProcessor and CLIPVisionModel, and the device the embedding runs on."""
+
+    processor: object
+    model: torch.nn.Module
+    device: torch.device
+
+
+def takes_image_embedding(sources: WanSources) -> bool:
+    """Whether the model reads its first frame's CLIP image embedding (its transformer's image_dim:
+    Wan 2.1 I2V). Reads configs only."""
+    return transformer_config(sources).get("image_dim") is not None
+
+
+def _image_encoder_config(sources: WanSources) -> tuple[Path, dict]:
+    src = sources.image_encoder
+    if src is None:
+        raise LoadError(f"no {_LABEL['image_encoder']}: {sources.transformer} is Wan 2.1 I2V (its transformer reads "
+                        f"the first frame's CLIP image embedding, image_dim), and [model] path has no image_encoder/ "
+                        f"folder; set [model] image_encoder to the image_encoder/ folder of a "
+                        f"Wan-AI/Wan2.1-I2V-14B-480P-Diffusers repository")
+    if src.is_file():
+        raise LoadError(f"[model] image_encoder: {src}: a single file; the image encoder is read from a transformers "
+                        f"CLIPVisionModel folder (config.json and .safetensors weights)")
+    config = cl.read_json(src / "config.json")
+    declared = (config.get("architectures") or [None])[0] or config.get("model_type")
+    if declared is not None and declared not in IMAGE_ENCODER_CLASSES:
+        raise LoadError(f"[model] image_encoder: {src / 'config.json'}: {declared!r}, but Wan 2.1 I2V's image encoder "
+                        f"is a CLIP vision model ({'/'.join(IMAGE_ENCODER_CLASSES[:2])})")
+    config = config.get("vision_config", config)       # a whole CLIPModel's config holds the vision part
+    return src, config
+
+
+def image_embedding_shape(sources: WanSources) -> tuple[int, int]:
+    """(rows, width) of the embedding: the vision encoder's class token and patches, its hidden
+    size, which must be the transformer's image_dim. Reads configs only."""
+    src, config = _image_encoder_config(sources)
+    try:
+        side, patch, width = int(config["image_size"]), int(config["patch_size"]), int(config["hidden_size"])
+    except KeyError as e:
+        raise LoadError(f"[model] image_encoder: {src / 'config.json'}: no {e.args[0]!r}") from None
+    image_dim = transformer_config(sources).get("image_dim")
+    if image_dim is not None and width != image_dim:
+        raise LoadError(f"[model] image_encoder: {src / 'config.json'}: hidden_size {width}, but the transformer's "
+                        f"image embedder takes image_dim = {image_dim}: not this model's image encoder")
+    return (side // patch) ** 2 + 1, width
+
+
+def load_image_encoder(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> WanImageEncoder:
+    """The CLIPImageProcessor (a folder) and CLIPVisionModel (a transformers folder, safetensors only)
+    on `device`, built on meta and filled tensor by tensor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    src, config = _image_encoder_config(sources)
+    image_embedding_shape(sources)                       # its width is the transformer's image_dim
+    proc = sources.image_processor
+    if proc is None:
+        raise LoadError(f"no {_LABEL['image_processor']}: [model] path has no image_processor/ folder; set [model] "
+                        f"image_processor to the image_processor/ folder of a Wan-AI/Wan2.1-I2V-14B-480P-Diffusers "
+                        f"repository (its preprocessor_config.json)")
+    if not (proc / "preprocessor_config.json").is_file():
+        raise LoadError(f"[model] image_processor: {proc}: no preprocessor_config.json (a CLIPImageProcessor folder)")
+    try:
+        processor = CLIPImageProcessor.from_pretrained(str(proc), local_files_only=True)
+        cfg = CLIPVisionConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except Exception as e:
+        raise LoadError(f"[model] image_processor / image_encoder: {proc}, {src}: cannot read them ({e})") from None
+    files = cl.weight_files(src, "model")
+    model = build_empty(lambda: CLIPVisionModel(cfg))
+    # a CLIPVisionModelWithProjection's projection (unused: the embedding is a hidden state) and
+    # the position ids older transformers saved are not weights of this model
+    ignorable = (lambda k: k.startswith("visual_projection.") or k.endswith("position_ids"))
+    model = load_into_empty(model, files, copy_ops([k for k in files.keys() if not ignorable(k)]),
+                            what=f"a {_LABEL['image_encoder']} of this architecture", dtype=dtype, device=device)
+    return WanImageEncoder(processor=processor, model=model.eval(), device=torch.device(device))
+
+
+def frame_embedding(sources: WanSources):
+    """ReferenceConditioning.frame_embedding: Wan 2.1 I2V's first-frame CLIP embedding (wan/i2v.py),
+    or None for a model that reads none."""
+    if not takes_image_embedding(sources):
+        return None
+    from ..family import FrameEmbedding
+
+    return FrameEmbedding(load=lambda dtype, device: load_image_encoder(sources, dtype, device),
+                          embed=i2v.image_embedding, shape=image_embedding_shape(sources),
+                          paths=(sources.image_encoder, sources.image_processor))
