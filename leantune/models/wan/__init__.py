@@ -227,7 +227,7 @@ def _register():
         recognizes_keys=recognizes_keys, text_rows=wan_text.text_rows, timestep_sampling="shift",
         recognizes_config=_not_ti2v,
         recognizes_shapes=lambda shapes: input_channels(shapes) != wan_loading.TI2V_CHANNELS,
-        text_width=lambda config: config.text_dim, training_sigmas=training_sigmas,
+        text_width=lambda config: config.text_dim, training_sigmas=training_sigmas, split_blocks=split_blocks,
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=_loader("load_raw_vae"), fps=SAMPLE_FPS),
         # an image-to-video model's first frame (wan/i2v.py); a text-to-video one takes no reference
         references=ReferenceConditioning(size=_first_frame_size, most=1, sampling_latents=wan_i2v.sampling_condition,
@@ -235,6 +235,14 @@ def _register():
                                          clip_condition=wan_i2v.clip_condition,
                                          frame_embedding=_loader("frame_embedding")),
     ))
+
+
+def split_blocks(transformer) -> None:
+    """ModelFamily.split_blocks: the blocks become wan/block.py's split class, TI2V-5B's per-token
+    modulation applied per latent frame (imported on use: diffusers)."""
+    from .block import split_blocks as swap
+
+    swap(transformer)
 
 
 def _not_ti2v(config, index=None) -> bool:

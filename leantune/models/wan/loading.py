@@ -232,6 +232,9 @@ def load_transformer(sources: WanSources, dtype: torch.dtype = torch.bfloat16, d
         model = build_empty(lambda: WanTransformer3DModel.from_config(config))
     except Exception as e:
         raise LoadError(f"{src}: cannot build a {_LABEL['transformer']} from its config ({e})") from None
+    from .block import split_blocks
+
+    split_blocks(model)            # training's block, the same math (block.py), on every load, meta included
     fp8 = cl.fp8_hooks(model, WAN_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
                        quantize_modulation=quantize_modulation, trained=trained)
     extra = {} if source_name is None else {"source_name": source_name}

@@ -14,7 +14,8 @@ its own because the seam's latent facts are per family:
 - Time: WanPipeline(expand_timesteps=True), TI2V-5B's model_index.json setting, passes the
   timestep per token: (B, F * h/2 * w/2), each token's the step's t (its text-to-video path; for
   image-to-video the first latent frame's tokens take 0). The transformer then modulates
-  every token by its own timestep projection. `predict` feeds it so, for training and sampling
+  every token by its own timestep projection (the blocks take its rows once per latent frame, or
+  once for all tokens, the same values: wan/block.py). `predict` feeds it so, for training and sampling
   alike, so a LoRA trains on the inputs the pipeline samples with.
 - Sampling: the released schedule (Wan-AI's wan_ti2v_5B.py: flow shift 5.0, 50 steps, guidance
   5.0), a folder's scheduler config first; classifier-free guidance, the halves one after the
@@ -137,11 +138,12 @@ def sampling_condition(vae, images: list, *, width: int, height: int, frames: in
 def probe_inputs(config, batch: int, latent_hw: tuple[int, int], text_length: int, dtype: torch.dtype,
                  frames: int = 1) -> dict:
     """Forward kwargs on the meta device for the planner's activation probe, as predict feeds them:
-    the per-token timesteps make the time projection (B, L, 6, D), which the probe prices."""
+    the per-token timesteps, one t expanded along the tokens as token_timesteps gives it (so the
+    blocks take one modulation row for all tokens, wan/block.py, which the probe prices)."""
     h, w = latent_hw
     tokens = frames * (h // PATCH) * (w // PATCH)
     return {"hidden_states": torch.empty(batch, config.in_channels, frames, h, w, device="meta", dtype=dtype),
-            "timestep": torch.empty(batch, tokens, device="meta", dtype=torch.float32),
+            "timestep": torch.empty(batch, 1, device="meta", dtype=torch.float32).expand(-1, tokens),
             "encoder_hidden_states": torch.empty(batch, text_length, config.text_dim, device="meta", dtype=dtype),
             "return_dict": False}
 
@@ -191,7 +193,7 @@ def is_ti2v(config) -> bool:
 
 
 def _register():
-    from . import _loader, image_tokens, pack_latents, unpack_latents, _timestep
+    from . import _loader, image_tokens, pack_latents, unpack_latents, _timestep, split_blocks
     from ..family import ModelFamily, ReferenceConditioning, Sampling, VideoLatents, register
 
     return register(ModelFamily(
@@ -212,7 +214,7 @@ def _register():
         text_rows=wan_text.text_rows, timestep_sampling="shift",
         text_width=lambda config: config.text_dim,
         video=VideoLatents(temporal_factor=TEMPORAL_FACTOR, load_vae=load_raw_vae, fps=SAMPLE_FPS),
-        side_multiple=VAE_SCALE_FACTOR * PATCH,
+        side_multiple=VAE_SCALE_FACTOR * PATCH, split_blocks=split_blocks,
         # image-to-video when a sample is given a first frame (`leantune sample --reference`); clips train
         # text-to-video, or with [model] image_to_video on their own first latent frame (first_frame is
         # False either way: no condition entry is cached)
