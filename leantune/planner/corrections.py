@@ -71,6 +71,13 @@ def bucket_key(bucket: tuple[int, int]) -> str:
     return f"{bucket[0]}x{bucket[1]}"
 
 
+def activation_key(bucket: tuple[int, int], checkpointing: str, split: bool = False) -> str:
+    """Calibration.activation_scale's key of a plan's activations: its bucket and checkpointing,
+    and whether its blocks split (Plan.split_blocks: other tensors kept, so another correction; an
+    unsplit plan keeps the key it had before split blocks)."""
+    return f"{bucket_key(bucket)}:{checkpointing}" + (":split" if split else "")
+
+
 def architecture_key(model: torch.nn.Module, workload: Workload) -> str:
     """Identity of what decides activation memory: the architecture config and the workload's shape
     (not the weight values, so every checkpoint of one architecture shares a calibration)."""

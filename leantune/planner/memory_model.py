@@ -27,7 +27,9 @@ VRAM components at the peak (`memory`), all in bytes:
   beside the training state; its activations are taken as at most the training step's, so the
   term is what that phase adds above the step's peak; listed only with a [sample] base;
 - activations: the probe's per-kind values composed over the whole stack (activation_probe.py),
-  times the calibrated correction for the bucket;
+  times the calibrated correction for the bucket; a plan that splits blocks (Plan.split_blocks,
+  memory/split_parts.py) is priced from the probe of the split blocks (what they keep, and their
+  parts' recompute: a transient of each block's backward, and FLOPs of its backward in timing.py);
 - workspace: cuBLAS/cuDNN workspaces (`Machine.workspace`).
 The peak is the larger of the backward (activations, plus gradients kept through accumulation)
 and the optimizer step (gradients and the optimizer's temporaries), over the workload's buckets.
@@ -73,7 +75,7 @@ from dataclasses import dataclass
 import torch
 
 from .activations import compose_activations, step_peak
-from .corrections import Calibration, bucket_key
+from .corrections import Calibration, activation_key, bucket_key
 from .full_model import FullPricing
 from .host_model import host_breakdown, offloaded_inputs
 from .machine import Machine, assumed_machine
@@ -141,6 +143,11 @@ class MemoryModel:
         self.profiles = {st: {b: self.measured.profile(b, effective_storage(st, self.weights)).at_rank(workload.rank)
                               for b in workload.buckets}
                          for st in {*self.storages, (False, False)}}
+        # The same probed with the family's split blocks splitting (Plan.split_blocks), where it has
+        # them (spec_cache.splits_blocks); empty: no plan splits (a stored measurement without them too)
+        self.split_profiles = ({st: {b: self.measured.profile(b, effective_storage(st, self.weights), split=True)
+                                     .at_rank(workload.rank) for b in workload.buckets} for st in self.profiles}
+                               if self.measured.split_profiles and workload.mode != "inference" else {})
         self.kinds = [b.kind for b in self.weights.blocks]
         # Per-block numbers every candidate plan sums: computed once, so a search prices ~1000 plans fast.
         db, blocks, nb = self.dtype_bytes, self.weights.blocks, self.weights.non_blocks
@@ -164,7 +171,7 @@ class MemoryModel:
         # Base adapters' weights by unit, (raw bytes, packed bytes) per block and for the non-block group
         self._adapters = self._adapter_units(workload.frozen_adapter_tensors)
         self._preview_adapters = self._adapter_units(workload.preview_adapter_tensors)
-        self._composed: dict = {}      # (bucket, storage, checkpointing) -> activations before calibration
+        self._composed: dict = {}      # (bucket, storage, checkpointing, split) -> activations before calibration
         self._stepped: dict = {}       # full mode: in_backward_step's terms per bucket and plan shape
         self._offloaded: dict = {}     # storage -> offloaded block inputs' pinned bytes
         self._indices: dict = {}       # streamed block names -> (index set, sorted indices)
@@ -204,11 +211,26 @@ class MemoryModel:
         largest = max((m for _, m in self._quantized[self.stored_key(plan)]), default=0)
         return int(largest * (FORMATS[plan.base_format].transient_bytes - FORMATS["fp8"].transient_bytes))
 
+    @property
+    def splits(self) -> bool:
+        """Whether plans may split blocks (Plan.split_blocks): the model's family has split blocks
+        and they were probed."""
+        return bool(self.split_profiles)
+
+    def profile_of(self, storage, bucket, split: bool = False):
+        """The activation profile a plan of `storage` (Plan.storage) computes with at `bucket`, its
+        blocks split or not (Plan.split_blocks)."""
+        if split and not self.split_profiles:
+            raise ValueError("this model's blocks have no split variant (ModelFamily.split_blocks): "
+                             "no plan of it splits blocks")
+        return (self.split_profiles if split else self.profiles)[storage][bucket]
+
     # -- parts ---------------------------------------------------------------------------------------
-    def activation_peak(self, bucket, fp8: bool, checkpointing: str, modulation: bool = False) -> int:
-        composed = self._composed_activations(bucket, (fp8, modulation), checkpointing)
+    def activation_peak(self, bucket, fp8: bool, checkpointing: str, modulation: bool = False,
+                        split: bool = False) -> int:
+        composed = self._composed_activations(bucket, (fp8, modulation), checkpointing, split)
         scales = self.calibration.activation_scale   # measured for this mode, else for another mode
-        scale = scales.get(f"{bucket_key(bucket)}:{checkpointing}", scales.get(f"{bucket_key(bucket)}:*", 1.0))
+        scale = scales.get(activation_key(bucket, checkpointing, split), scales.get(f"{bucket_key(bucket)}:*", 1.0))
         return int(composed * scale)
 
     def in_backward_step(self, plan: Plan, bucket) -> dict[str, int]:
@@ -226,9 +248,9 @@ class MemoryModel:
             if w.gradient_accumulation > 1:            # a streamed gradient's fp32 copy to its accumulator
                 step = max(step, 4 * max((m for _, m in self.streamed_trained(plan)), default=0))
             return {"gradients": full.gradient, "optimizer step": step}
-        key = (bucket, plan.storage, plan.checkpointing)
+        key = (bucket, plan.storage, plan.checkpointing, plan.split_blocks)
         if key not in self._stepped:
-            prof = self.profiles[plan.storage][bucket]
+            prof = self.profile_of(plan.storage, bucket, plan.split_blocks)
             seq = [prof.kinds[k] for k in self.kinds]
             on_device = full.step_of
             firsts = {k: i for i, k in reversed(list(enumerate(self.kinds)))}
@@ -240,17 +262,17 @@ class MemoryModel:
                 extra.append(x)
             stepped = compose_activations(prof, seq, plan.checkpointing, w.mode, extra,
                                           step_peak(prof.post_step_points, on_device))
-            over = stepped - self._composed_activations(bucket, plan.storage, plan.checkpointing)
+            over = stepped - self._composed_activations(bucket, plan.storage, plan.checkpointing, plan.split_blocks)
             loose = prof.loose_step_numel
             self._stepped[key] = {"gradients": 0,
                                   "optimizer step": max(0, over, loose * self.dtype_bytes + on_device(loose))}
         return self._stepped[key]
 
-    def _composed_activations(self, bucket, storage, checkpointing: str) -> int:
+    def _composed_activations(self, bucket, storage, checkpointing: str, split: bool = False) -> int:
         """The activation peak before calibration (compose_activations over the stack), kept."""
-        key = (bucket, storage, checkpointing)
+        key = (bucket, storage, checkpointing, split)
         if key not in self._composed:
-            prof = self.profiles[storage][bucket]
+            prof = self.profile_of(storage, bucket, split)
             seq = [prof.kinds[k] for k in self.kinds]
             self._composed[key] = compose_activations(prof, seq, checkpointing, self.workload.mode)
         return self._composed[key]
@@ -436,7 +458,7 @@ class MemoryModel:
         per_bucket: dict[str, dict] = {}
         worst = None
         for bucket in w.buckets:
-            act = self.activation_peak(bucket, plan.fp8, plan.checkpointing, plan.fp8_modulation)
+            act = self.activation_peak(bucket, plan.fp8, plan.checkpointing, plan.fp8_modulation, plan.split_blocks)
             act += self.dequant_transient(plan)
             if full is not None:      # each weight steps inside backward, when its gradient completes
                 part = {"activations": act, **self.in_backward_step(plan, bucket)}
@@ -522,7 +544,10 @@ class MemoryModel:
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
         """Step time of one bucket (timing.py)."""
         full, w = self.full, self.workload
-        prof, ref = self.profiles[plan.storage][bucket], self.profiles[(False, False)][bucket]
+        # a split plan's blocks: what they keep, and their parts' recompute in each block's backward
+        # (one more forward of each block: the split probe's backward FLOPs), fp8's reference split alike
+        prof = self.profile_of(plan.storage, bucket, plan.split_blocks)
+        ref = self.profile_of((False, False), bucket, plan.split_blocks)
         if full is None:
             return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
                                  self.ordered(plan), units, w.mode, sum(self.trainable_bytes()),

@@ -21,6 +21,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"plan:     {plan.describe()}")
     if plan.streamed_blocks:
         lines.append(f"streamed: {_streamed_counts(plan, n)}: {_compact_names(plan.streamed_blocks)}")
+    if "split_blocks" in n:
+        lines.append(_split_line(n["split_blocks"]))
     if "base_format" in n:
         lines.append(base_format_line(n["base_format"]))
     if n.get("stored_fp8"):
@@ -154,3 +156,14 @@ def _compact_names(names) -> str:
                 start = prev = i
         parts.append(f"{attr}.{','.join(runs)}")
     return "; ".join(parts)
+
+
+def _split_line(note: dict) -> str:
+    """Why the plan splits blocks (search.Planner._split_note)."""
+    head = "split:    each block's parts recomputed in their own backward (one more forward per block); "
+    if "unsplit_step_s" in note:
+        return head + f"faster than the fastest unsplit plan that fits ({note['unsplit_step_s']:.2f} s/step predicted)"
+    need = note.get("unsplit_needs_vram")
+    if need is None:
+        return head + "no unsplit plan fits the host-RAM budget"
+    return head + f"no unsplit plan fits: the smallest needs {need / GiB:.2f} GiB"

@@ -78,6 +78,21 @@ model still prices pageable plans given explicitly in [memory]).
   every plan's. Once the trainer has loaded an int8 / NF4 base, its planner keeps that format
   (keep_base_format): a re-plan cannot turn the rows back into bf16.
 
+- Split blocks (Plan.split_blocks, memory/split_parts.py), for a family that has them
+  (ModelFamily.split_blocks): each block keeps its parts' inputs only and recomputes each part in
+  its own backward, so a step holds less (Qwen-Image-2.1 at 1024² with 3 references: 7.9 -> 4.2 GiB
+  of activations, predicted) and computes one more forward of each block. A candidate only with
+  checkpointing "blocks" / "offload" (the parts are recomputed inside the block's checkpoint),
+  priced from the probe of the split blocks: their activations, and the parts' recompute in the
+  backward's FLOPs (timing.py). The fitting plans are swept apart, unsplit and split, and the
+  faster of the two results is the plan (the unsplit one at equal predicted time): so a split plan
+  is chosen only where no unsplit plan fits or where it is faster (where streaming fewer blocks
+  buys more than the extra forward costs). Swept together, the split plans (which fit the
+  smallest budgets) would keep every larger budget: "more budget never streams more" stopped the
+  faster unsplit plans that stream more (Qwen-Image-2.1, 1 reference, 8 GiB: 9.3 s split against
+  7.2 s unsplit, predicted). Along growing budgets a split plan gives way to the unsplit one
+  where that becomes the faster.
+
 When nothing fits, `InfeasibleBudget` says the smallest budget that works and which keys of the run
 (training config or sample request) to change.
 """
@@ -183,11 +198,13 @@ class Planner(MemoryModel):
         storages = [(fp8, mod, fmt) for fp8, mod in self.storages
                     for fmt in (self.formats if fp8 else ("fp8",))]     # the quantized block Linears in each format
         for fp8, mod, fmt in storages:
-            for ckpt in ckpts:
+            for ckpt, split in [(c, sp) for c in ckpts for sp in ((False, True) if self.splits and c != "none"
+                                                                 else (False,))]:
                 for n in counts:
                     names = names_of[n]
                     if n == 0:
-                        yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt, base_format=fmt)
+                        yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt, base_format=fmt,
+                                   split_blocks=split)
                         continue
                     for nb in ((False, True) if n == n_blocks else (False,)):
                         units = n + int(nb)
@@ -197,7 +214,7 @@ class Planner(MemoryModel):
                             for on_host in places:
                                 yield Plan(streamed_blocks=names, stream_non_blocks=nb, fp8=fp8, fp8_modulation=mod,
                                            checkpointing=ckpt, ring_slots=k, pin_memory=True,
-                                           optimizer_on_host=on_host, base_format=fmt)
+                                           optimizer_on_host=on_host, base_format=fmt, split_blocks=split)
 
     def plan(self, budget: Budget) -> Plan:
         """The plan for `budget` (VRAM and host RAM): the sweep described in the module docstring
@@ -222,15 +239,35 @@ class Planner(MemoryModel):
         if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
             fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
         fits, priced = self._within_bound(fits, budget)      # base formats: only those within the error bound
+        # split blocks: the faster of the unsplit plans' choice and the split plans' (the unsplit at a tie)
+        picks = [self._choose(group) for group in ([vp for vp in fits if vp[1].split_blocks == split]
+                                                   for split in (False, True)) if group]
+        best = min(picks, key=lambda p: (self._preference(p)[0], p.split_blocks))
+        plan = self._annotate(best, self.estimate(best), budget, ram_limit)
+        if best.split_blocks:
+            plan = replace(plan, notes={**plan.notes, "split_blocks": self._split_note(picks, budget, ram_limit)})
+        return self._with_base_choice(plan, priced)
+
+    def _split_note(self, picks: list[Plan], budget: Budget, ram_limit: int) -> dict:
+        """Why a split plan was chosen, for `leantune plan`: the unsplit plan's step time where one
+        fits (the split one is faster), else the smallest VRAM budget an unsplit plan fits."""
+        unsplit = next((p for p in picks if not p.split_blocks), None)
+        if unsplit is not None:
+            return {"unsplit_step_s": self._timed(unsplit).step_s, "unsplit_plan": unsplit.describe()}
+        peaks = [v for v, h in (self._cheap_estimate(c) for c in self.candidates() if not c.split_blocks)
+                 if h <= ram_limit]
+        return {"unsplit_needs_vram": budget.needed_for(min(peaks)) if peaks else None}
+
+    def _choose(self, fits: list[tuple[int, Plan]]) -> Plan:
+        """The plan among `fits` (not empty): the sweep, or with the disk tier or both step places
+        the faster of the sweeps apart (module docstring)."""
         if any(p.disk_blocks for _, p in fits):   # the disk tier: the faster of each storage's sweep
             picks = [self._sweep([vp for vp in fits if vp[1].fp8 == fp8]) for fp8 in (False, True)]
-            best = min((p for p in picks if p is not None), key=self._preference)
-        elif len(self.step_places()) > 1:       # "auto": the faster of the best plan of each step place
+            return min((p for p in picks if p is not None), key=self._preference)
+        if len(self.step_places()) > 1:       # "auto": the faster of the best plan of each step place
             picks = [self._sweep([vp for vp in fits if vp[1].optimizer_on_host == on_host]) for on_host in (False, True)]
-            best = min((p for p in picks if p is not None), key=lambda p: (self._preference(p)[0], p.optimizer_on_host))
-        else:
-            best = self._sweep(fits)
-        return self._with_base_choice(self._annotate(best, self.estimate(best), budget, ram_limit), priced)
+            return min((p for p in picks if p is not None), key=lambda p: (self._preference(p)[0], p.optimizer_on_host))
+        return self._sweep(fits)
 
     def to_disk(self, plan: Plan, ram_limit: int) -> Plan | None:
         """`plan` with the streamed blocks its host RAM cannot hold under `ram_limit` on the disk
@@ -493,7 +530,8 @@ def _disk_hint(mode: str, disk_on: bool) -> str:
 
 def _plan_key(plan: Plan) -> tuple:
     return (plan.streamed_blocks, plan.stream_non_blocks, plan.fp8, plan.fp8_modulation, plan.checkpointing,
-            plan.ring_slots, plan.pin_memory, plan.optimizer_on_host, plan.disk_blocks, plan.base_format)
+            plan.ring_slots, plan.pin_memory, plan.optimizer_on_host, plan.disk_blocks, plan.base_format,
+            plan.split_blocks)
 
 
 def _quantized(plan: Plan) -> bool:
@@ -502,10 +540,10 @@ def _quantized(plan: Plan) -> bool:
 
 
 def _shape(plan: Plan) -> tuple:
-    """The simpler-plan order: no fp8 (modulation first), less checkpointing, fewer streamed blocks,
-    the smaller ring, the optimizer step on the device, fewer blocks on disk."""
+    """The simpler-plan order: no fp8 (modulation first), less checkpointing, blocks not split, fewer
+    streamed blocks, the smaller ring, the optimizer step on the device, fewer blocks on disk."""
     return (plan.fp8_modulation, plan.fp8, BASE_ORDER.index(plan.base_format), CHECKPOINTING.index(plan.checkpointing),
-            len(plan.streamed_blocks), plan.stream_non_blocks,
+            plan.split_blocks, len(plan.streamed_blocks), plan.stream_non_blocks,
             plan.ring_slots, plan.optimizer_on_host, len(plan.disk_blocks))
 
 

@@ -4,7 +4,10 @@ What it trades: a small JSON file per (model source, workload shape) in the lean
 `leantune plan` that, the second time, builds no meta model, traces nothing and imports neither
 diffusers nor peft. Everything the memory model needs from a model is here: the weight bytes per
 block (weight_bytes.py), the architecture key (calibration's identity) and the activation profiles
-per bucket and storage (activations.py).
+per bucket and storage (activations.py), and, for a family with split blocks (ModelFamily.split_blocks,
+memory/split_parts.py), the same with the blocks split (`split_profiles`: what Plan.split_blocks
+computes with). A stored measurement without split profiles (a family without split blocks, or one
+written before them) still loads: its split plans are absent, the planner prices none.
 
 `measure_model` measures a model (real or meta); `load_measured` / `save_measured` keep the result
 under a key the caller derives from where the model comes from (`source_key`: a packaged
@@ -31,7 +34,7 @@ import gzip
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
@@ -51,6 +54,7 @@ log = logging.getLogger("leantune")
 # a second family shares the folder) are added by `_measuring_code`, so a new family is counted.
 _MEASURING_CODE = ("planner/weight_bytes.py", "planner/activation_probe.py", "planner/activations.py",
                    "planner/meta.py", "planner/spec_cache.py", "memory/fp8.py", "memory/streaming_units.py",
+                   "memory/split_parts.py",
                    "train/full_mode.py", "train/trainable.py",
                    "spec.py", "models/family.py", "train/lora.py")
 _FAMILY_MEASURING_FILES = ("__init__.py", "spec.py", "edit.py", "ti2v.py")   # a family module beside __init__
@@ -80,7 +84,7 @@ def _family_folders_of(source: str) -> list[str] | None:
     return folders or None
 
 
-_PROBE_CACHE: dict = {}   # (architecture key, bucket, storage) -> ActivationProfile, for this process
+_PROBE_CACHE: dict = {}   # (architecture key, bucket, storage, split) -> ActivationProfile, for this process
 
 
 @dataclass(frozen=True)
@@ -91,14 +95,22 @@ class MeasuredModel:
     key: str                                                      # architecture_key(model, workload)
     # (bucket, (probed with fp8, with fp8 modulation)) -> profile
     profiles: dict[tuple[tuple[int, int], tuple[bool, bool]], ActivationProfile]
+    # the same keys, probed with the family's split blocks splitting (Plan.split_blocks); empty for a
+    # family without split blocks and for an inference workload
+    split_profiles: dict[tuple[tuple[int, int], tuple[bool, bool]], ActivationProfile] = field(default_factory=dict)
 
-    def profile(self, bucket: tuple[int, int], storage: tuple[bool, bool]) -> ActivationProfile:
-        return self.profiles[(tuple(bucket), tuple(storage))]
+    def profile(self, bucket: tuple[int, int], storage: tuple[bool, bool], split: bool = False) -> ActivationProfile:
+        return (self.split_profiles if split else self.profiles)[(tuple(bucket), tuple(storage))]
 
     def to_dict(self) -> dict:
-        return {"weights": asdict(self.weights), "key": self.key,
-                "profiles": [{"bucket": list(b), "fp8": f, "modulation": m, "profile": p.to_dict()}
-                             for (b, (f, m)), p in self.profiles.items()]}
+        def entries(profiles):
+            return [{"bucket": list(b), "fp8": f, "modulation": m, "profile": p.to_dict()}
+                    for (b, (f, m)), p in profiles.items()]
+
+        d = {"weights": asdict(self.weights), "key": self.key, "profiles": entries(self.profiles)}
+        if self.split_profiles:          # a model without split blocks is stored as before them
+            d["split_profiles"] = entries(self.split_profiles)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> MeasuredModel:
@@ -112,9 +124,11 @@ class MeasuredModel:
         weights = ModelWeights(tuple(module(b) for b in w["blocks"]), module(w["non_blocks"]),
                                tuple(AdapterShape(**a) for a in w["adapters"]), w.get("device_tables", 0),
                                w.get("own_numel", 0))
-        profiles = {(tuple(e["bucket"]), (bool(e["fp8"]), bool(e["modulation"]))):
-                    ActivationProfile.from_dict(e["profile"]) for e in d["profiles"]}
-        return cls(weights, d["key"], profiles)
+        def entries(items):
+            return {(tuple(e["bucket"]), (bool(e["fp8"]), bool(e["modulation"]))):
+                    ActivationProfile.from_dict(e["profile"]) for e in items}
+
+        return cls(weights, d["key"], entries(d["profiles"]), entries(d.get("split_profiles", ())))
 
 
 Storage = tuple[bool, bool]     # (fp8, fp8_modulation), as Plan.storage
@@ -127,8 +141,9 @@ def _valid(measured: MeasuredModel) -> MeasuredModel:
     another LoRA rank can be priced from it; else BadKeptFile naming the field."""
     check_fields(measured.weights, ModelWeights, "weights")
     check_fields(measured.key, str, "key")
-    for (bucket, _), profile in measured.profiles.items():
-        where = f"profile {bucket[0]}x{bucket[1]}"
+    split = [(b, p, " (split blocks)") for (b, _), p in measured.split_profiles.items()]
+    for bucket, profile, which in [(b, p, "") for (b, _), p in measured.profiles.items()] + split:
+        where = f"profile {bucket[0]}x{bucket[1]}{which}"
         check_fields(profile, ActivationProfile, where)
         if profile.per_rank is not None:
             try:
@@ -171,22 +186,40 @@ def probed_storages(workload: Workload, weights: ModelWeights) -> list[Storage]:
     return sorted({effective_storage(s, weights) for s in [*storage_options(workload, weights), (False, False)]})
 
 
+def splits_blocks(spec, workload: Workload) -> bool:
+    """Whether plans of this workload may split blocks: a training step (a forward without a graph
+    never splits) of a family with split blocks (ModelFamily.split_blocks). Only then is the split
+    variant probed, so the other families' probes cost what they did."""
+    if workload.mode == "inference":
+        return False
+    from ..models.family import family_of_spec
+
+    try:
+        family = family_of_spec(spec)
+    except KeyError:                 # a spec of no registered family
+        return False
+    return family.split_blocks is not None
+
+
 def measure_model(spec, model, workload: Workload) -> MeasuredModel:
     """Weights, architecture key and activation profiles of `model` (any device, meta included) for
-    every bucket and storage the workload can use. Probes are shared within the process."""
+    every bucket and storage the workload can use, split and not where the family has split blocks
+    (splits_blocks). Probes are shared within the process."""
     weights = measure_weights(spec, model, workload)
     key = architecture_key(model, workload)
-    profiles = {}
-    for storage in probed_storages(workload, weights):
-        for bucket in workload.buckets:
-            cache_key = (key, bucket, storage)
-            if cache_key not in _PROBE_CACHE:
-                from .activation_probe import probe_activations   # traces: imports peft and the engine
+    profiles: dict = {}
+    split_profiles: dict = {}
+    for split in (False, True) if splits_blocks(spec, workload) else (False,):
+        for storage in probed_storages(workload, weights):
+            for bucket in workload.buckets:
+                cache_key = (key, bucket, storage, split)
+                if cache_key not in _PROBE_CACHE:
+                    from .activation_probe import probe_activations   # traces: imports peft and the engine
 
-                _PROBE_CACHE[cache_key] = probe_activations(spec, model, workload, bucket, fp8=storage[0],
-                                                            modulation=storage[1])
-            profiles[(bucket, storage)] = _PROBE_CACHE[cache_key]
-    return MeasuredModel(weights, key, profiles)
+                    _PROBE_CACHE[cache_key] = probe_activations(spec, model, workload, bucket, fp8=storage[0],
+                                                                modulation=storage[1], split=split)
+                (split_profiles if split else profiles)[(bucket, storage)] = _PROBE_CACHE[cache_key]
+    return MeasuredModel(weights, key, profiles, split_profiles)
 
 
 def source_key(source: str | Path, dtype: str) -> str:

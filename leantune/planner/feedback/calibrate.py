@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from ...memory.plan import Plan
-from ..corrections import CalibrationStore, bucket_key
+from ..corrections import CalibrationStore, activation_key, bucket_key
 from ..workload import InfeasibleBudget, gib
 from .oom import NoPlanFits, OomGuard
 
@@ -63,7 +63,7 @@ class PlanCalibrator:
             cal.flops_scale = cal.flops_scale * est.compute_s / busy
         off = abs(error) > budget.margin_bytes and not (error < 0 and self.guard.replans)
         if off and act > 0:
-            key = f"{bucket_key(bucket)}:{plan.checkpointing}"
+            key = activation_key(bucket, plan.checkpointing, plan.split_blocks)
             old = cal.activation_scale.get(key, 1.0)
             cal.activation_scale[key] = max(0.25, old * (act + error) / act)
             cal.activation_scale[f"{bucket_key(bucket)}:*"] = cal.activation_scale[key]
