@@ -33,10 +33,22 @@ WIDE = dict(attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12,
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bnb_rows(w: torch.Tensor):
+    """bitsandbytes' own nested quantization of each row of `w` as a (1, in) tensor: per row
+    quantize_4bit(compress_statistics=True) (NF4, 64 per absmax, the absmax codes nested by 256),
+    its state in fp32, and dequantize_4bit's fp32 weight; the rows stacked."""
+    rows = []
+    for r in w:
+        q, state = bnb_functional.quantize_4bit(r[None].contiguous(), blocksize=64, quant_type="nf4",
+                                                compress_statistics=True, quant_storage=torch.uint8)
+        state.dtype = torch.float32
+        rows.append((q, state, bnb_functional.dequantize_4bit(q, state)))
+    return rows
+
+
 def _bnb_reference(w: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' own round trip of `w` (fp32): quantize_4bit then dequantize_4bit, NF4, 64 per absmax."""
-    q, state = bnb_functional.quantize_4bit(w.float(), blocksize=64, quant_type="nf4", compress_statistics=False)
-    return bnb_functional.dequantize_4bit(q, state)
+    """bitsandbytes' own round trip of each row of `w` (fp32), stacked."""
+    return torch.cat([d for _, _, d in _bnb_rows(w)])
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +70,36 @@ def _load_nf4(path: Path, **kw):
 
 # -- the format --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("width", [192, 3072, 17408])
+def test_rows_are_bitsandbytes_nested_quantization_of_each_row(width):
+    """Each stored row is bitsandbytes' own nested quantization of that row, byte for byte: its
+    packed codes, its absmax codes, its 256-code nested absmax (two blocks at 17408 wide, the
+    second partial) and its offset; it decodes, bitwise, to dequantize_4bit of that state."""
+    g = torch.Generator().manual_seed(width)
+    w = (torch.randn(5, width, generator=g) * torch.logspace(-3, 1, 5)[:, None]).bfloat16()
+    raw = nf4_storage.quantize(w)
+    half, nb = width // 2, width // 64
+    nested = -(-nb // 256)
+    assert raw.shape == (5, half + nb + 4 * nested + 4) == (5, nf4_storage.row_bytes(width))
+    for row, (q, state, want) in zip(raw, _bnb_rows(w)):
+        assert torch.equal(row[:half], q.view(-1))
+        assert torch.equal(row[half:half + nb], state.absmax)
+        assert torch.equal(row[half + nb:-4].clone().view(torch.float32), state.state2.absmax)
+        assert torch.equal(row[-4:].clone().view(torch.float32), state.offset.view(1))
+        assert torch.equal(nf4_storage.dequantize(row[None], width, torch.float32), want)
+
+
 def test_a_linear_computes_with_bitsandbytes_dequantization_forward_and_backward():
-    """Rows of packed codes + absmax bytes decode, bitwise, to bitsandbytes' own dequantize_4bit of
-    its own quantize_4bit; forward and input gradient equal a plain Linear holding that weight; a
-    row range of the stored bytes is the quantization of that row range (rows are independent)."""
+    """Rows of packed codes + nested statistics decode, bitwise, to bitsandbytes' own
+    dequantize_4bit of its own nested quantize_4bit of each row; forward and input gradient equal a
+    plain Linear holding that weight; a row range of the stored bytes is the quantization of that
+    row range (rows are independent)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 192, generator=g).bfloat16()
     lin = torch.nn.Linear(192, 24)
     lin.weight = torch.nn.Parameter(nf4_storage.quantize(w), requires_grad=False)
     use_nf4_weight(lin)
-    assert lin.weight.shape == (24, 192 // 2 + 4 * 3) and lin.weight.dtype == torch.uint8
+    assert lin.weight.shape == (24, 192 // 2 + 3 + 4 + 4) and lin.weight.dtype == torch.uint8
     want = _bnb_reference(w)
     assert torch.equal(stored_weight(lin), want)
     assert torch.equal(nf4_storage.quantize(w[5:9]), lin.weight[5:9])
@@ -88,8 +120,25 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match=r"NF4 row holds whole blocks of 64 values; 96"):
         use_nf4_weight(lin)
     lin = torch.nn.Linear(128, 8)
-    with pytest.raises(ValueError, match=r"use_nf4_weight: the weight is torch.float32 \(8, 128\), not the \(8, 72\) uint8"):
+    with pytest.raises(ValueError, match=r"use_nf4_weight: the weight is torch.float32 \(8, 128\), not the \(8, 74\) uint8"):
         use_nf4_weight(lin)
+
+
+@pytest.mark.parametrize("field", ["offset", "nested absmax", "negative scale"])
+def test_a_tampered_row_is_named(field):
+    """Statistics no quantization writes (a NaN offset, an infinite or negative nested absmax) are
+    refused when the Linear is made computable, naming the Linear and the first such row."""
+    w = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
+    raw = nf4_storage.quantize(w)
+    lin = torch.nn.Linear(128, 6)
+    lin.weight = torch.nn.Parameter(raw.clone(), requires_grad=False)
+    use_nf4_weight(lin, "blocks.0.ff")                     # untouched: accepted
+    value = {"offset": float("nan"), "nested absmax": float("inf"), "negative scale": -1.0}[field]
+    at = -4 if field == "offset" else -8
+    raw[3, at:at + 4 if at + 4 else None] = torch.tensor([value]).view(torch.uint8)
+    lin.weight = torch.nn.Parameter(raw, requires_grad=False)
+    with pytest.raises(ValueError, match=r"blocks\.0\.ff: NF4 row 3 \(of 6\) holds statistics no quantization writes"):
+        use_nf4_weight(lin, "blocks.0.ff")
 
 
 # -- quantizing while the file is read ---------------------------------------------------------------
@@ -140,8 +189,8 @@ def test_apply_nf4_storage_on_a_loaded_model_equals_the_quantizing_load(flux_fil
 
 def test_planner_weight_bytes_equal_the_stored_bytes(flux_file):
     """A meta load with NF4 (what the planner prices) reports, per block and in total, the bytes the
-    real load holds: 36 per 64 values for the NF4 Linears, in every plan; the streamed units'
-    packed size equals unit_bytes."""
+    real load holds: row_bytes per row for the NF4 Linears (128 wide: 64 code bytes, 2 absmax codes,
+    a nested absmax and an offset), in every plan; the streamed units' packed size equals unit_bytes."""
     from leantune.planner.weight_bytes import measure_weights
 
     _, path = flux_file
@@ -150,7 +199,7 @@ def test_planner_weight_bytes_equal_the_stored_bytes(flux_file):
     assert all(p.is_meta for p in meta.parameters())
     weights = measure_weights(FLUX_SPEC, meta)
     to_q = real.transformer_blocks[0].attn.to_q
-    assert to_q.weight.numel() == to_q.in_features * to_q.out_features * 36 / 64
+    assert to_q.weight.numel() == to_q.out_features * (to_q.in_features // 2 + to_q.in_features // 64 + 8)
     for (name, block), w in zip(FLUX_SPEC.blocks(real), weights.blocks):
         actual = sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
         assert w.bytes(4) == w.bytes(4, fp8=True) == actual, name

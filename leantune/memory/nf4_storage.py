@@ -1,27 +1,38 @@
-"""NF4 storage for frozen block Linears: 4-bit NormalFloat values and an fp32 absmax per 64, as
-bitsandbytes quantizes them (QLoRA's base format).
+"""NF4 storage for frozen block Linears: 4-bit NormalFloat values, an absmax per 64 and nested
+statistics (the absmax values themselves in 8 bits), as bitsandbytes quantizes them (QLoRA's base
+format with its double quantization).
 
-What it trades: a frozen block Linear holds 0.5 byte per weight plus 4 bytes per 64 (4.5 bits per
-weight, a little over a quarter of bf16), resident or streamed, and is dequantized by bitsandbytes in
-every forward and backward. NF4's error on a Flux layer is ~3.7x e4m3's (docs/benchmarks.md), so it
-is for a base that does not fit otherwise; `[memory] base_format = "nf4"` asks for it.
+What it trades: a frozen block Linear holds 0.5 byte per weight plus, per 64 values, one 8-bit
+absmax code, and per row an fp32 scale per 256 absmax codes and an fp32 offset: 4.146 bits per
+weight on a 3072-wide row, 4.130 on a 12288-wide one (an fp32 absmax per 64 would be 4.5; on
+Flux.1-dev the nested statistics hold 0.53 GiB less), resident or streamed, and is dequantized by
+bitsandbytes in every forward and backward. NF4's error on a Flux layer is ~3.7x e4m3's, the nested
+statistics adding <0.1 % of it (docs/benchmarks.md), so it is for a base that does not fit
+otherwise; `[memory] base_format = "nf4"` asks for it.
 
 How it works (the seam of memory/gguf_storage.py, for bytes bitsandbytes writes):
 - The Linear stays the same `nn.Linear` instance (peft wraps it as any Linear). Its `weight`
   Parameter holds one uint8 row per output row: the row's in/2 packed 4-bit codes (bitsandbytes'
-  order: two values per byte, high nibble first), then its in/64 absmax values as fp32 bytes.
-  Rows are independent (bitsandbytes' 64-value blocks never cross a row when in % 64 == 0), so a
-  fused weight splits by rows, a file is quantized a chunk of rows at a time, and the streaming
-  engine, the planner and state dicts see plain bytes. `in_features` / `out_features` keep the
+  order: two values per byte, high nibble first), its in/64 absmax codes (uint8), the fp32 bytes of
+  one nested absmax per 256 absmax codes, and the fp32 bytes of the row's offset.
+  Rows are independent (bitsandbytes' 64-value blocks never cross a row when in % 64 == 0, and the
+  nested statistics are the row's own: its offset is the mean of its own absmax values, its
+  256-code nested blocks start at the row), so a fused weight splits by rows, a file is quantized a
+  chunk of rows at a time, and the streaming engine, the planner and state dicts see plain bytes. `in_features` / `out_features` keep the
   logical shape; the attribute `nf4_blocksize` marks the Linear.
 - Quantization and dequantization are bitsandbytes' own (functional.quantize_4bit /
-  dequantize_4bit, quant_type "nf4", blocksize 64, no nested statistics): nothing of the format
-  is reimplemented, so the weights computed with are bitsandbytes' bitwise. Both run where the
-  bytes are (bitsandbytes' CPU and CUDA backends).
+  dequantize_4bit, quant_type "nf4", blocksize 64; the nested statistics by quantize_blockwise /
+  dequantize_blockwise, blocksize 256, bitsandbytes' dynamic 8-bit code, the offset subtracted
+  before and added after, as quantize_4bit(compress_statistics=True) does). Only the grouping is
+  ours: bitsandbytes nests the statistics of a whole tensor at once (one offset, 256-code blocks
+  running across rows), we nest each row's, which is bitsandbytes' nested quantization of that row
+  as a (1, in) tensor: the rows, their dequantized weights and so the weights computed with equal
+  bitsandbytes' own, per row, bit for bit (tests/test_nf4.py). Both run where the bytes are
+  (bitsandbytes' CPU and CUDA backends).
 - An instance-level forward calls `_Nf4Linear`, an autograd Function that saves the stored bytes
   (never a dequantized copy) and dequantizes again in backward; a streamed weight is a slot view
   that the streaming engine's saved-tensor handles replace. Poison mode's 0xFF bytes make every
-  absmax NaN, so a use of a released slot shows in the loss.
+  row's offset and nested absmax NaN, so a use of a released slot shows in the loss.
 - Quantizing while reading a bf16 file (`quantize_rows_into`): rows come from the file through
   the loader's staging buffers a bounded chunk at a time and are quantized as they arrive; the
   whole weight never exists in bf16 in host RAM. `apply_nf4_storage` quantizes a model that is
@@ -43,6 +54,7 @@ from torch import nn
 from .cpu_linear import linear, linear_input_grad, matmul_dtype
 
 BLOCK = 64                       # values per absmax (bitsandbytes' default blocksize for 4-bit)
+NESTED_BLOCK = 256               # absmax codes per nested absmax (quantize_4bit's compress_statistics)
 TYPE_ATTR = "nf4_blocksize"      # marks an NF4-stored Linear (its value: the blocksize)
 QUANT_CHUNK = 8 * 2**20          # bytes of fp32 rows quantized at a time while reading a file
 
@@ -67,10 +79,22 @@ def available() -> bool:
 
 
 def row_bytes(in_features: int) -> int:
-    """Stored bytes of one row: in/2 of packed codes + 4 per 64 values of absmax (36 per 64)."""
+    """Stored bytes of one row: in/2 of packed codes, in/64 absmax codes, 4 per 256 absmax codes
+    (nested absmax) and 4 (offset): 1592 for a 3072-wide row."""
     if in_features % BLOCK:
         raise ValueError(f"an NF4 row holds whole blocks of {BLOCK} values; {in_features} is not a multiple")
-    return in_features // 2 + 4 * (in_features // BLOCK)
+    blocks = in_features // BLOCK
+    return in_features // 2 + blocks + 4 * _nested_blocks(blocks) + 4
+
+
+def _nested_blocks(blocks: int) -> int:
+    return -(-blocks // NESTED_BLOCK)
+
+
+def _layout(in_features: int) -> tuple[int, int, int]:
+    """(packed code bytes, absmax codes, nested blocks) of one row."""
+    blocks = in_features // BLOCK
+    return in_features // 2, blocks, _nested_blocks(blocks)
 
 
 def is_nf4(linear: nn.Module) -> bool:
@@ -79,13 +103,24 @@ def is_nf4(linear: nn.Module) -> bool:
 
 
 def quantize_into(weight: torch.Tensor, out: torch.Tensor) -> None:
-    """(rows, in) float rows -> `out` (rows, row_bytes(in)) uint8, by bitsandbytes.quantize_4bit."""
+    """(rows, in) float rows -> `out` (rows, row_bytes(in)) uint8, by bitsandbytes.quantize_4bit and
+    its nested statistics, row by row (each row's offset and 256-code nested blocks its own)."""
     F = _bnb()
     rows, in_f = weight.shape
+    half, nb, nested = _layout(in_f)
     packed, state = F.quantize_4bit(weight.contiguous(), blocksize=BLOCK, compress_statistics=False,
                                     quant_type="nf4", quant_storage=torch.uint8)
-    out[:, :in_f // 2].copy_(packed.view(rows, in_f // 2))
-    out[:, in_f // 2:].copy_(state.absmax.float().contiguous().view(rows, -1).view(torch.uint8))
+    absmax = state.absmax.float().view(rows, nb)
+    offset = absmax.mean(dim=1, keepdim=True)                                   # (rows, 1)
+    # Each row's centred absmax values padded with zeros to whole nested blocks: a zero never
+    # raises a block's absmax, so the codes and scales are those of the row's own partial block.
+    centred = absmax.new_zeros(rows, nested * NESTED_BLOCK)
+    centred[:, :nb] = absmax - offset
+    qabsmax, state2 = F.quantize_blockwise(centred.view(-1), blocksize=NESTED_BLOCK)
+    out[:, :half].copy_(packed.view(rows, half))
+    out[:, half:half + nb].copy_(qabsmax.view(rows, -1)[:, :nb])
+    out[:, half + nb:-4].copy_(state2.absmax.float().contiguous().view(rows, nested).view(torch.uint8))
+    out[:, -4:].copy_(offset.contiguous().view(torch.uint8))
 
 
 def quantize(weight: torch.Tensor) -> torch.Tensor:
@@ -96,26 +131,42 @@ def quantize(weight: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(raw: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """(out, row_bytes) uint8 NF4 rows -> (out, in) weight in `dtype`: bitsandbytes.dequantize_4bit
-    in fp32, then one rounding to `dtype`, where the rows are."""
+    """(out, row_bytes) uint8 NF4 rows -> (out, in) weight in `dtype`: the absmax values by
+    bitsandbytes.dequantize_blockwise plus the row's offset (dequantize_4bit's nested step), the
+    weight by bitsandbytes.dequantize_4bit in fp32, then one rounding to `dtype`, where the rows are."""
     F = _bnb()
     rows = raw.shape[0]
-    half = in_features // 2
+    half, nb, nested = _layout(in_features)
     packed = raw[:, :half].contiguous().view(-1, 1)
-    absmax = raw[:, half:].contiguous().view(torch.float32).view(-1)
-    state = F.QuantState(absmax=absmax, shape=torch.Size((rows, in_features)), code=_code(raw.device),
-                         blocksize=BLOCK, quant_type="nf4", dtype=torch.float32)
+    qabsmax = raw.new_zeros(rows, nested * NESTED_BLOCK)
+    qabsmax[:, :nb] = raw[:, half:half + nb]
+    absmax2 = _floats(raw[:, half + nb:-4]).view(-1)
+    offset = _floats(raw[:, -4:])                                                # (rows, 1)
+    code2 = _code(raw.device, "dynamic")
+    absmax = F.dequantize_blockwise(qabsmax.view(-1), absmax=absmax2, code=code2, blocksize=NESTED_BLOCK)
+    absmax = absmax.view(rows, -1)[:, :nb] + offset
+    state = F.QuantState(absmax=absmax.contiguous().view(-1), shape=torch.Size((rows, in_features)),
+                         code=_code(raw.device), blocksize=BLOCK, quant_type="nf4", dtype=torch.float32)
     return F.dequantize_4bit(packed, state).to(dtype)
 
 
-_CODES: dict[torch.device, torch.Tensor] = {}
+def _floats(stored: torch.Tensor) -> torch.Tensor:
+    """Stored fp32 bytes, (rows, 4k) uint8, as (rows, k) fp32: copied out first, as a row's fp32
+    fields need not start at a multiple of 4 bytes."""
+    return torch.empty(stored.shape, dtype=torch.uint8, device=stored.device).copy_(stored).view(torch.float32)
 
 
-def _code(device: torch.device) -> torch.Tensor:
-    """bitsandbytes' NF4 code book (16 fp32 values) on `device`, built once per device."""
-    if device not in _CODES:
-        _CODES[device] = _bnb().get_4bit_type("nf4", device=device)
-    return _CODES[device]
+_CODES: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def _code(device: torch.device, kind: str = "nf4") -> torch.Tensor:
+    """bitsandbytes' code book on `device`, built once per device: "nf4" (16 fp32 values, the
+    weights') or "dynamic" (256, the nested absmax codes', as quantize_blockwise makes it)."""
+    if (device, kind) not in _CODES:
+        F = _bnb()
+        _CODES[device, kind] = (F.get_4bit_type("nf4", device=device) if kind == "nf4"
+                                else F.create_dynamic_map().to(device))
+    return _CODES[device, kind]
 
 
 class _Nf4Linear(torch.autograd.Function):
@@ -154,17 +205,32 @@ class _Nf4Forward:
         return _Nf4Linear.apply(x, lin.weight, lin.bias, lin.in_features)
 
 
-def use_nf4_weight(linear: nn.Linear) -> None:
+def use_nf4_weight(linear: nn.Linear, name: str = "") -> None:
     """Make an nn.Linear whose weight holds NF4 rows, (out, row_bytes) uint8, computable: mark it
-    and dequantize in its forward. The weight is frozen (quantized bytes take no step)."""
+    and dequantize in its forward. The weight is frozen (quantized bytes take no step). Rows whose
+    statistics cannot be bitsandbytes' (a nested absmax or offset not finite, a nested absmax
+    below zero: bytes altered after quantizing) are refused, the first one named (`name`: the
+    Linear's)."""
     w = linear.weight
     if w.dtype != torch.uint8 or tuple(w.shape) != (linear.out_features, row_bytes(linear.in_features)):
         raise ValueError(f"use_nf4_weight: the weight is {w.dtype} {tuple(w.shape)}, not the ({linear.out_features}, "
                          f"{row_bytes(linear.in_features)}) uint8 rows of a ({linear.out_features}, "
                          f"{linear.in_features}) NF4 weight")
+    if not w.is_meta:
+        _check_statistics(w, linear.in_features, name or "an NF4 Linear")
     linear.__dict__[TYPE_ATTR] = BLOCK
     w.requires_grad_(False)
     linear.forward = _Nf4Forward(linear)
+
+
+def _check_statistics(raw: torch.Tensor, in_features: int, name: str) -> None:
+    half, nb, _ = _layout(in_features)
+    stats = _floats(raw[:, half + nb:])                                # (rows, nested + 1): scales, offset
+    bad = ~stats.isfinite().all(dim=1) | (stats[:, :-1] < 0).any(dim=1)
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name}: NF4 row {row} (of {raw.shape[0]}) holds statistics no quantization writes "
+                         f"(nested absmax / offset {stats[row].tolist()}): the stored bytes were altered")
 
 
 def stored_weight(linear: nn.Linear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -204,7 +270,7 @@ def fill_nf4(model: nn.Module, files, source: str, target: str, segments: list[t
     if not meta:
         quantize_rows_into(files, source, segments, dtype, raw)
     module.weight = nn.Parameter(raw.to(device), requires_grad=False)
-    use_nf4_weight(module)
+    use_nf4_weight(module, target[: -len(".weight")])
 
 
 def nf4_block_weights(model: nn.Module, spec, modulation: bool = False) -> set[str]:
@@ -241,6 +307,6 @@ def apply_nf4_storage(model: nn.Module, spec, modulation: bool = False) -> list[
         with torch.no_grad():
             raw = quantize(lin.weight.data)
         lin.weight = nn.Parameter(raw, requires_grad=False)
-        use_nf4_weight(lin)
+        use_nf4_weight(lin, qname)
         done.append(qname)
     return done

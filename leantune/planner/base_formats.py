@@ -7,7 +7,8 @@ format is priced three ways:
 
 - bytes: exactly, per Linear, as the storage module lays its rows out (weight_bytes.py: e4m3 plus
   an fp32 scale per 64 inputs; int8 codes plus one fp32 scale per row; NF4's packed nibbles plus an
-  fp32 absmax per 64), resident and in the streaming engine's packed units;
+  8-bit absmax code per 64 and each row's nested statistics, an fp32 scale per 256 codes and an
+  fp32 offset), resident and in the streaming engine's packed units;
 - compute: each use of a stored weight dequantizes it to the compute dtype. fp8's cost is what the
   activation probe measures (timing.py: the extra memory-bound traffic at HBM bandwidth). The other
   formats add their own traffic beyond fp8's 7 bytes per weight (fp8.py's CUDA path) and, for
@@ -53,9 +54,11 @@ FORMATS: dict[str, BaseFormat] = {
     # back per group of 256 (4 + 4, 2 x 256 FLOP), to bf16 (4 + 2); the fp32 product and its
     # rotation coexist with the codes (4 + 4 + 1), the bf16 result follows
     "int8": BaseFormat("int8", "int8 ConvRot", 8.01, 0.9798, 29.0, 512.0, 9.0),
-    # bitsandbytes' dequantize_4bit to fp32 (0.5625 read + 4 written), then to bf16 (4 + 2): the
-    # fp32 weight and the bf16 one coexist
-    "nf4": BaseFormat("nf4", "NF4", 4.5, 9.2326, 10.5625, 0.0, 6.0),
+    # the nested absmax decoded, its offset added (1 / 64 read, 4 / 64 written; 4 / 64 read and
+    # written: 13 / 64), bitsandbytes' dequantize_4bit to fp32 (0.5 + 4 / 64 read + 4 written),
+    # then to bf16 (4 + 2): the fp32 weight and the bf16 one coexist. Bits of a 3072-wide row:
+    # 8 x 1592 / 3072.
+    "nf4": BaseFormat("nf4", "NF4", 4.1458, 9.2343, 10.7656, 0.0, 6.0),
 }
 ORDER = ("fp8", "int8", "nf4")          # the simpler-plan order at equal time (search._shape)
 DEFAULT_BOUND = FORMATS["fp8"].error    # [memory] max_base_error unset: within fp8 e4m3's error

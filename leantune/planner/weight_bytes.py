@@ -11,8 +11,8 @@ weights of a GGUF base (memory/gguf_storage.py), of an NF4 base (memory/nf4_stor
 codes and absmax in one uint8 row) and of an int8 ConvRot base (memory/int8_storage.py) cost their stored bytes, exactly, in every plan and in or out of
 the blocks (an entry "stored" with no fp8 scales: its element count is bytes). A bf16 block Linear that
 int8 or NF4 storage could take also carries what it would store in each (`ModuleWeights.formats`:
-int8 ConvRot's codes and row scale, out x (in + 4); NF4's packed nibbles and absmax, out x 36 per
-64 inputs), so the search can price "auto"'s choice of base format exactly (base_formats.py). Tests hold these numbers to what fp8 storage, the streaming engine and peft really
+int8 ConvRot's codes and row scale, out x (in + 4); NF4's packed nibbles, absmax codes and nested
+statistics, out x nf4_storage.row_bytes(in)), so the search can price "auto"'s choice of base format exactly (base_formats.py). Tests hold these numbers to what fp8 storage, the streaming engine and peft really
 allocate, so the planner prices exactly what the engine builds.
 """
 
