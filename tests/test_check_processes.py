@@ -1,9 +1,12 @@
-"""`leantune check --gpus 2` on the tiny Flux: after the one-process variants the whole plan (3
-blocks streamed in poison mode) runs on 2 processes (torchrun, gloo, CPU) at batch 1 each and is
-compared with one process at batch 2: the line holds; with rank 1's gradient share scaled by 1.5
-before the all-reduce (tests/check_fault_worker.py) it differs and the check exits 1. And the
-flags: `check --gpus N` and `train --check --gpus N` hand N to the check; a full fine-tune on
-several processes is said not to be checked."""
+"""`leantune check --gpus 2` on the tiny Flux, one test per strategy leantune trains with on several
+processes: after the one-process variants the whole plan runs on 2 processes (torchrun, gloo,
+CPU) at batch 1 each and is compared with one process at batch 2. LoRA on DDP (3 blocks streamed
+in poison mode): the line holds; with rank 1's gradient share scaled by 1.5 before the all-reduce
+(tests/check_fault_worker.py) it differs and the check exits 1. A full fine-tune on FSDP2 and on
+DeepSpeed ZeRO-2: the losses and the update of the steps hold against the one-process full mode;
+with rank 1's AdamW update scaled by 1.5 (tests/check_update_fault_worker.py) each differs, naming
+the strategy. And the flags: `check --gpus N` and `train --check --gpus N` hand N to the check; a
+full fine-tune with streaming (which `train --gpus N` refuses) is said not to be checked."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_lora_rest, tiny_run_toml
 
 from test_check import FULL
@@ -86,6 +90,73 @@ def test_a_rank_whose_gradient_share_is_scaled_makes_it_differ(tmp_path, tiny_fl
     assert result.lines[-1].startswith("check: a technique differs")
 
 
+# -- full fine-tunes: FSDP2 and DeepSpeed ZeRO-2 --------------------------------------------------------
+
+def _full_cfg(tmp_path, tiny_flux_dir, images, strategy: str, clip: float = 0.0):
+    rest = (f'\n[train]\nmode = "full"\nsteps = 2\nlearning_rate = 2e-4\nmixed_precision = "no"\nseed = 3\n'
+            f'max_grad_norm = {clip}\n\n[full]\nexclude = ["*norm*"]\n\n[distributed]\nstrategy = "{strategy}"\n\n'
+            f'[output]\ndir = "{tmp_path / "out"}"\nname = "t"\n')
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    p = tmp_path / f"{strategy}.toml"
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, rest))
+    return load_config(p, [f'data.cache_dir="{images.parent / "cache"}"', "data.batch_size=1",
+                           'train.device="cpu"'])
+
+
+def _strategy_line(result, strategy: str) -> str:
+    found = [line for line in result.lines if line.startswith(f"several processes (2, {strategy}; ")]
+    assert len(found) == 1, result.lines
+    return found[0]
+
+
+def _full_holds(result, strategy: str) -> str:
+    line = _strategy_line(result, strategy)
+    assert result.rc == 0, result.lines
+    assert ": held — " in line and "updates" in line, line
+    ranks, one = result.records["processes"], result.records["one process"]
+    assert len(ranks.losses) == 2 and ranks.grads == [{}, {}]          # no rank holds a whole gradient
+    assert ranks.weights.keys() == one.weights.keys() == one.before.keys()
+    moved = [n for n in one.before if not torch.equal(ranks.weights[n], one.before[n])]
+    assert len(moved) == len(one.before)                               # every trained weight was stepped
+    measured = result.verdicts["processes"].measured
+    print(strategy, "measured", measured)                              # the numbers docs/check.md states
+    assert measured["update_rel"] <= processes.FULL_TOLERANCE.update_rel
+    return line
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_on_fsdp2_holds_against_one_process_with_the_doubled_batch(tmp_path, tiny_flux_dir,
+                                                                                    images, one_thread_each):
+    result = run_check(_full_cfg(tmp_path, tiny_flux_dir, images, "fsdp2"), steps=2, emit=print, gpus=2)
+    line = _full_holds(result, "fsdp2")
+    assert "max_grad_norm off" not in line, line
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_on_zero2_holds_with_clipping_off_in_both(tmp_path, tiny_flux_dir, images, one_thread_each):
+    pytest.importorskip("deepspeed")
+    result = run_check(_full_cfg(tmp_path, tiny_flux_dir, images, "deepspeed", clip=1.0), steps=2, emit=print,
+                       gpus=2)
+    line = _full_holds(result, "deepspeed ZeRO-2")
+    assert "[train] max_grad_norm off in both: one process clips each parameter" in line, line
+
+
+@pytest.mark.slow
+def test_a_rank_whose_update_is_scaled_makes_fsdp2_and_zero2_differ(tmp_path, tiny_flux_dir, images,
+                                                                    one_thread_each, monkeypatch):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setattr(processes, "WORKER_MODULE", "check_update_fault_worker")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    for strategy, named in (("fsdp2", "fsdp2"), ("deepspeed", "deepspeed ZeRO-2")):
+        result = run_check(_full_cfg(tmp_path / strategy, tiny_flux_dir, images, strategy), steps=2, emit=print,
+                           gpus=2)
+        line = _strategy_line(result, named)
+        assert result.rc == 1, result.lines
+        assert ": differs: " in line and "updates" in line.split("outside")[0].split(";")[-1], line
+        assert result.verdicts["processes"].measured["update_rel"] > 100 * processes.FULL_TOLERANCE.update_rel
+        assert result.lines[-1].startswith("check: a technique differs")
+
+
 # -- the flags (no launch) ---------------------------------------------------------------------------
 
 def _faked_check(monkeypatch) -> list:
@@ -113,9 +184,15 @@ def test_check_and_train_check_hand_the_process_count_to_the_check(tmp_path, tin
     assert seen == [2, 2, None]
 
 
-def test_a_full_fine_tune_on_several_processes_is_said_not_checked(tmp_path, tiny_flux_dir, images):
+def test_a_full_fine_tune_that_train_refuses_on_several_processes_is_said_not_checked(tmp_path, tiny_flux_dir,
+                                                                                       images):
     p = tmp_path / "full.toml"
-    p.write_text(tiny_run_toml(tiny_flux_dir, images, FULL))
+    p.write_text(tiny_run_toml(tiny_flux_dir, images, FULL))            # streams 2 blocks
     why = processes.covered(load_config(p))
-    assert why is not None and "fsdp2" in why and "only LoRA runs on DDP" in why
+    assert why is not None and "(fsdp2)" in why and "`train --gpus N` refuses this config" in why
     assert processes.covered(_cfg(tmp_path, tiny_flux_dir, images)) is None
+    (tmp_path / "s").mkdir()
+    for strategy in ("fsdp2", "deepspeed"):
+        cfg = _full_cfg(tmp_path / "s", tiny_flux_dir, images, strategy)
+        assert processes.covered(cfg) is None
+    assert processes.strategy_of(cfg) == "deepspeed ZeRO-2"

@@ -161,3 +161,77 @@ def compare(ref: Record, rec: Record, exact: bool, tolerance: Tolerance = FP8_TO
     if over:
         return Verdict(False, f"{said}; {', '.join(over)} outside the tolerance ({tol.describe()})", measured)
     return Verdict(True, f"{said} over {steps} step(s), within the tolerance ({tol.describe()})", measured)
+
+
+@dataclass(frozen=True)
+class UpdateTolerance:
+    """What several processes may change in a sharded full fine-tune, where no rank holds a whole
+    gradient: the loss's relative difference at every step; the update of all trained weights
+    together over the steps, ||u - u_ref|| / ||u_ref|| with u = weights after - weights before;
+    the trained weights' relative error after the last step."""
+
+    loss_rel: float
+    update_rel: float
+    weight_rel: float
+
+    def describe(self) -> str:
+        return f"loss {self.loss_rel:.0e}, updates {self.update_rel:g} relative error, weights {self.weight_rel:g}"
+
+
+def compare_updates(ref: Record, rec: Record, before: dict[str, torch.Tensor], tolerance: UpdateTolerance) -> Verdict:
+    """`rec` (a sharded full fine-tune on several processes) against `ref` (one process), both
+    started from the weights `before`: losses per step, and the weights' update over the steps.
+
+    Why the update and not only the weights: an AdamW update is about the learning rate per
+    element, a small part of the weight, so a wrong update on one rank's shard moves the weights'
+    relative error by (update / weight) x the fault, which a float tolerance on the weights could
+    hide; the update's own relative error shows it whole."""
+    steps = len(ref.losses)
+    if rec.error is not None:
+        return Verdict(False, f"the run failed: {rec.error}", {})
+    if len(rec.losses) != steps:
+        return Verdict(False, f"ran {len(rec.losses)} of {steps} steps", {})
+    for i, (a, b) in enumerate(zip(rec.losses, ref.losses)):
+        if not math.isfinite(a) and math.isfinite(b):
+            return Verdict(False, f"the loss of step {i + 1} is {a}", {})
+    if set(rec.weights) != set(ref.weights):
+        other = sorted(set(rec.weights) ^ set(ref.weights))
+        return Verdict(False, f"trains other parameters than the one-process run, e.g. {other[0]}", {})
+    for name, w in rec.weights.items():
+        if _nonfinite(w) and not _nonfinite(ref.weights[name]):
+            return Verdict(False, f"NaN in the trained weight {name}", {})
+    names = sorted(ref.weights)
+    missing = [n for n in names if n not in before]
+    if missing:
+        return Verdict(False, f"no weight before the first step for {missing[0]}", {})
+    got = torch.cat([rec.weights[n].double().reshape(-1) for n in names])
+    want = torch.cat([ref.weights[n].double().reshape(-1) for n in names])
+    start = torch.cat([before[n].double().reshape(-1) for n in names])
+    u, u_ref = got - start, want - start
+    moved = [n for n in names if not torch.equal(rec.weights[n], before[n])]
+    if not moved and bool(u_ref.any()):
+        return Verdict(False, f"no trained weight moved in {steps} step(s) where the one-process run's did "
+                              f"(e.g. {names[0]})", {})
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(rec.losses, ref.losses))
+    nu = float(u_ref.norm())
+    update_rel = float((u - u_ref).norm()) / nu if nu else float((u - u_ref).norm())
+    nw = float(want.norm())
+    weight_rel = float((got - want).norm()) / nw if nw else float((got - want).norm())
+    # where the update differs most, by tensor: what a fault confined to one rank's shard names
+    worst, where = 0.0, names[0]
+    for n in names:
+        du = (rec.weights[n].double() - ref.weights[n].double()).norm()
+        d0 = (ref.weights[n].double() - before[n].double()).norm()
+        r = float(du / d0) if float(d0) else float(du)
+        if r > worst:
+            worst, where = r, n
+    measured = {"loss_rel": loss_rel, "update_rel": update_rel, "weight_rel": weight_rel, "worst_update_rel": worst,
+                "worst_update_in": where}
+    said = (f"loss {loss_rel:.2g} relative, updates {update_rel:.2g} relative error (largest {worst:.2g} in "
+            f"{where}), weights {weight_rel:.2g}")
+    tol = tolerance
+    over = [k for k, bad in (("loss", loss_rel > tol.loss_rel), ("updates", update_rel > tol.update_rel),
+                             ("weights", weight_rel > tol.weight_rel)) if bad]
+    if over:
+        return Verdict(False, f"{said}; {', '.join(over)} outside the tolerance ({tol.describe()})", measured)
+    return Verdict(True, f"{said} over {steps} step(s), within the tolerance ({tol.describe()})", measured)

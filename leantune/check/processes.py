@@ -1,21 +1,33 @@
 """The check on several processes: the whole plan on N ranks against one process with the N-times batch.
 
 A run on N processes (`leantune train --gpus N`) trains each rank on its rows of a global batch of
-`[data] batch_size x N` (distributed.py): every rank weights its loss by its share, the LoRA
-gradients are summed across the ranks after the last micro-batch, and every rank takes the same
-step. So N processes must compute the step one process computes with the N-times batch. The
-check runs both with the whole plan (streaming in poison mode, as in the one-process variants):
-the one-process run here, the N ranks under torchrun, as `leantune train --gpus N` starts them,
-each building the run with the trainer's own `_build` and its `DistContext`, and rank 0 recording
-the gradients after the all-reduce (as its optimizer receives them) and the weights after the
-last step.
+`[data] batch_size x N` (distributed.py): every rank weights its loss by its share, and the
+strategy turns the N shares into one step. So N processes must compute the step one process
+computes with the N-times batch. The check runs both with the whole plan (streaming in poison
+mode, as in the one-process variants): the one-process run here, the N ranks under torchrun, as
+`leantune train --gpus N` starts them, each building the run with the trainer's own `_build` and
+its `DistContext` (so each strategy's own engine), rank 0 recording what it can see whole. Per
+strategy (distributed.resolve_strategy; the config refuses any other pairing):
+
+- LoRA on DDP: the adapter gradients are all-reduced (DistContext.sync_gradients), so rank 0
+  records them as its optimizer receives them, with the losses and the adapters after the last
+  step: compared as the one-process variants are (`PROCESSES_TOLERANCE`).
+- A full fine-tune on FSDP2 (`fully_shard` on every block and the root) or DeepSpeed ZeRO-2
+  (`[distributed] offload_optimizer` included; stage 3 is refused by the config): the gradient is
+  never whole on any rank (reduce-scattered into FSDP2's shards; reduced into ZeRO's partitions and
+  freed inside its step), so the losses per step and the update the steps made (the weights
+  gathered whole on rank 0 by the mode's own state(), minus the weights as loaded) are compared
+  (compare.compare_updates, `FULL_TOLERANCE`). The one-process run is the one-process full mode
+  (each weight stepped inside backward); it clips each parameter on its own where the sharded
+  engines clip the global norm, so with [train] max_grad_norm > 0 both runs are made with clipping
+  off, and the line says so.
 
 Not bitwise: one process reduces the batch's rows inside each matmul and the loss mean, N ranks
-each reduce their rows and the all-reduce adds the N partial sums, so the float additions run in
+each reduce their rows and the collective adds the N partial sums, so the float additions run in
 another order (gloo's sum of two tensors is itself exact, but the partial sums are not the
-one-process sum's partial sums). `PROCESSES_TOLERANCE` bounds it. Covered: LoRA on DDP. A full
-fine-tune on several processes (FSDP2, ZeRO) shards parameters and optimizer states inside those
-engines; it is said to be not checked.
+one-process sum's partial sums); a full fine-tune's two AdamW implementations (the in-backward one
+and torch's on the shards) round their arithmetic differently too. docs/check.md gives the
+measured differences behind each tolerance.
 
 The worker side is this module run by torchrun: `python -m leantune.check.processes JOB.json`.
 """
@@ -29,7 +41,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .compare import Tolerance, Verdict, compare
+from .compare import Tolerance, UpdateTolerance, Verdict, compare, compare_updates
 from .record import Record, record_variant
 from .variants import Variant, variant_config
 
@@ -40,25 +52,55 @@ from .variants import Variant, variant_config
 # first. A rank whose gradient share is scaled by 1.5 gives 0.42 on the gradients and 0.0079 on the
 # weights. The bounds leave about 180x on the weights and 280x on the gradients.
 PROCESSES_TOLERANCE = Tolerance(loss_rel=1e-4, grad_rel=1e-4, grad_cos=0.99999, weight_rel=1e-4)
+# A full fine-tune on FSDP2 / ZeRO-2 against the one-process full mode (docs/check.md: measured
+# on the tiny Flux as above, fp32 weights, AdamW).
+FULL_TOLERANCE = UpdateTolerance(loss_rel=1e-4, update_rel=1e-3, weight_rel=1e-5)
 
 # The module torchrun runs on every rank (tests point it at a wrapper that injects a fault first).
 WORKER_MODULE = "leantune.check.processes"
 
 
-def covered(cfg) -> str | None:
-    """Why the run's several processes cannot be checked here, or None (LoRA on DDP)."""
+def strategy_of(cfg) -> str:
+    """The strategy the run trains with on several processes, as its report names it."""
     from ..distributed import resolve_strategy
 
     strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode)
-    if cfg.train.mode != "lora" or strategy != "ddp":
-        return (f"a {cfg.train.mode} run on {strategy}: only LoRA runs on DDP are checked on several processes "
-                f"(FSDP2 and ZeRO shard the parameters and optimizer states inside their own engines)")
+    if strategy != "deepspeed":
+        return strategy
+    from ..accelerate_setup import deepspeed_config
+
+    try:
+        stage = deepspeed_config(cfg, 2).get("zero_optimization", {}).get("stage", "?")
+    except Exception:                       # noqa: BLE001 (an unreadable file: train names it)
+        stage = "?"
+    offload = " + optimizer offload" if cfg.distributed.offload_optimizer else ""
+    return f"deepspeed ZeRO-{stage}{offload}"
+
+
+def covered(cfg) -> str | None:
+    """Why the run's several processes cannot be checked here, or None. Every strategy leantune
+    trains with is: a config that `train --gpus N` itself refuses is said so instead of run."""
+    from ..distributed import resolve_strategy
+
+    strategy = resolve_strategy(cfg.distributed.strategy, cfg.train.mode)
+    if cfg.train.mode == "lora":
+        return None if strategy == "ddp" else f"a LoRA run on {strategy}: LoRA trains on DDP only"
+    m = cfg.memory
+    if m.streamed_blocks not in (0, [], "none") or m.stream_non_blocks or m.vram_budget is not None:
+        return (f"a full fine-tune on several processes ({strategy}) runs without [memory] streamed_blocks / "
+                f"stream_non_blocks / vram_budget (the sharded engines own where the weights live), and "
+                f"`train --gpus N` refuses this config; remove those keys to check the run it would make")
     return None
 
 
-def label(gpus: int, batch_size: int) -> str:
-    return (f"several processes ({gpus}, ddp; the whole plan at batch {batch_size} per process, against one "
-            f"process at batch {batch_size * gpus})")
+def clipping_off(cfg) -> bool:
+    """Whether both runs of a full fine-tune's check are made without clipping (module docstring)."""
+    return cfg.train.mode == "full" and cfg.train.max_grad_norm > 0 and cfg.full.grad_clip == "parameter"
+
+
+def label(gpus: int, batch_size: int, strategy: str = "ddp", note: str = "") -> str:
+    return (f"several processes ({gpus}, {strategy}; the whole plan at batch {batch_size} per process, against one "
+            f"process at batch {batch_size * gpus}{note})")
 
 
 def check_processes(cfg, plan_variant: Variant, gpus: int, steps: int, tmp: Path, start: dict | None,
@@ -66,19 +108,24 @@ def check_processes(cfg, plan_variant: Variant, gpus: int, steps: int, tmp: Path
     """Run `plan_variant` (the whole plan) in this process at `gpus` times the batch and on `gpus`
     processes at the config's batch; compare the ranks' record with this process's."""
     b = cfg.data.batch_size
-    one = replace(plan_variant, key="one process", data={"batch_size": b * gpus})
+    full = cfg.train.mode == "full"
+    train = {"max_grad_norm": 0.0} if clipping_off(cfg) else {}
+    one = replace(plan_variant, key="one process", data={"batch_size": b * gpus}, train=train)
     if progress is not None:
         progress(f"check: running the whole plan in one process at batch {b * gpus} ...")
-    ref = record_variant(variant_config(cfg, one, tmp), steps, start, keep_blocks=keep_blocks)
+    ref = record_variant(variant_config(cfg, one, tmp), steps, start, keep_blocks=keep_blocks, weights_before=full)
     records = {"one process": ref}
     if ref.error is not None:
         return Verdict(False, f"the one-process run at batch {b * gpus} failed: {ref.error}", {}), records
     if progress is not None:
         progress(f"check: running the whole plan on {gpus} processes (torchrun) ...")
-    several = replace(plan_variant, key="processes")
-    rec = launch(variant_config(cfg, several, tmp), gpus, steps, tmp / "processes-job", ref.initial or None,
-                 keep_blocks, timeout_s=cfg.distributed.timeout_minutes * 60 + 600)
+    several = replace(plan_variant, key="processes", train=train)
+    rec = launch(variant_config(cfg, several, tmp), gpus, steps, tmp / "processes-job",
+                 None if full else (ref.initial or None), keep_blocks,
+                 timeout_s=cfg.distributed.timeout_minutes * 60 + 600)
     records["processes"] = rec
+    if full:
+        return compare_updates(ref, rec, ref.before, FULL_TOLERANCE), records
     return compare(ref, rec, exact=False, tolerance=PROCESSES_TOLERANCE), records
 
 

@@ -11,6 +11,11 @@ depends on how the mode steps:
   instance to clone the gradient it is handed (the accumulated one, before per-parameter
   clipping). The weights are read where they live between steps (`mode.state`: a streamed
   block's host buffer, after its write-backs), so a write-back that never happened shows.
+- A full fine-tune sharded over several processes (FSDP2, DeepSpeed ZeRO) steps torch's AdamW on
+  each rank's shards: no rank ever holds a whole gradient (FSDP2 reduce-scatters it into shards,
+  ZeRO reduces it into partitions and frees it inside its step), so no gradient is recorded (each
+  step's dict is empty) and the check compares the updates instead (compare.compare_updates). The
+  weights are `mode.state`'s, gathered whole on rank 0 (a collective every rank joins).
 Everything recorded is copied to host memory (fp32 gradients of the trained parameters per step,
 and the trained weights once), then the variant's memory is released before the next is built.
 """
@@ -34,6 +39,7 @@ class Record:
     report: dict = field(default_factory=dict)     # the engine's counters of the last step
     initial: dict[str, torch.Tensor] = field(default_factory=dict)   # LoRA: the adapters as built
     started_from_reference: list[str] = field(default_factory=list)  # LoRA: the ones set to the reference's
+    before: dict[str, torch.Tensor] = field(default_factory=dict)    # full mode, when asked: the weights as loaded
     error: str | None = None              # the run failed: "ExceptionType: message"
     out_of_memory: bool = False
 
@@ -43,7 +49,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None, raise_build: bool = False,
-                   keep_blocks: dict | None = None, dist=None) -> Record:
+                   keep_blocks: dict | None = None, dist=None, weights_before: bool = False) -> Record:
     """Build `cfg`'s run (a variant config) and run `steps` optimizer steps; a failure is recorded,
     not raised (a fault the check looks for may well raise). `raise_build`: a failure to build
     other than running out of memory is raised instead (the reference: bad data or model files
@@ -55,7 +61,9 @@ def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None
     were built otherwise is started from the reference's, and `started_from_reference` names them:
     what is compared is then the technique, not the draw. `keep_blocks`: run the model cut to those
     blocks (models/block_subset.py; the check on a model too large to compare whole). `dist`: this
-    process's DistContext when the run is one rank of several (processes.py), else one process."""
+    process's DistContext when the run is one rank of several (processes.py), else one process.
+    `weights_before`: also record the trained weights before the first step (`before`; the
+    several-processes check of a full fine-tune compares updates, which start there)."""
     from .. import trainer
     from ..errors import is_out_of_memory
 
@@ -76,8 +84,10 @@ def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None
             rec.initial = {n: _host_copy(p) for n, p in t.transformer.named_parameters() if p.requires_grad}
             if start is not None:
                 rec.started_from_reference = _start_from(t, start, rec.initial)
+        if weights_before:
+            rec.before = {n: _host_copy(v) for n, v in t.mode.state(t).get("trainable", {}).items()}
         current: dict = {}
-        undo = _catch_gradients(t, names, current)
+        undo, caught = _catch_gradients(t, names, current)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
             torch.cuda.reset_peak_memory_stats(t.device)
@@ -90,11 +100,12 @@ def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None
                     torch.cuda.synchronize(t.device)
                 rec.step_s.append(time.perf_counter() - t0)
                 rec.losses.append(float(loss))
-                rec.grads.append({n: current.get(n) for n in trained})
+                rec.grads.append({n: current.get(n) for n in trained} if caught else {})
                 rec.report = t.memory.step_report(wait=True) if t.memory is not None else {}
             if t.device.type == "cuda":
                 rec.peak_vram = torch.cuda.max_memory_allocated(t.device)
-            rec.weights = {n: _host_copy(v) for n, v in t.mode.state(t)["trainable"].items()}
+            # (a sharded mode's state() is collective and whole on rank 0 only: the others get {})
+            rec.weights = {n: _host_copy(v) for n, v in t.mode.state(t).get("trainable", {}).items()}
         finally:
             undo()
     except Exception as e:                     # noqa: BLE001 (what failed is the finding)
@@ -121,9 +132,12 @@ def _start_from(t, start: dict[str, torch.Tensor], own: dict[str, torch.Tensor])
 
 
 def _catch_gradients(t, names: dict[int, str], current: dict):
-    """Install the gradient capture for `t`'s mode (module docstring); returns its undo."""
+    """Install the gradient capture for `t`'s mode (module docstring); returns (its undo, whether
+    gradients are caught: not in a sharded full fine-tune, whose gradients are never whole)."""
     opt = t.optimizer
     if getattr(t.mode, "name", "") == "full":
+        if not hasattr(opt, "step_param"):           # FSDP2 / ZeRO: torch's AdamW on the shards
+            return (lambda: None), False
         original = opt.step_param
 
         def step_param(p, g, *args, **kwargs):
@@ -133,7 +147,7 @@ def _catch_gradients(t, names: dict[int, str], current: dict):
             return original(p, g, *args, **kwargs)
 
         opt.step_param = step_param
-        return lambda: opt.__dict__.pop("step_param", None)
+        return (lambda: opt.__dict__.pop("step_param", None)), True
 
     def pre_hook(optimizer, args, kwargs):
         for group in optimizer.param_groups:
@@ -143,7 +157,7 @@ def _catch_gradients(t, names: dict[int, str], current: dict):
                     current[name] = None if p.grad is None else _host_copy(p.grad).float()
 
     handle = opt.register_step_pre_hook(pre_hook)
-    return handle.remove
+    return handle.remove, True
 
 
 def _release(t) -> None:

@@ -30,6 +30,7 @@ class Variant:
     against: str = "reference"    # the variant it is compared with: the whole plan with fp8 against fp8 alone
     storage: str = "fp8"          # with exact False: which storage's tolerance (compare.TOLERANCES)
     data: dict = field(default_factory=dict)   # [data] keys it sets (the N-times batch of processes.py)
+    train: dict = field(default_factory=dict)  # [train] keys it sets (processes.py: clipping off in both runs)
 
 
 def meta_model(cfg: RunConfig):
@@ -163,5 +164,7 @@ def variant_config(cfg: RunConfig, variant: Variant, out_dir: Path) -> RunConfig
         data["full"] = {**data.get("full", {}), **variant.full}
     if variant.data:
         data["data"] = {**data.get("data", {}), **variant.data}
+    if variant.train:
+        data["train"] = {**data.get("train", {}), **variant.train}
     data["output"] = {**data.get("output", {}), "dir": str(out_dir / variant.key.replace(" ", "_"))}
     return validate(data, source=f"{variant.key} variant of the config", base_dir=cfg.base_dir)
