@@ -188,7 +188,15 @@ def _register():
         sampling=Sampling(guidance="distilled", variant=_variant, schedule=_schedule, timestep=_timestep),
         text_modules=_text_modules,
         transformer_classes=("FluxTransformer2DModel",), recognizes_keys=_recognizes_keys,
+        split_blocks=_split_blocks,
     ))
+
+
+def _split_blocks(transformer) -> None:
+    """ModelFamily.split_blocks: the blocks become block.py's split classes (imported on use: diffusers)."""
+    from .block import split_blocks
+
+    split_blocks(transformer)
 
 
 FLUX = _register()

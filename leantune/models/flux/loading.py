@@ -115,6 +115,8 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
     """
     from diffusers import FluxTransformer2DModel
 
+    from .block import split_blocks
+
     src = _require(sources.transformer, "transformer")
     bfl_prefix = None      # set for BFL files: missing keys are then reported by their BFL names
 
@@ -151,6 +153,7 @@ def load_transformer(sources: FluxSources, dtype: torch.dtype = torch.bfloat16, 
         model = build_empty(lambda: FluxTransformer2DModel.from_config(config))
     except Exception as e:  # diffusers raises plain errors for impossible configs
         raise LoadError(f"{src}: cannot build a Flux transformer from its config ({e})") from None
+    split_blocks(model)            # training's blocks, the same math (block.py), on every load, meta included
     detect_variant(model, sources.variant, source=src)      # from the structure, before reading weights
     fp8 = cl.fp8_hooks(model, FLUX_SPEC, keep=keep_fp8, keep_modulation=fp8_modulation, quantize=quantize_fp8,
                        quantize_modulation=quantize_modulation, trained=trained)
