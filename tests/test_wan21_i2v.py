@@ -4,7 +4,8 @@ a 36-channel WanTransformer3DModel with image_dim and added_kv_proj_dim, transfo
 CLIPVisionModel and CLIPImageProcessor), against WanImageToVideoPipeline with its image_encoder:
 
 - its diffusers folder and its transformer as one file in Wan-AI's names (`img_emb`, `k_img`) load,
-  with the CLIP encoder of the folder or of [model] image_encoder; the embedding is the pipeline's
+  with the CLIP encoder of the folder or of [model] image_encoder (a folder, or one file in
+  transformers' names as ComfyUI's clip_vision_h.safetensors, read from its shapes); the embedding is the pipeline's
   `encode_image` (its penultimate hidden state); a missing encoder, an encoder of another width and
   Wan 2.1 FLF2V are refused by name;
 - the caching phase stores each clip's first-frame embedding as an entry of its own (a changed clip
@@ -122,6 +123,30 @@ def test_the_folder_and_a_native_file_load_with_the_clip_encoder_and_bad_ones_ar
     assert loaded.config.image_dim == CLIP_VISION_TINY["hidden_size"] and loaded.config.added_kv_proj_dim == 32
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
     assert FAM.references.frame_embedding(one).shape == embedding.shape
+
+    # the encoder as one file too (ComfyUI's clip_vision_h.safetensors: transformers' names with the
+    # projection, the architecture from its shapes; the tiny one's 2 heads and activation in its metadata,
+    # which the released one's are not), CLIP's own preprocessing without an image_processor folder
+    from transformers import CLIPVisionModelWithProjection
+
+    clip_file = tmp_path / "clip_vision_h.safetensors"
+    with_projection = CLIPVisionModelWithProjection(CLIPVisionConfig(**CLIP_VISION_TINY))
+    with_projection.vision_model.load_state_dict(pipe.image_encoder.state_dict())    # saved under vision_model.
+    save_file({k: v.contiguous() for k, v in with_projection.state_dict().items()}, str(clip_file),
+              metadata={"leantune.config": '{"num_attention_heads": 2, "hidden_act": "quick_gelu"}'})
+    single = FAM.references.frame_embedding(_sources(path, image_encoder=str(clip_file)))
+    assert single.shape == embedding.shape
+    assert torch.equal(single.embed(single.load(torch.float32, "cpu"), image), want)
+    # without the metadata the file is read as the released ViT-H's 16 heads and GELU: another embedding
+    released = tmp_path / "released_like.safetensors"
+    save_file({k: v.contiguous() for k, v in with_projection.state_dict().items()}, str(released))
+    other_heads = FAM.references.frame_embedding(_sources(path, image_encoder=str(released)))
+    assert not torch.equal(other_heads.embed(other_heads.load(torch.float32, "cpu"), image), want)
+    stray = tmp_path / "not_clip.safetensors"
+    save_file({"visual.conv1.weight": torch.zeros(4, 3, 8, 8)}, str(stray))        # open_clip's names
+    with pytest.raises(LoadError, match=r"image_encoder: .*not_clip\.safetensors: not a CLIP vision encoder in "
+                                        r"transformers' names"):
+        FAM.references.frame_embedding(_sources(path, image_encoder=str(stray)))
 
     with pytest.raises(LoadError, match=r"no Wan 2\.1 I2V image encoder.*set \[model\] image_encoder"):
         FAM.references.frame_embedding(_sources(path))

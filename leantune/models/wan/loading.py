@@ -9,7 +9,9 @@ names (wan/keys.py), bare or under ComfyUI's `model.diffusion_model.` (wan2.2_t2
 .safetensors), in bf16 or fp8 e4m3 (plain, or ComfyUI's "scaled" with a per-tensor
 `scale_weight`), or diffusers' names in one file. The VAE and the text encoder may be single files too:
 the Wan 2.1 VAE in Wan-AI's names (ComfyUI's wan_2.1_vae.safetensors: wan/vae_keys.py) and umT5-XXL in
-transformers' names (ComfyUI's umt5_xxl_*.safetensors, bf16 or scaled fp8).
+transformers' names (ComfyUI's umt5_xxl_*.safetensors, bf16 or scaled fp8). Wan 2.1 I2V's folders
+add image_encoder/ (CLIPVisionModel) and image_processor/ (CLIPImageProcessor); the encoder may be
+one file in transformers' names too (ComfyUI's clip_vision_h.safetensors): `load_image_encoder`.
 
 `[model] expert` picks the expert a run trains: "high" (or "auto") the folder's transformer/,
 "low" its transformer_2/; a single file is the expert it holds. `load_experts` loads both for
@@ -26,6 +28,7 @@ refused before a tensor is read, naming the family to set. Only safetensors is r
 from __future__ import annotations
 
 import logging
+import re
 from functools import lru_cache
 from dataclasses import dataclass
 from pathlib import Path
@@ -448,48 +451,99 @@ def takes_image_embedding(sources: WanSources) -> bool:
     return transformer_config(sources).get("image_dim") is not None
 
 
-def _image_encoder_config(sources: WanSources) -> tuple[Path, dict]:
+CLIP_VISION_CONFIG = "wan21_clip_vision_h"    # Wan 2.1 I2V's ViT-H/14: what a single file's shapes cannot show
+_CLIP_ANCHOR = "embeddings.patch_embedding.weight"
+# transformers 4 saved CLIPVisionModel under `vision_model.` (the released folders, ComfyUI's file, with
+# a CLIPVisionModelWithProjection's `visual_projection` beside it); transformers 5 saves it bare
+_CLIP_PREFIXES = ("vision_model.", "")
+
+
+def _clip_prefix(names) -> str | None:
+    names = set(names)
+    return next((p for p in _CLIP_PREFIXES if p + _CLIP_ANCHOR in names), None)
+
+
+def _clip_ops(files: CheckpointFiles):
+    """The copy ops of a CLIP vision encoder's file keys into CLIPVisionModel: its prefix stripped; a
+    projection (unused: the embedding is a hidden state) and the position ids older transformers
+    saved (a buffer the model computes) left out."""
+    names = list(files.keys())
+    prefix = _clip_prefix(names) or ""
+    kept = [k for k in names if k.startswith(prefix) and not k.endswith("position_ids")]
+    return copy_ops(kept, strip=prefix)
+
+
+def _image_encoder_layout(sources: WanSources) -> tuple[Path, dict, CheckpointFiles | None]:
+    """(source, CLIPVisionConfig kwargs, the single file's header or None for a folder) of the image
+    encoder, from configs and headers only. A single file (ComfyUI's clip_vision_h.safetensors) holds
+    transformers' CLIPVisionModel names, bare; its architecture is read from the shapes, the heads,
+    activation and eps from the released config (models/configs/wan21_clip_vision_h.json) or its
+    `leantune.config` metadata."""
     src = sources.image_encoder
     if src is None:
         raise LoadError(f"no {_LABEL['image_encoder']}: {sources.transformer} is Wan 2.1 I2V (its transformer reads "
                         f"the first frame's CLIP image embedding, image_dim), and [model] path has no image_encoder/ "
                         f"folder; set [model] image_encoder to the image_encoder/ folder of a "
-                        f"Wan-AI/Wan2.1-I2V-14B-480P-Diffusers repository")
+                        f"Wan-AI/Wan2.1-I2V-14B-480P-Diffusers repository or to ComfyUI's clip_vision_h.safetensors")
     if src.is_file():
-        raise LoadError(f"[model] image_encoder: {src}: a single file; the image encoder is read from a transformers "
-                        f"CLIPVisionModel folder (config.json and .safetensors weights)")
+        cl.check_file(src, "image_encoder")
+        files = CheckpointFiles([src])
+        names = list(files.keys())
+        prefix = _clip_prefix(names)
+        if prefix is None:
+            raise LoadError(f"[model] image_encoder: {src}: not a CLIP vision encoder in transformers' names (no "
+                            f"'vision_model.{_CLIP_ANCHOR}'): {cf.describe(names)}")
+        layer = re.compile(rf"^{re.escape(prefix)}encoder\.layers\.(\d+)\.")
+        layers = {int(m.group(1)) for k in names if (m := layer.match(k))}
+        if not layers or layers != set(range(max(layers) + 1)):
+            raise LoadError(f"[model] image_encoder: {src}: {prefix}encoder.layers.N are not numbered 0..N "
+                            f"({sorted(layers)[:8]})")
+        try:
+            width, _, patch, _ = files.shape(prefix + _CLIP_ANCHOR)
+            positions = files.shape(prefix + "embeddings.position_embedding.weight")[0]
+            ffn = files.shape(prefix + "encoder.layers.0.mlp.fc1.weight")[0]
+        except KeyError as e:
+            raise LoadError(f"[model] image_encoder: {src}: missing key {e.args[0]!r} of a CLIP vision encoder") from None
+        side = round((positions - 1) ** 0.5) * patch
+        config = {**cf.packaged_config(CLIP_VISION_CONFIG), "hidden_size": width, "patch_size": patch, "image_size": side,
+                  "intermediate_size": ffn, "num_hidden_layers": len(layers)}
+        meta = cf.metadata_config(files.metadata, f"[model] image_encoder: {src}", "image_encoder")
+        config.update({k: meta[k] for k in ("num_attention_heads", "hidden_act", "layer_norm_eps") if k in meta})
+        return src, config, files
     config = cl.read_json(src / "config.json")
     declared = (config.get("architectures") or [None])[0] or config.get("model_type")
     if declared is not None and declared not in IMAGE_ENCODER_CLASSES:
         raise LoadError(f"[model] image_encoder: {src / 'config.json'}: {declared!r}, but Wan 2.1 I2V's image encoder "
                         f"is a CLIP vision model ({'/'.join(IMAGE_ENCODER_CLASSES[:2])})")
-    config = config.get("vision_config", config)       # a whole CLIPModel's config holds the vision part
-    return src, config
+    return src, config.get("vision_config", config), None     # a whole CLIPModel's config holds the vision part
 
 
 def image_embedding_shape(sources: WanSources) -> tuple[int, int]:
     """(rows, width) of the embedding: the vision encoder's class token and patches, its hidden
-    size, which must be the transformer's image_dim. Reads configs only."""
-    src, config = _image_encoder_config(sources)
+    size, which must be the transformer's image_dim. Reads configs and headers only."""
+    src, config, files = _image_encoder_layout(sources)
+    where = src if files is not None else src / "config.json"
     try:
         side, patch, width = int(config["image_size"]), int(config["patch_size"]), int(config["hidden_size"])
     except KeyError as e:
-        raise LoadError(f"[model] image_encoder: {src / 'config.json'}: no {e.args[0]!r}") from None
+        raise LoadError(f"[model] image_encoder: {where}: no {e.args[0]!r}") from None
     image_dim = transformer_config(sources).get("image_dim")
     if image_dim is not None and width != image_dim:
-        raise LoadError(f"[model] image_encoder: {src / 'config.json'}: hidden_size {width}, but the transformer's "
+        raise LoadError(f"[model] image_encoder: {where}: hidden_size {width}, but the transformer's "
                         f"image embedder takes image_dim = {image_dim}: not this model's image encoder")
     return (side // patch) ** 2 + 1, width
 
 
-def load_image_encoder(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> WanImageEncoder:
-    """The CLIPImageProcessor (a folder) and CLIPVisionModel (a transformers folder, safetensors only)
-    on `device`, built on meta and filled tensor by tensor."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+def _image_processor(sources: WanSources, config: dict, single_file: bool):
+    """The folder's CLIPImageProcessor; beside a single-file encoder without one, CLIP's own
+    preprocessing at the encoder's image size (transformers' CLIPImageProcessor defaults: a bicubic
+    resize of the short side, a centre crop, CLIP's mean and std, which Wan-AI's clip.py uses)."""
+    from transformers import CLIPImageProcessor
 
-    src, config = _image_encoder_config(sources)
-    image_embedding_shape(sources)                       # its width is the transformer's image_dim
     proc = sources.image_processor
+    if proc is None and single_file:
+        side = int(config["image_size"])
+        return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     if proc is None:
         raise LoadError(f"no {_LABEL['image_processor']}: [model] path has no image_processor/ folder; set [model] "
                         f"image_processor to the image_processor/ folder of a Wan-AI/Wan2.1-I2V-14B-480P-Diffusers "
@@ -497,17 +551,27 @@ def load_image_encoder(sources: WanSources, dtype: torch.dtype = torch.bfloat16,
     if not (proc / "preprocessor_config.json").is_file():
         raise LoadError(f"[model] image_processor: {proc}: no preprocessor_config.json (a CLIPImageProcessor folder)")
     try:
-        processor = CLIPImageProcessor.from_pretrained(str(proc), local_files_only=True)
+        return CLIPImageProcessor.from_pretrained(str(proc), local_files_only=True)
+    except Exception as e:
+        raise LoadError(f"[model] image_processor: {proc}: cannot load the {_LABEL['image_processor']} ({e})") from None
+
+
+def load_image_encoder(sources: WanSources, dtype: torch.dtype = torch.bfloat16, device="cpu") -> WanImageEncoder:
+    """The CLIPImageProcessor and CLIPVisionModel (a transformers folder or a single file, safetensors
+    only) on `device`, built on meta and filled tensor by tensor."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    src, config, files = _image_encoder_layout(sources)
+    image_embedding_shape(sources)                       # its width is the transformer's image_dim
+    processor = _image_processor(sources, config, files is not None)
+    try:
         cfg = CLIPVisionConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     except Exception as e:
-        raise LoadError(f"[model] image_processor / image_encoder: {proc}, {src}: cannot read them ({e})") from None
-    files = cl.weight_files(src, "model")
+        raise LoadError(f"[model] image_encoder: {src}: cannot build a CLIP vision encoder from its config ({e})") from None
+    files = files or cl.weight_files(src, "model")
     model = build_empty(lambda: CLIPVisionModel(cfg))
-    # a CLIPVisionModelWithProjection's projection (unused: the embedding is a hidden state) and
-    # the position ids older transformers saved are not weights of this model
-    ignorable = (lambda k: k.startswith("visual_projection.") or k.endswith("position_ids"))
-    model = load_into_empty(model, files, copy_ops([k for k in files.keys() if not ignorable(k)]),
-                            what=f"a {_LABEL['image_encoder']} of this architecture", dtype=dtype, device=device)
+    model = load_into_empty(model, files, _clip_ops(files), what=f"a {_LABEL['image_encoder']} of this architecture",
+                            dtype=dtype, device=device)
     return WanImageEncoder(processor=processor, model=model.eval(), device=torch.device(device))
 
 
