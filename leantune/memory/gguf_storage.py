@@ -18,10 +18,13 @@ How it works (the fp8 seam of memory/fp8.py, for another stored form):
   weight is a view of a slot and the streaming engine's saved-tensor handles replace it as they do
   an fp8 weight; poison mode's 0xFF bytes make every block's fp16 scale NaN, so a use of a released
   slot shows in the loss.
-- Dequantization is the `gguf` package's own (gguf.quants.dequantize, numpy, fp32 out): no block
-  format is reimplemented here, so the weights leantune computes with are the reference's bitwise.
-  It runs on the host: a weight on another device is copied to the host to decode and the fp32
-  rows come back (a device decoder is left to do; on CPU, where the tests run, there is no copy).
+- Dequantization happens where the bytes are: memory/gguf_decode.py reads every type leantune
+  keeps with torch ops on the blocks' device (a CUDA weight never crosses PCIe to be decoded), fp32
+  values equal to the `gguf` package's decoder (gguf.quants.dequantize) to the bit, then one
+  rounding to the compute dtype. It is also the CPU path: on this project's 2-core CPU it decodes a
+  3072 x 12288 Q8_0 / Q4_K weight faster than the numpy decoder per thread (docs/benchmarks.md,
+  "GGUF decode rate"). A type without a torch decoder decodes through the package on the host,
+  copied there and back, with a one-time warning.
 - DoRA is refused on such a base (train/lora.py), as on fp8: it reads the base weight itself.
   fp8 storage leaves these Linears alone (fp8.apply_fp8_storage skips `is_gguf` Linears): they are
   already stored, and re-quantizing 4-bit blocks to e4m3 would cost bytes and accuracy.
@@ -33,11 +36,16 @@ state dicts) already handles as bytes, and the decoding happens only inside this
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch import nn
 
+from . import gguf_decode
 from .cpu_linear import linear, linear_input_grad, matmul_dtype
+
+log = logging.getLogger("leantune.memory")
 
 TYPE_ATTR = "gguf_type"       # the GGMLQuantizationType of a GGUF-stored Linear weight
 
@@ -78,12 +86,26 @@ def is_gguf(linear: nn.Module) -> bool:
     return TYPE_ATTR in linear.__dict__
 
 
+_HOST_NOTED: set[int] = set()       # types already warned about decoding on the host
+
+
 def dequantize(raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.Tensor:
-    """(out, row_bytes) uint8 blocks -> (out, in) weight in `dtype`, by gguf.quants.dequantize
-    (fp32, then one rounding to `dtype`), on the blocks' device."""
+    """(out, row_bytes) uint8 blocks -> (out, in) weight in `dtype` on the blocks' device: the
+    format's fp32 values (gguf.quants.dequantize's, bitwise), then one rounding to `dtype`."""
+    if gguf_decode.supported(qtype):
+        return gguf_decode.dequantize(raw, qtype, dtype)
+    return _host_dequantize(raw, qtype, dtype)
+
+
+def _host_dequantize(raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+    """The package's numpy decoder, on the host: a weight on another device goes there and back."""
     g = _gguf()
     host = raw.detach()
     if host.device.type != "cpu":
+        if int(qtype) not in _HOST_NOTED:
+            _HOST_NOTED.add(int(qtype))
+            log.warning("gguf: %s blocks have no device decoder; each use copies them to the host to decode",
+                        g.GGMLQuantizationType(qtype).name)
         host = host.cpu()
     w = torch.from_numpy(g.quants.dequantize(np.ascontiguousarray(host.numpy()), g.GGMLQuantizationType(qtype)))
     return w.to(device=raw.device, dtype=dtype)
