@@ -482,9 +482,9 @@ def test_a_full_fine_tune_of_a_gguf_base_is_refused(tmp_path_factory):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_streamed_equals_resident_on_cuda(tmp_path_factory):
-    """GPU-only: on CUDA the blocks stream through real ring slots and decode through the host
-    (gguf_storage.dequantize copies them there); every block streamed in poison mode equals the
-    resident run on the device, bitwise."""
+    """GPU-only: on CUDA the blocks stream through real ring slots and decode on the device
+    (memory/gguf_decode.py); every block streamed in poison mode equals the resident run on the
+    device, bitwise."""
     from test_memory_helpers import run_plan
 
     model = _lora_base(_q8(tmp_path_factory))
