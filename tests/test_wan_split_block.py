@@ -218,3 +218,17 @@ def test_the_probe_prices_what_the_split_block_and_the_frame_rows_keep(monkeypat
     monkeypatch.setattr(block, "compact_modulation", lambda m: None)        # diffusers' per-token layout
     per_token = probe_activations(ti2v.SPEC, model, w, (352, 640)).kinds["main"]
     assert per_token.saved - whole.saved >= per_token_modulation
+
+
+def test_the_probe_runs_torchs_rmsnorm_in_fp32_under_autocast_as_cuda_does():
+    """Wan's q/k norms are torch.nn.RMSNorm (F.rms_norm), which CUDA's autocast runs in float32
+    (torch's own autocast test lists, and the simulated GPU's): the probe's emulation casts it so,
+    or it underprices each attention's norms by half (a 480 x 832 x 81 A14B block: 1.2 GiB)."""
+    from leantune.planner.activation_probe import _GpuSemantics
+
+    norm = torch.nn.RMSNorm(64, elementwise_affine=True, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(1, 8, 64, device="meta", dtype=torch.bfloat16)
+    with _GpuSemantics(True):
+        assert norm(x).dtype == torch.float32
+    with _GpuSemantics(False):
+        assert norm(x).dtype == torch.bfloat16

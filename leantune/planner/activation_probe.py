@@ -200,9 +200,10 @@ class _FlashAttention(torch.autograd.Function):
 
 _LOW_PRECISION_FUNCS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
                         torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
-_FP32_FUNCS = {F.layer_norm, F.group_norm, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.rsqrt,
-               torch.Tensor.rsqrt, F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.exp,
-               torch.Tensor.exp, torch.log, torch.Tensor.log, torch.sum, torch.Tensor.sum, F.mse_loss,
+# F.rms_norm: torch.nn.RMSNorm (Wan's q/k norms), in CUDA's fp32 list as layer_norm is
+_FP32_FUNCS = {F.layer_norm, F.group_norm, F.rms_norm, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__,
+               torch.rsqrt, torch.Tensor.rsqrt, F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax,
+               torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.sum, torch.Tensor.sum, F.mse_loss,
                torch.norm, torch.cumsum, torch.prod}
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
