@@ -32,6 +32,12 @@ each at its pipeline's size, 1024² of area, whatever the bucket: 4096 latent to
     python bench/simulate.py --model qwen-image-2.1 --rank 32 --references 3 --ram 24 --budgets 6 8 \
         --cases train1024 --out bench/results/simulate_qwen_image21_lora_r32_3refs.json
 
+`--resolution HxW` runs the training cases at that size (the case's square otherwise) and `--frames
+N` a video family's on clips of N frames (4k+1), priced as `leantune plan --frames N` prices them:
+
+    python bench/simulate.py --model wan2.2-a14b --rank 32 --resolution 480x832 --frames 81 --budgets 12 \
+        --cases train1024 --out bench/results/simulate_wan22_a14b_r32_480x832x81.json
+
 `--mode full` runs full fine-tuning steps instead ([train] mode = "full": every weight trains, the
 optimizer steps inside backward, streamed blocks carry their optimizer state and are written back),
 with `--optimizer` and `--state-dtype` (AdamW moments), planned with no host-RAM limit (the host
@@ -82,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--references", type=int, default=None, metavar="N",
                    help="training cases of an edit family (qwen-image-2.1): N reference images per target, at the "
                         "size the family encodes them (Qwen-Image-2.1: 1024² of area), priced and fed to the step")
+    p.add_argument("--resolution", type=_resolution, default=None, metavar="HxW",
+                   help="the training cases at HEIGHTxWIDTH pixels (480x832: 480 high), not the case's square")
+    p.add_argument("--frames", type=int, default=None, metavar="N",
+                   help="training cases of a video family (wan2.2-a14b, wan2.2-ti2v-5b): clips of N frames (4k+1), "
+                        "priced as leantune plan --frames prices them and fed to the step")
     p.add_argument("--ram", type=float, default=None, metavar="GiB",
                    help="the host-RAM budget the training cases plan for (default: LoRA 64 GiB, full unlimited)")
     args = p.parse_args(argv)
@@ -97,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "command": " ".join(sys.argv),
             "model": args.model, "device": "simulated GPU on CPU (fake tensors)", "mode": args.mode,
-            "fp8_base": args.fp8_base, "references": args.references, "ram_budget_gib": args.ram}
+            "fp8_base": args.fp8_base, "references": args.references, "ram_budget_gib": args.ram,
+            "resolution": args.resolution, "frames": args.frames}
     if args.mode == "full":
         meta.update(optimizer=args.optimizer, state_dtype=args.state_dtype)
     else:
@@ -113,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             refs = {"references": args.references} if what != "sample" and args.references is not None else {}
             if what != "sample" and args.ram is not None:
                 refs["ram_budget"] = int(args.ram * GiB)
+            if what != "sample":
+                refs.update(resolution=args.resolution, frames=args.frames)
             row = planned_case(what, size, int(budget * GiB), model_name=args.model, fp8_base=args.fp8_base, **refs,
                                **(full if what == "full" else {"rank": args.rank, "optimizer": args.optimizer}
                                   if what == "train" else {}))
@@ -128,6 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _resolution(text: str) -> tuple[int, int]:
+    """--resolution HxW as (height, width)."""
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HEIGHTxWIDTH (e.g. 480x832)") from None
+    return h, w
+
+
+def _case(r: dict) -> str:
+    """The case's name, with the resolution and frames it ran at when given (train 480x832x81)."""
+    if r.get("frames") is None and r.get("resolution") in (None, [r["size"], r["size"]]):
+        return r["case"]
+    h, w = r["resolution"]
+    return f"{r['what']} {h}x{w}" + (f"x{r['frames']}" if r.get("frames") else "")
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
@@ -141,7 +172,7 @@ def _commit() -> str:
 
 
 def _line(r: dict) -> str:
-    head = f"{r['model']} {r['case']:>10} {r['budget'] / GiB:5.1f} GiB: "
+    head = f"{r['model']} {_case(r):>10} {r['budget'] / GiB:5.1f} GiB: "
     if "infeasible" in r:
         return head + f"no plan fits (needs {_gib(r['needed'])} GiB)"
     cfg = "" if r.get("cfg_batched") is None else f", CFG {'batched' if r['cfg_batched'] else 'halves'}"
@@ -189,13 +220,13 @@ def markdown(rows: list[dict]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "infeasible" in r:
-            out.append(f"| {r['case']} | {r['budget'] / GiB:g} | no plan fits: needs {_gib(r['needed'])} GiB | | | | "
+            out.append(f"| {_case(r)} | {r['budget'] / GiB:g} | no plan fits: needs {_gib(r['needed'])} GiB | | | | "
                        f"{_gib(r['margin'])} | | | |")
             continue
         plan = r["plan"]            # Plan.describe(): streamed blocks, fp8 (+ modulation), checkpointing, ring
         cfg = {None: "", True: "batched (x2)", False: "halves"}[r.get("cfg_batched")]
         fits = "yes" if r["simulated"] + r["workspace"] <= r["budget"] else "**no**"
-        out.append(f"| {r['case']} | {r['budget'] / GiB:g} | {plan} | {cfg} | {_gib(r['predicted'] - r['workspace'])} "
+        out.append(f"| {_case(r)} | {r['budget'] / GiB:g} | {plan} | {cfg} | {_gib(r['predicted'] - r['workspace'])} "
                    f"| {_gib(r['workspace'])} | {_gib(r['margin'])} | {_gib(r['simulated'])} | {r['ratio']:.3f} "
                    f"| {fits} |")
     return "\n".join(out)

@@ -135,14 +135,18 @@ def probed_references(family: ModelFamily, config, bucket: tuple[int, int]) -> i
 
 
 def _host_batch(model: nn.Module, family: ModelFamily, bucket: tuple[int, int], batch_size: int, text_rows: int,
-                dtype: torch.dtype, references: int | None = None):
-    """A cached batch as the trainer's data loader yields it: latents (B, C, H/f, W/f), prompt
-    embeddings and an edit family's reference latents (training_references) in host RAM."""
+                dtype: torch.dtype, references: int | None = None, frames: int = 1):
+    """A cached batch as the trainer's data loader yields it: latents (B, C, H/f, W/f), a clip's
+    (B, C, frames, H/f, W/f) for `frames` latent frames, prompt embeddings and an edit family's
+    reference latents (training_references) in host RAM."""
     h, w = bucket[0] // family.vae_scale_factor, bucket[1] // family.vae_scale_factor
     refs = training_references(family, model.config, bucket, batch_size, dtype, references)
     embeds = ((refs and family.references.text_sees_images
                and _embeds_with_slots(model, family, (h, w), batch_size, text_rows, dtype, len(refs)))
               or _embeds(model, batch_size, text_rows, dtype, family))
+    if frames > 1:                      # a clip's latents; its bucket (w, h, frames), as the data loader's
+        return SimpleNamespace(latents=torch.empty(batch_size, family.latent_channels, frames, h, w, dtype=dtype),
+                               embeds=embeds, bucket=(bucket[1], bucket[0], frames), references=refs)
     return SimpleNamespace(latents=torch.empty(batch_size, family.latent_channels, h, w, dtype=dtype),
                            embeds=embeds, bucket=bucket, references=refs)
 
@@ -174,13 +178,15 @@ def _embeds_with_slots(model: nn.Module, family: ModelFamily, latent_hw: tuple[i
 
 
 def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket: tuple[int, int], *,
-                      text_length: int | None = None, steps: int = 1, references: int | None = None) -> SimulatedStep:
+                      text_length: int | None = None, steps: int = 1, references: int | None = None,
+                      frames: int = 1) -> SimulatedStep:
     """`steps` training steps of `model` (meta-built) under `plan` on the simulated GPU, as the
     trainer runs them for `cfg` (a RunConfig: [train] mode, optimizer, clipping, mixed precision,
     timestep sampling; [full]; [data] batch size and text length; [model] family).
     `text_length` is in sequence rows (default: the family's rows for [data] max_text_length).
     An edit family's step is fed `references` reference latents of the target's size, as its
     dataset's batches are (default: as many as the planner prices its step with, training_references).
+    A video family's step takes clips of `frames` latent frames (1: images).
 
     LoRA ([train] mode = "lora"): `model` comes with its adapters (peft adds them on meta), base
     frozen. The optimizer's states exist before the first measured step (one optimizer step on
@@ -225,7 +231,7 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
         optimizer = mode.build_optimizer(params)
         if mode.name != "full":
             _create_optimizer_states(optimizer, params)
-        batch = _host_batch(model, family, bucket, cfg.data.batch_size, text_length, dtype, references)
+        batch = _host_batch(model, family, bucket, cfg.data.batch_size, text_length, dtype, references, frames)
         t = Trainee(transformer=model, params=params, optimizer=optimizer,
                     scheduler=build_scheduler(optimizer, cfg.train), data=None, batches=iter(lambda: batch, None),
                     generator=torch.Generator().manual_seed(0), device=device, dtype=dtype, memory=handle,
@@ -337,7 +343,10 @@ def meta_model(name: str = "flux-dev", blocks: tuple[int, ...] | None = None) ->
     # the family's meta class where it has one (Qwen-Image-2.1: a forward that reads its token
     # layout from a host slot mask, which also runs on fake weights), as `leantune plan --model` builds it
     cls = entry.meta_transformer_class() if entry.meta_transformer_class else getattr(diffusers, entry.transformer_classes[0])
-    return meta_from_config(cls, conf)
+    model = meta_from_config(cls, conf)
+    if entry.split_blocks is not None:      # the blocks training runs, as the family's loader gives them
+        entry.split_blocks(model)
+    return model
 
 
 def meta_flux_dev(num_layers: int | None = None, num_single_layers: int | None = None) -> nn.Module:
@@ -385,7 +394,8 @@ def training_config(size: int, budget: int, rank: int = 16, family: str = "flux"
 def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | None = None,
                  plan: Plan | None = None, model_name: str = "flux-dev", optimizer: str = "adamw",
                  state_dtype: str = "fp32", fp8_base: bool = False, streamed_step: str = "auto",
-                 rank: int = 16, references: int | None = None, ram_budget: int | None = None) -> dict:
+                 rank: int = 16, references: int | None = None, ram_budget: int | None = None,
+                 resolution: tuple[int, int] | None = None, frames: int | None = None) -> dict:
     """The planner's plan for `budget` bytes of VRAM (or `plan` as given), priced by the planner
     and run on the simulated device: a LoRA training step ("train"), a full fine-tuning step
     ("full", every weight trains with `optimizer` and, for AdamW, `state_dtype` moments) or a
@@ -393,7 +403,9 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     full width, see meta_model); a training step of an edit family with `references` reference
     images per target (None: as many as the planner's probe prices by default, training_references),
     priced and fed to the step at the size the family encodes them; `ram_budget` the host RAM a
-    training case plans for (default: LoRA CASE_RAM_BUDGET, full unlimited). Sampling a family with classifier-free guidance plans, as `leantune sample` does,
+    training case plans for (default: LoRA CASE_RAM_BUDGET, full unlimited). A training case of a
+    video family at `resolution` (height, width; default size x size) takes clips of `frames`
+    pixel frames (a length its VAE encodes, 4k+1 for Wan), priced as `leantune plan --frames`. Sampling a family with classifier-free guidance plans, as `leantune sample` does,
     for the doubled batch (negative and positive halves in one forward) and, when no plan fits it,
     for one half at a time ("cfg_batched" in the result).
 
@@ -421,6 +433,12 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     family = get_family(MODELS[model_name][0])
     spec = family.spec
     text_rows = family.text_rows(MODELS[model_name][2])
+    bucket = tuple(resolution) if resolution is not None else (size, size)          # (height, width)
+    if (frames is not None or resolution is not None) and what == "sample":
+        raise ValueError("planned_case: resolution and frames are for the training cases")
+    latent_frames = 1 if frames is None else family.video.latent_frames(frames) if family.video is not None else 0
+    if not latent_frames:
+        raise ValueError(f"planned_case: {model_name} trains on images; frames is for a video family")
     machine = assumed_machine(vram_total=budget)
 
     budget_obj = Budget(vram=budget, ram=ram_budget if ram_budget is not None and what != "sample"
@@ -433,7 +451,7 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
         mode.prepare(model, spec)
         # `references` references per target, as an edit dataset's targets have them (the planner
         # prices them as `leantune plan --references` does; the step is fed them, training_references)
-        workload = workload_from_config(cfg, model)
+        workload = dataclasses.replace(workload_from_config(cfg, model), buckets=(bucket,), frames=latent_frames)
         workloads = [workload if references is None else dataclasses.replace(workload, references=references)]
     elif what == "sample":
         model.eval().requires_grad_(False)
@@ -443,7 +461,7 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
     else:
         raise ValueError(f"unknown case {what!r}: 'train', 'full' or 'sample'")
     out = {"model": model_name, "what": what, "size": size, "budget": budget, "blocks": blocks,
-           "margin": budget_obj.margin_bytes, "references": references}
+           "margin": budget_obj.margin_bytes, "references": references, "resolution": list(bucket), "frames": frames}
     if what == "full":
         out.update(optimizer=optimizer, state_dtype=state_dtype)
     for workload in workloads:           # the doubled CFG batch first, then one half at a time
@@ -467,10 +485,11 @@ def planned_case(what: str, size: int, budget: int, blocks: tuple[int, ...] | No
         mode = make_mode(cfg)
         mode.prepare(model, spec)
     if what == "train":
-        sim = simulate_training(model, spec, cfg, chosen, (size, size), references=references)
+        sim = simulate_training(model, spec, cfg, chosen, bucket, references=references, frames=latent_frames)
     elif what == "full":
         unprepare_full(model, mode)
-        sim = simulate_training(model, spec, cfg, chosen, (size, size), steps=2, references=references)
+        sim = simulate_training(model, spec, cfg, chosen, bucket, steps=2, references=references,
+                                frames=latent_frames)
     else:
         sim = simulate_sampling(model, spec, chosen, (size, size), text_length=text_rows, family=family,
                                 cfg_batched=batched)
