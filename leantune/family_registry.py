@@ -83,7 +83,8 @@ FAMILIES: dict[str, FamilyEntry] = {
     # Wan 2.2 (issue 36; T2V-A14B's two experts, Wan 2.1 T2V: one class, models/configs/WAN_SOURCES.md):
     # one list of blocks; WanPipeline pads every prompt to its max_sequence_length 512
     "wan2.2": FamilyEntry("leantune.models.wan", {"blocks": "num_layers"}, ("main",),
-                          {"wan2.2-a14b": StockModel("wan22_a14b", 512)}, video=True),
+                          {"wan2.2-a14b": StockModel("wan22_a14b", 512), "wan2.1-i2v-14b": StockModel("wan21_i2v_14b", 512)},
+                          video=True),
     # Wan 2.2 TI2V-5B (issue 36): the same transformer class at 48 channels over the Wan 2.2 VAE, one
     # transformer (models/wan/ti2v.py); the released config.json's values (models/configs/wan22_ti2v_5b.json)
     "wan2.2-ti2v": FamilyEntry("leantune.models.wan.ti2v", {"blocks": "num_layers"}, ("main",),
