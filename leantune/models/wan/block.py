@@ -12,14 +12,21 @@ checkpoint), a block keeps its parts' inputs and recomputes one part at a time:
     cross-attention    norm2, attn2, residual
     FFN, first half    norm3, modulation, the input projection (kept: ffn_dim wide)
     FFN, second half   GELU, the output projection, gated residual
-The probe's numbers for each split are in docs/benchmarks.md (Wan 2.2). Each part runs diffusers'
-own lines on the same tensors, so outputs and gradients are the plain block's bit for bit
-(tests/test_wan_split_block.py); the price is one more forward of each block per step.
+The probe (planner/activation_probe.py, LoRA r32, bf16 autocast, fp8 base, A14B at 480 x 832 x 81)
+prices a block's kept bytes from 9.87 GiB (31.6 block outputs) to 1.78 GiB (5.7), its backward
+transient from 2.00 to 6.37 GiB (the self-attention's recompute: float32 norms, the rotary's
+float64 products), 8.15 GiB at once instead of 11.87; TI2V-5B at 704 x 1280 x 121: 5.55 to 1.20
+GiB kept, transient 1.61 to 3.54. Splitting each attention at its kernel too (its q, k, v kept
+between two parts) was measured and keeps more than it saves: q and k leave the rotary in float32
+(A14B: 3.34 kept + 5.11 transient for the self-attention split, 3.98 + 4.63 for both). Each part
+runs diffusers' own lines on the same tensors, so outputs and gradients are the plain block's bit
+for bit (tests/test_wan_split_block.py); the price is one more forward of each block per step.
 
 Why per frame. TI2V-5B takes a timestep per token (WanPipeline(expand_timesteps=True)), and
 diffusers builds the time projection per token, (B, L, 6, D), then adds the block's
 scale_shift_table to all of it in every block: 1.9 GiB of float32 per block at 704 x 1280 x 121
-(27 280 tokens), which each block keeps for its backward through the gate. But the tokens of one
+(27 280 tokens), which each block keeps for its backward through the gate (the probe: 8.05 GiB kept
+per block per token, 5.55 per frame). But the tokens of one
 latent frame share one timestep (every token in text-to-video; image-to-video's first frame takes
 0), so their rows of the projection are equal, and every op that reads them is elementwise per row.
 `compact_modulation` hands the blocks one row per frame, (B, F, 6, D), and the block applies each
