@@ -16,6 +16,7 @@ on such a value would always take the same side. Neither the engine nor the step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -530,3 +531,213 @@ def run_in_fresh_process(cases: list[dict]) -> list[dict]:
     # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_run_cases, cases).result()
+
+
+# -- the text-encoding phase (the caching phase's encode) on the simulated GPU -------------------------------
+
+def _joined(t, partner):
+    """A real tensor `t` as a fake one beside `partner` (its fake mode, its device)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([partner]).from_tensor(t).to(partner.device)
+
+
+def _parse_to(args, kwargs):
+    """(device, dtype) that a Tensor.to(*args, **kwargs) call asks for (args without self)."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype
+
+
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.arange, torch.linspace, torch.zeros,
+              torch.ones, torch.full, torch.empty, torch.meshgrid}
+
+
+class _LayoutOnHost(torch.overrides.TorchFunctionMode):
+    """Inside the simulation, what a text encoder computes from its token ids and image grids (the
+    layout: positions, image-token masks, per-image lengths, rotary indices) stays a real host
+    tensor, so it is computed exactly, while every tensor with bytes on the device is fake.
+
+    - a tensor made on the host from Python or numpy data, or by a factory (arange, zeros, ...), is
+      real (the tokenizer's ids, the image processor's grids and pixels, the indices computed from them);
+    - a real integer or bool tensor moved to the simulated device stays the real host tensor (its
+      bytes on a GPU are a few kB); a real floating one (an image's pixels) becomes a fake tensor
+      of the bytes it has there;
+    - an op on real tensors only runs for real (the fake mode and the tracker suspended);
+    - where a real tensor meets a fake one it joins the fake one's device, a real bool index
+      becomes its real positions (a fake one would be data-dependent), repeat_interleave by real
+      counts gets its output size.
+    The numbers selected are not computed, only shapes and bytes, which the layout decides as it
+    does with real weights."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import is_fake
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        from .memory.simulated import BACKEND
+
+        kwargs = dict(kwargs or {})
+        if func in _FROM_DATA and (kwargs.get("device") is None or torch.device(kwargs["device"]).type == "cpu"):
+            with _disable_current_modes():          # the tokenizer's ids, the processor's grids and pixels
+                return func(*args, **kwargs)
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) and not is_fake(args[0]):
+            device, dtype = _parse_to(args[1:], kwargs)
+            if device is not None and device.type == BACKEND:
+                t = args[0]
+                if not (t.is_floating_point() or t.is_complex()):
+                    if dtype is None or dtype == t.dtype:
+                        return t
+                    with _disable_current_modes():
+                        return t.to(dtype)
+                from torch._guards import detect_fake_mode
+
+                return detect_fake_mode().from_tensor(t).to(device=device, dtype=dtype or t.dtype)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        partner = next((t for t in leaves if is_fake(t)), None)
+        if partner is None:
+            device = kwargs.get("device")
+            if leaves and not any(t.is_meta for t in leaves) and (device is None or torch.device(device).type == "cpu"):
+                with _disable_current_modes():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        if not any(isinstance(t, torch.Tensor) and not is_fake(t) for t in leaves):
+            return func(*args, **kwargs)
+        if func in (torch.Tensor.__setitem__, torch.Tensor.__getitem__) and len(args) >= 2:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            with _disable_current_modes():        # a (B, L) mask -> its (rows, cols) positions
+                index = tuple(j for i in index for j in (i.nonzero(as_tuple=True) if isinstance(i, torch.Tensor)
+                                                         and not is_fake(i) and i.dtype == torch.bool else (i,)))
+            args = (args[0], index if isinstance(args[1], tuple) or len(index) > 1 else index[0], *args[2:])
+        if func in (torch.Tensor.repeat_interleave, torch.repeat_interleave) and len(args) >= 2 \
+                and isinstance(args[1], torch.Tensor) and not is_fake(args[1]):
+            with _disable_current_modes():
+                kwargs.setdefault("output_size", int(args[1].sum()))
+
+        def join(t):
+            return _joined(t, partner) if isinstance(t, torch.Tensor) and not is_fake(t) else t
+        return func(*tree_map(join, args), **tree_map(join, kwargs))
+
+
+class _Inline:
+    """An executor that runs each submission at once in the caller's thread (see _workers_inline)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        fut = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:           # the caller sees it at .result(), as from a worker
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, wait: bool = True, **kwargs) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _workers_inline():
+    """The streamed encoder's copy worker (memory/host_buffers.Stager's thread) runs in the caller's
+    thread: the fake mode and the tracker are per thread, and a worker would see neither. Run when
+    it is submitted, a prefetched block's buffer exists from when the block is asked for until it
+    is installed, which is the overlap's worst case (the running block and the next: what the
+    phase's price holds)."""
+    from .memory import host_buffers
+
+    real = host_buffers.ThreadPoolExecutor
+    host_buffers.ThreadPoolExecutor = _Inline
+    try:
+        yield
+    finally:
+        host_buffers.ThreadPoolExecutor = real
+
+
+def _caption_of(tokenizer, family: ModelFamily, rows: int) -> str:
+    """A caption the family's template makes `rows` rows of (family.caption_tokens with `tokenizer`)."""
+    n = rows
+    for _ in range(8):
+        caption = "x" * max(n, 1)
+        got = family.caption_tokens(tokenizer, [caption])[0]
+        if got == rows:
+            return caption
+        n += rows - got
+    raise ValueError(f"no caption of {rows} rows with this tokenizer (last: {got})")
+
+
+def simulate_text_encoding(model_name: str = "qwen-image-2.1", references: int = 0, *, batch: int | None = None,
+                           max_length: int | None = None) -> dict:
+    """The caching phase's text encoding of `model_name`'s full-size encoder on the simulated GPU,
+    through the family's own `encode_prompts` as the cache calls it: a batch of `batch` captions
+    without references (default: the phase's batch, 8), or one caption with `references`
+    reference images (an RGBA image of 1024² each, resized and fed to the vision tower as the
+    pipeline does), the encoder in host RAM, streamed onto the device layer by layer (the vision
+    tower unit by unit). Each caption is `family.text_rows(max_length)` rows, the planner's price.
+
+    Qwen-Image-2.1 only for now (Qwen3-VL-8B, built on meta from models/configs/qwen3_vl_8b.json and
+    given fake weights). The tokenizer and image processor are the tiny presets' (a byte-level BPE
+    of a few hundred tokens, Qwen3-VL's image geometry): the ids they give stand in for Qwen3's (the
+    config's special-token ids set to theirs); a caption's rows are made the planner's count, but
+    the system message the template drops after the encode has the tiny vocabulary's length, not
+    Qwen3's (`encoder_tokens`: what the language model ran on, (batch, tokens)). Returns the predicted and simulated device peaks, host bytes."""
+    from PIL import Image
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from .models.component_files import packaged_config
+    from .tiny import qwen_image21 as tq
+    from .tiny.qwen_image import _token_id
+
+    family_name, _, tokens = MODELS[model_name]
+    family = get_family(family_name)
+    if family.name != "qwen-image-2.1":
+        raise ValueError(f"simulate_text_encoding: {model_name} is not simulated yet (Qwen-Image-2.1 is)")
+    max_length = max_length or tokens
+    rows = family.text_rows(max_length)
+    batch = batch or (1 if references else 8)
+    processor = tq.qwen3_vl_processor()
+    tok = processor.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        tok.chat_template = tq.QWEN3_VL_TEMPLATE
+    config = {k: v for k, v in packaged_config("qwen3_vl_8b").items() if not k.startswith("_")}
+    config.update(image_token_id=_token_id(tok, "<|image_pad|>"), video_token_id=_token_id(tok, "<|video_pad|>"),
+                  vision_start_token_id=_token_id(tok, "<|vision_start|>"),
+                  vision_end_token_id=_token_id(tok, "<|vision_end|>"))
+    with torch.device("meta"):
+        encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).to(torch.bfloat16).eval()
+    phase = family.text_phase(rows, references=references) if references else family.text_phase(rows)
+    caption = _caption_of(tok, family, rows)
+    images = [Image.new("RGBA", (1024, 1024), (200, 120, 40, 255)) for _ in range(references)]
+    device = enable()
+    tracker = _ReadsAsZero()
+    t0 = time.perf_counter()
+    with simulation(tracker), torch.no_grad():
+        fake_parameters(encoder)
+        host_setup = tracker.live.get(HOST, 0)
+        encoders = SimpleNamespace(tokenizer=tok, image_processor=processor.image_processor, text_encoder=encoder,
+                                   device=device)
+        tracker.reset_peak()
+        seen, patches = [], []          # the tokens the language model runs on, the patches the tower reads
+        hooks = [encoder.model.language_model.layers[0].register_forward_pre_hook(
+                     lambda m, args: seen.append(tuple(args[0].shape[:2]))),
+                 encoder.model.visual.blocks[0].register_forward_pre_hook(
+                     lambda m, args: patches.append(int(args[0].shape[0])))]
+        with _workers_inline(), _LayoutOnHost():
+            embeds, lengths = family.encode_prompts([caption] * batch, encoders, max_length=max_length,
+                                                    images=[images] * batch if references else None)
+        for h in hooks:
+            h.remove()
+        peak = tracker.peak.get(str(device), 0)
+        host_peak = tracker.peak.get(HOST, 0)
+        shape = tuple(embeds.t5.shape)
+        del embeds
+    predicted = phase["device"]
+    part = (max(phase["edit"]["device"], phase["edit"]["tower_device"]) if references else phase["device"])
+    return {"model": model_name, "what": "text_encoding", "references": references, "batch": batch, "rows": rows,
+            "encoded_shape": shape, "lengths": [int(n) for n in lengths],
+            "encoder_tokens": seen[0] if seen else None, "vision_patches": patches[0] if patches else None,
+            "predicted": predicted, "predicted_this_encode": part, "simulated": peak,
+            "ratio": part / peak if peak else None, "host_predicted": phase["host"],
+            "host_streamed_predicted": phase.get("host_streamed"), "host_simulated": host_peak,
+            "host_after_setup": host_setup, "phase": phase, "seconds": time.perf_counter() - t0}

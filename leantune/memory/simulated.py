@@ -25,7 +25,8 @@ How:
   device and subtracts them when the storage dies: live and peak bytes per device, which is what
   torch.cuda.max_memory_allocated would report, without the caching allocator's rounding.
 - What a CUDA build would do differently on this backend is put back: attention goes to the flash
-  kernel (on fake devices SDPA would pick the math kernel and materialise the L x L matrix), and
+  kernel, or with a mask to the memory-efficient one (on fake devices SDPA would pick the math
+  kernel and materialise the L x L matrix), and
   bf16 autocast follows CUDA's op lists (the backend has no autocast kernels of its own).
 - Models are built on the meta device and then given fake parameters (`fake_parameters`): peft and
   `.to()` do not work on fake parameters, but they work on meta ones.
@@ -380,8 +381,23 @@ def _register_autocast() -> None:
 # -- attention as a CUDA build runs it --------------------------------------------------------------
 
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA through the flash kernel's op: keeps q, k, v, out and a logsumexp, never L x L."""
-    if attn_mask is not None or enable_gqa:
+    """SDPA through the flash kernel's op (with a mask, the memory-efficient one's): keeps q, k, v, out
+    and a logsumexp, never L x L. Grouped
+    query attention (`enable_gqa`: fewer key/value heads, Qwen3's text encoders) too: CUDA's flash
+    kernel reads the shared heads in place (the fake math path would build the L x L weights)."""
+    if attn_mask is not None and not enable_gqa and attn_mask.dtype in (torch.bool, query.dtype):
+        # A mask: CUDA's memory-efficient kernel, the mask as an additive bias broadcast over batch and
+        # heads (a boolean one turned to 0 / -inf in the query's dtype, as SDPA does): q, k, v, out,
+        # the logsumexp and the bias, never the L x S weights the math kernel builds and saves
+        bias = attn_mask
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~attn_mask, float("-inf"))
+        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p,
+                                                                      is_causal, scale=scale)[0]
+    if attn_mask is not None:
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
     return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,

@@ -1,8 +1,8 @@
 """The caching phase's text encoding, priced for `leantune plan` (ModelFamily.text_phase): a decoder-only
 text encoder (FLUX.2-dev's Mistral Small 3.x, klein's Qwen3) run layer by layer on the device.
 
-What the device holds: the resident parts (embedding table, final norm), one decoder layer, one
-layer's activations for a batch of captions, and the hidden states the model returns when asked for
+What the device holds: the resident parts (embedding table, final norm), two decoder layers (the
+one running and the next arriving), one layer's activations for a batch of captions, and the hidden states the model returns when asked for
 all of them (FLUX.2 stacks three intermediate layers, so the pipelines ask for every layer's
 output: (layers + 1) x tokens x width). What host RAM holds depends on how the encoder is loaded:
 - loaded whole (it fits the host-RAM budget): every tensor of the checkpoint, vision tower and LM
@@ -64,7 +64,10 @@ def decoder_phase(model: torch.nn.Module, text_model: torch.nn.Module, *, tokens
     # the MLP's three (T, I) tensors alive at once (act(gate), up, their product) and the hidden
     # state, q/k/v and their rotary copies, attention output: about six (T, D); plus the kept states
     activations = (3 * tokens * i + 6 * tokens * d + hidden_states * tokens * d) * dtype_bytes
-    return {"device": (resident + layer) * dtype_bytes + activations, "resident": resident * dtype_bytes,
+    # two layers on the device while one runs: the running one and the next, which the stream brings
+    # meanwhile (memory/blockwise.py's prefetch; from the files as from host RAM)
+    on_device = 2 if run > 1 else 1
+    return {"device": (resident + on_device * layer) * dtype_bytes + activations, "resident": resident * dtype_bytes,
             "layer": layer * dtype_bytes, "activations": activations, "tokens": tokens,
             "host": count(model) * dtype_bytes, "host_streamed": largest * dtype_bytes,
             "layers": total, "layers_run": run, "reads": (resident + run * layer) * dtype_bytes}

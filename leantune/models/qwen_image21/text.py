@@ -163,7 +163,9 @@ def encode_prompts(prompts: list[str], encoders, images: list | None = None) -> 
     handle = language_model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     try:
         with placement(language_model, language_model.layers, device), tower:
-            inner(**inputs)
+            # no key/value cache: the encode never generates, and a cache keeps every layer's keys and
+            # values on the device until it returns (0.6 GiB for 8 captions of 528 rows at full size)
+            inner(**inputs, use_cache=False)
     finally:
         handle.remove()
     hidden = captured[-1]
