@@ -38,6 +38,13 @@ N` a video family's on clips of N frames (4k+1), priced as `leantune plan --fram
     python bench/simulate.py --model wan2.2-a14b --rank 32 --resolution 480x832 --frames 81 --budgets 12 \
         --cases train1024 --out bench/results/simulate_wan22_a14b_r32_480x832x81.json
 
+`--encoding` simulates the caching phase's text encoding instead (Qwen-Image-2.1's Qwen3-VL-8B, streamed
+layer by layer, its vision tower unit by unit, through the family's encode_prompts): a batch of 8
+captions, or one caption with `--references N` images of 1024²:
+
+    python bench/simulate.py --model qwen-image-2.1 --encoding --references 3 \
+        --out bench/results/simulate_qwen_image21_encoding_3refs.json
+
 `--mode full` runs full fine-tuning steps instead ([train] mode = "full": every weight trains, the
 optimizer steps inside backward, streamed blocks carry their optimizer state and are written back),
 with `--optimizer` and `--state-dtype` (AdamW moments), planned with no host-RAM limit (the host
@@ -95,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                         "priced as leantune plan --frames prices them and fed to the step")
     p.add_argument("--ram", type=float, default=None, metavar="GiB",
                    help="the host-RAM budget the training cases plan for (default: LoRA 64 GiB, full unlimited)")
+    p.add_argument("--encoding", action="store_true",
+                   help="the caching phase's text encoding instead (qwen-image-2.1): a batch of 8 captions, or one "
+                        "caption with --references N images; no budget (the phase's peak, against its price)")
     args = p.parse_args(argv)
 
     from leantune.memory.simulated import SimulatedDeviceUnavailable, enable
@@ -115,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         meta.update(rank=args.rank, optimizer=args.optimizer)
     full = {"optimizer": args.optimizer, "state_dtype": args.state_dtype} if args.mode == "full" else {}
+    if args.encoding:
+        return _encoding(args, meta)
     rows = []
     for case in args.cases:
         for budget in args.budgets:
@@ -157,6 +169,24 @@ def _case(r: dict) -> str:
         return r["case"]
     h, w = r["resolution"]
     return f"{r['what']} {h}x{w}" + (f"x{r['frames']}" if r.get("frames") else "")
+
+
+def _encoding(args, meta: dict) -> int:
+    """The text-encoding phase on the simulated GPU (simulated_run.simulate_text_encoding)."""
+    from leantune.simulated_run import simulate_text_encoding
+
+    t0 = time.perf_counter()
+    row = simulate_text_encoding(args.model, references=args.references or 0)
+    row["wall_s"] = time.perf_counter() - t0
+    print(f"{args.model} text encoding, {row['references']} reference(s), batch {row['batch']}: encoder tokens "
+          f"{row['encoder_tokens']}, patches {row['vision_patches']}; predicted {_gib(row['predicted_this_encode'])} "
+          f"GiB (phase {_gib(row['predicted'])}), simulated {_gib(row['simulated'])} GiB, ratio {row['ratio']:.3f}; "
+          f"host {_gib(row['host_predicted'])} / {_gib(row['host_simulated'])} GiB (predicted / simulated) "
+          f"({row['wall_s']:.0f} s)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**meta, "rows": [row]}, indent=1, default=str))
+    return 0
 
 
 def _gib(n: int) -> str:
