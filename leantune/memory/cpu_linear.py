@@ -34,13 +34,24 @@ _LOW = (torch.bfloat16, torch.float16)
 
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype torch would run a Linear on `x` in: the autocast dtype if autocast is on for
-    x's device type, else x's dtype."""
+    x's device type, else x's dtype. On meta, where torch has no autocast, a torch function mode
+    that emulates it (the planner's probe, planner/activation_probe._GpuSemantics) answers through
+    its `emulated_autocast_dtype()`: without it a stored-format Linear would decode its weight to an
+    fp32 input's dtype in the probe (Flux's q/k RMSNorm in fp32 makes its attention output fp32) and
+    price a 4-byte weight the GPU never holds."""
     dev = x.device.type
     try:
         if torch.is_autocast_enabled(dev):
             return torch.get_autocast_dtype(dev)
     except RuntimeError:            # a device type autocast does not know
         pass
+    if dev == "meta":
+        from torch.overrides import _get_current_function_mode_stack
+
+        for mode in reversed(_get_current_function_mode_stack()):
+            emulated = getattr(mode, "emulated_autocast_dtype", None)
+            if emulated is not None:
+                return emulated() or x.dtype
     return x.dtype
 
 

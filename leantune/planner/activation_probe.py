@@ -225,12 +225,20 @@ class _GpuSemantics(TorchFunctionMode):
         self.depth -= 1
         return super().__exit__(*exc)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def _autocast_now(self) -> bool:
         # In backward (autocast "recompute"), a checkpoint recomputing a forward under the modes of
         # that forward (qwen_image21/block.py's branches enter this mode again) casts as the forward
         # did: torch.utils.checkpoint restores the autocast state of the forward it recomputes.
-        autocast = self.autocast is True or (self.autocast == "recompute" and self.depth > 1)
+        return self.autocast is True or (self.autocast == "recompute" and self.depth > 1)
+
+    def emulated_autocast_dtype(self) -> torch.dtype | None:
+        """The dtype a stored-format Linear's product runs in here (memory/cpu_linear.matmul_dtype):
+        bf16 where this mode casts, as CUDA's autocast would; None where it does not."""
+        return torch.bfloat16 if self._autocast_now() else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        autocast = self._autocast_now()
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value")
             q, k, v = (list(args) + [kwargs.get(n) for n in names][len(args):])[:3]
