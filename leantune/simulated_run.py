@@ -164,7 +164,10 @@ def _embeds_with_slots(model: nn.Module, family: ModelFamily, latent_hw: tuple[i
     from torch.utils._python_dispatch import _disable_current_modes
 
     from .memory.simulated import stands_for
+    from .models.family import prices_references
 
+    if not prices_references(family):   # its probe lays out no reference rows (Qwen-Image-Edit's)
+        return None
     with _disable_current_modes():      # real host tensors: the probe's layout (its img_mask) keeps its values
         probe = family.probe_inputs(model.config, batch_size, latent_hw, text_rows, dtype, references=references)
         if "img_mask" not in probe:

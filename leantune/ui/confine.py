@@ -38,6 +38,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "model.text_encoder_3": MODEL, "model.tokenizer": MODEL, "model.tokenizer_2": MODEL,
     "model.tokenizer_3": MODEL, "model.vae": MODEL,
     "model.processor": MODEL,                         # Qwen-Image-2.1's processor folder, read as the tokenizers are
+    "model.image_encoder": MODEL, "model.image_processor": MODEL,   # Wan 2.1 I2V's CLIP encoder, read as weights
     "lora.init_from": MODEL,                          # a LoRA file read as weights, like the model's
     "model.base_adapters.path": MODEL,                # frozen LoRA files, read as weights (train/base_adapters.py)
     "sample.base_adapters.path": MODEL,
