@@ -125,7 +125,7 @@ def test_a_meta_flux_dev_plans_the_same_with_or_without_the_run_s_adapters(tmp_p
     a, b = Planner(FLUX_SPEC, bare, workload, machine), Planner(FLUX_SPEC, prepared, workload, machine)
     assert a.key == b.key and _priced(a.weights) == _priced(b.weights)
     seen_fp8 = set()
-    for vram in (3, 4, 8, 12, 16, 24, 40, 80):
+    for vram in (3.5, 4, 8, 12, 16, 24, 40, 80):
         budget = Budget(vram=int(vram * 2**30), ram=64 * 2**30)     # the loading peak is priced in bf16
         got, want = a.plan(budget), b.plan(budget)
         _same_plan(got, want)
