@@ -471,7 +471,7 @@ def gpus_launches(tmp_path_factory, tiny_flux_dir, images, reference):
     """The reference's run (20 steps, saves every 5) on 2 processes, stopped twice and finished by
     a third launch; three tests read what each launch did:
       1. `leantune train --gpus 2` (torchrun), rank 1 killed (kill -9) after the step-5 save;
-      2. `--gpus 2 --resume`, the launcher killed (kill -9) after the step-10 save;
+      2. `--gpus 2 --resume`, the launcher killed (kill -9) after its first save (step 10 where launch 1 saved last at 5);
       3. `accelerate launch --multi_gpu --num_processes 2 -m leantune train --resume` to step 20.
     Three launches where the tests had four (and a fifth that only ran 2 steps): each stop is the
     end of a launch, and every resume continues the run the reference must equal. The reference's
@@ -505,7 +505,10 @@ def _gpus_launches(tmp: Path, tiny_flux_dir, images, cache: Path) -> dict:
         # 2. `--resume` on `--gpus 2`, then kill -9 of the launcher
         launcher = subprocess.Popen(base + ["--resume"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True)
-        _until_saved(launcher, ckpts, 10)
+        # this launch's own next save: on a busy machine launch 1's rank 0 may have saved step 10
+        # before rank 1's kill reached it, and waiting for that file would kill a launcher that has
+        # no workers yet
+        _until_saved(launcher, ckpts, step + 5)
         got["killed_workers"] = workers = _children(launcher.pid)
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()

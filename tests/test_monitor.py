@@ -14,20 +14,26 @@ GiB = 2**30
 
 
 def test_host_rss_follows_a_real_allocation():
-    """RSS grows by a 64 MiB block written so its pages are resident. The process's other threads
-    (a previous test's writer or lane) may free memory in the same instant, so the growth is looked
-    for over a few blocks kept alive, not in one reading."""
+    """RSS grows by a 64 MiB block written so its pages are resident. The block is a fresh anonymous
+    mapping (not the allocator's, which may hand back pages a previous test freed and left
+    resident). The process's other threads (a previous test's writer or lane) may free memory in
+    the same instant, so the growth is looked for over a few blocks kept alive, not in one reading."""
+    import mmap
+
     blocks, grown = [], []
     for _ in range(3):
         before, _ = host_rss()
-        blocks.append(torch.ones(64 * 2**20 // 4))
+        block = mmap.mmap(-1, 64 * 2**20)
+        block.write(b"\x01" * len(block))          # every page touched: resident
+        blocks.append(block)
         after, peak = host_rss()
         assert peak >= after
         grown.append(after - before)
         if grown[-1] >= 48 * 2**20:
             break
     assert max(grown) >= 48 * 2**20, grown
-    del blocks
+    for block in blocks:
+        block.close()
 
 
 def test_record_on_cpu_logs_rss_and_tensorboard_scalars(tmp_path):
