@@ -89,6 +89,16 @@ def test_rows_are_bitsandbytes_nested_quantization_of_each_row(width):
         assert torch.equal(nf4_storage.dequantize(row[None], width, torch.float32), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_decode_is_the_fp32_decode_rounded_once(dtype):
+    """Decoded straight into bf16 / fp16 (no fp32 weight held), the weight is the fp32 decode rounded
+    once to that dtype, bit for bit, over rows of very different scales."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 3072, generator=g) * torch.logspace(-6, 3, 16)[:, None]
+    raw = nf4_storage.quantize(w)
+    assert torch.equal(nf4_storage.dequantize(raw, 3072, dtype), nf4_storage.dequantize(raw, 3072, torch.float32).to(dtype))
+
+
 def test_a_linear_computes_with_bitsandbytes_dequantization_forward_and_backward():
     """Rows of packed codes + nested statistics decode, bitwise, to bitsandbytes' own
     dequantize_4bit of its own nested quantize_4bit of each row; forward and input gradient equal a

@@ -133,7 +133,7 @@ def quantize(weight: torch.Tensor) -> torch.Tensor:
 def dequantize(raw: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """(out, row_bytes) uint8 NF4 rows -> (out, in) weight in `dtype`: the absmax values by
     bitsandbytes.dequantize_blockwise plus the row's offset (dequantize_4bit's nested step), the
-    weight by bitsandbytes.dequantize_4bit in fp32, then one rounding to `dtype`, where the rows are."""
+    weight by bitsandbytes.dequantize_4bit in `dtype` (its fp32 products rounded once), where the rows are."""
     F = _bnb()
     rows = raw.shape[0]
     half, nb, nested = _layout(in_features)
@@ -145,9 +145,14 @@ def dequantize(raw: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch
     code2 = _code(raw.device, "dynamic")
     absmax = F.dequantize_blockwise(qabsmax.view(-1), absmax=absmax2, code=code2, blocksize=NESTED_BLOCK)
     absmax = absmax.view(rows, -1)[:, :nb] + offset
+    # Decoded straight into a 16-bit `dtype`: bitsandbytes forms each product in fp32 and rounds it
+    # once, the bits of decoding to fp32 and rounding (tests/test_nf4.py), without an fp32 weight.
+    direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
     state = F.QuantState(absmax=absmax.contiguous().view(-1), shape=torch.Size((rows, in_features)),
-                         code=_code(raw.device), blocksize=BLOCK, quant_type="nf4", dtype=torch.float32)
-    return F.dequantize_4bit(packed, state).to(dtype)
+                         code=_code(raw.device), blocksize=BLOCK, quant_type="nf4",
+                         dtype=dtype if direct else torch.float32)
+    out = F.dequantize_4bit(packed, state)
+    return out if direct else out.to(dtype)
 
 
 def _floats(stored: torch.Tensor) -> torch.Tensor:

@@ -54,11 +54,12 @@ FORMATS: dict[str, BaseFormat] = {
     # back per group of 256 (4 + 4, 2 x 256 FLOP), to bf16 (4 + 2); the fp32 product and its
     # rotation coexist with the codes (4 + 4 + 1), the bf16 result follows
     "int8": BaseFormat("int8", "int8 ConvRot", 8.01, 0.9798, 29.0, 512.0, 9.0),
-    # the nested absmax decoded, its offset added (1 / 64 read, 4 / 64 written; 4 / 64 read and
-    # written: 13 / 64), bitsandbytes' dequantize_4bit to fp32 (0.5 + 4 / 64 read + 4 written),
-    # then to bf16 (4 + 2): the fp32 weight and the bf16 one coexist. Bits of a 3072-wide row:
+    # the packed codes copied out of the rows (0.5 + 0.5), the nested absmax decoded and its offset
+    # added (1 / 64 read, 4 / 64 written; 4 / 64 read and written: 13 / 64), bitsandbytes'
+    # dequantize_4bit straight to bf16 (0.5 + 4 / 64 read + 2 written); held at once: the codes'
+    # copy, the absmax values and the bf16 weight (0.5 + 0.13 + 2). Bits of a 3072-wide row:
     # 8 x 1592 / 3072.
-    "nf4": BaseFormat("nf4", "NF4", 4.1458, 9.2343, 10.7656, 0.0, 6.0),
+    "nf4": BaseFormat("nf4", "NF4", 4.1458, 9.2343, 3.7656, 0.0, 2.63),
 }
 ORDER = ("fp8", "int8", "nf4")          # the simpler-plan order at equal time (search._shape)
 DEFAULT_BOUND = FORMATS["fp8"].error    # [memory] max_base_error unset: within fp8 e4m3's error
