@@ -22,6 +22,9 @@ strategy (distributed.resolve_strategy; the config refuses any other pairing):
   engines clip the global norm, so with [train] max_grad_norm > 0 both runs are made with clipping
   off, and the line says so.
 
+Both runs are made in fp32 (weights and compute) where the run is not (`same_step`): bf16 moves
+the comparison by bf16's resolution, which would hide a fault or report one that is not there.
+
 Not bitwise: one process reduces the batch's rows inside each matmul and the loss mean, N ranks
 each reduce their rows and the collective adds the N partial sums, so the float additions run in
 another order (gloo's sum of two tensors is itself exact, but the partial sums are not the
@@ -98,6 +101,36 @@ def clipping_off(cfg) -> bool:
     return cfg.train.mode == "full" and cfg.train.max_grad_norm > 0 and cfg.full.grad_clip == "parameter"
 
 
+def same_step(cfg, gpus: int) -> tuple[dict, str]:
+    """The keys both runs of the comparison set so that one process and N compute the same step
+    up to the order of float additions, and what the line says of them (module docstring).
+
+    In fp32: a bf16 model, or bf16 autocast, rounds each rank's partial sums to bf16 before the
+    collective adds them, which moves the result by bf16's resolution, not by a fault (measured on
+    the tiny Flux, docs/check.md: LoRA on DDP in bf16, gradients 0.0053 relative error; a full
+    fine-tune on FSDP2 with bf16 weights, updates 0.82, with fp32 weights under bf16 autocast 0.017;
+    a rank's update half wrong gives 0.35), and a full fine-tune's bf16 weights are stepped
+    differently by each strategy by design (stochastic rounding in one process, fp32 masters in
+    ZeRO-2, nearest rounding in FSDP2). In fp32 the same comparison is at float32's resolution.
+    A full fine-tune's AdamW moments are fp32 in both (the sharded strategies keep them so); its
+    clipping is off in both where one process clips each parameter on its own."""
+    keys: dict = {"model": {}, "train": {}, "full": {}}
+    said = []
+    if cfg.model.dtype != "fp32" or cfg.train.mixed_precision != "no":
+        keys["model"]["dtype"] = "fp32"
+        keys["train"]["mixed_precision"] = "no"
+        said.append(f"in fp32 (the run: [model] dtype {cfg.model.dtype}, [train] mixed_precision "
+                    f"{cfg.train.mixed_precision}; bf16 rounds each rank's partial sums)")
+    if cfg.train.mode == "full" and cfg.full.state_dtype != "fp32":
+        keys["full"]["state_dtype"] = "fp32"
+        said.append("AdamW moments fp32 in both")
+    if clipping_off(cfg):
+        keys["train"]["max_grad_norm"] = 0.0
+        said.append(f"[train] max_grad_norm off in both: one process clips each parameter, {gpus} processes "
+                    f"the global norm")
+    return keys, "".join(f"; {s}" for s in said)
+
+
 def label(gpus: int, batch_size: int, strategy: str = "ddp", note: str = "") -> str:
     return (f"several processes ({gpus}, {strategy}; the whole plan at batch {batch_size} per process, against one "
             f"process at batch {batch_size * gpus}{note})")
@@ -109,8 +142,9 @@ def check_processes(cfg, plan_variant: Variant, gpus: int, steps: int, tmp: Path
     processes at the config's batch; compare the ranks' record with this process's."""
     b = cfg.data.batch_size
     full = cfg.train.mode == "full"
-    train = {"max_grad_norm": 0.0} if clipping_off(cfg) else {}
-    one = replace(plan_variant, key="one process", data={"batch_size": b * gpus}, train=train)
+    keys, _ = same_step(cfg, gpus)
+    same = {"train": keys["train"], "model": keys["model"], "full": {**plan_variant.full, **keys["full"]}}
+    one = replace(plan_variant, key="one process", data={"batch_size": b * gpus}, **same)
     if progress is not None:
         progress(f"check: running the whole plan in one process at batch {b * gpus} ...")
     ref = record_variant(variant_config(cfg, one, tmp), steps, start, keep_blocks=keep_blocks, weights_before=full)
@@ -119,7 +153,7 @@ def check_processes(cfg, plan_variant: Variant, gpus: int, steps: int, tmp: Path
         return Verdict(False, f"the one-process run at batch {b * gpus} failed: {ref.error}", {}), records
     if progress is not None:
         progress(f"check: running the whole plan on {gpus} processes (torchrun) ...")
-    several = replace(plan_variant, key="processes", train=train)
+    several = replace(plan_variant, key="processes", **same)
     rec = launch(variant_config(cfg, several, tmp), gpus, steps, tmp / "processes-job",
                  None if full else (ref.initial or None), keep_blocks,
                  timeout_s=cfg.distributed.timeout_minutes * 60 + 600)

@@ -202,15 +202,14 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
 def _several(cfg: RunConfig, result: CheckResult, say, plan, gpus: int, steps: int, tmp: Path, ref: Record,
              keep: dict | None, progress) -> None:
     """The whole plan on `gpus` processes against one process at the `gpus`-times batch: its line."""
-    from .processes import check_processes, clipping_off, covered, label, strategy_of
+    from .processes import check_processes, covered, label, same_step, strategy_of
     from .variants import memory_keys
 
     why_not = covered(cfg)
     if why_not is not None:
         say(f"several processes ({gpus}): not checked — {why_not}")
         return
-    note = (f"; [train] max_grad_norm off in both: one process clips each parameter, {gpus} processes the global "
-            f"norm" if clipping_off(cfg) else "")
+    _, note = same_step(cfg, gpus)
     whole = Variant("processes", label(gpus, cfg.data.batch_size, strategy_of(cfg), note),
                     memory_keys(plan, poison=True, modulation=cfg.memory.fp8_modulation))
     verdict, records = check_processes(cfg, whole, gpus, steps, tmp, ref.initial or None, keep, progress)

@@ -31,6 +31,7 @@ class Variant:
     storage: str = "fp8"          # with exact False: which storage's tolerance (compare.TOLERANCES)
     data: dict = field(default_factory=dict)   # [data] keys it sets (the N-times batch of processes.py)
     train: dict = field(default_factory=dict)  # [train] keys it sets (processes.py: clipping off in both runs)
+    model: dict = field(default_factory=dict)  # [model] keys it sets (processes.py: fp32 weights in both runs)
 
 
 def meta_model(cfg: RunConfig):
@@ -166,5 +167,7 @@ def variant_config(cfg: RunConfig, variant: Variant, out_dir: Path) -> RunConfig
         data["data"] = {**data.get("data", {}), **variant.data}
     if variant.train:
         data["train"] = {**data.get("train", {}), **variant.train}
+    if variant.model:
+        data["model"] = {**data.get("model", {}), **variant.model}
     data["output"] = {**data.get("output", {}), "dir": str(out_dir / variant.key.replace(" ", "_"))}
     return validate(data, source=f"{variant.key} variant of the config", base_dir=cfg.base_dir)
