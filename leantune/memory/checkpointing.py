@@ -13,7 +13,10 @@ How it works:
 - Wrapping outside the streaming wrapper (engine.py fixes that order) makes the recompute re-enter
   streaming, which fetches the block's weights back before they are used.
 - `offload=True`: the block inputs that checkpoint saves go to host memory (pinned on CUDA) through
-  saved-tensor hooks around the checkpoint call. The device->host copy runs on a side stream after
+  saved-tensor hooks around the checkpoint call, stacked in the offloader's host slabs
+  (host_buffers.HostSlabs: 64 MiB slabs allocated and pinned once, an input's bytes at the next
+  512-byte boundary of the stack, given back in backward order), not one power-of-two block of
+  torch's caching host allocator per input (a 0.31 GiB Wan input would reserve 0.5 GiB). The device->host copy runs on a side stream after
   that stream waits for the compute stream; the device tensor is kept from being reused until then
   with `record_stream`. In backward, an identity autograd Function on the block's outputs starts the
   host->device copy of this block's inputs and of the previous block's (the next to be recomputed),
@@ -37,45 +40,66 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..spec import ModelSpec
+from .host_buffers import HostSlabs
 
 MIN_OFFLOAD_BYTES = 64 * 1024     # smaller saved inputs stay on the device: not worth a copy
 
 
 class _HostTensor:
-    """One offloaded block input: a host copy, and the device copy while it is being restored."""
+    """One offloaded block input: its bytes in the offloader's host slabs (host_buffers.HostSlabs),
+    and the device copy while it is being restored. Its extent goes back to the slabs when it dies
+    (autograd drops it after the block's backward)."""
 
     def __init__(self, offloader: ActivationOffloader, t: torch.Tensor):
         self.off = offloader
-        self.device = t.device
-        be_cuda = t.device.type == "cuda"
-        self.host = torch.empty(t.shape, dtype=t.dtype, device=offloader.host_device,
-                                pin_memory=be_cuda and offloader.host_device.type == "cpu")
-        if be_cuda:
+        self.device, self.shape, self.dtype = t.device, t.shape, t.dtype
+        self.nbytes = t.numel() * t.element_size()
+        slabs = offloader.slabs_for(t.device)
+        self.slabs = slabs
+        self.ext = slabs.take(self.nbytes)
+        src = _bytes_of(t)
+        if t.device.type == "cuda":
             side = offloader.side_stream(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))   # t is produced on the compute stream
             with torch.cuda.stream(side):
-                self.host.copy_(t, non_blocking=True)
+                for off, piece in slabs.pieces(self.ext):
+                    piece.copy_(src[off:off + piece.numel()], non_blocking=True)
             t.record_stream(side)                                  # keep t's memory until the copy is done
+            if not t.is_contiguous():
+                src.record_stream(side)                            # and the contiguous copy's
         else:
-            self.host.copy_(t)
+            for off, piece in slabs.pieces(self.ext):
+                piece.copy_(src[off:off + piece.numel()])
         self.dev: torch.Tensor | None = None
         self.ready = None
-        offloader.stats["bytes_d2h"] += self.host.numel() * self.host.element_size()
+        offloader.stats["bytes_d2h"] += self.nbytes
         offloader.stats["tensors"] += 1
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The first host bytes of this input (a view of a slab: where it waits)."""
+        for _, piece in self.slabs.pieces(self.ext):
+            return piece
+        return torch.empty(0, dtype=torch.uint8, device=self.slabs.device)
 
     def prefetch(self) -> None:
         if self.dev is not None:
             return
-        self.off.stats["bytes_h2d"] += self.host.numel() * self.host.element_size()
-        if self.device.type != "cuda":        # host memory is the compute memory, or a synchronous copy
-            self.dev = self.host if self.host.device == self.device else self.host.to(self.device)
+        self.off.stats["bytes_h2d"] += self.nbytes
+        # a fresh tensor on the compute device: the slab's bytes are reused once this input dies
+        dev = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dst = _bytes_of(dev)
+        if self.device.type != "cuda":        # a synchronous copy (CPU, or the simulated device)
+            for off, piece in self.slabs.pieces(self.ext):
+                dst[off:off + piece.numel()].copy_(piece)
+            self.dev = dev
             return
         compute = torch.cuda.current_stream(self.device)
         side = self.off.side_stream(self.device)
-        dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)  # on the compute stream
         side.wait_stream(compute)       # dev's memory may have been in use by earlier compute kernels
         with torch.cuda.stream(side):   # same side stream as the D2H copy: ordered after it
-            dev.copy_(self.host, non_blocking=True)
+            for off, piece in self.slabs.pieces(self.ext):
+                dst[off:off + piece.numel()].copy_(piece, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(side)
         # A prefetched input that is never used (backward interrupted, e.g. out of memory) is freed
@@ -90,6 +114,20 @@ class _HostTensor:
             torch.cuda.current_stream(self.device).wait_event(self.ready)
             self.ready = None
         return t
+
+    def __del__(self):
+        ext = getattr(self, "ext", None)
+        if ext is not None:
+            self.ext = None
+            self.slabs.give_back(ext)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (a non-contiguous one is copied first)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
 
 
 @dataclass(eq=False)
@@ -111,7 +149,21 @@ class ActivationOffloader:
         # than the compute device also off CUDA: the simulated device, memory/simulated.py)
         self.stats = {"bytes_d2h": 0, "bytes_h2d": 0, "tensors": 0}
         self._streams: dict = {}
+        self._slabs: dict = {}
         self._last: weakref.ref | None = None
+
+    def slabs_for(self, device: torch.device) -> HostSlabs:
+        """The host slabs of inputs computed on `device` (pinned for a CUDA device, host in RAM)."""
+        s = self._slabs.get(device)
+        if s is None:
+            pin = device.type == "cuda" and self.host_device.type == "cpu"
+            s = self._slabs[device] = HostSlabs(self.host_device, pin=pin,
+                                                cuda_device=device if device.type == "cuda" else None)
+        return s
+
+    def host_bytes(self) -> int:
+        """Host bytes the offloaded inputs hold (their slabs, kept for the next steps)."""
+        return sum(s.reserved for s in self._slabs.values())
 
     def side_stream(self, device: torch.device):
         s = self._streams.get(device)
@@ -167,8 +219,14 @@ class _PrefetchInputs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.group.prefetch()
-        prev = ctx.group.prev() if ctx.group.prev is not None else None
+        # the group is let go here: its inputs then live only as long as autograd keeps them (until
+        # their block's backward is done), so their slab extents go back in backward order, not
+        # when the whole graph is dropped
+        group, ctx.group = ctx.group, None
+        if group is None:                 # a second backward through a retained graph
+            return (None, *grads)
+        group.prefetch()
+        prev = group.prev() if group.prev is not None else None
         if prev is not None:
             prev.prefetch()
         return (None, *grads)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -193,3 +194,107 @@ class Stager:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+# -- the slab stack for offloaded activations ---------------------------------------------------------
+
+OFFLOAD_SLAB = 64 * 2**20    # bytes per slab of the offloaded-activation stack (HostSlabs)
+OFFLOAD_ALIGN = 512          # each offloaded input starts on this boundary inside the stack
+
+
+def offload_extent(nbytes: int) -> int:
+    """Bytes of the stack an offloaded input of `nbytes` takes (its start aligned to OFFLOAD_ALIGN)."""
+    return -(-max(int(nbytes), 0) // OFFLOAD_ALIGN) * OFFLOAD_ALIGN
+
+
+def offload_host_bytes(sizes, slab: int | None = None) -> int:
+    """Host bytes HostSlabs holds for inputs of these sizes alive at once (a step's forward): their
+    aligned extents stacked over whole slabs of `slab` bytes, each of which serves `slab - PAGE`
+    (the page a pinned slab gives up to start on a page boundary). The planner prices offload with it."""
+    slab = slab or OFFLOAD_SLAB
+    top = sum(offload_extent(n) for n in sizes)
+    return -(-top // (slab - PAGE)) * slab
+
+
+class HostSlabs:
+    """Host memory for offloaded block inputs: a stack over fixed-size slabs, each allocated (and
+    pinned, cudaHostRegister on its exact size) once and kept for the next steps.
+
+    Why: torch's caching host allocator rounds each pinned tensor up to a power of two (a 0.31 GiB
+    Wan block input reserves 0.5 GiB), so 40 inputs cost 20 GiB for 12.5 GiB of bytes. Here an
+    input takes the next `offload_extent(n)` bytes of one virtual stack laid over the slabs (it may
+    span two or more of them: its copies go piece by piece), and the stack holds its high-water
+    mark rounded up to a slab: `offload_host_bytes`. Inputs are taken in forward order and given
+    back in backward order (a block's saved inputs die with its backward), so a freed extent is
+    popped with every freed one above it; one given back out of order waits until those above it go.
+
+    Each slab allocation is exactly `slab` bytes, of which `slab - PAGE` serve the stack (pinned:
+    page_aligned's page-aligned view of one slab-sized allocation; pageable: the same bytes used).
+
+    Reuse is safe without events: every copy into or out of the slabs runs on the offloader's one
+    side stream per device (or synchronously off CUDA), so a new input's device->host copy into a
+    popped range is ordered after the host->device copy that read it.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", pin: bool = False, slab: int | None = None,
+                 cuda_device: torch.device | None = None):
+        slab = slab or OFFLOAD_SLAB
+        if slab <= PAGE:
+            raise ValueError(f"HostSlabs: a slab of {slab} bytes leaves nothing past its page ({PAGE} bytes)")
+        self.device, self.pin, self.cuda_device = torch.device(device), pin, cuda_device
+        self.slab, self.usable = slab, slab - PAGE
+        self.slabs: list[torch.Tensor] = []
+        self._undo: list = []
+        self.top = 0
+        self.peak = 0
+        self._live: list[list] = []      # [start, end, freed] in stack order
+        self._lock = threading.Lock()    # inputs die on the autograd thread, are taken on the main one
+
+    @property
+    def reserved(self) -> int:
+        """Host bytes the slabs hold."""
+        return len(self.slabs) * self.slab
+
+    def _grow(self) -> None:
+        if self.pin:
+            buf, undo = alloc_host(self.usable, True, device=self.device, cuda_device=self.cuda_device)
+        else:       # the same bytes a pinned slab allocates (page_aligned: one page more than it uses)
+            buf, undo = torch.empty(self.slab, dtype=torch.uint8, device=self.device)[:self.usable], None
+        self.slabs.append(buf)
+        self._undo.append(undo)
+
+    def take(self, nbytes: int) -> list:
+        """An extent of the stack for `nbytes` (a handle for `pieces` and `give_back`)."""
+        with self._lock:
+            start = self.top
+            end = start + offload_extent(nbytes)
+            while end > len(self.slabs) * self.usable:
+                self._grow()
+            ext = [start, start + int(nbytes), False]
+            self._live.append(ext)
+            self.top = end
+            self.peak = max(self.peak, end)
+            return ext
+
+    def pieces(self, ext: list):
+        """(offset in the input, host byte view) per slab the extent touches, in order."""
+        start, end, _ = ext
+        pos = start
+        while pos < end:
+            i, lo = divmod(pos, self.usable)
+            hi = min(self.usable, lo + end - pos)
+            yield pos - start, self.slabs[i][lo:hi]
+            pos += hi - lo
+
+    def give_back(self, ext: list) -> None:
+        with self._lock:
+            ext[2] = True
+            while self._live and self._live[-1][2]:
+                self.top = self._live.pop()[0]
+
+    def release(self) -> None:
+        """Free every slab (nothing may be live)."""
+        for undo in self._undo:
+            if undo is not None:
+                undo()
+        self.slabs, self._undo, self._live, self.top = [], [], [], 0

@@ -16,8 +16,9 @@ really allocates (engine.py, fp8.py, streaming.py, host_buffers.py), phase by ph
   next unit is packed. Packing unit i holds the stored model, the buffer of unit i and the
   alignment slack of the units before it: the model plus about one unit, not plus every buffer;
 - steps: the streamed units' buffers (resident weights live in VRAM), a staging pool of two
-  32 MiB pinned buffers if any unit is pageable, the offloaded block inputs (pinned through
-  PyTorch's caching host allocator, which rounds each to a power of two) and caches held in RAM.
+  32 MiB pinned buffers if any unit is pageable, the offloaded block inputs (stacked in 64 MiB
+  pinned slabs, memory/host_buffers.HostSlabs: their bytes rounded up to whole slabs once, not
+  each input to a power of two) and caches held in RAM.
 - previews on another base ([sample] base, infer/preview_base.py): the steps' holdings plus that
   whole transformer as loaded, while a preview runs.
 - the disk tier (Plan.disk_blocks, memory/disk_tier.py): a unit on disk holds no host buffer
@@ -55,8 +56,8 @@ from __future__ import annotations
 from .activations import ActivationProfile
 from .machine import GiB
 from ..memory.plan import Plan
-from ..memory.host_buffers import STAGING_CHUNK
-from ..memory.pinned_sizes import caching_host_size  # noqa: F401 - priced here, bounded by the engine
+from ..memory.host_buffers import STAGING_CHUNK, offload_host_bytes
+from ..memory.pinned_sizes import caching_host_size  # noqa: F401 - re-exported (tests price pinned staging)
 from ..models.weights import QUANTIZING_WORK_BYTES
 from .workload import Workload
 
@@ -85,17 +86,19 @@ def packing_extra(units: list[tuple[int, int]], disk: list[bool] | None = None,
 
 
 def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], ActivationProfile], kinds: list[str]) -> int:
-    """Pinned host bytes of the block inputs activation offload keeps, at the largest bucket.
+    """Host bytes of the block inputs activation offload keeps, at the largest bucket.
 
-    Each block's input is two tensors (image and text streams), each pinned on its own.
+    Each block's input is two tensors (image and text streams; a stream of no tokens is none),
+    stacked in the offloader's host slabs (memory/host_buffers.HostSlabs: each input's bytes
+    aligned to 512, the stack rounded up to whole 64 MiB slabs, no power-of-two rounding per input),
+    all alive at the end of the forward: `offload_host_bytes` of their sizes.
     """
     largest = 0
     for bucket in workload.buckets:
         prof = profiles[bucket]
         img = workload.image_tokens(bucket) / prof.tokens
-        per_block = sum(caching_host_size(int(prof.kinds[k].out * img))
-                        + caching_host_size(int(prof.kinds[k].out * (1 - img))) for k in kinds)
-        largest = max(largest, per_block)
+        sizes = [n for k in kinds for n in (int(prof.kinds[k].out * img), int(prof.kinds[k].out * (1 - img)))]
+        largest = max(largest, offload_host_bytes(sizes))
     return largest
 
 

@@ -66,6 +66,16 @@ activations under-count by about 0.3 GiB there, and which these two terms covere
 weights' state, the host step's transient and the pinned gradient staging are host RAM
 (host_model.py); the gradients' device->host copies and the CPU step are time (timing.py).
 Host RAM comes from host_model.py, step time from timing.py.
+
+A LoRA whose optimizer step runs on the host (Plan.optimizer_on_host in a LoRA plan, [lora]
+optimizer_step; train/lora_host_step.py) keeps no optimizer state and no update temporaries on the
+device: "optimizer states" and "optimizer step" are 0, the gradients stay (they exist from backward
+until their copy to the host). Host RAM gains "LoRA optimizer step on the host": an fp32 copy of
+every adapter, its gradient staging and the optimizer's state (in every phase's peak: the copies
+are made when the optimizer is built, before the first step). Step time gains, after the device's
+step and not hidden behind it (a global-norm clip needs every gradient): the gradients' copy to
+the host, the CPU's step at the rate timed on this machine (lora_host_step.measured_rate) and the
+adapters' copy back (`host_step_s`, reported apart).
 """
 
 from __future__ import annotations
@@ -352,6 +362,16 @@ class MemoryModel:
         units = [wt.blocks[i] for i in self.ordered(plan)]
         return [wt.non_blocks, *units] if plan.stream_non_blocks else units
 
+    def lora_host_step(self, plan: Plan) -> bool:
+        """Whether a LoRA plan steps its adapters on the host (train/lora_host_step.py)."""
+        return self.workload.mode == "lora" and plan.optimizer_on_host
+
+    def lora_host_bytes(self) -> int:
+        """Host RAM of a LoRA host step: the adapters' fp32 copies and gradient staging (every part's
+        adapters) and the optimizer's state."""
+        params, _, states = self.trainable_bytes()
+        return 2 * params + states
+
     def host_step(self, plan: Plan) -> bool:
         """Whether the plan's streamed blocks step on the host (a full fine-tune that streams,
         with Plan.optimizer_on_host): their units carry no optimizer state."""
@@ -446,6 +466,8 @@ class MemoryModel:
             states = self.resident_state(plan)
         # a step updates one part's adapter: the other parts' gradients are None, and AdamW skips them
         opt_tmp = {"lora": 2 * params // (1 + w.other_adapters), "full": 0, "inference": 0}[w.mode]
+        if self.lora_host_step(plan):       # state and update on the host (module docstring)
+            states, opt_tmp = 0, 0
         keep_grads = w.gradient_accumulation > 1
         static = {"weights resident": resident, "stream slots": slots, "adapters": params,
                   "optimizer states": states, "workspace": self.machine.workspace}
@@ -528,17 +550,28 @@ class MemoryModel:
                               preview_base=self.workload.preview_base_bytes,
                               ema=self.trainable_bytes()[0] if self.workload.ema else 0,
                               disk=self.on_disk(plan), phases=phases, parked=self.parked(plan))
-        return self._with_other_parts(breakdown, stored)
+        out = self._with_other_parts(breakdown, stored, phases)
+        if self.lora_host_step(plan):       # held from the optimizer's build on: every phase's peak
+            extra = self.lora_host_bytes()
+            peak = out.pop("peak")
+            out = {**out, "LoRA optimizer step on the host (fp32 adapters, gradients, state)": extra,
+                   "peak": peak + extra}
+            if phases is not None and "steps" in phases:
+                phases["steps"] += extra
+        return out
 
-    def _with_other_parts(self, out: dict[str, int], stored: int) -> dict[str, int]:
+    def _with_other_parts(self, out: dict[str, int], stored: int, phases: dict | None = None) -> dict[str, int]:
         """The other parts of a model whose parts compute one at a time (Workload.other_parts), on
-        the host as stored in every phase: added to each phase's peak."""
+        the host as stored in every phase: added to each phase's peak (and to the steps' holdings
+        in `phases`, which the disk split leaves room for: search.Planner._disk_split)."""
         n = self.workload.other_parts
         if not n:
             return out
         each = stored + self._own_bytes      # its blocks, non-block modules and own tensors
         out = {**out, "other experts on the host (as stored)": n * each}
         out["peak"] += n * each
+        if phases is not None and "steps" in phases:
+            phases["steps"] += n * each
         return out
 
     def timing(self, plan: Plan, bucket, units: list[int]) -> StepTime:
@@ -549,10 +582,12 @@ class MemoryModel:
         prof = self.profile_of(plan.storage, bucket, plan.split_blocks)
         ref = self.profile_of((False, False), bucket, plan.split_blocks)
         if full is None:
-            return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
-                                 self.ordered(plan), units, w.mode, sum(self.trainable_bytes()),
-                                 extra_forwards=self.recipe_forwards(), disk=self.on_disk(plan),
-                                 dequant=self.dequant_extra(plan))
+            host = self.lora_host_step(plan)
+            t = simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds,
+                              self.ordered(plan), units, w.mode, 0 if host else sum(self.trainable_bytes()),
+                              extra_forwards=self.recipe_forwards(), disk=self.on_disk(plan),
+                              dequant=self.dequant_extra(plan))
+            return self._lora_host_time(t) if host else t
         # The update reads and writes each trained weight and its state, reads its gradient, and
         # touches its temporaries; masters and accumulators cross the bus from pageable memory.
         # (timing.py counts `optimizer_bytes` read and written: the gradient and temporaries count half.)
@@ -577,6 +612,21 @@ class MemoryModel:
         return simulate_step(self.machine, self.calibration, plan, prof, ref, self.kinds, sorted(streamed), units,
                              w.mode, step_bytes, inline_pageable=pageable, host_steps=host,
                              extra_forwards=self.recipe_forwards())
+
+    def lora_host_rate(self) -> float:
+        """Adapter parameters per second the CPU steps (lora_host_step.measured_rate, this machine)."""
+        from ..train.lora_host_step import measured_rate
+
+        return measured_rate(self.workload.optimizer, clip=True)
+
+    def _lora_host_time(self, t: StepTime) -> StepTime:
+        """A LoRA host step's share added to a step (module docstring): the gradients of the part
+        that steps to the host, the CPU's step, every adapter back; none of it hidden."""
+        m = self.machine
+        params, grads, _ = self.trainable_bytes()
+        secs = grads / m.d2h + (grads // 4) / self.lora_host_rate() + params / m.h2d_pinned
+        return t._replace(step_s=t.step_s + secs, host_step_s=secs, d2h_bytes=t.d2h_bytes + grads,
+                          h2d_bytes=t.h2d_bytes + params)
 
     def recipe_forwards(self) -> float:
         """Forwards without a graph the recipe adds per step, on average: DOP's base prediction on
