@@ -30,4 +30,4 @@ def _scaled_on_rank_1(self, params):
 if __name__ == "__main__":
     assert os.environ.get("RANK") is not None, "run by torchrun"
     DistContext.sync_gradients = _scaled_on_rank_1
-    sys.exit(processes.worker(sys.argv[1]))
+    sys.exit(processes.worker(sys.argv[1], sys.argv[2:]))

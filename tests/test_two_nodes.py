@@ -210,3 +210,54 @@ def test_a_zero2_full_fine_tune_on_two_machines_equals_one_process(machines, tmp
     a, b = load_file(str(tmp_path / "ref" / "m_comfyui.safetensors")), load_file(str(out / "m_comfyui.safetensors"))
     assert a.keys() == b.keys()
     assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) <= 1e-4
+
+
+# -- `leantune check --nodes 2`: the whole plan on both machines against one process ---------------------
+
+_CHECK_MAIN = ("import sys; from leantune.check import processes; processes.WORKER_MODULE = sys.argv.pop(1); "
+               "from leantune import cli; sys.exit(cli.main(sys.argv[1:]))")
+
+
+def _check_on_two_machines(machines: Machines, cfg: Path, tmp: Path, port: int, worker: str) -> list[tuple]:
+    """`leantune check CFG --nodes 2 --node-rank R --master A:PORT` on each machine (each with its own
+    cache folder, as machines have their own disks), the ranks running `worker`."""
+    env = {**_env(tmp), "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), _env(tmp)["PYTHONPATH"]])}
+    procs = [machines.popen(r, [sys.executable, "-c", _CHECK_MAIN, worker, "check", str(cfg), "--nodes", "2",
+                                "--node-rank", str(r), "--master", f"{machines.addrs[0]}:{port}",
+                                "--set", 'train.device="cpu"', "--set", f'data.cache_dir="{tmp / f"cache-{r}"}"'],
+                            env) for r in range(2)]
+    return _finish(procs)
+
+
+def test_check_on_two_machines_holds_and_catches_a_rank_whose_gradient_is_scaled(machines, tmp_path, tiny_flux_dir,
+                                                                                  images):
+    """`leantune check --nodes 2` on two machines, one process each: machine 0 launches its rank
+    before any one-process run, machine 1's rank gets the job through the rendezvous store, the
+    whole plan (3 blocks streamed in poison mode) at batch 2 per machine holds against one process
+    at batch 4 started from rank 0's adapters, and both machines exit 0; with machine 1's rank
+    scaling its gradient share by 1.5 (tests/check_fault_worker.py) machine 0's line differs and
+    both machines exit 1."""
+    from conftest import tiny_lora_rest, tiny_run_toml
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(tiny_run_toml(tiny_flux_dir, images, tiny_lora_rest(tmp_path / "out", "t",
+                                                                      "[memory]\nstreamed_blocks = 3\n")))
+    (rc0, out0, err0), (rc1, out1, err1) = _check_on_two_machines(machines, cfg, tmp_path / "held", 29614,
+                                                                  "leantune.check.processes")
+    assert rc0 == 0, out0 + err0[-4000:]
+    assert rc1 == 0, out1 + err1[-4000:]
+    lines = out0.splitlines()
+    line = next(ln for ln in lines if ln.startswith("several machines ("))
+    assert line.startswith("several machines (2 x 1 process, ddp; the whole plan at batch 2 per process, against one "
+                           "process at batch 4): held — "), line
+    assert lines.index(line) == 1, lines          # first, before the one-process variants
+    assert any(ln.startswith("streaming") and ": held" in ln for ln in lines), lines
+    assert "the whole plan on every machine held" in out1
+    assert not (tmp_path / "out").exists()        # nothing written to the run's folder
+
+    (rc0, out0, err0), (rc1, out1, err1) = _check_on_two_machines(machines, cfg, tmp_path / "fault", 29615,
+                                                                  "check_fault_worker")
+    line = next(ln for ln in out0.splitlines() if ln.startswith("several machines ("))
+    assert ": differs: " in line and "gradients" in line.split("outside")[-1], line
+    assert rc0 == 1 and rc1 == 1, (out0 + err0[-3000:], out1 + err1[-3000:])
+    assert "the check did not hold" in out1

@@ -32,7 +32,20 @@ one-process sum's partial sums); a full fine-tune's two AdamW implementations (t
 and torch's on the shards) round their arithmetic differently too. docs/check.md gives the
 measured differences behind each tolerance.
 
-The worker side is this module run by torchrun: `python -m leantune.check.processes JOB.json`.
+Several machines (`leantune check --nodes M --node-rank R --master HOST:PORT [--gpus N]`, on each
+machine, as `leantune train --nodes M` is started): machine 0 launches its ranks *first*, before
+any one-process run, so the other machines' torchrun never waits in the rendezvous for machine 0's
+variants; the job (the whole plan as a Variant, the steps, the block subset) reaches the other
+machines' ranks through torchrun's own rendezvous store (rank 0 sets it, every other rank reads
+it), and each applies it to its own machine's config, so paths stay each machine's. The ranks
+start from the seed's adapters; the one-process run at the (N x M)-times batch then runs on machine
+0 from rank 0's adapters as built (the reverse of one machine's order), while the ranks wait; rank 0
+hands the verdict to every rank through the store, and each machine's command exits with it (0
+held, 1 differs), so `train --check --nodes M` trains on every machine or on none.
+
+The worker side is this module run by torchrun: `python -m leantune.check.processes JOB.json`
+(machine 0's ranks), `python -m leantune.check.processes --follow CONFIG [--set K=V ...]` (the ranks
+of the other machines).
 """
 
 from __future__ import annotations
@@ -61,6 +74,10 @@ FULL_TOLERANCE = UpdateTolerance(loss_rel=1e-4, update_rel=1e-3, weight_rel=1e-5
 
 # The module torchrun runs on every rank (tests point it at a wrapper that injects a fault first).
 WORKER_MODULE = "leantune.check.processes"
+FOLLOW = "--follow"                       # the worker's first argument on the machines other than 0
+JOB_KEY = "leantune/check/job"            # rendezvous store keys (several machines)
+VERDICT_KEY = "leantune/check/verdict"
+VERDICTS = ("held", "differs", "failed")
 
 
 def strategy_of(cfg) -> str:
@@ -163,6 +180,124 @@ def check_processes(cfg, plan_variant: Variant, gpus: int, steps: int, tmp: Path
     return compare(ref, rec, exact=False, tolerance=PROCESSES_TOLERANCE), records
 
 
+def machines_label(gpus: int, nodes, batch_size: int, strategy: str, note: str = "") -> str:
+    world = gpus * nodes.count
+    return (f"several machines ({nodes.count} x {gpus} process{'es' if gpus > 1 else ''}, {strategy}; the whole plan "
+            f"at batch {batch_size} per process, against one process at batch {batch_size * world}{note})")
+
+
+def check_machines(cfg, plan_variant: Variant, gpus: int, nodes, steps: int, tmp: Path, keep_blocks: dict | None,
+                   progress=None) -> tuple[Verdict, dict[str, Record]]:
+    """Machine 0's side of the check on `nodes.count` machines of `gpus` processes each (module
+    docstring): the ranks first, then one process at the whole world's batch from rank 0's adapters
+    as built, the verdict handed to every rank."""
+    b = cfg.data.batch_size
+    world = gpus * nodes.count
+    full = cfg.train.mode == "full"
+    keys, _ = same_step(cfg, world)
+    same = {"train": keys["train"], "model": keys["model"], "full": {**plan_variant.full, **keys["full"]}}
+    several = replace(plan_variant, key="processes", **same)
+    if progress is not None:
+        progress(f"check: running the whole plan on {nodes.count} machines x {gpus} processes (torchrun; start "
+                 f"`leantune check --nodes {nodes.count} --node-rank R ...` on the others now) ...")
+    timeout_s = cfg.distributed.timeout_minutes * 60 + 600
+    ranks = MachineLaunch(variant_config(cfg, several, tmp), several, gpus, nodes, steps, tmp / "machines-job",
+                          keep_blocks, timeout_s)
+    rec = ranks.record()
+    records = {"processes": rec}
+    if rec.error is not None:
+        ranks.finish("failed")
+        return Verdict(False, f"the ranks failed: {rec.error}", {}), records
+    if progress is not None:
+        progress(f"check: running the whole plan in one process at batch {b * world} (the ranks wait) ...")
+    one = replace(plan_variant, key="one process", data={"batch_size": b * world}, **same)
+    ref = record_variant(variant_config(cfg, one, tmp), steps, None if full else (rec.initial or None),
+                         keep_blocks=keep_blocks, weights_before=full)
+    records["one process"] = ref
+    if ref.error is not None:
+        verdict = Verdict(False, f"the one-process run at batch {b * world} failed: {ref.error}", {})
+    elif full:
+        verdict = compare_updates(ref, rec, ref.before, FULL_TOLERANCE)
+    else:
+        verdict = compare(ref, rec, exact=False, tolerance=PROCESSES_TOLERANCE)
+    rc = ranks.finish("held" if verdict.held else "differs")
+    if rc != 0 and verdict.held:
+        return Verdict(False, f"the ranks ended with exit code {rc} after the comparison held: "
+                              f"{_last_error(ranks.log_file)}", verdict.measured), records
+    return verdict, records
+
+
+class MachineLaunch:
+    """Machine 0's torchrun for a check on several machines, running in the background: its ranks
+    record the steps and wait for the verdict (the file `verdict.json` in the job folder, which rank
+    0, on this machine, hands to every rank through the rendezvous store)."""
+
+    def __init__(self, cfg, variant: Variant, gpus: int, nodes, steps: int, folder: Path, keep_blocks: dict | None,
+                 timeout_s: float):
+        from dataclasses import asdict
+
+        from ..distributed import Nodes, torchrun_command
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.timeout_s, self.gpus = folder, timeout_s, gpus
+        job = {"config": cfg.model_dump(mode="json", exclude_unset=True), "base_dir": str(cfg.base_dir),
+               "steps": steps, "out": str(folder), "start": None, "variant": asdict(variant),
+               "keep_blocks": {k: list(v) for k, v in keep_blocks.items()} if keep_blocks else None,
+               "machines": nodes.count, "timeout_s": timeout_s}
+        (folder / "job.json").write_text(json.dumps(job))
+        here = Nodes(count=nodes.count, rank=0, host=nodes.host, port=nodes.port)
+        cmd = torchrun_command(gpus, [], here)
+        cmd = cmd[:cmd.index("-m", cmd.index(f"--nproc_per_node={gpus}"))] + ["-m", WORKER_MODULE, str(folder / "job.json")]
+        self.log_file = folder / "ranks.log"
+        self._out = open(self.log_file, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def record(self) -> Record:
+        """Rank 0's record once it wrote it (or the failure: torchrun ended first, or the time ran out)."""
+        import time
+
+        deadline = time.monotonic() + self.timeout_s
+        done = self.folder / "rank0.json"
+        while not done.exists():
+            if self.proc.poll() is not None:
+                time.sleep(0.5)             # a record written just before the exit
+                if done.exists():
+                    break
+                return Record(error=f"torchrun on this machine exited with code {self.proc.returncode} before rank 0 "
+                                    f"recorded its steps: {_last_error(self.log_file)}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                return Record(error=f"the ranks did not record their steps within {self.timeout_s:.0f} s (did every "
+                                    f"machine start `leantune check --nodes ...`?): {_last_error(self.log_file)}")
+            time.sleep(0.2)
+        return load_record(self.folder / "rank0")
+
+    def finish(self, verdict: str) -> int:
+        """Hand `verdict` to the ranks; torchrun's exit code."""
+        tmp = self.folder / "verdict.json.tmp"
+        tmp.write_text(json.dumps({"verdict": verdict}))
+        os.replace(tmp, self.folder / "verdict.json")
+        try:
+            rc = self.proc.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self._out.close()
+        return rc
+
+
+def follow(nodes, gpus: int, config: str, overrides: list[str]) -> int:
+    """Machine `nodes.rank` (not 0) of a check on several machines: its `gpus` ranks join machine 0's
+    and run the job it hands them on this machine's own config (`config` and `overrides`, as this
+    machine's `leantune check` was given them); the verdict's exit code."""
+    from ..distributed import torchrun_command
+
+    cmd = torchrun_command(gpus, [], nodes)
+    cmd = cmd[:cmd.index("-m", cmd.index(f"--nproc_per_node={gpus}"))] + [
+        "-m", WORKER_MODULE, FOLLOW, str(Path(config).resolve()), *[a for o in overrides for a in ("--set", o)]]
+    return subprocess.run(cmd).returncode
+
+
 def launch(cfg, gpus: int, steps: int, folder: Path, start: dict | None, keep_blocks: dict | None,
            timeout_s: float) -> Record:
     """torchrun with `gpus` processes of this module on `cfg`; rank 0's record (or the failure)."""
@@ -207,6 +342,7 @@ def save_record(rec: Record, stem: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = {f"weight/{n}": w.contiguous() for n, w in rec.weights.items()}
+    tensors.update({f"initial/{n}": w.contiguous() for n, w in rec.initial.items()})
     names = []
     for i, step in enumerate(rec.grads):
         names.append({n: g is not None for n, g in step.items()})
@@ -231,7 +367,8 @@ def load_record(stem: Path) -> Record:
     grads = [{n: (tensors[f"grad/{i}/{n}"] if has else None) for n, has in step.items()}
              for i, step in enumerate(meta["grads"])]
     weights = {k.removeprefix("weight/"): v for k, v in tensors.items() if k.startswith("weight/")}
-    return Record(losses=meta["losses"], grads=grads, weights=weights, step_s=meta["step_s"],
+    initial = {k.removeprefix("initial/"): v for k, v in tensors.items() if k.startswith("initial/")}
+    return Record(losses=meta["losses"], grads=grads, weights=weights, initial=initial, step_s=meta["step_s"],
                   peak_vram=meta["peak_vram"], report=meta["report"],
                   started_from_reference=meta["started_from_reference"], error=meta["error"],
                   out_of_memory=meta["out_of_memory"])
@@ -239,30 +376,85 @@ def load_record(stem: Path) -> Record:
 
 # -- each rank -----------------------------------------------------------------------------------------
 
-def worker(job_file: str) -> int:
+def worker(job_file: str, follow_args: list[str] | None = None) -> int:
     """One rank: build the run as `train()` does (its DistContext from the launcher's environment),
-    run the steps, and (rank 0, or a rank that failed) write what it recorded."""
+    run the steps, and (rank 0, or a rank that failed) write what it recorded. On several machines
+    (the job's "machines"), rank 0 puts the job in the rendezvous store for the other machines'
+    ranks (`job_file` FOLLOW, `follow_args` their machine's config and overrides), and every rank
+    exits with the verdict machine 0 reaches (MachineLaunch.finish)."""
+    import tempfile
+
     from safetensors.torch import load_file
 
-    from ..config import validate
+    from ..config import load_config, validate
     from ..distributed import DistContext
     from ..trainer import pick_device
 
-    job = json.loads(Path(job_file).read_text())
-    cfg = validate(job["config"], source="the several-processes run of the check", base_dir=job["base_dir"])
+    local_tmp = None
+    if job_file == FOLLOW:
+        job = json.loads(_store(600).get(JOB_KEY))
+        config, overrides = follow_args[0], [v for k, v in zip(follow_args[1::2], follow_args[2::2]) if k == "--set"]
+        local_tmp = tempfile.TemporaryDirectory(prefix="leantune-check-rank-")
+        cfg = variant_config(load_config(config, overrides), Variant(**job["variant"]), Path(local_tmp.name))
+        out = Path(local_tmp.name)
+    else:
+        job = json.loads(Path(job_file).read_text())
+        cfg = validate(job["config"], source="the several-processes run of the check", base_dir=job["base_dir"])
+        out = Path(job["out"])
+        if job.get("machines") and int(os.environ.get("RANK", "0")) == 0:
+            _store(600).set(JOB_KEY, json.dumps({k: job[k] for k in ("steps", "variant", "keep_blocks", "machines",
+                                                                       "timeout_s")}))
     dist = DistContext.from_config(cfg, pick_device(cfg))
     finished = False
     try:
-        start = load_file(job["start"]) if job["start"] else None
+        start = load_file(job["start"]) if job.get("start") else None
         keep = {k: list(v) for k, v in job["keep_blocks"].items()} if job["keep_blocks"] else None
         rec = record_variant(cfg, job["steps"], start, keep_blocks=keep, dist=dist)
         if dist.is_main or rec.error is not None:
-            save_record(rec, Path(job["out"]) / f"rank{dist.rank}")
+            save_record(rec, out / f"rank{dist.rank}")
         finished = rec.error is None
     finally:
+        rank = dist.rank
         dist.close(finished)
-    return 0 if finished else 1
+    if not job.get("machines"):
+        return 0 if finished else 1
+    verdict = _verdict(rank, out, job["timeout_s"]) if finished else "failed"
+    if local_tmp is not None:
+        local_tmp.cleanup()
+    return 0 if verdict == "held" else 1
+
+
+def _store(timeout_s: float):
+    """A client of torchrun's rendezvous store (hosted by machine 0's agent at MASTER_ADDR:MASTER_PORT
+    for as long as any machine's agent runs: torchrun's exit barrier)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=timedelta(seconds=timeout_s))
+
+
+def _verdict(rank: int, out: Path, timeout_s: float) -> str:
+    """The verdict of a check on several machines: rank 0 waits for machine 0's launcher to write
+    it and puts it in the store; every other rank reads it there."""
+    import time
+
+    store = _store(timeout_s)
+    if rank != 0:
+        return store.get(VERDICT_KEY).decode()
+    deadline, path = time.monotonic() + timeout_s, out / "verdict.json"
+    while not path.exists():
+        if time.monotonic() > deadline:
+            store.set(VERDICT_KEY, "failed")
+            return "failed"
+        time.sleep(0.2)
+    verdict = json.loads(path.read_text())["verdict"]
+    store.set(VERDICT_KEY, verdict if verdict in VERDICTS else "failed")
+    return verdict
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == FOLLOW:
+        sys.exit(worker(FOLLOW, sys.argv[2:]))
     sys.exit(worker(sys.argv[1]))

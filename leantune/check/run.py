@@ -80,7 +80,8 @@ def _performance(plan, rec: Record, device_type: str) -> str:
 
 def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = print,
               work_dir: Path | None = None, repeat_reference: bool | None = None,
-              progress: Callable[[str], None] | None = None, gpus: int | None = None) -> CheckResult:
+              progress: Callable[[str], None] | None = None, gpus: int | None = None,
+              nodes=None) -> CheckResult:
     """Check `cfg`'s plan on its own model and data (module docstring); `emit` gets each line as it
     is known; `progress` gets "running <variant>" before each run (a real model takes minutes to
     load; the command prints these on stderr). `work_dir`: where the variants' output folders go
@@ -94,7 +95,12 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
 
     `gpus` (`--gpus N`, N > 1: the run trains on N processes): after the one-process variants the
     whole plan runs on N processes under torchrun and is compared with one process at the N-times
-    batch (processes.py)."""
+    batch (processes.py).
+
+    `nodes` (distributed.Nodes, this machine 0 of several, `check --nodes M`): first of all, before
+    any one-process run, the whole plan runs on the M machines' `gpus` processes each (default 1)
+    and is compared with one process at the whole world's batch (processes.check_machines); the
+    other machines run processes.follow."""
     from ..models.family import get_family
     from ..trainer import pick_device
     from .variants import meta_model
@@ -124,12 +130,16 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     subset = block_subset.choose(spec, meta, plan.streamed_blocks, plan.ring_slots)
     del meta
     runs = variants(plan, total, full, cfg.memory.fp8_modulation)
-    several = gpus is not None and gpus > 1
+    machines = nodes is not None
+    if machines:
+        gpus = gpus or 1
+    several = gpus is not None and gpus > 1 and not machines
     say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe()}; "
         f"{steps} step(s) from seed {cfg.train.seed} on {device.type}, {len(runs) - 1} variant(s) against the "
-        f"reference" + (f", then the whole plan on {gpus} processes" if several else ""))
+        f"reference" + (f", then the whole plan on {gpus} processes" if several else "")
+        + (f", after the whole plan on {nodes.count} machines x {gpus} process(es)" if machines else ""))
     checked_plan = plan                      # the plan the several processes run (the subset's, on a subset)
-    if len(runs) == 1 and not several:
+    if len(runs) == 1 and not several and not machines:
         say("nothing to compare: the plan uses no technique (nothing streamed, no fp8, no checkpointing)")
         result.seconds = time.perf_counter() - t0
         return result
@@ -150,6 +160,8 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     if too_big is not None:
         runs = on_subset(too_big)
     with tempfile.TemporaryDirectory(prefix="leantune-check-") if work_dir is None else _keep(work_dir) as tmp:
+        if machines:        # first: the other machines' ranks are waiting in the rendezvous
+            _machines(cfg, result, say, checked_plan, gpus, nodes, steps, Path(tmp), keep, progress)
         ref_variant, others = runs[0], runs[1:]
         ref = record(ref_variant, raise_build=True)
         if ref.error is not None and ref.out_of_memory and keep is None:
@@ -213,6 +225,28 @@ def _several(cfg: RunConfig, result: CheckResult, say, plan, gpus: int, steps: i
     whole = Variant("processes", label(gpus, cfg.data.batch_size, strategy_of(cfg), note),
                     memory_keys(plan, poison=True, modulation=cfg.memory.fp8_modulation))
     verdict, records = check_processes(cfg, whole, gpus, steps, tmp, ref.initial or None, keep, progress)
+    result.records.update(records)
+    result.verdicts["processes"] = verdict
+    say(f"{whole.label}: {'held' if verdict.held else 'differs'}{' — ' if verdict.held else ': '}{verdict.text}")
+    if not verdict.held:
+        result.rc = 1
+
+
+def _machines(cfg: RunConfig, result: CheckResult, say, plan, gpus: int, nodes, steps: int, tmp: Path,
+              keep: dict | None, progress) -> None:
+    """The whole plan on several machines against one process at the whole world's batch: its line."""
+    from .processes import check_machines, covered, machines_label, same_step, strategy_of
+    from .variants import memory_keys
+
+    world = gpus * nodes.count
+    why_not = covered(cfg)
+    if why_not is not None:             # (the other machines' commands say the same and launch nothing)
+        say(f"several machines ({nodes.count}): not checked — {why_not}")
+        return
+    _, note = same_step(cfg, world)
+    whole = Variant("processes", machines_label(gpus, nodes, cfg.data.batch_size, strategy_of(cfg), note),
+                    memory_keys(plan, poison=True, modulation=cfg.memory.fp8_modulation))
+    verdict, records = check_machines(cfg, whole, gpus, nodes, steps, tmp, keep, progress)
     result.records.update(records)
     result.verdicts["processes"] = verdict
     say(f"{whole.label}: {'held' if verdict.held else 'differs'}{' — ' if verdict.held else ': '}{verdict.text}")

@@ -23,6 +23,14 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the run trains on N processes (as `leantune train --gpus N`): after the one-process "
                         "variants, the whole plan runs on N processes (torchrun) and is compared with one process "
                         "at the N-times batch")
+    p.add_argument("--nodes", type=int, default=1, metavar="M",
+                   help="the run trains on M machines (as `leantune train --nodes M`): run this command on each, "
+                        "with its --node-rank and machine 0's --master; first of all the whole plan runs on the M "
+                        "machines' processes (--gpus per machine, default 1) and machine 0 compares it with one "
+                        "process at the whole batch; every machine exits with that verdict")
+    p.add_argument("--node-rank", type=int, default=None, metavar="R", help="this machine's place, 0 to M-1 (0 hosts --master)")
+    p.add_argument("--master", default=None, metavar="HOST:PORT",
+                   help="the address of machine 0 that every machine reaches, and a free port on it")
     p.description = (
         "Run a few steps of the config's run from one seed without any memory technique (the reference) and "
         "once per technique its plan uses (streaming in poison mode, fp8 storage, checkpointing and its "
@@ -39,19 +47,41 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
     cfg = load_config(args.config, args.overrides)
+    from .train import check_gpus, check_nodes
+
+    nodes = check_nodes(args)
     if args.gpus is not None:
-        from .train import check_gpus
-
         check_gpus(args.gpus, cfg)           # what `train --gpus N` refuses, refused here too
-    return check_config(cfg, args.steps, args.gpus)
+    if nodes is not None and nodes.rank != 0:
+        return follow_machine_0(cfg, nodes, args.gpus or 1, args.config, args.overrides)
+    return check_config(cfg, args.steps, args.gpus, nodes)
 
 
-def check_config(cfg, steps: int = DEFAULT_STEPS, gpus: int | None = None) -> int:
+def check_config(cfg, steps: int = DEFAULT_STEPS, gpus: int | None = None, nodes=None) -> int:
     """Run the check on a loaded config, print its lines; the exit code. `gpus`: the run's process
-    count (`--gpus N`)."""
+    count (`--gpus N`); `nodes`: this machine is machine 0 of several (`--nodes M`)."""
     from ..check.run import run_check
 
-    return run_check(cfg, steps, emit=lambda line: print(line, flush=True), progress=_progress, gpus=gpus).rc
+    return run_check(cfg, steps, emit=lambda line: print(line, flush=True), progress=_progress, gpus=gpus,
+                     nodes=nodes).rc
+
+
+def follow_machine_0(cfg, nodes, gpus: int, config: str, overrides: list[str]) -> int:
+    """A machine other than 0 of a check on several machines: its ranks run the job machine 0 hands
+    them; the verdict machine 0 reached is this command's exit code (machine 0 prints the line)."""
+    from ..check.processes import covered, follow
+
+    why_not = covered(cfg)
+    if why_not is not None:
+        print(f"several machines ({nodes.count}): not checked — {why_not}", flush=True)
+        return 0
+    _progress(f"check: machine {nodes.rank} of {nodes.count}: {gpus} process(es) joining machine 0's at "
+              f"{nodes.host}:{nodes.port} ...")
+    rc = follow(nodes, gpus, config, overrides)
+    print(f"check: machine {nodes.rank} of {nodes.count}: "
+          + ("the whole plan on every machine held (machine 0 prints the comparison)" if rc == 0 else
+             f"the check did not hold or its ranks failed (exit code {rc}; machine 0 prints why)"), flush=True)
+    return 0 if rc == 0 else 1
 
 
 def _progress(line: str) -> None:

@@ -44,11 +44,16 @@ def run(args: argparse.Namespace) -> int:
         check_gpus(args.gpus, cfg)
     if args.check and not _launched_worker():
         from ..check.run import run_check
+        from .check import follow_machine_0
 
-        # On several processes of one machine the check runs them too (check/processes.py).
-        rc = run_check(cfg, emit=lambda line: print(line, flush=True),
-                       progress=lambda line: print(line, file=sys.stderr, flush=True),
-                       gpus=args.gpus if nodes is None else None).rc
+        # On several processes the check runs them too (check/processes.py): on one machine, or on
+        # every machine of the run, each exiting with machine 0's verdict.
+        if nodes is not None and nodes.rank != 0:
+            rc = follow_machine_0(cfg, nodes, args.gpus, args.config, args.overrides)
+        else:
+            rc = run_check(cfg, emit=lambda line: print(line, flush=True),
+                           progress=lambda line: print(line, file=sys.stderr, flush=True),
+                           gpus=args.gpus, nodes=nodes).rc
         if rc:
             print(f"leantune train: the check did not hold (exit code {rc}); not training", file=sys.stderr)
             return rc
