@@ -321,6 +321,12 @@ class LoraConfig(Section):
     # <name>_high_noise / <name>_low_noise), "shared" one LoRA both experts apply (one file, loaded
     # into both).
     experts: Literal["each", "shared"] = "each"
+    # Where the adapters' optimizer step runs (train/lora_host_step.py): "device" (the GPU holds the
+    # optimizer state), "host" (the state and an fp32 copy of the adapters live in host RAM; after
+    # backward the gradients go to the host, the CPU steps, the updated adapters come back), or
+    # "auto": the planner chooses the host step only where no device-step plan fits the budget or
+    # where it is faster (without a budget: the device). "adamw" and "adafactor" only.
+    optimizer_step: Literal["auto", "device", "host"] = "auto"
 
     @property
     def effective_alpha(self) -> float:
@@ -348,6 +354,8 @@ class LoraConfig(Section):
 
 # Optimizers taken from their packages that only LoRA training steps (train/optim_packages.py).
 PACKAGE_ONLY_LORA = ("prodigy", "schedulefree_adamw", "came")
+# Optimizers whose LoRA step may run on the host ([lora] optimizer_step, train/lora_host_step.py).
+LORA_HOST_STEP_OPTIMIZERS = ("adamw", "adafactor")
 
 
 class TrainConfig(Section):
@@ -765,6 +773,11 @@ class RunConfig(Section):
                                  "(fp32 or bf16 moments) or \"adafactor\" for a host step, or streamed_step = "
                                  "\"device\"")
         else:
+            if self.lora.optimizer_step == "host" and self.train.optimizer not in LORA_HOST_STEP_OPTIMIZERS:
+                raise ValueError(f"[lora] optimizer_step = \"host\" with [train] optimizer = {self.train.optimizer!r}: "
+                                 f"the host step runs {' and '.join(LORA_HOST_STEP_OPTIMIZERS)} (bitsandbytes keeps "
+                                 f"8-bit state on the GPU; schedule-free AdamW's averaged weights would live on the "
+                                 f"host); use one of those or [lora] optimizer_step = \"device\"")
             if self.full.model_fields_set:
                 key = sorted(self.full.model_fields_set)[0]
                 raise ValueError(f"[full] {key}: set, but [train] mode = \"lora\"; set [train] mode = \"full\" "

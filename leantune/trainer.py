@@ -422,6 +422,8 @@ def _build(cfg: RunConfig, dist: DistContext | None = None, keep_blocks: dict | 
     else:
         loaded = load(False)
     transformer, params, stack, plan, memory, planner, budget = loaded
+    if hasattr(mode, "use_plan"):           # a LoRA's optimizer step on the device or the host
+        mode.use_plan(plan)
     optimizer = mode.build_optimizer(params)
     scheduler = build_scheduler(optimizer, cfg.train)
     generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -514,6 +516,8 @@ def _plan_before_load(cfg: RunConfig, spec, meta_model, machine) -> tuple | None
     planner, budget = planner_for_config(cfg, spec, meta_model(), machine)
     plan = choose_plan(planner, budget, cfg)
     planner.keep_base_format(plan)       # an int8 / NF4 base is loaded so: a re-plan keeps its format
+    if cfg.train.mode == "lora":
+        planner.keep_step_place(plan)    # the LoRA's optimizer is built where this plan steps it
     return plan, planner, budget
 
 

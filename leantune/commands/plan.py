@@ -58,6 +58,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "travels with them), on the host (state stays in host RAM, the CPU steps: fits smaller "
                         "budgets), or auto (the faster of the two plans that fit, the CPU timed here; default: the "
                         "config's [full] streamed_step, else auto)")
+    p.add_argument("--lora-step", choices=["auto", "device", "host"], default=None,
+                   help="LoRA: where the adapters' optimizer step runs ([lora] optimizer_step): on the device, on "
+                        "the host (their optimizer state in host RAM, the CPU steps after backward), or auto (the "
+                        "host only where no device-step plan fits or it is faster; default: the config's, else auto)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--accumulation", type=int, default=None, help="gradient accumulation steps")
     p.add_argument("--resolution", type=_resolution, action="append", default=None, metavar="PX|HxW",
@@ -343,7 +347,8 @@ def _from_flags(args):
         references=args.references or 0,
         allow_fp8=not args.no_fp8 and args.lora_type != "dora",     # DoRA reads its base weights (no fp8)
         fp8_modulation=False if args.lora_type == "dora" else _MODULATION_FLAG[args.fp8_modulation or "auto"],
-        quantizes_on_load=(args.mode or "lora") != "inference", **_full_flags(args))   # as the trainer loads
+        quantizes_on_load=(args.mode or "lora") != "inference",      # as the trainer loads
+        **_full_flags(args, lora_default="auto"))          # [lora] optimizer_step's default
     workload = replace(workload, **_base_format_flags(args, workload))
     _check_workload(workload, family)
     return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
@@ -368,7 +373,7 @@ def _from_config(args):
              "references": args.references,
              "frames": _latent_frames(args.frames, get_family(cfg.model.family)) if args.frames else None}
     changes = {k: v for k, v in asked.items() if v is not None}
-    changes.update(_full_flags(args))
+    changes.update(_full_flags(args, mode=changes.get("mode", workload.mode)))
     if args.lora_type is not None:
         changes["adapter"] = args.lora_type
     if args.no_fp8 or changes.get("adapter", workload.adapter) == "dora":
@@ -387,7 +392,8 @@ def _from_config(args):
     source = source_key(_transformer_source(cfg), cfg.model.dtype + ("" if keep_mod else "|modulation upcast"))
     ram = args.ram if args.ram is not None else cfg.memory.ram_budget
     config_sets = ({"optimizer"} & cfg.train.model_fields_set) | (
-        {"state_dtype", "streamed_step"} & cfg.full.model_fields_set)
+        {"state_dtype", "streamed_step"} & cfg.full.model_fields_set) | (
+        {"lora_step"} if "optimizer_step" in cfg.lora.model_fields_set else set())
     return (get_family(cfg.model.family).spec, source, lambda: meta_model_for_config(cfg, keep_mod), workload, vram,
             ram, config_sets, cfg.resolve(cfg.memory.disk_dir))
 
@@ -442,10 +448,13 @@ def _latent_frames(frames: int | None, family) -> int:
         raise ConfigError(f"--frames {frames}: {e}") from None
 
 
-def _full_flags(args) -> dict:
-    """The --mode full flags given, as Workload fields."""
+def _full_flags(args, lora_default: str | None = None, mode: str | None = None) -> dict:
+    """The --mode full flags given, as Workload fields, and a LoRA's --lora-step (`lora_default`
+    where the flag is absent: [lora] optimizer_step's default)."""
+    lora = (mode or args.mode or "lora") == "lora"
     out = {"state_dtype": args.state_dtype, "master_weights": args.master_weights or None,
-           "full_exclude": tuple(args.exclude) if args.exclude else None, "streamed_step": args.streamed_step}
+           "full_exclude": tuple(args.exclude) if args.exclude else None, "streamed_step": args.streamed_step,
+           "lora_step": (args.lora_step or lora_default) if lora else args.lora_step}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -468,7 +477,7 @@ def _optimizers() -> list[str]:
 
 
 def _check_workload(w, family) -> None:
-    from ..config import MAX_RESOLUTION, PACKAGE_ONLY_LORA, ConfigError
+    from ..config import LORA_HOST_STEP_OPTIMIZERS, MAX_RESOLUTION, PACKAGE_ONLY_LORA, ConfigError
     from ..models.family import prices_references
 
     if w.references:
@@ -484,6 +493,11 @@ def _check_workload(w, family) -> None:
     if w.mode != "full" and (w.state_dtype != "fp32" or w.master_weights or w.full_exclude
                              or w.streamed_step != "auto"):
         raise ConfigError("--state-dtype, --exclude, --master-weights and --streamed-step are for --mode full")
+    if w.mode != "lora" and w.lora_step != "device":
+        raise ConfigError("--lora-step is for LoRA training (a full fine-tune's is --streamed-step)")
+    if w.mode == "lora" and w.lora_step == "host" and w.optimizer not in LORA_HOST_STEP_OPTIMIZERS:
+        raise ConfigError(f"--lora-step host with --optimizer {w.optimizer}: a LoRA's host step runs "
+                          f"{' or '.join(LORA_HOST_STEP_OPTIMIZERS)}")
     if w.mode == "full" and w.optimizer in PACKAGE_ONLY_LORA:
         raise ConfigError(f"--optimizer {w.optimizer}: for LoRA training; --mode full uses adamw, adafactor or "
                           f"adamw8bit")

@@ -64,7 +64,12 @@ def format_plan(plan: Plan) -> str:
             lines.append(_tiers(n))
         if n.get("recipe_forwards"):
             lines.append("included: " + _recipe_forwards(n["recipe_forwards"]))
-        if n.get("host_step_params"):
+        if n.get("lora_host_step"):
+            lines.append(_lora_host_line(n))
+        elif n.get("lora_step", {}).get("other_step_s") is not None:
+            lines.append(f"optimizer step on the GPU: a plan stepping the LoRA on the host would take "
+                         f"{n['lora_step']['other_step_s']:.3f} s per step ({n['lora_step']['other_plan']})")
+        elif n.get("host_step_params"):
             rate = n["host_optimizer_rate"]
             lines.append(f"CPU optimizer step: {n['host_step_params'] / 1e6:.0f} M streamed parameters stepped on the "
                          f"CPU at {rate / 1e6:.1f} M/s (measured on this machine's CPU) = "
@@ -75,16 +80,37 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _lora_host_line(n: dict) -> str:
+    """A LoRA host step: its CPU time, and why "auto" put the step there (search._lora_step_note)."""
+    rate, params = n["host_optimizer_rate"], n["host_step_params"]
+    line = (f"optimizer step on the host: {params / 1e6:.1f} M adapter parameters stepped on the CPU at "
+            f"{rate / 1e6:.0f} M/s (measured on this machine's CPU), with their gradients down and weights up: "
+            f"{n.get('host_step_s', 0.0):.3f} s per step, not hidden; the optimizer state is in host RAM, not VRAM")
+    why = n.get("lora_step")
+    if why and why.get("other_needs_vram") is not None:
+        line += f"\n  why: no plan stepping on the GPU fits; its smallest budget is {why['other_needs_vram'] / GiB:.2f} GiB"
+    elif why and "other_step_s" in why:
+        line += (f"\n  why: faster than the best plan stepping on the GPU ({why['other_step_s']:.3f} s per step: "
+                 f"{why['other_plan']})")
+    return line
+
+
 def base_format_line(choice: dict) -> str:
     """The base format chosen, with its measured error against bf16 and its predicted step, and the
     best plan of each other format beside it: 'base:     nf4 resident, 2.1 s/step predicted, error
-    9.23 % vs bf16; runner-up fp8 streamed (24 blocks) 2.9 s/step, error 2.52 %'."""
+    9.23 % vs bf16; runner-up fp8 streamed (24 blocks) 2.9 s/step, error 2.52 %'. A quantized
+    format whose best plan streams also says its fastest fully resident plan's time where one fits
+    ('nf4 streamed (5 blocks), 4.09 s/step predicted (fully resident, split blocks: 5.31 s/step)')."""
     from .base_formats import ERROR_SOURCE
 
     def said(row: dict) -> str:
-        where = f"streamed ({row['streamed']} blocks)" if row["streamed"] else "resident"
+        split = ", split blocks" if row.get("split") else ""
+        where = f"streamed ({row['streamed']} blocks{split})" if row["streamed"] else f"resident{split}"
         err = "no quantization error" if row["format"] == "bf16" else f"error {row['error']:.2f} % vs bf16"
-        return f"{row['format']} {where}, {row['step_s']:.2f} s/step predicted, {err}"
+        resident = row.get("resident")
+        also = "" if resident is None else (f" (fully resident{', split blocks' if resident['split'] else ''}: "
+                                             f"{resident['step_s']:.2f} s/step)")
+        return f"{row['format']} {where}, {row['step_s']:.2f} s/step predicted{also}, {err}"
 
     rows = choice["formats"]
     chosen = next(r for r in rows if r["chosen"])

@@ -49,6 +49,16 @@ of a run that freezes some ([full] exclude).
   budgets the step's place changes where the other place's best plan becomes the faster one.
   bitsandbytes' 8-bit AdamW keeps its state on the device: never on the host.
 
+- A LoRA's optimizer step on the host (Plan.optimizer_on_host in a LoRA plan, [lora] optimizer_step,
+  train/lora_host_step.py): the adapters' optimizer state and update leave the GPU, and each step
+  waits for the gradients' copy down, the CPU's step and the adapters' copy up. Not tied to
+  streaming: every candidate, streaming or not, is tried at each place `step_places` gives
+  ("auto": both, for adamw and adafactor; "device" / "host": that one), and the faster of the two
+  places' sweeps is the plan as for a full fine-tune, so "auto" takes the host only where no
+  device-step plan fits or where it is faster (a device plan wins a tie). The plan's notes say why
+  (`lora_step`: the device step's smallest budget, or its step time). A trainer that built its
+  optimizer at one place keeps it there for re-plans (`keep_step_place`).
+
 Candidates: every combination of storage (fp8 and fp8 modulation where accuracy allows), checkpointing none/blocks/offload,
 the number of streamed blocks (block kinds with the most FLOPs per byte first: for Flux the single
 blocks, spread evenly through their list), ring slots 2-4, and streaming the non-block group when
@@ -179,9 +189,25 @@ class Planner(MemoryModel):
     def step_places(self) -> tuple[bool, ...]:
         """Plan.optimizer_on_host values a streaming plan is tried with (module docstring)."""
         w = self.workload
+        if w.mode == "lora":
+            from ..config import LORA_HOST_STEP_OPTIMIZERS
+
+            if getattr(self, "_step_place", None) is not None:     # keep_step_place
+                return (self._step_place,)
+            if w.optimizer not in LORA_HOST_STEP_OPTIMIZERS or w.lora_step == "device":
+                return (False,)
+            return (True,) if w.lora_step == "host" else (False, True)
         if w.mode != "full" or w.optimizer == "adamw8bit" or w.streamed_step == "device":
             return (False,)
         return (True,) if w.streamed_step == "host" else (False, True)
+
+    def keep_step_place(self, plan: Plan) -> None:
+        """A LoRA run's optimizer is built where `plan` steps it: later plans (an OOM's or a
+        calibration's re-plan) step there too."""
+        if self.workload.mode == "lora":
+            self._step_place = bool(plan.optimizer_on_host)
+            self._candidates.clear()
+            self.forget_estimates()
 
     def candidates(self, places: tuple[bool, ...] | None = None):
         places = tuple(places or self.step_places())
@@ -194,6 +220,7 @@ class Planner(MemoryModel):
         n_blocks = len(self.weights.blocks)
         ckpts = ("none",) if w.mode == "inference" else CHECKPOINTING
         counts = range(n_blocks + 1)
+        unstreamed = places if w.mode == "lora" else (False,)      # a LoRA's host step needs no streaming
         names_of = [tuple(self.weights.blocks[i].name for i in self.streamed_set(n)) for n in counts]
         storages = [(fp8, mod, fmt) for fp8, mod in self.storages
                     for fmt in (self.formats if fp8 else ("fp8",))]     # the quantized block Linears in each format
@@ -203,8 +230,9 @@ class Planner(MemoryModel):
                 for n in counts:
                     names = names_of[n]
                     if n == 0:
-                        yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt, base_format=fmt,
-                                   split_blocks=split)
+                        for on_host in unstreamed:
+                            yield Plan(streamed_blocks=(), fp8=fp8, fp8_modulation=mod, checkpointing=ckpt,
+                                       base_format=fmt, split_blocks=split, optimizer_on_host=on_host)
                         continue
                     for nb in ((False, True) if n == n_blocks else (False,)):
                         units = n + int(nb)
@@ -246,7 +274,29 @@ class Planner(MemoryModel):
         plan = self._annotate(best, self.estimate(best), budget, ram_limit)
         if best.split_blocks:
             plan = replace(plan, notes={**plan.notes, "split_blocks": self._split_note(picks, budget, ram_limit)})
+        if self.workload.mode == "lora" and len(self.step_places()) > 1:
+            plan = replace(plan, notes={**plan.notes, "lora_step": self._lora_step_note(best, fits, budget, ram_limit)})
         return self._with_base_choice(plan, priced)
+
+    def _lora_step_note(self, best: Plan, fits: list[tuple[int, Plan]], budget: Budget, ram_limit: int) -> dict:
+        """Why a LoRA's step runs where it does under "auto", for `leantune plan`: the other place's
+        best plan and step time where one fits, else the smallest budget a plan of that place needs."""
+        other = not best.optimizer_on_host
+        group = [vp for vp in fits if vp[1].optimizer_on_host == other]
+        note = {"on_host": bool(best.optimizer_on_host)}
+        if group:
+            alt = self._choose_place(group)
+            note.update(other_step_s=self._timed(alt).step_s, other_plan=alt.describe())
+        else:
+            peaks = [v for v, h in (self._cheap_estimate(c) for c in self.candidates((other,))) if h <= ram_limit]
+            note["other_needs_vram"] = budget.needed_for(min(peaks)) if peaks else None
+        return note
+
+    def _choose_place(self, fits: list[tuple[int, Plan]]) -> Plan:
+        """The sweep's plan among fits of one step place (split and unsplit as `plan` takes them)."""
+        picks = [self._sweep(g) for g in ([vp for vp in fits if vp[1].split_blocks == s] for s in (False, True)) if g]
+        picks = [p for p in picks if p is not None]
+        return min(picks, key=lambda p: (self._preference(p)[0], p.split_blocks))
 
     def _split_note(self, picks: list[Plan], budget: Budget, ram_limit: int) -> dict:
         """Why a split plan was chosen, for `leantune plan`: the unsplit plan's step time where one
@@ -392,6 +442,10 @@ class Planner(MemoryModel):
         if train and w.mode == "lora":
             levers.append(f"adapters, gradients and optimizer states take {gib(train)}: lower [lora] rank or "
                           f"narrow [lora] targets, or use [train] optimizer = \"adafactor\"")
+            host_need = self._lora_host_need(budget, ram_limit)
+            if host_need is not None:
+                levers.append(f"[lora] optimizer_step = \"host\" (or \"auto\") keeps the optimizer state in host RAM "
+                              f"and steps the adapters on the CPU: its smallest budget is {gib(host_need)}")
         if w.mode == "full":
             levers.extend(_full_levers(w, parts, self._host_step_need(budget, ram_limit), plan.optimizer_on_host))
         if parts["weights resident"]:
@@ -403,6 +457,17 @@ class Planner(MemoryModel):
                    f"is {gib(need)}, with: {plan.describe()} (predicted peak {gib(peak)}). To fit "
                    f"{gib(budget.vram)}: " + "; ".join(levers) + ".")
         return InfeasibleBudget(message, needed_vram=need, best=plan)
+
+    def _lora_host_need(self, budget: Budget, ram_limit: int) -> int | None:
+        """The smallest VRAM budget of a LoRA host-step plan, when the search did not try them
+        ([lora] optimizer_step = "device"); None otherwise."""
+        from ..config import LORA_HOST_STEP_OPTIMIZERS
+
+        w = self.workload
+        if w.optimizer not in LORA_HOST_STEP_OPTIMIZERS or self.step_places() != (False,):
+            return None
+        peaks = [vram for vram, host in map(self._cheap_estimate, self.candidates((True,))) if host <= ram_limit]
+        return budget.needed_for(min(peaks)) if peaks else None
 
     def _host_step_need(self, budget: Budget, ram_limit: int) -> int | None:
         """The smallest VRAM budget a host-step plan fits (within the host-RAM limit), when the
@@ -452,6 +517,10 @@ class Planner(MemoryModel):
         if self.host_step(plan):       # the CPU's share of the step (timing.py), at this machine's rate
             notes["host_step_params"] = sum(n for n, _ in self.streamed_trained(plan))
             notes["host_optimizer_rate"] = self.full.host_rate()
+        if self.lora_host_step(plan):  # the adapters' step on the CPU (memory_model._lora_host_time)
+            notes["host_step_params"] = self.trainable_bytes()[1] // 4
+            notes["host_optimizer_rate"] = self.lora_host_rate()
+            notes["lora_host_step"] = True
         return replace(plan, notes=notes)
 
 
@@ -478,7 +547,16 @@ class Planner(MemoryModel):
         """The sweep's plan among `fits` of one base format ("bf16": the unquantized plans)."""
         same = [vp for vp in fits if (not _quantized(vp[1]) if fmt == "bf16" else
                                       _quantized(vp[1]) and vp[1].base_format == fmt)]
-        return self._sweep(same) if same else None
+        # unsplit and split plans swept apart, the faster taken, as plan() chooses
+        picks = [p for p in (self._sweep([vp for vp in same if vp[1].split_blocks == split]) for split in (False, True))
+                 if p is not None]
+        return min(picks, key=lambda p: (self._preference(p)[0], p.split_blocks)) if picks else None
+
+    def resident_of_format(self, fits: list[tuple[int, Plan]], fmt: str) -> Plan | None:
+        """The fastest plan among `fits` of one quantized base format that streams nothing."""
+        same = [p for _, p in fits if _quantized(p) and p.base_format == fmt and not p.streamed_blocks
+                and not p.stream_non_blocks and not p.disk_blocks]
+        return min(same, key=self._preference) if same else None
 
     def _with_base_choice(self, plan: Plan, fits: list[tuple[int, Plan]]) -> Plan:
         """`plan` with notes["base_format"]: its format with its measured error against bf16, and
@@ -494,9 +572,13 @@ class Planner(MemoryModel):
             if best is None:
                 continue
             rows.append({"format": fmt, "step_s": self._timed(best).step_s, "streamed": len(best.streamed_blocks),
-                         "error": 0.0 if fmt == "bf16" else FORMATS[fmt].error,
+                         "split": best.split_blocks, "error": 0.0 if fmt == "bf16" else FORMATS[fmt].error,
                          "allowed": fmt == "bf16" or w.base_pinned or within(fmt, w.max_base_error),
                          "chosen": fmt == chosen, "plan": best.describe()})
+            resident = self.resident_of_format(fits, fmt) if fmt != "bf16" and best.streamed_blocks else None
+            if resident is not None:      # the format held whole on the device, beside its best plan
+                rows[-1]["resident"] = {"step_s": self._timed(resident).step_s, "split": resident.split_blocks,
+                                        "plan": resident.describe()}
         notes = {**plan.notes, "base_format": {"chosen": chosen, "pinned": w.base_pinned,
                                                 "bound": error_bound(w.max_base_error), "formats": rows}}
         return replace(plan, notes=notes)

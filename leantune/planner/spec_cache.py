@@ -260,7 +260,7 @@ def _workload_shape(workload: Workload) -> dict:
     nor the LoRA rank: the probe keeps the adapters' share per rank, ActivationProfile.at_rank)."""
     shape = {f.name: getattr(workload, f.name) for f in fields(workload)}
     unmeasured = ["optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
-                  "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "quantizes_on_load",
+                  "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "lora_step", "quantizes_on_load",
                   "frozen_adapter_bytes", "frozen_adapter_tensors", "preview_base_bytes", "preview_adapter_tensors", "ema", "dop_share", "validation_forwards_per_step",
                   "prefix_cache_bytes", "base_formats", "max_base_error", "base_pinned"]
     lora = workload.mode == "lora"

@@ -106,6 +106,10 @@ class Workload:
     state_dtype: Literal["fp32", "bf16"] = "fp32"   # AdamW moments
     # Where streamed blocks step ([full] streamed_step): "auto" lets the search try both.
     streamed_step: Literal["auto", "device", "host"] = "auto"
+    # Where a LoRA's optimizer step runs ([lora] optimizer_step, train/lora_host_step.py): "auto" lets
+    # the search try both. "device" here (a Workload built in code plans as before the host step);
+    # a config's "auto" default comes in through from_config, `leantune plan --model` gives "auto".
+    lora_step: Literal["auto", "device", "host"] = "device"
     master_weights: bool = False    # fp32 copies of bf16 weights in host RAM
     stochastic_rounding: bool = True
     clip_per_param: bool = True     # [train] max_grad_norm > 0 with [full] grad_clip = "parameter"

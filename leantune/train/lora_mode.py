@@ -1,5 +1,10 @@
 """LoRA mode (`[train] mode = "lora"`): adapters on a frozen base, the plain
 `backward(); clip; opt.step()` loop. The interface every mode offers is described in modes.py.
+
+Where the step runs ([lora] optimizer_step; the plan's `optimizer_on_host` under a budget): on the
+device (the optimizer over the adapters themselves), or on the host (train/lora_host_step.py: the
+optimizer over host copies, gradients down and weights up once per step). The trainer tells the
+mode the plan before it builds the optimizer (`use_plan`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class LoraMode:
         self.lora, self.train, self.formats = lora, train, list(formats)
         self.init_from, self.run_notes = init_from, dict(run_notes or {})
         self.spec = None          # the family's spec, from prepare(): its LoRA names name the files
+        self.host_step = None     # a LoraHostStep when the optimizer steps on the host (use_plan)
+        self.on_host = lora.optimizer_step == "host"
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare(self, transformer: torch.nn.Module, spec) -> list[torch.nn.Parameter]:
@@ -54,16 +61,34 @@ class LoraMode:
     def memory_options(self) -> dict:
         return {}
 
+    def use_plan(self, plan) -> None:
+        """The memory plan the run applies: under a budget the planner chose where the step runs
+        (Plan.optimizer_on_host); without one, [lora] optimizer_step = "host" alone puts it there.
+        Called before build_optimizer; a later re-plan keeps the place (the planner is told so)."""
+        self.on_host = bool(plan.optimizer_on_host) or self.lora.optimizer_step == "host"
+
     def build_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return build_optimizer(params, self.train)
+        if not self.on_host:
+            return build_optimizer(params, self.train)
+        from .lora_host_step import LoraHostStep
+
+        self.host_step = LoraHostStep(params, self.train)
+        log.info("lora: optimizer step on the host (%s, %.2f GiB of host copies and gradient staging; the state "
+                 "beside them)", self.train.optimizer, self.host_step.host_bytes / 2**30)
+        return self.host_step.optimizer
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, t, micro_batch) -> float:
         """`gradient_accumulation` micro-batches, global-norm clipping, one optimizer step."""
         t.optimizer.zero_grad(set_to_none=True)
+        if self.host_step is not None:
+            self.host_step.zero_grad()
         accum = self.train.gradient_accumulation
         total = sum(micro_batch(1.0 / accum) for _ in range(accum))
         t.dist.sync_gradients(t.params)        # several processes: sum the ranks' shares (no-op for one)
+        if self.host_step is not None:         # clip, step on the host; the adapters come back updated
+            self.host_step.step(self.train.max_grad_norm)
+            return total / accum
         if self.train.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(t.params, self.train.max_grad_norm)
         t.optimizer.step()
@@ -72,6 +97,8 @@ class LoraMode:
     def drop_partial_step(self, t) -> None:
         """Forget gradients of a step that did not finish (OOM, re-plan)."""
         t.optimizer.zero_grad(set_to_none=True)
+        if self.host_step is not None:
+            self.host_step.zero_grad()
 
     # -- resumable state -----------------------------------------------------------------------------
     def state(self, t) -> dict:
@@ -84,6 +111,8 @@ class LoraMode:
         with torch.no_grad():
             for n, v in state["trainable"].items():
                 named[n].copy_(v.to(named[n].device, named[n].dtype))
+        if self.host_step is not None:         # the host copies the optimizer steps are the saved weights
+            self.host_step.pull_weights()
         t.optimizer.load_state_dict(state["optimizer"])
 
     # -- exported files ----------------------------------------------------------------------------------
