@@ -99,6 +99,56 @@ def test_a_16_bit_decode_is_the_fp32_decode_rounded_once(dtype):
     assert torch.equal(nf4_storage.dequantize(raw, 3072, dtype), nf4_storage.dequantize(raw, 3072, torch.float32).to(dtype))
 
 
+def _decode_temporaries(fn) -> int:
+    """Peak bytes `fn()` holds beyond the tensor it returns, counted by the planner probe's tracker
+    (every storage an op creates, until it dies)."""
+    from leantune.planner.activation_probe import _Tracker
+
+    tracker = _Tracker()
+    with tracker:
+        tracker.open("decode")
+        out = fn()
+        tracker.close()
+    peak = max(a for a, _ in tracker.windows["decode"]["points"]) - tracker.windows["decode"]["start"][0]
+    return peak - out.untyped_storage().nbytes()
+
+
+def test_the_decode_runs_a_chunk_of_rows_at_a_time_with_the_same_bits(monkeypatch):
+    """dequantize decodes DECODE_CHUNK weights at a time into one output: the bits of decoding all
+    rows at once (rows are independent), and beside the output it holds one chunk's codes and
+    absmax values (and on the CPU the decoded chunk before its copy), not the whole weight's. (The
+    CUDA path decodes into the output, bitsandbytes' dequantize_4bit.out: not run here, no GPU.)"""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 1024, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    raw = nf4_storage.quantize(w)
+    whole = nf4_storage.dequantize(raw, 1024, torch.bfloat16)
+    whole_temps = _decode_temporaries(lambda: nf4_storage.dequantize(raw, 1024, torch.bfloat16))
+    monkeypatch.setattr(nf4_storage, "DECODE_CHUNK", 7 * 1024)          # 7 rows a chunk: 6 chunks, the last short
+    assert nf4_storage.decode_rows(1024) == 7
+    assert torch.equal(nf4_storage.dequantize(raw, 1024, torch.bfloat16), whole)
+    assert torch.equal(nf4_storage.dequantize(raw, 1024, torch.float32).to(torch.bfloat16), whole)
+    temps = _decode_temporaries(lambda: nf4_storage.dequantize(raw, 1024, torch.bfloat16))
+    bound = nf4_storage.decode_temporaries(40, 1024, "cpu")       # on CUDA, less: no chunk copy
+    assert bound * 0.9 < temps <= bound < whole_temps / 3
+
+
+def test_the_nf4_decode_holds_less_than_the_fp8_decode_the_probe_traces():
+    """planner/base_formats.py prices an NF4 decode at nothing beyond the fp8 decode the planner's
+    probe traces for the same Linear (fp8.dequantize on meta: fp32 chunks of DEQUANT_CHUNK bytes
+    beside the bf16 weight). That holds while an NF4 chunk's temporaries stay under it: so for every
+    NF4 Linear of Flux.1 (fp8 modulation on: the double block's 18432-row modulation too), fp8's
+    measured here on meta, NF4's bound checked on real rows above."""
+    from leantune.memory import fp8
+    from leantune.planner.base_formats import FORMATS
+
+    for out_f, in_f in ((3072, 15360), (12288, 3072), (3072, 12288), (3072, 3072), (18432, 3072), (9216, 3072)):
+        q = torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn, device="meta")
+        scale = torch.empty(out_f, in_f // 64, dtype=torch.float32, device="meta")
+        fp8_temps = _decode_temporaries(lambda: fp8.dequantize(q, scale, torch.bfloat16))
+        assert nf4_storage.decode_temporaries(out_f, in_f) <= fp8_temps, (out_f, in_f)
+    assert FORMATS["nf4"].transient_bytes == FORMATS["fp8"].transient_bytes
+
+
 def test_a_linear_computes_with_bitsandbytes_dequantization_forward_and_backward():
     """Rows of packed codes + nested statistics decode, bitwise, to bitsandbytes' own
     dequantize_4bit of its own nested quantize_4bit of each row; forward and input gradient equal a

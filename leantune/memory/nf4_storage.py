@@ -57,6 +57,11 @@ BLOCK = 64                       # values per absmax (bitsandbytes' default bloc
 NESTED_BLOCK = 256               # absmax codes per nested absmax (quantize_4bit's compress_statistics)
 TYPE_ATTR = "nf4_blocksize"      # marks an NF4-stored Linear (its value: the blocksize)
 QUANT_CHUNK = 8 * 2**20          # bytes of fp32 rows quantized at a time while reading a file
+# weights decoded at a time (dequantize): a chunk's temporaries (decode_temporaries: ~1 byte per
+# weight of a 3072-wide chunk, ~0.6 of a 15360-wide one) stay under the 32 MiB of fp32 chunks
+# fp8.dequantize forms on a non-CUDA device, which the planner's probe traces for every stored-format
+# Linear (planner/base_formats.py prices NF4's decode at nothing beyond it)
+DECODE_CHUNK = 16 * 2**20
 
 
 def _bnb():
@@ -130,10 +135,48 @@ def quantize(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def decode_rows(in_features: int) -> int:
+    """Rows `dequantize` decodes at a time: DECODE_CHUNK weights' worth, at least one row."""
+    return max(1, DECODE_CHUNK // in_features)
+
+
+def decode_temporaries(rows: int, in_features: int, device_type: str = "cuda", itemsize: int = 2) -> int:
+    """Bytes `dequantize` of `rows` rows holds at once beside its output, at most: one chunk's
+    packed codes copied out and its fp32 statistics, with the larger of its absmax step (the codes
+    padded to whole nested blocks, their fp32 decode, the row-offset sum) and its decode (the
+    absmax values; off CUDA also the decoded chunk, `itemsize` bytes a weight, before its copy)."""
+    half, nb, nested = _layout(in_features)
+    n = min(rows, decode_rows(in_features))
+    small = n * (4 * nested + 4)                                   # the nested absmax and offsets, fp32
+    statistics = n * (5 * NESTED_BLOCK * nested + 4 * nb)          # codes padded, their fp32 decode, the sum
+    decode = n * 4 * nb + (0 if device_type in _DECODES_IN_OUTPUT else n * in_features * itemsize)
+    return n * half + small + max(statistics, decode)
+
+
 def dequantize(raw: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """(out, row_bytes) uint8 NF4 rows -> (out, in) weight in `dtype`: the absmax values by
     bitsandbytes.dequantize_blockwise plus the row's offset (dequantize_4bit's nested step), the
-    weight by bitsandbytes.dequantize_4bit in `dtype` (its fp32 products rounded once), where the rows are."""
+    weight by bitsandbytes.dequantize_4bit in `dtype` (its fp32 products rounded once), where the rows are.
+
+    Decoded into the one full-size output a chunk of rows at a time (decode_rows): a chunk's packed
+    codes copied out of the rows and its absmax values are all the decode holds beside the output
+    (decode_temporaries: 10 MiB for Flux's 3072 x 15360 proj_out, whose whole decode held 28 MiB),
+    which planner/base_formats.py prices. Rows are independent, so the bits do not depend on the
+    chunking (tests/test_nf4.py)."""
+    rows = raw.shape[0]
+    # Decoded straight into a 16-bit `dtype`: bitsandbytes forms each product in fp32 and rounds it
+    # once, the bits of decoding to fp32 and rounding (tests/test_nf4.py), without an fp32 weight.
+    direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
+    out = torch.empty(rows, in_features, dtype=dtype if direct else torch.float32, device=raw.device)
+    step = decode_rows(in_features)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        _dequantize_into(raw[r0:r1], in_features, out[r0:r1])
+    return out if direct else out.to(dtype)
+
+
+def _dequantize_into(raw: torch.Tensor, in_features: int, out: torch.Tensor) -> None:
+    """Rows `raw` decoded into `out` ((rows, in), contiguous, bf16 / fp16 / fp32)."""
     F = _bnb()
     rows = raw.shape[0]
     half, nb, nested = _layout(in_features)
@@ -144,15 +187,18 @@ def dequantize(raw: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch
     offset = _floats(raw[:, -4:])                                                # (rows, 1)
     code2 = _code(raw.device, "dynamic")
     absmax = F.dequantize_blockwise(qabsmax.view(-1), absmax=absmax2, code=code2, blocksize=NESTED_BLOCK)
+    del qabsmax
     absmax = absmax.view(rows, -1)[:, :nb] + offset
-    # Decoded straight into a 16-bit `dtype`: bitsandbytes forms each product in fp32 and rounds it
-    # once, the bits of decoding to fp32 and rounding (tests/test_nf4.py), without an fp32 weight.
-    direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
     state = F.QuantState(absmax=absmax.contiguous().view(-1), shape=torch.Size((rows, in_features)),
-                         code=_code(raw.device), blocksize=BLOCK, quant_type="nf4",
-                         dtype=dtype if direct else torch.float32)
-    out = F.dequantize_4bit(packed, state)
-    return out if direct else out.to(dtype)
+                         code=_code(raw.device), blocksize=BLOCK, quant_type="nf4", dtype=out.dtype)
+    if out.device.type in _DECODES_IN_OUTPUT:
+        F.dequantize_4bit(packed, state, out=out)
+    else:                       # bitsandbytes' CPU backend has no out= kernel: the chunk, then its copy
+        out.copy_(F.dequantize_4bit(packed, state))
+
+
+# Backends whose bitsandbytes kernels decode into a given output (dequantize_4bit.out)
+_DECODES_IN_OUTPUT = ("cuda", "xpu", "mps")
 
 
 def _floats(stored: torch.Tensor) -> torch.Tensor:
