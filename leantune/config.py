@@ -449,6 +449,11 @@ class MemoryConfig(Section):
     # may have; None: fp8 e4m3's own (2.52 %), so int8 (0.98 %) is a choice and NF4 (9.23 %) is not.
     max_base_error: float | None = Field(None, gt=0)
     checkpointing: Literal["none", "blocks", "offload"] = "none"
+    # Split blocks (memory/split_parts.py; Flux, Wan, Qwen-Image-2.1): each checkpointed block keeps
+    # its parts' inputs only and recomputes one part at a time in backward, bitwise the plain block.
+    # "auto": the planner's call under a vram_budget (off without one); true: always (needs
+    # checkpointing); false: never.
+    split_blocks: StrictBool | Literal["auto"] = "auto"
     ring_slots: int = Field(2, ge=2)
     pin_memory: bool = True
     debug_poison: bool = False
@@ -481,6 +486,13 @@ class MemoryConfig(Section):
         if isinstance(v, int) and v < 0:
             raise ValueError("must be >= 0, a list of block names, or \"all\"")
         return v
+
+    @model_validator(mode="after")
+    def _split_needs_checkpointing(self):
+        if self.split_blocks is True and self.vram_budget is None and self.checkpointing == "none":
+            raise ValueError('split_blocks = true recomputes each block part by part in backward, which needs '
+                             'checkpointing = "blocks" or "offload" (or a vram_budget for the planner to choose)')
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -402,3 +402,46 @@ def test_int8_rows_outside_their_tolerance_are_caught(tmp_path, tiny_flux_dir, i
     result = run_check(cfg, steps=2, emit=lambda line: None)
     assert result.rc == 1
     assert _line(result, "int8 storage (block Linears): differs: ")
+
+
+SPLIT_LORA = '[memory]\nstreamed_blocks = 2\ncheckpointing = "offload"\nsplit_blocks = true\n'
+
+
+def _stale_recompute(monkeypatch):
+    """A split part whose recompute in backward does not reproduce its forward (as a part that
+    read state the forward changed would): its output scaled by 1.001 from its second call on."""
+    from leantune.models.flux import block
+
+    original = block.part
+    seen: set = set()
+
+    def part(fn, *tensors):
+        def run(*a):
+            out = fn(*a)
+            again = fn in seen
+            seen.add(fn)
+            if not again:
+                return out
+            return tuple(o * 1.001 for o in out) if isinstance(out, tuple) else out * 1.001
+        return original(run, *tensors)
+
+    monkeypatch.setattr(block, "part", part)
+
+
+def test_a_split_plan_is_checked_bitwise_and_a_stale_recompute_is_caught(tmp_path, tiny_flux_dir, images,
+                                                                           monkeypatch):
+    """[memory] split_blocks = true is a technique of its own: the split blocks (with checkpointing
+    and offload) equal the reference bitwise, and the whole plan holds; with a split part that
+    recomputes otherwise than it ran forward the split line differs."""
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, SPLIT_LORA)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
+    assert result.rc == 0, result.lines
+    assert set(result.verdicts) == {"streaming", "checkpointing", "split blocks", "plan"}, result.lines
+    line = _line(result, "split blocks (each block's parts recomputed one at a time; blocks, inputs offloaded")
+    assert ": held" in line and "bitwise equal" in line, line
+    assert ", split blocks" in _line(result, "the whole plan")
+    _stale_recompute(monkeypatch)
+    result = run_check(cfg, steps=1, emit=lambda line: None)
+    assert result.rc == 1
+    assert ": differs: " in _line(result, "split blocks (each block's parts"), result.lines
+    assert result.verdicts["checkpointing"].held and result.verdicts["streaming"].held

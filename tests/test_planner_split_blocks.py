@@ -151,3 +151,36 @@ def test_a_family_without_split_blocks_is_probed_once_per_storage():
     model = tq.qwen_image21_transformer(0)
     inference = Workload(mode="inference", buckets=((64, 64),), text_length=7, autocast=False, dtype=torch.float32)
     assert not measure_model(SPEC, model, inference).split_profiles
+
+
+def test_memory_split_blocks_pins_the_choice_in_config_planner_and_engine(tiny_planner, tmp_path):
+    """[memory] split_blocks: true plans only split plans (each checkpointed), false none, "auto"
+    both; true without checkpointing and without a budget is refused naming the key; the explicit
+    key reaches the engine's plan; a model without split blocks refuses a split plan, naming the key."""
+    from dataclasses import replace
+
+    from leantune.config import MemoryConfig
+    from leantune.memory.engine import apply_memory, resolve_plan
+    from leantune.planner.search import Planner
+    from leantune.planner.workload import Budget
+
+    pl = tiny_planner
+    pinned = {s: Planner(SPEC, pl.measured, replace(pl.workload, split_blocks=s), pl.machine)
+              for s in (True, False)}
+    assert {p.split_blocks for p in pl.candidates()} == {False, True}
+    assert all(p.split_blocks and p.checkpointing != "none" for p in pinned[True].candidates())
+    assert not any(p.split_blocks for p in pinned[False].candidates())
+    assert pinned[True].plan(Budget(vram=8 * 2**30, ram=2**40)).split_blocks
+
+    with pytest.raises(ValueError, match=r'split_blocks = true .* needs checkpointing = "blocks" or "offload"'):
+        MemoryConfig(split_blocks=True)
+    assert MemoryConfig(split_blocks=True, vram_budget="8GiB").split_blocks is True
+    cfg = MemoryConfig(split_blocks=True, checkpointing="offload")
+    model = tq.qwen_image21_transformer(0)
+    fam.QWEN_IMAGE21.split_blocks(model)
+    plan = resolve_plan(cfg, SPEC, model)
+    assert plan.split_blocks and plan.checkpointing == "offload"
+    assert not resolve_plan(MemoryConfig(checkpointing="offload"), SPEC, model).split_blocks     # "auto": off
+    plain = tq.qwen_image21_transformer(0)                     # the family's blocks not swapped in
+    with pytest.raises(ValueError, match=r"\[memory\] split_blocks = true: this model's blocks have no split"):
+        apply_memory(plain, SPEC, plan, "cpu")

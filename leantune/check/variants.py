@@ -11,7 +11,7 @@ numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import RunConfig, validate
@@ -92,7 +92,8 @@ def memory_keys(plan: Plan, *, poison: bool, modulation=None) -> dict:
         storage = {"base_format": "fp8" if plan.fp8 else "bf16", "fp8": plan.fp8, "fp8_modulation": own_modulation}
     return {"streamed_blocks": list(plan.streamed_blocks), "stream_non_blocks": plan.stream_non_blocks,
             **storage,
-            "checkpointing": plan.checkpointing, "ring_slots": plan.ring_slots, "pin_memory": plan.pin_memory,
+            "checkpointing": plan.checkpointing, "split_blocks": plan.split_blocks, "ring_slots": plan.ring_slots,
+            "pin_memory": plan.pin_memory,
             "debug_poison": poison and bool(plan.streamed_blocks or plan.stream_non_blocks), "vram_budget": None}
 
 
@@ -142,6 +143,11 @@ def variants(plan: Plan, total_blocks: int, full_mode: bool, modulation=None) ->
         what = "blocks" if plan.checkpointing == "blocks" else "blocks, inputs offloaded to host RAM"
         out.append(Variant("checkpointing", f"checkpointing ({what})", keys(ckpt, poison=False), device_step))
         used.append("checkpointing")
+        if plan.split_blocks:               # exact: each part runs the plain block's own lines
+            split = replace(ckpt, split_blocks=True)
+            out.append(Variant("split blocks", f"split blocks (each block's parts recomputed one at a time; {what})",
+                               keys(split, poison=False), device_step))
+            used.append("split blocks")
     same = any(v.memory == keys(plan, poison=True) and v.full == (
         {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}) for v in out)
     if len(used) > 1 and not same:         # (streaming with the host step alone is the host step's run)

@@ -92,6 +92,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-modulation", choices=["auto", "on", "off"], default=None,
                    help="fp8 for the modulation Linears too: auto (only when nothing else fits; a file's e4m3 "
                         "modulation stays e4m3), on, off (default: the config's [memory] fp8_modulation, else auto)")
+    p.add_argument("--split-blocks", choices=["auto", "on", "off"], default=None,
+                   help="split blocks (Flux, Wan, Qwen-Image-2.1: each block's parts recomputed one at a time): auto "
+                        "(the search's call), on (only split plans), off (default: the config's [memory] "
+                        "split_blocks, else auto)")
     p.add_argument("--base-format", choices=["auto", "bf16", "fp8", "int8", "nf4"], default=None,
                    help="how the frozen base's block Linears are stored: auto (the search chooses among fp8, "
                         "int8 and, with bitsandbytes, NF4 within --max-base-error), or pinned (default: the "
@@ -347,6 +351,7 @@ def _from_flags(args):
         references=args.references or 0,
         allow_fp8=not args.no_fp8 and args.lora_type != "dora",     # DoRA reads its base weights (no fp8)
         fp8_modulation=False if args.lora_type == "dora" else _MODULATION_FLAG[args.fp8_modulation or "auto"],
+        split_blocks=_MODULATION_FLAG[args.split_blocks or "auto"],
         quantizes_on_load=(args.mode or "lora") != "inference",      # as the trainer loads
         **_full_flags(args, lora_default="auto"))          # [lora] optimizer_step's default
     workload = replace(workload, **_base_format_flags(args, workload))
@@ -380,6 +385,8 @@ def _from_config(args):
         changes["allow_fp8"] = False
     if args.fp8_modulation is not None:
         changes["fp8_modulation"] = _MODULATION_FLAG[args.fp8_modulation]
+    if args.split_blocks is not None:
+        changes["split_blocks"] = _MODULATION_FLAG[args.split_blocks]
     if args.no_autocast:
         changes["autocast"] = False
     changes["quantizes_on_load"] = changes.get("mode", workload.mode) != "inference"   # the sampler loads as stored

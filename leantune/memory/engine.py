@@ -99,7 +99,8 @@ def resolve_plan(memory_cfg: MemoryConfig, spec: ModelSpec, model: nn.Module) ->
     return Plan(streamed_blocks=tuple(streamed), stream_non_blocks=memory_cfg.stream_non_blocks,
                 fp8=memory_cfg.fp8, fp8_modulation=memory_cfg.fp8_modulation is True,
                 checkpointing=memory_cfg.checkpointing, ring_slots=memory_cfg.ring_slots,
-                pin_memory=memory_cfg.pin_memory, debug_poison=memory_cfg.debug_poison)
+                pin_memory=memory_cfg.pin_memory, debug_poison=memory_cfg.debug_poison,
+                split_blocks=memory_cfg.split_blocks is True)
 
 
 @dataclass
@@ -265,7 +266,8 @@ def validate(model: nn.Module, spec: ModelSpec, plan: Plan, device: torch.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"apply_memory: device {device} requested but CUDA is not available")
     if plan.split_blocks and not has_split_blocks(model):
-        log.warning("plan.split_blocks has no effect: this model's blocks have no split variant")
+        raise ValueError("[memory] split_blocks = true: this model's blocks have no split variant (Flux, Wan and "
+                         "Qwen-Image-2.1 have them); remove the key")
     if plan.debug_poison and not (plan.streamed_blocks or plan.stream_non_blocks):
         log.warning("memory.debug_poison has no effect without streaming (memory.streamed_blocks = 0)")
 

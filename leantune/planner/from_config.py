@@ -59,6 +59,7 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     autocast=tc.mixed_precision == "bf16", dtype=dtype_from_name(cfg.model.dtype),
                     lora_dropout=cfg.lora.dropout,
                     fp8_modulation=False if dora else fp8_modulation_choice(cfg.memory),
+                    split_blocks=None if cfg.memory.split_blocks == "auto" else cfg.memory.split_blocks,
                     full_train=tuple(full.train), full_exclude=tuple(full.exclude),
                     state_dtype=full.state_dtype, master_weights=full.master_weights,
                     streamed_step=full.streamed_step, lora_step=cfg.lora.optimizer_step,

@@ -187,6 +187,8 @@ def _compact_names(names) -> str:
 def _split_line(note: dict) -> str:
     """Why the plan splits blocks (search.Planner._split_note)."""
     head = "split:    each block's parts recomputed in their own backward (one more forward per block); "
+    if note.get("pinned"):
+        return head + "asked for by [memory] split_blocks = true (--split-blocks on)"
     if "unsplit_step_s" in note:
         return head + f"faster than the fastest unsplit plan that fits ({note['unsplit_step_s']:.2f} s/step predicted)"
     need = note.get("unsplit_needs_vram")

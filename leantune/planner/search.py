@@ -225,8 +225,7 @@ class Planner(MemoryModel):
         storages = [(fp8, mod, fmt) for fp8, mod in self.storages
                     for fmt in (self.formats if fp8 else ("fp8",))]     # the quantized block Linears in each format
         for fp8, mod, fmt in storages:
-            for ckpt, split in [(c, sp) for c in ckpts for sp in ((False, True) if self.splits and c != "none"
-                                                                 else (False,))]:
+            for ckpt, split in [(c, sp) for c in ckpts for sp in self._split_choices(c)]:
                 for n in counts:
                     names = names_of[n]
                     if n == 0:
@@ -243,6 +242,16 @@ class Planner(MemoryModel):
                                 yield Plan(streamed_blocks=names, stream_non_blocks=nb, fp8=fp8, fp8_modulation=mod,
                                            checkpointing=ckpt, ring_slots=k, pin_memory=True,
                                            optimizer_on_host=on_host, base_format=fmt, split_blocks=split)
+
+    def _split_choices(self, checkpointing: str) -> tuple[bool, ...]:
+        """Split or not, for candidates of this checkpointing: both where the model has split blocks
+        and its blocks are checkpointed, unless the workload pins one ([memory] split_blocks)."""
+        pinned = self.workload.split_blocks
+        if pinned and not self.splits:
+            raise ValueError("[memory] split_blocks = true: this model's family has no split blocks "
+                             "(Flux, Wan and Qwen-Image-2.1 have them); remove the key")
+        both = (False, True) if self.splits and checkpointing != "none" else (False,)
+        return both if pinned is None else tuple(s for s in both if s == pinned)
 
     def plan(self, budget: Budget) -> Plan:
         """The plan for `budget` (VRAM and host RAM): the sweep described in the module docstring
@@ -301,6 +310,8 @@ class Planner(MemoryModel):
     def _split_note(self, picks: list[Plan], budget: Budget, ram_limit: int) -> dict:
         """Why a split plan was chosen, for `leantune plan`: the unsplit plan's step time where one
         fits (the split one is faster), else the smallest VRAM budget an unsplit plan fits."""
+        if self.workload.split_blocks:
+            return {"pinned": True}
         unsplit = next((p for p in picks if not p.split_blocks), None)
         if unsplit is not None:
             return {"unsplit_step_s": self._timed(unsplit).step_s, "unsplit_plan": unsplit.describe()}

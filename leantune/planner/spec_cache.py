@@ -262,7 +262,7 @@ def _workload_shape(workload: Workload) -> dict:
     unmeasured = ["optimizer", "gradient_accumulation", "host_cache_bytes", "state_dtype", "master_weights",
                   "stochastic_rounding", "clip_per_param", "rank", "streamed_step", "lora_step", "quantizes_on_load",
                   "frozen_adapter_bytes", "frozen_adapter_tensors", "preview_base_bytes", "preview_adapter_tensors", "ema", "dop_share", "validation_forwards_per_step",
-                  "prefix_cache_bytes", "base_formats", "max_base_error", "base_pinned"]
+                  "prefix_cache_bytes", "base_formats", "max_base_error", "base_pinned", "split_blocks"]
     lora = workload.mode == "lora"
     if lora and workload.adapter == "lokr":
         unmeasured.remove("rank")     # LoKr is traced at its rank (activation_probe.probe_activations)

@@ -55,6 +55,9 @@ class Workload:
     # fp8 storage of the modulation Linears too: None lets the planner use it only when no plan
     # without it fits; True: every plan; False: never ([memory] fp8_modulation "auto"/true/false).
     fp8_modulation: bool | None = None
+    # Split blocks ([memory] split_blocks): None lets the search try both where the family has them;
+    # True: only split plans (each checkpointed); False: none.
+    split_blocks: bool | None = None
     # The formats quantized block Linears may take (planner/base_formats.py): "auto" prices fp8,
     # int8 and NF4 for a LoRA; the search chooses among those whose measured error against bf16 is
     # within `max_base_error` (percent; None: fp8 e4m3's own). `base_pinned`: [memory] base_format
