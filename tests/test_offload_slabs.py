@@ -1,7 +1,8 @@
 """Offloaded block inputs in host slabs (memory/host_buffers.HostSlabs, issue 36): one stack over
 fixed-size slabs instead of one power-of-two caching-allocator block per input. The inputs round-trip
 bitwise (also across slab boundaries), the stack takes and gives back in order and reuses its slabs,
-and the planner's price (planner/host_model.offloaded_inputs) is the bytes the engine holds."""
+and the planner's price (planner/host_model.offloaded_inputs) is the bytes the engine holds; the
+blocks whose inputs need no gradient are priced as the engine moves them (none)."""
 
 from __future__ import annotations
 
@@ -76,8 +77,9 @@ def test_the_engine_holds_what_the_planner_prices(monkeypatch):
     """A LoRA step of the tiny Flux in bf16 with offloaded inputs: the slabs hold exactly
     offload_host_bytes of the inputs moved, each block's inputs are the sizes the planner's
     profile prices (image and text streams), every extent is back after backward, and a second step
-    takes no new slab. The planner also counts the first block, whose inputs come from the frozen
-    embedders and need no gradient (nothing moves): its price is that block above the engine's."""
+    takes no new slab. The first block's inputs come from the frozen embedders and need no
+    gradient: nothing of it moves, and the planner leaves it out (host_model.frozen_lead), so its
+    price is the engine's bytes exactly."""
     from leantune.planner.machine import assumed_machine
     from leantune.planner.search import Planner
     from leantune.planner.workload import Workload
@@ -90,7 +92,7 @@ def test_the_engine_holds_what_the_planner_prices(monkeypatch):
     prof = planner.profiles[plan.storage][(64, 64)]
     img = w.image_tokens((64, 64)) / prof.tokens
     priced = [(int(prof.kinds[k].out * img), int(prof.kinds[k].out * (1 - img))) for k in planner.kinds]
-    assert planner.host(plan)["offloaded activations"] == offload_host_bytes([n for p in priced for n in p])
+    assert planner.host(plan)["offloaded activations"] == offload_host_bytes([n for p in priced[1:] for n in p])
 
     handle = apply_memory(model, FLUX_SPEC, plan, "cpu", offload_min_bytes=0)
     off = handle.checkpointing.offloader
@@ -105,8 +107,19 @@ def test_the_engine_holds_what_the_planner_prices(monkeypatch):
         moved = [n for grp in groups for n in grp]
         assert groups[0] == [] and [tuple(grp) for grp in groups[1:]] == priced[1:]
         assert off.host_bytes() == offload_host_bytes(moved) > 0
-        assert off.host_bytes() == offload_host_bytes([n for p in priced[1:] for n in p])
+        assert off.host_bytes() == planner.host(plan)["offloaded activations"]
         loss.backward()
         assert off.slabs_for(torch.device("cpu")).top == 0     # given back during backward, loss still alive
         del loss, groups, g
     assert off.host_bytes() == offload_host_bytes(moved)        # the second step reused the slabs
+
+
+def test_the_blocks_before_the_first_adapter_move_nothing():
+    from leantune.planner.host_model import frozen_lead
+
+    blocks = ["blocks.0", "blocks.1", "blocks.2"]
+    assert frozen_lead("lora", blocks, ["blocks.0.attn.to_q", "blocks.2.ff.net.0.proj"]) == 1
+    assert frozen_lead("lora", blocks, ["blocks.1.attn.to_q"]) == 2          # [lora] blocks from blocks.1 on
+    assert frozen_lead("lora", blocks, ["x_embedder", "blocks.1.attn.to_q"]) == 0   # trained upstream: all move
+    assert frozen_lead("lora", ["blocks.1"], ["blocks.10.attn.to_q"]) == 0  # "blocks.1" does not own blocks.10
+    assert frozen_lead("full", blocks, ["blocks.0.attn.to_q"]) == 0

@@ -91,7 +91,8 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
     Each block's input is two tensors (image and text streams; a stream of no tokens is none),
     stacked in the offloader's host slabs (memory/host_buffers.HostSlabs: each input's bytes
     aligned to 512, the stack rounded up to whole 64 MiB slabs, no power-of-two rounding per input),
-    all alive at the end of the forward: `offload_host_bytes` of their sizes.
+    all alive at the end of the forward: `offload_host_bytes` of their sizes. `kinds`: the blocks
+    whose inputs move (without the `frozen_lead` ones).
     """
     largest = 0
     for bucket in workload.buckets:
@@ -100,6 +101,24 @@ def offloaded_inputs(workload: Workload, profiles: dict[tuple[int, int], Activat
         sizes = [n for k in kinds for n in (int(prof.kinds[k].out * img), int(prof.kinds[k].out * (1 - img)))]
         largest = max(largest, offload_host_bytes(sizes))
     return largest
+
+
+def frozen_lead(mode: str, blocks: list[str], adapters: list[str]) -> int:
+    """How many blocks, first in execution order, take inputs that need no gradient, so activation
+    offload moves none of them (checkpointing.ActivationOffloader.offloads: only inputs that require
+    a gradient go to the host): in a LoRA run whose adapters all sit in blocks (`adapters`: their
+    base modules' names), every block up to and including the first with an adapter gets the
+    frozen embedders' outputs. 0 for a full fine-tune (the embedders train) or an adapter outside
+    the blocks (it may be upstream of them)."""
+    if mode != "lora" or not adapters:
+        return 0
+    owner = []
+    for a in adapters:
+        hit = [i for i, b in enumerate(blocks) if a.startswith(b + ".")]
+        if not hit:
+            return 0
+        owner.append(hit[0])
+    return min(owner) + 1
 
 
 def host_breakdown(plan: Plan, packed: list[int], unit_stored: list[int], loaded: int, stored: int,

@@ -87,7 +87,7 @@ import torch
 from .activations import compose_activations, step_peak
 from .corrections import Calibration, activation_key, bucket_key
 from .full_model import FullPricing
-from .host_model import host_breakdown, offloaded_inputs
+from .host_model import frozen_lead, host_breakdown, offloaded_inputs
 from .machine import Machine, assumed_machine
 from ..memory.plan import Plan
 from .timing import StepTime, simulate_step
@@ -514,7 +514,10 @@ class MemoryModel:
         offload = 0
         if plan.checkpointing == "offload":
             if plan.storage not in self._offloaded:
-                self._offloaded[plan.storage] = offloaded_inputs(self.workload, self.profiles[plan.storage], self.kinds)
+                lead = frozen_lead(self.workload.mode, [b.name for b in self.weights.blocks],
+                                   [a.name for a in self.weights.adapters])    # their inputs stay on the device
+                self._offloaded[plan.storage] = offloaded_inputs(self.workload, self.profiles[plan.storage],
+                                                                 self.kinds[lead:])
             offload = self._offloaded[plan.storage]
         idx = self.ordered(plan)
         full = self.full
