@@ -146,6 +146,7 @@ def test_the_nf4_decode_holds_less_than_the_fp8_decode_the_probe_traces():
         scale = torch.empty(out_f, in_f // 64, dtype=torch.float32, device="meta")
         fp8_temps = _decode_temporaries(lambda: fp8.dequantize(q, scale, torch.bfloat16))
         assert nf4_storage.decode_temporaries(out_f, in_f) <= fp8_temps, (out_f, in_f)
+        assert nf4_storage.decode_temporaries(out_f, in_f, "cpu") <= fp8_temps, (out_f, in_f)   # the simulated GPU's
     assert FORMATS["nf4"].transient_bytes == FORMATS["fp8"].transient_bytes
 
 

@@ -58,10 +58,10 @@ NESTED_BLOCK = 256               # absmax codes per nested absmax (quantize_4bit
 TYPE_ATTR = "nf4_blocksize"      # marks an NF4-stored Linear (its value: the blocksize)
 QUANT_CHUNK = 8 * 2**20          # bytes of fp32 rows quantized at a time while reading a file
 # weights decoded at a time (dequantize): a chunk's temporaries (decode_temporaries: ~1 byte per
-# weight of a 3072-wide chunk, ~0.6 of a 15360-wide one) stay under the 32 MiB of fp32 chunks
-# fp8.dequantize forms on a non-CUDA device, which the planner's probe traces for every stored-format
-# Linear (planner/base_formats.py prices NF4's decode at nothing beyond it)
-DECODE_CHUNK = 16 * 2**20
+# weight of a 3072-wide chunk, ~0.6 of a 15360-wide one, and off CUDA the chunk's copy) stay under
+# the 32 MiB of fp32 chunks fp8.dequantize forms on a non-CUDA device, which the planner's probe
+# traces for every stored-format Linear (planner/base_formats.py prices NF4's decode at nothing beyond it)
+DECODE_CHUNK = 8 * 2**20
 
 
 def _bnb():
@@ -160,7 +160,8 @@ def dequantize(raw: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch
 
     Decoded into the one full-size output a chunk of rows at a time (decode_rows): a chunk's packed
     codes copied out of the rows and its absmax values are all the decode holds beside the output
-    (decode_temporaries: 10 MiB for Flux's 3072 x 15360 proj_out, whose whole decode held 28 MiB),
+    (decode_temporaries: 5 MiB for Flux's 3072 x 15360 proj_out on CUDA, 21 MiB on the CPU, whose
+    whole decode held 28 MiB),
     which planner/base_formats.py prices. Rows are independent, so the bits do not depend on the
     chunking (tests/test_nf4.py)."""
     rows = raw.shape[0]
@@ -197,7 +198,10 @@ def _dequantize_into(raw: torch.Tensor, in_features: int, out: torch.Tensor) -> 
         out.copy_(F.dequantize_4bit(packed, state))
 
 
-# Backends whose bitsandbytes kernels decode into a given output (dequantize_4bit.out)
+# Backends whose bitsandbytes kernels decode into a given output (dequantize_4bit.out). Not the
+# simulated GPU (memory/simulated.py): bitsandbytes 0.50's fake kernel of the out= op compares
+# out.shape (a torch.Size) with a list and always refuses, so it decodes a chunk and copies it, as
+# the CPU does (a chunk's bf16 copy, <= 16 MiB, above what CUDA holds).
 _DECODES_IN_OUTPUT = ("cuda", "xpu", "mps")
 
 

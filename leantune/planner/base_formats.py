@@ -58,7 +58,7 @@ FORMATS: dict[str, BaseFormat] = {
     # added (1 / 64 read, 4 / 64 written; 4 / 64 read and written: 13 / 64), bitsandbytes'
     # dequantize_4bit straight to bf16 (0.5 + 4 / 64 read + 2 written). Held at once: the bf16
     # weight, and beside it one chunk of rows' codes and statistics (nf4_storage.decode_rows,
-    # decode_temporaries: 10 MiB for Flux's proj_out), less than the two fp32 chunks (32 MiB) the
+    # decode_temporaries: 5 MiB for Flux's proj_out on CUDA), less than the two fp32 chunks (32 MiB) the
     # probe traces beside every fp8 decode (fp8.dequantize off CUDA): so nothing beyond fp8's
     # (tests/test_nf4.py). Bits of a 3072-wide row: 8 x 1592 / 3072.
     "nf4": BaseFormat("nf4", "NF4", 4.1458, 9.2343, 3.7656, 0.0, 2.0),
