@@ -206,3 +206,13 @@ def test_plan_command_lora_step_flag(capsys):
     keys = {answer_path(_question(parser.parse_args(base + extra)))
             for extra in ([], ["--lora-step", "device"], ["--lora-step", "host"])}
     assert len(keys) == 3
+
+
+def test_the_cpu_rate_is_timed_once_per_machine_and_kept(monkeypatch):
+    """A second process (here: a second call) reads the kept rate, so its plans are the first's."""
+    from leantune.planner.lora_host_rate import lora_host_rate
+
+    calls = []
+    monkeypatch.setattr(lora_host_step, "measured_rate", lambda *a: calls.append(a) or 123e6)
+    assert lora_host_rate("adamw") == 123e6 and lora_host_rate("adamw") == 123e6 and len(calls) == 1
+    assert lora_host_rate("adafactor") == 123e6 and len(calls) == 2          # another setting: timed apart

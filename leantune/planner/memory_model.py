@@ -617,10 +617,11 @@ class MemoryModel:
                              extra_forwards=self.recipe_forwards())
 
     def lora_host_rate(self) -> float:
-        """Adapter parameters per second the CPU steps (lora_host_step.measured_rate, this machine)."""
-        from ..train.lora_host_step import measured_rate
+        """Adapter parameters per second the CPU steps (lora_host_step.measured_rate on this machine,
+        kept per machine: lora_host_rate.py)."""
+        from .lora_host_rate import lora_host_rate
 
-        return measured_rate(self.workload.optimizer, clip=True)
+        return lora_host_rate(self.workload.optimizer, clip=True)
 
     def _lora_host_time(self, t: StepTime) -> StepTime:
         """A LoRA host step's share added to a step (module docstring): the gradients of the part

@@ -66,9 +66,6 @@ def format_plan(plan: Plan) -> str:
             lines.append("included: " + _recipe_forwards(n["recipe_forwards"]))
         if n.get("lora_host_step"):
             lines.append(_lora_host_line(n))
-        elif n.get("lora_step", {}).get("other_step_s") is not None:
-            lines.append(f"optimizer step on the GPU: a plan stepping the LoRA on the host would take "
-                         f"{n['lora_step']['other_step_s']:.3f} s per step ({n['lora_step']['other_plan']})")
         elif n.get("host_step_params"):
             rate = n["host_optimizer_rate"]
             lines.append(f"CPU optimizer step: {n['host_step_params'] / 1e6:.0f} M streamed parameters stepped on the "
@@ -90,8 +87,8 @@ def _lora_host_line(n: dict) -> str:
     if why and why.get("other_needs_vram") is not None:
         line += f"\n  why: no plan stepping on the GPU fits; its smallest budget is {why['other_needs_vram'] / GiB:.2f} GiB"
     elif why and "other_step_s" in why:
-        line += (f"\n  why: faster than the best plan stepping on the GPU ({why['other_step_s']:.3f} s per step: "
-                 f"{why['other_plan']})")
+        line += (f"\n  why: preferred to the best plan stepping on the GPU, {why['other_step_s']:.3f} s per step "
+                 f"(fp8 priced at its minimum gain): {why['other_plan']}")
     return line
 
 

@@ -55,7 +55,7 @@ of a run that freezes some ([full] exclude).
   streaming: every candidate, streaming or not, is tried at each place `step_places` gives
   ("auto": both, for adamw and adafactor; "device" / "host": that one), and the faster of the two
   places' sweeps is the plan as for a full fine-tune, so "auto" takes the host only where no
-  device-step plan fits or where it is faster (a device plan wins a tie). The plan's notes say why
+  device-step plan fits or where it is at least LORA_HOST_MIN_GAIN (5 %) faster. The plan's notes say why
   (`lora_step`: the device step's smallest budget, or its step time). A trainer that built its
   optimizer at one place keeps it there for re-plans (`keep_step_place`).
 
@@ -125,6 +125,9 @@ CHECKPOINTING = ("none", "blocks", "offload")
 RING_CHOICES = (2, 3, 4)
 # fp8 storage must make a step at least this much faster than the best plan without it.
 FP8_MIN_GAIN = 0.10
+# A LoRA's host step replaces a fitting device-step plan only when at least this much faster (search
+# docstring): the CPU step's rate is timed on the planning machine, and noise must not flip the plan.
+LORA_HOST_MIN_GAIN = 0.05
 
 
 class Planner(MemoryModel):
@@ -283,13 +286,14 @@ class Planner(MemoryModel):
         plan = self._annotate(best, self.estimate(best), budget, ram_limit)
         if best.split_blocks:
             plan = replace(plan, notes={**plan.notes, "split_blocks": self._split_note(picks, budget, ram_limit)})
-        if self.workload.mode == "lora" and len(self.step_places()) > 1:
+        if self.workload.mode == "lora" and len(self.step_places()) > 1 and best.optimizer_on_host:
+            # (only then: a device-step plan's notes do not depend on the CPU rate timed here)
             plan = replace(plan, notes={**plan.notes, "lora_step": self._lora_step_note(best, fits, budget, ram_limit)})
         return self._with_base_choice(plan, priced)
 
     def _lora_step_note(self, best: Plan, fits: list[tuple[int, Plan]], budget: Budget, ram_limit: int) -> dict:
-        """Why a LoRA's step runs where it does under "auto", for `leantune plan`: the other place's
-        best plan and step time where one fits, else the smallest budget a plan of that place needs."""
+        """Why "auto" steps a LoRA on the host, for `leantune plan`: the best device-step plan and
+        its step time where one fits, else the smallest budget a device-step plan needs."""
         other = not best.optimizer_on_host
         group = [vp for vp in fits if vp[1].optimizer_on_host == other]
         note = {"on_host": bool(best.optimizer_on_host)}
@@ -327,6 +331,11 @@ class Planner(MemoryModel):
             return min((p for p in picks if p is not None), key=self._preference)
         if len(self.step_places()) > 1:       # "auto": the faster of the best plan of each step place
             picks = [self._sweep([vp for vp in fits if vp[1].optimizer_on_host == on_host]) for on_host in (False, True)]
+            if self.workload.mode == "lora" and all(p is not None for p in picks):
+                # a LoRA's host step must be clearly faster: its CPU time is timed here, and a
+                # device plan within the timing's noise is kept (the plan stays a function of the budget)
+                device, host = (self._preference(p)[0] for p in picks)
+                return picks[1] if host * (1.0 + LORA_HOST_MIN_GAIN) < device else picks[0]
             return min((p for p in picks if p is not None), key=lambda p: (self._preference(p)[0], p.optimizer_on_host))
         return self._sweep(fits)
 
@@ -559,8 +568,9 @@ class Planner(MemoryModel):
         same = [vp for vp in fits if (not _quantized(vp[1]) if fmt == "bf16" else
                                       _quantized(vp[1]) and vp[1].base_format == fmt)]
         # unsplit and split plans swept apart, the faster taken, as plan() chooses
-        picks = [p for p in (self._sweep([vp for vp in same if vp[1].split_blocks == split]) for split in (False, True))
-                 if p is not None]
+        # (each through _choose: a LoRA's or full fine-tune's step places swept apart, as plan() does)
+        picks = [p for p in (self._choose(g) for g in ([vp for vp in same if vp[1].split_blocks == split]
+                                                       for split in (False, True)) if g) if p is not None]
         return min(picks, key=lambda p: (self._preference(p)[0], p.split_blocks)) if picks else None
 
     def resident_of_format(self, fits: list[tuple[int, Plan]], fmt: str) -> Plan | None:
