@@ -16,9 +16,9 @@ How it works:
   saved-tensor hooks around the checkpoint call, stacked in the offloader's host slabs
   (host_buffers.HostSlabs: 64 MiB slabs allocated and pinned once, an input's bytes at the next
   512-byte boundary of the stack, given back in backward order), not one power-of-two block of
-  torch's caching host allocator per input (a 0.31 GiB Wan input would reserve 0.5 GiB). The device->host copy runs on a side stream after
-  that stream waits for the compute stream; the device tensor is kept from being reused until then
-  with `record_stream`. In backward, an identity autograd Function on the block's outputs starts the
+  torch's caching host allocator per input (a 0.31 GiB Wan input would reserve 0.5 GiB). The
+  device->host copy runs on a side stream after that stream waits for the compute stream; the
+  device tensor is kept from being reused until then with `record_stream`. In backward, an identity autograd Function on the block's outputs starts the
   host->device copy of this block's inputs and of the previous block's (the next to be recomputed),
   so they arrive before the recompute asks for them. Only inputs that require a gradient (the
   residual stream) are offloaded; shared, gradient-free inputs such as rotary embeddings and the
