@@ -232,9 +232,11 @@ def simulate_training(model: nn.Module, spec: ModelSpec, cfg, plan: Plan, bucket
         handle = apply_memory(model, spec, plan, device, host_device=HOST, **mode.memory_options())
         after_setup = tracker.live.get(str(device), 0)
         host_after_setup = tracker.live.get(HOST, 0)
+        if hasattr(mode, "use_plan"):          # a LoRA's step on the device or the host, as the trainer does
+            mode.use_plan(plan)
         optimizer = mode.build_optimizer(params)
-        if mode.name != "full":
-            _create_optimizer_states(optimizer, params)
+        if mode.name != "full":                # (the optimizer's own tensors: host copies for a host step)
+            _create_optimizer_states(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         batch = _host_batch(model, family, bucket, cfg.data.batch_size, text_length, dtype, references, frames)
         t = Trainee(transformer=model, params=params, optimizer=optimizer,
                     scheduler=build_scheduler(optimizer, cfg.train), data=None, batches=iter(lambda: batch, None),

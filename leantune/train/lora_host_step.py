@@ -47,6 +47,16 @@ def _pinned(device_params: list[torch.nn.Parameter]) -> bool:
     return any(p.device.type == "cuda" for p in device_params) and torch.cuda.is_available()
 
 
+def _host_device(device_params: list[torch.nn.Parameter]) -> torch.device:
+    """The CPU, or the simulated GPU's host RAM for adapters on the simulated GPU
+    (memory/simulated.py: its host is a second index of the fake backend)."""
+    from ..memory.simulated import BACKEND, HOST
+
+    if any(p.device.type == BACKEND for p in device_params):
+        return torch.device(HOST)
+    return torch.device("cpu")
+
+
 # AdamW on the host through torch's fused CPU kernel (module docstring); False: the device step's
 # single-tensor loop, bitwise a CPU device's step (tests set it so to compare bit for bit).
 FUSED_ADAMW = True
@@ -70,9 +80,11 @@ class LoraHostStep:
     def __init__(self, device_params: list[torch.nn.Parameter], cfg: TrainConfig, fused: bool | None = None):
         self.device_params = list(device_params)
         pin = _pinned(self.device_params)
-        self.host_params = [torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, pin_memory=pin))
-                            for p in self.device_params]
-        self.staging = [torch.empty(p.shape, dtype=torch.float32, pin_memory=pin) for p in self.device_params]
+        host = _host_device(self.device_params)
+        self.host_params = [torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=host,
+                                                           pin_memory=pin)) for p in self.device_params]
+        self.staging = [torch.empty(p.shape, dtype=torch.float32, device=host, pin_memory=pin)
+                        for p in self.device_params]
         self.pull_weights()
         self.optimizer = build_host_optimizer(self.host_params, cfg, fused)
 
@@ -111,9 +123,13 @@ class LoraHostStep:
                 torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm)
             self.optimizer.step()
             for d, h in zip(self.device_params, self.host_params):
-                d.copy_(h, non_blocking=h.is_pinned())
+                d.copy_(h, non_blocking=pin_of(h))
             for h in self.host_params:
                 h.grad = None
+
+
+def pin_of(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_pinned()
 
 
 # Parameters per second of the host step on this machine's CPU, per (optimizer, clip): measured once
