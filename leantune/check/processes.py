@@ -298,6 +298,22 @@ def follow(nodes, gpus: int, config: str, overrides: list[str]) -> int:
     return subprocess.run(cmd).returncode
 
 
+def follow_machine_0(cfg, nodes, gpus: int, config: str, overrides: list[str]) -> int:
+    """A machine other than 0 of a check on several machines: its ranks run the job machine 0 hands
+    them; the verdict machine 0 reached is this command's exit code (machine 0 prints the line)."""
+    why_not = covered(cfg)
+    if why_not is not None:
+        print(f"several machines ({nodes.count}): not checked — {why_not}", flush=True)
+        return 0
+    print(f"check: machine {nodes.rank} of {nodes.count}: {gpus} process(es) joining machine 0's at "
+          f"{nodes.host}:{nodes.port} ...", file=sys.stderr, flush=True)
+    rc = follow(nodes, gpus, config, overrides)
+    print(f"check: machine {nodes.rank} of {nodes.count}: "
+          + ("the whole plan on every machine held (machine 0 prints the comparison)" if rc == 0 else
+             f"the check did not hold or its ranks failed (exit code {rc}; machine 0 prints why)"), flush=True)
+    return 0 if rc == 0 else 1
+
+
 def launch(cfg, gpus: int, steps: int, folder: Path, start: dict | None, keep_blocks: dict | None,
            timeout_s: float) -> Record:
     """torchrun with `gpus` processes of this module on `cfg`; rank 0's record (or the failure)."""

@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus is not None:
         check_gpus(args.gpus, cfg)           # what `train --gpus N` refuses, refused here too
     if nodes is not None and nodes.rank != 0:
+        from ..check.processes import follow_machine_0
+
         return follow_machine_0(cfg, nodes, args.gpus or 1, args.config, args.overrides)
     return check_config(cfg, args.steps, args.gpus, nodes)
 
@@ -64,24 +66,6 @@ def check_config(cfg, steps: int = DEFAULT_STEPS, gpus: int | None = None, nodes
 
     return run_check(cfg, steps, emit=lambda line: print(line, flush=True), progress=_progress, gpus=gpus,
                      nodes=nodes).rc
-
-
-def follow_machine_0(cfg, nodes, gpus: int, config: str, overrides: list[str]) -> int:
-    """A machine other than 0 of a check on several machines: its ranks run the job machine 0 hands
-    them; the verdict machine 0 reached is this command's exit code (machine 0 prints the line)."""
-    from ..check.processes import covered, follow
-
-    why_not = covered(cfg)
-    if why_not is not None:
-        print(f"several machines ({nodes.count}): not checked — {why_not}", flush=True)
-        return 0
-    _progress(f"check: machine {nodes.rank} of {nodes.count}: {gpus} process(es) joining machine 0's at "
-              f"{nodes.host}:{nodes.port} ...")
-    rc = follow(nodes, gpus, config, overrides)
-    print(f"check: machine {nodes.rank} of {nodes.count}: "
-          + ("the whole plan on every machine held (machine 0 prints the comparison)" if rc == 0 else
-             f"the check did not hold or its ranks failed (exit code {rc}; machine 0 prints why)"), flush=True)
-    return 0 if rc == 0 else 1
 
 
 def _progress(line: str) -> None:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         check_gpus(args.gpus, cfg)
     if args.check and not _launched_worker():
         from ..check.run import run_check
-        from .check import follow_machine_0
+        from ..check.processes import follow_machine_0
 
         # On several processes the check runs them too (check/processes.py): on one machine, or on
         # every machine of the run, each exiting with machine 0's verdict.
