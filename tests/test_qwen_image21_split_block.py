@@ -225,10 +225,12 @@ def test_the_planners_activation_peak_is_what_a_real_step_holds(checkpointing, s
             loss.backward()
             del out, loss
             tracker.close()
+        # the offloader's host slabs (host RAM, priced on the host side) are CPU tensors here too
+        slabs = handle.checkpointing.offloader.host_bytes() if handle.checkpointing.offloader else 0
     finally:
         handle.remove()
     window = tracker.windows["step"]
-    held = max(p[0] for p in window["points"]) - window["start"][0]
+    held = max(p[0] for p in window["points"]) - window["start"][0] - slabs
     assert 0.95 <= predicted / held <= 1.05, (predicted, held)
     assert (predicted < other) is split              # splitting keeps less (the tiny model: 15 vs 21 MB)
 
