@@ -184,7 +184,9 @@ def test_a_pinned_formats_load_takes_the_plans_modulation():
 def test_the_dequantization_is_priced_per_use(model, fmt):
     """An int8 / NF4 base's step is fp8's plus, for every block, its dequantization beyond fp8's
     (base_formats.dequant_extra_s over the weights it stores) once per use: forward and backward,
-    and the recompute when checkpointed; nothing streams, so nothing else differs."""
+    and the recompute when checkpointed; nothing streams, so nothing else differs. int8's decode
+    costs more than fp8's, NF4's less (one bitsandbytes kernel moves 3.8 bytes a weight, fp8's copy
+    and scale product 7)."""
     from leantune.planner.base_formats import dequant_extra_s
 
     machine = _slow_machine()
@@ -192,7 +194,7 @@ def test_the_dequantization_is_priced_per_use(model, fmt):
     weights = measure_weights(FLUX_SPEC, model)
     per_use = sum(dequant_extra_s(fmt, b.quantized(True, False, fmt)[0], machine.hbm, machine.flops)
                   for b in weights.blocks)
-    assert per_use > 0
+    assert (per_use > 0) if fmt == "int8" else (per_use < 0)
     for ckpt, uses in (("none", 2), ("blocks", 3)):
         base = planner.estimate(Plan(fp8=True, checkpointing=ckpt)).step_s
         got = planner.estimate(Plan(fp8=True, base_format=fmt, checkpointing=ckpt)).step_s
