@@ -216,3 +216,23 @@ def test_the_cpu_rate_is_timed_once_per_machine_and_kept(monkeypatch):
     monkeypatch.setattr(lora_host_step, "measured_rate", lambda *a: calls.append(a) or 123e6)
     assert lora_host_rate("adamw") == 123e6 and lora_host_rate("adamw") == 123e6 and len(calls) == 1
     assert lora_host_rate("adafactor") == 123e6 and len(calls) == 2          # another setting: timed apart
+
+
+def test_the_plan_puts_the_step_on_the_host_under_auto():
+    """Under a budget the trainer hands the mode its plan (LoraMode.use_plan): "auto" builds the host
+    optimizer exactly when the plan steps on the host; "device" and "host" as asked without a budget."""
+    from leantune.config import LoraConfig, TrainConfig
+    from leantune.memory.plan import Plan
+    from leantune.train.lora_mode import LoraMode
+
+    params = [torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.zeros(8, 4))]
+    for step, plan, on_host in (("auto", Plan(optimizer_on_host=True), True), ("auto", Plan(), False),
+                                ("host", Plan(), True), ("device", Plan(), False)):
+        mode = LoraMode(LoraConfig(optimizer_step=step), TrainConfig(), ["comfyui"])
+        mode.use_plan(plan)
+        opt = mode.build_optimizer(params)
+        held = opt.param_groups[0]["params"]
+        assert (mode.host_step is not None) == on_host
+        assert (held[0] is params[0]) == (not on_host)
+        if on_host:
+            assert torch.equal(held[0], params[0]) and held[0].data_ptr() != params[0].data_ptr()
