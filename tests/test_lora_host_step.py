@@ -172,6 +172,7 @@ def test_plan_steps_on_the_host_only_where_only_it_fits(flux_dev, monkeypatch):
 
     text = format_plan(auto)
     assert "optimizer step on the host" in text and "no plan stepping on the GPU fits" in text
+    assert "LoRA optimizer step on the host" in next(line for line in text.splitlines() if line.startswith("plan:"))
     roomy = Budget(vram=d_need + 4 * GiB, ram=2**62)
     assert not auto_planner.plan(roomy).optimizer_on_host
     assert _planner(flux_dev, "auto", optimizer="adamw8bit").step_places() == (False,)

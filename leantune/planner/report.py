@@ -18,7 +18,10 @@ def format_plan(plan: Plan) -> str:
     if "workload" in n:
         lines.append(f"workload: {n['workload']}")
         lines.append(f"machine:  {n['machine']}")
-    lines.append(f"plan:     {plan.describe()}")
+    described = plan.describe()
+    if n.get("lora_host_step"):      # Plan.describe names the full fine-tune's host step; a LoRA's is its adapters'
+        described = described.replace("optimizer step of streamed blocks on the host", "LoRA optimizer step on the host")
+    lines.append(f"plan:     {described}")
     if plan.streamed_blocks:
         lines.append(f"streamed: {_streamed_counts(plan, n)}: {_compact_names(plan.streamed_blocks)}")
     if "split_blocks" in n:

@@ -22,8 +22,8 @@ before the next step's gradient copy has waited on that stream).
 
 The arithmetic: Adafactor is torch's on the host tensors; AdamW with fp32 adapters uses torch's
 fused CPU AdamW (`AdamW(fused=True)`, the kernel the full fine-tune's host step uses for fp32
-weights with fp32 moments, train/fused_optim.py), 7x torch's single-tensor loop on this machine's
-CPU (1460 against 208 M parameters/s, 8.4 M elements) and within a few fp32 ulp of it. With
+weights with fp32 moments, train/fused_optim.py), several times faster than torch's single-tensor
+loop and within a few fp32 ulp of it (the rate the planner prices: docs/benchmarks.md). With
 `fused=False` the host step is operation for operation the device step a CPU device runs, so on a
 CPU device the two give bitwise the same adapters and losses (tests/test_lora_host_step.py).
 
