@@ -424,3 +424,31 @@ def test_the_device_holds_one_expert_at_a_time(wan_two_experts_simulated, expert
     for b, h in zip(both["peaks"], high["peaks"], strict=True):
         assert b == h + 3 * other               # its adapter and AdamW's two moments of it
     assert both["predicted"] - high["predicted"] == 3 * other
+
+
+def test_leantune_plan_prices_both_experts_as_the_trainer_does(world, tmp_path, capsys):
+    """`leantune plan RUN` of a [model] expert = "both" run prices the other expert on the host as
+    the trainer's planner does (its stored bytes in every phase's peak), `--expert one` plans one
+    expert alone, and `--model wan2.2-a14b --expert both` is offered too; one transformer refuses it."""
+    import json
+
+    from leantune.cli import main
+    from leantune.models.family import get_family, loader_options
+
+    cfg = _config(world, tmp_path, experts="shared")
+
+    def host(*flags):
+        assert main(["plan", str(tmp_path / "run.toml"), "--vram", "1GiB", "--json", *flags]) == 0
+        (entry,) = json.loads(capsys.readouterr().out)["plans"]
+        return entry["plan"]["notes"]["host_breakdown"]
+
+    family = get_family("wan2.2")
+    meta = family.load_transformer(family.resolve_sources(cfg.model, tmp_path), dtype=torch.float32, device="meta",
+                                   **loader_options(cfg.memory))
+    low_bytes = sum(t.numel() * t.element_size() for t in (*meta.low.parameters(), *meta.low.buffers()))
+    both, one = host(), host("--expert", "one")
+    assert both["other experts on the host (as stored)"] == low_bytes > 0
+    assert "other experts on the host (as stored)" not in one or one["other experts on the host (as stored)"] == 0
+    assert both["peak"] >= one["peak"] + low_bytes
+    assert main(["plan", "--model", "flux-dev", "--vram", "8GiB", "--expert", "both"]) == 2
+    assert "--expert both: flux-dev has one transformer" in capsys.readouterr().err

@@ -92,6 +92,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-modulation", choices=["auto", "on", "off"], default=None,
                    help="fp8 for the modulation Linears too: auto (only when nothing else fits; a file's e4m3 "
                         "modulation stays e4m3), on, off (default: the config's [memory] fp8_modulation, else auto)")
+    p.add_argument("--expert", choices=["one", "both"], default=None,
+                   help="a model of two experts (wan2.2-a14b): train one expert (default), or both in one run "
+                        "([model] expert = \"both\"): the one not computing is held in host RAM (or on the disk "
+                        "tier) and priced so")
+    p.add_argument("--lora-experts", choices=["each", "shared"], default=None,
+                   help="with --expert both: a LoRA per expert (default, as [lora] experts) or one both apply")
     p.add_argument("--split-blocks", choices=["auto", "on", "off"], default=None,
                    help="split blocks (Flux, Wan, Qwen-Image-2.1: each block's parts recomputed one at a time): auto "
                         "(the search's call), on (only split plans), off (default: the config's [memory] "
@@ -355,6 +361,8 @@ def _from_flags(args):
         quantizes_on_load=(args.mode or "lora") != "inference",      # as the trainer loads
         **_full_flags(args, lora_default="auto"))          # [lora] optimizer_step's default
     workload = replace(workload, **_base_format_flags(args, workload))
+    workload = replace(workload, **_expert_terms(args, args.model, args.expert == "both",
+                                                 (args.lora_experts or "each") == "shared"))
     _check_workload(workload, family)
     return (family.spec, source_key(f"packaged:{config_name}", "bf16"),
             lambda: build_meta_packaged(family.name, config_name), workload)
@@ -379,6 +387,9 @@ def _from_config(args):
              "frames": _latent_frames(args.frames, get_family(cfg.model.family)) if args.frames else None}
     changes = {k: v for k, v in asked.items() if v is not None}
     changes.update(_full_flags(args, mode=changes.get("mode", workload.mode)))
+    both = args.expert == "both" if args.expert is not None else cfg.model.expert == "both"
+    shared = (args.lora_experts or cfg.lora.experts) == "shared"
+    changes.update(_expert_terms(args, cfg.model.family, both, shared))
     if args.lora_type is not None:
         changes["adapter"] = args.lora_type
     if args.no_fp8 or changes.get("adapter", workload.adapter) == "dora":
@@ -483,6 +494,23 @@ def _optimizers() -> list[str]:
     return list(typing.get_args(TrainConfig.model_fields["optimizer"].annotation))
 
 
+TWO_EXPERTS = ("wan2.2-a14b", "wan2.2")       # the stock model and the config family with two experts
+
+
+def _expert_terms(args, model: str, both: bool, shared: bool) -> dict:
+    """The Workload's terms for both experts in one run (planner_for_config prices the trainer's
+    two parts so: the idle expert held beside the computing one, and its LoRA unless shared)."""
+    from ..config import ConfigError
+
+    if args.lora_experts is not None and not both:
+        raise ConfigError("--lora-experts is for --expert both (a LoRA per expert or one for both)")
+    if not both:
+        return {}
+    if model not in TWO_EXPERTS:
+        raise ConfigError(f"--expert both: {model} has one transformer; wan2.2-a14b has two experts")
+    return {"other_parts": 1, "other_adapters": 0 if shared else 1}
+
+
 def _check_workload(w, family) -> None:
     from ..config import LORA_HOST_STEP_OPTIMIZERS, MAX_RESOLUTION, PACKAGE_ONLY_LORA, ConfigError
     from ..models.family import prices_references
@@ -551,9 +579,13 @@ def meta_model_for_config(cfg, fp8_modulation: bool | None = None):
         options = {} if fp8_modulation is not False else {"fp8_modulation": False}
         if fp8_modulation is None:
             options = loader_options(cfg.memory)
-        return family.load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta", **options)
+        model = family.load_transformer(sources, dtype=dtype_from_name(cfg.model.dtype), device="meta", **options)
     except (OSError, LoadError) as e:
         raise ConfigError(f"{e}; cannot read the transformer architecture: plan with --model (one of {', '.join(sorted(MODELS))}) instead") from None
+    from ..memory.switched import parts_of
+
+    parts = parts_of(model)      # parts that compute one at a time (Wan 2.2's experts): priced as one, the
+    return model if parts is None else next(iter(parts.values()))   # rest as other_parts (planner_for_config)
 
 
 def _as_json(workload, machine, results) -> dict:
