@@ -237,3 +237,34 @@ def test_the_plan_puts_the_step_on_the_host_under_auto():
         assert (held[0] is params[0]) == (not on_host)
         if on_host:
             assert torch.equal(held[0], params[0]) and held[0].data_ptr() != params[0].data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_step_on_cuda_adapters_copies_pinned_and_in_order():
+    """CUDA only (what no CPU test sees): the staging and host copies are pinned, the gradients'
+    non-blocking copies are waited for before the CPU reads them, the updated adapters' non-blocking
+    copies land before the next kernel on the stream reads them; the result is the CPU fused AdamW's
+    on the same gradients, bitwise (the host arithmetic is the same), and no optimizer state is on the GPU."""
+    from leantune.config import TrainConfig
+
+    torch.manual_seed(0)
+    cpu = [torch.nn.Parameter(torch.randn(32, 3072) * 0.02), torch.nn.Parameter(torch.zeros(3072, 32))]
+    dev = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    cfg = TrainConfig(learning_rate=1e-3)
+    step = lora_host_step.LoraHostStep(dev, cfg)
+    ref = torch.optim.AdamW(cpu, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            fused=True)
+    assert all(h.is_pinned() for h in step.host_params) and all(g.is_pinned() for g in step.staging)
+    before = torch.cuda.memory_allocated()
+    for i in range(3):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for p in cpu]
+        for d, c, g in zip(dev, cpu, grads):
+            d.grad = (g.cuda() * 1.0).contiguous()        # made by a kernel, as backward makes them
+            c.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(cpu, 1.0)
+        ref.step()
+        step.step(1.0)
+        used = [(d * 1.0).cpu() for d in dev]             # a kernel reading the adapters right after
+        assert all(torch.equal(u, c.detach()) for u, c in zip(used, cpu))
+    assert torch.cuda.memory_allocated() <= before
