@@ -268,3 +268,61 @@ def test_host_step_on_cuda_adapters_copies_pinned_and_in_order():
         used = [(d * 1.0).cpu() for d in dev]             # a kernel reading the adapters right after
         assert all(torch.equal(u, c.detach()) for u, c in zip(used, cpu))
     assert torch.cuda.memory_allocated() <= before
+
+
+@pytest.mark.parametrize("experts", ["each", "shared"])
+def test_two_expert_host_step_equals_the_device_step_bitwise(tmp_path_factory, monkeypatch, experts):
+    """Wan 2.2 A14B's two experts in one run ([model] expert = "both", train/parts_lora.py): each step
+    trains one expert's adapter (the other's gradient is None and is skipped on the host as on the
+    device); the host step's runs equal the device step's bit for bit in losses and in every file."""
+    from leantune.tiny.wan import save_wan_folder
+
+    monkeypatch.setattr(lora_host_step, "FUSED_ADAMW", False)
+    root = tmp_path_factory.mktemp("two_experts_host")
+    draw_shapes(root / "images", count=2, size=64, seed=5)
+    folder = save_wan_folder(root / "folder")
+    runs = {}
+    for step in ("device", "host"):
+        (root / f"{step}.toml").write_text(f"""
+[model]
+family = "wan2.2"
+path = "{folder}"
+dtype = "fp32"
+expert = "both"
+
+[data]
+resolutions = [64]
+batch_size = 2
+cache_dir = "{root / 'cache'}"
+max_text_length = 32
+
+[[data.datasets]]
+path = "{root / 'images'}"
+
+[lora]
+rank = 4
+experts = "{experts}"
+optimizer_step = "{step}"
+
+[memory]
+streamed_blocks = 1
+
+[train]
+steps = 4
+learning_rate = 1e-2
+mixed_precision = "no"
+seed = 3
+
+[output]
+dir = "{root / step}"
+name = "both"
+formats = ["diffusers"]
+""")
+        runs[step] = train(load_config(root / f"{step}.toml"), progress=False)
+    device, host = runs["device"], runs["host"]
+    assert len(host.losses) == 4 and host.losses == device.losses
+    files = sorted(p.name for p in device.paths.root.glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in host.paths.root.glob("*.safetensors"))
+    for name in files:
+        a, b = load_file(str(device.paths.root / name)), load_file(str(host.paths.root / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
