@@ -326,3 +326,12 @@ formats = ["diffusers"]
     for name in files:
         a, b = load_file(str(device.paths.root / name)), load_file(str(host.paths.root / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_timing_the_cpu_rate_leaves_the_run_s_random_numbers_alone():
+    """The planner times the CPU step before the adapters are initialised: drawing its tensors from
+    the global generator changed every later draw (a run under a budget trained other adapters)."""
+    lora_host_step._RATE.clear()
+    before = torch.random.get_rng_state()
+    lora_host_step.measured_rate("adamw", clip=True)
+    assert torch.equal(torch.random.get_rng_state(), before)

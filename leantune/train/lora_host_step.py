@@ -145,8 +145,9 @@ def measured_rate(optimizer: str, clip: bool) -> float:
     key = (optimizer, clip)
     if key not in _RATE:
         n, rows, cols = RATE_TENSORS
-        params = [torch.nn.Parameter(torch.empty(rows, cols).uniform_(-0.02, 0.02)) for _ in range(n)]
-        grads = [torch.empty(rows, cols).uniform_(-1e-3, 1e-3) for _ in range(n)]
+        g = torch.Generator().manual_seed(0)      # its own: the run's global RNG (adapter init, noise) stays as it was
+        params = [torch.nn.Parameter(torch.empty(rows, cols).uniform_(-0.02, 0.02, generator=g)) for _ in range(n)]
+        grads = [torch.empty(rows, cols).uniform_(-1e-3, 1e-3, generator=g) for _ in range(n)]
         cfg = TrainConfig(optimizer=optimizer)
         opt = build_host_optimizer(params, cfg, fused=True)
 
