@@ -62,7 +62,8 @@ def workload_from_config(cfg, model: torch.nn.Module | None = None) -> Workload:
                     split_blocks=None if cfg.memory.split_blocks == "auto" else cfg.memory.split_blocks,
                     full_train=tuple(full.train), full_exclude=tuple(full.exclude),
                     state_dtype=full.state_dtype, master_weights=full.master_weights,
-                    streamed_step=full.streamed_step, lora_step=cfg.lora.optimizer_step,
+                    streamed_step=full.streamed_step,
+                    lora_step=cfg.lora.optimizer_step if tc.mode == "lora" else "device",
                     stochastic_rounding=full.stochastic_rounding,
                     clip_per_param=tc.max_grad_norm > 0 and full.grad_clip == "parameter",
                     quantizes_on_load=True,      # the trainer's load (trainer._fp8_load_options)
