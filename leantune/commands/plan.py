@@ -472,7 +472,7 @@ def _full_flags(args, lora_default: str | None = None, mode: str | None = None) 
     lora = (mode or args.mode or "lora") == "lora"
     out = {"state_dtype": args.state_dtype, "master_weights": args.master_weights or None,
            "full_exclude": tuple(args.exclude) if args.exclude else None, "streamed_step": args.streamed_step,
-           "lora_step": (args.lora_step or lora_default) if lora else args.lora_step}
+           "lora_step": (args.lora_step or lora_default) if lora else (args.lora_step or "device")}
     return {k: v for k, v in out.items() if v is not None}
 
 
