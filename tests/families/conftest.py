@@ -42,7 +42,7 @@ def lora_config(targets: str = "all_linear", kind: str = "lora"):
     """A [lora] section: rank 4 (LoKr: its w1 whole, its w2 whole on the tiny models' narrow
     Linears and a product on the wider ones, so both of ComfyUI's LoKr scales are exercised)."""
     return SimpleNamespace(rank=RANK, effective_alpha=ALPHA, alpha=ALPHA, dropout=0.0, targets=targets, blocks=None,
-                           type=kind, factor=-1, decompose_both=False)
+                           type=kind, factor=-1, decompose_both=False, optimizer_step="device")
 
 
 def frozen(*modules):
