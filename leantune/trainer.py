@@ -589,7 +589,7 @@ def _apply_memory(cfg: RunConfig, transformer, device, mode, dist: DistContext |
         plan = resolve_plan(cfg.memory, spec, transformer)
         if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and (plan.streamed_blocks or plan.stream_non_blocks):
             plan = replace(plan, optimizer_on_host=True)
-    log.info("memory plan: %s", plan.describe())
+    log.info("memory plan: %s", plan.describe(lora=cfg.train.mode == "lora"))
     disk = _disk_options(cfg) | ({"parked": parked} if parked is not None else {})
     if in_turn:
         from .memory.engine import apply_memory
@@ -654,7 +654,7 @@ def _replan(t: Trainee, plan) -> None:
     finally:
         if spill is not None:
             spill.close()
-    log.info("memory plan now: %s", plan.describe())
+    log.info("memory plan now: %s", plan.describe(lora=getattr(t.mode, "name", "") == "lora"))
 
 
 def _guarded_step(t: Trainee, cfg: RunConfig, step: int) -> float:

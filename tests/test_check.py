@@ -445,3 +445,43 @@ def test_a_split_plan_is_checked_bitwise_and_a_stale_recompute_is_caught(tmp_pat
     assert result.rc == 1
     assert ": differs: " in _line(result, "split blocks (each block's parts"), result.lines
     assert result.verdicts["checkpointing"].held and result.verdicts["streaming"].held
+
+
+def test_a_lora_host_step_is_checked_against_the_device_step(tmp_path, tiny_flux_dir, images, monkeypatch):
+    """[lora] optimizer_step = "host" is a technique of its own: the reference and the other
+    techniques step on the device, the host step (torch's fused CPU AdamW) holds to fp32 rounding
+    against the device step, and the whole plan runs with it; a host step whose update is scaled by
+    1.5 is caught."""
+    from leantune.train import lora_host_step
+
+    _, cfg = _lora(tmp_path, tiny_flux_dir, images, STREAMING_ONLY)
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"optimizer_step": "host"})})
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 0, result.lines
+    assert set(result.verdicts) == {"streaming", "host step", "plan"}, result.lines
+    line = _line(result, "optimizer step of the LoRA on the host")
+    assert ": held" in line and "within the tolerance" in line, line
+    measured = result.verdicts["host step"].measured
+    print("host step against the device step:", measured)         # the numbers docs/check.md states
+    assert result.records["reference"].losses[0] == result.records["host step"].losses[0]   # the same first loss
+    build = lora_host_step.build_host_optimizer
+
+    def scaled(params, train, fused=None):         # each host update 1.5 times what the optimizer made
+        opt = build(params, train, fused)
+        inner = opt.step
+
+        def step(*a, **k):
+            before = [p.detach().clone() for p in params]
+            out = inner(*a, **k)
+            with torch.no_grad():
+                for p, b in zip(params, before):
+                    p.copy_(b + 1.5 * (p - b))
+            return out
+
+        opt.step = step
+        return opt
+
+    monkeypatch.setattr(lora_host_step, "build_host_optimizer", scaled)
+    result = run_check(cfg, steps=2, emit=lambda line: None)
+    assert result.rc == 1
+    assert ": differs: " in _line(result, "optimizer step of the LoRA on the host"), result.lines

@@ -79,6 +79,10 @@ def record_variant(cfg, steps: int, start: dict[str, torch.Tensor] | None = None
         return rec
     try:
         names = {id(p): n for n, p in t.transformer.named_parameters()}
+        host_step = getattr(t.mode, "host_step", None)      # a LoRA stepped on the host: its optimizer's
+        if host_step is not None:                          # parameters are the host copies of the adapters
+            names.update({id(h): names[id(d)] for d, h in zip(host_step.device_params, host_step.host_params)
+                          if id(d) in names})
         trained = [n for n, p in t.transformer.named_parameters() if p.requires_grad]
         if getattr(t.mode, "name", "") == "lora":
             rec.initial = {n: _host_copy(p) for n, p in t.transformer.named_parameters() if p.requires_grad}

@@ -134,7 +134,7 @@ def run_check(cfg: RunConfig, steps: int = 2, emit: Callable[[str], None] = prin
     if machines:
         gpus = gpus or 1
     several = gpus is not None and gpus > 1 and not machines
-    say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe()}; "
+    say(f"check: {'planned' if planner is not None else 'explicit [memory] keys'}: {plan.describe(lora=not full)}; "
         f"{steps} step(s) from seed {cfg.train.seed} on {device.type}, {len(runs) - 1} variant(s) against the "
         f"reference" + (f", then the whole plan on {gpus} processes" if several else "")
         + (f", after the whole plan on {nodes.count} machines x {gpus} process(es)" if machines else ""))

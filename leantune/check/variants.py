@@ -32,6 +32,7 @@ class Variant:
     data: dict = field(default_factory=dict)   # [data] keys it sets (the N-times batch of processes.py)
     train: dict = field(default_factory=dict)  # [train] keys it sets (processes.py: clipping off in both runs)
     model: dict = field(default_factory=dict)  # [model] keys it sets (processes.py: fp32 weights in both runs)
+    lora: dict = field(default_factory=dict)   # [lora] keys it sets (the LoRA optimizer step's place)
 
 
 def meta_model(cfg: RunConfig):
@@ -66,6 +67,8 @@ def run_plan(cfg: RunConfig, meta) -> tuple[Plan, object | None, object | None]:
 
     if cfg.train.mode == "full" and cfg.full.streamed_step == "host" and streams(plan):
         plan = replace(plan, optimizer_on_host=True)      # as trainer._apply_memory does
+    if cfg.train.mode == "lora" and cfg.lora.optimizer_step == "host":
+        plan = replace(plan, optimizer_on_host=True)      # as LoraMode.use_plan takes it
     if cfg.memory.base_format in ("int8", "nf4"):         # a pinned format: the block Linears as its rows
         plan = replace(plan, fp8=True, base_format=cfg.memory.base_format)
     return plan, None, None
@@ -148,15 +151,26 @@ def variants(plan: Plan, total_blocks: int, full_mode: bool, modulation=None) ->
             out.append(Variant("split blocks", f"split blocks (each block's parts recomputed one at a time; {what})",
                                keys(split, poison=False), device_step))
             used.append("split blocks")
+    lora_host = not full_mode and plan.optimizer_on_host
+    if lora_host:            # torch's fused CPU AdamW on the host: the device step's to fp32 rounding
+        out.append(Variant("host step", "optimizer step of the LoRA on the host (fp32 adapters and optimizer state "
+                           "in host RAM)", keys(none, poison=False), device_step, exact=False, storage="host step",
+                           lora={"optimizer_step": "host"}))
+        used.append("host step")
     same = any(v.memory == keys(plan, poison=True) and v.full == (
-        {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}) for v in out)
+        {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {})
+        and (v.lora.get("optimizer_step") == "host") == lora_host for v in out)
     if len(used) > 1 and not same:         # (streaming with the host step alone is the host step's run)
         step = {"streamed_step": "host" if plan.optimizer_on_host else "device"} if full_mode else {}
         # With a storage the exact techniques on top of it must give that storage alone's bits.
         stored = next((u for u in used if u in ("fp8", "int8", "nf4")), None)
-        out.append(Variant("plan", f"the whole plan ({plan.describe()}, poison mode"
+        out.append(Variant("plan", f"the whole plan ({plan.describe(lora=not full_mode)}, poison mode"
                            + (f", against {stored} storage alone)" if stored else ")"),
-                           keys(plan, poison=True), step, against=stored or "reference"))
+                           keys(plan, poison=True), step, against=stored or "reference",
+                           exact=not lora_host, storage=stored or "host step",
+                           lora={"optimizer_step": "host"} if lora_host else {}))
+    if not full_mode:        # every other run steps on the device, whatever the config asks
+        out = [v if v.lora else replace(v, lora={"optimizer_step": "device"}) for v in out]
     return out
 
 
@@ -175,5 +189,7 @@ def variant_config(cfg: RunConfig, variant: Variant, out_dir: Path) -> RunConfig
         data["train"] = {**data.get("train", {}), **variant.train}
     if variant.model:
         data["model"] = {**data.get("model", {}), **variant.model}
+    if variant.lora:
+        data["lora"] = {**data.get("lora", {}), **variant.lora}
     data["output"] = {**data.get("output", {}), "dir": str(out_dir / variant.key.replace(" ", "_"))}
     return validate(data, source=f"{variant.key} variant of the config", base_dir=cfg.base_dir)

@@ -59,11 +59,14 @@ class Plan:
             del d["split_blocks"]         # a plan without split blocks reads as before them
         return d
 
-    def describe(self) -> str:
+    def describe(self, lora: bool = False) -> str:
+        """One line. `lora`: the plan of a LoRA run, whose host optimizer step is its adapters'
+        (train/lora_host_step.py), not the streamed blocks' (a full fine-tune's)."""
+        host_step = "LoRA optimizer step on the host" if lora else "optimizer step of streamed blocks on the host"
         return (f"stream {len(self.streamed_blocks)} blocks{' + non-blocks' if self.stream_non_blocks else ''}, "
                 f"{self._storage_text()}, checkpointing={self.checkpointing}, ring {self.ring_slots}, "
                 f"{'pinned' if self.pin_memory else 'pageable'}"
-                + (", optimizer step of streamed blocks on the host" if self.optimizer_on_host else "")
+                + (f", {host_step}" if self.optimizer_on_host else "")
                 + (f", {len(self.disk_blocks)} of them read from disk" if self.disk_blocks else "")
                 + (", split blocks" if self.split_blocks else ""))
 

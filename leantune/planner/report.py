@@ -18,9 +18,7 @@ def format_plan(plan: Plan) -> str:
     if "workload" in n:
         lines.append(f"workload: {n['workload']}")
         lines.append(f"machine:  {n['machine']}")
-    described = plan.describe()
-    if n.get("lora_host_step"):      # Plan.describe names the full fine-tune's host step; a LoRA's is its adapters'
-        described = described.replace("optimizer step of streamed blocks on the host", "LoRA optimizer step on the host")
+    described = plan.describe(lora=bool(n.get("lora_host_step")))
     lines.append(f"plan:     {described}")
     if plan.streamed_blocks:
         lines.append(f"streamed: {_streamed_counts(plan, n)}: {_compact_names(plan.streamed_blocks)}")
