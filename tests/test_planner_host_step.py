@@ -313,3 +313,16 @@ def test_plan_command_streamed_step_flag(capsys):
     assert len(keys) == 4
     rc = main(["plan", "--model", "flux-dev", "--mode", "lora", "--streamed-step", "host", "--vram", "8GiB"])
     assert rc == 2 and "--streamed-step" in capsys.readouterr().err
+
+
+def test_timing_the_full_host_step_rate_leaves_the_run_s_random_numbers_alone():
+    """The planner times the full fine-tune's CPU step (full_model.host_step_rate) possibly inside a
+    run, under a vram_budget, before its data order and noise are drawn: its tensors come from a
+    generator of their own, so the global generator's state is what it was."""
+    from leantune.planner import full_model
+
+    full_model._HOST_RATE.clear()
+    full_model._HOST_RATE_TENSORS.clear()
+    before = torch.random.get_rng_state()
+    full_model.host_step_rate("adamw", torch.bfloat16, "fp32", True, False, True)
+    assert torch.equal(torch.random.get_rng_state(), before)

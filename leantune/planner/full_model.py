@@ -150,9 +150,12 @@ def host_step_rate(optimizer: str, dtype: torch.dtype, state_dtype: str, stochas
         # as the timed steps); the values only need to be finite and of a weight's and a gradient's size.
         # Drawn once per dtype and copied for each setting: the random fill cost more than a
         # setting's timed steps, and a plan times several settings.
+        # From a generator of their own: a plan made inside a run (under a vram_budget) must leave the
+        # run's global RNG (adapter init, noise, data order) as it was.
         if dtype not in _HOST_RATE_TENSORS:
-            _HOST_RATE_TENSORS[dtype] = (torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-0.02, 0.02),
-                                         torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-1e-3, 1e-3))
+            g = torch.Generator().manual_seed(0)
+            _HOST_RATE_TENSORS[dtype] = (torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-0.02, 0.02, generator=g),
+                                         torch.empty(HOST_RATE_SHAPE, dtype=dtype).uniform_(-1e-3, 1e-3, generator=g))
         weight, grad = _HOST_RATE_TENSORS[dtype]
         grad = grad.clone()          # clipping may scale it in place
         lin = torch.nn.Linear(cols, rows, bias=False, device="meta", dtype=dtype)
