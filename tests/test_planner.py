@@ -1014,7 +1014,7 @@ def test_a_config_is_planned_from_the_dtypes_its_file_stores(capsys, tmp_path, f
 _PLAN_AGAIN = """
 import json, sys
 from leantune.cli import main
-rc = main(["plan", "--model", "flux-schnell", "--resolution", "256", "--json", *sys.argv[1:]])
+rc = main(["plan", "--model", "flux-schnell", "--resolution", "256", "--json", "--ram", "64GiB", *sys.argv[1:]])
 print(json.dumps({"heavy": sorted(m for m in ("diffusers", "peft", "transformers", "torch") if m in sys.modules)}))
 sys.exit(rc)
 """
@@ -1038,11 +1038,17 @@ def test_a_second_plan_of_the_same_model_and_workload_comes_from_the_cache(tmp_p
     from leantune.planner.machine import gpu_device_visible
 
     monkeypatch.setenv("LEANTUNE_CACHE", str(tmp_path / "cache"))
-    env = {**os.environ, "LEANTUNE_CACHE": str(tmp_path / "cache")}
+    import torch
+
+    # the fresh processes with this one's thread count: the kept LoRA host-step rate is per thread
+    # count (planner/lora_host_rate.py), and an earlier test may have left this process on one thread
+    env = {**os.environ, "LEANTUNE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     built = []
     measure = spec_cache.measure_model
     monkeypatch.setattr(spec_cache, "measure_model", lambda *a, **k: built.append(a[1]) or measure(*a, **k))
-    rc, out, _ = _run_plan(capsys, "--model", "flux-schnell", "--resolution", "256", "--json",
+    # --ram: a host-RAM budget of its own, not the moment's free RAM (another test's processes use
+    # some on a busy machine, and a plan re-made in a fresh process would see less)
+    rc, out, _ = _run_plan(capsys, "--model", "flux-schnell", "--resolution", "256", "--json", "--ram", "64GiB",
                            "--vram", "6GiB", "--vram", "12")
     assert rc == 0 and len(built) == 1 and built[0].device.type == "meta"   # the first plan measured
     runs = [(json.loads(out), None)]

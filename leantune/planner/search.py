@@ -276,9 +276,12 @@ class Planner(MemoryModel):
                 fits.append((vram, plan))
         if not fits:
             raise self._infeasible(budget, ram_limit, smallest_vram)
-        if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
-            fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
         fits, priced = self._within_bound(fits, budget)      # base formats: only those within the error bound
+        if self.workload.fp8_modulation is None:          # "auto": fp8 modulation only when needed
+            # (after the bound: a format over it that fits without fp8 modulation must not rule out
+            # the fp8 plans that need it, SD3.5 Medium at 1.2 GiB with NF4 priced cheaper)
+            fits = [vp for vp in fits if not vp[1].fp8_modulation] or fits
+            priced = [vp for vp in priced if not vp[1].fp8_modulation] or priced
         # split blocks: the faster of the unsplit plans' choice and the split plans' (the unsplit at a tie)
         picks = [self._choose(group) for group in ([vp for vp in fits if vp[1].split_blocks == split]
                                                    for split in (False, True)) if group]
