@@ -230,7 +230,10 @@ def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp
         page.click("#take-smallest")
         page.wait_for_function("document.querySelector('#plan-message').textContent.startsWith('fits')")
         words = page.inner_text("#plan-words")
-        assert "the whole model stays on the GPU" in words and f"for {STEPS} steps on" in words, words
+        # (the smallest plan of the demo model: resident, or all 4 blocks streamed once the LoRA's
+        # optimizer step may run on the host; the words say which)
+        assert ("the whole model stays on the GPU" in words or "all 4 blocks stream from host RAM" in words) \
+            and f"for {STEPS} steps on" in words, words
         assert "lr_scheduler = \"cosine\"" in page.text_content("#toml") and page.inner_text("#toml-error") == ""
         page.reload()                                                   # the form survives a reload
         page.wait_for_function("document.querySelectorAll('#family option').length > 0")
@@ -246,7 +249,7 @@ def test_page_captions_plans_trains_a_run_that_learns_watches_and_samples_it(tmp
         assert page.inner_text("#check-status") == "check done: every technique held", page.inner_text("#check-result")
         lines = page.locator("#check-lines li").all_inner_texts()
         assert lines[0].startswith("check: planned:") and lines[-1].startswith("check: every technique held"), lines
-        assert any(line.startswith("checkpointing (blocks): held") for line in lines), lines
+        assert any(line.startswith("checkpointing (") and ": held" in line for line in lines), lines
 
         # 4. run and watch: progress before step 1, then steps with elapsed time and ETA, the
         # loss curve, the gallery by step and prompt; stop (it saves), resume to the end
