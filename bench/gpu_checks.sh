@@ -51,7 +51,7 @@ PARTS=(
 # GPU_CHECKS_PARTS_FILE: the parts from this file instead (one a line, as above): the CPU test of
 # the runner (tests/test_gpu_checks_runner.py) gives it a part that hangs with a child.
 if [ -n "$GPU_CHECKS_PARTS_FILE" ]; then mapfile -t PARTS < "$GPU_CHECKS_PARTS_FILE"; fi
-GPU_TEST_FILES="tests/test_attention_report.py tests/test_cache.py tests/test_check.py tests/test_disk_tier.py tests/test_int8.py tests/test_qwen_image21_split_block.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_gguf.py tests/test_gguf_decode.py tests/test_loading.py tests/test_lora_host_step.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_optimizers_recipe.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py tests/test_streaming_boundaries.py"
+GPU_TEST_FILES="tests/test_attention_report.py tests/test_cache.py tests/test_check.py tests/test_disk_tier.py tests/test_flux_split_block.py tests/test_nf4.py tests/test_offload_slabs.py tests/test_int8.py tests/test_qwen_image21_split_block.py tests/test_full_finetune.py tests/test_full_host_step.py tests/test_gguf.py tests/test_gguf_decode.py tests/test_loading.py tests/test_lora_host_step.py tests/test_memory_cpu_linear.py tests/test_memory_gpu.py tests/test_memory_streaming_copies.py tests/test_monitor.py tests/test_optimizers_recipe.py tests/test_planner.py tests/test_sampler.py tests/test_sampler_device.py tests/test_sampler_sd3.py tests/test_streaming_boundaries.py"
 TOTAL_S=${TOTAL_S:-510}
 
 dry=0; only=""; window=1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from test_memory_helpers import SHAPES, assert_records_equal, block_names, lora_flux, train
 
@@ -105,3 +106,38 @@ def test_the_loader_meta_load_and_the_planners_copy_run_the_split_blocks(tmp_pat
     probe = short_copy(FLUX_SPEC, tiny.flux_transformer(seed=1), torch.float32)    # a plain diffusers model
     assert all(isinstance(b, (FluxSplitTransformerBlock, FluxSplitSingleTransformerBlock))
                for _, b in FLUX_SPEC.blocks(probe))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only (bench/gpu_checks.sh window 1): the split "
+                                                          "blocks' recompute under torch's real CUDA autocast")
+def test_the_split_blocks_recompute_under_cuda_autocast_as_diffusers_blocks_train():
+    """On CUDA with bf16 autocast (torch's real autocast and its weight cast cache, which the CPU
+    tests never meet), the split Flux blocks' recomputed parts give diffusers' blocks' output and LoRA
+    gradients bit for bit (or, where the device's kernels do not repeat their bits, no further from
+    them than two runs of diffusers' blocks are from each other)."""
+    from test_memory_helpers import make_batch
+
+    from leantune.models.flux import predict
+
+    def step(model):
+        x, sigma, embeds, hw, target = make_batch(8, 8, seed=1, device="cuda")
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = predict(model, x, sigma, embeds, hw, guidance=1.0)
+        ((out.float() - target) ** 2).mean().backward()
+        torch.cuda.synchronize()
+        return out.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = lora_flux(preset="all").cuda()
+    split = _split_copy(plain)
+    assert set_split_parts(split, True) > 0
+    want, again, got = step(plain), step(plain), step(split)
+
+    def gap(a, b) -> float:
+        return max([(a[0] - b[0]).abs().max().item()] + [(a[1][n] - b[1][n]).abs().max().item() for n in b[1]])
+    assert got[1].keys() == want[1].keys() and any(g.abs().sum() > 0 for g in want[1].values())
+    if gap(again, want) == 0:                 # the device repeats itself: the split must too, bitwise
+        assert gap(got, want) == 0
+    else:                                     # an atomic reduction somewhere: no more apart than two plain runs
+        assert gap(got, want) <= 2 * gap(again, want), (gap(got, want), gap(again, want))

@@ -416,3 +416,20 @@ def test_importing_bitsandbytes_through_leantune_is_quiet():
     quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 0, quiet.stderr
     assert "kernels-community" not in quiet.stderr + quiet.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only (bench/gpu_checks.sh window 1): bitsandbytes' "
+                                                          "CUDA dequantize_4bit.out, a chunk of rows at a time")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_decodes_chunked_rows_as_the_cpu_does(dtype, monkeypatch):
+    """On CUDA the rows decode a chunk at a time straight into the one output (dequantize_4bit's out=
+    kernel): with a chunk smaller than the weight, the result equals the CPU decode of the same rows
+    bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 3072, generator=g) * torch.logspace(-3, 2, 48)[:, None]
+    raw = nf4_storage.quantize(w)
+    want = nf4_storage.dequantize(raw, 3072, dtype)
+    monkeypatch.setattr(nf4_storage, "DECODE_CHUNK", 16 * 3072)        # three chunks of 16 rows
+    got = nf4_storage.dequantize(raw.cuda(), 3072, dtype)
+    assert got.is_cuda and got.dtype == dtype and torch.equal(got.cpu(), want)

@@ -6,6 +6,7 @@ blocks whose inputs need no gradient are priced as the engine moves them (none).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from test_memory_helpers import lora_flux, make_batch
@@ -123,3 +124,31 @@ def test_the_blocks_before_the_first_adapter_move_nothing():
     assert frozen_lead("lora", blocks, ["x_embedder", "blocks.1.attn.to_q"]) == 0   # trained upstream: all move
     assert frozen_lead("lora", ["blocks.1"], ["blocks.10.attn.to_q"]) == 0  # "blocks.1" does not own blocks.10
     assert frozen_lead("full", blocks, ["blocks.0.attn.to_q"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only (bench/gpu_checks.sh window 1): pinned slabs "
+                                                          "(cudaHostRegister) and copies on the offloader's side stream")
+def test_cuda_inputs_come_back_bitwise_through_pinned_slabs(monkeypatch):
+    """On CUDA the slabs are page-locked (cudaHostRegister on each slab's size) and every copy runs
+    non-blocking on the offloader's side stream: an input spanning many slabs, overwritten on the
+    device once offloaded, comes back bit for bit; a slab reused by a later input after the first was
+    given back does not corrupt it (the copies are ordered on the one stream)."""
+    monkeypatch.setattr(host_buffers, "OFFLOAD_SLAB", SLAB)
+    off = ActivationOffloader(min_bytes=0)
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-2**31, 2**31 - 1, (3 * SLAB // 4,), generator=g, dtype=torch.int32)   # spans 15 slabs
+    first = bits.cuda()
+    want = first.clone()
+    h = _HostTensor(off, first)
+    first.zero_()                                   # the device copy may be overwritten once offloaded
+    slabs = off.slabs_for(first.device)
+    assert slabs.pin and all(s.is_pinned() for s in slabs.slabs)
+    got = h.get()
+    assert got.is_cuda and torch.equal(got, want)
+    del h, got
+    second = torch.randint(-2**31, 2**31 - 1, (SLAB // 8,), generator=g, dtype=torch.int32).cuda()
+    h2 = _HostTensor(off, second)
+    again = second.clone()
+    second.zero_()
+    assert torch.equal(h2.get(), again)
