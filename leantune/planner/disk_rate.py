@@ -144,19 +144,11 @@ def disk_read_rate(folder: str | Path, nbytes: int = PROBE_BYTES, remeasure: boo
     measured now and kept (module docstring). An unreadable kept file is ignored and replaced."""
     from ..io import atomic_write_json
     from ..native import make_private_folders
-    from .kept_files import read_json
+    from .kept_files import read_kept_object
 
     key = device_key(folder)
     path = _rates_path()
-    kept: dict = {}
-    if path.exists():
-        try:
-            kept = read_json(path)
-            if not isinstance(kept, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
-            log.warning("planner: ignoring unreadable disk rates file %s (%s)", path, e)
-            kept = {}
+    kept = read_kept_object(path, "disk rates")
     entry = kept.get(key)
     if not remeasure and isinstance(entry, dict):
         try:

@@ -32,6 +32,24 @@ def read_json(path: Path) -> Any:
     return loads(path.read_text(encoding="utf-8"))
 
 
+def read_kept_object(path: Path, what: str) -> dict:
+    """The JSON object kept in `path` ({} when there is none yet); an unreadable file or one that
+    is not an object is warned of once, naming `what` and the path, and read as {} (its values
+    are measured again and the file rewritten)."""
+    import logging
+
+    if not path.exists():
+        return {}
+    try:
+        kept = read_json(path)
+        if not isinstance(kept, dict):
+            raise ValueError("not a JSON object")
+        return kept
+    except (OSError, ValueError) as e:
+        logging.getLogger("leantune").warning("planner: ignoring unreadable %s file %s (%s)", what, path, e)
+        return {}
+
+
 def loads(text: str | bytes) -> Any:
     return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
 

@@ -44,19 +44,11 @@ def lora_host_rate(optimizer: str, clip: bool = True) -> float:
     from ..io import atomic_write_json
     from ..native import make_private_folders
     from ..train.lora_host_step import measured_rate
-    from .kept_files import read_json
+    from .kept_files import read_kept_object
 
     key = f"{optimizer}|clip={int(clip)}|{_cpu()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     path = _path()
-    kept: dict = {}
-    if path.exists():
-        try:
-            kept = read_json(path)
-            if not isinstance(kept, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
-            log.warning("planner: ignoring unreadable LoRA host-step rates file %s (%s)", path, e)
-            kept = {}
+    kept = read_kept_object(path, "LoRA host-step rates")
     rate = kept.get(key)
     if isinstance(rate, (int, float)) and rate > 0:
         return float(rate)
